@@ -1,0 +1,25 @@
+"""Pseudo-gradient codecs: a tensor goes in, self-describing bytes come out.
+
+Pure: no networking, no optimizer state; only torch, msgpack and numpy. `make_codec(name)`
+builds a codec, `Payload.from_bytes(data)` strictly parses untrusted bytes (and picks the codec
+from the payload, with range-checked params), `codec.decode` / `codec.aggregate` turn payloads
+back into fp32 tensors.
+"""
+
+from .base import Codec, CodecError, Payload
+from .dense import DenseCodec
+from .int8 import Int8Codec
+from .registry import CODEC_NAMES, codec_for_payload, make_codec
+from .sparseloco import SparseLoCoCodec
+
+__all__ = [
+    "CODEC_NAMES",
+    "Codec",
+    "CodecError",
+    "DenseCodec",
+    "Int8Codec",
+    "Payload",
+    "SparseLoCoCodec",
+    "codec_for_payload",
+    "make_codec",
+]

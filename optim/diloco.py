@@ -1,0 +1,64 @@
+"""DiLoCo's outer optimizer: Nesterov SGD on the mean pseudo-gradient of the workers.
+
+Each worker runs H inner steps (AdamW, owned by the caller), then contributes
+delta = theta_global - theta_local, encoded with any codec (fp32, int8, ...). The outer step is
+SGD with Nesterov momentum on the decoded mean: m = mu*m + mean; theta -= lr*(mean + mu*m).
+A contribution the round left out is rebased: its local progress carries over on top of the new
+global parameters and is sent again next round.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Iterable
+
+import torch
+
+from groundswell.compression import Codec, Payload
+
+from .exchange import RoundResult
+from .outer import OuterOptimizer, PendingRound
+
+
+@dataclass(frozen=True)
+class DiLoCoConfig:
+    """Outer-optimizer settings of DiLoCo (paper defaults: lr 0.7, momentum 0.9, Nesterov)."""
+
+    lr: float = 0.7
+    momentum: float = 0.9
+    nesterov: bool = True
+
+    def __post_init__(self) -> None:
+        if not self.lr > 0:
+            raise ValueError(f"outer lr must be positive, got {self.lr}")
+        if not 0 <= self.momentum < 1:
+            raise ValueError(f"outer momentum must be in [0, 1), got {self.momentum}")
+
+
+class DiLoCo(OuterOptimizer):
+    """DiLoCo outer optimizer over an `Exchange` (see `OuterOptimizer` for the round API)."""
+
+    def __init__(self, params: Iterable[torch.nn.Parameter], codec: Codec, config: DiLoCoConfig = DiLoCoConfig()):
+        super().__init__(params, codec)
+        self.config = config
+        self.momentum_buffer = torch.zeros_like(self.global_params)
+
+    def _encode_contribution(self, delta: torch.Tensor) -> Payload:
+        return self.codec.encode(delta)
+
+    def _settle_contribution(self, pending: PendingRound, result: RoundResult | None) -> bool:
+        return result is not None and result.included
+
+    def _outer_step(self, mean: torch.Tensor) -> torch.Tensor:
+        cfg = self.config
+        self.momentum_buffer.mul_(cfg.momentum).add_(mean)
+        direction = mean + cfg.momentum * self.momentum_buffer if cfg.nesterov else self.momentum_buffer.clone()
+        return direction.mul_(-cfg.lr)
+
+    def _extra_state(self) -> dict[str, Any]:
+        return {"algorithm": "diloco", "momentum_buffer": self.momentum_buffer.cpu().clone()}
+
+    def _load_extra_state(self, state: dict[str, Any]) -> None:
+        if state.get("algorithm") != "diloco":
+            raise ValueError(f"not a DiLoCo state (algorithm={state.get('algorithm')!r})")
+        self.momentum_buffer = state["momentum_buffer"].to(self.global_params.device, torch.float32).clone()

@@ -1,0 +1,137 @@
+"""What DiLoCo and SparseLoCo share: a global copy of the parameters, a round counter, and the
+two-phase round (`prepare` a contribution, later `apply` the round's aggregate).
+
+The parameters of the model are the *local* parameters theta_local; the outer optimizer keeps
+theta_global, the parameters every worker agreed on at the end of the last applied round. All
+vectors are flat fp32 over the model's parameters in `parameters()` order.
+
+The rebase rule, shared by both algorithms, keeps every bit of local work. After a round the
+local parameters become the new theta_global plus the local progress that is not yet in anyone's
+hands: the progress since `prepare` if the contribution was absorbed (applied in the aggregate,
+or kept in SparseLoCo's error feedback), else all progress since the old theta_global (DiLoCo's
+"rebase" of a left-out contribution). With no overlap and an absorbed contribution that progress
+is exactly zero, so workers end each round bit-identical to theta_global. Progress made after
+`prepare` (overlapped rounds) is carried over in every case.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from dataclasses import dataclass
+from typing import Any, Iterable
+
+import torch
+from torch.nn.utils import parameters_to_vector, vector_to_parameters
+
+from groundswell.compression import Codec, Payload
+
+from .exchange import Exchange, RoundFailed, RoundResult
+
+
+@dataclass
+class PendingRound:
+    """A contribution handed to the exchange whose round has not been applied yet."""
+
+    round_id: int
+    local: torch.Tensor  # theta_local at prepare time (flat fp32)
+    payload: Payload
+
+
+class OuterOptimizer(ABC):
+    """Base of the outer (cross-worker) optimizers; subclasses define the update rule."""
+
+    def __init__(self, params: Iterable[torch.nn.Parameter], codec: Codec) -> None:
+        self.params = [p for p in params]
+        if not self.params:
+            raise ValueError("the outer optimizer needs at least one parameter")
+        self.codec = codec
+        self.global_params = parameters_to_vector(self.params).detach().float().clone()
+        self.round_id = 0  # the next round to run; advances only when a round is applied
+        self.pending: PendingRound | None = None
+
+    # --- the round -------------------------------------------------------------------------
+    def local_vector(self) -> torch.Tensor:
+        """The model's current parameters as one flat fp32 vector."""
+        return parameters_to_vector(self.params).detach().float()
+
+    def prepare(self) -> Payload:
+        """Compute this worker's contribution for the current round; it stays pending until
+        `apply` learns whether the round absorbed it."""
+        if self.pending is not None:
+            raise RuntimeError(f"round {self.pending.round_id} is still pending; apply it first")
+        local = self.local_vector().clone()
+        payload = self._encode_contribution(self.global_params - local)
+        self.pending = PendingRound(self.round_id, local, payload)
+        return payload
+
+    def apply(self, result: RoundResult | None) -> None:
+        """Apply the round's aggregate, or `None` if the round failed (then it is retried)."""
+        pending = self.pending
+        if pending is None:
+            raise RuntimeError("apply() without a prepared round")
+        if result is not None and result.round_id != pending.round_id:
+            raise ValueError(f"result is for round {result.round_id}, pending round is {pending.round_id}")
+        self.pending = None
+        absorbed = self._settle_contribution(pending, result)
+        old_global = self.global_params
+        if result is None:
+            if not absorbed:
+                return  # nothing moved and the local progress stays where it is
+            new_global = old_global
+        else:
+            mean = result.mean.to(old_global.device, torch.float32)
+            new_global = old_global + self._outer_step(mean)
+            self.round_id += 1
+        # Local work not yet in anyone's hands rides on top of the new global parameters. In a
+        # blocking round that is exactly zero, so every worker ends bit-identical to theta_global.
+        progress = self.local_vector() - (pending.local if absorbed else old_global)
+        vector_to_parameters((new_global + progress).to(self.params[0].dtype), self.params)
+        self.global_params = new_global
+
+    def sync(self, exchange: Exchange) -> RoundResult | None:
+        """One blocking round: prepare, contribute, collect, apply. None if the round failed."""
+        payload = self.prepare()
+        exchange.contribute(self.round_id, payload)
+        try:
+            result: RoundResult | None = exchange.collect(self.round_id)
+        except RoundFailed:
+            result = None
+        self.apply(result)
+        return result
+
+    # --- what subclasses define --------------------------------------------------------------
+    @abstractmethod
+    def _encode_contribution(self, delta: torch.Tensor) -> Payload:
+        """Turn this round's pseudo-gradient into the payload to send."""
+
+    @abstractmethod
+    def _settle_contribution(self, pending: PendingRound, result: RoundResult | None) -> bool:
+        """Update per-worker state once the outcome is known; return True if the contribution
+        is absorbed (applied, or kept inside the optimizer's own state)."""
+
+    @abstractmethod
+    def _outer_step(self, mean: torch.Tensor) -> torch.Tensor:
+        """The change to theta_global for an aggregated mean pseudo-gradient."""
+
+    # --- state -------------------------------------------------------------------------------
+    def state_dict(self) -> dict[str, Any]:
+        """Everything needed to resume exactly (tensors are cloned to the CPU)."""
+        if self.pending is not None:
+            raise RuntimeError("cannot snapshot with a round pending; apply it first")
+        return {"round_id": self.round_id, "global_params": self.global_params.cpu().clone(), **self._extra_state()}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Restore a `state_dict()`; the model's parameters are not touched."""
+        g = state["global_params"]
+        if g.shape != self.global_params.shape:
+            raise ValueError(f"state has {g.numel()} parameters, the model has {self.global_params.numel()}")
+        self.global_params = g.to(self.global_params.device, torch.float32).clone()
+        self.round_id = int(state["round_id"])
+        self.pending = None
+        self._load_extra_state(state)
+
+    def _extra_state(self) -> dict[str, Any]:
+        return {}
+
+    def _load_extra_state(self, state: dict[str, Any]) -> None:
+        pass

@@ -1,0 +1,64 @@
+"""SparseLoCo's outer optimizer: error feedback, a sparse 2-bit codec, and plain outer SGD.
+
+Per worker: e <- beta*e + delta; payload = encode(e); once the round is known, e <- e - decode(payload)
+if the payload made it into the aggregate. A payload the round left out therefore stays whole in
+e and goes out again with the next round. The outer step is plain SGD (no momentum) on the mean of
+the decoded payloads: theta -= lr * mean.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Iterable
+
+import torch
+
+from groundswell.compression import Codec, Payload
+
+from .exchange import RoundResult
+from .outer import OuterOptimizer, PendingRound
+
+
+@dataclass(frozen=True)
+class SparseLoCoConfig:
+    """Outer settings of SparseLoCo (Covenant-72B: lr 1.0, error-feedback decay 0.95)."""
+
+    lr: float = 1.0
+    error_decay: float = 0.95
+
+    def __post_init__(self) -> None:
+        if not self.lr > 0:
+            raise ValueError(f"outer lr must be positive, got {self.lr}")
+        if not 0 <= self.error_decay <= 1:
+            raise ValueError(f"error_decay must be in [0, 1], got {self.error_decay}")
+
+
+class SparseLoCo(OuterOptimizer):
+    """SparseLoCo outer optimizer over an `Exchange` (see `OuterOptimizer` for the round API)."""
+
+    def __init__(
+        self, params: Iterable[torch.nn.Parameter], codec: Codec, config: SparseLoCoConfig = SparseLoCoConfig()
+    ):
+        super().__init__(params, codec)
+        self.config = config
+        self.error = torch.zeros_like(self.global_params)
+
+    def _encode_contribution(self, delta: torch.Tensor) -> Payload:
+        self.error.mul_(self.config.error_decay).add_(delta)
+        return self.codec.encode(self.error)
+
+    def _settle_contribution(self, pending: PendingRound, result: RoundResult | None) -> bool:
+        if result is not None and result.included:
+            self.error -= self.codec.decode(pending.payload, device=self.error.device)
+        return True  # either sent and applied, or still held in the error feedback
+
+    def _outer_step(self, mean: torch.Tensor) -> torch.Tensor:
+        return mean * (-self.config.lr)
+
+    def _extra_state(self) -> dict[str, Any]:
+        return {"algorithm": "sparseloco", "error": self.error.cpu().clone()}
+
+    def _load_extra_state(self, state: dict[str, Any]) -> None:
+        if state.get("algorithm") != "sparseloco":
+            raise ValueError(f"not a SparseLoCo state (algorithm={state.get('algorithm')!r})")
+        self.error = state["error"].to(self.global_params.device, torch.float32).clone()

@@ -1,0 +1,180 @@
+"""The `groundswell` command line: thin typer commands over the library.
+
+User errors (bad config, missing data, malformed payloads) end with one clear red line and exit
+code 2, never a traceback; anything else is a bug and keeps its traceback.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import os
+import sys
+from pathlib import Path
+from typing import Any, Callable, Optional
+
+import typer
+from rich.console import Console
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+app = typer.Typer(add_completion=False, no_args_is_help=True, help="groundswell: decentralized training peer.")
+bench_app = typer.Typer(no_args_is_help=True, help="Benchmarks that compare against a baseline measured in the same run.")
+app.add_typer(bench_app, name="bench")
+console = Console(stderr=True)
+
+
+def _user_errors(fn: Callable[..., Any]) -> Callable[..., Any]:
+    """Turn the library's typed user-facing errors into one line and exit code 2."""
+
+    @functools.wraps(fn)
+    def wrapper(*args: Any, **kwargs: Any) -> Any:
+        from groundswell.compression import CodecError
+
+        from .config import ConfigError
+        from .data import DataError
+        from .workload import WorkloadError
+
+        try:
+            return fn(*args, **kwargs)
+        except (ConfigError, DataError, WorkloadError, CodecError, FileNotFoundError, PermissionError) as exc:
+            console.print(f"[bold red]error:[/] {exc}", highlight=False)
+            raise typer.Exit(2) from None
+
+    return wrapper
+
+
+def _set_threads(threads: int) -> None:
+    import torch
+
+    if threads > 0:
+        torch.set_num_threads(threads)
+
+
+def _load_config(config: Optional[Path], overrides: dict[str, Any], sets: list[str]):
+    from .config import ConfigError, TrainLocalConfig, from_mapping, replace_path
+
+    if config is not None:
+        import tomllib
+
+        try:
+            data = tomllib.loads(config.read_text())
+        except tomllib.TOMLDecodeError as exc:
+            raise ConfigError(f"{config}: not valid TOML: {exc}") from None
+        cfg = from_mapping(TrainLocalConfig, data)
+    else:
+        cfg = TrainLocalConfig()
+    for key, value in overrides.items():
+        if value is not None:
+            cfg = replace_path(cfg, key, value)
+    for item in sets:
+        key, sep, raw = item.partition("=")
+        if not sep:
+            raise ConfigError(f"--set expects KEY=VALUE, got {item!r}")
+        try:
+            import tomllib
+
+            value = tomllib.loads(f"v = {raw}")["v"]
+        except Exception:
+            value = raw  # a bare word is a string
+        cfg = replace_path(cfg, key.strip(), value)
+    return cfg
+
+
+@app.command("train-local")
+@_user_errors
+def train_local(
+    workers: Optional[int] = typer.Option(None, help="Workers trained in this process [default: 4]."),
+    steps: Optional[int] = typer.Option(None, help="Inner steps per worker [default: 200]."),
+    preset: Optional[str] = typer.Option(None, "--model", help="Preset (tiny, small, base, 100m) or module:callable."),
+    algorithm: Optional[str] = typer.Option(None, help="diloco, sparseloco, data-parallel or single."),
+    codec: Optional[str] = typer.Option(None, help="Outer codec: fp32, fp16, bf16, int8, sparseloco."),
+    inner_steps: Optional[int] = typer.Option(None, "--inner-steps", "-H", help="Inner steps per round (H)."),
+    outer_lr: Optional[float] = typer.Option(None, help="Outer learning rate."),
+    inner_lr: Optional[float] = typer.Option(None, help="Peak inner AdamW learning rate."),
+    data: Optional[str] = typer.Option(None, help="stdlib, a folder of text files, or a folder with train.bin/val.bin."),
+    seed: Optional[int] = typer.Option(None, help="Run seed."),
+    device: Optional[str] = typer.Option(None, help="cpu or cuda."),
+    config: Optional[Path] = typer.Option(None, help="A TOML file with the full config tree."),
+    set_: list[str] = typer.Option([], "--set", help="Override any config key, e.g. --set inner.warmup_steps=10."),
+    threads: int = typer.Option(0, help="torch threads (0 = torch's default)."),
+    table: bool = typer.Option(False, "--table", help="Run the miniature paper table instead of one job."),
+    jobs: int = typer.Option(1, help="With --table: rows run in this many processes (one torch thread each)."),
+    quick: bool = typer.Option(False, help="With --table: a short smoke-test budget."),
+    out: Optional[Path] = typer.Option(None, help="Write the result as JSON to this file."),
+    as_json: bool = typer.Option(False, "--json", help="Print the result as JSON on stdout."),
+) -> None:
+    """Train several workers in one process (DiLoCo / SparseLoCo / baselines) and report held-out loss."""
+    _set_threads(threads)
+    if table:
+        from .mini_table import format_table, run_mini_table
+
+        result = run_mini_table(jobs=jobs, quick=quick, progress=lambda msg: console.print(msg, highlight=False))
+        if out:
+            out.write_text(json.dumps(result, indent=2))
+        print(json.dumps(result, indent=2) if as_json else format_table(result))
+        return
+
+    from .train_local import run_train_local
+
+    overrides = {
+        "workers": workers, "steps": steps, "model.spec": preset, "outer.algorithm": algorithm,
+        "outer.codec": codec, "outer.inner_steps": inner_steps, "outer.lr": outer_lr, "inner.lr": inner_lr,
+        "data.source": data, "seed": seed, "device": device,
+    }
+    cfg = _load_config(config, overrides, set_)
+    if cfg.outer.algorithm == "single" and workers is None:
+        from dataclasses import replace
+
+        cfg = replace(cfg, workers=1)
+    with Progress(
+        TextColumn("[bold]{task.description}"), BarColumn(), MofNCompleteColumn(), TextColumn("{task.fields[info]}"),
+        TimeElapsedColumn(), console=console, disable=as_json or not sys.stderr.isatty(),
+    ) as bar:
+        task = bar.add_task(f"{cfg.outer.algorithm} x{cfg.workers}", total=None, info="")
+
+        def progress(done: int, total: int, info: dict) -> None:
+            bar.update(task, completed=done, total=total,
+                       info=f"step {info['step']}  train {info['train_loss']:.3f}  eval {info['eval_loss']:.3f}")
+
+        result = run_train_local(cfg, progress=progress)
+    payload = result.as_dict()
+    if out:
+        out.write_text(json.dumps(payload, indent=2))
+    if as_json:
+        print(json.dumps(payload, indent=2))
+    else:
+        console.print(
+            f"[bold]{result.name}[/]: held-out loss {result.eval_loss:.4f} after {result.steps} steps x "
+            f"{result.workers} workers; {result.bytes_per_worker / 1e6:.2f} MB sent per worker "
+            f"({result.bytes_vs_data_parallel:.4f} of data-parallel fp32); {result.wall_s:.1f} s; "
+            f"replicas identical: {result.params_identical}",
+            highlight=False,
+        )
+
+
+@bench_app.command("codecs")
+@_user_errors
+def bench_codecs(
+    params: int = typer.Option(25_000_000, help="Number of parameters in the benchmark tensor."),
+    device: str = typer.Option("cpu", help="cpu or cuda."),
+    repeats: int = typer.Option(3, help="Timed repetitions per codec (median reported)."),
+    threads: int = typer.Option(0, help="torch threads (0 = torch's default)."),
+    as_json: bool = typer.Option(False, "--json", help="Print the JSON result on stdout."),
+) -> None:
+    """Encode/decode throughput, wire bytes and error per codec, next to a reference SparseLoCo."""
+    _set_threads(threads)
+    from .bench_codecs import format_codec_table, run_codec_bench
+
+    if os.environ.get("OMP_WAIT_POLICY", "").upper() != "PASSIVE":
+        console.print("[yellow]note:[/] OMP_WAIT_POLICY is not PASSIVE; CPU timings may be noisy on small machines")
+    result = run_codec_bench(params, device=device, repeats=repeats)
+    print(json.dumps(result, indent=2) if as_json else format_codec_table(result))
+
+
+def main() -> None:
+    """Console-script entry point."""
+    app()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,209 @@
+"""One typed configuration tree, loaded strictly: unknown keys and ill-typed values are errors.
+
+The sections (model, data, inner, outer, eval) are shared by `train-local` and, later, by the run
+manifest; `from_mapping` turns a plain dict (parsed TOML, CLI overrides) into frozen dataclasses
+and names the exact key that is wrong.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import types
+import typing
+from dataclasses import dataclass, field
+from typing import Any, Literal, Mapping, TypeVar
+
+from groundswell.compression import CODEC_NAMES
+
+T = TypeVar("T")
+
+ALGORITHMS = ("diloco", "sparseloco", "data-parallel", "single")
+
+
+class ConfigError(ValueError):
+    """A configuration value or key is invalid; the message names the key."""
+
+
+@dataclass(frozen=True)
+class ModelSection:
+    """Which model to train: a preset name (tiny, small, base, 100m) or `module:callable`."""
+
+    spec: str = "tiny"
+
+
+@dataclass(frozen=True)
+class DataSection:
+    """Where tokens come from and how many each inner step consumes."""
+
+    source: str = "stdlib"  # "stdlib", a folder of text files, or a folder with train.bin/val.bin
+    batch_size: int = 16
+
+    def __post_init__(self) -> None:
+        _positive(self, "batch_size")
+
+
+@dataclass(frozen=True)
+class InnerSection:
+    """The inner optimizer: AdamW with linear warmup and cosine decay."""
+
+    lr: float = 3e-3
+    weight_decay: float = 0.1
+    beta1: float = 0.9
+    beta2: float = 0.95
+    warmup_steps: int = 50
+    min_lr_ratio: float = 0.1
+    grad_clip: float = 1.0  # 0 disables clipping
+
+    def __post_init__(self) -> None:
+        _positive(self, "lr")
+        for name in ("beta1", "beta2", "min_lr_ratio"):
+            if not 0 <= getattr(self, name) <= 1:
+                raise ConfigError(f"inner.{name} must be in [0, 1], got {getattr(self, name)}")
+        if self.warmup_steps < 0 or self.weight_decay < 0 or self.grad_clip < 0:
+            raise ConfigError("inner.warmup_steps, weight_decay and grad_clip must be >= 0")
+
+
+@dataclass(frozen=True)
+class OuterSection:
+    """The outer algorithm, its codec and its round length H (inner steps per round)."""
+
+    algorithm: Literal["diloco", "sparseloco", "data-parallel", "single"] = "diloco"
+    inner_steps: int = 20
+    codec: str = ""  # "" = the algorithm's default: fp32 for DiLoCo, sparseloco for SparseLoCo
+    lr: float = 0.0  # 0 = the algorithm's default: 0.7 (DiLoCo), 1.0 (SparseLoCo)
+    momentum: float = 0.9
+    error_decay: float = 0.95
+    chunk: int = 4096
+    topk: int = 64
+
+    def __post_init__(self) -> None:
+        _positive(self, "inner_steps")
+        if self.codec and self.codec not in CODEC_NAMES:
+            raise ConfigError(f"outer.codec must be one of {sorted(CODEC_NAMES)}, got {self.codec!r}")
+        if self.lr < 0:
+            raise ConfigError(f"outer.lr must be >= 0, got {self.lr}")
+
+    @property
+    def codec_name(self) -> str:
+        """The codec in effect, defaults resolved."""
+        return self.codec or ("sparseloco" if self.algorithm == "sparseloco" else "fp32")
+
+    @property
+    def lr_value(self) -> float:
+        """The outer learning rate in effect, defaults resolved."""
+        return self.lr or (1.0 if self.algorithm == "sparseloco" else 0.7)
+
+
+@dataclass(frozen=True)
+class EvalSection:
+    """Held-out evaluation: a fixed set of batches, identical for every worker."""
+
+    batches: int = 8
+    batch_size: int = 16
+    every_rounds: int = 1
+
+    def __post_init__(self) -> None:
+        for name in ("batches", "batch_size", "every_rounds"):
+            _positive(self, name)
+
+
+@dataclass(frozen=True)
+class TrainLocalConfig:
+    """`groundswell train-local`: several workers in one process with the in-process exchange."""
+
+    workers: int = 4
+    steps: int = 200  # inner steps per worker
+    seed: int = 0
+    device: str = "cpu"
+    name: str = ""
+    model: ModelSection = field(default_factory=ModelSection)
+    data: DataSection = field(default_factory=DataSection)
+    inner: InnerSection = field(default_factory=InnerSection)
+    outer: OuterSection = field(default_factory=OuterSection)
+    eval: EvalSection = field(default_factory=EvalSection)
+
+    def __post_init__(self) -> None:
+        _positive(self, "workers")
+        _positive(self, "steps")
+        if self.outer.algorithm == "single" and self.workers != 1:
+            raise ConfigError("outer.algorithm 'single' trains one worker; set workers = 1")
+
+
+def _positive(obj: object, name: str) -> None:
+    value = getattr(obj, name)
+    if not value > 0:
+        raise ConfigError(f"{name} must be positive, got {value!r}")
+
+
+def from_mapping(cls: type[T], data: Mapping[str, Any], where: str = "") -> T:
+    """Build dataclass `cls` from a mapping, rejecting unknown keys and ill-typed values."""
+    if not isinstance(data, Mapping):
+        raise ConfigError(f"{where or 'config'} must be a table, got {type(data).__name__}")
+    fields_by_name = {f.name: f for f in dataclasses.fields(cls)}  # type: ignore[arg-type]
+    unknown = sorted(set(data) - set(fields_by_name))
+    if unknown:
+        raise ConfigError(f"unknown key {_join(where, unknown[0])!r}; known keys: {', '.join(fields_by_name)}")
+    hints = typing.get_type_hints(cls)
+    kwargs = {name: _coerce(hints[name], value, _join(where, name)) for name, value in data.items()}
+    try:
+        return cls(**kwargs)
+    except ConfigError as exc:
+        raise ConfigError(f"{where + ': ' if where else ''}{exc}") from None
+
+
+def replace_path(cfg: T, dotted: str, value: Any) -> T:
+    """Return a copy of `cfg` with one dotted key (e.g. "outer.lr") set, type-checked."""
+    head, _, rest = dotted.partition(".")
+    if head not in {f.name for f in dataclasses.fields(cfg)}:  # type: ignore[arg-type]
+        raise ConfigError(f"unknown key {dotted!r}")
+    if rest:
+        return dataclasses.replace(cfg, **{head: replace_path(getattr(cfg, head), rest, value)})  # type: ignore
+    hint = typing.get_type_hints(type(cfg))[head]
+    return dataclasses.replace(cfg, **{head: _coerce(hint, value, dotted)})  # type: ignore
+
+
+def to_mapping(cfg: object) -> dict[str, Any]:
+    """The config as plain nested dicts (for reports and manifests)."""
+    return dataclasses.asdict(cfg)  # type: ignore[call-overload]
+
+
+def _join(where: str, key: str) -> str:
+    return f"{where}.{key}" if where else key
+
+
+def _coerce(hint: Any, value: Any, where: str) -> Any:
+    if dataclasses.is_dataclass(hint):
+        return from_mapping(hint, value, where)
+    origin = typing.get_origin(hint)
+    if origin is Literal:
+        if value not in typing.get_args(hint):
+            raise ConfigError(f"{where} must be one of {list(typing.get_args(hint))}, got {value!r}")
+        return value
+    if origin in (typing.Union, types.UnionType):
+        for arg in typing.get_args(hint):
+            try:
+                return _coerce(arg, value, where)
+            except ConfigError:
+                continue
+        raise ConfigError(f"{where} has the wrong type: {value!r}")
+    if hint is type(None):
+        if value is not None:
+            raise ConfigError(f"{where} must be empty")
+        return None
+    if hint is bool:
+        if not isinstance(value, bool):
+            raise ConfigError(f"{where} must be true or false, got {value!r}")
+        return value
+    if hint is int:
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise ConfigError(f"{where} must be an integer, got {value!r}")
+        return value
+    if hint is float:
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            raise ConfigError(f"{where} must be a number, got {value!r}")
+        return float(value)
+    if hint is str:
+        if not isinstance(value, str):
+            raise ConfigError(f"{where} must be a string, got {value!r}")
+        return value
+    raise ConfigError(f"{where}: unsupported config type {hint!r}")  # a bug in this module, not the user's

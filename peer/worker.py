@@ -1,0 +1,110 @@
+"""One training worker: a model replica, its inner AdamW with its schedule, and its data shard.
+
+The worker knows nothing about rounds or peers; the outer optimizer and the exchange are wired
+around it by the driver (`train_local` here, the swarm peer later).
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+import torch
+
+from groundswell.optim import warmup_cosine_scheduler
+
+from .config import DataSection, InnerSection
+from .data import Corpus, ShardSampler
+from .workload import Workload
+
+
+@dataclass
+class InnerStats:
+    """What a stretch of inner steps did."""
+
+    steps: int
+    mean_loss: float
+    tokens: int
+    compute_s: float
+
+
+class InnerTrainer:
+    """Runs inner AdamW steps on one model replica over one data shard."""
+
+    def __init__(
+        self,
+        workload: Workload,
+        corpus: Corpus,
+        data: DataSection,
+        inner: InnerSection,
+        *,
+        total_steps: int,
+        seed: int,
+        shard_index: int,
+        num_shards: int,
+        device: torch.device | str = "cpu",
+    ) -> None:
+        self.model = workload.model.to(device)
+        self.loss_fn = workload.loss_fn
+        self.device = torch.device(device)
+        self.block_size = workload.block_size
+        self.inner = inner
+        self.optimizer = torch.optim.AdamW(
+            self.model.parameters(),
+            lr=inner.lr,
+            betas=(inner.beta1, inner.beta2),
+            weight_decay=inner.weight_decay,
+        )
+        self.scheduler = warmup_cosine_scheduler(self.optimizer, total_steps, inner.warmup_steps, inner.min_lr_ratio)
+        self.sampler = ShardSampler(
+            corpus,
+            block_size=workload.block_size,
+            batch_size=data.batch_size,
+            seed=seed,
+            shard_index=shard_index,
+            num_shards=num_shards,
+        )
+        self.step = 0
+
+    def run(self, num_steps: int) -> InnerStats:
+        """Run `num_steps` inner steps; returns their mean loss and timing."""
+        self.model.train()
+        total, tokens = 0.0, 0
+        start = time.perf_counter()
+        for _ in range(num_steps):
+            x, y = self.sampler.next_batch()
+            x, y = x.to(self.device, non_blocking=True), y.to(self.device, non_blocking=True)
+            loss = self.loss_fn(self.model, x, y)
+            if not torch.isfinite(loss):
+                # A non-finite loss would poison the pseudo-gradient; refuse it loudly.
+                raise FloatingPointError(f"inner step {self.step}: loss is {loss.item()}")
+            self.optimizer.zero_grad(set_to_none=True)
+            loss.backward()
+            if self.inner.grad_clip > 0:
+                torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.inner.grad_clip)
+            self.optimizer.step()
+            self.scheduler.step()
+            self.step += 1
+            total += loss.item()
+            tokens += x.numel()
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        return InnerStats(num_steps, total / max(1, num_steps), tokens, time.perf_counter() - start)
+
+    def state_dict(self) -> dict:
+        """Inner state for a checkpoint: model, AdamW, schedule and data position."""
+        return {
+            "model": self.model.state_dict(),
+            "optimizer": self.optimizer.state_dict(),
+            "scheduler": self.scheduler.state_dict(),
+            "sampler": self.sampler.state_dict(),
+            "step": self.step,
+        }
+
+    def load_state_dict(self, state: dict) -> None:
+        """Restore a `state_dict()`."""
+        self.model.load_state_dict(state["model"])
+        self.optimizer.load_state_dict(state["optimizer"])
+        self.scheduler.load_state_dict(state["scheduler"])
+        self.sampler.load_state_dict(state["sampler"])
+        self.step = int(state["step"])

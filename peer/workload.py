@@ -1,0 +1,128 @@
+"""What a peer trains: a model, its loss function and its context length.
+
+A workload spec is either a GPT preset name from ``groundswell.peer.model.PRESETS``
+(``"tiny"``, ``"small"``, ...) or ``"module:callable"`` naming user code. The callable
+is invoked as ``callable(vocab_size=...)`` and returns ``(model, loss_fn)``,
+``(model, loss_fn, block_size)`` or an object with ``model``, ``loss_fn`` and
+``block_size`` attributes (such as a ``Workload``).
+
+Every worker of a run must start from identical parameters, so construction happens
+under ``torch.manual_seed(seed)`` inside a forked RNG scope: same seed, same weights,
+and the caller's global RNG state is left untouched.
+"""
+
+from __future__ import annotations
+
+import importlib
+from dataclasses import dataclass
+from typing import Any, Callable
+
+import torch
+from torch import Tensor, nn
+
+from groundswell.peer.model import GPT, PRESETS, gpt_loss, preset_config
+
+LossFn = Callable[[nn.Module, Tensor, Tensor], Tensor]
+
+
+class WorkloadError(ValueError):
+    """A workload spec could not be resolved into a usable model and loss function."""
+
+
+@dataclass
+class Workload:
+    """A model to train, how to score it on a batch (x, y), and its context length."""
+
+    model: nn.Module
+    loss_fn: LossFn
+    block_size: int
+    name: str
+
+
+def build_workload(spec: str, vocab_size: int, seed: int) -> Workload:
+    """Build the workload named by ``spec`` with parameters determined by ``seed``."""
+    if not isinstance(spec, str) or not spec.strip():
+        raise WorkloadError(f"workload spec must be a non-empty string, got {spec!r}")
+    if not isinstance(vocab_size, int) or vocab_size < 1:
+        raise WorkloadError(f"vocab_size must be a positive int, got {vocab_size!r}")
+    spec = spec.strip()
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        if ":" in spec:
+            return _build_custom(spec, vocab_size)
+        return _build_preset(spec, vocab_size)
+
+
+def _build_preset(name: str, vocab_size: int) -> Workload:
+    if name not in PRESETS:
+        raise WorkloadError(
+            f"unknown workload {name!r}: expected a preset ({', '.join(PRESETS)}) or 'module:callable'"
+        )
+    config = preset_config(name, vocab_size=vocab_size)
+    return Workload(model=GPT(config), loss_fn=gpt_loss, block_size=config.block_size, name=name)
+
+
+def _resolve_callable(spec: str) -> Callable[..., Any]:
+    module_name, _, attr_path = spec.partition(":")
+    if not module_name or not attr_path:
+        raise WorkloadError(f"custom workload spec must look like 'module:callable', got {spec!r}")
+    try:
+        target: Any = importlib.import_module(module_name)
+    except Exception as exc:  # any import-time failure of user code is a spec problem
+        raise WorkloadError(f"cannot import module {module_name!r} for workload {spec!r}: {exc}") from exc
+    for attr in attr_path.split("."):
+        try:
+            target = getattr(target, attr)
+        except AttributeError as exc:
+            raise WorkloadError(f"module {module_name!r} has no attribute {attr_path!r}") from exc
+    if not callable(target):
+        raise WorkloadError(f"{spec!r} is not callable (got {type(target).__name__})")
+    return target
+
+
+def _build_custom(spec: str, vocab_size: int) -> Workload:
+    factory = _resolve_callable(spec)
+    try:
+        result = factory(vocab_size=vocab_size)
+    except Exception as exc:
+        raise WorkloadError(f"workload factory {spec!r} failed: {type(exc).__name__}: {exc}") from exc
+
+    if isinstance(result, tuple):
+        if len(result) not in (2, 3):
+            raise WorkloadError(
+                f"{spec!r} returned a tuple of length {len(result)}; "
+                "expected (model, loss_fn) or (model, loss_fn, block_size)"
+            )
+        model, loss_fn = result[0], result[1]
+        block_size = result[2] if len(result) == 3 else None
+    elif all(hasattr(result, attr) for attr in ("model", "loss_fn", "block_size")):
+        model, loss_fn, block_size = result.model, result.loss_fn, result.block_size
+    else:
+        raise WorkloadError(
+            f"{spec!r} returned {type(result).__name__}; expected (model, loss_fn), "
+            "(model, loss_fn, block_size) or an object with model/loss_fn/block_size"
+        )
+
+    if not isinstance(model, nn.Module):
+        raise WorkloadError(f"{spec!r} returned a model of type {type(model).__name__}, not torch.nn.Module")
+    if block_size is None:
+        block_size = _infer_block_size(model, spec)
+    if not any(p.requires_grad for p in model.parameters()):
+        raise WorkloadError(f"{spec!r} returned a model with no trainable parameters")
+    if not callable(loss_fn):
+        raise WorkloadError(f"{spec!r} returned a loss_fn of type {type(loss_fn).__name__}, not a callable")
+    if isinstance(block_size, bool) or not isinstance(block_size, int) or block_size < 1:
+        raise WorkloadError(f"{spec!r} gave block_size {block_size!r}; expected a positive int")
+    return Workload(model=model, loss_fn=loss_fn, block_size=block_size, name=spec)
+
+
+def _infer_block_size(model: Any, spec: str) -> int:
+    # A bare (model, loss_fn) pair must say its context length somewhere on the model.
+    for holder in (model, getattr(model, "config", None)):
+        block_size = getattr(holder, "block_size", None)
+        if block_size is not None:
+            return block_size
+    raise WorkloadError(
+        f"{spec!r} returned (model, loss_fn) but the model has no `block_size` "
+        "(or `config.block_size`); set one or return (model, loss_fn, block_size)"
+    )

@@ -1,0 +1,394 @@
+"""Strict decoding of untrusted bytes: every malformed payload is a CodecError, never anything else."""
+
+from __future__ import annotations
+
+import math
+import time
+
+import msgpack
+import pytest
+import torch
+from groundswell.compression import (
+    CODEC_NAMES,
+    CodecError,
+    DenseCodec,
+    Int8Codec,
+    Payload,
+    SparseLoCoCodec,
+    codec_for_payload,
+    make_codec,
+)
+from groundswell.compression.base import WIRE_VERSION
+from groundswell.compression.bitpack import pack_bits, unpack_bits
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+NUMEL = 4096 * 3 + 100  # three full chunks and a partial one of 100 entries
+
+
+def _x(n: int = NUMEL, seed: int = 0) -> torch.Tensor:
+    return torch.randn(n, generator=torch.Generator().manual_seed(seed)) * 1e-3
+
+
+VALID = {name: make_codec(name).encode(_x()).to_bytes() for name in CODEC_NAMES}
+
+
+def _decode_any(data: bytes, **kwargs: object) -> torch.Tensor:
+    """The full untrusted path: parse, validate, decode."""
+    payload = Payload.from_bytes(data, **kwargs)
+    return codec_for_payload(payload).decode(payload)
+
+
+def _envelope(
+    version: object = WIRE_VERSION,
+    codec: object = "sparseloco",
+    shape: object = None,
+    params: object = None,
+    buffers: object = None,
+) -> bytes:
+    base = Payload.from_bytes(VALID["sparseloco"])
+    return msgpack.packb(
+        [
+            version,
+            codec,
+            list(base.shape) if shape is None else shape,
+            dict(base.params) if params is None else params,
+            dict(base.buffers) if buffers is None else buffers,
+        ],
+        use_bin_type=True,
+    )
+
+
+def _sparse_payload(**changes: bytes) -> Payload:
+    base = Payload.from_bytes(VALID["sparseloco"])
+    return Payload(base.codec, base.shape, dict(base.params), {**base.buffers, **changes})
+
+
+def _indices() -> torch.Tensor:
+    codec = SparseLoCoCodec()
+    kept = codec.layout(NUMEL)[2]
+    raw = torch.frombuffer(
+        bytearray(Payload.from_bytes(VALID["sparseloco"]).buffers["idx"]), dtype=torch.uint8
+    )
+    return unpack_bits(raw, 12, kept)
+
+
+def _with_indices(idx: torch.Tensor) -> Payload:
+    return _sparse_payload(idx=pack_bits(idx, 12).numpy().tobytes())
+
+
+# ---------------------------------------------------------------- fuzzing
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.binary(max_size=300))
+def test_random_bytes_only_ever_raise_codec_error(data: bytes) -> None:
+    try:
+        _decode_any(data)
+    except CodecError:
+        pass
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.sampled_from(CODEC_NAMES), st.data())
+def test_truncated_payloads_are_rejected(name: str, data: st.DataObject) -> None:
+    valid = VALID[name]
+    cut = data.draw(st.integers(0, len(valid) - 1))
+    with pytest.raises(CodecError):
+        _decode_any(valid[:cut])
+
+
+@settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(st.sampled_from(CODEC_NAMES), st.data())
+def test_bit_flips_decode_cleanly_or_raise_codec_error(name: str, data: st.DataObject) -> None:
+    valid = bytearray(VALID[name])
+    # bias half of the flips towards the envelope and the small buffers, where structure lives
+    limit = data.draw(st.sampled_from([min(len(valid), 200), len(valid)]))
+    for _ in range(data.draw(st.integers(1, 3))):
+        pos = data.draw(st.integers(0, limit - 1))
+        valid[pos] ^= 1 << data.draw(st.integers(0, 7))
+    try:
+        y = _decode_any(bytes(valid))
+    except CodecError:
+        return
+    assert y.dtype == torch.float32
+    assert bool(torch.isfinite(y).all())
+
+
+def test_trailing_garbage_is_rejected() -> None:
+    with pytest.raises(CodecError):
+        _decode_any(VALID["fp32"] + b"\x00")
+
+
+# ---------------------------------------------------------------- envelope
+
+
+@pytest.mark.parametrize(
+    "data",
+    [
+        msgpack.packb({"not": "a list"}),
+        msgpack.packb([1, 2, 3]),
+        _envelope(version=2),
+        _envelope(version=True),
+        _envelope(codec="nope"),
+        _envelope(codec=""),
+        _envelope(codec=7),
+        _envelope(shape=[-1]),
+        _envelope(shape=[2.0]),
+        _envelope(shape="12388"),
+        _envelope(shape=[1] * 9),
+        _envelope(params=[1]),
+        _envelope(buffers={"idx": "text, not bytes"}),
+        _envelope(buffers={1: b""}),
+    ],
+)
+def test_bad_envelopes(data: bytes) -> None:
+    with pytest.raises(CodecError):
+        _decode_any(data)
+
+
+def test_wrong_codec_for_expected_codec() -> None:
+    with pytest.raises(CodecError, match="expected"):
+        Payload.from_bytes(VALID["int8"], expect=make_codec("sparseloco"))
+    with pytest.raises(CodecError, match="expected"):
+        make_codec("fp16").decode(Payload.from_bytes(VALID["fp32"]))
+
+
+def test_expect_with_different_settings() -> None:
+    with pytest.raises(CodecError, match="k="):
+        Payload.from_bytes(VALID["sparseloco"], expect=SparseLoCoCodec(k=32))
+    with pytest.raises(CodecError, match="block="):
+        Payload.from_bytes(VALID["int8"], expect=Int8Codec(64))
+
+
+@pytest.mark.parametrize("name", CODEC_NAMES)
+def test_shape_mismatch_is_a_length_error(name: str) -> None:
+    p = Payload.from_bytes(VALID[name])
+    shapes = [(NUMEL + 4096,), (NUMEL - 100,), (2, NUMEL), (0,)]
+    if name != "sparseloco":  # a sparse payload fits any shape with the same chunk layout
+        shapes += [(NUMEL + 1,), (NUMEL - 1,)]
+    for shape in shapes:
+        with pytest.raises(CodecError):
+            codec_for_payload(p).decode(Payload(p.codec, shape, dict(p.params), dict(p.buffers)))
+
+
+@pytest.mark.parametrize("name", CODEC_NAMES)
+def test_every_buffer_length_is_checked(name: str) -> None:
+    p = Payload.from_bytes(VALID[name])
+    codec = codec_for_payload(p)
+    for key, buf in p.buffers.items():
+        for bad in (buf[:-1], buf + b"\x00"):
+            with pytest.raises(CodecError, match=key):
+                codec.validate(Payload(p.codec, p.shape, dict(p.params), {**p.buffers, key: bad}))
+        missing = {k: v for k, v in p.buffers.items() if k != key}
+        with pytest.raises(CodecError, match="lacks"):
+            codec.validate(Payload(p.codec, p.shape, dict(p.params), missing))
+    with pytest.raises(CodecError, match="unknown fields"):
+        codec.validate(Payload(p.codec, p.shape, dict(p.params), {**p.buffers, "extra": b""}))
+
+
+def test_oversized_numel_claim_fails_fast_without_allocating() -> None:
+    for shape in ([2**33], [2**17, 2**16], [2**40]):
+        data = _envelope(shape=shape)
+        start = time.perf_counter()
+        with pytest.raises(CodecError):
+            _decode_any(data)
+        assert time.perf_counter() - start < 0.5  # a 32 GiB allocation would not be this quick
+    with pytest.raises(CodecError, match="over the limit"):
+        Payload.from_bytes(VALID["fp32"], max_numel=NUMEL - 1)
+    with pytest.raises(CodecError, match="over the limit"):
+        Payload.from_bytes(VALID["fp32"], max_bytes=100)
+    for name in ("int8", "fp16"):  # dense codecs size the check from the shape too
+        p = Payload.from_bytes(VALID[name])
+        with pytest.raises(CodecError):
+            codec_for_payload(p).decode(Payload(p.codec, (2**33,), dict(p.params), dict(p.buffers)))
+
+
+# ---------------------------------------------------------------- params (untrusted)
+
+
+@pytest.mark.parametrize(
+    "params",
+    [
+        {"chunk": 4000, "k": 64},  # not a power of two
+        {"chunk": 1 << 17, "k": 64},  # too large
+        {"chunk": 1, "k": 1},
+        {"chunk": 4096, "k": 0},
+        {"chunk": 4096, "k": 4097},
+        {"chunk": 4096.0, "k": 64},
+        {"chunk": "4096", "k": 64},
+        {"chunk": True, "k": 64},
+        {"chunk": 4096, "k": 64, "extra": 1},
+        {"chunk": 4096},
+        {},
+    ],
+)
+def test_sparseloco_params_are_range_checked(params: dict) -> None:
+    with pytest.raises(CodecError):
+        _decode_any(_envelope(params=params))
+
+
+@pytest.mark.parametrize("block", [0, 7, 1 << 17, 128.0, "128", False])
+def test_int8_params_are_range_checked(block: object) -> None:
+    p = Payload.from_bytes(VALID["int8"])
+    data = Payload("int8", p.shape, {"block": block}, dict(p.buffers)).to_bytes()
+    with pytest.raises(CodecError):
+        _decode_any(data)
+
+
+def test_dense_payloads_take_no_params() -> None:
+    p = Payload.from_bytes(VALID["fp16"])
+    with pytest.raises(CodecError):
+        _decode_any(Payload("fp16", p.shape, {"x": 1}, dict(p.buffers)).to_bytes())
+
+
+def test_make_codec_rejects_unknown_names_and_options() -> None:
+    with pytest.raises(CodecError, match="unknown codec"):
+        make_codec("topk")
+    with pytest.raises(CodecError, match="no option"):
+        make_codec("fp32", chunk=4)
+    with pytest.raises(CodecError, match="no option"):
+        make_codec("sparseloco", chunks=4096)
+    with pytest.raises(CodecError):
+        make_codec("sparseloco", chunk=3000)
+
+
+# ---------------------------------------------------------------- sparseloco content
+
+
+def test_valid_fixture_decodes() -> None:
+    assert _decode_any(VALID["sparseloco"]).shape == (NUMEL,)
+    assert SparseLoCoCodec().decode(_with_indices(_indices())).shape == (NUMEL,)
+
+
+def test_index_in_the_padding_of_the_last_chunk() -> None:
+    idx = _indices()
+    for bad in (100, 101, 4095):  # the last chunk holds 100 entries: 0..99
+        moved = idx.clone()
+        moved[-1] = bad
+        with pytest.raises(CodecError, match="padding"):
+            SparseLoCoCodec().decode(_with_indices(moved))
+    ok = idx.clone()
+    ok[-1] = 99 if idx[-2] < 99 else idx[-1]
+    SparseLoCoCodec().decode(_with_indices(ok))
+
+
+@pytest.mark.parametrize("where", ["full", "tail"])
+def test_duplicate_or_unordered_indices(where: str) -> None:
+    idx = _indices()
+    at = 5 if where == "full" else len(idx) - 3
+    dup = idx.clone()
+    dup[at + 1] = dup[at]
+    swapped = idx.clone()
+    swapped[at], swapped[at + 1] = idx[at + 1], idx[at]
+    for bad in (dup, swapped):
+        with pytest.raises(CodecError, match="ascending"):
+            SparseLoCoCodec().decode(_with_indices(bad))
+
+
+def test_chunk_boundaries_are_not_an_ordering_violation() -> None:
+    idx = _indices()
+    idx[63], idx[64] = 4095, 0  # last of chunk 0, first of chunk 1
+    idx[:63] = torch.arange(63)
+    idx[65:128] = torch.arange(1, 64)
+    y = SparseLoCoCodec().decode(_with_indices(idx))
+    assert y[4095] != 0 and y[4096] != 0
+
+
+def _bf16_bytes(*values: float) -> bytes:
+    return torch.tensor(values, dtype=torch.bfloat16).view(torch.uint8).numpy().tobytes()
+
+
+@pytest.mark.parametrize("value", [float("nan"), float("inf"), -float("inf"), -1e-3])
+def test_bad_scales(value: float) -> None:
+    p = Payload.from_bytes(VALID["sparseloco"])
+    scales = bytearray(p.buffers["scale"])
+    scales[2:4] = _bf16_bytes(value)
+    with pytest.raises(CodecError, match="scale"):
+        SparseLoCoCodec().decode(_sparse_payload(scale=bytes(scales)))
+
+
+@pytest.mark.parametrize("levels", [(float("nan"), 1.0), (0.5, float("inf")), (-0.5, 1.0)])
+def test_bad_levels(levels: tuple[float, float]) -> None:
+    p = _sparse_payload(level=torch.tensor(levels, dtype=torch.float32).numpy().tobytes())
+    with pytest.raises(CodecError, match="level"):
+        SparseLoCoCodec().decode(p)
+
+
+def test_levels_times_scales_must_not_overflow() -> None:
+    scales = bytearray(Payload.from_bytes(VALID["sparseloco"]).buffers["scale"])
+    scales[0:2] = _bf16_bytes(100.0)
+    big = torch.tensor([0.5, 3e37], dtype=torch.float32).numpy().tobytes()
+    SparseLoCoCodec().decode(_sparse_payload(level=big))  # fine with the real scales (~1e-3)
+    with pytest.raises(CodecError, match="overflow"):
+        SparseLoCoCodec().decode(_sparse_payload(level=big, scale=bytes(scales)))
+
+
+def test_nonzero_padding_bits_in_codes() -> None:
+    codec = SparseLoCoCodec()
+    x = _x(4096 + 3)  # 64 + 3 kept: the last code byte holds one padding code
+    p = codec.encode(x)
+    codes = bytearray(p.buffers["code"])
+    assert math.ceil(67 / 4) == len(codes)
+    codes[-1] |= 0b11 << 6
+    with pytest.raises(CodecError, match="padding"):
+        codec.decode(Payload(p.codec, p.shape, dict(p.params), {**p.buffers, "code": bytes(codes)}))
+
+
+def test_nonzero_padding_bits_in_indices() -> None:
+    codec = SparseLoCoCodec()
+    p = codec.encode(_x(4096 + 1))  # 65 indices: the last byte's high nibble is padding
+    idx = bytearray(p.buffers["idx"])
+    idx[-1] |= 0xF0
+    with pytest.raises(CodecError, match="padding"):
+        codec.decode(Payload(p.codec, p.shape, dict(p.params), {**p.buffers, "idx": bytes(idx)}))
+
+
+def test_aggregate_rejects_mixed_shapes_and_empty_lists() -> None:
+    codec = SparseLoCoCodec()
+    with pytest.raises(CodecError):
+        codec.aggregate([])
+    with pytest.raises(CodecError):
+        codec.aggregate([codec.encode(_x(5000)), codec.encode(_x(5001))])
+    with pytest.raises(CodecError):
+        DenseCodec("fp32").aggregate([DenseCodec("fp32").encode(_x(5)), DenseCodec("fp32").encode(_x(6))])
+
+
+# ---------------------------------------------------------------- dense and int8 content
+
+
+@pytest.mark.parametrize("name", ["fp32", "fp16", "bf16"])
+@pytest.mark.parametrize("value", [float("nan"), float("inf"), -float("inf")])
+def test_dense_non_finite_values_are_rejected(name: str, value: float) -> None:
+    codec = DenseCodec(name)
+    bad = torch.tensor([1.0, value, 2.0], dtype=codec.dtype).view(torch.uint8).numpy().tobytes()
+    data = Payload(name, (3,), {}, {"data": bad}).to_bytes()
+    with pytest.raises(CodecError, match="non-finite"):
+        _decode_any(data)
+    with pytest.raises(CodecError, match="non-finite"):
+        codec.encode(torch.tensor([1.0, value]))
+
+
+@pytest.mark.parametrize("value", [float("nan"), float("inf"), -1.0, 3e38])
+def test_int8_bad_scales(value: float) -> None:
+    p = Payload.from_bytes(VALID["int8"])
+    scales = torch.frombuffer(bytearray(p.buffers["scale"]), dtype=torch.float32).clone()
+    scales[1] = value
+    bad = Payload("int8", p.shape, dict(p.params), {**p.buffers, "scale": scales.numpy().tobytes()})
+    with pytest.raises(CodecError, match="scale"):
+        _decode_any(bad.to_bytes())
+
+
+@pytest.mark.parametrize("name", ["sparseloco", "int8"])
+def test_encoders_reject_non_finite_input(name: str) -> None:
+    for value in (float("nan"), float("inf")):
+        x = _x()
+        x[4096 + 17] = value
+        with pytest.raises(CodecError, match="non-finite|too large"):
+            make_codec(name).encode(x)
+
+
+def test_encoders_reject_integer_tensors() -> None:
+    for name in CODEC_NAMES:
+        with pytest.raises(CodecError):
+            make_codec(name).encode(torch.arange(10))

@@ -1,0 +1,391 @@
+"""Codec behaviour: round-trip error bounds, exact sizes, canonical top-k, aggregation."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from groundswell.compression import (
+    CODEC_NAMES,
+    Codec,
+    DenseCodec,
+    Int8Codec,
+    Payload,
+    SparseLoCoCodec,
+    make_codec,
+)
+from groundswell.compression.base import mean_of_decoded
+from groundswell.compression.bitpack import unpack_bits
+from groundswell.compression.topk import _plan, exact_topk_indices, topk_rows
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+
+def _randn(*shape: int, seed: int = 0, scale: float = 1e-3) -> torch.Tensor:
+    return torch.randn(shape, generator=torch.Generator().manual_seed(seed)) * scale
+
+
+def _round_trip(codec: Codec, x: torch.Tensor) -> torch.Tensor:
+    return codec.decode(Payload.from_bytes(codec.encode(x).to_bytes()))
+
+
+def _canonical_topk(rows: torch.Tensor, k: int) -> torch.Tensor:
+    """Independent reference: stable sort by -|x| (ties -> lowest index), first k, ascending."""
+    order = torch.sort(-rows.abs(), dim=1, stable=True).indices[:, :k]
+    return order.sort(1).values
+
+
+# ---------------------------------------------------------------- registry and protocol
+
+
+def test_every_name_builds_a_codec_that_round_trips() -> None:
+    x = _randn(3, 1000)
+    for name in CODEC_NAMES:
+        codec = make_codec(name)
+        assert isinstance(codec, Codec) and codec.name == name
+        y = _round_trip(codec, x)
+        assert y.shape == x.shape and y.dtype == torch.float32
+
+
+# ---------------------------------------------------------------- dense
+
+
+@pytest.mark.parametrize("shape", [(), (0,), (1,), (7, 3), (2, 3, 5)])
+def test_fp32_is_exact(shape: tuple[int, ...]) -> None:
+    x = _randn(*shape, seed=1)
+    assert torch.equal(_round_trip(make_codec("fp32"), x), x)
+
+
+@pytest.mark.parametrize(("name", "rtol", "atol"), [("fp16", 2.0**-11, 2.0**-25), ("bf16", 2.0**-8, 0.0)])
+def test_half_precision_within_dtype_rounding(name: str, rtol: float, atol: float) -> None:
+    x = torch.cat([_randn(5000, seed=2, scale=1.0), _randn(5000, seed=3, scale=1e-6)])
+    y = _round_trip(make_codec(name), x)
+    err = (y - x).abs()
+    assert bool((err <= rtol * x.abs() + atol).all())
+    assert float(err.max()) > 0  # it is lossy: the bound is actually exercised
+
+
+def test_fp16_saturates_instead_of_overflowing() -> None:
+    x = torch.tensor([1e6, -1e6, 1.0])
+    assert _round_trip(make_codec("fp16"), x).tolist() == [65504.0, -65504.0, 1.0]
+
+
+def test_dense_byte_sizes() -> None:
+    x = _randn(1000)
+    for name, itemsize in (("fp32", 4), ("fp16", 2), ("bf16", 2)):
+        payload = make_codec(name).encode(x)
+        assert len(payload.buffers["data"]) == 1000 * itemsize
+        assert (
+            payload.nbytes == 1000 * itemsize + 21
+        )  # msgpack envelope: 16 bytes + bin16 header + 'data' key
+
+
+# ---------------------------------------------------------------- int8
+
+
+@pytest.mark.parametrize(("n", "block"), [(1000, 128), (128 * 5, 128), (77, 64), (1, 8), (0, 128)])
+def test_int8_within_half_a_step_per_block(n: int, block: int) -> None:
+    x = _randn(n, seed=n) * torch.logspace(-6, 0, n)  # blocks of very different magnitude
+    if n > 20:
+        x[3:20] = 0.0
+    codec = Int8Codec(block)
+    y = _round_trip(codec, x)
+    nblocks = -(-n // block)
+    padded = torch.cat([x, x.new_zeros(nblocks * block - n)]).view(nblocks, block)
+    step = (padded.abs().amax(1) / 127).repeat_interleave(block)[:n]
+    assert bool(((y - x).abs() <= step / 2 * (1 + 1e-5) + 1e-30).all())
+    payload = codec.encode(x)
+    assert len(payload.buffers["q"]) == n and len(payload.buffers["scale"]) == 4 * nblocks
+
+
+def test_int8_zero_block_and_exact_extremes() -> None:
+    x = torch.zeros(256)
+    x[130] = -3.0
+    y = _round_trip(Int8Codec(128), x)
+    assert torch.equal(y, x)  # absmax maps to exactly +-127 steps; zeros stay zero
+
+
+# ---------------------------------------------------------------- sparseloco: selection
+
+
+def test_fast_path_is_actually_taken_for_the_default_layout() -> None:
+    assert _plan(4096, 64) == (16, 256)
+    assert _plan(4096, 2048) is None and _plan(4000, 64) is None
+
+
+@pytest.mark.parametrize(("rows", "width", "k"), [(300, 4096, 64), (50, 1024, 16), (40, 256, 1), (33, 64, 2)])
+def test_fast_topk_matches_torch_topk_on_random_data(rows: int, width: int, k: int) -> None:
+    x = _randn(rows, width, seed=rows)
+    idx, vals = topk_rows(x, k)
+    expected = torch.topk(x.abs(), k, dim=1).indices.sort(1).values
+    assert torch.equal(idx, expected)
+    assert torch.equal(vals, x.gather(1, expected))
+
+
+def _adversarial_rows(width: int, k: int, seed: int) -> torch.Tensor:
+    gen = torch.Generator().manual_seed(seed)
+    x = torch.randn(12, width, generator=gen)
+    x[0] = 0.0  # all zeros
+    x[1] = 0.25  # constant
+    x[2] = torch.randint(-2, 3, (width,), generator=gen).float()  # heavy ties
+    x[3] = 0.0
+    x[3, :5] = torch.tensor([3.0, -1.0, 2.0, 2.0, -3.0])  # fewer nonzeros than k
+    x[4] = x[4].to(torch.bfloat16).float()  # quantised: ties at the k-th value
+    x[5, ::3] = 7.0  # many equal maxima, one per column and more
+    x[6] = torch.arange(width, dtype=torch.float32)  # sorted ascending
+    x[7] = -x[6].flip(0)  # sorted descending, negative
+    x[8, :] = 1e-40  # subnormals
+    x[8, 17] = 2e-40
+    x[9] = x[9].abs().round()  # small integers, huge tie groups
+    plan = _plan(width, k)
+    assert plan is not None
+    g = plan[1]
+    x[10, 5::g] = 5.0 + torch.arange(width // g) * 0.125  # one fast-path column holds many winners
+    x[11, 7::g] = 5.0  # ... and ties among them
+    return x
+
+
+@pytest.mark.parametrize(("width", "k"), [(4096, 64), (256, 4), (64, 2)])
+def test_fast_topk_is_canonical_on_adversarial_data(width: int, k: int) -> None:
+    for seed in range(3):
+        x = _adversarial_rows(width, k, seed)
+        idx, vals = topk_rows(x, k)
+        assert torch.equal(idx, _canonical_topk(x, k))
+        assert torch.equal(vals, x.gather(1, idx))
+        # any valid top-k: the kept magnitudes are the k largest ones
+        top = torch.topk(x.abs(), k, dim=1).values.sort(1).values
+        assert torch.equal(vals.abs().sort(1).values, top)
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    log_width=st.integers(4, 10),
+    k_frac=st.integers(1, 8),
+    rows=st.integers(1, 20),
+    levels=st.integers(1, 50),
+    seed=st.integers(0, 2**16),
+)
+def test_fast_topk_matches_reference_with_ties(
+    log_width: int, k_frac: int, rows: int, levels: int, seed: int
+) -> None:
+    width = 1 << log_width
+    k = max(1, width * k_frac // 256)
+    gen = torch.Generator().manual_seed(seed)
+    x = torch.randint(-levels, levels + 1, (rows, width), generator=gen).float()  # few distinct values
+    idx, _ = topk_rows(x, k)
+    assert torch.equal(idx, _canonical_topk(x, k))
+    assert torch.equal(exact_topk_indices(x, k), _canonical_topk(x, k))
+
+
+def test_topk_rejects_non_finite() -> None:
+    x = _randn(4, 4096)
+    x[2, 100] = float("nan")
+    with pytest.raises(ValueError, match="non-finite"):
+        topk_rows(x, 64)
+
+
+# ---------------------------------------------------------------- sparseloco: codec
+
+
+def _kept(codec: SparseLoCoCodec, numel: int) -> int:
+    full, rem = divmod(numel, codec.chunk)
+    return full * codec.k + min(codec.k, rem)
+
+
+@pytest.mark.parametrize("numel", [4096 * 8, 4096 * 3 + 1000, 4096 + 40, 1000, 50, 1])
+def test_sparseloco_keeps_exactly_the_top_k_of_each_chunk(numel: int) -> None:
+    codec = SparseLoCoCodec()
+    x = _randn(numel, seed=numel)
+    y = _round_trip(codec, x)
+    expected = torch.zeros(numel, dtype=torch.bool)
+    for start in range(0, numel, 4096):
+        chunk = x[start : start + 4096]
+        kk = min(64, chunk.numel())
+        expected[start + torch.topk(chunk.abs(), kk).indices] = True
+    assert torch.equal(y != 0, expected)
+    assert int(expected.sum()) == _kept(codec, numel)
+    assert torch.equal(torch.sign(y[expected]), torch.sign(x[expected]))
+
+
+@settings(max_examples=80, deadline=None)
+@given(
+    numel=st.integers(0, 3000),
+    log_chunk=st.integers(1, 8),
+    k_seed=st.integers(0, 10**6),
+    levels=st.integers(1, 6),
+    seed=st.integers(0, 2**16),
+)
+def test_sparseloco_payload_holds_the_canonical_selection(
+    numel: int, log_chunk: int, k_seed: int, levels: int, seed: int
+) -> None:
+    chunk = 1 << log_chunk
+    k = 1 + k_seed % chunk
+    codec = SparseLoCoCodec(chunk, k)
+    gen = torch.Generator().manual_seed(seed)
+    x = torch.randint(-levels, levels + 1, (numel,), generator=gen).float() * 0.01  # many ties
+    payload = Payload.from_bytes(codec.encode(x).to_bytes())
+    kept = _kept(codec, numel)
+    raw = (
+        torch.frombuffer(bytearray(payload.buffers["idx"]), dtype=torch.uint8)
+        if kept
+        else torch.zeros(0, dtype=torch.uint8)
+    )
+    idx = unpack_bits(raw, codec.index_bits, kept)
+    expected = []
+    for start in range(0, numel, chunk):
+        part = x[start : start + chunk].unsqueeze(0)
+        expected.append(_canonical_topk(part, min(k, part.numel())).view(-1))
+    assert torch.equal(idx, torch.cat(expected) if expected else idx)
+    y = codec.decode(payload)
+    pos = (
+        idx + torch.cat([torch.full((min(k, numel - s),), s) for s in range(0, numel, chunk)])
+        if kept
+        else idx
+    )
+    assert bool((y[pos] * x[pos] >= 0).all())  # signs agree (zeros are kept as +level * 0-scale or +)
+    mask = torch.ones(numel, dtype=torch.bool)
+    mask[pos] = False
+    assert not bool(y[mask].any())
+
+
+def test_sparseloco_residual_is_smaller_than_the_input() -> None:
+    codec = SparseLoCoCodec()
+    x = _randn(4096 * 16, seed=5)
+    residual = x - _round_trip(codec, x)
+    assert float(residual.norm()) < 0.97 * float(x.norm())  # 1.6% of entries, ~12% of the energy
+    # error feedback: over a few rounds the transmitted sum tracks the accumulated signal
+    err = torch.zeros_like(x)
+    sent = torch.zeros_like(x)
+    for _ in range(8):
+        g = x + err
+        d = codec.decode(codec.encode(g))
+        sent += d
+        err = g - d
+    assert float((8 * x - sent).norm()) < float(x.norm()) * 8 * 0.9
+
+
+def test_sparseloco_levels_are_least_squares_optimal() -> None:
+    codec = SparseLoCoCodec()
+    x = _randn(4096 * 4, seed=6)
+    y = codec.decode(codec.encode(x))
+    kept = y != 0
+    base = float((y[kept] - x[kept]).square().sum())
+    for factor in (0.98, 1.02):  # scaling either level away from its value only adds error
+        assert float((y[kept] * factor - x[kept]).square().sum()) > base
+
+
+def _msgpack_overhead(codec: SparseLoCoCodec, shape: tuple[int, ...], sizes: dict[str, int]) -> int:
+    def uint(v: int) -> int:
+        return 1 if v < 128 else 2 if v < 256 else 3 if v < 65536 else 5 if v < 2**32 else 9
+
+    def s(text: str) -> int:
+        return 1 + len(text)
+
+    def binary(n: int) -> int:
+        return (2 if n < 256 else 3 if n < 65536 else 5) + n
+
+    envelope = 1 + 1 + s(codec.name) + 1 + sum(uint(d) for d in shape)
+    params = 1 + s("chunk") + uint(codec.chunk) + s("k") + uint(codec.k)
+    buffers = 1 + sum(s(name) + binary(n) for name, n in sizes.items())
+    return envelope + params + buffers
+
+
+@pytest.mark.parametrize("numel", [0, 1, 4096, 1_000_000, 4_000_000])
+def test_sparseloco_exact_byte_count(numel: int) -> None:
+    codec = SparseLoCoCodec()
+    payload = codec.encode(_randn(numel, seed=7))
+    kept = _kept(codec, numel)
+    rows = -(-numel // 4096)
+    sizes = {"idx": math.ceil(kept * 1.5), "code": math.ceil(kept / 4), "scale": 2 * rows, "level": 8}
+    assert {k: len(v) for k, v in payload.buffers.items()} == sizes
+    assert len(payload.to_bytes()) == _msgpack_overhead(codec, (numel,), sizes)
+
+
+def test_sparseloco_budget() -> None:
+    codec = SparseLoCoCodec()
+    n = 4_000_000
+    nbytes = len(codec.encode(_randn(n, seed=8)).to_bytes())
+    assert 8 * nbytes / n <= 0.23
+    assert 4 * n / nbytes >= 140
+    # and at 25M, from the size formula (no 25M encode in the test suite)
+    n = 25_000_000
+    sizes = {
+        "idx": math.ceil(_kept(codec, n) * 1.5),
+        "code": math.ceil(_kept(codec, n) / 4),
+        "scale": 2 * 6104,
+        "level": 8,
+    }
+    assert sizes == codec.expected_nbytes(n)
+    total = _msgpack_overhead(codec, (n,), sizes)
+    assert 8 * total / n <= 0.23 and 4 * n / total >= 140
+
+
+def test_sparseloco_survives_extreme_scale_mixes() -> None:
+    codec = SparseLoCoCodec()
+    x = _randn(4096 * 6, seed=11, scale=1.0)
+    x[:4096] *= 1e-30  # tiny chunk next to huge ones: their weights differ by 1e100
+    x[4096:8192] = 1e-3  # constant chunk: every kept entry lands in one bin
+    x[8192:12288] = -3.0
+    x[12288:16384] *= 1e20
+    y = _round_trip(codec, x)
+    kept = y != 0
+    assert int(kept.sum()) == 6 * 64 and bool(torch.isfinite(y).all())
+    assert torch.equal(torch.sign(y[kept]), torch.sign(x[kept]))
+    assert torch.allclose(y[4096:8192][kept[4096:8192]].abs(), torch.full((64,), 1e-3), rtol=0.3)
+
+
+def test_sparseloco_decode_is_deterministic_and_aggregate_is_the_mean() -> None:
+    codec = SparseLoCoCodec()
+    payloads = [Payload.from_bytes(codec.encode(_randn(4096 * 5 + 123, seed=s)).to_bytes()) for s in range(5)]
+    assert torch.equal(codec.decode(payloads[0]), codec.decode(payloads[0]))
+    agg = codec.aggregate(payloads)
+    assert torch.equal(agg, codec.aggregate(payloads))
+    assert torch.equal(agg, mean_of_decoded(codec, payloads, None))
+    manual = sum(codec.decode(p).double() for p in payloads) / 5
+    assert torch.allclose(agg.double(), manual, rtol=1e-6, atol=1e-12)
+
+
+def test_sparseloco_other_chunk_sizes() -> None:
+    for chunk, k in ((256, 4), (65536, 64), (2, 1), (16, 16)):
+        codec = SparseLoCoCodec(chunk, k)
+        x = _randn(chunk * 3 + 5, seed=chunk)
+        y = _round_trip(codec, x)
+        assert int((y != 0).sum()) == _kept(codec, x.numel())
+        assert len(codec.encode(x).buffers["idx"]) == math.ceil(
+            _kept(codec, x.numel()) * codec.index_bits / 8
+        )
+
+
+def test_sparseloco_preserves_shape_and_accepts_other_dtypes() -> None:
+    codec = SparseLoCoCodec()
+    x = _randn(64, 300, seed=9)
+    for t in (x, x.double(), x.to(torch.bfloat16), x.t()):
+        y = _round_trip(codec, t)
+        assert y.shape == t.shape and y.dtype == torch.float32
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_cuda_encode_matches_cpu_and_decode_is_bit_identical() -> None:
+    x = _randn(4096 * 50 + 77, seed=10)
+    for name in CODEC_NAMES:
+        codec = make_codec(name)
+        data = codec.encode(x).to_bytes()
+        gpu = codec.encode(x.cuda())
+        if name == "sparseloco":  # same selection and codes; scales may differ in the last bit
+            assert gpu.buffers["idx"] == codec.encode(x).buffers["idx"]
+        payload = Payload.from_bytes(data)
+        on_gpu = codec.decode(payload, device="cuda")
+        assert on_gpu.is_cuda and torch.equal(on_gpu.cpu(), codec.decode(payload))
+        assert torch.equal(
+            codec.aggregate([payload] * 3, device="cuda").cpu(), codec.aggregate([payload] * 3)
+        )
+
+
+def test_dense_and_int8_aggregate_is_the_mean() -> None:
+    xs = [_randn(1000, seed=s) for s in range(3)]
+    for codec in (DenseCodec("fp32"), DenseCodec("fp16"), Int8Codec()):
+        payloads = [codec.encode(x) for x in xs]
+        expected = sum(codec.decode(p) for p in payloads) / 3
+        assert torch.allclose(codec.aggregate(payloads), expected, rtol=1e-6, atol=1e-12)

@@ -1,0 +1,289 @@
+"""Tests for the data pipeline: corpora, disjoint shards, resumable samplers, held-out set."""
+
+from __future__ import annotations
+
+import json
+import sysconfig
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from torch import nn
+
+from groundswell.peer.data import (
+    FILE_SEPARATOR,
+    Corpus,
+    DataError,
+    ShardSampler,
+    evaluate,
+    heldout_batches,
+    load_corpus,
+)
+
+
+@pytest.fixture(scope="session")
+def stdlib_corpus() -> Corpus:
+    return load_corpus("stdlib")
+
+
+def _rows(x: torch.Tensor) -> set[tuple[int, ...]]:
+    return {tuple(row.tolist()) for row in x}
+
+
+def _drain_window_ids(sampler: ShardSampler, num_batches: int) -> list[int]:
+    return [i for _ in range(num_batches) for i in sampler.next_window_ids().tolist()]
+
+
+# --- stdlib corpus ------------------------------------------------------------------------------
+
+
+def test_stdlib_corpus_is_real_python_source(stdlib_corpus: Corpus) -> None:
+    c = stdlib_corpus
+    assert c.name == "stdlib" and c.vocab_size == 256
+    assert c.train.dtype == torch.uint8 and c.train.dim() == 1
+    assert len(c.train) > 5_000_000 and len(c.heldout) > 100_000
+    assert c.num_tokens == len(c.train) + len(c.heldout)
+    assert all(p.endswith(".py") for p in c.train_files + c.heldout_files)
+    assert not any("site-packages" in p or "dist-packages" in p for p in c.train_files + c.heldout_files)
+    assert bytes(c.train[:1_000_000].numpy()).count(b"def ") > 100
+    assert len(c.fingerprint) == 16 and int(c.fingerprint, 16) >= 0
+
+
+def test_stdlib_heldout_files_are_disjoint_from_train(stdlib_corpus: Corpus) -> None:
+    c = stdlib_corpus
+    train, heldout = set(c.train_files), set(c.heldout_files)
+    assert train.isdisjoint(heldout)
+    assert list(c.train_files) == sorted(c.train_files)  # deterministic order
+    fraction = len(heldout) / (len(train) + len(heldout))
+    assert 0.02 < fraction < 0.10
+    # The train stream is exactly the train files plus one separator between each pair.
+    root = Path(sysconfig.get_paths()["stdlib"])
+    train_bytes = sum((root / p).stat().st_size for p in c.train_files)
+    assert len(c.train) == train_bytes + len(c.train_files) - 1
+
+
+def test_stdlib_load_is_deterministic(stdlib_corpus: Corpus) -> None:
+    again = load_corpus("stdlib")
+    assert again.fingerprint == stdlib_corpus.fingerprint
+    assert again.heldout_files == stdlib_corpus.heldout_files
+    assert torch.equal(again.heldout, stdlib_corpus.heldout)
+
+
+# --- shard sampler ------------------------------------------------------------------------------
+
+
+def test_shards_are_disjoint_and_cover_the_windows(stdlib_corpus: Corpus) -> None:
+    samplers = [ShardSampler(stdlib_corpus, 128, 16, seed=7, shard_index=i, num_shards=3) for i in range(3)]
+    shards = [set(s.windows.tolist()) for s in samplers]
+    for i in range(3):
+        for j in range(i + 1, 3):
+            assert shards[i].isdisjoint(shards[j])
+    assert set().union(*shards) == set(range(len(stdlib_corpus.train) // 129))
+    # Different shards hand out different data.
+    xs = [s.next_batch()[0] for s in samplers]
+    assert _rows(xs[0]).isdisjoint(_rows(xs[1])) and _rows(xs[1]).isdisjoint(_rows(xs[2]))
+
+
+def test_sampler_is_deterministic_across_constructions(stdlib_corpus: Corpus) -> None:
+    a = ShardSampler(stdlib_corpus, 64, 8, seed=3, shard_index=1, num_shards=4)
+    b = ShardSampler(stdlib_corpus, 64, 8, seed=3, shard_index=1, num_shards=4)
+    for _ in range(5):
+        (xa, ya), (xb, yb) = a.next_batch(), b.next_batch()
+        assert torch.equal(xa, xb) and torch.equal(ya, yb)
+    other_seed = ShardSampler(stdlib_corpus, 64, 8, seed=4, shard_index=1, num_shards=4)
+    assert not torch.equal(other_seed.windows, a.windows)
+
+
+def test_batches_are_shifted_next_token_pairs(stdlib_corpus: Corpus) -> None:
+    sampler = ShardSampler(stdlib_corpus, 32, 4, seed=0)
+    x, y = sampler.next_batch()
+    assert x.shape == y.shape == (4, 32) and x.dtype == y.dtype == torch.int64
+    assert torch.equal(x[:, 1:], y[:, :-1])
+    assert int(x.max()) < 256
+
+
+def test_epochs_visit_every_window_once_in_new_orders(tmp_path: Path) -> None:
+    (tmp_path / "a.txt").write_bytes(bytes(range(256)) * 8)
+    corpus = load_corpus(str(tmp_path))
+    sampler = ShardSampler(corpus, 7, 3, seed=1, shard_index=1, num_shards=2)
+    n = len(sampler)
+    seen = _drain_window_ids(sampler, 4 * n)  # 3 * 4n ids = 12 full epochs
+    epochs = [seen[k * n : (k + 1) * n] for k in range(12)]
+    assert all(sorted(e) == sorted(sampler.windows.tolist()) for e in epochs)
+    assert len({tuple(e) for e in epochs}) > 1  # reshuffled per epoch
+    # The next epoch starts lazily, on the next request.
+    assert sampler.epoch == 11 and sampler.position == n
+
+
+def test_sampler_state_round_trip_resumes_exactly(stdlib_corpus: Corpus) -> None:
+    corpus = Corpus(  # a short stream, so the resumed run crosses epoch boundaries
+        name="short", train=stdlib_corpus.train[:20_000], heldout=stdlib_corpus.heldout[:5_000],
+        vocab_size=256, fingerprint="short",
+    )
+    original = ShardSampler(corpus, 16, 5, seed=11, shard_index=2, num_shards=3)
+    for _ in range(100):  # 500 windows: past the first epoch of this 392-window shard
+        original.next_batch()
+    state = original.state_dict()
+    assert state["epoch"] >= 1 and 0 < state["position"] < len(original)
+    expected = [original.next_batch() for _ in range(200)]
+
+    resumed = ShardSampler(corpus, 16, 5, seed=11, shard_index=2, num_shards=3)
+    resumed.load_state_dict(state)
+    for (xe, ye), (xr, yr) in zip(expected, (resumed.next_batch() for _ in range(200))):
+        assert torch.equal(xe, xr) and torch.equal(ye, yr)
+    assert resumed.state_dict() == original.state_dict()
+    assert original.epoch > state["epoch"]
+
+    wrong_shard = ShardSampler(corpus, 16, 5, seed=11, shard_index=0, num_shards=3)
+    with pytest.raises(ValueError, match="shard_index"):
+        wrong_shard.load_state_dict(state)
+
+
+def test_sampler_rejects_bad_arguments(stdlib_corpus: Corpus) -> None:
+    with pytest.raises(ValueError):
+        ShardSampler(stdlib_corpus, 64, 8, seed=0, shard_index=3, num_shards=3)
+    with pytest.raises(ValueError):
+        ShardSampler(stdlib_corpus, 0, 8, seed=0)
+    ten_zeros = torch.zeros(10, dtype=torch.uint8)
+    tiny = Corpus(name="t", train=ten_zeros, heldout=ten_zeros, vocab_size=256, fingerprint="t")
+    with pytest.raises(DataError, match="too few"):
+        ShardSampler(tiny, 8, 1, seed=0, shard_index=0, num_shards=4)
+
+
+# --- held-out set -------------------------------------------------------------------------------
+
+
+def test_heldout_batches_are_fixed_across_calls_and_seeds(stdlib_corpus: Corpus) -> None:
+    torch.manual_seed(1)
+    first = heldout_batches(stdlib_corpus, 64, 4, 3)
+    torch.manual_seed(2)
+    second = heldout_batches(stdlib_corpus, 64, 4, 3)
+    assert len(first) == 3
+    for (x1, y1), (x2, y2) in zip(first, second):
+        assert x1.shape == (4, 64)
+        assert torch.equal(x1, x2) and torch.equal(y1, y2)
+    heldout_rows = _rows(first[0][0])
+    train_rows = _rows(ShardSampler(stdlib_corpus, 64, 64, seed=0).next_batch()[0])
+    assert heldout_rows.isdisjoint(train_rows)
+
+
+def test_evaluate_returns_mean_loss_and_restores_mode(stdlib_corpus: Corpus) -> None:
+    batches = heldout_batches(stdlib_corpus, 16, 2, 2)
+    model = nn.Sequential(nn.Embedding(256, 8), nn.Linear(8, 256))
+    model.train()
+
+    def loss_fn(m: nn.Module, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        assert not m.training and not torch.is_grad_enabled()
+        return nn.functional.cross_entropy(m(x).flatten(0, 1), y.flatten())
+
+    loss = evaluate(model, loss_fn, batches)
+    assert model.training
+    model.eval()
+    with torch.no_grad():
+        manual = sum(float(loss_fn(model, x, y)) for x, y in batches) / len(batches)
+    assert loss == pytest.approx(manual)
+    assert 4.0 < loss < 7.0  # roughly ln(256) = 5.55 for an untrained model
+
+
+# --- other corpus formats -----------------------------------------------------------------------
+
+
+def test_text_folder_corpus(tmp_path: Path) -> None:
+    files = {f"doc{i:02d}.txt": f"document number {i} ".encode() * 40 for i in range(40)}
+    files["sub/nested.md"] = b"# nested\n" * 50
+    for rel, content in files.items():
+        (tmp_path / rel).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / rel).write_bytes(content)
+    (tmp_path / ".hidden").write_bytes(b"secret")
+
+    corpus = load_corpus(str(tmp_path))
+    assert corpus.vocab_size == 256 and corpus.name == tmp_path.name
+    assert set(corpus.train_files) | set(corpus.heldout_files) == set(files)
+    assert corpus.heldout_files and set(corpus.train_files).isdisjoint(corpus.heldout_files)
+    train_bytes = bytes(corpus.train.numpy())
+    for rel in corpus.heldout_files:
+        assert files[rel] not in train_bytes
+    expected_train = bytes([FILE_SEPARATOR]).join(files[rel] for rel in corpus.train_files)
+    assert train_bytes == expected_train
+    assert load_corpus(str(tmp_path)).fingerprint == corpus.fingerprint
+    (tmp_path / "doc00.txt").write_bytes(b"changed")
+    assert load_corpus(str(tmp_path)).fingerprint != corpus.fingerprint
+
+
+def test_few_files_still_get_a_heldout_split(tmp_path: Path) -> None:
+    (tmp_path / "a.txt").write_bytes(b"a" * 500)
+    (tmp_path / "b.txt").write_bytes(b"b" * 500)
+    two = load_corpus(str(tmp_path))
+    assert len(two.train_files) == 1 and len(two.heldout_files) == 1
+
+    for name in ("a.txt", "short.txt", "x", "input.txt"):  # whatever its name hashes to,
+        (tmp_path / name).write_bytes(b"a" * 500)  # a single file holds out its tail
+        single = load_corpus(str(tmp_path / name))
+        assert len(single.heldout) == 25 and len(single.train) == 475
+
+
+def test_bin_corpus(tmp_path: Path) -> None:
+    rng = np.random.default_rng(0)
+    train = rng.integers(0, 1000, size=5000, dtype=np.uint16)
+    val = rng.integers(0, 1000, size=600, dtype=np.uint16)
+    train[17] = 1233  # the largest token sets the vocab when there is no meta.json
+    train.tofile(tmp_path / "train.bin")
+    val.tofile(tmp_path / "val.bin")
+
+    corpus = load_corpus(str(tmp_path))
+    assert corpus.vocab_size == 1234
+    assert isinstance(corpus.train, np.memmap) and len(corpus.train) == 5000 and len(corpus.heldout) == 600
+    sampler = ShardSampler(corpus, 32, 4, seed=0, shard_index=0, num_shards=2)
+    x, y = sampler.next_batch()
+    ids = sampler._order[:4]
+    assert x.dtype == torch.int64 and x.shape == (4, 32)
+    first = int(ids[0]) * 33  # window id * (block_size + 1)
+    assert torch.equal(x[0], torch.from_numpy(train[first : first + 32].astype(np.int64)))
+    assert torch.equal(x[:, 1:], y[:, :-1])
+    assert heldout_batches(corpus, 32, 2, 2)[0][0].shape == (2, 32)
+
+    (tmp_path / "meta.json").write_text(json.dumps({"vocab_size": 50304}))
+    assert load_corpus(str(tmp_path)).vocab_size == 50304
+    (tmp_path / "meta.json").write_text("not json")
+    with pytest.raises(DataError, match="meta.json"):
+        load_corpus(str(tmp_path))
+
+
+def test_clear_errors_for_bad_sources(tmp_path: Path) -> None:
+    with pytest.raises(DataError, match="does not exist"):
+        load_corpus(str(tmp_path / "nope"))
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    with pytest.raises(DataError, match="no files"):
+        load_corpus(str(empty))
+    (empty / "zero.txt").write_bytes(b"")
+    with pytest.raises(DataError, match="empty"):
+        load_corpus(str(empty))
+    bins = tmp_path / "bins"
+    bins.mkdir()
+    np.arange(10, dtype=np.uint16).tofile(bins / "train.bin")
+    with pytest.raises(DataError, match="val.bin"):
+        load_corpus(str(bins))
+    (bins / "val.bin").write_bytes(b"\x01\x02\x03")  # odd size: not uint16
+    with pytest.raises(DataError, match="uint16"):
+        load_corpus(str(bins))
+    short = tmp_path / "short.txt"
+    short.write_bytes(b"x" * 100)
+    with pytest.raises(DataError, match="held-out"):
+        heldout_batches(load_corpus(str(short)), 64, 1, 1)
+
+
+def test_unreadable_file_is_a_data_error(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    (tmp_path / "ok.txt").write_bytes(b"hello")
+    (tmp_path / "bad.txt").write_bytes(b"world")
+    real_read_bytes = Path.read_bytes
+
+    def failing_read_bytes(self: Path) -> bytes:
+        if self.name == "bad.txt":
+            raise PermissionError("permission denied")
+        return real_read_bytes(self)
+
+    monkeypatch.setattr(Path, "read_bytes", failing_read_bytes)
+    with pytest.raises(DataError, match="bad.txt"):
+        load_corpus(str(tmp_path))

@@ -1,0 +1,195 @@
+"""Outer optimizers: one round by hand, state round trips, and contributions that must not be lost."""
+
+from __future__ import annotations
+
+import torch
+import pytest
+
+from groundswell.compression import Payload, make_codec
+from groundswell.compression.base import mean_of_decoded
+from groundswell.optim import DiLoCo, DiLoCoConfig, InProcessHub, RoundFailed, SparseLoCo, SparseLoCoConfig
+
+
+class KeepLargest:
+    """A tiny lossy test codec: keeps only the largest-magnitude entry (exact in fp32)."""
+
+    name = "fp32"  # travels in an fp32-shaped envelope so the hub's strict decode accepts it
+
+    def __init__(self) -> None:
+        self.inner = make_codec("fp32")
+
+    def encode(self, x: torch.Tensor) -> Payload:
+        kept = torch.zeros_like(x)
+        i = int(x.abs().argmax())
+        kept[i] = x[i]
+        return self.inner.encode(kept)
+
+    def decode(self, payload, device=None):
+        return self.inner.decode(payload, device=device)
+
+    def validate(self, payload) -> None:
+        self.inner.validate(payload)
+
+    def aggregate(self, payloads, device=None):
+        return mean_of_decoded(self, payloads, device)
+
+
+def _model(values: list[float]) -> torch.nn.Linear:
+    m = torch.nn.Linear(2, 1, bias=False)
+    with torch.no_grad():
+        m.weight.copy_(torch.tensor([values]))
+    return m
+
+
+def _set(model: torch.nn.Module, values: list[float]) -> None:
+    with torch.no_grad():
+        model.weight.copy_(torch.tensor([values]))
+
+
+def _weights(model: torch.nn.Module) -> list[float]:
+    return model.weight.detach().flatten().tolist()
+
+
+def _round(outers, hub, drop=()):
+    r = outers[0].round_id
+    hub.drop = {(r, w) for w in drop}
+    eps = [hub.endpoint(f"w{i}") for i in range(len(outers))]
+    for ep, o in zip(eps, outers):
+        ep.contribute(o.round_id, o.prepare())
+    results = []
+    for ep, o in zip(eps, outers):
+        try:
+            res = ep.collect(o.round_id)
+        except RoundFailed:
+            res = None
+        o.apply(res)
+        results.append(res)
+    return results
+
+
+def test_diloco_one_round_by_hand():
+    models = [_model([1.0, 2.0]), _model([1.0, 2.0])]
+    codec = make_codec("fp32")
+    outers = [DiLoCo(m.parameters(), codec, DiLoCoConfig(lr=0.7, momentum=0.9)) for m in models]
+    hub = InProcessHub(codec, ["w0", "w1"])
+    _set(models[0], [0.5, 2.5])  # delta w0 = [0.5, -0.5]
+    _set(models[1], [1.5, 1.0])  # delta w1 = [-0.5, 1.0]
+    res = _round(outers, hub)
+    # mean = [0, 0.25]; m = [0, 0.25]; nesterov dir = mean + 0.9 m = [0, 0.475]; theta -= 0.7 * dir
+    for m in models:
+        assert _weights(m) == pytest.approx([1.0, 2.0 - 0.7 * 0.475], abs=1e-6)
+    assert res[0].contributors == ("w0", "w1") and res[0].included
+    assert outers[0].round_id == 1
+    # round 2: both workers move by [0.1, 0.1] -> delta = [-0.1, -0.1]; m = 0.9*[0, .25] + [-.1, -.1]
+    for m in models:
+        _set(m, [w + 0.1 for w in _weights(m)])
+    _round(outers, hub)
+    mom = [0.9 * 0.0 - 0.1, 0.9 * 0.25 - 0.1]
+    direction = [-0.1 + 0.9 * mom[0], -0.1 + 0.9 * mom[1]]
+    expect = [1.0 - 0.7 * direction[0], 2.0 - 0.7 * 0.475 - 0.7 * direction[1]]
+    for m in models:
+        assert _weights(m) == pytest.approx(expect, abs=1e-6)
+
+
+def test_sparseloco_one_round_by_hand_with_error_feedback():
+    models = [_model([0.0, 0.0]), _model([0.0, 0.0])]
+    codec = KeepLargest()
+    outers = [SparseLoCo(m.parameters(), codec, SparseLoCoConfig(lr=1.0, error_decay=0.5)) for m in models]
+    hub = InProcessHub(codec, ["w0", "w1"])
+    _set(models[0], [-0.5, 0.2])  # delta [0.5, -0.2] -> sends [0.5, 0], keeps e = [0, -0.2]
+    _set(models[1], [0.1, -0.3])  # delta [-0.1, 0.3] -> sends [0, 0.3], keeps e = [-0.1, 0]
+    _round(outers, hub)
+    # mean = [0.25, 0.15]; theta = -1.0 * mean
+    for m in models:
+        assert _weights(m) == pytest.approx([-0.25, -0.15], abs=1e-7)
+    assert outers[0].error.tolist() == pytest.approx([0.0, -0.2])
+    assert outers[1].error.tolist() == pytest.approx([-0.1, 0.0])
+    # round 2 without local training: e = 0.5*e + 0 -> w0 sends [0, -0.1], w1 sends [-0.05, 0]
+    _round(outers, hub)
+    for m in models:
+        assert _weights(m) == pytest.approx([-0.25 + 0.025, -0.15 + 0.05], abs=1e-7)
+    assert outers[0].error.abs().sum().item() == pytest.approx(0.0)
+
+
+def test_diloco_dropped_contribution_is_rebased_and_resent():
+    models = [_model([1.0, 1.0]), _model([1.0, 1.0])]
+    codec = make_codec("fp32")
+    outers = [DiLoCo(m.parameters(), codec, DiLoCoConfig(lr=1.0, momentum=0.0)) for m in models]
+    hub = InProcessHub(codec, ["w0", "w1"])
+    _set(models[0], [0.0, 1.0])  # delta [1, 0], applied
+    _set(models[1], [1.0, 3.0])  # delta [0, -2], dropped from the aggregate
+    res = _round(outers, hub, drop=["w1"])
+    assert res[0].contributors == ("w0",) and not res[1].included
+    assert _weights(models[0]) == pytest.approx([0.0, 1.0])
+    # w1 keeps its progress (+2 on the second weight) on top of the new global parameters
+    assert _weights(models[1]) == pytest.approx([0.0, 3.0])
+    res = _round(outers, hub)  # no training in between: w1's delta is exactly its old contribution
+    assert res[1].included
+    assert _weights(models[0]) == pytest.approx([0.0, 2.0])  # mean of [0,0] and [0,-2] = [0,-1]
+    assert _weights(models[1]) == _weights(models[0])
+
+
+def test_sparseloco_dropped_contribution_stays_in_error_feedback():
+    models = [_model([0.0, 0.0]), _model([0.0, 0.0])]
+    codec = make_codec("fp32")
+    outers = [SparseLoCo(m.parameters(), codec, SparseLoCoConfig(lr=1.0, error_decay=1.0)) for m in models]
+    hub = InProcessHub(codec, ["w0", "w1"])
+    _set(models[0], [-1.0, 0.0])
+    _set(models[1], [0.0, -4.0])  # dropped
+    _round(outers, hub, drop=["w1"])
+    assert outers[1].error.tolist() == [0.0, 4.0]  # whole contribution kept
+    assert _weights(models[1]) == _weights(models[0]) == pytest.approx([-1.0, 0.0])
+    _round(outers, hub)
+    assert outers[1].error.tolist() == [0.0, 0.0]
+    assert _weights(models[1]) == pytest.approx([-1.0, -2.0])  # minus the mean of [0,0] and [0,4]
+
+
+def test_failed_round_applies_nothing_and_is_retried():
+    models = [_model([1.0, 1.0]), _model([1.0, 1.0])]
+    codec = make_codec("fp32")
+    outers = [DiLoCo(m.parameters(), codec) for m in models]
+    hub = InProcessHub(codec, ["w0", "w1"], min_contributors=2)
+    _set(models[0], [0.0, 1.0])
+    _set(models[1], [1.0, 0.0])
+    res = _round(outers, hub, drop=["w1"])  # only one contribution: below quorum
+    assert res == [None, None]
+    assert all(o.round_id == 0 for o in outers)
+    assert _weights(models[0]) == [0.0, 1.0] and _weights(models[1]) == [1.0, 0.0]
+    assert outers[0].global_params.tolist() == [1.0, 1.0]
+    res = _round(outers, hub)
+    assert res[0] is not None and outers[0].round_id == 1
+    assert _weights(models[0]) == _weights(models[1])
+
+
+@pytest.mark.parametrize("algo", ["diloco", "sparseloco"])
+def test_state_dict_round_trip_resumes_exactly(algo):
+    torch.manual_seed(0)
+    codec = make_codec("sparseloco", chunk=64, k=4) if algo == "sparseloco" else make_codec("int8")
+    make = (lambda ps: SparseLoCo(ps, codec)) if algo == "sparseloco" else (lambda ps: DiLoCo(ps, codec))
+    model = torch.nn.Linear(32, 8)
+    outer = make(model.parameters())
+    hub = InProcessHub(codec, ["w0"])
+    ep = hub.endpoint("w0")
+    for _ in range(3):
+        with torch.no_grad():
+            for p in model.parameters():
+                p.add_(torch.randn_like(p) * 0.1)
+        outer.sync(ep)
+    state = outer.state_dict()
+    clone = torch.nn.Linear(32, 8)
+    clone.load_state_dict(model.state_dict())
+    restored = make(clone.parameters())
+    restored.load_state_dict(state)
+    assert restored.round_id == outer.round_id == 3
+    step = [torch.randn_like(p) * 0.1 for p in model.parameters()]
+    for m in (model, clone):
+        with torch.no_grad():
+            for p, s in zip(m.parameters(), step):
+                p.add_(s)
+    outer.sync(ep)
+    restored.sync(hub.endpoint("w0"))
+    for a, b in zip(model.parameters(), clone.parameters()):
+        assert torch.equal(a, b)
+    assert torch.equal(outer.global_params, restored.global_params)
+    with pytest.raises(ValueError):
+        (DiLoCo(clone.parameters(), codec) if algo == "sparseloco" else SparseLoCo(clone.parameters(), codec)).load_state_dict(state)
