@@ -10,9 +10,16 @@ from .base import Codec, CodecError, Payload
 from .dense import DenseCodec
 from .int8 import Int8Codec
 from .registry import CODEC_NAMES, codec_for_payload, make_codec
+from .segments import ALIGN, aggregate_segments, decode_segments, encode_segments, segment_bounds, segment_size
 from .sparseloco import SparseLoCoCodec
 
 __all__ = [
+    "ALIGN",
+    "aggregate_segments",
+    "decode_segments",
+    "encode_segments",
+    "segment_bounds",
+    "segment_size",
     "CODEC_NAMES",
     "Codec",
     "CodecError",

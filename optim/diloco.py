@@ -38,13 +38,19 @@ class DiLoCoConfig:
 class DiLoCo(OuterOptimizer):
     """DiLoCo outer optimizer over an `Exchange` (see `OuterOptimizer` for the round API)."""
 
-    def __init__(self, params: Iterable[torch.nn.Parameter], codec: Codec, config: DiLoCoConfig = DiLoCoConfig()):
-        super().__init__(params, codec)
+    def __init__(
+        self,
+        params: Iterable[torch.nn.Parameter],
+        codec: Codec,
+        config: DiLoCoConfig = DiLoCoConfig(),
+        segment: int | None = None,
+    ):
+        super().__init__(params, codec, segment)
         self.config = config
         self.momentum_buffer = torch.zeros_like(self.global_params)
 
-    def _encode_contribution(self, delta: torch.Tensor) -> Payload:
-        return self.codec.encode(delta)
+    def _encode_contribution(self, delta: torch.Tensor) -> list[Payload]:
+        return self.encode(delta)
 
     def _settle_contribution(self, pending: PendingRound, result: RoundResult | None) -> bool:
         return result is not None and result.included

@@ -18,7 +18,7 @@ from typing import Iterable, Protocol, Sequence
 
 import torch
 
-from groundswell.compression import Codec, Payload
+from groundswell.compression import ALIGN, Codec, Payload, aggregate_segments
 
 
 class RoundFailed(RuntimeError):
@@ -42,8 +42,9 @@ class Exchange(Protocol):
 
     worker_id: str
 
-    def contribute(self, round_id: int, payload: Payload) -> None:
-        """Submit this worker's encoded contribution for `round_id`; does not block on peers."""
+    def contribute(self, round_id: int, payloads: Sequence[Payload]) -> None:
+        """Submit this worker's contribution (one payload per segment) for `round_id`; does not
+        block on peers."""
         ...
 
     def collect(self, round_id: int) -> RoundResult:
@@ -53,7 +54,7 @@ class Exchange(Protocol):
 
 @dataclass
 class _RoundSlot:
-    payloads: dict[str, bytes]
+    payloads: dict[str, list[bytes]]
     result: tuple[torch.Tensor, tuple[str, ...]] | RoundFailed | None = None
     collected: int = 0
 
@@ -93,8 +94,8 @@ class InProcessHub:
             raise KeyError(f"unknown worker {worker_id!r}")
         return InProcessExchange(self, worker_id)
 
-    def _contribute(self, worker_id: str, round_id: int, payload: Payload) -> int:
-        data = payload.to_bytes()
+    def _contribute(self, worker_id: str, round_id: int, payloads: Sequence[Payload]) -> int:
+        data = [p.to_bytes() for p in payloads]
         with self._cond:
             slot = self._rounds.setdefault(round_id, _RoundSlot(payloads={}))
             if slot.result is not None:
@@ -103,7 +104,7 @@ class InProcessHub:
                 raise ValueError(f"worker {worker_id} contributed twice to round {round_id}")
             slot.payloads[worker_id] = data
             self._cond.notify_all()
-        return len(data)
+        return sum(len(b) for b in data)
 
     def _collect(self, worker_id: str, round_id: int) -> tuple[torch.Tensor, tuple[str, ...], int]:
         with self._cond:
@@ -120,7 +121,7 @@ class InProcessHub:
                     slot.result = self._aggregate(round_id, slot.payloads)
                 except RoundFailed as exc:
                     slot.result = exc  # every worker of this round must see the same failure
-            received = sum(len(b) for w, b in slot.payloads.items() if w != worker_id)
+            received = sum(len(b) for w, parts in slot.payloads.items() if w != worker_id for b in parts)
             slot.collected += 1
             result = slot.result
             if slot.collected == len(self.worker_ids):
@@ -129,14 +130,16 @@ class InProcessHub:
             raise RoundFailed(str(result))
         return result[0], result[1], received
 
-    def _aggregate(self, round_id: int, payloads: dict[str, bytes]) -> tuple[torch.Tensor, tuple[str, ...]]:
+    def _aggregate(self, round_id: int, payloads: dict[str, list[bytes]]) -> tuple[torch.Tensor, tuple[str, ...]]:
         included = tuple(sorted(w for w in payloads if (round_id, w) not in self.drop))
         if len(included) < self.min_contributors:
             raise RoundFailed(
                 f"round {round_id}: {len(included)} contributions, fewer than the {self.min_contributors} required"
             )
-        decoded: Sequence[Payload] = [Payload.from_bytes(payloads[w], expect=self.codec) for w in included]
-        return self.codec.aggregate(decoded, device=self.device), included
+        parsed = [[Payload.from_bytes(b, expect=self.codec) for b in payloads[w]] for w in included]
+        numel = sum(p.numel for p in parsed[0])
+        segment = parsed[0][0].numel if len(parsed[0]) > 1 else max(numel, 1)
+        return aggregate_segments(self.codec, parsed, numel, _round_up(segment), device=self.device), included
 
 
 class InProcessExchange:
@@ -147,9 +150,9 @@ class InProcessExchange:
         self.worker_id = worker_id
         self._sent: dict[int, int] = {}
 
-    def contribute(self, round_id: int, payload: Payload) -> None:
+    def contribute(self, round_id: int, payloads: Sequence[Payload]) -> None:
         """Submit this worker's contribution for `round_id`."""
-        self._sent[round_id] = self.hub._contribute(self.worker_id, round_id, payload)
+        self._sent[round_id] = self.hub._contribute(self.worker_id, round_id, payloads)
 
     def collect(self, round_id: int) -> RoundResult:
         """Wait for the round's aggregate (every worker must have contributed)."""
@@ -163,3 +166,7 @@ class InProcessExchange:
             bytes_sent=sent,
             bytes_received=received,
         )
+
+
+def _round_up(n: int) -> int:
+    return -(-n // ALIGN) * ALIGN

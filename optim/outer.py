@@ -23,7 +23,7 @@ from typing import Any, Iterable
 import torch
 from torch.nn.utils import parameters_to_vector, vector_to_parameters
 
-from groundswell.compression import Codec, Payload
+from groundswell.compression import Codec, Payload, decode_segments, encode_segments, segment_size
 
 from .exchange import Exchange, RoundFailed, RoundResult
 
@@ -34,18 +34,21 @@ class PendingRound:
 
     round_id: int
     local: torch.Tensor  # theta_local at prepare time (flat fp32)
-    payload: Payload
+    payloads: list[Payload]  # the contribution, one payload per segment of the flat vector
 
 
 class OuterOptimizer(ABC):
     """Base of the outer (cross-worker) optimizers; subclasses define the update rule."""
 
-    def __init__(self, params: Iterable[torch.nn.Parameter], codec: Codec) -> None:
+    def __init__(self, params: Iterable[torch.nn.Parameter], codec: Codec, segment: int | None = None) -> None:
         self.params = [p for p in params]
         if not self.params:
             raise ValueError("the outer optimizer needs at least one parameter")
         self.codec = codec
         self.global_params = parameters_to_vector(self.params).detach().float().clone()
+        # Contributions are encoded segment by segment so the swarm can shard them (see
+        # groundswell.compression.segments); 16 segments unless the caller says otherwise.
+        self.segment = segment or segment_size(self.global_params.numel())
         self.round_id = 0  # the next round to run; advances only when a round is applied
         self.pending: PendingRound | None = None
 
@@ -54,15 +57,15 @@ class OuterOptimizer(ABC):
         """The model's current parameters as one flat fp32 vector."""
         return parameters_to_vector(self.params).detach().float()
 
-    def prepare(self) -> Payload:
+    def prepare(self) -> list[Payload]:
         """Compute this worker's contribution for the current round; it stays pending until
         `apply` learns whether the round absorbed it."""
         if self.pending is not None:
             raise RuntimeError(f"round {self.pending.round_id} is still pending; apply it first")
         local = self.local_vector().clone()
-        payload = self._encode_contribution(self.global_params - local)
-        self.pending = PendingRound(self.round_id, local, payload)
-        return payload
+        payloads = self._encode_contribution(self.global_params - local)
+        self.pending = PendingRound(self.round_id, local, payloads)
+        return payloads
 
     def apply(self, result: RoundResult | None) -> None:
         """Apply the round's aggregate, or `None` if the round failed (then it is retried)."""
@@ -88,10 +91,24 @@ class OuterOptimizer(ABC):
         vector_to_parameters((new_global + progress).to(self.params[0].dtype), self.params)
         self.global_params = new_global
 
+    def follow(self, round_id: int, mean: torch.Tensor) -> None:
+        """Apply a round this worker did not contribute to (a follower, or catching up): the
+        global parameters take the outer step and the local progress rides along."""
+        if self.pending is not None:
+            raise RuntimeError("follow() with a round pending; apply it first")
+        if round_id != self.round_id:
+            raise ValueError(f"cannot apply round {round_id}: the next round here is {self.round_id}")
+        old_global = self.global_params
+        new_global = old_global + self._outer_step(mean.to(old_global.device, torch.float32))
+        progress = self.local_vector() - old_global
+        vector_to_parameters((new_global + progress).to(self.params[0].dtype), self.params)
+        self.global_params = new_global
+        self.round_id += 1
+
     def sync(self, exchange: Exchange) -> RoundResult | None:
         """One blocking round: prepare, contribute, collect, apply. None if the round failed."""
-        payload = self.prepare()
-        exchange.contribute(self.round_id, payload)
+        payloads = self.prepare()
+        exchange.contribute(self.round_id, payloads)
         try:
             result: RoundResult | None = exchange.collect(self.round_id)
         except RoundFailed:
@@ -101,8 +118,17 @@ class OuterOptimizer(ABC):
 
     # --- what subclasses define --------------------------------------------------------------
     @abstractmethod
-    def _encode_contribution(self, delta: torch.Tensor) -> Payload:
-        """Turn this round's pseudo-gradient into the payload to send."""
+    def _encode_contribution(self, delta: torch.Tensor) -> list[Payload]:
+        """Turn this round's pseudo-gradient into the segment payloads to send."""
+
+    def encode(self, vector: torch.Tensor) -> list[Payload]:
+        """Encode a flat vector segment by segment with this optimizer's codec."""
+        return encode_segments(self.codec, vector, self.segment)
+
+    def decode(self, payloads: list[Payload]) -> torch.Tensor:
+        """Decode a contribution (all segments) into a flat fp32 vector."""
+        return decode_segments(self.codec, payloads, self.global_params.numel(), self.segment,
+                               device=self.global_params.device)
 
     @abstractmethod
     def _settle_contribution(self, pending: PendingRound, result: RoundResult | None) -> bool:

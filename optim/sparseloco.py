@@ -37,19 +37,23 @@ class SparseLoCo(OuterOptimizer):
     """SparseLoCo outer optimizer over an `Exchange` (see `OuterOptimizer` for the round API)."""
 
     def __init__(
-        self, params: Iterable[torch.nn.Parameter], codec: Codec, config: SparseLoCoConfig = SparseLoCoConfig()
+        self,
+        params: Iterable[torch.nn.Parameter],
+        codec: Codec,
+        config: SparseLoCoConfig = SparseLoCoConfig(),
+        segment: int | None = None,
     ):
-        super().__init__(params, codec)
+        super().__init__(params, codec, segment)
         self.config = config
         self.error = torch.zeros_like(self.global_params)
 
-    def _encode_contribution(self, delta: torch.Tensor) -> Payload:
+    def _encode_contribution(self, delta: torch.Tensor) -> list[Payload]:
         self.error.mul_(self.config.error_decay).add_(delta)
-        return self.codec.encode(self.error)
+        return self.encode(self.error)
 
     def _settle_contribution(self, pending: PendingRound, result: RoundResult | None) -> bool:
         if result is not None and result.included:
-            self.error -= self.codec.decode(pending.payload, device=self.error.device)
+            self.error -= self.decode(pending.payloads)
         return True  # either sent and applied, or still held in the error feedback
 
     def _outer_step(self, mean: torch.Tensor) -> torch.Tensor:

@@ -1,0 +1,253 @@
+"""Swarm commands of the `groundswell` CLI: keygen, launch, join, status, simulate."""
+
+from __future__ import annotations
+
+import json
+import logging
+import signal
+import sys
+import time
+from pathlib import Path
+from typing import Optional
+
+import typer
+from rich.live import Live
+from rich.table import Table
+
+from .cli import _set_threads, _user_errors, app, console
+
+
+def _identity(path: Optional[Path], state_dir: Optional[Path]):
+    from groundswell.protocol.identity import Identity
+
+    path = path or ((state_dir or Path.home() / ".groundswell") / "identity.key")
+    path.parent.mkdir(parents=True, exist_ok=True)
+    return Identity.load_or_generate(path), path
+
+
+def _stop_on_signals():
+    from .roles import StopFlag
+
+    stop = StopFlag()
+    presses = {"n": 0}
+
+    def handler(signum, frame):  # first press: finish this round cleanly; second: leave now
+        presses["n"] += 1
+        if presses["n"] > 1:
+            raise KeyboardInterrupt
+        console.print("[yellow]stopping after this round (Ctrl+C again to leave at once)[/]")
+        stop.set()
+
+    signal.signal(signal.SIGINT, handler)
+    signal.signal(signal.SIGTERM, handler)
+    return stop
+
+
+def _logging(verbose: bool) -> None:
+    logging.basicConfig(level=logging.INFO if verbose else logging.WARNING, stream=sys.stderr,
+                        format="%(asctime)s %(name)s %(levelname)s %(message)s")
+
+
+@app.command()
+@_user_errors
+def keygen(path: Path = typer.Argument(..., help="Where to write the identity (Ed25519, libp2p format)."),
+           force: bool = typer.Option(False, help="Overwrite an existing file.")) -> None:
+    """Write a new Ed25519 identity; prints its peer id."""
+    from groundswell.protocol.identity import Identity
+
+    ident = Identity.generate()
+    try:
+        ident.save(path, overwrite=force)
+    except FileExistsError:
+        raise FileExistsError(f"{path} exists; pass --force to overwrite it") from None
+    print(ident.peer_id)
+
+
+def _round_table(rows: list, header: str) -> Table:
+    table = Table(title=header, expand=False)
+    for col in ("round", "status", "contributors", "eval loss", "bytes sent", "round s"):
+        table.add_column(col, justify="right")
+    for info in rows[-12:]:
+        table.add_row(str(info.round), info.status, str(info.contributors),
+                      "" if info.eval_loss != info.eval_loss else f"{info.eval_loss:.4f}",
+                      f"{info.bytes_sent / 1e6:.2f} MB" if info.bytes_sent else "", f"{info.round_s:.1f}")
+    return table
+
+
+@app.command()
+@_user_errors
+def launch(
+    manifest_path: Path = typer.Argument(..., help="The run manifest (TOML)."),
+    listen: list[str] = typer.Option(["/ip4/0.0.0.0/tcp/0"], help="Multiaddr(s) to listen on."),
+    announce: list[str] = typer.Option([], help="Multiaddr(s) to announce (public address behind a port forward)."),
+    identity: Optional[Path] = typer.Option(None, help="Identity file [default: STATE_DIR/identity.key]."),
+    state_dir: Path = typer.Option(Path("groundswell-run"), help="Checkpoints and logs; reuse it to resume."),
+    quiet: bool = typer.Option(False, help="No live table (for scripts)."),
+    verbose: bool = typer.Option(False, help="Log protocol events."),
+    threads: int = typer.Option(0, help="torch threads (0 = default)."),
+) -> None:
+    """Coordinate a run: bootstrap/relay peer, signed manifest, state for joiners, checkpoints."""
+    from .manifest import format_bootstrap, load_manifest_toml, sign_manifest
+    from .participant import Participant
+    from .roles import run_coordinator
+    from .swarm import NodeOptions
+
+    _logging(verbose)
+    _set_threads(threads)
+    manifest = load_manifest_toml(manifest_path)
+    ident, ident_path = _identity(identity, state_dir)
+    signed = sign_manifest(manifest, ident).to_bytes()
+    opts = NodeOptions(host_maddrs=listen, announce_maddrs=announce, role="coordinator", trains=False, serves=True)
+    p = Participant(manifest, signed, ident, str(ident_path), opts, state_dir)
+    stop = _stop_on_signals()
+    p.start_network()
+    boot = format_bootstrap(ident.peer_id, p.node.maddrs)
+    (state_dir / "bootstrap.txt").write_text(boot + "\n")
+    console.print(f"[bold]run {manifest.run.id}[/] coordinated by {ident.peer_id}")
+    console.print(f"volunteers join with:\n  groundswell join '{boot}'", highlight=False, soft_wrap=True)
+    rows: list = []
+    try:
+        if quiet:
+            run_coordinator(p, stop=stop)
+        else:
+            with Live(_round_table(rows, manifest.run.id), console=console, refresh_per_second=2) as live:
+                def on_round(info):
+                    rows.append(info)
+                    live.update(_round_table(rows, f"{manifest.run.id}: round {info.round + 1}"))
+
+                run_coordinator(p, stop=stop, on_round=on_round)
+    finally:
+        p.node.close()
+
+
+@app.command()
+@_user_errors
+def join(
+    bootstrap: str = typer.Argument(..., help="The line `groundswell launch` printed (gs1:...)."),
+    identity: Optional[Path] = typer.Option(None, help="Identity file [default: STATE_DIR/identity.key]."),
+    device: str = typer.Option("cpu", help="cpu or cuda."),
+    state_dir: Path = typer.Option(Path("groundswell-peer"), help="Checkpoints and logs; reuse it to resume."),
+    max_rounds: Optional[int] = typer.Option(None, help="Leave after this many applied rounds."),
+    listen: list[str] = typer.Option(["/ip4/0.0.0.0/tcp/0"], help="Multiaddr(s) to listen on."),
+    quiet: bool = typer.Option(False, help="No progress display (for scripts)."),
+    verbose: bool = typer.Option(False, help="Log protocol events."),
+    threads: int = typer.Option(0, help="torch threads (0 = default)."),
+) -> None:
+    """Join a run as a volunteer: verify the manifest, download the state, train and exchange."""
+    from .manifest import SignedManifest, parse_bootstrap
+    from .participant import Participant
+    from .roles import run_volunteer
+    from .swarm import NodeOptions, SwarmNode
+
+    _logging(verbose)
+    _set_threads(threads)
+    if device.startswith("cuda"):
+        import torch
+
+        if not torch.cuda.is_available():
+            raise FileNotFoundError("--device cuda was asked for, but torch sees no CUDA device")
+    boot = parse_bootstrap(bootstrap)
+    ident, ident_path = _identity(identity, state_dir)
+    state_dir.mkdir(parents=True, exist_ok=True)
+    opts = NodeOptions(host_maddrs=listen, initial_peers=boot.maddrs, role="volunteer", trains=True, serves=True)
+    node = SwarmNode(ident, str(ident_path), opts)
+    node.start()
+    try:
+        peers = [m.rsplit("/p2p/", 1)[1] for m in boot.maddrs]
+        signed = node.call(node.fetch_manifest(peers), timeout_s=60)
+        manifest = SignedManifest.from_bytes(signed).verify(boot.coordinator_id)
+        console.print(f"joined run [bold]{manifest.run.id}[/] as {ident.peer_id} (manifest verified)")
+        p = Participant(manifest, signed, ident, str(ident_path), opts, state_dir, device=device, node=node)
+        stop = _stop_on_signals()
+
+        def on_round(info):
+            if not quiet:
+                console.print(f"round {info.round}: {info.status}"
+                              + (f", {'in' if info.included else 'NOT in'} aggregate of {info.contributors}, "
+                                 f"eval {info.eval_loss:.4f}, {info.bytes_sent / 1e6:.2f} MB, {info.round_s:.1f} s, "
+                                 f"{info.tokens_per_s:,.0f} tok/s" if info.status == "applied" else ""),
+                              highlight=False)
+
+        run_volunteer(p, peers, max_rounds=max_rounds, stop=stop, on_round=on_round)
+        console.print("left the run cleanly")
+    finally:
+        node.close()
+
+
+@app.command()
+@_user_errors
+def status(
+    bootstrap: str = typer.Argument(..., help="A bootstrap line (gs1:...)."),
+    as_json: bool = typer.Option(False, "--json", help="Print JSON."),
+) -> None:
+    """The run as the DHT sees it: peers, rounds, parameter hashes."""
+    from groundswell.protocol.identity import Identity
+
+    from .manifest import SignedManifest, parse_bootstrap
+    from .swarm import NodeOptions, SwarmNode
+
+    boot = parse_bootstrap(bootstrap)
+    ident = Identity.generate()
+    import tempfile
+
+    with tempfile.TemporaryDirectory() as tmp:
+        path = Path(tmp) / "id.key"
+        ident.save(path)
+        node = SwarmNode(ident, str(path), NodeOptions(initial_peers=boot.maddrs, trains=False, serves=False))
+        node.start()
+        try:
+            peers = [m.rsplit("/p2p/", 1)[1] for m in boot.maddrs]
+            manifest = SignedManifest.from_bytes(node.call(node.fetch_manifest(peers), timeout_s=60)).verify(
+                boot.coordinator_id)
+            time.sleep(0.5)
+            records = node.call(node.peer_records(manifest.run.id), timeout_s=30)
+        finally:
+            node.close()
+    rows = [{"peer": pid, "role": r.role, "round": r.round, "params_hash": r.params_hash, "trains": r.trains,
+             "serves": r.serves, "reachability": r.reachability, "loss": r.loss, "bytes_sent": r.bytes_sent,
+             "age_s": round(time.time() - r.updated, 1)} for pid, r in sorted(records.items())]
+    if as_json:
+        print(json.dumps({"run": manifest.run.id, "peers": rows}, indent=2))
+        return
+    table = Table(title=f"run {manifest.run.id}: {len(rows)} peers online")
+    for col in ("peer", "role", "round", "params hash", "loss", "sent", "age"):
+        table.add_column(col)
+    for row in rows:
+        table.add_row(row["peer"][-10:], row["role"], str(row["round"]), row["params_hash"], f"{row['loss']:.4f}",
+                      f"{row['bytes_sent'] / 1e6:.1f} MB", f"{row['age_s']} s")
+    console.print(table)
+
+
+@app.command()
+@_user_errors
+def simulate(
+    peers: int = typer.Option(4, help="Volunteer processes."),
+    rounds: int = typer.Option(10, help="Rounds each volunteer applies before leaving."),
+    preset: str = typer.Option("tiny", help="Model preset or module:callable."),
+    algorithm: str = typer.Option("sparseloco", help="diloco or sparseloco."),
+    codec: str = typer.Option("", help="Outer codec [default: the algorithm's]."),
+    inner_steps: int = typer.Option(20, "--inner-steps", "-H", help="Inner steps per round."),
+    batch_size: int = typer.Option(8, help="Inner batch size."),
+    deadline: float = typer.Option(30.0, help="Round deadline in seconds."),
+    min_peers: int = typer.Option(2, help="Contributions a round needs."),
+    outer_lr: float = typer.Option(0.0, help="Outer learning rate [default: the algorithm's]."),
+    seed: int = typer.Option(0, help="Run seed."),
+    out: Path = typer.Option(Path("sim-out"), help="Output folder (report.json, logs)."),
+) -> None:
+    """A coordinator and N volunteers on 127.0.0.1 (real libp2p), R rounds; writes OUT/report.json."""
+    from .simulate import SimulateOptions, run_simulation
+
+    opts = SimulateOptions(peers=peers, rounds=rounds, preset=preset, algorithm=algorithm, codec=codec,
+                           inner_steps=inner_steps, batch_size=batch_size, deadline_s=deadline,
+                           min_peers=min(min_peers, peers), seed=seed, outer_lr=outer_lr)
+    report = run_simulation(opts, out, progress=lambda m: console.print(m, highlight=False))
+    losses = report["eval_loss_by_round"]
+    console.print(
+        f"[bold]{report['rounds_completed']}/{report['rounds_target']} rounds[/], {report['peers']} peers, "
+        f"{report['codec']}: held-out loss {losses[0]:.3f} -> {losses[-1]:.3f}; "
+        f"{report['bytes_sent_per_peer_per_round'] / 1e3:,.1f} kB/peer/round "
+        f"(dense ring: {report['dense_fp32_ring_bytes_per_peer_per_round'] / 1e3:,.0f} kB); "
+        f"hashes agree: {report['param_hash_agreement']}; {report['wall_s']:.0f} s; report: {out / 'report.json'}"
+        if losses else f"no round completed; see the logs in {out}",
+        highlight=False,
+    )

@@ -1,0 +1,396 @@
+"""The run manifest: one signed TOML document that every peer of a run trains by.
+
+The coordinator writes the TOML, `sign_manifest` turns it into canonical bytes signed with the
+coordinator's identity, and volunteers only accept a manifest signed by the coordinator named in
+their bootstrap string (`gs1:<coordinator>@<maddr>,...`). Verification rebuilds the manifest with
+the same strict loader as the TOML, so a signed but malformed manifest is still rejected.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import math
+import os
+import re
+import typing
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import msgpack
+import tomllib
+from groundswell.peer.config import (
+    ConfigError,
+    DataSection,
+    EvalSection,
+    InnerSection,
+    ModelSection,
+    OuterSection,
+    from_mapping,
+    to_mapping,
+)
+from groundswell.protocol.identity import (
+    SIGNATURE_BYTES,
+    Identity,
+    IdentityError,
+    public_key_from_peer_id,
+    verify,
+)
+
+MANIFEST_VERSION = 1
+MAX_MANIFEST_BYTES = 1 << 20
+MAX_ALLOWLIST = 10_000
+# signatures are domain-separated: the same identity also signs round messages
+_SIGNING_DOMAIN = b"groundswell/manifest/v1\x00"
+_RUN_ID = re.compile(r"[a-z0-9-]{1,48}")
+_INT64 = (-(1 << 63), (1 << 63) - 1)
+
+
+class ManifestError(ValueError):
+    """A signed manifest is malformed, badly signed, or signed by the wrong coordinator."""
+
+
+class BootstrapError(ValueError):
+    """A bootstrap string (or one of its multiaddrs) is malformed."""
+
+
+@dataclass(frozen=True)
+class _RunScalars:
+    """The [run] keys that the shared loader can type-check (it has no list type)."""
+
+    id: str = ""
+    open: bool = False  # true: anyone may contribute; false: only the allowlist
+    min_peers: int = 1
+    seed: int = 0
+
+
+@dataclass(frozen=True)
+class RunSection(_RunScalars):
+    """Who the run is: its id, who may contribute, and how many peers it needs."""
+
+    allowlist: tuple[str, ...] = ()  # Ed25519 peer ids (12D3KooW...)
+
+    def __post_init__(self) -> None:
+        if not _RUN_ID.fullmatch(self.id):
+            raise ConfigError(f"run.id must be 1-48 characters of [a-z0-9-], got {self.id!r}")
+        if self.min_peers < 1:
+            raise ConfigError(f"run.min_peers must be >= 1, got {self.min_peers}")
+        if not 0 <= self.seed <= _INT64[1]:
+            raise ConfigError(f"run.seed must be in [0, 2**63), got {self.seed}")
+        for i, peer_id in enumerate(self.allowlist):
+            try:
+                public_key_from_peer_id(peer_id)
+            except IdentityError as exc:
+                raise ConfigError(f"run.allowlist[{i}]: {exc}") from None
+        if len(set(self.allowlist)) != len(self.allowlist):
+            raise ConfigError("run.allowlist lists a peer id twice")
+        if self.open and self.allowlist:
+            raise ConfigError("run.open = true and run.allowlist exclude each other; choose one")
+        if not self.open and not self.allowlist:
+            raise ConfigError("a closed run needs run.allowlist (peer ids); or set run.open = true")
+
+
+@dataclass(frozen=True)
+class RoundSection:
+    """Round timing: how long a round may take and how many shards a contribution may have."""
+
+    deadline_s: float = 30.0
+    slack_s: float = 5.0  # late contributions within the slack still count
+    max_shards: int = 16
+
+    def __post_init__(self) -> None:
+        if not self.deadline_s > 0:
+            raise ConfigError(f"round.deadline_s must be positive, got {self.deadline_s}")
+        if not self.slack_s >= 0:
+            raise ConfigError(f"round.slack_s must be >= 0, got {self.slack_s}")
+        if self.max_shards < 1:
+            raise ConfigError(f"round.max_shards must be >= 1, got {self.max_shards}")
+
+
+@dataclass(frozen=True)
+class CheckpointSection:
+    """How often the coordinator checkpoints the global model, and how many it keeps."""
+
+    every_rounds: int = 10
+    keep: int = 3
+
+    def __post_init__(self) -> None:
+        if self.every_rounds < 1 or self.keep < 1:
+            raise ConfigError("checkpoint.every_rounds and checkpoint.keep must be >= 1")
+
+
+@dataclass(frozen=True)
+class RunManifest:
+    """Everything a peer needs to join a run, apart from where to find other peers."""
+
+    run: RunSection
+    model: ModelSection = field(default_factory=ModelSection)
+    data: DataSection = field(default_factory=DataSection)
+    inner: InnerSection = field(default_factory=InnerSection)
+    outer: OuterSection = field(default_factory=OuterSection)
+    round: RoundSection = field(default_factory=RoundSection)
+    checkpoint: CheckpointSection = field(default_factory=CheckpointSection)
+    eval: EvalSection = field(default_factory=EvalSection)
+
+    def __post_init__(self) -> None:
+        if self.outer.algorithm == "single":
+            raise ConfigError("outer.algorithm 'single' trains alone; a run needs a multi-peer algorithm")
+        # the manifest is signed as msgpack: numbers must be representable and unambiguous
+        _check_numbers(to_mapping(self), "")
+
+    def to_mapping(self) -> dict[str, Any]:
+        """Plain nested dicts (lists for the allowlist), as loaded from TOML."""
+        return to_mapping(self)
+
+    def canonical_bytes(self) -> bytes:
+        """Deterministic msgpack of the manifest: keys sorted at every level."""
+        return msgpack.packb(_sorted(to_mapping(self)), use_bin_type=True)
+
+
+def _check_numbers(value: Any, where: str) -> None:
+    if isinstance(value, dict):
+        for key, item in value.items():
+            _check_numbers(item, f"{where}.{key}" if where else key)
+    elif isinstance(value, (list, tuple)):
+        for i, item in enumerate(value):
+            _check_numbers(item, f"{where}[{i}]")
+    elif isinstance(value, float) and not math.isfinite(value):
+        raise ConfigError(f"{where} must be a finite number, got {value}")
+    elif isinstance(value, int) and not _INT64[0] <= value <= _INT64[1]:
+        raise ConfigError(f"{where} is out of the 64-bit integer range: {value}")
+
+
+def _sorted(value: Any) -> Any:
+    if isinstance(value, dict):
+        return {key: _sorted(value[key]) for key in sorted(value)}
+    if isinstance(value, (list, tuple)):
+        return [_sorted(item) for item in value]
+    return value
+
+
+def manifest_from_mapping(data: Mapping[str, Any]) -> RunManifest:
+    """Build a RunManifest strictly from nested dicts (parsed TOML or a verified signed manifest)."""
+    if not isinstance(data, Mapping):
+        raise ConfigError(f"the manifest must be a table, got {type(data).__name__}")
+    _check_keys(data, "")  # msgpack may also produce bytes keys, which the shared loader can't sort
+    known = {f.name for f in dataclasses.fields(RunManifest)}
+    unknown = sorted(set(data) - known)
+    if unknown:
+        raise ConfigError(f"unknown key {unknown[0]!r}; known sections: {', '.join(sorted(known))}")
+    if "run" not in data:
+        raise ConfigError("the manifest needs a [run] section")
+    hints = typing.get_type_hints(RunManifest)
+    sections: dict[str, Any] = {"run": _run_from_mapping(data["run"])}
+    for name, value in data.items():
+        if name != "run":
+            sections[name] = from_mapping(hints[name], value, name)
+    return RunManifest(**sections)
+
+
+def _check_keys(value: Any, where: str) -> None:
+    if isinstance(value, Mapping):
+        for key, item in value.items():
+            if not isinstance(key, str):
+                raise ConfigError(f"{where or 'the manifest'} has a non-string key {key!r}")
+            _check_keys(item, f"{where}.{key}" if where else key)
+    elif isinstance(value, (list, tuple)):
+        for i, item in enumerate(value):
+            _check_keys(item, f"{where}[{i}]")
+
+
+def _run_from_mapping(data: Any) -> RunSection:
+    if not isinstance(data, Mapping):
+        raise ConfigError(f"run must be a table, got {type(data).__name__}")
+    known = [f.name for f in dataclasses.fields(RunSection)]
+    unknown = sorted(set(data) - set(known))
+    if unknown:
+        raise ConfigError(f"unknown key 'run.{unknown[0]}'; known keys: {', '.join(known)}")
+    scalars = dict(data)
+    allowlist = scalars.pop("allowlist", [])
+    if not isinstance(allowlist, (list, tuple)) or len(allowlist) > MAX_ALLOWLIST:
+        raise ConfigError(f"run.allowlist must be a list of at most {MAX_ALLOWLIST} peer ids")
+    typed = from_mapping(_RunScalars, scalars, "run")
+    return RunSection(**dataclasses.asdict(typed), allowlist=tuple(allowlist))
+
+
+def load_manifest_toml(path: str | os.PathLike[str]) -> RunManifest:
+    """Load and validate a run manifest TOML file; ConfigError names the bad key."""
+    try:
+        with open(path, "rb") as f:
+            text = f.read(MAX_MANIFEST_BYTES + 1)
+    except OSError as exc:
+        raise ConfigError(f"cannot read manifest {os.fspath(path)}: {exc.strerror}") from None
+    if len(text) > MAX_MANIFEST_BYTES:
+        raise ConfigError(f"{os.fspath(path)} is larger than {MAX_MANIFEST_BYTES} bytes")
+    try:
+        data = tomllib.loads(text.decode("utf-8"))
+    except (UnicodeDecodeError, tomllib.TOMLDecodeError) as exc:
+        raise ConfigError(f"{os.fspath(path)}: invalid TOML: {exc}") from None
+    try:
+        return manifest_from_mapping(data)
+    except ConfigError as exc:
+        raise ConfigError(f"{os.fspath(path)}: {exc}") from None
+
+
+@dataclass(frozen=True)
+class SignedManifest:
+    """A manifest's canonical bytes, the coordinator's peer id, and its Ed25519 signature."""
+
+    manifest_bytes: bytes
+    coordinator: str
+    signature: bytes
+
+    @property
+    def signed_bytes(self) -> bytes:
+        """Exactly what the coordinator signs: domain tag, coordinator id, manifest bytes."""
+        return _SIGNING_DOMAIN + self.coordinator.encode() + b"\x00" + self.manifest_bytes
+
+    @property
+    def digest(self) -> str:
+        """sha256 hex of the signed bytes: names this manifest and its coordinator."""
+        return hashlib.sha256(self.signed_bytes).hexdigest()
+
+    def to_bytes(self) -> bytes:
+        """The wire form (msgpack)."""
+        return msgpack.packb(
+            [MANIFEST_VERSION, self.coordinator, self.manifest_bytes, self.signature], use_bin_type=True
+        )
+
+    @classmethod
+    def from_bytes(cls, data: bytes, max_bytes: int = MAX_MANIFEST_BYTES) -> SignedManifest:
+        """Parse the wire form strictly (does not check the signature; `verify` does)."""
+        if not isinstance(data, (bytes, bytearray, memoryview)):
+            raise ManifestError(f"a signed manifest is bytes, got {type(data).__name__}")
+        if len(data) > max_bytes:
+            raise ManifestError(f"signed manifest is {len(data)} bytes; the limit is {max_bytes}")
+        try:
+            obj = msgpack.unpackb(bytes(data), raw=False, use_list=True, strict_map_key=True)
+        except Exception as exc:  # noqa: BLE001 - msgpack raises many types (ExtraData, FormatError, ValueError, ...)
+            raise ManifestError(f"signed manifest is not valid msgpack: {type(exc).__name__}") from None
+        if not isinstance(obj, list) or len(obj) != 4:
+            raise ManifestError("signed manifest must be a 4-element array")
+        version, coordinator, manifest_bytes, signature = obj
+        if type(version) is not int or version != MANIFEST_VERSION:
+            raise ManifestError(
+                f"unsupported signed manifest version {version!r}; expected {MANIFEST_VERSION}"
+            )
+        if not isinstance(coordinator, str):
+            raise ManifestError("signed manifest coordinator must be a peer id string")
+        try:
+            public_key_from_peer_id(coordinator)
+        except IdentityError as exc:
+            raise ManifestError(f"signed manifest coordinator: {exc}") from None
+        if not isinstance(manifest_bytes, bytes) or not manifest_bytes:
+            raise ManifestError("signed manifest body must be non-empty bytes")
+        if not isinstance(signature, bytes) or len(signature) != SIGNATURE_BYTES:
+            raise ManifestError(f"signed manifest signature must be {SIGNATURE_BYTES} bytes")
+        return cls(manifest_bytes, coordinator, signature)
+
+    def verify(self, expected_coordinator: str) -> RunManifest:
+        """Check signer and signature, then rebuild the manifest strictly; ManifestError if any fails."""
+        if self.coordinator != expected_coordinator:
+            raise ManifestError(
+                f"manifest is signed by {self.coordinator}, not by the expected coordinator {expected_coordinator}"
+            )
+        if not verify(self.coordinator, self.signed_bytes, self.signature):
+            raise ManifestError("manifest signature does not verify")
+        try:
+            data = msgpack.unpackb(self.manifest_bytes, raw=False, use_list=True, strict_map_key=True)
+        except Exception as exc:  # noqa: BLE001 - msgpack raises many types (ExtraData, FormatError, ValueError, ...)
+            raise ManifestError(f"signed manifest body is not valid msgpack: {type(exc).__name__}") from None
+        try:
+            manifest = manifest_from_mapping(data)
+        except ConfigError as exc:
+            raise ManifestError(f"signed manifest is invalid: {exc}") from None
+        # one manifest, one byte string: otherwise equal runs could have different digests
+        if manifest.canonical_bytes() != self.manifest_bytes:
+            raise ManifestError("signed manifest is not in canonical form")
+        return manifest
+
+
+def sign_manifest(manifest: RunManifest, identity: Identity) -> SignedManifest:
+    """Sign `manifest` as its coordinator."""
+    unsigned = SignedManifest(manifest.canonical_bytes(), identity.peer_id, b"")
+    return dataclasses.replace(unsigned, signature=identity.sign(unsigned.signed_bytes))
+
+
+# ---- bootstrap strings -------------------------------------------------------------------------
+
+BOOTSTRAP_PREFIX = "gs1:"
+MAX_BOOTSTRAP_MADDRS = 32
+_MAX_BOOTSTRAP_CHARS = 8192
+
+
+@dataclass(frozen=True)
+class Bootstrap:
+    """Where to join a run: the coordinator's peer id and multiaddrs of live peers."""
+
+    coordinator_id: str
+    maddrs: tuple[str, ...]
+
+    def __str__(self) -> str:
+        return format_bootstrap(self.coordinator_id, self.maddrs)
+
+
+def format_bootstrap(coordinator_id: str, maddrs: Sequence[str]) -> str:
+    """`gs1:<coordinator>@<maddr>[,<maddr>...]`, validated so that `parse_bootstrap` accepts it."""
+    maddrs = [str(m) for m in maddrs]  # hivemind hands out Multiaddr objects
+    bootstrap = _checked(coordinator_id, maddrs)
+    return f"{BOOTSTRAP_PREFIX}{bootstrap.coordinator_id}@{','.join(bootstrap.maddrs)}"
+
+
+def parse_bootstrap(text: str) -> Bootstrap:
+    """Parse `gs1:<coordinator>@<maddr>,...` or a plain multiaddr `/.../p2p/<coordinator>`."""
+    if not isinstance(text, str):
+        raise BootstrapError(f"a bootstrap string is text, got {type(text).__name__}")
+    text = text.strip()  # pasted from a terminal
+    if len(text) > _MAX_BOOTSTRAP_CHARS:
+        raise BootstrapError(f"bootstrap string is longer than {_MAX_BOOTSTRAP_CHARS} characters")
+    if text.startswith("/"):
+        maddr = _check_maddr(text)
+        return _checked(maddr.rsplit("/p2p/", 1)[1], [maddr])
+    if re.match(r"gs\d+:", text) and not text.startswith(BOOTSTRAP_PREFIX):
+        raise BootstrapError(f"unsupported bootstrap version {text.split(':', 1)[0]!r}; this peer reads gs1")
+    if not text.startswith(BOOTSTRAP_PREFIX):
+        raise BootstrapError(
+            "a bootstrap string looks like 'gs1:<coordinator peer id>@<multiaddr>[,<multiaddr>...]' "
+            "or a multiaddr ending in /p2p/<coordinator peer id>"
+        )
+    coordinator_id, at, maddr_list = text[len(BOOTSTRAP_PREFIX) :].partition("@")
+    if not at or not maddr_list:
+        raise BootstrapError("bootstrap string has no '@<multiaddr>' after the coordinator id")
+    return _checked(coordinator_id, [m.strip() for m in maddr_list.split(",")])
+
+
+def _checked(coordinator_id: str, maddrs: Sequence[str]) -> Bootstrap:
+    try:
+        public_key_from_peer_id(coordinator_id)
+    except IdentityError as exc:
+        raise BootstrapError(f"bootstrap coordinator: {exc}") from None
+    if not maddrs:
+        raise BootstrapError("a bootstrap string needs at least one multiaddr")
+    if len(maddrs) > MAX_BOOTSTRAP_MADDRS:
+        raise BootstrapError(
+            f"a bootstrap string has at most {MAX_BOOTSTRAP_MADDRS} multiaddrs, got {len(maddrs)}"
+        )
+    checked = tuple(_check_maddr(m) for m in maddrs)
+    if len(set(checked)) != len(checked):
+        raise BootstrapError("bootstrap string lists a multiaddr twice")
+    return Bootstrap(coordinator_id, checked)
+
+
+def _check_maddr(text: str) -> str:
+    from hivemind.utils.multiaddr import Multiaddr
+
+    if not text:
+        raise BootstrapError("empty multiaddr in bootstrap string")
+    try:
+        maddr = Multiaddr(text)
+        protocols = [p.name for p in maddr.protocols()]
+    except Exception as exc:  # noqa: BLE001 - the multiaddr parser raises ValueError subclasses and a few others
+        raise BootstrapError(f"invalid multiaddr {text!r}: {exc}") from None
+    # libp2p dials bootstrap peers by id, so every address must say whose it is
+    if len(protocols) < 2 or protocols[-1] != "p2p":
+        raise BootstrapError(f"multiaddr {text!r} must end in /p2p/<peer id>")
+    return str(maddr)

@@ -1,0 +1,259 @@
+"""A participant of a run: the model, the outer optimizer's global state, the network node, and
+the checkpoints. The volunteer (`join`) and the coordinator (`launch`) are both participants;
+the volunteer trains and contributes, the coordinator follows every round and serves.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from groundswell.compression import make_codec, segment_bounds, segment_size
+from groundswell.optim import DiLoCo, DiLoCoConfig, OuterOptimizer, SparseLoCo, SparseLoCoConfig
+from groundswell.protocol.identity import Identity
+from groundswell.protocol.schema import Decision, ProtocolError, StateReply, StateRequest
+from groundswell.protocol.transport import PeerUnavailable, seal, unseal
+
+from .data import Corpus, evaluate, heldout_batches, load_corpus
+from .manifest import RunManifest
+from .swarm import GlobalState, NodeOptions, RunContext, SwarmNode, params_hash
+from .workload import Workload, build_workload
+
+log = logging.getLogger(__name__)
+
+
+def make_outer(manifest: RunManifest, params: Any, numel: int) -> OuterOptimizer:
+    """The run's outer optimizer over `params`, segmented for up to `max_shards` shards."""
+    o = manifest.outer
+    opts = {"chunk": o.chunk, "k": o.topk} if o.codec_name == "sparseloco" else {}
+    codec = make_codec(o.codec_name, **opts)
+    segment = segment_size(numel, manifest.round.max_shards)
+    if o.algorithm == "sparseloco":
+        return SparseLoCo(params, codec, SparseLoCoConfig(lr=o.lr_value, error_decay=o.error_decay), segment)
+    if o.algorithm == "diloco":
+        return DiLoCo(params, codec, DiLoCoConfig(lr=o.lr_value, momentum=o.momentum), segment)
+    raise ValueError(f"outer.algorithm {o.algorithm!r} cannot run in a swarm")
+
+
+def run_context(manifest: RunManifest, outer: OuterOptimizer) -> RunContext:
+    """The round protocol's view of the run."""
+    numel = outer.global_params.numel()
+    numels = tuple(b - a for a, b in segment_bounds(numel, outer.segment))
+    # A contribution can never need more than fp32 of the whole vector plus envelopes.
+    budget = 4 * numel + 64 * len(numels) + 4096
+    allow = frozenset(manifest.run.allowlist) if not manifest.run.open else None
+    return RunContext(manifest.run.id, manifest.run.min_peers, manifest.round.deadline_s, manifest.round.slack_s,
+                      manifest.round.max_shards, numels, outer.codec, budget, allow)
+
+
+def genesis_decision(identity: Identity, run_id: str) -> bytes:
+    """The signed decision of round -1: the coordinator alone serves round 0."""
+    d = Decision(-1, 0, "commit", [], [], [identity.peer_id], identity.peer_id, [], 0)
+    return seal(identity, run_id, d)
+
+
+@dataclass
+class EventLog:
+    """Append-only JSON lines a simulation (or a person) reads afterwards."""
+
+    path: Path | None
+    start: float = field(default_factory=time.time)
+
+    def write(self, kind: str, **fields: Any) -> None:
+        """Append one event with a wall-clock timestamp."""
+        if self.path is None:
+            return
+        with open(self.path, "a") as f:
+            f.write(json.dumps({"t": time.time(), "kind": kind, **fields}) + "\n")
+
+
+class Participant:
+    """Model + outer optimizer + node + checkpoints for one process in a run."""
+
+    def __init__(self, manifest: RunManifest, signed_manifest: bytes, identity: Identity, identity_path: str,
+                 options: NodeOptions, state_dir: Path | None, device: str = "cpu",
+                 corpus: Corpus | None = None, node: SwarmNode | None = None) -> None:
+        self.manifest = manifest
+        self.identity = identity
+        self.device = device
+        self.state_dir = state_dir
+        if state_dir is not None:
+            state_dir.mkdir(parents=True, exist_ok=True)
+        self.events = EventLog(state_dir / "events.jsonl" if state_dir else None)
+        self.corpus = corpus or load_corpus(manifest.data.source)
+        self.workload: Workload = build_workload(manifest.model.spec, self.corpus.vocab_size, manifest.run.seed)
+        self.workload.model.to(device)
+        numel = sum(p.numel() for p in self.workload.model.parameters())
+        self.outer = make_outer(manifest, self.workload.model.parameters(), numel)
+        self.ctx = run_context(manifest, self.outer)
+        self.evalset = heldout_batches(self.corpus, self.workload.block_size, manifest.eval.batch_size,
+                                       manifest.eval.batches)
+        self.node = node or SwarmNode(identity, identity_path, options)
+        self.node.signed_manifest = signed_manifest
+        self._snapshot: GlobalState | None = None
+        self.node.state_provider = lambda: self._snapshot
+
+    # --- network --------------------------------------------------------------------------------
+    def start_network(self) -> None:
+        """Start the node (if not yet) and join the run's protocol."""
+        if self.node.ctx is None:
+            if not self.node._thread.is_alive():
+                self.node.start()
+            self.node.attach(self.ctx)
+
+    def snapshot(self) -> None:
+        """Publish the current global state for joiners and refresh this peer's DHT record."""
+        book = self.node.book
+        assert book is not None
+        r = self.outer.round_id
+        entry = book.committed.get(r - 1)
+        if entry is None:
+            return
+        tensors = {"global_params": self.outer.global_params.detach().cpu().clone()}
+        if isinstance(self.outer, DiLoCo):
+            tensors["momentum_buffer"] = self.outer.momentum_buffer.detach().cpu().clone()
+        self._snapshot = GlobalState(r, tensors, entry[0])
+        self.node.update_record(round=r, params_hash=params_hash(self.outer.global_params))
+
+    def load_global(self, state: GlobalState) -> None:
+        """Adopt a downloaded or checkpointed global state; local progress is rebased onto it."""
+        g = state.tensors["global_params"]
+        if g.shape != self.outer.global_params.shape:
+            raise ProtocolError(f"state has {g.numel()} parameters, the model has {self.outer.global_params.numel()}")
+        if self.outer.pending is not None:
+            self.outer.apply(None)
+        sd = {"round_id": state.round, "global_params": g, **self._extra_state(state)}
+        local = self.outer.local_vector()
+        progress = local - self.outer.global_params
+        self.outer.load_state_dict(sd)
+        torch.nn.utils.vector_to_parameters(
+            (self.outer.global_params + progress).to(self.outer.params[0].dtype), self.outer.params)
+        self.node.book.add(state.decision)  # type: ignore[union-attr]
+        self.snapshot()
+
+    def _extra_state(self, state: GlobalState) -> dict[str, Any]:
+        if isinstance(self.outer, DiLoCo):
+            return {"algorithm": "diloco", "momentum_buffer": state.tensors.get(
+                "momentum_buffer", torch.zeros_like(state.tensors["global_params"]))}
+        assert isinstance(self.outer, SparseLoCo)
+        return {"algorithm": "sparseloco", "error": self.outer.error.cpu()}  # error feedback stays ours
+
+    async def _download_state(self, peers: list[str], min_round: int) -> GlobalState:
+        t = self.node.transport
+        assert t is not None
+        budget = 16 * self.outer.global_params.numel() + (1 << 20)
+        for peer in peers:
+            try:
+                reply = await t.request(peer, "get-state", StateRequest(min_round), StateReply,
+                                        timeout_s=60 + budget / 20e6, max_reply=budget)
+            except PeerUnavailable as exc:
+                log.info("state from %s: %s", peer[-8:], exc)
+                continue
+            if not reply.blob or reply.round < min_round:
+                continue
+            if hashlib.sha256(reply.blob).hexdigest() != reply.digest:
+                log.warning("state from %s failed its hash check", peer[-8:])
+                continue
+            tensors = GlobalState.tensors_from_blob(reply.blob)
+            _, decision = unseal(reply.decision, self.ctx.run_id, Decision)
+            if decision.round != reply.round - 1:
+                continue
+            # Cross-check against what other peers published for that round (majority wins).
+            records = await self.node.refresh_records()
+            hashes = [r.params_hash for r in records.values() if r.round == reply.round and r.params_hash]
+            got = params_hash(tensors["global_params"])
+            if hashes and hashes.count(got) * 2 < len(hashes):
+                log.warning("state from %s disagrees with the swarm's published hash", peer[-8:])
+                continue
+            return GlobalState(reply.round, tensors, reply.decision)
+        raise PeerUnavailable("no peer served a verifiable state")
+
+    def sync_state(self, bootstrap_peers: list[str], min_round: int = -1) -> None:
+        """Download the newest global state from peers (records first, then bootstrap peers)."""
+        async def peers_to_ask() -> list[str]:
+            records = await self.node.refresh_records()
+            ahead = sorted(records, key=lambda p: -records[p].round)
+            return [p for p in ahead if p != self.identity.peer_id] + [p for p in bootstrap_peers if p not in ahead]
+
+        peers = self.node.call(peers_to_ask(), timeout_s=30)
+        state = self.node.call(self._download_state(peers, min_round), timeout_s=600)
+        self.load_global(state)
+        self.events.write("sync", round=state.round, hash=params_hash(self.outer.global_params),
+                          peer=self.identity.peer_id)
+
+    def catch_up(self) -> int:
+        """Apply rounds the swarm committed that this peer did not take part in; returns how many."""
+        applied = 0
+        records = self.node.call(self.node.refresh_records(), timeout_s=30)
+        target = max((r.round for r in records.values()), default=0)
+        client = self.node.client
+        assert client is not None
+        while self.outer.round_id < target:
+            r = self.outer.round_id
+            signed = b""
+            for peer in self.node.holders(r):
+                signed = self.node.call(client.ask_decision(peer, r, 0, 0.0), timeout_s=30)
+                if signed:
+                    break
+            if not signed:
+                break
+            mean = self.node.call(client.fetch_aggregate(signed), timeout_s=600)
+            self.outer.follow(r, mean)
+            self.snapshot()
+            applied += 1
+        return applied
+
+    # --- evaluation and checkpoints ---------------------------------------------------------------
+    def eval_global(self) -> float:
+        """Held-out loss of the global parameters (evaluated on a scratch copy of the model)."""
+        model = self.workload.model
+        saved = torch.nn.utils.parameters_to_vector(model.parameters()).detach().clone()
+        torch.nn.utils.vector_to_parameters(self.outer.global_params.to(saved.dtype), model.parameters())
+        try:
+            return evaluate(model, self.workload.loss_fn, self.evalset, device=self.device)
+        finally:
+            torch.nn.utils.vector_to_parameters(saved, model.parameters())
+
+    def save_checkpoint(self, extra: dict[str, Any] | None = None) -> Path | None:
+        """Atomically write the state (write to a temp file, fsync, rename); keep the newest few.
+        A failure (disk full, read-only dir) is reported and training goes on from memory."""
+        if self.state_dir is None or self._snapshot is None:
+            return None
+        path = self.state_dir / f"checkpoint-{self.outer.round_id:08d}.pt"
+        tmp = path.with_suffix(".tmp")
+        state = {"round": self._snapshot.round, "tensors": self._snapshot.tensors, "decision": self._snapshot.decision,
+                 "outer": self.outer.state_dict() if self.outer.pending is None else None, **(extra or {})}
+        try:
+            with open(tmp, "wb") as f:
+                torch.save(state, f)
+                f.flush()
+                os.fsync(f.fileno())
+            os.replace(tmp, path)
+        except OSError as exc:
+            log.error("checkpoint not written (%s); training continues from memory", exc)
+            self.events.write("checkpoint-failed", error=str(exc), peer=self.identity.peer_id)
+            tmp.unlink(missing_ok=True)
+            return None
+        for old in sorted(self.state_dir.glob("checkpoint-*.pt"))[: -self.manifest.checkpoint.keep]:
+            old.unlink(missing_ok=True)
+        return path
+
+    def load_checkpoint(self) -> dict[str, Any] | None:
+        """The newest readable checkpoint in the state dir (corrupt ones are reported, skipped)."""
+        if self.state_dir is None:
+            return None
+        for path in sorted(self.state_dir.glob("checkpoint-*.pt"), reverse=True):
+            try:
+                return torch.load(path, weights_only=True, map_location="cpu")
+            except Exception as exc:  # torch raises many types for a truncated or garbled file
+                log.error("checkpoint %s is unreadable (%s); trying an older one or the swarm", path.name, exc)
+                self.events.write("checkpoint-corrupt", path=str(path), peer=self.identity.peer_id)
+        return None

@@ -1,0 +1,195 @@
+"""The two programs built on a `Participant`: the volunteer's train-and-exchange loop (`join`)
+and the coordinator's follow-and-serve loop (`launch`)."""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Callable
+
+from groundswell.optim import RoundFailed
+from groundswell.protocol.client import RoundBehind
+from groundswell.protocol.transport import PeerUnavailable
+
+from .config import DataSection
+from .participant import Participant, genesis_decision
+from .swarm import GlobalState, params_hash
+from .swarm_exchange import NeedResync, SwarmExchange
+from .worker import InnerTrainer
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class RoundInfo:
+    """What the UI shows after each round."""
+
+    round: int
+    status: str  # "applied", "retry", "resync"
+    included: bool = False
+    contributors: int = 0
+    train_loss: float = float("nan")
+    eval_loss: float = float("nan")
+    bytes_sent: int = 0
+    round_s: float = 0.0
+    tokens_per_s: float = 0.0
+    params_hash: str = ""
+
+
+@dataclass
+class StopFlag:
+    """Set from a signal handler or another thread; loops check it between steps."""
+
+    event: threading.Event = field(default_factory=threading.Event)
+
+    def set(self) -> None:
+        self.event.set()
+
+    def __bool__(self) -> bool:
+        return self.event.is_set()
+
+
+def run_volunteer(p: Participant, bootstrap_peers: list[str], *, max_rounds: int | None, stop: StopFlag,
+                  on_round: Callable[[RoundInfo], None] = lambda _: None, on_step: Callable[[int, float], None] = lambda *_: None) -> None:
+    """Sync, then train H steps, exchange, apply; until stopped or `max_rounds` rounds applied."""
+    m = p.manifest
+    p.start_network()
+    resumed = p.load_checkpoint()
+    if resumed is not None and resumed.get("outer") is not None:
+        p.load_global(GlobalState(resumed["round"], resumed["tensors"], resumed["decision"]))
+        p.events.write("resume", round=p.outer.round_id, peer=p.identity.peer_id)
+    p.sync_state(bootstrap_peers, min_round=p.outer.round_id if resumed else -1)
+    trainer = InnerTrainer(p.workload, p.corpus, DataSection(m.data.source, m.data.batch_size), m.inner,
+                           total_steps=10**7, seed=m.run.seed, shard_index=_shard_of(p.identity.peer_id),
+                           num_shards=1024, device=p.device)
+    if resumed is not None and resumed.get("inner") is not None:
+        try:
+            trainer.load_state_dict(resumed["inner"])
+            torch_load_params(p)
+        except (KeyError, ValueError, RuntimeError) as exc:
+            log.warning("inner state in the checkpoint does not fit (%s); starting the inner optimizer afresh", exc)
+    exchange = SwarmExchange(p.node)
+    applied = 0
+    while not stop and (max_rounds is None or applied < max_rounds):
+        t0 = time.perf_counter()
+        stats = trainer.run(m.outer.inner_steps)
+        on_step(trainer.step, stats.mean_loss)
+        r = p.outer.round_id
+        exchange.contribute(r, p.outer.prepare())
+        try:
+            result = exchange.collect(r)
+        except RoundFailed as exc:
+            p.outer.apply(None)
+            p.events.write("retry", round=r, reason=str(exc), peer=p.identity.peer_id)
+            on_round(RoundInfo(r, "retry", train_loss=stats.mean_loss))
+            continue
+        except NeedResync as exc:
+            p.outer.apply(None)
+            p.events.write("resync", round=r, reason=str(exc), peer=p.identity.peer_id)
+            _resync(p, bootstrap_peers)
+            on_round(RoundInfo(r, "resync", train_loss=stats.mean_loss))
+            continue
+        p.outer.apply(result)
+        p.snapshot()
+        applied += 1
+        info = RoundInfo(r, "applied", result.included, len(result.contributors), stats.mean_loss,
+                         p.eval_global() if m.eval.every_rounds and (r + 1) % m.eval.every_rounds == 0 else float("nan"),
+                         result.bytes_sent, time.perf_counter() - t0, stats.tokens / max(stats.compute_s, 1e-9),
+                         params_hash(p.outer.global_params))
+        if info.eval_loss == info.eval_loss:
+            p.node.update_record(loss=info.eval_loss)
+        p.events.write("round", round=r, included=result.included, contributors=list(result.contributors),
+                       hash=info.params_hash, bytes_sent=result.bytes_sent, bytes_received=result.bytes_received,
+                       train_loss=stats.mean_loss, eval_loss=info.eval_loss, round_s=info.round_s,
+                       compute_s=stats.compute_s, peer=p.identity.peer_id)
+        on_round(info)
+        if (r + 1) % m.checkpoint.every_rounds == 0:
+            p.save_checkpoint({"inner": trainer.state_dict()})
+        try:
+            if p.catch_up():
+                p.events.write("caught-up", round=p.outer.round_id, peer=p.identity.peer_id)
+        except (PeerUnavailable, RoundBehind, TimeoutError) as exc:
+            log.info("catch-up failed (%s); re-syncing", exc)
+            _resync(p, bootstrap_peers)
+    p.save_checkpoint({"inner": trainer.state_dict()})
+
+
+def torch_load_params(p: Participant) -> None:
+    """After restoring the inner state, the model's parameters restart from the global ones."""
+    import torch
+
+    torch.nn.utils.vector_to_parameters(p.outer.global_params.to(p.outer.params[0].dtype), p.outer.params)
+
+
+def _resync(p: Participant, bootstrap_peers: list[str]) -> None:
+    try:
+        p.sync_state(bootstrap_peers, min_round=p.outer.round_id)
+    except (PeerUnavailable, TimeoutError) as exc:
+        log.warning("re-sync failed (%s); will try again after the next round", exc)
+
+
+def _shard_of(peer_id: str) -> int:
+    import hashlib
+
+    return int.from_bytes(hashlib.sha256(peer_id.encode()).digest()[:4], "big") % 1024
+
+
+def run_coordinator(p: Participant, *, stop: StopFlag, on_round: Callable[[RoundInfo], None] = lambda _: None) -> None:
+    """Serve the run: genesis (or resume), then follow every committed round, checkpoint, serve state."""
+    m = p.manifest
+    p.start_network()
+    resumed = p.load_checkpoint()
+    if resumed is not None:
+        p.node.book.add(resumed["decision"])  # type: ignore[union-attr]
+        p.load_global(GlobalState(resumed["round"], resumed["tensors"], resumed["decision"]))
+        p.events.write("resume", round=p.outer.round_id, peer=p.identity.peer_id)
+        try:  # the volunteers may have gone on without us
+            p.catch_up()
+        except (PeerUnavailable, RoundBehind, TimeoutError) as exc:
+            log.info("catch-up after restart: %s", exc)
+    else:
+        p.node.book.add(genesis_decision(p.identity, m.run.id))  # type: ignore[union-attr]
+        p.snapshot()
+        p.save_checkpoint()
+    client = p.node.client
+    assert client is not None
+    attempt = 0
+    while not stop:
+        r = p.outer.round_id
+        t0 = time.perf_counter()
+        try:
+            outcome = p.node.call(client.run_attempt(r, attempt, None, trains=False, serves=True),
+                                  timeout_s=2 * m.round.deadline_s + 6 * m.round.slack_s + 60)
+        except RoundBehind:
+            try:
+                p.catch_up()
+            except (PeerUnavailable, TimeoutError) as exc:
+                log.info("catch-up: %s", exc)
+                time.sleep(1.0)
+            continue
+        committed = p.node.book.committed.get(r)  # type: ignore[union-attr]
+        if committed is None:
+            attempt += 1  # a retry, or a silent leader: the next attempt rotates the roles
+            continue
+        signed, d = committed
+        try:
+            mean = p.node.call(client.fetch_aggregate(signed), timeout_s=m.round.deadline_s * 4 + 60)
+        except PeerUnavailable as exc:
+            log.warning("aggregate of round %d unavailable (%s); catching up from peers", r, exc)
+            continue
+        attempt = 0
+        p.outer.follow(r, mean)
+        p.snapshot()
+        loss = p.eval_global() if (r + 1) % m.eval.every_rounds == 0 else float("nan")
+        info = RoundInfo(r, "applied", False, len(d.contributors), eval_loss=loss, round_s=time.perf_counter() - t0,
+                         params_hash=params_hash(p.outer.global_params))
+        if loss == loss:
+            p.node.update_record(loss=loss)
+        p.events.write("round", round=r, contributors=list(d.contributors), hash=info.params_hash, eval_loss=loss,
+                       round_s=info.round_s, peer=p.identity.peer_id, role="coordinator")
+        on_round(info)
+        if (r + 1) % m.checkpoint.every_rounds == 0:
+            p.save_checkpoint()
+    p.save_checkpoint()

@@ -1,0 +1,304 @@
+"""The network side of a peer: libp2p host, DHT, round protocol, state and manifest serving.
+
+`SwarmNode` runs an asyncio loop in one background thread it owns (started by `start`, ended by
+`close`); training stays in the caller's thread. Every task on that loop belongs to the node's
+TaskGroup. The trainer talks to the node through `call` (run a coroutine and wait) and through
+`SwarmExchange`, the `optim.Exchange` over the swarm.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import hashlib
+import io
+import logging
+import threading
+import time
+from concurrent.futures import Future
+from dataclasses import dataclass, field
+from typing import Any, Awaitable, Callable, Coroutine, Sequence, TypeVar
+
+import msgpack
+import torch
+
+from groundswell.compression import Codec
+from groundswell.protocol.client import RoundClient
+from groundswell.protocol.context import DecisionBook
+from groundswell.protocol.identity import Identity
+from groundswell.protocol.schema import (
+    Decision, ManifestReply, ManifestRequest, PeerRecord, ProtocolError, StateReply, StateRequest, decode_message,
+    encode_message,
+)
+from groundswell.protocol.server import RoundServer
+from groundswell.protocol.transport import PeerUnavailable, Transport, seal, unseal
+
+log = logging.getLogger(__name__)
+T = TypeVar("T")
+HEARTBEAT_S = 2.0
+
+
+def params_hash(vector: torch.Tensor) -> str:
+    """Short sha256 of a flat parameter vector, bit for bit."""
+    return hashlib.sha256(vector.detach().cpu().contiguous().numpy().tobytes()).hexdigest()[:16]
+
+
+@dataclass
+class RunContext:
+    """The `RoundContext` of one run, built from the verified manifest."""
+
+    run_id: str
+    min_peers: int
+    deadline_s: float
+    slack_s: float
+    max_shards: int
+    segment_numels: tuple[int, ...]
+    codec: Codec
+    max_payload_bytes: int
+    allowlist: frozenset[str] | None = None  # None: open run
+
+    def authorized(self, peer_id: str) -> bool:
+        """Open runs take anyone; allowlisted runs only listed peer ids."""
+        return self.allowlist is None or peer_id in self.allowlist
+
+
+@dataclass
+class GlobalState:
+    """What a joiner downloads: the next round, the outer optimizer's shared state, the plan."""
+
+    round: int
+    tensors: dict[str, torch.Tensor]  # "global_params" and any shared outer state (momentum)
+    decision: bytes  # signed decision of round - 1
+
+    def to_blob(self) -> bytes:
+        """Serialize the tensors (torch.save of CPU tensors, weights_only-loadable)."""
+        buf = io.BytesIO()
+        torch.save({k: v.detach().cpu() for k, v in self.tensors.items()}, buf)
+        return buf.getvalue()
+
+    @staticmethod
+    def tensors_from_blob(blob: bytes) -> dict[str, torch.Tensor]:
+        """Load tensors safely (weights_only: no code runs)."""
+        obj = torch.load(io.BytesIO(blob), weights_only=True, map_location="cpu")
+        if not isinstance(obj, dict) or not all(isinstance(v, torch.Tensor) for v in obj.values()):
+            raise ProtocolError("state blob is not a dict of tensors")
+        return obj
+
+
+@dataclass
+class NodeOptions:
+    """How the node listens and whom it asks first."""
+
+    host_maddrs: Sequence[str] = ("/ip4/127.0.0.1/tcp/0",)
+    announce_maddrs: Sequence[str] = ()
+    initial_peers: Sequence[str] = ()
+    role: str = "volunteer"
+    trains: bool = True
+    serves: bool = True
+
+
+class SwarmNode:
+    """A peer's network presence; owns the loop thread, the libp2p daemon and the DHT node."""
+
+    def __init__(self, identity: Identity, identity_path: str, options: NodeOptions) -> None:
+        self.identity = identity
+        self.identity_path = identity_path
+        self.ctx: RunContext | None = None  # set by `attach` once the manifest is verified
+        self.options = options
+        self._cached_records: dict[str, PeerRecord] = {}
+        self.rejected_records = 0
+        self.bootstrap_transport: Transport | None = None
+        self.signed_manifest: bytes = b""
+        self.state_provider: Callable[[], GlobalState | None] = lambda: None
+        self.record = PeerRecord(-1, "", options.role, options.trains, options.serves, [], "unknown", 0.0, 0, 0.0)
+        self._loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(target=self._loop.run_forever, name="groundswell-net", daemon=True)
+        self._stop: asyncio.Event | None = None
+        self._main: Future | None = None
+        self._ready = threading.Event()
+        self.maddrs: list[str] = []
+        self.book: DecisionBook | None = None
+        self.server: RoundServer | None = None
+        self.client: RoundClient | None = None
+        self.transport: Transport | None = None
+        self.dht: Any = None
+        self._error: BaseException | None = None
+
+    # --- lifecycle ------------------------------------------------------------------------------
+    def start(self, timeout_s: float = 60.0) -> None:
+        """Start the loop thread, the libp2p host, the DHT and the protocol handlers."""
+        self._thread.start()
+        self._main = asyncio.run_coroutine_threadsafe(self._run(), self._loop)
+        if not self._ready.wait(timeout_s) or self._error is not None:
+            err = self._error or TimeoutError("network start-up timed out")
+            self.close()
+            raise RuntimeError(f"could not start the network: {err}") from err
+
+    async def _run(self) -> None:
+        from hivemind.dht.node import DHTNode
+        from hivemind.p2p import P2P
+
+        self._stop = asyncio.Event()
+        p2p = dht = None
+        try:
+            p2p = await P2P.create(
+                initial_peers=list(self.options.initial_peers) or None,
+                host_maddrs=list(self.options.host_maddrs),
+                announce_maddrs=list(self.options.announce_maddrs) or None,
+                identity_path=self.identity_path,
+                check_if_identity_free=False,  # hivemind's check assumes RSA identity files
+                nat_port_map=False,  # UPnP probes the LAN; never on by default
+            )
+            dht = await DHTNode.create(p2p=p2p, initial_peers=list(self.options.initial_peers) or None)
+            self.dht = dht
+            self.maddrs = [str(m) for m in await p2p.get_visible_maddrs()]
+            self.p2p = p2p
+            async with asyncio.TaskGroup() as tasks:
+                # The manifest is served outside any run (the joiner learns the run id from it);
+                # it is signed by the coordinator, whose key the joiner already has.
+                self.bootstrap_transport = Transport(p2p, self.identity, "")
+                await self.bootstrap_transport.serve("get-manifest", ManifestRequest, self._on_manifest)
+                self._tasks = tasks
+                self._ready.set()
+                await self._stop.wait()
+                raise _Stop()
+        except* _Stop:
+            pass
+        except* BaseException as group:  # start-up failure: report it to `start`
+            self._error = group.exceptions[0]
+            self._ready.set()
+        finally:
+            if dht is not None:
+                await dht.shutdown()
+            if p2p is not None:
+                await p2p.shutdown()
+
+    async def _attach(self, ctx: RunContext) -> None:
+        self.ctx = ctx
+        self.transport = Transport(self.p2p, self.identity, ctx.run_id)
+        self.book = DecisionBook(ctx.run_id)
+        self.server = RoundServer(ctx, self.transport, self.book, self.identity, self._tasks)
+        await self.server.start()
+        self.client = RoundClient(self.server, self.holders)
+        await self.transport.serve("get-state", StateRequest, self._on_state, max_request=4096)
+        self._tasks.create_task(self._heartbeat())
+
+    def attach(self, ctx: RunContext) -> None:
+        """Join the run: register the round protocol and state handlers, start heartbeats."""
+        self.call(self._attach(ctx), timeout_s=30)
+
+    async def fetch_manifest(self, peers: Sequence[str], timeout_s: float = 15.0) -> bytes:
+        """The signed manifest from the first of `peers` that has one (verify it yourself)."""
+        for peer in peers:
+            try:
+                reply = await self.bootstrap_transport.request(  # type: ignore[union-attr]
+                    peer, "get-manifest", ManifestRequest(), ManifestReply, timeout_s=timeout_s)
+                if reply.signed:
+                    return reply.signed
+            except PeerUnavailable as exc:
+                log.info("manifest from %s: %s", peer[-8:], exc)
+        raise PeerUnavailable("no bootstrap peer served the run manifest")
+
+    def close(self) -> None:
+        """Stop every task, shut the daemon down and join the thread (idempotent)."""
+        if self._loop.is_closed():
+            return
+        if self._stop is not None and self._loop.is_running():
+            self._loop.call_soon_threadsafe(self._stop.set)
+        if self._main is not None:
+            try:
+                self._main.result(timeout=20)
+            except Exception as exc:  # shutting down: nothing left to decide, say what happened
+                log.warning("network shutdown: %r", exc)
+        if self._loop.is_running():
+            # Requests started by the trainer thread (and hivemind's own readers) are not in the
+            # TaskGroup; cancel and await them so nothing runs on a closed loop.
+            try:
+                asyncio.run_coroutine_threadsafe(_cancel_stragglers(), self._loop).result(timeout=10)
+            except Exception as exc:
+                log.warning("network shutdown: %r", exc)
+            self._loop.call_soon_threadsafe(self._loop.stop)
+        self._thread.join(timeout=10)
+        if not self._loop.is_running():
+            self._loop.close()
+
+    def call(self, coro: Coroutine[Any, Any, T], timeout_s: float | None = None) -> T:
+        """Run a coroutine on the network loop and wait for its result (from the trainer thread)."""
+        return asyncio.run_coroutine_threadsafe(coro, self._loop).result(timeout_s)
+
+    def submit(self, coro: Coroutine[Any, Any, T]) -> Future:
+        """Start a coroutine on the network loop; the returned future is the caller's to await."""
+        return asyncio.run_coroutine_threadsafe(coro, self._loop)
+
+    # --- DHT records ----------------------------------------------------------------------------
+    def update_record(self, **changes: Any) -> None:
+        """Change fields of the record the heartbeat publishes."""
+        self.record = dataclasses.replace(self.record, **changes)
+
+    @staticmethod
+    def records_key(run_id: str) -> str:
+        """The DHT key under which a run's peers publish their records."""
+        return f"groundswell/{run_id}/peers"
+
+    async def _heartbeat(self) -> None:
+        from hivemind.utils import get_dht_time
+
+        while True:
+            rec = self.record
+            rec = PeerRecord(rec.round, rec.params_hash, rec.role, rec.trains, rec.serves, self.maddrs[:8],
+                             rec.reachability, rec.loss, self.transport.bytes_sent if self.transport else 0, time.time())
+            signed = seal(self.identity, self.ctx.run_id, rec)
+            try:
+                await self.dht.store(self.records_key(self.ctx.run_id), signed, get_dht_time() + 3 * HEARTBEAT_S,
+                                     subkey=self.identity.peer_id)
+            except Exception as exc:  # the DHT being briefly unreachable is normal under churn
+                log.info("heartbeat store failed: %r", exc)
+            await asyncio.sleep(HEARTBEAT_S)
+
+    async def peer_records(self, run_id: str | None = None) -> dict[str, PeerRecord]:
+        """Every live peer's signed record, verified (bad ones are dropped and counted)."""
+        run_id = run_id or self.ctx.run_id  # type: ignore[union-attr]
+        found = await self.dht.get(self.records_key(run_id), latest=True)
+        out: dict[str, PeerRecord] = {}
+        if found is None or not isinstance(found.value, dict):
+            return out
+        for subkey, item in found.value.items():
+            try:
+                sender, rec = unseal(item.value, run_id, PeerRecord)
+                if sender == subkey:
+                    out[sender] = rec
+            except (ProtocolError, TypeError) as exc:
+                self.rejected_records += 1
+                log.info("dropped a peer record: %s", exc)
+        return out
+
+    def holders(self, round_id: int) -> list[str]:
+        """Peers whose last record says they applied `round_id` (best effort, from the cache)."""
+        return [p for p, r in self._cached_records.items() if r.round > round_id and p != self.identity.peer_id]
+
+    async def refresh_records(self) -> dict[str, PeerRecord]:
+        """Refresh the cached view of peer records."""
+        self._cached_records = await self.peer_records()
+        return self._cached_records
+
+    # --- serving --------------------------------------------------------------------------------
+    async def _on_manifest(self, sender: str, msg: ManifestRequest) -> ManifestReply:
+        return ManifestReply(self.signed_manifest)
+
+    async def _on_state(self, sender: str, msg: StateRequest) -> StateReply:
+        state = self.state_provider()
+        if state is None or state.round < msg.min_round:
+            return StateReply(-1, "", b"", b"")
+        blob = state.to_blob()
+        return StateReply(state.round, hashlib.sha256(blob).hexdigest(), state.decision, blob)
+
+
+async def _cancel_stragglers() -> None:
+    tasks = [t for t in asyncio.all_tasks() if t is not asyncio.current_task()]
+    for t in tasks:
+        t.cancel()
+    await asyncio.gather(*tasks, return_exceptions=True)
+
+
+class _Stop(Exception):
+    """Raised inside the node's TaskGroup to cancel every task on close."""

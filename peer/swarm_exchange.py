@@ -1,0 +1,89 @@
+"""`SwarmExchange`: the optimizer's `Exchange` over the swarm's round protocol.
+
+`contribute` starts an attempt on the network loop and returns at once (training may go on);
+`collect` waits for it and turns the outcome into what the outer optimizer understands: a
+`RoundResult` (commit), `RoundFailed` (retry or no decision: the round runs again as the next
+attempt, nothing applied), or `NeedResync` (this peer lost track of the run and must download
+the state before it contributes again).
+"""
+
+from __future__ import annotations
+
+from concurrent.futures import Future
+from typing import Sequence
+
+from groundswell.compression import Payload
+from groundswell.optim import RoundFailed, RoundResult
+from groundswell.protocol.client import RoundBehind
+from groundswell.protocol.schema import Decision
+from groundswell.protocol.transport import PeerUnavailable
+
+from .swarm import SwarmNode
+
+
+class NeedResync(RuntimeError):
+    """The peer is behind or missed an aggregate nobody can provide: re-download the state."""
+
+
+class SwarmExchange:
+    """One peer's `Exchange` over the swarm."""
+
+    def __init__(self, node: SwarmNode, *, serves: bool = True) -> None:
+        self.node = node
+        self.worker_id = node.identity.peer_id
+        self.serves = serves
+        self.attempt = 0
+        self._future: Future | None = None
+        self._round: int | None = None
+        self._sent_before = 0
+        self._received_before = 0
+        self.last_decision: Decision | None = None
+        self.last_signed: bytes = b""
+
+    def contribute(self, round_id: int, payloads: Sequence[Payload]) -> None:
+        """Start this peer's attempt at `round_id` with its segment payloads."""
+        if self._future is not None:
+            raise RuntimeError("contribute() twice without collect()")
+        client = self.node.client
+        assert client is not None and self.node.transport is not None
+        self._sent_before = self.node.transport.bytes_sent
+        self._received_before = self.node.transport.bytes_received
+        segments = [p.to_bytes() for p in payloads]
+        self._round = round_id
+        self._future = self.node.submit(
+            client.run_attempt(round_id, self.attempt, segments, trains=True, serves=self.serves)
+        )
+
+    def collect(self, round_id: int) -> RoundResult:
+        """Wait for the attempt's outcome (bounded by the round deadline plus slack)."""
+        future, self._future = self._future, None
+        if future is None or round_id != self._round:
+            raise RuntimeError("collect() without a matching contribute()")
+        ctx = self.node.ctx
+        assert ctx is not None and self.node.client is not None and self.node.transport is not None
+        try:
+            outcome = future.result(timeout=2 * ctx.deadline_s + 6 * ctx.slack_s + 60)
+        except RoundBehind as exc:
+            raise NeedResync(str(exc)) from None
+        decision = outcome.decision
+        if decision is None or decision.status != "commit":
+            self.attempt += 1
+            why = "no leader answered" if decision is None else "the leader decided to retry"
+            raise RoundFailed(f"round {round_id} attempt {self.attempt - 1}: {why}")
+        if decision.round != round_id:
+            raise NeedResync(f"got the decision of round {decision.round} while at round {round_id}")
+        try:
+            mean = self.node.call(self.node.client.fetch_aggregate(outcome.signed), timeout_s=ctx.deadline_s * 4 + 60)
+        except PeerUnavailable as exc:
+            raise NeedResync(str(exc)) from None
+        self.attempt = 0
+        self.last_decision, self.last_signed = decision, outcome.signed
+        t = self.node.transport
+        return RoundResult(
+            round_id=round_id,
+            mean=mean,
+            contributors=tuple(decision.contributors),
+            included=self.worker_id in decision.contributors,
+            bytes_sent=t.bytes_sent - self._sent_before,
+            bytes_received=t.bytes_received - self._received_before,
+        )

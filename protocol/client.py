@@ -1,0 +1,182 @@
+"""The contributing half of the round protocol: send shards, learn the decision, fetch aggregates.
+
+One call of `run_attempt` is one attempt of one round from a contributor's side; it never waits
+past deadline + a few slacks. `fetch_aggregate` assembles the committed mean from the shards'
+sources (or from any peer that already holds them) and checks every shard was built under the
+same signed decision, so either every peer that completes the round applies the same bytes, or
+the round does not complete here.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from dataclasses import dataclass
+from typing import Callable, Sequence
+
+import torch
+
+from .context import DecisionBook, validate_segments
+from .plan import RoundPlan
+from .schema import (
+    MAX_SMALL, Ack, AggregateRequest, AggregateShard, Decision, DecisionReply, DecisionRequest, Join, ProtocolError,
+    ShardContribution,
+)
+from .server import RoundServer
+from .transport import PeerUnavailable, unseal
+
+log = logging.getLogger(__name__)
+
+
+class RoundBehind(RuntimeError):
+    """This peer does not know the previous round's decision: it must catch up first."""
+
+
+@dataclass(frozen=True)
+class AttemptResult:
+    """What one attempt ended in, from this contributor's side."""
+
+    decision: Decision | None  # None: no leader answered in time
+    signed: bytes
+    delivered: bool  # did every shard of our contribution reach an aggregator?
+
+
+class RoundClient:
+    """Runs attempts for one peer, using its `RoundServer` for plans and the archive."""
+
+    def __init__(self, server: RoundServer, holders: Callable[[int], Sequence[str]]) -> None:
+        self.server = server
+        self.ctx = server.ctx
+        self.transport = server.transport
+        self.book: DecisionBook = server.book
+        self.me = server.identity.peer_id
+        self.holders = holders  # peers believed to hold a round's aggregate (from the DHT)
+
+    async def run_attempt(self, round_id: int, attempt: int, segments: list[bytes] | None, *, trains: bool,
+                          serves: bool) -> AttemptResult:
+        """Join, contribute (if `segments`), and wait for the attempt's decision."""
+        plan = await self.server.plan(round_id, attempt, wait_s=self.ctx.slack_s)
+        if plan is None:
+            raise RoundBehind(f"the decision of round {round_id - 1} is not known here")
+        join = Join(round_id, trains, serves)
+        await asyncio.gather(*(self._tell(p, "join", join) for p in {plan.leader, plan.backup_leader}))
+        delivered = False
+        if segments is not None:
+            sent = await asyncio.gather(*(self._send_shard(plan, s, segments) for s in range(plan.num_shards)))
+            delivered = all(sent)
+        decision, signed = await self._await_decision(plan)
+        return AttemptResult(decision, signed, delivered)
+
+    async def _tell(self, peer: str, handler: str, msg: Join) -> None:
+        if peer == self.me:
+            await self.server._on_join(peer, msg)
+            return
+        try:
+            await self.transport.request(peer, handler, msg, Ack, timeout_s=self.ctx.slack_s)
+        except PeerUnavailable as exc:
+            log.info("%s to %s failed: %s", handler, peer[-8:], exc)
+
+    async def _send_shard(self, plan: RoundPlan, shard: int, segments: list[bytes]) -> bool:
+        first, stop = plan.shard_segments[shard]
+        msg = ShardContribution(plan.round, plan.attempt, shard, first, segments[first:stop])
+        size = sum(len(s) for s in msg.segments)
+        for i, peer in enumerate(plan.candidates(shard)[:3]):
+            timeout = self.ctx.deadline_s / 2 if i == 0 else self.ctx.deadline_s / 4
+            try:
+                if peer == self.me:
+                    ack = await self.server._on_contribute(peer, msg)
+                else:
+                    ack = await self.transport.request(peer, "contribute", msg, Ack, timeout_s=timeout + size / 20e6)
+            except (PeerUnavailable, ProtocolError) as exc:
+                log.info("shard %d to %s failed: %s", shard, peer[-8:], exc)
+                continue
+            if ack.ok:
+                return True
+            log.info("shard %d refused by %s: %s", shard, peer[-8:], ack.reason)
+            if "closed" in ack.reason or "sealed" in ack.reason:
+                return False
+        return False
+
+    async def _await_decision(self, plan: RoundPlan) -> tuple[Decision | None, bytes]:
+        waits = [(plan.leader, self.ctx.deadline_s + self.ctx.slack_s),
+                 (plan.backup_leader, 2 * self.ctx.slack_s)]
+        for peer, wait in waits:
+            signed = await self.ask_decision(peer, plan.round, plan.attempt, wait)
+            if signed:
+                _, decision = unseal(signed, self.ctx.run_id, Decision)
+                return decision, signed
+        return None, b""
+
+    async def ask_decision(self, peer: str, round_id: int, attempt: int, wait_s: float) -> bytes:
+        """A signed decision for round/attempt from one peer, or b"" (and it is recorded if a commit)."""
+        try:
+            if peer == self.me:
+                reply = await self.server._on_get_decision(peer, DecisionRequest(round_id, attempt, wait_s))
+            else:
+                reply = await self.transport.request(peer, "get-decision", DecisionRequest(round_id, attempt, wait_s),
+                                                     DecisionReply, timeout_s=wait_s + self.ctx.slack_s)
+            if not reply.decision:
+                return b""
+            leader, decision = unseal(reply.decision, self.ctx.run_id, Decision)
+            if leader != decision.leader or decision.round != round_id:
+                raise ProtocolError("decision not signed by its leader, or for another round")
+            if decision.status == "commit":
+                self.book.add(reply.decision)
+            elif decision.attempt != attempt:
+                return b""
+            return reply.decision
+        except (PeerUnavailable, ProtocolError) as exc:
+            log.info("decision of round %d from %s: %s", round_id, peer[-8:], exc)
+            return b""
+
+    async def fetch_aggregate(self, signed: bytes, device: torch.device | str = "cpu") -> torch.Tensor:
+        """The committed mean of a round as one flat fp32 vector; raises PeerUnavailable if some
+        shard cannot be had from anyone (the caller then re-syncs the full state)."""
+        _, decision = unseal(signed, self.ctx.run_id, Decision)
+        plan = await self.server.plan(decision.round, decision.attempt, wait_s=0)
+        if plan is None or plan.num_shards != decision.num_shards:
+            raise PeerUnavailable(f"cannot plan round {decision.round}: its membership is not known here")
+        shards = await asyncio.gather(*(self._fetch_shard(decision, signed, plan, s) for s in range(plan.num_shards)))
+        numels = self.ctx.segment_numels
+        out = torch.empty(sum(numels), dtype=torch.float32)
+        offsets = [0]
+        for n in numels:
+            offsets.append(offsets[-1] + n)
+        codec = self.ctx.codec
+        n_contrib = len(decision.contributors)
+        for shard, agg in enumerate(shards):
+            first, stop = plan.shard_segments[shard]
+            for i, seg in enumerate(range(first, stop)):
+                if agg.mode == "mean":
+                    value = codec.decode(validate_segments(self.ctx, seg, [agg.parts[i]])[0])
+                else:
+                    parts = agg.parts[i * n_contrib:(i + 1) * n_contrib]
+                    value = codec.aggregate([validate_segments(self.ctx, seg, [p])[0] for p in parts])
+                out[offsets[seg]:offsets[seg + 1]] = value
+        return out.to(device)
+
+    async def _fetch_shard(self, decision: Decision, signed: bytes, plan: RoundPlan, shard: int) -> AggregateShard:
+        key = (decision.round, shard)
+        if key in self.server.aggregates and self.server.aggregates[key].decision == signed:
+            return self.server.aggregates[key]
+        first, stop = plan.shard_segments[shard]
+        expected_parts = (stop - first) * (1 if self.ctx.codec.name in ("fp32", "fp16", "bf16", "int8")
+                                           else len(decision.contributors))
+        budget = self.ctx.max_payload_bytes * max(1, len(decision.contributors)) + MAX_SMALL
+        sources = [decision.sources[shard]] + [p for p in self.holders(decision.round) if p != decision.sources[shard]]
+        for peer in sources:
+            if peer == self.me:
+                continue
+            try:
+                agg = await self.transport.request(peer, "get-aggregate", AggregateRequest(decision.round, shard,
+                                                   self.ctx.slack_s), AggregateShard,
+                                                   timeout_s=2 * self.ctx.slack_s + budget / 20e6, max_reply=budget)
+            except PeerUnavailable as exc:
+                log.info("aggregate %s from %s: %s", key, peer[-8:], exc)
+                continue
+            if agg.decision != signed or agg.shard != shard or len(agg.parts) != expected_parts:
+                log.info("aggregate %s from %s does not match the decision", key, peer[-8:])
+                continue
+            self.server.archive(decision.round, shard, agg)
+            return agg
+        raise PeerUnavailable(f"no peer could provide shard {shard} of round {decision.round}")

@@ -1,0 +1,110 @@
+"""What the round protocol needs to know about the run and the peer, as one small interface.
+
+The peer program (groundswell.peer) implements `RoundContext`; the protocol never reaches into
+the trainer or the optimizer.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from dataclasses import dataclass, field
+from typing import Protocol
+
+from groundswell.compression import Codec, CodecError, Payload
+
+from .schema import Decision, ProtocolError
+from .transport import unseal
+
+
+@dataclass(frozen=True)
+class Membership:
+    """Who a round is planned from: trainers contribute, servers take roles."""
+
+    trainers: tuple[str, ...]
+    servers: tuple[str, ...]
+
+
+class RoundContext(Protocol):
+    """Run settings and the peer's view of the run, as the protocol needs them."""
+
+    run_id: str
+    min_peers: int
+    deadline_s: float
+    slack_s: float
+    max_shards: int
+    segment_numels: tuple[int, ...]  # element count of each segment of the flat parameter vector
+    codec: Codec
+    max_payload_bytes: int  # a whole contribution's budget on the wire
+
+    def authorized(self, peer_id: str) -> bool:
+        """May this peer contribute to the run?"""
+        ...
+
+
+@dataclass
+class DecisionBook:
+    """Committed decisions the peer knows, by round; the plan of round r comes from round r-1's.
+
+    The genesis decision (round -1) comes with the run's state. A waiter can block until a
+    round's decision is known."""
+
+    run_id: str
+    committed: dict[int, tuple[bytes, Decision]] = field(default_factory=dict)
+    _changed: asyncio.Event = field(default_factory=asyncio.Event)
+    keep: int = 16
+
+    def add(self, signed: bytes) -> Decision:
+        """Verify (signature, run) and record a committed decision; returns it."""
+        leader, decision = unseal(signed, self.run_id, Decision)
+        if decision.status != "commit":
+            raise ProtocolError("only committed decisions are recorded")
+        if leader != decision.leader:
+            raise ProtocolError("decision is not signed by its leader")
+        known = self.committed.get(decision.round)
+        if known is not None and known[0] != signed and known[1] != decision:
+            # Two different commits for one round: keep the first; the caller re-syncs if needed.
+            raise ProtocolError(f"conflicting decision for round {decision.round}")
+        self.committed[decision.round] = (signed, decision)
+        for old in [r for r in self.committed if r < decision.round - self.keep]:
+            del self.committed[old]
+        self._changed.set()
+        self._changed = asyncio.Event()
+        return decision
+
+    def membership(self, round_id: int) -> Membership | None:
+        """Membership round `round_id` is planned from, if its previous decision is known."""
+        entry = self.committed.get(round_id - 1)
+        if entry is None:
+            return None
+        return Membership(tuple(entry[1].trainers), tuple(entry[1].servers))
+
+    def latest(self) -> int:
+        """The newest committed round (-1: only genesis; -2: nothing)."""
+        return max(self.committed, default=-2)
+
+    async def wait_membership(self, round_id: int, timeout_s: float) -> Membership | None:
+        """Wait up to `timeout_s` for the membership of `round_id`."""
+        try:
+            async with asyncio.timeout(timeout_s):
+                while (m := self.membership(round_id)) is None:
+                    await self._changed.wait()
+                return m
+        except TimeoutError:
+            return None
+
+
+def validate_segments(ctx: RoundContext, first: int, segments: list[bytes]) -> list[Payload]:
+    """Strictly parse a run of segment payloads against the run's codec and segment shapes."""
+    if first + len(segments) > len(ctx.segment_numels) or not segments:
+        raise ProtocolError(f"segments {first}..{first + len(segments)} out of range")
+    out = []
+    for i, data in enumerate(segments):
+        numel = ctx.segment_numels[first + i]
+        try:
+            payload = Payload.from_bytes(data, max_bytes=ctx.max_payload_bytes, max_numel=numel, expect=ctx.codec)
+        except CodecError as exc:
+            raise ProtocolError(f"segment {first + i}: {exc}") from None
+        if payload.shape != (numel,):
+            raise ProtocolError(f"segment {first + i} has shape {payload.shape}, expected ({numel},)")
+        out.append(payload)
+    return out

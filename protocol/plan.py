@@ -1,0 +1,79 @@
+"""Who does what in a round: a pure function of (round, attempt, membership, model size).
+
+Every peer that applied the same previous decision computes the same plan, with no messages:
+the shards (contiguous runs of the codec-aligned segments), the aggregator of each shard and
+the leader. Roles go to `servers` (peers that accept inbound connections); a fresh attempt
+reshuffles them, so a retry after a failure puts different peers in charge.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from dataclasses import dataclass
+from typing import Sequence
+
+
+@dataclass(frozen=True)
+class RoundPlan:
+    """Roles for one attempt of one round."""
+
+    round: int
+    attempt: int
+    leader: str
+    backup_leader: str  # takes over if the leader stays silent past deadline + slack
+    order: tuple[str, ...]  # all servers in this attempt's rank order
+    aggregators: tuple[str, ...]  # aggregator of shard s
+    shard_segments: tuple[tuple[int, int], ...]  # [first, stop) segment indices of shard s
+    trainers: tuple[str, ...]  # peers expected to contribute
+
+    @property
+    def num_shards(self) -> int:
+        """Number of shards in this attempt."""
+        return len(self.aggregators)
+
+    def candidates(self, shard: int) -> list[str]:
+        """Aggregators to try for a shard, primary first, then the other servers in rank order."""
+        primary = self.aggregators[shard]
+        return [primary] + [p for p in self.order[shard + 1:] + self.order[:shard] if p != primary]
+
+    def shards_of(self, peer_id: str) -> list[int]:
+        """The shards this peer aggregates."""
+        return [s for s, a in enumerate(self.aggregators) if a == peer_id]
+
+
+def _rank(run_id: str, round_id: int, attempt: int, peer: str) -> bytes:
+    return hashlib.blake2b(f"{run_id}/{round_id}/{attempt}/{peer}".encode(), digest_size=16).digest()
+
+
+def make_plan(
+    run_id: str,
+    round_id: int,
+    attempt: int,
+    servers: Sequence[str],
+    trainers: Sequence[str],
+    num_segments: int,
+    max_shards: int,
+) -> RoundPlan:
+    """The plan of round/attempt; raises ValueError when no peer can serve."""
+    if not servers:
+        raise ValueError("no peer can serve this round")
+    if num_segments <= 0 or max_shards <= 0:
+        raise ValueError("num_segments and max_shards must be positive")
+    order = sorted(set(servers), key=lambda p: _rank(run_id, round_id, attempt, p))
+    num_shards = min(len(order), max_shards, num_segments)
+    base, extra = divmod(num_segments, num_shards)
+    bounds, start = [], 0
+    for s in range(num_shards):
+        stop = start + base + (1 if s < extra else 0)
+        bounds.append((start, stop))
+        start = stop
+    return RoundPlan(
+        round=round_id,
+        attempt=attempt,
+        leader=order[0],
+        backup_leader=order[1] if len(order) > 1 else order[0],
+        order=tuple(order),
+        aggregators=tuple(order[:num_shards]),
+        shard_segments=tuple(bounds),
+        trainers=tuple(sorted(set(trainers))),
+    )

@@ -1,0 +1,276 @@
+"""Every message peers exchange, in one module: typed, versioned msgpack, decoded strictly.
+
+A message is a frozen dataclass whose fields are ints, floats, bools, strs, bytes or lists of
+those. On the wire it is `[kind, [field values...]]`, wrapped in a signed `Envelope`. Decoding
+checks sizes before allocating (msgpack limits derived from the caller's byte budget), then
+every field's type and bound; any failure is a `ProtocolError` naming the field.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import typing
+from dataclasses import dataclass, field
+from typing import Any, ClassVar
+
+import msgpack
+
+PROTOCOL_VERSION = 1
+MAX_ID = 128  # peer ids, run ids, reasons and other short strings
+MAX_LIST = 4096  # peer lists, shard lists
+MAX_SMALL = 1 << 20  # a control message never needs more than this
+
+
+class ProtocolError(ValueError):
+    """A message is malformed, of the wrong kind, or breaks a bound; the message says which."""
+
+
+def _f(max_len: int = MAX_ID, max_items: int = MAX_LIST, lo: float | None = None, hi: float | None = None) -> Any:
+    return field(metadata={"max_len": max_len, "max_items": max_items, "lo": lo, "hi": hi})
+
+
+_ROUND = dict(lo=0, hi=1 << 40)
+
+
+@dataclass(frozen=True)
+class Message:
+    """Base of all messages; `KIND` is the wire tag."""
+
+    KIND: ClassVar[str] = ""
+
+
+# --- the round ---------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class ShardContribution(Message):
+    """A contributor's payloads for one shard (a run of segments) of round/attempt."""
+
+    KIND: ClassVar[str] = "contribute"
+    round: int = _f(**_ROUND)
+    attempt: int = _f(lo=0, hi=1 << 20)
+    shard: int = _f(lo=0, hi=MAX_LIST)
+    first_segment: int = _f(lo=0, hi=1 << 20)
+    segments: list[bytes] = _f(max_len=1 << 34)  # one encoded Payload per segment of the shard
+
+
+@dataclass(frozen=True)
+class Ack(Message):
+    """Yes or no, with a reason a person can read."""
+
+    KIND: ClassVar[str] = "ack"
+    ok: bool = _f()
+    reason: str = _f(max_len=512)
+
+
+@dataclass(frozen=True)
+class HaveReport(Message):
+    """Aggregator to leader: the contributors whose whole shard it holds for round/attempt."""
+
+    KIND: ClassVar[str] = "have"
+    round: int = _f(**_ROUND)
+    attempt: int = _f(lo=0, hi=1 << 20)
+    shard: int = _f(lo=0, hi=MAX_LIST)
+    contributors: list[str] = _f()
+
+
+@dataclass(frozen=True)
+class Decision(Message):
+    """The leader's verdict on round/attempt, and who takes part in the next round.
+
+    status "commit": the aggregate is the mean over exactly `contributors`; "retry": nothing is
+    applied and the round runs again as attempt+1. `trainers`/`servers` are the membership the
+    next round (or attempt) is planned from."""
+
+    KIND: ClassVar[str] = "decision"
+    round: int = _f(lo=-1, hi=1 << 40)
+    attempt: int = _f(lo=0, hi=1 << 20)
+    status: str = _f(max_len=16)
+    contributors: list[str] = _f()
+    trainers: list[str] = _f()
+    servers: list[str] = _f()
+    leader: str = _f()
+    sources: list[str] = _f()  # the aggregator whose copy of shard s counts
+    num_shards: int = _f(lo=0, hi=MAX_LIST)
+
+
+@dataclass(frozen=True)
+class DecisionRequest(Message):
+    """Contributor to leader (or anyone): the decision of round/attempt, waiting up to wait_s."""
+
+    KIND: ClassVar[str] = "get-decision"
+    round: int = _f(**_ROUND)
+    attempt: int = _f(lo=0, hi=1 << 20)
+    wait_s: float = _f(lo=0, hi=3600)
+
+
+@dataclass(frozen=True)
+class DecisionReply(Message):
+    """A signed decision (the leader's envelope bytes), or empty bytes if none is known yet."""
+
+    KIND: ClassVar[str] = "decision-reply"
+    decision: bytes = _f(max_len=MAX_SMALL)
+
+
+@dataclass(frozen=True)
+class Seal(Message):
+    """Leader to aggregator: build your shard's aggregate for this decision (signed bytes)."""
+
+    KIND: ClassVar[str] = "seal"
+    decision: bytes = _f(max_len=MAX_SMALL)
+
+
+@dataclass(frozen=True)
+class AggregateRequest(Message):
+    """The aggregate of one shard of a committed round."""
+
+    KIND: ClassVar[str] = "get-aggregate"
+    round: int = _f(**_ROUND)
+    shard: int = _f(lo=0, hi=MAX_LIST)
+    wait_s: float = _f(lo=0, hi=3600)
+
+
+@dataclass(frozen=True)
+class AggregateShard(Message):
+    """One shard of a committed round: the signed decision and, per segment, either the mean
+    (dense codecs, one payload) or every contributor's payload in decision order (sparse)."""
+
+    KIND: ClassVar[str] = "aggregate"
+    decision: bytes = _f(max_len=MAX_SMALL)
+    shard: int = _f(lo=0, hi=MAX_LIST)
+    mode: str = _f(max_len=16)
+    parts: list[bytes] = _f(max_len=1 << 34, max_items=1 << 20)
+
+
+@dataclass(frozen=True)
+class Join(Message):
+    """A peer asks the leader of a round to be planned in from the next round on."""
+
+    KIND: ClassVar[str] = "join"
+    round: int = _f(**_ROUND)
+    trains: bool = _f()
+    serves: bool = _f()
+
+
+# --- state ---------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class StateRequest(Message):
+    """A joiner or straggler asks for the current global state."""
+
+    KIND: ClassVar[str] = "get-state"
+    min_round: int = _f(lo=-1, hi=1 << 40)
+
+
+@dataclass(frozen=True)
+class StateReply(Message):
+    """The global state after round `round - 1`: serialized tensors whose sha256 is `digest`, and
+    the signed decision of round `round - 1` (which plans round `round`). Empty blob: unavailable."""
+
+    KIND: ClassVar[str] = "state"
+    round: int = _f(lo=-1, hi=1 << 40)
+    digest: str = _f(max_len=64)
+    decision: bytes = _f(max_len=MAX_SMALL)
+    blob: bytes = _f(max_len=1 << 38)
+
+
+@dataclass(frozen=True)
+class ManifestRequest(Message):
+    """Ask any peer for the run's signed manifest."""
+
+    KIND: ClassVar[str] = "get-manifest"
+
+
+@dataclass(frozen=True)
+class ManifestReply(Message):
+    """The signed manifest bytes (verified by the receiver against the coordinator's key)."""
+
+    KIND: ClassVar[str] = "manifest"
+    signed: bytes = _f(max_len=MAX_SMALL)
+
+
+@dataclass(frozen=True)
+class PeerRecord(Message):
+    """What a peer publishes in the DHT about itself, refreshed every few seconds."""
+
+    KIND: ClassVar[str] = "peer"
+    round: int = _f(lo=-1, hi=1 << 40)
+    params_hash: str = _f(max_len=64)
+    role: str = _f(max_len=16)  # "coordinator" or "volunteer"
+    trains: bool = _f()
+    serves: bool = _f()
+    maddrs: list[str] = _f(max_len=256, max_items=32)
+    reachability: str = _f(max_len=64)
+    loss: float = _f()
+    bytes_sent: int = _f(lo=0, hi=1 << 62)
+    updated: float = _f(lo=0)
+
+
+MESSAGES: dict[str, type[Message]] = {
+    cls.KIND: cls
+    for cls in (
+        ShardContribution, Ack, HaveReport, Decision, DecisionRequest, DecisionReply, Seal, AggregateRequest, AggregateShard, Join,
+        StateRequest, StateReply, ManifestRequest, ManifestReply, PeerRecord,
+    )
+}
+
+
+def encode_message(msg: Message) -> bytes:
+    """Serialize a message as `[kind, [values...]]`."""
+    values = [getattr(msg, f.name) for f in dataclasses.fields(msg)]
+    return msgpack.packb([msg.KIND, values], use_bin_type=True)
+
+
+def decode_message(data: bytes, expect: type[Message] | tuple[type[Message], ...], max_bytes: int = MAX_SMALL) -> Any:
+    """Strictly parse a message of one of the expected types."""
+    expected = expect if isinstance(expect, tuple) else (expect,)
+    if not isinstance(data, (bytes, bytearray)):
+        raise ProtocolError("message must be bytes")
+    if len(data) > max_bytes:
+        raise ProtocolError(f"message is {len(data)} bytes, over the limit of {max_bytes}")
+    try:
+        obj = msgpack.unpackb(
+            bytes(data), raw=False, use_list=True, strict_map_key=True, max_bin_len=len(data),
+            max_str_len=min(len(data), 1 << 16), max_array_len=min(len(data), 1 << 20), max_map_len=0, max_ext_len=0,
+        )
+    except Exception as exc:  # msgpack raises many unrelated types on bad input
+        raise ProtocolError(f"not a valid msgpack message: {exc}") from None
+    if not (isinstance(obj, list) and len(obj) == 2 and isinstance(obj[0], str) and isinstance(obj[1], list)):
+        raise ProtocolError("a message must be [kind, [fields]]")
+    kind, values = obj
+    cls = MESSAGES.get(kind)
+    if cls is None or cls not in expected:
+        raise ProtocolError(f"unexpected message kind {kind!r}; expected {[c.KIND for c in expected]}")
+    fields = dataclasses.fields(cls)
+    if len(values) != len(fields):
+        raise ProtocolError(f"{kind}: expected {len(fields)} fields, got {len(values)}")
+    hints = typing.get_type_hints(cls)
+    return cls(**{f.name: _check(hints[f.name], v, f, kind) for f, v in zip(fields, values)})
+
+
+def _check(hint: Any, value: Any, f: dataclasses.Field, kind: str) -> Any:
+    where = f"{kind}.{f.name}"
+    meta = f.metadata
+    if typing.get_origin(hint) is list:
+        (item,) = typing.get_args(hint)
+        if not isinstance(value, list) or len(value) > meta["max_items"]:
+            raise ProtocolError(f"{where} must be a list of at most {meta['max_items']} items")
+        return [_scalar(item, v, meta, where) for v in value]
+    return _scalar(hint, value, meta, where)
+
+
+def _scalar(hint: Any, value: Any, meta: Any, where: str) -> Any:
+    if hint is bool:
+        ok = isinstance(value, bool)
+    elif hint is int:
+        ok = isinstance(value, int) and not isinstance(value, bool)
+    elif hint is float:
+        ok = isinstance(value, (int, float)) and not isinstance(value, bool) and value == value  # no NaN
+        value = float(value) if ok else value
+    elif hint in (str, bytes):
+        ok = isinstance(value, hint) and len(value) <= meta["max_len"]
+    else:
+        raise ProtocolError(f"{where}: unsupported field type {hint!r}")
+    if not ok:
+        raise ProtocolError(f"{where} must be a {hint.__name__}" + (" of bounded size" if hint in (str, bytes) else ""))
+    if hint in (int, float):
+        if (meta["lo"] is not None and value < meta["lo"]) or (meta["hi"] is not None and value > meta["hi"]):
+            raise ProtocolError(f"{where}={value} is out of range [{meta['lo']}, {meta['hi']}]")
+    return value

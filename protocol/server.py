@@ -1,0 +1,330 @@
+"""The serving half of the round protocol: aggregator, leader, and the archive of past rounds.
+
+Aggregator: holds contributors' shard payloads for an attempt, reports who is complete to the
+attempt's leader and backup leader, and on a commit `Seal` builds its shard's aggregate over
+exactly the decided contributors (refusing if it lacks any: wholly in or wholly out).
+Leader: waits until every expected trainer is complete in every shard, or the deadline; picks
+one source aggregator per shard; commits if at least `min_peers` contributors are complete in
+all sources and every source sealed, else decides "retry". The backup leader decides only if
+the leader stays silent past deadline + slack.
+Archive: committed decisions (in the `DecisionBook`) and aggregate shards of recent rounds, so
+stragglers and joiners can catch up from any peer.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections import defaultdict
+from dataclasses import dataclass, field
+
+from .context import DecisionBook, RoundContext, validate_segments
+from .identity import Identity
+from .plan import RoundPlan, make_plan
+from .schema import (
+    MAX_SMALL, Ack, AggregateRequest, AggregateShard, Decision, DecisionReply, DecisionRequest, HaveReport, Join,
+    ProtocolError, Seal, ShardContribution,
+)
+from .transport import PeerUnavailable, Transport, seal, unseal
+
+log = logging.getLogger(__name__)
+DENSE_MEAN_CODECS = ("fp32", "fp16", "bf16", "int8")  # the aggregate is the re-encoded mean
+
+
+@dataclass
+class _Attempt:
+    """Everything this peer holds for one attempt of one round."""
+
+    contributions: dict[int, dict[str, tuple[int, list[bytes]]]] = field(default_factory=lambda: defaultdict(dict))
+    have: dict[int, dict[str, set[str]]] = field(default_factory=lambda: defaultdict(dict))  # shard -> agg -> ids
+    first_report: float | None = None
+    decision: bytes | None = None  # signed decision of this attempt (as leader, or learned)
+    sealed: bytes | None = None  # the commit this peer sealed as an aggregator
+    changed: asyncio.Event = field(default_factory=asyncio.Event)
+    leading: bool = False
+
+    def poke(self) -> None:
+        self.changed.set()
+        self.changed = asyncio.Event()
+
+
+class RoundServer:
+    """Serves the round protocol for one peer; every background task belongs to its TaskGroup."""
+
+    def __init__(self, ctx: RoundContext, transport: Transport, book: DecisionBook, identity: Identity,
+                 tasks: asyncio.TaskGroup) -> None:
+        self.ctx = ctx
+        self.transport = transport
+        self.book = book
+        self.identity = identity
+        self.tasks = tasks
+        self.attempts: dict[tuple[int, int], _Attempt] = defaultdict(_Attempt)
+        self.joins: dict[int, dict[str, tuple[bool, bool]]] = defaultdict(dict)
+        self.aggregates: dict[tuple[int, int], AggregateShard] = {}
+        self._archived = asyncio.Event()
+        self.keep_rounds = 8
+
+    async def start(self) -> None:
+        """Register every handler on the transport."""
+        big = self.ctx.max_payload_bytes + MAX_SMALL
+        t = self.transport
+        await t.serve("contribute", ShardContribution, self._on_contribute, max_request=big)
+        await t.serve("have", HaveReport, self._on_have)
+        await t.serve("join", Join, self._on_join)
+        await t.serve("get-decision", DecisionRequest, self._on_get_decision)
+        await t.serve("seal", Seal, self._on_seal)
+        await t.serve("get-aggregate", AggregateRequest, self._on_get_aggregate)
+
+    # --- helpers ------------------------------------------------------------------------------
+    async def plan(self, round_id: int, attempt: int, wait_s: float) -> RoundPlan | None:
+        """This attempt's plan, once the previous round's decision is known here."""
+        m = await self.book.wait_membership(round_id, wait_s)
+        if m is None or not m.servers:
+            return None
+        return make_plan(self.ctx.run_id, round_id, attempt, m.servers, m.trainers,
+                         len(self.ctx.segment_numels), self.ctx.max_shards)
+
+    def archive(self, round_id: int, shard: int, agg: AggregateShard) -> None:
+        """Keep an aggregate shard of a committed round to serve to peers that catch up."""
+        self.aggregates[(round_id, shard)] = agg
+        for key in [k for k in self.aggregates if k[0] < round_id - self.keep_rounds]:
+            del self.aggregates[key]
+        for key in [k for k in self.attempts if k[0] < round_id - 1]:
+            del self.attempts[key]
+        self._archived.set()
+        self._archived = asyncio.Event()
+
+    # --- aggregator ---------------------------------------------------------------------------
+    async def _on_contribute(self, sender: str, msg: ShardContribution) -> Ack:
+        if not self.ctx.authorized(sender):
+            return Ack(False, "not allowed to contribute to this run")
+        if msg.round in self.book.committed:
+            return Ack(False, f"round {msg.round} is closed")
+        slot = self.attempts[(msg.round, msg.attempt)]
+        if slot.sealed is not None:
+            return Ack(False, f"round {msg.round} attempt {msg.attempt} is sealed")
+        validate_segments(self.ctx, msg.first_segment, msg.segments)  # raises ProtocolError: counted, dropped
+        slot.contributions[msg.shard][sender] = (msg.first_segment, msg.segments)
+        self._report(msg.round, msg.attempt)
+        return Ack(True, "")
+
+    def _report(self, round_id: int, attempt: int) -> None:
+        self.tasks.create_task(self._send_have(round_id, attempt))
+
+    async def _send_have(self, round_id: int, attempt: int) -> None:
+        try:
+            await self._send_have_unguarded(round_id, attempt)
+        except ProtocolError as exc:  # e.g. a conflicting decision: this report is moot; say so
+            log.warning("have report for round %d not sent: %s", round_id, exc)
+
+    async def _send_have_unguarded(self, round_id: int, attempt: int) -> None:
+        plan = await self.plan(round_id, attempt, self.ctx.deadline_s)
+        if plan is None:
+            return
+        slot = self.attempts[(round_id, attempt)]
+        for shard, held in list(slot.contributions.items()):
+            first, stop = plan.shard_segments[shard] if shard < plan.num_shards else (-1, -1)
+            ids = sorted(s for s, (f, segs) in held.items() if f == first and f + len(segs) == stop)
+            report = HaveReport(round_id, attempt, shard, ids)
+            for leader in {plan.leader, plan.backup_leader}:
+                if leader == self.identity.peer_id:
+                    await self._on_have(leader, report)
+                    continue
+                try:
+                    await self.transport.request(leader, "have", report, Ack, timeout_s=self.ctx.slack_s)
+                except PeerUnavailable as exc:
+                    log.info("have report to leader failed: %s", exc)
+
+    async def _on_seal(self, sender: str, msg: Seal) -> Ack:
+        leader, decision = unseal(msg.decision, self.ctx.run_id, Decision)
+        if leader != sender or decision.leader != sender or decision.status != "commit":
+            return Ack(False, "a seal must be a commit signed by the sending leader")
+        plan = await self.plan(decision.round, decision.attempt, self.ctx.slack_s)
+        if plan is None or sender not in (plan.leader, plan.backup_leader):
+            return Ack(False, "sender does not lead this attempt")
+        slot = self.attempts[(decision.round, decision.attempt)]
+        if slot.sealed is not None and slot.sealed != msg.decision:
+            return Ack(False, "this attempt is already sealed under another decision")
+        mine = [s for s, src in enumerate(decision.sources) if src == self.identity.peer_id]
+        built = {}
+        for shard in mine:
+            first, stop = plan.shard_segments[shard]
+            held = slot.contributions.get(shard, {})
+            missing = [c for c in decision.contributors if c not in held or held[c][0] != first]
+            if missing:
+                return Ack(False, f"shard {shard}: missing contributions from {len(missing)} peers")
+            built[shard] = self._build(msg.decision, shard, [held[c][1] for c in decision.contributors], stop - first)
+        slot.sealed = msg.decision
+        self.book.add(msg.decision)
+        for shard, agg in built.items():
+            self.archive(decision.round, shard, agg)
+        return Ack(True, "")
+
+    def _build(self, signed: bytes, shard: int, per_contributor: list[list[bytes]], num_segments: int) -> AggregateShard:
+        codec = self.ctx.codec
+        if codec.name not in DENSE_MEAN_CODECS:  # sparse: ship every payload; receivers average
+            parts = [per_contributor[c][i] for i in range(num_segments) for c in range(len(per_contributor))]
+            return AggregateShard(signed, shard, "gather", parts)
+        parts = []
+        for i in range(num_segments):
+            payloads = [validate_segments(self.ctx, 0, [seg[i]])[0] for seg in per_contributor]  # already checked
+            parts.append(codec.encode(codec.aggregate(payloads)).to_bytes())
+        return AggregateShard(signed, shard, "mean", parts)
+
+    async def _on_get_aggregate(self, sender: str, msg: AggregateRequest) -> AggregateShard:
+        deadline = time.monotonic() + min(msg.wait_s, self.ctx.deadline_s + self.ctx.slack_s)
+        while (agg := self.aggregates.get((msg.round, msg.shard))) is None:
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                return AggregateShard(b"", msg.shard, "none", [])
+            waiter = self._archived
+            try:
+                async with asyncio.timeout(remaining):
+                    await waiter.wait()
+            except TimeoutError:
+                pass
+        return agg
+
+    # --- leader -------------------------------------------------------------------------------
+    async def _on_have(self, sender: str, msg: HaveReport) -> Ack:
+        slot = self.attempts[(msg.round, msg.attempt)]
+        slot.have[msg.shard][sender] = set(msg.contributors)
+        if slot.first_report is None:
+            slot.first_report = time.monotonic()
+        slot.poke()
+        if not slot.leading:
+            slot.leading = True
+            self.tasks.create_task(self._lead_guarded(msg.round, msg.attempt))
+        return Ack(True, "")
+
+    async def _on_join(self, sender: str, msg: Join) -> Ack:
+        if msg.trains and not self.ctx.authorized(sender):
+            return Ack(False, "not allowed to contribute to this run")
+        self.joins[msg.round][sender] = (msg.trains, msg.serves)
+        for r in [r for r in self.joins if r < msg.round - 2]:
+            del self.joins[r]
+        return Ack(True, "")
+
+    def _sources(self, plan: RoundPlan, slot: _Attempt) -> tuple[list[str], set[str]]:
+        sources, common = [], None
+        for shard in range(plan.num_shards):
+            reports = slot.have.get(shard, {})
+            if not reports:
+                return [], set()
+            rank = {p: i for i, p in enumerate(plan.candidates(shard))}
+            best = min(reports, key=lambda a: (-len(reports[a]), rank.get(a, 1 << 30), a))
+            sources.append(best)
+            common = set(reports[best]) if common is None else common & reports[best]
+        return sources, common or set()
+
+    async def _lead_guarded(self, round_id: int, attempt: int) -> None:
+        try:
+            await self._lead(round_id, attempt)
+        except ProtocolError as exc:  # a conflicting commit elsewhere: contributors will see it
+            log.warning("leading round %d attempt %d stopped: %s", round_id, attempt, exc)
+
+    async def _lead(self, round_id: int, attempt: int) -> None:
+        plan = await self.plan(round_id, attempt, self.ctx.deadline_s)
+        me = self.identity.peer_id
+        if plan is None or me not in (plan.leader, plan.backup_leader):
+            return
+        slot = self.attempts[(round_id, attempt)]
+        assert slot.first_report is not None
+        close_at = slot.first_report + self.ctx.deadline_s
+        while time.monotonic() < close_at:
+            expected = set(plan.trainers) | {p for p, (trains, _) in self.joins[round_id].items() if trains}
+            _, complete = self._sources(plan, slot)
+            if expected and expected <= complete:
+                break
+            waiter = slot.changed
+            try:
+                async with asyncio.timeout(max(0.0, close_at - time.monotonic())):
+                    await waiter.wait()
+            except TimeoutError:
+                break
+        if me != plan.leader or time.monotonic() > close_at + self.ctx.slack_s:
+            # The backup decides only if the leader is silent; a leader that was frozen past its
+            # window defers to the backup the same way.
+            if me != plan.leader:
+                await asyncio.sleep(max(0.0, close_at + self.ctx.slack_s - time.monotonic()))
+            other = plan.backup_leader if me == plan.leader else plan.leader
+            if slot.decision is not None or round_id in self.book.committed:
+                return
+            try:
+                reply = await self.transport.request(
+                    other, "get-decision", DecisionRequest(round_id, attempt, self.ctx.slack_s), DecisionReply,
+                    timeout_s=self.ctx.slack_s * 1.5)
+                if reply.decision:
+                    self._learn(round_id, attempt, reply.decision)
+                    return
+            except (PeerUnavailable, ProtocolError):
+                pass
+        if slot.decision is None and round_id not in self.book.committed:
+            await self._decide(plan, slot)
+
+    def _learn(self, round_id: int, attempt: int, signed: bytes) -> None:
+        _, decision = unseal(signed, self.ctx.run_id, Decision)
+        if (decision.round, decision.attempt) != (round_id, attempt):
+            raise ProtocolError("decision for another round")
+        self.attempts[(round_id, attempt)].decision = signed
+        if decision.status == "commit":
+            self.book.add(signed)
+        self.attempts[(round_id, attempt)].poke()
+
+    async def _decide(self, plan: RoundPlan, slot: _Attempt) -> None:
+        sources, complete = self._sources(plan, slot)
+        contributors = sorted(complete)
+        joins = self.joins[plan.round]
+        membership = self.book.membership(plan.round)
+        status = "commit" if len(contributors) >= self.ctx.min_peers else "retry"
+        if status == "commit":
+            trainers = sorted(set(contributors) | {p for p, (t, _) in joins.items() if t})
+            servers = sorted({p for p, (_, s) in joins.items() if s} | {self.identity.peer_id})
+        else:
+            trainers, servers = list(membership.trainers), list(membership.servers)  # type: ignore[union-attr]
+        decision = Decision(plan.round, plan.attempt, status, contributors, trainers, servers,
+                            self.identity.peer_id, sources if status == "commit" else [], plan.num_shards)
+        signed = seal(self.identity, self.ctx.run_id, decision)
+        if status == "commit" and not await self._seal_all(signed, sources):
+            decision = Decision(plan.round, plan.attempt, "retry", [], trainers, servers, self.identity.peer_id, [],
+                                plan.num_shards)
+            signed = seal(self.identity, self.ctx.run_id, decision)
+        log.info("round %d attempt %d: %s with %d contributors", plan.round, plan.attempt, decision.status,
+                 len(decision.contributors))
+        self._learn(plan.round, plan.attempt, signed)
+
+    async def _seal_all(self, signed: bytes, sources: list[str]) -> bool:
+        async def one(peer: str) -> bool:
+            if peer == self.identity.peer_id:
+                return (await self._on_seal(peer, Seal(signed))).ok
+            try:
+                ack = await self.transport.request(peer, "seal", Seal(signed), Ack,
+                                                   timeout_s=self.ctx.slack_s + 30.0)
+                if not ack.ok:
+                    log.warning("aggregator %s refused the seal: %s", peer[-8:], ack.reason)
+                return ack.ok
+            except PeerUnavailable as exc:
+                log.warning("seal failed: %s", exc)
+                return False
+
+        results = await asyncio.gather(*(one(p) for p in sorted(set(sources))))
+        return all(results)
+
+    async def _on_get_decision(self, sender: str, msg: DecisionRequest) -> DecisionReply:
+        deadline = time.monotonic() + min(msg.wait_s, self.ctx.deadline_s + 2 * self.ctx.slack_s)
+        slot = self.attempts[(msg.round, msg.attempt)]
+        while True:
+            if msg.round in self.book.committed:
+                return DecisionReply(self.book.committed[msg.round][0])
+            if slot.decision is not None:
+                return DecisionReply(slot.decision)
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                return DecisionReply(b"")
+            waiter = slot.changed
+            try:
+                async with asyncio.timeout(remaining):
+                    await waiter.wait()
+            except TimeoutError:
+                pass

@@ -1,0 +1,172 @@
+"""Signed request/response over hivemind's libp2p binary streams.
+
+Frames are an 8-byte big-endian length and that many bytes; the length is checked against the
+handler's budget *before* anything is read into memory. Every request and reply is a signed
+`Envelope` around a schema message: the signature is checked against the sender's peer id (an
+Ed25519 peer id embeds its public key), and the sender must be the stream's remote peer, which
+libp2p's secure channel authenticates. Every network wait sits inside an `asyncio.timeout`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import struct
+import time
+from collections import Counter
+from dataclasses import dataclass
+from typing import Any, Awaitable, Callable
+
+import msgpack
+
+from .identity import Identity, verify
+from .schema import MAX_SMALL, PROTOCOL_VERSION, Message, ProtocolError, decode_message, encode_message
+
+log = logging.getLogger(__name__)
+_LEN = struct.Struct(">Q")
+
+Handler = Callable[[str, Any], Awaitable[Message]]
+
+
+class PeerUnavailable(ConnectionError):
+    """A request could not be completed: the peer is gone, frozen, or broke the protocol."""
+
+
+@dataclass(frozen=True)
+class Envelope:
+    """A signed message: who sent it, for which run, when, and the signature over all of it."""
+
+    run_id: str
+    sender: str
+    nonce: bytes
+    timestamp: float
+    body: bytes
+    signature: bytes
+
+    def signed_part(self) -> bytes:
+        """The canonical bytes the signature covers."""
+        return msgpack.packb(
+            [PROTOCOL_VERSION, self.run_id, self.sender, self.nonce, self.timestamp, self.body], use_bin_type=True
+        )
+
+
+def seal(identity: Identity, run_id: str, msg: Message) -> bytes:
+    """Sign a message for a run and serialize the envelope."""
+    env = Envelope(run_id, identity.peer_id, os.urandom(16), time.time(), encode_message(msg), b"")
+    sig = identity.sign(env.signed_part())
+    return msgpack.packb([PROTOCOL_VERSION, run_id, env.sender, env.nonce, env.timestamp, env.body, sig],
+                         use_bin_type=True)
+
+
+def unseal(data: bytes, run_id: str, expect: Any, max_bytes: int = MAX_SMALL, sender: str | None = None) -> tuple[str, Any]:
+    """Verify an envelope (run, signature, optional sender) and decode its message strictly."""
+    if len(data) > max_bytes + 512:
+        raise ProtocolError(f"envelope is {len(data)} bytes, over the limit")
+    try:
+        obj = msgpack.unpackb(data, raw=False, use_list=True, max_bin_len=len(data), max_str_len=512,
+                              max_array_len=8, max_map_len=0, max_ext_len=0)
+    except Exception as exc:
+        raise ProtocolError(f"not a valid envelope: {exc}") from None
+    if not isinstance(obj, list) or len(obj) != 7:
+        raise ProtocolError("an envelope has 7 fields")
+    version, env_run, env_sender, nonce, ts, body, sig = obj
+    if version != PROTOCOL_VERSION:
+        raise ProtocolError(f"protocol version {version!r}; this peer speaks {PROTOCOL_VERSION}")
+    if not (isinstance(env_run, str) and isinstance(env_sender, str) and isinstance(nonce, bytes)
+            and isinstance(ts, float) and isinstance(body, bytes) and isinstance(sig, bytes)):
+        raise ProtocolError("envelope fields have the wrong types")
+    if env_run != run_id:
+        raise ProtocolError(f"message is for run {env_run!r}, not {run_id!r}")
+    if sender is not None and env_sender != sender:
+        raise ProtocolError("envelope sender is not the stream's peer")
+    env = Envelope(env_run, env_sender, nonce, ts, body, sig)
+    if not verify(env_sender, env.signed_part(), sig):
+        raise ProtocolError("bad signature")
+    return env_sender, decode_message(body, expect, max_bytes=max_bytes)
+
+
+async def write_frame(writer: asyncio.StreamWriter, data: bytes) -> None:
+    """Write one length-prefixed frame."""
+    writer.write(_LEN.pack(len(data)))
+    writer.write(data)
+    await writer.drain()
+
+
+async def read_frame(reader: asyncio.StreamReader, max_bytes: int) -> bytes:
+    """Read one length-prefixed frame, refusing lengths over `max_bytes` before reading them."""
+    (size,) = _LEN.unpack(await reader.readexactly(_LEN.size))
+    if size > max_bytes:
+        raise ProtocolError(f"frame of {size} bytes exceeds the limit of {max_bytes}")
+    return await reader.readexactly(size)
+
+
+class Transport:
+    """Typed, signed request/response between peers of one run over a `hivemind.P2P`."""
+
+    def __init__(self, p2p: Any, identity: Identity, run_id: str) -> None:
+        self.p2p = p2p
+        self.identity = identity
+        self.run_id = run_id
+        self.rejected: Counter[str] = Counter()  # rejected inbound messages by reason class
+        self.bytes_sent = 0
+        self.bytes_received = 0
+
+    def _name(self, handler: str) -> str:
+        return f"groundswell/{self.run_id}/{handler}/{PROTOCOL_VERSION}"
+
+    async def serve(self, handler: str, expect: Any, fn: Handler, max_request: int = MAX_SMALL,
+                    timeout_s: float = 600.0) -> None:
+        """Register `fn(sender, request) -> reply` for one request kind."""
+
+        async def on_stream(info: Any, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+            remote = info.peer_id.to_base58()
+            try:
+                async with asyncio.timeout(timeout_s):
+                    data = await read_frame(reader, max_request + 512)
+                    self.bytes_received += len(data) + _LEN.size
+                    sender, request = unseal(data, self.run_id, expect, max_request, sender=remote)
+                    reply = await fn(sender, request)
+                    out = seal(self.identity, self.run_id, reply)
+                    await write_frame(writer, out)
+                    self.bytes_sent += len(out) + _LEN.size
+            except ProtocolError as exc:
+                self.rejected[type(exc).__name__ + ":" + handler] += 1
+                log.warning("rejected %s request from %s: %s", handler, remote[-8:], exc)
+            except (asyncio.TimeoutError, asyncio.IncompleteReadError, ConnectionError) as exc:
+                log.debug("%s request from %s ended early: %r", handler, remote[-8:], exc)
+            finally:
+                writer.close()  # without this the caller's read never sees EOF
+
+        await self.p2p.add_binary_stream_handler(self._name(handler), on_stream)
+
+    async def request(self, peer_id: str, handler: str, msg: Message, expect: Any, *, timeout_s: float,
+                      max_reply: int = MAX_SMALL) -> Any:
+        """Send one request and return the verified reply; `PeerUnavailable` on any failure."""
+        from hivemind.p2p import PeerID
+
+        writer = None
+        try:
+            async with asyncio.timeout(timeout_s):
+                _, reader, writer = await self.p2p.call_binary_stream_handler(
+                    PeerID.from_base58(peer_id), self._name(handler)
+                )
+                data = seal(self.identity, self.run_id, msg)
+                await write_frame(writer, data)
+                self.bytes_sent += len(data) + _LEN.size
+                reply = await read_frame(reader, max_reply + 512)
+                self.bytes_received += len(reply) + _LEN.size
+                _, decoded = unseal(reply, self.run_id, expect, max_reply, sender=peer_id)
+                return decoded
+        except ProtocolError as exc:
+            self.rejected[type(exc).__name__ + ":reply:" + handler] += 1
+            raise PeerUnavailable(f"{peer_id[-8:]} sent a bad {handler} reply: {exc}") from None
+        except TimeoutError:
+            raise PeerUnavailable(f"{peer_id[-8:]} did not answer {handler} within {timeout_s:.1f}s") from None
+        except asyncio.CancelledError:
+            raise
+        except Exception as exc:  # dial failures (ControlFailure), resets, EOF: the peer is unavailable
+            raise PeerUnavailable(f"{peer_id[-8:]} unavailable for {handler}: {exc!r}") from None
+        finally:
+            if writer is not None:
+                writer.close()

@@ -1,0 +1,174 @@
+"""Ed25519 identities: the identity file is a libp2p private key, the peer id embeds the public key."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import stat
+
+import pytest
+from groundswell.protocol.identity import (
+    Identity,
+    IdentityError,
+    peer_id_from_public_bytes,
+    public_key_from_peer_id,
+    verify,
+)
+from hivemind.proto import crypto_pb2
+
+RSA_PEER_ID = "QmYyQSo1c1Ym7orWxLYvCrM2EmxFTANf8wXmmE7DWjhx5N"  # a sha256-multihash id
+
+
+@pytest.fixture(scope="module")
+def ident() -> Identity:
+    return Identity.generate()
+
+
+def test_save_load_round_trip_and_mode(tmp_path, ident):
+    path = tmp_path / "id.key"
+    ident.save(path)
+    assert stat.S_IMODE(os.stat(path).st_mode) == 0o600
+    loaded = Identity.load(path)
+    assert loaded.peer_id == ident.peer_id and loaded.public_bytes == ident.public_bytes
+    assert loaded.sign(b"m") == ident.sign(b"m")  # Ed25519 is deterministic: same key
+    assert [p.name for p in tmp_path.iterdir()] == ["id.key"]  # no temp file left behind
+
+
+def test_file_is_libp2p_protobuf(tmp_path, ident):
+    path = tmp_path / "id.key"
+    ident.save(path)
+    msg = crypto_pb2.PrivateKey.FromString(path.read_bytes())
+    assert msg.key_type == crypto_pb2.Ed25519
+    assert len(msg.data) == 64 and msg.data[32:] == ident.public_bytes
+
+
+def test_save_refuses_overwrite(tmp_path, ident):
+    path = tmp_path / "id.key"
+    ident.save(path)
+    other = Identity.generate()
+    with pytest.raises(FileExistsError):
+        other.save(path)
+    assert Identity.load(path).peer_id == ident.peer_id
+    other.save(path, overwrite=True)
+    assert Identity.load(path).peer_id == other.peer_id
+    assert stat.S_IMODE(os.stat(path).st_mode) == 0o600
+    assert len(list(tmp_path.iterdir())) == 1
+
+
+def test_load_or_generate(tmp_path):
+    path = tmp_path / "id.key"
+    first = Identity.load_or_generate(path)
+    assert Identity.load_or_generate(path).peer_id == first.peer_id
+
+
+def test_peer_id_format_and_key_extraction(ident):
+    assert ident.peer_id.startswith("12D3KooW")
+    assert public_key_from_peer_id(ident.peer_id).public_bytes_raw() == ident.public_bytes
+    assert peer_id_from_public_bytes(ident.public_bytes) == ident.peer_id
+    assert ident.peer_id in repr(ident)
+    for _ in range(20):
+        other = Identity.generate()
+        assert public_key_from_peer_id(other.peer_id).public_bytes_raw() == other.public_bytes
+
+
+@pytest.mark.parametrize(
+    "bad",
+    [RSA_PEER_ID, "", "0OIl", "héllo", "1", "12D3KooW", "x" * 500, None, b"12D3KooW", ["a"]],
+)
+def test_public_key_from_bad_peer_id(bad):
+    with pytest.raises(IdentityError):
+        public_key_from_peer_id(bad)
+
+
+def test_public_key_from_non_ed25519_identity_multihash():
+    from hivemind.p2p import PeerID
+
+    pb = crypto_pb2.PublicKey(key_type=crypto_pb2.Secp256k1, data=b"\x02" * 33).SerializeToString()
+    secp = PeerID(bytes([0, len(pb)]) + pb).to_base58()
+    with pytest.raises(IdentityError, match="not an Ed25519"):
+        public_key_from_peer_id(secp)
+    # an Ed25519 key followed by an unknown protobuf field: parses, but is not canonical
+    pb = (
+        crypto_pb2.PublicKey(key_type=crypto_pb2.Ed25519, data=b"\x01" * 32).SerializeToString() + b"\x18\x01"
+    )
+    with pytest.raises(IdentityError, match="canonical"):
+        public_key_from_peer_id(PeerID(bytes([0, len(pb)]) + pb).to_base58())
+
+
+def test_verify(ident):
+    data = b"round 7 contribution"
+    sig = ident.sign(data)
+    assert verify(ident.peer_id, data, sig)
+    assert verify(ident.peer_id, bytearray(data), memoryview(sig))
+    assert not verify(ident.peer_id, data + b"!", sig)  # tampered data
+    assert not verify(ident.peer_id, data, bytes([sig[0] ^ 1]) + sig[1:])  # tampered signature
+    assert not verify(Identity.generate().peer_id, data, sig)  # wrong key
+    assert not verify(ident.peer_id, data, sig[:-1])
+    assert not verify(ident.peer_id, data, b"\x00" * 64)
+    assert not verify(ident.peer_id, data, b"")
+    assert not verify(RSA_PEER_ID, data, sig)
+    assert not verify("garbage", data, sig)
+    assert not verify(None, data, sig)  # type: ignore[arg-type]
+    assert not verify(ident.peer_id, "text", sig)  # type: ignore[arg-type]
+    assert not verify(ident.peer_id, data, None)  # type: ignore[arg-type]
+
+
+def _rsa_identity_bytes() -> bytes:
+    from hivemind.utils.crypto import RSAPrivateKey
+
+    key = RSAPrivateKey()
+    return crypto_pb2.PrivateKey(key_type=crypto_pb2.RSA, data=key.to_bytes()).SerializeToString()
+
+
+def test_strict_identity_file(tmp_path, ident):
+    good = ident.to_libp2p_bytes()
+    cases = {
+        "empty": b"",
+        "truncated": good[:-1],
+        "garbage": b"\xff\xfe not a key at all",
+        "rsa": _rsa_identity_bytes(),
+        "short key": crypto_pb2.PrivateKey(key_type=crypto_pb2.Ed25519, data=good[4:36]).SerializeToString(),
+        "mismatched public key": crypto_pb2.PrivateKey(
+            key_type=crypto_pb2.Ed25519, data=good[4:36] + b"\x00" * 32
+        ).SerializeToString(),
+        "trailing field": good + b"\x18\x01",
+        "type only": crypto_pb2.PrivateKey(key_type=crypto_pb2.Ed25519).SerializePartialToString(),
+        "huge": b"\x00" * 10_000,
+    }
+    for name, data in cases.items():
+        path = tmp_path / name.replace(" ", "_")
+        path.write_bytes(data)
+        with pytest.raises(IdentityError) as info:
+            Identity.load(path)
+        assert str(path) in str(info.value), name
+    with pytest.raises(IdentityError, match="RSA"):
+        Identity.from_libp2p_bytes(cases["rsa"])
+    assert Identity.from_libp2p_bytes(good).peer_id == ident.peer_id
+    with pytest.raises(FileNotFoundError):
+        Identity.load(tmp_path / "missing")
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(60)
+def test_live_p2p_uses_the_identity(tmp_path):
+    from hivemind.p2p import P2P
+
+    ident = Identity.generate()
+    path = tmp_path / "id.key"
+    ident.save(path)
+
+    async def main() -> str:
+        # nat_port_map=False: never probe the local network; listen on loopback only
+        p2p = await P2P.create(
+            identity_path=str(path),
+            host_maddrs=["/ip4/127.0.0.1/tcp/0"],
+            nat_port_map=False,
+            check_if_identity_free=False,
+        )
+        try:
+            return p2p.peer_id.to_base58()
+        finally:
+            await p2p.shutdown()
+
+    assert asyncio.run(main()) == ident.peer_id
+    assert Identity.load(path).peer_id == ident.peer_id  # p2pd left the file alone

@@ -1,0 +1,376 @@
+"""The run manifest: strict TOML loading, signing, strict signed-manifest parsing, bootstrap strings."""
+
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+
+import msgpack
+import pytest
+from groundswell.peer.config import ConfigError
+from groundswell.peer.manifest import (
+    Bootstrap,
+    BootstrapError,
+    ManifestError,
+    RunManifest,
+    SignedManifest,
+    format_bootstrap,
+    load_manifest_toml,
+    manifest_from_mapping,
+    parse_bootstrap,
+    sign_manifest,
+)
+from groundswell.protocol.identity import Identity
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+EXAMPLE = Path(__file__).resolve().parent.parent / "scripts" / "example_run.toml"
+COORD = Identity.generate()
+OTHER = Identity.generate()
+RSA_PEER_ID = "QmYyQSo1c1Ym7orWxLYvCrM2EmxFTANf8wXmmE7DWjhx5N"
+
+
+def _toml(tmp_path: Path, text: str) -> Path:
+    path = tmp_path / "run.toml"
+    path.write_text(text)
+    return path
+
+
+MINIMAL = '[run]\nid = "r1"\nopen = true\n'
+
+
+def test_example_manifest_loads():
+    m = load_manifest_toml(EXAMPLE)
+    assert m.run.id == "example-tiny" and m.run.open and m.run.min_peers == 2
+    assert m.model.spec == "tiny"
+    assert m.outer.algorithm == "sparseloco" and m.outer.inner_steps == 20
+    assert m.round.deadline_s == 30.0 and isinstance(m.round.deadline_s, float)
+
+
+def test_defaults(tmp_path):
+    m = load_manifest_toml(_toml(tmp_path, MINIMAL))
+    assert (m.round.deadline_s, m.round.slack_s, m.round.max_shards) == (30.0, 5.0, 16)
+    assert (m.checkpoint.every_rounds, m.checkpoint.keep) == (10, 3)
+    assert m.run.min_peers == 1 and m.run.allowlist == ()
+
+
+def test_allowlist(tmp_path):
+    text = f'[run]\nid = "closed"\nallowlist = ["{COORD.peer_id}", "{OTHER.peer_id}"]\n'
+    m = load_manifest_toml(_toml(tmp_path, text))
+    assert m.run.allowlist == (COORD.peer_id, OTHER.peer_id) and not m.run.open
+
+
+@pytest.mark.parametrize(
+    "text, key",
+    [
+        (MINIMAL + "colour = 1\n", "run.colour"),
+        (MINIMAL + "[round]\ndeadline = 3\n", "round.deadline"),
+        (MINIMAL + "[outer]\ninner_step = 3\n", "outer.inner_step"),
+        (MINIMAL + "[extra]\n", "extra"),
+        (MINIMAL + "[round]\ndeadline_s = 0\n", "deadline_s"),
+        (MINIMAL + "[round]\ndeadline_s = -1.5\n", "deadline_s"),
+        (MINIMAL + "[round]\ndeadline_s = nan\n", "deadline_s"),
+        (MINIMAL + "[round]\ndeadline_s = inf\n", "deadline_s"),
+        (MINIMAL + '[round]\ndeadline_s = "30"\n', "round.deadline_s"),
+        (MINIMAL + "[round]\nmax_shards = 1.5\n", "round.max_shards"),
+        (MINIMAL + "[checkpoint]\nkeep = 0\n", "checkpoint.keep"),
+        (MINIMAL + '[outer]\nalgorithm = "adam"\n', "outer.algorithm"),
+        (MINIMAL + '[outer]\nalgorithm = "single"\n', "single"),
+        (MINIMAL + "[inner]\nweight_decay = inf\n", "inner.weight_decay"),
+        (MINIMAL + "[data]\nbatch_size = 0\n", "batch_size"),
+        (MINIMAL + "[eval]\nbatches = true\n", "eval.batches"),
+        (MINIMAL + "min_peers = 0\n", "run.min_peers"),
+        (MINIMAL + "seed = -1\n", "run.seed"),
+        (MINIMAL + "seed = 9223372036854775807\nmin_peers = 99999999999999999999\n", "run.min_peers"),
+        ('[run]\nid = "Has Caps"\nopen = true\n', "run.id"),
+        ('[run]\nid = ""\nopen = true\n', "run.id"),
+        (f'[run]\nid = "{"a" * 49}"\nopen = true\n', "run.id"),
+        ("[run]\nopen = true\n", "run.id"),
+        ('[run]\nid = "r"\nopen = "yes"\n', "run.open"),
+        ('[run]\nid = "r"\n', "run.allowlist"),  # closed run without an allowlist
+        (f'[run]\nid = "r"\nopen = true\nallowlist = ["{COORD.peer_id}"]\n', "run.allowlist"),
+        (f'[run]\nid = "r"\nallowlist = "{COORD.peer_id}"\n', "run.allowlist"),
+        (f'[run]\nid = "r"\nallowlist = ["{COORD.peer_id}", "{RSA_PEER_ID}"]\n', "run.allowlist[1]"),
+        ('[run]\nid = "r"\nallowlist = ["not-a-peer"]\n', "run.allowlist[0]"),
+        ('[run]\nid = "r"\nallowlist = [3]\n', "run.allowlist[0]"),
+        (f'[run]\nid = "r"\nallowlist = ["{COORD.peer_id}", "{COORD.peer_id}"]\n', "run.allowlist"),
+        ('[model]\nspec = "tiny"\n', "[run]"),
+        ("run = 3\n", "run"),
+        ("[run\n", "invalid TOML"),
+    ],
+)
+def test_bad_manifest_names_the_key(tmp_path, text, key):
+    with pytest.raises(ConfigError) as info:
+        load_manifest_toml(_toml(tmp_path, text))
+    assert key in str(info.value)
+
+
+def test_missing_file(tmp_path):
+    with pytest.raises(ConfigError, match="cannot read"):
+        load_manifest_toml(tmp_path / "nope.toml")
+
+
+def test_sign_verify_round_trip():
+    m = load_manifest_toml(EXAMPLE)
+    signed = sign_manifest(m, COORD)
+    wire = signed.to_bytes()
+    again = SignedManifest.from_bytes(wire)
+    assert again == signed and again.coordinator == COORD.peer_id
+    assert again.verify(COORD.peer_id) == m
+    assert len(signed.digest) == 64 and signed.digest == again.digest
+    # deterministic: same manifest and key give the same bytes and digest
+    assert sign_manifest(load_manifest_toml(EXAMPLE), COORD).to_bytes() == wire
+    # the digest names the manifest and its coordinator
+    assert sign_manifest(m, OTHER).digest != signed.digest
+    changed = dataclasses.replace(m, round=dataclasses.replace(m.round, deadline_s=31.0))
+    assert sign_manifest(changed, COORD).digest != signed.digest
+
+
+def test_canonical_bytes_ignore_key_order():
+    m = load_manifest_toml(EXAMPLE)
+    reordered = {k: dict(reversed(list(v.items()))) for k, v in reversed(list(m.to_mapping().items()))}
+    assert manifest_from_mapping(reordered).canonical_bytes() == m.canonical_bytes()
+
+
+def test_allowlist_survives_signing():
+    data = load_manifest_toml(EXAMPLE).to_mapping()
+    data["run"].update(open=False, allowlist=[OTHER.peer_id])
+    m = manifest_from_mapping(data)
+    assert sign_manifest(m, COORD).verify(COORD.peer_id).run.allowlist == (OTHER.peer_id,)
+
+
+def test_tampered_bytes_rejected():
+    signed = sign_manifest(load_manifest_toml(EXAMPLE), COORD)
+    wire = signed.to_bytes()
+    rejected = 0
+    for i in range(len(wire)):
+        tampered = bytearray(wire)
+        tampered[i] ^= 0x01
+        with pytest.raises(ManifestError):
+            SignedManifest.from_bytes(bytes(tampered)).verify(COORD.peer_id)
+        rejected += 1
+    assert rejected == len(wire)
+    body = bytearray(signed.manifest_bytes)
+    body[-1] ^= 0x01
+    with pytest.raises(ManifestError, match="signature"):
+        dataclasses.replace(signed, manifest_bytes=bytes(body)).verify(COORD.peer_id)
+
+
+def test_wrong_coordinator_rejected():
+    signed = sign_manifest(load_manifest_toml(EXAMPLE), COORD)
+    with pytest.raises(ManifestError, match="expected coordinator"):
+        signed.verify(OTHER.peer_id)
+    # claiming to be the coordinator without its key
+    forged = dataclasses.replace(signed, coordinator=OTHER.peer_id)
+    with pytest.raises(ManifestError, match="signature"):
+        forged.verify(OTHER.peer_id)
+
+
+def _signed_body(body: bytes) -> SignedManifest:
+    unsigned = SignedManifest(body, COORD.peer_id, b"")
+    return dataclasses.replace(unsigned, signature=COORD.sign(unsigned.signed_bytes))
+
+
+def test_signed_but_malformed_manifest_rejected():
+    data = load_manifest_toml(EXAMPLE).to_mapping()
+    cases = []
+    bad = dict(data, round=dict(data["round"], deadline_s=-1.0))
+    cases.append(msgpack.packb(bad, use_bin_type=True))
+    cases.append(msgpack.packb(dict(data, extra={}), use_bin_type=True))
+    cases.append(msgpack.packb(dict(data, round={b"x": 1, "y": 2}), use_bin_type=True))  # mixed key types
+    cases.append(msgpack.packb({b"run": data["run"]}, use_bin_type=True))
+    cases.append(msgpack.packb([1, 2, 3]))
+    cases.append(b"\xc1")  # never valid msgpack
+    cases.append(load_manifest_toml(EXAMPLE).canonical_bytes() + b"\x00")  # trailing bytes
+    # valid content, not canonical: unsorted keys, float32 encodings
+    cases.append(msgpack.packb(dict(reversed(list(data.items()))), use_bin_type=True))
+    cases.append(msgpack.packb(data, use_bin_type=True, use_single_float=True))
+    for body in cases:
+        signed = SignedManifest.from_bytes(_signed_body(body).to_bytes())
+        with pytest.raises(ManifestError):
+            signed.verify(COORD.peer_id)
+
+
+def _wire(*items: object) -> bytes:
+    return msgpack.packb(list(items), use_bin_type=True)
+
+
+def test_from_bytes_strict():
+    good = sign_manifest(load_manifest_toml(EXAMPLE), COORD)
+    body, sig = good.manifest_bytes, good.signature
+    cases = [
+        b"",
+        b"\x90",
+        _wire(1, COORD.peer_id, body),
+        _wire(1, COORD.peer_id, body, sig, 0),
+        _wire(2, COORD.peer_id, body, sig),
+        _wire(True, COORD.peer_id, body, sig),
+        _wire(1.0, COORD.peer_id, body, sig),
+        _wire(1, RSA_PEER_ID, body, sig),
+        _wire(1, COORD.peer_id.encode(), body, sig),
+        _wire(1, COORD.peer_id, body.hex(), sig),
+        _wire(1, COORD.peer_id, b"", sig),
+        _wire(1, COORD.peer_id, body, sig[:-1]),
+        _wire(1, COORD.peer_id, body, sig.hex()),
+        msgpack.packb({"v": 1}),
+        good.to_bytes() + b"\x00",
+        "not bytes",
+    ]
+    for data in cases:
+        with pytest.raises(ManifestError):
+            SignedManifest.from_bytes(data)  # type: ignore[arg-type]
+    with pytest.raises(ManifestError, match="limit"):
+        SignedManifest.from_bytes(good.to_bytes(), max_bytes=100)
+
+
+_msgpack_values = st.recursive(
+    st.none()
+    | st.booleans()
+    | st.integers(-(2**63), 2**64 - 1)
+    | st.floats()
+    | st.text(max_size=20)
+    | st.binary(max_size=80),
+    lambda inner: st.lists(inner, max_size=5) | st.dictionaries(st.text(max_size=8), inner, max_size=5),
+    max_leaves=20,
+)
+
+
+@settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(st.binary(max_size=600))
+def test_fuzz_from_bytes_random(data):
+    try:
+        SignedManifest.from_bytes(data).verify(COORD.peer_id)
+    except ManifestError:
+        pass
+
+
+_GOOD_WIRE = sign_manifest(load_manifest_toml(EXAMPLE), COORD).to_bytes()
+
+
+@settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(st.lists(st.tuples(st.integers(0, len(_GOOD_WIRE) - 1), st.integers(0, 255)), min_size=1, max_size=6))
+def test_fuzz_from_bytes_mutated(edits):
+    data = bytearray(_GOOD_WIRE)
+    for pos, value in edits:
+        data[pos] = value
+    try:
+        manifest = SignedManifest.from_bytes(bytes(data)).verify(COORD.peer_id)
+    except ManifestError:
+        return
+    assert bytes(data) == _GOOD_WIRE and isinstance(manifest, RunManifest)  # only a no-op edit passes
+
+
+@settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(st.lists(_msgpack_values, min_size=4, max_size=4), st.booleans())
+def test_fuzz_from_bytes_structured(items, keep_version):
+    if keep_version:
+        items[0] = 1
+    try:
+        SignedManifest.from_bytes(msgpack.packb(items, use_bin_type=True)).verify(COORD.peer_id)
+    except ManifestError:
+        pass
+
+
+@settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(_msgpack_values)
+def test_fuzz_signed_body(body_value):
+    # correctly signed by the coordinator, arbitrary content: still only ManifestError
+    try:
+        _signed_body(msgpack.packb(body_value, use_bin_type=True)).verify(COORD.peer_id)
+    except ManifestError:
+        pass
+
+
+# ---- bootstrap strings -------------------------------------------------------------------------
+
+MADDR_COORD = f"/ip4/127.0.0.1/tcp/31337/p2p/{COORD.peer_id}"
+MADDR_OTHER = f"/ip4/10.0.0.2/tcp/4000/p2p/{OTHER.peer_id}"
+
+
+def test_bootstrap_round_trip():
+    text = format_bootstrap(COORD.peer_id, [MADDR_COORD, MADDR_OTHER])
+    assert text == f"gs1:{COORD.peer_id}@{MADDR_COORD},{MADDR_OTHER}"
+    parsed = parse_bootstrap(text)
+    assert parsed == Bootstrap(COORD.peer_id, (MADDR_COORD, MADDR_OTHER))
+    assert str(parsed) == text
+    assert parse_bootstrap(f"  {text}\n") == parsed  # pasted from a terminal
+    # any live peer may be the entry point, not only the coordinator
+    only_other = parse_bootstrap(f"gs1:{COORD.peer_id}@{MADDR_OTHER}")
+    assert only_other.coordinator_id == COORD.peer_id and only_other.maddrs == (MADDR_OTHER,)
+    # relayed and QUIC addresses, and RSA ids of relays, are fine in multiaddrs
+    relayed = f"/ip4/1.2.3.4/udp/9/quic-v1/p2p/{RSA_PEER_ID}/p2p-circuit/p2p/{OTHER.peer_id}"
+    assert parse_bootstrap(format_bootstrap(COORD.peer_id, [relayed])).maddrs == (relayed,)
+
+
+def test_bootstrap_plain_multiaddr():
+    parsed = parse_bootstrap(MADDR_COORD)
+    assert parsed == Bootstrap(COORD.peer_id, (MADDR_COORD,))
+
+
+@pytest.mark.parametrize(
+    "text, match",
+    [
+        ("", "looks like"),
+        ("hello", "looks like"),
+        (f"gs2:{COORD.peer_id}@{MADDR_COORD}", "version"),
+        (f"gs1:{COORD.peer_id}", "@"),
+        (f"gs1:{COORD.peer_id}@", "@"),
+        (f"gs1:@{MADDR_COORD}", "coordinator"),
+        (f"gs1:{RSA_PEER_ID}@{MADDR_COORD}", "coordinator"),
+        (f"gs1:not-an-id@{MADDR_COORD}", "coordinator"),
+        (f"gs1:{COORD.peer_id}@{MADDR_COORD},", "empty multiaddr"),
+        (f"gs1:{COORD.peer_id}@{MADDR_COORD},{MADDR_COORD}", "twice"),
+        (f"gs1:{COORD.peer_id}@/ip4/127.0.0.1/tcp/31337", "/p2p/"),
+        (f"gs1:{COORD.peer_id}@/ip4/127.0.0.1/tcp/99999/p2p/{COORD.peer_id}", "invalid multiaddr"),
+        (f"gs1:{COORD.peer_id}@/ip4/1.2.3/tcp/1/p2p/{COORD.peer_id}", "invalid multiaddr"),
+        (f"gs1:{COORD.peer_id}@ip4/1.2.3.4/tcp/1/p2p/{COORD.peer_id}", "invalid multiaddr"),
+        (f"gs1:{COORD.peer_id}@/ip4/1.2.3.4/tcp/1/p2p/xyz0", "invalid multiaddr"),
+        (
+            f"gs1:{COORD.peer_id}@"
+            + ",".join(f"/ip4/1.2.3.4/tcp/{i}/p2p/{OTHER.peer_id}" for i in range(1, 40)),
+            "at most",
+        ),
+        ("/ip4/127.0.0.1/tcp/31337", "/p2p/"),
+        (f"/ip4/127.0.0.1/tcp/31337/p2p/{RSA_PEER_ID}", "coordinator"),
+        ("/", "/p2p/"),
+    ],
+)
+def test_bootstrap_errors(text, match):
+    with pytest.raises(BootstrapError, match=match):
+        parse_bootstrap(text)
+
+
+def test_format_bootstrap_validates():
+    with pytest.raises(BootstrapError):
+        format_bootstrap(COORD.peer_id, [])
+    with pytest.raises(BootstrapError):
+        format_bootstrap(RSA_PEER_ID, [MADDR_COORD])
+    with pytest.raises(BootstrapError):
+        format_bootstrap(COORD.peer_id, ["/ip4/127.0.0.1/tcp/1"])
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.text(max_size=200))
+def test_fuzz_parse_bootstrap(text):
+    try:
+        parse_bootstrap(text)
+    except BootstrapError:
+        pass
+
+
+_GOOD_MAPPING = load_manifest_toml(EXAMPLE).to_mapping()
+_SLOTS = [(section, key) for section, table in _GOOD_MAPPING.items() for key in table]
+
+
+@settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(st.sampled_from(_SLOTS), _msgpack_values)
+def test_fuzz_signed_near_valid_body(slot, value):
+    # one value of a valid manifest replaced by anything: accepted only if it is a legal value
+    section, key = slot
+    data = {name: dict(table) for name, table in _GOOD_MAPPING.items()}
+    data[section][key] = value
+    try:
+        manifest = _signed_body(msgpack.packb(data, use_bin_type=True)).verify(COORD.peer_id)
+    except ManifestError:
+        return
+    assert getattr(getattr(manifest, section), key) == value
