@@ -149,7 +149,7 @@ def run_simulation(opts: SimulateOptions, out: Path, progress: Callable[[str], N
             sim.procs["coordinator"].popen.wait(timeout=60)  # type: ignore[union-attr]
         except subprocess.TimeoutExpired:
             pass
-        report = build_report(out, opts, sim.events, time.time() - start)
+        report = build_report(out, opts, sim.events, time.time() - start, t0=sim.t0)
     (out / "report.json").write_text(json.dumps(report, indent=2))
     return report
 
@@ -166,7 +166,8 @@ def _read_events(path: Path) -> list[dict]:
     return out
 
 
-def build_report(out: Path, opts: SimulateOptions, driver_events: list[dict], wall_s: float) -> dict:
+def build_report(out: Path, opts: SimulateOptions, driver_events: list[dict], wall_s: float,
+                 t0: float | None = None) -> dict:
     """report.json from the processes' event logs and the driver's own events."""
     from .workload import build_workload
 
@@ -178,7 +179,8 @@ def build_report(out: Path, opts: SimulateOptions, driver_events: list[dict], wa
         hashes.setdefault(e["round"], set()).add(e["hash"])
     divergent = sorted(r for r, h in hashes.items() if len(h) > 1)
     sent = [e["bytes_sent"] for evs in peer_logs.values() for e in evs if e["kind"] == "round"]
-    t0 = min([e["t"] for evs in peer_logs.values() for e in evs] + [e["t"] for e in coord], default=0.0)
+    if t0 is None:
+        t0 = min([e["t"] for evs in peer_logs.values() for e in evs] + [e["t"] for e in coord], default=0.0)
     syncs = [e["t"] for evs in peer_logs.values() for e in evs if e["kind"] == "sync"]
     times = ([min(syncs)] if syncs else []) + [e["t"] for e in coord]
     events = list(driver_events)

@@ -80,13 +80,15 @@ class RoundClient:
         first, stop = plan.shard_segments[shard]
         msg = ShardContribution(plan.round, plan.attempt, shard, first, segments[first:stop])
         size = sum(len(s) for s in msg.segments)
-        for i, peer in enumerate(plan.candidates(shard)[:3]):
-            timeout = self.ctx.deadline_s / 2 if i == 0 else self.ctx.deadline_s / 4
+        # A dead aggregator fails fast (dial error); a frozen one costs this timeout, sized for the
+        # payload at a modest 5 MB/s, before the next candidate gets the shard.
+        timeout = 2 * self.ctx.slack_s + size / 5e6
+        for peer in plan.candidates(shard)[:3]:
             try:
                 if peer == self.me:
                     ack = await self.server._on_contribute(peer, msg)
                 else:
-                    ack = await self.transport.request(peer, "contribute", msg, Ack, timeout_s=timeout + size / 20e6)
+                    ack = await self.transport.request(peer, "contribute", msg, Ack, timeout_s=timeout)
             except (PeerUnavailable, ProtocolError) as exc:
                 log.info("shard %d to %s failed: %s", shard, peer[-8:], exc)
                 continue
@@ -98,13 +100,21 @@ class RoundClient:
         return False
 
     async def _await_decision(self, plan: RoundPlan) -> tuple[Decision | None, bytes]:
-        waits = [(plan.leader, self.ctx.deadline_s + self.ctx.slack_s),
-                 (plan.backup_leader, 2 * self.ctx.slack_s)]
-        for peer, wait in waits:
-            signed = await self.ask_decision(peer, plan.round, plan.attempt, wait)
-            if signed:
-                _, decision = unseal(signed, self.ctx.run_id, Decision)
-                return decision, signed
+        # Ask the leader and the backup at once: the backup answers only if it had to decide
+        # (leader silent past deadline + slack), so the first non-empty answer is the decision.
+        wait = self.ctx.deadline_s + 2 * self.ctx.slack_s
+        asks = [asyncio.ensure_future(self.ask_decision(p, plan.round, plan.attempt, wait))
+                for p in dict.fromkeys((plan.leader, plan.backup_leader))]
+        try:
+            for next_done in asyncio.as_completed(asks):
+                signed = await next_done
+                if signed:
+                    _, decision = unseal(signed, self.ctx.run_id, Decision)
+                    return decision, signed
+        finally:
+            for task in asks:
+                task.cancel()
+            await asyncio.gather(*asks, return_exceptions=True)
         return None, b""
 
     async def ask_decision(self, peer: str, round_id: int, attempt: int, wait_s: float) -> bytes:

@@ -154,21 +154,23 @@ class RoundServer:
             missing = [c for c in decision.contributors if c not in held or held[c][0] != first]
             if missing:
                 return Ack(False, f"shard {shard}: missing contributions from {len(missing)} peers")
-            built[shard] = self._build(msg.decision, shard, [held[c][1] for c in decision.contributors], stop - first)
+            built[shard] = self._build(msg.decision, shard, [held[c][1] for c in decision.contributors], first, stop)
         slot.sealed = msg.decision
         self.book.add(msg.decision)
         for shard, agg in built.items():
             self.archive(decision.round, shard, agg)
         return Ack(True, "")
 
-    def _build(self, signed: bytes, shard: int, per_contributor: list[list[bytes]], num_segments: int) -> AggregateShard:
+    def _build(self, signed: bytes, shard: int, per_contributor: list[list[bytes]], first: int,
+               stop: int) -> AggregateShard:
+        num_segments = stop - first
         codec = self.ctx.codec
         if codec.name not in DENSE_MEAN_CODECS:  # sparse: ship every payload; receivers average
             parts = [per_contributor[c][i] for i in range(num_segments) for c in range(len(per_contributor))]
             return AggregateShard(signed, shard, "gather", parts)
         parts = []
         for i in range(num_segments):
-            payloads = [validate_segments(self.ctx, 0, [seg[i]])[0] for seg in per_contributor]  # already checked
+            payloads = [validate_segments(self.ctx, first + i, [seg[i]])[0] for seg in per_contributor]
             parts.append(codec.encode(codec.aggregate(payloads)).to_bytes())
         return AggregateShard(signed, shard, "mean", parts)
 
@@ -189,7 +191,8 @@ class RoundServer:
     # --- leader -------------------------------------------------------------------------------
     async def _on_have(self, sender: str, msg: HaveReport) -> Ack:
         slot = self.attempts[(msg.round, msg.attempt)]
-        slot.have[msg.shard][sender] = set(msg.contributors)
+        # Reports travel concurrently and may arrive out of order; an aggregator's set only grows.
+        slot.have[msg.shard].setdefault(sender, set()).update(msg.contributors)
         if slot.first_report is None:
             slot.first_report = time.monotonic()
         slot.poke()

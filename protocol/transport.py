@@ -71,7 +71,7 @@ def unseal(data: bytes, run_id: str, expect: Any, max_bytes: int = MAX_SMALL, se
     if not isinstance(obj, list) or len(obj) != 7:
         raise ProtocolError("an envelope has 7 fields")
     version, env_run, env_sender, nonce, ts, body, sig = obj
-    if version != PROTOCOL_VERSION:
+    if type(version) is not int or version != PROTOCOL_VERSION:  # True and 1.0 equal 1 in Python
         raise ProtocolError(f"protocol version {version!r}; this peer speaks {PROTOCOL_VERSION}")
     if not (isinstance(env_run, str) and isinstance(env_sender, str) and isinstance(nonce, bytes)
             and isinstance(ts, float) and isinstance(body, bytes) and isinstance(sig, bytes)):

@@ -1,0 +1,531 @@
+#!/usr/bin/env python
+"""Exchange-round benchmark: one swarm round per codec on loopback, next to a gloo all-reduce.
+
+    OMP_WAIT_POLICY=PASSIVE python scripts/bench_exchange.py --peers 4 --params 25000000 \\
+        [--codecs fp32,int8,sparseloco] [--repeats 3] [--warmup 1] [--json]
+
+N worker processes (multiprocessing "spawn", one torch thread each) each hold a seeded
+pseudo-gradient of P elements. In the same run they do:
+
+- a dense fp32 `torch.distributed` gloo all_reduce (sum, then * 1/N) of their tensors, over
+  tcp://127.0.0.1:<free port>;
+- for each codec, a fresh `SwarmNode` per process (hivemind libp2p on 127.0.0.1), a genesis
+  decision signed by peer 0 that puts all N peers in round 0, then rounds 0, 1, ... of the real
+  round protocol. A round's time on one peer runs from "I have my tensor" to "I hold the decoded
+  mean": encode_segments + Payload.to_bytes + RoundClient.run_attempt (join, send shards, wait
+  for the commit) + RoundClient.fetch_aggregate (fetch shards, aggregate / decode).
+
+Every round starts on a multiprocessing Barrier. A round's time is the max over peers; the
+reported time is the median over `--repeats` measured rounds (after `--warmup` unmeasured ones,
+which absorb connection set-up and first-call costs; gloo gets the same warm-up). Bytes are the
+round protocol's framed request/reply bytes (`Transport.bytes_sent/received`, libp2p's own
+encryption and multiplexing overhead not included), averaged over peers. Each peer hashes its
+mean (sha256): `identical` says every peer held bit-identical means in every round. `rel_error`
+is ||mean - true mean|| / ||true mean||, the true mean taken in fp64 over the N inputs.
+
+Prints a Markdown table, or with --json one JSON object. Every process this script starts (the
+workers and their p2pd daemons) is ended before it returns, also on failure.
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import os
+import shutil
+import signal
+import socket
+import statistics
+import sys
+import tempfile
+import time
+import traceback
+import uuid
+from typing import Any, Sequence
+
+os.environ["OMP_WAIT_POLICY"] = "PASSIVE"  # before torch starts its thread pool (workers inherit it)
+os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")  # gloo on loopback only
+os.environ.setdefault("HIVEMIND_LOGLEVEL", "WARNING")
+
+DEFAULT_CODECS = ("fp32", "int8", "sparseloco")
+BARRIER_TIMEOUT_S = 900.0
+
+
+# --- helpers (both sides) ----------------------------------------------------------------------
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 that was free a moment ago."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def tensor_sha256(t: Any) -> str:
+    """sha256 of a tensor's bytes, bit for bit."""
+    return hashlib.sha256(t.detach().cpu().contiguous().numpy().tobytes()).hexdigest()
+
+
+def rel_error(got: Any, true: Any) -> float:
+    """||got - true|| / ||true||, in fp64."""
+    import torch
+
+    true64 = true.to(torch.float64)
+    denom = float(true64.norm())
+    return float((got.to(torch.float64) - true64).norm()) / denom if denom > 0 else float("nan")
+
+
+# --- worker process ----------------------------------------------------------------------------
+class _Worker:
+    """One peer: its tensor, its node (per codec), and the commands the parent sends it."""
+
+    def __init__(self, rank: int, n: int, conn: Any, barrier: Any, identity_path: str, params: int, seed: int,
+                 max_shards: int, deadline_s: float, slack_s: float) -> None:
+        import torch
+
+        from groundswell.peer.bench_codecs import pseudo_gradient
+
+        self.rank, self.n, self.conn, self.barrier = rank, n, conn, barrier
+        self.identity_path, self.params = identity_path, params
+        self.max_shards, self.deadline_s, self.slack_s = max_shards, deadline_s, slack_s
+        self.x = pseudo_gradient(params, seed + rank)
+        self.true_mean = None
+        if rank == 0:  # the true fp32 mean of all inputs (fp64 sum), for rel_error; outside any timing
+            total = torch.zeros(params, dtype=torch.float64)
+            for r in range(n):
+                total += (self.x if r == rank else pseudo_gradient(params, seed + r)).to(torch.float64)
+            self.true_mean = total.div_(n).to(torch.float32)
+            del total
+        self.node = None
+
+    def wait(self) -> None:
+        self.barrier.wait(BARRIER_TIMEOUT_S)
+
+    # gloo -------------------------------------------------------------------------------------
+    def gloo(self, port: int, warmup: int, repeats: int) -> dict:
+        import datetime
+
+        import torch
+        import torch.distributed as dist
+
+        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=self.rank,
+                                world_size=self.n, timeout=datetime.timedelta(seconds=300))
+        rounds = []
+        try:
+            inv = torch.tensor(1.0 / self.n, dtype=torch.float32)
+            for i in range(warmup + repeats):
+                buf = self.x.clone()
+                self.wait()
+                t0 = time.perf_counter()
+                dist.all_reduce(buf, op=dist.ReduceOp.SUM)
+                buf.mul_(inv)
+                t1 = time.perf_counter()
+                rounds.append({"warmup": i < warmup, "total_s": t1 - t0, "sha": tensor_sha256(buf),
+                               "rel_error": rel_error(buf, self.true_mean) if self.rank == 0 else None})
+                del buf
+            self.wait()
+        finally:
+            dist.destroy_process_group()
+        return {"rounds": rounds}
+
+    # swarm ------------------------------------------------------------------------------------
+    def start(self, codec_name: str, run_id: str, ids: list[str], initial_peers: list[str],
+              genesis: bytes | None) -> dict:
+        from groundswell.compression import make_codec, segment_bounds, segment_size
+        from groundswell.peer.swarm import NodeOptions, RunContext, SwarmNode
+        from groundswell.protocol.identity import Identity
+        from groundswell.protocol.schema import Decision
+        from groundswell.protocol.transport import seal
+
+        identity = Identity.load(self.identity_path)
+        assert identity.peer_id == ids[self.rank]
+        self.segment = segment_size(self.params, self.max_shards)
+        numels = tuple(b - a for a, b in segment_bounds(self.params, self.segment))
+        self.codec = make_codec(codec_name)
+        ctx = RunContext(run_id=run_id, min_peers=self.n, deadline_s=self.deadline_s, slack_s=self.slack_s,
+                         max_shards=self.max_shards, segment_numels=numels, codec=self.codec,
+                         max_payload_bytes=4 * self.params + 64 * len(numels) + 4096, allowlist=None)
+        self.node = SwarmNode(identity, self.identity_path,
+                              NodeOptions(host_maddrs=["/ip4/127.0.0.1/tcp/0"], initial_peers=initial_peers))
+        self.node.start()
+        child = getattr(getattr(self.node, "p2p", None), "_child", None)
+        self.conn.send(("p2pd", child.pid if child is not None else None))  # so the parent can always end it
+        self.node.attach(ctx)
+        if self.rank == 0:
+            decision = Decision(round=-1, attempt=0, status="commit", contributors=[], trainers=list(ids),
+                                servers=list(ids), leader=identity.peer_id, sources=[], num_shards=0)
+            genesis = seal(identity, run_id, decision)
+        assert genesis is not None
+        self.node.book.add(genesis)
+        return {"maddrs": [m for m in self.node.maddrs if "/ip4/127.0.0.1/" in m], "genesis": genesis,
+                "segments": len(numels)}
+
+    def rounds(self, warmup: int, repeats: int) -> dict:
+        from groundswell.compression import encode_segments
+
+        node, codec = self.node, self.codec
+        assert node is not None
+        timeout = 2 * self.deadline_s + 6 * self.slack_s + 60
+        out = []
+        time.sleep(0.2)
+        sent0, recv0 = node.transport.bytes_sent, node.transport.bytes_received
+        for r in range(warmup + repeats):
+            self.wait()
+            t0 = time.perf_counter()
+            segments = [p.to_bytes() for p in encode_segments(codec, self.x, self.segment)]
+            t1 = time.perf_counter()
+            outcome = node.call(node.client.run_attempt(r, 0, segments, trains=True, serves=True), timeout)
+            t2 = time.perf_counter()
+            d = outcome.decision
+            if d is None or d.status != "commit" or len(d.contributors) != self.n:
+                raise RuntimeError(f"round {r}: no full commit on peer {self.rank}: "
+                                   f"{'no decision' if d is None else (d.status, len(d.contributors))}")
+            try:
+                mean = node.call(node.client.fetch_aggregate(outcome.signed), timeout)
+            except Exception:
+                srv = node.server
+                print("DEBUG", self.rank, node.identity.peer_id[-6:], [s[-6:] for s in d.sources],
+                      {k: (v.decision == outcome.signed, v.mode, len(v.parts)) for k, v in srv.aggregates.items()},
+                      {k: (a.sealed == outcome.signed if a.sealed else None, {sh: list(c) for sh, c in a.contributions.items()}) for k, a in srv.attempts.items()},
+                      file=sys.stderr, flush=True)
+                raise
+            t3 = time.perf_counter()
+            del segments
+            sha = tensor_sha256(mean)
+            err = rel_error(mean, self.true_mean) if self.rank == 0 else None
+            del mean
+            self.wait()  # everyone holds the mean: no traffic of this round is left
+            time.sleep(0.2)  # let the last replies' counters land
+            sent, recv = node.transport.bytes_sent, node.transport.bytes_received
+            out.append({"warmup": r < warmup, "total_s": t3 - t0, "encode_s": t1 - t0, "exchange_s": t2 - t1,
+                        "fetch_decode_s": t3 - t2, "sent": sent - sent0, "received": recv - recv0, "sha": sha,
+                        "rel_error": err, "delivered": outcome.delivered})
+            sent0, recv0 = sent, recv
+        return {"rounds": out}
+
+    def close(self) -> dict:
+        if self.node is not None:
+            node, self.node = self.node, None
+            node.close()
+        return {}
+
+
+def _worker_main(rank: int, n: int, conn: Any, barrier: Any, identity_path: str, params: int, seed: int,
+                 max_shards: int, deadline_s: float, slack_s: float, verbose: bool) -> None:
+    import logging
+
+    os.environ["OMP_WAIT_POLICY"] = "PASSIVE"
+    logging.basicConfig(level=logging.INFO if verbose else logging.WARNING,
+                        format=f"[peer {rank}] %(levelname)s %(name)s: %(message)s")
+    import torch
+
+    torch.set_num_threads(1)
+    worker = None
+    try:
+        worker = _Worker(rank, n, conn, barrier, identity_path, params, seed, max_shards, deadline_s, slack_s)
+        conn.send(("ok", {}))
+        while True:
+            cmd, kwargs = conn.recv()
+            if cmd == "exit":
+                break
+            try:
+                conn.send(("ok", getattr(worker, cmd)(**kwargs)))
+            except BaseException:
+                barrier.abort()  # the others must not wait for this peer at the next barrier
+                conn.send(("error", traceback.format_exc()))
+    except (EOFError, KeyboardInterrupt):
+        pass
+    except BaseException:
+        barrier.abort()
+        try:
+            conn.send(("error", traceback.format_exc()))
+        except Exception:
+            pass
+    finally:
+        if worker is not None:
+            try:
+                worker.close()
+            except Exception:
+                pass
+
+
+# --- parent process ----------------------------------------------------------------------------
+class BenchError(RuntimeError):
+    """A worker failed or timed out; the message carries its traceback."""
+
+
+class _Pool:
+    """The N worker processes and the pipes to them."""
+
+    def __init__(self, n: int, tmp: str, args: argparse.Namespace) -> None:
+        import multiprocessing as mp
+
+        from groundswell.protocol.identity import Identity
+
+        self.mp = mp.get_context("spawn")
+        self.tmp = tmp
+        self.p2pd_pids: set[int] = set()
+        self.ids: list[str] = []
+        self.barrier = self.mp.Barrier(n)
+        self.conns, self.procs = [], []
+        for rank in range(n):
+            path = os.path.join(tmp, f"peer-{rank}.key")
+            identity = Identity.generate()
+            identity.save(path)
+            self.ids.append(identity.peer_id)
+            parent, child = self.mp.Pipe()
+            p = self.mp.Process(target=_worker_main, name=f"bench-peer-{rank}", daemon=True,
+                                args=(rank, n, child, self.barrier, path, args.params, args.seed, args.max_shards,
+                                      args.deadline, args.slack, args.verbose))
+            p.start()
+            child.close()
+            self.conns.append(parent)
+            self.procs.append(p)
+        self.recv(range(n), timeout_s=600)  # inputs ready
+
+    def send(self, ranks: Sequence[int], cmd: str, **kwargs: Any) -> None:
+        for r in ranks:
+            self.conns[r].send((cmd, kwargs))
+
+    def recv(self, ranks: Sequence[int], timeout_s: float) -> list[Any]:
+        """One reply from each rank (p2pd pid notices are recorded on the way)."""
+        deadline = time.monotonic() + timeout_s
+        out: dict[int, Any] = {}
+        errors = []
+        pending = list(ranks)
+        while pending:
+            for r in list(pending):
+                conn = self.conns[r]
+                while conn.poll(0.05):
+                    kind, value = conn.recv()
+                    if kind == "p2pd":
+                        if value is not None:
+                            self.p2pd_pids.add(int(value))
+                        continue
+                    if kind == "error":
+                        errors.append(f"peer {r}:\n{value}")
+                        deadline = min(deadline, time.monotonic() + 30)  # the others fail soon after
+                    out[r] = value
+                    pending.remove(r)
+                    break
+                else:
+                    if not self.procs[r].is_alive():
+                        errors.append(f"peer {r} exited with code {self.procs[r].exitcode}")
+                        pending.remove(r)
+                        self.barrier.abort()
+                        deadline = min(deadline, time.monotonic() + 30)
+            if errors and not pending:
+                break
+            if time.monotonic() > deadline:
+                errors.append(f"peers {pending} did not answer within {timeout_s:.0f}s")
+                break
+        if errors:
+            self.barrier.abort()
+            raise BenchError("\n".join(errors))
+        return [out[r] for r in ranks]
+
+    def call(self, ranks: Sequence[int], cmd: str, timeout_s: float, **kwargs: Any) -> list[Any]:
+        self.send(ranks, cmd, **kwargs)
+        return self.recv(ranks, timeout_s)
+
+    def shutdown(self) -> None:
+        """End every worker and every p2pd this run started, also the ones nobody reported."""
+        for conn in self.conns:
+            try:
+                conn.send(("exit", {}))
+            except Exception:
+                pass
+        end = time.monotonic() + 30
+        for p in self.procs:
+            p.join(max(0.1, end - time.monotonic()))
+        for p in self.procs:
+            if p.is_alive():
+                p.terminate()
+                p.join(5)
+            if p.is_alive():
+                p.kill()
+                p.join(5)
+        for conn in self.conns:
+            conn.close()
+        # p2pd daemons: the ones workers reported, plus any whose identity file lies in our tmp dir
+        for pid in self.p2pd_pids | set(_p2pd_pids_using(self.tmp)):
+            _kill_if_p2pd(pid)
+
+
+def _cmdline(pid: int) -> str:
+    try:
+        with open(f"/proc/{pid}/cmdline", "rb") as f:
+            return f.read().replace(b"\0", b" ").decode(errors="replace")
+    except OSError:
+        return ""
+
+
+def _p2pd_pids_using(tmp: str) -> list[int]:
+    """p2pd processes whose identity file is in `tmp` (so they are this run's, nobody else's)."""
+    pids = []
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            cmd = _cmdline(int(entry))
+            if "p2pd" in cmd and f"-id={tmp}{os.sep}" in cmd:
+                pids.append(int(entry))
+    return pids
+
+
+def _kill_if_p2pd(pid: int) -> None:
+    if "p2pd" not in _cmdline(pid):
+        return  # already gone (or the pid was reused by something else)
+    try:
+        os.kill(pid, signal.SIGTERM)
+        for _ in range(50):
+            if "p2pd" not in _cmdline(pid):
+                return
+            time.sleep(0.1)
+        os.kill(pid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
+
+
+def _summarize(per_peer: list[dict], n: int) -> dict:
+    """Per-round max over peers, median over measured rounds; identical means across peers."""
+    rounds = list(zip(*(p["rounds"] for p in per_peer)))  # rounds[i] = the n peers' records of round i
+    measured = [rs for rs in rounds if not rs[0]["warmup"]]
+    identical = all(len({rec["sha"] for rec in rs}) == 1 for rs in rounds)
+    totals = [max(rec["total_s"] for rec in rs) for rs in measured]
+    out = {"round_s": statistics.median(totals), "round_s_all": totals, "identical": identical,
+           "rel_error": statistics.median(rs[0]["rel_error"] for rs in measured)}
+    if "sent" in measured[0][0]:
+        def med(key: str, reduce=lambda v: sum(v) / len(v)) -> float:
+            return statistics.median(reduce([rec[key] for rec in rs]) for rs in measured)
+
+        out.update(
+            bytes_sent_per_peer=med("sent"),
+            bytes_received_per_peer=med("received"),
+            bytes_sent_max_peer=med("sent", max),
+            encode_s=med("encode_s", max),
+            exchange_s=med("exchange_s", max),
+            fetch_decode_s=med("fetch_decode_s", max),
+        )
+    return out
+
+
+def run_bench(args: argparse.Namespace, progress=lambda m: None) -> dict:
+    """Run the whole benchmark; returns the JSON-ready result."""
+    n, params = args.peers, args.params
+    tmp = tempfile.mkdtemp(prefix="gs-bench-exchange-")
+    pool = None
+    try:
+        progress(f"starting {n} peers with {params:,} parameters each")
+        pool = _Pool(n, tmp, args)
+        ranks = list(range(n))
+        progress("gloo all_reduce")
+        gloo = _summarize(pool.call(ranks, "gloo", timeout_s=900, port=free_port(), warmup=args.warmup,
+                                    repeats=args.repeats), n)
+        progress(f"gloo all_reduce: {gloo['round_s']:.3f}s")
+        codecs: dict[str, dict] = {}
+        for name in args.codecs:
+            run_id = f"bench-{name}-{uuid.uuid4().hex[:8]}"
+            first = pool.call([0], "start", timeout_s=120, codec_name=name, run_id=run_id, ids=pool.ids,
+                              initial_peers=[], genesis=None)[0]
+            if not first["maddrs"]:
+                raise BenchError("peer 0 has no 127.0.0.1 address")
+            pool.call(ranks[1:], "start", timeout_s=120, codec_name=name, run_id=run_id, ids=pool.ids,
+                      initial_peers=first["maddrs"][:1], genesis=first["genesis"])
+            time.sleep(args.settle)  # let the DHT settle
+            progress(f"{name}: {first['segments']} segments; running {args.warmup}+{args.repeats} rounds")
+            try:
+                per_peer = pool.call(ranks, "rounds", timeout_s=(args.warmup + args.repeats) * 1200,
+                                     warmup=args.warmup, repeats=args.repeats)
+            finally:
+                pool.call(ranks, "close", timeout_s=120)
+            res = _summarize(per_peer, n)
+            res["ratio_vs_gloo"] = res["round_s"] / gloo["round_s"]
+            codecs[name] = res
+            progress(f"{name}: {res['round_s']:.3f}s ({res['ratio_vs_gloo']:.2f}x gloo)")
+    finally:
+        if pool is not None:
+            pool.shutdown()
+        shutil.rmtree(tmp, ignore_errors=True)
+    result: dict[str, Any] = {
+        "peers": n, "params": params, "gloo_allreduce_s": gloo["round_s"],
+        "gloo": {k: gloo[k] for k in ("round_s_all", "identical", "rel_error")},
+        "repeats": args.repeats, "warmup": args.warmup, "max_shards": args.max_shards, "codecs": codecs,
+    }
+    goals = {}
+    if "sparseloco" in codecs:
+        goals["sparseloco_faster_than_gloo"] = codecs["sparseloco"]["round_s"] < gloo["round_s"]
+    if "fp32" in codecs:
+        goals["fp32_within_8x_of_gloo"] = codecs["fp32"]["ratio_vs_gloo"] <= 8.0
+    result["goals"] = goals
+    return result
+
+
+def _fmt_bytes(b: float) -> str:
+    for unit in ("B", "KB", "MB", "GB"):
+        if abs(b) < 1000 or unit == "GB":
+            return f"{b:.0f} {unit}" if unit == "B" else f"{b:.2f} {unit}"
+        b /= 1000
+    return str(b)
+
+
+def format_table(result: dict) -> str:
+    """The result as a Markdown table plus the goals."""
+    g = result["gloo_allreduce_s"]
+    lines = [
+        f"Exchange round, {result['peers']} peers x {result['params']:,} params on 127.0.0.1 "
+        f"(median of {result['repeats']} after {result['warmup']} warm-up; round = max over peers)",
+        "",
+        "| method | round (s) | vs gloo | encode (s) | exchange (s) | fetch+decode (s) | sent/peer | recv/peer "
+        "| identical | rel. error |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|:-:|---:|",
+        f"| gloo all_reduce (fp32) | {g:.3f} | 1.00x | | | | | | {'yes' if result['gloo']['identical'] else 'NO'} "
+        f"| {result['gloo']['rel_error']:.2e} |",
+    ]
+    for name, c in result["codecs"].items():
+        lines.append(
+            f"| {name} | {c['round_s']:.3f} | {c['ratio_vs_gloo']:.2f}x | {c['encode_s']:.3f} | {c['exchange_s']:.3f} "
+            f"| {c['fetch_decode_s']:.3f} | {_fmt_bytes(c['bytes_sent_per_peer'])} "
+            f"| {_fmt_bytes(c['bytes_received_per_peer'])} | {'yes' if c['identical'] else 'NO'} "
+            f"| {c['rel_error']:.2e} |")
+    names = {"sparseloco_faster_than_gloo": "sparseloco round faster than gloo's dense fp32 all-reduce",
+             "fp32_within_8x_of_gloo": "fp32 round within 8x of gloo"}
+    if result["goals"]:
+        lines.append("")
+        for key, met in result["goals"].items():
+            lines.append(f"- {names[key]}: {'met' if met else 'NOT met'}")
+    return "\n".join(lines)
+
+
+def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--peers", type=int, default=4, help="number of peer processes (>= 2)")
+    parser.add_argument("--params", type=int, default=25_000_000, help="elements of the exchanged tensor")
+    parser.add_argument("--codecs", default=",".join(DEFAULT_CODECS), help="comma-separated codec names")
+    parser.add_argument("--repeats", type=int, default=3, help="measured rounds per method")
+    parser.add_argument("--warmup", type=int, default=1, help="unmeasured rounds per method before those")
+    parser.add_argument("--max-shards", type=int, default=16, help="RunContext.max_shards (segments <= this)")
+    parser.add_argument("--deadline", type=float, default=120.0, help="round deadline_s")
+    parser.add_argument("--slack", type=float, default=5.0, help="round slack_s")
+    parser.add_argument("--settle", type=float, default=2.0, help="seconds to let the DHT settle after start")
+    parser.add_argument("--seed", type=int, default=0, help="peer r's tensor uses seed + r")
+    parser.add_argument("--json", action="store_true", help="print one JSON object instead of the table")
+    parser.add_argument("--verbose", action="store_true", help="protocol logs at INFO from the workers")
+    args = parser.parse_args(argv)
+    args.codecs = [c.strip() for c in args.codecs.split(",") if c.strip()]
+    from groundswell.compression import make_codec
+
+    for c in args.codecs:
+        make_codec(c)  # CodecError for unknown names, before anything starts
+    if args.peers < 2 or args.params <= 0 or args.repeats < 1 or args.warmup < 0 or not args.codecs:
+        parser.error("need --peers >= 2, --params > 0, --repeats >= 1, --warmup >= 0 and at least one codec")
+    return args
+
+
+def main(argv: Sequence[str] | None = None) -> dict:
+    """Command-line entry: run, print the table (or JSON), return the result."""
+    args = parse_args(argv)
+    result = run_bench(args, progress=lambda m: print(m, file=sys.stderr, flush=True))
+    print(json.dumps(result, indent=2) if args.json else format_table(result), flush=True)
+    return result
+
+
+if __name__ == "__main__":
+    main()

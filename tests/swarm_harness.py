@@ -1,0 +1,93 @@
+"""A few real swarm nodes (each with its own p2pd) in one test process, for round-protocol tests."""
+
+from __future__ import annotations
+
+import concurrent.futures
+import tempfile
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from groundswell.compression import make_codec, segment_bounds
+from groundswell.compression.segments import encode_segments
+from groundswell.peer.swarm import NodeOptions, RunContext, SwarmNode
+from groundswell.protocol.identity import Identity
+from groundswell.protocol.schema import Decision
+from groundswell.protocol.transport import seal
+
+
+@dataclass
+class Cluster:
+    """N attached nodes sharing a genesis decision where every node trains and serves."""
+
+    n: int
+    codec_name: str = "fp32"
+    numel: int = 5 * 4096 + 123
+    segment: int = 4096
+    max_shards: int = 4
+    min_peers: int = 2
+    deadline_s: float = 8.0
+    slack_s: float = 1.0
+    nodes: list[SwarmNode] = field(default_factory=list)
+    ids: list[str] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        self._tmp = tempfile.TemporaryDirectory()
+        self.codec = make_codec(self.codec_name, **({"chunk": 4096, "k": 64} if self.codec_name == "sparseloco" else {}))
+        numels = tuple(b - a for a, b in segment_bounds(self.numel, self.segment))
+        self.ctx = RunContext("test-run", self.min_peers, self.deadline_s, self.slack_s, self.max_shards, numels,
+                              self.codec, 4 * self.numel + 8192)
+        try:
+            for i in range(self.n):
+                ident = Identity.generate()
+                path = Path(self._tmp.name) / f"id{i}.key"
+                ident.save(path)
+                boot = self.nodes[0].maddrs[:1] if self.nodes else []
+                node = SwarmNode(ident, str(path), NodeOptions(initial_peers=boot))
+                node.start()
+                self.nodes.append(node)
+                self.ids.append(ident.peer_id)
+            for node in self.nodes:
+                node.attach(self.ctx)
+            genesis = seal(self.nodes[0].identity, self.ctx.run_id,
+                           Decision(-1, 0, "commit", [], list(self.ids), list(self.ids), self.ids[0], [], 0))
+            for node in self.nodes:
+                self.add_decision(node, genesis)
+        except BaseException:
+            self.close()
+            raise
+
+    @staticmethod
+    def add_decision(node: SwarmNode, signed: bytes) -> None:
+        """Record a signed decision in a node's book, on its own loop."""
+        async def add() -> None:
+            node.book.add(signed)  # type: ignore[union-attr]
+
+        node.call(add(), timeout_s=10)
+
+    def segments(self, x: torch.Tensor) -> list[bytes]:
+        """A vector's contribution bytes."""
+        return [p.to_bytes() for p in encode_segments(self.codec, x, self.segment)]
+
+    def attempt(self, round_id: int, inputs: dict[int, torch.Tensor | None], attempt: int = 0,
+                wait_s: float = 120) -> dict[int, object]:
+        """Run one attempt concurrently on the given nodes (None: join without contributing)."""
+        futures = {
+            i: self.nodes[i].submit(self.nodes[i].client.run_attempt(  # type: ignore[union-attr]
+                round_id, attempt, self.segments(x) if x is not None else None, trains=True, serves=True))
+            for i, x in inputs.items()
+        }
+        concurrent.futures.wait(list(futures.values()), timeout=wait_s)
+        return {i: f.result(timeout=1) for i, f in futures.items()}
+
+    def fetch(self, i: int, signed: bytes) -> torch.Tensor:
+        """Node i's view of a committed round's mean."""
+        node = self.nodes[i]
+        return node.call(node.client.fetch_aggregate(signed), timeout_s=120)  # type: ignore[union-attr]
+
+    def close(self) -> None:
+        """Close every node (and its p2pd)."""
+        for node in self.nodes:
+            node.close()
+        self._tmp.cleanup()

@@ -1,0 +1,134 @@
+"""The round protocol's required behaviours, on real nodes (libp2p streams over 127.0.0.1).
+
+1 consistency, 2 no silent partial rounds, 3 bounded time under dead/frozen peers, 4 sharded
+aggregation, 5 stragglers catch up. Each test ends by comparing what the peers hold.
+"""
+
+from __future__ import annotations
+
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+sys.path.insert(0, str(Path(__file__).parent))
+from swarm_harness import Cluster  # noqa: E402
+
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(240)]
+
+
+@pytest.fixture
+def make_cluster():
+    made: list[Cluster] = []
+
+    def make(**kw) -> Cluster:
+        c = Cluster(**kw)
+        made.append(c)
+        return c
+
+    yield make
+    for c in made:
+        c.close()
+
+
+def _inputs(n: int, numel: int, seed: int) -> dict[int, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    return {i: torch.randn(numel, generator=g) for i in range(n)}
+
+
+def test_every_peer_applies_the_identical_exact_aggregate(make_cluster):
+    c = make_cluster(n=3, codec_name="fp32", min_peers=3)
+    for r in range(2):
+        xs = _inputs(3, c.numel, seed=r)
+        out = c.attempt(r, xs)
+        decisions = [o.decision for o in out.values()]
+        assert all(d is not None and d.status == "commit" for d in decisions)
+        assert all(d.contributors == sorted(c.ids) for d in decisions)
+        means = [c.fetch(i, out[i].signed) for i in range(3)]
+        for m in means[1:]:
+            assert torch.equal(m, means[0])  # bit-identical on every peer
+        expected = (xs[0] + xs[1] + xs[2]) / 3
+        assert torch.allclose(means[0], expected, atol=1e-6)
+
+
+def test_incomplete_contribution_is_wholly_out_and_its_owner_knows(make_cluster):
+    c = make_cluster(n=3, codec_name="fp32", min_peers=2)
+    client = c.nodes[2].client
+    original = client._send_shard
+
+    async def lose_shard_one(plan, shard, segments):
+        if shard == 1:
+            return False  # this shard never reaches an aggregator
+        return await original(plan, shard, segments)
+
+    client._send_shard = lose_shard_one
+    xs = _inputs(3, c.numel, seed=7)
+    out = c.attempt(0, xs)
+    d = out[0].decision
+    assert d.status == "commit" and d.contributors == sorted(c.ids[:2])
+    assert not out[2].delivered and c.ids[2] not in out[2].decision.contributors
+    means = [c.fetch(i, out[i].signed) for i in range(3)]
+    assert torch.equal(means[0], means[1]) and torch.equal(means[0], means[2])
+    assert torch.allclose(means[0], (xs[0] + xs[1]) / 2, atol=1e-6)  # none of peer 2's other shards leaked in
+
+
+def test_a_dead_peer_cannot_hold_the_round_past_its_deadline(make_cluster):
+    c = make_cluster(n=4, codec_name="sparseloco", numel=6 * 4096, min_peers=2, deadline_s=6.0, slack_s=1.0)
+    c.nodes[3].close()  # dead, yet still in the membership: it is an aggregator (and maybe a leader)
+    start = time.monotonic()
+    out = c.attempt(0, {i: x for i, x in _inputs(3, c.numel, 1).items()})
+    elapsed = time.monotonic() - start
+    d = out[0].decision
+    assert d is not None and d.status == "commit" and d.contributors == sorted(c.ids[:3])
+    assert elapsed < c.deadline_s + 4 * c.slack_s + 2, elapsed
+    means = [c.fetch(i, out[i].signed) for i in range(3)]
+    assert torch.equal(means[0], means[1]) and torch.equal(means[0], means[2])
+
+
+def test_a_frozen_aggregator_cannot_hold_the_round_past_its_deadline(make_cluster):
+    c = make_cluster(n=4, codec_name="fp32", min_peers=2, deadline_s=6.0, slack_s=1.0)
+    # Block the node's event loop: its daemon keeps the sockets open but nothing answers, as
+    # with a closed laptop lid.
+    c.nodes[3]._loop.call_soon_threadsafe(time.sleep, c.deadline_s + 8 * c.slack_s)
+    start = time.monotonic()
+    out = c.attempt(0, {i: x for i, x in _inputs(3, c.numel, 2).items()})
+    elapsed = time.monotonic() - start
+    d = out[0].decision
+    assert d is not None and d.status in ("commit", "retry")
+    assert elapsed < c.deadline_s + 6 * c.slack_s, elapsed
+    if d.status == "commit":
+        means = [c.fetch(i, out[i].signed) for i in range(3)]
+        assert torch.equal(means[0], means[1]) and torch.equal(means[0], means[2])
+
+
+def test_aggregation_is_sharded_across_peers(make_cluster):
+    c = make_cluster(n=4, codec_name="sparseloco", numel=8 * 4096, min_peers=4)
+    out = c.attempt(0, _inputs(4, c.numel, 3))
+    d = out[0].decision
+    assert d.status == "commit" and d.num_shards == 4 and len(set(d.sources)) == 4
+    for node in c.nodes:  # each aggregator held exactly one shard of everybody's contribution
+        held = node.server.attempts[(0, 0)].contributions
+        assert len(held) <= 1
+    means = [c.fetch(i, out[i].signed) for i in range(4)]
+    assert all(torch.equal(m, means[0]) for m in means)
+
+
+def test_a_straggler_catches_up_from_peers_and_rejoins(make_cluster):
+    c = make_cluster(n=3, codec_name="int8", min_peers=2)
+    xs = _inputs(3, c.numel, 4)
+    out = c.attempt(0, {0: xs[0], 1: xs[1]})  # peer 2 is still training
+    signed = out[0].signed
+    assert out[0].decision.contributors == sorted(c.ids[:2])
+    straggler = c.nodes[2]
+    got = straggler.call(straggler.client.ask_decision(c.ids[0], 0, 0, 0.0), timeout_s=30)
+    assert got == signed
+    caught_up = c.fetch(2, got)
+    assert torch.equal(caught_up, c.fetch(0, signed))
+    # round 1: the straggler contributes again and is in the aggregate
+    out = c.attempt(1, {0: xs[0], 1: xs[1], 2: xs[2]})
+    d = out[2].decision
+    assert d.status == "commit" and c.ids[2] in d.contributors
+    means = [c.fetch(i, out[i].signed) for i in range(3)]
+    assert all(torch.equal(m, means[0]) for m in means)
