@@ -177,6 +177,7 @@ class _Worker:
             t2 = time.perf_counter()
             d = outcome.decision
             if d is None or d.status != "commit" or len(d.contributors) != self.n:
+                print("DEBUGD", self.rank, node.identity.peer_id[-6:], d, time.perf_counter() - t1, file=sys.stderr, flush=True)
                 raise RuntimeError(f"round {r}: no full commit on peer {self.rank}: "
                                    f"{'no decision' if d is None else (d.status, len(d.contributors))}")
             try:
