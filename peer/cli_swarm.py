@@ -12,6 +12,7 @@ from typing import Optional
 
 import typer
 from rich.live import Live
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn
 from rich.table import Table
 
 from .cli import _set_threads, _user_errors, app, console
@@ -65,12 +66,12 @@ def keygen(path: Path = typer.Argument(..., help="Where to write the identity (E
 
 def _round_table(rows: list, header: str) -> Table:
     table = Table(title=header, expand=False)
-    for col in ("round", "status", "contributors", "eval loss", "bytes sent", "round s"):
+    for col in ("round", "peers online", "contributors", "held-out loss", "kB/round/peer", "round s"):
         table.add_column(col, justify="right")
     for info in rows[-12:]:
-        table.add_row(str(info.round), info.status, str(info.contributors),
+        table.add_row(str(info.round), str(info.peers_online), str(info.contributors),
                       "" if info.eval_loss != info.eval_loss else f"{info.eval_loss:.4f}",
-                      f"{info.bytes_sent / 1e6:.2f} MB" if info.bytes_sent else "", f"{info.round_s:.1f}")
+                      f"{info.bytes_sent / 1e3:,.1f}" if info.bytes_sent else "", f"{info.round_s:.1f}")
     return table
 
 
@@ -159,8 +160,22 @@ def join(
         console.print(f"joined run [bold]{manifest.run.id}[/] as {ident.peer_id} (manifest verified)")
         p = Participant(manifest, signed, ident, str(ident_path), opts, state_dir, device=device, node=node)
         stop = _stop_on_signals()
+        h = manifest.outer.inner_steps
+        tokens_per_step = manifest.data.batch_size * p.workload.block_size
+        bar = Progress(TextColumn("[bold]round {task.fields[round]}"), BarColumn(), MofNCompleteColumn(),
+                       TextColumn("loss {task.fields[loss]:.3f}  {task.fields[tps]:,.0f} tok/s"),
+                       console=console, disable=quiet or not sys.stderr.isatty())
+        task = bar.add_task("inner", total=h, round=p.outer.round_id, loss=float("nan"), tps=0.0)
+        clock = {"t": time.perf_counter(), "n": 0}
+
+        def on_step(step: int, loss: float) -> None:
+            clock["n"] += 1
+            rate = clock["n"] * tokens_per_step / max(time.perf_counter() - clock["t"], 1e-9)
+            bar.update(task, completed=(step - 1) % h + 1, round=p.outer.round_id, loss=loss, tps=rate)
 
         def on_round(info):
+            clock.update(t=time.perf_counter(), n=0)
+            bar.update(task, completed=0, round=p.outer.round_id)
             if not quiet:
                 console.print(f"round {info.round}: {info.status}"
                               + (f", {'in' if info.included else 'NOT in'} aggregate of {info.contributors}, "
@@ -168,7 +183,8 @@ def join(
                                  f"{info.tokens_per_s:,.0f} tok/s" if info.status == "applied" else ""),
                               highlight=False)
 
-        run_volunteer(p, peers, max_rounds=max_rounds, stop=stop, on_round=on_round)
+        with bar:
+            run_volunteer(p, peers, max_rounds=max_rounds, stop=stop, on_round=on_round, on_step=on_step)
         console.print("left the run cleanly")
     finally:
         node.close()

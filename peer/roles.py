@@ -36,6 +36,7 @@ class RoundInfo:
     round_s: float = 0.0
     tokens_per_s: float = 0.0
     params_hash: str = ""
+    peers_online: int = 0
 
 
 @dataclass
@@ -52,7 +53,8 @@ class StopFlag:
 
 
 def run_volunteer(p: Participant, bootstrap_peers: list[str], *, max_rounds: int | None, stop: StopFlag,
-                  on_round: Callable[[RoundInfo], None] = lambda _: None, on_step: Callable[[int, float], None] = lambda *_: None) -> None:
+                  on_round: Callable[[RoundInfo], None] = lambda _: None,
+                  on_step: Callable[[int, float], None] | None = None) -> None:
     """Sync, then train H steps, exchange, apply; until stopped or `max_rounds` rounds applied."""
     m = p.manifest
     p.start_network()
@@ -74,8 +76,7 @@ def run_volunteer(p: Participant, bootstrap_peers: list[str], *, max_rounds: int
     applied = 0
     while not stop and (max_rounds is None or applied < max_rounds):
         t0 = time.perf_counter()
-        stats = trainer.run(m.outer.inner_steps)
-        on_step(trainer.step, stats.mean_loss)
+        stats = trainer.run(m.outer.inner_steps, on_step)
         r = p.outer.round_id
         exchange.contribute(r, p.outer.prepare())
         try:
@@ -144,7 +145,8 @@ def run_coordinator(p: Participant, *, stop: StopFlag, on_round: Callable[[Round
     if resumed is not None:
         p.node.book.add(resumed["decision"])  # type: ignore[union-attr]
         p.load_global(GlobalState(resumed["round"], resumed["tensors"], resumed["decision"]))
-        p.events.write("resume", round=p.outer.round_id, peer=p.identity.peer_id)
+        p.events.write("resume", round=p.outer.round_id, hash=params_hash(p.outer.global_params),
+                       peer=p.identity.peer_id)
         try:  # the volunteers may have gone on without us
             p.catch_up()
         except (PeerUnavailable, RoundBehind, TimeoutError) as exc:
@@ -156,6 +158,7 @@ def run_coordinator(p: Participant, *, stop: StopFlag, on_round: Callable[[Round
     client = p.node.client
     assert client is not None
     attempt = 0
+    last_sent: dict[str, int] = {}  # volunteers' cumulative bytes, for the per-round figure
     while not stop:
         r = p.outer.round_id
         t0 = time.perf_counter()
@@ -183,8 +186,13 @@ def run_coordinator(p: Participant, *, stop: StopFlag, on_round: Callable[[Round
         p.outer.follow(r, mean)
         p.snapshot()
         loss = p.eval_global() if (r + 1) % m.eval.every_rounds == 0 else float("nan")
+        records = p.node.call(p.node.refresh_records(), timeout_s=30)
+        sent = {pid: rec.bytes_sent for pid, rec in records.items() if rec.role != "coordinator"}
+        deltas = [b - last_sent[pid] for pid, b in sent.items() if pid in last_sent and b >= last_sent[pid]]
+        last_sent = sent
         info = RoundInfo(r, "applied", False, len(d.contributors), eval_loss=loss, round_s=time.perf_counter() - t0,
-                         params_hash=params_hash(p.outer.global_params))
+                         params_hash=params_hash(p.outer.global_params), peers_online=len(records),
+                         bytes_sent=int(sum(deltas) / len(deltas)) if deltas else 0)
         if loss == loss:
             p.node.update_record(loss=loss)
         p.events.write("round", round=r, contributors=list(d.contributors), hash=info.params_hash, eval_loss=loss,

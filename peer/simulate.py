@@ -37,6 +37,7 @@ class SimulateOptions:
     min_peers: int = 2
     seed: int = 0
     outer_lr: float = 0.0
+    checkpoint_every: int = 5
     timeout_s: float = 1800.0
 
 
@@ -50,7 +51,7 @@ def manifest_toml(opts: SimulateOptions) -> str:
         f"[inner]\nwarmup_steps = {min(50, opts.inner_steps * 2)}\n"
         f'[outer]\nalgorithm = "{opts.algorithm}"\ninner_steps = {opts.inner_steps}\n{codec}{lr}'
         f"[round]\ndeadline_s = {opts.deadline_s}\nslack_s = {opts.slack_s}\nmax_shards = 16\n"
-        f"[checkpoint]\nevery_rounds = 5\nkeep = 2\n[eval]\nbatches = 4\nbatch_size = 16\nevery_rounds = 1\n"
+        f"[checkpoint]\nevery_rounds = {opts.checkpoint_every}\nkeep = 2\n[eval]\nbatches = 4\nbatch_size = 16\nevery_rounds = 1\n"
     )
 
 

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass
+from typing import Callable
 
 import torch
 
@@ -66,8 +67,9 @@ class InnerTrainer:
         )
         self.step = 0
 
-    def run(self, num_steps: int) -> InnerStats:
-        """Run `num_steps` inner steps; returns their mean loss and timing."""
+    def run(self, num_steps: int, on_step: Callable[[int, float], None] | None = None) -> InnerStats:
+        """Run `num_steps` inner steps (calling `on_step(i, loss)` after each); returns their mean
+        loss and timing."""
         self.model.train()
         total, tokens = 0.0, 0
         start = time.perf_counter()
@@ -87,6 +89,8 @@ class InnerTrainer:
             self.step += 1
             total += loss.item()
             tokens += x.numel()
+            if on_step is not None:
+                on_step(self.step, loss.item())
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
         return InnerStats(num_steps, total / max(1, num_steps), tokens, time.perf_counter() - start)

@@ -149,6 +149,7 @@ def test_round_trip_random_messages():
         assert decode_message(data, ALL) == msg
 
     check()
+    print(f"fuzz inputs tried: {len(tried)}")
     assert len(tried) >= MIN_FUZZ and len(set(tried)) == len(MESSAGES)
 
 
@@ -339,6 +340,7 @@ def test_fuzz_random_bytes():
         _decode_or_protocol_error(data)
 
     check()
+    print(f"fuzz inputs tried: {len(tried)}")
     assert len(tried) >= MIN_FUZZ
 
 
@@ -380,6 +382,7 @@ def test_fuzz_mutated_valid_messages():
             assert decode_message(encode_message(msg), ALL) == msg
 
     check()
+    print(f"fuzz inputs tried: {len(tried)}")
     assert len(tried) >= MIN_FUZZ
 
 
@@ -397,6 +400,7 @@ def test_fuzz_structured_values():
         _decode_or_protocol_error(_raw(kind, vals))
 
     check()
+    print(f"fuzz inputs tried: {len(tried)}")
     assert len(tried) >= MIN_FUZZ
 
 
@@ -534,6 +538,7 @@ def test_fuzz_unseal_garbage():
         _unseal_or_protocol_error(data)
 
     check()
+    print(f"fuzz inputs tried: {len(tried)}")
     assert len(tried) >= MIN_FUZZ
 
 
@@ -554,6 +559,7 @@ def test_fuzz_unseal_mutated_envelopes():
             assert out[0] == ID.peer_id  # nothing but the true signer can ever come out
 
     check()
+    print(f"fuzz inputs tried: {len(tried)}")
     assert len(tried) >= MIN_FUZZ
 
 
@@ -579,6 +585,7 @@ def test_fuzz_unseal_structured():
         assert out is None  # nobody here holds a key that signed these bytes
 
     check()
+    print(f"fuzz inputs tried: {len(tried)}")
     assert len(tried) >= MIN_FUZZ
 
 
