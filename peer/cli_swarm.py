@@ -81,6 +81,7 @@ def launch(
     manifest_path: Path = typer.Argument(..., help="The run manifest (TOML)."),
     listen: list[str] = typer.Option(["/ip4/0.0.0.0/tcp/0"], help="Multiaddr(s) to listen on."),
     announce: list[str] = typer.Option([], help="Multiaddr(s) to announce (public address behind a port forward)."),
+    peer: list[str] = typer.Option([], help="Multiaddr(s) of live peers to reconnect to after a restart."),
     identity: Optional[Path] = typer.Option(None, help="Identity file [default: STATE_DIR/identity.key]."),
     state_dir: Path = typer.Option(Path("groundswell-run"), help="Checkpoints and logs; reuse it to resume."),
     quiet: bool = typer.Option(False, help="No live table (for scripts)."),
@@ -98,7 +99,8 @@ def launch(
     manifest = load_manifest_toml(manifest_path)
     ident, ident_path = _identity(identity, state_dir)
     signed = sign_manifest(manifest, ident).to_bytes()
-    opts = NodeOptions(host_maddrs=listen, announce_maddrs=announce, role="coordinator", trains=False, serves=True)
+    opts = NodeOptions(host_maddrs=listen, announce_maddrs=announce, initial_peers=peer, role="coordinator",
+                       trains=False, serves=True)
     p = Participant(manifest, signed, ident, str(ident_path), opts, state_dir)
     stop = _stop_on_signals()
     p.start_network()
@@ -129,6 +131,7 @@ def join(
     device: str = typer.Option("cpu", help="cpu or cuda."),
     state_dir: Path = typer.Option(Path("groundswell-peer"), help="Checkpoints and logs; reuse it to resume."),
     max_rounds: Optional[int] = typer.Option(None, help="Leave after this many applied rounds."),
+    until_round: Optional[int] = typer.Option(None, help="Leave once the run has reached this round."),
     listen: list[str] = typer.Option(["/ip4/0.0.0.0/tcp/0"], help="Multiaddr(s) to listen on."),
     quiet: bool = typer.Option(False, help="No progress display (for scripts)."),
     verbose: bool = typer.Option(False, help="Log protocol events."),
@@ -153,6 +156,7 @@ def join(
     opts = NodeOptions(host_maddrs=listen, initial_peers=boot.maddrs, role="volunteer", trains=True, serves=True)
     node = SwarmNode(ident, str(ident_path), opts)
     node.start()
+    (state_dir / "address.txt").write_text("\n".join(node.maddrs) + "\n")  # others may bootstrap from us
     try:
         peers = [m.rsplit("/p2p/", 1)[1] for m in boot.maddrs]
         signed = node.call(node.fetch_manifest(peers), timeout_s=60)
@@ -184,7 +188,8 @@ def join(
                               highlight=False)
 
         with bar:
-            run_volunteer(p, peers, max_rounds=max_rounds, stop=stop, on_round=on_round, on_step=on_step)
+            run_volunteer(p, peers, max_rounds=max_rounds, until_round=until_round, stop=stop, on_round=on_round,
+                          on_step=on_step)
         console.print("left the run cleanly")
     finally:
         node.close()
@@ -247,15 +252,26 @@ def simulate(
     deadline: float = typer.Option(30.0, help="Round deadline in seconds."),
     min_peers: int = typer.Option(2, help="Contributions a round needs."),
     outer_lr: float = typer.Option(0.0, help="Outer learning rate [default: the algorithm's]."),
-    seed: int = typer.Option(0, help="Run seed."),
-    out: Path = typer.Option(Path("sim-out"), help="Output folder (report.json, logs)."),
+    seed: int = typer.Option(0, help="Run seed (also seeds every fault's victim)."),
+    out: Path = typer.Option(Path("sim-out"), help="Output folder (report.json, loss.png, logs)."),
+    kill_every: float = typer.Option(0.0, help="SIGKILL a random live peer every S seconds."),
+    restart_after: float = typer.Option(0.0, help="Restart a killed peer (same identity and state) after S s."),
+    freeze_every: float = typer.Option(0.0, help="SIGSTOP a random peer every S seconds..."),
+    freeze_for: float = typer.Option(10.0, help="...and SIGCONT it S seconds later."),
+    late_joiners: int = typer.Option(0, help="Start K extra peers after round 2."),
+    leave_every: float = typer.Option(0.0, help="A random peer leaves cleanly (SIGINT) every S seconds."),
+    kill_coordinator_at: float = typer.Option(0.0, help="SIGKILL the coordinator at S s; restart it from its state."),
+    checkpoint_every: int = typer.Option(5, help="Rounds between checkpoints."),
 ) -> None:
     """A coordinator and N volunteers on 127.0.0.1 (real libp2p), R rounds; writes OUT/report.json."""
     from .simulate import SimulateOptions, run_simulation
 
     opts = SimulateOptions(peers=peers, rounds=rounds, preset=preset, algorithm=algorithm, codec=codec,
                            inner_steps=inner_steps, batch_size=batch_size, deadline_s=deadline,
-                           min_peers=min(min_peers, peers), seed=seed, outer_lr=outer_lr)
+                           min_peers=min(min_peers, peers), seed=seed, outer_lr=outer_lr,
+                           kill_every=kill_every, restart_after=restart_after, freeze_every=freeze_every,
+                           freeze_for=freeze_for, late_joiners=late_joiners, leave_every=leave_every,
+                           kill_coordinator_at=kill_coordinator_at, checkpoint_every=checkpoint_every)
     report = run_simulation(opts, out, progress=lambda m: console.print(m, highlight=False))
     losses = report["eval_loss_by_round"]
     console.print(

@@ -211,6 +211,14 @@ class Participant:
             applied += 1
         return applied
 
+    def agrees_with_swarm(self) -> bool:
+        """False if most peers that published this round's parameter hash published another one."""
+        mine = params_hash(self.outer.global_params)
+        records = self.node._cached_records
+        others = [r.params_hash for pid, r in records.items()
+                  if pid != self.identity.peer_id and r.round == self.outer.round_id and r.params_hash]
+        return not others or others.count(mine) * 2 >= len(others)
+
     # --- evaluation and checkpoints ---------------------------------------------------------------
     def eval_global(self) -> float:
         """Held-out loss of the global parameters (evaluated on a scratch copy of the model)."""

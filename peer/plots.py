@@ -7,9 +7,11 @@ functions, with the non-interactive Agg backend, so importing this module never 
 from __future__ import annotations
 
 import bisect
+import itertools
 import math
+from collections.abc import Iterable, Sequence
 from pathlib import Path
-from typing import Any, Iterable, Sequence
+from typing import Any
 
 # The fault kinds drawn by default, each with a fixed color so plots of different runs compare.
 FAULT_COLORS: dict[str, str] = {
@@ -59,7 +61,7 @@ def _round_ends(report: dict, n: int) -> list[float] | None:
         ends = [float(t) for t in ends][:n]
     except (TypeError, ValueError):
         return None
-    if len(ends) < n or any(b < a for a, b in zip(ends, ends[1:])):
+    if len(ends) < n or any(b < a for a, b in itertools.pairwise(ends)):
         return None
     return ends
 
@@ -143,7 +145,6 @@ def plot_loss(report: dict, path: Path, *, kinds: Iterable[str] | None = None, t
             ax.set_ylabel("held-out loss")
             ax.set_title("loss vs wall time")
             ax.grid(True, alpha=0.3)
-            ax.legend(fontsize=7, loc="upper right")
         ax = axes.pop(0)
         ax.plot(rounds, losses, marker="o", markersize=3, color="black", label="held-out loss")
         if ends is not None:
@@ -155,7 +156,6 @@ def plot_loss(report: dict, path: Path, *, kinds: Iterable[str] | None = None, t
         ax.set_ylabel("held-out loss")
         ax.set_title("loss vs round")
         ax.grid(True, alpha=0.3)
-        ax.legend(fontsize=7, loc="upper right")
         if n == 0:
             ax.text(0.5, 0.5, "no rounds completed", transform=ax.transAxes, ha="center", va="center")
         heading = title
@@ -164,7 +164,15 @@ def plot_loss(report: dict, path: Path, *, kinds: Iterable[str] | None = None, t
                        f"{report.get('rounds_completed', n)} rounds")
         if heading:
             fig.suptitle(heading, fontsize=10)
-        fig.tight_layout()
+        # One legend for the figure, below the panels: one entry per line kind.
+        handles: dict[str, Any] = {}
+        for a in fig.axes:
+            for h, label in zip(*a.get_legend_handles_labels()):
+                handles.setdefault(label, h)
+        fig.tight_layout(rect=(0, 0.1, 1, 1))
+        if handles:
+            fig.legend(list(handles.values()), list(handles), loc="lower center", ncol=min(len(handles), 8),
+                       fontsize=8, frameon=False)
         path.parent.mkdir(parents=True, exist_ok=True)
         fig.savefig(path, format="png", dpi=110)
     finally:

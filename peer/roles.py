@@ -53,6 +53,7 @@ class StopFlag:
 
 
 def run_volunteer(p: Participant, bootstrap_peers: list[str], *, max_rounds: int | None, stop: StopFlag,
+                  until_round: int | None = None,
                   on_round: Callable[[RoundInfo], None] = lambda _: None,
                   on_step: Callable[[int, float], None] | None = None) -> None:
     """Sync, then train H steps, exchange, apply; until stopped or `max_rounds` rounds applied."""
@@ -74,7 +75,8 @@ def run_volunteer(p: Participant, bootstrap_peers: list[str], *, max_rounds: int
             log.warning("inner state in the checkpoint does not fit (%s); starting the inner optimizer afresh", exc)
     exchange = SwarmExchange(p.node)
     applied = 0
-    while not stop and (max_rounds is None or applied < max_rounds):
+    while not stop and (max_rounds is None or applied < max_rounds) and (
+            until_round is None or p.outer.round_id < until_round):
         t0 = time.perf_counter()
         stats = trainer.run(m.outer.inner_steps, on_step)
         r = p.outer.round_id
@@ -89,6 +91,7 @@ def run_volunteer(p: Participant, bootstrap_peers: list[str], *, max_rounds: int
         except NeedResync as exc:
             p.outer.apply(None)
             p.events.write("resync", round=r, reason=str(exc), peer=p.identity.peer_id)
+            time.sleep(m.round.slack_s)  # do not hammer peers while the swarm sorts itself out
             _resync(p, bootstrap_peers)
             on_round(RoundInfo(r, "resync", train_loss=stats.mean_loss))
             continue
@@ -111,6 +114,9 @@ def run_volunteer(p: Participant, bootstrap_peers: list[str], *, max_rounds: int
         try:
             if p.catch_up():
                 p.events.write("caught-up", round=p.outer.round_id, peer=p.identity.peer_id)
+            if not p.agrees_with_swarm():
+                p.events.write("hash-mismatch", round=p.outer.round_id, peer=p.identity.peer_id)
+                _resync(p, bootstrap_peers)
         except (PeerUnavailable, RoundBehind, TimeoutError) as exc:
             log.info("catch-up failed (%s); re-syncing", exc)
             _resync(p, bootstrap_peers)

@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
 
-from .manifest import RunManifest
+from .sim_report import build_report
 
 
 @dataclass
@@ -39,6 +39,14 @@ class SimulateOptions:
     outer_lr: float = 0.0
     checkpoint_every: int = 5
     timeout_s: float = 1800.0
+    # churn (seconds; 0 = off); every choice of victim is drawn from `seed`
+    kill_every: float = 0.0
+    restart_after: float = 0.0  # 0: killed peers stay dead
+    freeze_every: float = 0.0
+    freeze_for: float = 10.0
+    late_joiners: int = 0
+    leave_every: float = 0.0
+    kill_coordinator_at: float = 0.0
 
 
 def manifest_toml(opts: SimulateOptions) -> str:
@@ -75,6 +83,7 @@ class Simulation:
     events: list[dict] = field(default_factory=list)
     procs: dict[str, Proc] = field(default_factory=dict)
     t0: float = field(default_factory=time.time)
+    peak_rss: dict[str, float] = field(default_factory=dict)
 
     def __enter__(self) -> "Simulation":
         self.out.mkdir(parents=True, exist_ok=True)
@@ -88,7 +97,26 @@ class Simulation:
         """Record a driver-side event (spawn, exit, fault)."""
         self.events.append({"t": round(time.time() - self.t0, 3), "kind": kind, "peer": peer})
 
-    def spawn(self, name: str, args: list[str]) -> Proc:
+    def alive(self, name: str) -> bool:
+        """Is this process running (or frozen)?"""
+        proc = self.procs.get(name)
+        return proc is not None and proc.popen is not None and proc.popen.poll() is None
+
+    def sample_rss(self) -> None:
+        """Track each process's peak resident memory, its p2pd included."""
+        import psutil
+
+        for name, proc in self.procs.items():
+            if not self.alive(name):
+                continue
+            try:
+                root = psutil.Process(proc.popen.pid)  # type: ignore[union-attr]
+                total = sum(p.memory_info().rss for p in [root, *root.children(recursive=True)])
+            except psutil.Error:
+                continue
+            self.peak_rss[name] = max(self.peak_rss.get(name, 0.0), total / 2**20)
+
+    def spawn(self, name: str, args: list[str], kind: str = "spawn") -> Proc:
         """Start `groundswell ARGS` as its own process group, logging to OUT/NAME.log."""
         env = dict(os.environ, OMP_WAIT_POLICY="PASSIVE", PYTHONUNBUFFERED="1")
         proc = Proc(name, args, self.out / name)
@@ -96,7 +124,7 @@ class Simulation:
         proc.popen = subprocess.Popen([sys.executable, "-m", "groundswell.peer", *args], stdout=proc.log,
                                       stderr=subprocess.STDOUT, env=env, start_new_session=True)
         self.procs[name] = proc
-        self.event("spawn", name)
+        self.event(kind, name)
         return proc
 
     def _kill(self, proc: Proc) -> None:
@@ -117,93 +145,143 @@ class Simulation:
             os.killpg(proc.popen.pid, sig)
 
 
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def _rounds_done(out: Path) -> int:
+    """The newest round any process has applied (-1: none yet)."""
+    best = -1
+    for path in out.glob("*/events.jsonl"):
+        for line in path.read_text().splitlines()[-20:]:
+            if '"kind": "round"' in line:
+                try:
+                    best = max(best, json.loads(line)["round"])
+                except (json.JSONDecodeError, KeyError):
+                    continue
+    return best
+
+
 def run_simulation(opts: SimulateOptions, out: Path, progress: Callable[[str], None] = print) -> dict:
-    """Run a coordinator and `opts.peers` volunteers for `opts.rounds` rounds; write report.json."""
+    """Run a coordinator and volunteers (with the scheduled faults) until round `opts.rounds`."""
+    import random
+
     start = time.time()
+    rng = random.Random(opts.seed)
     with Simulation(out, opts) as sim:
         (out / "run.toml").write_text(manifest_toml(opts))
-        common = ["--listen", "/ip4/127.0.0.1/tcp/0", "--quiet", "--threads", "1"]
-        sim.spawn("coordinator", ["launch", str(out / "run.toml"), "--state-dir", str(out / "coordinator"), *common])
+        common = ["--quiet", "--threads", "1"]
+        coord_listen = f"/ip4/127.0.0.1/tcp/{_free_port()}"  # fixed, so a restarted coordinator is found again
+        coord_args = ["launch", str(out / "run.toml"), "--state-dir", str(out / "coordinator"), "--listen",
+                      coord_listen, *common]
+        sim.spawn("coordinator", coord_args)
         boot_file = out / "coordinator" / "bootstrap.txt"
-        deadline = time.time() + 120
+        wait_until = time.time() + 120
         while not boot_file.exists():
-            if time.time() > deadline or sim.procs["coordinator"].popen.poll() is not None:  # type: ignore[union-attr]
+            if time.time() > wait_until or not sim.alive("coordinator"):
                 raise RuntimeError(f"the coordinator did not start; see {out / 'coordinator.log'}")
             time.sleep(0.2)
         boot = boot_file.read_text().strip()
         progress(f"coordinator up: {boot[:60]}...")
-        for i in range(opts.peers):
-            sim.spawn(f"peer-{i}", ["join", boot, "--state-dir", str(out / f"peer-{i}"), "--max-rounds",
-                                    str(opts.rounds), *common])
+
+        def join_args(name: str) -> list[str]:
+            # Bootstrap from the coordinator and from any volunteer already up: any live peer will do.
+            extra = [a.splitlines()[0] for a in (p.read_text() for p in out.glob("*/address.txt")) if a.strip()]
+            head, _, maddrs = boot.partition("@")
+            line = f"{head}@{','.join(dict.fromkeys([*maddrs.split(','), *extra[:3]]))}"
+            return ["join", line, "--state-dir", str(out / name), "--until-round", str(opts.rounds),
+                    "--listen", "/ip4/127.0.0.1/tcp/0", *common]
+
         volunteers = [f"peer-{i}" for i in range(opts.peers)]
+        for name in volunteers:
+            sim.spawn(name, join_args(name))
+        frozen: dict[str, float] = {}  # name -> thaw time
+        pending: list[tuple[float, str, str]] = []  # (time, action, name)
+        next_kill = opts.kill_every or float("inf")
+        next_freeze = opts.freeze_every or float("inf")
+        next_leave = opts.leave_every or float("inf")
+        late_done = opts.late_joiners == 0
+        coord_killed = opts.kill_coordinator_at <= 0
         end = time.time() + opts.timeout_s
+        last_sample = 0.0
+
+        def victims() -> list[str]:
+            live = [v for v in volunteers if sim.alive(v) and v not in frozen]
+            return live if len(live) > opts.min_peers else []
+
         while time.time() < end:
-            alive = [v for v in volunteers if sim.procs[v].popen.poll() is None]  # type: ignore[union-attr]
-            if not alive:
+            now = time.time() - sim.t0
+            if now - last_sample > 1.0:
+                sim.sample_rss()
+                last_sample = now
+            done = _rounds_done(out)
+            if done + 1 >= opts.rounds and not any(sim.alive(v) for v in volunteers):
                 break
-            time.sleep(0.5)
+            for when, action, name in [p for p in pending if p[0] <= now]:
+                pending.remove((when, action, name))
+                if action == "thaw":
+                    sim.signal(name, signal.SIGCONT)
+                    frozen.pop(name, None)
+                    sim.event("thaw", name)
+                elif action == "restart" and done + 1 < opts.rounds:
+                    sim.spawn(name, coord_args if name == "coordinator" else join_args(name), kind="restart")
+            if done + 1 < opts.rounds and done >= 0:
+                if now >= next_kill:
+                    next_kill += opts.kill_every
+                    if pool := victims():
+                        name = rng.choice(pool)
+                        sim.signal(name, signal.SIGKILL)
+                        sim.event("kill", name)
+                        if opts.restart_after:
+                            pending.append((now + opts.restart_after, "restart", name))
+                if now >= next_freeze:
+                    next_freeze += opts.freeze_every
+                    if pool := victims():
+                        name = rng.choice(pool)
+                        sim.signal(name, signal.SIGSTOP)
+                        frozen[name] = now + opts.freeze_for
+                        sim.event("freeze", name)
+                        pending.append((now + opts.freeze_for, "thaw", name))
+                if now >= next_leave:
+                    next_leave += opts.leave_every
+                    if pool := victims():
+                        name = rng.choice(pool)
+                        sim.signal(name, signal.SIGINT)
+                        sim.event("leave", name)
+                if not late_done and done >= 2:
+                    late_done = True
+                    for i in range(opts.late_joiners):
+                        name = f"late-{i}"
+                        volunteers.append(name)
+                        sim.spawn(name, join_args(name), kind="join")
+                if not coord_killed and now >= opts.kill_coordinator_at:
+                    coord_killed = True
+                    sim.signal("coordinator", signal.SIGKILL)
+                    sim.event("kill-coordinator", "coordinator")
+                    pending.append((now + (opts.restart_after or 5.0), "restart", "coordinator"))
+                    live = [a.read_text().splitlines()[0] for a in out.glob("peer-*/address.txt")]
+                    coord_args = [*coord_args[:6], *[x for m in live[:3] for x in ("--peer", m)], *common]
+            time.sleep(0.25)
+        for name in list(frozen):
+            sim.signal(name, signal.SIGCONT)
         for v in volunteers:
-            code = sim.procs[v].popen.poll()  # type: ignore[union-attr]
-            sim.event("exit" if code is not None else "timeout", v)
-        sim.signal("coordinator", signal.SIGINT)
-        try:
-            sim.procs["coordinator"].popen.wait(timeout=60)  # type: ignore[union-attr]
-        except subprocess.TimeoutExpired:
-            pass
-        report = build_report(out, opts, sim.events, time.time() - start, t0=sim.t0)
+            sim.event("exit" if not sim.alive(v) else "timeout", v)
+        if sim.alive("coordinator"):
+            sim.signal("coordinator", signal.SIGINT)
+            try:
+                sim.procs["coordinator"].popen.wait(timeout=60)  # type: ignore[union-attr]
+            except subprocess.TimeoutExpired:
+                pass
+        report = build_report(out, opts, sim.events, time.time() - start, t0=sim.t0, rss=sim.peak_rss)
     (out / "report.json").write_text(json.dumps(report, indent=2))
+    try:
+        from .plots import plot_loss
+
+        plot_loss(report, out / "loss.png")
+    except ImportError as exc:  # matplotlib is optional
+        progress(f"no loss.png: {exc}")
     return report
-
-
-def _read_events(path: Path) -> list[dict]:
-    if not path.exists():
-        return []
-    out = []
-    for line in path.read_text().splitlines():
-        try:
-            out.append(json.loads(line))
-        except json.JSONDecodeError:
-            continue  # a line cut short by a kill; the rest of the log still counts
-    return out
-
-
-def build_report(out: Path, opts: SimulateOptions, driver_events: list[dict], wall_s: float,
-                 t0: float | None = None) -> dict:
-    """report.json from the processes' event logs and the driver's own events."""
-    from .workload import build_workload
-
-    params = sum(p.numel() for p in build_workload(opts.preset, 256, opts.seed).model.parameters())
-    coord = [e for e in _read_events(out / "coordinator" / "events.jsonl") if e["kind"] == "round"]
-    peer_logs = {d.name: _read_events(d / "events.jsonl") for d in sorted(out.glob("peer-*")) if d.is_dir()}
-    hashes: dict[int, set[str]] = {}
-    for e in coord + [e for evs in peer_logs.values() for e in evs if e["kind"] == "round"]:
-        hashes.setdefault(e["round"], set()).add(e["hash"])
-    divergent = sorted(r for r, h in hashes.items() if len(h) > 1)
-    sent = [e["bytes_sent"] for evs in peer_logs.values() for e in evs if e["kind"] == "round"]
-    if t0 is None:
-        t0 = min([e["t"] for evs in peer_logs.values() for e in evs] + [e["t"] for e in coord], default=0.0)
-    syncs = [e["t"] for evs in peer_logs.values() for e in evs if e["kind"] == "sync"]
-    times = ([min(syncs)] if syncs else []) + [e["t"] for e in coord]
-    events = list(driver_events)
-    for name, evs in peer_logs.items():
-        events += [{"t": round(e["t"] - t0, 3), "kind": e["kind"], "peer": name}
-                   for e in evs if e["kind"] not in ("round",)]
-    n = opts.peers
-    algo_codec = opts.codec or ("sparseloco" if opts.algorithm == "sparseloco" else "fp32")
-    return {
-        "peers": n,
-        "rounds_target": opts.rounds,
-        "rounds_completed": len({e["round"] for e in coord}),
-        "codec": algo_codec,
-        "algorithm": opts.algorithm,
-        "params": params,
-        "final_eval_loss": coord[-1]["eval_loss"] if coord else None,
-        "eval_loss_by_round": [e["eval_loss"] for e in coord],
-        "bytes_sent_per_peer_per_round": sum(sent) / len(sent) if sent else 0.0,
-        "dense_fp32_ring_bytes_per_peer_per_round": 2 * (n - 1) / n * 4 * params,
-        "param_hash_agreement": bool(hashes) and not divergent,
-        "divergent_rounds": divergent,
-        "round_times_s": [round(b - a, 3) for a, b in zip(times, times[1:])],
-        "wall_s": round(wall_s, 2),
-        "events": sorted(events, key=lambda e: e["t"]),
-    }

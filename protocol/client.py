@@ -173,7 +173,9 @@ class RoundClient:
         expected_parts = (stop - first) * (1 if self.ctx.codec.name in ("fp32", "fp16", "bf16", "int8")
                                            else len(decision.contributors))
         budget = self.ctx.max_payload_bytes * max(1, len(decision.contributors)) + MAX_SMALL
-        sources = [decision.sources[shard]] + [p for p in self.holders(decision.round) if p != decision.sources[shard]]
+        # The shard's source first, then the leader (it gathered every shard before announcing),
+        # then anyone who has applied the round.
+        sources = list(dict.fromkeys([decision.sources[shard], decision.leader, *self.holders(decision.round)]))
         for peer in sources:
             if peer == self.me:
                 continue

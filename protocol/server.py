@@ -18,6 +18,7 @@ import logging
 import time
 from collections import defaultdict
 from dataclasses import dataclass, field
+from typing import Any, Awaitable, Callable
 
 from .context import DecisionBook, RoundContext, validate_segments
 from .identity import Identity
@@ -64,6 +65,10 @@ class RoundServer:
         self.aggregates: dict[tuple[int, int], AggregateShard] = {}
         self._archived = asyncio.Event()
         self.keep_rounds = 8
+        # Set by the peer: fetch (and archive) every shard of a signed commit. A leader holds the
+        # whole aggregate before it announces a commit, so the death of one aggregator right
+        # after sealing cannot make a committed round unobtainable.
+        self.prefetch: Callable[[bytes], Awaitable[Any]] | None = None
 
     async def start(self) -> None:
         """Register every handler on the transport."""
@@ -155,8 +160,7 @@ class RoundServer:
             if missing:
                 return Ack(False, f"shard {shard}: missing contributions from {len(missing)} peers")
             built[shard] = self._build(msg.decision, shard, [held[c][1] for c in decision.contributors], first, stop)
-        slot.sealed = msg.decision
-        self.book.add(msg.decision)
+        slot.sealed = msg.decision  # not in the book yet: the leader announces it once it holds every shard
         for shard, agg in built.items():
             self.archive(decision.round, shard, agg)
         return Ack(True, "")
@@ -289,13 +293,24 @@ class RoundServer:
         decision = Decision(plan.round, plan.attempt, status, contributors, trainers, servers,
                             self.identity.peer_id, sources if status == "commit" else [], plan.num_shards)
         signed = seal(self.identity, self.ctx.run_id, decision)
-        if status == "commit" and not await self._seal_all(signed, sources):
+        if status == "commit" and not (await self._seal_all(signed, sources) and await self._hold_all(signed)):
             decision = Decision(plan.round, plan.attempt, "retry", [], trainers, servers, self.identity.peer_id, [],
                                 plan.num_shards)
             signed = seal(self.identity, self.ctx.run_id, decision)
         log.info("round %d attempt %d: %s with %d contributors", plan.round, plan.attempt, decision.status,
                  len(decision.contributors))
         self._learn(plan.round, plan.attempt, signed)
+
+    async def _hold_all(self, signed: bytes) -> bool:
+        if self.prefetch is None:
+            return True
+        try:
+            async with asyncio.timeout(self.ctx.deadline_s + 2 * self.ctx.slack_s):
+                await self.prefetch(signed)
+            return True
+        except (PeerUnavailable, ProtocolError, TimeoutError) as exc:
+            log.warning("could not gather the aggregate before announcing it (%s); retrying the round", exc)
+            return False
 
     async def _seal_all(self, signed: bytes, sources: list[str]) -> bool:
         async def one(peer: str) -> bool:

@@ -132,3 +132,16 @@ def test_a_straggler_catches_up_from_peers_and_rejoins(make_cluster):
     assert d.status == "commit" and c.ids[2] in d.contributors
     means = [c.fetch(i, out[i].signed) for i in range(3)]
     assert all(torch.equal(m, means[0]) for m in means)
+
+
+def test_an_aggregator_that_dies_after_sealing_loses_nothing(make_cluster):
+    c = make_cluster(n=4, codec_name="sparseloco", numel=8 * 4096, min_peers=3)
+    out = c.attempt(0, _inputs(4, c.numel, 5))
+    d = out[0].decision
+    assert d.status == "commit"
+    # kill an aggregator (not the leader, not peer 0) that sealed its shard, before peer 0 fetches
+    victim = next(i for i, pid in enumerate(c.ids) if i != 0 and pid != d.leader and pid in d.sources)
+    c.nodes[victim].close()
+    alive = [i for i in range(4) if i != victim]
+    means = [c.fetch(i, out[i].signed) for i in alive]
+    assert all(torch.equal(m, means[0]) for m in means)

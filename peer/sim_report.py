@@ -1,0 +1,98 @@
+"""report.json of a simulation, from every process's event log and the driver's own events.
+
+Fault metrics: `recovery_s` (per kill or freeze: seconds until the next round that completes
+without that peer), `rejoin_s` (per restart or late join: seconds until that peer's first
+contribution is in an aggregate), `lost_contributions` (a contribution counted in a committed
+round while its owner thought it was not, or the reverse: applied twice or never), and the
+per-round parameter-hash agreement over every process.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from .simulate import SimulateOptions
+
+def _read_events(path: Path) -> list[dict]:
+    if not path.exists():
+        return []
+    out = []
+    for line in path.read_text().splitlines():
+        try:
+            out.append(json.loads(line))
+        except json.JSONDecodeError:
+            continue  # a line cut short by a kill; the rest of the log still counts
+    return out
+
+
+def build_report(out: Path, opts: "SimulateOptions", driver_events: list[dict], wall_s: float,
+                 t0: float | None = None, rss: dict[str, float] | None = None) -> dict:
+    """report.json from the processes' event logs and the driver's own events."""
+    from .workload import build_workload
+
+    params = sum(p.numel() for p in build_workload(opts.preset, 256, opts.seed).model.parameters())
+    logs = {d.name: _read_events(d / "events.jsonl") for d in sorted(out.iterdir())
+            if d.is_dir() and (d / "events.jsonl").exists()}
+    if t0 is None:
+        t0 = min((e["t"] for evs in logs.values() for e in evs), default=0.0)
+    ids = {name: next((e["peer"] for e in evs if "peer" in e), name) for name, evs in logs.items()}
+    rounds = [dict(e, who=name) for name, evs in logs.items() for e in evs if e["kind"] == "round"]
+    hashes: dict[int, set[str]] = {}
+    end_t: dict[int, float] = {}
+    loss: dict[int, float] = {}
+    contributors: dict[int, set[str]] = {}
+    for e in sorted(rounds, key=lambda e: e["t"]):
+        r = e["round"]
+        hashes.setdefault(r, set()).add(e["hash"])
+        end_t.setdefault(r, e["t"] - t0)
+        if e.get("eval_loss") is not None and e["eval_loss"] == e["eval_loss"]:
+            loss.setdefault(r, e["eval_loss"])
+        contributors.setdefault(r, set(e.get("contributors", [])))
+    divergent = sorted(r for r, h in hashes.items() if len(h) > 1)
+    volunteer_rounds = [e for e in rounds if e["who"] != "coordinator"]
+    lost = sum(1 for e in volunteer_rounds if bool(e.get("included")) != (e["peer"] in contributors[e["round"]]))
+    sent = [e["bytes_sent"] for e in volunteer_rounds]
+    order = sorted(end_t)
+    events = list(driver_events) + [
+        {"t": round(e["t"] - t0, 3), "kind": e["kind"], "peer": name}
+        for name, evs in logs.items() for e in evs if e["kind"] not in ("round",)
+    ]
+    recovery, rejoin = [], []
+    for ev in driver_events:
+        pid = ids.get(ev["peer"])
+        if ev["kind"] in ("kill", "freeze"):
+            after = [end_t[r] for r in order if end_t[r] > ev["t"] and pid not in contributors[r]]
+            if after:
+                recovery.append(round(after[0] - ev["t"], 2))
+        elif ev["kind"] in ("restart", "join"):
+            after = [end_t[r] for r in order if end_t[r] > ev["t"] and pid in contributors[r]]
+            if after:
+                rejoin.append(round(after[0] - ev["t"], 2))
+    n = opts.peers
+    starts = [e["t"] - t0 for evs in logs.values() for e in evs if e["kind"] == "sync"]
+    marks = ([min(starts)] if starts else []) + [end_t[r] for r in order]
+    return {
+        "peers": n,
+        "rounds_target": opts.rounds,
+        "rounds_completed": len(end_t),
+        "codec": opts.codec or ("sparseloco" if opts.algorithm == "sparseloco" else "fp32"),
+        "algorithm": opts.algorithm,
+        "params": params,
+        "final_eval_loss": loss[max(loss)] if loss else None,
+        "eval_loss_by_round": [loss.get(r) for r in order],
+        "round_end_t": [round(end_t[r], 3) for r in order],
+        "bytes_sent_per_peer_per_round": sum(sent) / len(sent) if sent else 0.0,
+        "dense_fp32_ring_bytes_per_peer_per_round": 2 * (n - 1) / n * 4 * params,
+        "param_hash_agreement": bool(hashes) and not divergent,
+        "divergent_rounds": divergent,
+        "round_times_s": [round(b - a, 3) for a, b in zip(marks, marks[1:])],
+        "wall_s": round(wall_s, 2),
+        "recovery_s": recovery,
+        "rejoin_s": rejoin,
+        "lost_contributions": lost,
+        "peak_rss_mb_per_peer": {k: round(v, 1) for k, v in (rss or {}).items()},
+        "events": sorted(events, key=lambda e: e["t"]),
+    }
