@@ -2,7 +2,7 @@
 
 from .diloco import DiLoCo, DiLoCoConfig
 from .exchange import Exchange, InProcessExchange, InProcessHub, RoundFailed, RoundResult
-from .outer import OuterOptimizer, PendingRound
+from .outer import OuterOptimizer, PendingRound, copy_into_parameters
 from .schedule import warmup_cosine, warmup_cosine_scheduler
 from .sparseloco import SparseLoCo, SparseLoCoConfig
 
@@ -14,6 +14,7 @@ __all__ = [
     "InProcessHub",
     "OuterOptimizer",
     "PendingRound",
+    "copy_into_parameters",
     "RoundFailed",
     "RoundResult",
     "SparseLoCo",

@@ -21,11 +21,24 @@ from dataclasses import dataclass
 from typing import Any, Iterable
 
 import torch
-from torch.nn.utils import parameters_to_vector, vector_to_parameters
+from torch.nn.utils import parameters_to_vector
 
 from groundswell.compression import Codec, Payload, decode_segments, encode_segments, segment_size
 
 from .exchange import Exchange, RoundFailed, RoundResult
+
+
+def copy_into_parameters(vector: torch.Tensor, params: list[torch.nn.Parameter]) -> None:
+    """Copy a flat vector into the parameters' own storage. (torch's vector_to_parameters makes the
+    parameters *views* of the vector, so training would silently write into it.)"""
+    offset = 0
+    with torch.no_grad():
+        for p in params:
+            n = p.numel()
+            p.copy_(vector[offset:offset + n].view_as(p))
+            offset += n
+    if offset != vector.numel():
+        raise ValueError(f"vector has {vector.numel()} values, the parameters {offset}")
 
 
 @dataclass
@@ -88,7 +101,7 @@ class OuterOptimizer(ABC):
         # Local work not yet in anyone's hands rides on top of the new global parameters. In a
         # blocking round that is exactly zero, so every worker ends bit-identical to theta_global.
         progress = self.local_vector() - (pending.local if absorbed else old_global)
-        vector_to_parameters((new_global + progress).to(self.params[0].dtype), self.params)
+        copy_into_parameters(new_global + progress, self.params)
         self.global_params = new_global
 
     def follow(self, round_id: int, mean: torch.Tensor) -> None:
@@ -101,7 +114,7 @@ class OuterOptimizer(ABC):
         old_global = self.global_params
         new_global = old_global + self._outer_step(mean.to(old_global.device, torch.float32))
         progress = self.local_vector() - old_global
-        vector_to_parameters((new_global + progress).to(self.params[0].dtype), self.params)
+        copy_into_parameters(new_global + progress, self.params)
         self.global_params = new_global
         self.round_id += 1
 

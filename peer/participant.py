@@ -17,7 +17,7 @@ from typing import Any
 import torch
 
 from groundswell.compression import make_codec, segment_bounds, segment_size
-from groundswell.optim import DiLoCo, DiLoCoConfig, OuterOptimizer, SparseLoCo, SparseLoCoConfig
+from groundswell.optim import DiLoCo, DiLoCoConfig, OuterOptimizer, SparseLoCo, SparseLoCoConfig, copy_into_parameters
 from groundswell.protocol.identity import Identity
 from groundswell.protocol.schema import Decision, ProtocolError, StateReply, StateRequest
 from groundswell.protocol.transport import PeerUnavailable, seal, unseal
@@ -99,6 +99,7 @@ class Participant:
         self.node = node or SwarmNode(identity, identity_path, options)
         self.node.signed_manifest = signed_manifest
         self._snapshot: GlobalState | None = None
+        self.hash_history: dict[int, str] = {}  # round -> hash of the global parameters it started from
         self.node.state_provider = lambda: self._snapshot
 
     # --- network --------------------------------------------------------------------------------
@@ -121,7 +122,11 @@ class Participant:
         if isinstance(self.outer, DiLoCo):
             tensors["momentum_buffer"] = self.outer.momentum_buffer.detach().cpu().clone()
         self._snapshot = GlobalState(r, tensors, entry[0])
-        self.node.update_record(round=r, params_hash=params_hash(self.outer.global_params))
+        digest = params_hash(self.outer.global_params)
+        self.hash_history[r] = digest
+        for old in [k for k in self.hash_history if k < r - 32]:
+            del self.hash_history[old]
+        self.node.update_record(round=r, params_hash=digest)
 
     def load_global(self, state: GlobalState) -> None:
         """Adopt a downloaded or checkpointed global state; local progress is rebased onto it."""
@@ -134,8 +139,7 @@ class Participant:
         local = self.outer.local_vector()
         progress = local - self.outer.global_params
         self.outer.load_state_dict(sd)
-        torch.nn.utils.vector_to_parameters(
-            (self.outer.global_params + progress).to(self.outer.params[0].dtype), self.outer.params)
+        copy_into_parameters(self.outer.global_params + progress, self.outer.params)
         self.node.book.add(state.decision)  # type: ignore[union-attr]
         self.snapshot()
 
@@ -212,23 +216,23 @@ class Participant:
         return applied
 
     def agrees_with_swarm(self) -> bool:
-        """False if most peers that published this round's parameter hash published another one."""
-        mine = params_hash(self.outer.global_params)
+        """False if most peers' published hashes, for rounds this peer also went through, differ
+        from this peer's own hash of the same round (it then re-syncs)."""
         records = self.node._cached_records
-        others = [r.params_hash for pid, r in records.items()
-                  if pid != self.identity.peer_id and r.round == self.outer.round_id and r.params_hash]
-        return not others or others.count(mine) * 2 >= len(others)
+        comparable = [r.params_hash == self.hash_history[r.round] for pid, r in records.items()
+                      if pid != self.identity.peer_id and r.round in self.hash_history and r.params_hash]
+        return not comparable or sum(comparable) * 2 >= len(comparable)
 
     # --- evaluation and checkpoints ---------------------------------------------------------------
     def eval_global(self) -> float:
         """Held-out loss of the global parameters (evaluated on a scratch copy of the model)."""
         model = self.workload.model
         saved = torch.nn.utils.parameters_to_vector(model.parameters()).detach().clone()
-        torch.nn.utils.vector_to_parameters(self.outer.global_params.to(saved.dtype), model.parameters())
+        copy_into_parameters(self.outer.global_params, list(model.parameters()))
         try:
             return evaluate(model, self.workload.loss_fn, self.evalset, device=self.device)
         finally:
-            torch.nn.utils.vector_to_parameters(saved, model.parameters())
+            copy_into_parameters(saved, list(model.parameters()))
 
     def save_checkpoint(self, extra: dict[str, Any] | None = None) -> Path | None:
         """Atomically write the state (write to a temp file, fsync, rename); keep the newest few.

@@ -125,9 +125,9 @@ def run_volunteer(p: Participant, bootstrap_peers: list[str], *, max_rounds: int
 
 def torch_load_params(p: Participant) -> None:
     """After restoring the inner state, the model's parameters restart from the global ones."""
-    import torch
+    from groundswell.optim import copy_into_parameters
 
-    torch.nn.utils.vector_to_parameters(p.outer.global_params.to(p.outer.params[0].dtype), p.outer.params)
+    copy_into_parameters(p.outer.global_params, p.outer.params)
 
 
 def _resync(p: Participant, bootstrap_peers: list[str]) -> None:

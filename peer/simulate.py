@@ -231,7 +231,7 @@ def run_simulation(opts: SimulateOptions, out: Path, progress: Callable[[str], N
                     sim.spawn(name, coord_args if name == "coordinator" else join_args(name), kind="restart")
             if done + 1 < opts.rounds and done >= 0:
                 if now >= next_kill:
-                    next_kill += opts.kill_every
+                    next_kill = now + opts.kill_every  # no burst of catch-up faults after a stall
                     if pool := victims():
                         name = rng.choice(pool)
                         sim.signal(name, signal.SIGKILL)
@@ -239,7 +239,7 @@ def run_simulation(opts: SimulateOptions, out: Path, progress: Callable[[str], N
                         if opts.restart_after:
                             pending.append((now + opts.restart_after, "restart", name))
                 if now >= next_freeze:
-                    next_freeze += opts.freeze_every
+                    next_freeze = now + opts.freeze_every
                     if pool := victims():
                         name = rng.choice(pool)
                         sim.signal(name, signal.SIGSTOP)
@@ -247,7 +247,7 @@ def run_simulation(opts: SimulateOptions, out: Path, progress: Callable[[str], N
                         sim.event("freeze", name)
                         pending.append((now + opts.freeze_for, "thaw", name))
                 if now >= next_leave:
-                    next_leave += opts.leave_every
+                    next_leave = now + opts.leave_every
                     if pool := victims():
                         name = rng.choice(pool)
                         sim.signal(name, signal.SIGINT)

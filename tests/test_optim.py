@@ -193,3 +193,29 @@ def test_state_dict_round_trip_resumes_exactly(algo):
     assert torch.equal(outer.global_params, restored.global_params)
     with pytest.raises(ValueError):
         (DiLoCo(clone.parameters(), codec) if algo == "sparseloco" else SparseLoCo(clone.parameters(), codec)).load_state_dict(state)
+
+
+def test_applied_parameters_do_not_alias_the_global_copy():
+    model = _model([1.0, 2.0])
+    codec = make_codec("fp32")
+    outer = DiLoCo(model.parameters(), codec)
+    hub = InProcessHub(codec, ["w0"])
+    _set(model, [0.5, 2.5])
+    outer.sync(hub.endpoint("w0"))
+    before = outer.global_params.clone()
+    with torch.no_grad():
+        model.weight.add_(10.0)  # training after the round must not move theta_global
+    assert torch.equal(outer.global_params, before)
+
+
+def test_copy_into_parameters_copies_instead_of_aliasing():
+    from groundswell.optim import copy_into_parameters
+
+    model = torch.nn.Linear(3, 2)
+    vec = torch.arange(8, dtype=torch.float32)
+    copy_into_parameters(vec, list(model.parameters()))
+    with torch.no_grad():
+        model.weight.add_(1.0)
+    assert torch.equal(vec, torch.arange(8, dtype=torch.float32))
+    with pytest.raises(ValueError):
+        copy_into_parameters(torch.zeros(9), list(model.parameters()))
