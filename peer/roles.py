@@ -62,6 +62,8 @@ def run_volunteer(p: Participant, bootstrap_peers: list[str], *, max_rounds: int
     resumed = p.load_checkpoint()
     if resumed is not None and resumed.get("outer") is not None:
         p.load_global(GlobalState(resumed["round"], resumed["tensors"], resumed["decision"]))
+        if resumed["outer"].get("algorithm") == "sparseloco":  # our own error feedback: work not yet sent
+            p.outer.error = resumed["outer"]["error"].to(p.outer.global_params.device)
         p.events.write("resume", round=p.outer.round_id, peer=p.identity.peer_id)
     p.sync_state(bootstrap_peers, min_round=p.outer.round_id if resumed else -1)
     trainer = InnerTrainer(p.workload, p.corpus, DataSection(m.data.source, m.data.batch_size), m.inner,

@@ -30,6 +30,7 @@ workers and their p2pd daemons) is ended before it returns, also on failure.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import hashlib
 import json
 import os
@@ -42,7 +43,8 @@ import tempfile
 import time
 import traceback
 import uuid
-from typing import Any, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 os.environ["OMP_WAIT_POLICY"] = "PASSIVE"  # before torch starts its thread pool (workers inherit it)
 os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")  # gloo on loopback only
@@ -79,14 +81,14 @@ class _Worker:
     """One peer: its tensor, its node (per codec), and the commands the parent sends it."""
 
     def __init__(self, rank: int, n: int, conn: Any, barrier: Any, identity_path: str, params: int, seed: int,
-                 max_shards: int, deadline_s: float, slack_s: float) -> None:
+                 max_shards: int, deadline_s: float, slack_s: float, verbose: bool = False) -> None:
         import torch
-
         from groundswell.peer.bench_codecs import pseudo_gradient
 
         self.rank, self.n, self.conn, self.barrier = rank, n, conn, barrier
         self.identity_path, self.params = identity_path, params
         self.max_shards, self.deadline_s, self.slack_s = max_shards, deadline_s, slack_s
+        self.verbose = verbose
         self.x = pseudo_gradient(params, seed + rank)
         self.true_mean = None
         if rank == 0:  # the true fp32 mean of all inputs (fp64 sum), for rel_error; outside any timing
@@ -177,18 +179,9 @@ class _Worker:
             t2 = time.perf_counter()
             d = outcome.decision
             if d is None or d.status != "commit" or len(d.contributors) != self.n:
-                print("DEBUGD", self.rank, node.identity.peer_id[-6:], d, time.perf_counter() - t1, file=sys.stderr, flush=True)
                 raise RuntimeError(f"round {r}: no full commit on peer {self.rank}: "
                                    f"{'no decision' if d is None else (d.status, len(d.contributors))}")
-            try:
-                mean = node.call(node.client.fetch_aggregate(outcome.signed), timeout)
-            except Exception:
-                srv = node.server
-                print("DEBUG", self.rank, node.identity.peer_id[-6:], [s[-6:] for s in d.sources],
-                      {k: (v.decision == outcome.signed, v.mode, len(v.parts)) for k, v in srv.aggregates.items()},
-                      {k: (a.sealed == outcome.signed if a.sealed else None, {sh: list(c) for sh, c in a.contributions.items()}) for k, a in srv.attempts.items()},
-                      file=sys.stderr, flush=True)
-                raise
+            mean = node.call(node.client.fetch_aggregate(outcome.signed), timeout)
             t3 = time.perf_counter()
             del segments
             sha = tensor_sha256(mean)
@@ -204,9 +197,20 @@ class _Worker:
         return {"rounds": out}
 
     def close(self) -> dict:
+        import logging
+
         if self.node is not None:
             node, self.node = self.node, None
-            node.close()
+            # Closing cancels hivemind's stream callbacks, which asyncio reports at ERROR; the
+            # measurements are done by now, so keep that noise out of the output.
+            asyncio_log = logging.getLogger("asyncio")
+            level = asyncio_log.level
+            if not self.verbose:
+                asyncio_log.setLevel(logging.CRITICAL)
+            try:
+                node.close()
+            finally:
+                asyncio_log.setLevel(level)
         return {}
 
 
@@ -222,7 +226,7 @@ def _worker_main(rank: int, n: int, conn: Any, barrier: Any, identity_path: str,
     torch.set_num_threads(1)
     worker = None
     try:
-        worker = _Worker(rank, n, conn, barrier, identity_path, params, seed, max_shards, deadline_s, slack_s)
+        worker = _Worker(rank, n, conn, barrier, identity_path, params, seed, max_shards, deadline_s, slack_s, verbose)
         conn.send(("ok", {}))
         while True:
             cmd, kwargs = conn.recv()
@@ -230,23 +234,21 @@ def _worker_main(rank: int, n: int, conn: Any, barrier: Any, identity_path: str,
                 break
             try:
                 conn.send(("ok", getattr(worker, cmd)(**kwargs)))
-            except BaseException:
+            except BaseException:  # noqa: BLE001 - any failure goes back to the parent, with its traceback
                 barrier.abort()  # the others must not wait for this peer at the next barrier
                 conn.send(("error", traceback.format_exc()))
-    except (EOFError, KeyboardInterrupt):
+    except (EOFError, KeyboardInterrupt):  # the parent is gone or interrupted us: just clean up
         pass
-    except BaseException:
+    except BaseException:  # noqa: BLE001 - e.g. start-up failed: report it to the parent
         barrier.abort()
-        try:
+        with contextlib.suppress(OSError, ValueError):  # the parent may be gone already
             conn.send(("error", traceback.format_exc()))
-        except Exception:
-            pass
     finally:
         if worker is not None:
             try:
                 worker.close()
-            except Exception:
-                pass
+            except Exception as exc:  # noqa: BLE001 - shutting down; the parent kills p2pd anyway
+                print(f"[peer {rank}] close failed: {exc!r}", file=sys.stderr, flush=True)
 
 
 # --- parent process ----------------------------------------------------------------------------
@@ -331,10 +333,8 @@ class _Pool:
     def shutdown(self) -> None:
         """End every worker and every p2pd this run started, also the ones nobody reported."""
         for conn in self.conns:
-            try:
+            with contextlib.suppress(OSError, ValueError):  # that worker is gone already
                 conn.send(("exit", {}))
-            except Exception:
-                pass
         end = time.monotonic() + 30
         for p in self.procs:
             p.join(max(0.1, end - time.monotonic()))
@@ -471,14 +471,14 @@ def format_table(result: dict) -> str:
     """The result as a Markdown table plus the goals."""
     g = result["gloo_allreduce_s"]
     lines = [
-        f"Exchange round, {result['peers']} peers x {result['params']:,} params on 127.0.0.1 "
-        f"(median of {result['repeats']} after {result['warmup']} warm-up; round = max over peers)",
+        (f"Exchange round, {result['peers']} peers x {result['params']:,} params on 127.0.0.1 "
+         f"(median of {result['repeats']} after {result['warmup']} warm-up; round = max over peers)"),
         "",
-        "| method | round (s) | vs gloo | encode (s) | exchange (s) | fetch+decode (s) | sent/peer | recv/peer "
-        "| identical | rel. error |",
+        ("| method | round (s) | vs gloo | encode (s) | exchange (s) | fetch+decode (s) | sent/peer | recv/peer "
+         "| identical | rel. error |"),
         "|---|---:|---:|---:|---:|---:|---:|---:|:-:|---:|",
-        f"| gloo all_reduce (fp32) | {g:.3f} | 1.00x | | | | | | {'yes' if result['gloo']['identical'] else 'NO'} "
-        f"| {result['gloo']['rel_error']:.2e} |",
+        (f"| gloo all_reduce (fp32) | {g:.3f} | 1.00x | | | | | | {'yes' if result['gloo']['identical'] else 'NO'} "
+         f"| {result['gloo']['rel_error']:.2e} |"),
     ]
     for name, c in result["codecs"].items():
         lines.append(
@@ -528,5 +528,10 @@ def main(argv: Sequence[str] | None = None) -> dict:
     return result
 
 
+def _sigterm(signum: int, frame: Any) -> None:
+    raise SystemExit(128 + signum)  # unwinds through run_bench's cleanup
+
+
 if __name__ == "__main__":
+    signal.signal(signal.SIGTERM, _sigterm)
     main()
