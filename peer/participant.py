@@ -56,7 +56,7 @@ def run_context(manifest: RunManifest, outer: OuterOptimizer) -> RunContext:
 
 def genesis_decision(identity: Identity, run_id: str) -> bytes:
     """The signed decision of round -1: the coordinator alone serves round 0."""
-    d = Decision(-1, 0, "commit", [], [], [identity.peer_id], identity.peer_id, [], 0)
+    d = Decision(-1, 0, "commit", [], [], [identity.peer_id], identity.peer_id, [], 0, time.time())
     return seal(identity, run_id, d)
 
 

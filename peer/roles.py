@@ -165,13 +165,12 @@ def run_coordinator(p: Participant, *, stop: StopFlag, on_round: Callable[[Round
         p.save_checkpoint()
     client = p.node.client
     assert client is not None
-    attempt = 0
     last_sent: dict[str, int] = {}  # volunteers' cumulative bytes, for the per-round figure
     while not stop:
         r = p.outer.round_id
         t0 = time.perf_counter()
         try:
-            outcome = p.node.call(client.run_attempt(r, attempt, None, trains=False, serves=True),
+            outcome = p.node.call(client.run_attempt(r, None, None, trains=False, serves=True),
                                   timeout_s=2 * m.round.deadline_s + 6 * m.round.slack_s + 60)
         except RoundBehind:
             try:
@@ -182,15 +181,13 @@ def run_coordinator(p: Participant, *, stop: StopFlag, on_round: Callable[[Round
             continue
         committed = p.node.book.committed.get(r)  # type: ignore[union-attr]
         if committed is None:
-            attempt += 1  # a retry, or a silent leader: the next attempt rotates the roles
-            continue
+            continue  # a retry or a silent leader: the next attempt (by the clock) rotates the roles
         signed, d = committed
         try:
             mean = p.node.call(client.fetch_aggregate(signed), timeout_s=m.round.deadline_s * 4 + 60)
         except PeerUnavailable as exc:
             log.warning("aggregate of round %d unavailable (%s); catching up from peers", r, exc)
             continue
-        attempt = 0
         p.outer.follow(r, mean)
         p.snapshot()
         loss = p.eval_global() if (r + 1) % m.eval.every_rounds == 0 else float("nan")

@@ -87,11 +87,14 @@ class Simulation:
 
     def __enter__(self) -> "Simulation":
         self.out.mkdir(parents=True, exist_ok=True)
+        # A SIGTERM (e.g. from `timeout`) must still reach __exit__ and kill every process.
+        self._old_term = signal.signal(signal.SIGTERM, _raise_interrupt)
         return self
 
     def __exit__(self, *exc: object) -> None:
         for proc in self.procs.values():
             self._kill(proc)
+        signal.signal(signal.SIGTERM, self._old_term)
 
     def event(self, kind: str, peer: str) -> None:
         """Record a driver-side event (spawn, exit, fault)."""
@@ -143,6 +146,10 @@ class Simulation:
         proc = self.procs[name]
         if proc.popen is not None and proc.popen.poll() is None:
             os.killpg(proc.popen.pid, sig)
+
+
+def _raise_interrupt(signum: int, frame: object) -> None:
+    raise KeyboardInterrupt(f"signal {signum}")
 
 
 def _free_port() -> int:

@@ -32,7 +32,6 @@ class SwarmExchange:
         self.node = node
         self.worker_id = node.identity.peer_id
         self.serves = serves
-        self.attempt = 0
         self._future: Future | None = None
         self._round: int | None = None
         self._sent_before = 0
@@ -51,7 +50,7 @@ class SwarmExchange:
         segments = [p.to_bytes() for p in payloads]
         self._round = round_id
         self._future = self.node.submit(
-            client.run_attempt(round_id, self.attempt, segments, trains=True, serves=self.serves)
+            client.run_attempt(round_id, None, segments, trains=True, serves=self.serves)
         )
 
     def collect(self, round_id: int) -> RoundResult:
@@ -67,16 +66,14 @@ class SwarmExchange:
             raise NeedResync(str(exc)) from None
         decision = outcome.decision
         if decision is None or decision.status != "commit":
-            self.attempt += 1
             why = "no leader answered" if decision is None else "the leader decided to retry"
-            raise RoundFailed(f"round {round_id} attempt {self.attempt - 1}: {why}")
+            raise RoundFailed(f"round {round_id} attempt {outcome.attempt}: {why}")
         if decision.round != round_id:
             raise NeedResync(f"got the decision of round {decision.round} while at round {round_id}")
         try:
             mean = self.node.call(self.node.client.fetch_aggregate(outcome.signed), timeout_s=ctx.deadline_s * 4 + 60)
         except PeerUnavailable as exc:
             raise NeedResync(str(exc)) from None
-        self.attempt = 0
         self.last_decision, self.last_signed = decision, outcome.signed
         t = self.node.transport
         return RoundResult(

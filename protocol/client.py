@@ -11,13 +11,14 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from dataclasses import dataclass
 from typing import Callable, Sequence
 
 import torch
 
 from .context import DecisionBook, validate_segments
-from .plan import RoundPlan
+from .plan import RoundPlan, attempt_for
 from .schema import (
     MAX_SMALL, Ack, AggregateRequest, AggregateShard, Decision, DecisionReply, DecisionRequest, Join, ProtocolError,
     ShardContribution,
@@ -38,6 +39,7 @@ class AttemptResult:
 
     decision: Decision | None  # None: no leader answered in time
     signed: bytes
+    attempt: int
     delivered: bool  # did every shard of our contribution reach an aggregator?
 
 
@@ -52,11 +54,21 @@ class RoundClient:
         self.me = server.identity.peer_id
         self.holders = holders  # peers believed to hold a round's aggregate (from the DHT)
 
-    async def run_attempt(self, round_id: int, attempt: int, segments: list[bytes] | None, *, trains: bool,
+    def current_attempt(self, round_id: int) -> int | None:
+        """The attempt of `round_id` a contribution made now belongs to (None: round unknown)."""
+        opened = self.book.opened_at(round_id)
+        if opened is None:
+            return None
+        return attempt_for(time.time(), opened, self.ctx.deadline_s, self.ctx.slack_s)
+
+    async def run_attempt(self, round_id: int, attempt: int | None, segments: list[bytes] | None, *, trains: bool,
                           serves: bool) -> AttemptResult:
-        """Join, contribute (if `segments`), and wait for the attempt's decision."""
-        plan = await self.server.plan(round_id, attempt, wait_s=self.ctx.slack_s)
-        if plan is None:
+        """Join, contribute (if `segments`), and wait for the attempt's decision. `attempt=None`:
+        the attempt whose slot is open now."""
+        if attempt is None:
+            attempt = self.current_attempt(round_id)
+        plan = None if attempt is None else await self.server.plan(round_id, attempt, wait_s=self.ctx.slack_s)
+        if plan is None or attempt is None:
             raise RoundBehind(f"the decision of round {round_id - 1} is not known here")
         join = Join(round_id, trains, serves)
         await asyncio.gather(*(self._tell(p, "join", join) for p in {plan.leader, plan.backup_leader}))
@@ -65,7 +77,7 @@ class RoundClient:
             sent = await asyncio.gather(*(self._send_shard(plan, s, segments) for s in range(plan.num_shards)))
             delivered = all(sent)
         decision, signed = await self._await_decision(plan)
-        return AttemptResult(decision, signed, delivered)
+        return AttemptResult(decision, signed, attempt, delivered)
 
     async def _tell(self, peer: str, handler: str, msg: Join) -> None:
         if peer == self.me:

@@ -78,6 +78,11 @@ class DecisionBook:
             return None
         return Membership(tuple(entry[1].trainers), tuple(entry[1].servers))
 
+    def opened_at(self, round_id: int) -> float | None:
+        """When round `round_id` opened (the time of the previous round's commit), if known."""
+        entry = self.committed.get(round_id - 1)
+        return None if entry is None else entry[1].time
+
     def latest(self) -> int:
         """The newest committed round (-1: only genesis; -2: nothing)."""
         return max(self.committed, default=-2)

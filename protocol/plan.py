@@ -9,6 +9,7 @@ reshuffles them, so a retry after a failure puts different peers in charge.
 from __future__ import annotations
 
 import hashlib
+import math
 from dataclasses import dataclass
 from typing import Sequence
 
@@ -39,6 +40,24 @@ class RoundPlan:
     def shards_of(self, peer_id: str) -> list[int]:
         """The shards this peer aggregates."""
         return [s for s, a in enumerate(self.aggregators) if a == peer_id]
+
+
+def slot_width(deadline_s: float, slack_s: float) -> float:
+    """Seconds between the openings of two attempts of a round: deadline, decision, takeover."""
+    return deadline_s + 3 * slack_s
+
+
+def attempt_for(now: float, opened_at: float, deadline_s: float, slack_s: float) -> int:
+    """The attempt a contribution made at `now` belongs to: the first whose deadline is still at
+    least one slack away. Every peer derives it from the previous commit's time, so peers that
+    restart, stall or join mid-round agree on it without talking."""
+    width = slot_width(deadline_s, slack_s)
+    return max(0, math.ceil((now + slack_s - opened_at - deadline_s) / width))
+
+
+def close_time(opened_at: float, attempt: int, deadline_s: float, slack_s: float) -> float:
+    """Wall-clock time at which the leader of `attempt` decides at the latest."""
+    return opened_at + attempt * slot_width(deadline_s, slack_s) + deadline_s
 
 
 def _rank(run_id: str, round_id: int, attempt: int, peer: str) -> bytes:

@@ -90,6 +90,8 @@ class Decision(Message):
     leader: str = _f()
     sources: list[str] = _f()  # the aggregator whose copy of shard s counts
     num_shards: int = _f(lo=0, hi=MAX_LIST)
+    # The leader's wall clock when it decided: a commit opens the next round's attempt slots.
+    time: float = field(default=0.0, metadata={"max_len": 0, "max_items": 0, "lo": 0.0, "hi": 1e12})
 
 
 @dataclass(frozen=True)

@@ -22,7 +22,7 @@ from typing import Any, Awaitable, Callable
 
 from .context import DecisionBook, RoundContext, validate_segments
 from .identity import Identity
-from .plan import RoundPlan, make_plan
+from .plan import RoundPlan, close_time, make_plan
 from .schema import (
     MAX_SMALL, Ack, AggregateRequest, AggregateShard, Decision, DecisionReply, DecisionRequest, HaveReport, Join,
     ProtocolError, Seal, ShardContribution,
@@ -237,8 +237,9 @@ class RoundServer:
         if plan is None or me not in (plan.leader, plan.backup_leader):
             return
         slot = self.attempts[(round_id, attempt)]
-        assert slot.first_report is not None
-        close_at = slot.first_report + self.ctx.deadline_s
+        opened = self.book.opened_at(round_id) or 0.0
+        close_wall = close_time(opened, attempt, self.ctx.deadline_s, self.ctx.slack_s)
+        close_at = time.monotonic() + (close_wall - time.time())  # the slot's deadline, on our clock
         while time.monotonic() < close_at:
             expected = set(plan.trainers) | {p for p, (trains, _) in self.joins[round_id].items() if trains}
             _, complete = self._sources(plan, slot)
@@ -291,11 +292,11 @@ class RoundServer:
         else:
             trainers, servers = list(membership.trainers), list(membership.servers)  # type: ignore[union-attr]
         decision = Decision(plan.round, plan.attempt, status, contributors, trainers, servers,
-                            self.identity.peer_id, sources if status == "commit" else [], plan.num_shards)
+                            self.identity.peer_id, sources if status == "commit" else [], plan.num_shards, time.time())
         signed = seal(self.identity, self.ctx.run_id, decision)
         if status == "commit" and not (await self._seal_all(signed, sources) and await self._hold_all(signed)):
             decision = Decision(plan.round, plan.attempt, "retry", [], trainers, servers, self.identity.peer_id, [],
-                                plan.num_shards)
+                                plan.num_shards, time.time())
             signed = seal(self.identity, self.ctx.run_id, decision)
         log.info("round %d attempt %d: %s with %d contributors", plan.round, plan.attempt, decision.status,
                  len(decision.contributors))

@@ -63,14 +63,19 @@ CANDIDATE_HANDLER = "groundswell-bench/candidate-state/1"
 GOAL_RATIO = 2.0
 
 
-def _median_times(fn: Callable[[], Any], warmup: int, repeats: int) -> tuple[list[float], float | None]:
-    """Run fn warmup + repeats times; (measured seconds, first warm-up seconds or None)."""
+def _median_times(fn: Callable[[], Any], warmup: int, repeats: int,
+                  check: Callable[[Any], None] | None = None) -> tuple[list[float], float | None]:
+    """Run fn warmup + repeats times; (measured seconds, first warm-up seconds or None).
+    `check(result)` runs after each call, outside the timed region."""
     first = None
     out = []
     for i in range(warmup + repeats):
         t0 = time.perf_counter()
-        fn()
+        result = fn()
         dt = time.perf_counter() - t0
+        if check is not None:
+            check(result)
+        del result
         if i < warmup:
             first = dt if first is None else first
         else:
@@ -315,7 +320,7 @@ class _Client:
         node = self.node
         parts: list[dict] = []
 
-        def once() -> None:
+        def once() -> tuple[str, dict]:
             t0 = time.perf_counter()
             reply = node.call(node.transport.request(server_id, "get-state", StateRequest(0), StateReply,
                                                      timeout_s=600, max_reply=_maxreply(self.params)), 660)
@@ -325,11 +330,15 @@ class _Client:
             t2 = time.perf_counter()
             tensors = GlobalState.tensors_from_blob(reply.blob)
             t3 = time.perf_counter()
-            if reply.digest != digest or params_hash(tensors["global_params"]) != params_hash_expected:
-                raise RuntimeError("downloaded state differs from the served one")
             parts.append({"request_s": t1 - t0, "sha256_s": t2 - t1, "load_s": t3 - t2})
+            return reply.digest, tensors
 
-        times, first = _median_times(once, warmup, repeats)
+        def check(result: Any) -> None:  # not timed
+            got_digest, tensors = result
+            if got_digest != digest or params_hash(tensors["global_params"]) != params_hash_expected:
+                raise RuntimeError("downloaded state differs from the served one")
+
+        times, first = _median_times(once, warmup, repeats, check)
         return {"times": times, "first": first, "parts": parts[warmup:]}
 
     def raw(self, server_id: str, size: int, warmup: int, repeats: int, chunked: bool = False) -> dict:
@@ -380,15 +389,18 @@ class _Client:
             finally:
                 writer.close()
 
-        def once() -> None:
+        def once() -> tuple[str, dict]:
             head, blob = node.call(fetch(), 660)
             if hashlib.sha256(blob).hexdigest() != head.digest:
                 raise RuntimeError("candidate blob failed its hash check")
-            tensors = GlobalState.tensors_from_blob(blob)
-            if head.digest != digest or params_hash(tensors["global_params"]) != params_hash_expected:
+            return head.digest, GlobalState.tensors_from_blob(blob)
+
+        def check(result: Any) -> None:  # not timed
+            got_digest, tensors = result
+            if got_digest != digest or params_hash(tensors["global_params"]) != params_hash_expected:
                 raise RuntimeError("candidate state differs from the served one")
 
-        times, first = _median_times(once, warmup, repeats)
+        times, first = _median_times(once, warmup, repeats, check)
         return {"times": times, "first": first}
 
     def breakdown(self, params: int, seed: int, repeats: int) -> dict:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import concurrent.futures
+import time
 import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -51,7 +52,8 @@ class Cluster:
             for node in self.nodes:
                 node.attach(self.ctx)
             genesis = seal(self.nodes[0].identity, self.ctx.run_id,
-                           Decision(-1, 0, "commit", [], list(self.ids), list(self.ids), self.ids[0], [], 0))
+                           Decision(-1, 0, "commit", [], list(self.ids), list(self.ids), self.ids[0], [], 0,
+                                    time.time()))
             for node in self.nodes:
                 self.add_decision(node, genesis)
         except BaseException:

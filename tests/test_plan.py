@@ -159,3 +159,18 @@ def test_no_servers_is_an_error():
 def test_servers_need_not_train():
     plan = _plan(servers=SERVERS[:3], trainers=[])
     assert plan.trainers == () and plan.num_shards == 3
+
+
+def test_attempt_slots_follow_the_clock_from_the_previous_commit():
+    from groundswell.protocol.plan import attempt_for, close_time, slot_width
+
+    opened, deadline, slack = 1000.0, 30.0, 5.0
+    assert attempt_for(opened, opened, deadline, slack) == 0
+    assert attempt_for(opened + deadline - slack - 0.1, opened, deadline, slack) == 0
+    # too close to attempt 0's deadline to be counted in it: the next slot
+    assert attempt_for(opened + deadline - slack + 0.1, opened, deadline, slack) == 1
+    for a in range(5):
+        t = close_time(opened, a, deadline, slack)
+        assert attempt_for(t - slack - 0.01, opened, deadline, slack) == a
+        assert close_time(opened, a + 1, deadline, slack) - t == slot_width(deadline, slack)
+    assert attempt_for(opened - 100, opened, deadline, slack) == 0  # a clock behind the leader's
