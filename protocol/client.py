@@ -71,7 +71,7 @@ class RoundClient:
         if plan is None or attempt is None:
             raise RoundBehind(f"the decision of round {round_id - 1} is not known here")
         join = Join(round_id, trains, serves)
-        await asyncio.gather(*(self._tell(p, "join", join) for p in {plan.leader, plan.backup_leader}))
+        await asyncio.gather(*(self._tell(p, "join", join) for p in plan.leaders))
         delivered = False
         if segments is not None:
             sent = await asyncio.gather(*(self._send_shard(plan, s, segments) for s in range(plan.num_shards)))
@@ -114,9 +114,8 @@ class RoundClient:
     async def _await_decision(self, plan: RoundPlan) -> tuple[Decision | None, bytes]:
         # Ask the leader and the backup at once: the backup answers only if it had to decide
         # (leader silent past deadline + slack), so the first non-empty answer is the decision.
-        wait = self.ctx.deadline_s + 2 * self.ctx.slack_s
-        asks = [asyncio.ensure_future(self.ask_decision(p, plan.round, plan.attempt, wait))
-                for p in dict.fromkeys((plan.leader, plan.backup_leader))]
+        wait = self.ctx.deadline_s + (len(plan.leaders) + 1) * self.ctx.slack_s
+        asks = [asyncio.ensure_future(self.ask_decision(p, plan.round, plan.attempt, wait)) for p in plan.leaders]
         try:
             for next_done in asyncio.as_completed(asks):
                 signed = await next_done

@@ -21,7 +21,7 @@ class RoundPlan:
     round: int
     attempt: int
     leader: str
-    backup_leader: str  # takes over if the leader stays silent past deadline + slack
+    leaders: tuple[str, ...]  # leader k takes over if leaders 0..k-1 are silent past deadline + k * slack
     order: tuple[str, ...]  # all servers in this attempt's rank order
     aggregators: tuple[str, ...]  # aggregator of shard s
     shard_segments: tuple[tuple[int, int], ...]  # [first, stop) segment indices of shard s
@@ -31,6 +31,11 @@ class RoundPlan:
     def num_shards(self) -> int:
         """Number of shards in this attempt."""
         return len(self.aggregators)
+
+    @property
+    def backup_leader(self) -> str:
+        """The first stand-in leader."""
+        return self.leaders[1] if len(self.leaders) > 1 else self.leaders[0]
 
     def candidates(self, shard: int) -> list[str]:
         """Aggregators to try for a shard, primary first, then the other servers in rank order."""
@@ -90,7 +95,7 @@ def make_plan(
         round=round_id,
         attempt=attempt,
         leader=order[0],
-        backup_leader=order[1] if len(order) > 1 else order[0],
+        leaders=tuple(order[:3]),
         order=tuple(order),
         aggregators=tuple(order[:num_shards]),
         shard_segments=tuple(bounds),

@@ -132,7 +132,7 @@ class RoundServer:
             first, stop = plan.shard_segments[shard] if shard < plan.num_shards else (-1, -1)
             ids = sorted(s for s, (f, segs) in held.items() if f == first and f + len(segs) == stop)
             report = HaveReport(round_id, attempt, shard, ids)
-            for leader in {plan.leader, plan.backup_leader}:
+            for leader in plan.leaders:
                 if leader == self.identity.peer_id:
                     await self._on_have(leader, report)
                     continue
@@ -146,7 +146,7 @@ class RoundServer:
         if leader != sender or decision.leader != sender or decision.status != "commit":
             return Ack(False, "a seal must be a commit signed by the sending leader")
         plan = await self.plan(decision.round, decision.attempt, self.ctx.slack_s)
-        if plan is None or sender not in (plan.leader, plan.backup_leader):
+        if plan is None or sender not in plan.leaders:
             return Ack(False, "sender does not lead this attempt")
         slot = self.attempts[(decision.round, decision.attempt)]
         if slot.sealed is not None and slot.sealed != msg.decision:
@@ -234,8 +234,9 @@ class RoundServer:
     async def _lead(self, round_id: int, attempt: int) -> None:
         plan = await self.plan(round_id, attempt, self.ctx.deadline_s)
         me = self.identity.peer_id
-        if plan is None or me not in (plan.leader, plan.backup_leader):
+        if plan is None or me not in plan.leaders:
             return
+        rank = plan.leaders.index(me)
         slot = self.attempts[(round_id, attempt)]
         opened = self.book.opened_at(round_id) or 0.0
         close_wall = close_time(opened, attempt, self.ctx.deadline_s, self.ctx.slack_s)
@@ -243,7 +244,8 @@ class RoundServer:
         while time.monotonic() < close_at:
             expected = set(plan.trainers) | {p for p, (trains, _) in self.joins[round_id].items() if trains}
             _, complete = self._sources(plan, slot)
-            if expected and expected <= complete:
+            # Close early only when everyone expected is in and that is enough for a commit.
+            if expected <= complete and len(complete) >= self.ctx.min_peers:
                 break
             waiter = slot.changed
             try:
@@ -251,25 +253,28 @@ class RoundServer:
                     await waiter.wait()
             except TimeoutError:
                 break
-        if me != plan.leader or time.monotonic() > close_at + self.ctx.slack_s:
-            # The backup decides only if the leader is silent; a leader that was frozen past its
-            # window defers to the backup the same way.
-            if me != plan.leader:
-                await asyncio.sleep(max(0.0, close_at + self.ctx.slack_s - time.monotonic()))
-            other = plan.backup_leader if me == plan.leader else plan.leader
+        if rank > 0 or time.monotonic() > close_at + self.ctx.slack_s:
+            # Leader k decides only if leaders 0..k-1 stayed silent past deadline + k * slack; a
+            # leader that was frozen past its window defers the same way.
+            await asyncio.sleep(max(0.0, close_at + rank * self.ctx.slack_s - time.monotonic()))
             if slot.decision is not None or round_id in self.book.committed:
                 return
-            try:
-                reply = await self.transport.request(
-                    other, "get-decision", DecisionRequest(round_id, attempt, self.ctx.slack_s), DecisionReply,
-                    timeout_s=self.ctx.slack_s * 1.5)
-                if reply.decision:
-                    self._learn(round_id, attempt, reply.decision)
+            others = [p for p in plan.leaders if p != me]
+            replies = await asyncio.gather(*(self._ask(p, round_id, attempt) for p in others))
+            for signed in replies:
+                if signed:
+                    self._learn(round_id, attempt, signed)
                     return
-            except (PeerUnavailable, ProtocolError):
-                pass
         if slot.decision is None and round_id not in self.book.committed:
             await self._decide(plan, slot)
+
+    async def _ask(self, peer: str, round_id: int, attempt: int) -> bytes:
+        try:
+            reply = await self.transport.request(peer, "get-decision", DecisionRequest(round_id, attempt,
+                                                 self.ctx.slack_s / 2), DecisionReply, timeout_s=self.ctx.slack_s)
+            return reply.decision
+        except (PeerUnavailable, ProtocolError):
+            return b""
 
     def _learn(self, round_id: int, attempt: int, signed: bytes) -> None:
         _, decision = unseal(signed, self.ctx.run_id, Decision)
@@ -331,7 +336,7 @@ class RoundServer:
         return all(results)
 
     async def _on_get_decision(self, sender: str, msg: DecisionRequest) -> DecisionReply:
-        deadline = time.monotonic() + min(msg.wait_s, self.ctx.deadline_s + 2 * self.ctx.slack_s)
+        deadline = time.monotonic() + min(msg.wait_s, self.ctx.deadline_s + 5 * self.ctx.slack_s)
         slot = self.attempts[(msg.round, msg.attempt)]
         while True:
             if msg.round in self.book.committed:
