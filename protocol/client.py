@@ -53,6 +53,7 @@ class RoundClient:
         self.book: DecisionBook = server.book
         self.me = server.identity.peer_id
         self.holders = holders  # peers believed to hold a round's aggregate (from the DHT)
+        self.retried: dict[int, int] = {}  # round -> newest attempt decided "retry"
 
     def current_attempt(self, round_id: int) -> int | None:
         """The attempt of `round_id` a contribution made now belongs to (None: round unknown)."""
@@ -67,6 +68,8 @@ class RoundClient:
         the attempt whose slot is open now."""
         if attempt is None:
             attempt = self.current_attempt(round_id)
+            if attempt is not None:  # an attempt already decided "retry" is over, whatever the clock says
+                attempt = max(attempt, self.retried.get(round_id, -1) + 1)
         plan = None if attempt is None else await self.server.plan(round_id, attempt, wait_s=self.ctx.slack_s)
         if plan is None or attempt is None:
             raise RoundBehind(f"the decision of round {round_id - 1} is not known here")
@@ -77,6 +80,8 @@ class RoundClient:
             sent = await asyncio.gather(*(self._send_shard(plan, s, segments) for s in range(plan.num_shards)))
             delivered = all(sent)
         decision, signed = await self._await_decision(plan)
+        if decision is not None and decision.status == "retry":
+            self.retried[round_id] = max(attempt, self.retried.get(round_id, -1))
         return AttemptResult(decision, signed, attempt, delivered)
 
     async def _tell(self, peer: str, handler: str, msg: Join) -> None:
@@ -105,11 +110,25 @@ class RoundClient:
                 log.info("shard %d to %s failed: %s", shard, peer[-8:], exc)
                 continue
             if ack.ok:
+                await self._replicate(plan, shard, msg, peer, timeout)
                 return True
             log.info("shard %d refused by %s: %s", shard, peer[-8:], ack.reason)
             if "closed" in ack.reason or "sealed" in ack.reason:
                 return False
         return False
+
+    async def _replicate(self, plan: RoundPlan, shard: int, msg: ShardContribution, holder: str,
+                         timeout: float) -> None:
+        """Give one more aggregator a copy of the shard, so the leader can replace a source that
+        dies or freezes before it seals (best effort: the contribution already counts)."""
+        for peer in plan.candidates(shard):
+            if peer in (holder, self.me):
+                continue
+            try:
+                await self.transport.request(peer, "contribute", msg, Ack, timeout_s=timeout)
+            except (PeerUnavailable, ProtocolError) as exc:
+                log.info("replica of shard %d to %s failed: %s", shard, peer[-8:], exc)
+            return
 
     async def _await_decision(self, plan: RoundPlan) -> tuple[Decision | None, bytes]:
         # Ask the leader and the backup at once: the backup answers only if it had to decide

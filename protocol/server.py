@@ -150,7 +150,11 @@ class RoundServer:
             return Ack(False, "sender does not lead this attempt")
         slot = self.attempts[(decision.round, decision.attempt)]
         if slot.sealed is not None and slot.sealed != msg.decision:
-            return Ack(False, "this attempt is already sealed under another decision")
+            # The same leader may re-seal (it replaced a failed source before announcing anything);
+            # another leader may not: that is how two leaders of one attempt are kept apart.
+            _, earlier = unseal(slot.sealed, self.ctx.run_id, Decision)
+            if earlier.leader != decision.leader:
+                return Ack(False, "this attempt is already sealed under another leader's decision")
         mine = [s for s, src in enumerate(decision.sources) if src == self.identity.peer_id]
         built = {}
         for shard in mine:
@@ -213,10 +217,11 @@ class RoundServer:
             del self.joins[r]
         return Ack(True, "")
 
-    def _sources(self, plan: RoundPlan, slot: _Attempt) -> tuple[list[str], set[str]]:
+    def _sources(self, plan: RoundPlan, slot: _Attempt, exclude: frozenset[str] = frozenset()
+                 ) -> tuple[list[str], set[str]]:
         sources, common = [], None
         for shard in range(plan.num_shards):
-            reports = slot.have.get(shard, {})
+            reports = {a: ids for a, ids in slot.have.get(shard, {}).items() if a not in exclude}
             if not reports:
                 return [], set()
             rank = {p: i for i, p in enumerate(plan.candidates(shard))}
@@ -286,20 +291,27 @@ class RoundServer:
         self.attempts[(round_id, attempt)].poke()
 
     async def _decide(self, plan: RoundPlan, slot: _Attempt) -> None:
-        sources, complete = self._sources(plan, slot)
-        contributors = sorted(complete)
         joins = self.joins[plan.round]
         membership = self.book.membership(plan.round)
-        status = "commit" if len(contributors) >= self.ctx.min_peers else "retry"
-        if status == "commit":
+        failed: set[str] = set()
+        for _ in range(3):  # a source that will not seal is replaced by a replica holding the same shard
+            sources, complete = self._sources(plan, slot, frozenset(failed))
+            contributors = sorted(complete)
+            if len(contributors) < self.ctx.min_peers:
+                break
             trainers = sorted(set(contributors) | {p for p, (t, _) in joins.items() if t})
             servers = sorted({p for p, (_, s) in joins.items() if s} | {self.identity.peer_id})
+            decision = Decision(plan.round, plan.attempt, "commit", contributors, trainers, servers,
+                                self.identity.peer_id, sources, plan.num_shards, time.time())
+            signed = seal(self.identity, self.ctx.run_id, decision)
+            refused = await self._seal_all(signed, sources)
+            if not refused and await self._hold_all(signed):
+                break
+            failed |= refused or set(sources)
         else:
+            contributors = []
+        if len(contributors) < self.ctx.min_peers or failed >= set(sources or [""]):
             trainers, servers = list(membership.trainers), list(membership.servers)  # type: ignore[union-attr]
-        decision = Decision(plan.round, plan.attempt, status, contributors, trainers, servers,
-                            self.identity.peer_id, sources if status == "commit" else [], plan.num_shards, time.time())
-        signed = seal(self.identity, self.ctx.run_id, decision)
-        if status == "commit" and not (await self._seal_all(signed, sources) and await self._hold_all(signed)):
             decision = Decision(plan.round, plan.attempt, "retry", [], trainers, servers, self.identity.peer_id, [],
                                 plan.num_shards, time.time())
             signed = seal(self.identity, self.ctx.run_id, decision)
@@ -318,13 +330,14 @@ class RoundServer:
             log.warning("could not gather the aggregate before announcing it (%s); retrying the round", exc)
             return False
 
-    async def _seal_all(self, signed: bytes, sources: list[str]) -> bool:
+    async def _seal_all(self, signed: bytes, sources: list[str]) -> set[str]:
+        """Seal every source; returns the ones that did not seal."""
         async def one(peer: str) -> bool:
             if peer == self.identity.peer_id:
                 return (await self._on_seal(peer, Seal(signed))).ok
             try:
                 ack = await self.transport.request(peer, "seal", Seal(signed), Ack,
-                                                   timeout_s=self.ctx.slack_s + 30.0)
+                                                   timeout_s=2 * self.ctx.slack_s + 10.0)
                 if not ack.ok:
                     log.warning("aggregator %s refused the seal: %s", peer[-8:], ack.reason)
                 return ack.ok
@@ -332,8 +345,9 @@ class RoundServer:
                 log.warning("seal failed: %s", exc)
                 return False
 
-        results = await asyncio.gather(*(one(p) for p in sorted(set(sources))))
-        return all(results)
+        peers = sorted(set(sources))
+        results = await asyncio.gather(*(one(p) for p in peers))
+        return {p for p, ok in zip(peers, results) if not ok}
 
     async def _on_get_decision(self, sender: str, msg: DecisionRequest) -> DecisionReply:
         deadline = time.monotonic() + min(msg.wait_s, self.ctx.deadline_s + 5 * self.ctx.slack_s)
