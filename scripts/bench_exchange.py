@@ -154,7 +154,8 @@ class _Worker:
         self.node.attach(ctx)
         if self.rank == 0:
             decision = Decision(round=-1, attempt=0, status="commit", contributors=[], trainers=list(ids),
-                                servers=list(ids), leader=identity.peer_id, sources=[], num_shards=0)
+                                servers=list(ids), leader=identity.peer_id, sources=[], num_shards=0,
+                                time=time.time())
             genesis = seal(identity, run_id, decision)
         assert genesis is not None
         self.node.book.add(genesis)
@@ -175,7 +176,7 @@ class _Worker:
             t0 = time.perf_counter()
             segments = [p.to_bytes() for p in encode_segments(codec, self.x, self.segment)]
             t1 = time.perf_counter()
-            outcome = node.call(node.client.run_attempt(r, 0, segments, trains=True, serves=True), timeout)
+            outcome = node.call(node.client.run_attempt(r, None, segments, trains=True, serves=True), timeout)
             t2 = time.perf_counter()
             d = outcome.decision
             if d is None or d.status != "commit" or len(d.contributors) != self.n:
