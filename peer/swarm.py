@@ -16,10 +16,9 @@ import logging
 import threading
 import time
 from concurrent.futures import Future
-from dataclasses import dataclass, field
-from typing import Any, Awaitable, Callable, Coroutine, Sequence, TypeVar
+from dataclasses import dataclass
+from typing import Any, Callable, Coroutine, Sequence, TypeVar
 
-import msgpack
 import torch
 
 from groundswell.compression import Codec
@@ -27,8 +26,7 @@ from groundswell.protocol.client import RoundClient
 from groundswell.protocol.context import DecisionBook
 from groundswell.protocol.identity import Identity
 from groundswell.protocol.schema import (
-    Decision, ManifestReply, ManifestRequest, PeerRecord, ProtocolError, StateReply, StateRequest, decode_message,
-    encode_message,
+    ManifestReply, ManifestRequest, PeerRecord, ProtocolError, StateReply, StateRequest,
 )
 from groundswell.protocol.server import RoundServer
 from groundswell.protocol.transport import PeerUnavailable, Transport, seal, unseal
