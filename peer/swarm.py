@@ -67,12 +67,20 @@ class GlobalState:
     round: int
     tensors: dict[str, torch.Tensor]  # "global_params" and any shared outer state (momentum)
     decision: bytes  # signed decision of round - 1
+    _blob: tuple[bytes, str] | None = None  # serialized once, on the first request of this round
 
     def to_blob(self) -> bytes:
         """Serialize the tensors (torch.save of CPU tensors, weights_only-loadable)."""
         buf = io.BytesIO()
         torch.save({k: v.detach().cpu() for k, v in self.tensors.items()}, buf)
         return buf.getvalue()
+
+    def blob_and_digest(self) -> tuple[bytes, str]:
+        """The serialized state and its sha256, computed once per snapshot (joiners share it)."""
+        if self._blob is None:
+            blob = self.to_blob()
+            self._blob = (blob, hashlib.sha256(blob).hexdigest())
+        return self._blob
 
     @staticmethod
     def tensors_from_blob(blob: bytes) -> dict[str, torch.Tensor]:
@@ -288,8 +296,8 @@ class SwarmNode:
         state = self.state_provider()
         if state is None or state.round < msg.min_round:
             return StateReply(-1, "", b"", b"")
-        blob = state.to_blob()
-        return StateReply(state.round, hashlib.sha256(blob).hexdigest(), state.decision, blob)
+        blob, digest = state.blob_and_digest()
+        return StateReply(state.round, digest, state.decision, blob)
 
 
 async def _cancel_stragglers() -> None:
