@@ -54,6 +54,9 @@ import time
 import traceback
 from typing import Any, Callable, Sequence
 
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # the shared helpers beside this script
+from _procs import kill_if_p2pd, p2pd_pids_using  # noqa: E402
+
 os.environ["OMP_WAIT_POLICY"] = "PASSIVE"  # before torch starts its thread pool (workers inherit it)
 os.environ.setdefault("HIVEMIND_LOGLEVEL", "WARNING")
 
@@ -536,41 +539,8 @@ class _Workers:
                 p.join(5)
         for conn in self.conns.values():
             conn.close()
-        for pid in self.p2pd_pids | set(_p2pd_pids_using(self.tmp)):
-            _kill_if_p2pd(pid)
-
-
-def _cmdline(pid: int) -> str:
-    try:
-        with open(f"/proc/{pid}/cmdline", "rb") as f:
-            return f.read().replace(b"\0", b" ").decode(errors="replace")
-    except OSError:
-        return ""
-
-
-def _p2pd_pids_using(tmp: str) -> list[int]:
-    """p2pd processes whose identity file is in `tmp` (so they are this run's, nobody else's)."""
-    pids = []
-    for entry in os.listdir("/proc"):
-        if entry.isdigit():
-            cmd = _cmdline(int(entry))
-            if "p2pd" in cmd and f"-id={tmp}{os.sep}" in cmd:
-                pids.append(int(entry))
-    return pids
-
-
-def _kill_if_p2pd(pid: int) -> None:
-    if "p2pd" not in _cmdline(pid):
-        return  # already gone (or the pid was reused by something else)
-    try:
-        os.kill(pid, signal.SIGTERM)
-        for _ in range(50):
-            if "p2pd" not in _cmdline(pid):
-                return
-            time.sleep(0.1)
-        os.kill(pid, signal.SIGKILL)
-    except ProcessLookupError:
-        pass
+        for pid in self.p2pd_pids | set(p2pd_pids_using(self.tmp)):
+            kill_if_p2pd(pid)
 
 
 def run_bench(args: argparse.Namespace, progress: Callable[[str], None] = lambda m: None) -> dict:

@@ -93,3 +93,10 @@ class Cluster:
         for node in self.nodes:
             node.close()
         self._tmp.cleanup()
+
+
+def leftover_processes(out: Path) -> list:
+    """Processes whose command line mentions `out`: what a simulation left running (should be none)."""
+    import psutil
+
+    return [p for p in psutil.process_iter(["cmdline"]) if str(out) in " ".join(p.info["cmdline"] or [])]

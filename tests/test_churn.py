@@ -7,17 +7,18 @@ from __future__ import annotations
 import errno
 import json
 
-import psutil
+import sys
+from pathlib import Path
+
 import pytest
 import torch
 
 from groundswell.peer.simulate import SimulateOptions, run_simulation
 
+sys.path.insert(0, str(Path(__file__).parent))
+from swarm_harness import leftover_processes  # noqa: E402
+
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
-
-
-def _leftovers(out) -> list[psutil.Process]:
-    return [p for p in psutil.process_iter(["cmdline"]) if str(out) in " ".join(p.info["cmdline"] or [])]
 
 
 def test_kills_restarts_freezes_leaves_and_late_joins(tmp_path):
@@ -28,7 +29,7 @@ def test_kills_restarts_freezes_leaves_and_late_joins(tmp_path):
     try:
         report = run_simulation(opts, out, progress=lambda m: None)
     finally:
-        left = _leftovers(out)
+        left = leftover_processes(out)
         for p in left:
             p.kill()
     assert not left

@@ -4,21 +4,17 @@ from __future__ import annotations
 
 import json
 
-import psutil
+import sys
+from pathlib import Path
+
 import pytest
 
 from groundswell.peer.simulate import SimulateOptions, run_simulation
 
+sys.path.insert(0, str(Path(__file__).parent))
+from swarm_harness import leftover_processes  # noqa: E402
+
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(400)]
-
-
-def _our_processes(out) -> list[psutil.Process]:
-    found = []
-    for proc in psutil.process_iter(["cmdline"]):
-        cmd = " ".join(proc.info["cmdline"] or [])
-        if str(out) in cmd:
-            found.append(proc)
-    return found
 
 
 def test_simulate_three_peers_agree_and_learn(tmp_path):
@@ -28,7 +24,7 @@ def test_simulate_three_peers_agree_and_learn(tmp_path):
     try:
         report = run_simulation(opts, out, progress=lambda m: None)
     finally:
-        leftovers = _our_processes(out)
+        leftovers = leftover_processes(out)
         for p in leftovers:
             p.kill()
     assert not leftovers, "the simulation left processes behind"
