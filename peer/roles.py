@@ -76,19 +76,26 @@ def run_volunteer(p: Participant, bootstrap_peers: list[str], *, max_rounds: int
         except (KeyError, ValueError, RuntimeError) as exc:
             log.warning("inner state in the checkpoint does not fit (%s); starting the inner optimizer afresh", exc)
     exchange = SwarmExchange(p.node)
-    applied = 0
+    applied = failures = 0
     while not stop and (max_rounds is None or applied < max_rounds) and (
             until_round is None or p.outer.round_id < until_round):
         t0 = time.perf_counter()
         stats = trainer.run(m.outer.inner_steps, on_step)
         r = p.outer.round_id
         exchange.contribute(r, p.outer.prepare())
+        t_exchange = time.perf_counter()
         try:
             result = exchange.collect(r)
         except RoundFailed as exc:
             p.outer.apply(None)
+            failures += 1
             p.events.write("retry", round=r, reason=str(exc), peer=p.identity.peer_id)
             on_round(RoundInfo(r, "retry", train_loss=stats.mean_loss))
+            # An attempt that failed at once (no leader reachable) would fail the same way right
+            # away: back off, doubling up to a deadline, instead of spinning.
+            backoff = min(m.round.deadline_s, m.round.slack_s * 2 ** min(failures - 1, 8))
+            stop.event.wait(max(0.0, backoff - (time.perf_counter() - t_exchange)))
+            _catch_up_or_resync(p, bootstrap_peers)  # the swarm may have gone on without us
             continue
         except NeedResync as exc:
             p.outer.apply(None)
@@ -100,29 +107,36 @@ def run_volunteer(p: Participant, bootstrap_peers: list[str], *, max_rounds: int
         p.outer.apply(result)
         p.snapshot()
         applied += 1
+        failures = 0
         info = RoundInfo(r, "applied", result.included, len(result.contributors), stats.mean_loss,
                          p.eval_global() if m.eval.every_rounds and (r + 1) % m.eval.every_rounds == 0 else float("nan"),
                          result.bytes_sent, time.perf_counter() - t0, stats.tokens / max(stats.compute_s, 1e-9),
                          params_hash(p.outer.global_params))
         if info.eval_loss == info.eval_loss:
             p.node.update_record(loss=info.eval_loss)
+        d = exchange.last_decision
         p.events.write("round", round=r, included=result.included, contributors=list(result.contributors),
-                       hash=info.params_hash, bytes_sent=result.bytes_sent, bytes_received=result.bytes_received,
+                       attempt=d.attempt if d else None, leader=d.leader if d else None, hash=info.params_hash, bytes_sent=result.bytes_sent, bytes_received=result.bytes_received,
                        train_loss=stats.mean_loss, eval_loss=info.eval_loss, round_s=info.round_s,
                        compute_s=stats.compute_s, peer=p.identity.peer_id)
         on_round(info)
         if (r + 1) % m.checkpoint.every_rounds == 0:
             p.save_checkpoint({"inner": trainer.state_dict()})
-        try:
-            if p.catch_up():
-                p.events.write("caught-up", round=p.outer.round_id, peer=p.identity.peer_id)
-            if not p.agrees_with_swarm():
-                p.events.write("hash-mismatch", round=p.outer.round_id, peer=p.identity.peer_id)
-                _resync(p, bootstrap_peers)
-        except (PeerUnavailable, RoundBehind, TimeoutError) as exc:
-            log.info("catch-up failed (%s); re-syncing", exc)
-            _resync(p, bootstrap_peers)
+        _catch_up_or_resync(p, bootstrap_peers)
     p.save_checkpoint({"inner": trainer.state_dict()})
+
+
+def _catch_up_or_resync(p: Participant, bootstrap_peers: list[str]) -> None:
+    """Apply rounds the swarm committed without us; re-sync if that fails or our hash is off."""
+    try:
+        if p.catch_up():
+            p.events.write("caught-up", round=p.outer.round_id, peer=p.identity.peer_id)
+        if not p.agrees_with_swarm():
+            p.events.write("hash-mismatch", round=p.outer.round_id, peer=p.identity.peer_id)
+            _resync(p, bootstrap_peers)
+    except (PeerUnavailable, RoundBehind, TimeoutError) as exc:
+        log.info("catch-up failed (%s); re-syncing", exc)
+        _resync(p, bootstrap_peers)
 
 
 def torch_load_params(p: Participant) -> None:
@@ -155,10 +169,7 @@ def run_coordinator(p: Participant, *, stop: StopFlag, on_round: Callable[[Round
         p.load_global(GlobalState(resumed["round"], resumed["tensors"], resumed["decision"]))
         p.events.write("resume", round=p.outer.round_id, hash=params_hash(p.outer.global_params),
                        peer=p.identity.peer_id)
-        try:  # the volunteers may have gone on without us
-            p.catch_up()
-        except (PeerUnavailable, RoundBehind, TimeoutError) as exc:
-            log.info("catch-up after restart: %s", exc)
+        _follow_the_swarm(p)  # the volunteers may have gone on without us
     else:
         p.node.book.add(genesis_decision(p.identity, m.run.id))  # type: ignore[union-attr]
         p.snapshot()
@@ -170,13 +181,10 @@ def run_coordinator(p: Participant, *, stop: StopFlag, on_round: Callable[[Round
         r = p.outer.round_id
         t0 = time.perf_counter()
         try:
-            outcome = p.node.call(client.run_attempt(r, None, None, trains=False, serves=True),
-                                  timeout_s=2 * m.round.deadline_s + 6 * m.round.slack_s + 60)
+            p.node.call(client.run_attempt(r, None, None, trains=False, serves=True),
+                        timeout_s=2 * m.round.deadline_s + 6 * m.round.slack_s + 60)
         except RoundBehind:
-            try:
-                p.catch_up()
-            except (PeerUnavailable, TimeoutError) as exc:
-                log.info("catch-up: %s", exc)
+            if not _follow_the_swarm(p):
                 time.sleep(1.0)
             continue
         committed = p.node.book.committed.get(r)  # type: ignore[union-attr]
@@ -186,7 +194,11 @@ def run_coordinator(p: Participant, *, stop: StopFlag, on_round: Callable[[Round
         try:
             mean = p.node.call(client.fetch_aggregate(signed), timeout_s=m.round.deadline_s * 4 + 60)
         except PeerUnavailable as exc:
-            log.warning("aggregate of round %d unavailable (%s); catching up from peers", r, exc)
+            # Every holder of a shard died before anyone else fetched it: the round's result lives
+            # on only in the state of peers that applied it. Take that state (or wait for it).
+            log.warning("aggregate of round %d unavailable (%s); taking the state of a peer past it", r, exc)
+            if not _follow_the_swarm(p):
+                time.sleep(m.round.slack_s)
             continue
         p.outer.follow(r, mean)
         p.snapshot()
@@ -200,9 +212,27 @@ def run_coordinator(p: Participant, *, stop: StopFlag, on_round: Callable[[Round
                          bytes_sent=int(sum(deltas) / len(deltas)) if deltas else 0)
         if loss == loss:
             p.node.update_record(loss=loss)
-        p.events.write("round", round=r, contributors=list(d.contributors), hash=info.params_hash, eval_loss=loss,
+        p.events.write("round", round=r, contributors=list(d.contributors), attempt=d.attempt, leader=d.leader,
+                       hash=info.params_hash, eval_loss=loss,
                        round_s=info.round_s, peer=p.identity.peer_id, role="coordinator")
         on_round(info)
         if (r + 1) % m.checkpoint.every_rounds == 0:
             p.save_checkpoint()
     p.save_checkpoint()
+
+
+def _follow_the_swarm(p: Participant) -> bool:
+    """Bring a follower up to the swarm's newest round: apply the rounds peers still archive, or
+    take the state of a peer that is ahead. Returns whether this peer moved forward."""
+    before = p.outer.round_id
+    try:
+        p.catch_up()
+    except (PeerUnavailable, RoundBehind, TimeoutError) as exc:
+        log.info("catch-up: %s", exc)
+    records = p.node.call(p.node.refresh_records(), timeout_s=30)
+    if max((r.round for r in records.values()), default=-1) > p.outer.round_id:
+        try:
+            p.sync_state([], min_round=p.outer.round_id + 1)
+        except (PeerUnavailable, TimeoutError) as exc:
+            log.info("no peer ahead served its state: %s", exc)
+    return p.outer.round_id > before

@@ -181,7 +181,7 @@ def run_simulation(opts: SimulateOptions, out: Path, progress: Callable[[str], N
     rng = random.Random(opts.seed)
     with Simulation(out, opts) as sim:
         (out / "run.toml").write_text(manifest_toml(opts))
-        common = ["--quiet", "--threads", "1"]
+        common = ["--quiet", "--verbose", "--threads", "1"]  # protocol log in NAME.log, for post-mortems
         coord_listen = f"/ip4/127.0.0.1/tcp/{_free_port()}"  # fixed, so a restarted coordinator is found again
         coord_args = ["launch", str(out / "run.toml"), "--state-dir", str(out / "coordinator"), "--listen",
                       coord_listen, *common]
@@ -215,6 +215,7 @@ def run_simulation(opts: SimulateOptions, out: Path, progress: Callable[[str], N
         coord_killed = opts.kill_coordinator_at <= 0
         end = time.time() + opts.timeout_s
         last_sample = 0.0
+        finished_at, stragglers_told = 0.0, False
 
         def victims() -> list[str]:
             live = [v for v in volunteers if sim.alive(v) and v not in frozen]
@@ -228,6 +229,17 @@ def run_simulation(opts: SimulateOptions, out: Path, progress: Callable[[str], N
             done = _rounds_done(out)
             if done + 1 >= opts.rounds and not any(sim.alive(v) for v in volunteers):
                 break
+            if done + 1 >= opts.rounds:
+                # A straggler still short of the target once the others left cannot finish alone:
+                # after a grace period it is asked to leave (SIGINT), as a person would.
+                finished_at = finished_at or now
+                if now - finished_at > 2 * opts.deadline_s + 6 * opts.slack_s and not stragglers_told:
+                    stragglers_told = True
+                    for v in volunteers:
+                        if sim.alive(v):
+                            sim.signal(v, signal.SIGCONT)
+                            sim.signal(v, signal.SIGINT)
+                            sim.event("straggler-stopped", v)
             for when, action, name in [p for p in pending if p[0] <= now]:
                 pending.remove((when, action, name))
                 if action == "thaw":

@@ -121,6 +121,25 @@ class Seal(Message):
 
 
 @dataclass(frozen=True)
+class Claim(Message):
+    """Leader to the round's other leaders (and earlier attempts' leaders): may I decide round/attempt?"""
+
+    KIND: ClassVar[str] = "claim"
+    round: int = _f(**_ROUND)
+    attempt: int = _f(lo=0, hi=1 << 20)
+
+
+@dataclass(frozen=True)
+class ClaimReply(Message):
+    """`ok`: no objection (this peer has not let another leader decide this attempt); `decision`:
+    a commit of the round this peer already knows (the claimer adopts it), or empty."""
+
+    KIND: ClassVar[str] = "claim-reply"
+    ok: bool = _f()
+    decision: bytes = _f(max_len=MAX_SMALL)
+
+
+@dataclass(frozen=True)
 class AggregateRequest(Message):
     """The aggregate of one shard of a committed round."""
 
@@ -208,7 +227,8 @@ class PeerRecord(Message):
 MESSAGES: dict[str, type[Message]] = {
     cls.KIND: cls
     for cls in (
-        ShardContribution, Ack, HaveReport, Decision, DecisionRequest, DecisionReply, Seal, AggregateRequest, AggregateShard, Join,
+        ShardContribution, Ack, HaveReport, Decision, DecisionRequest, DecisionReply, Seal, Claim, ClaimReply,
+        AggregateRequest, AggregateShard, Join,
         StateRequest, StateReply, ManifestRequest, ManifestReply, PeerRecord,
     )
 }

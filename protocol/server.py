@@ -24,13 +24,14 @@ from .context import DecisionBook, RoundContext, validate_segments
 from .identity import Identity
 from .plan import RoundPlan, close_time, make_plan
 from .schema import (
-    MAX_SMALL, Ack, AggregateRequest, AggregateShard, Decision, DecisionReply, DecisionRequest, HaveReport, Join,
-    ProtocolError, Seal, ShardContribution,
+    MAX_SMALL, Ack, AggregateRequest, AggregateShard, Claim, ClaimReply, Decision, DecisionReply, DecisionRequest,
+    HaveReport, Join, ProtocolError, Seal, ShardContribution,
 )
 from .transport import PeerUnavailable, Transport, seal, unseal
 
 log = logging.getLogger(__name__)
 DENSE_MEAN_CODECS = ("fp32", "fp16", "bf16", "int8")  # the aggregate is the re-encoded mean
+SEALED_BY_ANOTHER = "this attempt is already sealed under another leader's decision"
 
 
 @dataclass
@@ -44,6 +45,8 @@ class _Attempt:
     sealed: bytes | None = None  # the commit this peer sealed as an aggregator
     changed: asyncio.Event = field(default_factory=asyncio.Event)
     leading: bool = False
+    granted_to: str | None = None  # the one leader this peer lets decide the attempt (itself included)
+    deciding: bool = False  # this peer passed its claim and is deciding: it no longer yields
 
     def poke(self) -> None:
         self.changed.set()
@@ -79,6 +82,7 @@ class RoundServer:
         await t.serve("join", Join, self._on_join)
         await t.serve("get-decision", DecisionRequest, self._on_get_decision)
         await t.serve("seal", Seal, self._on_seal)
+        await t.serve("claim", Claim, self._on_claim)
         await t.serve("get-aggregate", AggregateRequest, self._on_get_aggregate)
 
     # --- helpers ------------------------------------------------------------------------------
@@ -154,7 +158,7 @@ class RoundServer:
             # another leader may not: that is how two leaders of one attempt are kept apart.
             _, earlier = unseal(slot.sealed, self.ctx.run_id, Decision)
             if earlier.leader != decision.leader:
-                return Ack(False, "this attempt is already sealed under another leader's decision")
+                return Ack(False, SEALED_BY_ANOTHER)
         mine = [s for s, src in enumerate(decision.sources) if src == self.identity.peer_id]
         built = {}
         for shard in mine:
@@ -270,8 +274,81 @@ class RoundServer:
                 if signed:
                     self._learn(round_id, attempt, signed)
                     return
-        if slot.decision is None and round_id not in self.book.committed:
+        await self.decide_exclusively(plan, slot)
+
+    async def decide_exclusively(self, plan: RoundPlan, slot: _Attempt) -> None:
+        """Decide the attempt, unless it is decided, the round committed, or another leader claimed it."""
+        if slot.decision is None and plan.round not in self.book.committed and await self._claim(plan, slot):
             await self._decide(plan, slot)
+
+    # --- claims: one decider per attempt, no second commit of a round -----------------------------
+    async def _claim(self, plan: RoundPlan, slot: _Attempt) -> bool:
+        """May this leader decide? Not if it (or a fellow leader it asked) already let another
+        leader decide this attempt, nor if anyone asked knows a commit of the round (it is adopted).
+
+        A leader grants itself before it asks, so of two leaders that both ask, at least one is
+        refused by the other; a frozen or dead leader cannot object (liveness over a stall), which
+        leaves a split possible only under a real network partition, where hash checks re-sync."""
+        me = self.identity.peer_id
+        if slot.granted_to not in (None, me):
+            return False
+        slot.granted_to = me
+        # Earlier attempts' leaders too: one of them may hold a commit that never reached us.
+        witnesses = list(plan.leaders)
+        for earlier in range(max(0, plan.attempt - 4), plan.attempt):
+            old = await self.plan(plan.round, earlier, 0)
+            witnesses += list(old.leaders) if old else []
+        others = [p for p in dict.fromkeys(witnesses) if p != me]
+        replies = await asyncio.gather(*(self._ask_claim(p, plan) for p in others))
+        for reply in replies:
+            if reply is not None and reply.decision:
+                self._adopt(plan, reply.decision)
+                return False
+        # A lower-ranked leader's claim may have taken our grant while we waited: then we yield.
+        if slot.granted_to != me or slot.decision is not None or not all(r is None or r.ok for r in replies):
+            return False
+        slot.deciding = True
+        return True
+
+    async def _ask_claim(self, peer: str, plan: RoundPlan) -> ClaimReply | None:
+        try:
+            return await self.transport.request(peer, "claim", Claim(plan.round, plan.attempt), ClaimReply,
+                                                timeout_s=self.ctx.slack_s)
+        except (PeerUnavailable, ProtocolError) as exc:
+            log.info("claim of round %d attempt %d at %s: %s", plan.round, plan.attempt, peer[-8:], exc)
+            return None
+
+    def _adopt(self, plan: RoundPlan, signed: bytes) -> None:
+        try:
+            _, decision = unseal(signed, self.ctx.run_id, Decision)
+            if decision.round != plan.round:
+                raise ProtocolError("decision for another round")
+            if decision.status == "commit":
+                self.book.add(signed)
+            elif decision.attempt == plan.attempt:
+                self.attempts[(plan.round, plan.attempt)].decision = signed
+            self.attempts[(plan.round, plan.attempt)].poke()
+        except ProtocolError as exc:
+            log.warning("claim reply carried an unusable decision: %s", exc)
+
+    async def _on_claim(self, sender: str, msg: Claim) -> ClaimReply:
+        if msg.round in self.book.committed:
+            return ClaimReply(False, self.book.committed[msg.round][0])
+        slot = self.attempts[(msg.round, msg.attempt)]
+        if slot.decision is not None:
+            return ClaimReply(False, slot.decision)
+        plan = await self.plan(msg.round, msg.attempt, self.ctx.slack_s)
+        if plan is None or sender not in plan.leaders:
+            return ClaimReply(False, b"")
+        me = self.identity.peer_id
+        if me not in plan.leaders:
+            return ClaimReply(True, b"")  # an earlier attempt's leader: no say in this one
+        # Two leaders that claim at once would refuse each other; the lower rank wins unless the
+        # other is already deciding.
+        rank = plan.leaders.index
+        if slot.granted_to is None or (slot.granted_to == me and not slot.deciding and rank(sender) < rank(me)):
+            slot.granted_to = sender
+        return ClaimReply(slot.granted_to == sender, b"")
 
     async def _ask(self, peer: str, round_id: int, attempt: int) -> bytes:
         try:
@@ -304,7 +381,11 @@ class RoundServer:
             decision = Decision(plan.round, plan.attempt, "commit", contributors, trainers, servers,
                                 self.identity.peer_id, sources, plan.num_shards, time.time())
             signed = seal(self.identity, self.ctx.run_id, decision)
-            refused = await self._seal_all(signed, sources)
+            refused, contested = await self._seal_all(signed, sources)
+            if contested:  # another leader is deciding this attempt: replacing sources would fork the round
+                log.warning("round %d attempt %d is being decided by another leader; standing back", plan.round,
+                            plan.attempt)
+                return
             if not refused and await self._hold_all(signed):
                 break
             failed |= refused or set(sources)
@@ -330,24 +411,25 @@ class RoundServer:
             log.warning("could not gather the aggregate before announcing it (%s); retrying the round", exc)
             return False
 
-    async def _seal_all(self, signed: bytes, sources: list[str]) -> set[str]:
-        """Seal every source; returns the ones that did not seal."""
-        async def one(peer: str) -> bool:
+    async def _seal_all(self, signed: bytes, sources: list[str]) -> tuple[set[str], bool]:
+        """Seal every source; returns the ones that did not seal, and whether one of them had
+        sealed another leader's decision of this attempt."""
+        async def one(peer: str) -> Ack:
             if peer == self.identity.peer_id:
-                return (await self._on_seal(peer, Seal(signed))).ok
+                return await self._on_seal(peer, Seal(signed))
             try:
                 ack = await self.transport.request(peer, "seal", Seal(signed), Ack,
                                                    timeout_s=2 * self.ctx.slack_s + 10.0)
                 if not ack.ok:
                     log.warning("aggregator %s refused the seal: %s", peer[-8:], ack.reason)
-                return ack.ok
+                return ack
             except PeerUnavailable as exc:
                 log.warning("seal failed: %s", exc)
-                return False
+                return Ack(False, str(exc)[:500])
 
         peers = sorted(set(sources))
-        results = await asyncio.gather(*(one(p) for p in peers))
-        return {p for p, ok in zip(peers, results) if not ok}
+        acks = await asyncio.gather(*(one(p) for p in peers))
+        return {p for p, ack in zip(peers, acks) if not ack.ok}, any(a.reason == SEALED_BY_ANOTHER for a in acks)
 
     async def _on_get_decision(self, sender: str, msg: DecisionRequest) -> DecisionReply:
         deadline = time.monotonic() + min(msg.wait_s, self.ctx.deadline_s + 5 * self.ctx.slack_s)

@@ -3,11 +3,16 @@
 from __future__ import annotations
 
 import json
+import sys
 import time
+from pathlib import Path
 
 import pytest
 
 from groundswell.peer.simulate import Simulation, SimulateOptions, run_simulation
+
+sys.path.insert(0, str(Path(__file__).parent))
+from swarm_harness import leftover_processes  # noqa: E402
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(400)]
 
@@ -32,3 +37,35 @@ def test_coordinator_resumes_from_its_checkpoint(tmp_path):
     assert resumed, "the restarted coordinator did not resume"
     assert resumed[0]["round"] == last["round"] + 1
     assert resumed[0]["hash"] == last["hash"]  # the same global parameters as before the restart
+
+
+def test_rounds_go_on_without_the_coordinator_and_a_joiner_bootstraps_from_a_volunteer(tmp_path):
+    out = tmp_path / "sim"
+    # The coordinator dies right after round 0 and stays away 25 s (plus its start-up); the late
+    # joiner (after round 2) can then only bootstrap from the volunteers' addresses.
+    opts = SimulateOptions(peers=3, rounds=60, inner_steps=5, batch_size=4, deadline_s=8, slack_s=2, min_peers=2,
+                           checkpoint_every=5, kill_coordinator_at=0.1, restart_after=25, late_joiners=1,
+                           timeout_s=360)
+    try:
+        report = run_simulation(opts, out, progress=lambda m: None)
+    finally:
+        left = leftover_processes(out)
+        for p in left:
+            p.kill()
+    assert not left
+    t: dict[tuple[str, str], float] = {}
+    for e in report["events"]:
+        t.setdefault((e["kind"], e["peer"]), e["t"])  # the first of each
+    killed, back = t[("kill-coordinator", "coordinator")], t[("resume", "coordinator")]
+    while_down = [end for end in report["round_end_t"] if killed < end < back]
+    assert len(while_down) >= 2, f"rounds while the coordinator was down: {while_down}"
+    assert t[("join", "late-0")] < back and t[("sync", "late-0")] < back  # bootstrapped from a volunteer
+    assert report["rejoin_s"], "the late joiner never contributed"
+    coordinator = [json.loads(x) for x in (out / "coordinator" / "events.jsonl").read_text().splitlines()]
+    resumed = [i for i, e in enumerate(coordinator) if e["kind"] == "resume"]
+    assert resumed, "the coordinator did not come back"
+    after = [e for e in coordinator[resumed[0]:] if e["kind"] in ("round", "sync")]
+    assert after and max(e["round"] for e in after) > coordinator[resumed[0]]["round"] + 5, \
+        "the restarted coordinator did not catch up with the volunteers"
+    assert report["param_hash_agreement"] and report["divergent_rounds"] == []
+    assert report["lost_contributions"] == 0

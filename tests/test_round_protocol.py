@@ -149,3 +149,34 @@ def test_an_aggregator_that_dies_after_sealing_loses_nothing(make_cluster):
     alive = [i for i in range(4) if i != victim]
     means = [c.fetch(i, out[i].signed) for i in alive]
     assert all(torch.equal(m, means[0]) for m in means)
+
+
+def test_two_leaders_deciding_one_attempt_at_once_commit_at_most_once(make_cluster):
+    # A leader that wakes from a freeze while its stand-in is still sealing both want to decide:
+    # forced here by calling both at once, after the contributions are in and before the deadline.
+    import concurrent.futures
+
+    from groundswell.protocol.plan import make_plan
+
+    c = make_cluster(n=4, codec_name="fp32", min_peers=2, deadline_s=30.0, slack_s=1.0)
+    plan = make_plan(c.ctx.run_id, 0, 0, c.ids, c.ids, len(c.ctx.segment_numels), c.max_shards)
+    leaders = [c.ids.index(p) for p in plan.leaders[:2]]
+    xs = _inputs(4, c.numel, 8)
+    idle = next(i for i in range(4) if i not in leaders)  # joins, never contributes: nobody closes early
+    runs = {i: c.nodes[i].submit(c.nodes[i].client.run_attempt(
+        0, 0, None if i == idle else c.segments(xs[i]), trains=True, serves=True)) for i in range(4)}
+    slot = c.nodes[leaders[0]].server.attempts[(0, 0)]
+    deadline = time.monotonic() + 20
+    while time.monotonic() < deadline and len(c.nodes[leaders[0]].server._sources(plan, slot)[1]) < 3:
+        time.sleep(0.1)
+    both = [c.nodes[i].submit(c.nodes[i].server.decide_exclusively(plan, c.nodes[i].server.attempts[(0, 0)]))
+            for i in leaders]
+    concurrent.futures.wait(both + list(runs.values()), timeout=60)
+    out = {i: f.result(timeout=1) for i, f in runs.items()}
+    decided = {n.server.attempts[(0, 0)].decision for n in c.nodes} - {None}
+    commits = {n.book.committed[0][0] for n in c.nodes if 0 in n.book.committed}
+    assert len(decided) == 1 and len(commits) <= 1, "two leaders decided the same attempt"
+    assert len({o.signed for o in out.values()}) == 1  # every peer got the same one decision
+    if commits:
+        means = [c.fetch(i, out[i].signed) for i in range(4)]
+        assert all(torch.equal(m, means[0]) for m in means)
