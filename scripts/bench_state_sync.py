@@ -44,7 +44,6 @@ import hashlib
 import json
 import os
 import shutil
-import signal
 import socket
 import statistics
 import sys
