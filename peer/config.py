@@ -75,9 +75,12 @@ class OuterSection:
     error_decay: float = 0.95
     chunk: int = 4096
     topk: int = 64
+    overlap: int = 0  # rounds the outer step is delayed: 0 = wait for it, 1 = train on while it is exchanged
 
     def __post_init__(self) -> None:
         _positive(self, "inner_steps")
+        if self.overlap not in (0, 1):
+            raise ConfigError(f"outer.overlap must be 0 (wait) or 1 (overlap one round), got {self.overlap}")
         if self.codec and self.codec not in CODEC_NAMES:
             raise ConfigError(f"outer.codec must be one of {sorted(CODEC_NAMES)}, got {self.codec!r}")
         if self.lr < 0:

@@ -17,7 +17,7 @@ from .config import DataSection
 from .participant import Participant, genesis_decision
 from .swarm import GlobalState, params_hash
 from .swarm_exchange import NeedResync, SwarmExchange
-from .worker import InnerTrainer
+from .worker import InnerTrainer, InnerStats
 
 log = logging.getLogger(__name__)
 
@@ -75,55 +75,93 @@ def run_volunteer(p: Participant, bootstrap_peers: list[str], *, max_rounds: int
             torch_load_params(p)
         except (KeyError, ValueError, RuntimeError) as exc:
             log.warning("inner state in the checkpoint does not fit (%s); starting the inner optimizer afresh", exc)
-    exchange = SwarmExchange(p.node)
-    applied = failures = 0
-    while not stop and (max_rounds is None or applied < max_rounds) and (
-            until_round is None or p.outer.round_id < until_round):
+    loop = _VolunteerLoop(p, SwarmExchange(p.node), trainer, bootstrap_peers, stop, on_round)
+
+    def more() -> bool:
+        return not stop and (max_rounds is None or loop.applied < max_rounds) and (
+            until_round is None or p.outer.round_id < until_round)
+
+    # overlap = 1: the round's exchange runs while the next H steps train (Streaming DiLoCo's
+    # delayed outer step); the optimizer's rebase rule carries that progress over the update.
+    in_flight: tuple[int, InnerStats, float, float] | None = None
+    while more():
         t0 = time.perf_counter()
         stats = trainer.run(m.outer.inner_steps, on_step)
+        if in_flight is not None:
+            loop.settle(*in_flight)
+            in_flight = None
+            if not more():
+                break
         r = p.outer.round_id
-        exchange.contribute(r, p.outer.prepare())
-        t_exchange = time.perf_counter()
+        loop.exchange.contribute(r, p.outer.prepare())
+        in_flight = (r, stats, t0, time.perf_counter())
+        if not m.outer.overlap:
+            loop.settle(*in_flight)
+            in_flight = None
+    if in_flight is not None:  # stopping: the last contribution lands in an aggregate or is kept
+        loop.settle(*in_flight)
+    p.save_checkpoint({"inner": trainer.state_dict()})
+
+
+@dataclass
+class _VolunteerLoop:
+    """What a volunteer does with a round's outcome, apart from the training that precedes it."""
+
+    p: Participant
+    exchange: SwarmExchange
+    trainer: InnerTrainer
+    bootstrap_peers: list[str]
+    stop: StopFlag
+    on_round: Callable[[RoundInfo], None]
+    applied: int = 0
+    failures: int = 0
+
+    def settle(self, r: int, stats: InnerStats, t0: float, t_exchange: float) -> None:
+        """Collect round r and apply it, or record why not (retry, re-sync) and recover."""
+        p, m = self.p, self.p.manifest
+        t_collect = time.perf_counter()
         try:
-            result = exchange.collect(r)
+            result = self.exchange.collect(r)
         except RoundFailed as exc:
             p.outer.apply(None)
-            failures += 1
+            self.failures += 1
             p.events.write("retry", round=r, reason=str(exc), peer=p.identity.peer_id)
-            on_round(RoundInfo(r, "retry", train_loss=stats.mean_loss))
+            self.on_round(RoundInfo(r, "retry", train_loss=stats.mean_loss))
             # An attempt that failed at once (no leader reachable) would fail the same way right
             # away: back off, doubling up to a deadline, instead of spinning.
-            backoff = min(m.round.deadline_s, m.round.slack_s * 2 ** min(failures - 1, 8))
-            stop.event.wait(max(0.0, backoff - (time.perf_counter() - t_exchange)))
-            _catch_up_or_resync(p, bootstrap_peers)  # the swarm may have gone on without us
-            continue
+            backoff = min(m.round.deadline_s, m.round.slack_s * 2 ** min(self.failures - 1, 8))
+            self.stop.event.wait(max(0.0, backoff - (time.perf_counter() - t_exchange)))
+            _catch_up_or_resync(p, self.bootstrap_peers)  # the swarm may have gone on without us
+            return
         except NeedResync as exc:
             p.outer.apply(None)
             p.events.write("resync", round=r, reason=str(exc), peer=p.identity.peer_id)
-            time.sleep(m.round.slack_s)  # do not hammer peers while the swarm sorts itself out
-            _resync(p, bootstrap_peers)
-            on_round(RoundInfo(r, "resync", train_loss=stats.mean_loss))
-            continue
+            self.stop.event.wait(m.round.slack_s)  # do not hammer peers while the swarm sorts itself out
+            _resync(p, self.bootstrap_peers)
+            self.on_round(RoundInfo(r, "resync", train_loss=stats.mean_loss))
+            return
+        blocked_s = time.perf_counter() - t_collect  # training stood still this long for the network
         p.outer.apply(result)
         p.snapshot()
-        applied += 1
-        failures = 0
+        self.applied += 1
+        self.failures = 0
+        evaluate = m.eval.every_rounds and (r + 1) % m.eval.every_rounds == 0
         info = RoundInfo(r, "applied", result.included, len(result.contributors), stats.mean_loss,
-                         p.eval_global() if m.eval.every_rounds and (r + 1) % m.eval.every_rounds == 0 else float("nan"),
-                         result.bytes_sent, time.perf_counter() - t0, stats.tokens / max(stats.compute_s, 1e-9),
+                         p.eval_global() if evaluate else float("nan"), result.bytes_sent,
+                         time.perf_counter() - t0, stats.tokens / max(stats.compute_s, 1e-9),
                          params_hash(p.outer.global_params))
         if info.eval_loss == info.eval_loss:
             p.node.update_record(loss=info.eval_loss)
-        d = exchange.last_decision
+        d = self.exchange.last_decision
         p.events.write("round", round=r, included=result.included, contributors=list(result.contributors),
-                       attempt=d.attempt if d else None, leader=d.leader if d else None, hash=info.params_hash, bytes_sent=result.bytes_sent, bytes_received=result.bytes_received,
+                       attempt=d.attempt if d else None, leader=d.leader if d else None, hash=info.params_hash,
+                       bytes_sent=result.bytes_sent, bytes_received=result.bytes_received,
                        train_loss=stats.mean_loss, eval_loss=info.eval_loss, round_s=info.round_s,
-                       compute_s=stats.compute_s, peer=p.identity.peer_id)
-        on_round(info)
+                       compute_s=stats.compute_s, blocked_s=blocked_s, peer=p.identity.peer_id)
+        self.on_round(info)
         if (r + 1) % m.checkpoint.every_rounds == 0:
-            p.save_checkpoint({"inner": trainer.state_dict()})
-        _catch_up_or_resync(p, bootstrap_peers)
-    p.save_checkpoint({"inner": trainer.state_dict()})
+            p.save_checkpoint({"inner": self.trainer.state_dict()})
+        _catch_up_or_resync(p, self.bootstrap_peers)
 
 
 def _catch_up_or_resync(p: Participant, bootstrap_peers: list[str]) -> None:

@@ -72,6 +72,14 @@ def build_report(out: Path, opts: "SimulateOptions", driver_events: list[dict], 
             if after:
                 rejoin.append(round(after[0] - ev["t"], 2))
     n = opts.peers
+    # Compute utilization: time in forward/backward/inner optimizer over each volunteer's wall time
+    # from its first sync to its last applied round (retries' training is not counted: a lower bound).
+    utilization = []
+    for name, evs in logs.items():
+        done = [e for e in evs if e["kind"] == "round" and "compute_s" in e]
+        first = min((e["t"] for e in evs if e["kind"] == "sync"), default=None)
+        if name != "coordinator" and done and first is not None and done[-1]["t"] > first:
+            utilization.append(sum(e["compute_s"] for e in done) / (done[-1]["t"] - first))
     starts = [e["t"] - t0 for evs in logs.values() for e in evs if e["kind"] == "sync"]
     marks = ([min(starts)] if starts else []) + [end_t[r] for r in order]
     return {
@@ -93,6 +101,8 @@ def build_report(out: Path, opts: "SimulateOptions", driver_events: list[dict], 
         "recovery_s": recovery,
         "rejoin_s": rejoin,
         "lost_contributions": lost,
+        "compute_utilization": round(sum(utilization) / len(utilization), 4) if utilization else None,
+        "overlap": opts.overlap,
         "peak_rss_mb_per_peer": {k: round(v, 1) for k, v in (rss or {}).items()},
         "events": sorted(events, key=lambda e: e["t"]),
     }

@@ -37,6 +37,7 @@ class SimulateOptions:
     min_peers: int = 2
     seed: int = 0
     outer_lr: float = 0.0
+    overlap: int = 0  # 1: each round is exchanged while the next H steps train
     checkpoint_every: int = 5
     timeout_s: float = 1800.0
     # churn (seconds; 0 = off); every choice of victim is drawn from `seed`
@@ -52,7 +53,7 @@ class SimulateOptions:
 def manifest_toml(opts: SimulateOptions) -> str:
     """The run manifest a simulation launches."""
     codec = f'codec = "{opts.codec}"\n' if opts.codec else ""
-    lr = f"lr = {opts.outer_lr}\n" if opts.outer_lr else ""
+    lr = (f"lr = {opts.outer_lr}\n" if opts.outer_lr else "") + f"overlap = {opts.overlap}\n"
     return (
         f'[run]\nid = "sim"\nopen = true\nmin_peers = {opts.min_peers}\nseed = {opts.seed}\n'
         f'[model]\nspec = "{opts.preset}"\n[data]\nbatch_size = {opts.batch_size}\n'

@@ -17,7 +17,9 @@ from typing import Callable
 import torch
 
 from groundswell.compression import make_codec
-from groundswell.optim import DiLoCo, DiLoCoConfig, InProcessHub, OuterOptimizer, SparseLoCo, SparseLoCoConfig
+from groundswell.optim import (
+    DiLoCo, DiLoCoConfig, InProcessHub, OuterOptimizer, SparseLoCo, SparseLoCoConfig, copy_into_parameters,
+)
 
 from .config import TrainLocalConfig
 from .data import Corpus, ShardSampler, evaluate, heldout_batches, load_corpus
@@ -91,6 +93,29 @@ def _make_outer(cfg: TrainLocalConfig, params) -> OuterOptimizer:
     return DiLoCo(params, codec, DiLoCoConfig(lr=outer.lr_value, momentum=outer.momentum))
 
 
+def _collect_all(outers: list[OuterOptimizer], exchanges: list) -> int:
+    """Collect and apply every worker's pending round; returns worker 0's bytes sent."""
+    sent = 0
+    for i, outer in enumerate(outers):
+        result = exchanges[i].collect(outer.pending.round_id if outer.pending else outer.round_id)
+        outer.apply(result)
+        sent = result.bytes_sent if i == 0 else sent
+    return sent
+
+
+def _eval_global(trainer: InnerTrainer, outer: OuterOptimizer | None, evalset: list, device: str) -> float:
+    """Held-out loss of the agreed (global) parameters; with overlap the local ones run ahead."""
+    if outer is None:
+        return evaluate(trainer.model, trainer.loss_fn, evalset, device=device)
+    params = list(trainer.model.parameters())
+    saved = torch.nn.utils.parameters_to_vector(params).detach().clone()
+    copy_into_parameters(outer.global_params, params)
+    try:
+        return evaluate(trainer.model, trainer.loss_fn, evalset, device=device)
+    finally:
+        copy_into_parameters(saved, params)
+
+
 def run_train_local(
     cfg: TrainLocalConfig, corpus: Corpus | None = None, progress: ProgressFn | None = None
 ) -> TrainLocalResult:
@@ -124,6 +149,7 @@ def run_train_local(
     exchanges = [hub.endpoint(f"w{i}") for i in range(replicas)] if hub else []
 
     H = cfg.outer.inner_steps
+    overlap = cfg.outer.overlap
     total_rounds = -(-cfg.steps // H)
     curve: list[tuple[int, float]] = []
     bytes_sent = 0
@@ -138,16 +164,16 @@ def run_train_local(
             losses.append(stats.mean_loss)
             if i == 0:
                 tokens += stats.tokens // (cfg.workers if algo == "data-parallel" else 1)
-            if outers:
-                exchanges[i].contribute(outers[i].round_id, outers[i].prepare())
-        for i, outer in enumerate(outers):
-            result = exchanges[i].collect(outer.round_id)
-            outer.apply(result)
-            if i == 0:
-                bytes_sent += result.bytes_sent
+        if outers:
+            if overlap and r > 0:  # the previous round was exchanged while this block trained
+                bytes_sent += _collect_all(outers, exchanges)
+            for i, outer in enumerate(outers):
+                exchanges[i].contribute(outer.round_id, outer.prepare())
+            if not overlap or r == total_rounds - 1:
+                bytes_sent += _collect_all(outers, exchanges)
         done += n
         if (r + 1) % cfg.eval.every_rounds == 0 or r == total_rounds - 1:
-            curve.append((done, evaluate(trainers[0].model, trainers[0].loss_fn, evalset, device=cfg.device)))
+            curve.append((done, _eval_global(trainers[0], outers[0] if outers else None, evalset, cfg.device)))
         if progress is not None:
             progress(r + 1, total_rounds, {"step": done, "train_loss": sum(losses) / len(losses),
                                            "eval_loss": curve[-1][1] if curve else float("nan")})

@@ -219,3 +219,29 @@ def test_copy_into_parameters_copies_instead_of_aliasing():
     assert torch.equal(vec, torch.arange(8, dtype=torch.float32))
     with pytest.raises(ValueError):
         copy_into_parameters(torch.zeros(9), list(model.parameters()))
+
+
+def test_delayed_outer_step_carries_the_progress_made_while_the_round_was_exchanged():
+    # overlap = 1 (Streaming DiLoCo's delayed outer step): after prepare, each worker trains on;
+    # apply() moves the global parameters and keeps exactly the progress made since prepare.
+    models = [_model([1.0, 2.0]), _model([1.0, 2.0])]
+    codec = make_codec("fp32")
+    outers = [DiLoCo(m.parameters(), codec, DiLoCoConfig(lr=0.7, momentum=0.9)) for m in models]
+    hub = InProcessHub(codec, ["w0", "w1"])
+    eps = [hub.endpoint("w0"), hub.endpoint("w1")]
+    _set(models[0], [0.5, 2.5])
+    _set(models[1], [1.5, 1.0])
+    for ep, o in zip(eps, outers):
+        ep.contribute(o.round_id, o.prepare())
+    _set(models[0], [0.7, 2.4])  # trained on while round 0 was in flight: progress [0.2, -0.1]
+    _set(models[1], [1.5, 1.3])  # progress [0, 0.3]
+    for ep, o in zip(eps, outers):
+        o.apply(ep.collect(o.round_id))
+    g = [1.0, 2.0 - 0.7 * 0.475]  # the same outer step as the blocking round above
+    assert outers[0].global_params.tolist() == pytest.approx(g, abs=1e-6)
+    assert torch.equal(outers[0].global_params, outers[1].global_params)
+    assert _weights(models[0]) == pytest.approx([g[0] + 0.2, g[1] - 0.1], abs=1e-6)
+    assert _weights(models[1]) == pytest.approx([g[0], g[1] + 0.3], abs=1e-6)
+    # round 1's contribution is the progress since the agreed parameters: exactly the carried part
+    payloads = outers[0].prepare()
+    assert outers[0].decode(payloads).tolist() == pytest.approx([-0.2, 0.1], abs=1e-6)

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-
 import sys
 from pathlib import Path
 
@@ -17,10 +16,11 @@ from swarm_harness import leftover_processes  # noqa: E402
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(400)]
 
 
-def test_simulate_three_peers_agree_and_learn(tmp_path):
+@pytest.mark.parametrize("overlap", [0, 1])
+def test_simulate_three_peers_agree_and_learn(tmp_path, overlap):
     out = tmp_path / "sim"
     opts = SimulateOptions(peers=3, rounds=4, preset="tiny", inner_steps=10, batch_size=4, deadline_s=20,
-                           slack_s=2, min_peers=2, timeout_s=300)
+                           slack_s=2, min_peers=2, timeout_s=300, overlap=overlap)
     try:
         report = run_simulation(opts, out, progress=lambda m: None)
     finally:
@@ -39,3 +39,4 @@ def test_simulate_three_peers_agree_and_learn(tmp_path):
     assert {"spawn", "sync", "exit"} <= kinds
     for key in ("peers", "codec", "params", "final_eval_loss", "round_times_s", "wall_s"):
         assert key in report
+    assert report["overlap"] == overlap and 0 < report["compute_utilization"] <= 1
