@@ -136,6 +136,7 @@ def join(
     quiet: bool = typer.Option(False, help="No progress display (for scripts)."),
     verbose: bool = typer.Option(False, help="Log protocol events."),
     threads: int = typer.Option(0, help="torch threads (0 = default)."),
+    reachability: str = typer.Option("auto", help="auto (a bootstrap peer dials us back), public or private."),
 ) -> None:
     """Join a run as a volunteer: verify the manifest, download the state, train and exchange."""
     from .manifest import SignedManifest, parse_bootstrap
@@ -153,7 +154,10 @@ def join(
     boot = parse_bootstrap(bootstrap)
     ident, ident_path = _identity(identity, state_dir)
     state_dir.mkdir(parents=True, exist_ok=True)
-    opts = NodeOptions(host_maddrs=listen, initial_peers=boot.maddrs, role="volunteer", trains=True, serves=True)
+    if reachability not in ("auto", "public", "private"):
+        raise ValueError(f"--reachability must be auto, public or private, not {reachability!r}")
+    opts = NodeOptions(host_maddrs=listen, initial_peers=boot.maddrs, role="volunteer", trains=True, serves=True,
+                       reachability=reachability)
     node = SwarmNode(ident, str(ident_path), opts)
     node.start()
     (state_dir / "address.txt").write_text("\n".join(node.maddrs) + "\n")  # others may bootstrap from us
@@ -162,6 +166,9 @@ def join(
         signed = node.call(node.fetch_manifest(peers), timeout_s=60)
         manifest = SignedManifest.from_bytes(signed).verify(boot.coordinator_id)
         console.print(f"joined run [bold]{manifest.run.id}[/] as {ident.peer_id} (manifest verified)")
+        relays = ", ".join(pid[-8:] for pid in peers[:3])  # trusted relays: the bootstrap peers
+        console.print("reachable: public (other peers can connect to us)" if node.reachability == "public" else
+                      f"reachable: behind a NAT (relay: {relays}); contributing, not serving")
         p = Participant(manifest, signed, ident, str(ident_path), opts, state_dir, device=device, node=node)
         stop = _stop_on_signals()
         h = manifest.outer.inner_steps

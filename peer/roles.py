@@ -75,7 +75,8 @@ def run_volunteer(p: Participant, bootstrap_peers: list[str], *, max_rounds: int
             torch_load_params(p)
         except (KeyError, ValueError, RuntimeError) as exc:
             log.warning("inner state in the checkpoint does not fit (%s); starting the inner optimizer afresh", exc)
-    loop = _VolunteerLoop(p, SwarmExchange(p.node), trainer, bootstrap_peers, stop, on_round)
+    loop = _VolunteerLoop(p, SwarmExchange(p.node, serves=p.node.options.serves), trainer, bootstrap_peers, stop,
+                          on_round)
 
     def more() -> bool:
         return not stop and (max_rounds is None or loop.applied < max_rounds) and (
@@ -84,8 +85,11 @@ def run_volunteer(p: Participant, bootstrap_peers: list[str], *, max_rounds: int
     # overlap = 1: the round's exchange runs while the next H steps train (Streaming DiLoCo's
     # delayed outer step); the optimizer's rebase rule carries that progress over the update.
     in_flight: tuple[int, InnerStats, float, float] | None = None
+    loop.exchange.announce_next = not m.outer.overlap  # with overlap we contribute right after a decision
     while more():
         t0 = time.perf_counter()
+        if in_flight is None and loop.applied == 0:
+            loop.exchange.announce(p.outer.round_id)  # later rounds are announced as soon as the previous one is decided
         stats = trainer.run(m.outer.inner_steps, on_step)
         if in_flight is not None:
             loop.settle(*in_flight)
@@ -100,6 +104,11 @@ def run_volunteer(p: Participant, bootstrap_peers: list[str], *, max_rounds: int
             in_flight = None
     if in_flight is not None:  # stopping: the last contribution lands in an aggregate or is kept
         loop.settle(*in_flight)
+    try:  # which peers we reached directly and which through a relay, for the run's report
+        p.events.write("connections", paths=p.node.call(p.node.connections(), timeout_s=10),
+                       reachability=p.node.reachability, peer=p.identity.peer_id)
+    except (PeerUnavailable, TimeoutError, RuntimeError) as exc:
+        log.info("could not list connections: %s", exc)
     p.save_checkpoint({"inner": trainer.state_dict()})
 
 

@@ -120,12 +120,13 @@ class Simulation:
                 continue
             self.peak_rss[name] = max(self.peak_rss.get(name, 0.0), total / 2**20)
 
-    def spawn(self, name: str, args: list[str], kind: str = "spawn") -> Proc:
-        """Start `groundswell ARGS` as its own process group, logging to OUT/NAME.log."""
+    def spawn(self, name: str, args: list[str], kind: str = "spawn", prefix: tuple[str, ...] = ()) -> Proc:
+        """Start `groundswell ARGS` as its own process group, logging to OUT/NAME.log; `prefix`
+        wraps the command (e.g. `ip netns exec NS`, which execs it in place)."""
         env = dict(os.environ, OMP_WAIT_POLICY="PASSIVE", PYTHONUNBUFFERED="1")
         proc = Proc(name, args, self.out / name)
         proc.log = open(self.out / f"{name}.log", "ab")
-        proc.popen = subprocess.Popen([sys.executable, "-m", "groundswell.peer", *args], stdout=proc.log,
+        proc.popen = subprocess.Popen([*prefix, sys.executable, "-m", "groundswell.peer", *args], stdout=proc.log,
                                       stderr=subprocess.STDOUT, env=env, start_new_session=True)
         self.procs[name] = proc
         self.event(kind, name)

@@ -26,10 +26,12 @@ from groundswell.protocol.client import RoundClient
 from groundswell.protocol.context import DecisionBook
 from groundswell.protocol.identity import Identity
 from groundswell.protocol.schema import (
-    ManifestReply, ManifestRequest, PeerRecord, ProtocolError, StateReply, StateRequest,
+    ManifestReply, ManifestRequest, PeerRecord, ProbeReply, ProbeRequest, ProtocolError, StateReply, StateRequest,
 )
 from groundswell.protocol.server import RoundServer
 from groundswell.protocol.transport import PeerUnavailable, Transport, seal, unseal
+
+from .reachability import PROBE_TIMEOUT_S, DialBack, connection_paths
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -100,7 +102,8 @@ class NodeOptions:
     initial_peers: Sequence[str] = ()
     role: str = "volunteer"
     trains: bool = True
-    serves: bool = True
+    serves: bool = True  # offer to aggregate and lead; dropped if the peer turns out to be unreachable
+    reachability: str = "auto"  # "auto" (dial-back probe by a bootstrap peer), "public" or "private"
 
 
 class SwarmNode:
@@ -128,6 +131,9 @@ class SwarmNode:
         self.client: RoundClient | None = None
         self.transport: Transport | None = None
         self.dht: Any = None
+        self.p2p: Any = None
+        self.reachability = "unknown"
+        self._dial_back = DialBack()
         self._error: BaseException | None = None
 
     # --- lifecycle ------------------------------------------------------------------------------
@@ -154,16 +160,24 @@ class SwarmNode:
                 identity_path=self.identity_path,
                 check_if_identity_free=False,  # hivemind's check assumes RSA identity files
                 nat_port_map=False,  # UPnP probes the LAN; never on by default
+                # Behind a NAT, hold a reservation on a relay (the bootstrap peers by default).
+                use_auto_relay=self.options.reachability != "public",
             )
-            dht = await DHTNode.create(p2p=p2p, initial_peers=list(self.options.initial_peers) or None)
-            self.dht = dht
-            self.maddrs = [str(m) for m in await p2p.get_visible_maddrs()]
             self.p2p = p2p
+            self.maddrs = [str(m) for m in await p2p.get_visible_maddrs()]
+            # The manifest is served outside any run (the joiner learns the run id from it); it
+            # is signed by the coordinator, whose key the joiner already has.
+            self.bootstrap_transport = Transport(p2p, self.identity, "")
+            await self.bootstrap_transport.serve("get-manifest", ManifestRequest, self._on_manifest)
+            await self.bootstrap_transport.serve("probe", ProbeRequest, self._dial_back.handle)
+            self.reachability = await self._find_reachability()
+            if self.reachability == "private":
+                self.options = dataclasses.replace(self.options, serves=False)
+            self.record = dataclasses.replace(self.record, serves=self.options.serves, reachability=self.reachability)
+            dht = await DHTNode.create(p2p=p2p, initial_peers=list(self.options.initial_peers) or None,
+                                       client_mode=self.reachability == "private")
+            self.dht = dht
             async with asyncio.TaskGroup() as tasks:
-                # The manifest is served outside any run (the joiner learns the run id from it);
-                # it is signed by the coordinator, whose key the joiner already has.
-                self.bootstrap_transport = Transport(p2p, self.identity, "")
-                await self.bootstrap_transport.serve("get-manifest", ManifestRequest, self._on_manifest)
                 self._tasks = tasks
                 self._ready.set()
                 await self._stop.wait()
@@ -193,6 +207,26 @@ class SwarmNode:
     def attach(self, ctx: RunContext) -> None:
         """Join the run: register the round protocol and state handlers, start heartbeats."""
         self.call(self._attach(ctx), timeout_s=30)
+
+    async def _find_reachability(self) -> str:
+        """"public" or "private" as a bootstrap peer's dial-back finds us ("public" if nobody answers)."""
+        if self.options.reachability != "auto":
+            return self.options.reachability
+        for maddr in list(self.options.initial_peers)[:3]:
+            peer = maddr.rsplit("/p2p/", 1)[-1]
+            try:
+                reply = await self.bootstrap_transport.request(  # type: ignore[union-attr]
+                    peer, "probe", ProbeRequest(self.maddrs[:8]), ProbeReply, timeout_s=4 * PROBE_TIMEOUT_S + 5)
+            except PeerUnavailable as exc:
+                log.info("reachability probe by %s: %s", peer[-8:], exc)
+                continue
+            if reply.address != "rate limited":
+                return "public" if reply.reachable else "private"
+        return "public"  # nobody to ask (the first peer of a run) or nobody answered: assume so
+
+    async def connections(self) -> dict[str, str]:
+        """Peers this node has open libp2p connections to, and whether "direct" or via "relay"."""
+        return connection_paths(await self.p2p.list_peers())
 
     async def fetch_manifest(self, peers: Sequence[str], timeout_s: float = 15.0) -> bytes:
         """The signed manifest from the first of `peers` that has one (verify it yourself)."""

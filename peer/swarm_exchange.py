@@ -9,6 +9,7 @@ the state before it contributes again).
 
 from __future__ import annotations
 
+import logging
 from concurrent.futures import Future
 from typing import Sequence
 
@@ -19,6 +20,9 @@ from groundswell.protocol.schema import Decision
 from groundswell.protocol.transport import PeerUnavailable
 
 from .swarm import SwarmNode
+
+
+log = logging.getLogger(__name__)
 
 
 class NeedResync(RuntimeError):
@@ -38,11 +42,16 @@ class SwarmExchange:
         self._received_before = 0
         self.last_decision: Decision | None = None
         self.last_signed: bytes = b""
+        self._announced: Future | None = None
+        self.announce_next = False  # announce round r+1 as soon as round r is decided
 
     def contribute(self, round_id: int, payloads: Sequence[Payload]) -> None:
         """Start this peer's attempt at `round_id` with its segment payloads."""
         if self._future is not None:
             raise RuntimeError("contribute() twice without collect()")
+        announced, self._announced = self._announced, None
+        if announced is not None and announced.done() and announced.exception() is not None:
+            log.warning("announcing round %d failed: %s", round_id, announced.exception())
         client = self.node.client
         assert client is not None and self.node.transport is not None
         self._sent_before = self.node.transport.bytes_sent
@@ -52,6 +61,12 @@ class SwarmExchange:
         self._future = self.node.submit(
             client.run_attempt(round_id, None, segments, trains=True, serves=self.serves)
         )
+
+    def announce(self, round_id: int) -> None:
+        """Ask to be waited for in `round_id` (best effort, in the background of training)."""
+        client = self.node.client
+        assert client is not None
+        self._announced = self.node.submit(client.announce(round_id, trains=True, serves=self.serves))
 
     def collect(self, round_id: int) -> RoundResult:
         """Wait for the attempt's outcome (bounded by the round deadline plus slack)."""
@@ -70,6 +85,8 @@ class SwarmExchange:
             raise RoundFailed(f"round {round_id} attempt {outcome.attempt}: {why}")
         if decision.round != round_id:
             raise NeedResync(f"got the decision of round {decision.round} while at round {round_id}")
+        if self.announce_next:  # as early as possible: the next round's leaders then wait for us
+            self.announce(round_id + 1)
         try:
             mean = self.node.call(self.node.client.fetch_aggregate(outcome.signed), timeout_s=ctx.deadline_s * 4 + 60)
         except PeerUnavailable as exc:

@@ -62,6 +62,16 @@ class RoundClient:
             return None
         return attempt_for(time.time(), opened, self.ctx.deadline_s, self.ctx.slack_s)
 
+    async def announce(self, round_id: int, *, trains: bool, serves: bool) -> None:
+        """Tell the leaders of `round_id`'s open attempt that we will contribute, before training:
+        they then wait for us (up to the deadline) instead of closing early without us, which
+        would leave a peer slower than the others out of every round."""
+        attempt = self.current_attempt(round_id)
+        plan = None if attempt is None else await self.server.plan(round_id, attempt, wait_s=0)
+        if plan is not None:
+            join = Join(round_id, trains, serves)
+            await asyncio.gather(*(self._tell(p, "join", join) for p in plan.leaders))
+
     async def run_attempt(self, round_id: int, attempt: int | None, segments: list[bytes] | None, *, trains: bool,
                           serves: bool) -> AttemptResult:
         """Join, contribute (if `segments`), and wait for the attempt's decision. `attempt=None`:

@@ -208,6 +208,23 @@ class ManifestReply(Message):
 
 
 @dataclass(frozen=True)
+class ProbeRequest(Message):
+    """Ask a public peer to dial these addresses of ours back (plain TCP connect, nothing sent)."""
+
+    KIND: ClassVar[str] = "probe"
+    maddrs: list[str] = _f(max_len=256, max_items=8)
+
+
+@dataclass(frozen=True)
+class ProbeReply(Message):
+    """Whether one of the addresses accepted a connection from the prober, and which."""
+
+    KIND: ClassVar[str] = "probe-reply"
+    reachable: bool = _f()
+    address: str = _f(max_len=256)
+
+
+@dataclass(frozen=True)
 class PeerRecord(Message):
     """What a peer publishes in the DHT about itself, refreshed every few seconds."""
 
@@ -229,7 +246,7 @@ MESSAGES: dict[str, type[Message]] = {
     for cls in (
         ShardContribution, Ack, HaveReport, Decision, DecisionRequest, DecisionReply, Seal, Claim, ClaimReply,
         AggregateRequest, AggregateShard, Join,
-        StateRequest, StateReply, ManifestRequest, ManifestReply, PeerRecord,
+        StateRequest, StateReply, ManifestRequest, ManifestReply, ProbeRequest, ProbeReply, PeerRecord,
     )
 }
 

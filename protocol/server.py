@@ -344,9 +344,12 @@ class RoundServer:
         if me not in plan.leaders:
             return ClaimReply(True, b"")  # an earlier attempt's leader: no say in this one
         # Two leaders that claim at once would refuse each other; the lower rank wins unless the
-        # other is already deciding.
+        # other is already deciding. (Safety does not rest on this tie-break: of two claimers, each
+        # granted itself before asking the other, and one that gave its grant away stands back.)
         rank = plan.leaders.index
-        if slot.granted_to is None or (slot.granted_to == me and not slot.deciding and rank(sender) < rank(me)):
+        holder = slot.granted_to
+        if holder is None or (holder != me and rank(sender) < rank(holder)) or (
+                holder == me and not slot.deciding and rank(sender) < rank(me)):
             slot.granted_to = sender
         return ClaimReply(slot.granted_to == sender, b"")
 

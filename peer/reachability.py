@@ -1,0 +1,75 @@
+"""Is this peer reachable from the internet? A dial-back probe, and the libp2p paths in use.
+
+A volunteer asks a bootstrap peer to open a plain TCP connection to the addresses it listens on
+(nothing is sent; the connection is closed at once). If none accepts, the peer is behind a NAT
+or a firewall: it then never serves (no aggregator or leader role needs inbound connections from
+it), keeps its DHT node in client mode, and relies on libp2p's relay (the bootstrap peers, the
+coordinator first, are its trusted relays) for the rare stream another peer opens to it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import ipaddress
+import time
+from typing import Any
+
+from groundswell.protocol.schema import ProbeReply, ProbeRequest
+
+PROBE_TIMEOUT_S = 3.0
+PROBE_EVERY_S = 10.0  # one probe per sender per this many seconds: a prober is not a port scanner
+MAX_TARGETS = 4
+
+
+def tcp_targets(maddrs: list[str]) -> list[tuple[str, int]]:
+    """The (host, port) pairs of plain TCP multiaddrs, loopback ones only if there is nothing else."""
+    out: list[tuple[str, int]] = []
+    for m in maddrs:
+        parts = m.split("/")
+        if len(parts) < 5 or parts[1] not in ("ip4", "ip6") or parts[3] != "tcp" or "p2p-circuit" in parts:
+            continue
+        try:
+            host, port = ipaddress.ip_address(parts[2]), int(parts[4])
+        except ValueError:
+            continue
+        if host.is_unspecified or host.is_multicast or not 0 < port < 65536:
+            continue
+        out.append((str(host), port))
+    outside = [t for t in out if not ipaddress.ip_address(t[0]).is_loopback]
+    return list(dict.fromkeys(outside or out))[:MAX_TARGETS]
+
+
+class DialBack:
+    """The prober's side: connect back to a requester's addresses, at a bounded rate."""
+
+    def __init__(self) -> None:
+        self._last: dict[str, float] = {}
+
+    async def handle(self, sender: str, msg: ProbeRequest) -> ProbeReply:
+        """Try each TCP address in turn; the first that accepts a connection is the answer."""
+        now = time.monotonic()
+        if now - self._last.get(sender, -PROBE_EVERY_S) < PROBE_EVERY_S:
+            return ProbeReply(False, "rate limited")
+        self._last[sender] = now
+        if len(self._last) > 4096:  # forget the oldest senders
+            for key in sorted(self._last, key=self._last.get)[:2048]:  # type: ignore[arg-type]
+                del self._last[key]
+        for host, port in tcp_targets(msg.maddrs):
+            try:
+                async with asyncio.timeout(PROBE_TIMEOUT_S):
+                    _, writer = await asyncio.open_connection(host, port)
+            except (OSError, TimeoutError):
+                continue
+            writer.close()
+            return ProbeReply(True, f"{host}:{port}")
+        return ProbeReply(False, "")
+
+
+def connection_paths(peer_infos: list[Any]) -> dict[str, str]:
+    """peer id -> "relay" if every open connection to it goes through a relay, else "direct"."""
+    paths = {}
+    for info in peer_infos:
+        addrs = [str(a) for a in getattr(info, "addrs", [])]
+        relayed = bool(addrs) and all("p2p-circuit" in a for a in addrs)
+        paths[str(info.peer_id)] = "relay" if relayed else "direct"
+    return paths

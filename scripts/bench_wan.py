@@ -1,0 +1,214 @@
+#!/usr/bin/env python3
+"""bench_wan: compute utilization and held-out loss at equal wall time, over netlab's shaped links.
+
+    sudo OMP_WAIT_POLICY=PASSIVE python scripts/bench_wan.py [--wall 90] [--preset small] [--json]
+
+Three runs of 4 training peers each, one after the other, in the same lab (scripts/netlab.py;
+every access link 50 Mbit/s, 0.1% loss; 40 ms delay where the kernel has sch_netem):
+  sparseloco-overlap  groundswell, SparseLoCo, outer.overlap = 1 (a public volunteer + 3 behind NATs)
+  diloco-int8         groundswell, DiLoCo with the int8 codec, no overlap (same hosts)
+  ddp-gloo            plain data parallel: fp32 gradients all-reduced every step with
+                      torch.distributed gloo (4 public hosts: gloo needs inbound connections)
+Each trains for --wall seconds from its first step; utilization is time in forward, backward and
+the inner optimizer over that wall time (mean over peers); the loss is the held-out loss of the
+parameters the run agreed on when the wall time was up (groundswell: the coordinator's evaluation
+of the last round completed in time; ddp: rank 0's model). One torch thread per process.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from datetime import timedelta
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).parent))
+import netlab  # noqa: E402
+
+SWARM_HOSTS = ("pub", "h1", "h2", "h3")
+DDP_HOSTS = ("coord", "pub", "pub2", "pub3")
+PORT = 29500
+
+
+def _events(path: Path) -> list[dict]:
+    out = []
+    for line in (path.read_text().splitlines() if path.exists() else []):
+        try:
+            out.append(json.loads(line))
+        except json.JSONDecodeError:
+            continue
+    return out
+
+
+def swarm_run(name: str, out: Path, wall: float, preset: str, algorithm: str, codec: str, overlap: int,
+              inner_steps: int) -> dict:
+    """A coordinator and 4 volunteers for `wall` seconds of training; the figures from their logs."""
+    from groundswell.peer.simulate import Simulation, SimulateOptions, manifest_toml
+
+    opts = SimulateOptions(peers=4, rounds=10**6, preset=preset, algorithm=algorithm, codec=codec, overlap=overlap,
+                           inner_steps=inner_steps, batch_size=8, deadline_s=60, slack_s=5, min_peers=2,
+                           checkpoint_every=10**6)
+    out.mkdir(parents=True)
+    with Simulation(out, opts) as sim:
+        (out / "run.toml").write_text(manifest_toml(opts))
+        common = ["--quiet", "--verbose", "--threads", "1"]
+        coord_ip = netlab.HOSTS["coord"][1]
+        sim.spawn("coordinator", ["launch", str(out / "run.toml"), "--state-dir", str(out / "coordinator"),
+                                  "--listen", "/ip4/0.0.0.0/tcp/40000", "--announce",
+                                  f"/ip4/{coord_ip}/tcp/40000", *common],
+                  prefix=tuple(netlab.netns_exec_argv("coord", [])))
+        boot = out / "coordinator" / "bootstrap.txt"
+        limit = time.time() + 120
+        while not boot.exists():
+            if time.time() > limit:
+                raise RuntimeError(f"{name}: the coordinator did not start")
+            time.sleep(0.2)
+        for host in SWARM_HOSTS:
+            sim.spawn(host, ["join", boot.read_text().strip(), "--state-dir", str(out / host), "--listen",
+                             "/ip4/0.0.0.0/tcp/0", *common], prefix=tuple(netlab.netns_exec_argv(host, [])))
+        start = None
+        limit = time.time() + 300
+        while start is None or time.time() < start + wall:
+            syncs = [e["t"] for h in SWARM_HOSTS for e in _events(out / h / "events.jsonl") if e["kind"] == "sync"]
+            if start is None and len(syncs) == len(SWARM_HOSTS):
+                start = max(syncs)  # every peer holds the state: training starts
+            if time.time() > limit and start is None:
+                raise RuntimeError(f"{name}: the volunteers did not start")
+            time.sleep(0.5)
+        for host in SWARM_HOSTS:
+            sim.signal(host, signal.SIGKILL)
+    stop = start + wall
+    utilization, sent = [], []
+    for host in SWARM_HOSTS:
+        rounds = [e for e in _events(out / host / "events.jsonl") if e["kind"] == "round" and e["t"] <= stop]
+        utilization.append(sum(e["compute_s"] for e in rounds) / wall)
+        sent.append(sum(e["bytes_sent"] for e in rounds))
+    followed = [e for e in _events(out / "coordinator" / "events.jsonl")
+                if e["kind"] == "round" and e["t"] <= stop and e.get("eval_loss") == e.get("eval_loss")]
+    return {"name": name, "compute_utilization": round(sum(utilization) / len(utilization), 4),
+            "eval_loss": followed[-1]["eval_loss"] if followed else None, "wall_s": wall,
+            "rounds": len(followed), "bytes_per_peer": int(sum(sent) / len(sent)), "out": str(out)}
+
+
+def ddp_worker(rank: int, world: int, master: str, wall: float, preset: str, out: Path) -> None:
+    """One rank of plain data-parallel training (run inside a namespace by `ddp_run`)."""
+    import torch
+    import torch.distributed as dist
+
+    from groundswell.optim.schedule import warmup_cosine_scheduler
+    from groundswell.peer.config import InnerSection
+    from groundswell.peer.data import ShardSampler, evaluate, heldout_batches, load_corpus
+    from groundswell.peer.workload import build_workload
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"tcp://{master}:{PORT}", rank=rank, world_size=world,
+                            timeout=timedelta(seconds=120))
+    corpus = load_corpus("stdlib")
+    wl = build_workload(preset, corpus.vocab_size, 0)
+    inner = InnerSection()
+    params = list(wl.model.parameters())
+    opt = torch.optim.AdamW(params, lr=inner.lr, betas=(inner.beta1, inner.beta2), weight_decay=inner.weight_decay)
+    sched = warmup_cosine_scheduler(opt, 10**7, inner.warmup_steps, inner.min_lr_ratio)
+    sampler = ShardSampler(corpus, wl.block_size, 8, 0, rank, world)
+    dist.barrier()
+    start, compute, steps = time.perf_counter(), 0.0, 0
+    while True:
+        t = time.perf_counter()
+        x, y = sampler.next_batch()
+        loss = wl.loss_fn(wl.model, x, y)
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        compute += time.perf_counter() - t
+        flat = torch.cat([p.grad.reshape(-1) for p in params])
+        dist.all_reduce(flat)
+        flat /= world
+        offset = 0
+        for p in params:
+            p.grad.copy_(flat[offset:offset + p.numel()].view_as(p))
+            offset += p.numel()
+        t = time.perf_counter()
+        torch.nn.utils.clip_grad_norm_(params, inner.grad_clip)
+        opt.step()
+        sched.step()
+        compute += time.perf_counter() - t
+        steps += 1
+        done = torch.tensor([1.0 if time.perf_counter() - start >= wall else 0.0])
+        dist.all_reduce(done, op=dist.ReduceOp.MAX)  # every rank stops after the same step
+        if done.item():
+            break
+    elapsed = time.perf_counter() - start
+    numel = flat.numel()
+    result = {"rank": rank, "compute_s": compute, "wall_s": elapsed, "steps": steps,
+              "bytes": int(steps * 2 * (world - 1) / world * 4 * numel)}
+    if rank == 0:
+        result["eval_loss"] = evaluate(wl.model, wl.loss_fn, heldout_batches(corpus, wl.block_size, 16, 4))
+    (out / f"rank{rank}.json").write_text(json.dumps(result))
+    dist.destroy_process_group()
+
+
+def ddp_run(out: Path, wall: float, preset: str) -> dict:
+    """4 gloo ranks on the 4 public hosts for `wall` seconds."""
+    out.mkdir(parents=True)
+    master = netlab.HOSTS[DDP_HOSTS[0]][1]
+    env = dict(os.environ, OMP_WAIT_POLICY="PASSIVE")
+    procs = []
+    try:
+        for rank, host in enumerate(DDP_HOSTS):
+            argv = [sys.executable, __file__, "--ddp-worker", str(rank), "--master", master, "--wall", str(wall),
+                    "--preset", preset, "--out", str(out)]
+            procs.append(subprocess.Popen(netlab.netns_exec_argv(host, argv), env=env,
+                                          stdout=open(out / f"rank{rank}.log", "wb"), stderr=subprocess.STDOUT))
+        for p in procs:
+            p.wait(timeout=wall + 300)
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+    ranks = [json.loads((out / f"rank{r}.json").read_text()) for r in range(len(DDP_HOSTS))]
+    return {"name": "ddp-gloo", "compute_utilization": round(sum(r["compute_s"] / r["wall_s"] for r in ranks) / 4, 4),
+            "eval_loss": ranks[0]["eval_loss"], "wall_s": round(ranks[0]["wall_s"], 1),
+            "steps": ranks[0]["steps"], "bytes_per_peer": ranks[0]["bytes"], "out": str(out)}
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--wall", type=float, default=90.0, help="training seconds per run")
+    ap.add_argument("--preset", default="small")
+    ap.add_argument("-H", "--inner-steps", type=int, default=30)
+    ap.add_argument("--out", type=Path, default=None)
+    ap.add_argument("--json", action="store_true", help="print only the JSON result")
+    ap.add_argument("--rate-mbit", type=float, default=50.0)
+    ap.add_argument("--delay-ms", type=float, default=40.0)
+    ap.add_argument("--loss-pct", type=float, default=0.1)
+    ap.add_argument("--ddp-worker", type=int, default=None, help=argparse.SUPPRESS)
+    ap.add_argument("--master", default="", help=argparse.SUPPRESS)
+    a = ap.parse_args()
+    if a.ddp_worker is not None:
+        ddp_worker(a.ddp_worker, len(DDP_HOSTS), a.master, a.wall, a.preset, a.out)
+        return 0
+    out = a.out or Path(tempfile.mkdtemp(prefix="bench-wan-"))
+    runs = []
+    try:
+        with netlab.lab(rate_mbit=a.rate_mbit, delay_ms=a.delay_ms, loss_pct=a.loss_pct) as info:
+            for name, algorithm, codec, overlap in (("sparseloco-overlap", "sparseloco", "", 1),
+                                                    ("diloco-int8", "diloco", "int8", 0)):
+                runs.append(swarm_run(name, out / name, a.wall, a.preset, algorithm, codec, overlap, a.inner_steps))
+                if not a.json:
+                    print(json.dumps(runs[-1]), file=sys.stderr, flush=True)
+            runs.append(ddp_run(out / "ddp-gloo", a.wall, a.preset))
+    except netlab.NetlabUnavailable as exc:
+        print(f"netlab unavailable: {exc}", file=sys.stderr)
+        return 3
+    print(json.dumps({"link": info["shaping"], "preset": a.preset, "inner_steps": a.inner_steps, "runs": runs},
+                     indent=None if a.json else 1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,398 @@
+#!/usr/bin/env python3
+"""netlab: a tiny NAT'ed "internet" built from Linux network namespaces, for testing peers.
+
+Topology (every namespace has ``lo`` up; nothing in the root namespace is touched):
+
+    gs-inet   bridge br0, 10.99.0.1/24 (the public internet core, no forwarding)
+    gs-coord  10.99.0.10   public host         gs-pub  10.99.0.11   public host
+    gs-pub2   10.99.0.12   public host         gs-pub3 10.99.0.13   public host
+    gs-r1     WAN 10.99.0.21, LAN 192.168.1.1  -> gs-h1 192.168.1.2  (MASQUERADE, cone-like)
+    gs-r2     WAN 10.99.0.22, LAN 192.168.2.1  -> gs-h2 192.168.2.2  (MASQUERADE, cone-like)
+    gs-r3     WAN 10.99.0.23, LAN 192.168.3.1  -> gs-h3 192.168.3.2  (MASQUERADE --random-fully, symmetric)
+
+Routers drop everything entering from the WAN unless it is ESTABLISHED,RELATED (FORWARD and INPUT).
+Shaping applies to the access links (public host / router WAN <-> core): the node's egress gets
+``netem delay+loss`` with a ``tbf`` child, the core's egress towards the node gets ``tbf``; so each
+one-way trip crosses one delay (RTT ~= 2*delay_ms) and up- and download are both capped at rate_mbit.
+Kernels without sch_netem: tbf still caps the rate, loss is emulated with ``iptables -m statistic``
+on the node's ingress, and delay is NOT emulated (``up()`` reports this in its ``warnings``).
+
+CLI:  netlab.py up [--rate-mbit R] [--delay-ms D] [--loss-pct P] [--no-shaping] | down | status
+      | check | test [--json] | exec NAME -- CMD...   (NAME is a namespace such as gs-h1 or a role such as h1)
+"""
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import os
+import random
+import re
+import shutil
+import subprocess
+import sys
+from collections.abc import Iterator
+from typing import Any
+
+CORE = "gs-inet"
+HOSTS: dict[str, tuple[str, str]] = {
+    "inet": (CORE, "10.99.0.1"),
+    "coord": ("gs-coord", "10.99.0.10"), "pub": ("gs-pub", "10.99.0.11"),
+    "pub2": ("gs-pub2", "10.99.0.12"), "pub3": ("gs-pub3", "10.99.0.13"),
+    "r1": ("gs-r1", "10.99.0.21"), "r2": ("gs-r2", "10.99.0.22"), "r3": ("gs-r3", "10.99.0.23"),
+    "h1": ("gs-h1", "192.168.1.2"), "h2": ("gs-h2", "192.168.2.2"), "h3": ("gs-h3", "192.168.3.2"),
+}
+PUBLIC = ("coord", "pub", "pub2", "pub3")
+ROUTERS: dict[str, tuple[str, int, bool]] = {"r1": ("h1", 1, False), "r2": ("h2", 2, False),
+                                             "r3": ("h3", 3, True)}  # router: (host, lan#, random-fully)
+ROUTER_OF = {h: r for r, (h, _, _) in ROUTERS.items()}
+NAMESPACES = [ns for ns, _ in HOSTS.values()]
+UPLINK = {**{p: "eth0" for p in PUBLIC}, **{r: "wan0" for r in ROUTERS}}  # access-link device per role
+TCP_TIMEOUT = 2.0
+FIREWALL = """-P FORWARD DROP
+-A FORWARD -m conntrack --ctstate ESTABLISHED,RELATED -j ACCEPT
+-A FORWARD -i lan0 -o wan0 -j ACCEPT
+-A INPUT -i wan0 -m conntrack --ctstate ESTABLISHED,RELATED -j ACCEPT
+-A INPUT -i wan0 -p icmp -j ACCEPT
+-A INPUT -i wan0 -j DROP"""  # router rules besides the MASQUERADE one
+
+
+class NetlabError(RuntimeError):
+    """A command needed to build or inspect the lab failed."""
+
+
+class NetlabUnavailable(NetlabError):
+    """Network namespaces cannot be used here (not root, missing tools, ``ip netns add`` refused)."""
+
+
+def ns_of(name: str) -> str:
+    """Namespace for a role ('h1') or a namespace name ('gs-h1')."""
+    if name in HOSTS or name in NAMESPACES:
+        return HOSTS[name][0] if name in HOSTS else name
+    raise NetlabError(f"unknown lab node {name!r}; known: {', '.join(HOSTS)}")
+
+
+def netns_exec_argv(name: str, argv: list[str]) -> list[str]:
+    """argv that runs ``argv`` inside the namespace of role/namespace ``name``."""
+    return ["ip", "netns", "exec", ns_of(name), *argv]
+
+
+def _run(argv: list[str], check: bool = True, timeout: float = 30) -> subprocess.CompletedProcess[str]:
+    p = subprocess.run(argv, capture_output=True, text=True, timeout=timeout, check=False)
+    if check and p.returncode != 0:
+        raise NetlabError(f"{' '.join(argv)} -> rc {p.returncode}: {(p.stderr or p.stdout).strip()}")
+    return p
+
+
+def _nx(ns: str, *argv: str, check: bool = True) -> subprocess.CompletedProcess[str]:
+    return _run(["ip", "netns", "exec", ns, *argv], check=check)
+
+
+def _ip(ns: str, *args: str) -> None:
+    _run(["ip", "-n", ns, *args])
+
+
+def existing_namespaces() -> list[str]:
+    """Lab namespaces that currently exist."""
+    out = _run(["ip", "netns", "list"], check=False).stdout
+    present = {line.split()[0] for line in out.splitlines() if line.strip()}
+    return [ns for ns in NAMESPACES if ns in present]
+
+
+def down(kill_procs: bool = True) -> list[str]:
+    """Remove every lab namespace (tolerates a half-built lab); returns the names removed."""
+    removed = []
+    for ns in existing_namespaces():
+        if kill_procs:  # processes left inside would otherwise keep the (now nameless) namespace alive
+            for pid in _run(["ip", "netns", "pids", ns], check=False).stdout.split():
+                with contextlib.suppress(OSError, ValueError):
+                    os.kill(int(pid), 9)
+        _run(["ip", "netns", "del", ns], check=False)
+        removed.append(ns)
+    if left := existing_namespaces():
+        raise NetlabError(f"could not remove namespaces: {left}")
+    return removed
+
+
+def _preflight(shaping: bool) -> None:
+    if os.geteuid() != 0:
+        raise NetlabUnavailable("netlab needs root (CAP_NET_ADMIN) to create network namespaces")
+    for tool in ["ip", "iptables"] + (["tc"] if shaping else []):
+        if shutil.which(tool) is None:
+            raise NetlabUnavailable(f"required tool {tool!r} not found in PATH")
+
+
+def _addr_up(ns: str, dev: str, cidr: str, gw: str | None = None) -> None:
+    _ip(ns, "addr", "add", cidr, "dev", dev)
+    _ip(ns, "link", "set", dev, "up")
+    if gw:
+        _ip(ns, "route", "add", "default", "via", gw, "dev", dev)
+
+
+def _tbf(ns: str, dev: str, rate_mbit: float, parent: list[str]) -> None:
+    burst = max(16000, int(rate_mbit * 1e6 / 8 / 100))  # >= 10 ms worth of bytes
+    _nx(ns, "tc", "qdisc", "add", "dev", dev, *parent, "tbf", "rate", f"{rate_mbit:g}mbit",
+        "burst", str(burst), "latency", "50ms")
+
+
+def _shape(rate_mbit: float, delay_ms: float, loss_pct: float) -> dict[str, Any]:
+    """Shape every access link; returns what was actually applied."""
+    netem = None
+    warnings: list[str] = []
+    for role, dev in UPLINK.items():
+        ns = HOSTS[role][0]
+        if delay_ms > 0 or loss_pct > 0:
+            if netem is not False:
+                p = _nx(ns, "tc", "qdisc", "add", "dev", dev, "root", "handle", "1:", "netem", "delay",
+                        f"{delay_ms:g}ms", "loss", f"{loss_pct:g}%", "limit", "100000", check=False)
+                netem = p.returncode == 0
+                if not netem:
+                    warnings.append(f"netem unavailable ({p.stderr.strip()}): delay NOT emulated, "
+                                    "loss via iptables statistic")
+            if netem is False and loss_pct > 0:
+                _nx(ns, "iptables", "-t", "raw", "-A", "PREROUTING", "-i", dev, "-m", "statistic",
+                    "--mode", "random", "--probability", f"{loss_pct / 100:.6f}", "-j", "DROP")
+        if rate_mbit > 0:
+            _tbf(ns, dev, rate_mbit, ["parent", "1:1", "handle", "10:"] if netem else ["root"])
+            _tbf(CORE, f"c-{role}", rate_mbit, ["root"])
+    mode = "netem+tbf" if netem else ("tbf+iptables-loss" if netem is False else "tbf")
+    return {"mode": mode, "rate_mbit": rate_mbit, "delay_ms": delay_ms if netem else 0.0,
+            "loss_pct": loss_pct, "warnings": warnings}
+
+
+def up(rate_mbit: float = 50.0, delay_ms: float = 40.0, loss_pct: float = 0.1,
+       shaping: bool = True) -> dict[str, Any]:
+    """(Re)build the lab from scratch; raises NetlabUnavailable if namespaces cannot be made."""
+    _preflight(shaping)
+    down()
+    try:
+        for ns in NAMESPACES:
+            p = _run(["ip", "netns", "add", ns], check=False)
+            if p.returncode != 0:
+                raise NetlabUnavailable(f"ip netns add {ns} failed: {p.stderr.strip()}")
+            _ip(ns, "link", "set", "lo", "up")
+        _ip(CORE, "link", "add", "br0", "type", "bridge")
+        _addr_up(CORE, "br0", "10.99.0.1/24")
+        for role, dev in UPLINK.items():
+            ns, ip = HOSTS[role]
+            _ip(CORE, "link", "add", f"c-{role}", "type", "veth", "peer", "name", dev, "netns", ns)
+            _ip(CORE, "link", "set", f"c-{role}", "master", "br0", "up")
+            _addr_up(ns, dev, f"{ip}/24", "10.99.0.1")
+        for router, (host, n, symmetric) in ROUTERS.items():
+            rns, hns = HOSTS[router][0], HOSTS[host][0]
+            _ip(rns, "link", "add", "lan0", "type", "veth", "peer", "name", "eth0", "netns", hns)
+            _addr_up(rns, "lan0", f"192.168.{n}.1/24")
+            _addr_up(hns, "eth0", f"{HOSTS[host][1]}/24", f"192.168.{n}.1")
+            _nx(rns, sys.executable, "-c", "open('/proc/sys/net/ipv4/ip_forward', 'w').write('1')")
+            masq = "-t nat -A POSTROUTING -o wan0 -j MASQUERADE" + (" --random-fully" if symmetric else "")
+            for rule in [masq, *FIREWALL.splitlines()]:
+                _nx(rns, "iptables", *rule.split())
+        shaped = _shape(rate_mbit, delay_ms, loss_pct) if shaping else {"mode": "off", "warnings": []}
+    except BaseException:
+        with contextlib.suppress(Exception):
+            down()
+        raise
+    for w in shaped["warnings"]:
+        print(f"netlab: warning: {w}", file=sys.stderr)
+    return {"namespaces": NAMESPACES, "hosts": HOSTS, "shaping": shaped}
+
+
+@contextlib.contextmanager
+def lab(**kwargs: Any) -> Iterator[dict[str, Any]]:
+    """``with lab(rate_mbit=..., ...) as info:`` builds the lab and always tears it down."""
+    try:
+        yield up(**kwargs)
+    finally:
+        down()
+
+
+def status() -> dict[str, Any]:
+    """Existing lab namespaces with their IPv4 addresses and non-default qdiscs."""
+    out: dict[str, Any] = {}
+    for ns in existing_namespaces():
+        links = json.loads(_run(["ip", "-j", "-n", ns, "addr", "show"]).stdout or "[]")
+        qd = _nx(ns, "tc", "qdisc", "show", check=False).stdout.splitlines()
+        out[ns] = {"addrs": [f"{l['ifname']} {a['local']}/{a['prefixlen']}" for l in links
+                             for a in l.get("addr_info", []) if a.get("family") == "inet"],
+                   "qdiscs": [q.strip() for q in qd if "noqueue" not in q]}
+    return out
+
+
+# ---- self-test -------------------------------------------------------------------------------
+def _probe_main(mode: str, args: list[str]) -> int:
+    """Tiny socket helpers that check() runs inside namespaces; servers print 'ready' first."""
+    import socket
+    udp = mode.startswith("udp")
+    s = socket.socket(socket.AF_INET, socket.SOCK_DGRAM if udp else socket.SOCK_STREAM)
+    if mode in ("tcp-listen", "udp-echo"):  # PORT TIMEOUT: tell each client the address seen
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        s.bind(("0.0.0.0", int(args[0])))
+        s.settimeout(float(args[1]))
+        if not udp:
+            s.listen(1)
+        print("ready", flush=True)
+        try:
+            while True:
+                if udp:
+                    addr = s.recvfrom(64)[1]
+                    s.sendto(f"{addr[0]}:{addr[1]}".encode(), addr)
+                    continue
+                c, addr = s.accept()
+                c.recv(16)
+                c.sendall(f"{addr[0]}:{addr[1]}".encode())
+                print(f"accepted {addr[0]}:{addr[1]}", flush=True)
+                return 0
+        except OSError:
+            print("no-connection", flush=True)
+            return 1
+    if mode == "tcp-connect":  # HOST PORT: print the address the server saw
+        try:
+            s.settimeout(TCP_TIMEOUT)
+            s.connect((args[0], int(args[1])))
+            s.sendall(b"hi")
+            print(s.recv(64).decode(), flush=True)
+            return 0
+        except OSError as e:
+            print(f"error {type(e).__name__}", flush=True)
+            return 1
+    # udp-probe HOST:PORT...: from one local port, ask each echo server what it sees
+    s.bind(("0.0.0.0", random.randint(20000, 60000)))
+    s.settimeout(0.5)
+    seen: list[str | None] = []
+    for host, port in (t.split(":") for t in args):
+        seen.append(None)
+        for _ in range(4):  # tolerate emulated loss
+            s.sendto(b"?", (host, int(port)))
+            with contextlib.suppress(OSError):
+                seen[-1] = s.recvfrom(64)[0].decode()
+                break
+    print(json.dumps(seen), flush=True)
+    return 0
+
+
+def _helper(name: str, mode: str, *args: str) -> list[str]:
+    return netns_exec_argv(name, [sys.executable, os.path.abspath(__file__), "_probe", mode, *args])
+
+
+def _with_servers(servers: list[list[str]], client: list[str]) -> tuple[list[str], str]:
+    """Start probe servers, wait until they listen, run the client; return all their outputs."""
+    procs = [subprocess.Popen(a, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+             for a in servers]
+    try:
+        if any(p.stdout is None or p.stdout.readline().strip() != "ready" for p in procs):
+            raise NetlabError("probe server failed to start")
+        cli = _run(client, check=False).stdout.strip()
+        for p in procs:
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                p.wait(timeout=10)
+        return [p.stdout.read().strip() if p.poll() is not None and p.stdout else "" for p in procs], cli
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+            p.wait()
+
+
+def _ping(src: str, dst_ip: str, count: int = 3) -> tuple[bool, dict[str, float] | None]:
+    p = _run(netns_exec_argv(src, ["ping", "-n", "-q", "-c", str(count), "-i", "0.2", "-W", "1", dst_ip]),
+             check=False)
+    m = re.search(r"= ([\d.]+)/([\d.]+)/([\d.]+)/([\d.]+) ms", p.stdout)
+    rtt = dict(zip(["min", "avg", "max", "mdev"], map(float, m.groups()))) if m else None
+    return p.returncode == 0, rtt
+
+
+def check() -> dict[str, Any]:
+    """Connectivity self-test of a running lab; ``result['ok']`` is True when all expectations hold."""
+    if existing_namespaces() != NAMESPACES:
+        raise NetlabError("lab is not (fully) up; run `netlab.py up` first")
+    if shutil.which("ping") is None:
+        raise NetlabError("ping not found (apt-get install iputils-ping)")
+    ip = {r: a for r, (_, a) in HOSTS.items()}
+    r: dict[str, Any] = {}
+    for host, dst in [("h1", "coord"), ("h2", "pub"), ("h3", "coord")]:
+        r[f"{host}_ping_{dst}"] = _ping(host, ip[dst], 2)[0]
+    r["coord_ping_h1_lan_blocked"] = not _ping("coord", ip["h1"], 2)[0]
+    port = str(random.randint(20000, 60000))
+    listen_h1 = _helper("h1", "tcp-listen", port, str(TCP_TIMEOUT + 1))
+
+    def blocked(res: tuple[list[str], str]) -> bool:
+        return res[1].startswith("error") and not res[0][0].startswith("accepted")
+    # unsolicited TCP to r1's WAN address, on the port h1 listens on: must time out
+    res = _with_servers([listen_h1], _helper("coord", "tcp-connect", ip["r1"], port))
+    r["coord_tcp_to_r1_wan_blocked"], r["coord_tcp_to_r1_wan_result"] = blocked(res), res[1]
+    # even with a route through r1, the stateful firewall keeps the LAN closed
+    _ip("gs-coord", "route", "add", "192.168.1.0/24", "via", ip["r1"])
+    try:
+        res = _with_servers([listen_h1], _helper("coord", "tcp-connect", ip["h1"], port))
+    finally:
+        _ip("gs-coord", "route", "del", "192.168.1.0/24", "via", ip["r1"])
+    r["coord_tcp_to_h1_lan_via_r1_blocked"] = blocked(res)
+    # connection initiated from inside: return traffic flows, coord sees r1's WAN address
+    res = _with_servers([_helper("coord", "tcp-listen", port, "5")],
+                        _helper("h1", "tcp-connect", ip["coord"], port))
+    r["h1_tcp_to_coord_established"] = res[0][0].startswith("accepted") and not res[1].startswith("error")
+    r["h1_seen_by_coord_as"] = res[1]
+    # UDP mapping behaviour: one local port towards two servers (cone: same public port; r3: not)
+    for host in ("h1", "h3"):
+        res = _with_servers([_helper(s, "udp-echo", port, "2") for s in PUBLIC],
+                            _helper(host, "udp-probe", *(f"{ip[s]}:{port}" for s in PUBLIC)))
+        seen = json.loads(res[1] or "[null, null]")
+        ports = {m.split(":")[1] for m in seen if m}
+        r[f"{host}_udp_mapping"] = {"coord": seen[0], "pub": seen[1],
+                                    "endpoint_independent": len(ports) == 1 if all(seen) else None}
+    ok, r["rtt_h1_coord_ms"] = _ping("h1", ip["coord"], 5)
+    flags = [v for k, v in r.items() if k.endswith(("_coord", "_pub", "_blocked", "_established"))]
+    r["ok"] = ok and all(flags) and r["h1_seen_by_coord_as"].startswith(ip["r1"] + ":") \
+        and r["h1_udp_mapping"]["endpoint_independent"] is True \
+        and r["h3_udp_mapping"]["endpoint_independent"] is False
+    return r
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["_probe"]:
+        return _probe_main(argv[1], argv[2:])
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    sub = ap.add_subparsers(dest="cmd", required=True)
+    pu = sub.add_parser("up", help="(re)build the lab")
+    pu.add_argument("--rate-mbit", type=float, default=50.0)
+    pu.add_argument("--delay-ms", type=float, default=40.0)
+    pu.add_argument("--loss-pct", type=float, default=0.1)
+    pu.add_argument("--no-shaping", action="store_true")
+    for name, text in [("down", "remove every lab namespace"), ("status", "namespaces and addresses as JSON"),
+                       ("check", "connectivity self-test, JSON"),
+                       ("test", "a 5-round groundswell run across the NATs, JSON (see netlab_run.py)")]:
+        sub.add_parser(name, help=text)
+    pe = sub.add_parser("exec", help="run a command in a namespace: exec NAME -- CMD...")
+    pe.add_argument("name")
+    pe.add_argument("argv", nargs=argparse.REMAINDER)
+    if argv[:1] == ["test"]:  # its own options (--rounds, --json, ...) belong to netlab_run
+        import netlab_run
+
+        return netlab_run.main(argv[1:])
+    a = ap.parse_args(argv)
+    try:
+        if a.cmd == "up":
+            info = up(a.rate_mbit, a.delay_ms, a.loss_pct, shaping=not a.no_shaping)
+            print(json.dumps({"up": info["namespaces"], "shaping": info["shaping"]}, indent=1))
+        elif a.cmd == "down":
+            print(json.dumps({"removed": down()}))
+        elif a.cmd == "status":
+            print(json.dumps(status(), indent=1))
+        elif a.cmd == "check":
+            res = check()
+            print(json.dumps(res, indent=1))
+            return 0 if res["ok"] else 1
+        elif a.cmd == "exec":
+            cmd = a.argv[1:] if a.argv[:1] == ["--"] else a.argv
+            if not cmd:
+                ap.error("exec needs a command after --")
+            os.execvp("ip", netns_exec_argv(a.name, cmd))
+    except NetlabError as e:
+        print(f"netlab: {type(e).__name__}: {e}", file=sys.stderr)
+        return 3 if isinstance(e, NetlabUnavailable) else 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

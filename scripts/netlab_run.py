@@ -1,0 +1,115 @@
+#!/usr/bin/env python3
+"""A run inside netlab: a coordinator and a volunteer on the public segment, three volunteers
+behind home routers (two cone NATs, one symmetric), R rounds; prints what happened as JSON.
+
+    python scripts/netlab_run.py [--rounds 5] [--out DIR] [--no-shaping]   (root; builds and removes the lab)
+
+`scripts/netlab.py test --json` runs the same thing. Each volunteer probes its reachability at
+start (a bootstrap peer dials it back), so the NAT'ed ones contribute without serving; at the end
+each lists its libp2p connections, direct or through a relay.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).parent))
+import netlab  # noqa: E402
+
+from groundswell.peer.simulate import Simulation, SimulateOptions, manifest_toml  # noqa: E402
+
+VOLUNTEERS = ("pub", "h1", "h2", "h3")
+
+
+def _events(path: Path) -> list[dict]:
+    if not path.exists():
+        return []
+    out = []
+    for line in path.read_text().splitlines():
+        try:
+            out.append(json.loads(line))
+        except json.JSONDecodeError:
+            continue
+    return out
+
+
+def run(rounds: int = 5, out: Path | None = None, timeout_s: float = 300, **lab_kwargs: object) -> dict:
+    """Build the lab, run the swarm in it until every volunteer reached `rounds`, tear it down."""
+    out = out or Path(tempfile.mkdtemp(prefix="netlab-run-"))
+    opts = SimulateOptions(peers=len(VOLUNTEERS), rounds=rounds, inner_steps=30, batch_size=4, deadline_s=15,
+                           slack_s=2, min_peers=2, checkpoint_every=rounds)
+    with netlab.lab(**lab_kwargs) as info, Simulation(out, opts) as sim:
+        (out / "run.toml").write_text(manifest_toml(opts))
+        coord_ip = netlab.HOSTS["coord"][1]
+        common = ["--quiet", "--verbose", "--threads", "1"]
+        sim.spawn("coordinator", ["launch", str(out / "run.toml"), "--state-dir", str(out / "coordinator"),
+                                  "--listen", "/ip4/0.0.0.0/tcp/40000", "--announce", f"/ip4/{coord_ip}/tcp/40000",
+                                  *common], prefix=tuple(netlab.netns_exec_argv("coord", [])))
+        boot_file = out / "coordinator" / "bootstrap.txt"
+        deadline = time.time() + 120
+        while not boot_file.exists():
+            if time.time() > deadline or not sim.alive("coordinator"):
+                raise RuntimeError(f"the coordinator did not start; see {out / 'coordinator.log'}")
+            time.sleep(0.2)
+        boot = boot_file.read_text().strip()
+        for name in VOLUNTEERS:
+            sim.spawn(name, ["join", boot, "--state-dir", str(out / name), "--until-round", str(rounds),
+                             "--listen", "/ip4/0.0.0.0/tcp/0", *common],
+                      prefix=tuple(netlab.netns_exec_argv(name, [])))
+        end = time.time() + timeout_s
+        while time.time() < end and any(sim.alive(v) for v in VOLUNTEERS):
+            time.sleep(0.5)
+        timed_out = [v for v in VOLUNTEERS if sim.alive(v)]
+    return report(out, rounds, info.get("shaping", {}), timed_out)
+
+
+def report(out: Path, rounds: int, shaping: dict, timed_out: list[str]) -> dict:
+    """The run's outcome from every process's event log."""
+    logs = {name: _events(out / name / "events.jsonl") for name in ("coordinator", *VOLUNTEERS)}
+    ids = {next((e["peer"] for e in evs if "peer" in e), ""): name for name, evs in logs.items()}
+    hashes: dict[int, set[str]] = {}
+    contributed: set[str] = set()
+    for evs in logs.values():
+        for e in evs:
+            if e["kind"] == "round":
+                hashes.setdefault(e["round"], set()).add(e["hash"])
+                contributed |= {ids.get(c, c[-8:]) for c in e.get("contributors", [])}
+    connections, reach = [], {}
+    for name in VOLUNTEERS:
+        last = [e for e in logs[name] if e["kind"] == "connections"]
+        if last:
+            reach[name] = last[-1]["reachability"]
+            for pid, path in sorted(last[-1]["paths"].items()):
+                connections.append({"a": name, "b": ids.get(pid, pid[-8:]), "path": path})
+    return {
+        "rounds_completed": len(hashes), "rounds_target": rounds,
+        "param_hash_agreement": bool(hashes) and all(len(h) == 1 for h in hashes.values()),
+        "contributed": sorted(contributed), "reachability": reach, "connections": connections,
+        "timed_out": timed_out, "link": shaping, "out": str(out),
+    }
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--rounds", type=int, default=5)
+    ap.add_argument("--out", type=Path, default=None)
+    ap.add_argument("--no-shaping", action="store_true")
+    ap.add_argument("--json", action="store_true", help="(the output is always JSON)")
+    a = ap.parse_args(argv)
+    try:
+        res = run(a.rounds, a.out, shaping=not a.no_shaping)
+    except netlab.NetlabUnavailable as exc:
+        print(f"netlab unavailable: {exc}", file=sys.stderr)
+        return 3
+    print(json.dumps(res, indent=1))
+    ok = res["rounds_completed"] >= a.rounds and res["param_hash_agreement"] and set(VOLUNTEERS) <= set(res["contributed"])
+    return 0 if ok else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,37 @@
+"""Peers behind NATs train with public ones, in a lab of network namespaces (scripts/netlab.py).
+
+Needs root and `ip netns` (and iptables for the NATs); skipped, saying why, where those are missing.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).parent.parent / "scripts"))
+import netlab  # noqa: E402
+
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(420)]
+
+
+def test_volunteers_behind_nats_contribute_to_every_round(tmp_path):
+    import netlab_run
+
+    if os.geteuid() != 0:
+        pytest.skip("netlab needs root to create network namespaces")
+    try:
+        res = netlab_run.run(rounds=5, out=tmp_path / "run", timeout_s=300, shaping=True)
+    except netlab.NetlabUnavailable as exc:
+        pytest.skip(f"network namespaces unavailable here: {exc}")
+    assert netlab.existing_namespaces() == [], "the lab was not torn down"
+    assert res["timed_out"] == []
+    assert res["rounds_completed"] >= 5 and res["param_hash_agreement"]
+    assert set(netlab_run.VOLUNTEERS) <= set(res["contributed"]), res["contributed"]
+    # the dial-back probe told each NAT'ed host it is private, the public volunteer that it is public
+    assert res["reachability"] == {"pub": "public", "h1": "private", "h2": "private", "h3": "private"}
+    reached = {(c["a"], c["b"]) for c in res["connections"]}
+    assert {("h1", "coordinator"), ("h2", "coordinator"), ("h3", "coordinator")} <= reached
+    assert all(c["path"] in ("direct", "relay") for c in res["connections"])

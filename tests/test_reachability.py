@@ -1,0 +1,47 @@
+"""The dial-back probe that tells a volunteer whether it is reachable (behind a NAT or not)."""
+
+from __future__ import annotations
+
+import asyncio
+import socket
+from types import SimpleNamespace
+
+from groundswell.peer.reachability import DialBack, connection_paths, tcp_targets
+from groundswell.protocol.schema import ProbeRequest
+
+
+def test_targets_are_plain_tcp_and_prefer_non_loopback_addresses():
+    maddrs = ["/ip4/127.0.0.1/tcp/4001", "/ip4/192.168.1.2/tcp/4001", "/ip4/0.0.0.0/tcp/4001",
+              "/ip4/10.99.0.10/tcp/4001/p2p/QmX/p2p-circuit", "/ip4/192.168.1.2/udp/4001/quic",
+              "/ip6/::1/tcp/4002", "/dns4/example.org/tcp/1", "/ip4/1.2.3.4/tcp/70000", "garbage"]
+    assert tcp_targets(maddrs) == [("192.168.1.2", 4001)]
+    assert tcp_targets(["/ip4/127.0.0.1/tcp/4001"]) == [("127.0.0.1", 4001)]  # a run on one machine
+    assert len(tcp_targets([f"/ip4/10.0.0.{i}/tcp/1" for i in range(1, 20)])) == 4  # bounded
+
+
+def test_dial_back_finds_a_listening_address_refuses_a_closed_one_and_is_rate_limited():
+    async def main() -> tuple:
+        server = await asyncio.start_server(lambda r, w: w.close(), "127.0.0.1", 0)
+        port = server.sockets[0].getsockname()[1]
+        with socket.socket() as s:  # a port nobody listens on
+            s.bind(("127.0.0.1", 0))
+            closed = s.getsockname()[1]
+        prober = DialBack()
+        open_reply = await prober.handle("peer-a", ProbeRequest([f"/ip4/127.0.0.1/tcp/{port}"]))
+        closed_reply = await prober.handle("peer-b", ProbeRequest([f"/ip4/127.0.0.1/tcp/{closed}"]))
+        again = await prober.handle("peer-a", ProbeRequest([f"/ip4/127.0.0.1/tcp/{port}"]))
+        server.close()
+        await server.wait_closed()
+        return open_reply, closed_reply, again, port
+
+    open_reply, closed_reply, again, port = asyncio.run(main())
+    assert open_reply.reachable and open_reply.address == f"127.0.0.1:{port}"
+    assert not closed_reply.reachable
+    assert not again.reachable and again.address == "rate limited"
+
+
+def test_connection_paths_call_a_peer_relayed_only_if_every_connection_is():
+    infos = [SimpleNamespace(peer_id="A", addrs=["/ip4/10.99.0.10/tcp/1/p2p/R/p2p-circuit"]),
+             SimpleNamespace(peer_id="B", addrs=["/ip4/10.99.0.11/tcp/2"]),
+             SimpleNamespace(peer_id="C", addrs=["/ip4/10.99.0.10/tcp/1/p2p/R/p2p-circuit", "/ip4/10.99.0.12/tcp/3"])]
+    assert connection_paths(infos) == {"A": "relay", "B": "direct", "C": "direct"}
