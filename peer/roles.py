@@ -91,6 +91,8 @@ def run_volunteer(p: Participant, bootstrap_peers: list[str], *, max_rounds: int
         if in_flight is None and loop.applied == 0:
             loop.exchange.announce(p.outer.round_id)  # later rounds are announced as soon as the previous one is decided
         stats = trainer.run(m.outer.inner_steps, on_step)
+        p.events.write("train", round=p.outer.round_id, steps=stats.steps, compute_s=stats.compute_s,
+                       peer=p.identity.peer_id)  # t is the end; the block ran over [t - compute_s, t]
         if in_flight is not None:
             loop.settle(*in_flight)
             in_flight = None

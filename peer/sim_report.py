@@ -58,7 +58,7 @@ def build_report(out: Path, opts: "SimulateOptions", driver_events: list[dict], 
     order = sorted(end_t)
     events = list(driver_events) + [
         {"t": round(e["t"] - t0, 3), "kind": e["kind"], "peer": name}
-        for name, evs in logs.items() for e in evs if e["kind"] not in ("round",)
+        for name, evs in logs.items() for e in evs if e["kind"] not in ("round", "train")
     ]
     recovery, rejoin = [], []
     for ev in driver_events:
@@ -73,13 +73,13 @@ def build_report(out: Path, opts: "SimulateOptions", driver_events: list[dict], 
                 rejoin.append(round(after[0] - ev["t"], 2))
     n = opts.peers
     # Compute utilization: time in forward/backward/inner optimizer over each volunteer's wall time
-    # from its first sync to its last applied round (retries' training is not counted: a lower bound).
+    # from its first sync to the end of its last block of inner steps.
     utilization = []
     for name, evs in logs.items():
-        done = [e for e in evs if e["kind"] == "round" and "compute_s" in e]
+        blocks = [e for e in evs if e["kind"] == "train"]
         first = min((e["t"] for e in evs if e["kind"] == "sync"), default=None)
-        if name != "coordinator" and done and first is not None and done[-1]["t"] > first:
-            utilization.append(sum(e["compute_s"] for e in done) / (done[-1]["t"] - first))
+        if name != "coordinator" and blocks and first is not None and blocks[-1]["t"] > first:
+            utilization.append(min(1.0, sum(e["compute_s"] for e in blocks) / (blocks[-1]["t"] - first)))
     starts = [e["t"] - t0 for evs in logs.values() for e in evs if e["kind"] == "sync"]
     marks = ([min(starts)] if starts else []) + [end_t[r] for r in order]
     return {

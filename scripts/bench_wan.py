@@ -81,14 +81,20 @@ def swarm_run(name: str, out: Path, wall: float, preset: str, algorithm: str, co
             if time.time() > limit and start is None:
                 raise RuntimeError(f"{name}: the volunteers did not start")
             time.sleep(0.5)
-        for host in SWARM_HOSTS:
-            sim.signal(host, signal.SIGKILL)
+        for host in SWARM_HOSTS:  # leave as a person would: the block in progress ends and is logged
+            sim.signal(host, signal.SIGINT)
+        limit = time.time() + 120
+        while time.time() < limit and any(sim.alive(h) for h in SWARM_HOSTS):
+            time.sleep(0.5)
     stop = start + wall
     utilization, sent = [], []
     for host in SWARM_HOSTS:
-        rounds = [e for e in _events(out / host / "events.jsonl") if e["kind"] == "round" and e["t"] <= stop]
-        utilization.append(sum(e["compute_s"] for e in rounds) / wall)
-        sent.append(sum(e["bytes_sent"] for e in rounds))
+        events = _events(out / host / "events.jsonl")
+        # training time inside [start, stop]: each block ran over [t - compute_s, t]
+        busy = sum(max(0.0, min(e["t"], stop) - max(e["t"] - e["compute_s"], start))
+                   for e in events if e["kind"] == "train")
+        utilization.append(busy / wall)
+        sent.append(sum(e["bytes_sent"] for e in events if e["kind"] == "round" and e["t"] <= stop))
     followed = [e for e in _events(out / "coordinator" / "events.jsonl")
                 if e["kind"] == "round" and e["t"] <= stop and e.get("eval_loss") == e.get("eval_loss")]
     return {"name": name, "compute_utilization": round(sum(utilization) / len(utilization), 4),
@@ -156,7 +162,8 @@ def ddp_run(out: Path, wall: float, preset: str) -> dict:
     """4 gloo ranks on the 4 public hosts for `wall` seconds."""
     out.mkdir(parents=True)
     master = netlab.HOSTS[DDP_HOSTS[0]][1]
-    env = dict(os.environ, OMP_WAIT_POLICY="PASSIVE")
+    # gloo would otherwise advertise the address the host name resolves to, outside the namespace.
+    env = dict(os.environ, OMP_WAIT_POLICY="PASSIVE", GLOO_SOCKET_IFNAME="eth0", PYTHONUNBUFFERED="1")
     procs = []
     try:
         for rank, host in enumerate(DDP_HOSTS):
@@ -165,7 +172,7 @@ def ddp_run(out: Path, wall: float, preset: str) -> dict:
             procs.append(subprocess.Popen(netlab.netns_exec_argv(host, argv), env=env,
                                           stdout=open(out / f"rank{rank}.log", "wb"), stderr=subprocess.STDOUT))
         for p in procs:
-            p.wait(timeout=wall + 300)
+            p.wait(timeout=wall + 180)
     finally:
         for p in procs:
             if p.poll() is None:
