@@ -18,13 +18,14 @@ import logging
 import time
 from collections import defaultdict
 from dataclasses import dataclass, field
-from typing import Any, Awaitable, Callable
+from typing import Any, Awaitable, Callable, Coroutine
 
+from .claims import Claims
 from .context import DecisionBook, RoundContext, validate_segments
 from .identity import Identity
 from .plan import RoundPlan, close_time, make_plan
 from .schema import (
-    MAX_SMALL, Ack, AggregateRequest, AggregateShard, Claim, ClaimReply, Decision, DecisionReply, DecisionRequest,
+    MAX_SMALL, Ack, AggregateRequest, AggregateShard, Claim, Decision, DecisionReply, DecisionRequest,
     HaveReport, Join, ProtocolError, Seal, ShardContribution,
 )
 from .transport import PeerUnavailable, Transport, seal, unseal
@@ -53,7 +54,7 @@ class _Attempt:
         self.changed = asyncio.Event()
 
 
-class RoundServer:
+class RoundServer(Claims):
     """Serves the round protocol for one peer; every background task belongs to its TaskGroup."""
 
     def __init__(self, ctx: RoundContext, transport: Transport, book: DecisionBook, identity: Identity,
@@ -104,6 +105,13 @@ class RoundServer:
         self._archived.set()
         self._archived = asyncio.Event()
 
+    def _spawn(self, coro: Coroutine[Any, Any, None]) -> None:
+        """Run `coro` as a task of the server's group (dropped, not leaked, once it is closing)."""
+        try:
+            self.tasks.create_task(coro)
+        except RuntimeError:  # the node is shutting down: the task group takes no new work
+            coro.close()
+
     # --- aggregator ---------------------------------------------------------------------------
     async def _on_contribute(self, sender: str, msg: ShardContribution) -> Ack:
         if not self.ctx.authorized(sender):
@@ -119,7 +127,7 @@ class RoundServer:
         return Ack(True, "")
 
     def _report(self, round_id: int, attempt: int) -> None:
-        self.tasks.create_task(self._send_have(round_id, attempt))
+        self._spawn(self._send_have(round_id, attempt))
 
     async def _send_have(self, round_id: int, attempt: int) -> None:
         try:
@@ -210,7 +218,7 @@ class RoundServer:
         slot.poke()
         if not slot.leading:
             slot.leading = True
-            self.tasks.create_task(self._lead_guarded(msg.round, msg.attempt))
+            self._spawn(self._lead_guarded(msg.round, msg.attempt))
         return Ack(True, "")
 
     async def _on_join(self, sender: str, msg: Join) -> Ack:
@@ -280,78 +288,6 @@ class RoundServer:
         """Decide the attempt, unless it is decided, the round committed, or another leader claimed it."""
         if slot.decision is None and plan.round not in self.book.committed and await self._claim(plan, slot):
             await self._decide(plan, slot)
-
-    # --- claims: one decider per attempt, no second commit of a round -----------------------------
-    async def _claim(self, plan: RoundPlan, slot: _Attempt) -> bool:
-        """May this leader decide? Not if it (or a fellow leader it asked) already let another
-        leader decide this attempt, nor if anyone asked knows a commit of the round (it is adopted).
-
-        A leader grants itself before it asks, so of two leaders that both ask, at least one is
-        refused by the other; a frozen or dead leader cannot object (liveness over a stall), which
-        leaves a split possible only under a real network partition, where hash checks re-sync."""
-        me = self.identity.peer_id
-        if slot.granted_to not in (None, me):
-            return False
-        slot.granted_to = me
-        # Earlier attempts' leaders too: one of them may hold a commit that never reached us.
-        witnesses = list(plan.leaders)
-        for earlier in range(max(0, plan.attempt - 4), plan.attempt):
-            old = await self.plan(plan.round, earlier, 0)
-            witnesses += list(old.leaders) if old else []
-        others = [p for p in dict.fromkeys(witnesses) if p != me]
-        replies = await asyncio.gather(*(self._ask_claim(p, plan) for p in others))
-        for reply in replies:
-            if reply is not None and reply.decision:
-                self._adopt(plan, reply.decision)
-                return False
-        # A lower-ranked leader's claim may have taken our grant while we waited: then we yield.
-        if slot.granted_to != me or slot.decision is not None or not all(r is None or r.ok for r in replies):
-            return False
-        slot.deciding = True
-        return True
-
-    async def _ask_claim(self, peer: str, plan: RoundPlan) -> ClaimReply | None:
-        try:
-            return await self.transport.request(peer, "claim", Claim(plan.round, plan.attempt), ClaimReply,
-                                                timeout_s=self.ctx.slack_s)
-        except (PeerUnavailable, ProtocolError) as exc:
-            log.info("claim of round %d attempt %d at %s: %s", plan.round, plan.attempt, peer[-8:], exc)
-            return None
-
-    def _adopt(self, plan: RoundPlan, signed: bytes) -> None:
-        try:
-            _, decision = unseal(signed, self.ctx.run_id, Decision)
-            if decision.round != plan.round:
-                raise ProtocolError("decision for another round")
-            if decision.status == "commit":
-                self.book.add(signed)
-            elif decision.attempt == plan.attempt:
-                self.attempts[(plan.round, plan.attempt)].decision = signed
-            self.attempts[(plan.round, plan.attempt)].poke()
-        except ProtocolError as exc:
-            log.warning("claim reply carried an unusable decision: %s", exc)
-
-    async def _on_claim(self, sender: str, msg: Claim) -> ClaimReply:
-        if msg.round in self.book.committed:
-            return ClaimReply(False, self.book.committed[msg.round][0])
-        slot = self.attempts[(msg.round, msg.attempt)]
-        if slot.decision is not None:
-            return ClaimReply(False, slot.decision)
-        plan = await self.plan(msg.round, msg.attempt, self.ctx.slack_s)
-        if plan is None or sender not in plan.leaders:
-            return ClaimReply(False, b"")
-        me = self.identity.peer_id
-        if me not in plan.leaders:
-            return ClaimReply(True, b"")  # an earlier attempt's leader: no say in this one
-        # Two leaders that claim at once would refuse each other; the lower rank wins unless the
-        # other is already deciding. (Safety does not rest on this tie-break: of two claimers, each
-        # granted itself before asking the other, and one that gave its grant away stands back.)
-        rank = plan.leaders.index
-        holder = slot.granted_to
-        if holder is None or (holder != me and rank(sender) < rank(holder)) or (
-                holder == me and not slot.deciding and rank(sender) < rank(me)):
-            slot.granted_to = sender
-        return ClaimReply(slot.granted_to == sender, b"")
 
     async def _ask(self, peer: str, round_id: int, attempt: int) -> bytes:
         try:
