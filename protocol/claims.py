@@ -30,6 +30,7 @@ class Claims:
     ctx: Any
     attempts: Any
     plan: Callable[[int, int, float], Awaitable[RoundPlan | None]]  # RoundServer.plan
+    _hold_all: Callable[[bytes], Awaitable[bool]]  # RoundServer._hold_all: gather a commit's aggregate
 
     async def _claim(self, plan: RoundPlan, slot: "_Attempt") -> bool:
         """May this leader decide? Not if it (or a fellow leader it asked) already let another
@@ -42,19 +43,24 @@ class Claims:
         if slot.granted_to not in (None, me):
             return False
         slot.granted_to = me
-        # Earlier attempts' leaders too: one of them may hold a commit that never reached us.
+        # Earlier attempts' leaders and aggregators too: a leader that committed an earlier attempt
+        # and died (or froze) before anyone asked leaves its commit with the peers it sealed.
         witnesses = list(plan.leaders)
         for earlier in range(max(0, plan.attempt - 4), plan.attempt):
             old = await self.plan(plan.round, earlier, 0)
-            witnesses += list(old.leaders) if old else []
-        others = [p for p in dict.fromkeys(witnesses) if p != me]
+            witnesses += [*old.leaders, *old.aggregators] if old else []
+        others = [p for p in dict.fromkeys(witnesses) if p != me][:24]
         replies = await asyncio.gather(*(self._ask_claim(p, plan) for p in others))
+        objected = False
         for reply in replies:
-            if reply is not None and reply.decision:
-                self._adopt(plan, reply.decision)
+            if reply is None or reply.ok:
+                continue
+            if not reply.decision:
+                objected = True  # that leader let another one decide this attempt
+            elif await self._adopt(plan, reply.decision):
                 return False
         # A lower-ranked leader's claim may have taken our grant while we waited: then we yield.
-        if slot.granted_to != me or slot.decision is not None or not all(r is None or r.ok for r in replies):
+        if objected or slot.granted_to != me or slot.decision is not None:
             return False
         slot.deciding = True
         return True
@@ -67,22 +73,38 @@ class Claims:
             log.info("claim of round %d attempt %d at %s: %s", plan.round, plan.attempt, peer[-8:], exc)
             return None
 
-    def _adopt(self, plan: RoundPlan, signed: bytes) -> None:
+    async def _adopt(self, plan: RoundPlan, signed: bytes) -> bool:
+        """Take a decision a witness returned; True: stand back. A commit is taken only once its
+        whole aggregate is in hand (an earlier attempt's that cannot be had stops nobody)."""
         try:
             _, decision = unseal(signed, self.ctx.run_id, Decision)
             if decision.round != plan.round:
                 raise ProtocolError("decision for another round")
-            if decision.status == "commit":
-                self.book.add(signed)
-            elif decision.attempt == plan.attempt:
-                self.attempts[(plan.round, plan.attempt)].decision = signed
-            self.attempts[(plan.round, plan.attempt)].poke()
-        except ProtocolError as exc:
+        except ProtocolError as exc:  # a forged or foreign decision stops nobody
             log.warning("claim reply carried an unusable decision: %s", exc)
+            return False
+        if decision.status == "commit":
+            if not await self._hold_all(signed):
+                log.warning("round %d: attempt %d's commit exists but its aggregate cannot be had", plan.round,
+                            decision.attempt)
+                return decision.attempt == plan.attempt  # that leader may still be gathering it
+            try:
+                self.book.add(signed)
+            except ProtocolError as exc:
+                log.warning("round %d: %s", plan.round, exc)
+        elif decision.attempt == plan.attempt:
+            self.attempts[(plan.round, plan.attempt)].decision = signed
+        else:
+            return False  # a retry of an earlier attempt says nothing about this one
+        self.attempts[(plan.round, plan.attempt)].poke()
+        return True
 
     async def _on_claim(self, sender: str, msg: Claim) -> ClaimReply:
         if msg.round in self.book.committed:
             return ClaimReply(False, self.book.committed[msg.round][0])
+        for (r, a), held in list(self.attempts.items()):
+            if r == msg.round and a < msg.attempt and held.sealed is not None:
+                return ClaimReply(False, held.sealed)  # an earlier attempt's commit we built shards for
         slot = self.attempts[(msg.round, msg.attempt)]
         if slot.decision is not None:
             return ClaimReply(False, slot.decision)

@@ -132,10 +132,13 @@ class RoundClient:
         """Give one more aggregator a copy of the shard, so the leader can replace a source that
         dies or freezes before it seals (best effort: the contribution already counts)."""
         for peer in plan.candidates(shard):
-            if peer in (holder, self.me):
+            if peer == holder:
                 continue
-            try:
-                await self.transport.request(peer, "contribute", msg, Ack, timeout_s=timeout)
+            try:  # the replica is the same peer for every contributor, ourselves included
+                if peer == self.me:
+                    await self.server._on_contribute(peer, msg)
+                else:
+                    await self.transport.request(peer, "contribute", msg, Ack, timeout_s=timeout)
             except (PeerUnavailable, ProtocolError) as exc:
                 log.info("replica of shard %d to %s failed: %s", shard, peer[-8:], exc)
             return
@@ -214,8 +217,9 @@ class RoundClient:
                                            else len(decision.contributors))
         budget = self.ctx.max_payload_bytes * max(1, len(decision.contributors)) + MAX_SMALL
         # The shard's source first, then the leader (it gathered every shard before announcing),
-        # then anyone who has applied the round.
-        sources = list(dict.fromkeys([decision.sources[shard], decision.leader, *self.holders(decision.round)]))
+        # then the shard's replicas (sealed too), then anyone who has applied the round.
+        sources = list(dict.fromkeys([decision.sources[shard], decision.leader, *plan.candidates(shard)[:3],
+                                      *self.holders(decision.round)]))
         for peer in sources:
             if peer == self.me:
                 continue

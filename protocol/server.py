@@ -168,14 +168,18 @@ class RoundServer(Claims):
             if earlier.leader != decision.leader:
                 return Ack(False, SEALED_BY_ANOTHER)
         mine = [s for s, src in enumerate(decision.sources) if src == self.identity.peer_id]
+        # A replica builds its copy too, so the commit outlives its source and its leader.
+        spare = [s for s in sorted(slot.contributions) if s < plan.num_shards and s not in mine]
         built = {}
-        for shard in mine:
+        for shard in mine + spare:
             first, stop = plan.shard_segments[shard]
             held = slot.contributions.get(shard, {})
             missing = [c for c in decision.contributors if c not in held or held[c][0] != first]
-            if missing:
+            if missing and shard in mine:
                 return Ack(False, f"shard {shard}: missing contributions from {len(missing)} peers")
-            built[shard] = self._build(msg.decision, shard, [held[c][1] for c in decision.contributors], first, stop)
+            if not missing:
+                built[shard] = self._build(msg.decision, shard, [held[c][1] for c in decision.contributors],
+                                           first, stop)
         slot.sealed = msg.decision  # not in the book yet: the leader announces it once it holds every shard
         for shard, agg in built.items():
             self.archive(decision.round, shard, agg)
@@ -325,6 +329,12 @@ class RoundServer(Claims):
                 log.warning("round %d attempt %d is being decided by another leader; standing back", plan.round,
                             plan.attempt)
                 return
+            if not refused:
+                # Best effort: the replicas that hold whole shards keep a copy of the aggregate too.
+                replicas = {a for shard in range(plan.num_shards) for a, ids in slot.have.get(shard, {}).items()
+                            if a not in sources and set(contributors) <= ids}
+                if replicas:
+                    await self._seal_all(signed, sorted(replicas))
             if not refused and await self._hold_all(signed):
                 break
             failed |= refused or set(sources)

@@ -180,3 +180,31 @@ def test_two_leaders_deciding_one_attempt_at_once_commit_at_most_once(make_clust
     if commits:
         means = [c.fetch(i, out[i].signed) for i in range(4)]
         assert all(torch.equal(m, means[0]) for m in means)
+
+
+def test_a_later_attempt_adopts_a_commit_whose_leader_died_before_announcing_it(make_cluster):
+    # Attempt 0 commits, then its leader dies before anyone asks it: only the aggregators it sealed
+    # (sources and replicas) know the commit. Attempt 1's leader must adopt it, not decide again.
+    from groundswell.protocol.plan import make_plan
+
+    c = make_cluster(n=4, codec_name="fp32", min_peers=2)
+    out = c.attempt(0, _inputs(4, c.numel, 9))
+    signed, d = out[0].signed, out[0].decision
+    assert d.status == "commit"
+    dead = c.ids.index(d.leader)
+    for node in c.nodes:  # forget the announcement everywhere; the sealed aggregates stay
+        async def forget(node=node) -> None:
+            node.book.committed.pop(0, None)
+            node.server.attempts[(0, 0)].decision = None
+
+        node.call(forget(), timeout_s=10)
+    c.nodes[dead].close()
+    plan = make_plan(c.ctx.run_id, 0, 1, c.ids, c.ids, len(c.ctx.segment_numels), c.max_shards)
+    leader = next(c.ids.index(p) for p in plan.leaders if c.ids.index(p) != dead)
+    server = c.nodes[leader].server
+    c.nodes[leader].call(server.decide_exclusively(plan, server.attempts[(0, 1)]), timeout_s=60)
+    assert server.attempts[(0, 1)].decision is None, "attempt 1 was decided although round 0 had a commit"
+    assert server.book.committed[0][0] == signed
+    alive = [i for i in range(4) if i != dead]
+    means = [c.fetch(i, signed) for i in alive]  # the dead leader's shard survives on its replica
+    assert all(torch.equal(m, means[0]) for m in means)
