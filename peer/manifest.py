@@ -266,7 +266,7 @@ class SignedManifest:
             raise ManifestError(f"signed manifest is {len(data)} bytes; the limit is {max_bytes}")
         try:
             obj = msgpack.unpackb(bytes(data), raw=False, use_list=True, strict_map_key=True)
-        except Exception as exc:  # noqa: BLE001 - msgpack raises many types (ExtraData, FormatError, ValueError, ...)
+        except Exception as exc:
             raise ManifestError(f"signed manifest is not valid msgpack: {type(exc).__name__}") from None
         if not isinstance(obj, list) or len(obj) != 4:
             raise ManifestError("signed manifest must be a 4-element array")
@@ -297,7 +297,7 @@ class SignedManifest:
             raise ManifestError("manifest signature does not verify")
         try:
             data = msgpack.unpackb(self.manifest_bytes, raw=False, use_list=True, strict_map_key=True)
-        except Exception as exc:  # noqa: BLE001 - msgpack raises many types (ExtraData, FormatError, ValueError, ...)
+        except Exception as exc:
             raise ManifestError(f"signed manifest body is not valid msgpack: {type(exc).__name__}") from None
         try:
             manifest = manifest_from_mapping(data)
@@ -388,7 +388,7 @@ def _check_maddr(text: str) -> str:
     try:
         maddr = Multiaddr(text)
         protocols = [p.name for p in maddr.protocols()]
-    except Exception as exc:  # noqa: BLE001 - the multiaddr parser raises ValueError subclasses and a few others
+    except Exception as exc:
         raise BootstrapError(f"invalid multiaddr {text!r}: {exc}") from None
     # libp2p dials bootstrap peers by id, so every address must say whose it is
     if len(protocols) < 2 or protocols[-1] != "p2p":

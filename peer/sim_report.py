@@ -16,7 +16,8 @@ from typing import TYPE_CHECKING
 if TYPE_CHECKING:
     from .simulate import SimulateOptions
 
-def _read_events(path: Path) -> list[dict]:
+def read_events(path: Path) -> list[dict]:
+    """A process's events.jsonl (missing file: none; a line cut short by a kill is skipped)."""
     if not path.exists():
         return []
     out = []
@@ -34,7 +35,7 @@ def build_report(out: Path, opts: "SimulateOptions", driver_events: list[dict], 
     from .workload import build_workload
 
     params = sum(p.numel() for p in build_workload(opts.preset, 256, opts.seed).model.parameters())
-    logs = {d.name: _read_events(d / "events.jsonl") for d in sorted(out.iterdir())
+    logs = {d.name: read_events(d / "events.jsonl") for d in sorted(out.iterdir())
             if d.is_dir() and (d / "events.jsonl").exists()}
     if t0 is None:
         t0 = min((e["t"] for evs in logs.values() for e in evs), default=0.0)

@@ -75,7 +75,7 @@ def _public_key_from_peer_id(peer_id: str) -> Ed25519PublicKey:
     key = pb.PublicKey()
     try:
         key.ParseFromString(raw[2:])
-    except Exception:  # noqa: BLE001 - protobuf's DecodeError, plus whatever a corrupt buffer provokes
+    except Exception:
         raise IdentityError(f"peer id {peer_id!r} does not hold a protobuf public key") from None
     if key.key_type != pb.Ed25519 or len(key.data) != _KEY_BYTES:
         raise IdentityError(f"peer id {peer_id!r} is not an Ed25519 key")
@@ -136,7 +136,7 @@ class Identity:
         msg = pb.PrivateKey()
         try:
             msg.ParseFromString(bytes(data))
-        except Exception:  # noqa: BLE001 - protobuf's DecodeError, plus whatever a corrupt buffer provokes
+        except Exception:
             raise IdentityError("not a libp2p private key (protobuf does not parse)") from None
         if not msg.IsInitialized():
             raise IdentityError("not a libp2p private key (key type or key data missing)")

@@ -47,7 +47,7 @@ from collections.abc import Sequence
 from typing import Any
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # the shared helpers beside this script
-from _procs import kill_if_p2pd, p2pd_pids_using  # noqa: E402
+from _procs import kill_if_p2pd, p2pd_pids_using
 
 os.environ["OMP_WAIT_POLICY"] = "PASSIVE"  # before torch starts its thread pool (workers inherit it)
 os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")  # gloo on loopback only
@@ -238,12 +238,12 @@ def _worker_main(rank: int, n: int, conn: Any, barrier: Any, identity_path: str,
                 break
             try:
                 conn.send(("ok", getattr(worker, cmd)(**kwargs)))
-            except BaseException:  # noqa: BLE001 - any failure goes back to the parent, with its traceback
+            except BaseException:
                 barrier.abort()  # the others must not wait for this peer at the next barrier
                 conn.send(("error", traceback.format_exc()))
     except (EOFError, KeyboardInterrupt):  # the parent is gone or interrupted us: just clean up
         pass
-    except BaseException:  # noqa: BLE001 - e.g. start-up failed: report it to the parent
+    except BaseException:
         barrier.abort()
         with contextlib.suppress(OSError, ValueError):  # the parent may be gone already
             conn.send(("error", traceback.format_exc()))
@@ -251,7 +251,7 @@ def _worker_main(rank: int, n: int, conn: Any, barrier: Any, identity_path: str,
         if worker is not None:
             try:
                 worker.close()
-            except Exception as exc:  # noqa: BLE001 - shutting down; the parent kills p2pd anyway
+            except Exception as exc:
                 print(f"[peer {rank}] close failed: {exc!r}", file=sys.stderr, flush=True)
 
 

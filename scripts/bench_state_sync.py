@@ -54,7 +54,7 @@ import traceback
 from typing import Any, Callable, Sequence
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # the shared helpers beside this script
-from _procs import kill_if_p2pd, p2pd_pids_using  # noqa: E402
+from _procs import kill_if_p2pd, p2pd_pids_using
 
 os.environ["OMP_WAIT_POLICY"] = "PASSIVE"  # before torch starts its thread pool (workers inherit it)
 os.environ.setdefault("HIVEMIND_LOGLEVEL", "WARNING")
@@ -420,7 +420,7 @@ class _Client:
         sealed = seal(self.identity, RUN_ID, StateReply(1, hashlib.sha256(blob).hexdigest(), b"", blob))
         me = self.identity.peer_id
         raw = b"".join(t.numpy().tobytes() for t in state.tensors.values())  # the raw layout, for comparison
-        med = lambda fn: statistics.median(_median_times(fn, 0, repeats)[0])  # noqa: E731
+        med = lambda fn: statistics.median(_median_times(fn, 0, repeats)[0])
         return {
             "unseal_s": med(lambda: unseal(sealed, RUN_ID, StateReply, _maxreply(params), sender=me)),
             "sha256_s": med(lambda: hashlib.sha256(blob).hexdigest()),

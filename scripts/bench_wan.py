@@ -29,21 +29,13 @@ from datetime import timedelta
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).parent))
-import netlab  # noqa: E402
+import netlab
+
+from groundswell.peer.sim_report import read_events
 
 SWARM_HOSTS = ("pub", "h1", "h2", "h3")
 DDP_HOSTS = ("coord", "pub", "pub2", "pub3")
 PORT = 29500
-
-
-def _events(path: Path) -> list[dict]:
-    out = []
-    for line in (path.read_text().splitlines() if path.exists() else []):
-        try:
-            out.append(json.loads(line))
-        except json.JSONDecodeError:
-            continue
-    return out
 
 
 def swarm_run(name: str, out: Path, wall: float, preset: str, algorithm: str, codec: str, overlap: int,
@@ -75,7 +67,7 @@ def swarm_run(name: str, out: Path, wall: float, preset: str, algorithm: str, co
         start = None
         limit = time.time() + 300
         while start is None or time.time() < start + wall:
-            syncs = [e["t"] for h in SWARM_HOSTS for e in _events(out / h / "events.jsonl") if e["kind"] == "sync"]
+            syncs = [e["t"] for h in SWARM_HOSTS for e in read_events(out / h / "events.jsonl") if e["kind"] == "sync"]
             if start is None and len(syncs) == len(SWARM_HOSTS):
                 start = max(syncs)  # every peer holds the state: training starts
             if time.time() > limit and start is None:
@@ -89,13 +81,13 @@ def swarm_run(name: str, out: Path, wall: float, preset: str, algorithm: str, co
     stop = start + wall
     utilization, sent = [], []
     for host in SWARM_HOSTS:
-        events = _events(out / host / "events.jsonl")
+        events = read_events(out / host / "events.jsonl")
         # training time inside [start, stop]: each block ran over [t - compute_s, t]
         busy = sum(max(0.0, min(e["t"], stop) - max(e["t"] - e["compute_s"], start))
                    for e in events if e["kind"] == "train")
         utilization.append(busy / wall)
         sent.append(sum(e["bytes_sent"] for e in events if e["kind"] == "round" and e["t"] <= stop))
-    followed = [e for e in _events(out / "coordinator" / "events.jsonl")
+    followed = [e for e in read_events(out / "coordinator" / "events.jsonl")
                 if e["kind"] == "round" and e["t"] <= stop and e.get("eval_loss") == e.get("eval_loss")]
     return {"name": name, "compute_utilization": round(sum(utilization) / len(utilization), 4),
             "eval_loss": followed[-1]["eval_loss"] if followed else None, "wall_s": wall,

@@ -15,7 +15,7 @@ from pathlib import Path
 
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
-from groundswell.peer.mini_table import format_table, run_mini_table  # noqa: E402
+from groundswell.peer.mini_table import format_table, run_mini_table
 
 
 def main() -> None:

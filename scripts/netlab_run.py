@@ -19,23 +19,12 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).parent))
-import netlab  # noqa: E402
+import netlab
 
-from groundswell.peer.simulate import Simulation, SimulateOptions, manifest_toml  # noqa: E402
+from groundswell.peer.sim_report import read_events
+from groundswell.peer.simulate import Simulation, SimulateOptions, manifest_toml
 
 VOLUNTEERS = ("pub", "h1", "h2", "h3")
-
-
-def _events(path: Path) -> list[dict]:
-    if not path.exists():
-        return []
-    out = []
-    for line in path.read_text().splitlines():
-        try:
-            out.append(json.loads(line))
-        except json.JSONDecodeError:
-            continue
-    return out
 
 
 def run(rounds: int = 5, out: Path | None = None, timeout_s: float = 300, **lab_kwargs: object) -> dict:
@@ -70,7 +59,7 @@ def run(rounds: int = 5, out: Path | None = None, timeout_s: float = 300, **lab_
 
 def report(out: Path, rounds: int, shaping: dict, timed_out: list[str]) -> dict:
     """The run's outcome from every process's event log."""
-    logs = {name: _events(out / name / "events.jsonl") for name in ("coordinator", *VOLUNTEERS)}
+    logs = {name: read_events(out / name / "events.jsonl") for name in ("coordinator", *VOLUNTEERS)}
     ids = {next((e["peer"] for e in evs if "peer" in e), ""): name for name, evs in logs.items()}
     hashes: dict[int, set[str]] = {}
     contributed: set[str] = set()

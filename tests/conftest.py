@@ -11,7 +11,7 @@ import torch
 
 torch.set_num_threads(1)  # several test processes may share 2 cores; one thread each is steadier
 
-from groundswell.peer.data import Corpus, load_corpus  # noqa: E402
+from groundswell.peer.data import Corpus, load_corpus
 
 
 @pytest.fixture(scope="session")

@@ -12,7 +12,7 @@ import pytest
 from groundswell.peer.simulate import Simulation, SimulateOptions, run_simulation
 
 sys.path.insert(0, str(Path(__file__).parent))
-from swarm_harness import leftover_processes  # noqa: E402
+from swarm_harness import leftover_processes
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(400)]
 

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 sys.path.insert(0, str(Path(__file__).parent.parent / "scripts"))
-import netlab  # noqa: E402
+import netlab
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(420)]
 

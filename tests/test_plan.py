@@ -7,10 +7,10 @@ import random
 
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
-import pytest  # noqa: E402
-from groundswell.protocol.plan import RoundPlan, make_plan  # noqa: E402
-from hypothesis import HealthCheck, given, settings  # noqa: E402
-from hypothesis import strategies as st  # noqa: E402
+import pytest
+from groundswell.protocol.plan import RoundPlan, make_plan
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 RUN = "run-plan"
 SERVERS = [f"12D3KooWserver{i:03d}" for i in range(40)]

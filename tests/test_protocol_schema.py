@@ -15,12 +15,12 @@ import typing
 
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
-import msgpack  # noqa: E402
-import pytest  # noqa: E402
-from groundswell.protocol import schema  # noqa: E402
-from groundswell.protocol.context import DecisionBook, Membership  # noqa: E402
-from groundswell.protocol.identity import Identity, peer_id_from_public_bytes  # noqa: E402
-from groundswell.protocol.schema import (  # noqa: E402
+import msgpack
+import pytest
+from groundswell.protocol import schema
+from groundswell.protocol.context import DecisionBook, Membership
+from groundswell.protocol.identity import Identity, peer_id_from_public_bytes
+from groundswell.protocol.schema import (
     MAX_SMALL,
     MESSAGES,
     PROTOCOL_VERSION,
@@ -48,9 +48,9 @@ from groundswell.protocol.schema import (  # noqa: E402
     decode_message,
     encode_message,
 )
-from groundswell.protocol.transport import seal, unseal  # noqa: E402
-from hypothesis import HealthCheck, given, settings  # noqa: E402
-from hypothesis import strategies as st  # noqa: E402
+from groundswell.protocol.transport import seal, unseal
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 RUN = "run-test"
 ID = Identity.generate()

@@ -14,7 +14,7 @@ import pytest
 import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
-from swarm_harness import Cluster  # noqa: E402
+from swarm_harness import Cluster
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(240)]
 

@@ -18,10 +18,10 @@ from typing import Any, Awaitable, Callable
 
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
-import pytest  # noqa: E402
-from groundswell.protocol.identity import Identity  # noqa: E402
-from groundswell.protocol.schema import Ack, DecisionReply, Join, ProtocolError, StateRequest  # noqa: E402
-from groundswell.protocol.transport import PeerUnavailable, Transport, seal, unseal  # noqa: E402
+import pytest
+from groundswell.protocol.identity import Identity
+from groundswell.protocol.schema import Ack, DecisionReply, Join, ProtocolError, StateRequest
+from groundswell.protocol.transport import PeerUnavailable, Transport, seal, unseal
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(120)]
 
