@@ -82,7 +82,23 @@ def _public_key_from_peer_id(peer_id: str) -> Ed25519PublicKey:
     # re-encoding must reproduce the id exactly: no extra fields, no alternative spellings
     if pb.PublicKey(key_type=pb.Ed25519, data=key.data).SerializeToString() != raw[2:]:
         raise IdentityError(f"peer id {peer_id!r} is not canonically encoded")
+    if bytes(key.data) in _SMALL_ORDER_KEYS:  # signatures "verify" for these without any private key
+        raise IdentityError(f"peer id {peer_id!r} holds a small-order Ed25519 key")
     return Ed25519PublicKey.from_public_bytes(key.data)
+
+
+# Encodings of the 8 small-order points of edwards25519 (with their sign-bit twins and the
+# non-canonical spellings of y = 1 and y = -1): no honest key is one of them.
+_SMALL_ORDER_KEYS = frozenset(bytes.fromhex(h) for h in (
+    "01" + "00" * 31, "01" + "00" * 30 + "80",
+    "ec" + "ff" * 30 + "7f", "ec" + "ff" * 31,
+    "00" * 32, "00" * 31 + "80",
+    "26e8958fc2b227b045c3f489f2ef98f0d5dfac05d3c63339b13802886d53fc05",
+    "26e8958fc2b227b045c3f489f2ef98f0d5dfac05d3c63339b13802886d53fc85",
+    "c7176a703d4dd84fba3c0b760d10670f2a2053fa2c39ccc64ec7fd7792ac037a",
+    "c7176a703d4dd84fba3c0b760d10670f2a2053fa2c39ccc64ec7fd7792ac03fa",
+    "ee" + "ff" * 30 + "7f", "ee" + "ff" * 31,
+))
 
 
 def verify(peer_id: str, data: bytes, signature: bytes) -> bool:

@@ -172,3 +172,13 @@ def test_live_p2p_uses_the_identity(tmp_path):
 
     assert asyncio.run(main()) == ident.peer_id
     assert Identity.load(path).peer_id == ident.peer_id  # p2pd left the file alone
+
+
+def test_a_peer_id_holding_a_small_order_key_is_refused():
+    # Found by the envelope fuzz test: an all-zero key accepts an all-zero signature.
+    from groundswell.protocol.identity import IdentityError, public_key_from_peer_id, verify
+
+    forged = "12D3KooW9pNAk8aiBuGVQtWRdbkLmo5qVL3e2h5UxbN2Nz9ttwiw"  # Ed25519 key 00..00
+    with pytest.raises(IdentityError):
+        public_key_from_peer_id(forged)
+    assert not verify(forged, b"anything", bytes(64))
