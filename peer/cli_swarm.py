@@ -137,6 +137,7 @@ def join(
     verbose: bool = typer.Option(False, help="Log protocol events."),
     threads: int = typer.Option(0, help="torch threads (0 = default)."),
     reachability: str = typer.Option("auto", help="auto (a bootstrap peer dials us back), public or private."),
+    attack: str = typer.Option("", hidden=True, help="Simulations only: tamper with contributions (peer/byzantine.py)."),
 ) -> None:
     """Join a run as a volunteer: verify the manifest, download the state, train and exchange."""
     from .manifest import SignedManifest, parse_bootstrap
@@ -194,9 +195,15 @@ def join(
                                  f"{info.tokens_per_s:,.0f} tok/s" if info.status == "applied" else ""),
                               highlight=False)
 
+        tamper = None
+        if attack:
+            from .byzantine import Attack
+
+            tamper = Attack(attack, p.outer.codec, seed=manifest.run.seed)
+            console.print(f"[bold red]byzantine peer[/]: attack {attack!r} (simulation)")
         with bar:
             run_volunteer(p, peers, max_rounds=max_rounds, until_round=until_round, stop=stop, on_round=on_round,
-                          on_step=on_step)
+                          on_step=on_step, attack=tamper)
         console.print("left the run cleanly")
     finally:
         node.close()
@@ -270,6 +277,10 @@ def simulate(
     leave_every: float = typer.Option(0.0, help="A random peer leaves cleanly (SIGINT) every S seconds."),
     kill_coordinator_at: float = typer.Option(0.0, help="SIGKILL the coordinator at S s; restart it from its state."),
     checkpoint_every: int = typer.Option(5, help="Rounds between checkpoints."),
+    byzantine: int = typer.Option(0, help="K of the volunteers misbehave (see --attack)."),
+    attack: str = typer.Option("scale", help="What byzantine peers do: scale, random, signflip, nan or stale."),
+    defences: bool = typer.Option(True, "--defences/--no-defences",
+                                  help="Robust aggregation (norm clipping) on or off; input validation stays on."),
 ) -> None:
     """A coordinator and N volunteers on 127.0.0.1 (real libp2p), R rounds; writes OUT/report.json."""
     from .simulate import SimulateOptions, run_simulation
@@ -279,7 +290,8 @@ def simulate(
                            min_peers=min(min_peers, peers), seed=seed, outer_lr=outer_lr, overlap=overlap,
                            kill_every=kill_every, restart_after=restart_after, freeze_every=freeze_every,
                            freeze_for=freeze_for, late_joiners=late_joiners, leave_every=leave_every,
-                           kill_coordinator_at=kill_coordinator_at, checkpoint_every=checkpoint_every)
+                           kill_coordinator_at=kill_coordinator_at, checkpoint_every=checkpoint_every,
+                           byzantine=byzantine, attack=attack, defences=defences)
     report = run_simulation(opts, out, progress=lambda m: console.print(m, highlight=False))
     losses = report["eval_loss_by_round"]
     console.print(

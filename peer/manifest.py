@@ -61,6 +61,7 @@ class _RunScalars:
 
     id: str = ""
     open: bool = False  # true: anyone may contribute; false: only the allowlist
+    open_state: bool = True  # closed runs: may peers not on the allowlist download the state?
     min_peers: int = 1
     seed: int = 0
 
@@ -109,6 +110,27 @@ class RoundSection:
 
 
 @dataclass(frozen=True)
+class DefencesSection:
+    """How peers protect the run from broken and hostile peers (see protocol/README.md)."""
+
+    clip: float = 1.0  # clip each contribution's norm, per shard, to clip * the round's median norm; 0 = off
+    trim: float = 0.0  # dense codecs: coordinate-wise trimmed mean, this fraction cut at each end
+    requests_per_s: float = 50.0  # per remote peer; bursts of 2 s worth pass
+    max_streams: int = 32  # concurrent inbound streams per remote peer
+    strikes: int = 20  # violations within ban_s that get a peer banned...
+    ban_s: float = 60.0  # ...for this long
+    max_clock_skew_s: float = 120.0  # messages stamped further from the receiver's clock are dropped
+
+    def __post_init__(self) -> None:
+        if not self.clip >= 0 or not 0 <= self.trim < 0.5:
+            raise ConfigError("defences.clip must be >= 0 and defences.trim in [0, 0.5)")
+        if not (self.requests_per_s > 0 and self.max_streams >= 1 and self.strikes >= 1 and self.ban_s >= 0
+                and self.max_clock_skew_s > 0):
+            raise ConfigError("defences.requests_per_s, max_streams, strikes and max_clock_skew_s must be "
+                              "positive and ban_s >= 0")
+
+
+@dataclass(frozen=True)
 class CheckpointSection:
     """How often the coordinator checkpoints the global model, and how many it keeps."""
 
@@ -132,6 +154,7 @@ class RunManifest:
     round: RoundSection = field(default_factory=RoundSection)
     checkpoint: CheckpointSection = field(default_factory=CheckpointSection)
     eval: EvalSection = field(default_factory=EvalSection)
+    defences: DefencesSection = field(default_factory=DefencesSection)
 
     def __post_init__(self) -> None:
         if self.outer.algorithm == "single":

@@ -16,14 +16,15 @@ from typing import Any
 
 import torch
 
-from groundswell.compression import make_codec, segment_bounds, segment_size
+from groundswell.compression import RobustOptions, make_codec, segment_bounds, segment_size
 from groundswell.optim import DiLoCo, DiLoCoConfig, OuterOptimizer, SparseLoCo, SparseLoCoConfig, copy_into_parameters
+from groundswell.protocol.guard import Limits
 from groundswell.protocol.identity import Identity
 from groundswell.protocol.schema import Decision, ProtocolError, StateReply, StateRequest
 from groundswell.protocol.transport import PeerUnavailable, seal, unseal
 
 from .data import Corpus, evaluate, heldout_batches, load_corpus
-from .manifest import RunManifest
+from .manifest import RunManifest, SignedManifest
 from .swarm import GlobalState, NodeOptions, RunContext, SwarmNode, params_hash
 from .workload import Workload, build_workload
 
@@ -43,15 +44,20 @@ def make_outer(manifest: RunManifest, params: Any, numel: int) -> OuterOptimizer
     raise ValueError(f"outer.algorithm {o.algorithm!r} cannot run in a swarm")
 
 
-def run_context(manifest: RunManifest, outer: OuterOptimizer) -> RunContext:
+def run_context(manifest: RunManifest, outer: OuterOptimizer, coordinator: str = "") -> RunContext:
     """The round protocol's view of the run."""
     numel = outer.global_params.numel()
     numels = tuple(b - a for a, b in segment_bounds(numel, outer.segment))
     # A contribution can never need more than fp32 of the whole vector plus envelopes.
     budget = 4 * numel + 64 * len(numels) + 4096
     allow = frozenset(manifest.run.allowlist) if not manifest.run.open else None
+    d = manifest.defences
+    readers = None if allow is None or manifest.run.open_state else allow | {coordinator}
     return RunContext(manifest.run.id, manifest.run.min_peers, manifest.round.deadline_s, manifest.round.slack_s,
-                      manifest.round.max_shards, numels, outer.codec, budget, allow)
+                      manifest.round.max_shards, numels, outer.codec, budget, allow,
+                      RobustOptions(clip=d.clip, trim=d.trim),
+                      Limits(requests_per_s=d.requests_per_s, max_streams=d.max_streams, ban_s=d.ban_s,
+                             strikes=d.strikes, max_clock_skew_s=d.max_clock_skew_s), readers)
 
 
 def genesis_decision(identity: Identity, run_id: str) -> bytes:
@@ -93,7 +99,8 @@ class Participant:
         self.workload.model.to(device)
         numel = sum(p.numel() for p in self.workload.model.parameters())
         self.outer = make_outer(manifest, self.workload.model.parameters(), numel)
-        self.ctx = run_context(manifest, self.outer)
+        coordinator = SignedManifest.from_bytes(signed_manifest).coordinator if signed_manifest else ""
+        self.ctx = run_context(manifest, self.outer, coordinator)
         self.evalset = heldout_batches(self.corpus, self.workload.block_size, manifest.eval.batch_size,
                                        manifest.eval.batches)
         self.node = node or SwarmNode(identity, identity_path, options)

@@ -13,6 +13,7 @@ from groundswell.optim import RoundFailed
 from groundswell.protocol.client import RoundBehind
 from groundswell.protocol.transport import PeerUnavailable
 
+from .byzantine import Attack
 from .config import DataSection
 from .participant import Participant, genesis_decision
 from .swarm import GlobalState, params_hash
@@ -55,8 +56,9 @@ class StopFlag:
 def run_volunteer(p: Participant, bootstrap_peers: list[str], *, max_rounds: int | None, stop: StopFlag,
                   until_round: int | None = None,
                   on_round: Callable[[RoundInfo], None] = lambda _: None,
-                  on_step: Callable[[int, float], None] | None = None) -> None:
-    """Sync, then train H steps, exchange, apply; until stopped or `max_rounds` rounds applied."""
+                  on_step: Callable[[int, float], None] | None = None, attack: Attack | None = None) -> None:
+    """Sync, then train H steps, exchange, apply; until stopped or `max_rounds` rounds applied.
+    `attack`: a simulated byzantine volunteer tampers with what it contributes."""
     m = p.manifest
     p.start_network()
     resumed = p.load_checkpoint()
@@ -99,7 +101,8 @@ def run_volunteer(p: Participant, bootstrap_peers: list[str], *, max_rounds: int
             if not more():
                 break
         r = p.outer.round_id
-        loop.exchange.contribute(r, p.outer.prepare())
+        payloads = p.outer.prepare()
+        loop.exchange.contribute(r, attack.tamper(payloads) if attack is not None else payloads)
         in_flight = (r, stats, t0, time.perf_counter())
         if not m.outer.overlap:
             loop.settle(*in_flight)
@@ -111,7 +114,14 @@ def run_volunteer(p: Participant, bootstrap_peers: list[str], *, max_rounds: int
                        reachability=p.node.reachability, peer=p.identity.peer_id)
     except (PeerUnavailable, TimeoutError, RuntimeError) as exc:
         log.info("could not list connections: %s", exc)
+    write_defence_counts(p)
     p.save_checkpoint({"inner": trainer.state_dict()})
+
+
+def write_defence_counts(p: Participant) -> None:
+    """Log what this peer refused (by reason and handler) and whom it banned, for the run's report."""
+    guard = p.node.guard
+    p.events.write("defences", rejected=dict(guard.rejected), bans=guard.bans_total, peer=p.identity.peer_id)
 
 
 @dataclass
@@ -262,11 +272,12 @@ def run_coordinator(p: Participant, *, stop: StopFlag, on_round: Callable[[Round
         if loss == loss:
             p.node.update_record(loss=loss)
         p.events.write("round", round=r, contributors=list(d.contributors), attempt=d.attempt, leader=d.leader,
-                       hash=info.params_hash, eval_loss=loss,
+                       hash=info.params_hash, eval_loss=loss, clipped=client.clipped.get(r, []),
                        round_s=info.round_s, peer=p.identity.peer_id, role="coordinator")
         on_round(info)
         if (r + 1) % m.checkpoint.every_rounds == 0:
             p.save_checkpoint()
+    write_defence_counts(p)
     p.save_checkpoint()
 
 

@@ -81,6 +81,16 @@ def build_report(out: Path, opts: "SimulateOptions", driver_events: list[dict], 
         first = min((e["t"] for e in evs if e["kind"] == "sync"), default=None)
         if name != "coordinator" and blocks and first is not None and blocks[-1]["t"] > first:
             utilization.append(min(1.0, sum(e["compute_s"] for e in blocks) / (blocks[-1]["t"] - first)))
+    rejected: dict[str, int] = {}  # contributions refused by aggregators, by reason
+    for evs in logs.values():
+        for e in evs:
+            if e["kind"] == "defences":
+                for key, count in e["rejected"].items():
+                    reason, _, handler = key.partition(":")
+                    if handler == "contribute":
+                        rejected[reason] = rejected.get(reason, 0) + count
+    clipped = [e.get("clipped", []) for e in logs.get("coordinator", []) if e["kind"] == "round"]
+    names = {pid: name for name, pid in ids.items()}
     starts = [e["t"] - t0 for evs in logs.values() for e in evs if e["kind"] == "sync"]
     marks = ([min(starts)] if starts else []) + [end_t[r] for r in order]
     return {
@@ -105,5 +115,10 @@ def build_report(out: Path, opts: "SimulateOptions", driver_events: list[dict], 
         "compute_utilization": round(sum(utilization) / len(utilization), 4) if utilization else None,
         "overlap": opts.overlap,
         "peak_rss_mb_per_peer": {k: round(v, 1) for k, v in (rss or {}).items()},
+        "byzantine": {"peers": opts.byzantine_peers(), "attack": opts.attack if opts.byzantine else None},
+        "defences": "on" if opts.defences else "off",
+        "rejected_contributions": rejected,
+        # per round, the contributors whose norm the robust mean clipped (as the coordinator applied it)
+        "clipped_by_round": [sorted(names.get(pid, pid) for pid in c) for c in clipped],
         "events": sorted(events, key=lambda e: e["t"]),
     }

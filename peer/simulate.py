@@ -48,6 +48,21 @@ class SimulateOptions:
     late_joiners: int = 0
     leave_every: float = 0.0
     kill_coordinator_at: float = 0.0
+    byzantine: int = 0  # the last K volunteers misbehave
+    attack: str = "scale"  # see peer/byzantine.py
+    defences: bool = True  # False: no norm clipping (input validation always stays on)
+
+    def __post_init__(self) -> None:
+        from .byzantine import ATTACKS
+
+        if not 0 <= self.byzantine <= self.peers:
+            raise ValueError(f"--byzantine must be between 0 and --peers ({self.peers}), got {self.byzantine}")
+        if self.attack not in ATTACKS:
+            raise ValueError(f"--attack must be one of {', '.join(ATTACKS)}, not {self.attack!r}")
+
+    def byzantine_peers(self) -> list[str]:
+        """Names of the volunteers that misbehave."""
+        return [f"peer-{i}" for i in range(self.peers - self.byzantine, self.peers)]
 
 
 def manifest_toml(opts: SimulateOptions) -> str:
@@ -61,6 +76,7 @@ def manifest_toml(opts: SimulateOptions) -> str:
         f'[outer]\nalgorithm = "{opts.algorithm}"\ninner_steps = {opts.inner_steps}\n{codec}{lr}'
         f"[round]\ndeadline_s = {opts.deadline_s}\nslack_s = {opts.slack_s}\nmax_shards = 16\n"
         f"[checkpoint]\nevery_rounds = {opts.checkpoint_every}\nkeep = 2\n[eval]\nbatches = 4\nbatch_size = 16\nevery_rounds = 1\n"
+        + ("" if opts.defences else "[defences]\nclip = 0.0\ntrim = 0.0\n")
     )
 
 
@@ -202,8 +218,9 @@ def run_simulation(opts: SimulateOptions, out: Path, progress: Callable[[str], N
             extra = [a.splitlines()[0] for a in (p.read_text() for p in out.glob("*/address.txt")) if a.strip()]
             head, _, maddrs = boot.partition("@")
             line = f"{head}@{','.join(dict.fromkeys([*maddrs.split(','), *extra[:3]]))}"
+            attack = ["--attack", opts.attack] if name in opts.byzantine_peers() else []
             return ["join", line, "--state-dir", str(out / name), "--until-round", str(opts.rounds),
-                    "--listen", "/ip4/127.0.0.1/tcp/0", *common]
+                    "--listen", "/ip4/127.0.0.1/tcp/0", *attack, *common]
 
         volunteers = [f"peer-{i}" for i in range(opts.peers)]
         for name in volunteers:

@@ -16,14 +16,15 @@ import logging
 import threading
 import time
 from concurrent.futures import Future
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Callable, Coroutine, Sequence, TypeVar
 
 import torch
 
-from groundswell.compression import Codec
+from groundswell.compression import Codec, RobustOptions
 from groundswell.protocol.client import RoundClient
 from groundswell.protocol.context import DecisionBook
+from groundswell.protocol.guard import Guard, Limits
 from groundswell.protocol.identity import Identity
 from groundswell.protocol.schema import (
     ManifestReply, ManifestRequest, PeerRecord, ProbeReply, ProbeRequest, ProtocolError, StateReply, StateRequest,
@@ -56,10 +57,17 @@ class RunContext:
     codec: Codec
     max_payload_bytes: int
     allowlist: frozenset[str] | None = None  # None: open run
+    robust: RobustOptions = field(default_factory=RobustOptions)
+    limits: Limits = field(default_factory=Limits)
+    state_readers: frozenset[str] | None = None  # None: anyone may download the state
 
     def authorized(self, peer_id: str) -> bool:
         """Open runs take anyone; allowlisted runs only listed peer ids."""
         return self.allowlist is None or peer_id in self.allowlist
+
+    def may_read_state(self, peer_id: str) -> bool:
+        """May this peer download the run's state?"""
+        return self.state_readers is None or peer_id in self.state_readers
 
 
 @dataclass
@@ -134,6 +142,7 @@ class SwarmNode:
         self.p2p: Any = None
         self.reachability = "unknown"
         self._dial_back = DialBack()
+        self.guard = Guard()  # every transport of this node: limits and bans are per remote peer
         self._error: BaseException | None = None
 
     # --- lifecycle ------------------------------------------------------------------------------
@@ -167,7 +176,7 @@ class SwarmNode:
             self.maddrs = [str(m) for m in await p2p.get_visible_maddrs()]
             # The manifest is served outside any run (the joiner learns the run id from it); it
             # is signed by the coordinator, whose key the joiner already has.
-            self.bootstrap_transport = Transport(p2p, self.identity, "")
+            self.bootstrap_transport = Transport(p2p, self.identity, "", self.guard)
             await self.bootstrap_transport.serve("get-manifest", ManifestRequest, self._on_manifest)
             await self.bootstrap_transport.serve("probe", ProbeRequest, self._dial_back.handle)
             self.reachability = await self._find_reachability()
@@ -195,7 +204,8 @@ class SwarmNode:
 
     async def _attach(self, ctx: RunContext) -> None:
         self.ctx = ctx
-        self.transport = Transport(self.p2p, self.identity, ctx.run_id)
+        self.guard.limits = ctx.limits
+        self.transport = Transport(self.p2p, self.identity, ctx.run_id, self.guard)
         self.book = DecisionBook(ctx.run_id)
         self.server = RoundServer(ctx, self.transport, self.book, self.identity, self._tasks)
         await self.server.start()
@@ -287,7 +297,8 @@ class SwarmNode:
         while True:
             rec = self.record
             rec = PeerRecord(rec.round, rec.params_hash, rec.role, rec.trains, rec.serves, self.maddrs[:8],
-                             rec.reachability, rec.loss, self.transport.bytes_sent if self.transport else 0, time.time())
+                             rec.reachability, rec.loss, self.transport.bytes_sent if self.transport else 0, time.time(),
+                             sorted(self.guard.bans())[:32], sum(self.guard.rejected.values()))
             signed = seal(self.identity, self.ctx.run_id, rec)
             try:
                 await self.dht.store(self.records_key(self.ctx.run_id), signed, get_dht_time() + 3 * HEARTBEAT_S,
@@ -327,6 +338,9 @@ class SwarmNode:
         return ManifestReply(self.signed_manifest)
 
     async def _on_state(self, sender: str, msg: StateRequest) -> StateReply:
+        if self.ctx is not None and not self.ctx.may_read_state(sender):
+            self.guard.count(sender, "get-state", "unauthorized", strike=True)
+            return StateReply(-1, "", b"", b"")
         state = self.state_provider()
         if state is None or state.round < msg.min_round:
             return StateReply(-1, "", b"", b"")

@@ -105,12 +105,15 @@ class Claims:
         for (r, a), held in list(self.attempts.items()):
             if r == msg.round and a < msg.attempt and held.sealed is not None:
                 return ClaimReply(False, held.sealed)  # an earlier attempt's commit we built shards for
-        slot = self.attempts[(msg.round, msg.attempt)]
-        if slot.decision is not None:
-            return ClaimReply(False, slot.decision)
+        known = self.attempts.get((msg.round, msg.attempt))
+        if known is not None and known.decision is not None:
+            return ClaimReply(False, known.decision)
         plan = await self.plan(msg.round, msg.attempt, self.ctx.slack_s)
         if plan is None or sender not in plan.leaders:
             return ClaimReply(False, b"")
+        slot = self.attempts[(msg.round, msg.attempt)]  # only a leader of the attempt makes us keep one
+        if slot.decision is not None:
+            return ClaimReply(False, slot.decision)
         me = self.identity.peer_id
         if me not in plan.leaders:
             return ClaimReply(True, b"")  # an earlier attempt's leader: no say in this one

@@ -17,6 +17,8 @@ from typing import Callable, Sequence
 
 import torch
 
+from groundswell.compression import RobustStats, robust_mean
+
 from .context import DecisionBook, validate_segments
 from .plan import RoundPlan, attempt_for
 from .schema import (
@@ -54,6 +56,7 @@ class RoundClient:
         self.me = server.identity.peer_id
         self.holders = holders  # peers believed to hold a round's aggregate (from the DHT)
         self.retried: dict[int, int] = {}  # round -> newest attempt decided "retry"
+        self.clipped: dict[int, list[str]] = {}  # round -> contributors whose norm the robust mean clipped
 
     def current_attempt(self, round_id: int) -> int | None:
         """The attempt of `round_id` a contribution made now belongs to (None: round unknown)."""
@@ -197,15 +200,22 @@ class RoundClient:
             offsets.append(offsets[-1] + n)
         codec = self.ctx.codec
         n_contrib = len(decision.contributors)
+        clipped: set[str] = set()
         for shard, agg in enumerate(shards):
             first, stop = plan.shard_segments[shard]
-            for i, seg in enumerate(range(first, stop)):
-                if agg.mode == "mean":
-                    value = codec.decode(validate_segments(self.ctx, seg, [agg.parts[i]])[0])
-                else:
-                    parts = agg.parts[i * n_contrib:(i + 1) * n_contrib]
-                    value = codec.aggregate([validate_segments(self.ctx, seg, [p])[0] for p in parts])
+            if agg.mode == "mean":
+                values = [codec.decode(p) for p in validate_segments(self.ctx, first, agg.parts)]
+                clipped.update(agg.clipped)
+            else:  # every contributor's payloads, segment-major: rows[c][i]
+                rows = [validate_segments(self.ctx, first, agg.parts[c::n_contrib]) for c in range(n_contrib)]
+                stats = RobustStats()
+                values = robust_mean(codec, rows, self.ctx.robust, stats)
+                clipped.update(decision.contributors[c] for c in stats.clipped)
+            for seg, value in zip(range(first, stop), values):
                 out[offsets[seg]:offsets[seg + 1]] = value
+        self.clipped[decision.round] = sorted(clipped)
+        for old in [r for r in self.clipped if r < decision.round - 16]:
+            del self.clipped[old]
         return out.to(device)
 
     async def _fetch_shard(self, decision: Decision, signed: bytes, plan: RoundPlan, shard: int) -> AggregateShard:

@@ -10,7 +10,7 @@ import asyncio
 from dataclasses import dataclass, field
 from typing import Protocol
 
-from groundswell.compression import Codec, CodecError, Payload
+from groundswell.compression import Codec, CodecError, Payload, RobustOptions
 
 from .schema import Decision, ProtocolError
 from .transport import unseal
@@ -35,6 +35,7 @@ class RoundContext(Protocol):
     segment_numels: tuple[int, ...]  # element count of each segment of the flat parameter vector
     codec: Codec
     max_payload_bytes: int  # a whole contribution's budget on the wire
+    robust: RobustOptions  # norm clipping / trimmed mean applied to every aggregate
 
     def authorized(self, peer_id: str) -> bool:
         """May this peer contribute to the run?"""
@@ -101,15 +102,17 @@ class DecisionBook:
 def validate_segments(ctx: RoundContext, first: int, segments: list[bytes]) -> list[Payload]:
     """Strictly parse a run of segment payloads against the run's codec and segment shapes."""
     if first + len(segments) > len(ctx.segment_numels) or not segments:
-        raise ProtocolError(f"segments {first}..{first + len(segments)} out of range")
+        raise ProtocolError(f"segments {first}..{first + len(segments)} out of range", reason="bad-payload")
     out = []
     for i, data in enumerate(segments):
         numel = ctx.segment_numels[first + i]
         try:
             payload = Payload.from_bytes(data, max_bytes=ctx.max_payload_bytes, max_numel=numel, expect=ctx.codec)
         except CodecError as exc:
-            raise ProtocolError(f"segment {first + i}: {exc}") from None
+            reason = "non-finite" if "non-finite" in str(exc) or "finite" in str(exc) else "bad-payload"
+            raise ProtocolError(f"segment {first + i}: {exc}", reason=reason) from None
         if payload.shape != (numel,):
-            raise ProtocolError(f"segment {first + i} has shape {payload.shape}, expected ({numel},)")
+            raise ProtocolError(f"segment {first + i} has shape {payload.shape}, expected ({numel},)",
+                                reason="bad-payload")
         out.append(payload)
     return out

@@ -22,7 +22,15 @@ MAX_SMALL = 1 << 20  # a control message never needs more than this
 
 
 class ProtocolError(ValueError):
-    """A message is malformed, of the wrong kind, or breaks a bound; the message says which."""
+    """A message is malformed, of the wrong kind, or breaks a bound; the message says which.
+
+    `reason` is the short class it is counted under ("malformed", "bad-signature", "replayed",
+    ...); `strike`: whether it counts against the sender (an honest peer never sends it)."""
+
+    def __init__(self, message: str = "", *, reason: str = "malformed", strike: bool = True) -> None:
+        super().__init__(message)
+        self.reason = reason
+        self.strike = strike
 
 
 def _f(max_len: int = MAX_ID, max_items: int = MAX_LIST, lo: float | None = None, hi: float | None = None) -> Any:
@@ -159,6 +167,8 @@ class AggregateShard(Message):
     shard: int = _f(lo=0, hi=MAX_LIST)
     mode: str = _f(max_len=16)
     parts: list[bytes] = _f(max_len=1 << 34, max_items=1 << 20)
+    clipped: list[str] = field(default_factory=list, metadata={"max_len": MAX_ID, "max_items": MAX_LIST,
+                                                               "lo": None, "hi": None})  # "mean": whose norm was clipped
 
 
 @dataclass(frozen=True)
@@ -239,6 +249,9 @@ class PeerRecord(Message):
     loss: float = _f()
     bytes_sent: int = _f(lo=0, hi=1 << 62)
     updated: float = _f(lo=0)
+    banned: list[str] = field(default_factory=list, metadata={"max_len": MAX_ID, "max_items": 32, "lo": None,
+                                                              "hi": None})  # peers this one refuses now
+    rejected: int = field(default=0, metadata={"max_len": 0, "max_items": 0, "lo": 0, "hi": 1 << 62})  # messages refused
 
 
 MESSAGES: dict[str, type[Message]] = {

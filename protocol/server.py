@@ -20,10 +20,12 @@ from collections import defaultdict
 from dataclasses import dataclass, field
 from typing import Any, Awaitable, Callable, Coroutine
 
+from groundswell.compression import RobustStats, robust_mean
+
 from .claims import Claims
 from .context import DecisionBook, RoundContext, validate_segments
 from .identity import Identity
-from .plan import RoundPlan, close_time, make_plan
+from .plan import RoundPlan, attempt_for, close_time, make_plan
 from .schema import (
     MAX_SMALL, Ack, AggregateRequest, AggregateShard, Claim, Decision, DecisionReply, DecisionRequest,
     HaveReport, Join, ProtocolError, Seal, ShardContribution,
@@ -32,6 +34,8 @@ from .transport import PeerUnavailable, Transport, seal, unseal
 
 log = logging.getLogger(__name__)
 DENSE_MEAN_CODECS = ("fp32", "fp16", "bf16", "int8")  # the aggregate is the re-encoded mean
+REPORTING_CANDIDATES = 4  # a shard goes to one of its first 3 candidates, its replica to the next one
+FUTURE_ROUNDS = 3  # contributions and joins further ahead of our newest commit are dropped
 SEALED_BY_ANOTHER = "this attempt is already sealed under another leader's decision"
 
 
@@ -105,6 +109,20 @@ class RoundServer(Claims):
         self._archived.set()
         self._archived = asyncio.Event()
 
+    def _check_open(self, round_id: int, attempt: int) -> None:
+        """Refuse (without holding anything) a round or attempt no honest peer could be at yet:
+        every accepted one costs memory until the round is archived."""
+        latest = self.book.latest()
+        if round_id > latest + FUTURE_ROUNDS:  # nobody honest is that far ahead of us
+            raise ProtocolError(f"round {round_id} is too far ahead (we know round {latest})", reason="future-round",
+                                strike=False)
+        opened = self.book.opened_at(round_id)
+        newest = 2 if opened is None else attempt_for(time.time() + 2 * self.ctx.slack_s, opened, self.ctx.deadline_s,
+                                                      self.ctx.slack_s) + 1
+        if attempt > newest:
+            raise ProtocolError(f"attempt {attempt} of round {round_id} has not begun", reason="future-round",
+                                strike=False)
+
     def _spawn(self, coro: Coroutine[Any, Any, None]) -> None:
         """Run `coro` as a task of the server's group (dropped, not leaked, once it is closing)."""
         try:
@@ -115,9 +133,11 @@ class RoundServer(Claims):
     # --- aggregator ---------------------------------------------------------------------------
     async def _on_contribute(self, sender: str, msg: ShardContribution) -> Ack:
         if not self.ctx.authorized(sender):
+            self.transport.guard.count(sender, "contribute", "unauthorized", strike=True)
             return Ack(False, "not allowed to contribute to this run")
-        if msg.round in self.book.committed:
+        if msg.round in self.book.committed or msg.round <= self.book.latest():
             return Ack(False, f"round {msg.round} is closed")
+        self._check_open(msg.round, msg.attempt)
         slot = self.attempts[(msg.round, msg.attempt)]
         if slot.sealed is not None:
             return Ack(False, f"round {msg.round} attempt {msg.attempt} is sealed")
@@ -189,14 +209,15 @@ class RoundServer(Claims):
                stop: int) -> AggregateShard:
         num_segments = stop - first
         codec = self.ctx.codec
-        if codec.name not in DENSE_MEAN_CODECS:  # sparse: ship every payload; receivers average
+        if codec.name not in DENSE_MEAN_CODECS:  # sparse: ship every payload; receivers average (robustly)
             parts = [per_contributor[c][i] for i in range(num_segments) for c in range(len(per_contributor))]
             return AggregateShard(signed, shard, "gather", parts)
-        parts = []
-        for i in range(num_segments):
-            payloads = [validate_segments(self.ctx, first + i, [seg[i]])[0] for seg in per_contributor]
-            parts.append(codec.encode(codec.aggregate(payloads)).to_bytes())
-        return AggregateShard(signed, shard, "mean", parts)
+        rows = [validate_segments(self.ctx, first, segs) for segs in per_contributor]
+        stats = RobustStats()
+        means = robust_mean(codec, rows, self.ctx.robust, stats)
+        _, decision = unseal(signed, self.ctx.run_id, Decision)
+        clipped = [decision.contributors[c] for c in sorted(stats.clipped)]
+        return AggregateShard(signed, shard, "mean", [codec.encode(m).to_bytes() for m in means], clipped)
 
     async def _on_get_aggregate(self, sender: str, msg: AggregateRequest) -> AggregateShard:
         deadline = time.monotonic() + min(msg.wait_s, self.ctx.deadline_s + self.ctx.slack_s)
@@ -214,6 +235,15 @@ class RoundServer(Claims):
 
     # --- leader -------------------------------------------------------------------------------
     async def _on_have(self, sender: str, msg: HaveReport) -> Ack:
+        self._check_open(msg.round, msg.attempt)
+        plan = await self.plan(msg.round, msg.attempt, self.ctx.slack_s)
+        if plan is None:
+            return Ack(False, f"round {msg.round} is not planned here yet")
+        # Only the aggregators contributors send a shard to may report on it: anyone else could
+        # make itself the source of a shard and then build that shard's aggregate.
+        if msg.shard >= plan.num_shards or sender not in plan.candidates(msg.shard)[:REPORTING_CANDIDATES]:
+            self.transport.guard.count(sender, "have", "not-aggregator", strike=True)
+            return Ack(False, "not an aggregator of this shard")
         slot = self.attempts[(msg.round, msg.attempt)]
         # Reports travel concurrently and may arrive out of order; an aggregator's set only grows.
         slot.have[msg.shard].setdefault(sender, set()).update(msg.contributors)
@@ -227,7 +257,10 @@ class RoundServer(Claims):
 
     async def _on_join(self, sender: str, msg: Join) -> Ack:
         if msg.trains and not self.ctx.authorized(sender):
+            self.transport.guard.count(sender, "join", "unauthorized", strike=True)
             return Ack(False, "not allowed to contribute to this run")
+        if msg.round > self.book.latest() + FUTURE_ROUNDS:
+            raise ProtocolError(f"join for round {msg.round} is too far ahead", reason="future-round", strike=False)
         self.joins[msg.round][sender] = (msg.trains, msg.serves)
         for r in [r for r in self.joins if r < msg.round - 2]:
             del self.joins[r]
@@ -382,6 +415,8 @@ class RoundServer(Claims):
 
     async def _on_get_decision(self, sender: str, msg: DecisionRequest) -> DecisionReply:
         deadline = time.monotonic() + min(msg.wait_s, self.ctx.deadline_s + 5 * self.ctx.slack_s)
+        if msg.round not in self.book.committed and (msg.round, msg.attempt) not in self.attempts:
+            self._check_open(msg.round, msg.attempt)  # a reader must not make us keep slots for any round
         slot = self.attempts[(msg.round, msg.attempt)]
         while True:
             if msg.round in self.book.committed:

@@ -20,6 +20,7 @@ from typing import Any, Awaitable, Callable
 
 import msgpack
 
+from .guard import Guard
 from .identity import Identity, verify
 from .schema import MAX_SMALL, PROTOCOL_VERSION, Message, ProtocolError, decode_message, encode_message
 
@@ -59,10 +60,12 @@ def seal(identity: Identity, run_id: str, msg: Message) -> bytes:
                          use_bin_type=True)
 
 
-def unseal(data: bytes, run_id: str, expect: Any, max_bytes: int = MAX_SMALL, sender: str | None = None) -> tuple[str, Any]:
-    """Verify an envelope (run, signature, optional sender) and decode its message strictly."""
+def unseal(data: bytes, run_id: str, expect: Any, max_bytes: int = MAX_SMALL, sender: str | None = None,
+           fresh: Callable[[bytes, float], None] | None = None) -> tuple[str, Any]:
+    """Verify an envelope (run, signature, optional sender, and `fresh(nonce, time)` once the
+    signature holds) and decode its message strictly."""
     if len(data) > max_bytes + 512:
-        raise ProtocolError(f"envelope is {len(data)} bytes, over the limit")
+        raise ProtocolError(f"envelope is {len(data)} bytes, over the limit", reason="oversized")
     try:
         obj = msgpack.unpackb(data, raw=False, use_list=True, max_bin_len=len(data), max_str_len=512,
                               max_array_len=8, max_map_len=0, max_ext_len=0)
@@ -72,17 +75,19 @@ def unseal(data: bytes, run_id: str, expect: Any, max_bytes: int = MAX_SMALL, se
         raise ProtocolError("an envelope has 7 fields")
     version, env_run, env_sender, nonce, ts, body, sig = obj
     if type(version) is not int or version != PROTOCOL_VERSION:  # True and 1.0 equal 1 in Python
-        raise ProtocolError(f"protocol version {version!r}; this peer speaks {PROTOCOL_VERSION}")
+        raise ProtocolError(f"protocol version {version!r}; this peer speaks {PROTOCOL_VERSION}", reason="version")
     if not (isinstance(env_run, str) and isinstance(env_sender, str) and isinstance(nonce, bytes)
             and isinstance(ts, float) and isinstance(body, bytes) and isinstance(sig, bytes)):
         raise ProtocolError("envelope fields have the wrong types")
     if env_run != run_id:
-        raise ProtocolError(f"message is for run {env_run!r}, not {run_id!r}")
+        raise ProtocolError(f"message is for run {env_run!r}, not {run_id!r}", reason="wrong-run")
     if sender is not None and env_sender != sender:
-        raise ProtocolError("envelope sender is not the stream's peer")
+        raise ProtocolError("envelope sender is not the stream's peer", reason="bad-signature")
     env = Envelope(env_run, env_sender, nonce, ts, body, sig)
     if not verify(env_sender, env.signed_part(), sig):
-        raise ProtocolError("bad signature")
+        raise ProtocolError("bad signature", reason="bad-signature")
+    if fresh is not None:
+        fresh(nonce, ts)
     return env_sender, decode_message(body, expect, max_bytes=max_bytes)
 
 
@@ -97,18 +102,19 @@ async def read_frame(reader: asyncio.StreamReader, max_bytes: int) -> bytes:
     """Read one length-prefixed frame, refusing lengths over `max_bytes` before reading them."""
     (size,) = _LEN.unpack(await reader.readexactly(_LEN.size))
     if size > max_bytes:
-        raise ProtocolError(f"frame of {size} bytes exceeds the limit of {max_bytes}")
+        raise ProtocolError(f"frame of {size} bytes exceeds the limit of {max_bytes}", reason="oversized")
     return await reader.readexactly(size)
 
 
 class Transport:
     """Typed, signed request/response between peers of one run over a `hivemind.P2P`."""
 
-    def __init__(self, p2p: Any, identity: Identity, run_id: str) -> None:
+    def __init__(self, p2p: Any, identity: Identity, run_id: str, guard: Guard | None = None) -> None:
         self.p2p = p2p
         self.identity = identity
         self.run_id = run_id
-        self.rejected: Counter[str] = Counter()  # rejected inbound messages by reason class
+        self.guard = guard or Guard()  # shared by a node's transports: limits and bans are per peer
+        self.rejected_replies: Counter[str] = Counter()  # bad replies to our requests, by reason
         self.bytes_sent = 0
         self.bytes_received = 0
 
@@ -121,24 +127,43 @@ class Transport:
 
         async def on_stream(info: Any, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
             remote = info.peer_id.to_base58()
+            refused = self.guard.admit(remote, handler)  # before a byte is read: bans, floods, stream count
+            if refused is not None:
+                writer.close()
+                self._log_rejection(handler, refused, remote, "")
+                return
             try:
                 async with asyncio.timeout(timeout_s):
                     data = await read_frame(reader, max_request + 512)
                     self.bytes_received += len(data) + _LEN.size
-                    sender, request = unseal(data, self.run_id, expect, max_request, sender=remote)
+                    sender, request = unseal(data, self.run_id, expect, max_request, sender=remote,
+                                             fresh=self.guard.check_fresh)
                     reply = await fn(sender, request)
                     out = seal(self.identity, self.run_id, reply)
                     await write_frame(writer, out)
                     self.bytes_sent += len(out) + _LEN.size
             except ProtocolError as exc:
-                self.rejected[type(exc).__name__ + ":" + handler] += 1
-                log.warning("rejected %s request from %s: %s", handler, remote[-8:], exc)
+                self.guard.reject(remote, handler, exc)
+                self._log_rejection(handler, exc.reason, remote, str(exc))
             except (asyncio.TimeoutError, asyncio.IncompleteReadError, ConnectionError) as exc:
                 log.debug("%s request from %s ended early: %r", handler, remote[-8:], exc)
             finally:
+                self.guard.release(remote)
                 writer.close()  # without this the caller's read never sees EOF
 
         await self.p2p.add_binary_stream_handler(self._name(handler), on_stream)
+
+    @property
+    def rejected(self) -> Counter[str]:
+        """Refused inbound requests, as "reason:handler" -> count (shared with the node's other transports)."""
+        return self.guard.rejected
+
+    def _log_rejection(self, handler: str, reason: str, remote: str, detail: str) -> None:
+        # one clear line per (handler, reason) class the first time, then every 100th: a flood
+        # must not turn into a flood of log lines
+        n = self.guard.rejected[f"{reason}:{handler}"]
+        if n == 1 or n % 100 == 0:
+            log.warning("rejected %s request from %s (%s, %d so far): %s", handler, remote[-8:], reason, n, detail)
 
     async def request(self, peer_id: str, handler: str, msg: Message, expect: Any, *, timeout_s: float,
                       max_reply: int = MAX_SMALL) -> Any:
@@ -159,7 +184,7 @@ class Transport:
                 _, decoded = unseal(reply, self.run_id, expect, max_reply, sender=peer_id)
                 return decoded
         except ProtocolError as exc:
-            self.rejected[type(exc).__name__ + ":reply:" + handler] += 1
+            self.rejected_replies[f"{exc.reason}:{handler}"] += 1
             raise PeerUnavailable(f"{peer_id[-8:]} sent a bad {handler} reply: {exc}") from None
         except TimeoutError:
             raise PeerUnavailable(f"{peer_id[-8:]} did not answer {handler} within {timeout_s:.1f}s") from None

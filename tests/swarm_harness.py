@@ -10,7 +10,7 @@ from pathlib import Path
 
 import torch
 
-from groundswell.compression import make_codec, segment_bounds
+from groundswell.compression import RobustOptions, make_codec, segment_bounds
 from groundswell.compression.segments import encode_segments
 from groundswell.peer.swarm import NodeOptions, RunContext, SwarmNode
 from groundswell.protocol.identity import Identity
@@ -30,6 +30,7 @@ class Cluster:
     min_peers: int = 2
     deadline_s: float = 8.0
     slack_s: float = 1.0
+    robust: RobustOptions = field(default_factory=lambda: RobustOptions(clip=0.0))  # plain mean unless a test asks
     nodes: list[SwarmNode] = field(default_factory=list)
     ids: list[str] = field(default_factory=list)
 
@@ -38,7 +39,7 @@ class Cluster:
         self.codec = make_codec(self.codec_name, **({"chunk": 4096, "k": 64} if self.codec_name == "sparseloco" else {}))
         numels = tuple(b - a for a, b in segment_bounds(self.numel, self.segment))
         self.ctx = RunContext("test-run", self.min_peers, self.deadline_s, self.slack_s, self.max_shards, numels,
-                              self.codec, 4 * self.numel + 8192)
+                              self.codec, 4 * self.numel + 8192, robust=self.robust)
         try:
             for i in range(self.n):
                 ident = Identity.generate()

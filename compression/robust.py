@@ -1,0 +1,108 @@
+"""Robust means of contributions: norm clipping to the median norm, and a coordinate-wise trimmed
+mean, computed bit-identically on every CPU.
+
+Every peer that averages a sparse round computes this mean itself, so it must not depend on the
+thread count or the vector width of the machine: reductions are done as a fixed binary tree of
+elementwise float64 additions (IEEE-754 additions are correctly rounded, so a fixed order gives
+fixed bits), and a contribution's weight is one correctly rounded fp64 division cast to fp32.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Sequence
+
+import torch
+
+from .base import Codec, CodecError, Payload, sum_to_mean_
+
+
+@dataclass(frozen=True)
+class RobustOptions:
+    """How contributions are made robust before averaging; zeros turn a defence off."""
+
+    clip: float = 1.0  # clip each contribution's norm to clip * the median norm (per shard)
+    trim: float = 0.0  # coordinate-wise trimmed mean: drop this fraction at each end (dense codecs)
+
+    def __post_init__(self) -> None:
+        if not self.clip >= 0:
+            raise ValueError(f"clip must be >= 0, got {self.clip}")
+        if not 0 <= self.trim < 0.5:
+            raise ValueError(f"trim must be in [0, 0.5), got {self.trim}")
+
+    @property
+    def active(self) -> bool:
+        """Does this change the plain mean at all?"""
+        return self.clip > 0 or self.trim > 0
+
+
+@dataclass
+class RobustStats:
+    """What the robust mean did: which contributions (by position) had their norm clipped."""
+
+    clipped: set[int] = field(default_factory=set)
+    trimmed: int = 0  # values dropped per coordinate at each end
+
+
+def tree_sum_of_squares(x: torch.Tensor) -> float:
+    """sum(x**2) in float64 by a fixed pairwise tree: the same bits on every CPU and thread count."""
+    v = x.detach().reshape(-1).to(device="cpu", dtype=torch.float64)
+    v = v * v  # an fp32 value's square is exact in fp64
+    n = v.numel()
+    if n == 0:
+        return 0.0
+    size = 1 << (n - 1).bit_length()
+    if size != n:
+        v = torch.cat([v, v.new_zeros(size - n)])
+    while v.numel() > 1:
+        v = v[0::2] + v[1::2]  # elementwise: no order left to the library
+    return float(v[0])
+
+
+def clip_weights(sq_norms: Sequence[float], clip: float) -> list[float]:
+    """Per-contribution scale factors (<= 1) that clip every norm to `clip` * the median norm."""
+    if clip <= 0 or not sq_norms:
+        return [1.0] * len(sq_norms)
+    ordered = sorted(sq_norms)
+    mid = len(ordered) // 2
+    # the lower median: with an even count, the larger half cannot pull the reference up
+    median_sq = ordered[mid - 1] if len(ordered) % 2 == 0 else ordered[mid]
+    ref = clip * median_sq ** 0.5
+    out = []
+    for sq in sq_norms:
+        norm = sq ** 0.5
+        out.append(1.0 if norm <= ref or norm == 0 else ref / norm)
+    return out
+
+
+def robust_mean(codec: Codec, rows: Sequence[Sequence[Payload]], options: RobustOptions,
+                stats: RobustStats | None = None) -> list[torch.Tensor]:
+    """The robust mean of each segment over contributions: `rows[c][i]` is contribution c's
+    payload of segment i; the norm that is clipped is contribution c's over all its segments."""
+    if not rows:
+        raise CodecError("cannot aggregate zero contributions")
+    num_segments = len(rows[0])
+    if any(len(r) != num_segments for r in rows):
+        raise CodecError("contributions cover different segments")
+    if not options.active:
+        return [codec.aggregate([r[i] for r in rows]) for i in range(num_segments)]
+    decoded = [[codec.decode(p, device="cpu") for p in row] for row in rows]
+    weights = clip_weights([sum(tree_sum_of_squares(t) for t in row) for row in decoded], options.clip)
+    if stats is not None:
+        stats.clipped.update(c for c, w in enumerate(weights) if w < 1.0)
+    n = len(rows)
+    trim = int(options.trim * n)
+    if stats is not None:
+        stats.trimmed = trim
+    out = []
+    for i in range(num_segments):
+        scaled = [decoded[c][i] if weights[c] == 1.0 else decoded[c][i] * torch.tensor(weights[c], dtype=torch.float32)
+                  for c in range(n)]
+        if trim:
+            kept = torch.sort(torch.stack(scaled), dim=0).values[trim:n - trim]  # a sort is exact
+            scaled = list(kept.unbind(0))
+        total = scaled[0].clone()
+        for t in scaled[1:]:  # one after another: a fixed order, like the codecs' own aggregate
+            total += t
+        out.append(sum_to_mean_(total, len(scaled)))
+    return out

@@ -1,0 +1,140 @@
+"""Per-peer limits on inbound traffic: request rate, concurrent streams, replay and clock checks,
+and temporary bans for peers that keep breaking them or the protocol.
+
+One `Guard` serves every transport of a node (bans are about peers, not runs). Everything is
+bounded: the nonce cache by a maximum entry count, the per-peer tables by the number of peers
+seen recently (idle ones are forgotten).
+"""
+
+from __future__ import annotations
+
+import time
+from collections import Counter, OrderedDict, deque
+from dataclasses import dataclass, field
+
+from .schema import ProtocolError
+
+
+@dataclass(frozen=True)
+class Limits:
+    """What one remote peer may do; a peer with `strikes` violations in `ban_s` is banned `ban_s`."""
+
+    requests_per_s: float = 50.0  # sustained; bursts of 2 s worth are fine
+    max_streams: int = 32  # concurrent inbound streams
+    ban_s: float = 60.0
+    strikes: int = 20
+    max_clock_skew_s: float = 120.0  # a message stamped further from our clock is dropped
+    max_nonces: int = 200_000  # replay cache entries (24 bytes of nonce + time each, ~10 MB at most)
+
+    def __post_init__(self) -> None:
+        if not (self.requests_per_s > 0 and self.max_streams >= 1 and self.ban_s >= 0 and self.strikes >= 1
+                and self.max_clock_skew_s > 0 and self.max_nonces >= 1):
+            raise ValueError(f"invalid limits: {self}")
+
+
+@dataclass
+class _PeerState:
+    tokens: float
+    refilled: float
+    streams: int = 0
+    strikes: deque = field(default_factory=deque)  # monotonic times of recent violations
+    banned_until: float = 0.0
+
+
+class Guard:
+    """Admission control for inbound streams, and the counts of what was refused and why."""
+
+    def __init__(self, limits: Limits | None = None, clock: "callable[[], float]" = time.monotonic,  # type: ignore[valid-type]
+                 wall: "callable[[], float]" = time.time) -> None:  # type: ignore[valid-type]
+        self.limits = limits or Limits()
+        self._clock = clock
+        self._wall = wall
+        self._peers: OrderedDict[str, _PeerState] = OrderedDict()
+        self._nonces: OrderedDict[bytes, float] = OrderedDict()  # nonce -> wall time it expires
+        self.rejected: Counter[str] = Counter()  # "reason:handler" -> count
+        self.bans_total = 0
+
+    def _peer(self, peer: str) -> _PeerState:
+        state = self._peers.get(peer)
+        now = self._clock()
+        if state is None:
+            state = _PeerState(tokens=2 * self.limits.requests_per_s, refilled=now)
+            self._peers[peer] = state
+            if len(self._peers) > 10_000:  # forget the longest-idle peer that is not banned
+                for key, old in self._peers.items():
+                    if old.banned_until <= now and old.streams == 0:
+                        del self._peers[key]
+                        break
+        self._peers.move_to_end(peer)
+        return state
+
+    def admit(self, peer: str, handler: str) -> str | None:
+        """Take one request slot for `peer`; returns why not (and counts it), or None."""
+        state, now, lim = self._peer(peer), self._clock(), self.limits
+        if state.banned_until > now:
+            reason = "banned"
+        elif state.streams >= lim.max_streams:
+            reason = "too-many-streams"
+        else:
+            state.tokens = min(2 * lim.requests_per_s, state.tokens + (now - state.refilled) * lim.requests_per_s)
+            state.refilled = now
+            if state.tokens < 1:
+                reason = "rate-limited"
+            else:
+                state.tokens -= 1
+                state.streams += 1
+                return None
+        self.rejected[f"{reason}:{handler}"] += 1
+        if reason != "banned":
+            self.strike(peer)
+        return reason
+
+    def release(self, peer: str) -> None:
+        """A stream admitted by `admit` has ended."""
+        state = self._peers.get(peer)
+        if state is not None and state.streams > 0:
+            state.streams -= 1
+
+    def strike(self, peer: str) -> None:
+        """Record one violation; enough of them within `ban_s` ban the peer for `ban_s`."""
+        state, now = self._peer(peer), self._clock()
+        state.strikes.append(now)
+        while state.strikes and state.strikes[0] < now - max(self.limits.ban_s, 1.0):
+            state.strikes.popleft()
+        if len(state.strikes) >= self.limits.strikes and state.banned_until <= now:
+            state.banned_until = now + self.limits.ban_s
+            state.strikes.clear()
+            self.bans_total += 1
+
+    def reject(self, peer: str, handler: str, exc: ProtocolError) -> None:
+        """Count a refused message; malformed or forged ones are also a strike against the sender."""
+        self.count(peer, handler, exc.reason, exc.strike)
+
+    def count(self, peer: str, handler: str, reason: str, strike: bool) -> None:
+        """Count one refused message of `peer` under `reason` (and strike the peer if `strike`)."""
+        self.rejected[f"{reason}:{handler}"] += 1
+        if strike:
+            self.strike(peer)
+
+    def check_fresh(self, nonce: bytes, timestamp: float) -> None:
+        """Refuse a signed message stamped too far from our clock, or one seen before."""
+        now, skew = self._wall(), self.limits.max_clock_skew_s
+        if not abs(timestamp - now) <= skew:
+            raise ProtocolError(f"message stamped {timestamp - now:+.0f} s from our clock (limit {skew:.0f} s)",
+                                reason="stale-message")
+        if len(nonce) != 16:
+            raise ProtocolError("a message nonce is 16 bytes", reason="malformed")
+        while self._nonces:
+            oldest, expires = next(iter(self._nonces.items()))
+            if expires > now and len(self._nonces) < self.limits.max_nonces:
+                break
+            del self._nonces[oldest]
+        if nonce in self._nonces:
+            raise ProtocolError("replayed message (nonce seen before)", reason="replayed")
+        # a nonce only needs remembering while its timestamp is still acceptable
+        self._nonces[nonce] = max(now, timestamp) + skew
+
+    def bans(self) -> dict[str, float]:
+        """Peers banned now, with the seconds left."""
+        now = self._clock()
+        return {p: round(s.banned_until - now, 1) for p, s in self._peers.items() if s.banned_until > now}

@@ -1,0 +1,98 @@
+"""Per-peer admission control: rate limits, stream limits, strikes and bans, replay and clock checks."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+from groundswell.protocol.guard import Guard, Limits
+from groundswell.protocol.schema import ProtocolError
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.t = 1000.0
+
+    def __call__(self) -> float:
+        return self.t
+
+
+def _guard(**limits) -> tuple[Guard, Clock, Clock]:
+    mono, wall = Clock(), Clock()
+    return Guard(Limits(**limits), clock=mono, wall=wall), mono, wall
+
+
+def test_a_flood_is_rate_limited_then_banned_and_the_ban_expires():
+    g, mono, _ = _guard(requests_per_s=10, strikes=5, ban_s=30)
+    admitted = 0
+    for _ in range(100):  # all at one instant: the burst allowance is 2 s worth = 20
+        if g.admit("flooder", "join") is None:
+            admitted += 1
+            g.release("flooder")
+    assert admitted == 20
+    assert g.rejected["rate-limited:join"] == 5  # the fifth strike banned it...
+    assert g.rejected["banned:join"] == 75  # ...and a banned peer is refused without further strikes
+    assert "flooder" in g.bans() and g.bans_total == 1
+    assert g.admit("honest", "join") is None  # other peers are not affected
+    mono.t += 31
+    assert g.bans() == {}
+    assert g.admit("flooder", "join") is None  # tokens refilled, ban over
+
+
+def test_sustained_rate_within_the_limit_is_never_refused():
+    g, mono, _ = _guard(requests_per_s=10, strikes=1)
+    for _ in range(1000):
+        mono.t += 0.1
+        assert g.admit("steady", "get-decision") is None
+        g.release("steady")
+    assert not g.rejected
+
+
+def test_concurrent_streams_are_capped_per_peer():
+    g, _, _ = _guard(max_streams=3, strikes=100)
+    assert [g.admit("p", "contribute") for _ in range(4)] == [None, None, None, "too-many-streams"]
+    g.release("p")
+    assert g.admit("p", "contribute") is None
+    assert g.admit("q", "contribute") is None
+
+
+def test_replayed_and_badly_timed_messages_are_refused():
+    g, _, wall = _guard(max_clock_skew_s=60)
+    nonce = os.urandom(16)
+    g.check_fresh(nonce, wall.t)
+    with pytest.raises(ProtocolError) as err:
+        g.check_fresh(nonce, wall.t)
+    assert err.value.reason == "replayed"
+    with pytest.raises(ProtocolError) as err:
+        g.check_fresh(os.urandom(16), wall.t - 61)
+    assert err.value.reason == "stale-message"
+    with pytest.raises(ProtocolError) as err:
+        g.check_fresh(os.urandom(16), wall.t + 61)
+    assert err.value.reason == "stale-message"
+    with pytest.raises(ProtocolError):
+        g.check_fresh(os.urandom(16), float("nan"))
+    g.check_fresh(os.urandom(16), wall.t + 59)  # within the skew: fine
+    # a nonce is forgotten only once its message would be refused as stale anyway
+    wall.t += 200
+    g.check_fresh(os.urandom(16), wall.t)
+    assert nonce not in g._nonces
+    with pytest.raises(ProtocolError):
+        g.check_fresh(nonce, wall.t - 200)  # the old message itself is now stale
+
+
+def test_the_nonce_cache_is_bounded():
+    g, _, wall = _guard(max_nonces=100)
+    for _ in range(1000):
+        g.check_fresh(os.urandom(16), wall.t)
+    assert len(g._nonces) <= 100
+
+
+def test_protocol_violations_strike_but_stale_rounds_do_not():
+    g, _, _ = _guard(strikes=3)
+    for _ in range(10):
+        g.reject("slow", "contribute", ProtocolError("ahead", reason="future-round", strike=False))
+    assert g.bans() == {}
+    for _ in range(3):
+        g.reject("forger", "contribute", ProtocolError("bad signature", reason="bad-signature"))
+    assert "forger" in g.bans()
+    assert g.rejected["future-round:contribute"] == 10 and g.rejected["bad-signature:contribute"] == 3

@@ -1,0 +1,106 @@
+"""Robust aggregation: norm clipping to the median norm and the trimmed mean, bit-identical on every
+peer, and on real nodes a scaled contribution is clipped in every shard."""
+
+from __future__ import annotations
+
+import math
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from groundswell.compression import RobustOptions, RobustStats, make_codec, robust_mean, tree_sum_of_squares
+from groundswell.compression.robust import clip_weights
+
+sys.path.insert(0, str(Path(__file__).parent))
+
+
+def test_tree_sum_of_squares_is_exact_enough_and_thread_independent():
+    g = torch.Generator().manual_seed(0)
+    for n in (1, 2, 3, 4095, 4096, 100_003):
+        x = torch.randn(n, generator=g) * 1e3
+        got = tree_sum_of_squares(x)
+        exact = math.fsum(float(v) ** 2 for v in x.tolist())
+        assert got == pytest.approx(exact, rel=1e-12)
+    x = torch.randn(1 << 18, generator=g)
+    before = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        one = tree_sum_of_squares(x)
+        torch.set_num_threads(max(2, before))
+        many = tree_sum_of_squares(x)
+    finally:
+        torch.set_num_threads(before)
+    assert one == many  # the same bits, whatever the thread count
+    assert tree_sum_of_squares(torch.zeros(0)) == 0.0
+
+
+def test_clip_weights_bound_every_norm_by_the_median():
+    sq = [1.0, 4.0, 9.0, 10_000.0]  # norms 1, 2, 3, 100; lower median norm 2
+    w = clip_weights(sq, clip=1.0)
+    assert w[0] == 1.0 and w[1] == 1.0
+    assert w[2] == pytest.approx(2 / 3) and w[3] == pytest.approx(2 / 100)
+    assert clip_weights(sq, clip=0.0) == [1.0] * 4  # off
+    assert clip_weights([0.0, 0.0, 1.0], clip=1.0) == [1.0, 1.0, 0.0]  # median 0: everything above it is zeroed
+    # the reference is the lower median: two attackers of four cannot raise it
+    assert clip_weights([1.0, 1.0, 1e6, 1e6], clip=1.0)[2] == pytest.approx(1e-3)
+
+
+@pytest.mark.parametrize("codec_name", ["fp32", "int8", "sparseloco"])
+def test_robust_mean_clips_the_outlier_and_is_the_plain_mean_when_off(codec_name):
+    codec = make_codec(codec_name)
+    g = torch.Generator().manual_seed(1)
+    xs = [torch.randn(2, 4096, generator=g) for _ in range(5)]
+    xs[4] = xs[4] * 1000  # a scaled (byzantine) contribution
+    rows = [[codec.encode(x[0]), codec.encode(x[1])] for x in xs]
+    plain = robust_mean(codec, rows, RobustOptions(clip=0.0))
+    for i in range(2):
+        assert torch.equal(plain[i], codec.aggregate([r[i] for r in rows]))
+    stats = RobustStats()
+    clipped = robust_mean(codec, rows, RobustOptions(clip=1.0), stats)
+    assert stats.clipped >= {4}
+    honest = torch.stack([torch.cat([codec.decode(p) for p in r]) for r in rows[:4]])
+    out = torch.cat(clipped)
+    median = sorted(float(h.norm()) for h in honest)[2]  # the median of the five (the outlier is the largest)
+    assert float(out.norm()) <= median * 1.0001  # every contribution counts with a norm of at most the median
+    assert float(torch.cat(plain).norm()) > 50 * float(out.norm())
+    again = robust_mean(codec, rows, RobustOptions(clip=1.0))
+    assert all(torch.equal(a, b) for a, b in zip(again, clipped))  # deterministic
+
+
+def test_trimmed_mean_drops_the_extremes_per_coordinate():
+    codec = make_codec("fp32")
+    xs = [torch.full((8,), v) for v in (1.0, 2.0, 3.0, 4.0, 1e9)]
+    rows = [[codec.encode(x)] for x in xs]
+    out = robust_mean(codec, rows, RobustOptions(clip=0.0, trim=0.2))[0]
+    assert torch.equal(out, torch.full((8,), 3.0))  # mean of 2, 3, 4
+    with pytest.raises(ValueError):
+        RobustOptions(trim=0.5)
+    with pytest.raises(ValueError):
+        RobustOptions(clip=-1.0)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(240)
+@pytest.mark.parametrize("codec_name", ["fp32", "sparseloco"])
+def test_a_scaled_contribution_is_clipped_on_every_peer(codec_name):
+    from swarm_harness import Cluster
+
+    c = Cluster(n=4, codec_name=codec_name, numel=8 * 4096, min_peers=4, robust=RobustOptions(clip=1.0))
+    try:
+        g = torch.Generator().manual_seed(7)
+        xs = {i: torch.randn(c.numel, generator=g) for i in range(4)}
+        xs[3] = xs[3] * 1000
+        out = c.attempt(0, xs)
+        d = out[0].decision
+        assert d.status == "commit" and len(d.contributors) == 4
+        means = [c.fetch(i, out[i].signed) for i in range(4)]
+        assert all(torch.equal(m, means[0]) for m in means)  # bit-identical on every peer
+        attacker = c.ids[3]
+        for node in c.nodes:
+            assert attacker in node.client.clipped[0]
+        honest = sum(xs[i] for i in range(3)) / 4
+        # clipped to the median norm: the attacker moves the mean by about |x| / 4, not 1000 |x| / 4
+        assert float((means[0] - honest).norm()) < 2 * float(xs[0].norm()) / 4
+    finally:
+        c.close()
