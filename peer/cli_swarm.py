@@ -240,17 +240,22 @@ def status(
             node.close()
     rows = [{"peer": pid, "role": r.role, "round": r.round, "params_hash": r.params_hash, "trains": r.trains,
              "serves": r.serves, "reachability": r.reachability, "loss": r.loss, "bytes_sent": r.bytes_sent,
+             "refused_messages": r.rejected, "banning": r.banned,
              "age_s": round(time.time() - r.updated, 1)} for pid, r in sorted(records.items())]
     if as_json:
         print(json.dumps({"run": manifest.run.id, "peers": rows}, indent=2))
         return
     table = Table(title=f"run {manifest.run.id}: {len(rows)} peers online")
-    for col in ("peer", "role", "round", "params hash", "loss", "sent", "age"):
+    for col in ("peer", "role", "round", "params hash", "loss", "sent", "refused", "banning", "age"):
         table.add_column(col)
     for row in rows:
         table.add_row(row["peer"][-10:], row["role"], str(row["round"]), row["params_hash"], f"{row['loss']:.4f}",
-                      f"{row['bytes_sent'] / 1e6:.1f} MB", f"{row['age_s']} s")
+                      f"{row['bytes_sent'] / 1e6:.1f} MB", str(row["refused_messages"]),
+                      ", ".join(b[-8:] for b in row["banning"]) or "-", f"{row['age_s']} s")
     console.print(table)
+    banned = sorted({b for row in rows for b in row["banning"]})
+    if banned:
+        console.print(f"banned by some peer now: {', '.join(banned)}", highlight=False)
 
 
 @app.command()

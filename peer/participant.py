@@ -170,22 +170,34 @@ class Participant:
                 continue
             if not reply.blob or reply.round < min_round:
                 continue
-            if hashlib.sha256(reply.blob).hexdigest() != reply.digest:
-                log.warning("state from %s failed its hash check", peer[-8:])
-                continue
-            tensors = GlobalState.tensors_from_blob(reply.blob)
-            _, decision = unseal(reply.decision, self.ctx.run_id, Decision)
-            if decision.round != reply.round - 1:
-                continue
-            # Cross-check against what other peers published for that round (majority wins).
-            records = await self.node.refresh_records()
-            hashes = [r.params_hash for r in records.values() if r.round == reply.round and r.params_hash]
-            got = params_hash(tensors["global_params"])
-            if hashes and hashes.count(got) * 2 < len(hashes):
-                log.warning("state from %s disagrees with the swarm's published hash", peer[-8:])
-                continue
-            return GlobalState(reply.round, tensors, reply.decision)
+            try:
+                return await self._verified_state(reply)
+            except ProtocolError as exc:  # a broken or hostile server: count it, ask the next peer
+                self.node.guard.count(peer, "state-reply", exc.reason, strike=exc.strike)
+                log.warning("state from %s refused: %s", peer[-8:], exc)
         raise PeerUnavailable("no peer served a verifiable state")
+
+    async def _verified_state(self, reply: StateReply) -> GlobalState:
+        """Check a downloaded state: hash, tensor names, shapes and values, decision, swarm majority."""
+        if hashlib.sha256(reply.blob).hexdigest() != reply.digest:
+            raise ProtocolError("state failed its hash check")
+        tensors = GlobalState.tensors_from_blob(reply.blob)
+        numel = self.outer.global_params.numel()
+        allowed = {"global_params", "momentum_buffer"}
+        if "global_params" not in tensors or set(tensors) - allowed:
+            raise ProtocolError(f"state holds tensors {sorted(tensors)}, expected global_params (+ momentum_buffer)")
+        for name, t in tensors.items():
+            if t.dtype != torch.float32 or t.shape != (numel,) or not bool(torch.isfinite(t).all()):
+                raise ProtocolError(f"state tensor {name} is not {numel} finite fp32 values", reason="bad-payload")
+        _, decision = unseal(reply.decision, self.ctx.run_id, Decision)
+        if decision.round != reply.round - 1:
+            raise ProtocolError("state's decision is not of the round before it")
+        # Cross-check against what other peers published for that round (majority wins).
+        records = await self.node.refresh_records()
+        hashes = [r.params_hash for r in records.values() if r.round == reply.round and r.params_hash]
+        if hashes and hashes.count(params_hash(tensors["global_params"])) * 2 < len(hashes):
+            raise ProtocolError("state disagrees with the swarm's published hash", strike=False)
+        return GlobalState(reply.round, tensors, reply.decision)
 
     def sync_state(self, bootstrap_peers: list[str], min_round: int = -1) -> None:
         """Download the newest global state from peers (records first, then bootstrap peers)."""

@@ -272,7 +272,7 @@ def run_coordinator(p: Participant, *, stop: StopFlag, on_round: Callable[[Round
         if loss == loss:
             p.node.update_record(loss=loss)
         p.events.write("round", round=r, contributors=list(d.contributors), attempt=d.attempt, leader=d.leader,
-                       hash=info.params_hash, eval_loss=loss, clipped=client.clipped.get(r, []),
+                       hash=info.params_hash, eval_loss=loss, clipped=client.clipped.get(r, {}), shards=d.num_shards,
                        round_s=info.round_s, peer=p.identity.peer_id, role="coordinator")
         on_round(info)
         if (r + 1) % m.checkpoint.every_rounds == 0:

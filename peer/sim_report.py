@@ -89,8 +89,14 @@ def build_report(out: Path, opts: "SimulateOptions", driver_events: list[dict], 
                     reason, _, handler = key.partition(":")
                     if handler == "contribute":
                         rejected[reason] = rejected.get(reason, 0) + count
-    clipped = [e.get("clipped", []) for e in logs.get("coordinator", []) if e["kind"] == "round"]
     names = {pid: name for name, pid in ids.items()}
+    clipped: dict[str, int] = {}  # shards in which each peer's contribution was clipped, as the coordinator applied them
+    shards_total = 0  # shards of every round the coordinator applied
+    for e in logs.get("coordinator", []):
+        if e["kind"] == "round" and isinstance(e.get("clipped"), dict):
+            shards_total += e.get("shards", 0)
+            for pid, count in e["clipped"].items():
+                clipped[names.get(pid, pid)] = clipped.get(names.get(pid, pid), 0) + count
     starts = [e["t"] - t0 for evs in logs.values() for e in evs if e["kind"] == "sync"]
     marks = ([min(starts)] if starts else []) + [end_t[r] for r in order]
     return {
@@ -118,7 +124,8 @@ def build_report(out: Path, opts: "SimulateOptions", driver_events: list[dict], 
         "byzantine": {"peers": opts.byzantine_peers(), "attack": opts.attack if opts.byzantine else None},
         "defences": "on" if opts.defences else "off",
         "rejected_contributions": rejected,
-        # per round, the contributors whose norm the robust mean clipped (as the coordinator applied it)
-        "clipped_by_round": [sorted(names.get(pid, pid) for pid in c) for c in clipped],
+        # how often each peer's contribution was norm-clipped: shards clipped, of `shards_applied` in all
+        "clipped_shards": dict(sorted(clipped.items())),
+        "shards_applied": shards_total,
         "events": sorted(events, key=lambda e: e["t"]),
     }

@@ -95,7 +95,10 @@ class GlobalState:
     @staticmethod
     def tensors_from_blob(blob: bytes) -> dict[str, torch.Tensor]:
         """Load tensors safely (weights_only: no code runs)."""
-        obj = torch.load(io.BytesIO(blob), weights_only=True, map_location="cpu")
+        try:
+            obj = torch.load(io.BytesIO(blob), weights_only=True, map_location="cpu")
+        except Exception as exc:  # torch raises many types on a garbled or hostile archive
+            raise ProtocolError(f"state blob does not load: {type(exc).__name__}") from None
         if not isinstance(obj, dict) or not all(isinstance(v, torch.Tensor) for v in obj.values()):
             raise ProtocolError("state blob is not a dict of tensors")
         return obj

@@ -56,7 +56,7 @@ class RoundClient:
         self.me = server.identity.peer_id
         self.holders = holders  # peers believed to hold a round's aggregate (from the DHT)
         self.retried: dict[int, int] = {}  # round -> newest attempt decided "retry"
-        self.clipped: dict[int, list[str]] = {}  # round -> contributors whose norm the robust mean clipped
+        self.clipped: dict[int, dict[str, int]] = {}  # round -> contributor -> shards the robust mean clipped it in
 
     def current_attempt(self, round_id: int) -> int | None:
         """The attempt of `round_id` a contribution made now belongs to (None: round unknown)."""
@@ -200,20 +200,22 @@ class RoundClient:
             offsets.append(offsets[-1] + n)
         codec = self.ctx.codec
         n_contrib = len(decision.contributors)
-        clipped: set[str] = set()
+        clipped: dict[str, int] = {}  # contributor -> shards in which its norm was clipped
         for shard, agg in enumerate(shards):
             first, stop = plan.shard_segments[shard]
             if agg.mode == "mean":
                 values = [codec.decode(p) for p in validate_segments(self.ctx, first, agg.parts)]
-                clipped.update(agg.clipped)
+                for who in agg.clipped:
+                    clipped[who] = clipped.get(who, 0) + 1
             else:  # every contributor's payloads, segment-major: rows[c][i]
                 rows = [validate_segments(self.ctx, first, agg.parts[c::n_contrib]) for c in range(n_contrib)]
                 stats = RobustStats()
                 values = robust_mean(codec, rows, self.ctx.robust, stats)
-                clipped.update(decision.contributors[c] for c in stats.clipped)
+                for c in stats.clipped:
+                    clipped[decision.contributors[c]] = clipped.get(decision.contributors[c], 0) + 1
             for seg, value in zip(range(first, stop), values):
                 out[offsets[seg]:offsets[seg + 1]] = value
-        self.clipped[decision.round] = sorted(clipped)
+        self.clipped[decision.round] = clipped
         for old in [r for r in self.clipped if r < decision.round - 16]:
             del self.clipped[old]
         return out.to(device)

@@ -35,6 +35,7 @@ from .transport import PeerUnavailable, Transport, seal, unseal
 log = logging.getLogger(__name__)
 DENSE_MEAN_CODECS = ("fp32", "fp16", "bf16", "int8")  # the aggregate is the re-encoded mean
 REPORTING_CANDIDATES = 4  # a shard goes to one of its first 3 candidates, its replica to the next one
+MIN_ROOM = 64  # contributors a shard of one attempt holds at least (4x the expected trainers if more)
 FUTURE_ROUNDS = 3  # contributions and joins further ahead of our newest commit are dropped
 SEALED_BY_ANOTHER = "this attempt is already sealed under another leader's decision"
 
@@ -138,7 +139,15 @@ class RoundServer(Claims):
         if msg.round in self.book.committed or msg.round <= self.book.latest():
             return Ack(False, f"round {msg.round} is closed")
         self._check_open(msg.round, msg.attempt)
+        if msg.shard >= self.ctx.max_shards:
+            raise ProtocolError(f"shard {msg.shard} does not exist", reason="bad-payload")
         slot = self.attempts[(msg.round, msg.attempt)]
+        membership = self.book.membership(msg.round)
+        room = max(MIN_ROOM, 4 * len(membership.trainers) if membership else 0)
+        if sender not in slot.contributions.get(msg.shard, {}) and len(slot.contributions.get(msg.shard, {})) >= room:
+            # many fresh identities must not fill our memory: a shard holds a bounded number of senders
+            raise ProtocolError(f"shard {msg.shard} already holds {room} contributions", reason="slot-full",
+                                strike=False)
         if slot.sealed is not None:
             return Ack(False, f"round {msg.round} attempt {msg.attempt} is sealed")
         validate_segments(self.ctx, msg.first_segment, msg.segments)  # raises ProtocolError: counted, dropped

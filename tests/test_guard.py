@@ -96,3 +96,32 @@ def test_protocol_violations_strike_but_stale_rounds_do_not():
         g.reject("forger", "contribute", ProtocolError("bad signature", reason="bad-signature"))
     assert "forger" in g.bans()
     assert g.rejected["future-round:contribute"] == 10 and g.rejected["bad-signature:contribute"] == 3
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(120)
+def test_a_ban_is_published_in_the_peer_record_that_status_shows():
+    import sys
+    import time
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).parent))
+    from swarm_harness import Cluster
+
+    c = Cluster(n=2)
+    try:
+        flooder = "12D3KooWQH5xAH2sSqpV37pBRoeqt1GnxNdTYhZjAZi8UKySbuqt"
+        node = c.nodes[0]
+        for _ in range(node.guard.limits.strikes):
+            node.guard.strike(flooder)
+        assert flooder in node.guard.bans()
+        deadline = time.time() + 30
+        while time.time() < deadline:
+            records = c.nodes[1].call(c.nodes[1].peer_records(), timeout_s=10)
+            mine = records.get(node.identity.peer_id)
+            if mine is not None and mine.banned:
+                break
+            time.sleep(1)
+        assert mine is not None and mine.banned == [flooder]
+    finally:
+        c.close()

@@ -54,6 +54,25 @@ def test_defaults(tmp_path):
     assert m.run.min_peers == 1 and m.run.allowlist == ()
 
 
+def test_defences_reach_the_round_protocol(tmp_path):
+    from groundswell.peer.participant import make_outer, run_context
+    from groundswell.peer.workload import build_workload
+
+    text = (f'[run]\nid = "closed"\nallowlist = ["{OTHER.peer_id}"]\nopen_state = false\n'
+            "[defences]\nclip = 2.0\ntrim = 0.25\nrequests_per_s = 5.0\nmax_streams = 4\nban_s = 9.0\n")
+    m = load_manifest_toml(_toml(tmp_path, text))
+    assert m.defences.clip == 2.0 and m.run.open_state is False
+    model = build_workload("tiny", 256, 0).model
+    outer = make_outer(m, model.parameters(), sum(p.numel() for p in model.parameters()))
+    ctx = run_context(m, outer, COORD.peer_id)
+    assert (ctx.robust.clip, ctx.robust.trim) == (2.0, 0.25)
+    assert (ctx.limits.requests_per_s, ctx.limits.max_streams, ctx.limits.ban_s) == (5.0, 4, 9.0)
+    assert ctx.authorized(OTHER.peer_id) and not ctx.authorized(COORD.peer_id)
+    assert ctx.may_read_state(COORD.peer_id) and ctx.may_read_state(OTHER.peer_id)  # the coordinator always may
+    assert not ctx.may_read_state(Identity.generate().peer_id)
+    assert load_manifest_toml(_toml(tmp_path, MINIMAL)).defences.clip == 1.0  # on by default
+
+
 def test_allowlist(tmp_path):
     text = f'[run]\nid = "closed"\nallowlist = ["{COORD.peer_id}", "{OTHER.peer_id}"]\n'
     m = load_manifest_toml(_toml(tmp_path, text))
@@ -94,6 +113,11 @@ def test_allowlist(tmp_path):
         ('[run]\nid = "r"\nallowlist = ["not-a-peer"]\n', "run.allowlist[0]"),
         ('[run]\nid = "r"\nallowlist = [3]\n', "run.allowlist[0]"),
         (f'[run]\nid = "r"\nallowlist = ["{COORD.peer_id}", "{COORD.peer_id}"]\n', "run.allowlist"),
+        (MINIMAL + "[defences]\nclip = -1.0\n", "defences.clip"),
+        (MINIMAL + "[defences]\ntrim = 0.5\n", "defences.trim"),
+        (MINIMAL + "[defences]\nrequests_per_s = 0.0\n", "defences.requests_per_s"),
+        (MINIMAL + "[defences]\nscoring = true\n", "scoring"),
+        ('[run]\nid = "r"\nopen = true\nopen_state = 1\n', "run.open_state"),
         ('[model]\nspec = "tiny"\n', "[run]"),
         ("run = 3\n", "run"),
         ("[run\n", "invalid TOML"),

@@ -1,0 +1,60 @@
+"""Allowlisted runs: only listed peers contribute or join as trainers; others may download the
+state only if the manifest says so. Refusals are counted and strike the sender."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from groundswell.protocol.identity import Identity
+from groundswell.protocol.schema import Ack, Join, ShardContribution, StateReply, StateRequest
+from groundswell.protocol.transport import seal, unseal
+
+sys.path.insert(0, str(Path(__file__).parent))
+from inproc_harness import RUN, frame, make_target
+
+
+@pytest.fixture
+def closed_run():
+    yield from make_target(allowlisted=2, open_state=False)
+
+
+@pytest.fixture
+def closed_run_open_state():
+    yield from make_target(allowlisted=2, open_state=True)
+
+
+def _ask(t, handler: str, who: Identity, msg, reply_type):
+    out = t.feed(handler, who.peer_id, frame(seal(who, RUN, msg)))
+    assert out, f"{handler} was not answered"
+    return unseal(out[8:], RUN, reply_type, sender=t.me.peer_id)[1]
+
+
+def _contribution(t) -> ShardContribution:
+    payload = t.ctx.codec.encode(torch.randn(t.ctx.segment_numels[0])).to_bytes()
+    return ShardContribution(0, 0, 0, 0, [payload])
+
+
+def test_only_listed_peers_contribute_or_join(closed_run):
+    t = closed_run
+    listed, stranger = t.peers[0], Identity.generate()
+    assert _ask(t, "contribute", listed, _contribution(t), Ack).ok
+    refused = _ask(t, "contribute", stranger, _contribution(t), Ack)
+    assert not refused.ok and "not allowed" in refused.reason
+    assert not _ask(t, "join", stranger, Join(0, True, False), Ack).ok  # as a trainer
+    assert _ask(t, "join", stranger, Join(0, False, False), Ack).ok  # a mere reader may announce itself
+    held = t.server.attempts[(0, 0)].contributions[0]
+    assert set(held) == {listed.peer_id}
+    assert t.node.guard.rejected["unauthorized:contribute"] == 1 and t.node.guard.rejected["unauthorized:join"] == 1
+
+
+def test_state_is_only_for_listed_peers_unless_the_manifest_opens_it(closed_run, closed_run_open_state):
+    stranger = Identity.generate()
+    closed = _ask(closed_run, "get-state", stranger, StateRequest(-1), StateReply)
+    assert closed.blob == b"" and closed_run.node.guard.rejected["unauthorized:get-state"] == 1
+    listed = _ask(closed_run, "get-state", closed_run.peers[1], StateRequest(-1), StateReply)
+    assert listed.blob and listed.round == 0
+    opened = _ask(closed_run_open_state, "get-state", stranger, StateRequest(-1), StateReply)
+    assert opened.blob and opened.round == 0

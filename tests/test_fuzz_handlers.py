@@ -1,0 +1,221 @@
+"""Fuzzing every inbound handler through the real inbound path (admission, frame, envelope, schema,
+handler) with random, truncated, mutated and oversized frames, and with validly signed messages
+of hostile content. The peer must never raise anything but its own typed refusals, must still
+answer an honest request afterwards, must keep its memory bounded, and must log one line per
+class of refusal rather than one per message.
+
+The streams are in-process (a fake `P2P` that hands frames straight to the registered stream
+handlers), so thousands of inputs run in seconds; tests/test_transport.py covers the same path
+over real libp2p streams. `FUZZ_EXAMPLES` scales the run (CI uses the default).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import struct
+import sys
+import time
+import tracemalloc
+from collections import Counter
+from pathlib import Path
+from typing import Any
+
+import msgpack
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from groundswell.compression import make_codec
+from groundswell.compression.segments import encode_segments
+from groundswell.peer import reachability
+from groundswell.peer.byzantine import _plant_nan
+from groundswell.protocol.identity import Identity
+from groundswell.protocol.schema import (
+    MESSAGES, PROTOCOL_VERSION, Decision, DecisionReply, DecisionRequest, Message,
+)
+from groundswell.protocol.transport import Envelope, seal, unseal
+
+sys.path.insert(0, str(Path(__file__).parent))
+from inproc_harness import HANDLERS, NUMEL, RUN, Target, make_target
+from inproc_harness import frame as framed
+
+pytestmark = pytest.mark.timeout(600)
+EXAMPLES = int(os.environ.get("FUZZ_EXAMPLES", "400"))
+FUZZ = settings(max_examples=EXAMPLES, deadline=None, database=None, suppress_health_check=list(HealthCheck))
+TRIED = Counter()  # inputs fed, by strategy: the figure this test reports
+
+
+@pytest.fixture(scope="module")
+def target():
+    yield from make_target()
+
+
+@pytest.fixture(autouse=True)
+def no_dialing(monkeypatch):
+    """The probe handler dials addresses from the message: never let a fuzz input reach the network."""
+    async def refuse(host: str, port: int, *a: Any, **kw: Any) -> Any:
+        raise OSError("dialing is disabled in the fuzz test")
+
+    monkeypatch.setattr(reachability.asyncio, "open_connection", refuse)
+
+
+def _envelope(identity: Identity, run_id: str, kind: str, values: list, timestamp: float | None = None) -> bytes:
+    """A validly signed envelope around raw message values (anything msgpack can carry)."""
+    body = msgpack.packb([kind, values], use_bin_type=True)
+    env = Envelope(run_id, identity.peer_id, os.urandom(16), time.time() if timestamp is None else timestamp, body, b"")
+    return msgpack.packb([PROTOCOL_VERSION, run_id, env.sender, env.nonce, env.timestamp, body,
+                          identity.sign(env.signed_part())], use_bin_type=True)
+
+
+def _sealed(identity: Identity, msg: Message) -> bytes:
+    return seal(identity, RUN, msg)
+
+
+# --- strategies ---------------------------------------------------------------------------------
+scalars = st.one_of(
+    st.integers(-(1 << 63), (1 << 64) - 1), st.integers(-2, 8), st.floats(allow_nan=True, allow_infinity=True),
+    st.booleans(), st.none(), st.text(max_size=64), st.binary(max_size=256),
+)
+values = st.recursive(scalars, lambda inner: st.lists(inner, max_size=6), max_leaves=20)
+
+
+@st.composite
+def payload_bytes(draw: Any) -> bytes:
+    """Segment payloads: honest, NaN-planted, of the wrong length, cut short, or garbage."""
+    seg = draw(st.integers(0, 3))
+    n = min(4096, NUMEL - 4096 * seg) if seg < 3 else 17
+    codec = make_codec(draw(st.sampled_from(["sparseloco", "fp32", "int8"])))
+    scale = draw(st.sampled_from([1.0, 1e30, 0.0]))
+    p = encode_segments(codec, torch.randn(draw(st.sampled_from([n, 4096, 5]))) * scale, 1 << 20)[0]
+    how = draw(st.sampled_from(["honest", "nan", "cut", "garbage"]))
+    if how == "nan":
+        return _plant_nan(p).to_bytes()
+    data = p.to_bytes()
+    if how == "cut":
+        return data[: draw(st.integers(0, len(data)))]
+    if how == "garbage":
+        return draw(st.binary(max_size=2048))
+    return data
+
+
+@st.composite
+def hostile_message(draw: Any, t: Target) -> tuple[str, Identity, bytes]:
+    """(handler, signer, envelope): schema-valid where it matters, hostile in content."""
+    signer = draw(st.sampled_from([*t.peers, Identity.generate()]))
+    leader = draw(st.sampled_from([t.me, *t.peers]))
+    ids = [p.peer_id for p in draw(st.lists(st.sampled_from([t.me, *t.peers]), max_size=5))]
+    rnd = draw(st.integers(-1, 6))
+    att = draw(st.integers(0, 4))
+    decision = Decision(rnd, att, draw(st.sampled_from(["commit", "retry", "bogus"])), ids, ids, ids,
+                        leader.peer_id, ids[:2], draw(st.integers(0, 5)), draw(st.floats(0, 2e9)))
+    signed_decision = seal(leader, draw(st.sampled_from([RUN, "other-run"])), decision)
+    kind = draw(st.sampled_from(["contribute", "have", "join", "get-decision", "seal", "claim", "get-aggregate",
+                                 "get-state", "get-manifest", "probe"]))
+    m = MESSAGES
+    msg: Message
+    if kind == "contribute":
+        msg = m["contribute"](max(rnd, 0), att, draw(st.integers(0, 5)), draw(st.integers(0, 4)),
+                              draw(st.lists(payload_bytes(), max_size=4)))
+    elif kind == "have":
+        msg = m["have"](max(rnd, 0), att, draw(st.integers(0, 6)), ids)
+    elif kind == "join":
+        msg = m["join"](max(rnd, 0), draw(st.booleans()), draw(st.booleans()))
+    elif kind == "get-decision":
+        msg = m["get-decision"](max(rnd, 0), att, draw(st.floats(0, 0.2)))
+    elif kind == "seal":
+        msg = m["seal"](draw(st.sampled_from([signed_decision, b"", draw(st.binary(max_size=300))])))
+    elif kind == "claim":
+        msg = m["claim"](max(rnd, 0), att)
+    elif kind == "get-aggregate":
+        msg = m["get-aggregate"](max(rnd, 0), draw(st.integers(0, 6)), draw(st.floats(0, 0.2)))
+    elif kind == "get-state":
+        msg = m["get-state"](draw(st.integers(-1, 10)))
+    elif kind == "get-manifest":
+        msg = m["get-manifest"]()
+    else:
+        msg = m["probe"](draw(st.lists(st.sampled_from(["/ip4/10.1.2.3/tcp/80", "/ip4/127.0.0.1/tcp/1",
+                                                         "/ip6/::1/tcp/9", "garbage"]), max_size=8)))
+    run = "" if kind in ("get-manifest", "probe") else RUN
+    return kind, signer, seal(signer, run, msg)
+
+
+def _check_alive(t: Target) -> None:
+    """An honest request is still answered correctly."""
+    honest = t.peers[0]
+    reply = t.feed("get-decision", honest.peer_id, framed(_sealed(honest, DecisionRequest(0, 0, 0.0))))
+    assert reply, "the peer stopped answering"
+    _, got = unseal(reply[8:], RUN, DecisionReply, sender=t.me.peer_id)
+    assert isinstance(got, DecisionReply)
+
+
+# --- the fuzz tests -----------------------------------------------------------------------------
+@FUZZ
+@given(data=st.data())
+def test_random_truncated_mutated_and_oversized_frames(target, data):
+    handler = data.draw(st.sampled_from(HANDLERS))
+    sender = data.draw(st.sampled_from(target.peers)).peer_id
+    base = _sealed(target.peers[0], MESSAGES["join"](0, True, True))
+    how = data.draw(st.sampled_from(["random", "truncated", "mutated", "oversized", "envelope"]))
+    if how == "random":
+        frame = data.draw(st.binary(max_size=4096))
+    elif how == "truncated":
+        frame = framed(base)[: data.draw(st.integers(0, len(base) + 7))]
+    elif how == "mutated":
+        raw = bytearray(framed(base))
+        for _ in range(data.draw(st.integers(1, 8))):
+            i = data.draw(st.integers(8, len(raw) - 1))
+            raw[i] ^= 1 << data.draw(st.integers(0, 7))
+        frame = bytes(raw)
+    elif how == "oversized":
+        frame = struct.pack(">Q", data.draw(st.sampled_from([1 << 40, (1 << 64) - 1, 1 << 31]))) + b"x" * 64
+    else:  # a validly signed envelope around arbitrary values of a random kind
+        kind = data.draw(st.sampled_from([*MESSAGES, "nonsense"]))
+        signer = target.peers[0] if sender == target.peers[0].peer_id else data.draw(st.sampled_from(target.peers))
+        frame = framed(_envelope(signer, RUN, kind, data.draw(st.lists(values, max_size=12))))
+    TRIED[how] += 1
+    target.feed(handler, sender, frame)
+
+
+@FUZZ
+@given(data=st.data())
+def test_validly_signed_hostile_messages(target, data):
+    kind, signer, envelope = data.draw(hostile_message(target))
+    TRIED["signed-hostile"] += 1
+    target.feed(kind, signer.peer_id, framed(envelope))
+
+
+def test_the_peer_survives_answers_and_stays_bounded(target, caplog):
+    """After everything above (and a further burst measured for memory), the peer still answers,
+    its tables are bounded, and the log has one line per refusal class, not one per message."""
+    _check_alive(target)
+    tracemalloc.start()
+    try:
+        caplog.set_level(logging.WARNING, logger="groundswell.protocol.transport")
+        codec = target.ctx.codec
+        honest = [codec.encode(torch.randn(n)).to_bytes() for n in target.ctx.segment_numels]  # valid payloads
+        before, _ = tracemalloc.get_traced_memory()
+        for i in range(2000):
+            signer = Identity.generate()  # many identities: one peer each cannot be banned out of the way
+            kind = "contribute" if i % 2 else "have"
+            msg = (MESSAGES["contribute"](0, 0, i % 4, i % 4, [honest[i % 4]]) if kind == "contribute"
+                   else MESSAGES["have"](10**6, 0, 0, [signer.peer_id]))
+            target.feed(kind, signer.peer_id, framed(seal(signer, RUN, msg)))
+            TRIED["memory-burst"] += 1
+        after, _ = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+    assert after - before < 16 * 2**20, f"memory grew by {(after - before) / 2**20:.1f} MiB over 2000 hostile messages"
+    assert len(target.server.attempts) <= 64
+    held = target.server.attempts[(0, 0)].contributions
+    assert held and max(len(by_sender) for by_sender in held.values()) <= 64  # fresh identities cannot fill memory
+    assert target.node.guard.rejected["slot-full:contribute"] > 0
+    assert len(target.node.guard._nonces) <= target.ctx.limits.max_nonces
+    lines = Counter(r.getMessage().split(" request from ")[0] + r.getMessage().split(" (")[1].split(",")[0]
+                    for r in caplog.records if r.getMessage().startswith("rejected "))
+    assert lines and max(lines.values()) <= 1 + 2000 // 100  # one line per class (then every 100th)
+    _check_alive(target)
+    total = sum(TRIED.values())
+    print(f"\nfuzz: {total} inputs tried ({dict(TRIED)}); refusals by class: {dict(target.node.guard.rejected)}")
+    assert total >= 2000 + (2 * EXAMPLES if EXAMPLES else 0) * 0.9
