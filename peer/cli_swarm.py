@@ -286,6 +286,7 @@ def simulate(
     attack: str = typer.Option("scale", help="What byzantine peers do: scale, random, signflip, nan or stale."),
     defences: bool = typer.Option(True, "--defences/--no-defences",
                                   help="Robust aggregation (norm clipping) on or off; input validation stays on."),
+    scoring: bool = typer.Option(False, help="Leaders score each contribution on a probe batch, drop harmful ones."),
 ) -> None:
     """A coordinator and N volunteers on 127.0.0.1 (real libp2p), R rounds; writes OUT/report.json."""
     from .simulate import SimulateOptions, run_simulation
@@ -296,7 +297,7 @@ def simulate(
                            kill_every=kill_every, restart_after=restart_after, freeze_every=freeze_every,
                            freeze_for=freeze_for, late_joiners=late_joiners, leave_every=leave_every,
                            kill_coordinator_at=kill_coordinator_at, checkpoint_every=checkpoint_every,
-                           byzantine=byzantine, attack=attack, defences=defences)
+                           byzantine=byzantine, attack=attack, defences=defences, scoring=scoring and defences)
     report = run_simulation(opts, out, progress=lambda m: console.print(m, highlight=False))
     losses = report["eval_loss_by_round"]
     console.print(

@@ -120,6 +120,9 @@ class DefencesSection:
     strikes: int = 20  # violations within ban_s that get a peer banned...
     ban_s: float = 60.0  # ...for this long
     max_clock_skew_s: float = 120.0  # messages stamped further from the receiver's clock are dropped
+    scoring: bool = False  # the leader tries each contribution alone on a probe batch (sparseloco codec only)...
+    score_threshold: float = 0.0  # ...and drops those that raise the probe loss by more than this
+    score_batches: int = 2  # probe batches (of data.batch_size windows)
 
     def __post_init__(self) -> None:
         if not self.clip >= 0 or not 0 <= self.trim < 0.5:
@@ -128,6 +131,8 @@ class DefencesSection:
                 and self.max_clock_skew_s > 0):
             raise ConfigError("defences.requests_per_s, max_streams, strikes and max_clock_skew_s must be "
                               "positive and ban_s >= 0")
+        if self.score_batches < 1 or not self.score_threshold == self.score_threshold:
+            raise ConfigError("defences.score_batches must be >= 1 and defences.score_threshold a number")
 
 
 @dataclass(frozen=True)
@@ -159,6 +164,9 @@ class RunManifest:
     def __post_init__(self) -> None:
         if self.outer.algorithm == "single":
             raise ConfigError("outer.algorithm 'single' trains alone; a run needs a multi-peer algorithm")
+        if self.defences.scoring and self.outer.codec_name != "sparseloco":
+            # dense codecs aggregate into a mean at the aggregators: nobody holds a single contribution
+            raise ConfigError(f"defences.scoring needs the sparseloco codec, not {self.outer.codec_name!r}")
         # the manifest is signed as msgpack: numbers must be representable and unambiguous
         _check_numbers(to_mapping(self), "")
 

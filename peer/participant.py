@@ -5,6 +5,7 @@ the volunteer trains and contributes, the coordinator follows every round and se
 
 from __future__ import annotations
 
+import asyncio
 import hashlib
 import json
 import logging
@@ -25,6 +26,7 @@ from groundswell.protocol.transport import PeerUnavailable, seal, unseal
 
 from .data import Corpus, evaluate, heldout_batches, load_corpus
 from .manifest import RunManifest, SignedManifest
+from .scoring import ContributionScorer
 from .swarm import GlobalState, NodeOptions, RunContext, SwarmNode, params_hash
 from .workload import Workload, build_workload
 
@@ -108,6 +110,7 @@ class Participant:
         self._snapshot: GlobalState | None = None
         self.hash_history: dict[int, str] = {}  # round -> hash of the global parameters it started from
         self.node.state_provider = lambda: self._snapshot
+        self.scorer = ContributionScorer(manifest, self.corpus) if manifest.defences.scoring else None
 
     # --- network --------------------------------------------------------------------------------
     def start_network(self) -> None:
@@ -116,6 +119,18 @@ class Participant:
             if not self.node._thread.is_alive():
                 self.node.start()
             self.node.attach(self.ctx)
+            if self.scorer is not None:
+                self.node.server.score = self._score  # type: ignore[union-attr]
+                self.node.server.score_threshold = self.manifest.defences.score_threshold  # type: ignore[union-attr]
+
+    async def _score(self, round_id: int, updates: dict[str, torch.Tensor]) -> dict[str, float]:
+        """Score contributions as the round's leader (in a worker thread: the loop keeps serving)."""
+        assert self.scorer is not None
+        global_params = self.outer.global_params.detach().cpu().clone()
+        scores = await asyncio.to_thread(self.scorer, global_params, updates)
+        self.events.write("scores", round=round_id, scores=scores, threshold=self.manifest.defences.score_threshold,
+                          peer=self.identity.peer_id)
+        return scores
 
     def snapshot(self) -> None:
         """Publish the current global state for joiners and refresh this peer's DHT record."""

@@ -97,6 +97,13 @@ def build_report(out: Path, opts: "SimulateOptions", driver_events: list[dict], 
             shards_total += e.get("shards", 0)
             for pid, count in e["clipped"].items():
                 clipped[names.get(pid, pid)] = clipped.get(names.get(pid, pid), 0) + count
+    dropped: dict[str, set[int]] = {}  # peer name -> rounds in which a leader's scoring dropped its contribution
+    for evs in logs.values():
+        for e in evs:
+            if e["kind"] == "scores":
+                for pid, score in e["scores"].items():
+                    if not score <= e.get("threshold", 0.0):
+                        dropped.setdefault(names.get(pid, pid), set()).add(e["round"])
     starts = [e["t"] - t0 for evs in logs.values() for e in evs if e["kind"] == "sync"]
     marks = ([min(starts)] if starts else []) + [end_t[r] for r in order]
     return {
@@ -122,7 +129,8 @@ def build_report(out: Path, opts: "SimulateOptions", driver_events: list[dict], 
         "overlap": opts.overlap,
         "peak_rss_mb_per_peer": {k: round(v, 1) for k, v in (rss or {}).items()},
         "byzantine": {"peers": opts.byzantine_peers(), "attack": opts.attack if opts.byzantine else None},
-        "defences": "on" if opts.defences else "off",
+        "defences": ("on+scoring" if opts.scoring else "on") if opts.defences else "off",
+        "dropped_by_scoring": {k: len(v) for k, v in sorted(dropped.items())},  # rounds dropped, per peer
         "rejected_contributions": rejected,
         # how often each peer's contribution was norm-clipped: shards clipped, of `shards_applied` in all
         "clipped_shards": dict(sorted(clipped.items())),

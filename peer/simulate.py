@@ -50,7 +50,8 @@ class SimulateOptions:
     kill_coordinator_at: float = 0.0
     byzantine: int = 0  # the last K volunteers misbehave
     attack: str = "scale"  # see peer/byzantine.py
-    defences: bool = True  # False: no norm clipping (input validation always stays on)
+    defences: bool = True  # False: no norm clipping or scoring (input validation always stays on)
+    scoring: bool = False  # leaders score each contribution on a probe batch and drop harmful ones
 
     def __post_init__(self) -> None:
         from .byzantine import ATTACKS
@@ -76,7 +77,8 @@ def manifest_toml(opts: SimulateOptions) -> str:
         f'[outer]\nalgorithm = "{opts.algorithm}"\ninner_steps = {opts.inner_steps}\n{codec}{lr}'
         f"[round]\ndeadline_s = {opts.deadline_s}\nslack_s = {opts.slack_s}\nmax_shards = 16\n"
         f"[checkpoint]\nevery_rounds = {opts.checkpoint_every}\nkeep = 2\n[eval]\nbatches = 4\nbatch_size = 16\nevery_rounds = 1\n"
-        + ("" if opts.defences else "[defences]\nclip = 0.0\ntrim = 0.0\n")
+        + ("[defences]\nclip = 0.0\ntrim = 0.0\n" if not opts.defences else
+           "[defences]\nscoring = true\n" if opts.scoring else "")
     )
 
 

@@ -214,6 +214,7 @@ class SwarmNode:
         await self.server.start()
         self.client = RoundClient(self.server, self.holders)
         self.server.prefetch = self.client.fetch_aggregate
+        self.server.individual = self.client.individual_updates
         await self.transport.serve("get-state", StateRequest, self._on_state, max_request=4096)
         self._tasks.create_task(self._heartbeat())
 
@@ -301,7 +302,7 @@ class SwarmNode:
             rec = self.record
             rec = PeerRecord(rec.round, rec.params_hash, rec.role, rec.trains, rec.serves, self.maddrs[:8],
                              rec.reachability, rec.loss, self.transport.bytes_sent if self.transport else 0, time.time(),
-                             sorted(self.guard.bans())[:32], sum(self.guard.rejected.values()))
+                             sorted(self.guard.bans())[:32], sum(self.guard.rejected.values()), self._latest_scores())
             signed = seal(self.identity, self.ctx.run_id, rec)
             try:
                 await self.dht.store(self.records_key(self.ctx.run_id), signed, get_dht_time() + 3 * HEARTBEAT_S,
@@ -309,6 +310,14 @@ class SwarmNode:
             except Exception as exc:  # the DHT being briefly unreachable is normal under churn
                 log.info("heartbeat store failed: %r", exc)
             await asyncio.sleep(HEARTBEAT_S)
+
+    def _latest_scores(self) -> list[str]:
+        """"peer=score" for the newest round this peer scored contributions in (as a leader)."""
+        scores = self.server.scores if self.server is not None else {}
+        if not scores:
+            return []
+        r = max(scores)
+        return [f"{who}={s:+.4f}" for who, s in sorted(scores[r].items())][:64]
 
     async def peer_records(self, run_id: str | None = None) -> dict[str, PeerRecord]:
         """Every live peer's signed record, verified (bad ones are dropped and counted)."""

@@ -220,6 +220,30 @@ class RoundClient:
             del self.clipped[old]
         return out.to(device)
 
+    async def individual_updates(self, signed: bytes) -> dict[str, torch.Tensor]:
+        """Each contributor's own decoded update, from the held aggregate of a gather codec (call
+        after `fetch_aggregate`); the leader scores them one by one."""
+        _, decision = unseal(signed, self.ctx.run_id, Decision)
+        plan = await self.server.plan(decision.round, decision.attempt, wait_s=0)
+        if plan is None:
+            raise PeerUnavailable(f"cannot plan round {decision.round}")
+        numels = self.ctx.segment_numels
+        offsets = [0]
+        for n in numels:
+            offsets.append(offsets[-1] + n)
+        who = decision.contributors
+        out = {c: torch.empty(offsets[-1], dtype=torch.float32) for c in who}
+        for shard in range(plan.num_shards):
+            agg = self.server.aggregates.get((decision.round, shard))
+            if agg is None or agg.decision != signed or agg.mode != "gather":
+                raise PeerUnavailable(f"shard {shard} of round {decision.round} is not held as separate payloads")
+            first, _ = plan.shard_segments[shard]
+            for c, contributor in enumerate(who):
+                for i, payload in enumerate(validate_segments(self.ctx, first, agg.parts[c::len(who)])):
+                    seg = first + i
+                    out[contributor][offsets[seg]:offsets[seg + 1]] = self.ctx.codec.decode(payload)
+        return out
+
     async def _fetch_shard(self, decision: Decision, signed: bytes, plan: RoundPlan, shard: int) -> AggregateShard:
         key = (decision.round, shard)
         if key in self.server.aggregates and self.server.aggregates[key].decision == signed:

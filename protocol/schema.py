@@ -252,6 +252,8 @@ class PeerRecord(Message):
     banned: list[str] = field(default_factory=list, metadata={"max_len": MAX_ID, "max_items": 32, "lo": None,
                                                               "hi": None})  # peers this one refuses now
     rejected: int = field(default=0, metadata={"max_len": 0, "max_items": 0, "lo": 0, "hi": 1 << 62})  # messages refused
+    scores: list[str] = field(default_factory=list, metadata={"max_len": 192, "max_items": 64, "lo": None,
+                                                              "hi": None})  # "peer=score" of its last scored round
 
 
 MESSAGES: dict[str, type[Message]] = {

@@ -1,12 +1,13 @@
 """The serving half of the round protocol: aggregator, leader, and the archive of past rounds.
 
-Aggregator: holds contributors' shard payloads for an attempt, reports who is complete to the
+Aggregator (`aggregator.py`, mixed in): holds contributors' shard payloads for an attempt, reports who is complete to the
 attempt's leader and backup leader, and on a commit `Seal` builds its shard's aggregate over
 exactly the decided contributors (refusing if it lacks any: wholly in or wholly out).
 Leader: waits until every expected trainer is complete in every shard, or the deadline; picks
 one source aggregator per shard; commits if at least `min_peers` contributors are complete in
 all sources and every source sealed, else decides "retry". The backup leader decides only if
-the leader stays silent past deadline + slack.
+the leader stays silent past deadline + slack; with scoring on, it drops contributions whose
+update alone worsens a probe loss and decides again (claims: `claims.py`, mixed in).
 Archive: committed decisions (in the `DecisionBook`) and aggregate shards of recent rounds, so
 stragglers and joiners can catch up from any peer.
 """
@@ -20,12 +21,12 @@ from collections import defaultdict
 from dataclasses import dataclass, field
 from typing import Any, Awaitable, Callable, Coroutine
 
-from groundswell.compression import RobustStats, robust_mean
 
+from .aggregator import FUTURE_ROUNDS, REPORTING_CANDIDATES, SEALED_BY_ANOTHER, Aggregator
 from .claims import Claims
-from .context import DecisionBook, RoundContext, validate_segments
+from .context import DecisionBook, RoundContext
 from .identity import Identity
-from .plan import RoundPlan, attempt_for, close_time, make_plan
+from .plan import RoundPlan, close_time, make_plan
 from .schema import (
     MAX_SMALL, Ack, AggregateRequest, AggregateShard, Claim, Decision, DecisionReply, DecisionRequest,
     HaveReport, Join, ProtocolError, Seal, ShardContribution,
@@ -33,11 +34,6 @@ from .schema import (
 from .transport import PeerUnavailable, Transport, seal, unseal
 
 log = logging.getLogger(__name__)
-DENSE_MEAN_CODECS = ("fp32", "fp16", "bf16", "int8")  # the aggregate is the re-encoded mean
-REPORTING_CANDIDATES = 4  # a shard goes to one of its first 3 candidates, its replica to the next one
-MIN_ROOM = 64  # contributors a shard of one attempt holds at least (4x the expected trainers if more)
-FUTURE_ROUNDS = 3  # contributions and joins further ahead of our newest commit are dropped
-SEALED_BY_ANOTHER = "this attempt is already sealed under another leader's decision"
 
 
 @dataclass
@@ -59,7 +55,7 @@ class _Attempt:
         self.changed = asyncio.Event()
 
 
-class RoundServer(Claims):
+class RoundServer(Aggregator, Claims):
     """Serves the round protocol for one peer; every background task belongs to its TaskGroup."""
 
     def __init__(self, ctx: RoundContext, transport: Transport, book: DecisionBook, identity: Identity,
@@ -78,6 +74,13 @@ class RoundServer(Claims):
         # whole aggregate before it announces a commit, so the death of one aggregator right
         # after sealing cannot make a committed round unobtainable.
         self.prefetch: Callable[[bytes], Awaitable[Any]] | None = None
+        # Optional contribution scoring (gather codecs): the peer scores each contributor's own update
+        # (loss after applying it alone minus loss before, on a probe batch); the leader drops those
+        # above `score_threshold` and decides again without them.
+        self.individual: Callable[[bytes], Awaitable[dict[str, Any]]] | None = None
+        self.score: Callable[[int, dict[str, Any]], Awaitable[dict[str, float]]] | None = None
+        self.score_threshold = 0.0
+        self.scores: dict[int, dict[str, float]] = {}  # round -> contributor -> score, as this leader found
 
     async def start(self) -> None:
         """Register every handler on the transport."""
@@ -110,137 +113,12 @@ class RoundServer(Claims):
         self._archived.set()
         self._archived = asyncio.Event()
 
-    def _check_open(self, round_id: int, attempt: int) -> None:
-        """Refuse (without holding anything) a round or attempt no honest peer could be at yet:
-        every accepted one costs memory until the round is archived."""
-        latest = self.book.latest()
-        if round_id > latest + FUTURE_ROUNDS:  # nobody honest is that far ahead of us
-            raise ProtocolError(f"round {round_id} is too far ahead (we know round {latest})", reason="future-round",
-                                strike=False)
-        opened = self.book.opened_at(round_id)
-        newest = 2 if opened is None else attempt_for(time.time() + 2 * self.ctx.slack_s, opened, self.ctx.deadline_s,
-                                                      self.ctx.slack_s) + 1
-        if attempt > newest:
-            raise ProtocolError(f"attempt {attempt} of round {round_id} has not begun", reason="future-round",
-                                strike=False)
-
     def _spawn(self, coro: Coroutine[Any, Any, None]) -> None:
         """Run `coro` as a task of the server's group (dropped, not leaked, once it is closing)."""
         try:
             self.tasks.create_task(coro)
         except RuntimeError:  # the node is shutting down: the task group takes no new work
             coro.close()
-
-    # --- aggregator ---------------------------------------------------------------------------
-    async def _on_contribute(self, sender: str, msg: ShardContribution) -> Ack:
-        if not self.ctx.authorized(sender):
-            self.transport.guard.count(sender, "contribute", "unauthorized", strike=True)
-            return Ack(False, "not allowed to contribute to this run")
-        if msg.round in self.book.committed or msg.round <= self.book.latest():
-            return Ack(False, f"round {msg.round} is closed")
-        self._check_open(msg.round, msg.attempt)
-        if msg.shard >= self.ctx.max_shards:
-            raise ProtocolError(f"shard {msg.shard} does not exist", reason="bad-payload")
-        slot = self.attempts[(msg.round, msg.attempt)]
-        membership = self.book.membership(msg.round)
-        room = max(MIN_ROOM, 4 * len(membership.trainers) if membership else 0)
-        if sender not in slot.contributions.get(msg.shard, {}) and len(slot.contributions.get(msg.shard, {})) >= room:
-            # many fresh identities must not fill our memory: a shard holds a bounded number of senders
-            raise ProtocolError(f"shard {msg.shard} already holds {room} contributions", reason="slot-full",
-                                strike=False)
-        if slot.sealed is not None:
-            return Ack(False, f"round {msg.round} attempt {msg.attempt} is sealed")
-        validate_segments(self.ctx, msg.first_segment, msg.segments)  # raises ProtocolError: counted, dropped
-        slot.contributions[msg.shard][sender] = (msg.first_segment, msg.segments)
-        self._report(msg.round, msg.attempt)
-        return Ack(True, "")
-
-    def _report(self, round_id: int, attempt: int) -> None:
-        self._spawn(self._send_have(round_id, attempt))
-
-    async def _send_have(self, round_id: int, attempt: int) -> None:
-        try:
-            await self._send_have_unguarded(round_id, attempt)
-        except ProtocolError as exc:  # e.g. a conflicting decision: this report is moot; say so
-            log.warning("have report for round %d not sent: %s", round_id, exc)
-
-    async def _send_have_unguarded(self, round_id: int, attempt: int) -> None:
-        plan = await self.plan(round_id, attempt, self.ctx.deadline_s)
-        if plan is None:
-            return
-        slot = self.attempts[(round_id, attempt)]
-        for shard, held in list(slot.contributions.items()):
-            first, stop = plan.shard_segments[shard] if shard < plan.num_shards else (-1, -1)
-            ids = sorted(s for s, (f, segs) in held.items() if f == first and f + len(segs) == stop)
-            report = HaveReport(round_id, attempt, shard, ids)
-            for leader in plan.leaders:
-                if leader == self.identity.peer_id:
-                    await self._on_have(leader, report)
-                    continue
-                try:
-                    await self.transport.request(leader, "have", report, Ack, timeout_s=self.ctx.slack_s)
-                except PeerUnavailable as exc:
-                    log.info("have report to leader failed: %s", exc)
-
-    async def _on_seal(self, sender: str, msg: Seal) -> Ack:
-        leader, decision = unseal(msg.decision, self.ctx.run_id, Decision)
-        if leader != sender or decision.leader != sender or decision.status != "commit":
-            return Ack(False, "a seal must be a commit signed by the sending leader")
-        plan = await self.plan(decision.round, decision.attempt, self.ctx.slack_s)
-        if plan is None or sender not in plan.leaders:
-            return Ack(False, "sender does not lead this attempt")
-        slot = self.attempts[(decision.round, decision.attempt)]
-        if slot.sealed is not None and slot.sealed != msg.decision:
-            # The same leader may re-seal (it replaced a failed source before announcing anything);
-            # another leader may not: that is how two leaders of one attempt are kept apart.
-            _, earlier = unseal(slot.sealed, self.ctx.run_id, Decision)
-            if earlier.leader != decision.leader:
-                return Ack(False, SEALED_BY_ANOTHER)
-        mine = [s for s, src in enumerate(decision.sources) if src == self.identity.peer_id]
-        # A replica builds its copy too, so the commit outlives its source and its leader.
-        spare = [s for s in sorted(slot.contributions) if s < plan.num_shards and s not in mine]
-        built = {}
-        for shard in mine + spare:
-            first, stop = plan.shard_segments[shard]
-            held = slot.contributions.get(shard, {})
-            missing = [c for c in decision.contributors if c not in held or held[c][0] != first]
-            if missing and shard in mine:
-                return Ack(False, f"shard {shard}: missing contributions from {len(missing)} peers")
-            if not missing:
-                built[shard] = self._build(msg.decision, shard, [held[c][1] for c in decision.contributors],
-                                           first, stop)
-        slot.sealed = msg.decision  # not in the book yet: the leader announces it once it holds every shard
-        for shard, agg in built.items():
-            self.archive(decision.round, shard, agg)
-        return Ack(True, "")
-
-    def _build(self, signed: bytes, shard: int, per_contributor: list[list[bytes]], first: int,
-               stop: int) -> AggregateShard:
-        num_segments = stop - first
-        codec = self.ctx.codec
-        if codec.name not in DENSE_MEAN_CODECS:  # sparse: ship every payload; receivers average (robustly)
-            parts = [per_contributor[c][i] for i in range(num_segments) for c in range(len(per_contributor))]
-            return AggregateShard(signed, shard, "gather", parts)
-        rows = [validate_segments(self.ctx, first, segs) for segs in per_contributor]
-        stats = RobustStats()
-        means = robust_mean(codec, rows, self.ctx.robust, stats)
-        _, decision = unseal(signed, self.ctx.run_id, Decision)
-        clipped = [decision.contributors[c] for c in sorted(stats.clipped)]
-        return AggregateShard(signed, shard, "mean", [codec.encode(m).to_bytes() for m in means], clipped)
-
-    async def _on_get_aggregate(self, sender: str, msg: AggregateRequest) -> AggregateShard:
-        deadline = time.monotonic() + min(msg.wait_s, self.ctx.deadline_s + self.ctx.slack_s)
-        while (agg := self.aggregates.get((msg.round, msg.shard))) is None:
-            remaining = deadline - time.monotonic()
-            if remaining <= 0:
-                return AggregateShard(b"", msg.shard, "none", [])
-            waiter = self._archived
-            try:
-                async with asyncio.timeout(remaining):
-                    await waiter.wait()
-            except TimeoutError:
-                pass
-        return agg
 
     # --- leader -------------------------------------------------------------------------------
     async def _on_have(self, sender: str, msg: HaveReport) -> Ack:
@@ -356,9 +234,10 @@ class RoundServer(Claims):
         joins = self.joins[plan.round]
         membership = self.book.membership(plan.round)
         failed: set[str] = set()
-        for _ in range(3):  # a source that will not seal is replaced by a replica holding the same shard
+        dropped: set[str] = set()  # contributions scoring found harmful
+        for _ in range(4):  # a source that will not seal is replaced by a replica holding the same shard
             sources, complete = self._sources(plan, slot, frozenset(failed))
-            contributors = sorted(complete)
+            contributors = sorted(complete - dropped)
             if len(contributors) < self.ctx.min_peers:
                 break
             trainers = sorted(set(contributors) | {p for p, (t, _) in joins.items() if t})
@@ -378,7 +257,11 @@ class RoundServer(Claims):
                 if replicas:
                     await self._seal_all(signed, sorted(replicas))
             if not refused and await self._hold_all(signed):
-                break
+                harmful = await self._screen(plan.round, signed) if not dropped else set()
+                if not harmful:
+                    break
+                dropped |= harmful  # decide again without them (a leader may re-seal its own decision)
+                continue
             failed |= refused or set(sources)
         else:
             contributors = []
@@ -390,6 +273,23 @@ class RoundServer(Claims):
         log.info("round %d attempt %d: %s with %d contributors", plan.round, plan.attempt, decision.status,
                  len(decision.contributors))
         self._learn(plan.round, plan.attempt, signed)
+
+    async def _screen(self, round_id: int, signed: bytes) -> set[str]:
+        """Contributors whose update alone makes the probe loss worse by more than the threshold."""
+        if self.score is None or self.individual is None:
+            return set()
+        try:
+            scores = await self.score(round_id, await self.individual(signed))
+        except (PeerUnavailable, ProtocolError) as exc:  # scoring is a filter: without it, commit as is
+            log.warning("round %d: contributions not scored (%s)", round_id, exc)
+            return set()
+        self.scores[round_id] = scores
+        for old in [r for r in self.scores if r < round_id - self.keep_rounds]:
+            del self.scores[old]
+        harmful = {who for who, s in scores.items() if not s <= self.score_threshold}  # NaN is harmful too
+        if harmful:
+            log.warning("round %d: dropping %d contributions that made the probe loss worse", round_id, len(harmful))
+        return harmful
 
     async def _hold_all(self, signed: bytes) -> bool:
         if self.prefetch is None:

@@ -1,11 +1,11 @@
-"""The byzantine table: a clean run, then each attack with defences on and off, all else equal.
+"""The byzantine table: clean runs, then each attack with clipping, clipping + scoring, and no defences.
 
     OMP_WAIT_POLICY=PASSIVE python scripts/byzantine_table.py --out byz-runs --json scripts/results/byzantine.json
 
 Every run is `groundswell simulate` with the same seed, peers, rounds and preset (each peer
 process uses one torch thread); runs whose report.json exists are reused, so an interrupted
-table can be resumed. Prints a markdown table: attack, clean loss, attacked loss with defences,
-attacked loss with defences off, and what the aggregators refused.
+table can be resumed. Prints a markdown table: attack, clean loss, attacked loss under each
+defence setting, and what the aggregators refused or the leaders' scoring dropped.
 """
 
 from __future__ import annotations
@@ -38,36 +38,55 @@ def main() -> None:
     ap.add_argument("--preset", default="tiny")
     ap.add_argument("--algorithm", default="sparseloco")
     ap.add_argument("--attacks", default=",".join(ATTACKS))
+    ap.add_argument("--modes", default="on,score,off", help="on: norm clipping; score: clipping + scoring; off: none")
     ap.add_argument("--json", type=Path, default=None)
     args = ap.parse_args()
     base = dict(peers=args.peers, rounds=args.rounds, inner_steps=args.inner_steps, preset=args.preset,
                 algorithm=args.algorithm, min_peers=max(2, args.peers // 2), deadline_s=60.0, seed=0,
                 timeout_s=3600.0)
-    clean = run(args.out / "clean", SimulateOptions(**base))
+    modes = {"on": {}, "score": {"scoring": True}, "off": {"defences": False}}
+    chosen = args.modes.split(",")
+    clean = {m: run(args.out / ("clean" if m == "on" else f"clean-{m}"), SimulateOptions(**base, **modes[m]))
+             for m in chosen if m != "off"}
     rows = []
     for attack in args.attacks.split(","):
-        on = run(args.out / f"{attack}-on", SimulateOptions(**base, byzantine=args.byzantine, attack=attack))
-        off = run(args.out / f"{attack}-off", SimulateOptions(**base, byzantine=args.byzantine, attack=attack,
-                                                              defences=False))
-        rows.append({"attack": attack, "clean": clean["final_eval_loss"], "defended": on["final_eval_loss"],
-                     "undefended": off["final_eval_loss"], "rounds": [on["rounds_completed"], off["rounds_completed"]],
-                     "hashes_agree": [on["param_hash_agreement"], off["param_hash_agreement"]],
-                     "rejected_defended": on["rejected_contributions"], "rejected_undefended": off["rejected_contributions"]})
-    print(f"| attack ({args.byzantine} of {args.peers} peers) | clean loss | attacked, defences on | "
-          "attacked, defences off | refused by aggregators (on) |")
-    print("|---|---|---|---|---|")
+        row: dict = {"attack": attack}
+        for m in chosen:
+            rep = run(args.out / f"{attack}-{m}", SimulateOptions(**base, byzantine=args.byzantine, attack=attack,
+                                                                 **modes[m]))
+            row[m] = {"loss": rep["final_eval_loss"], "rounds": rep["rounds_completed"],
+                      "hashes_agree": rep["param_hash_agreement"], "refused": rep["rejected_contributions"],
+                      "dropped_by_scoring": rep.get("dropped_by_scoring", {}), "clipped_shards": rep.get("clipped_shards", {})}
+        rows.append(row)
 
-    def fmt(x: float | None) -> str:
-        return "n/a" if x is None or x != x else f"{x:.3f}"
+    def fmt(x: float | None, ref: float | None = None) -> str:
+        if x is None or x != x:  # noqa: PLR0124 (NaN)
+            return "n/a"
+        return f"{x:.3f}" + (f" ({(x / ref - 1) * 100:+.1f}%)" if ref else "")
 
+    names = {"on": "clipping", "score": "clipping + scoring", "off": "no defences"}
+    ref = clean.get("on", {}).get("final_eval_loss")
+    heads = [f"attacked, {names[m]}" for m in chosen]
+    print(f"| attack ({args.byzantine} of {args.peers} peers) | clean loss | " + " | ".join(heads) + " | refused / dropped |")
+    print("|---" * (3 + len(chosen)) + "|")
     for r in rows:
-        gap = "" if r["defended"] is None or r["clean"] is None else f" ({(r['defended'] / r['clean'] - 1) * 100:+.1f}%)"
-        refused = ", ".join(f"{k} {v}" for k, v in sorted(r["rejected_defended"].items())) or "none"
-        print(f"| {r['attack']} | {fmt(r['clean'])} | {fmt(r['defended'])}{gap} | {fmt(r['undefended'])} | {refused} |")
+        notes = []
+        for m in chosen:
+            refused = ", ".join(f"{k} {v}" for k, v in sorted(r[m]["refused"].items()))
+            dropped = sum(r[m]["dropped_by_scoring"].values())
+            if refused:
+                notes.append(f"{m}: refused {refused}")
+            if dropped:
+                notes.append(f"{m}: {dropped} contributions dropped by scoring")
+        print(f"| {r['attack']} | {fmt(ref)} | " + " | ".join(fmt(r[m]["loss"], ref) for m in chosen)
+              + f" | {'; '.join(notes) or '-'} |")
+    if "score" in clean:
+        print(f"\nclean run with scoring: {fmt(clean['score']['final_eval_loss'], ref)}")
     if args.json:
         args.json.parent.mkdir(parents=True, exist_ok=True)
-        args.json.write_text(json.dumps({"settings": {**base, "byzantine": args.byzantine}, "clean": clean["final_eval_loss"],
-                                         "clean_rounds": clean["rounds_completed"], "rows": rows}, indent=2))
+        args.json.write_text(json.dumps({"settings": {**base, "byzantine": args.byzantine},
+                                         "clean": {m: c["final_eval_loss"] for m, c in clean.items()},
+                                         "rows": rows}, indent=2))
 
 
 if __name__ == "__main__":

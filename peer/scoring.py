@@ -1,0 +1,42 @@
+"""Contribution scoring: how much one contribution, applied alone, changes the loss on a probe batch.
+
+The round's leader runs it (manifest `[defences] scoring = true`) on every contributor's own update
+before it announces a commit, and decides again without those that make the loss worse by more
+than `score_threshold`. It runs on a scratch copy of the model, so training goes on undisturbed.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from groundswell.optim import copy_into_parameters
+
+from .data import Corpus, ShardSampler, evaluate
+from .manifest import RunManifest
+from .workload import build_workload
+
+_PROBE_SEED = 0x5C0BE  # probe windows are drawn apart from any volunteer's data order
+
+
+class ContributionScorer:
+    """Loss after applying one update alone (outer step without momentum) minus the loss before."""
+
+    def __init__(self, manifest: RunManifest, corpus: Corpus) -> None:
+        workload = build_workload(manifest.model.spec, corpus.vocab_size, manifest.run.seed)
+        self.model, self.loss_fn = workload.model, workload.loss_fn
+        self.params = list(self.model.parameters())
+        self.sampler = ShardSampler(corpus, workload.block_size, manifest.data.batch_size,
+                                    seed=manifest.run.seed ^ _PROBE_SEED)
+        self.batches = manifest.defences.score_batches
+        self.lr = manifest.outer.lr_value
+
+    def __call__(self, global_params: torch.Tensor, updates: dict[str, torch.Tensor]) -> dict[str, float]:
+        """Score each update on fresh probe batches (the same batches for every update)."""
+        batches = [self.sampler.next_batch() for _ in range(self.batches)]
+        copy_into_parameters(global_params, self.params)
+        before = evaluate(self.model, self.loss_fn, batches)
+        scores = {}
+        for who, update in updates.items():
+            copy_into_parameters(global_params - self.lr * update, self.params)
+            scores[who] = evaluate(self.model, self.loss_fn, batches) - before
+        return scores

@@ -1,0 +1,165 @@
+"""The aggregator half of the round server: hold contributions, report who is complete to the
+attempt's leaders, build a shard's aggregate when a leader seals, and serve aggregates.
+
+Everything a contribution makes this peer hold is bounded: rounds and attempts no honest peer
+could be at yet are refused, and a shard of one attempt holds a bounded number of senders.
+`RoundServer` mixes this in.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from typing import Any
+
+from groundswell.compression import RobustStats, robust_mean
+
+from .context import validate_segments
+from .plan import attempt_for
+from .schema import Ack, AggregateRequest, AggregateShard, Decision, HaveReport, ProtocolError, Seal, ShardContribution
+from .transport import PeerUnavailable, unseal
+
+log = logging.getLogger(__name__)
+DENSE_MEAN_CODECS = ("fp32", "fp16", "bf16", "int8")  # the aggregate is the re-encoded mean
+REPORTING_CANDIDATES = 4  # a shard goes to one of its first 3 candidates, its replica to the next one
+MIN_ROOM = 64  # contributors a shard of one attempt holds at least (4x the expected trainers if more)
+FUTURE_ROUNDS = 3  # contributions and joins further ahead of our newest commit are dropped
+SEALED_BY_ANOTHER = "this attempt is already sealed under another leader's decision"
+
+
+class Aggregator:
+    """The aggregator role; needs the server's ctx, transport, book, identity, attempts, plan(),
+    archive(), _spawn() and _on_have()."""
+
+    ctx: Any
+    transport: Any
+    book: Any
+    identity: Any
+    attempts: Any
+    aggregates: Any
+    _archived: Any
+
+    def _check_open(self, round_id: int, attempt: int) -> None:
+        """Refuse (without holding anything) a round or attempt no honest peer could be at yet:
+        every accepted one costs memory until the round is archived."""
+        latest = self.book.latest()
+        if round_id > latest + FUTURE_ROUNDS:  # nobody honest is that far ahead of us
+            raise ProtocolError(f"round {round_id} is too far ahead (we know round {latest})", reason="future-round",
+                                strike=False)
+        opened = self.book.opened_at(round_id)
+        newest = 2 if opened is None else attempt_for(time.time() + 2 * self.ctx.slack_s, opened, self.ctx.deadline_s,
+                                                      self.ctx.slack_s) + 1
+        if attempt > newest:
+            raise ProtocolError(f"attempt {attempt} of round {round_id} has not begun", reason="future-round",
+                                strike=False)
+
+    async def _on_contribute(self, sender: str, msg: ShardContribution) -> Ack:
+        if not self.ctx.authorized(sender):
+            self.transport.guard.count(sender, "contribute", "unauthorized", strike=True)
+            return Ack(False, "not allowed to contribute to this run")
+        if msg.round in self.book.committed or msg.round <= self.book.latest():
+            return Ack(False, f"round {msg.round} is closed")
+        self._check_open(msg.round, msg.attempt)
+        if msg.shard >= self.ctx.max_shards:
+            raise ProtocolError(f"shard {msg.shard} does not exist", reason="bad-payload")
+        slot = self.attempts[(msg.round, msg.attempt)]
+        membership = self.book.membership(msg.round)
+        room = max(MIN_ROOM, 4 * len(membership.trainers) if membership else 0)
+        if sender not in slot.contributions.get(msg.shard, {}) and len(slot.contributions.get(msg.shard, {})) >= room:
+            # many fresh identities must not fill our memory: a shard holds a bounded number of senders
+            raise ProtocolError(f"shard {msg.shard} already holds {room} contributions", reason="slot-full",
+                                strike=False)
+        if slot.sealed is not None:
+            return Ack(False, f"round {msg.round} attempt {msg.attempt} is sealed")
+        validate_segments(self.ctx, msg.first_segment, msg.segments)  # raises ProtocolError: counted, dropped
+        slot.contributions[msg.shard][sender] = (msg.first_segment, msg.segments)
+        self._report(msg.round, msg.attempt)
+        return Ack(True, "")
+
+    def _report(self, round_id: int, attempt: int) -> None:
+        self._spawn(self._send_have(round_id, attempt))
+
+    async def _send_have(self, round_id: int, attempt: int) -> None:
+        try:
+            await self._send_have_unguarded(round_id, attempt)
+        except ProtocolError as exc:  # e.g. a conflicting decision: this report is moot; say so
+            log.warning("have report for round %d not sent: %s", round_id, exc)
+
+    async def _send_have_unguarded(self, round_id: int, attempt: int) -> None:
+        plan = await self.plan(round_id, attempt, self.ctx.deadline_s)
+        if plan is None:
+            return
+        slot = self.attempts[(round_id, attempt)]
+        for shard, held in list(slot.contributions.items()):
+            first, stop = plan.shard_segments[shard] if shard < plan.num_shards else (-1, -1)
+            ids = sorted(s for s, (f, segs) in held.items() if f == first and f + len(segs) == stop)
+            report = HaveReport(round_id, attempt, shard, ids)
+            for leader in plan.leaders:
+                if leader == self.identity.peer_id:
+                    await self._on_have(leader, report)
+                    continue
+                try:
+                    await self.transport.request(leader, "have", report, Ack, timeout_s=self.ctx.slack_s)
+                except PeerUnavailable as exc:
+                    log.info("have report to leader failed: %s", exc)
+
+    async def _on_seal(self, sender: str, msg: Seal) -> Ack:
+        leader, decision = unseal(msg.decision, self.ctx.run_id, Decision)
+        if leader != sender or decision.leader != sender or decision.status != "commit":
+            return Ack(False, "a seal must be a commit signed by the sending leader")
+        plan = await self.plan(decision.round, decision.attempt, self.ctx.slack_s)
+        if plan is None or sender not in plan.leaders:
+            return Ack(False, "sender does not lead this attempt")
+        slot = self.attempts[(decision.round, decision.attempt)]
+        if slot.sealed is not None and slot.sealed != msg.decision:
+            # The same leader may re-seal (it replaced a failed source before announcing anything);
+            # another leader may not: that is how two leaders of one attempt are kept apart.
+            _, earlier = unseal(slot.sealed, self.ctx.run_id, Decision)
+            if earlier.leader != decision.leader:
+                return Ack(False, SEALED_BY_ANOTHER)
+        mine = [s for s, src in enumerate(decision.sources) if src == self.identity.peer_id]
+        # A replica builds its copy too, so the commit outlives its source and its leader.
+        spare = [s for s in sorted(slot.contributions) if s < plan.num_shards and s not in mine]
+        built = {}
+        for shard in mine + spare:
+            first, stop = plan.shard_segments[shard]
+            held = slot.contributions.get(shard, {})
+            missing = [c for c in decision.contributors if c not in held or held[c][0] != first]
+            if missing and shard in mine:
+                return Ack(False, f"shard {shard}: missing contributions from {len(missing)} peers")
+            if not missing:
+                built[shard] = self._build(msg.decision, shard, [held[c][1] for c in decision.contributors],
+                                           first, stop)
+        slot.sealed = msg.decision  # not in the book yet: the leader announces it once it holds every shard
+        for shard, agg in built.items():
+            self.archive(decision.round, shard, agg)
+        return Ack(True, "")
+
+    def _build(self, signed: bytes, shard: int, per_contributor: list[list[bytes]], first: int,
+               stop: int) -> AggregateShard:
+        num_segments = stop - first
+        codec = self.ctx.codec
+        if codec.name not in DENSE_MEAN_CODECS:  # sparse: ship every payload; receivers average (robustly)
+            parts = [per_contributor[c][i] for i in range(num_segments) for c in range(len(per_contributor))]
+            return AggregateShard(signed, shard, "gather", parts)
+        rows = [validate_segments(self.ctx, first, segs) for segs in per_contributor]
+        stats = RobustStats()
+        means = robust_mean(codec, rows, self.ctx.robust, stats)
+        _, decision = unseal(signed, self.ctx.run_id, Decision)
+        clipped = [decision.contributors[c] for c in sorted(stats.clipped)]
+        return AggregateShard(signed, shard, "mean", [codec.encode(m).to_bytes() for m in means], clipped)
+
+    async def _on_get_aggregate(self, sender: str, msg: AggregateRequest) -> AggregateShard:
+        deadline = time.monotonic() + min(msg.wait_s, self.ctx.deadline_s + self.ctx.slack_s)
+        while (agg := self.aggregates.get((msg.round, msg.shard))) is None:
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                return AggregateShard(b"", msg.shard, "none", [])
+            waiter = self._archived
+            try:
+                async with asyncio.timeout(remaining):
+                    await waiter.wait()
+            except TimeoutError:
+                pass
+        return agg

@@ -1,0 +1,84 @@
+"""Contribution scoring: the scorer tells a helpful update from a harmful one, and a leader that
+scores drops the harmful contribution and commits the rest (the dropped peer keeps its work)."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from groundswell.peer.config import ConfigError
+from groundswell.peer.data import ShardSampler, load_corpus
+from groundswell.peer.manifest import manifest_from_mapping
+from groundswell.peer.scoring import ContributionScorer
+from groundswell.peer.workload import build_workload
+
+sys.path.insert(0, str(Path(__file__).parent))
+
+
+def _manifest(**defences):
+    return manifest_from_mapping({"run": {"id": "s", "open": True}, "model": {"spec": "tiny"},
+                                  "outer": {"algorithm": "sparseloco"}, "defences": {"scoring": True, **defences}})
+
+
+def test_scoring_needs_a_gather_codec():
+    with pytest.raises(ConfigError, match="scoring"):
+        manifest_from_mapping({"run": {"id": "s", "open": True}, "outer": {"algorithm": "diloco"},
+                               "defences": {"scoring": True}})
+
+
+def test_a_descent_step_scores_below_zero_and_its_reverse_or_noise_above():
+    m = _manifest()
+    corpus = load_corpus("stdlib")
+    scorer = ContributionScorer(m, corpus)
+    wl = build_workload("tiny", corpus.vocab_size, 0)
+    g = torch.nn.utils.parameters_to_vector(wl.model.parameters()).detach().clone()
+    sampler = ShardSampler(corpus, wl.block_size, 16, seed=3)
+    for _ in range(4):  # a pseudo-gradient: a few accumulated gradients at the global parameters
+        x, y = sampler.next_batch()
+        wl.loss_fn(wl.model, x, y).backward()
+    grad = torch.cat([p.grad.reshape(-1) for p in wl.model.parameters()])
+    delta = 0.5 * grad / grad.norm() * g.norm() * 0.02
+    noise = torch.randn(g.shape, generator=torch.Generator().manual_seed(0))
+    scores = scorer(g, {"honest": delta, "signflip": -delta, "random": noise / noise.norm() * delta.norm() * 10})
+    assert scores["honest"] < 0 < scores["signflip"]
+    assert scores["random"] > 0
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(240)
+def test_the_leader_drops_a_harmful_contribution_and_commits_the_rest():
+    from groundswell.compression import RobustOptions
+    from swarm_harness import Cluster
+
+    c = Cluster(n=4, codec_name="sparseloco", numel=8 * 4096, min_peers=3, robust=RobustOptions(clip=0.0))
+    try:
+        g = torch.Generator().manual_seed(5)
+        xs = {i: torch.randn(c.numel, generator=g) for i in range(4)}
+        xs[3] = xs[3] * 1000
+        attacker = c.ids[3]
+
+        async def score(round_id, updates):  # stands in for the probe loss: only the outsized update hurts
+            return {who: float(u.norm()) - 1e4 for who, u in updates.items()}
+
+        for node in c.nodes:
+            node.server.score = score
+        out = c.attempt(0, xs)
+        d = out[0].decision
+        assert d.status == "commit" and attacker not in d.contributors and len(d.contributors) == 3
+        assert out[3].decision.contributors == d.contributors  # the attacker sees it is out (and keeps its work)
+        means = [c.fetch(i, out[i].signed) for i in range(4)]
+        assert all(torch.equal(m, means[0]) for m in means)
+        leader = next(n for n in c.nodes if n.identity.peer_id == d.leader)
+        assert leader.server.scores[0][attacker] > 0 and sorted(leader.server.scores[0]) == sorted(c.ids)
+        assert leader._latest_scores() and any(s.startswith(attacker) for s in leader._latest_scores())
+        from groundswell.compression import Payload
+
+        def sent(x):  # what a contributor's segments decode to
+            return torch.cat([c.codec.decode(Payload.from_bytes(b)) for b in c.segments(x)])
+
+        honest = sum(sent(xs[i]) for i in range(3)) / 3
+        assert float((means[0] - honest).norm()) < 1e-5 * float(honest.norm())
+    finally:
+        c.close()
