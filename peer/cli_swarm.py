@@ -240,7 +240,7 @@ def status(
             node.close()
     rows = [{"peer": pid, "role": r.role, "round": r.round, "params_hash": r.params_hash, "trains": r.trains,
              "serves": r.serves, "reachability": r.reachability, "loss": r.loss, "bytes_sent": r.bytes_sent,
-             "refused_messages": r.rejected, "banning": r.banned,
+             "refused_messages": r.rejected, "banning": r.banned, "scores": r.scores,
              "age_s": round(time.time() - r.updated, 1)} for pid, r in sorted(records.items())]
     if as_json:
         print(json.dumps({"run": manifest.run.id, "peers": rows}, indent=2))
@@ -253,6 +253,11 @@ def status(
                       f"{row['bytes_sent'] / 1e6:.1f} MB", str(row["refused_messages"]),
                       ", ".join(b[-8:] for b in row["banning"]) or "-", f"{row['age_s']} s")
     console.print(table)
+    for row in rows:  # leaders that score contributions publish the scores of their latest scored round
+        if row["scores"]:
+            shown = ", ".join(f"{who[-8:]} {float(v):+.3f}" for who, _, v in (s.partition("=") for s in row["scores"]))
+            console.print(f"scores by {row['peer'][-10:]} (probe loss change; > threshold is dropped): {shown}",
+                          highlight=False)
     banned = sorted({b for row in rows for b in row["banning"]})
     if banned:
         console.print(f"banned by some peer now: {', '.join(banned)}", highlight=False)

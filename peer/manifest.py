@@ -120,7 +120,8 @@ class DefencesSection:
     strikes: int = 20  # violations within ban_s that get a peer banned...
     ban_s: float = 60.0  # ...for this long
     max_clock_skew_s: float = 120.0  # messages stamped further from the receiver's clock are dropped
-    scoring: bool = False  # the leader tries each contribution alone on a probe batch (sparseloco codec only)...
+    verify_aggregates: bool = False  # dense codecs: aggregates carry every signed contribution, not the mean
+    scoring: bool = False  # the leader tries each contribution alone on a probe batch...
     score_threshold: float = 0.0  # ...and drops those that raise the probe loss by more than this
     score_batches: int = 2  # probe batches (of data.batch_size windows)
 
@@ -164,9 +165,10 @@ class RunManifest:
     def __post_init__(self) -> None:
         if self.outer.algorithm == "single":
             raise ConfigError("outer.algorithm 'single' trains alone; a run needs a multi-peer algorithm")
-        if self.defences.scoring and self.outer.codec_name != "sparseloco":
-            # dense codecs aggregate into a mean at the aggregators: nobody holds a single contribution
-            raise ConfigError(f"defences.scoring needs the sparseloco codec, not {self.outer.codec_name!r}")
+        if self.defences.scoring and self.outer.codec_name != "sparseloco" and not self.defences.verify_aggregates:
+            # a dense codec's aggregator ships only the mean: nobody else holds a single contribution
+            raise ConfigError(f"defences.scoring with the {self.outer.codec_name!r} codec needs "
+                              "defences.verify_aggregates = true (or the sparseloco codec)")
         # the manifest is signed as msgpack: numbers must be representable and unambiguous
         _check_numbers(to_mapping(self), "")
 

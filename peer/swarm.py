@@ -60,6 +60,7 @@ class RunContext:
     robust: RobustOptions = field(default_factory=RobustOptions)
     limits: Limits = field(default_factory=Limits)
     state_readers: frozenset[str] | None = None  # None: anyone may download the state
+    verify_aggregates: bool = False  # dense codecs: ship signed contributions, not the aggregator's mean
 
     def authorized(self, peer_id: str) -> bool:
         """Open runs take anyone; allowlisted runs only listed peer ids."""

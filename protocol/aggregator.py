@@ -18,7 +18,7 @@ from groundswell.compression import RobustStats, robust_mean
 from .context import validate_segments
 from .plan import attempt_for
 from .schema import Ack, AggregateRequest, AggregateShard, Decision, HaveReport, ProtocolError, Seal, ShardContribution
-from .transport import PeerUnavailable, unseal
+from .transport import PeerUnavailable, seal, unseal
 
 log = logging.getLogger(__name__)
 DENSE_MEAN_CODECS = ("fp32", "fp16", "bf16", "int8")  # the aggregate is the re-encoded mean
@@ -26,6 +26,12 @@ REPORTING_CANDIDATES = 4  # a shard goes to one of its first 3 candidates, its r
 MIN_ROOM = 64  # contributors a shard of one attempt holds at least (4x the expected trainers if more)
 FUTURE_ROUNDS = 3  # contributions and joins further ahead of our newest commit are dropped
 SEALED_BY_ANOTHER = "this attempt is already sealed under another leader's decision"
+
+
+def ships_contributions(ctx: Any) -> bool:
+    """Does an aggregate carry every signed contribution (sparse codecs, or a run that verifies
+    aggregates) rather than one mean computed by the aggregator?"""
+    return ctx.codec.name not in DENSE_MEAN_CODECS or bool(getattr(ctx, "verify_aggregates", False))
 
 
 class Aggregator:
@@ -54,11 +60,17 @@ class Aggregator:
             raise ProtocolError(f"attempt {attempt} of round {round_id} has not begun", reason="future-round",
                                 strike=False)
 
-    async def _on_contribute(self, sender: str, msg: ShardContribution) -> Ack:
+    async def _on_contribute(self, sender: str, msg: ShardContribution, envelope: bytes = b"") -> Ack:
+        """Hold a contributor's shard; `envelope` is its signed request, kept to ship it on verifiably."""
+        if not envelope:
+            if sender != self.identity.peer_id:
+                raise ProtocolError("a contribution must come with its signed envelope")
+            envelope = seal(self.identity, self.ctx.run_id, msg)  # our own, handed over in-process
         if not self.ctx.authorized(sender):
             self.transport.guard.count(sender, "contribute", "unauthorized", strike=True)
             return Ack(False, "not allowed to contribute to this run")
         if msg.round in self.book.committed or msg.round <= self.book.latest():
+            self.transport.guard.count(sender, "contribute", "stale-round", strike=False)  # a straggler, usually
             return Ack(False, f"round {msg.round} is closed")
         self._check_open(msg.round, msg.attempt)
         if msg.shard >= self.ctx.max_shards:
@@ -72,8 +84,13 @@ class Aggregator:
                                 strike=False)
         if slot.sealed is not None:
             return Ack(False, f"round {msg.round} attempt {msg.attempt} is sealed")
-        validate_segments(self.ctx, msg.first_segment, msg.segments)  # raises ProtocolError: counted, dropped
-        slot.contributions[msg.shard][sender] = (msg.first_segment, msg.segments)
+        try:
+            validate_segments(self.ctx, msg.first_segment, msg.segments)
+        except ProtocolError:  # counted and dropped by the transport; the leaders hear of it
+            slot.refused.add(sender)
+            self._report(msg.round, msg.attempt)
+            raise
+        slot.contributions[msg.shard][sender] = (msg.first_segment, msg.segments, envelope)
         self._report(msg.round, msg.attempt)
         return Ack(True, "")
 
@@ -93,8 +110,8 @@ class Aggregator:
         slot = self.attempts[(round_id, attempt)]
         for shard, held in list(slot.contributions.items()):
             first, stop = plan.shard_segments[shard] if shard < plan.num_shards else (-1, -1)
-            ids = sorted(s for s, (f, segs) in held.items() if f == first and f + len(segs) == stop)
-            report = HaveReport(round_id, attempt, shard, ids)
+            ids = sorted(s for s, (f, segs, _) in held.items() if f == first and f + len(segs) == stop)
+            report = HaveReport(round_id, attempt, shard, ids, sorted(slot.refused)[:64])
             for leader in plan.leaders:
                 if leader == self.identity.peer_id:
                     await self._on_have(leader, report)
@@ -129,21 +146,20 @@ class Aggregator:
             if missing and shard in mine:
                 return Ack(False, f"shard {shard}: missing contributions from {len(missing)} peers")
             if not missing:
-                built[shard] = self._build(msg.decision, shard, [held[c][1] for c in decision.contributors],
-                                           first, stop)
+                built[shard] = self._build(msg.decision, shard, [held[c] for c in decision.contributors], first)
         slot.sealed = msg.decision  # not in the book yet: the leader announces it once it holds every shard
         for shard, agg in built.items():
             self.archive(decision.round, shard, agg)
         return Ack(True, "")
 
-    def _build(self, signed: bytes, shard: int, per_contributor: list[list[bytes]], first: int,
-               stop: int) -> AggregateShard:
-        num_segments = stop - first
+    def _build(self, signed: bytes, shard: int, held: list[tuple[int, list[bytes], bytes]], first: int
+               ) -> AggregateShard:
         codec = self.ctx.codec
-        if codec.name not in DENSE_MEAN_CODECS:  # sparse: ship every payload; receivers average (robustly)
-            parts = [per_contributor[c][i] for i in range(num_segments) for c in range(len(per_contributor))]
-            return AggregateShard(signed, shard, "gather", parts)
-        rows = [validate_segments(self.ctx, first, segs) for segs in per_contributor]
+        if ships_contributions(self.ctx):
+            # every contributor's own signed request: receivers check each signature and average
+            # (robustly) themselves, so no aggregator can forge or alter anyone's contribution
+            return AggregateShard(signed, shard, "signed", [envelope for _, _, envelope in held])
+        rows = [validate_segments(self.ctx, first, segs) for _, segs, _ in held]
         stats = RobustStats()
         means = robust_mean(codec, rows, self.ctx.robust, stats)
         _, decision = unseal(signed, self.ctx.run_id, Decision)

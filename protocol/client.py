@@ -17,8 +17,9 @@ from typing import Callable, Sequence
 
 import torch
 
-from groundswell.compression import RobustStats, robust_mean
+from groundswell.compression import Payload, RobustStats, robust_mean
 
+from .aggregator import ships_contributions
 from .context import DecisionBook, validate_segments
 from .plan import RoundPlan, attempt_for
 from .schema import (
@@ -199,7 +200,6 @@ class RoundClient:
         for n in numels:
             offsets.append(offsets[-1] + n)
         codec = self.ctx.codec
-        n_contrib = len(decision.contributors)
         clipped: dict[str, int] = {}  # contributor -> shards in which its norm was clipped
         for shard, agg in enumerate(shards):
             first, stop = plan.shard_segments[shard]
@@ -207,8 +207,8 @@ class RoundClient:
                 values = [codec.decode(p) for p in validate_segments(self.ctx, first, agg.parts)]
                 for who in agg.clipped:
                     clipped[who] = clipped.get(who, 0) + 1
-            else:  # every contributor's payloads, segment-major: rows[c][i]
-                rows = [validate_segments(self.ctx, first, agg.parts[c::n_contrib]) for c in range(n_contrib)]
+            else:  # every contributor's signed request: rows[c][i] is contributor c's segment first + i
+                rows = self._contributions(decision, shard, first, stop, agg)
                 stats = RobustStats()
                 values = robust_mean(codec, rows, self.ctx.robust, stats)
                 for c in stats.clipped:
@@ -235,22 +235,39 @@ class RoundClient:
         out = {c: torch.empty(offsets[-1], dtype=torch.float32) for c in who}
         for shard in range(plan.num_shards):
             agg = self.server.aggregates.get((decision.round, shard))
-            if agg is None or agg.decision != signed or agg.mode != "gather":
+            if agg is None or agg.decision != signed or agg.mode != "signed":
                 raise PeerUnavailable(f"shard {shard} of round {decision.round} is not held as separate payloads")
-            first, _ = plan.shard_segments[shard]
-            for c, contributor in enumerate(who):
-                for i, payload in enumerate(validate_segments(self.ctx, first, agg.parts[c::len(who)])):
+            first, stop = plan.shard_segments[shard]
+            for contributor, row in zip(who, self._contributions(decision, shard, first, stop, agg)):
+                for i, payload in enumerate(row):
                     seg = first + i
                     out[contributor][offsets[seg]:offsets[seg + 1]] = self.ctx.codec.decode(payload)
         return out
+
+    def _contributions(self, decision: Decision, shard: int, first: int, stop: int, agg: AggregateShard
+                       ) -> list[list[Payload]]:
+        """The shard's contributions in decision order, each checked: signed by that contributor,
+        for this round, attempt and shard, and well-formed; ProtocolError otherwise."""
+        rows = []
+        budget = self.ctx.max_payload_bytes + MAX_SMALL
+        for who, envelope in zip(decision.contributors, agg.parts, strict=True):
+            sender, msg = unseal(envelope, self.ctx.run_id, ShardContribution, max_bytes=budget)
+            if sender != who:
+                raise ProtocolError(f"shard {shard}: a contribution of {who[-8:]} signed by {sender[-8:]}",
+                                    reason="forged-aggregate")
+            if (msg.round, msg.attempt, msg.shard, msg.first_segment, len(msg.segments)) != (
+                    decision.round, decision.attempt, shard, first, stop - first):
+                raise ProtocolError(f"shard {shard}: {who[-8:]}'s contribution is for another slot",
+                                    reason="forged-aggregate")
+            rows.append(validate_segments(self.ctx, first, msg.segments))
+        return rows
 
     async def _fetch_shard(self, decision: Decision, signed: bytes, plan: RoundPlan, shard: int) -> AggregateShard:
         key = (decision.round, shard)
         if key in self.server.aggregates and self.server.aggregates[key].decision == signed:
             return self.server.aggregates[key]
         first, stop = plan.shard_segments[shard]
-        expected_parts = (stop - first) * (1 if self.ctx.codec.name in ("fp32", "fp16", "bf16", "int8")
-                                           else len(decision.contributors))
+        expected_parts = len(decision.contributors) if ships_contributions(self.ctx) else stop - first
         budget = self.ctx.max_payload_bytes * max(1, len(decision.contributors)) + MAX_SMALL
         # The shard's source first, then the leader (it gathered every shard before announcing),
         # then the shard's replicas (sealed too), then anyone who has applied the round.
@@ -268,6 +285,15 @@ class RoundClient:
                 continue
             if agg.decision != signed or agg.shard != shard or len(agg.parts) != expected_parts:
                 log.info("aggregate %s from %s does not match the decision", key, peer[-8:])
+                continue
+            try:  # a holder that forged or altered a contribution is caught here, and the next one asked
+                if agg.mode == "signed":
+                    self._contributions(decision, shard, first, stop, agg)
+                elif agg.mode != "mean" or ships_contributions(self.ctx):
+                    raise ProtocolError(f"aggregate mode {agg.mode!r} is not this run's")
+            except ProtocolError as exc:
+                self.transport.guard.count(peer, "aggregate-reply", exc.reason, strike=exc.strike)
+                log.warning("aggregate %s from %s refused: %s", key, peer[-8:], exc)
                 continue
             self.server.archive(decision.round, shard, agg)
             return agg

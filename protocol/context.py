@@ -36,6 +36,7 @@ class RoundContext(Protocol):
     codec: Codec
     max_payload_bytes: int  # a whole contribution's budget on the wire
     robust: RobustOptions  # norm clipping / trimmed mean applied to every aggregate
+    verify_aggregates: bool  # dense codecs too: aggregates carry the signed contributions, not a mean
 
     def authorized(self, peer_id: str) -> bool:
         """May this peer contribute to the run?"""

@@ -78,6 +78,9 @@ class HaveReport(Message):
     attempt: int = _f(lo=0, hi=1 << 20)
     shard: int = _f(lo=0, hi=MAX_LIST)
     contributors: list[str] = _f()
+    # peers whose contribution this aggregator refused as invalid: the leader stops waiting for them
+    refused: list[str] = field(default_factory=list, metadata={"max_len": MAX_ID, "max_items": MAX_LIST, "lo": None,
+                                                               "hi": None})
 
 
 @dataclass(frozen=True)

@@ -40,7 +40,10 @@ log = logging.getLogger(__name__)
 class _Attempt:
     """Everything this peer holds for one attempt of one round."""
 
-    contributions: dict[int, dict[str, tuple[int, list[bytes]]]] = field(default_factory=lambda: defaultdict(dict))
+    contributions: dict[int, dict[str, tuple[int, list[bytes], bytes]]] = field(
+        default_factory=lambda: defaultdict(dict))  # shard -> sender -> (first segment, segments, signed request)
+    refused: set[str] = field(default_factory=set)  # as an aggregator: senders of invalid contributions
+    refused_reported: set[str] = field(default_factory=set)  # as a leader: what aggregators reported refusing
     have: dict[int, dict[str, set[str]]] = field(default_factory=lambda: defaultdict(dict))  # shard -> agg -> ids
     first_report: float | None = None
     decision: bytes | None = None  # signed decision of this attempt (as leader, or learned)
@@ -86,7 +89,7 @@ class RoundServer(Aggregator, Claims):
         """Register every handler on the transport."""
         big = self.ctx.max_payload_bytes + MAX_SMALL
         t = self.transport
-        await t.serve("contribute", ShardContribution, self._on_contribute, max_request=big)
+        await t.serve("contribute", ShardContribution, self._on_contribute, max_request=big, with_envelope=True)
         await t.serve("have", HaveReport, self._on_have)
         await t.serve("join", Join, self._on_join)
         await t.serve("get-decision", DecisionRequest, self._on_get_decision)
@@ -134,6 +137,7 @@ class RoundServer(Aggregator, Claims):
         slot = self.attempts[(msg.round, msg.attempt)]
         # Reports travel concurrently and may arrive out of order; an aggregator's set only grows.
         slot.have[msg.shard].setdefault(sender, set()).update(msg.contributors)
+        slot.refused_reported.update(msg.refused[:64])
         if slot.first_report is None:
             slot.first_report = time.monotonic()
         slot.poke()
@@ -184,6 +188,7 @@ class RoundServer(Aggregator, Claims):
         close_at = time.monotonic() + (close_wall - time.time())  # the slot's deadline, on our clock
         while time.monotonic() < close_at:
             expected = set(plan.trainers) | {p for p, (trains, _) in self.joins[round_id].items() if trains}
+            expected -= slot.refused_reported  # an invalid contribution will not become valid: do not wait for it
             _, complete = self._sources(plan, slot)
             # Close early only when everyone expected is in and that is enough for a commit.
             if expected <= complete and len(complete) >= self.ctx.min_peers:

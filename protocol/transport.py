@@ -122,8 +122,9 @@ class Transport:
         return f"groundswell/{self.run_id}/{handler}/{PROTOCOL_VERSION}"
 
     async def serve(self, handler: str, expect: Any, fn: Handler, max_request: int = MAX_SMALL,
-                    timeout_s: float = 600.0) -> None:
-        """Register `fn(sender, request) -> reply` for one request kind."""
+                    timeout_s: float = 600.0, with_envelope: bool = False) -> None:
+        """Register `fn(sender, request) -> reply` for one request kind (`fn(sender, request,
+        envelope)` with `with_envelope`: the verified signed bytes, to pass on)."""
 
         async def on_stream(info: Any, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
             remote = info.peer_id.to_base58()
@@ -138,7 +139,7 @@ class Transport:
                     self.bytes_received += len(data) + _LEN.size
                     sender, request = unseal(data, self.run_id, expect, max_request, sender=remote,
                                              fresh=self.guard.check_fresh)
-                    reply = await fn(sender, request)
+                    reply = await (fn(sender, request, data) if with_envelope else fn(sender, request))
                     out = seal(self.identity, self.run_id, reply)
                     await write_frame(writer, out)
                     self.bytes_sent += len(out) + _LEN.size

@@ -31,6 +31,7 @@ class Cluster:
     deadline_s: float = 8.0
     slack_s: float = 1.0
     robust: RobustOptions = field(default_factory=lambda: RobustOptions(clip=0.0))  # plain mean unless a test asks
+    verify_aggregates: bool = False
     nodes: list[SwarmNode] = field(default_factory=list)
     ids: list[str] = field(default_factory=list)
 
@@ -39,7 +40,8 @@ class Cluster:
         self.codec = make_codec(self.codec_name, **({"chunk": 4096, "k": 64} if self.codec_name == "sparseloco" else {}))
         numels = tuple(b - a for a, b in segment_bounds(self.numel, self.segment))
         self.ctx = RunContext("test-run", self.min_peers, self.deadline_s, self.slack_s, self.max_shards, numels,
-                              self.codec, 4 * self.numel + 8192, robust=self.robust)
+                              self.codec, 4 * self.numel + 8192, robust=self.robust,
+                              verify_aggregates=self.verify_aggregates)
         try:
             for i in range(self.n):
                 ident = Identity.generate()

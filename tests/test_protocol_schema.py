@@ -284,9 +284,9 @@ def test_bounds_are_inclusive():
     with pytest.raises(ProtocolError, match="ack.reason"):
         decode_message(_raw("ack", [False, "r" * 513]), Ack)
     peers = ["p"] * 4096
-    assert decode_message(_raw("have", [0, 0, 0, peers]), HaveReport).contributors == peers
+    assert decode_message(_raw("have", [0, 0, 0, peers, []]), HaveReport).contributors == peers
     with pytest.raises(ProtocolError, match="have.contributors"):
-        decode_message(_raw("have", [0, 0, 0, peers + ["p"]]), HaveReport)
+        decode_message(_raw("have", [0, 0, 0, peers + ["p"], []]), HaveReport)
     with pytest.raises(ProtocolError):  # 2**64 - 1 does not fit any bounded field
         decode_message(_raw("peer", _values(EXAMPLES["peer"])[:8] + [(1 << 64) - 1, 0.0]), PeerRecord)
 

@@ -104,3 +104,68 @@ def test_a_scaled_contribution_is_clipped_on_every_peer(codec_name):
         assert float((means[0] - honest).norm()) < 2 * float(xs[0].norm()) / 4
     finally:
         c.close()
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(240)
+def test_an_aggregator_that_alters_a_contribution_is_caught_and_bypassed():
+    from groundswell.compression import Payload
+    from groundswell.protocol.schema import AggregateShard, ShardContribution
+    from groundswell.protocol.transport import seal, unseal
+    from swarm_harness import Cluster
+
+    c = Cluster(n=4, codec_name="sparseloco", numel=8 * 4096, min_peers=4)
+    try:
+        node0 = c.nodes[0]
+        plan = node0.call(node0.server.plan(0, 0, 5.0), timeout_s=10)
+        forger_id = next(a for a in plan.aggregators if a not in plan.leaders)
+        forger = c.nodes[c.ids.index(forger_id)]
+        honest_build = forger.server._build
+
+        def forged_build(signed, shard, held, first):  # swap a victim's payload for noise, re-signed by the forger
+            agg = honest_build(signed, shard, held, first)
+            _, msg = unseal(agg.parts[0], c.ctx.run_id, ShardContribution, max_bytes=1 << 24)
+            noise = [c.codec.encode(torch.randn(len(c.codec.decode(Payload.from_bytes(s))))).to_bytes()
+                     for s in msg.segments]
+            fake = seal(forger.identity, c.ctx.run_id, ShardContribution(msg.round, msg.attempt, msg.shard,
+                                                                         msg.first_segment, noise))
+            return AggregateShard(agg.decision, agg.shard, agg.mode, [fake, *agg.parts[1:]])
+
+        forger.server._build = forged_build
+        g = torch.Generator().manual_seed(11)
+        xs = {i: torch.randn(c.numel, generator=g) for i in range(4)}
+        out = c.attempt(0, xs)
+        assert out[0].decision.status == "commit" and len(out[0].decision.contributors) == 4
+        honest = [i for i in range(4) if c.ids[i] != forger_id]
+        means = [c.fetch(i, out[i].signed) for i in honest]
+        assert all(torch.equal(m, means[0]) for m in means)
+
+        def sent(x):
+            return torch.cat([c.codec.decode(Payload.from_bytes(b)) for b in c.segments(x)])
+
+        expected = sum(sent(xs[i]) for i in range(4)) / 4
+        assert float((means[0] - expected).norm()) < 1e-5 * float(expected.norm())
+        caught = sum(c.nodes[i].guard.rejected["forged-aggregate:aggregate-reply"] for i in honest)
+        assert caught >= 1
+    finally:
+        c.close()
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(240)
+def test_verified_aggregates_ship_signed_dense_contributions():
+    from swarm_harness import Cluster
+
+    c = Cluster(n=3, codec_name="int8", min_peers=3, verify_aggregates=True, robust=RobustOptions(clip=1.0))
+    try:
+        g = torch.Generator().manual_seed(2)
+        xs = {i: torch.randn(c.numel, generator=g) for i in range(3)}
+        out = c.attempt(0, xs)
+        assert out[0].decision.status == "commit"
+        means = [c.fetch(i, out[i].signed) for i in range(3)]
+        assert all(torch.equal(m, means[0]) for m in means)
+        held = [agg for node in c.nodes for agg in node.server.aggregates.values()]
+        assert held and all(agg.mode == "signed" and len(agg.parts) == 3 for agg in held)
+        assert float((means[0] - sum(xs.values()) / 3).norm()) < 0.2 * float(means[0].norm())  # int8 + clipping
+    finally:
+        c.close()
