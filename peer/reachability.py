@@ -45,8 +45,10 @@ class DialBack:
     def __init__(self) -> None:
         self._last: dict[str, float] = {}
 
-    async def handle(self, sender: str, msg: ProbeRequest) -> ProbeReply:
-        """Try each TCP address in turn; the first that accepts a connection is the answer."""
+    async def handle(self, sender: str, msg: ProbeRequest, observed: set[str] | None = None) -> ProbeReply:
+        """Try each TCP address in turn; the first that accepts a connection is the answer.
+        `observed`: the IPs the requester is connected from; only those are dialed, so a probe
+        cannot make this peer connect to a third party (behind a NAT none match: "private")."""
         now = time.monotonic()
         if now - self._last.get(sender, -PROBE_EVERY_S) < PROBE_EVERY_S:
             return ProbeReply(False, "rate limited")
@@ -55,6 +57,8 @@ class DialBack:
             for key in sorted(self._last, key=self._last.get)[:2048]:  # type: ignore[arg-type]
                 del self._last[key]
         for host, port in tcp_targets(msg.maddrs):
+            if observed is not None and host not in observed:
+                continue
             try:
                 async with asyncio.timeout(PROBE_TIMEOUT_S):
                     _, writer = await asyncio.open_connection(host, port)
@@ -63,6 +67,18 @@ class DialBack:
             writer.close()
             return ProbeReply(True, f"{host}:{port}")
         return ProbeReply(False, "")
+
+
+def observed_ips(peer_infos: list[Any], peer_id: str) -> set[str]:
+    """The IP addresses of our open connections to `peer_id`."""
+    out = set()
+    for info in peer_infos:
+        if str(info.peer_id) == peer_id:
+            for addr in getattr(info, "addrs", []):
+                parts = str(addr).split("/")
+                if len(parts) > 2 and parts[1] in ("ip4", "ip6") and "p2p-circuit" not in parts:
+                    out.add(str(ipaddress.ip_address(parts[2])))
+    return out
 
 
 def connection_paths(peer_infos: list[Any]) -> dict[str, str]:

@@ -32,7 +32,7 @@ from groundswell.protocol.schema import (
 from groundswell.protocol.server import RoundServer
 from groundswell.protocol.transport import PeerUnavailable, Transport, seal, unseal
 
-from .reachability import PROBE_TIMEOUT_S, DialBack, connection_paths
+from .reachability import PROBE_TIMEOUT_S, DialBack, connection_paths, observed_ips
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -182,7 +182,7 @@ class SwarmNode:
             # is signed by the coordinator, whose key the joiner already has.
             self.bootstrap_transport = Transport(p2p, self.identity, "", self.guard)
             await self.bootstrap_transport.serve("get-manifest", ManifestRequest, self._on_manifest)
-            await self.bootstrap_transport.serve("probe", ProbeRequest, self._dial_back.handle)
+            await self.bootstrap_transport.serve("probe", ProbeRequest, self._on_probe)
             self.reachability = await self._find_reachability()
             if self.reachability == "private":
                 self.options = dataclasses.replace(self.options, serves=False)
@@ -238,6 +238,10 @@ class SwarmNode:
             if reply.address != "rate limited":
                 return "public" if reply.reachable else "private"
         return "public"  # nobody to ask (the first peer of a run) or nobody answered: assume so
+
+    async def _on_probe(self, sender: str, msg: ProbeRequest) -> ProbeReply:
+        """Dial the requester back, at the IPs it is connected to us from and nowhere else."""
+        return await self._dial_back.handle(sender, msg, observed_ips(await self.p2p.list_peers(), sender))
 
     async def connections(self) -> dict[str, str]:
         """Peers this node has open libp2p connections to, and whether "direct" or via "relay"."""

@@ -30,14 +30,26 @@ def test_dial_back_finds_a_listening_address_refuses_a_closed_one_and_is_rate_li
         open_reply = await prober.handle("peer-a", ProbeRequest([f"/ip4/127.0.0.1/tcp/{port}"]))
         closed_reply = await prober.handle("peer-b", ProbeRequest([f"/ip4/127.0.0.1/tcp/{closed}"]))
         again = await prober.handle("peer-a", ProbeRequest([f"/ip4/127.0.0.1/tcp/{port}"]))
+        # only the IPs the requester is connected from are dialed: never a third party
+        elsewhere = await prober.handle("peer-c", ProbeRequest([f"/ip4/127.0.0.1/tcp/{port}"]), observed={"10.99.0.7"})
+        matching = await prober.handle("peer-d", ProbeRequest([f"/ip4/127.0.0.1/tcp/{port}"]), observed={"127.0.0.1"})
         server.close()
         await server.wait_closed()
-        return open_reply, closed_reply, again, port
+        return open_reply, closed_reply, again, port, elsewhere, matching
 
-    open_reply, closed_reply, again, port = asyncio.run(main())
+    open_reply, closed_reply, again, port, elsewhere, matching = asyncio.run(main())
+    assert not elsewhere.reachable and matching.reachable
     assert open_reply.reachable and open_reply.address == f"127.0.0.1:{port}"
     assert not closed_reply.reachable
     assert not again.reachable and again.address == "rate limited"
+
+
+def test_observed_ips_are_those_of_direct_connections_to_that_peer():
+    from groundswell.peer.reachability import observed_ips
+
+    infos = [SimpleNamespace(peer_id="A", addrs=["/ip4/10.99.0.10/tcp/1/p2p/R/p2p-circuit", "/ip4/10.99.0.11/tcp/5"]),
+             SimpleNamespace(peer_id="B", addrs=["/ip4/10.99.0.12/tcp/2"])]
+    assert observed_ips(infos, "A") == {"10.99.0.11"} and observed_ips(infos, "C") == set()
 
 
 def test_connection_paths_call_a_peer_relayed_only_if_every_connection_is():
