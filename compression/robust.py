@@ -9,8 +9,9 @@ fixed bits), and a contribution's weight is one correctly rounded fp64 division 
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
-from typing import Sequence
+from typing import Iterable, Sequence
 
 import torch
 
@@ -67,10 +68,10 @@ def clip_weights(sq_norms: Sequence[float], clip: float) -> list[float]:
     mid = len(ordered) // 2
     # the lower median: with an even count, the larger half cannot pull the reference up
     median_sq = ordered[mid - 1] if len(ordered) % 2 == 0 else ordered[mid]
-    ref = clip * median_sq ** 0.5
+    ref = clip * math.sqrt(median_sq)  # sqrt and / are correctly rounded everywhere (pow is not)
     out = []
     for sq in sq_norms:
-        norm = sq ** 0.5
+        norm = math.sqrt(sq)
         out.append(1.0 if norm <= ref or norm == 0 else ref / norm)
     return out
 
@@ -87,7 +88,7 @@ def robust_mean(codec: Codec, rows: Sequence[Sequence[Payload]], options: Robust
     if not options.active:
         return [codec.aggregate([r[i] for r in rows]) for i in range(num_segments)]
     decoded = [[codec.decode(p, device="cpu") for p in row] for row in rows]
-    weights = clip_weights([sum(tree_sum_of_squares(t) for t in row) for row in decoded], options.clip)
+    weights = clip_weights([_sum_in_order(tree_sum_of_squares(t) for t in row) for row in decoded], options.clip)
     if stats is not None:
         stats.clipped.update(c for c, w in enumerate(weights) if w < 1.0)
     n = len(rows)
@@ -104,5 +105,15 @@ def robust_mean(codec: Codec, rows: Sequence[Sequence[Payload]], options: Robust
         total = scaled[0].clone()
         for t in scaled[1:]:  # one after another: a fixed order, like the codecs' own aggregate
             total += t
+        if trim:
+            total.add_(0.0)  # -0 + 0 = +0: the sort may have put a -0 or a +0 first
         out.append(sum_to_mean_(total, len(scaled)))
     return out
+
+
+def _sum_in_order(values: Iterable[float]) -> float:
+    """Left-to-right float addition (Python 3.12's sum() compensates; 3.11's does not)."""
+    total = 0.0
+    for v in values:
+        total += v
+    return total

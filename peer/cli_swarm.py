@@ -255,7 +255,7 @@ def status(
     console.print(table)
     for row in rows:  # leaders that score contributions publish the scores of their latest scored round
         if row["scores"]:
-            shown = ", ".join(f"{who[-8:]} {float(v):+.3f}" for who, _, v in (s.partition("=") for s in row["scores"]))
+            shown = ", ".join(f"{who[-8:]} {v}" for who, _, v in (s.partition("=") for s in row["scores"]))
             console.print(f"scores by {row['peer'][-10:]} (probe loss change; > threshold is dropped): {shown}",
                           highlight=False)
     banned = sorted({b for row in rows for b in row["banning"]})

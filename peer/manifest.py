@@ -165,6 +165,8 @@ class RunManifest:
     def __post_init__(self) -> None:
         if self.outer.algorithm == "single":
             raise ConfigError("outer.algorithm 'single' trains alone; a run needs a multi-peer algorithm")
+        if self.defences.trim and self.outer.codec_name == "sparseloco":
+            raise ConfigError("defences.trim is for dense codecs: a sparse update's trimmed mean is mostly zeros")
         if self.defences.scoring and self.outer.codec_name != "sparseloco" and not self.defences.verify_aggregates:
             # a dense codec's aggregator ships only the mean: nobody else holds a single contribution
             raise ConfigError(f"defences.scoring with the {self.outer.codec_name!r} codec needs "

@@ -84,6 +84,16 @@ class Aggregator:
                                 strike=False)
         if slot.sealed is not None:
             return Ack(False, f"round {msg.round} attempt {msg.attempt} is sealed")
+        known = slot.contributions.get(msg.shard, {}).get(sender)
+        if known is not None:  # first write wins: a contributor cannot swap what it sent
+            if (known[0], known[1]) == (msg.first_segment, msg.segments):
+                return Ack(True, "")
+            raise ProtocolError(f"a second, different contribution to shard {msg.shard}", reason="equivocation")
+        plan = await self.plan(msg.round, msg.attempt, 0.0)
+        if plan is not None and (msg.shard >= plan.num_shards or (
+                msg.first_segment, msg.first_segment + len(msg.segments)) != plan.shard_segments[msg.shard]):
+            raise ProtocolError(f"shard {msg.shard} does not span segments {msg.first_segment}.."
+                                f"{msg.first_segment + len(msg.segments)} in this round", reason="bad-payload")
         try:
             validate_segments(self.ctx, msg.first_segment, msg.segments)
         except ProtocolError:  # counted and dropped by the transport; the leaders hear of it
@@ -102,6 +112,8 @@ class Aggregator:
             await self._send_have_unguarded(round_id, attempt)
         except ProtocolError as exc:  # e.g. a conflicting decision: this report is moot; say so
             log.warning("have report for round %d not sent: %s", round_id, exc)
+        except Exception as exc:  # a background task must never take the node down
+            log.error("have report for round %d failed: %r", round_id, exc)
 
     async def _send_have_unguarded(self, round_id: int, attempt: int) -> None:
         plan = await self.plan(round_id, attempt, self.ctx.deadline_s)
@@ -109,7 +121,9 @@ class Aggregator:
             return
         slot = self.attempts[(round_id, attempt)]
         for shard, held in list(slot.contributions.items()):
-            first, stop = plan.shard_segments[shard] if shard < plan.num_shards else (-1, -1)
+            if shard >= plan.num_shards:
+                continue
+            first, stop = plan.shard_segments[shard]
             ids = sorted(s for s, (f, segs, _) in held.items() if f == first and f + len(segs) == stop)
             report = HaveReport(round_id, attempt, shard, ids, sorted(slot.refused)[:64])
             for leader in plan.leaders:
@@ -125,6 +139,10 @@ class Aggregator:
         leader, decision = unseal(msg.decision, self.ctx.run_id, Decision)
         if leader != sender or decision.leader != sender or decision.status != "commit":
             return Ack(False, "a seal must be a commit signed by the sending leader")
+        committed = self.book.committed.get(decision.round)
+        if committed is not None and committed[0] != msg.decision:
+            return Ack(False, f"round {decision.round} is already committed")
+        self._check_open(decision.round, decision.attempt)
         plan = await self.plan(decision.round, decision.attempt, self.ctx.slack_s)
         if plan is None or sender not in plan.leaders:
             return Ack(False, "sender does not lead this attempt")
@@ -142,7 +160,8 @@ class Aggregator:
         for shard in mine + spare:
             first, stop = plan.shard_segments[shard]
             held = slot.contributions.get(shard, {})
-            missing = [c for c in decision.contributors if c not in held or held[c][0] != first]
+            missing = [c for c in decision.contributors
+                       if c not in held or held[c][0] != first or len(held[c][1]) != stop - first]
             if missing and shard in mine:
                 return Ack(False, f"shard {shard}: missing contributions from {len(missing)} peers")
             if not missing:

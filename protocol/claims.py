@@ -84,6 +84,11 @@ class Claims:
             log.warning("claim reply carried an unusable decision: %s", exc)
             return False
         if decision.status == "commit":
+            try:
+                await self.verify_commit(signed)  # type: ignore[attr-defined]
+            except ProtocolError as exc:
+                log.warning("claim reply carried a commit that does not check out: %s", exc)
+                return False
             if not await self._hold_all(signed):
                 log.warning("round %d: attempt %d's commit exists but its aggregate cannot be had", plan.round,
                             decision.attempt)

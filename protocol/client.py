@@ -178,6 +178,7 @@ class RoundClient:
             if leader != decision.leader or decision.round != round_id:
                 raise ProtocolError("decision not signed by its leader, or for another round")
             if decision.status == "commit":
+                await self.server.verify_commit(reply.decision)  # a forged commit is refused here
                 self.book.add(reply.decision)
             elif decision.attempt != attempt:
                 return b""
@@ -188,8 +189,18 @@ class RoundClient:
 
     async def fetch_aggregate(self, signed: bytes, device: torch.device | str = "cpu") -> torch.Tensor:
         """The committed mean of a round as one flat fp32 vector; raises PeerUnavailable if some
-        shard cannot be had from anyone (the caller then re-syncs the full state)."""
-        _, decision = unseal(signed, self.ctx.run_id, Decision)
+        shard cannot be had from anyone, or the commit does not check out (the caller then
+        re-syncs the full state): whatever peers send, this never raises anything else."""
+        try:
+            return await self._fetch_aggregate(signed, device)
+        except PeerUnavailable:
+            raise
+        except Exception as exc:  # ProtocolError, CodecError, or a bug a hostile input found: not applied
+            log.warning("aggregate not applied: %r", exc)
+            raise PeerUnavailable(f"the round's aggregate could not be assembled: {exc}") from None
+
+    async def _fetch_aggregate(self, signed: bytes, device: torch.device | str) -> torch.Tensor:
+        decision = await self.server.verify_commit(signed)
         plan = await self.server.plan(decision.round, decision.attempt, wait_s=0)
         if plan is None or plan.num_shards != decision.num_shards:
             raise PeerUnavailable(f"cannot plan round {decision.round}: its membership is not known here")
@@ -221,7 +232,7 @@ class RoundClient:
         return out.to(device)
 
     async def individual_updates(self, signed: bytes) -> dict[str, torch.Tensor]:
-        """Each contributor's own decoded update, from the held aggregate of a gather codec (call
+        """Each contributor's own decoded update, from a held aggregate of signed contributions (call
         after `fetch_aggregate`); the leader scores them one by one."""
         _, decision = unseal(signed, self.ctx.run_id, Decision)
         plan = await self.server.plan(decision.round, decision.attempt, wait_s=0)
@@ -287,10 +298,12 @@ class RoundClient:
                 log.info("aggregate %s from %s does not match the decision", key, peer[-8:])
                 continue
             try:  # a holder that forged or altered a contribution is caught here, and the next one asked
+                if agg.mode != ("signed" if ships_contributions(self.ctx) else "mean"):
+                    raise ProtocolError(f"aggregate mode {agg.mode!r} is not this run's")
                 if agg.mode == "signed":
                     self._contributions(decision, shard, first, stop, agg)
-                elif agg.mode != "mean" or ships_contributions(self.ctx):
-                    raise ProtocolError(f"aggregate mode {agg.mode!r} is not this run's")
+                else:
+                    validate_segments(self.ctx, first, agg.parts)
             except ProtocolError as exc:
                 self.transport.guard.count(peer, "aggregate-reply", exc.reason, strike=exc.strike)
                 log.warning("aggregate %s from %s refused: %s", key, peer[-8:], exc)

@@ -60,9 +60,9 @@ class Guard:
         if state is None:
             state = _PeerState(tokens=2 * self.limits.requests_per_s, refilled=now)
             self._peers[peer] = state
-            if len(self._peers) > 10_000:  # forget the longest-idle peer that is not banned
+            if len(self._peers) > 10_000:  # forget the longest-idle peer (bans included: bounded memory)
                 for key, old in self._peers.items():
-                    if old.banned_until <= now and old.streams == 0:
+                    if key != peer and old.streams == 0:
                         del self._peers[key]
                         break
         self._peers.move_to_end(peer)

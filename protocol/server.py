@@ -132,11 +132,12 @@ class RoundServer(Aggregator, Claims):
         # Only the aggregators contributors send a shard to may report on it: anyone else could
         # make itself the source of a shard and then build that shard's aggregate.
         if msg.shard >= plan.num_shards or sender not in plan.candidates(msg.shard)[:REPORTING_CANDIDATES]:
-            self.transport.guard.count(sender, "have", "not-aggregator", strike=True)
+            self.transport.guard.count(sender, "have", "not-aggregator", strike=False)
             return Ack(False, "not an aggregator of this shard")
         slot = self.attempts[(msg.round, msg.attempt)]
         # Reports travel concurrently and may arrive out of order; an aggregator's set only grows.
-        slot.have[msg.shard].setdefault(sender, set()).update(msg.contributors)
+        expected = set(plan.trainers) | set(self.joins[msg.round])  # nobody else can be in the commit
+        slot.have[msg.shard].setdefault(sender, set()).update(c for c in msg.contributors if c in expected)
         slot.refused_reported.update(msg.refused[:64])
         if slot.first_report is None:
             slot.first_report = time.monotonic()
@@ -173,8 +174,35 @@ class RoundServer(Aggregator, Claims):
     async def _lead_guarded(self, round_id: int, attempt: int) -> None:
         try:
             await self._lead(round_id, attempt)
-        except ProtocolError as exc:  # a conflicting commit elsewhere: contributors will see it
+        except (ProtocolError, PeerUnavailable) as exc:  # a conflicting or forged commit elsewhere
             log.warning("leading round %d attempt %d stopped: %s", round_id, attempt, exc)
+        except Exception as exc:  # a background task must never take the node down; say what broke
+            log.error("leading round %d attempt %d failed: %r", round_id, attempt, exc)
+
+    async def verify_commit(self, signed: bytes, wait_s: float = 0.0) -> Decision:
+        """A signed commit, checked against its attempt's plan: signed by one of the attempt's
+        leaders, at least `min_peers` distinct allowed contributors (sorted), and one source per
+        shard among that shard's aggregators. ProtocolError otherwise (unverifiable: no strike)."""
+        leader, d = unseal(signed, self.ctx.run_id, Decision)
+        if d.status != "commit" or leader != d.leader:
+            raise ProtocolError("not a commit signed by its leader", reason="forged-decision")
+        if d.round < 0:
+            raise ProtocolError("genesis comes only with the run's state", reason="forged-decision")
+        plan = await self.plan(d.round, d.attempt, wait_s)
+        if plan is None:
+            raise ProtocolError(f"round {d.round - 1} is not known here: cannot check this commit",
+                                reason="unverifiable", strike=False)
+        if leader not in plan.leaders:
+            raise ProtocolError(f"{leader[-8:]} does not lead round {d.round} attempt {d.attempt}",
+                                reason="forged-decision")
+        if (d.contributors != sorted(set(d.contributors)) or len(d.contributors) < self.ctx.min_peers
+                or not all(self.ctx.authorized(c) for c in d.contributors)):
+            raise ProtocolError("a commit needs min_peers distinct, allowed, sorted contributors",
+                                reason="forged-decision")
+        if d.num_shards != plan.num_shards or len(d.sources) != plan.num_shards or any(
+                src not in plan.candidates(s)[:REPORTING_CANDIDATES] for s, src in enumerate(d.sources)):
+            raise ProtocolError("a commit's sources must be its shards' aggregators", reason="forged-decision")
+        return d
 
     async def _lead(self, round_id: int, attempt: int) -> None:
         plan = await self.plan(round_id, attempt, self.ctx.deadline_s)
@@ -209,7 +237,7 @@ class RoundServer(Aggregator, Claims):
             replies = await asyncio.gather(*(self._ask(p, round_id, attempt) for p in others))
             for signed in replies:
                 if signed:
-                    self._learn(round_id, attempt, signed)
+                    await self._learn(round_id, attempt, signed)
                     return
         await self.decide_exclusively(plan, slot)
 
@@ -226,10 +254,12 @@ class RoundServer(Aggregator, Claims):
         except (PeerUnavailable, ProtocolError):
             return b""
 
-    def _learn(self, round_id: int, attempt: int, signed: bytes) -> None:
-        _, decision = unseal(signed, self.ctx.run_id, Decision)
-        if (decision.round, decision.attempt) != (round_id, attempt):
-            raise ProtocolError("decision for another round")
+    async def _learn(self, round_id: int, attempt: int, signed: bytes) -> None:
+        leader, decision = unseal(signed, self.ctx.run_id, Decision)
+        if (decision.round, decision.attempt) != (round_id, attempt) or leader != decision.leader:
+            raise ProtocolError("decision for another round, or not signed by its leader")
+        if decision.status == "commit":
+            await self.verify_commit(signed)
         self.attempts[(round_id, attempt)].decision = signed
         if decision.status == "commit":
             self.book.add(signed)
@@ -277,7 +307,7 @@ class RoundServer(Aggregator, Claims):
             signed = seal(self.identity, self.ctx.run_id, decision)
         log.info("round %d attempt %d: %s with %d contributors", plan.round, plan.attempt, decision.status,
                  len(decision.contributors))
-        self._learn(plan.round, plan.attempt, signed)
+        await self._learn(plan.round, plan.attempt, signed)
 
     async def _screen(self, round_id: int, signed: bytes) -> set[str]:
         """Contributors whose update alone makes the probe loss worse by more than the threshold."""
@@ -285,7 +315,7 @@ class RoundServer(Aggregator, Claims):
             return set()
         try:
             scores = await self.score(round_id, await self.individual(signed))
-        except (PeerUnavailable, ProtocolError) as exc:  # scoring is a filter: without it, commit as is
+        except Exception as exc:  # scoring is a filter: without it, commit as is (and say why)
             log.warning("round %d: contributions not scored (%s)", round_id, exc)
             return set()
         self.scores[round_id] = scores

@@ -47,7 +47,7 @@ def main() -> None:
     modes = {"on": {}, "score": {"scoring": True}, "off": {"defences": False}}
     chosen = args.modes.split(",")
     clean = {m: run(args.out / ("clean" if m == "on" else f"clean-{m}"), SimulateOptions(**base, **modes[m]))
-             for m in chosen if m != "off"}
+             for m in chosen}
     rows = []
     for attack in args.attacks.split(","):
         row: dict = {"attack": attack}
@@ -80,8 +80,9 @@ def main() -> None:
                 notes.append(f"{m}: {dropped} contributions dropped by scoring")
         print(f"| {r['attack']} | {fmt(ref)} | " + " | ".join(fmt(r[m]["loss"], ref) for m in chosen)
               + f" | {'; '.join(notes) or '-'} |")
-    if "score" in clean:
-        print(f"\nclean run with scoring: {fmt(clean['score']['final_eval_loss'], ref)}")
+    for m in chosen:
+        if m != "on":
+            print(f"\nclean run, {names[m]}: {fmt(clean[m]['final_eval_loss'], ref)}")
     if args.json:
         args.json.parent.mkdir(parents=True, exist_ok=True)
         args.json.write_text(json.dumps({"settings": {**base, "byzantine": args.byzantine},
