@@ -15,9 +15,9 @@ from typing import Any
 
 from groundswell.compression import RobustStats, robust_mean
 
-from .context import validate_segments
+from .context import contribution_digest, validate_segments
 from .plan import attempt_for
-from .schema import Ack, AggregateRequest, AggregateShard, Decision, HaveReport, ProtocolError, Seal, ShardContribution
+from .schema import Ack, AggregateRequest, AggregateShard, ContributionsRequest, Decision, HaveReport, ProtocolError, Seal, ShardContribution
 from .transport import PeerUnavailable, seal, unseal
 
 log = logging.getLogger(__name__)
@@ -26,6 +26,12 @@ REPORTING_CANDIDATES = 4  # a shard goes to one of its first 3 candidates, its r
 MIN_ROOM = 64  # contributors a shard of one attempt holds at least (4x the expected trainers if more)
 FUTURE_ROUNDS = 3  # contributions and joins further ahead of our newest commit are dropped
 SEALED_BY_ANOTHER = "this attempt is already sealed under another leader's decision"
+
+
+def decision_digests(decision: Decision, shard: int) -> list[bytes]:
+    """The contribution digests a commit pins for one shard, in contributor order."""
+    n = len(decision.contributors)
+    return decision.digests[shard * n:(shard + 1) * n]
 
 
 def ships_contributions(ctx: Any) -> bool:
@@ -86,7 +92,7 @@ class Aggregator:
             return Ack(False, f"round {msg.round} attempt {msg.attempt} is sealed")
         known = slot.contributions.get(msg.shard, {}).get(sender)
         if known is not None:  # first write wins: a contributor cannot swap what it sent
-            if (known[0], known[1]) == (msg.first_segment, msg.segments):
+            if known[3] == contribution_digest(msg.first_segment, msg.segments):
                 return Ack(True, "")
             raise ProtocolError(f"a second, different contribution to shard {msg.shard}", reason="equivocation")
         plan = await self.plan(msg.round, msg.attempt, 0.0)
@@ -100,7 +106,8 @@ class Aggregator:
             slot.refused.add(sender)
             self._report(msg.round, msg.attempt)
             raise
-        slot.contributions[msg.shard][sender] = (msg.first_segment, msg.segments, envelope)
+        slot.contributions[msg.shard][sender] = (msg.first_segment, msg.segments, envelope,
+                                                 contribution_digest(msg.first_segment, msg.segments))
         self._report(msg.round, msg.attempt)
         return Ack(True, "")
 
@@ -124,8 +131,8 @@ class Aggregator:
             if shard >= plan.num_shards:
                 continue
             first, stop = plan.shard_segments[shard]
-            ids = sorted(s for s, (f, segs, _) in held.items() if f == first and f + len(segs) == stop)
-            report = HaveReport(round_id, attempt, shard, ids, sorted(slot.refused)[:64])
+            ids = sorted(s for s, (f, segs, _, _) in held.items() if f == first and f + len(segs) == stop)
+            report = HaveReport(round_id, attempt, shard, ids, [held[c][3] for c in ids], sorted(slot.refused)[:64])
             for leader in plan.leaders:
                 if leader == self.identity.peer_id:
                     await self._on_have(leader, report)
@@ -160,8 +167,9 @@ class Aggregator:
         for shard in mine + spare:
             first, stop = plan.shard_segments[shard]
             held = slot.contributions.get(shard, {})
-            missing = [c for c in decision.contributors
-                       if c not in held or held[c][0] != first or len(held[c][1]) != stop - first]
+            pinned = decision_digests(decision, shard)
+            missing = [c for c, dg in zip(decision.contributors, pinned)
+                       if c not in held or held[c][0] != first or len(held[c][1]) != stop - first or held[c][3] != dg]
             if missing and shard in mine:
                 return Ack(False, f"shard {shard}: missing contributions from {len(missing)} peers")
             if not missing:
@@ -177,13 +185,27 @@ class Aggregator:
         if ships_contributions(self.ctx):
             # every contributor's own signed request: receivers check each signature and average
             # (robustly) themselves, so no aggregator can forge or alter anyone's contribution
-            return AggregateShard(signed, shard, "signed", [envelope for _, _, envelope in held])
-        rows = [validate_segments(self.ctx, first, segs) for _, segs, _ in held]
+            return AggregateShard(signed, shard, "signed", [envelope for _, _, envelope, _ in held])
+        rows = [validate_segments(self.ctx, first, segs) for _, segs, _, _ in held]
         stats = RobustStats()
         means = robust_mean(codec, rows, self.ctx.robust, stats)
         _, decision = unseal(signed, self.ctx.run_id, Decision)
         clipped = [decision.contributors[c] for c in sorted(stats.clipped)]
         return AggregateShard(signed, shard, "mean", [codec.encode(m).to_bytes() for m in means], clipped)
+
+    def local_contributions(self, round_id: int, attempt: int, shard: int, contributors: list[str]) -> AggregateShard:
+        """The signed contributions this peer holds for a shard of an attempt ("none" unless all)."""
+        slot = self.attempts.get((round_id, attempt))
+        held = slot.contributions.get(shard, {}) if slot is not None else {}
+        if not contributors or any(c not in held for c in contributors):
+            return AggregateShard(b"", shard, "none", [])
+        return AggregateShard(b"", shard, "signed", [held[c][2] for c in contributors])
+
+    async def _on_get_contributions(self, sender: str, msg: ContributionsRequest) -> AggregateShard:
+        plan = await self.plan(msg.round, msg.attempt, 0.0)
+        if plan is None or sender not in plan.leaders:  # only the attempt's leaders score
+            return AggregateShard(b"", msg.shard, "none", [])
+        return self.local_contributions(msg.round, msg.attempt, msg.shard, msg.contributors)
 
     async def _on_get_aggregate(self, sender: str, msg: AggregateRequest) -> AggregateShard:
         deadline = time.monotonic() + min(msg.wait_s, self.ctx.deadline_s + self.ctx.slack_s)

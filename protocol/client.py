@@ -19,11 +19,11 @@ import torch
 
 from groundswell.compression import Payload, RobustStats, robust_mean
 
-from .aggregator import ships_contributions
-from .context import DecisionBook, validate_segments
+from .aggregator import decision_digests, ships_contributions
+from .context import DecisionBook, contribution_digest, validate_segments
 from .plan import RoundPlan, attempt_for
 from .schema import (
-    MAX_SMALL, Ack, AggregateRequest, AggregateShard, Decision, DecisionReply, DecisionRequest, Join, ProtocolError,
+    MAX_SMALL, Ack, AggregateRequest, AggregateShard, ContributionsRequest, Decision, DecisionReply, DecisionRequest, Join, ProtocolError,
     ShardContribution,
 )
 from .server import RoundServer
@@ -231,36 +231,46 @@ class RoundClient:
             del self.clipped[old]
         return out.to(device)
 
-    async def individual_updates(self, signed: bytes) -> dict[str, torch.Tensor]:
-        """Each contributor's own decoded update, from a held aggregate of signed contributions (call
-        after `fetch_aggregate`); the leader scores them one by one."""
-        _, decision = unseal(signed, self.ctx.run_id, Decision)
-        plan = await self.server.plan(decision.round, decision.attempt, wait_s=0)
-        if plan is None:
-            raise PeerUnavailable(f"cannot plan round {decision.round}")
-        numels = self.ctx.segment_numels
+    async def gather_contributions(self, plan: RoundPlan, sources: list[str], contributors: list[str],
+                                   digests: list[bytes]) -> dict[str, torch.Tensor]:
+        """Each contributor's own decoded update, from the signed contributions the shards' sources
+        hold (the leader scores them one by one before it decides)."""
+        probe = Decision(plan.round, plan.attempt, "probe", list(contributors), [], [], self.me, list(sources),
+                         plan.num_shards, 0.0, list(digests))
         offsets = [0]
-        for n in numels:
+        for n in self.ctx.segment_numels:
             offsets.append(offsets[-1] + n)
-        who = decision.contributors
-        out = {c: torch.empty(offsets[-1], dtype=torch.float32) for c in who}
-        for shard in range(plan.num_shards):
-            agg = self.server.aggregates.get((decision.round, shard))
-            if agg is None or agg.decision != signed or agg.mode != "signed":
-                raise PeerUnavailable(f"shard {shard} of round {decision.round} is not held as separate payloads")
+        out = {c: torch.empty(offsets[-1], dtype=torch.float32) for c in contributors}
+        budget = self.ctx.max_payload_bytes * max(1, len(contributors)) + MAX_SMALL
+
+        async def one(shard: int) -> None:
             first, stop = plan.shard_segments[shard]
-            for contributor, row in zip(who, self._contributions(decision, shard, first, stop, agg)):
+            if sources[shard] == self.me:
+                agg = self.server.local_contributions(plan.round, plan.attempt, shard, list(contributors))
+            else:
+                agg = await self.transport.request(
+                    sources[shard], "get-contributions",
+                    ContributionsRequest(plan.round, plan.attempt, shard, list(contributors)), AggregateShard,
+                    timeout_s=2 * self.ctx.slack_s + budget / 20e6, max_reply=budget)
+            if agg.mode != "signed":
+                raise PeerUnavailable(f"the source of shard {shard} did not hand over its contributions")
+            for contributor, row in zip(contributors, self._contributions(probe, shard, first, stop, agg)):
                 for i, payload in enumerate(row):
-                    seg = first + i
-                    out[contributor][offsets[seg]:offsets[seg + 1]] = self.ctx.codec.decode(payload)
+                    out[contributor][offsets[first + i]:offsets[first + i + 1]] = self.ctx.codec.decode(payload)
+
+        await asyncio.gather(*(one(s) for s in range(plan.num_shards)))
         return out
 
     def _contributions(self, decision: Decision, shard: int, first: int, stop: int, agg: AggregateShard
                        ) -> list[list[Payload]]:
         """The shard's contributions in decision order, each checked: signed by that contributor,
         for this round, attempt and shard, and well-formed; ProtocolError otherwise."""
-        rows = []
+        rows: list[list[Payload]] = []
         budget = self.ctx.max_payload_bytes + MAX_SMALL
+        pinned = decision_digests(decision, shard)
+        if len(pinned) != len(decision.contributors) or len(agg.parts) != len(pinned):
+            raise ProtocolError(f"shard {shard}: {len(agg.parts)} contributions for {len(pinned)} pinned",
+                                reason="forged-aggregate")
         for who, envelope in zip(decision.contributors, agg.parts, strict=True):
             sender, msg = unseal(envelope, self.ctx.run_id, ShardContribution, max_bytes=budget)
             if sender != who:
@@ -269,6 +279,9 @@ class RoundClient:
             if (msg.round, msg.attempt, msg.shard, msg.first_segment, len(msg.segments)) != (
                     decision.round, decision.attempt, shard, first, stop - first):
                 raise ProtocolError(f"shard {shard}: {who[-8:]}'s contribution is for another slot",
+                                    reason="forged-aggregate")
+            if contribution_digest(msg.first_segment, msg.segments) != pinned[len(rows)]:
+                raise ProtocolError(f"shard {shard}: {who[-8:]}'s contribution is not the one the commit pins",
                                     reason="forged-aggregate")
             rows.append(validate_segments(self.ctx, first, msg.segments))
         return rows

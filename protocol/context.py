@@ -7,6 +7,7 @@ the trainer or the optimizer.
 from __future__ import annotations
 
 import asyncio
+import hashlib
 from dataclasses import dataclass, field
 from typing import Protocol
 
@@ -98,6 +99,16 @@ class DecisionBook:
                 return m
         except TimeoutError:
             return None
+
+
+def contribution_digest(first_segment: int, segments: list[bytes]) -> bytes:
+    """16-byte digest of one contributor's shard: its first segment and every payload's bytes."""
+    h = hashlib.blake2b(digest_size=16)
+    h.update(first_segment.to_bytes(8, "big", signed=True))
+    for seg in segments:
+        h.update(len(seg).to_bytes(8, "big"))
+        h.update(seg)
+    return h.digest()
 
 
 def validate_segments(ctx: RoundContext, first: int, segments: list[bytes]) -> list[Payload]:

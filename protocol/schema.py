@@ -78,6 +78,9 @@ class HaveReport(Message):
     attempt: int = _f(lo=0, hi=1 << 20)
     shard: int = _f(lo=0, hi=MAX_LIST)
     contributors: list[str] = _f()
+    # digest of each contributor's shard (parallel to contributors): what a commit pins down
+    digests: list[bytes] = field(default_factory=list, metadata={"max_len": 32, "max_items": MAX_LIST, "lo": None,
+                                                                 "hi": None})
     # peers whose contribution this aggregator refused as invalid: the leader stops waiting for them
     refused: list[str] = field(default_factory=list, metadata={"max_len": MAX_ID, "max_items": MAX_LIST, "lo": None,
                                                                "hi": None})
@@ -103,6 +106,11 @@ class Decision(Message):
     num_shards: int = _f(lo=0, hi=MAX_LIST)
     # The leader's wall clock when it decided: a commit opens the next round's attempt slots.
     time: float = field(default=0.0, metadata={"max_len": 0, "max_items": 0, "lo": 0.0, "hi": 1e12})
+    # The digest of every contribution that counts, shard-major in contributor order: an aggregate
+    # is accepted only with exactly these, so a contributor that sent different aggregators
+    # different versions cannot make peers apply different sums.
+    digests: list[bytes] = field(default_factory=list, metadata={"max_len": 32, "max_items": 1 << 16, "lo": None,
+                                                                 "hi": None})
 
 
 @dataclass(frozen=True)
@@ -172,6 +180,17 @@ class AggregateShard(Message):
     parts: list[bytes] = _f(max_len=1 << 34, max_items=1 << 20)
     clipped: list[str] = field(default_factory=list, metadata={"max_len": MAX_ID, "max_items": MAX_LIST,
                                                                "lo": None, "hi": None})  # "mean": whose norm was clipped
+
+
+@dataclass(frozen=True)
+class ContributionsRequest(Message):
+    """A leader asks a shard's source for these contributors' signed contributions (to score them)."""
+
+    KIND: ClassVar[str] = "get-contributions"
+    round: int = _f(**_ROUND)
+    attempt: int = _f(lo=0, hi=1 << 20)
+    shard: int = _f(lo=0, hi=MAX_LIST)
+    contributors: list[str] = _f()
 
 
 @dataclass(frozen=True)
@@ -263,7 +282,7 @@ MESSAGES: dict[str, type[Message]] = {
     cls.KIND: cls
     for cls in (
         ShardContribution, Ack, HaveReport, Decision, DecisionRequest, DecisionReply, Seal, Claim, ClaimReply,
-        AggregateRequest, AggregateShard, Join,
+        AggregateRequest, AggregateShard, ContributionsRequest, Join,
         StateRequest, StateReply, ManifestRequest, ManifestReply, ProbeRequest, ProbeReply, PeerRecord,
     )
 }

@@ -28,7 +28,7 @@ from .context import DecisionBook, RoundContext
 from .identity import Identity
 from .plan import RoundPlan, close_time, make_plan
 from .schema import (
-    MAX_SMALL, Ack, AggregateRequest, AggregateShard, Claim, Decision, DecisionReply, DecisionRequest,
+    MAX_SMALL, Ack, AggregateRequest, ContributionsRequest, AggregateShard, Claim, Decision, DecisionReply, DecisionRequest,
     HaveReport, Join, ProtocolError, Seal, ShardContribution,
 )
 from .transport import PeerUnavailable, Transport, seal, unseal
@@ -44,7 +44,8 @@ class _Attempt:
         default_factory=lambda: defaultdict(dict))  # shard -> sender -> (first segment, segments, signed request)
     refused: set[str] = field(default_factory=set)  # as an aggregator: senders of invalid contributions
     refused_reported: set[str] = field(default_factory=set)  # as a leader: what aggregators reported refusing
-    have: dict[int, dict[str, set[str]]] = field(default_factory=lambda: defaultdict(dict))  # shard -> agg -> ids
+    # shard -> aggregator -> contributor -> digest of the contribution it holds
+    have: dict[int, dict[str, dict[str, bytes]]] = field(default_factory=lambda: defaultdict(dict))
     first_report: float | None = None
     decision: bytes | None = None  # signed decision of this attempt (as leader, or learned)
     sealed: bytes | None = None  # the commit this peer sealed as an aggregator
@@ -77,10 +78,10 @@ class RoundServer(Aggregator, Claims):
         # whole aggregate before it announces a commit, so the death of one aggregator right
         # after sealing cannot make a committed round unobtainable.
         self.prefetch: Callable[[bytes], Awaitable[Any]] | None = None
-        # Optional contribution scoring (gather codecs): the peer scores each contributor's own update
-        # (loss after applying it alone minus loss before, on a probe batch); the leader drops those
-        # above `score_threshold` and decides again without them.
-        self.individual: Callable[[bytes], Awaitable[dict[str, Any]]] | None = None
+        # Optional contribution scoring (aggregates of signed contributions): before it decides, the
+        # leader fetches the contributions, the peer scores each one alone (probe loss after minus
+        # before), and those above `score_threshold` are left out of the decision.
+        self.individual: Callable[[RoundPlan, list[str], list[str], list[bytes]], Awaitable[dict[str, Any]]] | None = None
         self.score: Callable[[int, dict[str, Any]], Awaitable[dict[str, float]]] | None = None
         self.score_threshold = 0.0
         self.scores: dict[int, dict[str, float]] = {}  # round -> contributor -> score, as this leader found
@@ -96,6 +97,7 @@ class RoundServer(Aggregator, Claims):
         await t.serve("seal", Seal, self._on_seal)
         await t.serve("claim", Claim, self._on_claim)
         await t.serve("get-aggregate", AggregateRequest, self._on_get_aggregate)
+        await t.serve("get-contributions", ContributionsRequest, self._on_get_contributions)
 
     # --- helpers ------------------------------------------------------------------------------
     async def plan(self, round_id: int, attempt: int, wait_s: float) -> RoundPlan | None:
@@ -136,8 +138,13 @@ class RoundServer(Aggregator, Claims):
             return Ack(False, "not an aggregator of this shard")
         slot = self.attempts[(msg.round, msg.attempt)]
         # Reports travel concurrently and may arrive out of order; an aggregator's set only grows.
+        if len(msg.digests) != len(msg.contributors):
+            raise ProtocolError("a have report needs one digest per contributor")
         expected = set(plan.trainers) | set(self.joins[msg.round])  # nobody else can be in the commit
-        slot.have[msg.shard].setdefault(sender, set()).update(c for c in msg.contributors if c in expected)
+        held = slot.have[msg.shard].setdefault(sender, {})
+        for who, digest in zip(msg.contributors, msg.digests):
+            if who in expected:
+                held.setdefault(who, digest)  # an aggregator's report only grows; the first digest stays
         slot.refused_reported.update(msg.refused[:64])
         if slot.first_report is None:
             slot.first_report = time.monotonic()
@@ -168,8 +175,12 @@ class RoundServer(Aggregator, Claims):
             rank = {p: i for i, p in enumerate(plan.candidates(shard))}
             best = min(reports, key=lambda a: (-len(reports[a]), rank.get(a, 1 << 30), a))
             sources.append(best)
-            common = set(reports[best]) if common is None else common & reports[best]
+            common = set(reports[best]) if common is None else common & reports[best].keys()
         return sources, common or set()
+
+    def _digests(self, slot: _Attempt, sources: list[str], contributors: list[str]) -> list[bytes]:
+        """What a commit pins: each source's digest of each contribution, shard-major."""
+        return [slot.have[shard][src][c] for shard, src in enumerate(sources) for c in contributors]
 
     async def _lead_guarded(self, round_id: int, attempt: int) -> None:
         try:
@@ -199,6 +210,8 @@ class RoundServer(Aggregator, Claims):
                 or not all(self.ctx.authorized(c) for c in d.contributors)):
             raise ProtocolError("a commit needs min_peers distinct, allowed, sorted contributors",
                                 reason="forged-decision")
+        if len(d.digests) != plan.num_shards * len(d.contributors) or any(len(x) != 16 for x in d.digests):
+            raise ProtocolError("a commit pins one 16-byte digest per contribution and shard", reason="forged-decision")
         if d.num_shards != plan.num_shards or len(d.sources) != plan.num_shards or any(
                 src not in plan.candidates(s)[:REPORTING_CANDIDATES] for s, src in enumerate(d.sources)):
             raise ProtocolError("a commit's sources must be its shards' aggregators", reason="forged-decision")
@@ -270,15 +283,23 @@ class RoundServer(Aggregator, Claims):
         membership = self.book.membership(plan.round)
         failed: set[str] = set()
         dropped: set[str] = set()  # contributions scoring found harmful
+        screened = False
         for _ in range(4):  # a source that will not seal is replaced by a replica holding the same shard
             sources, complete = self._sources(plan, slot, frozenset(failed))
             contributors = sorted(complete - dropped)
             if len(contributors) < self.ctx.min_peers:
                 break
+            if not screened:  # before anything is signed: a dropped contribution is never in any commit
+                screened = True
+                dropped = await self._screen(plan, sources, contributors, self._digests(slot, sources, contributors))
+                contributors = [c for c in contributors if c not in dropped]
+                if len(contributors) < self.ctx.min_peers:
+                    break
             trainers = sorted(set(contributors) | {p for p, (t, _) in joins.items() if t})
             servers = sorted({p for p, (_, s) in joins.items() if s} | {self.identity.peer_id})
+            pinned = self._digests(slot, sources, contributors)
             decision = Decision(plan.round, plan.attempt, "commit", contributors, trainers, servers,
-                                self.identity.peer_id, sources, plan.num_shards, time.time())
+                                self.identity.peer_id, sources, plan.num_shards, time.time(), pinned)
             signed = seal(self.identity, self.ctx.run_id, decision)
             refused, contested = await self._seal_all(signed, sources)
             if contested:  # another leader is deciding this attempt: replacing sources would fork the round
@@ -288,15 +309,12 @@ class RoundServer(Aggregator, Claims):
             if not refused:
                 # Best effort: the replicas that hold whole shards keep a copy of the aggregate too.
                 replicas = {a for shard in range(plan.num_shards) for a, ids in slot.have.get(shard, {}).items()
-                            if a not in sources and set(contributors) <= ids}
+                            if a not in sources and all(ids.get(c) == slot.have[shard][sources[shard]][c]
+                                                        for c in contributors)}
                 if replicas:
                     await self._seal_all(signed, sorted(replicas))
             if not refused and await self._hold_all(signed):
-                harmful = await self._screen(plan.round, signed) if not dropped else set()
-                if not harmful:
-                    break
-                dropped |= harmful  # decide again without them (a leader may re-seal its own decision)
-                continue
+                break
             failed |= refused or set(sources)
         else:
             contributors = []
@@ -309,12 +327,16 @@ class RoundServer(Aggregator, Claims):
                  len(decision.contributors))
         await self._learn(plan.round, plan.attempt, signed)
 
-    async def _screen(self, round_id: int, signed: bytes) -> set[str]:
-        """Contributors whose update alone makes the probe loss worse by more than the threshold."""
+    async def _screen(self, plan: RoundPlan, sources: list[str], contributors: list[str], digests: list[bytes]
+                      ) -> set[str]:
+        """Contributors whose update alone makes the probe loss worse by more than the threshold
+        (the leader fetches their signed contributions from the shards' sources to try them)."""
         if self.score is None or self.individual is None:
             return set()
+        round_id = plan.round
         try:
-            scores = await self.score(round_id, await self.individual(signed))
+            async with asyncio.timeout(self.ctx.deadline_s):
+                scores = await self.score(round_id, await self.individual(plan, sources, contributors, digests))
         except Exception as exc:  # scoring is a filter: without it, commit as is (and say why)
             log.warning("round %d: contributions not scored (%s)", round_id, exc)
             return set()

@@ -98,7 +98,8 @@ class Target:
         return self.loop.run_until_complete(go())
 
 
-HANDLERS = ("contribute", "have", "join", "get-decision", "seal", "claim", "get-aggregate", "get-state",
+HANDLERS = ("contribute", "have", "join", "get-decision", "seal", "claim", "get-aggregate", "get-contributions",
+            "get-state",
             "get-manifest", "probe")
 
 

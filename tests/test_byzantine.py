@@ -77,3 +77,32 @@ def test_an_invalid_contribution_is_refused_and_the_leader_stops_waiting_for_it(
         assert all(torch.equal(m, means[0]) for m in means)
     finally:
         c.close()
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(240)
+def test_a_contributor_that_sends_aggregators_different_versions_cannot_split_the_peers():
+    from groundswell.protocol.schema import ShardContribution
+    from swarm_harness import Cluster
+
+    c = Cluster(n=4, codec_name="sparseloco", numel=8 * 4096, min_peers=3)
+    try:
+        liar = c.nodes[3].client
+        honest_replicate = liar._replicate
+
+        async def equivocate(plan, shard, msg, holder, timeout):  # the replica gets another version
+            other = [c.codec.encode(torch.randn(len(c.codec.decode(Payload.from_bytes(s))))).to_bytes()
+                     for s in msg.segments]
+            await honest_replicate(plan, shard, ShardContribution(msg.round, msg.attempt, msg.shard,
+                                                                  msg.first_segment, other), holder, timeout)
+
+        liar._replicate = equivocate
+        g = torch.Generator().manual_seed(4)
+        out = c.attempt(0, {i: torch.randn(c.numel, generator=g) for i in range(4)})
+        d = out[0].decision
+        assert d.status == "commit" and len(d.digests) == d.num_shards * len(d.contributors)
+        honest = [0, 1, 2]
+        means = [c.fetch(i, out[i].signed) for i in honest]
+        assert all(torch.equal(m, means[0]) for m in means)  # one version per contribution, whoever asked whom
+    finally:
+        c.close()

@@ -27,6 +27,7 @@ from groundswell.protocol.schema import (
     Ack,
     AggregateRequest,
     AggregateShard,
+    ContributionsRequest,
     Claim,
     ClaimReply,
     Decision,
@@ -66,7 +67,7 @@ EXAMPLES: dict[str, Message] = {
     for m in (
         ShardContribution(round=7, attempt=1, shard=2, first_segment=10, segments=[b"\x00\x01", b"", os.urandom(300)]),
         Ack(ok=True, reason="fine"),
-        HaveReport(round=7, attempt=0, shard=3, contributors=PEERS[:3]),
+        HaveReport(round=7, attempt=0, shard=3, contributors=PEERS[:3], digests=[b"d" * 16] * 3, refused=PEERS[3:4]),
         Decision(round=7, attempt=2, status="commit", contributors=PEERS[:2], trainers=PEERS[:3], servers=PEERS[1:],
                  leader=PEERS[1], sources=[PEERS[1], PEERS[2]], num_shards=2),
         DecisionRequest(round=1 << 40, attempt=0, wait_s=2.5),
@@ -75,7 +76,8 @@ EXAMPLES: dict[str, Message] = {
         Claim(round=9, attempt=3),
         ClaimReply(ok=False, decision=os.urandom(150)),
         AggregateRequest(round=0, shard=4095, wait_s=0.0),
-        AggregateShard(decision=b"d", shard=1, mode="mean", parts=[b"p1", b"p2"]),
+        AggregateShard(decision=b"d", shard=1, mode="mean", parts=[b"p1", b"p2"], clipped=PEERS[:1]),
+        ContributionsRequest(round=4, attempt=1, shard=2, contributors=PEERS[:2]),
         Join(round=3, trains=True, serves=False),
         StateRequest(min_round=-1),
         StateReply(round=-1, digest="ab" * 32, decision=b"", blob=os.urandom(1000)),
@@ -85,7 +87,7 @@ EXAMPLES: dict[str, Message] = {
         ProbeReply(reachable=True, address="192.0.2.1:4001"),
         PeerRecord(round=12, params_hash="f" * 64, role="volunteer", trains=True, serves=True,
                    maddrs=["/ip4/127.0.0.1/tcp/4001", "/ip6/::1/tcp/4002"], reachability="public", loss=-1.5e-3,
-                   bytes_sent=(1 << 62), updated=1.7e9),
+                   bytes_sent=(1 << 62), updated=1.7e9, banned=PEERS[:1], rejected=3, scores=[f"{PEERS[0]}=+0.1"]),
     )
 }
 HINTS = {kind: typing.get_type_hints(cls) for kind, cls in MESSAGES.items()}
@@ -284,9 +286,9 @@ def test_bounds_are_inclusive():
     with pytest.raises(ProtocolError, match="ack.reason"):
         decode_message(_raw("ack", [False, "r" * 513]), Ack)
     peers = ["p"] * 4096
-    assert decode_message(_raw("have", [0, 0, 0, peers, []]), HaveReport).contributors == peers
+    assert decode_message(_raw("have", [0, 0, 0, peers, [b"d" * 16] * len(peers), []]), HaveReport).contributors == peers
     with pytest.raises(ProtocolError, match="have.contributors"):
-        decode_message(_raw("have", [0, 0, 0, peers + ["p"], []]), HaveReport)
+        decode_message(_raw("have", [0, 0, 0, peers + ["p"], [], []]), HaveReport)
     with pytest.raises(ProtocolError):  # 2**64 - 1 does not fit any bounded field
         decode_message(_raw("peer", _values(EXAMPLES["peer"])[:8] + [(1 << 64) - 1, 0.0]), PeerRecord)
 

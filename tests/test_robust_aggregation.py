@@ -134,7 +134,10 @@ def test_an_aggregator_that_alters_a_contribution_is_caught_and_bypassed():
         forger.server._build = forged_build
         g = torch.Generator().manual_seed(11)
         xs = {i: torch.randn(c.numel, generator=g) for i in range(4)}
-        out = c.attempt(0, xs)
+        for attempt in range(3):  # a round the leader cannot gather is retried (roles reshuffle): also fine
+            out = c.attempt(0, xs, attempt=attempt)
+            if out[0].decision is not None and out[0].decision.status == "commit":
+                break
         assert out[0].decision.status == "commit" and len(out[0].decision.contributors) == 4
         honest = [i for i in range(4) if c.ids[i] != forger_id]
         means = [c.fetch(i, out[i].signed) for i in honest]
