@@ -186,13 +186,13 @@ class Participant:
             if not reply.blob or reply.round < min_round:
                 continue
             try:
-                return await self._verified_state(reply)
+                return await self._verified_state(reply, peer)
             except ProtocolError as exc:  # a broken or hostile server: count it, ask the next peer
                 self.node.guard.count(peer, "state-reply", exc.reason, strike=exc.strike)
                 log.warning("state from %s refused: %s", peer[-8:], exc)
         raise PeerUnavailable("no peer served a verifiable state")
 
-    async def _verified_state(self, reply: StateReply) -> GlobalState:
+    async def _verified_state(self, reply: StateReply, server: str) -> GlobalState:
         """Check a downloaded state: hash, tensor names, shapes and values, decision, swarm majority."""
         if hashlib.sha256(reply.blob).hexdigest() != reply.digest:
             raise ProtocolError("state failed its hash check")
@@ -209,7 +209,8 @@ class Participant:
             raise ProtocolError("state's decision is not of the round before it")
         # Cross-check against what other peers published for that round (majority wins).
         records = await self.node.refresh_records()
-        hashes = [r.params_hash for r in records.values() if r.round == reply.round and r.params_hash]
+        hashes = [r.params_hash for pid, r in records.items()  # the server's own word does not count
+                  if pid != server and r.round == reply.round and r.params_hash]
         if hashes and hashes.count(params_hash(tensors["global_params"])) * 2 < len(hashes):
             raise ProtocolError("state disagrees with the swarm's published hash", strike=False)
         return GlobalState(reply.round, tensors, reply.decision)

@@ -116,10 +116,12 @@ class Guard:
         if strike:
             self.strike(peer)
 
-    def check_fresh(self, nonce: bytes, timestamp: float) -> None:
-        """Refuse a signed message stamped too far from our clock, or one seen before."""
+    def check_fresh(self, nonce: bytes, timestamp: float, opened: float | None = None) -> None:
+        """Refuse a signed message stamped too far from our clock, or one seen before. `opened`:
+        when its stream opened (a large upload may take longer than the skew to arrive)."""
         now, skew = self._wall(), self.limits.max_clock_skew_s
-        if not abs(timestamp - now) <= skew:
+        earliest = (now if opened is None else min(now, opened)) - skew
+        if not earliest <= timestamp <= now + skew:
             raise ProtocolError(f"message stamped {timestamp - now:+.0f} s from our clock (limit {skew:.0f} s)",
                                 reason="stale-message")
         if len(nonce) != 16:

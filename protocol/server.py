@@ -34,6 +34,7 @@ from .schema import (
 from .transport import PeerUnavailable, Transport, seal, unseal
 
 log = logging.getLogger(__name__)
+MAX_JOINS = 2048  # members one round may have (Decision lists hold at most 4096)
 
 
 @dataclass
@@ -160,6 +161,9 @@ class RoundServer(Aggregator, Claims):
             return Ack(False, "not allowed to contribute to this run")
         if msg.round > self.book.latest() + FUTURE_ROUNDS:
             raise ProtocolError(f"join for round {msg.round} is too far ahead", reason="future-round", strike=False)
+        if sender not in self.joins[msg.round] and len(self.joins[msg.round]) >= MAX_JOINS:
+            # a decision lists every member: it must stay within the schema's bounds
+            raise ProtocolError(f"round {msg.round} already has {MAX_JOINS} members", reason="full", strike=False)
         self.joins[msg.round][sender] = (msg.trains, msg.serves)
         for r in [r for r in self.joins if r < msg.round - 2]:
             del self.joins[r]

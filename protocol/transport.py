@@ -128,6 +128,7 @@ class Transport:
 
         async def on_stream(info: Any, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
             remote = info.peer_id.to_base58()
+            opened = time.time()
             refused = self.guard.admit(remote, handler)  # before a byte is read: bans, floods, stream count
             if refused is not None:
                 writer.close()
@@ -138,7 +139,7 @@ class Transport:
                     data = await read_frame(reader, max_request + 512)
                     self.bytes_received += len(data) + _LEN.size
                     sender, request = unseal(data, self.run_id, expect, max_request, sender=remote,
-                                             fresh=self.guard.check_fresh)
+                                             fresh=lambda nonce, ts: self.guard.check_fresh(nonce, ts, opened))
                     reply = await (fn(sender, request, data) if with_envelope else fn(sender, request))
                     out = seal(self.identity, self.run_id, reply)
                     await write_frame(writer, out)

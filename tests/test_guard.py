@@ -125,3 +125,12 @@ def test_a_ban_is_published_in_the_peer_record_that_status_shows():
         assert mine is not None and mine.banned == [flooder]
     finally:
         c.close()
+
+
+def test_a_slow_upload_is_judged_by_when_its_stream_opened():
+    g, _, wall = _guard(max_clock_skew_s=60)
+    opened = wall.t
+    wall.t += 300  # five minutes to receive a large contribution
+    g.check_fresh(os.urandom(16), opened - 1, opened=opened)  # stamped when it was sent: fine
+    with pytest.raises(ProtocolError):
+        g.check_fresh(os.urandom(16), opened - 61, opened=opened)
