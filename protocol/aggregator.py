@@ -97,7 +97,8 @@ class Aggregator:
             raise ProtocolError(f"a second, different contribution to shard {msg.shard}", reason="equivocation")
         plan = await self.plan(msg.round, msg.attempt, 0.0)
         if plan is not None and (msg.shard >= plan.num_shards or (
-                msg.first_segment, msg.first_segment + len(msg.segments)) != plan.shard_segments[msg.shard]):
+                msg.first_segment, msg.first_segment + len(msg.segments)) != plan.shard_segments[msg.shard]
+                or self.identity.peer_id not in plan.candidates(msg.shard)[:REPORTING_CANDIDATES]):
             raise ProtocolError(f"shard {msg.shard} does not span segments {msg.first_segment}.."
                                 f"{msg.first_segment + len(msg.segments)} in this round", reason="bad-payload")
         try:

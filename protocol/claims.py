@@ -113,6 +113,7 @@ class Claims:
         known = self.attempts.get((msg.round, msg.attempt))
         if known is not None and known.decision is not None:
             return ClaimReply(False, known.decision)
+        self._check_open(msg.round, msg.attempt)  # type: ignore[attr-defined]
         plan = await self.plan(msg.round, msg.attempt, self.ctx.slack_s)
         if plan is None or sender not in plan.leaders:
             return ClaimReply(False, b"")
