@@ -155,6 +155,7 @@ class Participant:
         g = state.tensors["global_params"]
         if g.shape != self.outer.global_params.shape:
             raise ProtocolError(f"state has {g.numel()} parameters, the model has {self.outer.global_params.numel()}")
+        self.node.book.add(state.decision)  # type: ignore[union-attr]  # first: a conflicting one changes nothing
         if self.outer.pending is not None:
             self.outer.apply(None)
         sd = {"round_id": state.round, "global_params": g, **self._extra_state(state)}
@@ -162,7 +163,6 @@ class Participant:
         progress = local - self.outer.global_params
         self.outer.load_state_dict(sd)
         copy_into_parameters(self.outer.global_params + progress, self.outer.params)
-        self.node.book.add(state.decision)  # type: ignore[union-attr]
         self.snapshot()
 
     def _extra_state(self, state: GlobalState) -> dict[str, Any]:

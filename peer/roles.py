@@ -11,6 +11,7 @@ from typing import Callable
 
 from groundswell.optim import RoundFailed
 from groundswell.protocol.client import RoundBehind
+from groundswell.protocol.schema import ProtocolError
 from groundswell.protocol.transport import PeerUnavailable
 
 from .byzantine import Attack
@@ -193,7 +194,7 @@ def _catch_up_or_resync(p: Participant, bootstrap_peers: list[str]) -> None:
         if not p.agrees_with_swarm():
             p.events.write("hash-mismatch", round=p.outer.round_id, peer=p.identity.peer_id)
             _resync(p, bootstrap_peers)
-    except (PeerUnavailable, RoundBehind, TimeoutError) as exc:
+    except (PeerUnavailable, RoundBehind, TimeoutError, ProtocolError) as exc:
         log.info("catch-up failed (%s); re-syncing", exc)
         _resync(p, bootstrap_peers)
 
@@ -208,7 +209,7 @@ def torch_load_params(p: Participant) -> None:
 def _resync(p: Participant, bootstrap_peers: list[str]) -> None:
     try:
         p.sync_state(bootstrap_peers, min_round=p.outer.round_id)
-    except (PeerUnavailable, TimeoutError) as exc:
+    except (PeerUnavailable, TimeoutError, ProtocolError) as exc:  # a bad state: try again later
         log.warning("re-sync failed (%s); will try again after the next round", exc)
 
 
@@ -287,12 +288,12 @@ def _follow_the_swarm(p: Participant) -> bool:
     before = p.outer.round_id
     try:
         p.catch_up()
-    except (PeerUnavailable, RoundBehind, TimeoutError) as exc:
+    except (PeerUnavailable, RoundBehind, TimeoutError, ProtocolError) as exc:
         log.info("catch-up: %s", exc)
     records = p.node.call(p.node.refresh_records(), timeout_s=30)
     if max((r.round for r in records.values()), default=-1) > p.outer.round_id:
         try:
             p.sync_state([], min_round=p.outer.round_id + 1)
-        except (PeerUnavailable, TimeoutError) as exc:
+        except (PeerUnavailable, TimeoutError, ProtocolError) as exc:
             log.info("no peer ahead served its state: %s", exc)
     return p.outer.round_id > before
