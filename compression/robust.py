@@ -88,7 +88,10 @@ def robust_mean(codec: Codec, rows: Sequence[Sequence[Payload]], options: Robust
     if not options.active:
         return [codec.aggregate([r[i] for r in rows]) for i in range(num_segments)]
     decoded = [[codec.decode(p, device="cpu") for p in row] for row in rows]
-    weights = clip_weights([_sum_in_order(tree_sum_of_squares(t) for t in row) for row in decoded], options.clip)
+    # zeros add nothing: summing only the nonzeros (a sparse update has ~1/64 of them) is as exact
+    # and as deterministic, and much cheaper
+    weights = clip_weights([_sum_in_order(tree_sum_of_squares(t[t != 0]) for t in row) for row in decoded],
+                           options.clip)
     if stats is not None:
         stats.clipped.update(c for c, w in enumerate(weights) if w < 1.0)
     n = len(rows)
