@@ -75,6 +75,12 @@ class Cluster:
         """A vector's contribution bytes."""
         return [p.to_bytes() for p in encode_segments(self.codec, x, self.segment)]
 
+    def sent(self, x: torch.Tensor) -> torch.Tensor:
+        """What a contributor's segments of `x` decode to (the values an aggregate averages)."""
+        from groundswell.compression import Payload
+
+        return torch.cat([self.codec.decode(Payload.from_bytes(b)) for b in self.segments(x)])
+
     def attempt(self, round_id: int, inputs: dict[int, torch.Tensor | None], attempt: int = 0,
                 wait_s: float = 120) -> dict[int, object]:
         """Run one attempt concurrently on the given nodes (None: join without contributing)."""

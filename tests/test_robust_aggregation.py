@@ -143,10 +143,8 @@ def test_an_aggregator_that_alters_a_contribution_is_caught_and_bypassed():
         means = [c.fetch(i, out[i].signed) for i in honest]
         assert all(torch.equal(m, means[0]) for m in means)
 
-        def sent(x):
-            return torch.cat([c.codec.decode(Payload.from_bytes(b)) for b in c.segments(x)])
 
-        expected = sum(sent(xs[i]) for i in range(4)) / 4
+        expected = sum(c.sent(xs[i]) for i in range(4)) / 4
         assert float((means[0] - expected).norm()) < 1e-5 * float(expected.norm())
         caught = sum(c.nodes[i].guard.rejected["forged-aggregate:aggregate-reply"] for i in honest)
         assert caught >= 1

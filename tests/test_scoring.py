@@ -73,12 +73,7 @@ def test_the_leader_drops_a_harmful_contribution_and_commits_the_rest():
         leader = next(n for n in c.nodes if n.identity.peer_id == d.leader)
         assert leader.server.scores[0][attacker] > 0 and sorted(leader.server.scores[0]) == sorted(c.ids)
         assert leader._latest_scores() and any(s.startswith(attacker) for s in leader._latest_scores())
-        from groundswell.compression import Payload
-
-        def sent(x):  # what a contributor's segments decode to
-            return torch.cat([c.codec.decode(Payload.from_bytes(b)) for b in c.segments(x)])
-
-        honest = sum(sent(xs[i]) for i in range(3)) / 3
+        honest = sum(c.sent(xs[i]) for i in range(3)) / 3
         assert float((means[0] - honest).norm()) < 1e-5 * float(honest.norm())
     finally:
         c.close()

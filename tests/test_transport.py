@@ -110,6 +110,20 @@ def _refused(transport: Transport, handler: str) -> int:
     return sum(n for key, n in transport.rejected.items() if key.endswith(":" + handler))
 
 
+async def _send_raw(net: Net, handler: str, frame: bytes) -> bytes:
+    """Send a's handler one raw length-prefixed frame from b; what came back before the close."""
+    from hivemind.p2p import PeerID
+
+    _, reader, writer = await net.b.call_binary_stream_handler(
+        PeerID.from_base58(net.id_a.peer_id), net.ta._name(handler))
+    try:
+        writer.write(struct.pack(">Q", len(frame)) + frame)
+        await writer.drain()
+        return await asyncio.wait_for(reader.read(), 15)
+    finally:
+        writer.close()
+
+
 def _serve(net: Net, transport: Transport, name: str, expect: Any,
            fn: Callable[[str, Any], Awaitable[Any]], **kwargs) -> None:
     net.run(transport.serve(name, expect, fn, **kwargs))
@@ -225,17 +239,9 @@ def test_garbage_and_foreign_envelopes_rejected_by_server(net):
         return Ack(True, "ok")
 
     _serve(net, net.ta, "strict", Join, handler)
-    from hivemind.p2p import PeerID
 
-    async def send(frame: bytes) -> bytes:
-        _, reader, writer = await net.b.call_binary_stream_handler(
-            PeerID.from_base58(net.id_a.peer_id), net.ta._name("strict"))
-        try:
-            writer.write(struct.pack(">Q", len(frame)) + frame)
-            await writer.drain()
-            return await asyncio.wait_for(reader.read(), 15)
-        finally:
-            writer.close()
+    def send(frame: bytes) -> Awaitable[bytes]:
+        return _send_raw(net, "strict", frame)
 
     frames = [
         b"\x00garbage",
@@ -311,17 +317,9 @@ def test_a_replayed_or_stale_request_is_dropped_and_counted(net):
         return Ack(True, "ok")
 
     _serve(net, net.ta, "once", Join, handler)
-    from hivemind.p2p import PeerID
 
-    async def send(frame: bytes) -> bytes:
-        _, reader, writer = await net.b.call_binary_stream_handler(
-            PeerID.from_base58(net.id_a.peer_id), net.ta._name("once"))
-        try:
-            writer.write(struct.pack(">Q", len(frame)) + frame)
-            await writer.drain()
-            return await asyncio.wait_for(reader.read(), 15)
-        finally:
-            writer.close()
+    def send(frame: bytes) -> Awaitable[bytes]:
+        return _send_raw(net, "once", frame)
 
     frame = seal(net.id_b, RUN, Join(5, True, True))
     assert net.run(send(frame)) != b""  # first time: answered
