@@ -164,7 +164,7 @@ def join(
     (state_dir / "address.txt").write_text("\n".join(node.maddrs) + "\n")  # others may bootstrap from us
     try:
         peers = [m.rsplit("/p2p/", 1)[1] for m in boot.maddrs]
-        signed = node.call(node.fetch_manifest(peers), timeout_s=60)
+        signed = node.call(node.fetch_manifest(peers), timeout_s=120)
         manifest = SignedManifest.from_bytes(signed).verify(boot.coordinator_id)
         console.print(f"joined run [bold]{manifest.run.id}[/] as {ident.peer_id} (manifest verified)")
         relays = ", ".join(pid[-8:] for pid in peers[:3])  # trusted relays: the bootstrap peers
@@ -232,7 +232,7 @@ def status(
         node.start()
         try:
             peers = [m.rsplit("/p2p/", 1)[1] for m in boot.maddrs]
-            manifest = SignedManifest.from_bytes(node.call(node.fetch_manifest(peers), timeout_s=60)).verify(
+            manifest = SignedManifest.from_bytes(node.call(node.fetch_manifest(peers), timeout_s=120)).verify(
                 boot.coordinator_id)
             time.sleep(0.5)
             records = node.call(node.peer_records(manifest.run.id), timeout_s=30)

@@ -247,16 +247,19 @@ class SwarmNode:
         """Peers this node has open libp2p connections to, and whether "direct" or via "relay"."""
         return connection_paths(await self.p2p.list_peers())
 
-    async def fetch_manifest(self, peers: Sequence[str], timeout_s: float = 15.0) -> bytes:
-        """The signed manifest from the first of `peers` that has one (verify it yourself)."""
-        for peer in peers:
-            try:
-                reply = await self.bootstrap_transport.request(  # type: ignore[union-attr]
-                    peer, "get-manifest", ManifestRequest(), ManifestReply, timeout_s=timeout_s)
-                if reply.signed:
-                    return reply.signed
-            except PeerUnavailable as exc:
-                log.info("manifest from %s: %s", peer[-8:], exc)
+    async def fetch_manifest(self, peers: Sequence[str], timeout_s: float = 15.0, tries: int = 3) -> bytes:
+        """The signed manifest from the first of `peers` that has one (verify it yourself); a lossy
+        link can reset the first stream, so every peer is asked up to `tries` times."""
+        for attempt in range(tries):
+            for peer in peers:
+                try:
+                    reply = await self.bootstrap_transport.request(  # type: ignore[union-attr]
+                        peer, "get-manifest", ManifestRequest(), ManifestReply, timeout_s=timeout_s)
+                    if reply.signed:
+                        return reply.signed
+                except PeerUnavailable as exc:
+                    log.info("manifest from %s (try %d): %s", peer[-8:], attempt + 1, exc)
+            await asyncio.sleep(1.0 + attempt)
         raise PeerUnavailable("no bootstrap peer served the run manifest")
 
     def close(self) -> None:
