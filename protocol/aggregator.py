@@ -26,6 +26,8 @@ REPORTING_CANDIDATES = 4  # a shard goes to one of its first 3 candidates, its r
 MIN_ROOM = 64  # contributors a shard of one attempt holds at least (4x the expected trainers if more)
 FUTURE_ROUNDS = 3  # contributions and joins further ahead of our newest commit are dropped
 SEALED_BY_ANOTHER = "this attempt is already sealed under another leader's decision"
+LATER_ATTEMPT_CLAIMED = "a later attempt of this round was claimed here"
+CONTESTED = (SEALED_BY_ANOTHER, LATER_ATTEMPT_CLAIMED)  # seal refusals that make a leader stand back
 
 
 def decision_digests(decision: Decision, shard: int) -> list[bytes]:
@@ -51,6 +53,7 @@ class Aggregator:
     attempts: Any
     aggregates: Any
     _archived: Any
+    later_claims: Any  # round -> newest attempt whose claim this peer let pass (see Claims)
 
     def _check_open(self, round_id: int, attempt: int) -> None:
         """Refuse (without holding anything) a round or attempt no honest peer could be at yet:
@@ -155,6 +158,10 @@ class Aggregator:
         if plan is None or sender not in plan.leaders:
             return Ack(False, "sender does not lead this attempt")
         slot = self.attempts[(decision.round, decision.attempt)]
+        if self.later_claims.get(decision.round, -1) > decision.attempt and slot.sealed != msg.decision:
+            # We let a later attempt's leader decide, having seen no seal of this one: a leader
+            # that froze or stalled while deciding this attempt must not commit the round too.
+            return Ack(False, LATER_ATTEMPT_CLAIMED)
         if slot.sealed is not None and slot.sealed != msg.decision:
             # The same leader may re-seal (it replaced a failed source before announcing anything);
             # another leader may not: that is how two leaders of one attempt are kept apart.

@@ -11,6 +11,7 @@ import asyncio
 import logging
 from typing import TYPE_CHECKING, Any, Awaitable, Callable
 
+from .aggregator import REPORTING_CANDIDATES
 from .plan import RoundPlan
 from .schema import Claim, ClaimReply, Decision, ProtocolError
 from .transport import PeerUnavailable, unseal
@@ -29,6 +30,7 @@ class Claims:
     book: Any
     ctx: Any
     attempts: Any
+    later_claims: dict[int, int]  # round -> newest attempt whose claim this peer let pass
     plan: Callable[[int, int, float], Awaitable[RoundPlan | None]]  # RoundServer.plan
     _hold_all: Callable[[bytes], Awaitable[bool]]  # RoundServer._hold_all: gather a commit's aggregate
 
@@ -37,37 +39,62 @@ class Claims:
         leader decide this attempt, nor if anyone asked knows a commit of the round (it is adopted).
 
         A leader grants itself before it asks, so of two leaders that both ask, at least one is
-        refused by the other; a frozen or dead leader cannot object (liveness over a stall), which
-        leaves a split possible only under a real network partition, where hash checks re-sync."""
+        refused by the other. A frozen or dead leader cannot object (liveness over a stall), so a
+        later attempt's claim also fences the earlier attempts off at every peer their leaders
+        could seal: a leader that wakes from a freeze mid-decision finds its seals refused and
+        stands back. A split is left possible only if the later leader reached none of the
+        sealed peers (a real network partition), where hash checks re-sync the minority."""
         me = self.identity.peer_id
-        if slot.granted_to not in (None, me):
+        if (slot.granted_to not in (None, me) or self.later_claims.get(plan.round, -1) > plan.attempt
+                or self._deciding_before(plan.round, plan.attempt)):
             return False
         slot.granted_to = me
-        # Earlier attempts' leaders and aggregators too: a leader that committed an earlier attempt
-        # and died (or froze) before anyone asked leaves its commit with the peers it sealed.
-        witnesses = list(plan.leaders)
-        for earlier in range(max(0, plan.attempt - 4), plan.attempt):
-            old = await self.plan(plan.round, earlier, 0)
-            witnesses += [*old.leaders, *old.aggregators] if old else []
-        others = [p for p in dict.fromkeys(witnesses) if p != me][:24]
-        replies = await asyncio.gather(*(self._ask_claim(p, plan) for p in others))
-        objected = False
-        for reply in replies:
-            if reply is None or reply.ok:
-                continue
-            if not reply.decision:
-                objected = True  # that leader let another one decide this attempt
-            elif await self._adopt(plan, reply.decision):
+        # Ask in two steps. First the fellow leaders and the earlier attempts' leaders: one of
+        # those that is deciding objects, and then nobody has been fenced off on our account.
+        # Then every peer an earlier attempt's leader could seal (a shard's first candidates): a
+        # leader that committed an earlier attempt and died or froze before anyone asked left its
+        # commit with them (we adopt it); otherwise each fences that attempt off (see `_on_claim`).
+        earlier = [p for a in range(max(0, plan.attempt - 4), plan.attempt)
+                   if (p := await self.plan(plan.round, a, 0)) is not None]
+        leaders = [*plan.leaders, *(x for old in earlier for x in old.leaders)]
+        holders = [x for old in earlier for s in range(old.num_shards)
+                   for x in old.candidates(s)[:REPORTING_CANDIDATES]]
+        for fence, group in ((False, leaders), (True, [*leaders, *holders])):
+            if fence:
+                if not earlier:
+                    break  # attempt 0: nothing to fence off
+                if self._deciding_before(plan.round, plan.attempt):
+                    return False  # we began deciding an earlier attempt ourselves meanwhile
+                # We may be one of those aggregators too.
+                self.later_claims[plan.round] = max(self.later_claims.get(plan.round, -1), plan.attempt)
+            others = [x for x in dict.fromkeys(group) if x != me][:32]
+            replies = await asyncio.gather(*(self._ask_claim(x, plan, fence) for x in others))
+            objected = False
+            for reply in replies:
+                if reply is None or reply.ok:
+                    continue
+                if not reply.decision:
+                    objected = True  # that leader let another one decide, or is deciding an earlier attempt
+                elif await self._adopt(plan, reply.decision):
+                    return False
+            if objected:
                 return False
-        # A lower-ranked leader's claim may have taken our grant while we waited: then we yield.
-        if objected or slot.granted_to != me or slot.decision is not None:
+        # A lower-ranked leader's claim may have taken our grant while we waited, or we let a
+        # later attempt's leader pass (our own slot was not deciding yet): then we yield.
+        if (slot.granted_to != me or slot.decision is not None
+                or self.later_claims.get(plan.round, -1) > plan.attempt):
             return False
         slot.deciding = True
         return True
 
-    async def _ask_claim(self, peer: str, plan: RoundPlan) -> ClaimReply | None:
+    def _deciding_before(self, round_id: int, attempt: int) -> bool:
+        """Is this peer, as a leader, deciding an earlier attempt of the round right now?"""
+        return any(r == round_id and a < attempt and held.deciding and held.decision is None
+                   for (r, a), held in list(self.attempts.items()))
+
+    async def _ask_claim(self, peer: str, plan: RoundPlan, fence: bool = False) -> ClaimReply | None:
         try:
-            return await self.transport.request(peer, "claim", Claim(plan.round, plan.attempt), ClaimReply,
+            return await self.transport.request(peer, "claim", Claim(plan.round, plan.attempt, fence), ClaimReply,
                                                 timeout_s=self.ctx.slack_s)
         except (PeerUnavailable, ProtocolError) as exc:
             log.info("claim of round %d attempt %d at %s: %s", plan.round, plan.attempt, peer[-8:], exc)
@@ -117,6 +144,14 @@ class Claims:
         plan = await self.plan(msg.round, msg.attempt, self.ctx.slack_s)
         if plan is None or sender not in plan.leaders:
             return ClaimReply(False, b"")
+        # Across attempts, the first to reach this peer wins: a leader of an earlier attempt that
+        # is deciding objects; otherwise that earlier attempt is fenced off here (no claim, no
+        # seal of it passes any more), so of a stalled leader and its successor at most one
+        # commits wherever both ask this peer.
+        if self._deciding_before(msg.round, msg.attempt) or self.later_claims.get(msg.round, -1) > msg.attempt:
+            return ClaimReply(False, b"")
+        if msg.fence:
+            self.later_claims[msg.round] = max(self.later_claims.get(msg.round, -1), msg.attempt)
         slot = self.attempts[(msg.round, msg.attempt)]  # only a leader of the attempt makes us keep one
         if slot.decision is not None:
             return ClaimReply(False, slot.decision)

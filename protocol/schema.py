@@ -15,7 +15,7 @@ from typing import Any, ClassVar
 
 import msgpack
 
-PROTOCOL_VERSION = 1
+PROTOCOL_VERSION = 2  # 2: claims carry `fence`
 MAX_ID = 128  # peer ids, run ids, reasons and other short strings
 MAX_LIST = 4096  # peer lists, shard lists
 MAX_SMALL = 1 << 20  # a control message never needs more than this
@@ -141,11 +141,13 @@ class Seal(Message):
 
 @dataclass(frozen=True)
 class Claim(Message):
-    """Leader to the round's other leaders (and earlier attempts' leaders): may I decide round/attempt?"""
+    """Leader to the round's other leaders (then earlier attempts' leaders and aggregators): may I decide
+    round/attempt?"""
 
     KIND: ClassVar[str] = "claim"
     round: int = _f(**_ROUND)
     attempt: int = _f(lo=0, hi=1 << 20)
+    fence: bool = _f()  # if no objection: refuse earlier attempts' claims and seals from now on
 
 
 @dataclass(frozen=True)

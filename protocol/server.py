@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 from typing import Any, Awaitable, Callable, Coroutine
 
 
-from .aggregator import FUTURE_ROUNDS, REPORTING_CANDIDATES, SEALED_BY_ANOTHER, Aggregator
+from .aggregator import CONTESTED, FUTURE_ROUNDS, REPORTING_CANDIDATES, Aggregator
 from .claims import Claims
 from .context import DecisionBook, RoundContext
 from .identity import Identity
@@ -73,6 +73,7 @@ class RoundServer(Aggregator, Claims):
         self.attempts: dict[tuple[int, int], _Attempt] = defaultdict(_Attempt)
         self.joins: dict[int, dict[str, tuple[bool, bool]]] = defaultdict(dict)
         self.aggregates: dict[tuple[int, int], AggregateShard] = {}
+        self.later_claims: dict[int, int] = {}  # round -> newest attempt whose claim we let pass (a fence)
         self._archived = asyncio.Event()
         self.keep_rounds = 8
         # Set by the peer: fetch (and archive) every shard of a signed commit. A leader holds the
@@ -116,6 +117,8 @@ class RoundServer(Aggregator, Claims):
             del self.aggregates[key]
         for key in [k for k in self.attempts if k[0] < round_id - 1]:
             del self.attempts[key]
+        for r in [r for r in self.later_claims if r < round_id - 1]:
+            del self.later_claims[r]
         self._archived.set()
         self._archived = asyncio.Event()
 
@@ -261,7 +264,10 @@ class RoundServer(Aggregator, Claims):
     async def decide_exclusively(self, plan: RoundPlan, slot: _Attempt) -> None:
         """Decide the attempt, unless it is decided, the round committed, or another leader claimed it."""
         if slot.decision is None and plan.round not in self.book.committed and await self._claim(plan, slot):
-            await self._decide(plan, slot)
+            try:
+                await self._decide(plan, slot)
+            finally:
+                slot.deciding = slot.decision is not None  # stood back: no longer objects to later claims
 
     async def _ask(self, peer: str, round_id: int, attempt: int) -> bytes:
         try:
@@ -381,7 +387,7 @@ class RoundServer(Aggregator, Claims):
 
         peers = sorted(set(sources))
         acks = await asyncio.gather(*(one(p) for p in peers))
-        return {p for p, ack in zip(peers, acks) if not ack.ok}, any(a.reason == SEALED_BY_ANOTHER for a in acks)
+        return {p for p, ack in zip(peers, acks) if not ack.ok}, any(a.reason in CONTESTED for a in acks)
 
     async def _on_get_decision(self, sender: str, msg: DecisionRequest) -> DecisionReply:
         deadline = time.monotonic() + min(msg.wait_s, self.ctx.deadline_s + 5 * self.ctx.slack_s)

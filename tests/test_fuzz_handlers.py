@@ -127,7 +127,7 @@ def hostile_message(draw: Any, t: Target) -> tuple[str, Identity, bytes]:
     elif kind == "seal":
         msg = m["seal"](draw(st.sampled_from([signed_decision, b"", draw(st.binary(max_size=300))])))
     elif kind == "claim":
-        msg = m["claim"](max(rnd, 0), att)
+        msg = m["claim"](max(rnd, 0), att, draw(st.booleans()))
     elif kind == "get-aggregate":
         msg = m["get-aggregate"](max(rnd, 0), draw(st.integers(0, 6)), draw(st.floats(0, 0.2)))
     elif kind == "get-contributions":

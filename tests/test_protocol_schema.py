@@ -73,7 +73,7 @@ EXAMPLES: dict[str, Message] = {
         DecisionRequest(round=1 << 40, attempt=0, wait_s=2.5),
         DecisionReply(decision=os.urandom(200)),
         Seal(decision=b"signed-decision"),
-        Claim(round=9, attempt=3),
+        Claim(round=9, attempt=3, fence=True),
         ClaimReply(ok=False, decision=os.urandom(150)),
         AggregateRequest(round=0, shard=4095, wait_s=0.0),
         AggregateShard(decision=b"d", shard=1, mode="mean", parts=[b"p1", b"p2"], clipped=PEERS[:1]),

@@ -208,3 +208,72 @@ def test_a_later_attempt_adopts_a_commit_whose_leader_died_before_announcing_it(
     alive = [i for i in range(4) if i != dead]
     means = [c.fetch(i, signed) for i in alive]  # the dead leader's shard survives on its replica
     assert all(torch.equal(m, means[0]) for m in means)
+
+
+@pytest.mark.parametrize("stalled_answers", [True, False], ids=["stalled-leader-objects", "frozen-leader-fenced"])
+def test_a_leader_stalled_while_deciding_and_the_next_attempts_leader_never_both_commit(make_cluster,
+                                                                                         stalled_answers):
+    # Attempt 0's leader passes its claim and stalls inside its decision (a freeze, a slow disk, a
+    # loaded CI machine); attempt 1's leader then claims the round. If the stalled leader answers,
+    # it objects; if it is frozen, the peers attempt 1's leader asked fence attempt 0 off, so the
+    # stalled leader's seals are refused when it wakes and it stands back. Never two commits.
+    import asyncio
+    import concurrent.futures
+
+    from groundswell.protocol.plan import make_plan
+
+    c = make_cluster(n=4, codec_name="fp32", min_peers=2, deadline_s=30.0, slack_s=1.0)
+    plan0 = make_plan(c.ctx.run_id, 0, 0, c.ids, c.ids, len(c.ctx.segment_numels), c.max_shards)
+    plan1 = make_plan(c.ctx.run_id, 0, 1, c.ids, c.ids, len(c.ctx.segment_numels), c.max_shards)
+    l0 = c.ids.index(plan0.leaders[0])
+    l1 = next(c.ids.index(p) for p in plan1.leaders if c.ids.index(p) != l0)
+    s0, s1 = c.nodes[l0].server, c.nodes[l1].server
+    xs = _inputs(4, c.numel, 10)
+    idle = next(i for i in range(4) if i not in (l0, l1))  # joins, never contributes: nobody closes early
+    runs = [c.nodes[i].submit(c.nodes[i].client.run_attempt(0, 0, None if i == idle else c.segments(xs[i]),
+                                                             trains=True, serves=True)) for i in range(4)]
+    deadline = time.monotonic() + 20
+    while time.monotonic() < deadline and len(s0._sources(plan0, s0.attempts[(0, 0)])[1]) < 3:
+        time.sleep(0.1)
+    stalled, wake = [], None
+
+    async def install() -> None:
+        nonlocal wake
+        wake = asyncio.Event()
+
+        async def screen(*args, **kw):  # the stall: after the claim, before anything is sealed
+            stalled.append(True)
+            await wake.wait()
+            return set()
+
+        s0._screen = screen
+
+    c.nodes[l0].call(install(), timeout_s=10)
+    deciding = c.nodes[l0].submit(s0.decide_exclusively(plan0, s0.attempts[(0, 0)]))
+    while time.monotonic() < deadline and not stalled:
+        time.sleep(0.05)
+    assert stalled, "attempt 0's leader never got past its claim"
+    if not stalled_answers:
+        real_ask = s1._ask_claim
+
+        async def ask(peer, plan, fence=False):  # the frozen leader does not answer
+            return None if peer == c.ids[l0] else await real_ask(peer, plan, fence)
+
+        async def patch() -> None:
+            s1._ask_claim = ask
+
+        c.nodes[l1].call(patch(), timeout_s=10)
+    passed = c.nodes[l1].call(s1._claim(plan1, s1.attempts[(0, 1)]), timeout_s=30)
+    assert passed != stalled_answers  # a stalled leader that answers objects; a frozen one cannot
+    c.nodes[l0].call(asyncio.sleep(0), timeout_s=10)
+    c.nodes[l0]._loop.call_soon_threadsafe(wake.set)
+    deciding.result(timeout=60)
+    concurrent.futures.wait(runs, timeout=60)
+    committed_0 = {n.book.committed[0][0] for n in c.nodes if 0 in n.book.committed}
+    if stalled_answers:  # attempt 1 stood back; attempt 0 commits, once, the same everywhere
+        assert len(committed_0) == 1 and s0.attempts[(0, 0)].decision in committed_0
+        signed = committed_0.pop()
+        means = [c.fetch(i, signed) for i in range(4)]
+        assert all(torch.equal(m, means[0]) for m in means)
+    else:  # attempt 1's leader may decide: the woken leader of attempt 0 must have stood back
+        assert s0.attempts[(0, 0)].decision is None and not committed_0
