@@ -122,6 +122,11 @@ class SparseLoCoCodec:
         out.index_copy_(0, pos, vals)
         return out.view(payload.shape)
 
+    def entries(self, payload: Payload) -> tuple[torch.Tensor, torch.Tensor]:
+        """The payload's kept entries on the CPU: (flat int64 positions, ascending and unique;
+        their fp32 values), exactly what `decode` scatters into zeros."""
+        return self._parsed(payload, None)
+
     def aggregate(
         self, payloads: Sequence[Payload], device: torch.device | str | None = None
     ) -> torch.Tensor:

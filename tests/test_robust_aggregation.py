@@ -68,6 +68,43 @@ def test_robust_mean_clips_the_outlier_and_is_the_plain_mean_when_off(codec_name
     assert all(torch.equal(a, b) for a, b in zip(again, clipped))  # deterministic
 
 
+class _DenseOnly:
+    """The sparseloco codec without `entries`: forces robust_mean's dense path."""
+
+    def __init__(self, codec) -> None:
+        self.name, self._codec = codec.name, codec
+
+    def decode(self, payload, device=None):
+        return self._codec.decode(payload, device)
+
+    def aggregate(self, payloads, device=None):
+        return self._codec.aggregate(payloads, device)
+
+
+@pytest.mark.parametrize("scales", [(1.0, 1.0, 1.0), (1.0, 30.0, 1.0, 0.5), (2.0,), (1e-30, 1.0, 1e30)])
+def test_sparse_clipped_mean_is_bit_identical_to_the_dense_one(scales):
+    # Every peer of a sparse run computes this mean itself: the fast path from the kept entries
+    # must give the dense path's bits exactly (sign of zero included), and clip the same peers.
+    codec = make_codec("sparseloco", chunk=64, k=4)
+    g = torch.Generator().manual_seed(len(scales))
+    rows = []
+    for c, scale in enumerate(scales):
+        x = torch.randn(64 * 9 + 13, generator=g) * scale
+        x[: 64 * 2] = 0.0 if c % 2 else -0.0  # all-zero chunks: scale 0, values +-0
+        rows.append([codec.encode(x[:300]), codec.encode(x[300:])])
+    clipped = set()
+    for clip in (1.0, 0.5, 3.0):
+        fast_stats, dense_stats = RobustStats(), RobustStats()
+        fast = robust_mean(codec, rows, RobustOptions(clip=clip), fast_stats)
+        dense = robust_mean(_DenseOnly(codec), rows, RobustOptions(clip=clip), dense_stats)
+        assert fast_stats.clipped == dense_stats.clipped
+        for a, b in zip(fast, dense, strict=True):
+            assert a.shape == b.shape and torch.equal(a.view(torch.int32), b.view(torch.int32))
+        clipped |= fast_stats.clipped
+    if len(scales) > 1:
+        assert clipped, "nothing was clipped: the weighted path went untested"
+
+
 def test_trimmed_mean_drops_the_extremes_per_coordinate():
     codec = make_codec("fp32")
     xs = [torch.full((8,), v) for v in (1.0, 2.0, 3.0, 4.0, 1e9)]
