@@ -25,6 +25,8 @@ payloads one after another into a single fp32 buffer, each payload's indices bei
 
 from __future__ import annotations
 
+import threading
+from collections import OrderedDict
 from collections.abc import Sequence
 
 import torch
@@ -45,6 +47,8 @@ from .topk import topk_rows
 DEFAULT_CHUNK = 4096
 DEFAULT_K = 64
 MAX_CHUNK = 1 << 16
+PARSED_CACHE_BYTES = 256 << 20  # validated-but-not-yet-decoded payloads kept parsed, at most
+PARSED_CACHE_ITEMS = 1024
 _BF16_MAX = torch.finfo(torch.bfloat16).max
 _EMPTY_BIN_LEVELS = (0.5, 1.5)  # any finite value: an empty bin's level is never used
 
@@ -59,9 +63,12 @@ class SparseLoCoCodec:
         self.chunk = chunk
         self.k = k
         self.index_bits = chunk.bit_length() - 1
-        # The last payload `validate` parsed, so that the usual from_bytes -> decode sequence does
-        # not unpack and check it twice; consumed by the next decode/aggregate.
-        self._validated: tuple[tuple, tuple[torch.Tensor, torch.Tensor]] | None = None
+        # Payloads `validate` parsed, so that from_bytes -> decode (or -> entries) does not
+        # unpack and check one twice: by buffer identity, consumed when used, oldest dropped
+        # past a byte budget (an aggregator validates contributions it never decodes).
+        self._validated: OrderedDict[tuple[int, ...], tuple[tuple, tuple[torch.Tensor, torch.Tensor]]] = OrderedDict()
+        self._validated_bytes = 0
+        self._lock = threading.Lock()  # the trainer thread decodes while the network thread validates
 
     def __repr__(self) -> str:
         return f"SparseLoCoCodec(chunk={self.chunk}, k={self.k})"
@@ -113,7 +120,22 @@ class SparseLoCoCodec:
         """Raise CodecError unless the payload decodes cleanly with this codec."""
         parsed = self._parse(payload, None)
         key = _cache_key(payload)
-        self._validated = (key, parsed) if key is not None else None
+        if key is None:
+            return
+        ids = tuple(map(id, key))
+        with self._lock:
+            if ids in self._validated:
+                self._forget(ids)
+            self._validated[ids] = (key, parsed)
+            self._validated_bytes += _nbytes(parsed)
+            while self._validated_bytes > PARSED_CACHE_BYTES or len(self._validated) > PARSED_CACHE_ITEMS:
+                self._forget(next(iter(self._validated)))
+
+    def _forget(self, ids: tuple[int, ...]) -> tuple[tuple, tuple[torch.Tensor, torch.Tensor]]:
+        """Drop one cached parse (the caller holds the lock); returns it."""
+        entry = self._validated.pop(ids)
+        self._validated_bytes -= _nbytes(entry[1])
+        return entry
 
     def decode(self, payload: Payload, device: torch.device | str | None = None) -> torch.Tensor:
         """Decode into a dense fp32 tensor of the payload's shape."""
@@ -147,15 +169,15 @@ class SparseLoCoCodec:
         self, payload: Payload, device: torch.device | str | None
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """`_parse`, reusing the result of the `validate` call just made on the same payload."""
-        cached, self._validated = self._validated, None
         key = _cache_key(payload)
-        if (
-            cached is not None
-            and key is not None
-            and all(a is b for a, b in zip(key, cached[0], strict=True))
-        ):
-            pos, vals = cached[1]  # parsed on the CPU; the values are the same on any device
-            return (pos, vals) if device is None else (pos.to(device), vals.to(device))
+        ids = tuple(map(id, key)) if key is not None else None
+        with self._lock:
+            cached = self._forget(ids) if ids is not None and ids in self._validated else None
+        if cached is not None:
+            # the cached key holds the very objects, so an id cannot have been reused meanwhile
+            if all(a is b for a, b in zip(key, cached[0], strict=True)):  # type: ignore[arg-type]
+                pos, vals = cached[1]  # parsed on the CPU; the values are the same on any device
+                return (pos, vals) if device is None else (pos.to(device), vals.to(device))
         return self._parse(payload, device)
 
     def _parse(
@@ -205,6 +227,10 @@ class SparseLoCoCodec:
         body.add_(starts)  # in-chunk index -> flat position, in place: idx is ours
         tail.add_(full * self.chunk)
         return idx, vals
+
+
+def _nbytes(parsed: tuple[torch.Tensor, torch.Tensor]) -> int:
+    return sum(t.numel() * t.element_size() for t in parsed)
 
 
 def _cache_key(payload: Payload) -> tuple | None:

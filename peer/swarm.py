@@ -214,7 +214,7 @@ class SwarmNode:
         self.server = RoundServer(ctx, self.transport, self.book, self.identity, self._tasks)
         await self.server.start()
         self.client = RoundClient(self.server, self.holders)
-        self.server.prefetch = self.client.fetch_aggregate
+        self.server.prefetch = self.client.hold_aggregate
         self.server.individual = self.client.gather_contributions
         await self.transport.serve("get-state", StateRequest, self._on_state, max_request=4096)
         self._tasks.create_task(self._heartbeat())

@@ -58,6 +58,8 @@ class RoundClient:
         self.holders = holders  # peers believed to hold a round's aggregate (from the DHT)
         self.retried: dict[int, int] = {}  # round -> newest attempt decided "retry"
         self.clipped: dict[int, dict[str, int]] = {}  # round -> contributor -> shards the robust mean clipped it in
+        # (round, shard) -> (commit, shard, its checked contributions): each is parsed once
+        self._rows: dict[tuple[int, int], tuple[bytes, AggregateShard, list[list[Payload]]]] = {}
 
     def current_attempt(self, round_id: int) -> int | None:
         """The attempt of `round_id` a contribution made now belongs to (None: round unknown)."""
@@ -199,12 +201,27 @@ class RoundClient:
             log.warning("aggregate not applied: %r", exc)
             raise PeerUnavailable(f"the round's aggregate could not be assembled: {exc}") from None
 
-    async def _fetch_aggregate(self, signed: bytes, device: torch.device | str) -> torch.Tensor:
+    async def hold_aggregate(self, signed: bytes) -> None:
+        """Fetch and check every shard of a commit (archived here), without computing the mean:
+        what a leader needs in hand before it announces. Raises like `fetch_aggregate`."""
+        try:
+            await self._hold(signed)
+        except PeerUnavailable:
+            raise
+        except Exception as exc:  # ProtocolError, CodecError, or a bug a hostile input found
+            log.warning("aggregate not held: %r", exc)
+            raise PeerUnavailable(f"the round's aggregate could not be gathered: {exc}") from None
+
+    async def _hold(self, signed: bytes) -> tuple[Decision, RoundPlan, list[AggregateShard]]:
         decision = await self.server.verify_commit(signed)
         plan = await self.server.plan(decision.round, decision.attempt, wait_s=0)
         if plan is None or plan.num_shards != decision.num_shards:
             raise PeerUnavailable(f"cannot plan round {decision.round}: its membership is not known here")
         shards = await asyncio.gather(*(self._fetch_shard(decision, signed, plan, s) for s in range(plan.num_shards)))
+        return decision, plan, list(shards)
+
+    async def _fetch_aggregate(self, signed: bytes, device: torch.device | str) -> torch.Tensor:
+        decision, plan, shards = await self._hold(signed)
         numels = self.ctx.segment_numels
         out = torch.empty(sum(numels), dtype=torch.float32)
         offsets = [0]
@@ -219,7 +236,7 @@ class RoundClient:
                 for who in agg.clipped:
                     clipped[who] = clipped.get(who, 0) + 1
             else:  # every contributor's signed request: rows[c][i] is contributor c's segment first + i
-                rows = self._contributions(decision, shard, first, stop, agg)
+                rows = self._checked_rows(decision, signed, shard, first, stop, agg)
                 stats = RobustStats()
                 values = robust_mean(codec, rows, self.ctx.robust, stats)
                 for c in stats.clipped:
@@ -260,6 +277,19 @@ class RoundClient:
 
         await asyncio.gather(*(one(s) for s in range(plan.num_shards)))
         return out
+
+    def _checked_rows(self, decision: Decision, signed: bytes, shard: int, first: int, stop: int,
+                      agg: AggregateShard) -> list[list[Payload]]:
+        """`_contributions` of a shard of a commit, checked and parsed once per shard object."""
+        key = (decision.round, shard)
+        hit = self._rows.get(key)
+        if hit is not None and hit[0] == signed and hit[1] is agg:
+            return hit[2]
+        rows = self._contributions(decision, shard, first, stop, agg)
+        self._rows[key] = (signed, agg, rows)
+        for old in [k for k in self._rows if k[0] < decision.round - 1]:
+            del self._rows[old]
+        return rows
 
     def _contributions(self, decision: Decision, shard: int, first: int, stop: int, agg: AggregateShard
                        ) -> list[list[Payload]]:
@@ -314,7 +344,7 @@ class RoundClient:
                 if agg.mode != ("signed" if ships_contributions(self.ctx) else "mean"):
                     raise ProtocolError(f"aggregate mode {agg.mode!r} is not this run's")
                 if agg.mode == "signed":
-                    self._contributions(decision, shard, first, stop, agg)
+                    self._checked_rows(decision, signed, shard, first, stop, agg)
                 else:
                     validate_segments(self.ctx, first, agg.parts)
             except ProtocolError as exc:
