@@ -176,27 +176,32 @@ class Participant:
         t = self.node.transport
         assert t is not None
         budget = 16 * self.outer.global_params.numel() + (1 << 20)
+        def size(reply: StateReply) -> int:  # checked before a byte of the blob is read
+            if reply.size > budget:
+                raise ProtocolError(f"a state of {reply.size} bytes exceeds the limit of {budget}", reason="oversized")
+            return reply.size
+
         for peer in peers:
             try:
-                reply = await t.request(peer, "get-state", StateRequest(min_round), StateReply,
-                                        timeout_s=60 + budget / 20e6, max_reply=budget)
+                reply, blob = await t.request_bulk(peer, "get-state", StateRequest(min_round), StateReply,
+                                                   timeout_s=60 + budget / 20e6, trailer_size=size)
             except PeerUnavailable as exc:
                 log.info("state from %s: %s", peer[-8:], exc)
                 continue
-            if not reply.blob or reply.round < min_round:
+            if not blob or reply.round < min_round:
                 continue
             try:
-                return await self._verified_state(reply, peer)
+                return await self._verified_state(reply, blob, peer)
             except ProtocolError as exc:  # a broken or hostile server: count it, ask the next peer
                 self.node.guard.count(peer, "state-reply", exc.reason, strike=exc.strike)
                 log.warning("state from %s refused: %s", peer[-8:], exc)
         raise PeerUnavailable("no peer served a verifiable state")
 
-    async def _verified_state(self, reply: StateReply, server: str) -> GlobalState:
+    async def _verified_state(self, reply: StateReply, blob: bytes | bytearray, server: str) -> GlobalState:
         """Check a downloaded state: hash, tensor names, shapes and values, decision, swarm majority."""
-        if hashlib.sha256(reply.blob).hexdigest() != reply.digest:
+        if hashlib.sha256(blob).hexdigest() != reply.digest:
             raise ProtocolError("state failed its hash check")
-        tensors = GlobalState.tensors_from_blob(reply.blob)
+        tensors = GlobalState.tensors_from_blob(blob)
         numel = self.outer.global_params.numel()
         allowed = {"global_params", "momentum_buffer"}
         if "global_params" not in tensors or set(tensors) - allowed:

@@ -30,7 +30,7 @@ from groundswell.protocol.schema import (
     ManifestReply, ManifestRequest, PeerRecord, ProbeReply, ProbeRequest, ProtocolError, StateReply, StateRequest,
 )
 from groundswell.protocol.server import RoundServer
-from groundswell.protocol.transport import PeerUnavailable, Transport, seal, unseal
+from groundswell.protocol.transport import PeerUnavailable, Transport, WithTrailer, seal, unseal
 
 from .reachability import PROBE_TIMEOUT_S, DialBack, connection_paths, observed_ips
 
@@ -94,7 +94,7 @@ class GlobalState:
         return self._blob
 
     @staticmethod
-    def tensors_from_blob(blob: bytes) -> dict[str, torch.Tensor]:
+    def tensors_from_blob(blob: bytes | bytearray) -> dict[str, torch.Tensor]:
         """Load tensors safely (weights_only: no code runs)."""
         try:
             obj = torch.load(io.BytesIO(blob), weights_only=True, map_location="cpu")
@@ -216,7 +216,7 @@ class SwarmNode:
         self.client = RoundClient(self.server, self.holders)
         self.server.prefetch = self.client.hold_aggregate
         self.server.individual = self.client.gather_contributions
-        await self.transport.serve("get-state", StateRequest, self._on_state, max_request=4096)
+        await self.transport.serve("get-state", StateRequest, self._on_state, max_request=4096, trailer=True)
         self._tasks.create_task(self._heartbeat())
 
     def attach(self, ctx: RunContext) -> None:
@@ -357,15 +357,16 @@ class SwarmNode:
     async def _on_manifest(self, sender: str, msg: ManifestRequest) -> ManifestReply:
         return ManifestReply(self.signed_manifest)
 
-    async def _on_state(self, sender: str, msg: StateRequest) -> StateReply:
+    async def _on_state(self, sender: str, msg: StateRequest) -> StateReply | WithTrailer:
         if self.ctx is not None and not self.ctx.may_read_state(sender):
             self.guard.count(sender, "get-state", "unauthorized", strike=True)
-            return StateReply(-1, "", b"", b"")
+            return StateReply(-1, "", b"", 0)
         state = self.state_provider()
         if state is None or state.round < msg.min_round:
-            return StateReply(-1, "", b"", b"")
-        blob, digest = state.blob_and_digest()
-        return StateReply(state.round, digest, state.decision, blob)
+            return StateReply(-1, "", b"", 0)
+        blob, digest = state.blob_and_digest()  # once per round, shared by every joiner
+        # The blob follows as a raw trailer: the signed reply carries its size and sha256.
+        return WithTrailer(StateReply(state.round, digest, state.decision, len(blob)), blob)
 
 
 async def _cancel_stragglers() -> None:

@@ -15,7 +15,7 @@ from typing import Any, ClassVar
 
 import msgpack
 
-PROTOCOL_VERSION = 2  # 2: claims carry `fence`
+PROTOCOL_VERSION = 2  # 2: claims carry `fence`; the state follows its reply as a raw trailer
 MAX_ID = 128  # peer ids, run ids, reasons and other short strings
 MAX_LIST = 4096  # peer lists, shard lists
 MAX_SMALL = 1 << 20  # a control message never needs more than this
@@ -216,14 +216,15 @@ class StateRequest(Message):
 
 @dataclass(frozen=True)
 class StateReply(Message):
-    """The global state after round `round - 1`: serialized tensors whose sha256 is `digest`, and
-    the signed decision of round `round - 1` (which plans round `round`). Empty blob: unavailable."""
+    """The global state after round `round - 1`: `size` bytes of serialized tensors follow this
+    reply as a raw trailer, and their sha256 is `digest`; `decision` is the signed decision of
+    round `round - 1` (which plans round `round`). Size 0: unavailable."""
 
     KIND: ClassVar[str] = "state"
     round: int = _f(lo=-1, hi=1 << 40)
     digest: str = _f(max_len=64)
     decision: bytes = _f(max_len=MAX_SMALL)
-    blob: bytes = _f(max_len=1 << 38)
+    size: int = _f(lo=0, hi=1 << 38)
 
 
 @dataclass(frozen=True)

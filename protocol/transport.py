@@ -106,6 +106,34 @@ async def read_frame(reader: asyncio.StreamReader, max_bytes: int) -> bytes:
     return await reader.readexactly(size)
 
 
+async def read_frame_into(reader: asyncio.StreamReader, max_bytes: int, chunk: int = 1 << 20) -> bytearray:
+    """`read_frame` for bulk data: same length check first, then reads of `chunk` bytes into one
+    preallocated buffer (one `readexactly` of a huge frame grows the reader's buffer to the whole
+    frame and copies it out again)."""
+    (size,) = _LEN.unpack(await reader.readexactly(_LEN.size))
+    if size > max_bytes:
+        raise ProtocolError(f"frame of {size} bytes exceeds the limit of {max_bytes}", reason="oversized")
+    buf = bytearray(size)
+    view = memoryview(buf)
+    got = 0
+    while got < size:
+        part = await reader.read(min(chunk, size - got))
+        if not part:
+            raise asyncio.IncompleteReadError(bytes(view[:got]), size)
+        view[got:got + len(part)] = part
+        got += len(part)
+    return buf
+
+
+@dataclass(frozen=True)
+class WithTrailer:
+    """A handler's reply followed by raw bulk bytes (a state blob) that the signed reply vouches
+    for, by a digest it carries: bulk data skips the envelope's copy and signature."""
+
+    reply: Message
+    trailer: bytes
+
+
 class Transport:
     """Typed, signed request/response between peers of one run over a `hivemind.P2P`."""
 
@@ -122,9 +150,10 @@ class Transport:
         return f"groundswell/{self.run_id}/{handler}/{PROTOCOL_VERSION}"
 
     async def serve(self, handler: str, expect: Any, fn: Handler, max_request: int = MAX_SMALL,
-                    timeout_s: float = 600.0, with_envelope: bool = False) -> None:
+                    timeout_s: float = 600.0, with_envelope: bool = False, trailer: bool = False) -> None:
         """Register `fn(sender, request) -> reply` for one request kind (`fn(sender, request,
-        envelope)` with `with_envelope`: the verified signed bytes, to pass on)."""
+        envelope)` with `with_envelope`: the verified signed bytes, to pass on). With `trailer`,
+        every reply is followed by one raw frame: `WithTrailer.trailer`, or empty."""
 
         async def on_stream(info: Any, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
             remote = info.peer_id.to_base58()
@@ -141,9 +170,15 @@ class Transport:
                     sender, request = unseal(data, self.run_id, expect, max_request, sender=remote,
                                              fresh=lambda nonce, ts: self.guard.check_fresh(nonce, ts, opened))
                     reply = await (fn(sender, request, data) if with_envelope else fn(sender, request))
+                    bulk = b""
+                    if isinstance(reply, WithTrailer):
+                        reply, bulk = reply.reply, reply.trailer
                     out = seal(self.identity, self.run_id, reply)
                     await write_frame(writer, out)
                     self.bytes_sent += len(out) + _LEN.size
+                    if trailer:
+                        await write_frame(writer, bulk)
+                        self.bytes_sent += len(bulk) + _LEN.size
             except ProtocolError as exc:
                 self.guard.reject(remote, handler, exc)
                 self._log_rejection(handler, exc.reason, remote, str(exc))
@@ -170,6 +205,18 @@ class Transport:
     async def request(self, peer_id: str, handler: str, msg: Message, expect: Any, *, timeout_s: float,
                       max_reply: int = MAX_SMALL) -> Any:
         """Send one request and return the verified reply; `PeerUnavailable` on any failure."""
+        reply, _ = await self._request(peer_id, handler, msg, expect, timeout_s, max_reply, None)
+        return reply
+
+    async def request_bulk(self, peer_id: str, handler: str, msg: Message, expect: Any, *, timeout_s: float,
+                           trailer_size: Callable[[Any], int], max_reply: int = MAX_SMALL) -> tuple[Any, bytearray]:
+        """`request` to a handler served with `trailer`: the verified reply and the raw bytes after
+        it, whose length must be `trailer_size(reply)` (checked before they are read). The caller
+        checks the bytes against what the signed reply says of them."""
+        return await self._request(peer_id, handler, msg, expect, timeout_s, max_reply, trailer_size)
+
+    async def _request(self, peer_id: str, handler: str, msg: Message, expect: Any, timeout_s: float,
+                       max_reply: int, trailer_size: Callable[[Any], int] | None) -> tuple[Any, bytearray]:
         from hivemind.p2p import PeerID
 
         writer = None
@@ -184,7 +231,14 @@ class Transport:
                 reply = await read_frame(reader, max_reply + 512)
                 self.bytes_received += len(reply) + _LEN.size
                 _, decoded = unseal(reply, self.run_id, expect, max_reply, sender=peer_id)
-                return decoded
+                bulk = bytearray()
+                if trailer_size is not None:
+                    size = trailer_size(decoded)
+                    bulk = await read_frame_into(reader, size)
+                    if len(bulk) != size:
+                        raise ProtocolError(f"{len(bulk)} trailing bytes, the reply announced {size}")
+                    self.bytes_received += size + _LEN.size
+                return decoded, bulk
         except ProtocolError as exc:
             self.rejected_replies[f"{exc.reason}:{handler}"] += 1
             raise PeerUnavailable(f"{peer_id[-8:]} sent a bad {handler} reply: {exc}") from None

@@ -142,7 +142,7 @@ def make_target(allowlisted: int | None = None, open_state: bool = True):
 
     async def register() -> None:
         await server.start()
-        await transport.serve("get-state", MESSAGES["get-state"], node._on_state, max_request=4096)
+        await transport.serve("get-state", MESSAGES["get-state"], node._on_state, max_request=4096, trailer=True)
         await boot.serve("get-manifest", MESSAGES["get-manifest"], node._on_manifest)
         await boot.serve("probe", MESSAGES["probe"], node._dial_back.handle)
 

@@ -3,6 +3,8 @@ state only if the manifest says so. Refusals are counted and strike the sender."
 
 from __future__ import annotations
 
+import hashlib
+
 import sys
 from pathlib import Path
 
@@ -27,9 +29,19 @@ def closed_run_open_state():
 
 
 def _ask(t, handler: str, who: Identity, msg, reply_type):
+    return _ask_with_trailer(t, handler, who, msg, reply_type)[0]
+
+
+def _ask_with_trailer(t, handler: str, who: Identity, msg, reply_type):
+    """The signed reply, and the raw frame after it (b"" if none)."""
     out = t.feed(handler, who.peer_id, frame(seal(who, RUN, msg)))
     assert out, f"{handler} was not answered"
-    return unseal(out[8:], RUN, reply_type, sender=t.me.peer_id)[1]
+    n = int.from_bytes(out[:8], "big")
+    reply = unseal(out[8:8 + n], RUN, reply_type, sender=t.me.peer_id)[1]
+    rest = out[8 + n:]
+    trailer = rest[8:8 + int.from_bytes(rest[:8], "big")] if rest else b""
+    assert len(rest) == (8 + len(trailer) if rest else 0), "bytes after the frames"
+    return reply, trailer
 
 
 def _contribution(t) -> ShardContribution:
@@ -52,9 +64,9 @@ def test_only_listed_peers_contribute_or_join(closed_run):
 
 def test_state_is_only_for_listed_peers_unless_the_manifest_opens_it(closed_run, closed_run_open_state):
     stranger = Identity.generate()
-    closed = _ask(closed_run, "get-state", stranger, StateRequest(-1), StateReply)
-    assert closed.blob == b"" and closed_run.node.guard.rejected["unauthorized:get-state"] == 1
-    listed = _ask(closed_run, "get-state", closed_run.peers[1], StateRequest(-1), StateReply)
-    assert listed.blob and listed.round == 0
-    opened = _ask(closed_run_open_state, "get-state", stranger, StateRequest(-1), StateReply)
-    assert opened.blob and opened.round == 0
+    closed, blob = _ask_with_trailer(closed_run, "get-state", stranger, StateRequest(-1), StateReply)
+    assert closed.size == 0 and blob == b"" and closed_run.node.guard.rejected["unauthorized:get-state"] == 1
+    for run, who in ((closed_run, closed_run.peers[1]), (closed_run_open_state, stranger)):
+        reply, blob = _ask_with_trailer(run, "get-state", who, StateRequest(-1), StateReply)
+        assert reply.round == 0 and reply.size == len(blob) > 0
+        assert hashlib.sha256(blob).hexdigest() == reply.digest

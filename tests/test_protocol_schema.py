@@ -80,7 +80,7 @@ EXAMPLES: dict[str, Message] = {
         ContributionsRequest(round=4, attempt=1, shard=2, contributors=PEERS[:2]),
         Join(round=3, trains=True, serves=False),
         StateRequest(min_round=-1),
-        StateReply(round=-1, digest="ab" * 32, decision=b"", blob=os.urandom(1000)),
+        StateReply(round=-1, digest="ab" * 32, decision=b"", size=1000),
         ManifestRequest(),
         ManifestReply(signed=b"manifest"),
         ProbeRequest(maddrs=["/ip4/192.0.2.1/tcp/4001", "/ip4/127.0.0.1/tcp/4001"]),

@@ -336,3 +336,36 @@ def test_a_replayed_or_stale_request_is_dropped_and_counted(net):
     assert net.run(send(old)) == b""
     assert net.ta.rejected["stale-message:once"] == 1 and len(calls) == 1
     assert net.run(net.tb.request(net.id_a.peer_id, "once", Join(6, True, True), Ack, timeout_s=30)).ok
+
+
+def test_a_bulk_trailer_arrives_whole_and_its_announced_size_is_enforced(net):
+    # The state blob follows its signed reply as a raw frame: the reply announces its size, and
+    # the requester refuses a different or too large one before reading it.
+    from groundswell.protocol.schema import StateReply
+    from groundswell.protocol.transport import WithTrailer
+
+    blob = os.urandom(3 << 20)  # several 1 MiB reads
+    announced = {"size": len(blob)}
+
+    async def state(sender: str, msg: StateRequest) -> WithTrailer:
+        return WithTrailer(StateReply(1, "d" * 64, b"", announced["size"]), blob)
+
+    _serve(net, net.ta, "bulk", StateRequest, state, trailer=True)
+
+    def fetch(limit: int = 1 << 30):
+        def size(reply: StateReply) -> int:
+            if reply.size > limit:
+                raise ProtocolError("too large", reason="oversized")
+            return reply.size
+
+        return net.run(net.tb.request_bulk(net.id_a.peer_id, "bulk", StateRequest(0), StateReply,
+                                           timeout_s=30, trailer_size=size))
+
+    reply, got = fetch()
+    assert reply.size == len(got) and bytes(got) == blob
+    with pytest.raises(PeerUnavailable, match="too large"):
+        fetch(limit=len(blob) - 1)
+    for wrong in (len(blob) - 1, len(blob) + 1):  # a trailer longer or shorter than announced
+        announced["size"] = wrong
+        with pytest.raises(PeerUnavailable):
+            fetch()
