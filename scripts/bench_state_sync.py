@@ -9,11 +9,14 @@ Two worker processes (multiprocessing "spawn", one torch thread each), everythin
 
 - server: a `SwarmNode` attached to a small run context ("bench"), whose `state_provider`
   returns one cached `GlobalState(round=1, {"global_params", "momentum_buffer"} of P fp32 each,
-  decision = a signed round-0 Decision)`; the node's real `_on_state` answers (it serializes,
-  hashes and signs the state on every request, as in production).
+  decision = a signed round-0 Decision)`; the node's real `_on_state` answers. As in production,
+  the state is serialized and hashed once (`GlobalState.blob_and_digest`, cached), and each reply
+  is a small signed `StateReply(round, digest, decision, size)` followed by the blob as one raw
+  length-prefixed trailer frame (no envelope, no signature over the blob).
 - client: a `SwarmNode` bootstrapped from the server's address, same context. One state download
-  is what a joiner does: `transport.request(server, "get-state", StateRequest(0), StateReply)`,
-  the sha256 check of the blob against the reply's digest, and `GlobalState.tensors_from_blob`.
+  is what a joiner does: `transport.request_bulk(server, "get-state", StateRequest(0), StateReply,
+  trailer_size=...)` (the announced size checked against a limit before the blob is read), the
+  sha256 check of the blob against the signed digest, and `GlobalState.tensors_from_blob`.
 - TCP baseline: the server process sends the same blob (same byte count) over a fresh TCP
   connection on 127.0.0.1; the client receives it into a preallocated buffer.
 
@@ -22,15 +25,11 @@ round-robin over the methods (so a change in the machine's load hits all of them
 reported times are medians. MB/s is state bytes / time (MB = 10^6 bytes).
 
 With the breakdown on (default), the same run also measures where the protocol's time goes:
-server side (torch.save serialization, sha256, sealing the reply = msgpack + Ed25519 signature
-over the whole blob), client side (unsealing = msgpack + signature check, sha256, torch.load),
-and the bare p2pd stream (one length-prefixed frame of the blob over a libp2p binary stream, no
-envelope, no hashing, no serialization), read both with the protocol's `read_frame` (one
-`readexactly`) and in 1 MiB reads into a preallocated buffer. It also times a *candidate* design:
-the server caches the blob and its digest once per state, sends a small signed header
-(StateReply with the digest and decision, empty blob) and then the blob as a raw frame; the
-client reads it in chunks, checks its sha256 against the signed digest and loads it. That candidate is measured here with bench-only stream
-handlers; peer/swarm.py is not changed.
+server side (torch.save serialization and sha256, once per state; sealing the small reply header,
+per request), client side (unsealing the header, sha256, torch.load), and the bare p2pd stream
+(one length-prefixed frame of the blob over a libp2p binary stream, no header, no hashing, no
+serialization), read both with the protocol's `read_frame` (one `readexactly`) and with
+`read_frame_into` (1 MiB reads into a preallocated buffer, as the trailer is read).
 
 Prints a short report, or with --json one JSON object (params, state_bytes, p2p_s, tcp_s, ratio,
 p2p_mb_s, tcp_mb_s, plus the breakdown). Every process this script starts (the two workers and
@@ -61,7 +60,6 @@ os.environ.setdefault("HIVEMIND_LOGLEVEL", "WARNING")
 
 RUN_ID = "bench"
 RAW_HANDLER = "groundswell-bench/raw-state/1"
-CANDIDATE_HANDLER = "groundswell-bench/candidate-state/1"
 GOAL_RATIO = 2.0
 
 
@@ -112,30 +110,6 @@ def _maxreply(params: int) -> int:
     return 16 * params + (1 << 20)
 
 
-async def read_frame_chunked(reader: Any, max_bytes: int, chunk: int = 1 << 20) -> bytearray:
-    """`transport.read_frame`, but reading into a preallocated buffer in `chunk`-byte reads instead of
-    one `readexactly(size)` (which grows the StreamReader's buffer to the whole frame, then copies
-    it out). Same length check before anything is read."""
-    import asyncio
-    import struct
-
-    from groundswell.protocol.schema import ProtocolError
-
-    (size,) = struct.unpack(">Q", await reader.readexactly(8))
-    if size > max_bytes:
-        raise ProtocolError(f"frame of {size} bytes exceeds the limit of {max_bytes}")
-    buf = bytearray(size)
-    view = memoryview(buf)
-    got = 0
-    while got < size:
-        part = await reader.read(min(chunk, size - got))
-        if not part:
-            raise asyncio.IncompleteReadError(bytes(view[:got]), size)
-        view[got:got + len(part)] = part
-        got += len(part)
-    return buf
-
-
 # --- server process ----------------------------------------------------------------------------
 class _Server:
     def __init__(self, conn: Any, tmp: str, params: int, seed: int, verbose: bool) -> None:
@@ -156,8 +130,7 @@ class _Server:
                    "momentum_buffer": torch.randn(params, generator=gen)}
         decision = seal(self.identity, RUN_ID, Decision(0, 0, "commit", [], [], [me], me, [], 0))
         self.state = GlobalState(round=1, tensors=tensors, decision=decision)  # cached: one object for all requests
-        self.blob = self.state.to_blob()
-        self.digest = hashlib.sha256(self.blob).hexdigest()
+        self.blob, self.digest = self.state.blob_and_digest()  # what _on_state serves (cached)
         self.expected_hash = params_hash(tensors["global_params"])
         self.node = None
         self._tcp: socket.socket | None = None
@@ -208,8 +181,7 @@ class _Server:
     # the swarm node -------------------------------------------------------------------------------
     def p2p_start(self) -> dict:
         from groundswell.peer.swarm import NodeOptions, SwarmNode
-        from groundswell.protocol.schema import StateReply
-        from groundswell.protocol.transport import read_frame, seal, write_frame
+        from groundswell.protocol.transport import read_frame, write_frame
 
         self.node = SwarmNode(self.identity, self.identity_path, NodeOptions(host_maddrs=["/ip4/127.0.0.1/tcp/0"]))
         self.node.start()
@@ -219,9 +191,7 @@ class _Server:
         state = self.state
         self.node.state_provider = lambda: state
 
-        # Bench-only handlers (not part of the protocol): the bare stream, and the candidate design.
-        blob, identity = self.blob, self.identity
-        header = seal(identity, RUN_ID, StateReply(state.round, self.digest, state.decision, b""))
+        blob = self.blob  # bench-only handler (not part of the protocol): the bare stream
 
         async def raw(info: Any, reader: Any, writer: Any) -> None:
             try:
@@ -230,42 +200,26 @@ class _Server:
             finally:
                 writer.close()
 
-        async def candidate(info: Any, reader: Any, writer: Any) -> None:
-            try:
-                await read_frame(reader, 4096)  # a real handler would unseal a StateRequest here
-                await write_frame(writer, header)
-                await write_frame(writer, blob)
-            finally:
-                writer.close()
-
-        async def register() -> None:
-            await self.node.p2p.add_binary_stream_handler(RAW_HANDLER, raw)
-            await self.node.p2p.add_binary_stream_handler(CANDIDATE_HANDLER, candidate)
-
-        self.node.call(register(), timeout_s=30)
+        self.node.call(self.node.p2p.add_binary_stream_handler(RAW_HANDLER, raw), timeout_s=30)
         return {"maddrs": [m for m in self.node.maddrs if "/ip4/127.0.0.1/" in m]}
 
     def breakdown(self, repeats: int) -> dict:
-        """Server-side cost of one `_on_state` answer, piece by piece (medians)."""
-        from groundswell.protocol.schema import StateReply, encode_message
+        """Server-side cost (medians): serializing and hashing a state (once per state, then cached),
+        sealing the small reply header (per request)."""
+        from groundswell.protocol.schema import StateReply
         from groundswell.protocol.transport import seal
 
-        state = self.state
-        blob = self.blob
-        reply = StateReply(state.round, self.digest, state.decision, blob)
-        out: dict[str, float] = {}
-        out["torch_save_s"] = statistics.median(_median_times(state.to_blob, 0, repeats)[0])
-        out["sha256_s"] = statistics.median(_median_times(lambda: hashlib.sha256(blob).hexdigest(), 0, repeats)[0])
-        out["seal_s"] = statistics.median(_median_times(lambda: seal(self.identity, RUN_ID, reply), 0, repeats)[0])
-        out["of_which_ed25519_sign_s"] = statistics.median(
-            _median_times(lambda: self.identity.sign(blob), 0, repeats)[0])
-        out["of_which_encode_message_s"] = statistics.median(
-            _median_times(lambda: encode_message(reply), 0, repeats)[0])
-        # For comparison: a raw layout (tensor bytes back to back, no zip container).
+        state, blob = self.state, self.blob
+        header = StateReply(state.round, self.digest, state.decision, len(blob))
+        med = lambda fn: statistics.median(_median_times(fn, 0, repeats)[0])
         arrays = [t.detach().cpu().contiguous().numpy() for t in state.tensors.values()]
-        out["raw_concat_s"] = statistics.median(
-            _median_times(lambda: b"".join(a.tobytes() for a in arrays), 0, repeats)[0])
-        return out
+        return {
+            "torch_save_s": med(state.to_blob),
+            "sha256_s": med(lambda: hashlib.sha256(blob).hexdigest()),
+            "seal_header_s": med(lambda: seal(self.identity, RUN_ID, header)),
+            # For comparison: a raw layout (tensor bytes back to back, no zip container).
+            "raw_concat_s": med(lambda: b"".join(a.tobytes() for a in arrays)),
+        }
 
     def close(self) -> dict:
         self.tcp_stop()
@@ -315,22 +269,27 @@ class _Client:
         return {}
 
     def p2p(self, server_id: str, digest: str, params_hash_expected: str, warmup: int, repeats: int) -> dict:
-        """What a joiner does: request, sha256 check, torch.load; timed as a whole and in parts."""
+        """What a joiner does: request_bulk, sha256 check, torch.load; timed as a whole and in parts."""
         from groundswell.peer.swarm import GlobalState, params_hash
-        from groundswell.protocol.schema import StateReply, StateRequest
+        from groundswell.protocol.schema import ProtocolError, StateReply, StateRequest
 
-        node = self.node
+        node, budget = self.node, _maxreply(self.params)
         parts: list[dict] = []
+
+        def size(reply: StateReply) -> int:  # checked before a byte of the blob is read
+            if reply.size > budget:
+                raise ProtocolError(f"a state of {reply.size} bytes exceeds the limit of {budget}", reason="oversized")
+            return reply.size
 
         def once() -> tuple[str, dict]:
             t0 = time.perf_counter()
-            reply = node.call(node.transport.request(server_id, "get-state", StateRequest(0), StateReply,
-                                                     timeout_s=600, max_reply=_maxreply(self.params)), 660)
+            reply, blob = node.call(node.transport.request_bulk(server_id, "get-state", StateRequest(0), StateReply,
+                                                                timeout_s=600, trailer_size=size), 660)
             t1 = time.perf_counter()
-            if not reply.blob or hashlib.sha256(reply.blob).hexdigest() != reply.digest:
+            if not blob or hashlib.sha256(blob).hexdigest() != reply.digest:
                 raise RuntimeError("state reply failed its hash check")
             t2 = time.perf_counter()
-            tensors = GlobalState.tensors_from_blob(reply.blob)
+            tensors = GlobalState.tensors_from_blob(blob)
             t3 = time.perf_counter()
             parts.append({"request_s": t1 - t0, "sha256_s": t2 - t1, "load_s": t3 - t2})
             return reply.digest, tensors
@@ -345,10 +304,10 @@ class _Client:
 
     def raw(self, server_id: str, size: int, warmup: int, repeats: int, chunked: bool = False) -> dict:
         """The bare libp2p stream: one frame of `size` bytes, nothing else; read with the protocol's
-        `read_frame` or (chunked) with `read_frame_chunked`."""
+        `read_frame` or (chunked) with `read_frame_into`."""
         from hivemind.p2p import PeerID
 
-        from groundswell.protocol.transport import read_frame, write_frame
+        from groundswell.protocol.transport import read_frame, read_frame_into, write_frame
 
         node = self.node
 
@@ -356,7 +315,7 @@ class _Client:
             _, reader, writer = await node.p2p.call_binary_stream_handler(PeerID.from_base58(server_id), RAW_HANDLER)
             try:
                 await write_frame(writer, b"?")
-                frame = await (read_frame_chunked if chunked else read_frame)(reader, size + 16)
+                frame = await (read_frame_into if chunked else read_frame)(reader, size + 16)
                 return len(frame)
             finally:
                 writer.close()
@@ -369,60 +328,25 @@ class _Client:
         times, first = _median_times(once, warmup, repeats)
         return {"times": times, "first": first}
 
-    def candidate(self, server_id: str, digest: str, params_hash_expected: str, warmup: int, repeats: int) -> dict:
-        """Candidate design: signed small header (digest, decision), then the cached blob as a raw
-        frame read in chunks; the client checks sha256(blob) against the signed digest and loads it."""
-        from hivemind.p2p import PeerID
-
-        from groundswell.peer.swarm import GlobalState, params_hash
-        from groundswell.protocol.schema import StateReply
-        from groundswell.protocol.transport import read_frame, unseal, write_frame
-
-        node, budget = self.node, _maxreply(self.params)
-
-        async def fetch() -> tuple[Any, bytes]:
-            _, reader, writer = await node.p2p.call_binary_stream_handler(
-                PeerID.from_base58(server_id), CANDIDATE_HANDLER)
-            try:
-                await write_frame(writer, b"?")
-                _, head = unseal(await read_frame(reader, 1 << 20), RUN_ID, StateReply, sender=server_id)
-                blob = await read_frame_chunked(reader, budget)
-                return head, blob
-            finally:
-                writer.close()
-
-        def once() -> tuple[str, dict]:
-            head, blob = node.call(fetch(), 660)
-            if hashlib.sha256(blob).hexdigest() != head.digest:
-                raise RuntimeError("candidate blob failed its hash check")
-            return head.digest, GlobalState.tensors_from_blob(blob)
-
-        def check(result: Any) -> None:  # not timed
-            got_digest, tensors = result
-            if got_digest != digest or params_hash(tensors["global_params"]) != params_hash_expected:
-                raise RuntimeError("candidate state differs from the served one")
-
-        times, first = _median_times(once, warmup, repeats, check)
-        return {"times": times, "first": first}
-
     def breakdown(self, params: int, seed: int, repeats: int) -> dict:
-        """Client-side cost of one reply, piece by piece (medians), on a locally built reply."""
+        """Client-side cost of one reply, piece by piece (medians), on a locally built header and blob."""
         import torch
 
         from groundswell.peer.swarm import GlobalState
-        from groundswell.protocol.schema import StateReply
+        from groundswell.protocol.schema import Decision, StateReply
         from groundswell.protocol.transport import seal, unseal
 
+        me = self.identity.peer_id
+        decision = seal(self.identity, RUN_ID, Decision(0, 0, "commit", [], [], [me], me, [], 0))  # as served
         gen = torch.Generator().manual_seed(seed)
         state = GlobalState(1, {"global_params": torch.randn(params, generator=gen),
                                 "momentum_buffer": torch.randn(params, generator=gen)}, b"")
         blob = state.to_blob()
-        sealed = seal(self.identity, RUN_ID, StateReply(1, hashlib.sha256(blob).hexdigest(), b"", blob))
-        me = self.identity.peer_id
+        sealed = seal(self.identity, RUN_ID, StateReply(1, hashlib.sha256(blob).hexdigest(), decision, len(blob)))
         raw = b"".join(t.numpy().tobytes() for t in state.tensors.values())  # the raw layout, for comparison
         med = lambda fn: statistics.median(_median_times(fn, 0, repeats)[0])
         return {
-            "unseal_s": med(lambda: unseal(sealed, RUN_ID, StateReply, _maxreply(params), sender=me)),
+            "unseal_header_s": med(lambda: unseal(sealed, RUN_ID, StateReply, sender=me)),
             "sha256_s": med(lambda: hashlib.sha256(blob).hexdigest()),
             "torch_load_s": med(lambda: GlobalState.tensors_from_blob(blob)),
             "raw_frombuffer_s": med(lambda: torch.frombuffer(bytearray(raw), dtype=torch.float32)),
@@ -570,7 +494,6 @@ def run_bench(args: argparse.Namespace, progress: Callable[[str], None] = lambda
             methods.update({
                 "raw": ("raw", {"server_id": sid, "size": size}),
                 "raw_chunked": ("raw", {"server_id": sid, "size": size, "chunked": True}),
-                "candidate": ("candidate", {"server_id": sid, "digest": digest, "params_hash_expected": phash}),
             })
         runs: dict[str, dict] = {m: {"times": [], "first": None, "parts": []} for m in methods}
         progress(f"{size:,} state bytes; warm-up: {w} per method")
@@ -593,17 +516,14 @@ def run_bench(args: argparse.Namespace, progress: Callable[[str], None] = lambda
             server_parts = workers.call("server", "breakdown", repeats=r)
             client_parts = workers.call("client", "breakdown", params=args.params, seed=args.seed, repeats=r)
             med = {m: statistics.median(v["times"]) for m, v in runs.items()}
-            raw_s, rawc_s, cand_s = med["raw"], med["raw_chunked"], med["candidate"]
+            raw_s, rawc_s = med["raw"], med["raw_chunked"]
             breakdown = {
                 **{f"client_{k}": statistics.median(pt[k] for pt in p2p["parts"])
                    for k in ("request_s", "sha256_s", "load_s")},
                 "raw_stream_s": raw_s, "raw_stream_mb_s": size / raw_s / 1e6,
                 "raw_stream_chunked_s": rawc_s, "raw_stream_chunked_mb_s": size / rawc_s / 1e6,
                 "server": server_parts, "client": client_parts,
-                "candidate_s": cand_s, "candidate_mb_s": size / cand_s / 1e6,
-                "candidate_ratio": cand_s / med["tcp"],
                 "raw_stream_all": runs["raw"]["times"], "raw_stream_chunked_all": runs["raw_chunked"]["times"],
-                "candidate_all": runs["candidate"]["times"],
             }
     finally:
         if workers is not None:
@@ -631,24 +551,23 @@ def format_report(res: dict) -> str:
         "| method | time (s) | MB/s | vs TCP |",
         "|---|---:|---:|---:|",
         f"| plain TCP | {res['tcp_s']:.3f} | {res['tcp_mb_s']:.0f} | 1.00x |",
-        f"| groundswell get-state (request + sha256 + torch.load) | {res['p2p_s']:.3f} | {res['p2p_mb_s']:.0f} "
+        f"| groundswell get-state (signed header + raw trailer + sha256 + torch.load) | {res['p2p_s']:.3f} | {res['p2p_mb_s']:.0f} "
         f"| {res['ratio']:.2f}x |",
     ]
     b = res.get("breakdown")
     if b:
         t = res["tcp_s"]
         lines += [
-            f"| bare p2pd stream (one frame, no envelope/hash/serialization) | {b['raw_stream_s']:.3f} "
+            f"| bare p2pd stream (one frame, no header/hash/serialization) | {b['raw_stream_s']:.3f} "
             f"| {b['raw_stream_mb_s']:.0f} | {b['raw_stream_s'] / t:.2f}x |",
-            f"| bare p2pd stream, read in 1 MiB chunks into a preallocated buffer | {b['raw_stream_chunked_s']:.3f} "
+            f"| bare p2pd stream, read_frame_into (1 MiB reads, preallocated) | {b['raw_stream_chunked_s']:.3f} "
             f"| {b['raw_stream_chunked_mb_s']:.0f} | {b['raw_stream_chunked_s'] / t:.2f}x |",
-            f"| candidate: cached blob + signed digest header + raw frame read in chunks (+ sha256 + torch.load) "
-            f"| {b['candidate_s']:.3f} | {b['candidate_mb_s']:.0f} | {b['candidate_ratio']:.2f}x |",
             "",
             "Where get-state's time goes (medians, seconds):",
-            f"- client: request {b['client_request_s']:.3f} (server work + transfer + unseal), "
+            f"- client: request_bulk {b['client_request_s']:.3f} (header + trailer transfer, unseal), "
             f"sha256 {b['client_sha256_s']:.3f}, torch.load {b['client_load_s']:.3f}",
-            "- server, per request: " + ", ".join(f"{k} {v:.3f}" for k, v in b["server"].items()),
+            "- server (torch_save and sha256 once per state, cached; seal_header per request): "
+            + ", ".join(f"{k} {v:.3f}" for k, v in b["server"].items()),
             "- client, per reply: " + ", ".join(f"{k} {v:.3f}" for k, v in b["client"].items()),
         ]
     lines += ["", f"- state download within {GOAL_RATIO:.0f}x of plain TCP: "
@@ -664,7 +583,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--settle", type=float, default=1.0, help="seconds to let the DHT settle after start")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--no-breakdown", dest="breakdown", action="store_false",
-                        help="only the two headline numbers (skip the bare-stream, candidate and cost measurements)")
+                        help="only the two headline numbers (skip the bare-stream and cost measurements)")
     parser.add_argument("--json", action="store_true", help="print one JSON object instead of the report")
     parser.add_argument("--verbose", action="store_true", help="logs at INFO from the workers")
     args = parser.parse_args(argv)
