@@ -11,7 +11,6 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import hashlib
-import io
 import logging
 import threading
 import time
@@ -33,6 +32,7 @@ from groundswell.protocol.server import RoundServer
 from groundswell.protocol.transport import PeerUnavailable, Transport, WithTrailer, seal, unseal
 
 from .reachability import PROBE_TIMEOUT_S, DialBack, connection_paths, observed_ips
+from .state_blob import pack_tensors, unpack_tensors
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -81,10 +81,8 @@ class GlobalState:
     _blob: tuple[bytes, str] | None = None  # serialized once, on the first request of this round
 
     def to_blob(self) -> bytes:
-        """Serialize the tensors (torch.save of CPU tensors, weights_only-loadable)."""
-        buf = io.BytesIO()
-        torch.save({k: v.detach().cpu() for k, v in self.tensors.items()}, buf)
-        return buf.getvalue()
+        """Serialize the tensors (raw fp32 behind a small header, see `state_blob`)."""
+        return pack_tensors(self.tensors)
 
     def blob_and_digest(self) -> tuple[bytes, str]:
         """The serialized state and its sha256, computed once per snapshot (joiners share it)."""
@@ -95,14 +93,8 @@ class GlobalState:
 
     @staticmethod
     def tensors_from_blob(blob: bytes | bytearray) -> dict[str, torch.Tensor]:
-        """Load tensors safely (weights_only: no code runs)."""
-        try:
-            obj = torch.load(io.BytesIO(blob), weights_only=True, map_location="cpu")
-        except Exception as exc:  # torch raises many types on a garbled or hostile archive
-            raise ProtocolError(f"state blob does not load: {type(exc).__name__}") from None
-        if not isinstance(obj, dict) or not all(isinstance(v, torch.Tensor) for v in obj.values()):
-            raise ProtocolError("state blob is not a dict of tensors")
-        return obj
+        """The tensors of a blob (views of it if it is a bytearray); ProtocolError if malformed."""
+        return unpack_tensors(blob)
 
 
 @dataclass

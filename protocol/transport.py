@@ -10,6 +10,7 @@ libp2p's secure channel authenticates. Every network wait sits inside an `asynci
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import logging
 import os
 import struct
@@ -106,10 +107,11 @@ async def read_frame(reader: asyncio.StreamReader, max_bytes: int) -> bytes:
     return await reader.readexactly(size)
 
 
-async def read_frame_into(reader: asyncio.StreamReader, max_bytes: int, chunk: int = 1 << 20) -> bytearray:
+async def read_frame_into(reader: asyncio.StreamReader, max_bytes: int, chunk: int = 1 << 20,
+                          hasher: Any = None) -> bytearray:
     """`read_frame` for bulk data: same length check first, then reads of `chunk` bytes into one
     preallocated buffer (one `readexactly` of a huge frame grows the reader's buffer to the whole
-    frame and copies it out again)."""
+    frame and copies it out again); `hasher` (hashlib) is fed each piece as it arrives."""
     (size,) = _LEN.unpack(await reader.readexactly(_LEN.size))
     if size > max_bytes:
         raise ProtocolError(f"frame of {size} bytes exceeds the limit of {max_bytes}", reason="oversized")
@@ -122,6 +124,8 @@ async def read_frame_into(reader: asyncio.StreamReader, max_bytes: int, chunk: i
             raise asyncio.IncompleteReadError(bytes(view[:got]), size)
         view[got:got + len(part)] = part
         got += len(part)
+        if hasher is not None:
+            hasher.update(part)
     return buf
 
 
@@ -209,14 +213,18 @@ class Transport:
         return reply
 
     async def request_bulk(self, peer_id: str, handler: str, msg: Message, expect: Any, *, timeout_s: float,
-                           trailer_size: Callable[[Any], int], max_reply: int = MAX_SMALL) -> tuple[Any, bytearray]:
-        """`request` to a handler served with `trailer`: the verified reply and the raw bytes after
-        it, whose length must be `trailer_size(reply)` (checked before they are read). The caller
-        checks the bytes against what the signed reply says of them."""
-        return await self._request(peer_id, handler, msg, expect, timeout_s, max_reply, trailer_size)
+                           trailer_size: Callable[[Any], int], max_reply: int = MAX_SMALL
+                           ) -> tuple[Any, bytearray, str]:
+        """`request` to a handler served with `trailer`: the verified reply, the raw bytes after
+        it, whose length must be `trailer_size(reply)` (checked before they are read), and their
+        sha256 (hex, computed while they arrive). The caller checks them against the reply."""
+        hasher = hashlib.sha256()
+        reply, bulk = await self._request(peer_id, handler, msg, expect, timeout_s, max_reply, trailer_size, hasher)
+        return reply, bulk, hasher.hexdigest()
 
     async def _request(self, peer_id: str, handler: str, msg: Message, expect: Any, timeout_s: float,
-                       max_reply: int, trailer_size: Callable[[Any], int] | None) -> tuple[Any, bytearray]:
+                       max_reply: int, trailer_size: Callable[[Any], int] | None,
+                       hasher: Any = None) -> tuple[Any, bytearray]:
         from hivemind.p2p import PeerID
 
         writer = None
@@ -234,7 +242,7 @@ class Transport:
                 bulk = bytearray()
                 if trailer_size is not None:
                     size = trailer_size(decoded)
-                    bulk = await read_frame_into(reader, size)
+                    bulk = await read_frame_into(reader, size, hasher=hasher)
                     if len(bulk) != size:
                         raise ProtocolError(f"{len(bulk)} trailing bytes, the reply announced {size}")
                     self.bytes_received += size + _LEN.size

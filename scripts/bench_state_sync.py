@@ -25,8 +25,8 @@ round-robin over the methods (so a change in the machine's load hits all of them
 reported times are medians. MB/s is state bytes / time (MB = 10^6 bytes).
 
 With the breakdown on (default), the same run also measures where the protocol's time goes:
-server side (torch.save serialization and sha256, once per state; sealing the small reply header,
-per request), client side (unsealing the header, sha256, torch.load), and the bare p2pd stream
+server side (serialization (raw fp32 behind a header) and sha256, once per state; sealing the small reply header,
+per request), client side (unsealing the header, sha256, mapping the tensors), and the bare p2pd stream
 (one length-prefixed frame of the blob over a libp2p binary stream, no header, no hashing, no
 serialization), read both with the protocol's `read_frame` (one `readexactly`) and with
 `read_frame_into` (1 MiB reads into a preallocated buffer, as the trailer is read).
@@ -214,7 +214,7 @@ class _Server:
         med = lambda fn: statistics.median(_median_times(fn, 0, repeats)[0])
         arrays = [t.detach().cpu().contiguous().numpy() for t in state.tensors.values()]
         return {
-            "torch_save_s": med(state.to_blob),
+            "serialize_s": med(state.to_blob),
             "sha256_s": med(lambda: hashlib.sha256(blob).hexdigest()),
             "seal_header_s": med(lambda: seal(self.identity, RUN_ID, header)),
             # For comparison: a raw layout (tensor bytes back to back, no zip container).
@@ -269,7 +269,7 @@ class _Client:
         return {}
 
     def p2p(self, server_id: str, digest: str, params_hash_expected: str, warmup: int, repeats: int) -> dict:
-        """What a joiner does: request_bulk, sha256 check, torch.load; timed as a whole and in parts."""
+        """What a joiner does: request_bulk, sha256 check, map the tensors; timed as a whole and in parts."""
         from groundswell.peer.swarm import GlobalState, params_hash
         from groundswell.protocol.schema import ProtocolError, StateReply, StateRequest
 
@@ -283,10 +283,10 @@ class _Client:
 
         def once() -> tuple[str, dict]:
             t0 = time.perf_counter()
-            reply, blob = node.call(node.transport.request_bulk(server_id, "get-state", StateRequest(0), StateReply,
-                                                                timeout_s=600, trailer_size=size), 660)
+            reply, blob, sha256 = node.call(node.transport.request_bulk(
+                server_id, "get-state", StateRequest(0), StateReply, timeout_s=600, trailer_size=size), 660)
             t1 = time.perf_counter()
-            if not blob or hashlib.sha256(blob).hexdigest() != reply.digest:
+            if not blob or sha256 != reply.digest:  # hashed while it arrived, inside request_bulk
                 raise RuntimeError("state reply failed its hash check")
             t2 = time.perf_counter()
             tensors = GlobalState.tensors_from_blob(blob)
@@ -348,7 +348,7 @@ class _Client:
         return {
             "unseal_header_s": med(lambda: unseal(sealed, RUN_ID, StateReply, sender=me)),
             "sha256_s": med(lambda: hashlib.sha256(blob).hexdigest()),
-            "torch_load_s": med(lambda: GlobalState.tensors_from_blob(blob)),
+            "load_s": med(lambda: GlobalState.tensors_from_blob(blob)),
             "raw_frombuffer_s": med(lambda: torch.frombuffer(bytearray(raw), dtype=torch.float32)),
         }
 
@@ -551,7 +551,7 @@ def format_report(res: dict) -> str:
         "| method | time (s) | MB/s | vs TCP |",
         "|---|---:|---:|---:|",
         f"| plain TCP | {res['tcp_s']:.3f} | {res['tcp_mb_s']:.0f} | 1.00x |",
-        f"| groundswell get-state (signed header + raw trailer + sha256 + torch.load) | {res['p2p_s']:.3f} | {res['p2p_mb_s']:.0f} "
+        f"| groundswell get-state (signed header + raw trailer + sha256 + map) | {res['p2p_s']:.3f} | {res['p2p_mb_s']:.0f} "
         f"| {res['ratio']:.2f}x |",
     ]
     b = res.get("breakdown")
@@ -564,9 +564,9 @@ def format_report(res: dict) -> str:
             f"| {b['raw_stream_chunked_mb_s']:.0f} | {b['raw_stream_chunked_s'] / t:.2f}x |",
             "",
             "Where get-state's time goes (medians, seconds):",
-            f"- client: request_bulk {b['client_request_s']:.3f} (header + trailer transfer, unseal), "
-            f"sha256 {b['client_sha256_s']:.3f}, torch.load {b['client_load_s']:.3f}",
-            "- server (torch_save and sha256 once per state, cached; seal_header per request): "
+            f"- client: request_bulk {b['client_request_s']:.3f} (header + trailer transfer, unseal, sha256 "
+            f"while it arrives), digest check {b['client_sha256_s']:.3f}, load {b['client_load_s']:.3f}",
+            "- server (serialize and sha256 once per state, cached; seal_header per request): "
             + ", ".join(f"{k} {v:.3f}" for k, v in b["server"].items()),
             "- client, per reply: " + ", ".join(f"{k} {v:.3f}" for k, v in b["client"].items()),
         ]

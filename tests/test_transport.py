@@ -8,6 +8,7 @@ survives `shutdown()` is killed by pid.
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import os
 import signal
 import struct
@@ -361,8 +362,8 @@ def test_a_bulk_trailer_arrives_whole_and_its_announced_size_is_enforced(net):
         return net.run(net.tb.request_bulk(net.id_a.peer_id, "bulk", StateRequest(0), StateReply,
                                            timeout_s=30, trailer_size=size))
 
-    reply, got = fetch()
-    assert reply.size == len(got) and bytes(got) == blob
+    reply, got, sha256 = fetch()
+    assert reply.size == len(got) and bytes(got) == blob and sha256 == hashlib.sha256(blob).hexdigest()
     with pytest.raises(PeerUnavailable, match="too large"):
         fetch(limit=len(blob) - 1)
     for wrong in (len(blob) - 1, len(blob) + 1):  # a trailer longer or shorter than announced

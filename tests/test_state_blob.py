@@ -1,0 +1,66 @@
+"""The state blob a joiner downloads: exact round trip, views without a copy, and strict refusal
+of anything malformed (a hostile server writes these bytes)."""
+
+from __future__ import annotations
+
+import struct
+
+import msgpack
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from groundswell.peer.state_blob import pack_tensors, unpack_tensors
+from groundswell.protocol.schema import ProtocolError
+
+
+def _blob(items, body: bytes) -> bytes:
+    header = msgpack.packb([1, items], use_bin_type=True)
+    return struct.pack(">Q", len(header)) + header + body
+
+
+def test_round_trip_is_exact_and_a_bytearray_is_mapped_not_copied():
+    tensors = {"global_params": torch.randn(1000), "momentum_buffer": torch.tensor([-0.0, float("inf"), 1e-45])}
+    blob = bytearray(pack_tensors(tensors))
+    out = unpack_tensors(blob)
+    assert list(out) == list(tensors)
+    for name, t in tensors.items():
+        assert torch.equal(out[name].view(torch.int32), t.view(torch.int32))  # bits, -0 and subnormals too
+    blob[-4:] = struct.pack("<f", 7.0)  # the tensors are views of the downloaded buffer
+    assert float(out["momentum_buffer"][-1]) == 7.0
+    frozen = unpack_tensors(bytes(pack_tensors(tensors)))  # immutable bytes: copied, still exact
+    assert torch.equal(frozen["global_params"], tensors["global_params"])
+
+
+@pytest.mark.parametrize("blob", [
+    b"",
+    b"\x00" * 7,
+    struct.pack(">Q", 1 << 40) + b"x",  # header length far past the blob
+    struct.pack(">Q", 3) + b"\xc1\xc1\xc1",  # not msgpack
+    _blob([["g", "float32", 2]], b"\x00" * 4),  # shorter than the header says
+    _blob([["g", "float32", 1]], b"\x00" * 8),  # bytes after the tensors
+    _blob([["g", "float64", 1]], b"\x00" * 8),  # not fp32
+    _blob([["g", "float32", 1], ["g", "float32", 1]], b"\x00" * 8),  # a name twice
+    _blob([["g", "float32", -1]], b""),
+    _blob([["g", "float32", True]], b"\x00" * 4),  # a bool is not a count
+    _blob([["x" * 65, "float32", 0]], b""),
+    _blob([["g", "float32", 0]] * 17, b""),  # too many tensors
+    struct.pack(">Q", 6) + msgpack.packb([2, []]) + b"\x00" * 2,  # another format version
+], ids=lambda b: str(len(b)))
+def test_malformed_blobs_are_refused(blob):
+    with pytest.raises(ProtocolError):
+        unpack_tensors(blob)
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.binary(max_size=200), st.integers(0, 80), st.binary(max_size=3))
+def test_mutated_blobs_decode_exactly_or_are_refused(noise, cut, patch):
+    good = pack_tensors({"global_params": torch.arange(8, dtype=torch.float32)})
+    mutated = bytearray(good[:cut] + patch + good[cut + len(patch):] + noise)
+    try:
+        out = unpack_tensors(mutated)
+    except ProtocolError:
+        return
+    assert all(t.dtype == torch.float32 and t.dim() == 1 for t in out.values())
+    assert 8 + sum(4 * t.numel() for t in out.values()) <= len(mutated)
