@@ -304,7 +304,7 @@ def simulate(
                            kill_coordinator_at=kill_coordinator_at, checkpoint_every=checkpoint_every,
                            byzantine=byzantine, attack=attack, defences=defences, scoring=scoring and defences)
     report = run_simulation(opts, out, progress=lambda m: console.print(m, highlight=False))
-    losses = report["eval_loss_by_round"]
+    losses = [v for v in report["eval_loss_by_round"] if v is not None]  # rounds the coordinator evaluated
     console.print(
         f"[bold]{report['rounds_completed']}/{report['rounds_target']} rounds[/], {report['peers']} peers, "
         f"{report['codec']}: held-out loss {losses[0]:.3f} -> {losses[-1]:.3f}; "

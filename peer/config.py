@@ -104,6 +104,9 @@ class EvalSection:
     batches: int = 8
     batch_size: int = 16
     every_rounds: int = 1
+    # In a swarm run the coordinator evaluates and publishes the loss; volunteers evaluate too
+    # only if this is set (an evaluation on the trainer thread is compute not spent training).
+    volunteers: bool = False
 
     def __post_init__(self) -> None:
         for name in ("batches", "batch_size", "every_rounds"):

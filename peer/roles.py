@@ -167,23 +167,30 @@ class _VolunteerLoop:
         p.snapshot()
         self.applied += 1
         self.failures = 0
-        evaluate = m.eval.every_rounds and (r + 1) % m.eval.every_rounds == 0
+        evaluate = m.eval.volunteers and (r + 1) % m.eval.every_rounds == 0
+        eval_loss = p.eval_global() if evaluate else float("nan")
         info = RoundInfo(r, "applied", result.included, len(result.contributors), stats.mean_loss,
-                         p.eval_global() if evaluate else float("nan"), result.bytes_sent,
+                         eval_loss if evaluate else _swarm_eval_loss(p), result.bytes_sent,
                          time.perf_counter() - t0, stats.tokens / max(stats.compute_s, 1e-9),
                          params_hash(p.outer.global_params))
-        if info.eval_loss == info.eval_loss:
-            p.node.update_record(loss=info.eval_loss)
+        if evaluate:
+            p.node.update_record(loss=eval_loss)
         d = self.exchange.last_decision
         p.events.write("round", round=r, included=result.included, contributors=list(result.contributors),
                        attempt=d.attempt if d else None, leader=d.leader if d else None, hash=info.params_hash,
                        bytes_sent=result.bytes_sent, bytes_received=result.bytes_received,
-                       train_loss=stats.mean_loss, eval_loss=info.eval_loss, round_s=info.round_s,
+                       train_loss=stats.mean_loss, eval_loss=eval_loss, round_s=info.round_s,
                        compute_s=stats.compute_s, blocked_s=blocked_s, peer=p.identity.peer_id)
         self.on_round(info)
         if (r + 1) % m.checkpoint.every_rounds == 0:
             p.save_checkpoint({"inner": self.trainer.state_dict()})
         _catch_up_or_resync(p, self.bootstrap_peers)
+
+
+def _swarm_eval_loss(p: Participant) -> float:
+    """The newest held-out loss a peer (the coordinator, normally) published, for display."""
+    losses = [(r.round, r.loss) for r in p.node._cached_records.values() if r.loss == r.loss and r.loss > 0]
+    return max(losses)[1] if losses else float("nan")
 
 
 def _catch_up_or_resync(p: Participant, bootstrap_peers: list[str]) -> None:

@@ -43,7 +43,8 @@ def test_kills_restarts_freezes_leaves_and_late_joins(tmp_path):
     assert report["param_hash_agreement"] and report["divergent_rounds"] == []
     assert report["lost_contributions"] == 0
     assert report["recovery_s"] and report["rejoin_s"]
-    assert report["eval_loss_by_round"][-1] < report["eval_loss_by_round"][0]
+    losses = [v for v in report["eval_loss_by_round"] if v is not None]  # the coordinator's evaluations
+    assert len(losses) >= 2 and losses[-1] < losses[0]
     assert all(v > 0 for v in report["peak_rss_mb_per_peer"].values())
     assert not list(out.glob("*/*.tmp")), "a half-written file was left behind"
     assert (out / "report.json").exists()
