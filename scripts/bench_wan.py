@@ -180,6 +180,10 @@ def main() -> int:
     ap.add_argument("--wall", type=float, default=90.0, help="training seconds per run")
     ap.add_argument("--preset", default="small")
     ap.add_argument("-H", "--inner-steps", type=int, default=30)
+    ap.add_argument("--sparse-inner-steps", type=int, default=None,
+                    help="H of the sparseloco run (default: -H); top-k sends a small part of each update, so "
+                         "it wants more, shorter rounds than DiLoCo")
+    ap.add_argument("--runs", default="sparseloco-overlap,diloco-int8,ddp-gloo", help="which runs, comma-separated")
     ap.add_argument("--out", type=Path, default=None)
     ap.add_argument("--json", action="store_true", help="print only the JSON result")
     ap.add_argument("--rate-mbit", type=float, default=50.0)
@@ -195,12 +199,17 @@ def main() -> int:
     runs = []
     try:
         with netlab.lab(rate_mbit=a.rate_mbit, delay_ms=a.delay_ms, loss_pct=a.loss_pct) as info:
-            for name, algorithm, codec, overlap in (("sparseloco-overlap", "sparseloco", "", 1),
-                                                    ("diloco-int8", "diloco", "int8", 0)):
-                runs.append(swarm_run(name, out / name, a.wall, a.preset, algorithm, codec, overlap, a.inner_steps))
-                if not a.json:
-                    print(json.dumps(runs[-1]), file=sys.stderr, flush=True)
-            runs.append(ddp_run(out / "ddp-gloo", a.wall, a.preset))
+            chosen = set(a.runs.split(","))
+            sparse_h = a.sparse_inner_steps or a.inner_steps
+            for name, algorithm, codec, overlap, h in (("sparseloco-overlap", "sparseloco", "", 1, sparse_h),
+                                                       ("diloco-int8", "diloco", "int8", 0, a.inner_steps)):
+                if name in chosen:
+                    runs.append(swarm_run(name, out / name, a.wall, a.preset, algorithm, codec, overlap, h))
+                    runs[-1]["inner_steps"] = h
+                    if not a.json:
+                        print(json.dumps(runs[-1]), file=sys.stderr, flush=True)
+            if "ddp-gloo" in chosen:
+                runs.append(ddp_run(out / "ddp-gloo", a.wall, a.preset))
     except netlab.NetlabUnavailable as exc:
         print(f"netlab unavailable: {exc}", file=sys.stderr)
         return 3
