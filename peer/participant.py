@@ -234,10 +234,16 @@ class Participant:
         self.events.write("sync", round=state.round, hash=params_hash(self.outer.global_params),
                           peer=self.identity.peer_id)
 
-    def catch_up(self) -> int:
-        """Apply rounds the swarm committed that this peer did not take part in; returns how many."""
+    def catch_up(self, fresh: bool = True) -> int:
+        """Apply rounds the swarm committed that this peer did not take part in; returns how many.
+        `fresh=False`: judge from the records cached by the last refresh and start the next one in
+        the background (after a normal round: training does not wait for a DHT lookup)."""
         applied = 0
-        records = self.node.call(self.node.refresh_records(), timeout_s=30)
+        if fresh:
+            records = self.node.call(self.node.refresh_records(), timeout_s=30)
+        else:
+            records = self.node._cached_records
+            self.node.refresh_in_background()
         target = max((r.round for r in records.values()), default=0)
         client = self.node.client
         assert client is not None

@@ -184,7 +184,7 @@ class _VolunteerLoop:
         self.on_round(info)
         if (r + 1) % m.checkpoint.every_rounds == 0:
             p.save_checkpoint({"inner": self.trainer.state_dict()})
-        _catch_up_or_resync(p, self.bootstrap_peers)
+        _catch_up_or_resync(p, self.bootstrap_peers, fresh=False)  # we just applied a round: rarely behind
 
 
 def _swarm_eval_loss(p: Participant) -> float:
@@ -193,10 +193,10 @@ def _swarm_eval_loss(p: Participant) -> float:
     return max(losses)[1] if losses else float("nan")
 
 
-def _catch_up_or_resync(p: Participant, bootstrap_peers: list[str]) -> None:
+def _catch_up_or_resync(p: Participant, bootstrap_peers: list[str], fresh: bool = True) -> None:
     """Apply rounds the swarm committed without us; re-sync if that fails or our hash is off."""
     try:
-        if p.catch_up():
+        if p.catch_up(fresh=fresh):
             p.events.write("caught-up", round=p.outer.round_id, peer=p.identity.peer_id)
         if not p.agrees_with_swarm():
             p.events.write("hash-mismatch", round=p.outer.round_id, peer=p.identity.peer_id)

@@ -119,6 +119,7 @@ class SwarmNode:
         self.ctx: RunContext | None = None  # set by `attach` once the manifest is verified
         self.options = options
         self._cached_records: dict[str, PeerRecord] = {}
+        self._refreshing: Future | None = None  # a background refresh of the cached records
         self.rejected_records = 0
         self.bootstrap_transport: Transport | None = None
         self.signed_manifest: bytes = b""
@@ -344,6 +345,18 @@ class SwarmNode:
         """Refresh the cached view of peer records."""
         self._cached_records = await self.peer_records()
         return self._cached_records
+
+    def refresh_in_background(self) -> None:
+        """Start refreshing the cached records unless a refresh is under way; nobody waits for it
+        (the node owns the future; `close` cancels it)."""
+        if self._refreshing is None or self._refreshing.done():
+            self._refreshing = self.submit(self._refresh_quietly())
+
+    async def _refresh_quietly(self) -> None:
+        try:
+            await self.refresh_records()
+        except Exception as exc:  # a DHT hiccup: the cache stays as it was, the next refresh retries
+            log.info("refreshing peer records failed: %r", exc)
 
     # --- serving --------------------------------------------------------------------------------
     async def _on_manifest(self, sender: str, msg: ManifestRequest) -> ManifestReply:

@@ -9,13 +9,16 @@ the state before it contributes again).
 
 from __future__ import annotations
 
+import asyncio
 import logging
 from concurrent.futures import Future
 from typing import Sequence
 
+import torch
+
 from groundswell.compression import Payload
 from groundswell.optim import RoundFailed, RoundResult
-from groundswell.protocol.client import RoundBehind
+from groundswell.protocol.client import AttemptResult, RoundBehind
 from groundswell.protocol.schema import Decision
 from groundswell.protocol.transport import PeerUnavailable
 
@@ -58,9 +61,36 @@ class SwarmExchange:
         self._received_before = self.node.transport.bytes_received
         segments = [p.to_bytes() for p in payloads]
         self._round = round_id
-        self._future = self.node.submit(
-            client.run_attempt(round_id, None, segments, trains=True, serves=self.serves)
-        )
+        self._future = self.node.submit(self._attempt(round_id, segments))
+
+    async def _attempt(self, round_id: int, segments: list[bytes]
+                       ) -> tuple[AttemptResult, torch.Tensor | PeerUnavailable | None]:
+        """The attempt and, once it commits, the aggregate too: fetched on the network loop as soon
+        as the decision is known, so that with overlap training never waits for it. The next
+        round is announced meanwhile (if `announce_next`)."""
+        client = self.node.client
+        assert client is not None
+        outcome = await client.run_attempt(round_id, None, segments, trains=True, serves=self.serves)
+        d = outcome.decision
+        if d is None or d.status != "commit" or d.round != round_id:
+            return outcome, None
+
+        async def fetch() -> torch.Tensor | PeerUnavailable:
+            try:
+                return await client.fetch_aggregate(outcome.signed)
+            except PeerUnavailable as exc:
+                return exc
+
+        async def announce() -> None:
+            try:
+                await client.announce(round_id + 1, trains=True, serves=self.serves)
+            except PeerUnavailable as exc:  # best effort: the next round's leaders simply do not wait for us
+                log.warning("announcing round %d failed: %s", round_id + 1, exc)
+
+        if not self.announce_next:
+            return outcome, await fetch()
+        mean, _ = await asyncio.gather(fetch(), announce())
+        return outcome, mean
 
     def announce(self, round_id: int) -> None:
         """Ask to be waited for in `round_id` (best effort, in the background of training)."""
@@ -75,8 +105,8 @@ class SwarmExchange:
             raise RuntimeError("collect() without a matching contribute()")
         ctx = self.node.ctx
         assert ctx is not None and self.node.client is not None and self.node.transport is not None
-        try:
-            outcome = future.result(timeout=2 * ctx.deadline_s + 6 * ctx.slack_s + 60)
+        try:  # the attempt, then the aggregate's fetch (each bounded inside)
+            outcome, mean = future.result(timeout=6 * ctx.deadline_s + 6 * ctx.slack_s + 120)
         except RoundBehind as exc:
             raise NeedResync(str(exc)) from None
         decision = outcome.decision
@@ -85,12 +115,9 @@ class SwarmExchange:
             raise RoundFailed(f"round {round_id} attempt {outcome.attempt}: {why}")
         if decision.round != round_id:
             raise NeedResync(f"got the decision of round {decision.round} while at round {round_id}")
-        if self.announce_next:  # as early as possible: the next round's leaders then wait for us
-            self.announce(round_id + 1)
-        try:
-            mean = self.node.call(self.node.client.fetch_aggregate(outcome.signed), timeout_s=ctx.deadline_s * 4 + 60)
-        except PeerUnavailable as exc:
-            raise NeedResync(str(exc)) from None
+        if isinstance(mean, PeerUnavailable):
+            raise NeedResync(str(mean)) from None
+        assert mean is not None
         self.last_decision, self.last_signed = decision, outcome.signed
         t = self.node.transport
         return RoundResult(
