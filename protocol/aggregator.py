@@ -148,8 +148,8 @@ class Aggregator:
 
     async def _on_seal(self, sender: str, msg: Seal) -> Ack:
         leader, decision = unseal(msg.decision, self.ctx.run_id, Decision)
-        if leader != sender or decision.leader != sender or decision.status != "commit":
-            return Ack(False, "a seal must be a commit signed by the sending leader")
+        if leader != sender or decision.leader != sender or decision.status not in ("commit", "retry"):
+            return Ack(False, "a seal must be a decision signed by the sending leader")
         committed = self.book.committed.get(decision.round)
         if committed is not None and committed[0] != msg.decision:
             return Ack(False, f"round {decision.round} is already committed")
@@ -158,6 +158,8 @@ class Aggregator:
         if plan is None or sender not in plan.leaders:
             return Ack(False, "sender does not lead this attempt")
         slot = self.attempts[(decision.round, decision.attempt)]
+        if decision.status == "retry":
+            return self._void(decision, slot)
         if self.later_claims.get(decision.round, -1) > decision.attempt and slot.sealed != msg.decision:
             # We let a later attempt's leader decide, having seen no seal of this one: a leader
             # that froze or stalled while deciding this attempt must not commit the round too.
@@ -185,6 +187,19 @@ class Aggregator:
         slot.sealed = msg.decision  # not in the book yet: the leader announces it once it holds every shard
         for shard, agg in built.items():
             self.archive(decision.round, shard, agg)
+        return Ack(True, "")
+
+    def _void(self, retry: Decision, slot: Any) -> Ack:
+        """A leader that sealed a commit here and then decided retry takes the commit back: it was
+        never announced (the leader could not gather it), so later claimers must not be handed it."""
+        if slot.sealed is None:
+            return Ack(True, "")
+        _, sealed = unseal(slot.sealed, self.ctx.run_id, Decision)
+        if sealed.leader != retry.leader:
+            return Ack(False, SEALED_BY_ANOTHER)
+        for key in [k for k, agg in self.aggregates.items() if k[0] == retry.round and agg.decision == slot.sealed]:
+            del self.aggregates[key]
+        slot.sealed = None
         return Ack(True, "")
 
     def _build(self, signed: bytes, shard: int, held: list[tuple[int, list[bytes], bytes]], first: int

@@ -31,8 +31,9 @@ class Claims:
     ctx: Any
     attempts: Any
     later_claims: dict[int, int]  # round -> newest attempt whose claim this peer let pass
+    unobtainable: dict[bytes, int]  # earlier attempts' commits whose aggregate a claim could not gather -> round
     plan: Callable[[int, int, float], Awaitable[RoundPlan | None]]  # RoundServer.plan
-    _hold_all: Callable[[bytes], Awaitable[bool]]  # RoundServer._hold_all: gather a commit's aggregate
+    _hold_all: Callable[[bytes, float | None], Awaitable[bool]]  # RoundServer._hold_all: gather a commit's aggregate
 
     async def _claim(self, plan: RoundPlan, slot: "_Attempt") -> bool:
         """May this leader decide? Not if it (or a fellow leader it asked) already let another
@@ -69,13 +70,11 @@ class Claims:
                 self.later_claims[plan.round] = max(self.later_claims.get(plan.round, -1), plan.attempt)
             others = [x for x in dict.fromkeys(group) if x != me][:32]
             replies = await asyncio.gather(*(self._ask_claim(x, plan, fence) for x in others))
-            objected = False
-            for reply in replies:
-                if reply is None or reply.ok:
-                    continue
-                if not reply.decision:
-                    objected = True  # that leader let another one decide, or is deciding an earlier attempt
-                elif await self._adopt(plan, reply.decision):
+            objected = any(r is not None and not r.ok and not r.decision for r in replies)
+            # that leader let another one decide, or is deciding an earlier attempt
+            witnessed = dict.fromkeys(r.decision for r in replies if r is not None and not r.ok and r.decision)
+            for signed in witnessed:  # several holders usually return the same commit: try it once
+                if await self._adopt(plan, signed):
                     return False
             if objected:
                 return False
@@ -116,10 +115,17 @@ class Claims:
             except ProtocolError as exc:
                 log.warning("claim reply carried a commit that does not check out: %s", exc)
                 return False
-            if not await self._hold_all(signed):
+            if signed in self.unobtainable:
+                return False  # tried already, by an earlier claim of ours
+            # An earlier attempt's commit that its holders can hand over comes at once; one that
+            # cannot be had stops nobody, so do not spend the attempt's window trying.
+            earlier = decision.attempt < plan.attempt
+            if not await self._hold_all(signed, 2 * self.ctx.slack_s if earlier else None):
                 log.warning("round %d: attempt %d's commit exists but its aggregate cannot be had", plan.round,
                             decision.attempt)
-                return decision.attempt == plan.attempt  # that leader may still be gathering it
+                if earlier:
+                    self.unobtainable[signed] = plan.round
+                return not earlier  # that leader may still be gathering it
             try:
                 self.book.add(signed)
             except ProtocolError as exc:

@@ -133,7 +133,8 @@ class DecisionReply(Message):
 
 @dataclass(frozen=True)
 class Seal(Message):
-    """Leader to aggregator: build your shard's aggregate for this decision (signed bytes)."""
+    """Leader to aggregator: build your shard's aggregate for this commit (signed bytes), or, with
+    the leader's retry decision of the attempt, drop the commit it sealed here."""
 
     KIND: ClassVar[str] = "seal"
     decision: bytes = _f(max_len=MAX_SMALL)

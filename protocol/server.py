@@ -74,6 +74,7 @@ class RoundServer(Aggregator, Claims):
         self.joins: dict[int, dict[str, tuple[bool, bool]]] = defaultdict(dict)
         self.aggregates: dict[tuple[int, int], AggregateShard] = {}
         self.later_claims: dict[int, int] = {}  # round -> newest attempt whose claim we let pass (a fence)
+        self.unobtainable: dict[bytes, int] = {}  # earlier attempts' commits a claim of ours could not gather
         self._archived = asyncio.Event()
         self.keep_rounds = 8
         # Set by the peer: fetch (and archive) every shard of a signed commit. A leader holds the
@@ -119,6 +120,8 @@ class RoundServer(Aggregator, Claims):
             del self.attempts[key]
         for r in [r for r in self.later_claims if r < round_id - 1]:
             del self.later_claims[r]
+        for signed in [x for x, r in self.unobtainable.items() if r < round_id - 1]:
+            del self.unobtainable[signed]
         self._archived.set()
         self._archived = asyncio.Event()
 
@@ -234,19 +237,18 @@ class RoundServer(Aggregator, Claims):
         opened = self.book.opened_at(round_id) or 0.0
         close_wall = close_time(opened, attempt, self.ctx.deadline_s, self.ctx.slack_s)
         close_at = time.monotonic() + (close_wall - time.time())  # the slot's deadline, on our clock
-        while time.monotonic() < close_at:
-            expected = set(plan.trainers) | {p for p, (trains, _) in self.joins[round_id].items() if trains}
-            expected -= slot.refused_reported  # an invalid contribution will not become valid: do not wait for it
-            _, complete = self._sources(plan, slot)
-            # Close early only when everyone expected is in and that is enough for a commit.
-            if expected <= complete and len(complete) >= self.ctx.min_peers:
-                break
-            waiter = slot.changed
-            try:
-                async with asyncio.timeout(max(0.0, close_at - time.monotonic())):
-                    await waiter.wait()
-            except TimeoutError:
-                break
+        # The leader claims the attempt one slack before it closes, while it still waits for
+        # contributions: a fellow leader that is frozen then costs no time after the close.
+        started = asyncio.Event()
+        async with asyncio.TaskGroup() as tg:
+            early = tg.create_task(self._claim_at(plan, slot, close_at - self.ctx.slack_s, started)) if rank == 0 else None
+            await self._await_close(plan, slot, close_at)
+            if early is not None and not started.is_set():
+                early.cancel()  # closed early: claim below, as stand-ins do
+        if early is not None and not early.cancelled():
+            if early.result():
+                await self._decide_claimed(plan, slot)
+            return
         if rank > 0 or time.monotonic() > close_at + self.ctx.slack_s:
             # Leader k decides only if leaders 0..k-1 stayed silent past deadline + k * slack; a
             # leader that was frozen past its window defers the same way.
@@ -261,13 +263,37 @@ class RoundServer(Aggregator, Claims):
                     return
         await self.decide_exclusively(plan, slot)
 
+    async def _await_close(self, plan: RoundPlan, slot: _Attempt, close_at: float) -> None:
+        """Wait until every expected trainer is complete (and they are enough to commit), or the close."""
+        while time.monotonic() < close_at:
+            expected = set(plan.trainers) | {p for p, (trains, _) in self.joins[plan.round].items() if trains}
+            expected -= slot.refused_reported  # an invalid contribution will not become valid: do not wait for it
+            _, complete = self._sources(plan, slot)
+            if expected <= complete and len(complete) >= self.ctx.min_peers:
+                return
+            waiter = slot.changed
+            try:
+                async with asyncio.timeout(max(0.0, close_at - time.monotonic())):
+                    await waiter.wait()
+            except TimeoutError:
+                return
+
+    async def _claim_at(self, plan: RoundPlan, slot: _Attempt, at: float, started: asyncio.Event) -> bool:
+        """Claim the attempt at monotonic time `at` (cancelled only before `started` is set)."""
+        await asyncio.sleep(max(0.0, at - time.monotonic()))
+        started.set()
+        return slot.decision is None and plan.round not in self.book.committed and await self._claim(plan, slot)
+
     async def decide_exclusively(self, plan: RoundPlan, slot: _Attempt) -> None:
         """Decide the attempt, unless it is decided, the round committed, or another leader claimed it."""
         if slot.decision is None and plan.round not in self.book.committed and await self._claim(plan, slot):
-            try:
-                await self._decide(plan, slot)
-            finally:
-                slot.deciding = slot.decision is not None  # stood back: no longer objects to later claims
+            await self._decide_claimed(plan, slot)
+
+    async def _decide_claimed(self, plan: RoundPlan, slot: _Attempt) -> None:
+        try:
+            await self._decide(plan, slot)
+        finally:
+            slot.deciding = slot.decision is not None  # stood back: no longer objects to later claims
 
     async def _ask(self, peer: str, round_id: int, attempt: int) -> bytes:
         try:
@@ -292,6 +318,7 @@ class RoundServer(Aggregator, Claims):
         joins = self.joins[plan.round]
         membership = self.book.membership(plan.round)
         failed: set[str] = set()
+        accepted: set[str] = set()  # peers that sealed one of our commits of this attempt
         dropped: set[str] = set()  # contributions scoring found harmful
         screened = False
         for _ in range(4):  # a source that will not seal is replaced by a replica holding the same shard
@@ -312,6 +339,7 @@ class RoundServer(Aggregator, Claims):
                                 self.identity.peer_id, sources, plan.num_shards, time.time(), pinned)
             signed = seal(self.identity, self.ctx.run_id, decision)
             refused, contested = await self._seal_all(signed, sources)
+            accepted |= set(sources) - refused
             if contested:  # another leader is deciding this attempt: replacing sources would fork the round
                 log.warning("round %d attempt %d is being decided by another leader; standing back", plan.round,
                             plan.attempt)
@@ -322,7 +350,7 @@ class RoundServer(Aggregator, Claims):
                             if a not in sources and all(ids.get(c) == slot.have[shard][sources[shard]][c]
                                                         for c in contributors)}
                 if replicas:
-                    await self._seal_all(signed, sorted(replicas))
+                    accepted |= replicas - (await self._seal_all(signed, sorted(replicas)))[0]
             if not refused and await self._hold_all(signed):
                 break
             failed |= refused or set(sources)
@@ -333,6 +361,8 @@ class RoundServer(Aggregator, Claims):
             decision = Decision(plan.round, plan.attempt, "retry", [], trainers, servers, self.identity.peer_id, [],
                                 plan.num_shards, time.time())
             signed = seal(self.identity, self.ctx.run_id, decision)
+            if accepted:  # take back the commits we sealed: a later claimer must not try to adopt them
+                await self._seal_all(signed, sorted(accepted), timeout_s=self.ctx.slack_s)
         log.info("round %d attempt %d: %s with %d contributors", plan.round, plan.attempt, decision.status,
                  len(decision.contributors))
         await self._learn(plan.round, plan.attempt, signed)
@@ -358,26 +388,28 @@ class RoundServer(Aggregator, Claims):
             log.warning("round %d: dropping %d contributions that made the probe loss worse", round_id, len(harmful))
         return harmful
 
-    async def _hold_all(self, signed: bytes) -> bool:
+    async def _hold_all(self, signed: bytes, timeout_s: float | None = None) -> bool:
+        """Gather every shard of a commit (archived here) within `timeout_s`; False if that fails."""
         if self.prefetch is None:
             return True
         try:
-            async with asyncio.timeout(self.ctx.deadline_s + 2 * self.ctx.slack_s):
+            async with asyncio.timeout(timeout_s or self.ctx.deadline_s + 2 * self.ctx.slack_s):
                 await self.prefetch(signed)
             return True
         except (PeerUnavailable, ProtocolError, TimeoutError) as exc:
-            log.warning("could not gather the aggregate before announcing it (%s); retrying the round", exc)
+            log.warning("could not gather the commit's aggregate (%s)", exc)
             return False
 
-    async def _seal_all(self, signed: bytes, sources: list[str]) -> tuple[set[str], bool]:
-        """Seal every source; returns the ones that did not seal, and whether one of them had
-        sealed another leader's decision of this attempt."""
+    async def _seal_all(self, signed: bytes, sources: list[str], timeout_s: float | None = None
+                        ) -> tuple[set[str], bool]:
+        """Seal every source (a retry decision voids our commit there); returns the ones that did
+        not seal, and whether one of them had sealed another leader's decision of this attempt."""
         async def one(peer: str) -> Ack:
             if peer == self.identity.peer_id:
                 return await self._on_seal(peer, Seal(signed))
             try:
                 ack = await self.transport.request(peer, "seal", Seal(signed), Ack,
-                                                   timeout_s=2 * self.ctx.slack_s + 10.0)
+                                                   timeout_s=timeout_s or 2 * self.ctx.slack_s + 10.0)
                 if not ack.ok:
                     log.warning("aggregator %s refused the seal: %s", peer[-8:], ack.reason)
                 return ack

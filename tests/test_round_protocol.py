@@ -210,6 +210,72 @@ def test_a_later_attempt_adopts_a_commit_whose_leader_died_before_announcing_it(
     assert all(torch.equal(m, means[0]) for m in means)
 
 
+def test_the_leader_claims_its_attempt_before_the_close_so_a_frozen_fellow_costs_no_time(make_cluster):
+    # A claim waits up to a slack for each fellow leader's answer; a frozen one never answers. The
+    # leader therefore claims one slack before the close, while contributions still arrive.
+    from groundswell.protocol.plan import close_time, make_plan
+
+    c = make_cluster(n=4, codec_name="fp32", min_peers=2, deadline_s=6.0, slack_s=1.5)
+    plan = make_plan(c.ctx.run_id, 0, 0, c.ids, c.ids, len(c.ctx.segment_numels), c.max_shards)
+    leader = c.ids.index(plan.leaders[0])
+    server = c.nodes[leader].server
+    claimed_at = []
+    real_claim = server._claim
+
+    async def claim(plan, slot):
+        claimed_at.append(time.time())
+        return await real_claim(plan, slot)
+
+    async def patch() -> None:
+        server._claim = claim
+
+    c.nodes[leader].call(patch(), timeout_s=10)
+    idle = next(i for i in range(4) if i != leader)  # joins, never contributes: the leader waits to the close
+    xs = _inputs(4, c.numel, 13)
+    out = c.attempt(0, {i: (None if i == idle else x) for i, x in xs.items()})
+    assert out[leader].decision.status == "commit"
+    close = close_time(c.nodes[leader].book.opened_at(0), 0, c.ctx.deadline_s, c.ctx.slack_s)
+    assert claimed_at and claimed_at[0] < close, "the leader claimed only after the close"
+    means = [c.fetch(i, out[0].signed) for i in range(4)]
+    assert all(torch.equal(m, means[0]) for m in means)
+
+
+def test_a_commit_its_leader_could_not_gather_is_taken_back_and_stops_no_later_attempt(make_cluster):
+    # Attempt 0's leaders seal a commit and then cannot gather its aggregate (forced here), so
+    # they decide retry. The retry takes the sealed commit back at every aggregator: attempt 1's
+    # leader must not be handed it (it would spend its window trying to adopt it), and decides.
+    from groundswell.protocol.transport import PeerUnavailable
+
+    c = make_cluster(n=4, codec_name="fp32", min_peers=2, deadline_s=6.0, slack_s=1.0)
+
+    async def cannot_gather(signed: bytes) -> None:
+        raise PeerUnavailable("forced: the aggregate cannot be gathered")
+
+    real = {}
+    for node in c.nodes:
+        async def patch(node=node) -> None:
+            real[node.identity.peer_id] = node.server.prefetch
+            node.server.prefetch = cannot_gather
+
+        node.call(patch(), timeout_s=10)
+    xs = _inputs(4, c.numel, 12)
+    out0 = c.attempt(0, xs)
+    assert {o.decision.status for o in out0.values()} == {"retry"}
+    sealed = [i for i, n in enumerate(c.nodes) if n.server.attempts[(0, 0)].sealed is not None]
+    assert not sealed, f"nodes {sealed} still hold attempt 0's commit after its leader retried"
+    for node in c.nodes:
+        async def restore(node=node) -> None:
+            node.server.prefetch = real[node.identity.peer_id]
+
+        node.call(restore(), timeout_s=10)
+    out1 = c.attempt(0, xs, attempt=1)
+    signed = out1[0].signed
+    assert out1[0].decision.status == "commit" and out1[0].decision.attempt == 1
+    assert len({o.signed for o in out1.values()}) == 1
+    means = [c.fetch(i, signed) for i in range(4)]
+    assert all(torch.equal(m, means[0]) for m in means)
+
+
 @pytest.mark.parametrize("stalled_answers", [True, False], ids=["stalled-leader-objects", "frozen-leader-fenced"])
 def test_a_leader_stalled_while_deciding_and_the_next_attempts_leader_never_both_commit(make_cluster,
                                                                                          stalled_answers):
