@@ -294,6 +294,7 @@ def simulate(
     scoring: bool = typer.Option(False, help="Leaders score each contribution on a probe batch, drop harmful ones."),
 ) -> None:
     """A coordinator and N volunteers on 127.0.0.1 (real libp2p), R rounds; writes OUT/report.json."""
+    from .sim_report import fault_summary
     from .simulate import SimulateOptions, run_simulation
 
     opts = SimulateOptions(peers=peers, rounds=rounds, preset=preset, algorithm=algorithm, codec=codec,
@@ -314,3 +315,6 @@ def simulate(
         if losses else f"no round completed; see the logs in {out}",
         highlight=False,
     )
+    faults = fault_summary(report)
+    if faults:
+        console.print(faults, highlight=False)

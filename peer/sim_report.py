@@ -1,7 +1,9 @@
 """report.json of a simulation, from every process's event log and the driver's own events.
 
-Fault metrics: `recovery_s` (per kill or freeze: seconds until the next round that completes
-without that peer), `rejoin_s` (per restart or late join: seconds until that peer's first
+Fault metrics: `recovery_s` (per kill or freeze: seconds until the swarm next completes a round:
+without that peer, or with it once it is back), `recovery_excluding_s` (the stricter reading:
+seconds until a round completes that leaves that peer out; a peer that restarts in time for the
+round it died in is in the next rounds too, so this grows the faster peers come back), `rejoin_s` (per restart or late join: seconds until that peer's first
 contribution is in an aggregate), `lost_contributions` (a contribution counted in a committed
 round while its owner thought it was not, or the reverse: applied twice or never), and the
 per-round parameter-hash agreement over every process.
@@ -61,13 +63,16 @@ def build_report(out: Path, opts: "SimulateOptions", driver_events: list[dict], 
         {"t": round(e["t"] - t0, 3), "kind": e["kind"], "peer": name}
         for name, evs in logs.items() for e in evs if e["kind"] not in ("round", "train")
     ]
-    recovery, rejoin = [], []
+    recovery, excluding, rejoin = [], [], []
     for ev in driver_events:
         pid = ids.get(ev["peer"])
         if ev["kind"] in ("kill", "freeze"):
-            after = [end_t[r] for r in order if end_t[r] > ev["t"] and pid not in contributors[r]]
+            after = [end_t[r] for r in order if end_t[r] > ev["t"]]
             if after:
                 recovery.append(round(after[0] - ev["t"], 2))
+            after = [end_t[r] for r in order if end_t[r] > ev["t"] and pid not in contributors[r]]
+            if after:
+                excluding.append(round(after[0] - ev["t"], 2))
         elif ev["kind"] in ("restart", "join"):
             after = [end_t[r] for r in order if end_t[r] > ev["t"] and pid in contributors[r]]
             if after:
@@ -123,6 +128,7 @@ def build_report(out: Path, opts: "SimulateOptions", driver_events: list[dict], 
         "round_times_s": [round(b - a, 3) for a, b in zip(marks, marks[1:])],
         "wall_s": round(wall_s, 2),
         "recovery_s": recovery,
+        "recovery_excluding_s": excluding,
         "rejoin_s": rejoin,
         "lost_contributions": lost,
         "compute_utilization": round(sum(utilization) / len(utilization), 4) if utilization else None,
@@ -137,3 +143,21 @@ def build_report(out: Path, opts: "SimulateOptions", driver_events: list[dict], 
         "shards_applied": shards_total,
         "events": sorted(events, key=lambda e: e["t"]),
     }
+
+
+def fault_summary(report: dict) -> str | None:
+    """One line on the faults of a run and what they cost (None for a run without faults)."""
+    kinds = [e["kind"] for e in report.get("events", [])]
+    faults = {k: kinds.count(k) for k in ("kill", "freeze", "leave", "join", "kill-coordinator") if kinds.count(k)}
+    if not faults:
+        return None
+
+    def mean_max(xs: list[float]) -> str:
+        return f"{sum(xs) / len(xs):.1f} / {max(xs):.1f} s" if xs else "-"
+
+    times = report.get("round_times_s") or [0.0]
+    return (", ".join(f"{n} {k}{'s' if n != 1 else ''}" for k, n in faults.items())
+            + f"; recovery mean/max {mean_max(report['recovery_s'])}"
+            + f" (until a round leaves the peer out: {mean_max(report['recovery_excluding_s'])})"
+            + f"; rejoin mean/max {mean_max(report['rejoin_s'])}; longest round {max(times):.1f} s"
+            + f"; lost contributions {report['lost_contributions']}")

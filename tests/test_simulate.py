@@ -45,3 +45,31 @@ def test_simulate_three_peers_agree_and_learn(tmp_path, overlap):
     for key in ("peers", "codec", "params", "final_eval_loss", "round_times_s", "wall_s"):
         assert key in report
     assert report["overlap"] == overlap and 0 < report["compute_utilization"] <= 1
+
+
+def test_recovery_counts_the_next_round_and_the_stricter_reading_the_next_round_without_the_peer(tmp_path):
+    # Peer P is killed at t=10 and back in time for round 1 (ends t=25, with P), left out of
+    # round 2 (ends t=40): recovery 15 s, "until a round leaves P out" 30 s; rejoin after the
+    # restart at t=15 is round 1's end.
+    import json
+
+    from groundswell.peer.sim_report import build_report, fault_summary
+    from groundswell.peer.simulate import SimulateOptions
+
+    def log(name: str, peer: str, rounds: list[tuple[float, int, list[str]]]) -> None:
+        (tmp_path / name).mkdir()
+        lines = [{"t": t, "kind": "round", "peer": peer, "round": r, "hash": f"h{r}", "contributors": who,
+                  "included": peer in who, "bytes_sent": 100} for t, r, who in rounds]
+        (tmp_path / name / "events.jsonl").write_text("".join(json.dumps(x) + "\n" for x in lines))
+
+    rounds = [(5.0, 0, ["P", "Q"]), (25.0, 1, ["P", "Q"]), (40.0, 2, ["Q", "R"])]
+    log("coordinator", "C", rounds)
+    log("peer-0", "P", [x for x in rounds if "P" in x[2]])
+    log("peer-1", "Q", rounds)
+    driver = [{"t": 10.0, "kind": "kill", "peer": "peer-0"}, {"t": 15.0, "kind": "restart", "peer": "peer-0"}]
+    report = build_report(tmp_path, SimulateOptions(peers=2, rounds=3), driver, wall_s=40.0, t0=0.0)
+    assert report["recovery_s"] == [15.0]
+    assert report["recovery_excluding_s"] == [30.0]
+    assert report["rejoin_s"] == [10.0]
+    assert report["lost_contributions"] == 0
+    assert "1 kill;" in fault_summary(report) and fault_summary({"events": []}) is None
