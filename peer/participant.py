@@ -94,6 +94,11 @@ class Participant:
         self.state_dir = state_dir
         if state_dir is not None:
             state_dir.mkdir(parents=True, exist_ok=True)
+            for stale in [*state_dir.glob("checkpoint-*.tmp"), state_dir / "contributed.tmp"]:
+                try:
+                    stale.unlink(missing_ok=True)  # half-written by a process that was killed mid-write
+                except OSError:  # an unwritable state dir is reported when we first write to it
+                    pass
         self.events = EventLog(state_dir / "events.jsonl" if state_dir else None)
         self.corpus = corpus or load_corpus(manifest.data.source)
         self.workload: Workload = build_workload(manifest.model.spec, self.corpus.vocab_size, manifest.run.seed)
@@ -118,9 +123,39 @@ class Participant:
             if not self.node._thread.is_alive():
                 self.node.start()
             self.node.attach(self.ctx)
+            client = self.node.client
+            assert client is not None
+            client.contributed.update(self._contributed_before())
+            client.on_contribute = self._remember_contribution
             if self.scorer is not None:
                 self.node.server.score = self._score  # type: ignore[union-attr]
                 self.node.server.score_threshold = self.manifest.defences.score_threshold  # type: ignore[union-attr]
+
+    def _contributed_before(self) -> dict[int, int]:
+        """The last (round, attempt) an earlier process with this state dir contributed to: a
+        restarted peer sends nothing to that attempt again (aggregators would refuse it)."""
+        path = self.state_dir / "contributed.json" if self.state_dir else None
+        if path is None or not path.exists():
+            return {}
+        try:
+            data = json.loads(path.read_text())
+            return {int(data["round"]): int(data["attempt"])}
+        except (OSError, ValueError, KeyError, TypeError) as exc:  # a torn or foreign file: start afresh
+            log.warning("%s is unreadable (%s); ignoring it", path.name, exc)
+            return {}
+
+    def _remember_contribution(self, round_id: int, attempt: int) -> None:
+        """Persist the attempt we are about to contribute to (before anything is sent)."""
+        if self.state_dir is None:
+            return
+        path = self.state_dir / "contributed.json"
+        tmp = path.with_suffix(".tmp")
+        try:
+            tmp.write_text(json.dumps({"round": round_id, "attempt": attempt}))
+            os.replace(tmp, path)
+        except OSError as exc:  # disk full or read-only: a restart may then re-send (refused, not harmful)
+            log.warning("could not record the contribution (%s)", exc)
+            tmp.unlink(missing_ok=True)
 
     async def _score(self, round_id: int, updates: dict[str, torch.Tensor]) -> dict[str, float]:
         """Score contributions as the round's leader (in a worker thread: the loop keeps serving)."""

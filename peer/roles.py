@@ -176,7 +176,10 @@ class _VolunteerLoop:
         if evaluate:
             p.node.update_record(loss=eval_loss)
         d = self.exchange.last_decision
-        p.events.write("round", round=r, included=result.included, contributors=list(result.contributors),
+        # superseded: the commit counts what a crashed process of ours sent; this one's work is kept
+        superseded = p.identity.peer_id in result.contributors and not result.included
+        p.events.write("round", round=r, included=result.included, superseded=superseded,
+                       contributors=list(result.contributors),
                        attempt=d.attempt if d else None, leader=d.leader if d else None, hash=info.params_hash,
                        bytes_sent=result.bytes_sent, bytes_received=result.bytes_received,
                        train_loss=stats.mean_loss, eval_loss=eval_loss, round_s=info.round_s,

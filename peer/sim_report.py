@@ -5,7 +5,8 @@ without that peer, or with it once it is back), `recovery_excluding_s` (the stri
 seconds until a round completes that leaves that peer out; a peer that restarts in time for the
 round it died in is in the next rounds too, so this grows the faster peers come back), `rejoin_s` (per restart or late join: seconds until that peer's first
 contribution is in an aggregate), `lost_contributions` (a contribution counted in a committed
-round while its owner thought it was not, or the reverse: applied twice or never), and the
+round while its owner thought it was not, or the reverse: applied twice or never; one that a
+crashed process sent and its restart cannot count as its own is not lost), and the
 per-round parameter-hash agreement over every process.
 """
 
@@ -56,7 +57,10 @@ def build_report(out: Path, opts: "SimulateOptions", driver_events: list[dict], 
         contributors.setdefault(r, set(e.get("contributors", [])))
     divergent = sorted(r for r, h in hashes.items() if len(h) > 1)
     volunteer_rounds = [e for e in rounds if e["who"] != "coordinator"]
-    lost = sum(1 for e in volunteer_rounds if bool(e.get("included")) != (e["peer"] in contributors[e["round"]]))
+    # A commit that names a peer but counts what its crashed process sent (`superseded`) loses
+    # nothing: that contribution was applied, and the restarted process keeps its own work.
+    lost = sum(1 for e in volunteer_rounds if bool(e.get("included")) != (e["peer"] in contributors[e["round"]])
+               and not e.get("superseded"))
     sent = [e["bytes_sent"] for e in volunteer_rounds]
     order = sorted(end_t)
     events = list(driver_events) + [

@@ -124,7 +124,7 @@ class SwarmExchange:
             round_id=round_id,
             mean=mean,
             contributors=tuple(decision.contributors),
-            included=self.worker_id in decision.contributors,
+            included=outcome.included,  # by digest: a commit may count what a crashed process of ours sent
             bytes_sent=t.bytes_sent - self._sent_before,
             bytes_received=t.bytes_received - self._received_before,
         )

@@ -44,6 +44,9 @@ class AttemptResult:
     signed: bytes
     attempt: int
     delivered: bool  # did every shard of our contribution reach an aggregator?
+    # Is the contribution we sent this time the one the commit counts? A commit that names us but
+    # pins other digests counts one that an earlier process of ours sent before a crash.
+    included: bool = False
 
 
 class RoundClient:
@@ -57,6 +60,11 @@ class RoundClient:
         self.me = server.identity.peer_id
         self.holders = holders  # peers believed to hold a round's aggregate (from the DHT)
         self.retried: dict[int, int] = {}  # round -> newest attempt decided "retry"
+        # round -> newest attempt this identity sent a contribution to (the peer restores it after a
+        # restart and `on_contribute` persists it): an attempt never gets two different contributions
+        # from one peer, which aggregators refuse as equivocation.
+        self.contributed: dict[int, int] = {}
+        self.on_contribute: Callable[[int, int], None] | None = None
         self.clipped: dict[int, dict[str, int]] = {}  # round -> contributor -> shards the robust mean clipped it in
         # (round, shard) -> (commit, shard, its checked contributions): each is parsed once
         self._rows: dict[tuple[int, int], tuple[bytes, AggregateShard, list[list[Payload]]]] = {}
@@ -86,6 +94,8 @@ class RoundClient:
             attempt = self.current_attempt(round_id)
             if attempt is not None:  # an attempt already decided "retry" is over, whatever the clock says
                 attempt = max(attempt, self.retried.get(round_id, -1) + 1)
+                if segments is not None:  # and one we sent a contribution to takes no second one
+                    attempt = max(attempt, self.contributed.get(round_id, -1) + 1)
         plan = None if attempt is None else await self.server.plan(round_id, attempt, wait_s=self.ctx.slack_s)
         if plan is None or attempt is None:
             raise RoundBehind(f"the decision of round {round_id - 1} is not known here")
@@ -93,12 +103,29 @@ class RoundClient:
         await asyncio.gather(*(self._tell(p, "join", join) for p in plan.leaders))
         delivered = False
         if segments is not None:
+            self.contributed[round_id] = max(attempt, self.contributed.get(round_id, -1))
+            for old in [r for r in self.contributed if r < round_id - 2]:
+                del self.contributed[old]
+            if self.on_contribute is not None:
+                self.on_contribute(round_id, self.contributed[round_id])
             sent = await asyncio.gather(*(self._send_shard(plan, s, segments) for s in range(plan.num_shards)))
             delivered = all(sent)
         decision, signed = await self._await_decision(plan)
         if decision is not None and decision.status == "retry":
             self.retried[round_id] = max(attempt, self.retried.get(round_id, -1))
-        return AttemptResult(decision, signed, attempt, delivered)
+        included = await self._counts_ours(decision, segments)
+        return AttemptResult(decision, signed, attempt, delivered, included)
+
+    async def _counts_ours(self, decision: Decision | None, segments: list[bytes] | None) -> bool:
+        """Does a commit count the contribution we sent (its pinned digests are ours, in every shard)?"""
+        if decision is None or decision.status != "commit" or segments is None or self.me not in decision.contributors:
+            return False
+        plan = await self.server.plan(decision.round, decision.attempt, wait_s=0)
+        if plan is None or plan.num_shards != decision.num_shards:
+            return True  # cannot check here: the commit names us
+        mine = decision.contributors.index(self.me)
+        return all(decision_digests(decision, shard)[mine] == contribution_digest(first, segments[first:stop])
+                   for shard, (first, stop) in enumerate(plan.shard_segments))
 
     async def _tell(self, peer: str, handler: str, msg: Join) -> None:
         if peer == self.me:

@@ -97,3 +97,19 @@ def test_a_full_disk_keeps_training_and_damages_nothing(participant, monkeypatch
     assert not list(participant.state_dir.glob("*.tmp"))
     events = [json.loads(line) for line in (participant.state_dir / "events.jsonl").read_text().splitlines()]
     assert any(e["kind"] == "checkpoint-failed" and "No space" in e["error"] for e in events)
+
+
+def test_the_attempt_a_peer_contributed_to_survives_a_restart_and_a_torn_record_is_ignored(participant):
+    # A restarted peer must not send a second contribution to an attempt its earlier process fed.
+    participant._remember_contribution(7, 2)
+    assert participant._contributed_before() == {7: 2}
+    (participant.state_dir / "contributed.json").write_text('{"round": 7, "att')  # torn by a crash
+    assert participant._contributed_before() == {}
+    (participant.state_dir / "contributed.tmp").write_text("half")
+    (participant.state_dir / "checkpoint-00000009.tmp").write_bytes(b"half")
+    from groundswell.peer.participant import Participant
+
+    again = Participant(participant.manifest, participant.node.signed_manifest, participant.identity,
+                        str(participant.state_dir.parent / "id.key"), participant.node.options,
+                        participant.state_dir, corpus=participant.corpus)
+    assert not list(again.state_dir.glob("*.tmp")), "a restart leaves half-written files behind"

@@ -276,6 +276,48 @@ def test_a_commit_its_leader_could_not_gather_is_taken_back_and_stops_no_later_a
     assert all(torch.equal(m, means[0]) for m in means)
 
 
+def test_a_restarted_peer_never_sends_a_second_contribution_to_an_attempt_and_knows_which_one_counted(make_cluster):
+    # Peer X sends v1 to attempt 0 and "crashes"; its restart (the attempt it contributed to is
+    # restored from its state dir) trains v2 while attempt 0 is still open. v2 must go to attempt 1,
+    # not to attempt 0 (aggregators would refuse it as equivocation and strike X), and when attempt
+    # 0 commits with v1, X must see that its v2 is not the one counted: it keeps v2's work.
+    import asyncio
+
+    from groundswell.protocol.plan import make_plan
+
+    c = make_cluster(n=4, codec_name="fp32", min_peers=2, deadline_s=8.0, slack_s=1.0)
+    x = 3
+    xs = _inputs(4, c.numel, 14)
+    v2 = xs[x] + 1.0
+    client = c.nodes[x].client
+    plan0 = make_plan(c.ctx.run_id, 0, 0, c.ids, c.ids, len(c.ctx.segment_numels), c.max_shards)
+    first_life = c.segments(xs[x])
+    async def first_life_sends() -> None:
+        client.contributed[0] = 0
+        await asyncio.gather(*(client._send_shard(plan0, s, first_life) for s in range(plan0.num_shards)))
+
+    c.nodes[x].call(first_life_sends(), timeout_s=30)
+
+    async def restart() -> None:  # what a restarted process knows: only the persisted marker
+        client.contributed = {0: 0}
+        client.retried = {}
+
+    c.nodes[x].call(restart(), timeout_s=10)
+    futures = {i: c.nodes[i].submit(c.nodes[i].client.run_attempt(0, 0, c.segments(xs[i]), trains=True, serves=True))
+               for i in range(3)}
+    futures[x] = c.nodes[x].submit(client.run_attempt(0, None, c.segments(v2), trains=True, serves=True))
+    out = {i: f.result(timeout=90) for i, f in futures.items()}
+    assert out[x].attempt == 1, "the restarted peer sent to the attempt its earlier life had contributed to"
+    d = out[0].decision
+    assert d.status == "commit" and d.attempt == 0 and c.ids[x] in d.contributors
+    assert out[x].decision is not None and out[x].signed == out[0].signed
+    assert not out[x].included and all(out[i].included for i in range(3))
+    assert not any(k.startswith("equivocation") for n in c.nodes for k in n.transport.guard.rejected)
+    mean = c.fetch(0, out[0].signed)
+    assert torch.allclose(mean, sum(c.sent(xs[i]) for i in range(4)) / 4, atol=1e-6)  # v1 counted, not v2
+    assert all(torch.equal(c.fetch(i, out[0].signed), mean) for i in range(1, 4))
+
+
 @pytest.mark.parametrize("stalled_answers", [True, False], ids=["stalled-leader-objects", "frozen-leader-fenced"])
 def test_a_leader_stalled_while_deciding_and_the_next_attempts_leader_never_both_commit(make_cluster,
                                                                                          stalled_answers):
