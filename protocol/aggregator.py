@@ -131,20 +131,26 @@ class Aggregator:
         if plan is None:
             return
         slot = self.attempts[(round_id, attempt)]
+        reports = []
         for shard, held in list(slot.contributions.items()):
             if shard >= plan.num_shards:
                 continue
             first, stop = plan.shard_segments[shard]
             ids = sorted(s for s, (f, segs, _, _) in held.items() if f == first and f + len(segs) == stop)
-            report = HaveReport(round_id, attempt, shard, ids, [held[c][3] for c in ids], sorted(slot.refused)[:64])
-            for leader in plan.leaders:
-                if leader == self.identity.peer_id:
-                    await self._on_have(leader, report)
-                    continue
-                try:
-                    await self.transport.request(leader, "have", report, Ack, timeout_s=self.ctx.slack_s)
-                except PeerUnavailable as exc:
-                    log.info("have report to leader failed: %s", exc)
+            reports.append(HaveReport(round_id, attempt, shard, ids, [held[c][3] for c in ids],
+                                      sorted(slot.refused)[:64]))
+
+        async def tell(leader: str, report: HaveReport) -> None:
+            if leader == self.identity.peer_id:
+                await self._on_have(leader, report)
+                return
+            try:
+                await self.transport.request(leader, "have", report, Ack, timeout_s=self.ctx.slack_s)
+            except PeerUnavailable as exc:
+                log.info("have report to leader failed: %s", exc)
+
+        # Every leader at once: a frozen one must not delay the reports its stand-ins need.
+        await asyncio.gather(*(tell(leader, report) for leader in plan.leaders for report in reports))
 
     async def _on_seal(self, sender: str, msg: Seal) -> Ack:
         leader, decision = unseal(msg.decision, self.ctx.run_id, Decision)

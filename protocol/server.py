@@ -363,6 +363,10 @@ class RoundServer(Aggregator, Claims):
             signed = seal(self.identity, self.ctx.run_id, decision)
             if accepted:  # take back the commits we sealed: a later claimer must not try to adopt them
                 await self._seal_all(signed, sorted(accepted), timeout_s=self.ctx.slack_s)
+            reported = sum(1 for shard in range(plan.num_shards) if slot.have.get(shard))
+            log.info("round %d attempt %d: retry (%d of %d shards reported, %d contributors complete in all, "
+                     "%d sources failed, %d dropped)", plan.round, plan.attempt, reported, plan.num_shards,
+                     len(self._sources(plan, slot)[1]), len(failed), len(dropped))
         log.info("round %d attempt %d: %s with %d contributors", plan.round, plan.attempt, decision.status,
                  len(decision.contributors))
         await self._learn(plan.round, plan.attempt, signed)
@@ -403,13 +407,17 @@ class RoundServer(Aggregator, Claims):
     async def _seal_all(self, signed: bytes, sources: list[str], timeout_s: float | None = None
                         ) -> tuple[set[str], bool]:
         """Seal every source (a retry decision voids our commit there); returns the ones that did
-        not seal, and whether one of them had sealed another leader's decision of this attempt."""
+        not seal, and whether one of them had sealed another leader's decision of this attempt.
+        A live aggregator seals at once (it only builds its shards): one that does not answer within
+        a slack plus the time to average its shards is treated as refusing, and replaced."""
+        _, decision = unseal(signed, self.ctx.run_id, Decision)
+        shard_bytes = self.ctx.max_payload_bytes * max(1, len(decision.contributors)) / max(1, decision.num_shards)
+        wait = self.ctx.slack_s + 2 * shard_bytes / 100e6
         async def one(peer: str) -> Ack:
             if peer == self.identity.peer_id:
                 return await self._on_seal(peer, Seal(signed))
             try:
-                ack = await self.transport.request(peer, "seal", Seal(signed), Ack,
-                                                   timeout_s=timeout_s or 2 * self.ctx.slack_s + 10.0)
+                ack = await self.transport.request(peer, "seal", Seal(signed), Ack, timeout_s=timeout_s or wait)
                 if not ack.ok:
                     log.warning("aggregator %s refused the seal: %s", peer[-8:], ack.reason)
                 return ack
