@@ -19,7 +19,7 @@ import torch
 
 from groundswell.compression import Payload, RobustStats, robust_mean
 
-from .aggregator import decision_digests, ships_contributions
+from .aggregator import REPORTING_CANDIDATES, decision_digests, ships_contributions
 from .context import DecisionBook, contribution_digest, validate_segments
 from .plan import RoundPlan, attempt_for
 from .schema import (
@@ -163,18 +163,22 @@ class RoundClient:
     async def _replicate(self, plan: RoundPlan, shard: int, msg: ShardContribution, holder: str,
                          timeout: float) -> None:
         """Give one more aggregator a copy of the shard, so the leader can replace a source that
-        dies or freezes before it seals (best effort: the contribution already counts)."""
-        for peer in plan.candidates(shard):
+        dies or freezes before it seals (best effort: the contribution already counts). The
+        replica is the first of the shard's reporting candidates, other than the holder, that
+        takes it: the same peer for every contributor while the same peers are alive."""
+        for peer in plan.candidates(shard)[:REPORTING_CANDIDATES]:
             if peer == holder:
                 continue
-            try:  # the replica is the same peer for every contributor, ourselves included
+            try:
                 if peer == self.me:
-                    await self.server._on_contribute(peer, msg)
+                    ack = await self.server._on_contribute(peer, msg)
                 else:
-                    await self.transport.request(peer, "contribute", msg, Ack, timeout_s=timeout)
+                    ack = await self.transport.request(peer, "contribute", msg, Ack, timeout_s=timeout)
             except (PeerUnavailable, ProtocolError) as exc:
                 log.info("replica of shard %d to %s failed: %s", shard, peer[-8:], exc)
-            return
+                continue
+            if ack.ok or "closed" in ack.reason or "sealed" in ack.reason:
+                return
 
     async def _await_decision(self, plan: RoundPlan) -> tuple[Decision | None, bytes]:
         # Ask the leader and the backup at once: the backup answers only if it had to decide

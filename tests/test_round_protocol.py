@@ -87,6 +87,27 @@ def test_a_dead_peer_cannot_hold_the_round_past_its_deadline(make_cluster):
     assert torch.equal(means[0], means[1]) and torch.equal(means[0], means[2])
 
 
+def test_a_shard_whose_first_aggregator_is_dead_still_gets_a_replica(make_cluster):
+    # Contributors send the shard to its next candidate; the copy then goes to the next one that
+    # takes it, not only to the dead first candidate: the leader can still replace a source.
+    from groundswell.protocol.plan import make_plan
+
+    c = make_cluster(n=5, codec_name="fp32", min_peers=2, deadline_s=6.0, slack_s=1.0)
+    plan = make_plan(c.ctx.run_id, 0, 0, c.ids, c.ids, len(c.ctx.segment_numels), c.max_shards)
+    shard, dead = next((s, c.ids.index(plan.candidates(s)[0])) for s in range(plan.num_shards)
+                       if plan.candidates(s)[0] != plan.leaders[0])
+    c.nodes[dead].close()
+    alive = [i for i in range(5) if i != dead]
+    xs = _inputs(5, c.numel, 15)
+    out = c.attempt(0, {i: xs[i] for i in alive})
+    assert out[alive[0]].decision.status == "commit"
+    leader = c.nodes[c.ids.index(plan.leaders[0])].server
+    holders = [a for a, ids in leader.attempts[(0, 0)].have[shard].items() if len(ids) == len(alive)]
+    assert len(holders) >= 2, f"shard {shard} is held whole by {len(holders)} aggregator(s) only"
+    means = [c.fetch(i, out[i].signed) for i in alive]
+    assert all(torch.equal(m, means[0]) for m in means)
+
+
 def test_a_frozen_aggregator_cannot_hold_the_round_past_its_deadline(make_cluster):
     c = make_cluster(n=4, codec_name="fp32", min_peers=2, deadline_s=6.0, slack_s=1.0)
     # Block the node's event loop: its daemon keeps the sockets open but nothing answers, as
