@@ -143,7 +143,7 @@ class RoundClient:
         # A dead aggregator fails fast (dial error); a frozen one costs this timeout, sized for the
         # payload at a modest 5 MB/s, before the next candidate gets the shard.
         timeout = 2 * self.ctx.slack_s + size / 5e6
-        for peer in plan.candidates(shard)[:3]:
+        for peer in plan.candidates(shard)[:REPORTING_CANDIDATES]:
             try:
                 if peer == self.me:
                     ack = await self.server._on_contribute(peer, msg)

@@ -31,7 +31,7 @@ from .schema import (
     MAX_SMALL, Ack, AggregateRequest, ContributionsRequest, AggregateShard, Claim, Decision, DecisionReply, DecisionRequest,
     HaveReport, Join, ProtocolError, Seal, ShardContribution,
 )
-from .transport import PeerUnavailable, Transport, seal, unseal
+from .transport import PeerGone, PeerUnavailable, Transport, seal, unseal
 
 log = logging.getLogger(__name__)
 MAX_JOINS = 2048  # members one round may have (Decision lists hold at most 4096)
@@ -250,12 +250,17 @@ class RoundServer(Aggregator, Claims):
                 await self._decide_claimed(plan, slot)
             return
         if rank > 0 or time.monotonic() > close_at + self.ctx.slack_s:
-            # Leader k decides only if leaders 0..k-1 stayed silent past deadline + k * slack; a
-            # leader that was frozen past its window defers the same way.
-            await asyncio.sleep(max(0.0, close_at + rank * self.ctx.slack_s - time.monotonic()))
+            # Leader k decides only if leaders 0..k-1 stayed silent past deadline + k * slack (or
+            # are gone: not there at all, rather than slow); a leader that was frozen past its
+            # window defers the same way.
+            wake = close_at + rank * self.ctx.slack_s
+            ahead = await self._leaders_ahead(plan, rank, wake) if rank > 0 else rank
+            ahead_gone = rank > 0 and ahead == 0
+            await asyncio.sleep(max(0.0, close_at + ahead * self.ctx.slack_s - time.monotonic()))
             if slot.decision is not None or round_id in self.book.committed:
                 return
-            others = [p for p in plan.leaders if p != me]
+            # Ask who may have decided (the leaders behind us wait longer than we do).
+            others = [p for p in plan.leaders if p != me and not ahead_gone]
             replies = await asyncio.gather(*(self._ask(p, round_id, attempt) for p in others))
             for signed in replies:
                 if signed:
@@ -294,6 +299,25 @@ class RoundServer(Aggregator, Claims):
             await self._decide(plan, slot)
         finally:
             slot.deciding = slot.decision is not None  # stood back: no longer objects to later claims
+
+    async def _leaders_ahead(self, plan: RoundPlan, rank: int, until: float) -> int:
+        """How many of leaders 0..rank-1 are not gone (dial refused, protocol not served), as far
+        as can be told before monotonic time `until`? A silent or slow one may still decide."""
+        async def gone(peer: str) -> bool:
+            try:
+                await self.transport.request(peer, "get-decision", DecisionRequest(plan.round, plan.attempt, 0.0),
+                                             DecisionReply, timeout_s=self.ctx.slack_s)
+                return False
+            except PeerGone:
+                return True
+            except (PeerUnavailable, ProtocolError):
+                return False
+
+        try:
+            async with asyncio.timeout(max(0.0, until - time.monotonic())):
+                return sum(not g for g in await asyncio.gather(*(gone(p) for p in plan.leaders[:rank])))
+        except TimeoutError:
+            return rank
 
     async def _ask(self, peer: str, round_id: int, attempt: int) -> bytes:
         try:

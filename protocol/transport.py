@@ -35,6 +35,11 @@ class PeerUnavailable(ConnectionError):
     """A request could not be completed: the peer is gone, frozen, or broke the protocol."""
 
 
+class PeerGone(PeerUnavailable):
+    """The peer is not there: the dial failed, it does not serve the protocol (yet), or it closed
+    the stream unanswered; unlike a timeout, not a peer that may merely be slow or frozen."""
+
+
 @dataclass(frozen=True)
 class Envelope:
     """A signed message: who sent it, for which run, when, and the signature over all of it."""
@@ -254,8 +259,8 @@ class Transport:
             raise PeerUnavailable(f"{peer_id[-8:]} did not answer {handler} within {timeout_s:.1f}s") from None
         except asyncio.CancelledError:
             raise
-        except Exception as exc:  # dial failures (ControlFailure), resets, EOF: the peer is unavailable
-            raise PeerUnavailable(f"{peer_id[-8:]} unavailable for {handler}: {exc!r}") from None
+        except Exception as exc:  # dial failures (ControlFailure), resets, EOF: the peer is gone
+            raise PeerGone(f"{peer_id[-8:]} unavailable for {handler}: {exc!r}") from None
         finally:
             if writer is not None:
                 writer.close()

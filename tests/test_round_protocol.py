@@ -261,6 +261,37 @@ def test_the_leader_claims_its_attempt_before_the_close_so_a_frozen_fellow_costs
     assert all(torch.equal(m, means[0]) for m in means)
 
 
+def test_a_stand_in_does_not_wait_a_slack_for_a_leader_that_is_gone(make_cluster):
+    # The stand-in waits one slack past the close for a leader that may be slow or frozen; one
+    # that is not there at all (its dial is refused) cannot decide, so it is not waited for.
+    from groundswell.protocol.plan import close_time, make_plan
+
+    c = make_cluster(n=4, codec_name="fp32", min_peers=2, deadline_s=6.0, slack_s=3.0)
+    plan = make_plan(c.ctx.run_id, 0, 0, c.ids, c.ids, len(c.ctx.segment_numels), c.max_shards)
+    dead, stand_in = (c.ids.index(p) for p in plan.leaders[:2])
+    server = c.nodes[stand_in].server
+    claimed_at = []
+    real_claim = server._claim
+
+    async def claim(plan, slot):
+        claimed_at.append(time.time())
+        return await real_claim(plan, slot)
+
+    async def patch() -> None:
+        server._claim = claim
+
+    c.nodes[stand_in].call(patch(), timeout_s=10)
+    c.nodes[dead].close()
+    alive = [i for i in range(4) if i != dead]
+    xs = _inputs(4, c.numel, 16)
+    out = c.attempt(0, {i: xs[i] for i in alive})
+    assert out[stand_in].decision.status == "commit" and out[stand_in].decision.leader == c.ids[stand_in]
+    close = close_time(c.nodes[stand_in].book.opened_at(0), 0, c.ctx.deadline_s, c.ctx.slack_s)
+    assert claimed_at and claimed_at[0] < close + c.ctx.slack_s / 2, "the stand-in waited for a dead leader"
+    means = [c.fetch(i, out[i].signed) for i in alive]
+    assert all(torch.equal(m, means[0]) for m in means)
+
+
 def test_a_commit_its_leader_could_not_gather_is_taken_back_and_stops_no_later_attempt(make_cluster):
     # Attempt 0's leaders seal a commit and then cannot gather its aggregate (forced here), so
     # they decide retry. The retry takes the sealed commit back at every aggregator: attempt 1's
