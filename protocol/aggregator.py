@@ -22,7 +22,7 @@ from .transport import PeerUnavailable, seal, unseal
 
 log = logging.getLogger(__name__)
 DENSE_MEAN_CODECS = ("fp32", "fp16", "bf16", "int8")  # the aggregate is the re-encoded mean
-REPORTING_CANDIDATES = 4  # a shard goes to one of its first 3 candidates, its replica to the next one
+REPORTING_CANDIDATES = 4  # a shard and its replicas go to the first of its candidates that take them
 MIN_ROOM = 64  # contributors a shard of one attempt holds at least (4x the expected trainers if more)
 FUTURE_ROUNDS = 3  # contributions and joins further ahead of our newest commit are dropped
 SEALED_BY_ANOTHER = "this attempt is already sealed under another leader's decision"
@@ -34,6 +34,13 @@ def decision_digests(decision: Decision, shard: int) -> list[bytes]:
     """The contribution digests a commit pins for one shard, in contributor order."""
     n = len(decision.contributors)
     return decision.digests[shard * n:(shard + 1) * n]
+
+
+def replica_count(ctx: Any) -> int:
+    """Copies of each shard a contributor makes besides the first: two for sparse payloads (about
+    1/150 of fp32, so a third copy costs little and keeps a shard when two of its holders die in
+    one round), one for dense ones (each copy is the shard's full fp32/int8 size)."""
+    return 1 if ctx.codec.name in DENSE_MEAN_CODECS else 2
 
 
 def ships_contributions(ctx: Any) -> bool:

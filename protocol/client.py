@@ -19,7 +19,7 @@ import torch
 
 from groundswell.compression import Payload, RobustStats, robust_mean
 
-from .aggregator import REPORTING_CANDIDATES, decision_digests, ships_contributions
+from .aggregator import REPORTING_CANDIDATES, decision_digests, replica_count, ships_contributions
 from .context import DecisionBook, contribution_digest, validate_segments
 from .plan import RoundPlan, attempt_for
 from .schema import (
@@ -143,6 +143,7 @@ class RoundClient:
         # A dead aggregator fails fast (dial error); a frozen one costs this timeout, sized for the
         # payload at a modest 5 MB/s, before the next candidate gets the shard.
         timeout = 2 * self.ctx.slack_s + size / 5e6
+        unreachable: set[str] = set()
         for peer in plan.candidates(shard)[:REPORTING_CANDIDATES]:
             try:
                 if peer == self.me:
@@ -151,23 +152,26 @@ class RoundClient:
                     ack = await self.transport.request(peer, "contribute", msg, Ack, timeout_s=timeout)
             except (PeerUnavailable, ProtocolError) as exc:
                 log.info("shard %d to %s failed: %s", shard, peer[-8:], exc)
+                unreachable.add(peer)
                 continue
             if ack.ok:
-                await self._replicate(plan, shard, msg, peer, timeout)
+                await self._replicate(plan, shard, msg, {peer} | unreachable, timeout)
                 return True
             log.info("shard %d refused by %s: %s", shard, peer[-8:], ack.reason)
             if "closed" in ack.reason or "sealed" in ack.reason:
                 return False
         return False
 
-    async def _replicate(self, plan: RoundPlan, shard: int, msg: ShardContribution, holder: str,
+    async def _replicate(self, plan: RoundPlan, shard: int, msg: ShardContribution, skip: set[str],
                          timeout: float) -> None:
-        """Give one more aggregator a copy of the shard, so the leader can replace a source that
-        dies or freezes before it seals (best effort: the contribution already counts). The
-        replica is the first of the shard's reporting candidates, other than the holder, that
-        takes it: the same peer for every contributor while the same peers are alive."""
+        """Give `replica_count` more aggregators a copy of the shard, so the leader can replace a
+        source that dies or freezes before it seals (best effort: the contribution already
+        counts). The replicas are the first of the shard's reporting candidates, other than the
+        holder, that take it: the same peers for every contributor while the same peers are alive.
+        `skip`: the holder and the candidates that just failed to take the shard."""
+        wanted = replica_count(self.ctx)
         for peer in plan.candidates(shard)[:REPORTING_CANDIDATES]:
-            if peer == holder:
+            if peer in skip:
                 continue
             try:
                 if peer == self.me:
@@ -177,7 +181,10 @@ class RoundClient:
             except (PeerUnavailable, ProtocolError) as exc:
                 log.info("replica of shard %d to %s failed: %s", shard, peer[-8:], exc)
                 continue
-            if ack.ok or "closed" in ack.reason or "sealed" in ack.reason:
+            if "closed" in ack.reason or "sealed" in ack.reason:
+                return
+            wanted -= ack.ok
+            if wanted == 0:
                 return
 
     async def _await_decision(self, plan: RoundPlan) -> tuple[Decision | None, bytes]:

@@ -90,11 +90,11 @@ def test_a_contributor_that_sends_aggregators_different_versions_cannot_split_th
         liar = c.nodes[3].client
         honest_replicate = liar._replicate
 
-        async def equivocate(plan, shard, msg, holder, timeout):  # the replica gets another version
+        async def equivocate(plan, shard, msg, skip, timeout):  # the replica gets another version
             other = [c.codec.encode(torch.randn(len(c.codec.decode(Payload.from_bytes(s))))).to_bytes()
                      for s in msg.segments]
             await honest_replicate(plan, shard, ShardContribution(msg.round, msg.attempt, msg.shard,
-                                                                  msg.first_segment, other), holder, timeout)
+                                                                  msg.first_segment, other), skip, timeout)
 
         liar._replicate = equivocate
         g = torch.Generator().manual_seed(4)
