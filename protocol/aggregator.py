@@ -16,7 +16,7 @@ from typing import Any
 from groundswell.compression import RobustStats, robust_mean
 
 from .context import contribution_digest, validate_segments
-from .plan import attempt_for
+from .plan import attempt_for, close_time
 from .schema import Ack, AggregateRequest, AggregateShard, ContributionsRequest, Decision, HaveReport, ProtocolError, Seal, ShardContribution
 from .transport import PeerUnavailable, seal, unseal
 
@@ -120,7 +120,23 @@ class Aggregator:
         slot.contributions[msg.shard][sender] = (msg.first_segment, msg.segments, envelope,
                                                  contribution_digest(msg.first_segment, msg.segments))
         self._report(msg.round, msg.attempt)
+        if not slot.refresh:
+            slot.refresh = True
+            self._spawn(self._refresh_have(msg.round, msg.attempt))
         return Ack(True, "")
+
+    async def _refresh_have(self, round_id: int, attempt: int) -> None:
+        """Send our reports again one slack before the attempt closes: a leader that restarted
+        since (its memory gone) or missed a report then still decides on everything we hold."""
+        opened = self.book.opened_at(round_id)
+        if opened is None:
+            return
+        at = close_time(opened, attempt, self.ctx.deadline_s, self.ctx.slack_s) - self.ctx.slack_s
+        await asyncio.sleep(max(0.0, at - time.time()))
+        slot = self.attempts.get((round_id, attempt))
+        if slot is None or slot.sealed is not None or slot.decision is not None or round_id in self.book.committed:
+            return
+        await self._send_have(round_id, attempt)
 
     def _report(self, round_id: int, attempt: int) -> None:
         self._spawn(self._send_have(round_id, attempt))

@@ -44,6 +44,7 @@ class _Attempt:
     contributions: dict[int, dict[str, tuple[int, list[bytes], bytes]]] = field(
         default_factory=lambda: defaultdict(dict))  # shard -> sender -> (first segment, segments, signed request)
     refused: set[str] = field(default_factory=set)  # as an aggregator: senders of invalid contributions
+    refresh: bool = False  # as an aggregator: our reports are sent again one slack before the close
     refused_reported: set[str] = field(default_factory=set)  # as a leader: what aggregators reported refusing
     # shard -> aggregator -> contributor -> digest of the contribution it holds
     have: dict[int, dict[str, dict[str, bytes]]] = field(default_factory=lambda: defaultdict(dict))
@@ -387,9 +388,11 @@ class RoundServer(Aggregator, Claims):
             signed = seal(self.identity, self.ctx.run_id, decision)
             if accepted:  # take back the commits we sealed: a later claimer must not try to adopt them
                 await self._seal_all(signed, sorted(accepted), timeout_s=self.ctx.slack_s)
-            reported = sum(1 for shard in range(plan.num_shards) if slot.have.get(shard))
-            log.info("round %d attempt %d: retry (%d of %d shards reported, %d contributors complete in all, "
-                     "%d sources failed, %d dropped)", plan.round, plan.attempt, reported, plan.num_shards,
+            unreported = [s for s in range(plan.num_shards) if not slot.have.get(s)]
+            log.info("round %d attempt %d: retry (%d of %d shards reported%s, %d contributors complete in all, "
+                     "%d sources failed, %d dropped)", plan.round, plan.attempt, plan.num_shards - len(unreported),
+                     plan.num_shards, "".join(f"; none from shard {s}'s " + ",".join(
+                         p[-8:] for p in plan.candidates(s)[:REPORTING_CANDIDATES]) for s in unreported[:2]),
                      len(self._sources(plan, slot)[1]), len(failed), len(dropped))
         log.info("round %d attempt %d: %s with %d contributors", plan.round, plan.attempt, decision.status,
                  len(decision.contributors))

@@ -294,6 +294,34 @@ def test_a_stand_in_does_not_wait_a_slack_for_a_leader_that_is_gone(make_cluster
     assert all(torch.equal(m, means[0]) for m in means)
 
 
+def test_a_leader_that_lost_its_reports_before_the_close_still_decides_on_everything_held(make_cluster):
+    # A leader that restarts mid-attempt forgets every report. Aggregators send their reports
+    # again one slack before the close, so it still commits every complete contribution.
+    from groundswell.protocol.plan import make_plan
+
+    c = make_cluster(n=4, codec_name="fp32", min_peers=2, deadline_s=6.0, slack_s=1.5)
+    plan = make_plan(c.ctx.run_id, 0, 0, c.ids, c.ids, len(c.ctx.segment_numels), c.max_shards)
+    leader = c.ids.index(plan.leaders[0])
+    server = c.nodes[leader].server
+    idle = next(i for i in range(4) if i != leader)  # joins, never contributes: the leader waits to the close
+    xs = _inputs(4, c.numel, 17)
+    runs = {i: c.nodes[i].submit(c.nodes[i].client.run_attempt(0, 0, None if i == idle else c.segments(xs[i]),
+                                                                trains=True, serves=True)) for i in range(4)}
+    deadline = time.monotonic() + 20
+    while time.monotonic() < deadline and len(server._sources(plan, server.attempts[(0, 0)])[1]) < 3:
+        time.sleep(0.05)
+
+    async def forget() -> None:  # what a restart leaves of the leader's view of the attempt
+        server.attempts[(0, 0)].have.clear()
+
+    c.nodes[leader].call(forget(), timeout_s=10)
+    out = {i: f.result(timeout=60) for i, f in runs.items()}
+    d = out[leader].decision
+    assert d.status == "commit" and d.contributors == sorted(c.ids[i] for i in range(4) if i != idle)
+    means = [c.fetch(i, out[i].signed) for i in range(4)]
+    assert all(torch.equal(m, means[0]) for m in means)
+
+
 def test_a_commit_its_leader_could_not_gather_is_taken_back_and_stops_no_later_attempt(make_cluster):
     # Attempt 0's leaders seal a commit and then cannot gather its aggregate (forced here), so
     # they decide retry. The retry takes the sealed commit back at every aggregator: attempt 1's
