@@ -136,18 +136,33 @@ class Aggregator:
         slot = self.attempts.get((round_id, attempt))
         if slot is None or slot.sealed is not None or slot.decision is not None or round_id in self.book.committed:
             return
-        await self._send_have(round_id, attempt)
+        self._report(round_id, attempt)
 
     def _report(self, round_id: int, attempt: int) -> None:
+        """Report what we hold to the attempt's leaders: one report task per attempt at a time
+        (a burst of contributions must not open a stream per contribution to every leader: the
+        leaders' stream limits would refuse them and strike us); changes meanwhile are sent next."""
+        slot = self.attempts[(round_id, attempt)]
+        if slot.reporting:
+            slot.report_again = True
+            return
+        slot.reporting = True
         self._spawn(self._send_have(round_id, attempt))
 
     async def _send_have(self, round_id: int, attempt: int) -> None:
+        slot = self.attempts[(round_id, attempt)]
         try:
-            await self._send_have_unguarded(round_id, attempt)
+            while True:
+                slot.report_again = False
+                await self._send_have_unguarded(round_id, attempt)
+                if not slot.report_again:
+                    break
         except ProtocolError as exc:  # e.g. a conflicting decision: this report is moot; say so
             log.warning("have report for round %d not sent: %s", round_id, exc)
         except Exception as exc:  # a background task must never take the node down
             log.error("have report for round %d failed: %r", round_id, exc)
+        finally:
+            slot.reporting = False
 
     async def _send_have_unguarded(self, round_id: int, attempt: int) -> None:
         plan = await self.plan(round_id, attempt, self.ctx.deadline_s)

@@ -45,6 +45,8 @@ class _Attempt:
         default_factory=lambda: defaultdict(dict))  # shard -> sender -> (first segment, segments, signed request)
     refused: set[str] = field(default_factory=set)  # as an aggregator: senders of invalid contributions
     refresh: bool = False  # as an aggregator: our reports are sent again one slack before the close
+    reporting: bool = False  # as an aggregator: a report task is running for this attempt
+    report_again: bool = False  # ... and something changed since it started: it sends once more
     refused_reported: set[str] = field(default_factory=set)  # as a leader: what aggregators reported refusing
     # shard -> aggregator -> contributor -> digest of the contribution it holds
     have: dict[int, dict[str, dict[str, bytes]]] = field(default_factory=lambda: defaultdict(dict))

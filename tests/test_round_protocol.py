@@ -108,6 +108,23 @@ def test_a_shard_whose_first_aggregator_is_dead_still_gets_a_replica(make_cluste
     assert all(torch.equal(m, means[0]) for m in means)
 
 
+def test_a_burst_of_contributions_does_not_trip_the_leaders_stream_limits(make_cluster):
+    # Every contribution makes its aggregator report to every leader; reports are coalesced per
+    # attempt, so a burst never opens more streams to a leader than its limit (which would refuse
+    # the reports and strike an honest aggregator).
+    import dataclasses
+
+    c = make_cluster(n=6, codec_name="sparseloco", numel=12 * 4096, max_shards=6, min_peers=2)
+    for node in c.nodes:  # a tighter stream limit than the default 32 (more peers, more shards each)
+        node.transport.guard.limits = dataclasses.replace(node.transport.guard.limits, max_streams=8)
+    out = c.attempt(0, _inputs(6, c.numel, 18))
+    assert out[0].decision.status == "commit" and len(out[0].decision.contributors) == 6
+    refused = {k: v for n in c.nodes for k, v in n.transport.guard.rejected.items()}
+    assert not refused, f"requests refused during an honest round: {refused}"
+    means = [c.fetch(i, out[i].signed) for i in range(6)]
+    assert all(torch.equal(m, means[0]) for m in means)
+
+
 def test_a_frozen_aggregator_cannot_hold_the_round_past_its_deadline(make_cluster):
     c = make_cluster(n=4, codec_name="fp32", min_peers=2, deadline_s=6.0, slack_s=1.0)
     # Block the node's event loop: its daemon keeps the sockets open but nothing answers, as
