@@ -105,8 +105,10 @@ class Aggregator:
             if known[3] == contribution_digest(msg.first_segment, msg.segments):
                 return Ack(True, "")
             raise ProtocolError(f"a second, different contribution to shard {msg.shard}", reason="equivocation")
-        plan = await self.plan(msg.round, msg.attempt, 0.0)
-        if plan is not None and (msg.shard >= plan.num_shards or (
+        plan = await self.plan(msg.round, msg.attempt, min(1.0, self.ctx.slack_s))
+        if plan is None:  # behind (catching up): we could not report it, so do not hold it
+            return Ack(False, f"round {msg.round - 1} is not known here yet")
+        if (msg.shard >= plan.num_shards or (
                 msg.first_segment, msg.first_segment + len(msg.segments)) != plan.shard_segments[msg.shard]
                 or self.identity.peer_id not in plan.candidates(msg.shard)[:REPORTING_CANDIDATES]):
             raise ProtocolError(f"shard {msg.shard} does not span segments {msg.first_segment}.."

@@ -360,7 +360,11 @@ class RoundServer(Aggregator, Claims):
                 if len(contributors) < self.ctx.min_peers:
                     break
             trainers = sorted(set(contributors) | {p for p, (t, _) in joins.items() if t})
-            servers = sorted({p for p, (_, s) in joins.items() if s} | {self.identity.peer_id})
+            # Servers of the next round: those that joined as such, and every aggregator that
+            # reported in this attempt (it serves, and is alive), so a leader that lost its join
+            # records (a restart) does not shrink the next round to itself.
+            reporters = {a for held in slot.have.values() for a in held}
+            servers = sorted({p for p, (_, s) in joins.items() if s} | reporters | {self.identity.peer_id})
             pinned = self._digests(slot, sources, contributors)
             decision = Decision(plan.round, plan.attempt, "commit", contributors, trainers, servers,
                                 self.identity.peer_id, sources, plan.num_shards, time.time(), pinned)

@@ -339,6 +339,55 @@ def test_a_leader_that_lost_its_reports_before_the_close_still_decides_on_everyt
     assert all(torch.equal(m, means[0]) for m in means)
 
 
+def test_a_leader_that_lost_its_join_records_still_names_every_serving_aggregator(make_cluster):
+    # The next round is planned from a commit's servers. A leader that restarted mid-round has no
+    # join records; the aggregators that reported to it still serve, so they stay servers.
+    from groundswell.protocol.plan import make_plan
+
+    c = make_cluster(n=4, codec_name="fp32", min_peers=2, deadline_s=6.0, slack_s=1.5)
+    plan = make_plan(c.ctx.run_id, 0, 0, c.ids, c.ids, len(c.ctx.segment_numels), c.max_shards)
+    leader = c.ids.index(plan.leaders[0])
+    server = c.nodes[leader].server
+    idle = next(i for i in range(4) if i != leader)  # the leader waits to the close
+    xs = _inputs(4, c.numel, 19)
+    runs = {i: c.nodes[i].submit(c.nodes[i].client.run_attempt(0, 0, None if i == idle else c.segments(xs[i]),
+                                                                trains=True, serves=True)) for i in range(4)}
+    deadline = time.monotonic() + 20
+    while time.monotonic() < deadline and len(server._sources(plan, server.attempts[(0, 0)])[1]) < 3:
+        time.sleep(0.05)
+
+    async def forget() -> None:
+        server.joins.clear()
+
+    c.nodes[leader].call(forget(), timeout_s=10)
+    out = {i: f.result(timeout=60) for i, f in runs.items()}
+    d = out[leader].decision
+    assert d.status == "commit"
+    reporters = {a for held in server.attempts[(0, 0)].have.values() for a in held}
+    assert len(reporters) >= 3 and reporters <= set(d.servers), (reporters, d.servers)
+
+
+def test_an_aggregator_that_is_behind_refuses_shards_it_could_not_report(make_cluster):
+    # A peer that does not know the previous round's decision yet (it is catching up) cannot plan
+    # the round, so it could never report a shard it held: it refuses, and the contributor's
+    # shard goes to the next candidate.
+    c = make_cluster(n=4, codec_name="fp32", min_peers=2, deadline_s=6.0, slack_s=1.0)
+    behind = 3
+
+    async def forget() -> None:
+        c.nodes[behind].book.committed.clear()
+
+    c.nodes[behind].call(forget(), timeout_s=10)
+    xs = _inputs(3, c.numel, 20)
+    out = c.attempt(0, xs)
+    d = out[0].decision
+    assert d.status == "commit" and d.contributors == sorted(c.ids[:3])
+    held = c.nodes[behind].server.attempts.get((0, 0))
+    assert held is None or not any(held.contributions.values()), "a peer that is behind held shards"
+    means = [c.fetch(i, out[i].signed) for i in range(3)]
+    assert all(torch.equal(m, means[0]) for m in means)
+
+
 def test_a_commit_its_leader_could_not_gather_is_taken_back_and_stops_no_later_attempt(make_cluster):
     # Attempt 0's leaders seal a commit and then cannot gather its aggregate (forced here), so
     # they decide retry. The retry takes the sealed commit back at every aggregator: attempt 1's
