@@ -17,3 +17,24 @@ from groundswell.peer.data import Corpus, load_corpus
 @pytest.fixture(scope="session")
 def corpus() -> Corpus:
     return load_corpus("stdlib")
+
+
+@pytest.fixture
+def make_cluster():
+    """Make in-process swarm clusters (tests/swarm_harness.py); every one is closed afterwards."""
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).parent))
+    from swarm_harness import Cluster
+
+    made: list[Cluster] = []
+
+    def make(**kw) -> Cluster:
+        c = Cluster(**kw)
+        made.append(c)
+        return c
+
+    yield make
+    for c in made:
+        c.close()

@@ -109,3 +109,9 @@ def leftover_processes(out: Path) -> list:
     import psutil
 
     return [p for p in psutil.process_iter(["cmdline"]) if str(out) in " ".join(p.info["cmdline"] or [])]
+
+
+def inputs(n: int, numel: int, seed: int) -> dict[int, torch.Tensor]:
+    """n seeded random vectors of `numel` values, one per node."""
+    g = torch.Generator().manual_seed(seed)
+    return {i: torch.randn(numel, generator=g) for i in range(n)}
