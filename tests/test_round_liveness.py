@@ -112,28 +112,35 @@ def test_a_stand_in_does_not_wait_a_slack_for_a_leader_that_is_gone(make_cluster
     assert all(torch.equal(m, means[0]) for m in means)
 
 
-def test_a_leader_that_lost_its_reports_before_the_close_still_decides_on_everything_held(make_cluster):
-    # A leader that restarts mid-attempt forgets every report. Aggregators send their reports
-    # again one slack before the close, so it still commits every complete contribution.
+def _leader_forgets_mid_attempt(c, seed: int, forget) -> tuple[object, dict, int, int]:
+    """Run attempt 0 with one idle member (so the leader waits to the close); once the leader
+    sees three complete contributions, run `forget(server)` on its loop (a restart's memory loss).
+    Returns the leader's server, every node's outcome, the leader's and the idle node's index."""
     from groundswell.protocol.plan import make_plan
 
-    c = make_cluster(n=4, codec_name="fp32", min_peers=2, deadline_s=6.0, slack_s=1.5)
     plan = make_plan(c.ctx.run_id, 0, 0, c.ids, c.ids, len(c.ctx.segment_numels), c.max_shards)
     leader = c.ids.index(plan.leaders[0])
     server = c.nodes[leader].server
-    idle = next(i for i in range(4) if i != leader)  # joins, never contributes: the leader waits to the close
-    xs = _inputs(4, c.numel, 17)
+    idle = next(i for i in range(4) if i != leader)  # joins, never contributes
+    xs = _inputs(4, c.numel, seed)
     runs = {i: c.nodes[i].submit(c.nodes[i].client.run_attempt(0, 0, None if i == idle else c.segments(xs[i]),
                                                                 trains=True, serves=True)) for i in range(4)}
     deadline = time.monotonic() + 20
     while time.monotonic() < deadline and len(server._sources(plan, server.attempts[(0, 0)])[1]) < 3:
         time.sleep(0.05)
 
-    async def forget() -> None:  # what a restart leaves of the leader's view of the attempt
-        server.attempts[(0, 0)].have.clear()
+    async def run_forget() -> None:
+        forget(server)
 
-    c.nodes[leader].call(forget(), timeout_s=10)
-    out = {i: f.result(timeout=60) for i, f in runs.items()}
+    c.nodes[leader].call(run_forget(), timeout_s=10)
+    return server, {i: f.result(timeout=60) for i, f in runs.items()}, leader, idle
+
+
+def test_a_leader_that_lost_its_reports_before_the_close_still_decides_on_everything_held(make_cluster):
+    # A leader that restarts mid-attempt forgets every report. Aggregators send their reports
+    # again one slack before the close, so it still commits every complete contribution.
+    c = make_cluster(n=4, codec_name="fp32", min_peers=2, deadline_s=6.0, slack_s=1.5)
+    _, out, leader, idle = _leader_forgets_mid_attempt(c, 17, lambda server: server.attempts[(0, 0)].have.clear())
     d = out[leader].decision
     assert d.status == "commit" and d.contributors == sorted(c.ids[i] for i in range(4) if i != idle)
     means = [c.fetch(i, out[i].signed) for i in range(4)]
@@ -143,29 +150,14 @@ def test_a_leader_that_lost_its_reports_before_the_close_still_decides_on_everyt
 def test_a_leader_that_lost_its_join_records_still_names_every_serving_aggregator(make_cluster):
     # The next round is planned from a commit's servers. A leader that restarted mid-round has no
     # join records; the aggregators that reported to it still serve, so they stay servers.
-    from groundswell.protocol.plan import make_plan
-
     c = make_cluster(n=4, codec_name="fp32", min_peers=2, deadline_s=6.0, slack_s=1.5)
-    plan = make_plan(c.ctx.run_id, 0, 0, c.ids, c.ids, len(c.ctx.segment_numels), c.max_shards)
-    leader = c.ids.index(plan.leaders[0])
-    server = c.nodes[leader].server
-    idle = next(i for i in range(4) if i != leader)  # the leader waits to the close
-    xs = _inputs(4, c.numel, 19)
-    runs = {i: c.nodes[i].submit(c.nodes[i].client.run_attempt(0, 0, None if i == idle else c.segments(xs[i]),
-                                                                trains=True, serves=True)) for i in range(4)}
-    deadline = time.monotonic() + 20
-    while time.monotonic() < deadline and len(server._sources(plan, server.attempts[(0, 0)])[1]) < 3:
-        time.sleep(0.05)
-
-    async def forget() -> None:
-        server.joins.clear()
-
-    c.nodes[leader].call(forget(), timeout_s=10)
-    out = {i: f.result(timeout=60) for i, f in runs.items()}
+    server, out, leader, _ = _leader_forgets_mid_attempt(c, 19, lambda server: server.joins.clear())
     d = out[leader].decision
     assert d.status == "commit"
     reporters = {a for held in server.attempts[(0, 0)].have.values() for a in held}
     assert len(reporters) >= 3 and reporters <= set(d.servers), (reporters, d.servers)
+    means = [c.fetch(i, out[i].signed) for i in range(4)]
+    assert all(torch.equal(m, means[0]) for m in means)
 
 
 def test_an_aggregator_that_is_behind_refuses_shards_it_could_not_report(make_cluster):
