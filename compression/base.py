@@ -9,8 +9,9 @@ that size is allocated, and every failure is a `CodecError` with a message a per
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Protocol, Sequence, runtime_checkable
+from typing import Protocol, runtime_checkable
 
 import msgpack
 import torch

@@ -10,8 +10,8 @@ fixed bits), and a contribution's weight is one correctly rounded fp64 division 
 from __future__ import annotations
 
 import math
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
-from typing import Callable, Iterable, Sequence
 
 import torch
 

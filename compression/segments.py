@@ -7,7 +7,7 @@ one shard without re-encoding, and keeps every codec's chunks and blocks inside 
 
 from __future__ import annotations
 
-from typing import Sequence
+from collections.abc import Sequence
 
 import torch
 

@@ -13,11 +13,11 @@ the swarm exchange over libp2p lives in ``groundswell.peer`` and satisfies the s
 from __future__ import annotations
 
 import threading
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
-from typing import Iterable, Protocol, Sequence
+from typing import Protocol
 
 import torch
-
 from groundswell.compression import ALIGN, Codec, Payload, aggregate_segments
 
 

@@ -17,13 +17,13 @@ is exactly zero, so workers end each round bit-identical to theta_global. Progre
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from collections.abc import Iterable
 from dataclasses import dataclass
-from typing import Any, Iterable
+from typing import Any
 
 import torch
-from torch.nn.utils import parameters_to_vector
-
 from groundswell.compression import Codec, Payload, decode_segments, encode_segments, segment_size
+from torch.nn.utils import parameters_to_vector
 
 from .exchange import Exchange, RoundFailed, RoundResult
 

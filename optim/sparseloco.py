@@ -8,11 +8,11 @@ the decoded payloads: theta -= lr * mean.
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from dataclasses import dataclass
-from typing import Any, Iterable
+from typing import Any
 
 import torch
-
 from groundswell.compression import Codec, Payload
 
 from .exchange import RoundResult

@@ -14,11 +14,10 @@ from __future__ import annotations
 
 import struct
 from collections import deque
+from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Sequence
 
 import torch
-
 from groundswell.compression import Codec, Payload
 
 ATTACKS = ("scale", "random", "signflip", "nan", "stale")

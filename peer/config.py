@@ -10,8 +10,9 @@ from __future__ import annotations
 import dataclasses
 import types
 import typing
+from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Any, Literal, Mapping, TypeVar
+from typing import Any, Literal, TypeVar
 
 from groundswell.compression import CODEC_NAMES
 

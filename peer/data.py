@@ -23,9 +23,10 @@ import hashlib
 import json
 import os
 import sysconfig
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable, Union
+from typing import Any, Union
 
 import numpy as np
 import torch

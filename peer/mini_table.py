@@ -11,9 +11,9 @@ from __future__ import annotations
 
 import dataclasses
 import os
+from collections.abc import Callable
 from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass
-from typing import Callable
 
 from .config import DataSection, EvalSection, InnerSection, ModelSection, OuterSection, TrainLocalConfig
 

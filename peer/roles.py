@@ -6,8 +6,8 @@ from __future__ import annotations
 import logging
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Callable
 
 from groundswell.optim import RoundFailed
 from groundswell.protocol.client import RoundBehind
@@ -19,7 +19,7 @@ from .config import DataSection
 from .participant import Participant, genesis_decision
 from .swarm import GlobalState, params_hash
 from .swarm_exchange import NeedResync, SwarmExchange
-from .worker import InnerTrainer, InnerStats
+from .worker import InnerStats, InnerTrainer
 
 log = logging.getLogger(__name__)
 

@@ -14,19 +14,26 @@ import hashlib
 import logging
 import threading
 import time
+from collections.abc import Callable, Coroutine, Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass, field
-from typing import Any, Callable, Coroutine, Sequence, TypeVar
+from typing import Any, TypeVar
 
 import torch
-
 from groundswell.compression import Codec, RobustOptions
 from groundswell.protocol.client import RoundClient
 from groundswell.protocol.context import DecisionBook
 from groundswell.protocol.guard import Guard, Limits
 from groundswell.protocol.identity import Identity
 from groundswell.protocol.schema import (
-    ManifestReply, ManifestRequest, PeerRecord, ProbeReply, ProbeRequest, ProtocolError, StateReply, StateRequest,
+    ManifestReply,
+    ManifestRequest,
+    PeerRecord,
+    ProbeReply,
+    ProbeRequest,
+    ProtocolError,
+    StateReply,
+    StateRequest,
 )
 from groundswell.protocol.server import RoundServer
 from groundswell.protocol.transport import PeerUnavailable, Transport, WithTrailer, seal, unseal

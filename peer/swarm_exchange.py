@@ -11,11 +11,10 @@ from __future__ import annotations
 
 import asyncio
 import logging
+from collections.abc import Sequence
 from concurrent.futures import Future
-from typing import Sequence
 
 import torch
-
 from groundswell.compression import Payload
 from groundswell.optim import RoundFailed, RoundResult
 from groundswell.protocol.client import AttemptResult, RoundBehind
@@ -23,7 +22,6 @@ from groundswell.protocol.schema import Decision
 from groundswell.protocol.transport import PeerUnavailable
 
 from .swarm import SwarmNode
-
 
 log = logging.getLogger(__name__)
 

@@ -11,14 +11,19 @@ from __future__ import annotations
 
 import hashlib
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Callable
 
 import torch
-
 from groundswell.compression import make_codec
 from groundswell.optim import (
-    DiLoCo, DiLoCoConfig, InProcessHub, OuterOptimizer, SparseLoCo, SparseLoCoConfig, copy_into_parameters,
+    DiLoCo,
+    DiLoCoConfig,
+    InProcessHub,
+    OuterOptimizer,
+    SparseLoCo,
+    SparseLoCoConfig,
+    copy_into_parameters,
 )
 
 from .config import TrainLocalConfig

@@ -7,11 +7,10 @@ around it by the driver (`train_local` here, the swarm peer later).
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable
 
 import torch
-
 from groundswell.optim import warmup_cosine_scheduler
 
 from .config import DataSection, InnerSection

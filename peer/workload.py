@@ -14,13 +14,13 @@ and the caller's global RNG state is left untouched.
 from __future__ import annotations
 
 import importlib
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any
 
 import torch
-from torch import Tensor, nn
-
 from groundswell.peer.model import GPT, PRESETS, gpt_loss, preset_config
+from torch import Tensor, nn
 
 LossFn = Callable[[nn.Module, Tensor, Tensor], Tensor]
 

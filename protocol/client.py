@@ -12,18 +12,26 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Callable, Sequence
 
 import torch
-
 from groundswell.compression import Payload, RobustStats, robust_mean
 
 from .aggregator import REPORTING_CANDIDATES, decision_digests, replica_count, ships_contributions
 from .context import DecisionBook, contribution_digest, validate_segments
 from .plan import RoundPlan, attempt_for
 from .schema import (
-    MAX_SMALL, Ack, AggregateRequest, AggregateShard, ContributionsRequest, Decision, DecisionReply, DecisionRequest, Join, ProtocolError,
+    MAX_SMALL,
+    Ack,
+    AggregateRequest,
+    AggregateShard,
+    ContributionsRequest,
+    Decision,
+    DecisionReply,
+    DecisionRequest,
+    Join,
+    ProtocolError,
     ShardContribution,
 )
 from .server import RoundServer

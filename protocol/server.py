@@ -7,7 +7,8 @@ Leader: waits until every expected trainer is complete in every shard, or the de
 one source aggregator per shard; commits if at least `min_peers` contributors are complete in
 all sources and every source sealed, else decides "retry". The backup leader decides only if
 the leader stays silent past deadline + slack; with scoring on, it drops contributions whose
-update alone worsens a probe loss and decides again (claims: `claims.py`, mixed in).
+update alone worsens a probe loss and decides again (claims: `claims.py`; the decision itself:
+`decision.py`; both mixed in).
 Archive: committed decisions (in the `DecisionBook`) and aggregate shards of recent rounds, so
 stragglers and joiners can catch up from any peer.
 """
@@ -18,20 +19,33 @@ import asyncio
 import logging
 import time
 from collections import defaultdict
+from collections.abc import Awaitable, Callable, Coroutine
 from dataclasses import dataclass, field
-from typing import Any, Awaitable, Callable, Coroutine
+from typing import Any
 
-
-from .aggregator import CONTESTED, FUTURE_ROUNDS, REPORTING_CANDIDATES, Aggregator
+from .aggregator import FUTURE_ROUNDS, REPORTING_CANDIDATES, Aggregator
 from .claims import Claims
 from .context import DecisionBook, RoundContext
+from .decision import Decider
 from .identity import Identity
 from .plan import RoundPlan, close_time, make_plan
 from .schema import (
-    MAX_SMALL, Ack, AggregateRequest, ContributionsRequest, AggregateShard, Claim, Decision, DecisionReply, DecisionRequest,
-    HaveReport, Join, ProtocolError, Seal, ShardContribution,
+    MAX_SMALL,
+    Ack,
+    AggregateRequest,
+    AggregateShard,
+    Claim,
+    ContributionsRequest,
+    Decision,
+    DecisionReply,
+    DecisionRequest,
+    HaveReport,
+    Join,
+    ProtocolError,
+    Seal,
+    ShardContribution,
 )
-from .transport import PeerGone, PeerUnavailable, Transport, seal, unseal
+from .transport import PeerGone, PeerUnavailable, Transport, unseal
 
 log = logging.getLogger(__name__)
 MAX_JOINS = 2048  # members one round may have (Decision lists hold at most 4096)
@@ -63,7 +77,7 @@ class _Attempt:
         self.changed = asyncio.Event()
 
 
-class RoundServer(Aggregator, Claims):
+class RoundServer(Aggregator, Claims, Decider):
     """Serves the round protocol for one peer; every background task belongs to its TaskGroup."""
 
     def __init__(self, ctx: RoundContext, transport: Transport, book: DecisionBook, identity: Identity,
@@ -340,127 +354,6 @@ class RoundServer(Aggregator, Claims):
         if decision.status == "commit":
             self.book.add(signed)
         self.attempts[(round_id, attempt)].poke()
-
-    async def _decide(self, plan: RoundPlan, slot: _Attempt) -> None:
-        joins = self.joins[plan.round]
-        membership = self.book.membership(plan.round)
-        failed: set[str] = set()
-        accepted: set[str] = set()  # peers that sealed one of our commits of this attempt
-        dropped: set[str] = set()  # contributions scoring found harmful
-        screened = False
-        for _ in range(4):  # a source that will not seal is replaced by a replica holding the same shard
-            sources, complete = self._sources(plan, slot, frozenset(failed))
-            contributors = sorted(complete - dropped)
-            if len(contributors) < self.ctx.min_peers:
-                break
-            if not screened:  # before anything is signed: a dropped contribution is never in any commit
-                screened = True
-                dropped = await self._screen(plan, sources, contributors, self._digests(slot, sources, contributors))
-                contributors = [c for c in contributors if c not in dropped]
-                if len(contributors) < self.ctx.min_peers:
-                    break
-            trainers = sorted(set(contributors) | {p for p, (t, _) in joins.items() if t})
-            # Servers of the next round: those that joined as such, and every aggregator that
-            # reported in this attempt (it serves, and is alive), so a leader that lost its join
-            # records (a restart) does not shrink the next round to itself.
-            reporters = {a for held in slot.have.values() for a in held}
-            servers = sorted({p for p, (_, s) in joins.items() if s} | reporters | {self.identity.peer_id})
-            pinned = self._digests(slot, sources, contributors)
-            decision = Decision(plan.round, plan.attempt, "commit", contributors, trainers, servers,
-                                self.identity.peer_id, sources, plan.num_shards, time.time(), pinned)
-            signed = seal(self.identity, self.ctx.run_id, decision)
-            refused, contested = await self._seal_all(signed, sources)
-            accepted |= set(sources) - refused
-            if contested:  # another leader is deciding this attempt: replacing sources would fork the round
-                log.warning("round %d attempt %d is being decided by another leader; standing back", plan.round,
-                            plan.attempt)
-                return
-            if not refused:
-                # Best effort: the replicas that hold whole shards keep a copy of the aggregate too.
-                replicas = {a for shard in range(plan.num_shards) for a, ids in slot.have.get(shard, {}).items()
-                            if a not in sources and all(ids.get(c) == slot.have[shard][sources[shard]][c]
-                                                        for c in contributors)}
-                if replicas:
-                    accepted |= replicas - (await self._seal_all(signed, sorted(replicas)))[0]
-            if not refused and await self._hold_all(signed):
-                break
-            failed |= refused or set(sources)
-        else:
-            contributors = []
-        if len(contributors) < self.ctx.min_peers or failed >= set(sources or [""]):
-            trainers, servers = list(membership.trainers), list(membership.servers)  # type: ignore[union-attr]
-            decision = Decision(plan.round, plan.attempt, "retry", [], trainers, servers, self.identity.peer_id, [],
-                                plan.num_shards, time.time())
-            signed = seal(self.identity, self.ctx.run_id, decision)
-            if accepted:  # take back the commits we sealed: a later claimer must not try to adopt them
-                await self._seal_all(signed, sorted(accepted), timeout_s=self.ctx.slack_s)
-            unreported = [s for s in range(plan.num_shards) if not slot.have.get(s)]
-            log.info("round %d attempt %d: retry (%d of %d shards reported%s, %d contributors complete in all, "
-                     "%d sources failed, %d dropped)", plan.round, plan.attempt, plan.num_shards - len(unreported),
-                     plan.num_shards, "".join(f"; none from shard {s}'s " + ",".join(
-                         p[-8:] for p in plan.candidates(s)[:REPORTING_CANDIDATES]) for s in unreported[:2]),
-                     len(self._sources(plan, slot)[1]), len(failed), len(dropped))
-        log.info("round %d attempt %d: %s with %d contributors", plan.round, plan.attempt, decision.status,
-                 len(decision.contributors))
-        await self._learn(plan.round, plan.attempt, signed)
-
-    async def _screen(self, plan: RoundPlan, sources: list[str], contributors: list[str], digests: list[bytes]
-                      ) -> set[str]:
-        """Contributors whose update alone makes the probe loss worse by more than the threshold
-        (the leader fetches their signed contributions from the shards' sources to try them)."""
-        if self.score is None or self.individual is None:
-            return set()
-        round_id = plan.round
-        try:
-            async with asyncio.timeout(self.ctx.deadline_s):
-                scores = await self.score(round_id, await self.individual(plan, sources, contributors, digests))
-        except Exception as exc:  # scoring is a filter: without it, commit as is (and say why)
-            log.warning("round %d: contributions not scored (%s)", round_id, exc)
-            return set()
-        self.scores[round_id] = scores
-        for old in [r for r in self.scores if r < round_id - self.keep_rounds]:
-            del self.scores[old]
-        harmful = {who for who, s in scores.items() if not s <= self.score_threshold}  # NaN is harmful too
-        if harmful:
-            log.warning("round %d: dropping %d contributions that made the probe loss worse", round_id, len(harmful))
-        return harmful
-
-    async def _hold_all(self, signed: bytes, timeout_s: float | None = None) -> bool:
-        """Gather every shard of a commit (archived here) within `timeout_s`; False if that fails."""
-        if self.prefetch is None:
-            return True
-        try:
-            async with asyncio.timeout(timeout_s or self.ctx.deadline_s + 2 * self.ctx.slack_s):
-                await self.prefetch(signed)
-            return True
-        except (PeerUnavailable, ProtocolError, TimeoutError) as exc:
-            log.warning("could not gather the commit's aggregate (%s)", exc)
-            return False
-
-    async def _seal_all(self, signed: bytes, sources: list[str], timeout_s: float | None = None
-                        ) -> tuple[set[str], bool]:
-        """Seal every source (a retry decision voids our commit there); returns the ones that did
-        not seal, and whether one of them had sealed another leader's decision of this attempt.
-        A live aggregator seals at once (it only builds its shards): one that does not answer within
-        a slack plus the time to average its shards is treated as refusing, and replaced."""
-        _, decision = unseal(signed, self.ctx.run_id, Decision)
-        shard_bytes = self.ctx.max_payload_bytes * max(1, len(decision.contributors)) / max(1, decision.num_shards)
-        wait = self.ctx.slack_s + 2 * shard_bytes / 100e6
-        async def one(peer: str) -> Ack:
-            if peer == self.identity.peer_id:
-                return await self._on_seal(peer, Seal(signed))
-            try:
-                ack = await self.transport.request(peer, "seal", Seal(signed), Ack, timeout_s=timeout_s or wait)
-                if not ack.ok:
-                    log.warning("aggregator %s refused the seal: %s", peer[-8:], ack.reason)
-                return ack
-            except PeerUnavailable as exc:
-                log.warning("seal failed: %s", exc)
-                return Ack(False, str(exc)[:500])
-
-        peers = sorted(set(sources))
-        acks = await asyncio.gather(*(one(p) for p in peers))
-        return {p for p, ack in zip(peers, acks) if not ack.ok}, any(a.reason in CONTESTED for a in acks)
 
     async def _on_get_decision(self, sender: str, msg: DecisionRequest) -> DecisionReply:
         deadline = time.monotonic() + min(msg.wait_s, self.ctx.deadline_s + 5 * self.ctx.slack_s)

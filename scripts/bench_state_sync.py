@@ -50,7 +50,8 @@ import tempfile
 import threading
 import time
 import traceback
-from typing import Any, Callable, Sequence
+from collections.abc import Callable, Sequence
+from typing import Any
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # the shared helpers beside this script
 from _procs import kill_if_p2pd, p2pd_pids_using
@@ -114,7 +115,6 @@ def _maxreply(params: int) -> int:
 class _Server:
     def __init__(self, conn: Any, tmp: str, params: int, seed: int, verbose: bool) -> None:
         import torch
-
         from groundswell.peer.swarm import GlobalState, params_hash
         from groundswell.protocol.identity import Identity
         from groundswell.protocol.schema import Decision
@@ -305,9 +305,8 @@ class _Client:
     def raw(self, server_id: str, size: int, warmup: int, repeats: int, chunked: bool = False) -> dict:
         """The bare libp2p stream: one frame of `size` bytes, nothing else; read with the protocol's
         `read_frame` or (chunked) with `read_frame_into`."""
-        from hivemind.p2p import PeerID
-
         from groundswell.protocol.transport import read_frame, read_frame_into, write_frame
+        from hivemind.p2p import PeerID
 
         node = self.node
 
@@ -331,7 +330,6 @@ class _Client:
     def breakdown(self, params: int, seed: int, repeats: int) -> dict:
         """Client-side cost of one reply, piece by piece (medians), on a locally built header and blob."""
         import torch
-
         from groundswell.peer.swarm import GlobalState
         from groundswell.protocol.schema import Decision, StateReply
         from groundswell.protocol.transport import seal, unseal
