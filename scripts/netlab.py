@@ -14,8 +14,9 @@ Routers drop everything entering from the WAN unless it is ESTABLISHED,RELATED (
 Shaping applies to the access links (public host / router WAN <-> core): the node's egress gets
 ``netem delay+loss`` with a ``tbf`` child, the core's egress towards the node gets ``tbf``; so each
 one-way trip crosses one delay (RTT ~= 2*delay_ms) and up- and download are both capped at rate_mbit.
-Kernels without sch_netem: tbf still caps the rate, loss is emulated with ``iptables -m statistic``
-on the node's ingress, and delay is NOT emulated (``up()`` reports this in its ``warnings``).
+Kernels without sch_netem (this one): each access link is cut in two inside gs-inet (``w-NODE`` and
+``x-NODE``) and scripts/delayline.py, a userspace netem, carries frames across, delaying and
+dropping those going from the node to the core; tbf caps the rate as before.
 
 CLI:  netlab.py up [--rate-mbit R] [--delay-ms D] [--loss-pct P] [--no-shaping] | down | status
       | check | test [--json] | exec NAME -- CMD...   (NAME is a namespace such as gs-h1 or a role such as h1)
@@ -135,29 +136,45 @@ def _tbf(ns: str, dev: str, rate_mbit: float, parent: list[str]) -> None:
         "burst", str(burst), "latency", "50ms")
 
 
-def _shape(rate_mbit: float, delay_ms: float, loss_pct: float) -> dict[str, Any]:
+def _netem_available() -> bool:
+    """Whether this kernel has sch_netem (tried on the core namespace's loopback)."""
+    ok = _nx(CORE, "tc", "qdisc", "add", "dev", "lo", "root", "netem", "delay", "1ms", check=False).returncode == 0
+    if ok:
+        _nx(CORE, "tc", "qdisc", "del", "dev", "lo", "root", check=False)
+    return ok
+
+
+def _start_delayline(delay_ms: float, loss_pct: float) -> None:
+    """Run scripts/delayline.py in the core namespace over every cut access link; wait until ready.
+
+    It belongs to the lab: ``down()`` kills every process in the lab's namespaces, this one too.
+    """
+    script = os.path.join(os.path.dirname(os.path.abspath(__file__)), "delayline.py")
+    links = [f"w-{role}:x-{role}" for role in UPLINK]
+    p = subprocess.Popen(["ip", "netns", "exec", CORE, sys.executable, script, "--delay-ms", f"{delay_ms:g}",
+                          "--loss-pct", f"{loss_pct:g}", *links], stdout=subprocess.PIPE,
+                         stderr=subprocess.PIPE, text=True, start_new_session=True)
+    if p.stdout is None or p.stdout.readline().strip() != "ready":
+        p.kill()
+        raise NetlabError(f"delayline did not start: {p.communicate()[1].strip()}")
+    p.stdout.close()  # it prints nothing more; errors go to its stderr pipe, which nobody needs
+
+
+def _shape(rate_mbit: float, delay_ms: float, loss_pct: float, netem: bool) -> dict[str, Any]:
     """Shape every access link; returns what was actually applied."""
-    netem = None
-    warnings: list[str] = []
+    impaired = delay_ms > 0 or loss_pct > 0
     for role, dev in UPLINK.items():
         ns = HOSTS[role][0]
-        if delay_ms > 0 or loss_pct > 0:
-            if netem is not False:
-                p = _nx(ns, "tc", "qdisc", "add", "dev", dev, "root", "handle", "1:", "netem", "delay",
-                        f"{delay_ms:g}ms", "loss", f"{loss_pct:g}%", "limit", "100000", check=False)
-                netem = p.returncode == 0
-                if not netem:
-                    warnings.append(f"netem unavailable ({p.stderr.strip()}): delay NOT emulated, "
-                                    "loss via iptables statistic")
-            if netem is False and loss_pct > 0:
-                _nx(ns, "iptables", "-t", "raw", "-A", "PREROUTING", "-i", dev, "-m", "statistic",
-                    "--mode", "random", "--probability", f"{loss_pct / 100:.6f}", "-j", "DROP")
+        if impaired and netem:
+            _nx(ns, "tc", "qdisc", "add", "dev", dev, "root", "handle", "1:", "netem", "delay",
+                f"{delay_ms:g}ms", "loss", f"{loss_pct:g}%", "limit", "100000")
         if rate_mbit > 0:
-            _tbf(ns, dev, rate_mbit, ["parent", "1:1", "handle", "10:"] if netem else ["root"])
+            _tbf(ns, dev, rate_mbit, ["parent", "1:1", "handle", "10:"] if impaired and netem else ["root"])
             _tbf(CORE, f"c-{role}", rate_mbit, ["root"])
-    mode = "netem+tbf" if netem else ("tbf+iptables-loss" if netem is False else "tbf")
-    return {"mode": mode, "rate_mbit": rate_mbit, "delay_ms": delay_ms if netem else 0.0,
-            "loss_pct": loss_pct, "warnings": warnings}
+    if impaired and not netem:
+        _start_delayline(delay_ms, loss_pct)
+    mode = "+".join(["netem" if netem else "delayline"] * impaired + ["tbf"] * (rate_mbit > 0)) or "off"
+    return {"mode": mode, "rate_mbit": rate_mbit, "delay_ms": delay_ms, "loss_pct": loss_pct}
 
 
 def up(rate_mbit: float = 50.0, delay_ms: float = 40.0, loss_pct: float = 0.1,
@@ -173,9 +190,16 @@ def up(rate_mbit: float = 50.0, delay_ms: float = 40.0, loss_pct: float = 0.1,
             _ip(ns, "link", "set", "lo", "up")
         _ip(CORE, "link", "add", "br0", "type", "bridge")
         _addr_up(CORE, "br0", "10.99.0.1/24")
+        netem = shaping and _netem_available()
+        cut = shaping and not netem and (delay_ms > 0 or loss_pct > 0)  # delayline splices each link
         for role, dev in UPLINK.items():
             ns, ip = HOSTS[role]
-            _ip(CORE, "link", "add", f"c-{role}", "type", "veth", "peer", "name", dev, "netns", ns)
+            near = f"w-{role}" if cut else f"c-{role}"
+            _ip(CORE, "link", "add", near, "type", "veth", "peer", "name", dev, "netns", ns)
+            if cut:
+                _ip(CORE, "link", "add", f"x-{role}", "type", "veth", "peer", "name", f"c-{role}")
+                for end in (near, f"x-{role}"):
+                    _ip(CORE, "link", "set", end, "up")
             _ip(CORE, "link", "set", f"c-{role}", "master", "br0", "up")
             _addr_up(ns, dev, f"{ip}/24", "10.99.0.1")
         for router, (host, n, symmetric) in ROUTERS.items():
@@ -187,13 +211,11 @@ def up(rate_mbit: float = 50.0, delay_ms: float = 40.0, loss_pct: float = 0.1,
             masq = "-t nat -A POSTROUTING -o wan0 -j MASQUERADE" + (" --random-fully" if symmetric else "")
             for rule in [masq, *FIREWALL.splitlines()]:
                 _nx(rns, "iptables", *rule.split())
-        shaped = _shape(rate_mbit, delay_ms, loss_pct) if shaping else {"mode": "off", "warnings": []}
+        shaped = _shape(rate_mbit, delay_ms, loss_pct, netem) if shaping else {"mode": "off"}
     except BaseException:
         with contextlib.suppress(Exception):
             down()
         raise
-    for w in shaped["warnings"]:
-        print(f"netlab: warning: {w}", file=sys.stderr)
     return {"namespaces": NAMESPACES, "hosts": HOSTS, "shaping": shaped}
 
 
@@ -293,7 +315,8 @@ def _with_servers(servers: list[list[str]], client: list[str]) -> tuple[list[str
             p.wait()
 
 
-def _ping(src: str, dst_ip: str, count: int = 3) -> tuple[bool, dict[str, float] | None]:
+def ping(src: str, dst_ip: str, count: int = 3) -> tuple[bool, dict[str, float] | None]:
+    """ping from lab node ``src``: (all answered, round-trip min/avg/max/mdev in ms or None)."""
     p = _run(netns_exec_argv(src, ["ping", "-n", "-q", "-c", str(count), "-i", "0.2", "-W", "1", dst_ip]),
              check=False)
     m = re.search(r"= ([\d.]+)/([\d.]+)/([\d.]+)/([\d.]+) ms", p.stdout)
@@ -310,8 +333,8 @@ def check() -> dict[str, Any]:
     ip = {r: a for r, (_, a) in HOSTS.items()}
     r: dict[str, Any] = {}
     for host, dst in [("h1", "coord"), ("h2", "pub"), ("h3", "coord")]:
-        r[f"{host}_ping_{dst}"] = _ping(host, ip[dst], 2)[0]
-    r["coord_ping_h1_lan_blocked"] = not _ping("coord", ip["h1"], 2)[0]
+        r[f"{host}_ping_{dst}"] = ping(host, ip[dst], 2)[0]
+    r["coord_ping_h1_lan_blocked"] = not ping("coord", ip["h1"], 2)[0]
     port = str(random.randint(20000, 60000))
     listen_h1 = _helper("h1", "tcp-listen", port, str(TCP_TIMEOUT + 1))
 
@@ -340,7 +363,7 @@ def check() -> dict[str, Any]:
         ports = {m.split(":")[1] for m in seen if m}
         r[f"{host}_udp_mapping"] = {"coord": seen[0], "pub": seen[1],
                                     "endpoint_independent": len(ports) == 1 if all(seen) else None}
-    ok, r["rtt_h1_coord_ms"] = _ping("h1", ip["coord"], 5)
+    ok, r["rtt_h1_coord_ms"] = ping("h1", ip["coord"], 5)
     flags = [v for k, v in r.items() if k.endswith(("_coord", "_pub", "_blocked", "_established"))]
     r["ok"] = ok and all(flags) and r["h1_seen_by_coord_as"].startswith(ip["r1"] + ":") \
         and r["h1_udp_mapping"]["endpoint_independent"] is True \

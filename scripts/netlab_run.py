@@ -35,6 +35,7 @@ def run(rounds: int = 5, out: Path | None = None, timeout_s: float = 300, **lab_
     with netlab.lab(**lab_kwargs) as info, Simulation(out, opts) as sim:
         (out / "run.toml").write_text(manifest_toml(opts))
         coord_ip = netlab.HOSTS["coord"][1]
+        rtt = netlab.ping("h1", coord_ip, 5)[1]  # what the links give, as a volunteer behind NAT sees it
         common = ["--quiet", "--verbose", "--threads", "1"]
         sim.spawn("coordinator", ["launch", str(out / "run.toml"), "--state-dir", str(out / "coordinator"),
                                   "--listen", "/ip4/0.0.0.0/tcp/40000", "--announce", f"/ip4/{coord_ip}/tcp/40000",
@@ -54,7 +55,7 @@ def run(rounds: int = 5, out: Path | None = None, timeout_s: float = 300, **lab_
         while time.time() < end and any(sim.alive(v) for v in VOLUNTEERS):
             time.sleep(0.5)
         timed_out = [v for v in VOLUNTEERS if sim.alive(v)]
-    return report(out, rounds, info.get("shaping", {}), timed_out)
+    return report(out, rounds, {**info.get("shaping", {}), "rtt_h1_coord_ms": rtt}, timed_out)
 
 
 def report(out: Path, rounds: int, shaping: dict, timed_out: list[str]) -> dict:

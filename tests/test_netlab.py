@@ -28,6 +28,8 @@ def test_volunteers_behind_nats_contribute_to_every_round(tmp_path):
         pytest.skip(f"network namespaces unavailable here: {exc}")
     assert netlab.existing_namespaces() == [], "the lab was not torn down"
     assert res["timed_out"] == []
+    # the links carry the default 40 ms one-way delay (netem, or scripts/delayline.py without it)
+    assert res["link"]["delay_ms"] == 40 and res["link"]["rtt_h1_coord_ms"]["min"] >= 76, res["link"]
     assert res["rounds_completed"] >= 5 and res["param_hash_agreement"]
     assert set(netlab_run.VOLUNTEERS) <= set(res["contributed"]), res["contributed"]
     # the dial-back probe told each NAT'ed host it is private, the public volunteer that it is public
