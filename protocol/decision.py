@@ -65,19 +65,19 @@ class Decider:
             decision = Decision(plan.round, plan.attempt, "commit", contributors, trainers, servers,
                                 self.identity.peer_id, sources, plan.num_shards, time.time(), pinned)
             signed = seal(self.identity, self.ctx.run_id, decision)
-            refused, contested = await self._seal_all(signed, sources)
-            accepted |= set(sources) - refused
+            # Each shard's source and its replicas (the aggregators holding the same contributions)
+            # are sealed together: the replicas keep a copy of the aggregate, and a source that froze
+            # costs only a short grace once a replica has answered for its shard, then is replaced.
+            holders = [[src, *sorted(a for a, ids in slot.have.get(shard, {}).items() if a != src and
+                                     all(ids.get(c) == slot.have[shard][src][c] for c in contributors))]
+                       for shard, src in enumerate(sources)]
+            unsealed, contested = await self._seal_all(signed, sorted({p for h in holders for p in h}), holders)
+            accepted |= {p for h in holders for p in h} - unsealed
+            refused = set(sources) & unsealed
             if contested:  # another leader is deciding this attempt: replacing sources would fork the round
                 log.warning("round %d attempt %d is being decided by another leader; standing back", plan.round,
                             plan.attempt)
                 return
-            if not refused:
-                # Best effort: the replicas that hold whole shards keep a copy of the aggregate too.
-                replicas = {a for shard in range(plan.num_shards) for a, ids in slot.have.get(shard, {}).items()
-                            if a not in sources and all(ids.get(c) == slot.have[shard][sources[shard]][c]
-                                                        for c in contributors)}
-                if replicas:
-                    accepted |= replicas - (await self._seal_all(signed, sorted(replicas)))[0]
             if not refused and await self._hold_all(signed):
                 break
             failed |= refused or set(sources)
@@ -133,15 +133,19 @@ class Decider:
             log.warning("could not gather the commit's aggregate (%s)", exc)
             return False
 
-    async def _seal_all(self, signed: bytes, sources: list[str], timeout_s: float | None = None
-                        ) -> tuple[set[str], bool]:
-        """Seal every source (a retry decision voids our commit there); returns the ones that did
+    async def _seal_all(self, signed: bytes, peers: list[str], groups: list[list[str]] | None = None,
+                        timeout_s: float | None = None) -> tuple[set[str], bool]:
+        """Seal every peer (a retry decision voids our commit there); returns the ones that did
         not seal, and whether one of them had sealed another leader's decision of this attempt.
         A live aggregator seals at once (it only builds its shards): one that does not answer within
-        a slack plus the time to average its shards is treated as refusing, and replaced."""
+        a slack plus the time to average its shards is treated as refusing, and replaced. With
+        `groups` (each shard's holders), once every group has a peer that sealed, the others get
+        only `seal_grace` more: a frozen source then costs no slack when a replica answered."""
         _, decision = unseal(signed, self.ctx.run_id, Decision)
         shard_bytes = self.ctx.max_payload_bytes * max(1, len(decision.contributors)) / max(1, decision.num_shards)
         wait = self.ctx.slack_s + 2 * shard_bytes / 100e6
+        loop = asyncio.get_running_loop()
+
         async def one(peer: str) -> Ack:
             if peer == self.identity.peer_id:
                 return await self._on_seal(peer, Seal(signed))
@@ -154,6 +158,29 @@ class Decider:
                 log.warning("seal failed: %s", exc)
                 return Ack(False, str(exc)[:500])
 
-        peers = sorted(set(sources))
-        acks = await asyncio.gather(*(one(p) for p in peers))
-        return {p for p, ack in zip(peers, acks) if not ack.ok}, any(a.reason in CONTESTED for a in acks)
+        tasks = {asyncio.ensure_future(one(p)): p for p in sorted(set(peers))}  # owned: cancelled below
+        acks: dict[str, Ack] = {}
+        pending, covered_at = set(tasks), None
+        try:
+            while pending:
+                timeout = None if covered_at is None else max(0.0, covered_at + seal_grace(self.ctx) - loop.time())
+                done, pending = await asyncio.wait(pending, timeout=timeout, return_when=asyncio.FIRST_COMPLETED)
+                acks.update((tasks[t], t.result()) for t in done)
+                if not done:
+                    break  # the grace is over: whoever has not answered is replaced
+                if covered_at is None and groups and all(any(p in acks and acks[p].ok for p in g) for g in groups):
+                    covered_at = loop.time()
+        finally:
+            for t in pending:
+                t.cancel()
+            await asyncio.gather(*pending, return_exceptions=True)
+        for p in tasks.values():
+            if p not in acks:
+                log.warning("aggregator %s did not answer the seal in time; a replica answered for it", p[-8:])
+        return {p for p in tasks.values() if not (p in acks and acks[p].ok)}, \
+            any(a.reason in CONTESTED for a in acks.values())
+
+
+def seal_grace(ctx: Any) -> float:
+    """How long a seal still waits for the rest once every shard has a holder that sealed."""
+    return max(1.0, ctx.slack_s / 4)

@@ -257,3 +257,65 @@ def test_a_restarted_peer_never_sends_a_second_contribution_to_an_attempt_and_kn
     mean = c.fetch(0, out[0].signed)
     assert torch.allclose(mean, sum(c.sent(xs[i]) for i in range(4)) / 4, atol=1e-6)  # v1 counted, not v2
     assert all(torch.equal(c.fetch(i, out[0].signed), mean) for i in range(1, 4))
+
+
+def test_a_source_that_freezes_at_the_seal_costs_a_short_grace_not_a_slack(make_cluster):
+    # Each shard's replicas are sealed with its source. A source that froze just then never
+    # answers; once its shard's replica has sealed, it gets only a short grace before the leader
+    # replaces it by that replica, instead of the slack a silent source used to cost.
+    import threading
+
+    from groundswell.protocol.decision import seal_grace
+    from groundswell.protocol.plan import make_plan
+    from groundswell.protocol.schema import Decision
+    from groundswell.protocol.transport import unseal
+
+    c = make_cluster(n=4, codec_name="fp32", min_peers=2, deadline_s=6.0, slack_s=4.0)
+    plan = make_plan(c.ctx.run_id, 0, 0, c.ids, c.ids, len(c.ctx.segment_numels), c.max_shards)
+    leader = c.nodes[c.ids.index(plan.leaders[0])]
+    frozen: list[str] = []
+    lock = threading.Lock()
+    for node in c.nodes:
+        if node is leader:
+            continue
+        server = node.server
+        real_build = server._build
+
+        def build(signed, shard, held, first, server=server, real_build=real_build):
+            _, d = unseal(signed, c.ctx.run_id, Decision)
+            me = server.identity.peer_id
+            with lock:
+                freeze = not frozen and me in d.sources
+                if freeze:
+                    frozen.append(me)
+            if freeze:
+                time.sleep(8.0)  # blocks this node's event loop: the lid closes as it seals
+            return real_build(signed, shard, held, first)
+
+        async def patch(server=server, build=build) -> None:
+            server._build = build
+
+        node.call(patch(), timeout_s=10)
+    timeline: dict[str, float] = {}
+    real_seal_all, real_learn = leader.server._seal_all, leader.server._learn
+
+    async def seal_all(*args, **kwargs):
+        timeline.setdefault("first_seal", time.monotonic())
+        return await real_seal_all(*args, **kwargs)
+
+    async def learn(*args, **kwargs):
+        timeline.setdefault("decided", time.monotonic())
+        return await real_learn(*args, **kwargs)
+
+    async def patch_leader() -> None:
+        leader.server._seal_all, leader.server._learn = seal_all, learn
+
+    leader.call(patch_leader(), timeout_s=10)
+    out = c.attempt(0, _inputs(4, c.numel, 21))
+    d = out[c.ids.index(plan.leaders[0])].decision
+    assert frozen, "no source was asked to seal"
+    assert d.status == "commit" and frozen[0] not in d.sources, d
+    took = timeline["decided"] - timeline["first_seal"]
+    assert took < c.slack_s, f"sealing to commit took {took:.1f} s (grace {seal_grace(c.ctx)} s, slack {c.slack_s} s)"
+    means = [c.fetch(i, out[i].signed) for i in range(4)]
+    assert all(torch.equal(m, means[0]) for m in means)
