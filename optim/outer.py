@@ -11,7 +11,9 @@ hands: the progress since `prepare` if the contribution was absorbed (applied in
 or kept in SparseLoCo's error feedback), else all progress since the old theta_global (DiLoCo's
 "rebase" of a left-out contribution). With no overlap and an absorbed contribution that progress
 is exactly zero, so workers end each round bit-identical to theta_global. Progress made after
-`prepare` (overlapped rounds) is carried over in every case.
+`prepare` (overlapped rounds) is carried over in every case; an optimizer may first move the
+local parameters at `prepare` to a better starting point for that progress (SparseLoCo's eager
+start), and the progress is then measured from there.
 """
 
 from __future__ import annotations
@@ -77,6 +79,10 @@ class OuterOptimizer(ABC):
             raise RuntimeError(f"round {self.pending.round_id} is still pending; apply it first")
         local = self.local_vector().clone()
         payloads = self._encode_contribution(self.global_params - local)
+        start = self._train_on_from(payloads)
+        if start is not None:  # training goes on from there; progress is measured from there too
+            copy_into_parameters(start, self.params)
+            local = start
         self.pending = PendingRound(self.round_id, local, payloads)
         return payloads
 
@@ -142,6 +148,11 @@ class OuterOptimizer(ABC):
         """Decode a contribution (all segments) into a flat fp32 vector."""
         return decode_segments(self.codec, payloads, self.global_params.numel(), self.segment,
                                device=self.global_params.device)
+
+    def _train_on_from(self, payloads: list[Payload]) -> torch.Tensor | None:
+        """Where the local parameters go once a contribution is prepared (None: they stay put).
+        Matters only when training runs on while the round is exchanged (overlap)."""
+        return None
 
     @abstractmethod
     def _settle_contribution(self, pending: PendingRound, result: RoundResult | None) -> bool:

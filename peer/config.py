@@ -77,6 +77,9 @@ class OuterSection:
     chunk: int = 4096
     topk: int = 64
     overlap: int = 0  # rounds the outer step is delayed: 0 = wait for it, 1 = train on while it is exchanged
+    # SparseLoCo with overlap: train on from the global parameters our own payload would give
+    # (optim/sparseloco.py, "eager start") rather than from the raw local progress.
+    eager: bool = True
 
     def __post_init__(self) -> None:
         _positive(self, "inner_steps")

@@ -39,7 +39,8 @@ def make_outer(manifest: RunManifest, params: Any, numel: int) -> OuterOptimizer
     codec = make_codec(o.codec_name, **opts)
     segment = segment_size(numel, manifest.round.max_shards)
     if o.algorithm == "sparseloco":
-        return SparseLoCo(params, codec, SparseLoCoConfig(lr=o.lr_value, error_decay=o.error_decay), segment)
+        config = SparseLoCoConfig(lr=o.lr_value, error_decay=o.error_decay, eager=bool(o.overlap and o.eager))
+        return SparseLoCo(params, codec, config, segment)
     if o.algorithm == "diloco":
         return DiLoCo(params, codec, DiLoCoConfig(lr=o.lr_value, momentum=o.momentum), segment)
     raise ValueError(f"outer.algorithm {o.algorithm!r} cannot run in a swarm")

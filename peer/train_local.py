@@ -94,7 +94,8 @@ def _make_outer(cfg: TrainLocalConfig, params) -> OuterOptimizer:
     codec_opts = {"chunk": outer.chunk, "k": outer.topk} if outer.codec_name == "sparseloco" else {}
     codec = make_codec(outer.codec_name, **codec_opts)
     if outer.algorithm == "sparseloco":
-        return SparseLoCo(params, codec, SparseLoCoConfig(lr=outer.lr_value, error_decay=outer.error_decay))
+        return SparseLoCo(params, codec, SparseLoCoConfig(lr=outer.lr_value, error_decay=outer.error_decay,
+                                                           eager=bool(outer.overlap and outer.eager)))
     return DiLoCo(params, codec, DiLoCoConfig(lr=outer.lr_value, momentum=outer.momentum))
 
 

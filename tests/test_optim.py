@@ -245,3 +245,47 @@ def test_delayed_outer_step_carries_the_progress_made_while_the_round_was_exchan
     # round 1's contribution is the progress since the agreed parameters: exactly the carried part
     payloads = outers[0].prepare()
     assert outers[0].decode(payloads).tolist() == pytest.approx([-0.2, 0.1], abs=1e-6)
+
+
+def test_sparseloco_eager_start_trains_on_from_its_own_step_and_keeps_the_globals_agreed():
+    # SparseLoCo with overlap: at prepare the local parameters move to theta_global + step(own
+    # payload), what this worker alone would make of the round; the progress trained after that
+    # rides on the real aggregate when it arrives, and the global parameters stay identical.
+    models = [_model([1.0, 2.0]), _model([1.0, 2.0])]
+    outers = [SparseLoCo(m.parameters(), KeepLargest(), SparseLoCoConfig(lr=1.0, error_decay=1.0, eager=True))
+              for m in models]
+    hub = InProcessHub(make_codec("fp32"), ["w0", "w1"])
+    eps = [hub.endpoint("w0"), hub.endpoint("w1")]
+    _set(models[0], [0.5, 2.1])  # delta [0.5, -0.1]: sends [0.5, 0]
+    _set(models[1], [1.2, 1.0])  # delta [-0.2, 1.0]: sends [0, 1.0]
+    for ep, o in zip(eps, outers):
+        ep.contribute(o.round_id, o.prepare())
+    assert _weights(models[0]) == pytest.approx([0.5, 2.0])  # theta_global - 1.0 * [0.5, 0]
+    assert _weights(models[1]) == pytest.approx([1.0, 1.0])  # theta_global - 1.0 * [0, 1.0]
+    _set(models[0], [0.6, 2.0])  # trained on from there: progress [0.1, 0]
+    _set(models[1], [1.0, 0.7])  # progress [0, -0.3]
+    for ep, o in zip(eps, outers):
+        o.apply(ep.collect(o.round_id))
+    g = [1.0 - 0.25, 2.0 - 0.5]  # mean of [0.5, 0] and [0, 1.0], outer SGD lr 1
+    assert torch.equal(outers[0].global_params, outers[1].global_params)
+    assert outers[0].global_params.tolist() == pytest.approx(g)
+    assert _weights(models[0]) == pytest.approx([g[0] + 0.1, g[1]])
+    assert _weights(models[1]) == pytest.approx([g[0], g[1] - 0.3])
+    # what the round did not carry stays in the error feedback: [0, -0.1] and [-0.2, 0]
+    assert outers[0].error.tolist() == pytest.approx([0.0, -0.1])
+    assert outers[1].error.tolist() == pytest.approx([-0.2, 0.0])
+
+
+def test_sparseloco_eager_start_changes_nothing_when_rounds_do_not_overlap():
+    # Blocking rounds apply right after prepare: the eager start is overwritten before any step.
+    def run(eager: bool) -> list[list[float]]:
+        models = [_model([1.0, 2.0]), _model([1.0, 2.0])]
+        outers = [SparseLoCo(m.parameters(), KeepLargest(), SparseLoCoConfig(lr=0.8, eager=eager)) for m in models]
+        hub = InProcessHub(make_codec("fp32"), ["w0", "w1"])
+        for step in range(3):
+            _set(models[0], [0.5 + step, 2.1])
+            _set(models[1], [1.2, 1.0 - step])
+            _round(outers, hub)
+        return [_weights(m) for m in models] + [o.global_params.tolist() for o in outers]
+
+    assert run(True) == run(False)
