@@ -20,7 +20,7 @@ from groundswell.compression import Payload, RobustStats, robust_mean
 
 from .aggregator import REPORTING_CANDIDATES, decision_digests, replica_count, ships_contributions
 from .context import DecisionBook, contribution_digest, validate_segments
-from .plan import RoundPlan, attempt_for
+from .plan import RoundPlan, attempt_for, close_time
 from .schema import (
     MAX_SMALL,
     Ack,
@@ -38,6 +38,7 @@ from .server import RoundServer
 from .transport import PeerUnavailable, unseal
 
 log = logging.getLogger(__name__)
+REASK_S = 1.0  # how often a leader that failed to answer is asked again for the decision
 
 
 class RoundBehind(RuntimeError):
@@ -199,7 +200,14 @@ class RoundClient:
         # Ask the leader and the backup at once: the backup answers only if it had to decide
         # (leader silent past deadline + slack), so the first non-empty answer is the decision.
         wait = self.ctx.deadline_s + (len(plan.leaders) + 1) * self.ctx.slack_s
-        asks = [asyncio.ensure_future(self.ask_decision(p, plan.round, plan.attempt, wait)) for p in plan.leaders]
+        # A leader that does not answer at all (its process just died) is asked again until the
+        # last stand-in would have decided: it may be restarted by then, and be the one deciding.
+        opened = self.book.opened_at(plan.round)
+        until = time.time() + wait
+        if opened is not None:
+            latest = close_time(opened, plan.attempt, self.ctx.deadline_s, self.ctx.slack_s)
+            until = min(until, latest + (len(plan.leaders) + 1) * self.ctx.slack_s)
+        asks = [asyncio.ensure_future(self._poll_decision(p, plan, until, wait)) for p in plan.leaders]
         try:
             for next_done in asyncio.as_completed(asks):
                 signed = await next_done
@@ -211,6 +219,15 @@ class RoundClient:
                 task.cancel()
             await asyncio.gather(*asks, return_exceptions=True)
         return None, b""
+
+    async def _poll_decision(self, peer: str, plan: RoundPlan, until: float, wait_s: float) -> bytes:
+        """Ask `peer` for the attempt's decision (a long poll of up to `wait_s`); if it fails fast,
+        ask again every `REASK_S` until `until` (wall clock)."""
+        signed = await self.ask_decision(peer, plan.round, plan.attempt, wait_s)
+        while not signed and (left := until - time.time()) > REASK_S:
+            await asyncio.sleep(REASK_S)
+            signed = await self.ask_decision(peer, plan.round, plan.attempt, max(0.0, left - REASK_S))
+        return signed
 
     async def ask_decision(self, peer: str, round_id: int, attempt: int, wait_s: float) -> bytes:
         """A signed decision for round/attempt from one peer, or b"" (and it is recorded if a commit)."""

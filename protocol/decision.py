@@ -176,7 +176,8 @@ class Decider:
             await asyncio.gather(*pending, return_exceptions=True)
         for p in tasks.values():
             if p not in acks:
-                log.warning("aggregator %s did not answer the seal in time; a replica answered for it", p[-8:])
+                log.warning("aggregator %s had not answered the seal a grace after every shard had a holder that "
+                            "sealed; going on without it", p[-8:])
         return {p for p in tasks.values() if not (p in acks and acks[p].ok)}, \
             any(a.reason in CONTESTED for a in acks.values())
 

@@ -319,3 +319,43 @@ def test_a_source_that_freezes_at_the_seal_costs_a_short_grace_not_a_slack(make_
     assert took < c.slack_s, f"sealing to commit took {took:.1f} s (grace {seal_grace(c.ctx)} s, slack {c.slack_s} s)"
     means = [c.fetch(i, out[i].signed) for i in range(4)]
     assert all(torch.equal(m, means[0]) for m in means)
+
+
+def test_a_leader_that_failed_to_answer_is_asked_again_for_the_decision(make_cluster):
+    # A contributor's long poll at a leader whose process just died fails at once. The leader may
+    # be restarted within seconds and decide (it did, in a churn run: the others learned the
+    # commit only 14 s later, by catching up), so it is asked again until it could have decided.
+    from groundswell.protocol.plan import make_plan
+
+    c = make_cluster(n=5, codec_name="fp32", min_peers=2, deadline_s=6.0, slack_s=1.0)
+    plan = make_plan(c.ctx.run_id, 0, 0, c.ids, c.ids, len(c.ctx.segment_numels), c.max_shards)
+    leader = c.ids.index(plan.leaders[0])
+    for fellow in plan.leaders[1:]:  # gone, so no fellow leader can pass the decision on either
+        c.nodes[c.ids.index(fellow)].close()
+    alive = [i for i in range(5) if c.ids[i] not in plan.leaders[1:]]
+    failed_once: set[int] = set()
+    for i in alive:
+        node = c.nodes[i]
+        if i == leader:
+            continue
+        client = node.client
+        real_ask = client.ask_decision
+
+        async def ask(peer, round_id, attempt, wait_s, i=i, real_ask=real_ask):
+            if peer == plan.leaders[0] and i not in failed_once:
+                failed_once.add(i)
+                return b""  # as when the leader's process has just been killed
+            return await real_ask(peer, round_id, attempt, wait_s)
+
+        async def patch(client=client, ask=ask) -> None:
+            client.ask_decision = ask
+
+        node.call(patch(), timeout_s=10)
+    xs = _inputs(5, c.numel, 22)
+    out = c.attempt(0, {i: xs[i] for i in alive})
+    assert failed_once == set(alive) - {leader}
+    signed = out[leader].signed
+    assert out[leader].decision.status == "commit"
+    assert all(o.signed == signed for o in out.values()), {i: o.decision for i, o in out.items()}
+    means = [c.fetch(i, signed) for i in alive]
+    assert all(torch.equal(m, means[0]) for m in means)
