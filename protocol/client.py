@@ -386,23 +386,26 @@ class RoundClient:
         first, stop = plan.shard_segments[shard]
         expected_parts = len(decision.contributors) if ships_contributions(self.ctx) else stop - first
         budget = self.ctx.max_payload_bytes * max(1, len(decision.contributors)) + MAX_SMALL
+        timeout = 2 * self.ctx.slack_s + budget / 20e6
         # The shard's source first, then the leader (it gathered every shard before announcing),
-        # then the shard's replicas (sealed too), then anyone who has applied the round.
-        sources = list(dict.fromkeys([decision.sources[shard], decision.leader, *plan.candidates(shard)[:3],
-                                      *self.holders(decision.round)]))
-        for peer in sources:
-            if peer == self.me:
-                continue
+        # then the shard's replicas (sealed too), then anyone who has applied the round. A holder
+        # that has not answered within `hedge` (it may have frozen after the seal) gets company:
+        # the next one is asked too, and the first good answer wins.
+        hedge = max(1.0, self.ctx.slack_s / 4) + budget / 20e6
+        queue = [p for p in dict.fromkeys([decision.sources[shard], decision.leader, *plan.candidates(shard)[:3],
+                                           *self.holders(decision.round)]) if p != self.me]
+
+        async def ask(peer: str) -> AggregateShard | None:
             try:
                 agg = await self.transport.request(peer, "get-aggregate", AggregateRequest(decision.round, shard,
-                                                   self.ctx.slack_s), AggregateShard,
-                                                   timeout_s=2 * self.ctx.slack_s + budget / 20e6, max_reply=budget)
+                                                   self.ctx.slack_s), AggregateShard, timeout_s=timeout,
+                                                   max_reply=budget)
             except PeerUnavailable as exc:
                 log.info("aggregate %s from %s: %s", key, peer[-8:], exc)
-                continue
+                return None
             if agg.decision != signed or agg.shard != shard or len(agg.parts) != expected_parts:
                 log.info("aggregate %s from %s does not match the decision", key, peer[-8:])
-                continue
+                return None
             try:  # a holder that forged or altered a contribution is caught here, and the next one asked
                 if agg.mode != ("signed" if ships_contributions(self.ctx) else "mean"):
                     raise ProtocolError(f"aggregate mode {agg.mode!r} is not this run's")
@@ -413,7 +416,22 @@ class RoundClient:
             except ProtocolError as exc:
                 self.transport.guard.count(peer, "aggregate-reply", exc.reason, strike=exc.strike)
                 log.warning("aggregate %s from %s refused: %s", key, peer[-8:], exc)
-                continue
-            self.server.archive(decision.round, shard, agg)
+                return None
             return agg
+
+        asking: set[asyncio.Future] = set()  # owned here: whatever is still running is cancelled below
+        try:
+            while queue or asking:  # each time the wait runs out or an answer is no good: one holder more
+                if queue:
+                    asking.add(asyncio.ensure_future(ask(queue.pop(0))))
+                done, asking = await asyncio.wait(asking, timeout=hedge if queue else None,
+                                                  return_when=asyncio.FIRST_COMPLETED)
+                for task in done:
+                    if (agg := task.result()) is not None:
+                        self.server.archive(decision.round, shard, agg)
+                        return agg
+        finally:
+            for task in asking:
+                task.cancel()
+            await asyncio.gather(*asking, return_exceptions=True)
         raise PeerUnavailable(f"no peer could provide shard {shard} of round {decision.round}")

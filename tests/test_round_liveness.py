@@ -359,3 +359,24 @@ def test_a_leader_that_failed_to_answer_is_asked_again_for_the_decision(make_clu
     assert all(o.signed == signed for o in out.values()), {i: o.decision for i, o in out.items()}
     means = [c.fetch(i, signed) for i in alive]
     assert all(torch.equal(m, means[0]) for m in means)
+
+
+def test_a_source_that_freezes_after_the_commit_costs_a_fetcher_a_short_hedge_not_a_timeout(make_cluster):
+    # A fetcher asks a shard's source first. If the source froze after the commit, the next
+    # holder is asked too once a short hedge has passed, instead of after the whole request timeout.
+    c = make_cluster(n=4, codec_name="fp32", min_peers=2, deadline_s=6.0, slack_s=4.0)
+    out = c.attempt(0, _inputs(4, c.numel, 23))
+    d = out[0].decision
+    assert d.status == "commit"
+    pick = next(((s, c.ids.index(src), f) for s, src in enumerate(d.sources) if src != d.leader
+                 for f in range(4) if c.ids[f] not in (src, d.leader)
+                 and (0, s) not in c.nodes[f].server.aggregates), None)
+    assert pick is not None, "every other node already holds every shard; nothing to fetch"
+    shard, source, fetcher = pick
+    c.nodes[source]._loop.call_soon_threadsafe(time.sleep, 3 * c.slack_s)  # frozen: sockets open, no answers
+    start = time.monotonic()
+    mean = c.fetch(fetcher, out[fetcher].signed)
+    took = time.monotonic() - start
+    assert took < c.slack_s, f"fetching round 0 took {took:.1f} s with shard {shard}'s source frozen"
+    time.sleep(3 * c.slack_s - took + 0.5)  # let the source thaw, then everyone must agree
+    assert all(torch.equal(c.fetch(i, out[i].signed), mean) for i in range(4))
