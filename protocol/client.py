@@ -1,10 +1,8 @@
 """The contributing half of the round protocol: send shards, learn the decision, fetch aggregates.
 
 One call of `run_attempt` is one attempt of one round from a contributor's side; it never waits
-past deadline + a few slacks. `fetch_aggregate` assembles the committed mean from the shards'
-sources (or from any peer that already holds them) and checks every shard was built under the
-same signed decision, so either every peer that completes the round applies the same bytes, or
-the round does not complete here.
+past deadline + a few slacks. Fetching the committed aggregate (`fetch_aggregate`) lives in
+`fetch.py`, mixed in here.
 """
 
 from __future__ import annotations
@@ -15,18 +13,15 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
-import torch
-from groundswell.compression import Payload, RobustStats, robust_mean
+from groundswell.compression import Payload
 
-from .aggregator import REPORTING_CANDIDATES, decision_digests, replica_count, ships_contributions
-from .context import DecisionBook, contribution_digest, validate_segments
+from .aggregator import REPORTING_CANDIDATES, decision_digests, replica_count
+from .context import DecisionBook, contribution_digest
+from .fetch import AggregateFetcher
 from .plan import RoundPlan, attempt_for, close_time
 from .schema import (
-    MAX_SMALL,
     Ack,
-    AggregateRequest,
     AggregateShard,
-    ContributionsRequest,
     Decision,
     DecisionReply,
     DecisionRequest,
@@ -58,7 +53,7 @@ class AttemptResult:
     included: bool = False
 
 
-class RoundClient:
+class RoundClient(AggregateFetcher):
     """Runs attempts for one peer, using its `RoundServer` for plans and the archive."""
 
     def __init__(self, server: RoundServer, holders: Callable[[int], Sequence[str]]) -> None:
@@ -251,187 +246,3 @@ class RoundClient:
         except (PeerUnavailable, ProtocolError) as exc:
             log.info("decision of round %d from %s: %s", round_id, peer[-8:], exc)
             return b""
-
-    async def fetch_aggregate(self, signed: bytes, device: torch.device | str = "cpu") -> torch.Tensor:
-        """The committed mean of a round as one flat fp32 vector; raises PeerUnavailable if some
-        shard cannot be had from anyone, or the commit does not check out (the caller then
-        re-syncs the full state): whatever peers send, this never raises anything else."""
-        try:
-            return await self._fetch_aggregate(signed, device)
-        except PeerUnavailable:
-            raise
-        except Exception as exc:  # ProtocolError, CodecError, or a bug a hostile input found: not applied
-            log.warning("aggregate not applied: %r", exc)
-            raise PeerUnavailable(f"the round's aggregate could not be assembled: {exc}") from None
-
-    async def hold_aggregate(self, signed: bytes) -> None:
-        """Fetch and check every shard of a commit (archived here), without computing the mean:
-        what a leader needs in hand before it announces. Raises like `fetch_aggregate`."""
-        try:
-            await self._hold(signed)
-        except PeerUnavailable:
-            raise
-        except Exception as exc:  # ProtocolError, CodecError, or a bug a hostile input found
-            log.warning("aggregate not held: %r", exc)
-            raise PeerUnavailable(f"the round's aggregate could not be gathered: {exc}") from None
-
-    async def _hold(self, signed: bytes) -> tuple[Decision, RoundPlan, list[AggregateShard]]:
-        decision = await self.server.verify_commit(signed)
-        plan = await self.server.plan(decision.round, decision.attempt, wait_s=0)
-        if plan is None or plan.num_shards != decision.num_shards:
-            raise PeerUnavailable(f"cannot plan round {decision.round}: its membership is not known here")
-        shards = await asyncio.gather(*(self._fetch_shard(decision, signed, plan, s) for s in range(plan.num_shards)))
-        return decision, plan, list(shards)
-
-    async def _fetch_aggregate(self, signed: bytes, device: torch.device | str) -> torch.Tensor:
-        decision, plan, shards = await self._hold(signed)
-        numels = self.ctx.segment_numels
-        out = torch.empty(sum(numels), dtype=torch.float32)
-        offsets = [0]
-        for n in numels:
-            offsets.append(offsets[-1] + n)
-        codec = self.ctx.codec
-        clipped: dict[str, int] = {}  # contributor -> shards in which its norm was clipped
-        for shard, agg in enumerate(shards):
-            first, stop = plan.shard_segments[shard]
-            if agg.mode == "mean":
-                values = [codec.decode(p) for p in validate_segments(self.ctx, first, agg.parts)]
-                for who in agg.clipped:
-                    clipped[who] = clipped.get(who, 0) + 1
-            else:  # every contributor's signed request: rows[c][i] is contributor c's segment first + i
-                rows = self._checked_rows(decision, signed, shard, first, stop, agg)
-                stats = RobustStats()
-                values = robust_mean(codec, rows, self.ctx.robust, stats)
-                for c in stats.clipped:
-                    clipped[decision.contributors[c]] = clipped.get(decision.contributors[c], 0) + 1
-            for seg, value in zip(range(first, stop), values):
-                out[offsets[seg]:offsets[seg + 1]] = value
-        self.clipped[decision.round] = clipped
-        for old in [r for r in self.clipped if r < decision.round - 16]:
-            del self.clipped[old]
-        return out.to(device)
-
-    async def gather_contributions(self, plan: RoundPlan, sources: list[str], contributors: list[str],
-                                   digests: list[bytes]) -> dict[str, torch.Tensor]:
-        """Each contributor's own decoded update, from the signed contributions the shards' sources
-        hold (the leader scores them one by one before it decides)."""
-        probe = Decision(plan.round, plan.attempt, "probe", list(contributors), [], [], self.me, list(sources),
-                         plan.num_shards, 0.0, list(digests))
-        offsets = [0]
-        for n in self.ctx.segment_numels:
-            offsets.append(offsets[-1] + n)
-        out = {c: torch.empty(offsets[-1], dtype=torch.float32) for c in contributors}
-        budget = self.ctx.max_payload_bytes * max(1, len(contributors)) + MAX_SMALL
-
-        async def one(shard: int) -> None:
-            first, stop = plan.shard_segments[shard]
-            if sources[shard] == self.me:
-                agg = self.server.local_contributions(plan.round, plan.attempt, shard, list(contributors))
-            else:
-                agg = await self.transport.request(
-                    sources[shard], "get-contributions",
-                    ContributionsRequest(plan.round, plan.attempt, shard, list(contributors)), AggregateShard,
-                    timeout_s=2 * self.ctx.slack_s + budget / 20e6, max_reply=budget)
-            if agg.mode != "signed":
-                raise PeerUnavailable(f"the source of shard {shard} did not hand over its contributions")
-            for contributor, row in zip(contributors, self._contributions(probe, shard, first, stop, agg)):
-                for i, payload in enumerate(row):
-                    out[contributor][offsets[first + i]:offsets[first + i + 1]] = self.ctx.codec.decode(payload)
-
-        await asyncio.gather(*(one(s) for s in range(plan.num_shards)))
-        return out
-
-    def _checked_rows(self, decision: Decision, signed: bytes, shard: int, first: int, stop: int,
-                      agg: AggregateShard) -> list[list[Payload]]:
-        """`_contributions` of a shard of a commit, checked and parsed once per shard object."""
-        key = (decision.round, shard)
-        hit = self._rows.get(key)
-        if hit is not None and hit[0] == signed and hit[1] is agg:
-            return hit[2]
-        rows = self._contributions(decision, shard, first, stop, agg)
-        self._rows[key] = (signed, agg, rows)
-        for old in [k for k in self._rows if k[0] < decision.round - 1]:
-            del self._rows[old]
-        return rows
-
-    def _contributions(self, decision: Decision, shard: int, first: int, stop: int, agg: AggregateShard
-                       ) -> list[list[Payload]]:
-        """The shard's contributions in decision order, each checked: signed by that contributor,
-        for this round, attempt and shard, and well-formed; ProtocolError otherwise."""
-        rows: list[list[Payload]] = []
-        budget = self.ctx.max_payload_bytes + MAX_SMALL
-        pinned = decision_digests(decision, shard)
-        if len(pinned) != len(decision.contributors) or len(agg.parts) != len(pinned):
-            raise ProtocolError(f"shard {shard}: {len(agg.parts)} contributions for {len(pinned)} pinned",
-                                reason="forged-aggregate")
-        for who, envelope in zip(decision.contributors, agg.parts, strict=True):
-            sender, msg = unseal(envelope, self.ctx.run_id, ShardContribution, max_bytes=budget)
-            if sender != who:
-                raise ProtocolError(f"shard {shard}: a contribution of {who[-8:]} signed by {sender[-8:]}",
-                                    reason="forged-aggregate")
-            if (msg.round, msg.attempt, msg.shard, msg.first_segment, len(msg.segments)) != (
-                    decision.round, decision.attempt, shard, first, stop - first):
-                raise ProtocolError(f"shard {shard}: {who[-8:]}'s contribution is for another slot",
-                                    reason="forged-aggregate")
-            if contribution_digest(msg.first_segment, msg.segments) != pinned[len(rows)]:
-                raise ProtocolError(f"shard {shard}: {who[-8:]}'s contribution is not the one the commit pins",
-                                    reason="forged-aggregate")
-            rows.append(validate_segments(self.ctx, first, msg.segments))
-        return rows
-
-    async def _fetch_shard(self, decision: Decision, signed: bytes, plan: RoundPlan, shard: int) -> AggregateShard:
-        key = (decision.round, shard)
-        if key in self.server.aggregates and self.server.aggregates[key].decision == signed:
-            return self.server.aggregates[key]
-        first, stop = plan.shard_segments[shard]
-        expected_parts = len(decision.contributors) if ships_contributions(self.ctx) else stop - first
-        budget = self.ctx.max_payload_bytes * max(1, len(decision.contributors)) + MAX_SMALL
-        timeout = 2 * self.ctx.slack_s + budget / 20e6
-        # The shard's source first, then the leader (it gathered every shard before announcing),
-        # then the shard's replicas (sealed too), then anyone who has applied the round. A holder
-        # that has not answered within `hedge` (it may have frozen after the seal) gets company:
-        # the next one is asked too, and the first good answer wins.
-        hedge = max(1.0, self.ctx.slack_s / 4) + budget / 20e6
-        queue = [p for p in dict.fromkeys([decision.sources[shard], decision.leader, *plan.candidates(shard)[:3],
-                                           *self.holders(decision.round)]) if p != self.me]
-
-        async def ask(peer: str) -> AggregateShard | None:
-            try:
-                agg = await self.transport.request(peer, "get-aggregate", AggregateRequest(decision.round, shard,
-                                                   self.ctx.slack_s), AggregateShard, timeout_s=timeout,
-                                                   max_reply=budget)
-            except PeerUnavailable as exc:
-                log.info("aggregate %s from %s: %s", key, peer[-8:], exc)
-                return None
-            if agg.decision != signed or agg.shard != shard or len(agg.parts) != expected_parts:
-                log.info("aggregate %s from %s does not match the decision", key, peer[-8:])
-                return None
-            try:  # a holder that forged or altered a contribution is caught here, and the next one asked
-                if agg.mode != ("signed" if ships_contributions(self.ctx) else "mean"):
-                    raise ProtocolError(f"aggregate mode {agg.mode!r} is not this run's")
-                if agg.mode == "signed":
-                    self._checked_rows(decision, signed, shard, first, stop, agg)
-                else:
-                    validate_segments(self.ctx, first, agg.parts)
-            except ProtocolError as exc:
-                self.transport.guard.count(peer, "aggregate-reply", exc.reason, strike=exc.strike)
-                log.warning("aggregate %s from %s refused: %s", key, peer[-8:], exc)
-                return None
-            return agg
-
-        asking: set[asyncio.Future] = set()  # owned here: whatever is still running is cancelled below
-        try:
-            while queue or asking:  # each time the wait runs out or an answer is no good: one holder more
-                if queue:
-                    asking.add(asyncio.ensure_future(ask(queue.pop(0))))
-                done, asking = await asyncio.wait(asking, timeout=hedge if queue else None,
-                                                  return_when=asyncio.FIRST_COMPLETED)
-                for task in done:
-                    if (agg := task.result()) is not None:
-                        self.server.archive(decision.round, shard, agg)
-                        return agg
-        finally:
-            for task in asking:
-                task.cancel()
-            await asyncio.gather(*asking, return_exceptions=True)
-        raise PeerUnavailable(f"no peer could provide shard {shard} of round {decision.round}")
