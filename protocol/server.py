@@ -276,8 +276,12 @@ class RoundServer(Aggregator, Claims, Decider):
             await asyncio.sleep(max(0.0, close_at + ahead * self.ctx.slack_s - time.monotonic()))
             if slot.decision is not None or round_id in self.book.committed:
                 return
-            # Ask who may have decided (the leaders behind us wait longer than we do).
-            others = [p for p in plan.leaders if p != me and not ahead_gone]
+            # Ask who may have decided: the leaders ahead of us that are not gone, and those behind
+            # us whose turn has come too (only if we were late ourselves): the others wait longer
+            # than we do, and a long poll at one of them would only hold us back.
+            now = time.monotonic()
+            others = [p for j, p in enumerate(plan.leaders) if p != me and (
+                (j < rank and not ahead_gone) or (j > rank and now >= close_at + j * self.ctx.slack_s))]
             replies = await asyncio.gather(*(self._ask(p, round_id, attempt) for p in others))
             for signed in replies:
                 if signed:

@@ -380,3 +380,39 @@ def test_a_source_that_freezes_after_the_commit_costs_a_fetcher_a_short_hedge_no
     assert took < c.slack_s, f"fetching round 0 took {took:.1f} s with shard {shard}'s source frozen"
     time.sleep(3 * c.slack_s - took + 0.5)  # let the source thaw, then everyone must agree
     assert all(torch.equal(c.fetch(i, out[i].signed), mean) for i in range(4))
+
+
+def test_a_stand_in_whose_leader_died_after_the_close_does_not_wait_on_leaders_behind_it(make_cluster):
+    # The leader is alive at the close (so the stand-in gives it a slack) and dies before deciding.
+    # The stand-in then asks who may have decided: the leaders ahead of it, not those behind it,
+    # which wait longer than it does (a long poll at one of them cost half a slack more).
+    import threading
+
+    from groundswell.protocol.plan import close_time, make_plan
+
+    c = make_cluster(n=5, codec_name="fp32", min_peers=2, deadline_s=6.0, slack_s=2.0)
+    plan = make_plan(c.ctx.run_id, 0, 0, c.ids, c.ids, len(c.ctx.segment_numels), c.max_shards)
+    leader, stand_in = (c.ids.index(p) for p in plan.leaders[:2])
+
+    async def never_claims(plan, slot) -> bool:
+        return False  # stands back, then is killed below (a claim it passed would bind the others' grants)
+
+    async def patch() -> None:
+        c.nodes[leader].server._claim = never_claims
+
+    c.nodes[leader].call(patch(), timeout_s=10)
+    claimed_at = _record_claims(c.nodes[stand_in])
+    close = close_time(c.nodes[stand_in].book.opened_at(0), 0, c.ctx.deadline_s, c.ctx.slack_s)
+    killer = threading.Timer(close + c.ctx.slack_s / 2 - time.time(), c.nodes[leader].close)
+    killer.start()
+    try:
+        alive = [i for i in range(5) if i != leader]
+        xs = _inputs(5, c.numel, 24)
+        out = c.attempt(0, {i: xs[i] for i in alive})
+    finally:
+        killer.join()
+    d = out[stand_in].decision
+    assert d.status == "commit" and d.leader == c.ids[stand_in]
+    assert claimed_at and claimed_at[0] < close + 1.25 * c.ctx.slack_s, f"claimed at close + {claimed_at[0] - close:.2f} s"
+    means = [c.fetch(i, out[i].signed) for i in alive]
+    assert all(torch.equal(m, means[0]) for m in means)
