@@ -259,10 +259,12 @@ def test_a_restarted_peer_never_sends_a_second_contribution_to_an_attempt_and_kn
     assert all(torch.equal(c.fetch(i, out[0].signed), mean) for i in range(1, 4))
 
 
-def test_a_source_that_freezes_at_the_seal_costs_a_short_grace_not_a_slack(make_cluster):
+def test_a_source_that_freezes_at_the_seal_does_not_hold_the_commit_until_it_thaws(make_cluster):
     # Each shard's replicas are sealed with its source. A source that froze just then never
     # answers; once its shard's replica has sealed, it gets only a short grace before the leader
-    # replaces it by that replica, instead of the slack a silent source used to cost.
+    # replaces it by that replica. (If the replica's report has not reached the leader yet, the
+    # source gets the full seal timeout, about a slack.) The old code sealed the replicas only
+    # after replacing the source, the frozen one among them, and so waited until it thawed.
     import threading
 
     from groundswell.protocol.decision import seal_grace
@@ -316,7 +318,7 @@ def test_a_source_that_freezes_at_the_seal_costs_a_short_grace_not_a_slack(make_
     assert frozen, "no source was asked to seal"
     assert d.status == "commit" and frozen[0] not in d.sources, d
     took = timeline["decided"] - timeline["first_seal"]
-    assert took < c.slack_s, f"sealing to commit took {took:.1f} s (grace {seal_grace(c.ctx)} s, slack {c.slack_s} s)"
+    assert took < 1.5 * c.slack_s, f"sealing to commit took {took:.1f} s (grace {seal_grace(c.ctx)} s, slack {c.slack_s} s)"
     means = [c.fetch(i, out[i].signed) for i in range(4)]
     assert all(torch.equal(m, means[0]) for m in means)
 
