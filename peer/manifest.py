@@ -94,10 +94,14 @@ class RunSection(_RunScalars):
 
 @dataclass(frozen=True)
 class RoundSection:
-    """Round timing: how long a round may take and how many shards a contribution may have."""
+    """Round timing: how long a round may take and how many shards a contribution may have.
+
+    A round is decided by `deadline_s` after the previous one, even when its leader fails: the
+    leader closes it one slack earlier and a stand-in takes over a slack later. Contributions
+    are taken until a slack before the close, so `deadline_s - 2 * slack_s` is the time to train."""
 
     deadline_s: float = 30.0
-    slack_s: float = 5.0  # late contributions within the slack still count
+    slack_s: float = 5.0  # the margin for messages in flight, and a stand-in's wait for a silent leader
     max_shards: int = 16
 
     def __post_init__(self) -> None:
@@ -105,6 +109,9 @@ class RoundSection:
             raise ConfigError(f"round.deadline_s must be positive, got {self.deadline_s}")
         if not self.slack_s >= 0:
             raise ConfigError(f"round.slack_s must be >= 0, got {self.slack_s}")
+        if not self.deadline_s > 2 * self.slack_s:
+            raise ConfigError(f"round.deadline_s ({self.deadline_s}) must exceed 2 x round.slack_s ({self.slack_s}): "
+                              "contributions close two slacks before the deadline")
         if self.max_shards < 1:
             raise ConfigError(f"round.max_shards must be >= 1, got {self.max_shards}")
 

@@ -1,7 +1,7 @@
 """The contributing half of the round protocol: send shards, learn the decision, fetch aggregates.
 
 One call of `run_attempt` is one attempt of one round from a contributor's side; it never waits
-past deadline + a few slacks. Fetching the committed aggregate (`fetch_aggregate`) lives in
+past the deadline + a few slacks. Fetching the committed aggregate (`fetch_aggregate`) lives in
 `fetch.py`, mixed in here.
 """
 
@@ -82,7 +82,7 @@ class RoundClient(AggregateFetcher):
 
     async def announce(self, round_id: int, *, trains: bool, serves: bool) -> None:
         """Tell the leaders of `round_id`'s open attempt that we will contribute, before training:
-        they then wait for us (up to the deadline) instead of closing early without us, which
+        they then wait for us (up to the close) instead of closing early without us, which
         would leave a peer slower than the others out of every round."""
         attempt = self.current_attempt(round_id)
         plan = None if attempt is None else await self.server.plan(round_id, attempt, wait_s=0)
@@ -193,7 +193,7 @@ class RoundClient(AggregateFetcher):
 
     async def _await_decision(self, plan: RoundPlan) -> tuple[Decision | None, bytes]:
         # Ask the leader and the backup at once: the backup answers only if it had to decide
-        # (leader silent past deadline + slack), so the first non-empty answer is the decision.
+        # (leader silent past the close + slack), so the first non-empty answer is the decision.
         wait = self.ctx.deadline_s + (len(plan.leaders) + 1) * self.ctx.slack_s
         # A leader that does not answer at all (its process just died) is asked again until the
         # last stand-in would have decided: it may be restarted by then, and be the one deciding.

@@ -21,7 +21,7 @@ class RoundPlan:
     round: int
     attempt: int
     leader: str
-    leaders: tuple[str, ...]  # leader k takes over if leaders 0..k-1 are silent past deadline + k * slack
+    leaders: tuple[str, ...]  # leader k takes over if leaders 0..k-1 are silent past the close + k * slack
     order: tuple[str, ...]  # all servers in this attempt's rank order
     aggregators: tuple[str, ...]  # aggregator of shard s
     shard_segments: tuple[tuple[int, int], ...]  # [first, stop) segment indices of shard s
@@ -52,17 +52,25 @@ def slot_width(deadline_s: float, slack_s: float) -> float:
     return deadline_s + 3 * slack_s
 
 
+def close_offset(deadline_s: float, slack_s: float) -> float:
+    """Seconds from an attempt's opening to its close, when its leader decides at the latest.
+
+    One slack before the deadline: a leader that fails at the close is replaced by its first
+    stand-in a slack later, so even then the round is decided at its deadline, not after it."""
+    return deadline_s - slack_s
+
+
 def attempt_for(now: float, opened_at: float, deadline_s: float, slack_s: float) -> int:
-    """The attempt a contribution made at `now` belongs to: the first whose deadline is still at
+    """The attempt a contribution made at `now` belongs to: the first whose close is still at
     least one slack away. Every peer derives it from the previous commit's time, so peers that
     restart, stall or join mid-round agree on it without talking."""
     width = slot_width(deadline_s, slack_s)
-    return max(0, math.ceil((now + slack_s - opened_at - deadline_s) / width))
+    return max(0, math.ceil((now + slack_s - opened_at - close_offset(deadline_s, slack_s)) / width))
 
 
 def close_time(opened_at: float, attempt: int, deadline_s: float, slack_s: float) -> float:
-    """Wall-clock time at which the leader of `attempt` decides at the latest."""
-    return opened_at + attempt * slot_width(deadline_s, slack_s) + deadline_s
+    """Wall-clock time at which the leader of `attempt` decides at the latest (its close)."""
+    return opened_at + attempt * slot_width(deadline_s, slack_s) + close_offset(deadline_s, slack_s)
 
 
 def _rank(run_id: str, round_id: int, attempt: int, peer: str) -> bytes:

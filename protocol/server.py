@@ -3,10 +3,11 @@
 Aggregator (`aggregator.py`, mixed in): holds contributors' shard payloads for an attempt, reports who is complete to the
 attempt's leader and backup leader, and on a commit `Seal` builds its shard's aggregate over
 exactly the decided contributors (refusing if it lacks any: wholly in or wholly out).
-Leader: waits until every expected trainer is complete in every shard, or the deadline; picks
+Leader: waits until every expected trainer is complete in every shard, or the close (a slack
+before the deadline); picks
 one source aggregator per shard; commits if at least `min_peers` contributors are complete in
 all sources and every source sealed, else decides "retry". The backup leader decides only if
-the leader stays silent past deadline + slack; with scoring on, it drops contributions whose
+the leader stays silent past the close + slack (the deadline); with scoring on, it drops contributions whose
 update alone worsens a probe loss and decides again (claims: `claims.py`; the decision itself:
 `decision.py`; both mixed in).
 Archive: committed decisions (in the `DecisionBook`) and aggregate shards of recent rounds, so
@@ -267,7 +268,7 @@ class RoundServer(Aggregator, Claims, Decider):
                 await self._decide_claimed(plan, slot)
             return
         if rank > 0 or time.monotonic() > close_at + self.ctx.slack_s:
-            # Leader k decides only if leaders 0..k-1 stayed silent past deadline + k * slack (or
+            # Leader k decides only if leaders 0..k-1 stayed silent past the close + k * slack (or
             # are gone: not there at all, rather than slow); a leader that was frozen past its
             # window defers the same way.
             wake = close_at + rank * self.ctx.slack_s

@@ -30,7 +30,7 @@ VOLUNTEERS = ("pub", "h1", "h2", "h3")
 def run(rounds: int = 5, out: Path | None = None, timeout_s: float = 300, **lab_kwargs: object) -> dict:
     """Build the lab, run the swarm in it until every volunteer reached `rounds`, tear it down."""
     out = out or Path(tempfile.mkdtemp(prefix="netlab-run-"))
-    opts = SimulateOptions(peers=len(VOLUNTEERS), rounds=rounds, inner_steps=30, batch_size=4, deadline_s=15,
+    opts = SimulateOptions(peers=len(VOLUNTEERS), rounds=rounds, inner_steps=30, batch_size=4, deadline_s=20,
                            slack_s=2, min_peers=2, checkpoint_every=rounds)
     with netlab.lab(**lab_kwargs) as info, Simulation(out, opts) as sim:
         (out / "run.toml").write_text(manifest_toml(opts))

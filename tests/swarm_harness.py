@@ -28,7 +28,7 @@ class Cluster:
     segment: int = 4096
     max_shards: int = 4
     min_peers: int = 2
-    deadline_s: float = 8.0
+    deadline_s: float = 9.0
     slack_s: float = 1.0
     robust: RobustOptions = field(default_factory=lambda: RobustOptions(clip=0.0))  # plain mean unless a test asks
     verify_aggregates: bool = False

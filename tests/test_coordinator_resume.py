@@ -45,7 +45,7 @@ def test_rounds_go_on_without_the_coordinator_and_a_joiner_bootstraps_from_a_vol
     # joiner (after round 2) can then only bootstrap from the volunteers' addresses. Enough rounds
     # that the volunteers are still going when it is back (rounds of 5 steps took ~0.5 s here,
     # and 60 of them ended the run before the coordinator could resume).
-    opts = SimulateOptions(peers=3, rounds=100, inner_steps=20, batch_size=4, deadline_s=8, slack_s=2, min_peers=2,
+    opts = SimulateOptions(peers=3, rounds=100, inner_steps=20, batch_size=4, deadline_s=10, slack_s=2, min_peers=2,
                            checkpoint_every=5, kill_coordinator_at=0.1, restart_after=25, late_joiners=1,
                            timeout_s=360)
     try:

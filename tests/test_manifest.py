@@ -91,6 +91,7 @@ def test_allowlist(tmp_path):
         (MINIMAL + "[round]\ndeadline_s = nan\n", "deadline_s"),
         (MINIMAL + "[round]\ndeadline_s = inf\n", "deadline_s"),
         (MINIMAL + '[round]\ndeadline_s = "30"\n', "round.deadline_s"),
+        (MINIMAL + "[round]\ndeadline_s = 10\nslack_s = 5\n", "2 x round.slack_s"),  # no time left to train
         (MINIMAL + "[round]\nmax_shards = 1.5\n", "round.max_shards"),
         (MINIMAL + "[checkpoint]\nkeep = 0\n", "checkpoint.keep"),
         (MINIMAL + '[outer]\nalgorithm = "adam"\n', "outer.algorithm"),

@@ -165,10 +165,13 @@ def test_attempt_slots_follow_the_clock_from_the_previous_commit():
     from groundswell.protocol.plan import attempt_for, close_time, slot_width
 
     opened, deadline, slack = 1000.0, 30.0, 5.0
+    # Attempt 0 closes a slack before the deadline, so that a stand-in, which waits a slack for a
+    # silent leader, still decides by the deadline; contributions are due a slack before the close.
+    assert close_time(opened, 0, deadline, slack) == opened + deadline - slack
     assert attempt_for(opened, opened, deadline, slack) == 0
-    assert attempt_for(opened + deadline - slack - 0.1, opened, deadline, slack) == 0
-    # too close to attempt 0's deadline to be counted in it: the next slot
-    assert attempt_for(opened + deadline - slack + 0.1, opened, deadline, slack) == 1
+    assert attempt_for(opened + deadline - 2 * slack - 0.1, opened, deadline, slack) == 0
+    # too close to attempt 0's close to be counted in it: the next slot
+    assert attempt_for(opened + deadline - 2 * slack + 0.1, opened, deadline, slack) == 1
     for a in range(5):
         t = close_time(opened, a, deadline, slack)
         assert attempt_for(t - slack - 0.01, opened, deadline, slack) == a

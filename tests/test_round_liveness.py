@@ -40,7 +40,7 @@ def test_a_shard_whose_first_aggregator_is_dead_still_gets_a_replica(make_cluste
     # takes it, not only to the dead first candidate: the leader can still replace a source.
     from groundswell.protocol.plan import make_plan
 
-    c = make_cluster(n=5, codec_name="fp32", min_peers=2, deadline_s=6.0, slack_s=1.0)
+    c = make_cluster(n=5, codec_name="fp32", min_peers=2, deadline_s=7.0, slack_s=1.0)
     plan = make_plan(c.ctx.run_id, 0, 0, c.ids, c.ids, len(c.ctx.segment_numels), c.max_shards)
     shard, dead = next((s, c.ids.index(plan.candidates(s)[0])) for s in range(plan.num_shards)
                        if plan.candidates(s)[0] != plan.leaders[0])
@@ -78,7 +78,7 @@ def test_the_leader_claims_its_attempt_before_the_close_so_a_frozen_fellow_costs
     # leader therefore claims one slack before the close, while contributions still arrive.
     from groundswell.protocol.plan import close_time, make_plan
 
-    c = make_cluster(n=4, codec_name="fp32", min_peers=2, deadline_s=6.0, slack_s=1.5)
+    c = make_cluster(n=4, codec_name="fp32", min_peers=2, deadline_s=7.5, slack_s=1.5)
     plan = make_plan(c.ctx.run_id, 0, 0, c.ids, c.ids, len(c.ctx.segment_numels), c.max_shards)
     leader = c.ids.index(plan.leaders[0])
     claimed_at = _record_claims(c.nodes[leader])
@@ -97,7 +97,7 @@ def test_a_stand_in_does_not_wait_a_slack_for_a_leader_that_is_gone(make_cluster
     # that is not there at all (its dial is refused) cannot decide, so it is not waited for.
     from groundswell.protocol.plan import close_time, make_plan
 
-    c = make_cluster(n=4, codec_name="fp32", min_peers=2, deadline_s=6.0, slack_s=3.0)
+    c = make_cluster(n=4, codec_name="fp32", min_peers=2, deadline_s=9.0, slack_s=3.0)
     plan = make_plan(c.ctx.run_id, 0, 0, c.ids, c.ids, len(c.ctx.segment_numels), c.max_shards)
     dead, stand_in = (c.ids.index(p) for p in plan.leaders[:2])
     claimed_at = _record_claims(c.nodes[stand_in])
@@ -139,7 +139,7 @@ def _leader_forgets_mid_attempt(c, seed: int, forget) -> tuple[object, dict, int
 def test_a_leader_that_lost_its_reports_before_the_close_still_decides_on_everything_held(make_cluster):
     # A leader that restarts mid-attempt forgets every report. Aggregators send their reports
     # again one slack before the close, so it still commits every complete contribution.
-    c = make_cluster(n=4, codec_name="fp32", min_peers=2, deadline_s=6.0, slack_s=1.5)
+    c = make_cluster(n=4, codec_name="fp32", min_peers=2, deadline_s=7.5, slack_s=1.5)
     _, out, leader, idle = _leader_forgets_mid_attempt(c, 17, lambda server: server.attempts[(0, 0)].have.clear())
     d = out[leader].decision
     assert d.status == "commit" and d.contributors == sorted(c.ids[i] for i in range(4) if i != idle)
@@ -150,7 +150,7 @@ def test_a_leader_that_lost_its_reports_before_the_close_still_decides_on_everyt
 def test_a_leader_that_lost_its_join_records_still_names_every_serving_aggregator(make_cluster):
     # The next round is planned from a commit's servers. A leader that restarted mid-round has no
     # join records; the aggregators that reported to it still serve, so they stay servers.
-    c = make_cluster(n=4, codec_name="fp32", min_peers=2, deadline_s=6.0, slack_s=1.5)
+    c = make_cluster(n=4, codec_name="fp32", min_peers=2, deadline_s=7.5, slack_s=1.5)
     server, out, leader, _ = _leader_forgets_mid_attempt(c, 19, lambda server: server.joins.clear())
     d = out[leader].decision
     assert d.status == "commit"
@@ -164,7 +164,7 @@ def test_an_aggregator_that_is_behind_refuses_shards_it_could_not_report(make_cl
     # A peer that does not know the previous round's decision yet (it is catching up) cannot plan
     # the round, so it could never report a shard it held: it refuses, and the contributor's
     # shard goes to the next candidate.
-    c = make_cluster(n=4, codec_name="fp32", min_peers=2, deadline_s=6.0, slack_s=1.0)
+    c = make_cluster(n=4, codec_name="fp32", min_peers=2, deadline_s=7.0, slack_s=1.0)
     behind = 3
 
     async def forget() -> None:
@@ -187,7 +187,7 @@ def test_a_commit_its_leader_could_not_gather_is_taken_back_and_stops_no_later_a
     # leader must not be handed it (it would spend its window trying to adopt it), and decides.
     from groundswell.protocol.transport import PeerUnavailable
 
-    c = make_cluster(n=4, codec_name="fp32", min_peers=2, deadline_s=6.0, slack_s=1.0)
+    c = make_cluster(n=4, codec_name="fp32", min_peers=2, deadline_s=7.0, slack_s=1.0)
 
     async def cannot_gather(signed: bytes) -> None:
         raise PeerUnavailable("forced: the aggregate cannot be gathered")
@@ -226,7 +226,7 @@ def test_a_restarted_peer_never_sends_a_second_contribution_to_an_attempt_and_kn
 
     from groundswell.protocol.plan import make_plan
 
-    c = make_cluster(n=4, codec_name="fp32", min_peers=2, deadline_s=8.0, slack_s=1.0)
+    c = make_cluster(n=4, codec_name="fp32", min_peers=2, deadline_s=9.0, slack_s=1.0)
     x = 3
     xs = _inputs(4, c.numel, 14)
     v2 = xs[x] + 1.0
@@ -272,7 +272,7 @@ def test_a_source_that_freezes_at_the_seal_does_not_hold_the_commit_until_it_tha
     from groundswell.protocol.schema import Decision
     from groundswell.protocol.transport import unseal
 
-    c = make_cluster(n=4, codec_name="fp32", min_peers=2, deadline_s=6.0, slack_s=4.0)
+    c = make_cluster(n=4, codec_name="fp32", min_peers=2, deadline_s=10.0, slack_s=4.0)
     plan = make_plan(c.ctx.run_id, 0, 0, c.ids, c.ids, len(c.ctx.segment_numels), c.max_shards)
     leader = c.nodes[c.ids.index(plan.leaders[0])]
     frozen: list[str] = []
@@ -329,7 +329,7 @@ def test_a_leader_that_failed_to_answer_is_asked_again_for_the_decision(make_clu
     # commit only 14 s later, by catching up), so it is asked again until it could have decided.
     from groundswell.protocol.plan import make_plan
 
-    c = make_cluster(n=5, codec_name="fp32", min_peers=2, deadline_s=6.0, slack_s=1.0)
+    c = make_cluster(n=5, codec_name="fp32", min_peers=2, deadline_s=7.0, slack_s=1.0)
     plan = make_plan(c.ctx.run_id, 0, 0, c.ids, c.ids, len(c.ctx.segment_numels), c.max_shards)
     leader = c.ids.index(plan.leaders[0])
     for fellow in plan.leaders[1:]:  # gone, so no fellow leader can pass the decision on either
@@ -366,7 +366,7 @@ def test_a_leader_that_failed_to_answer_is_asked_again_for_the_decision(make_clu
 def test_a_source_that_freezes_after_the_commit_costs_a_fetcher_a_short_hedge_not_a_timeout(make_cluster):
     # A fetcher asks a shard's source first. If the source froze after the commit, the next
     # holder is asked too once a short hedge has passed, instead of after the whole request timeout.
-    c = make_cluster(n=4, codec_name="fp32", min_peers=2, deadline_s=6.0, slack_s=4.0)
+    c = make_cluster(n=4, codec_name="fp32", min_peers=2, deadline_s=10.0, slack_s=4.0)
     out = c.attempt(0, _inputs(4, c.numel, 23))
     d = out[0].decision
     assert d.status == "commit"
@@ -392,7 +392,7 @@ def test_a_stand_in_whose_leader_died_after_the_close_does_not_wait_on_leaders_b
 
     from groundswell.protocol.plan import close_time, make_plan
 
-    c = make_cluster(n=5, codec_name="fp32", min_peers=2, deadline_s=6.0, slack_s=2.0)
+    c = make_cluster(n=5, codec_name="fp32", min_peers=2, deadline_s=8.0, slack_s=2.0)
     plan = make_plan(c.ctx.run_id, 0, 0, c.ids, c.ids, len(c.ctx.segment_numels), c.max_shards)
     leader, stand_in = (c.ids.index(p) for p in plan.leaders[:2])
 

@@ -56,7 +56,7 @@ def test_incomplete_contribution_is_wholly_out_and_its_owner_knows(make_cluster)
 
 
 def test_a_dead_peer_cannot_hold_the_round_past_its_deadline(make_cluster):
-    c = make_cluster(n=4, codec_name="sparseloco", numel=6 * 4096, min_peers=2, deadline_s=6.0, slack_s=1.0)
+    c = make_cluster(n=4, codec_name="sparseloco", numel=6 * 4096, min_peers=2, deadline_s=7.0, slack_s=1.0)
     c.nodes[3].close()  # dead, yet still in the membership: it is an aggregator (and maybe a leader)
     start = time.monotonic()
     out = c.attempt(0, {i: x for i, x in _inputs(3, c.numel, 1).items()})
@@ -69,7 +69,7 @@ def test_a_dead_peer_cannot_hold_the_round_past_its_deadline(make_cluster):
 
 
 def test_a_frozen_aggregator_cannot_hold_the_round_past_its_deadline(make_cluster):
-    c = make_cluster(n=4, codec_name="fp32", min_peers=2, deadline_s=6.0, slack_s=1.0)
+    c = make_cluster(n=4, codec_name="fp32", min_peers=2, deadline_s=7.0, slack_s=1.0)
     # Block the node's event loop: its daemon keeps the sockets open but nothing answers, as
     # with a closed laptop lid.
     c.nodes[3]._loop.call_soon_threadsafe(time.sleep, c.deadline_s + 8 * c.slack_s)
@@ -141,7 +141,7 @@ def test_two_leaders_deciding_one_attempt_at_once_commit_at_most_once(make_clust
 
     from groundswell.protocol.plan import make_plan
 
-    c = make_cluster(n=4, codec_name="fp32", min_peers=2, deadline_s=30.0, slack_s=1.0)
+    c = make_cluster(n=4, codec_name="fp32", min_peers=2, deadline_s=31.0, slack_s=1.0)
     plan = make_plan(c.ctx.run_id, 0, 0, c.ids, c.ids, len(c.ctx.segment_numels), c.max_shards)
     leaders = [c.ids.index(p) for p in plan.leaders[:2]]
     xs = _inputs(4, c.numel, 8)
@@ -205,7 +205,7 @@ def test_a_leader_stalled_while_deciding_and_the_next_attempts_leader_never_both
 
     from groundswell.protocol.plan import make_plan
 
-    c = make_cluster(n=4, codec_name="fp32", min_peers=2, deadline_s=30.0, slack_s=1.0)
+    c = make_cluster(n=4, codec_name="fp32", min_peers=2, deadline_s=31.0, slack_s=1.0)
     plan0 = make_plan(c.ctx.run_id, 0, 0, c.ids, c.ids, len(c.ctx.segment_numels), c.max_shards)
     plan1 = make_plan(c.ctx.run_id, 0, 1, c.ids, c.ids, len(c.ctx.segment_numels), c.max_shards)
     l0 = c.ids.index(plan0.leaders[0])
