@@ -14,13 +14,17 @@ from typing import TYPE_CHECKING, Any
 
 from .aggregator import REPORTING_CANDIDATES
 from .plan import RoundPlan
-from .schema import Claim, ClaimReply, Decision, ProtocolError
-from .transport import PeerUnavailable, unseal
+from .schema import Claim, ClaimReply, Decision, DecisionReply, DecisionRequest, ProtocolError
+from .transport import PeerDead, PeerUnavailable, unseal
 
 if TYPE_CHECKING:
     from .server import _Attempt
 
 log = logging.getLogger(__name__)
+
+# At most this long (and half a slack, so a claimer waiting on our answer is not timed out) to
+# find out whether a grant's holder is dead; a refused dial is quick.
+PROBE_S = 2.0
 
 
 class Claims:
@@ -47,6 +51,7 @@ class Claims:
         stands back. A split is left possible only if the later leader reached none of the
         sealed peers (a real network partition), where hash checks re-sync the minority."""
         me = self.identity.peer_id
+        await self._revoke_if_dead(plan, slot)
         if (slot.granted_to not in (None, me) or self.later_claims.get(plan.round, -1) > plan.attempt
                 or self._deciding_before(plan.round, plan.attempt)):
             return False
@@ -86,6 +91,31 @@ class Claims:
             return False
         slot.deciding = True
         return True
+
+    async def _revoke_if_dead(self, plan: RoundPlan, slot: "_Attempt", claimer: str | None = None) -> None:
+        """Take our grant back from a fellow leader whose process is gone.
+
+        A leader that passed its claim and then died holds its fellow leaders' grants: nobody
+        else could decide the attempt, and the round lost a whole slot. Its process is gone when
+        no stream to it can be opened (`PeerDead`: dial refused, protocol not served); a new
+        process under its name has no memory of the claim, so cannot be halfway through a
+        decision. A slow, frozen or refusing holder keeps the grant. `claimer`: only on behalf of
+        a leader ranked behind the holder (one ranked ahead gets the grant anyway)."""
+        me, holder = self.identity.peer_id, slot.granted_to
+        if holder in (None, me, claimer) or holder not in plan.leaders or (
+                claimer is not None and plan.leaders.index(claimer) < plan.leaders.index(holder)):
+            return
+        try:
+            await self.transport.request(holder, "get-decision", DecisionRequest(plan.round, plan.attempt, 0.0),
+                                         DecisionReply, timeout_s=min(self.ctx.slack_s / 2, PROBE_S))
+            return
+        except PeerDead as exc:
+            if slot.granted_to == holder and slot.decision is None:
+                log.info("round %d attempt %d: %s held our grant and is gone (%s): taken back", plan.round,
+                         plan.attempt, holder[-8:], exc)
+                slot.granted_to = None
+        except (PeerUnavailable, ProtocolError):
+            return
 
     def _deciding_before(self, round_id: int, attempt: int) -> bool:
         """Is this peer, as a leader, deciding an earlier attempt of the round right now?"""
@@ -169,6 +199,9 @@ class Claims:
         # other is already deciding. (Safety does not rest on this tie-break: of two claimers, each
         # granted itself before asking the other, and one that gave its grant away stands back.)
         rank = plan.leaders.index
+        await self._revoke_if_dead(plan, slot, claimer=sender)
+        if slot.decision is not None:
+            return ClaimReply(False, slot.decision)
         holder = slot.granted_to
         if holder is None or (holder != me and rank(sender) < rank(holder)) or (
                 holder == me and not slot.deciding and rank(sender) < rank(me)):

@@ -41,6 +41,12 @@ class PeerGone(PeerUnavailable):
     the stream unanswered; unlike a timeout, not a peer that may merely be slow or frozen."""
 
 
+class PeerDead(PeerGone):
+    """No stream could be opened at all: the dial failed or the peer's daemon does not serve the
+    protocol. Its process is gone, or is a new one starting without the old one's memory. (A
+    stream closed unanswered is only `PeerGone`: a live peer's flood limits do that too.)"""
+
+
 @dataclass(frozen=True)
 class Envelope:
     """A signed message: who sent it, for which run, when, and the signature over all of it."""
@@ -234,11 +240,13 @@ class Transport:
         from hivemind.p2p import PeerID
 
         writer = None
+        opened = False
         try:
             async with asyncio.timeout(timeout_s):
                 _, reader, writer = await self.p2p.call_binary_stream_handler(
                     PeerID.from_base58(peer_id), self._name(handler)
                 )
+                opened = True
                 data = seal(self.identity, self.run_id, msg)
                 await write_frame(writer, data)
                 self.bytes_sent += len(data) + _LEN.size
@@ -261,7 +269,8 @@ class Transport:
         except asyncio.CancelledError:
             raise
         except Exception as exc:  # dial failures (ControlFailure), resets, EOF: the peer is gone
-            raise PeerGone(f"{peer_id[-8:]} unavailable for {handler}: {exc!r}") from None
+            gone = PeerGone if opened else PeerDead
+            raise gone(f"{peer_id[-8:]} unavailable for {handler}: {exc!r}") from None
         finally:
             if writer is not None:
                 writer.close()

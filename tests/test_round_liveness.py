@@ -418,3 +418,45 @@ def test_a_stand_in_whose_leader_died_after_the_close_does_not_wait_on_leaders_b
     assert claimed_at and claimed_at[0] < close + 1.25 * c.ctx.slack_s, f"claimed at close + {claimed_at[0] - close:.2f} s"
     means = [c.fetch(i, out[i].signed) for i in alive]
     assert all(torch.equal(m, means[0]) for m in means)
+
+
+def test_a_leader_that_dies_after_its_claim_passed_gives_its_grants_back(make_cluster):
+    # The leader claims one slack before the close and its fellow leaders grant it the attempt.
+    # If it dies before deciding, they take their grants back once no stream to it can be opened
+    # (its process is gone), and a stand-in decides the attempt. Before, the dead leader kept the
+    # grants, nobody could decide attempt 0, and the round lost a whole slot (a 73 s round in a
+    # churn run with a 30 s deadline).
+    import asyncio
+    import threading
+
+    from groundswell.protocol.plan import close_time, make_plan
+
+    c = make_cluster(n=4, codec_name="fp32", min_peers=2, deadline_s=7.5, slack_s=1.5)
+    plan = make_plan(c.ctx.run_id, 0, 0, c.ids, c.ids, len(c.ctx.segment_numels), c.max_shards)
+    leader, stand_in = (c.ids.index(p) for p in plan.leaders[:2])
+    passed = threading.Event()
+
+    async def die_instead_of_deciding(plan_, slot_) -> None:  # the claim passed; the process dies
+        passed.set()
+        await asyncio.Event().wait()
+
+    async def patch() -> None:
+        c.nodes[leader].server._decide_claimed = die_instead_of_deciding
+
+    c.nodes[leader].call(patch(), timeout_s=10)
+    idle = next(i for i in range(4) if i not in (leader, stand_in))  # joins, never contributes: no early close
+    xs = _inputs(4, c.numel, 22)
+    runs = {i: c.nodes[i].submit(c.nodes[i].client.run_attempt(0, 0, None if i == idle else c.segments(xs[i]),
+                                                                trains=True, serves=True)) for i in range(4)}
+    assert passed.wait(60), "the leader never passed its claim"
+    c.nodes[leader].close()
+    alive = [i for i in range(4) if i != leader]
+    out = {i: runs[i].result(timeout=120) for i in alive}
+    decision = out[stand_in].decision
+    assert decision is not None and decision.status == "commit" and decision.attempt == 0, \
+        "nobody decided the attempt whose leader died holding the grants"
+    close = close_time(c.nodes[stand_in].book.opened_at(0), 0, c.ctx.deadline_s, c.ctx.slack_s)
+    assert decision.time < close + 3 * c.ctx.slack_s, f"decided {decision.time - close:.1f} s after the close"
+    assert all(out[i].signed == out[stand_in].signed for i in alive)
+    means = [c.fetch(i, out[i].signed) for i in alive]
+    assert all(torch.equal(m, means[0]) for m in means)
