@@ -1,0 +1,61 @@
+#!/usr/bin/env python3
+"""SparseLoCo settings against DiLoCo-int8 at equal inner steps, in one process (no network).
+
+    OMP_WAIT_POLICY=PASSIVE python scripts/sparse_sweep.py [--preset small] [--steps 150] [--workers 4] [NAME ...]
+
+Runs train-local (same seed, data and inner optimizer for every row) for DiLoCo-int8 with H = 30
+(bench_wan's run (b)) and SparseLoCo variants (overlapped with the eager start, as bench_wan's run
+(a)), and prints one JSON row per setting: {name, eval_loss, seconds}. With no NAME, all settings.
+Warmup follows `groundswell simulate`: min(50, 2 H) inner steps. One torch thread.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+
+import torch
+
+from groundswell.peer.config import (
+    DataSection, EvalSection, InnerSection, ModelSection, OuterSection, TrainLocalConfig,
+)
+from groundswell.peer.data import load_corpus
+from groundswell.peer.train_local import run_train_local
+
+SETTINGS = {
+    "diloco-int8-H30": dict(algorithm="diloco", codec="int8", inner_steps=30, overlap=0),
+    "sparse-H10-lr2": dict(algorithm="sparseloco", inner_steps=10, overlap=1, eager=True, lr=2.0),
+    "sparse-H10-lr1": dict(algorithm="sparseloco", inner_steps=10, overlap=1, eager=True, lr=1.0),
+    "sparse-H10-lr4": dict(algorithm="sparseloco", inner_steps=10, overlap=1, eager=True, lr=4.0),
+    "sparse-H5-lr2": dict(algorithm="sparseloco", inner_steps=5, overlap=1, eager=True, lr=2.0),
+    "sparse-H2-lr2": dict(algorithm="sparseloco", inner_steps=2, overlap=1, eager=True, lr=2.0),
+}
+
+
+def main() -> None:
+    """Run the chosen settings and print a JSON row for each."""
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("names", nargs="*", choices=[[], *SETTINGS], metavar="NAME", help=", ".join(SETTINGS))
+    ap.add_argument("--preset", default="small")
+    ap.add_argument("--steps", type=int, default=150)
+    ap.add_argument("--workers", type=int, default=4)
+    ap.add_argument("--seed", type=int, default=1)
+    a = ap.parse_args()
+    torch.set_num_threads(1)
+    corpus = load_corpus("stdlib")
+    for name in a.names or list(SETTINGS):
+        outer = SETTINGS[name]
+        started = time.time()
+        cfg = TrainLocalConfig(
+            workers=a.workers, steps=a.steps, seed=a.seed, model=ModelSection(a.preset), data=DataSection(batch_size=8),
+            inner=InnerSection(lr=3e-3, warmup_steps=min(50, 2 * int(outer["inner_steps"]))),
+            outer=OuterSection(**outer), eval=EvalSection(batches=4, batch_size=8),
+        )
+        r = run_train_local(cfg, corpus=corpus)
+        print(json.dumps({"name": name, "eval_loss": round(r.eval_loss, 4), "seconds": round(time.time() - started),
+                          "params_identical": r.params_identical}), flush=True)
+
+
+if __name__ == "__main__":
+    main()
