@@ -25,6 +25,7 @@ from groundswell.peer.train_local import run_train_local
 
 SETTINGS = {
     "diloco-int8-H30": dict(algorithm="diloco", codec="int8", inner_steps=30, overlap=0),
+    "diloco-int8-H30-sgd": dict(algorithm="diloco", codec="int8", inner_steps=30, overlap=0, lr=1.0, momentum=0.0),
     "sparse-H10-lr2": dict(algorithm="sparseloco", inner_steps=10, overlap=1, eager=True, lr=2.0),
     "sparse-H10-lr1": dict(algorithm="sparseloco", inner_steps=10, overlap=1, eager=True, lr=1.0),
     "sparse-H10-lr4": dict(algorithm="sparseloco", inner_steps=10, overlap=1, eager=True, lr=4.0),
