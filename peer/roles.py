@@ -78,6 +78,8 @@ def run_volunteer(p: Participant, bootstrap_peers: list[str], *, max_rounds: int
             torch_load_params(p)
         except (KeyError, ValueError, RuntimeError) as exc:
             log.warning("inner state in the checkpoint does not fit (%s); starting the inner optimizer afresh", exc)
+    if resumed is None:  # so a crash before the first scheduled checkpoint resumes from disk, not a download
+        p.save_checkpoint({"inner": trainer.state_dict()})
     loop = _VolunteerLoop(p, SwarmExchange(p.node, serves=p.node.options.serves), trainer, bootstrap_peers, stop,
                           on_round)
 

@@ -178,8 +178,14 @@ class Claims:
         if known is not None and known.decision is not None:
             return ClaimReply(False, known.decision)
         self._check_open(msg.round, msg.attempt)  # type: ignore[attr-defined]
-        plan = await self.plan(msg.round, msg.attempt, self.ctx.slack_s)
-        if plan is None or sender not in plan.leaders:
+        # Within half a slack, so that the claimer hears our answer before its request times out.
+        plan = await self.plan(msg.round, msg.attempt, self.ctx.slack_s / 2)
+        if plan is None:
+            # We are behind: we cannot plan this round, so we neither lead it nor granted it to
+            # anyone. No objection (it used to be one, and a leader that was catching up could
+            # keep every stand-in from deciding).
+            return ClaimReply(True, b"")
+        if sender not in plan.leaders:
             return ClaimReply(False, b"")
         # Across attempts, the first to reach this peer wins: a leader of an earlier attempt that
         # is deciding objects; otherwise that earlier attempt is fenced off here (no claim, no
@@ -190,6 +196,7 @@ class Claims:
         if msg.fence:
             self.later_claims[msg.round] = max(self.later_claims.get(msg.round, -1), msg.attempt)
         slot = self.attempts[(msg.round, msg.attempt)]  # only a leader of the attempt makes us keep one
+        slot.claimed_by.add(sender)
         if slot.decision is not None:
             return ClaimReply(False, slot.decision)
         me = self.identity.peer_id

@@ -71,6 +71,7 @@ class _Attempt:
     changed: asyncio.Event = field(default_factory=asyncio.Event)
     leading: bool = False
     granted_to: str | None = None  # the one leader this peer lets decide the attempt (itself included)
+    claimed_by: set[str] = field(default_factory=set)  # fellow leaders whose claim of the attempt reached us
     deciding: bool = False  # this peer passed its claim and is deciding: it no longer yields
 
     def poke(self) -> None:
@@ -272,7 +273,7 @@ class RoundServer(Aggregator, Claims, Decider):
             # are gone: not there at all, rather than slow); a leader that was frozen past its
             # window defers the same way.
             wake = close_at + rank * self.ctx.slack_s
-            ahead = await self._leaders_ahead(plan, rank, wake) if rank > 0 else rank
+            ahead = await self._leaders_ahead(plan, rank, wake, time.monotonic() >= close_at) if rank > 0 else rank
             ahead_gone = rank > 0 and ahead == 0
             await asyncio.sleep(max(0.0, close_at + ahead * self.ctx.slack_s - time.monotonic()))
             if slot.decision is not None or round_id in self.book.committed:
@@ -322,10 +323,19 @@ class RoundServer(Aggregator, Claims, Decider):
         finally:
             slot.deciding = slot.decision is not None  # stood back: no longer objects to later claims
 
-    async def _leaders_ahead(self, plan: RoundPlan, rank: int, until: float) -> int:
+    async def _leaders_ahead(self, plan: RoundPlan, rank: int, until: float, closed: bool) -> int:
         """How many of leaders 0..rank-1 are not gone (dial refused, protocol not served), as far
-        as can be told before monotonic time `until`? A silent or slow one may still decide."""
+        as can be told before monotonic time `until`? A silent or slow one may still decide.
+
+        `closed`: asked at the close, not at an early one. Then the first leader, which claims the
+        attempt from its fellow leaders a slack before the close, counts as gone if its claim has
+        not reached us: it is a slack late already (frozen, dead, or behind: it cannot plan the
+        round). If it comes back and claims after all, the grants decide between us."""
+        slot = self.attempts[(plan.round, plan.attempt)]
+
         async def gone(peer: str) -> bool:
+            if closed and peer == plan.leaders[0] and peer not in slot.claimed_by:
+                return True
             try:
                 await self.transport.request(peer, "get-decision", DecisionRequest(plan.round, plan.attempt, 0.0),
                                              DecisionReply, timeout_s=self.ctx.slack_s)

@@ -460,3 +460,33 @@ def test_a_leader_that_dies_after_its_claim_passed_gives_its_grants_back(make_cl
     assert all(out[i].signed == out[stand_in].signed for i in alive)
     means = [c.fetch(i, out[i].signed) for i in alive]
     assert all(torch.equal(m, means[0]) for m in means)
+
+
+def test_a_stand_in_does_not_wait_for_a_leader_that_is_behind(make_cluster):
+    # A leader that has not learned the previous round's decision cannot plan the attempt: it
+    # neither claims it (on time, a slack before the close) nor objects to a stand-in's claim.
+    # The stand-in, not having heard its claim by the close, claims at once. Before, it waited a
+    # slack first, and the leader answered its claim with a refusal once it had waited a slack
+    # for the plan itself (a churn run's round took 36 s against a 30 s deadline).
+    from groundswell.protocol.plan import close_time, make_plan
+
+    c = make_cluster(n=4, codec_name="fp32", min_peers=2, deadline_s=9.0, slack_s=3.0)
+    plan = make_plan(c.ctx.run_id, 0, 0, c.ids, c.ids, len(c.ctx.segment_numels), c.max_shards)
+    behind, stand_in = (c.ids.index(p) for p in plan.leaders[:2])
+    claimed_at = _record_claims(c.nodes[stand_in])
+
+    async def forget_genesis() -> None:
+        c.nodes[behind].book.committed.pop(-1)
+
+    c.nodes[behind].call(forget_genesis(), timeout_s=10)
+    alive = [i for i in range(4) if i != behind]
+    xs = _inputs(4, c.numel, 23)
+    out = c.attempt(0, {i: xs[i] for i in alive})
+    decision = out[stand_in].decision
+    assert decision is not None and decision.status == "commit" and decision.leader == c.ids[stand_in]
+    close = close_time(c.nodes[stand_in].book.opened_at(0), 0, c.ctx.deadline_s, c.ctx.slack_s)
+    assert claimed_at and claimed_at[0] < close + c.ctx.slack_s / 2, \
+        f"the stand-in claimed {claimed_at[0] - close:.1f} s after the close"
+    assert decision.time < close + c.ctx.slack_s, f"decided {decision.time - close:.1f} s after the close"
+    means = [c.fetch(i, out[i].signed) for i in alive]
+    assert all(torch.equal(m, means[0]) for m in means)

@@ -38,6 +38,10 @@ def test_simulate_three_peers_agree_and_learn(tmp_path, overlap):
         rounds = [json.loads(line) for line in (out / name / "events.jsonl").read_text().splitlines()
                   if '"kind": "round"' in line]
         assert rounds and all(e["eval_loss"] != e["eval_loss"] for e in rounds), f"{name} evaluated"
+        # saved as soon as it held the state, and again on leaving (the scheduled checkpoints come
+        # every 5 rounds): a crash in the first rounds resumes from disk instead of downloading
+        saved = sorted((out / name).glob("checkpoint-*.pt"))
+        assert len(saved) == 2, f"{name} saved {[f.name for f in saved]}"
     # every volunteer applied every round with the same parameters as the coordinator
     assert 0 < report["bytes_sent_per_peer_per_round"] < report["dense_fp32_ring_bytes_per_peer_per_round"]
     kinds = {e["kind"] for e in report["events"]}
