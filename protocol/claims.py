@@ -183,8 +183,9 @@ class Claims:
         if plan is None:
             # We are behind: we cannot plan this round, so we neither lead it nor granted it to
             # anyone. No objection (it used to be one, and a leader that was catching up could
-            # keep every stand-in from deciding).
-            return ClaimReply(True, b"")
+            # keep every stand-in from deciding). A fence still gets one: we cannot check who
+            # sends it, and it would make us refuse the earlier attempts once we catch up.
+            return ClaimReply(not msg.fence, b"")
         if sender not in plan.leaders:
             return ClaimReply(False, b"")
         # Across attempts, the first to reach this peer wins: a leader of an earlier attempt that

@@ -26,7 +26,7 @@ def test_kills_restarts_freezes_leaves_and_late_joins(tmp_path):
     # Faults start once round 0 is in and stop at the target round: enough rounds, and faults
     # early enough, that each kind happens even when rounds are fast (a CI run once finished 12
     # rounds before a first kill 10 s in). The first kill makes a round wait for the dead peer
-    # until the deadline, so the restart 4 s later and the freeze in between happen too.
+    # until the close, so the restart 4 s later and the freeze in between happen too.
     opts = SimulateOptions(peers=4, rounds=20, inner_steps=5, batch_size=4, deadline_s=12, slack_s=2, min_peers=2,
                            checkpoint_every=1, kill_every=5, restart_after=4, freeze_every=6, freeze_for=4,
                            late_joiners=1, leave_every=60, timeout_s=520, seed=1)
