@@ -197,6 +197,11 @@ def run_simulation(opts: SimulateOptions, out: Path, progress: Callable[[str], N
     """Run a coordinator and volunteers (with the scheduled faults) until round `opts.rounds`."""
     import random
 
+    import tomllib
+
+    from .manifest import manifest_from_mapping
+
+    manifest_from_mapping(tomllib.loads(manifest_toml(opts)))  # a bad option is a one-line ConfigError, before any process
     start = time.time()
     rng = random.Random(opts.seed)
     with Simulation(out, opts) as sim:

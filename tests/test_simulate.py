@@ -77,3 +77,13 @@ def test_recovery_counts_the_next_round_and_the_stricter_reading_the_next_round_
     assert report["rejoin_s"] == [10.0]
     assert report["lost_contributions"] == 0
     assert "1 kill;" in fault_summary(report) and fault_summary({"events": []}) is None
+
+
+def test_a_bad_option_fails_before_any_process_starts(tmp_path):
+    # The manifest a simulation would launch is validated first: one clear error, nothing spawned.
+    from groundswell.peer.config import ConfigError
+
+    out = tmp_path / "sim"
+    with pytest.raises(ConfigError, match="2 x round.slack_s"):
+        run_simulation(SimulateOptions(peers=2, rounds=1, deadline_s=8, slack_s=5), out, progress=lambda m: None)
+    assert not out.exists()
