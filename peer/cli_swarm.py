@@ -273,7 +273,8 @@ def simulate(
     codec: str = typer.Option("", help="Outer codec [default: the algorithm's]."),
     inner_steps: int = typer.Option(20, "--inner-steps", "-H", help="Inner steps per round."),
     batch_size: int = typer.Option(8, help="Inner batch size."),
-    deadline: float = typer.Option(30.0, help="Round deadline in seconds: a round is decided within it (contributions are due 2 slacks earlier)."),
+    deadline: float = typer.Option(
+        30.0, help="Round deadline in seconds: a round is decided by it (contributions are due 2 slacks earlier)."),
     min_peers: int = typer.Option(2, help="Contributions a round needs."),
     outer_lr: float = typer.Option(0.0, help="Outer learning rate [default: the algorithm's]."),
     overlap: int = typer.Option(0, help="1: exchange each round while the next H steps train (delayed outer step)."),

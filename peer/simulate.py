@@ -14,6 +14,7 @@ import signal
 import subprocess
 import sys
 import time
+import tomllib
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -197,11 +198,10 @@ def run_simulation(opts: SimulateOptions, out: Path, progress: Callable[[str], N
     """Run a coordinator and volunteers (with the scheduled faults) until round `opts.rounds`."""
     import random
 
-    import tomllib
-
     from .manifest import manifest_from_mapping
 
-    manifest_from_mapping(tomllib.loads(manifest_toml(opts)))  # a bad option is a one-line ConfigError, before any process
+    # A bad option is one ConfigError line here, before any process starts.
+    manifest_from_mapping(tomllib.loads(manifest_toml(opts)))
     start = time.time()
     rng = random.Random(opts.seed)
     with Simulation(out, opts) as sim:

@@ -105,17 +105,23 @@ class Claims:
         if holder in (None, me, claimer) or holder not in plan.leaders or (
                 claimer is not None and plan.leaders.index(claimer) < plan.leaders.index(holder)):
             return
+        failure = await self._probe(holder, plan, min(self.ctx.slack_s / 2, PROBE_S))
+        if isinstance(failure, PeerDead) and slot.granted_to == holder and slot.decision is None:
+            log.info("round %d attempt %d: %s held our grant and is gone (%s): taken back", plan.round,
+                     plan.attempt, holder[-8:], failure)
+            slot.granted_to = None
+
+    async def _probe(self, peer: str, plan: RoundPlan, timeout_s: float) -> PeerUnavailable | None:
+        """Ask `peer` once, without waiting, for the attempt's decision: None if it answered, else
+        why not (`PeerDead`, `PeerGone`, or a plain `PeerUnavailable` for a slow or bad answer)."""
         try:
-            await self.transport.request(holder, "get-decision", DecisionRequest(plan.round, plan.attempt, 0.0),
-                                         DecisionReply, timeout_s=min(self.ctx.slack_s / 2, PROBE_S))
-            return
-        except PeerDead as exc:
-            if slot.granted_to == holder and slot.decision is None:
-                log.info("round %d attempt %d: %s held our grant and is gone (%s): taken back", plan.round,
-                         plan.attempt, holder[-8:], exc)
-                slot.granted_to = None
-        except (PeerUnavailable, ProtocolError):
-            return
+            await self.transport.request(peer, "get-decision", DecisionRequest(plan.round, plan.attempt, 0.0),
+                                         DecisionReply, timeout_s=timeout_s)
+            return None
+        except PeerUnavailable as exc:
+            return exc
+        except ProtocolError as exc:
+            return PeerUnavailable(str(exc))
 
     def _deciding_before(self, round_id: int, attempt: int) -> bool:
         """Is this peer, as a leader, deciding an earlier attempt of the round right now?"""

@@ -336,14 +336,7 @@ class RoundServer(Aggregator, Claims, Decider):
         async def gone(peer: str) -> bool:
             if closed and peer == plan.leaders[0] and peer not in slot.claimed_by:
                 return True
-            try:
-                await self.transport.request(peer, "get-decision", DecisionRequest(plan.round, plan.attempt, 0.0),
-                                             DecisionReply, timeout_s=self.ctx.slack_s)
-                return False
-            except PeerGone:
-                return True
-            except (PeerUnavailable, ProtocolError):
-                return False
+            return isinstance(await self._probe(peer, plan, self.ctx.slack_s), PeerGone)
 
         try:
             async with asyncio.timeout(max(0.0, until - time.monotonic())):
