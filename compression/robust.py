@@ -46,18 +46,35 @@ class RobustStats:
 
 
 def tree_sum_of_squares(x: torch.Tensor) -> float:
-    """sum(x**2) in float64 by a fixed pairwise tree: the same bits on every CPU and thread count."""
+    """sum(x**2) in float64 by a fixed pairwise tree: the same bits on every CPU and thread count.
+
+    Level by level, element 2i is added to element 2i+1 (elementwise: no order is left to the
+    library); an odd element out at the end of a level passes up unchanged. That is the tree of
+    the input zero-padded to a power of two (x + 0 is exact), without building the padding."""
     v = x.detach().reshape(-1).to(device="cpu", dtype=torch.float64)
-    v = v * v  # an fp32 value's square is exact in fp64
     n = v.numel()
     if n == 0:
         return 0.0
-    size = 1 << (n - 1).bit_length()
-    if size != n:
-        v = torch.cat([v, v.new_zeros(size - n)])
-    while v.numel() > 1:
-        v = v[0::2] + v[1::2]  # elementwise: no order left to the library
+    v = v * v  # an fp32 value's square is exact in fp64
+    while n > 1:
+        half = n // 2
+        pairs = v[0:2 * half:2] + v[1:2 * half:2]
+        v = torch.cat([pairs, v[n - 1:n]]) if n % 2 else pairs
+        n = v.numel()
     return float(v[0])
+
+
+def _nonzeros(t: torch.Tensor) -> torch.Tensor:
+    """`t[t != 0]`, without the copy when nothing is zero (a dense update, usually)."""
+    return t if int(torch.count_nonzero(t)) == t.numel() else t[t != 0]
+
+
+def contribution_sq_norm(codec: Codec, row: Sequence[Payload]) -> float:
+    """A contribution's squared norm over its segments, as `robust_mean` computes it for clipping:
+    an aggregator can work it out when the contribution arrives, and pass it in at the seal."""
+    # zeros add nothing: summing only the nonzeros (a sparse update has ~1/64 of them) is as exact
+    # and as deterministic, and much cheaper
+    return _sum_in_order(tree_sum_of_squares(_nonzeros(codec.decode(p, device="cpu"))) for p in row)
 
 
 def clip_weights(sq_norms: Sequence[float], clip: float) -> list[float]:
@@ -77,9 +94,10 @@ def clip_weights(sq_norms: Sequence[float], clip: float) -> list[float]:
 
 
 def robust_mean(codec: Codec, rows: Sequence[Sequence[Payload]], options: RobustOptions,
-                stats: RobustStats | None = None) -> list[torch.Tensor]:
+                stats: RobustStats | None = None, sq_norms: Sequence[float] | None = None) -> list[torch.Tensor]:
     """The robust mean of each segment over contributions: `rows[c][i]` is contribution c's
-    payload of segment i; the norm that is clipped is contribution c's over all its segments."""
+    payload of segment i; the norm that is clipped is contribution c's over all its segments.
+    `sq_norms`: each row's `contribution_sq_norm`, if already known (dense codecs)."""
     if not rows:
         raise CodecError("cannot aggregate zero contributions")
     num_segments = len(rows[0])
@@ -91,10 +109,11 @@ def robust_mean(codec: Codec, rows: Sequence[Sequence[Payload]], options: Robust
     if entries is not None and not options.trim:
         return _sparse_clipped_mean(entries, rows, options.clip, stats)
     decoded = [[codec.decode(p, device="cpu") for p in row] for row in rows]
-    # zeros add nothing: summing only the nonzeros (a sparse update has ~1/64 of them) is as exact
-    # and as deterministic, and much cheaper
-    weights = clip_weights([_sum_in_order(tree_sum_of_squares(t[t != 0]) for t in row) for row in decoded],
-                           options.clip)
+    if sq_norms is not None and len(sq_norms) != len(rows):
+        raise CodecError(f"{len(sq_norms)} norms for {len(rows)} contributions")
+    if sq_norms is None:
+        sq_norms = [_sum_in_order(tree_sum_of_squares(_nonzeros(t)) for t in row) for row in decoded]
+    weights = clip_weights(list(sq_norms), options.clip)
     if stats is not None:
         stats.clipped.update(c for c, w in enumerate(weights) if w < 1.0)
     n = len(rows)
@@ -126,7 +145,7 @@ def _sparse_clipped_mean(entries: Callable[[Payload], tuple[torch.Tensor, torch.
     0 + w0 v0 + w1 v1 + ... in contribution order (one scatter-add per contribution, whose
     positions are unique)."""
     parsed = [[entries(p) for p in row] for row in rows]
-    sq = [_sum_in_order(tree_sum_of_squares(v[v != 0]) for _, v in row) for row in parsed]
+    sq = [_sum_in_order(tree_sum_of_squares(_nonzeros(v)) for _, v in row) for row in parsed]
     weights = clip_weights(sq, clip)
     if stats is not None:
         stats.clipped.update(c for c, w in enumerate(weights) if w < 1.0)

@@ -41,6 +41,7 @@ from groundswell.protocol.identity import (
 MANIFEST_VERSION = 1
 MAX_MANIFEST_BYTES = 1 << 20
 MAX_ALLOWLIST = 10_000
+MAX_REPLICAS = 3  # a shard goes to the first of its 4 reporting candidates that take it
 # signatures are domain-separated: the same identity also signs round messages
 _SIGNING_DOMAIN = b"groundswell/manifest/v1\x00"
 _RUN_ID = re.compile(r"[a-z0-9-]{1,48}")
@@ -103,6 +104,10 @@ class RoundSection:
     deadline_s: float = 30.0
     slack_s: float = 5.0  # the margin for messages in flight, and a stand-in's wait for a silent leader
     max_shards: int = 16
+    # Copies of each contribution shard beyond the first, on other aggregators, so that a source
+    # that dies before the seal is replaced instead of costing a retried attempt. Unset: 1 for
+    # dense codecs (each copy is another full-size upload), 2 for sparseloco (copies are small).
+    replicas: int | None = None
 
     def __post_init__(self) -> None:
         if not self.deadline_s > 0:
@@ -114,6 +119,8 @@ class RoundSection:
                               "contributions close two slacks before the deadline")
         if self.max_shards < 1:
             raise ConfigError(f"round.max_shards must be >= 1, got {self.max_shards}")
+        if self.replicas is not None and not 0 <= self.replicas <= MAX_REPLICAS:
+            raise ConfigError(f"round.replicas must be 0..{MAX_REPLICAS}, got {self.replicas}")
 
 
 @dataclass(frozen=True)

@@ -68,6 +68,7 @@ class RunContext:
     limits: Limits = field(default_factory=Limits)
     state_readers: frozenset[str] | None = None  # None: anyone may download the state
     verify_aggregates: bool = False  # dense codecs: ship signed contributions, not the aggregator's mean
+    replicas: int | None = None  # copies of each shard beyond the first; None: 1 for dense codecs, 2 for sparse
 
     def authorized(self, peer_id: str) -> bool:
         """Open runs take anyone; allowlisted runs only listed peer ids."""

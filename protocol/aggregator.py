@@ -13,7 +13,7 @@ import logging
 import time
 from typing import Any
 
-from groundswell.compression import RobustStats, robust_mean
+from groundswell.compression import RobustStats, contribution_sq_norm, robust_mean
 
 from .context import contribution_digest, validate_segments
 from .plan import attempt_for, close_time
@@ -37,9 +37,13 @@ def decision_digests(decision: Decision, shard: int) -> list[bytes]:
 
 
 def replica_count(ctx: Any) -> int:
-    """Copies of each shard a contributor makes besides the first: two for sparse payloads (about
-    1/150 of fp32, so a third copy costs little and keeps a shard when two of its holders die in
-    one round), one for dense ones (each copy is the shard's full fp32/int8 size)."""
+    """Copies of each shard a contributor makes besides the first: the run's `replicas` if it sets
+    it, else two for sparse payloads (about 1/150 of fp32, so a third copy costs little and keeps a
+    shard when two of its holders die in one round) and one for dense ones (each copy is the
+    shard's full fp32/int8 size). With none, a source that dies before it seals costs a retry."""
+    chosen = getattr(ctx, "replicas", None)
+    if chosen is not None:
+        return min(int(chosen), REPORTING_CANDIDATES - 1)
     return 1 if ctx.codec.name in DENSE_MEAN_CODECS else 2
 
 
@@ -114,13 +118,15 @@ class Aggregator:
             raise ProtocolError(f"shard {msg.shard} does not span segments {msg.first_segment}.."
                                 f"{msg.first_segment + len(msg.segments)} in this round", reason="bad-payload")
         try:
-            validate_segments(self.ctx, msg.first_segment, msg.segments)
+            rows = validate_segments(self.ctx, msg.first_segment, msg.segments)
         except ProtocolError:  # counted and dropped by the transport; the leaders hear of it
             slot.refused.add(sender)
             self._report(msg.round, msg.attempt)
             raise
         slot.contributions[msg.shard][sender] = (msg.first_segment, msg.segments, envelope,
                                                  contribution_digest(msg.first_segment, msg.segments))
+        if self._clips_dense():  # worked out now, while the network is the bottleneck, not at the seal
+            slot.sq_norms[(msg.shard, sender)] = contribution_sq_norm(self.ctx.codec, rows)
         self._report(msg.round, msg.attempt)
         if not slot.refresh:
             slot.refresh = True
@@ -219,7 +225,7 @@ class Aggregator:
         mine = [s for s, src in enumerate(decision.sources) if src == self.identity.peer_id]
         # A replica builds its copy too, so the commit outlives its source and its leader.
         spare = [s for s in sorted(slot.contributions) if s < plan.num_shards and s not in mine]
-        built = {}
+        built, complete = {}, []
         for shard in mine + spare:
             first, stop = plan.shard_segments[shard]
             held = slot.contributions.get(shard, {})
@@ -228,12 +234,40 @@ class Aggregator:
                        if c not in held or held[c][0] != first or len(held[c][1]) != stop - first or held[c][3] != dg]
             if missing and shard in mine:
                 return Ack(False, f"shard {shard}: missing contributions from {len(missing)} peers")
-            if not missing:
-                built[shard] = self._build(msg.decision, shard, [held[c] for c in decision.contributors], first)
+            if not missing and shard in mine:
+                built[shard] = self._build_held(msg.decision, decision, slot, shard, first)
+            elif not missing:
+                complete.append(shard)
         slot.sealed = msg.decision  # not in the book yet: the leader announces it once it holds every shard
         for shard, agg in built.items():
             self.archive(decision.round, shard, agg)
+        if complete:  # the replica's copies: after the ack, so the leader does not wait for them
+            self._spawn(self._build_spares(msg.decision, decision, slot, complete, plan))
         return Ack(True, "")
+
+    async def _build_spares(self, signed: bytes, decision: Decision, slot: Any, shards: list[int], plan: Any) -> None:
+        """Build a replica's copies of sealed shards, one at a time, while the seal still stands
+        (a retry from the same leader voids it) and nobody handed us the shard meanwhile."""
+        try:
+            for shard in shards:
+                await asyncio.sleep(0)  # the ack goes out first; the loop serves others between shards
+                if slot.sealed != signed or (decision.round, shard) in self.aggregates:
+                    continue
+                first, _ = plan.shard_segments[shard]
+                self.archive(decision.round, shard, self._build_held(signed, decision, slot, shard, first))
+        except Exception as exc:  # a background task must never take the node down
+            log.error("replica copy of round %d not built: %r", decision.round, exc)
+
+    def _clips_dense(self) -> bool:
+        """Does this run's aggregate clip dense contributions to the median norm (so each one's
+        norm is needed at the seal)?"""
+        return not ships_contributions(self.ctx) and self.ctx.robust.clip > 0
+
+    def _build_held(self, signed: bytes, decision: Decision, slot: Any, shard: int, first: int) -> AggregateShard:
+        held = slot.contributions[shard]
+        norms = [slot.sq_norms.get((shard, c)) for c in decision.contributors]
+        return self._build(signed, shard, [held[c] for c in decision.contributors], first,
+                           None if None in norms else norms)
 
     def _void(self, retry: Decision, slot: Any) -> Ack:
         """A leader that sealed a commit here and then decided retry takes the commit back: it was
@@ -248,8 +282,8 @@ class Aggregator:
         slot.sealed = None
         return Ack(True, "")
 
-    def _build(self, signed: bytes, shard: int, held: list[tuple[int, list[bytes], bytes]], first: int
-               ) -> AggregateShard:
+    def _build(self, signed: bytes, shard: int, held: list[tuple[int, list[bytes], bytes]], first: int,
+               sq_norms: list[float] | None = None) -> AggregateShard:
         codec = self.ctx.codec
         if ships_contributions(self.ctx):
             # every contributor's own signed request: receivers check each signature and average
@@ -257,7 +291,7 @@ class Aggregator:
             return AggregateShard(signed, shard, "signed", [envelope for _, _, envelope, _ in held])
         rows = [validate_segments(self.ctx, first, segs) for _, segs, _, _ in held]
         stats = RobustStats()
-        means = robust_mean(codec, rows, self.ctx.robust, stats)
+        means = robust_mean(codec, rows, self.ctx.robust, stats, sq_norms)
         _, decision = unseal(signed, self.ctx.run_id, Decision)
         clipped = [decision.contributors[c] for c in sorted(stats.clipped)]
         return AggregateShard(signed, shard, "mean", [codec.encode(m).to_bytes() for m in means], clipped)

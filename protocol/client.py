@@ -174,6 +174,8 @@ class RoundClient(AggregateFetcher):
         holder, that take it: the same peers for every contributor while the same peers are alive.
         `skip`: the holder and the candidates that just failed to take the shard."""
         wanted = replica_count(self.ctx)
+        if wanted <= 0:
+            return
         for peer in plan.candidates(shard)[:REPORTING_CANDIDATES]:
             if peer in skip:
                 continue

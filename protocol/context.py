@@ -38,6 +38,7 @@ class RoundContext(Protocol):
     max_payload_bytes: int  # a whole contribution's budget on the wire
     robust: RobustOptions  # norm clipping / trimmed mean applied to every aggregate
     verify_aggregates: bool  # dense codecs too: aggregates carry the signed contributions, not a mean
+    replicas: int | None  # copies of each shard beyond the first; None: the codec's default (replica_count)
 
     def authorized(self, peer_id: str) -> bool:
         """May this peer contribute to the run?"""
@@ -103,12 +104,12 @@ class DecisionBook:
 
 def contribution_digest(first_segment: int, segments: list[bytes]) -> bytes:
     """16-byte digest of one contributor's shard: its first segment and every payload's bytes."""
-    h = hashlib.blake2b(digest_size=16)
+    h = hashlib.sha256()  # sha256 runs at ~2 GB/s here (SHA-NI), blake2b at ~1.4: a 25 MB shard is hashed on receipt
     h.update(first_segment.to_bytes(8, "big", signed=True))
     for seg in segments:
         h.update(len(seg).to_bytes(8, "big"))
         h.update(seg)
-    return h.digest()
+    return h.digest()[:16]
 
 
 def validate_segments(ctx: RoundContext, first: int, segments: list[bytes]) -> list[Payload]:

@@ -15,7 +15,7 @@ from typing import Any, ClassVar
 
 import msgpack
 
-PROTOCOL_VERSION = 2  # 2: claims carry `fence`; the state follows its reply as a raw trailer
+PROTOCOL_VERSION = 3  # 2: claims carry `fence`; the state follows its reply as a raw trailer; 3: envelopes sign the body's sha256
 MAX_ID = 128  # peer ids, run ids, reasons and other short strings
 MAX_LIST = 4096  # peer lists, shard lists
 MAX_SMALL = 1 << 20  # a control message never needs more than this
@@ -295,7 +295,21 @@ MESSAGES: dict[str, type[Message]] = {
 def encode_message(msg: Message) -> bytes:
     """Serialize a message as `[kind, [values...]]`."""
     values = [getattr(msg, f.name) for f in dataclasses.fields(msg)]
-    return msgpack.packb([msg.KIND, values], use_bin_type=True)
+    return packb([msg.KIND, values], sum(_bulk_size(v) for v in values))
+
+
+def packb(obj: Any, bulk: int = 0) -> bytes:
+    """msgpack with the buffer sized up front for `bulk` bytes of bin data: packb's own buffer
+    grows by doubling and copies 25 MB several times over (15 ms instead of 3 here)."""
+    return msgpack.Packer(use_bin_type=True, buf_size=bulk + 4096).pack(obj)
+
+
+def _bulk_size(value: Any) -> int:
+    if isinstance(value, (bytes, bytearray)):
+        return len(value)
+    if isinstance(value, list):
+        return sum(len(v) + 8 for v in value if isinstance(v, (bytes, bytearray)))
+    return 0
 
 
 def decode_message(data: bytes, expect: type[Message] | tuple[type[Message], ...], max_bytes: int = MAX_SMALL) -> Any:

@@ -59,6 +59,7 @@ class _Attempt:
     contributions: dict[int, dict[str, tuple[int, list[bytes], bytes]]] = field(
         default_factory=lambda: defaultdict(dict))  # shard -> sender -> (first segment, segments, signed request)
     refused: set[str] = field(default_factory=set)  # as an aggregator: senders of invalid contributions
+    sq_norms: dict[tuple[int, str], float] = field(default_factory=dict)  # (shard, sender) -> squared norm (dense, clipped)
     refresh: bool = False  # as an aggregator: our reports are sent again one slack before the close
     reporting: bool = False  # as an aggregator: a report task is running for this attempt
     report_again: bool = False  # ... and something changed since it started: it sends once more

@@ -24,7 +24,7 @@ import msgpack
 
 from .guard import Guard
 from .identity import Identity, verify
-from .schema import MAX_SMALL, PROTOCOL_VERSION, Message, ProtocolError, decode_message, encode_message
+from .schema import MAX_SMALL, PROTOCOL_VERSION, Message, ProtocolError, decode_message, encode_message, packb
 
 log = logging.getLogger(__name__)
 _LEN = struct.Struct(">Q")
@@ -59,9 +59,12 @@ class Envelope:
     signature: bytes
 
     def signed_part(self) -> bytes:
-        """The canonical bytes the signature covers."""
+        """The canonical bytes the signature covers: the header and the body's sha256. Signing the
+        digest, not the body, keeps a 25 MB contribution to one hash pass (Ed25519 hashes what it
+        signs twice, with SHA-512, and the body would be copied once more to frame it)."""
         return msgpack.packb(
-            [PROTOCOL_VERSION, self.run_id, self.sender, self.nonce, self.timestamp, self.body], use_bin_type=True
+            [PROTOCOL_VERSION, self.run_id, self.sender, self.nonce, self.timestamp, hashlib.sha256(self.body).digest()],
+            use_bin_type=True,
         )
 
 
@@ -69,8 +72,7 @@ def seal(identity: Identity, run_id: str, msg: Message) -> bytes:
     """Sign a message for a run and serialize the envelope."""
     env = Envelope(run_id, identity.peer_id, os.urandom(16), time.time(), encode_message(msg), b"")
     sig = identity.sign(env.signed_part())
-    return msgpack.packb([PROTOCOL_VERSION, run_id, env.sender, env.nonce, env.timestamp, env.body, sig],
-                         use_bin_type=True)
+    return packb([PROTOCOL_VERSION, run_id, env.sender, env.nonce, env.timestamp, env.body, sig], len(env.body))
 
 
 def unseal(data: bytes, run_id: str, expect: Any, max_bytes: int = MAX_SMALL, sender: str | None = None,

@@ -4,6 +4,9 @@
     OMP_WAIT_POLICY=PASSIVE python scripts/bench_exchange.py --peers 4 --params 25000000 \\
         [--codecs fp32,int8,sparseloco] [--repeats 3] [--warmup 1] [--json]
 
+A `--codecs` entry may end in `@N` to run that codec with N replicas of each shard instead of the
+run's default (1 for dense codecs, 2 for sparseloco): `fp32@0` measures what the copies cost.
+
 N worker processes (multiprocessing "spawn", one torch thread each) each hold a seeded
 pseudo-gradient of P elements. In the same run they do:
 
@@ -134,7 +137,7 @@ class _Worker:
 
     # swarm ------------------------------------------------------------------------------------
     def start(self, codec_name: str, run_id: str, ids: list[str], initial_peers: list[str],
-              genesis: bytes | None) -> dict:
+              genesis: bytes | None, replicas: int | None = None) -> dict:
         from groundswell.compression import make_codec, segment_bounds, segment_size
         from groundswell.peer.swarm import NodeOptions, RunContext, SwarmNode
         from groundswell.protocol.identity import Identity
@@ -148,7 +151,8 @@ class _Worker:
         self.codec = make_codec(codec_name)
         ctx = RunContext(run_id=run_id, min_peers=self.n, deadline_s=self.deadline_s, slack_s=self.slack_s,
                          max_shards=self.max_shards, segment_numels=numels, codec=self.codec,
-                         max_payload_bytes=4 * self.params + 64 * len(numels) + 4096, allowlist=None)
+                         max_payload_bytes=4 * self.params + 64 * len(numels) + 4096, allowlist=None,
+                         replicas=replicas)
         self.node = SwarmNode(identity, self.identity_path,
                               NodeOptions(host_maddrs=["/ip4/127.0.0.1/tcp/0"], initial_peers=initial_peers))
         self.node.start()
@@ -188,10 +192,11 @@ class _Worker:
             mean = node.call(node.client.fetch_aggregate(outcome.signed), timeout)
             t3 = time.perf_counter()
             del segments
+            self.wait()  # everyone holds the mean: the checks below must not slow a peer still fetching
             sha = tensor_sha256(mean)
             err = rel_error(mean, self.true_mean) if self.rank == 0 else None
             del mean
-            self.wait()  # everyone holds the mean: no traffic of this round is left
+            self.wait()
             time.sleep(0.2)  # let the last replies' counters land
             sent, recv = node.transport.bytes_sent, node.transport.bytes_received
             out.append({"warmup": r < warmup, "total_s": t3 - t0, "encode_s": t1 - t0, "exchange_s": t2 - t1,
@@ -379,6 +384,16 @@ def _summarize(per_peer: list[dict], n: int) -> dict:
     return out
 
 
+def parse_method(entry: str) -> tuple[str, int | None]:
+    """A `--codecs` entry: "fp32" (the run's default replicas) or "fp32@0" (0 replicas)."""
+    name, _, replicas = entry.partition("@")
+    if not replicas:
+        return name, None
+    if not replicas.isdigit() or int(replicas) > 3:
+        raise BenchError(f"bad method {entry!r}: replicas after '@' must be 0..3")
+    return name, int(replicas)
+
+
 def run_bench(args: argparse.Namespace, progress=lambda m: None) -> dict:
     """Run the whole benchmark; returns the JSON-ready result."""
     n, params = args.peers, args.params
@@ -394,13 +409,14 @@ def run_bench(args: argparse.Namespace, progress=lambda m: None) -> dict:
         progress(f"gloo all_reduce: {gloo['round_s']:.3f}s")
         codecs: dict[str, dict] = {}
         for name in args.codecs:
-            run_id = f"bench-{name}-{uuid.uuid4().hex[:8]}"
-            first = pool.call([0], "start", timeout_s=120, codec_name=name, run_id=run_id, ids=pool.ids,
-                              initial_peers=[], genesis=None)[0]
+            codec_name, replicas = parse_method(name)
+            run_id = f"bench-{codec_name}-{uuid.uuid4().hex[:8]}"
+            first = pool.call([0], "start", timeout_s=120, codec_name=codec_name, run_id=run_id, ids=pool.ids,
+                              initial_peers=[], genesis=None, replicas=replicas)[0]
             if not first["maddrs"]:
                 raise BenchError("peer 0 has no 127.0.0.1 address")
-            pool.call(ranks[1:], "start", timeout_s=120, codec_name=name, run_id=run_id, ids=pool.ids,
-                      initial_peers=first["maddrs"][:1], genesis=first["genesis"])
+            pool.call(ranks[1:], "start", timeout_s=120, codec_name=codec_name, run_id=run_id, ids=pool.ids,
+                      initial_peers=first["maddrs"][:1], genesis=first["genesis"], replicas=replicas)
             time.sleep(args.settle)  # let the DHT settle
             progress(f"{name}: {first['segments']} segments; running {args.warmup}+{args.repeats} rounds")
             try:
@@ -485,7 +501,10 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     from groundswell.compression import make_codec
 
     for c in args.codecs:
-        make_codec(c)  # CodecError for unknown names, before anything starts
+        try:
+            make_codec(parse_method(c)[0])  # CodecError for unknown names, before anything starts
+        except BenchError as exc:
+            parser.error(str(exc))
     if args.peers < 2 or args.params <= 0 or args.repeats < 1 or args.warmup < 0 or not args.codecs:
         parser.error("need --peers >= 2, --params > 0, --repeats >= 1, --warmup >= 0 and at least one codec")
     return args

@@ -32,6 +32,7 @@ class Cluster:
     slack_s: float = 1.0
     robust: RobustOptions = field(default_factory=lambda: RobustOptions(clip=0.0))  # plain mean unless a test asks
     verify_aggregates: bool = False
+    replicas: int | None = None
     nodes: list[SwarmNode] = field(default_factory=list)
     ids: list[str] = field(default_factory=list)
 
@@ -41,7 +42,7 @@ class Cluster:
         numels = tuple(b - a for a, b in segment_bounds(self.numel, self.segment))
         self.ctx = RunContext("test-run", self.min_peers, self.deadline_s, self.slack_s, self.max_shards, numels,
                               self.codec, 4 * self.numel + 8192, robust=self.robust,
-                              verify_aggregates=self.verify_aggregates)
+                              verify_aggregates=self.verify_aggregates, replicas=self.replicas)
         try:
             for i in range(self.n):
                 ident = Identity.generate()

@@ -38,3 +38,18 @@ def test_bench_exchange_sparseloco_two_peers(capsys: pytest.CaptureFixture[str],
     assert 0 < sl["bytes_received_per_peer"] < 4 * params
     assert 0 < sl["rel_error"] < 1.5  # lossy (top-k without error feedback), but a mean of the inputs
     assert isinstance(result["goals"]["sparseloco_faster_than_gloo"], bool)
+
+
+def test_a_method_names_a_codec_and_optionally_its_replicas(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.syspath_prepend(str(SCRIPTS))
+    import bench_exchange
+    assert bench_exchange.parse_method("fp32") == ("fp32", None)
+    assert bench_exchange.parse_method("int8@0") == ("int8", 0)
+    for bad in ("fp32@", "fp32@x", "fp32@4", "fp32@-1"):
+        if bad == "fp32@":
+            assert bench_exchange.parse_method(bad) == ("fp32", None)
+            continue
+        with pytest.raises(bench_exchange.BenchError):
+            bench_exchange.parse_method(bad)
+    with pytest.raises(SystemExit):
+        bench_exchange.parse_args(["--codecs", "fp32@9"])

@@ -49,7 +49,8 @@ def test_example_manifest_loads():
 
 def test_defaults(tmp_path):
     m = load_manifest_toml(_toml(tmp_path, MINIMAL))
-    assert (m.round.deadline_s, m.round.slack_s, m.round.max_shards) == (30.0, 5.0, 16)
+    assert (m.round.deadline_s, m.round.slack_s, m.round.max_shards, m.round.replicas) == (30.0, 5.0, 16, None)
+    assert load_manifest_toml(_toml(tmp_path, MINIMAL + "[round]\nreplicas = 0\n")).round.replicas == 0
     assert (m.checkpoint.every_rounds, m.checkpoint.keep) == (10, 3)
     assert m.run.min_peers == 1 and m.run.allowlist == ()
 
@@ -93,6 +94,9 @@ def test_allowlist(tmp_path):
         (MINIMAL + '[round]\ndeadline_s = "30"\n', "round.deadline_s"),
         (MINIMAL + "[round]\ndeadline_s = 10\nslack_s = 5\n", "2 x round.slack_s"),  # no time left to train
         (MINIMAL + "[round]\nmax_shards = 1.5\n", "round.max_shards"),
+        (MINIMAL + "[round]\nreplicas = 4\n", "round.replicas"),
+        (MINIMAL + "[round]\nreplicas = -1\n", "round.replicas"),
+        (MINIMAL + "[round]\nreplicas = 1.0\n", "round.replicas"),
         (MINIMAL + "[checkpoint]\nkeep = 0\n", "checkpoint.keep"),
         (MINIMAL + '[outer]\nalgorithm = "adam"\n', "outer.algorithm"),
         (MINIMAL + '[outer]\nalgorithm = "single"\n', "single"),

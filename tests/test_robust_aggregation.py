@@ -159,8 +159,8 @@ def test_an_aggregator_that_alters_a_contribution_is_caught_and_bypassed():
         forger = c.nodes[c.ids.index(forger_id)]
         honest_build = forger.server._build
 
-        def forged_build(signed, shard, held, first):  # swap a victim's payload for noise, re-signed by the forger
-            agg = honest_build(signed, shard, held, first)
+        def forged_build(signed, shard, held, first, sq_norms=None):  # swap a payload for noise, re-signed
+            agg = honest_build(signed, shard, held, first, sq_norms)
             _, msg = unseal(agg.parts[0], c.ctx.run_id, ShardContribution, max_bytes=1 << 24)
             noise = [c.codec.encode(torch.randn(len(c.codec.decode(Payload.from_bytes(s))))).to_bytes()
                      for s in msg.segments]

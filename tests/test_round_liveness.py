@@ -56,6 +56,23 @@ def test_a_shard_whose_first_aggregator_is_dead_still_gets_a_replica(make_cluste
     assert all(torch.equal(m, means[0]) for m in means)
 
 
+@pytest.mark.parametrize("replicas, holders", [(None, 2), (0, 1)])
+def test_round_replicas_sets_how_many_aggregators_hold_each_dense_shard(make_cluster, replicas, holders):
+    # A dense shard goes to its aggregator and, by default, one replica; `round.replicas = 0` saves
+    # that upload (a source that dies before its seal then costs a retry).
+    c = make_cluster(n=4, codec_name="fp32", min_peers=4, replicas=replicas)
+    out = c.attempt(0, _inputs(4, c.numel, 21))
+    d = out[0].decision
+    assert d.status == "commit" and len(d.contributors) == 4
+    leader = c.nodes[c.ids.index(d.leader)].server
+    have = leader.attempts[(0, d.attempt)].have
+    for shard in range(d.num_shards):
+        whole = [a for a, ids in have[shard].items() if len(ids) == 4]
+        assert len(whole) == holders, f"shard {shard} is held whole by {len(whole)} aggregators, not {holders}"
+    means = [c.fetch(i, out[i].signed) for i in range(4)]
+    assert all(torch.equal(m, means[0]) for m in means)
+
+
 def test_a_burst_of_contributions_does_not_trip_the_leaders_stream_limits(make_cluster):
     # Every contribution makes its aggregator report to every leader; reports are coalesced per
     # attempt, so a burst never opens more streams to a leader than its limit (which would refuse
@@ -283,7 +300,7 @@ def test_a_source_that_freezes_at_the_seal_does_not_hold_the_commit_until_it_tha
         server = node.server
         real_build = server._build
 
-        def build(signed, shard, held, first, server=server, real_build=real_build):
+        def build(signed, shard, held, first, sq_norms=None, server=server, real_build=real_build):
             _, d = unseal(signed, c.ctx.run_id, Decision)
             me = server.identity.peer_id
             with lock:
@@ -292,7 +309,7 @@ def test_a_source_that_freezes_at_the_seal_does_not_hold_the_commit_until_it_tha
                     frozen.append(me)
             if freeze:
                 time.sleep(8.0)  # blocks this node's event loop: the lid closes as it seals
-            return real_build(signed, shard, held, first)
+            return real_build(signed, shard, held, first, sq_norms)
 
         async def patch(server=server, build=build) -> None:
             server._build = build
