@@ -69,12 +69,17 @@ def _nonzeros(t: torch.Tensor) -> torch.Tensor:
     return t if int(torch.count_nonzero(t)) == t.numel() else t[t != 0]
 
 
+def _row_sq_norm(segments: Iterable[torch.Tensor]) -> float:
+    """One contribution's squared norm: its segments' tree sums, added in segment order."""
+    # zeros add nothing: summing only the nonzeros (a sparse update has ~1/64 of them) is as exact
+    # and as deterministic, and much cheaper
+    return _sum_in_order(tree_sum_of_squares(_nonzeros(t)) for t in segments)
+
+
 def contribution_sq_norm(codec: Codec, row: Sequence[Payload]) -> float:
     """A contribution's squared norm over its segments, as `robust_mean` computes it for clipping:
     an aggregator can work it out when the contribution arrives, and pass it in at the seal."""
-    # zeros add nothing: summing only the nonzeros (a sparse update has ~1/64 of them) is as exact
-    # and as deterministic, and much cheaper
-    return _sum_in_order(tree_sum_of_squares(_nonzeros(codec.decode(p, device="cpu"))) for p in row)
+    return _row_sq_norm(codec.decode(p, device="cpu") for p in row)
 
 
 def clip_weights(sq_norms: Sequence[float], clip: float) -> list[float]:
@@ -112,7 +117,7 @@ def robust_mean(codec: Codec, rows: Sequence[Sequence[Payload]], options: Robust
     if sq_norms is not None and len(sq_norms) != len(rows):
         raise CodecError(f"{len(sq_norms)} norms for {len(rows)} contributions")
     if sq_norms is None:
-        sq_norms = [_sum_in_order(tree_sum_of_squares(_nonzeros(t)) for t in row) for row in decoded]
+        sq_norms = [_row_sq_norm(row) for row in decoded]
     weights = clip_weights(list(sq_norms), options.clip)
     if stats is not None:
         stats.clipped.update(c for c, w in enumerate(weights) if w < 1.0)
@@ -145,7 +150,7 @@ def _sparse_clipped_mean(entries: Callable[[Payload], tuple[torch.Tensor, torch.
     0 + w0 v0 + w1 v1 + ... in contribution order (one scatter-add per contribution, whose
     positions are unique)."""
     parsed = [[entries(p) for p in row] for row in rows]
-    sq = [_sum_in_order(tree_sum_of_squares(_nonzeros(v)) for _, v in row) for row in parsed]
+    sq = [_row_sq_norm(v for _, v in row) for row in parsed]
     weights = clip_weights(sq, clip)
     if stats is not None:
         stats.clipped.update(c for c, w in enumerate(weights) if w < 1.0)
