@@ -16,7 +16,7 @@ from typing import Protocol, runtime_checkable
 import msgpack
 import torch
 
-WIRE_VERSION = 1
+WIRE_VERSION = 2  # 2: sparseloco indices are Elias-Fano coded (8 bits per kept entry instead of 12)
 # A payload carries one flat parameter vector (or a shard of one). 2**34 elements is 64 GiB of
 # fp32: anything claiming more is garbage or hostile, whatever the caller's own limit says.
 HARD_MAX_NUMEL = 1 << 34

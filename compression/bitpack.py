@@ -27,8 +27,12 @@ def pack_bits(values: torch.Tensor, nbits: int) -> torch.Tensor:
     """Pack non-negative integers below 2**nbits into a uint8 tensor (values are not range-checked)."""
     _check_bits(nbits)
     v = values.reshape(-1)
+    if nbits == 1:
+        return _pack1(v)
     if nbits == 2:
         return _pack2(v)
+    if nbits == 6:
+        return _pack6(v)
     if nbits == 12:
         return _pack12(v)
     if nbits == 8:
@@ -45,8 +49,12 @@ def unpack_bits(data: torch.Tensor, nbits: int, count: int) -> torch.Tensor:
         raise CodecError("packed data must be a 1-D uint8 tensor")
     if data.numel() != packed_nbytes(count, nbits):
         raise CodecError(f"{data.numel()} packed bytes cannot hold exactly {count} {nbits}-bit values")
+    if nbits == 1:
+        return _unpack1(data, count)
     if nbits == 2:
         return _unpack2(data, count)
+    if nbits == 6:
+        return _unpack6(data, count)
     if nbits == 12:
         return _unpack12(data, count)
     if nbits == 8:
@@ -84,6 +92,40 @@ def _check_bits(nbits: int) -> None:
 def _pad_to(v: torch.Tensor, multiple: int) -> torch.Tensor:
     extra = (-v.numel()) % multiple
     return torch.cat([v, v.new_zeros(extra)]) if extra else v
+
+
+def _pack1(v: torch.Tensor) -> torch.Tensor:
+    n = v.numel()
+    weights = 1 << torch.arange(8, dtype=torch.int32, device=v.device)
+    out = (_pad_to(v.to(torch.int32), 8).view(-1, 8) * weights).sum(1, dtype=torch.int32).to(torch.uint8)
+    return out[: (n + 7) // 8]
+
+
+def _unpack1(data: torch.Tensor, count: int) -> torch.Tensor:
+    shifts = torch.arange(8, dtype=torch.uint8, device=data.device)
+    bits = ((data.view(-1, 1) >> shifts) & 1).view(-1)
+    if bits.numel() > count and bool(bits[count:].any()):
+        raise CodecError("nonzero padding bits after the last 1-bit value")
+    return bits[:count].to(torch.int64)
+
+
+def _pack6(v: torch.Tensor) -> torch.Tensor:
+    # four 6-bit values fill three bytes exactly
+    n = v.numel()
+    q = _pad_to(v.to(torch.int32), 4).view(-1, 4)
+    a, b, c, d = q[:, 0], q[:, 1], q[:, 2], q[:, 3]
+    out = torch.stack([a | ((b & 3) << 6), (b >> 2) | ((c & 15) << 4), (c >> 4) | (d << 2)], dim=1).to(torch.uint8)
+    return out.view(-1)[: packed_nbytes(n, 6)]
+
+
+def _unpack6(data: torch.Tensor, count: int) -> torch.Tensor:
+    extra = (-data.numel()) % 3
+    t = (torch.cat([data, data.new_zeros(extra)]) if extra else data).view(-1, 3).to(torch.int64)
+    b0, b1, b2 = t[:, 0], t[:, 1], t[:, 2]
+    vals = torch.stack([b0 & 63, (b0 >> 6) | ((b1 & 15) << 2), (b1 >> 4) | ((b2 & 3) << 4), b2 >> 2], dim=1).view(-1)
+    if vals.numel() > count and bool(vals[count:].any()):  # the bits past the last value: padding
+        raise CodecError("nonzero padding bits after the last 6-bit value")
+    return vals[:count]
 
 
 def _pack2(v: torch.Tensor) -> torch.Tensor:

@@ -1,12 +1,17 @@
-"""SparseLoCo: per-chunk top-k sparsification with 2-bit values, ~0.22 bits per parameter.
+"""SparseLoCo: per-chunk top-k sparsification with 2-bit values, ~0.16 bits per parameter.
 
 Wire format (a `Payload` named "sparseloco", params {"chunk": C, "k": k}):
 - the tensor is flattened and cut into R = ceil(n / C) chunks; the last may be partial (r = n mod
   C entries) and keeps min(k, r) entries, every other chunk exactly k. K = total kept entries.
   Padding is never sent: it is implied by the shape, and no index may point into it;
-- "idx":   K in-chunk positions, log2(C) bits each (12 for C = 4096, two per three bytes), in
-           chunk order and strictly ascending within each chunk (so no duplicates, and one
-           canonical byte form per selection);
+- "idx":   the K in-chunk positions, strictly ascending within each chunk, Elias-Fano coded per
+           chunk with l = floor(log2(C / k)) low bits (6 for C = 4096, k = 64): a chunk of u
+           entries keeping n writes, for its i-th position p_i, bit (p_i >> l) + i of an
+           (n + ((u - 1) >> l) + 1)-bit "high" bitmap (exactly n ones), and p_i's l low bits.
+           The buffer is every chunk's high bitmap, in chunk order, as one bit stream, then
+           every low part as one l-bit stream. 2 + l bits per position (8 for top-64 of 4096,
+           against 12 for plain positions), a size fixed by the shape, and one canonical byte
+           form per selection;
 - "code":  K 2-bit codes, four per byte: bit 1 = sign (1 = negative), bit 0 = magnitude bin;
 - "scale": R bfloat16 chunk scales, s = mean |v| of the chunk's kept entries;
 - "level": two float32 magnitude levels L0, L1 shared by the whole tensor;
@@ -18,7 +23,8 @@ values. Selection is the canonical top-k of `topk` (ties to the lowest index).
 
 Decoding checks everything a hostile peer could get wrong before touching the output: field set,
 buffer lengths (from the shape, before any allocation), finite non-negative scales and levels,
-no decoded magnitude that overflows fp32, ascending in-range indices, zero padding bits.
+no decoded magnitude that overflows fp32, exactly n ones in each chunk's high bitmap, ascending
+in-range positions, zero padding bits.
 Decoding is deterministic: values come from one fp32 multiply, and `aggregate` adds the
 payloads one after another into a single fp32 buffer, each payload's indices being unique.
 """
@@ -54,7 +60,7 @@ _EMPTY_BIN_LEVELS = (0.5, 1.5)  # any finite value: an empty bin's level is neve
 
 
 class SparseLoCoCodec:
-    """Top-k per chunk, 12-bit packed indices, 2-bit values with per-chunk scales."""
+    """Top-k per chunk, Elias-Fano coded indices, 2-bit values with per-chunk scales."""
 
     name = "sparseloco"
 
@@ -62,7 +68,7 @@ class SparseLoCoCodec:
         check_sparseloco_options(chunk, k)
         self.chunk = chunk
         self.k = k
-        self.index_bits = chunk.bit_length() - 1
+        self.low_bits = ef_low_bits(chunk, k)
         # Payloads `validate` parsed, so that from_bytes -> decode (or -> entries) does not
         # unpack and check one twice: by buffer identity, consumed when used, oldest dropped
         # past a byte budget (an aggregator validates contributions it never decodes).
@@ -81,8 +87,10 @@ class SparseLoCoCodec:
     def expected_nbytes(self, numel: int) -> dict[str, int]:
         """Exact buffer sizes for a tensor of `numel` elements."""
         full, rem, kept = self.layout(numel)
+        high = full * _high_len(self.chunk, self.k, self.low_bits) + (
+            _high_len(rem, min(self.k, rem), self.low_bits) if rem else 0)
         return {
-            "idx": packed_nbytes(kept, self.index_bits),
+            "idx": packed_nbytes(high, 1) + (packed_nbytes(kept, self.low_bits) if self.low_bits else 0),
             "code": packed_nbytes(kept, 2),
             "scale": 2 * (full + (rem > 0)),
             "level": 8,
@@ -103,13 +111,14 @@ class SparseLoCoCodec:
         except ValueError as exc:
             raise CodecError(f"cannot encode: {exc}") from None
         scales, codes, levels = _quantize([vals for _, vals in parts], flat.device)
-        idx = torch.cat([i.reshape(-1) for i, _ in parts]) if parts else flat.new_zeros(0, dtype=torch.int64)
+        universes = [self.chunk] * bool(full) + [rem] * bool(rem)
+        idx = ef_encode([i for i, _ in parts], universes, self.low_bits, flat.device)
         return Payload(
             codec=self.name,
             shape=tuple(x.shape),
             params={"chunk": self.chunk, "k": self.k},
             buffers={
-                "idx": tensor_to_bytes(pack_bits(idx, self.index_bits)),
+                "idx": tensor_to_bytes(idx),
                 "code": tensor_to_bytes(pack_bits(codes, 2)),
                 "scale": tensor_to_bytes(scales),
                 "level": tensor_to_bytes(levels),
@@ -206,18 +215,10 @@ class SparseLoCoCodec:
             if not bool(torch.isfinite(levels.max() * hi)):
                 raise CodecError("sparseloco levels times scales overflow fp32")
 
-        idx = unpack_bits(bytes_to_tensor(bufs["idx"], torch.uint8, dev), self.index_bits, kept)
+        idx = self._positions(bytes_to_tensor(bufs["idx"], torch.uint8, dev), full, rem, kept)
         codes = unpack_bits(bytes_to_tensor(bufs["code"], torch.uint8, dev), 2, kept)
         body = idx[: full * self.k].view(full, self.k)
         tail = idx[full * self.k :]
-        if self.k > 1 and full and not bool((body[:, 1:] > body[:, :-1]).all()):
-            raise CodecError("sparseloco indices must be strictly ascending within each chunk")
-        if tail.numel():
-            if bool((tail[1:] <= tail[:-1]).any()):
-                raise CodecError("sparseloco indices must be strictly ascending within each chunk")
-            if int(tail[-1]) >= rem:
-                raise CodecError(f"sparseloco index {int(tail[-1])} lies in the padding of the last chunk")
-
         table = torch.stack([levels[0], levels[1], -levels[0], -levels[1]])
         vals = table.index_select(0, codes)
         vals[: full * self.k].view(full, self.k).mul_(scales[:full].unsqueeze(1))
@@ -227,6 +228,69 @@ class SparseLoCoCodec:
         body.add_(starts)  # in-chunk index -> flat position, in place: idx is ours
         tail.add_(full * self.chunk)
         return idx, vals
+
+
+    def _positions(self, data: torch.Tensor, full: int, rem: int, kept: int) -> torch.Tensor:
+        """The K in-chunk positions of an "idx" buffer (of the right length), checked: exactly n
+        ones per high bitmap, strictly ascending within each chunk, none past the chunk's end."""
+        k, low = self.k, self.low_bits
+        body_high = full * _high_len(self.chunk, k, low)
+        tail_n = min(k, rem)
+        nhigh = body_high + (_high_len(rem, tail_n, low) if rem else 0)
+        split = packed_nbytes(nhigh, 1)
+        bits = unpack_bits(data[:split], 1, nhigh)
+        lows = unpack_bits(data[split:], low, kept) if low else torch.zeros(kept, dtype=torch.int64, device=data.device)
+        parts = []
+        for rows, n, universe, chunk_bits in ((full, k, self.chunk, bits[:body_high]), (int(rem > 0), tail_n, rem, bits[body_high:])):
+            if not rows:
+                continue
+            grid = chunk_bits.view(rows, -1)
+            if not bool((grid.sum(1) == n).all()):
+                raise CodecError(f"sparseloco index bitmaps must hold exactly {n} ones per chunk")
+            cols = grid.nonzero()[:, 1].view(rows, n)  # row-major: each row's n ones, in order
+            parts.append((cols - torch.arange(n, device=data.device)).bitwise_left_shift_(low))
+        idx = torch.cat([p.view(-1) for p in parts]) if parts else lows
+        idx.bitwise_or_(lows)
+        body = idx[: full * k].view(full, k)
+        tail = idx[full * k :]
+        if full and (k > 1 and not bool((body[:, 1:] > body[:, :-1]).all())):
+            raise CodecError("sparseloco indices must be strictly ascending within each chunk")
+        if full and int(body[:, -1].max()) >= self.chunk:
+            raise CodecError("sparseloco index past the end of its chunk")
+        if tail.numel():
+            if bool((tail[1:] <= tail[:-1]).any()):
+                raise CodecError("sparseloco indices must be strictly ascending within each chunk")
+            if int(tail[-1]) >= rem:
+                raise CodecError(f"sparseloco index {int(tail[-1])} lies in the padding of the last chunk")
+        return idx
+
+
+def ef_low_bits(chunk: int, k: int) -> int:
+    """Elias-Fano low bits for k positions out of `chunk`: floor(log2(chunk / k))."""
+    return (chunk // k).bit_length() - 1
+
+
+def _high_len(universe: int, n: int, low: int) -> int:
+    """Bits of the high bitmap of one chunk of `universe` entries keeping `n`."""
+    return n + ((universe - 1) >> low) + 1
+
+
+def ef_encode(groups: list[torch.Tensor], universes: list[int], low: int, device: torch.device) -> torch.Tensor:
+    """Elias-Fano code per row: `groups` are (rows, n) ascending in-chunk positions of chunks of
+    `universes[i]` entries; returns the "idx" buffer (all high bitmaps, then all low parts)."""
+    highs, lows = [], []
+    for idx, universe in zip(groups, universes, strict=True):
+        rows, n = idx.shape
+        bitmap = torch.zeros(rows, _high_len(universe, n, low), dtype=torch.uint8, device=device)
+        bitmap.scatter_(1, (idx >> low) + torch.arange(n, device=device), 1)
+        highs.append(bitmap.view(-1))
+        lows.append((idx & ((1 << low) - 1)).view(-1))
+    if not highs:
+        return torch.zeros(0, dtype=torch.uint8, device=device)
+    packed = [pack_bits(torch.cat(highs), 1)]
+    if low:
+        packed.append(pack_bits(torch.cat(lows), low))
+    return torch.cat(packed)
 
 
 def _nbytes(parsed: tuple[torch.Tensor, torch.Tensor]) -> int:

@@ -38,7 +38,7 @@ def decision_digests(decision: Decision, shard: int) -> list[bytes]:
 
 def replica_count(ctx: Any) -> int:
     """Copies of each shard a contributor makes besides the first: the run's `replicas` if it sets
-    it, else two for sparse payloads (about 1/150 of fp32, so a third copy costs little and keeps a
+    it, else two for sparse payloads (about 1/200 of fp32, so a third copy costs little and keeps a
     shard when two of its holders die in one round) and one for dense ones (each copy is the
     shard's full fp32/int8 size). With none, a source that dies before it seals costs a retry."""
     chosen = getattr(ctx, "replicas", None)

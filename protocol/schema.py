@@ -15,7 +15,8 @@ from typing import Any, ClassVar
 
 import msgpack
 
-PROTOCOL_VERSION = 3  # 2: claims carry `fence`; the state follows its reply as a raw trailer; 3: envelopes sign the body's sha256
+PROTOCOL_VERSION = 4  # 2: claims carry `fence`; the state follows its reply as a raw trailer; 3: envelopes sign the
+# body's sha256; 4: payload wire version 2 (sparseloco's Elias-Fano indices), so mixed peers refuse each other up front
 MAX_ID = 128  # peer ids, run ids, reasons and other short strings
 MAX_LIST = 4096  # peer lists, shard lists
 MAX_SMALL = 1 << 20  # a control message never needs more than this

@@ -44,10 +44,10 @@ def test_2bit_layout_is_four_codes_per_byte_low_bits_first() -> None:
     assert unpack_2bit(packed, 5).tolist() == [1, 2, 3, 0, 1]
 
 
-@pytest.mark.parametrize("nbits", [2, 8, 12, 16])
+@pytest.mark.parametrize("nbits", [1, 2, 6, 8, 12, 16])
 def test_fast_paths_match_the_generic_bit_stream(nbits: int) -> None:
     gen = torch.Generator().manual_seed(nbits)
-    for count in (0, 1, 7, 8, 9, 1001):
+    for count in (0, 1, 2, 3, 5, 7, 8, 9, 1001):
         values = torch.randint(0, 1 << nbits, (count,), generator=gen)
         fast = pack_bits(values, nbits)
         assert torch.equal(fast, _pack_generic(values, nbits))
@@ -72,6 +72,9 @@ def test_round_trip_every_width(nbits: int, data: st.DataObject) -> None:
         (_u8(0xFF, 0xFF), 12, 1),  # high nibble of the second byte is padding
         (_u8(0x00, 0x00, 0x00, 0x00, 0x10), 12, 3),
         (_u8(0b1110_0000), 5, 1),  # generic path: bits 5..7 are padding
+        (_u8(0b0000_0100), 1, 2),  # bitmaps: bits 2..7 are padding
+        (_u8(0x3F, 0x10), 6, 2),  # four bits of the second byte are padding
+        (_u8(0x00, 0x00, 0x40), 6, 3),  # the last two bits of three bytes are padding
     ],
 )
 def test_nonzero_padding_bits_are_rejected(data: torch.Tensor, nbits: int, count: int) -> None:

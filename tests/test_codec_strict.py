@@ -65,16 +65,25 @@ def _sparse_payload(**changes: bytes) -> Payload:
 
 
 def _indices() -> torch.Tensor:
+    """The fixture's kept in-chunk positions, flat (64 per full chunk, then 64 of the last 100)."""
     codec = SparseLoCoCodec()
-    kept = codec.layout(NUMEL)[2]
-    raw = torch.frombuffer(
-        bytearray(Payload.from_bytes(VALID["sparseloco"]).buffers["idx"]), dtype=torch.uint8
-    )
-    return unpack_bits(raw, 12, kept)
+    positions, _ = codec.entries(Payload.from_bytes(VALID["sparseloco"]))
+    return positions % codec.chunk
 
 
 def _with_indices(idx: torch.Tensor) -> Payload:
-    return _sparse_payload(idx=pack_bits(idx, 12).numpy().tobytes())
+    """The fixture with its positions replaced, Elias-Fano coded here independently of the codec:
+    position p_i (i-th of its chunk) sets bit (p_i >> 6) + i of the chunk's high bitmap, whose
+    length is n + ((u - 1) >> 6) + 1 bits (u = 4096, or 100 for the last chunk); then all 6-bit
+    low parts. Positions the format cannot carry (their bits would collide) are the caller's problem."""
+    bitmaps = []
+    for start, universe in ((0, 4096), (64, 4096), (128, 4096), (192, 100)):
+        chunk = idx[start : start + 64]
+        bitmap = torch.zeros(64 + ((universe - 1) >> 6) + 1, dtype=torch.uint8)
+        bitmap[(chunk >> 6) + torch.arange(64)] = 1
+        bitmaps.append(bitmap)
+    buf = torch.cat([pack_bits(torch.cat(bitmaps), 1), pack_bits(idx & 63, 6)])
+    return _sparse_payload(idx=buf.numpy().tobytes())
 
 
 # ---------------------------------------------------------------- fuzzing
@@ -128,7 +137,8 @@ def test_trailing_garbage_is_rejected() -> None:
     [
         msgpack.packb({"not": "a list"}),
         msgpack.packb([1, 2, 3]),
-        _envelope(version=2),
+        _envelope(version=WIRE_VERSION + 1),
+        _envelope(version=WIRE_VERSION - 1),
         _envelope(version=True),
         _envelope(codec="nope"),
         _envelope(codec=""),
@@ -263,7 +273,7 @@ def test_valid_fixture_decodes() -> None:
 
 def test_index_in_the_padding_of_the_last_chunk() -> None:
     idx = _indices()
-    for bad in (100, 101, 4095):  # the last chunk holds 100 entries: 0..99
+    for bad in (100, 101, 191):  # the last chunk holds 100 entries: 0..99 (191: the highest its bitmap can say)
         moved = idx.clone()
         moved[-1] = bad
         with pytest.raises(CodecError, match="padding"):
@@ -273,17 +283,40 @@ def test_index_in_the_padding_of_the_last_chunk() -> None:
     SparseLoCoCodec().decode(_with_indices(ok))
 
 
+def test_index_past_the_end_of_a_full_chunk() -> None:
+    idx = _indices()
+    idx[:64] = torch.arange(64) * 64 + 1  # one per high bucket: the last bit of the bitmap is free
+    idx[63] = 4096 + 5  # high 64: the bitmap's last bit, a position no chunk of 4096 has
+    with pytest.raises(CodecError, match="past the end"):
+        SparseLoCoCodec().decode(_with_indices(idx))
+
+
 @pytest.mark.parametrize("where", ["full", "tail"])
 def test_duplicate_or_unordered_indices(where: str) -> None:
-    idx = _indices()
-    at = 5 if where == "full" else len(idx) - 3
-    dup = idx.clone()
-    dup[at + 1] = dup[at]
-    swapped = idx.clone()
-    swapped[at], swapped[at + 1] = idx[at + 1], idx[at]
+    # Within one high bucket (same p >> 6) the low parts carry the order: a repeat or a descent
+    # there is what the coded form can express, and it must be refused.
+    base = _indices()
+    at = 5 if where == "full" else len(base) - 3
+    lo, hi = int(base[at - 1]), int(base[at + 2])
+    a, b = next((a, a + 1) for a in range(lo + 1, hi - 1) if a >> 6 == (a + 1) >> 6)  # between the neighbours
+    dup = base.clone()
+    dup[at], dup[at + 1] = a, a
+    swapped = base.clone()
+    swapped[at], swapped[at + 1] = b, a
     for bad in (dup, swapped):
         with pytest.raises(CodecError, match="ascending"):
             SparseLoCoCodec().decode(_with_indices(bad))
+
+
+def test_index_bitmaps_must_hold_exactly_k_ones_per_chunk() -> None:
+    p = Payload.from_bytes(VALID["sparseloco"])
+    data = bytearray(p.buffers["idx"])
+    for byte in range(16):  # chunk 0's 128-bit bitmap: find a zero bit and set it
+        if data[byte] != 0xFF:
+            data[byte] |= (~data[byte] & 0xFF) & -(~data[byte] & 0xFF)
+            break
+    with pytest.raises(CodecError, match="exactly 64 ones"):
+        SparseLoCoCodec().decode(Payload(p.codec, p.shape, dict(p.params), {**p.buffers, "idx": bytes(data)}))
 
 
 def test_chunk_boundaries_are_not_an_ordering_violation() -> None:
@@ -337,9 +370,9 @@ def test_nonzero_padding_bits_in_codes() -> None:
 
 def test_nonzero_padding_bits_in_indices() -> None:
     codec = SparseLoCoCodec()
-    p = codec.encode(_x(4096 + 1))  # 65 indices: the last byte's high nibble is padding
+    p = codec.encode(_x(4096 + 1))  # 65 positions: 65 x 6 low bits end 2 bits into the last byte
     idx = bytearray(p.buffers["idx"])
-    idx[-1] |= 0xF0
+    idx[-1] |= 0x80
     with pytest.raises(CodecError, match="padding"):
         codec.decode(Payload(p.codec, p.shape, dict(p.params), {**p.buffers, "idx": bytes(idx)}))
 

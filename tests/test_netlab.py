@@ -6,6 +6,7 @@ Needs root and `ip netns` (and iptables for the NATs); skipped, saying why, wher
 from __future__ import annotations
 
 import os
+import shutil
 import sys
 from pathlib import Path
 
@@ -22,6 +23,8 @@ def test_volunteers_behind_nats_contribute_to_every_round(tmp_path):
 
     if os.geteuid() != 0:
         pytest.skip("netlab needs root to create network namespaces")
+    if shutil.which("ping") is None:
+        pytest.skip("netlab's round-trip check needs ping (apt-get install iputils-ping)")
     try:
         res = netlab_run.run(rounds=5, out=tmp_path / "run", timeout_s=300, shaping=True)
     except netlab.NetlabUnavailable as exc:
