@@ -219,7 +219,7 @@ class Participant:
 
         for peer in peers:
             try:
-                reply, blob, sha256 = await t.request_bulk(peer, "get-state", StateRequest(min_round), StateReply,
+                reply, blob, digest = await t.request_bulk(peer, "get-state", StateRequest(min_round), StateReply,
                                                            timeout_s=60 + budget / 20e6, trailer_size=size)
             except PeerUnavailable as exc:
                 log.info("state from %s: %s", peer[-8:], exc)
@@ -227,17 +227,17 @@ class Participant:
             if not blob or reply.round < min_round:
                 continue
             try:
-                return await self._verified_state(reply, blob, sha256, peer)
+                return await self._verified_state(reply, blob, digest, peer)
             except ProtocolError as exc:  # a broken or hostile server: count it, ask the next peer
                 self.node.guard.count(peer, "state-reply", exc.reason, strike=exc.strike)
                 log.warning("state from %s refused: %s", peer[-8:], exc)
         raise PeerUnavailable("no peer served a verifiable state")
 
-    async def _verified_state(self, reply: StateReply, blob: bytes | bytearray, sha256: str, server: str
+    async def _verified_state(self, reply: StateReply, blob: bytes | bytearray, digest: str, server: str
                               ) -> GlobalState:
-        """Check a downloaded state (`sha256`: of `blob`, hashed as it arrived): hash, tensor
+        """Check a downloaded state (`digest`: BLAKE3 of `blob`, hashed as it arrived): hash, tensor
         names, shapes and values, decision, swarm majority."""
-        if sha256 != reply.digest:
+        if digest != reply.digest:
             raise ProtocolError("state failed its hash check")
         tensors = GlobalState.tensors_from_blob(blob)
         numel = self.outer.global_params.numel()

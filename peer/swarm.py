@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
-import hashlib
 import logging
 import threading
 import time
@@ -23,6 +22,7 @@ import torch
 from groundswell.compression import Codec, RobustOptions
 from groundswell.protocol.client import RoundClient
 from groundswell.protocol.context import DecisionBook
+from groundswell.protocol.digests import bulk_hasher
 from groundswell.protocol.guard import Guard, Limits
 from groundswell.protocol.identity import Identity
 from groundswell.protocol.schema import (
@@ -47,8 +47,8 @@ HEARTBEAT_S = 2.0
 
 
 def params_hash(vector: torch.Tensor) -> str:
-    """Short sha256 of a flat parameter vector, bit for bit."""
-    return hashlib.sha256(vector.detach().cpu().contiguous().numpy().tobytes()).hexdigest()[:16]
+    """Short BLAKE3 hash of a flat parameter vector, bit for bit."""
+    return bulk_hasher().update(memoryview(vector.detach().cpu().contiguous().numpy()).cast("B")).hexdigest()[:16]
 
 
 @dataclass
@@ -93,10 +93,10 @@ class GlobalState:
         return pack_tensors(self.tensors)
 
     def blob_and_digest(self) -> tuple[bytes, str]:
-        """The serialized state and its sha256, computed once per snapshot (joiners share it)."""
+        """The serialized state and its BLAKE3 digest (hex), computed once per snapshot (joiners share it)."""
         if self._blob is None:
             blob = self.to_blob()
-            self._blob = (blob, hashlib.sha256(blob).hexdigest())
+            self._blob = (blob, bulk_hasher().update(blob).hexdigest())
         return self._blob
 
     @staticmethod
@@ -378,7 +378,7 @@ class SwarmNode:
         if state is None or state.round < msg.min_round:
             return StateReply(-1, "", b"", 0)
         blob, digest = state.blob_and_digest()  # once per round, shared by every joiner
-        # The blob follows as a raw trailer: the signed reply carries its size and sha256.
+        # The blob follows as a raw trailer: the signed reply carries its size and BLAKE3 digest.
         return WithTrailer(StateReply(state.round, digest, state.decision, len(blob)), blob)
 
 

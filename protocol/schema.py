@@ -16,7 +16,8 @@ from typing import Any, ClassVar
 import msgpack
 
 PROTOCOL_VERSION = 4  # 2: claims carry `fence`; the state follows its reply as a raw trailer; 3: envelopes sign the
-# body's sha256; 4: payload wire version 2 (sparseloco's Elias-Fano indices), so mixed peers refuse each other up front
+# body's sha256; 4: payload wire version 2 (sparseloco's Elias-Fano indices), so mixed peers refuse each other up front,
+# and BLAKE3 instead of SHA-256 for bulk hashes (envelope bodies, contribution digests, the state blob)
 MAX_ID = 128  # peer ids, run ids, reasons and other short strings
 MAX_LIST = 4096  # peer lists, shard lists
 MAX_SMALL = 1 << 20  # a control message never needs more than this
@@ -219,7 +220,7 @@ class StateRequest(Message):
 @dataclass(frozen=True)
 class StateReply(Message):
     """The global state after round `round - 1`: `size` bytes of serialized tensors follow this
-    reply as a raw trailer, and their sha256 is `digest`; `decision` is the signed decision of
+    reply as a raw trailer, and their BLAKE3 digest (hex) is `digest`; `decision` is the signed decision of
     round `round - 1` (which plans round `round`). Size 0: unavailable."""
 
     KIND: ClassVar[str] = "state"

@@ -10,7 +10,6 @@ libp2p's secure channel authenticates. Every network wait sits inside an `asynci
 from __future__ import annotations
 
 import asyncio
-import hashlib
 import logging
 import os
 import struct
@@ -22,6 +21,7 @@ from typing import Any
 
 import msgpack
 
+from .digests import bulk_digest, bulk_hasher
 from .guard import Guard
 from .identity import Identity, verify
 from .schema import MAX_SMALL, PROTOCOL_VERSION, Message, ProtocolError, decode_message, encode_message, packb
@@ -59,11 +59,12 @@ class Envelope:
     signature: bytes
 
     def signed_part(self) -> bytes:
-        """The canonical bytes the signature covers: the header and the body's sha256. Signing the
-        digest, not the body, keeps a 25 MB contribution to one hash pass (Ed25519 hashes what it
-        signs twice, with SHA-512, and the body would be copied once more to frame it)."""
+        """The canonical bytes the signature covers: the header and the body's BLAKE3 digest.
+        Signing the digest, not the body, keeps a 25 MB contribution to one fast hash pass
+        (Ed25519 hashes what it signs twice, with SHA-512, and the body would be copied once more
+        to frame it)."""
         return msgpack.packb(
-            [PROTOCOL_VERSION, self.run_id, self.sender, self.nonce, self.timestamp, hashlib.sha256(self.body).digest()],
+            [PROTOCOL_VERSION, self.run_id, self.sender, self.nonce, self.timestamp, bulk_digest(self.body)],
             use_bin_type=True,
         )
 
@@ -125,7 +126,7 @@ async def read_frame_into(reader: asyncio.StreamReader, max_bytes: int, chunk: i
                           hasher: Any = None) -> bytearray:
     """`read_frame` for bulk data: same length check first, then reads of `chunk` bytes into one
     preallocated buffer (one `readexactly` of a huge frame grows the reader's buffer to the whole
-    frame and copies it out again); `hasher` (hashlib) is fed each piece as it arrives."""
+    frame and copies it out again); `hasher` (BLAKE3, or anything with `update`) is fed each piece as it arrives."""
     (size,) = _LEN.unpack(await reader.readexactly(_LEN.size))
     if size > max_bytes:
         raise ProtocolError(f"frame of {size} bytes exceeds the limit of {max_bytes}", reason="oversized")
@@ -231,8 +232,8 @@ class Transport:
                            ) -> tuple[Any, bytearray, str]:
         """`request` to a handler served with `trailer`: the verified reply, the raw bytes after
         it, whose length must be `trailer_size(reply)` (checked before they are read), and their
-        sha256 (hex, computed while they arrive). The caller checks them against the reply."""
-        hasher = hashlib.sha256()
+        BLAKE3 digest (hex, computed while they arrive). The caller checks them against the reply."""
+        hasher = bulk_hasher()
         reply, bulk = await self._request(peer_id, handler, msg, expect, timeout_s, max_reply, trailer_size, hasher)
         return reply, bulk, hasher.hexdigest()
 

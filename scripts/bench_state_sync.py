@@ -16,7 +16,7 @@ Two worker processes (multiprocessing "spawn", one torch thread each), everythin
 - client: a `SwarmNode` bootstrapped from the server's address, same context. One state download
   is what a joiner does: `transport.request_bulk(server, "get-state", StateRequest(0), StateReply,
   trailer_size=...)` (the announced size checked against a limit before the blob is read), the
-  sha256 check of the blob against the signed digest, and `GlobalState.tensors_from_blob`.
+  BLAKE3 check of the blob against the signed digest, and `GlobalState.tensors_from_blob`.
 - TCP baseline: the server process sends the same blob (same byte count) over a fresh TCP
   connection on 127.0.0.1; the client receives it into a preallocated buffer.
 
@@ -25,8 +25,8 @@ round-robin over the methods (so a change in the machine's load hits all of them
 reported times are medians. MB/s is state bytes / time (MB = 10^6 bytes).
 
 With the breakdown on (default), the same run also measures where the protocol's time goes:
-server side (serialization (raw fp32 behind a header) and sha256, once per state; sealing the small reply header,
-per request), client side (unsealing the header, sha256, mapping the tensors), and the bare p2pd stream
+server side (serialization (raw fp32 behind a header) and BLAKE3, once per state; sealing the small reply header,
+per request), client side (unsealing the header, BLAKE3, mapping the tensors), and the bare p2pd stream
 (one length-prefixed frame of the blob over a libp2p binary stream, no header, no hashing, no
 serialization), read both with the protocol's `read_frame` (one `readexactly`) and with
 `read_frame_into` (1 MiB reads into a preallocated buffer, as the trailer is read).
@@ -39,7 +39,6 @@ their p2pd daemons) is ended before it returns, also on failure.
 from __future__ import annotations
 
 import argparse
-import hashlib
 import json
 import os
 import shutil
@@ -55,6 +54,7 @@ from typing import Any
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # the shared helpers beside this script
 from _procs import kill_if_p2pd, p2pd_pids_using
+from groundswell.protocol.digests import bulk_hasher
 
 os.environ["OMP_WAIT_POLICY"] = "PASSIVE"  # before torch starts its thread pool (workers inherit it)
 os.environ.setdefault("HIVEMIND_LOGLEVEL", "WARNING")
@@ -215,7 +215,7 @@ class _Server:
         arrays = [t.detach().cpu().contiguous().numpy() for t in state.tensors.values()]
         return {
             "serialize_s": med(state.to_blob),
-            "sha256_s": med(lambda: hashlib.sha256(blob).hexdigest()),
+            "hash_s": med(lambda: bulk_hasher().update(blob).hexdigest()),
             "seal_header_s": med(lambda: seal(self.identity, RUN_ID, header)),
             # For comparison: a raw layout (tensor bytes back to back, no zip container).
             "raw_concat_s": med(lambda: b"".join(a.tobytes() for a in arrays)),
@@ -269,7 +269,7 @@ class _Client:
         return {}
 
     def p2p(self, server_id: str, digest: str, params_hash_expected: str, warmup: int, repeats: int) -> dict:
-        """What a joiner does: request_bulk, sha256 check, map the tensors; timed as a whole and in parts."""
+        """What a joiner does: request_bulk, BLAKE3 check, map the tensors; timed as a whole and in parts."""
         from groundswell.peer.swarm import GlobalState, params_hash
         from groundswell.protocol.schema import ProtocolError, StateReply, StateRequest
 
@@ -283,15 +283,15 @@ class _Client:
 
         def once() -> tuple[str, dict]:
             t0 = time.perf_counter()
-            reply, blob, sha256 = node.call(node.transport.request_bulk(
+            reply, blob, digest = node.call(node.transport.request_bulk(
                 server_id, "get-state", StateRequest(0), StateReply, timeout_s=600, trailer_size=size), 660)
             t1 = time.perf_counter()
-            if not blob or sha256 != reply.digest:  # hashed while it arrived, inside request_bulk
+            if not blob or digest != reply.digest:  # hashed while it arrived, inside request_bulk
                 raise RuntimeError("state reply failed its hash check")
             t2 = time.perf_counter()
             tensors = GlobalState.tensors_from_blob(blob)
             t3 = time.perf_counter()
-            parts.append({"request_s": t1 - t0, "sha256_s": t2 - t1, "load_s": t3 - t2})
+            parts.append({"request_s": t1 - t0, "hash_s": t2 - t1, "load_s": t3 - t2})
             return reply.digest, tensors
 
         def check(result: Any) -> None:  # not timed
@@ -340,12 +340,12 @@ class _Client:
         state = GlobalState(1, {"global_params": torch.randn(params, generator=gen),
                                 "momentum_buffer": torch.randn(params, generator=gen)}, b"")
         blob = state.to_blob()
-        sealed = seal(self.identity, RUN_ID, StateReply(1, hashlib.sha256(blob).hexdigest(), decision, len(blob)))
+        sealed = seal(self.identity, RUN_ID, StateReply(1, bulk_hasher().update(blob).hexdigest(), decision, len(blob)))
         raw = b"".join(t.numpy().tobytes() for t in state.tensors.values())  # the raw layout, for comparison
         med = lambda fn: statistics.median(_median_times(fn, 0, repeats)[0])
         return {
             "unseal_header_s": med(lambda: unseal(sealed, RUN_ID, StateReply, sender=me)),
-            "sha256_s": med(lambda: hashlib.sha256(blob).hexdigest()),
+            "hash_s": med(lambda: bulk_hasher().update(blob).hexdigest()),
             "load_s": med(lambda: GlobalState.tensors_from_blob(blob)),
             "raw_frombuffer_s": med(lambda: torch.frombuffer(bytearray(raw), dtype=torch.float32)),
         }
@@ -517,7 +517,7 @@ def run_bench(args: argparse.Namespace, progress: Callable[[str], None] = lambda
             raw_s, rawc_s = med["raw"], med["raw_chunked"]
             breakdown = {
                 **{f"client_{k}": statistics.median(pt[k] for pt in p2p["parts"])
-                   for k in ("request_s", "sha256_s", "load_s")},
+                   for k in ("request_s", "hash_s", "load_s")},
                 "raw_stream_s": raw_s, "raw_stream_mb_s": size / raw_s / 1e6,
                 "raw_stream_chunked_s": rawc_s, "raw_stream_chunked_mb_s": size / rawc_s / 1e6,
                 "server": server_parts, "client": client_parts,
@@ -549,7 +549,7 @@ def format_report(res: dict) -> str:
         "| method | time (s) | MB/s | vs TCP |",
         "|---|---:|---:|---:|",
         f"| plain TCP | {res['tcp_s']:.3f} | {res['tcp_mb_s']:.0f} | 1.00x |",
-        f"| groundswell get-state (signed header + raw trailer + sha256 + map) | {res['p2p_s']:.3f} | {res['p2p_mb_s']:.0f} "
+        f"| groundswell get-state (signed header + raw trailer + BLAKE3 + map) | {res['p2p_s']:.3f} | {res['p2p_mb_s']:.0f} "
         f"| {res['ratio']:.2f}x |",
     ]
     b = res.get("breakdown")
@@ -562,9 +562,9 @@ def format_report(res: dict) -> str:
             f"| {b['raw_stream_chunked_mb_s']:.0f} | {b['raw_stream_chunked_s'] / t:.2f}x |",
             "",
             "Where get-state's time goes (medians, seconds):",
-            f"- client: request_bulk {b['client_request_s']:.3f} (header + trailer transfer, unseal, sha256 "
-            f"while it arrives), digest check {b['client_sha256_s']:.3f}, load {b['client_load_s']:.3f}",
-            "- server (serialize and sha256 once per state, cached; seal_header per request): "
+            f"- client: request_bulk {b['client_request_s']:.3f} (header + trailer transfer, unseal, BLAKE3 "
+            f"while it arrives), digest check {b['client_hash_s']:.3f}, load {b['client_load_s']:.3f}",
+            "- server (serialize and BLAKE3 once per state, cached; seal_header per request): "
             + ", ".join(f"{k} {v:.3f}" for k, v in b["server"].items()),
             "- client, per reply: " + ", ".join(f"{k} {v:.3f}" for k, v in b["client"].items()),
         ]

@@ -19,7 +19,7 @@ from groundswell.compression import (
     make_codec,
 )
 from groundswell.compression.base import WIRE_VERSION
-from groundswell.compression.bitpack import pack_bits, unpack_bits
+from groundswell.compression.bitpack import pack_bits
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 

@@ -8,7 +8,6 @@ survives `shutdown()` is killed by pid.
 from __future__ import annotations
 
 import asyncio
-import hashlib
 import os
 import signal
 import struct
@@ -21,6 +20,7 @@ from typing import Any
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
 import pytest
+from blake3 import blake3
 from groundswell.protocol.identity import Identity
 from groundswell.protocol.schema import Ack, DecisionReply, Join, ProtocolError, StateRequest
 from groundswell.protocol.transport import PeerUnavailable, Transport, seal, unseal
@@ -363,11 +363,21 @@ def test_a_bulk_trailer_arrives_whole_and_its_announced_size_is_enforced(net):
         return net.run(net.tb.request_bulk(net.id_a.peer_id, "bulk", StateRequest(0), StateReply,
                                            timeout_s=30, trailer_size=size))
 
-    reply, got, sha256 = fetch()
-    assert reply.size == len(got) and bytes(got) == blob and sha256 == hashlib.sha256(blob).hexdigest()
+    reply, got, digest = fetch()
+    assert reply.size == len(got) and bytes(got) == blob and digest == blake3(blob).hexdigest()
     with pytest.raises(PeerUnavailable, match="too large"):
         fetch(limit=len(blob) - 1)
     for wrong in (len(blob) - 1, len(blob) + 1):  # a trailer longer or shorter than announced
         announced["size"] = wrong
         with pytest.raises(PeerUnavailable):
             fetch()
+
+
+def test_bulk_hashes_are_blake3():
+    # the published BLAKE3 test vector for the empty input: envelopes, contribution digests and
+    # state blobs all hash with it, so a peer using another hash fails every check
+    from groundswell.protocol.digests import bulk_digest, bulk_hasher
+
+    empty = "af1349b9f5f9a1a6a0404dea36dcc9499bcb25c9adc112b7cc9a93cae41f3262"
+    assert bulk_digest(b"").hex() == empty and bulk_hasher().hexdigest() == empty
+    assert bulk_hasher().update(b"ab").update(b"c").digest() == bulk_digest(b"abc") != bulk_digest(b"abd")
