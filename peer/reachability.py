@@ -3,8 +3,9 @@
 A volunteer asks a bootstrap peer to open a plain TCP connection to the addresses it listens on
 (nothing is sent; the connection is closed at once). If none accepts, the peer is behind a NAT
 or a firewall: it then never serves (no aggregator or leader role needs inbound connections from
-it), keeps its DHT node in client mode, and relies on libp2p's relay (the bootstrap peers, the
-coordinator first, are its trusted relays) for the rare stream another peer opens to it.
+it), keeps its DHT node in client mode, restarts its daemon telling AutoNAT it is private (so
+that autorelay reserves a slot, ~3.4 minutes later), and relies on that relay (the bootstrap
+peers, the coordinator first, are its trusted relays) for the rare stream another peer opens to it.
 """
 
 from __future__ import annotations
@@ -89,3 +90,34 @@ def connection_paths(peer_infos: list[Any]) -> dict[str, str]:
         relayed = bool(addrs) and all("p2p-circuit" in a for a in addrs)
         paths[str(info.peer_id)] = "relay" if relayed else "direct"
     return paths
+
+
+def _varint(n: int) -> bytes:
+    out = bytearray()
+    while True:
+        byte, n = n & 0x7F, n >> 7
+        out.append(byte | (0x80 if n else 0))
+        if not n:
+            return bytes(out)
+
+
+P2P_CODE, CIRCUIT_CODE = 421, 290  # multicodec codes of /p2p/ and /p2p-circuit
+
+
+def circuit_maddr_bytes(relay_maddr: str, target_id: str) -> bytes:
+    """The binary multiaddr `<relay_maddr>/p2p-circuit/p2p/<target_id>` (relay_maddr ends in
+    /p2p/<relay id>), for the daemon's connect. hivemind's `Multiaddr` writes a /p2p/ component
+    as a CID, which p2pd refuses ("length greater than remaining number of bytes"); the wire form
+    is the peer id's multihash."""
+    from hivemind.p2p import PeerID
+    from hivemind.utils.multiaddr import Multiaddr
+
+    host, sep, relay_id = relay_maddr.partition("/p2p/")
+    if not sep or not relay_id:
+        raise ValueError(f"{relay_maddr!r} does not name its relay (/p2p/<id>)")
+
+    def p2p(peer: str) -> bytes:
+        raw = PeerID.from_base58(peer).to_bytes()
+        return _varint(P2P_CODE) + _varint(len(raw)) + raw
+
+    return Multiaddr(host).to_bytes() + p2p(relay_id) + _varint(CIRCUIT_CODE) + p2p(target_id)

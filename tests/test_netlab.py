@@ -40,3 +40,23 @@ def test_volunteers_behind_nats_contribute_to_every_round(tmp_path):
     reached = {(c["a"], c["b"]) for c in res["connections"]}
     assert {("h1", "coordinator"), ("h2", "coordinator"), ("h3", "coordinator")} <= reached
     assert all(c["path"] in ("direct", "relay") for c in res["connections"])
+
+
+@pytest.mark.timeout(720)
+def test_a_volunteer_behind_nat_is_reachable_through_the_relay():
+    # Training never needs it (NAT'ed volunteers only dial out), but a peer behind a cone or a
+    # symmetric NAT must still be reachable: it holds a reservation on its bootstrap peer's relay.
+    import netlab_relay
+
+    if os.geteuid() != 0:
+        pytest.skip("netlab needs root to create network namespaces")
+    try:
+        res = netlab_relay.run(timeout_s=360)
+    except netlab.NetlabUnavailable as exc:
+        pytest.skip(f"network namespaces unavailable here: {exc}")
+    assert netlab.existing_namespaces() == [], "the lab was not torn down"
+    assert res["reachability"] == {"h1": "private", "h2": "private", "h3": "private", "pub": "public"}
+    rows = {(p["a"], p["b"]): p for p in res["pairs"]}
+    assert all(p["ok"] for p in res["pairs"]), res["pairs"]
+    # two NAT'ed peers can only meet through the relay; h3 sits behind the symmetric NAT
+    assert rows[("h1", "h2")]["path"] == "relay" and rows[("h1", "h3")]["path"] == "relay"

@@ -6,7 +6,10 @@ import asyncio
 import socket
 from types import SimpleNamespace
 
+import pytest
+
 from groundswell.peer.reachability import DialBack, connection_paths, tcp_targets
+from groundswell.protocol.identity import Identity
 from groundswell.protocol.schema import ProbeRequest
 
 
@@ -57,3 +60,18 @@ def test_connection_paths_call_a_peer_relayed_only_if_every_connection_is():
              SimpleNamespace(peer_id="B", addrs=["/ip4/10.99.0.11/tcp/2"]),
              SimpleNamespace(peer_id="C", addrs=["/ip4/10.99.0.10/tcp/1/p2p/R/p2p-circuit", "/ip4/10.99.0.12/tcp/3"])]
     assert connection_paths(infos) == {"A": "relay", "B": "direct", "C": "direct"}
+
+
+def test_circuit_addresses_carry_peer_ids_as_multihashes():
+    # p2pd parses /p2p/ components as multihashes; hivemind's Multiaddr writes CIDs, which p2pd
+    # refused ("length greater than remaining number of bytes in buffer")
+    from groundswell.peer.reachability import circuit_maddr_bytes
+    from hivemind.p2p import PeerID
+
+    relay, target = Identity.generate().peer_id, Identity.generate().peer_id
+    raw = circuit_maddr_bytes(f"/ip4/10.99.0.10/tcp/40000/p2p/{relay}", target)
+    ip_tcp = bytes([0x04, 10, 99, 0, 10, 0x06]) + (40000).to_bytes(2, "big")
+    p2p = lambda pid: b"\xa5\x03" + bytes([len(PeerID.from_base58(pid).to_bytes())]) + PeerID.from_base58(pid).to_bytes()  # noqa: E731
+    assert raw == ip_tcp + p2p(relay) + b"\xa2\x02" + p2p(target)
+    with pytest.raises(ValueError, match="relay"):
+        circuit_maddr_bytes("/ip4/10.99.0.10/tcp/40000", target)
