@@ -169,7 +169,8 @@ def join(
         console.print(f"joined run [bold]{manifest.run.id}[/] as {ident.peer_id} (manifest verified)")
         relays = ", ".join(pid[-8:] for pid in peers[:3])  # trusted relays: the bootstrap peers
         console.print("reachable: public (other peers can connect to us)" if node.reachability == "public" else
-                      f"reachable: behind a NAT (relay: {relays}); contributing, not serving")
+                      f"reachable: behind a NAT, through relay {relays} once it holds our slot (libp2p "
+                      "reserves it ~3-4 min after start); contributing, not serving")
         p = Participant(manifest, signed, ident, str(ident_path), opts, state_dir, device=device, node=node)
         stop = _stop_on_signals()
         h = manifest.outer.inner_steps
