@@ -38,7 +38,7 @@ from groundswell.protocol.schema import (
 from groundswell.protocol.server import RoundServer
 from groundswell.protocol.transport import PeerUnavailable, Transport, WithTrailer, seal, unseal
 
-from .reachability import PROBE_TIMEOUT_S, DialBack, circuit_maddr_bytes, connection_paths, observed_ips
+from .reachability import PROBE_TIMEOUT_S, DialBack, connect_via_relay, connection_paths, observed_ips
 from .state_blob import pack_tensors, unpack_tensors
 
 log = logging.getLogger(__name__)
@@ -262,19 +262,9 @@ class SwarmNode:
         return await self._dial_back.handle(sender, msg, observed_ips(await self.p2p.list_peers(), sender))
 
     async def connect_via_relay(self, target: str, relay_maddr: str) -> None:
-        """Open a libp2p connection to `target` through the relay at `relay_maddr` (…/p2p/<relay>),
-        which holds a reservation for it; later streams to `target` use it. Raises if the relay
-        refuses (no reservation yet: a peer reserves ~3 minutes after it found itself private)."""
-        from hivemind.p2p import PeerID
-
-        class _Raw:  # what the daemon client wants: an object with to_bytes()
-            def __init__(self, data: bytes) -> None:
-                self.data = data
-
-            def to_bytes(self) -> bytes:
-                return self.data
-
-        await self.p2p._client.connect(PeerID.from_base58(target), [_Raw(circuit_maddr_bytes(relay_maddr, target))])
+        """Open a libp2p connection to `target` through the relay at `relay_maddr` (…/p2p/<relay>);
+        raises if the relay holds no reservation for it yet (see `reachability.connect_via_relay`)."""
+        await connect_via_relay(self.p2p, target, relay_maddr)
 
     async def connections(self) -> dict[str, str]:
         """Peers this node has open libp2p connections to, and whether "direct" or via "relay"."""

@@ -3,13 +3,12 @@ state only if the manifest says so. Refusals are counted and strike the sender."
 
 from __future__ import annotations
 
-
 import sys
 from pathlib import Path
 
 import pytest
-from blake3 import blake3
 import torch
+from blake3 import blake3
 from groundswell.protocol.identity import Identity
 from groundswell.protocol.schema import Ack, Join, ShardContribution, StateReply, StateRequest
 from groundswell.protocol.transport import seal, unseal

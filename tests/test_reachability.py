@@ -7,7 +7,6 @@ import socket
 from types import SimpleNamespace
 
 import pytest
-
 from groundswell.peer.reachability import DialBack, connection_paths, tcp_targets
 from groundswell.protocol.identity import Identity
 from groundswell.protocol.schema import ProbeRequest
