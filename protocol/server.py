@@ -49,6 +49,7 @@ from .schema import (
 from .transport import PeerGone, PeerUnavailable, Transport, unseal
 
 log = logging.getLogger(__name__)
+CATCH_UP_S = 0.5  # the most a leader waits for a shard's primary to catch up with its replica
 MAX_JOINS = 2048  # members one round may have (Decision lists hold at most 4096)
 
 
@@ -299,10 +300,33 @@ class RoundServer(Aggregator, Claims, Decider):
             expected -= slot.refused_reported  # an invalid contribution will not become valid: do not wait for it
             _, complete = self._sources(plan, slot)
             if expected <= complete and len(complete) >= self.ctx.min_peers:
+                await self._first_holders_catch_up(plan, slot, complete, min(close_at, time.monotonic() + CATCH_UP_S))
                 return
             waiter = slot.changed
             try:
                 async with asyncio.timeout(max(0.0, close_at - time.monotonic())):
+                    await waiter.wait()
+            except TimeoutError:
+                return
+
+    async def _first_holders_catch_up(self, plan: RoundPlan, slot: _Attempt, complete: set[str],
+                                      until: float) -> None:
+        """Give each shard's first-ranked reporting aggregator a moment to report it holds `complete`.
+
+        A replica's report can beat its primary's by a few ms; sourcing a shard from the replica
+        would pile two shards' aggregation on one peer, so the leader waits (briefly) for the primary."""
+        def lagging() -> bool:
+            for shard in range(plan.num_shards):
+                reports = slot.have.get(shard, {})
+                first = next((p for p in plan.candidates(shard) if p in reports), None)
+                if first is None or not complete <= reports[first].keys():
+                    return True
+            return False
+
+        while lagging() and time.monotonic() < until:
+            waiter = slot.changed
+            try:
+                async with asyncio.timeout(max(0.0, until - time.monotonic())):
                     await waiter.wait()
             except TimeoutError:
                 return

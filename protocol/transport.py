@@ -144,6 +144,12 @@ async def read_frame_into(reader: asyncio.StreamReader, max_bytes: int, chunk: i
     return buf
 
 
+async def read_until_eof(reader: asyncio.StreamReader) -> None:
+    """Read and drop whatever the other side still sends, until it closes its end."""
+    while await reader.read(1 << 16):
+        pass
+
+
 @dataclass(frozen=True)
 class WithTrailer:
     """A handler's reply followed by raw bulk bytes (a state blob) that the signed reply vouches
@@ -198,6 +204,10 @@ class Transport:
                     if trailer:
                         await write_frame(writer, bulk)
                         self.bytes_sent += len(bulk) + _LEN.size
+                    # Keep our end open until the caller closes its own: p2pd resets a stream whose
+                    # handler hangs up first, and the reset drops the reply's tail still buffered
+                    # in the caller's daemon (a slow reader then sees a truncated reply).
+                    await read_until_eof(reader)
             except ProtocolError as exc:
                 self.guard.reject(remote, handler, exc)
                 self._log_rejection(handler, exc.reason, remote, str(exc))

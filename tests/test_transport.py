@@ -113,7 +113,8 @@ def _refused(transport: Transport, handler: str) -> int:
 
 
 async def _send_raw(net: Net, handler: str, frame: bytes) -> bytes:
-    """Send a's handler one raw length-prefixed frame from b; what came back before the close."""
+    """Send a's handler one raw length-prefixed frame from b; the reply frame, or b"" if a closed
+    the stream without one (a handler keeps a stream it answered open until the caller closes)."""
     from hivemind.p2p import PeerID
 
     _, reader, writer = await net.b.call_binary_stream_handler(
@@ -121,7 +122,12 @@ async def _send_raw(net: Net, handler: str, frame: bytes) -> bytes:
     try:
         writer.write(struct.pack(">Q", len(frame)) + frame)
         await writer.drain()
-        return await asyncio.wait_for(reader.read(), 15)
+        async with asyncio.timeout(15):
+            head = await reader.read(8)
+            if not head:
+                return b""
+            head += await reader.readexactly(8 - len(head))
+            return head + await reader.readexactly(struct.unpack(">Q", head)[0])
     finally:
         writer.close()
 
@@ -371,6 +377,37 @@ def test_a_bulk_trailer_arrives_whole_and_its_announced_size_is_enforced(net):
         announced["size"] = wrong
         with pytest.raises(PeerUnavailable):
             fetch()
+
+
+def test_a_slow_reader_still_gets_the_whole_trailer(net):
+    # The handler has written everything before this caller reads the trailer; p2pd resets a
+    # stream whose handler hangs up first, which would drop what the caller's daemon still holds.
+    from hivemind.p2p import PeerID
+
+    from groundswell.protocol.schema import StateReply
+    from groundswell.protocol.transport import WithTrailer, read_frame, read_frame_into, seal
+
+    blob = os.urandom(4 << 20)
+
+    async def state(sender: str, msg: StateRequest) -> WithTrailer:
+        return WithTrailer(StateReply(1, "d" * 64, b"", len(blob)), blob)
+
+    _serve(net, net.ta, "slow-bulk", StateRequest, state, trailer=True)
+
+    async def fetch_slowly() -> bytearray:
+        _, reader, writer = await net.b.call_binary_stream_handler(
+            PeerID.from_base58(net.id_a.peer_id), net.ta._name("slow-bulk"))
+        try:
+            writer.write(struct.pack(">Q", len(data := seal(net.id_b, RUN, StateRequest(0)))) + data)
+            await writer.drain()
+            await read_frame(reader, 1 << 20)
+            await asyncio.sleep(1.5)  # the handler is done writing long before this
+            return await read_frame_into(reader, len(blob))
+        finally:
+            writer.close()
+
+    for _ in range(3):
+        assert bytes(net.run(fetch_slowly())) == blob
 
 
 def test_bulk_hashes_are_blake3():
