@@ -81,6 +81,9 @@ def launch(
     manifest_path: Path = typer.Argument(..., help="The run manifest (TOML)."),
     listen: list[str] = typer.Option(["/ip4/0.0.0.0/tcp/0"], help="Multiaddr(s) to listen on."),
     announce: list[str] = typer.Option([], help="Multiaddr(s) to announce (public address behind a port forward)."),
+    state_port: int = typer.Option(0, help="TCP port for direct state downloads of an open run (0: any free "
+                                   "port; -1: off, joiners get the state over libp2p). Forward it beside the "
+                                   "libp2p port behind a port forward."),
     peer: list[str] = typer.Option([], help="Multiaddr(s) of live peers to reconnect to after a restart."),
     identity: Optional[Path] = typer.Option(None, help="Identity file [default: STATE_DIR/identity.key]."),
     state_dir: Path = typer.Option(Path("groundswell-run"), help="Checkpoints and logs; reuse it to resume."),
@@ -99,8 +102,10 @@ def launch(
     manifest = load_manifest_toml(manifest_path)
     ident, ident_path = _identity(identity, state_dir)
     signed = sign_manifest(manifest, ident).to_bytes()
+    if not -1 <= state_port <= 65535:
+        raise ValueError(f"--state-port must be -1 (off), 0 (any free port) or a port number, not {state_port}")
     opts = NodeOptions(host_maddrs=listen, announce_maddrs=announce, initial_peers=peer, role="coordinator",
-                       trains=False, serves=True)
+                       trains=False, serves=True, direct_state=state_port >= 0, direct_port=max(state_port, 0))
     p = Participant(manifest, signed, ident, str(ident_path), opts, state_dir)
     stop = _stop_on_signals()
     p.start_network()

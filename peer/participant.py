@@ -15,17 +15,24 @@ from pathlib import Path
 from typing import Any
 
 import torch
-
 from groundswell.compression import RobustOptions, make_codec, segment_bounds, segment_size
-from groundswell.optim import DiLoCo, DiLoCoConfig, OuterOptimizer, SparseLoCo, SparseLoCoConfig, copy_into_parameters
+from groundswell.optim import (
+    DiLoCo,
+    DiLoCoConfig,
+    OuterOptimizer,
+    SparseLoCo,
+    SparseLoCoConfig,
+    copy_into_parameters,
+)
 from groundswell.protocol.guard import Limits
 from groundswell.protocol.identity import Identity
-from groundswell.protocol.schema import Decision, ProtocolError, StateReply, StateRequest
+from groundswell.protocol.schema import Decision, ProtocolError, StateReply
 from groundswell.protocol.transport import PeerUnavailable, seal, unseal
 
 from .data import Corpus, evaluate, heldout_batches, load_corpus
 from .manifest import RunManifest, SignedManifest
 from .scoring import ContributionScorer
+from .state_fetch import fetch_state
 from .swarm import GlobalState, NodeOptions, RunContext, SwarmNode, params_hash
 from .workload import Workload, build_workload
 
@@ -208,7 +215,7 @@ class Participant:
         assert isinstance(self.outer, SparseLoCo)
         return {"algorithm": "sparseloco", "error": self.outer.error.cpu()}  # error feedback stays ours
 
-    async def _download_state(self, peers: list[str], min_round: int) -> GlobalState:
+    async def _download_state(self, peers: list[str], min_round: int) -> tuple[GlobalState, str]:
         t = self.node.transport
         assert t is not None
         budget = 16 * self.outer.global_params.numel() + (1 << 20)
@@ -219,15 +226,14 @@ class Participant:
 
         for peer in peers:
             try:
-                reply, blob, digest = await t.request_bulk(peer, "get-state", StateRequest(min_round), StateReply,
-                                                           timeout_s=60 + budget / 20e6, trailer_size=size)
+                reply, blob, digest, via = await fetch_state(self.node, peer, min_round, size, timeout_s=60 + budget / 20e6)
             except PeerUnavailable as exc:
                 log.info("state from %s: %s", peer[-8:], exc)
                 continue
             if not blob or reply.round < min_round:
                 continue
             try:
-                return await self._verified_state(reply, blob, digest, peer)
+                return await self._verified_state(reply, blob, digest, peer), via
             except ProtocolError as exc:  # a broken or hostile server: count it, ask the next peer
                 self.node.guard.count(peer, "state-reply", exc.reason, strike=exc.strike)
                 log.warning("state from %s refused: %s", peer[-8:], exc)
@@ -266,9 +272,9 @@ class Participant:
             return [p for p in ahead if p != self.identity.peer_id] + [p for p in bootstrap_peers if p not in ahead]
 
         peers = self.node.call(peers_to_ask(), timeout_s=30)
-        state = self.node.call(self._download_state(peers, min_round), timeout_s=600)
+        state, via = self.node.call(self._download_state(peers, min_round), timeout_s=600)
         self.load_global(state)
-        self.events.write("sync", round=state.round, hash=params_hash(self.outer.global_params),
+        self.events.write("sync", round=state.round, hash=params_hash(self.outer.global_params), via=via,
                           peer=self.identity.peer_id)
 
     def catch_up(self, fresh: bool = True) -> int:

@@ -13,6 +13,7 @@ from __future__ import annotations
 import asyncio
 import ipaddress
 import time
+from collections.abc import Sequence
 from typing import Any
 
 from groundswell.protocol.schema import ProbeReply, ProbeRequest
@@ -38,6 +39,18 @@ def tcp_targets(maddrs: list[str]) -> list[tuple[str, int]]:
         out.append((str(host), port))
     outside = [t for t in out if not ipaddress.ip_address(t[0]).is_loopback]
     return list(dict.fromkeys(outside or out))[:MAX_TARGETS]
+
+
+def listen_host(maddrs: Sequence[str]) -> str | None:
+    """The IP of the first plain TCP multiaddr a node listens on (0.0.0.0 included), or None."""
+    for m in maddrs:
+        parts = str(m).split("/")
+        if len(parts) >= 5 and parts[1] in ("ip4", "ip6") and parts[3] == "tcp" and "p2p-circuit" not in parts:
+            try:
+                return str(ipaddress.ip_address(parts[2]))
+            except ValueError:
+                continue
+    return None
 
 
 class DialBack:

@@ -62,6 +62,7 @@ def run_volunteer(p: Participant, bootstrap_peers: list[str], *, max_rounds: int
     `attack`: a simulated byzantine volunteer tampers with what it contributes."""
     m = p.manifest
     p.start_network()
+    p.events.write("network", peer=p.identity.peer_id, **{f"{k}_s": round(v, 3) for k, v in p.node.startup_s.items()})
     resumed = p.load_checkpoint()
     if resumed is not None and resumed.get("outer") is not None:
         p.load_global(GlobalState(resumed["round"], resumed["tensors"], resumed["decision"]))
@@ -235,6 +236,7 @@ def run_coordinator(p: Participant, *, stop: StopFlag, on_round: Callable[[Round
     """Serve the run: genesis (or resume), then follow every committed round, checkpoint, serve state."""
     m = p.manifest
     p.start_network()
+    p.events.write("network", peer=p.identity.peer_id, **{f"{k}_s": round(v, 3) for k, v in p.node.startup_s.items()})
     resumed = p.load_checkpoint()
     if resumed is not None:
         p.node.book.add(resumed["decision"])  # type: ignore[union-attr]

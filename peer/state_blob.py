@@ -33,7 +33,7 @@ def pack_tensors(tensors: dict[str, torch.Tensor]) -> bytes:
     return b"".join([_LEN.pack(len(header)), header, *parts])
 
 
-def unpack_tensors(blob: bytes | bytearray) -> dict[str, torch.Tensor]:
+def unpack_tensors(blob: bytes | bytearray | memoryview) -> dict[str, torch.Tensor]:
     """The tensors of a blob, as views of it where it is writable (a bytearray); ProtocolError
     for anything malformed."""
     view = memoryview(blob)

@@ -23,6 +23,7 @@ from groundswell.compression import Codec, RobustOptions
 from groundswell.protocol.client import RoundClient
 from groundswell.protocol.context import DecisionBook
 from groundswell.protocol.digests import bulk_hasher
+from groundswell.protocol.direct import DirectServer
 from groundswell.protocol.guard import Guard, Limits
 from groundswell.protocol.identity import Identity
 from groundswell.protocol.schema import (
@@ -38,7 +39,14 @@ from groundswell.protocol.schema import (
 from groundswell.protocol.server import RoundServer
 from groundswell.protocol.transport import PeerUnavailable, Transport, WithTrailer, seal, unseal
 
-from .reachability import PROBE_TIMEOUT_S, DialBack, connect_via_relay, connection_paths, observed_ips
+from .reachability import (
+    PROBE_TIMEOUT_S,
+    DialBack,
+    connect_via_relay,
+    connection_paths,
+    listen_host,
+    observed_ips,
+)
 from .state_blob import pack_tensors, unpack_tensors
 
 log = logging.getLogger(__name__)
@@ -100,7 +108,7 @@ class GlobalState:
         return self._blob
 
     @staticmethod
-    def tensors_from_blob(blob: bytes | bytearray) -> dict[str, torch.Tensor]:
+    def tensors_from_blob(blob: bytes | bytearray | memoryview) -> dict[str, torch.Tensor]:
         """The tensors of a blob (views of it if it is a bytearray); ProtocolError if malformed."""
         return unpack_tensors(blob)
 
@@ -116,6 +124,8 @@ class NodeOptions:
     trains: bool = True
     serves: bool = True  # offer to aggregate and lead; dropped if the peer turns out to be unreachable
     reachability: str = "auto"  # "auto" (dial-back probe by a bootstrap peer), "public" or "private"
+    direct_state: bool = True  # serve the state of an open run over plain TCP too (see protocol/direct.py)
+    direct_port: int = 0  # its TCP port (0: any free one), on the first listen address's IP
 
 
 class SwarmNode:
@@ -146,6 +156,8 @@ class SwarmNode:
         self.dht: Any = None
         self.p2p: Any = None
         self.reachability = "unknown"
+        self.direct: DirectServer | None = None  # direct state downloads, when offered
+        self.startup_s: dict[str, float] = {}  # where start-up time went: daemon(s), reachability probe, DHT
         self._dial_back = DialBack()
         self.guard = Guard()  # every transport of this node: limits and bans are per remote peer
         self._error: BaseException | None = None
@@ -168,8 +180,11 @@ class SwarmNode:
         p2p = dht = None
         try:
             explicit = self.options.reachability if self.options.reachability != "auto" else None
+            t0 = time.monotonic()
             p2p = await self._create_p2p(P2P, explicit)
+            t1 = time.monotonic()
             self.reachability = await self._find_reachability()
+            t2 = time.monotonic()
             if self.reachability == "private" and explicit is None:
                 # Restart the daemon (same identity) knowing it is private: only then does
                 # libp2p's autorelay ask the relays for a slot, and its AutoNAT alone rarely
@@ -186,9 +201,14 @@ class SwarmNode:
             if self.reachability == "private":
                 self.options = dataclasses.replace(self.options, serves=False)
             self.record = dataclasses.replace(self.record, serves=self.options.serves, reachability=self.reachability)
+            host = listen_host(self.options.host_maddrs)
+            if self.options.direct_state and host is not None and self.reachability != "private":
+                self.direct = DirectServer()
+                await self.direct.start(host, self.options.direct_port)
             dht = await DHTNode.create(p2p=p2p, initial_peers=list(self.options.initial_peers) or None,
                                        client_mode=self.reachability == "private")
             self.dht = dht
+            self.startup_s = {"p2pd": t1 - t0, "probe": t2 - t1, "dht": time.monotonic() - t2}
             async with asyncio.TaskGroup() as tasks:
                 self._tasks = tasks
                 self._ready.set()
@@ -200,6 +220,8 @@ class SwarmNode:
             self._error = group.exceptions[0]
             self._ready.set()
         finally:
+            if self.direct is not None:
+                await self.direct.close()
             if dht is not None:
                 await dht.shutdown()
             if p2p is not None:
@@ -400,7 +422,11 @@ class SwarmNode:
         if state is None or state.round < msg.min_round:
             return StateReply(-1, "", b"", 0)
         blob, digest = state.blob_and_digest()  # once per round, shared by every joiner
-        # The blob follows as a raw trailer: the signed reply carries its size and BLAKE3 digest.
+        # The signed reply carries the blob's size and BLAKE3 digest; the blob follows as a raw
+        # trailer, or (an open run's state is no secret) over a direct TCP connection, if asked.
+        if msg.direct and self.direct is not None and self.ctx is not None and self.ctx.state_readers is None:
+            token = self.direct.offer(blob)
+            return WithTrailer(StateReply(state.round, digest, state.decision, len(blob), self.direct.port, token), b"")
         return WithTrailer(StateReply(state.round, digest, state.decision, len(blob)), blob)
 
 

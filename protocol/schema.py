@@ -15,9 +15,10 @@ from typing import Any, ClassVar
 
 import msgpack
 
-PROTOCOL_VERSION = 4  # 2: claims carry `fence`; the state follows its reply as a raw trailer; 3: envelopes sign the
+PROTOCOL_VERSION = 5  # 2: claims carry `fence`; the state follows its reply as a raw trailer; 3: envelopes sign the
 # body's sha256; 4: payload wire version 2 (sparseloco's Elias-Fano indices), so mixed peers refuse each other up front,
-# and BLAKE3 instead of SHA-256 for bulk hashes (envelope bodies, contribution digests, the state blob)
+# and BLAKE3 instead of SHA-256 for bulk hashes (envelope bodies, contribution digests, the state blob); 5: state
+# requests and replies may move the blob over a direct TCP connection
 MAX_ID = 128  # peer ids, run ids, reasons and other short strings
 MAX_LIST = 4096  # peer lists, shard lists
 MAX_SMALL = 1 << 20  # a control message never needs more than this
@@ -35,8 +36,10 @@ class ProtocolError(ValueError):
         self.strike = strike
 
 
-def _f(max_len: int = MAX_ID, max_items: int = MAX_LIST, lo: float | None = None, hi: float | None = None) -> Any:
-    return field(metadata={"max_len": max_len, "max_items": max_items, "lo": lo, "hi": hi})
+def _f(max_len: int = MAX_ID, max_items: int = MAX_LIST, lo: float | None = None, hi: float | None = None,
+       **default: Any) -> Any:
+    # `default=` only spares Python callers a field; on the wire every field is always present
+    return field(metadata={"max_len": max_len, "max_items": max_items, "lo": lo, "hi": hi}, **default)
 
 
 _ROUND = dict(lo=0, hi=1 << 40)
@@ -215,19 +218,24 @@ class StateRequest(Message):
 
     KIND: ClassVar[str] = "get-state"
     min_round: int = _f(lo=-1, hi=1 << 40)
+    direct: bool = _f(default=False)  # the requester would rather fetch the blob over a direct TCP connection
 
 
 @dataclass(frozen=True)
 class StateReply(Message):
     """The global state after round `round - 1`: `size` bytes of serialized tensors follow this
     reply as a raw trailer, and their BLAKE3 digest (hex) is `digest`; `decision` is the signed decision of
-    round `round - 1` (which plans round `round`). Size 0: unavailable."""
+    round `round - 1` (which plans round `round`). Size 0: unavailable. With `direct_port`, the
+    trailer is empty and the blob is fetched once over TCP from that port of the same host, by
+    presenting `direct_token` (see `protocol/direct.py`)."""
 
     KIND: ClassVar[str] = "state"
     round: int = _f(lo=-1, hi=1 << 40)
     digest: str = _f(max_len=64)
     decision: bytes = _f(max_len=MAX_SMALL)
     size: int = _f(lo=0, hi=1 << 38)
+    direct_port: int = _f(lo=0, hi=65535, default=0)  # 0: the blob is the trailer
+    direct_token: bytes = _f(max_len=32, default=b"")
 
 
 @dataclass(frozen=True)

@@ -238,28 +238,32 @@ class Transport:
         return reply
 
     async def request_bulk(self, peer_id: str, handler: str, msg: Message, expect: Any, *, timeout_s: float,
-                           trailer_size: Callable[[Any], int], max_reply: int = MAX_SMALL
-                           ) -> tuple[Any, bytearray, str]:
+                           trailer_size: Callable[[Any], int], max_reply: int = MAX_SMALL,
+                           remote: dict[str, str] | None = None) -> tuple[Any, bytearray, str]:
         """`request` to a handler served with `trailer`: the verified reply, the raw bytes after
         it, whose length must be `trailer_size(reply)` (checked before they are read), and their
-        BLAKE3 digest (hex, computed while they arrive). The caller checks them against the reply."""
+        BLAKE3 digest (hex, computed while they arrive). The caller checks them against the reply.
+        `remote`: filled with the stream's remote multiaddr ("addr"), where the peer was reached."""
         hasher = bulk_hasher()
-        reply, bulk = await self._request(peer_id, handler, msg, expect, timeout_s, max_reply, trailer_size, hasher)
+        reply, bulk = await self._request(peer_id, handler, msg, expect, timeout_s, max_reply, trailer_size, hasher,
+                                          remote)
         return reply, bulk, hasher.hexdigest()
 
     async def _request(self, peer_id: str, handler: str, msg: Message, expect: Any, timeout_s: float,
                        max_reply: int, trailer_size: Callable[[Any], int] | None,
-                       hasher: Any = None) -> tuple[Any, bytearray]:
+                       hasher: Any = None, remote: dict[str, str] | None = None) -> tuple[Any, bytearray]:
         from hivemind.p2p import PeerID
 
         writer = None
         opened = False
         try:
             async with asyncio.timeout(timeout_s):
-                _, reader, writer = await self.p2p.call_binary_stream_handler(
+                info, reader, writer = await self.p2p.call_binary_stream_handler(
                     PeerID.from_base58(peer_id), self._name(handler)
                 )
                 opened = True
+                if remote is not None:
+                    remote["addr"] = str(getattr(info, "addr", ""))
                 data = seal(self.identity, self.run_id, msg)
                 await write_frame(writer, data)
                 self.bytes_sent += len(data) + _LEN.size

@@ -7,15 +7,18 @@ next to a plain TCP copy of the same number of bytes between two local processes
 
 Two worker processes (multiprocessing "spawn", one torch thread each), everything on 127.0.0.1:
 
-- server: a `SwarmNode` attached to a small run context ("bench"), whose `state_provider`
+- server: a `SwarmNode` attached to a small open run context ("bench"), whose `state_provider`
   returns one cached `GlobalState(round=1, {"global_params", "momentum_buffer"} of P fp32 each,
   decision = a signed round-0 Decision)`; the node's real `_on_state` answers. As in production,
   the state is serialized and hashed once (`GlobalState.blob_and_digest`, cached), and each reply
-  is a small signed `StateReply(round, digest, decision, size)` followed by the blob as one raw
-  length-prefixed trailer frame (no envelope, no signature over the blob).
+  is a small signed `StateReply(round, digest, decision, size, ...)`. The blob then comes either
+  over a direct TCP connection to the server's `DirectServer` (one-time token in the reply; what an
+  open run's joiner gets) or as one raw length-prefixed trailer frame on the libp2p stream (what a
+  closed run's joiner gets); neither has an envelope or a signature over the blob.
 - client: a `SwarmNode` bootstrapped from the server's address, same context. One state download
-  is what a joiner does: `transport.request_bulk(server, "get-state", StateRequest(0), StateReply,
-  trailer_size=...)` (the announced size checked against a limit before the blob is read), the
+  is what a joiner does: `peer.state_fetch.fetch_state` (the announced size checked against a
+  limit before the blob is read; "p2p" row: it must come over the direct connection), or, for the
+  "stream" row, `transport.request_bulk(..., StateRequest(0), ...)` with the trailer; then the
   BLAKE3 check of the blob against the signed digest, and `GlobalState.tensors_from_blob`.
 - TCP baseline: the server process sends the same blob (same byte count) over a fresh TCP
   connection on 127.0.0.1; the client receives it into a preallocated buffer.
@@ -31,7 +34,8 @@ per request), client side (unsealing the header, BLAKE3, mapping the tensors), a
 serialization), read both with the protocol's `read_frame` (one `readexactly`) and with
 `read_frame_into` (1 MiB reads into a preallocated buffer, as the trailer is read).
 
-Prints a short report, or with --json one JSON object (params, state_bytes, p2p_s, tcp_s, ratio,
+Prints a short report, or with --json one JSON object (params, state_bytes, p2p_s, tcp_s, ratio, stream_s,
+stream_ratio,
 p2p_mb_s, tcp_mb_s, plus the breakdown). Every process this script starts (the two workers and
 their p2pd daemons) is ended before it returns, also on failure.
 """
@@ -268,8 +272,12 @@ class _Client:
         self.node.attach(_context(self.params))
         return {}
 
-    def p2p(self, server_id: str, digest: str, params_hash_expected: str, warmup: int, repeats: int) -> dict:
-        """What a joiner does: request_bulk, BLAKE3 check, map the tensors; timed as a whole and in parts."""
+    def p2p(self, server_id: str, digest: str, params_hash_expected: str, warmup: int, repeats: int,
+            direct: bool = True) -> dict:
+        """What a joiner does: `fetch_state` (the signed reply over libp2p, the blob over a direct
+        TCP connection), BLAKE3 check, map the tensors; timed as a whole and in parts. With
+        `direct=False`, what a closed run's joiner does: the blob as the reply's trailer."""
+        from groundswell.peer.state_fetch import fetch_state
         from groundswell.peer.swarm import GlobalState, params_hash
         from groundswell.protocol.schema import ProtocolError, StateReply, StateRequest
 
@@ -283,8 +291,13 @@ class _Client:
 
         def once() -> tuple[str, dict]:
             t0 = time.perf_counter()
-            reply, blob, digest = node.call(node.transport.request_bulk(
-                server_id, "get-state", StateRequest(0), StateReply, timeout_s=600, trailer_size=size), 660)
+            if direct:
+                reply, blob, digest, via = node.call(fetch_state(node, server_id, 0, size, timeout_s=600), 660)
+                if via != "direct":
+                    raise RuntimeError(f"the state came by {via}, not over the direct connection")
+            else:
+                reply, blob, digest = node.call(node.transport.request_bulk(
+                    server_id, "get-state", StateRequest(0), StateReply, timeout_s=600, trailer_size=size), 660)
             t1 = time.perf_counter()
             if not blob or digest != reply.digest:  # hashed while it arrived, inside request_bulk
                 raise RuntimeError("state reply failed its hash check")
@@ -487,6 +500,7 @@ def run_bench(args: argparse.Namespace, progress: Callable[[str], None] = lambda
         methods: dict[str, tuple[str, dict]] = {
             "tcp": ("tcp", {"port": port, "size": size}),
             "p2p": ("p2p", {"server_id": sid, "digest": digest, "params_hash_expected": phash}),
+            "stream": ("p2p", {"server_id": sid, "digest": digest, "params_hash_expected": phash, "direct": False}),
         }
         if args.breakdown:
             methods.update({
@@ -528,8 +542,10 @@ def run_bench(args: argparse.Namespace, progress: Callable[[str], None] = lambda
             workers.shutdown()
         shutil.rmtree(tmp, ignore_errors=True)
     p2p_s, tcp_s = statistics.median(p2p["times"]), statistics.median(tcp["times"])
+    stream_s = statistics.median(runs["stream"]["times"])
     result: dict[str, Any] = {
         "params": args.params, "state_bytes": size, "p2p_s": p2p_s, "tcp_s": tcp_s, "ratio": p2p_s / tcp_s,
+        "stream_s": stream_s, "stream_ratio": stream_s / tcp_s, "stream_all": runs["stream"]["times"],
         "p2p_mb_s": size / p2p_s / 1e6, "tcp_mb_s": size / tcp_s / 1e6,
         "goal_within_2x_of_tcp": p2p_s / tcp_s <= GOAL_RATIO,
         "repeats": r, "warmup": w, "p2p_all": p2p["times"], "tcp_all": tcp["times"],
@@ -549,8 +565,10 @@ def format_report(res: dict) -> str:
         "| method | time (s) | MB/s | vs TCP |",
         "|---|---:|---:|---:|",
         f"| plain TCP | {res['tcp_s']:.3f} | {res['tcp_mb_s']:.0f} | 1.00x |",
-        f"| groundswell get-state (signed header + raw trailer + BLAKE3 + map) | {res['p2p_s']:.3f} | {res['p2p_mb_s']:.0f} "
-        f"| {res['ratio']:.2f}x |",
+        f"| groundswell get-state, open run (signed header; blob over direct TCP + BLAKE3 + map) | {res['p2p_s']:.3f} "
+        f"| {res['p2p_mb_s']:.0f} | {res['ratio']:.2f}x |",
+        f"| groundswell get-state, closed run (signed header + raw trailer over libp2p + BLAKE3 + map) "
+        f"| {res['stream_s']:.3f} | {res['state_bytes'] / res['stream_s'] / 1e6:.0f} | {res['stream_ratio']:.2f}x |",
     ]
     b = res.get("breakdown")
     if b:

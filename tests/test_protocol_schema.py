@@ -79,8 +79,8 @@ EXAMPLES: dict[str, Message] = {
         AggregateShard(decision=b"d", shard=1, mode="mean", parts=[b"p1", b"p2"], clipped=PEERS[:1]),
         ContributionsRequest(round=4, attempt=1, shard=2, contributors=PEERS[:2]),
         Join(round=3, trains=True, serves=False),
-        StateRequest(min_round=-1),
-        StateReply(round=-1, digest="ab" * 32, decision=b"", size=1000),
+        StateRequest(min_round=-1, direct=True),
+        StateReply(round=-1, digest="ab" * 32, decision=b"", size=1000, direct_port=65535, direct_token=b"t" * 32),
         ManifestRequest(),
         ManifestReply(signed=b"manifest"),
         ProbeRequest(maddrs=["/ip4/192.0.2.1/tcp/4001", "/ip4/127.0.0.1/tcp/4001"]),
@@ -279,9 +279,13 @@ def test_specific_type_confusions():
 def test_bounds_are_inclusive():
     hi = decode_message(_raw("get-decision", [1 << 40, 1 << 20, 3600.0]), DecisionRequest)
     assert (hi.round, hi.attempt, hi.wait_s) == (1 << 40, 1 << 20, 3600.0)
-    assert decode_message(_raw("get-state", [-1]), StateRequest).min_round == -1
+    assert decode_message(_raw("get-state", [-1, True]), StateRequest).min_round == -1
     with pytest.raises(ProtocolError, match="min_round"):
-        decode_message(_raw("get-state", [-2]), StateRequest)
+        decode_message(_raw("get-state", [-2, True]), StateRequest)
+    with pytest.raises(ProtocolError, match="direct_port"):
+        decode_message(_raw("state", [0, "", b"", 0, 65536, b""]), StateReply)
+    with pytest.raises(ProtocolError, match="direct_token"):
+        decode_message(_raw("state", [0, "", b"", 0, 1, b"t" * 33]), StateReply)
     assert decode_message(_raw("ack", [False, "r" * 512]), Ack).reason == "r" * 512
     with pytest.raises(ProtocolError, match="ack.reason"):
         decode_message(_raw("ack", [False, "r" * 513]), Ack)

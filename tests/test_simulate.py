@@ -46,6 +46,11 @@ def test_simulate_three_peers_agree_and_learn(tmp_path, overlap):
     assert 0 < report["bytes_sent_per_peer_per_round"] < report["dense_fp32_ring_bytes_per_peer_per_round"]
     kinds = {e["kind"] for e in report["events"]}
     assert {"spawn", "sync", "exit"} <= kinds
+    # an open run's state comes over a direct TCP connection (loopback: always reachable)
+    for name in ("peer-0", "peer-1", "peer-2"):
+        syncs = [json.loads(line) for line in (out / name / "events.jsonl").read_text().splitlines()
+                 if '"kind": "sync"' in line]
+        assert syncs and all(e["via"] == "direct" for e in syncs), f"{name}: {syncs}"
     for key in ("peers", "codec", "params", "final_eval_loss", "round_times_s", "wall_s"):
         assert key in report
     assert report["overlap"] == overlap and 0 < report["compute_utilization"] <= 1

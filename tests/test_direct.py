@@ -1,0 +1,203 @@
+"""Direct state downloads: one-time tickets handed out over the signed reply, redeemed over plain
+TCP on 127.0.0.1; offered only where the state is not secret, never served twice or late."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import sys
+from pathlib import Path
+
+import pytest
+from blake3 import blake3
+from groundswell.protocol import direct
+from groundswell.protocol.digests import bulk_hasher
+from groundswell.protocol.direct import DirectServer, fetch_direct
+from groundswell.protocol.identity import Identity
+from groundswell.protocol.schema import ProtocolError, StateReply, StateRequest
+
+sys.path.insert(0, str(Path(__file__).parent))
+from inproc_harness import make_target
+from test_allowlist import _ask_with_trailer
+
+
+class _Clock:
+    def __init__(self) -> None:
+        self.now = 1000.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def _run(coro):
+    return asyncio.run(asyncio.wait_for(coro, 60))
+
+
+def test_a_ticket_serves_its_blob_once_whole_and_hashed_on_arrival():
+    blob = os.urandom((3 << 20) + 17)
+
+    async def go():
+        server = DirectServer()
+        port = await server.start("127.0.0.1")
+        try:
+            token = server.offer(blob)
+            hasher = bulk_hasher()
+            got = await fetch_direct("127.0.0.1", port, token, len(blob), hasher=hasher)
+            assert bytes(got) == blob and hasher.hexdigest() == blake3(blob).hexdigest()
+            with pytest.raises(ConnectionError):  # the same token again: nothing is sent
+                await fetch_direct("127.0.0.1", port, token, len(blob))
+            with pytest.raises(ConnectionError):  # a token never handed out
+                await fetch_direct("127.0.0.1", port, os.urandom(32), len(blob))
+            await asyncio.sleep(0.05)  # let the server finish its side of the first download
+            return server.served, server.refused
+        finally:
+            await server.close()
+
+    assert _run(go()) == (1, 2)
+
+
+def test_expired_and_evicted_tickets_are_refused(monkeypatch):
+    clock = _Clock()
+    monkeypatch.setattr(direct, "MAX_TICKETS", 3)
+
+    async def go():
+        server = DirectServer(ttl_s=30, clock=clock)
+        port = await server.start("127.0.0.1")
+        try:
+            late = server.offer(b"late")
+            clock.now += 31
+            with pytest.raises(ConnectionError):
+                await fetch_direct("127.0.0.1", port, late, 4)
+            tokens = [server.offer(bytes([i])) for i in range(4)]  # one more than fit: the oldest goes
+            with pytest.raises(ConnectionError):
+                await fetch_direct("127.0.0.1", port, tokens[0], 1)
+            assert bytes(await fetch_direct("127.0.0.1", port, tokens[3], 1)) == b"\x03"
+        finally:
+            await server.close()
+
+    _run(go())
+
+
+def test_a_blob_of_another_size_than_announced_is_refused():
+    async def go():
+        server = DirectServer()
+        port = await server.start("127.0.0.1")
+        try:
+            with pytest.raises(ConnectionError, match="announced"):  # shorter
+                await fetch_direct("127.0.0.1", port, server.offer(b"x" * 99), 100)
+            with pytest.raises(ProtocolError, match="exceeds"):  # longer: refused before it is read
+                await fetch_direct("127.0.0.1", port, server.offer(b"x" * 101), 100)
+        finally:
+            await server.close()
+
+    _run(go())
+
+
+def test_a_connection_without_a_token_is_closed(monkeypatch):
+    monkeypatch.setattr(direct, "TOKEN_WAIT_S", 0.2)
+
+    async def go():
+        server = DirectServer()
+        port = await server.start("127.0.0.1")
+        try:
+            reader, writer = await asyncio.open_connection("127.0.0.1", port)
+            assert await asyncio.wait_for(reader.read(), 5) == b""  # closed by the server, nothing sent
+            writer.close()
+            return server.refused
+        finally:
+            await server.close()
+
+    assert _run(go()) == 1
+
+
+@pytest.fixture
+def open_run():
+    yield from make_target()
+
+
+@pytest.fixture
+def closed_run():
+    yield from make_target(allowlisted=2, open_state=False)
+
+
+def _with_direct(t) -> DirectServer:
+    server = DirectServer()
+    t.loop.run_until_complete(server.start("127.0.0.1"))
+    t.node.direct = server
+    return server
+
+
+def test_an_open_run_offers_its_state_directly_when_asked(open_run):
+    t = open_run
+    server = _with_direct(t)
+    try:
+        who = Identity.generate()
+        streamed, blob = _ask_with_trailer(t, "get-state", who, StateRequest(-1), StateReply)
+        assert streamed.direct_port == 0 and len(blob) == streamed.size > 0  # not asked: the trailer
+        offered, trailer = _ask_with_trailer(t, "get-state", who, StateRequest(-1, direct=True), StateReply)
+        assert offered.direct_port == server.port and trailer == b"" and offered.size == streamed.size
+        got = t.loop.run_until_complete(fetch_direct("127.0.0.1", offered.direct_port, offered.direct_token,
+                                                     offered.size))
+        assert bytes(got) == blob and blake3(got).hexdigest() == offered.digest
+    finally:
+        t.loop.run_until_complete(server.close())
+
+
+def test_a_closed_run_never_sends_its_state_in_the_clear(closed_run):
+    t = closed_run
+    server = _with_direct(t)
+    try:
+        reply, blob = _ask_with_trailer(t, "get-state", t.peers[1], StateRequest(-1, direct=True), StateReply)
+        assert reply.direct_port == 0 and reply.direct_token == b"" and len(blob) == reply.size > 0
+    finally:
+        t.loop.run_until_complete(server.close())
+
+
+def _fake_node(blob: bytes, port: int, addr: str, asked: list):
+    from types import SimpleNamespace
+
+    digest = blake3(blob).hexdigest()
+
+    class _Transport:
+        async def request_bulk(self, peer, handler, msg, expect, *, timeout_s, trailer_size, remote=None):
+            asked.append(msg)
+            if remote is not None:
+                remote["addr"] = addr
+            if msg.direct:
+                reply = StateReply(3, digest, b"", len(blob), port, b"t" * 32)
+                assert trailer_size(reply) == 0
+                return reply, bytearray(), blake3(b"").hexdigest()
+            reply = StateReply(3, digest, b"", len(blob))
+            assert trailer_size(reply) == len(blob)
+            return reply, bytearray(blob), digest
+
+    return SimpleNamespace(transport=_Transport())
+
+
+@pytest.mark.parametrize("addr", ["/ip4/127.0.0.1/tcp/4001", "/ip4/127.0.0.1/tcp/4001/p2p/QmRelay/p2p-circuit"])
+def test_a_joiner_that_cannot_reach_the_port_falls_back_to_the_stream(addr):
+    # a firewalled or NAT'ed server (the offered port refuses connections), or one reached through
+    # a relay (its IP is the relay's: no connection is tried at all)
+    import socket
+
+    from groundswell.peer.state_fetch import fetch_state
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        closed_port = s.getsockname()[1]  # nothing listens here once the socket is closed
+    blob = os.urandom(1000)
+    asked: list[StateRequest] = []
+    node = _fake_node(blob, closed_port, addr, asked)
+    reply, got, got_digest, via = _run(fetch_state(node, "peer", 0, lambda r: r.size, timeout_s=10))
+    assert (bytes(got), got_digest, via) == (blob, blake3(blob).hexdigest(), "stream")
+    assert [m.direct for m in asked] == [True, False]
+
+
+def test_direct_downloads_go_only_to_a_plain_tcp_address():
+    from groundswell.peer.state_fetch import direct_host
+
+    assert direct_host("/ip4/192.0.2.7/tcp/4001") == "192.0.2.7"
+    assert direct_host("/ip6/::1/tcp/4001") == "::1"
+    for relayed_or_other in ("/ip4/192.0.2.7/tcp/4001/p2p/QmR/p2p-circuit", "/ip4/192.0.2.7/udp/4001/quic", "",
+                             "/dns4/example.org/tcp/4001", "/ip4/999.1.1.1/tcp/1"):
+        assert direct_host(relayed_or_other) is None
