@@ -144,6 +144,7 @@ class SwarmNode:
         self.state_provider: Callable[[], GlobalState | None] = lambda: None
         self.record = PeerRecord(-1, "", options.role, options.trains, options.serves, [], "unknown", 0.0, 0, 0.0)
         self._loop = asyncio.new_event_loop()
+        self._loop.set_exception_handler(_quiet_cancelled)
         self._thread = threading.Thread(target=self._loop.run_forever, name="groundswell-net", daemon=True)
         self._stop: asyncio.Event | None = None
         self._main: Future | None = None
@@ -428,6 +429,15 @@ class SwarmNode:
             token = self.direct.offer(blob)
             return WithTrailer(StateReply(state.round, digest, state.decision, len(blob), self.direct.port, token), b"")
         return WithTrailer(StateReply(state.round, digest, state.decision, len(blob)), blob)
+
+
+def _quiet_cancelled(loop: asyncio.AbstractEventLoop, context: dict[str, Any]) -> None:
+    """The node loop's exception handler: asyncio's stream callback asks a handler task that was
+    cancelled (on shutdown, or by hivemind) for its exception, which raises CancelledError; that is
+    a cancellation, not an error, and users leaving a run used to see a traceback per open stream."""
+    if isinstance(context.get("exception"), asyncio.CancelledError):
+        return
+    loop.default_exception_handler(context)
 
 
 async def _cancel_stragglers() -> None:

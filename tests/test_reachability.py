@@ -83,3 +83,20 @@ def test_the_direct_state_server_listens_on_the_first_plain_tcp_address():
     assert listen_host(["/ip4/10.0.0.1/udp/4001/quic", "/ip6/::1/tcp/4002"]) == "::1"
     assert listen_host(["/ip4/1.2.3.4/tcp/1/p2p/QmRelay/p2p-circuit", "/ip4/not-an-ip/tcp/1"]) is None
     assert listen_host([]) is None
+
+
+def test_the_node_loop_does_not_report_cancelled_stream_handlers_as_errors(caplog):
+    import asyncio
+    import logging
+
+    from groundswell.peer.swarm import _quiet_cancelled
+
+    loop = asyncio.new_event_loop()
+    try:
+        with caplog.at_level(logging.ERROR, logger="asyncio"):
+            _quiet_cancelled(loop, {"message": "callback failed", "exception": asyncio.CancelledError()})
+            assert not caplog.records  # shutting down cancels handlers: not an error
+            _quiet_cancelled(loop, {"message": "callback failed", "exception": ValueError("a real bug")})
+            assert [r.levelname for r in caplog.records] == ["ERROR"]  # anything else is still reported
+    finally:
+        loop.close()
