@@ -42,7 +42,11 @@ def tcp_targets(maddrs: list[str]) -> list[tuple[str, int]]:
 
 
 def listen_host(maddrs: Sequence[str]) -> str | None:
-    """The IP of the first plain TCP multiaddr a node listens on (0.0.0.0 included), or None."""
+    """The IP of the first plain TCP multiaddr a node listens on (0.0.0.0 included), or None;
+    "::" when it listens on every address of both families (one dual-stack socket serves both)."""
+    wildcards = {str(m).split("/")[2] for m in maddrs if str(m).count("/") >= 4}
+    if {"0.0.0.0", "::"} <= wildcards:
+        return "::"
     for m in maddrs:
         parts = str(m).split("/")
         if len(parts) >= 5 and parts[1] in ("ip4", "ip6") and parts[3] == "tcp" and "p2p-circuit" not in parts:

@@ -6,12 +6,14 @@ from __future__ import annotations
 
 import ipaddress
 import logging
+import time
 from collections.abc import Callable
 from typing import Any
 
 from groundswell.protocol.digests import bulk_hasher
 from groundswell.protocol.direct import fetch_direct
 from groundswell.protocol.schema import ProtocolError, StateReply, StateRequest
+from groundswell.protocol.transport import PeerUnavailable
 
 log = logging.getLogger(__name__)
 
@@ -31,9 +33,21 @@ async def fetch_state(node: Any, peer: str, min_round: int, size: Callable[[Stat
                       ) -> tuple[StateReply, bytearray | memoryview, str, str]:
     """`peer`'s state reply, its blob, the blob's BLAKE3 digest (computed as it arrives) and how it
     came: "direct" or "stream". `size(reply)` returns the announced size or raises ProtocolError
-    (too large); it runs before a byte of the blob is read. `node` is a `SwarmNode`."""
+    (too large); it runs before a byte of the blob is read. All steps share `timeout_s`. `node`
+    is a `SwarmNode`.
+
+    Nothing authenticates the direct connection (the IP may reach someone else's port, or the
+    path may alter bytes), so whatever goes wrong on it is never held against `peer`: a blob that
+    is not the one the signed reply vouches for, or not its size, is fetched again over the stream."""
     t = node.transport
     assert t is not None
+    deadline = time.monotonic() + timeout_s
+
+    def left() -> float:
+        remaining = deadline - time.monotonic()
+        if remaining <= 0:
+            raise PeerUnavailable(f"{peer[-8:]}: no state within {timeout_s:.0f}s")
+        return remaining
 
     def trailer(r: StateReply) -> int:
         announced = size(r)  # the budget check comes first, whichever way the blob comes
@@ -41,7 +55,7 @@ async def fetch_state(node: Any, peer: str, min_round: int, size: Callable[[Stat
 
     remote: dict[str, str] = {}
     reply, blob, digest = await t.request_bulk(peer, "get-state", StateRequest(min_round, direct=True), StateReply,
-                                               timeout_s=timeout_s, trailer_size=trailer, remote=remote)
+                                               timeout_s=left(), trailer_size=trailer, remote=remote)
     if not reply.direct_port or not reply.size:
         return reply, blob, digest, "stream"
     host = direct_host(remote.get("addr", ""))
@@ -49,13 +63,12 @@ async def fetch_state(node: Any, peer: str, min_round: int, size: Callable[[Stat
         hasher = bulk_hasher(threads=True)  # pieces of 8 MiB: every core helps
         try:
             blob = await fetch_direct(host, reply.direct_port, reply.direct_token, reply.size, hasher=hasher,
-                                      timeout_s=timeout_s)
-            return reply, blob, hasher.hexdigest(), "direct"
-        except ProtocolError as exc:  # it sent more than it announced: count it, then use the stream
-            node.guard.count(peer, "state-direct", exc.reason, strike=exc.strike)
-            log.warning("direct state download from %s refused: %s", peer[-8:], exc)
-        except (OSError, TimeoutError) as exc:  # firewalled, NAT'ed, or gone: the stream still works
+                                      timeout_s=left())
+            if hasher.hexdigest() == reply.digest:
+                return reply, blob, reply.digest, "direct"
+            log.warning("the direct state download from %s failed its hash check: using the stream", peer[-8:])
+        except (ProtocolError, OSError, TimeoutError) as exc:  # firewalled, NAT'ed, gone, or not that peer
             log.info("direct state download from %s failed (%r): using the stream", peer[-8:], exc)
     reply, blob, digest = await t.request_bulk(peer, "get-state", StateRequest(min_round), StateReply,
-                                               timeout_s=timeout_s, trailer_size=size)
+                                               timeout_s=left(), trailer_size=size)
     return reply, blob, digest, "stream"

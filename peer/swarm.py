@@ -204,12 +204,18 @@ class SwarmNode:
             self.record = dataclasses.replace(self.record, serves=self.options.serves, reachability=self.reachability)
             host = listen_host(self.options.host_maddrs)
             if self.options.direct_state and host is not None and self.reachability != "private":
-                self.direct = DirectServer()
-                await self.direct.start(host, self.options.direct_port)
+                direct = DirectServer()
+                try:
+                    await direct.start(host, self.options.direct_port)
+                    self.direct = direct
+                except OSError as exc:  # the port is taken, say: joiners get the state over libp2p
+                    log.warning("direct state downloads are off: cannot listen on %s port %d: %s",
+                                host, self.options.direct_port, exc)
+            t3 = time.monotonic()
             dht = await DHTNode.create(p2p=p2p, initial_peers=list(self.options.initial_peers) or None,
                                        client_mode=self.reachability == "private")
             self.dht = dht
-            self.startup_s = {"p2pd": t1 - t0, "probe": t2 - t1, "dht": time.monotonic() - t2}
+            self.startup_s = {"p2pd": t1 - t0, "probe": t2 - t1, "dht": time.monotonic() - t3}
             async with asyncio.TaskGroup() as tasks:
                 self._tasks = tasks
                 self._ready.set()

@@ -71,14 +71,16 @@ class DirectServer:
         self._listener: socket.socket | None = None
         self._accepting: asyncio.Task | None = None  # owned here: cancelled and awaited by close()
         self._connections: set[asyncio.Task] = set()  # likewise
+        self._expiry: asyncio.TimerHandle | None = None  # drops expired tickets (and their blobs)
         self.port = 0
         self.served = 0  # blobs sent whole
         self.refused = 0  # connections closed without a blob: bad token, too many, too slow
 
     async def start(self, host: str, port: int = 0) -> int:
-        """Listen on host:port (0: any free port); returns the port."""
+        """Listen on host:port (0: any free port; "::" also takes IPv4 where the OS can); returns the port."""
         family = socket.AF_INET6 if ":" in host else socket.AF_INET
-        self._listener = socket.create_server((host, port), family=family, backlog=64)
+        dual = host == "::" and socket.has_dualstack_ipv6()
+        self._listener = socket.create_server((host, port), family=family, backlog=64, dualstack_ipv6=dual)
         self._listener.setblocking(False)
         self.port = self._listener.getsockname()[1]
         self._accepting = asyncio.get_running_loop().create_task(self._accept_loop(self._listener))
@@ -87,6 +89,9 @@ class DirectServer:
     async def close(self) -> None:
         """Stop listening, end every download in progress, forget every ticket."""
         self._tickets.clear()
+        if self._expiry is not None:
+            self._expiry.cancel()
+            self._expiry = None
         tasks = [t for t in (self._accepting, *self._connections) if t is not None]
         for task in tasks:
             task.cancel()
@@ -102,12 +107,21 @@ class DirectServer:
             self._tickets.popitem(last=False)
         token = secrets.token_bytes(TOKEN_BYTES)
         self._tickets[token] = _Ticket(blob, self._clock() + self.ttl_s)
+        if self._expiry is None and self._listener is not None:
+            # an unused ticket (a joiner that cannot reach us) must not keep an old state alive
+            self._expiry = asyncio.get_running_loop().call_later(self.ttl_s + 1, self._expire_on_timer)
         return token
 
     def _expire(self) -> None:
         now = self._clock()
         for token in [t for t, ticket in self._tickets.items() if ticket.expires < now]:
             del self._tickets[token]
+
+    def _expire_on_timer(self) -> None:
+        self._expiry = None
+        self._expire()
+        if self._tickets:
+            self._expiry = asyncio.get_running_loop().call_later(self.ttl_s + 1, self._expire_on_timer)
 
     async def _accept_loop(self, listener: socket.socket) -> None:
         loop = asyncio.get_running_loop()

@@ -311,15 +311,16 @@ class RoundServer(Aggregator, Claims, Decider):
 
     async def _first_holders_catch_up(self, plan: RoundPlan, slot: _Attempt, complete: set[str],
                                       until: float) -> None:
-        """Give each shard's first-ranked reporting aggregator a moment to report it holds `complete`.
+        """Give each shard's primary aggregator a moment to report it holds `complete`.
 
-        A replica's report can beat its primary's by a few ms; sourcing a shard from the replica
-        would pile two shards' aggregation on one peer, so the leader waits (briefly) for the primary."""
+        A replica's report can beat its primary's (even the primary's first report) by a few ms;
+        sourcing a shard from the replica would pile two shards' aggregation on one peer, so the
+        leader waits briefly for the primary. A dead primary costs this wait once per attempt."""
         def lagging() -> bool:
             for shard in range(plan.num_shards):
                 reports = slot.have.get(shard, {})
-                first = next((p for p in plan.candidates(shard) if p in reports), None)
-                if first is None or not complete <= reports[first].keys():
+                primary = plan.candidates(shard)[0]
+                if primary not in reports or not complete <= reports[primary].keys():
                     return True
             return False
 

@@ -79,10 +79,12 @@ def test_circuit_addresses_carry_peer_ids_as_multihashes():
 def test_the_direct_state_server_listens_on_the_first_plain_tcp_address():
     from groundswell.peer.reachability import listen_host
 
-    assert listen_host(["/ip4/0.0.0.0/tcp/0", "/ip6/::/tcp/0"]) == "0.0.0.0"
+    assert listen_host(["/ip4/0.0.0.0/tcp/0", "/ip4/127.0.0.1/tcp/0"]) == "0.0.0.0"
     assert listen_host(["/ip4/10.0.0.1/udp/4001/quic", "/ip6/::1/tcp/4002"]) == "::1"
     assert listen_host(["/ip4/1.2.3.4/tcp/1/p2p/QmRelay/p2p-circuit", "/ip4/not-an-ip/tcp/1"]) is None
     assert listen_host([]) is None
+    # every address of both families: one dual-stack socket serves IPv4 and IPv6 joiners
+    assert listen_host(["/ip4/0.0.0.0/tcp/31337", "/ip6/::/tcp/31337"]) == "::"
 
 
 def test_the_node_loop_does_not_report_cancelled_stream_handlers_as_errors(caplog):
