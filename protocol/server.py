@@ -80,6 +80,16 @@ class _Attempt:
         self.changed.set()
         self.changed = asyncio.Event()
 
+    async def wait_changed(self, until: float) -> bool:
+        """Wait until something in this attempt changes (True) or the monotonic time `until` (False)."""
+        waiter = self.changed
+        try:
+            async with asyncio.timeout(max(0.0, until - time.monotonic())):
+                await waiter.wait()
+            return True
+        except TimeoutError:
+            return False
+
 
 class RoundServer(Aggregator, Claims, Decider):
     """Serves the round protocol for one peer; every background task belongs to its TaskGroup."""
@@ -302,11 +312,7 @@ class RoundServer(Aggregator, Claims, Decider):
             if expected <= complete and len(complete) >= self.ctx.min_peers:
                 await self._first_holders_catch_up(plan, slot, complete, min(close_at, time.monotonic() + CATCH_UP_S))
                 return
-            waiter = slot.changed
-            try:
-                async with asyncio.timeout(max(0.0, close_at - time.monotonic())):
-                    await waiter.wait()
-            except TimeoutError:
+            if not await slot.wait_changed(close_at):
                 return
 
     async def _first_holders_catch_up(self, plan: RoundPlan, slot: _Attempt, complete: set[str],
@@ -324,13 +330,8 @@ class RoundServer(Aggregator, Claims, Decider):
                     return True
             return False
 
-        while lagging() and time.monotonic() < until:
-            waiter = slot.changed
-            try:
-                async with asyncio.timeout(max(0.0, until - time.monotonic())):
-                    await waiter.wait()
-            except TimeoutError:
-                return
+        while lagging() and await slot.wait_changed(until):
+            pass
 
     async def _claim_at(self, plan: RoundPlan, slot: _Attempt, at: float, started: asyncio.Event) -> bool:
         """Claim the attempt at monotonic time `at` (cancelled only before `started` is set)."""
@@ -399,12 +400,6 @@ class RoundServer(Aggregator, Claims, Decider):
                 return DecisionReply(self.book.committed[msg.round][0])
             if slot.decision is not None:
                 return DecisionReply(slot.decision)
-            remaining = deadline - time.monotonic()
-            if remaining <= 0:
+            if deadline <= time.monotonic():
                 return DecisionReply(b"")
-            waiter = slot.changed
-            try:
-                async with asyncio.timeout(remaining):
-                    await waiter.wait()
-            except TimeoutError:
-                pass
+            await slot.wait_changed(deadline)
