@@ -81,9 +81,9 @@ def launch(
     manifest_path: Path = typer.Argument(..., help="The run manifest (TOML)."),
     listen: list[str] = typer.Option(["/ip4/0.0.0.0/tcp/0"], help="Multiaddr(s) to listen on."),
     announce: list[str] = typer.Option([], help="Multiaddr(s) to announce (public address behind a port forward)."),
-    state_port: int = typer.Option(0, help="TCP port for direct state downloads of an open run (0: any free "
-                                   "port; -1: off, joiners get the state over libp2p). Forward it beside the "
-                                   "libp2p port behind a port forward."),
+    state_port: int = typer.Option(0, help="TCP port for direct (sealed) state downloads (0: any free port; "
+                                   "-1: off, joiners get the state over libp2p). Forward it beside the libp2p "
+                                   "port behind a port forward."),
     peer: list[str] = typer.Option([], help="Multiaddr(s) of live peers to reconnect to after a restart."),
     identity: Optional[Path] = typer.Option(None, help="Identity file [default: STATE_DIR/identity.key]."),
     state_dir: Path = typer.Option(Path("groundswell-run"), help="Checkpoints and logs; reuse it to resume."),

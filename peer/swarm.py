@@ -124,7 +124,7 @@ class NodeOptions:
     trains: bool = True
     serves: bool = True  # offer to aggregate and lead; dropped if the peer turns out to be unreachable
     reachability: str = "auto"  # "auto" (dial-back probe by a bootstrap peer), "public" or "private"
-    direct_state: bool = True  # serve the state of an open run over plain TCP too (see protocol/direct.py)
+    direct_state: bool = True  # also serve the state sealed over plain TCP (see protocol/direct.py)
     direct_port: int = 0  # its TCP port (0: any free one), on the first listen address's IP
 
 
@@ -430,10 +430,12 @@ class SwarmNode:
             return StateReply(-1, "", b"", 0)
         blob, digest = state.blob_and_digest()  # once per round, shared by every joiner
         # The signed reply carries the blob's size and BLAKE3 digest; the blob follows as a raw
-        # trailer, or (an open run's state is no secret) over a direct TCP connection, if asked.
-        if msg.direct and self.direct is not None and self.ctx is not None and self.ctx.state_readers is None:
-            token = self.direct.offer(blob)
-            return WithTrailer(StateReply(state.round, digest, state.decision, len(blob), self.direct.port, token), b"")
+        # trailer, or, if asked, sealed over a direct TCP connection (the key is in this reply,
+        # which only the requester can read: a closed run's state stays among its readers).
+        if msg.direct and self.direct is not None:
+            token, key = self.direct.offer(blob)
+            return WithTrailer(StateReply(state.round, digest, state.decision, len(blob), self.direct.port, token,
+                                          key), b"")
         return WithTrailer(StateReply(state.round, digest, state.decision, len(blob)), blob)
 
 

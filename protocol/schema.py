@@ -15,10 +15,11 @@ from typing import Any, ClassVar
 
 import msgpack
 
-PROTOCOL_VERSION = 5  # 2: claims carry `fence`; the state follows its reply as a raw trailer; 3: envelopes sign the
+PROTOCOL_VERSION = 6  # 2: claims carry `fence`; the state follows its reply as a raw trailer; 3: envelopes sign the
 # body's sha256; 4: payload wire version 2 (sparseloco's Elias-Fano indices), so mixed peers refuse each other up front,
 # and BLAKE3 instead of SHA-256 for bulk hashes (envelope bodies, contribution digests, the state blob); 5: state
-# requests and replies may move the blob over a direct TCP connection
+# requests and replies may move the blob over a direct TCP connection; 6: that blob is sealed (AES-256-GCM, the key in the
+# signed reply), and closed runs use it too
 MAX_ID = 128  # peer ids, run ids, reasons and other short strings
 MAX_LIST = 4096  # peer lists, shard lists
 MAX_SMALL = 1 << 20  # a control message never needs more than this
@@ -227,7 +228,7 @@ class StateReply(Message):
     reply as a raw trailer, and their BLAKE3 digest (hex) is `digest`; `decision` is the signed decision of
     round `round - 1` (which plans round `round`). Size 0: unavailable. With `direct_port`, the
     trailer is empty and the blob is fetched once over TCP from that port of the same host, by
-    presenting `direct_token` (see `protocol/direct.py`)."""
+    presenting `direct_token`, sealed under `direct_key` (see `protocol/direct.py`)."""
 
     KIND: ClassVar[str] = "state"
     round: int = _f(lo=-1, hi=1 << 40)
@@ -236,6 +237,7 @@ class StateReply(Message):
     size: int = _f(lo=0, hi=1 << 38)
     direct_port: int = _f(lo=0, hi=65535, default=0)  # 0: the blob is the trailer
     direct_token: bytes = _f(max_len=32, default=b"")
+    direct_key: bytes = _f(max_len=32, default=b"")  # AES-256-GCM key of the sealed blob
 
 
 @dataclass(frozen=True)

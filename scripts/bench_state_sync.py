@@ -7,14 +7,16 @@ next to a plain TCP copy of the same number of bytes between two local processes
 
 Two worker processes (multiprocessing "spawn", one torch thread each), everything on 127.0.0.1:
 
-- server: a `SwarmNode` attached to a small open run context ("bench"), whose `state_provider`
+- server: a `SwarmNode` attached to a small closed run context ("bench": allowlisted, the state
+  readable by the allowlist only; an open run takes the same path), whose `state_provider`
   returns one cached `GlobalState(round=1, {"global_params", "momentum_buffer"} of P fp32 each,
   decision = a signed round-0 Decision)`; the node's real `_on_state` answers. As in production,
   the state is serialized and hashed once (`GlobalState.blob_and_digest`, cached), and each reply
   is a small signed `StateReply(round, digest, decision, size, ...)`. The blob then comes either
-  over a direct TCP connection to the server's `DirectServer` (one-time token in the reply; what an
-  open run's joiner gets) or as one raw length-prefixed trailer frame on the libp2p stream (what a
-  closed run's joiner gets); neither has an envelope or a signature over the blob.
+  sealed (AES-256-GCM, key in the reply) over a direct TCP connection to the server's
+  `DirectServer` (one-time token in the reply; what every joiner that reaches the port gets) or as
+  one raw length-prefixed trailer frame on the libp2p stream (the fallback where the port cannot
+  be reached); neither has an envelope or a signature over the blob.
 - client: a `SwarmNode` bootstrapped from the server's address, same context. One state download
   is what a joiner does: `peer.state_fetch.fetch_state` (the announced size checked against a
   limit before the blob is read; "p2p" row: it must come over the direct connection), or, for the
@@ -88,13 +90,15 @@ def _median_times(fn: Callable[[], Any], warmup: int, repeats: int,
     return out, first
 
 
-def _context(params: int) -> Any:
+def _context(params: int, members: Sequence[str]) -> Any:
     from groundswell.compression import make_codec, segment_bounds, segment_size
     from groundswell.peer.swarm import RunContext
 
     numels = tuple(b - a for a, b in segment_bounds(params, segment_size(params, 16)))
+    members = frozenset(members)  # a closed run: only its members join and read the state
     return RunContext(run_id=RUN_ID, min_peers=1, deadline_s=30.0, slack_s=5.0, max_shards=16,
-                      segment_numels=numels, codec=make_codec("fp32"), max_payload_bytes=4 * params + (1 << 20))
+                      segment_numels=numels, codec=make_codec("fp32"), max_payload_bytes=4 * params + (1 << 20),
+                      allowlist=members, state_readers=members)
 
 
 def _quiet_close(node: Any, verbose: bool) -> None:
@@ -183,7 +187,7 @@ class _Server:
         return {}
 
     # the swarm node -------------------------------------------------------------------------------
-    def p2p_start(self) -> dict:
+    def p2p_start(self, members: list[str]) -> dict:
         from groundswell.peer.swarm import NodeOptions, SwarmNode
         from groundswell.protocol.transport import read_frame, write_frame
 
@@ -191,7 +195,7 @@ class _Server:
         self.node.start()
         child = getattr(getattr(self.node, "p2p", None), "_child", None)
         self.conn.send(("p2pd", child.pid if child is not None else None))  # so the parent can always end it
-        self.node.attach(_context(self.params))
+        self.node.attach(_context(self.params, members))
         state = self.state
         self.node.state_provider = lambda: state
 
@@ -261,7 +265,10 @@ class _Client:
         times, first = _median_times(once, warmup, repeats)
         return {"times": times, "first": first}
 
-    def p2p_start(self, maddrs: list[str]) -> dict:
+    def info(self) -> dict:
+        return {"peer_id": self.identity.peer_id}
+
+    def p2p_start(self, maddrs: list[str], members: list[str]) -> dict:
         from groundswell.peer.swarm import NodeOptions, SwarmNode
 
         self.node = SwarmNode(self.identity, self.identity_path,
@@ -269,14 +276,14 @@ class _Client:
         self.node.start()
         child = getattr(getattr(self.node, "p2p", None), "_child", None)
         self.conn.send(("p2pd", child.pid if child is not None else None))
-        self.node.attach(_context(self.params))
+        self.node.attach(_context(self.params, members))
         return {}
 
     def p2p(self, server_id: str, digest: str, params_hash_expected: str, warmup: int, repeats: int,
             direct: bool = True) -> dict:
-        """What a joiner does: `fetch_state` (the signed reply over libp2p, the blob over a direct
-        TCP connection), BLAKE3 check, map the tensors; timed as a whole and in parts. With
-        `direct=False`, what a closed run's joiner does: the blob as the reply's trailer."""
+        """What a joiner does: `fetch_state` (the signed reply over libp2p, the sealed blob over a
+        direct TCP connection), BLAKE3 check, map the tensors; timed as a whole and in parts. With
+        `direct=False`, what a joiner that cannot reach the port does: the blob as the reply's trailer."""
         from groundswell.peer.state_fetch import fetch_state
         from groundswell.peer.swarm import GlobalState, params_hash
         from groundswell.protocol.schema import ProtocolError, StateReply, StateRequest
@@ -490,10 +497,11 @@ def run_bench(args: argparse.Namespace, progress: Callable[[str], None] = lambda
 
         port = workers.call("server", "tcp_listen")["port"]
         progress("starting the swarm nodes")
-        maddrs = workers.call("server", "p2p_start", timeout_s=120)["maddrs"]
+        members = [info["peer_id"], workers.call("client", "info")["peer_id"]]
+        maddrs = workers.call("server", "p2p_start", timeout_s=120, members=members)["maddrs"]
         if not maddrs:
             raise BenchError("the server node has no 127.0.0.1 address")
-        workers.call("client", "p2p_start", timeout_s=120, maddrs=maddrs[:1])
+        workers.call("client", "p2p_start", timeout_s=120, maddrs=maddrs[:1], members=members)
         time.sleep(args.settle)
 
         sid, digest, phash = info["peer_id"], info["digest"], info["params_hash"]
@@ -565,9 +573,10 @@ def format_report(res: dict) -> str:
         "| method | time (s) | MB/s | vs TCP |",
         "|---|---:|---:|---:|",
         f"| plain TCP | {res['tcp_s']:.3f} | {res['tcp_mb_s']:.0f} | 1.00x |",
-        f"| groundswell get-state, open run (signed header; blob over direct TCP + BLAKE3 + map) | {res['p2p_s']:.3f} "
+        f"| groundswell get-state (signed header; sealed blob over direct TCP, AES-GCM + BLAKE3 + map) "
+        f"| {res['p2p_s']:.3f} "
         f"| {res['p2p_mb_s']:.0f} | {res['ratio']:.2f}x |",
-        f"| groundswell get-state, closed run (signed header + raw trailer over libp2p + BLAKE3 + map) "
+        f"| groundswell get-state, port unreachable (signed header + raw trailer over libp2p + BLAKE3 + map) "
         f"| {res['stream_s']:.3f} | {res['state_bytes'] / res['stream_s'] / 1e6:.0f} | {res['stream_ratio']:.2f}x |",
     ]
     b = res.get("breakdown")

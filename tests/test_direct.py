@@ -1,5 +1,6 @@
-"""Direct state downloads: one-time tickets handed out over the signed reply, redeemed over plain
-TCP on 127.0.0.1; offered only where the state is not secret, never served twice or late."""
+"""Direct state downloads: one-time tickets and the key of the sealed blob handed out over the
+signed reply, redeemed over plain TCP on 127.0.0.1; never served twice or late, never readable
+or alterable without the key."""
 
 from __future__ import annotations
 
@@ -11,7 +12,6 @@ from pathlib import Path
 import pytest
 from blake3 import blake3
 from groundswell.protocol import direct
-from groundswell.protocol.digests import bulk_hasher
 from groundswell.protocol.direct import DirectServer, fetch_direct
 from groundswell.protocol.identity import Identity
 from groundswell.protocol.schema import ProtocolError, StateReply, StateRequest
@@ -33,22 +33,23 @@ def _run(coro):
     return asyncio.run(asyncio.wait_for(coro, 60))
 
 
-def test_a_ticket_serves_its_blob_once_whole_and_hashed_on_arrival(monkeypatch):
-    monkeypatch.setattr(direct, "HASH_PIECE", 256 << 10)  # pieces hashed on a worker thread as they arrive
+def test_a_ticket_serves_its_blob_once_whole(monkeypatch):
+    monkeypatch.setattr(direct, "SEAL_PIECE", 256 << 10)  # 13 pieces, the last one short
     blob = os.urandom((3 << 20) + 17)
 
     async def go():
         server = DirectServer()
         port = await server.start("127.0.0.1")
         try:
-            token = server.offer(blob)
-            hasher = bulk_hasher()
-            got = await fetch_direct("127.0.0.1", port, token, len(blob), hasher=hasher)
-            assert bytes(got) == blob and hasher.hexdigest() == blake3(blob).hexdigest()
+            token, key = server.offer(blob)
+            other_token, other_key = server.offer(blob)
+            assert other_key != key and other_token != token  # a key per ticket, not per blob
+            got = await fetch_direct("127.0.0.1", port, token, key, len(blob))
+            assert bytes(got) == blob
             with pytest.raises(ConnectionError):  # the same token again: nothing is sent
-                await fetch_direct("127.0.0.1", port, token, len(blob))
+                await fetch_direct("127.0.0.1", port, token, key, len(blob))
             with pytest.raises(ConnectionError):  # a token never handed out
-                await fetch_direct("127.0.0.1", port, os.urandom(32), len(blob))
+                await fetch_direct("127.0.0.1", port, os.urandom(32), key, len(blob))
             await asyncio.sleep(0.05)  # let the server finish its side of the first download
             return server.served, server.refused
         finally:
@@ -65,14 +66,14 @@ def test_expired_and_evicted_tickets_are_refused(monkeypatch):
         server = DirectServer(ttl_s=30, clock=clock)
         port = await server.start("127.0.0.1")
         try:
-            late = server.offer(b"late")
+            late, key = server.offer(b"late")
             clock.now += 31
             with pytest.raises(ConnectionError):
-                await fetch_direct("127.0.0.1", port, late, 4)
-            tokens = [server.offer(bytes([i])) for i in range(4)]  # one more than fit: the oldest goes
+                await fetch_direct("127.0.0.1", port, late, key, 4)
+            offers = [server.offer(bytes([i])) for i in range(4)]  # one more than fit: the oldest goes
             with pytest.raises(ConnectionError):
-                await fetch_direct("127.0.0.1", port, tokens[0], 1)
-            assert bytes(await fetch_direct("127.0.0.1", port, tokens[3], 1)) == b"\x03"
+                await fetch_direct("127.0.0.1", port, *offers[0], 1)
+            assert bytes(await fetch_direct("127.0.0.1", port, *offers[3], 1)) == b"\x03"
         finally:
             await server.close()
 
@@ -85,9 +86,11 @@ def test_a_blob_of_another_size_than_announced_is_refused():
         port = await server.start("127.0.0.1")
         try:
             with pytest.raises(ConnectionError, match="announced"):  # shorter
-                await fetch_direct("127.0.0.1", port, server.offer(b"x" * 99), 100)
+                await fetch_direct("127.0.0.1", port, *server.offer(b"x" * 99), 100)
             with pytest.raises(ProtocolError, match="exceeds"):  # longer: refused before it is read
-                await fetch_direct("127.0.0.1", port, server.offer(b"x" * 101), 100)
+                await fetch_direct("127.0.0.1", port, *server.offer(b"x" * 101), 100)
+            with pytest.raises(ProtocolError, match="key"):
+                await fetch_direct("127.0.0.1", port, b"t" * 32, b"short", 100)
         finally:
             await server.close()
 
@@ -138,23 +141,73 @@ def test_an_open_run_offers_its_state_directly_when_asked(open_run):
         offered, trailer = _ask_with_trailer(t, "get-state", who, StateRequest(-1, direct=True), StateReply)
         assert offered.direct_port == server.port and trailer == b"" and offered.size == streamed.size
         got = t.loop.run_until_complete(fetch_direct("127.0.0.1", offered.direct_port, offered.direct_token,
-                                                     offered.size))
+                                                     offered.direct_key, offered.size))
         assert bytes(got) == blob and blake3(got).hexdigest() == offered.digest
     finally:
         t.loop.run_until_complete(server.close())
 
 
-def test_a_closed_run_never_sends_its_state_in_the_clear(closed_run):
+def test_a_closed_run_sends_its_state_directly_only_sealed_and_only_to_its_readers(closed_run, monkeypatch):
     t = closed_run
     server = _with_direct(t)
+    sent = bytearray()  # every byte the server puts on the TCP connection
+    real_sendall = t.loop.sock_sendall
+
+    async def recording_sendall(sock, data):
+        sent.extend(data)
+        return await real_sendall(sock, data)
+
+    monkeypatch.setattr(t.loop, "sock_sendall", recording_sendall)
     try:
-        reply, blob = _ask_with_trailer(t, "get-state", t.peers[1], StateRequest(-1, direct=True), StateReply)
-        assert reply.direct_port == 0 and reply.direct_token == b"" and len(blob) == reply.size > 0
+        _, blob = _ask_with_trailer(t, "get-state", t.peers[1], StateRequest(-1), StateReply)
+        reply, trailer = _ask_with_trailer(t, "get-state", t.peers[1], StateRequest(-1, direct=True), StateReply)
+        assert reply.direct_port == server.port and trailer == b"" and len(reply.direct_key) == 32
+        with pytest.raises(ConnectionError, match="authentication"):  # the ticket without the key
+            t.loop.run_until_complete(fetch_direct("127.0.0.1", server.port, reply.direct_token, os.urandom(32),
+                                                   reply.size))
+        again, _ = _ask_with_trailer(t, "get-state", t.peers[1], StateRequest(-1, direct=True), StateReply)
+        assert again.direct_key != reply.direct_key
+        got = t.loop.run_until_complete(fetch_direct("127.0.0.1", server.port, again.direct_token, again.direct_key,
+                                                     again.size))
+        assert bytes(got) == blob
+        # what crossed the wire is not the state: it shares no 64-byte run with it
+        assert len(sent) >= 8 + direct.sealed_size(len(blob))
+        assert not any(bytes(blob[i:i + 64]) in sent for i in range(0, len(blob) - 64, 4096))
+        outsider, _ = _ask_with_trailer(t, "get-state", Identity.generate(), StateRequest(-1, direct=True), StateReply)
+        assert outsider.size == 0 and outsider.direct_token == b"" and outsider.direct_key == b""
     finally:
         t.loop.run_until_complete(server.close())
 
 
-def _fake_node(blob: bytes, port: int, addr: str, asked: list, token: bytes = b"t" * 32):
+def test_bytes_altered_on_the_way_fail_authentication(monkeypatch):
+    monkeypatch.setattr(direct, "SEAL_PIECE", 1024)
+    blob = os.urandom(5000)
+
+    async def go():
+        server = DirectServer()
+        port = await server.start("127.0.0.1")
+        loop = asyncio.get_running_loop()
+        real_sendall, pieces = loop.sock_sendall, []
+
+        async def flip_a_bit_of_the_third_piece(sock, data):
+            pieces.append(len(data))
+            if len(pieces) == 5:  # the client's token, the length prefix, then pieces 0, 1, 2
+                data = bytes(data[:100]) + bytes([data[100] ^ 1]) + bytes(data[101:])
+            return await real_sendall(sock, data)
+
+        loop.sock_sendall = flip_a_bit_of_the_third_piece
+        try:
+            token, key = server.offer(blob)
+            with pytest.raises(ConnectionError, match="piece 2 .* failed authentication"):
+                await fetch_direct("127.0.0.1", port, token, key, len(blob))
+            return pieces[:5]
+        finally:
+            await server.close()
+
+    assert _run(go()) == [32, 8, 1024 + 16, 1024 + 16, 1024 + 16]
+
+
+def _fake_node(blob: bytes, port: int, addr: str, asked: list, token: bytes = b"t" * 32, key: bytes = b"k" * 32):
     from types import SimpleNamespace
 
     digest = blake3(blob).hexdigest()
@@ -165,7 +218,7 @@ def _fake_node(blob: bytes, port: int, addr: str, asked: list, token: bytes = b"
             if remote is not None:
                 remote["addr"] = addr
             if msg.direct:
-                reply = StateReply(3, digest, b"", len(blob), port, token)
+                reply = StateReply(3, digest, b"", len(blob), port, token, key)
                 assert trailer_size(reply) == 0
                 return reply, bytearray(), blake3(b"").hexdigest()
             reply = StateReply(3, digest, b"", len(blob))
@@ -204,8 +257,9 @@ def test_direct_downloads_go_only_to_a_plain_tcp_address():
         assert direct_host(relayed_or_other) is None
 
 
-def test_a_direct_blob_that_is_not_the_vouched_one_is_fetched_again_over_the_stream():
-    # the direct connection is not authenticated: a wrong blob is nobody's fault, the stream decides
+def test_a_direct_blob_that_does_not_open_is_fetched_again_over_the_stream():
+    # the direct connection is not authenticated: bytes that do not open under the signed reply's
+    # key (someone else's port, or altered on the way) are nobody's fault, the stream decides
     from groundswell.peer.state_fetch import fetch_state
 
     blob = os.urandom(5000)
@@ -215,8 +269,8 @@ def test_a_direct_blob_that_is_not_the_vouched_one_is_fetched_again_over_the_str
         server = DirectServer()
         port = await server.start("127.0.0.1")
         try:
-            token = server.offer(os.urandom(len(blob)))  # same size, other bytes
-            node = _fake_node(blob, port, "/ip4/127.0.0.1/tcp/4001", asked, token)
+            token, _ = server.offer(blob)
+            node = _fake_node(blob, port, "/ip4/127.0.0.1/tcp/4001", asked, token, os.urandom(32))
             return await fetch_state(node, "peer", 0, lambda r: r.size, timeout_s=10)
         finally:
             await server.close()
@@ -254,7 +308,7 @@ def test_a_dual_stack_server_takes_ipv4_joiners():
         except OSError as exc:
             pytest.skip(f"no IPv6 here: {exc}")
         try:
-            return bytes(await fetch_direct("127.0.0.1", port, server.offer(b"both families"), 13))
+            return bytes(await fetch_direct("127.0.0.1", port, *server.offer(b"both families"), 13))
         finally:
             await server.close()
 

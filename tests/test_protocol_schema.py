@@ -80,7 +80,8 @@ EXAMPLES: dict[str, Message] = {
         ContributionsRequest(round=4, attempt=1, shard=2, contributors=PEERS[:2]),
         Join(round=3, trains=True, serves=False),
         StateRequest(min_round=-1, direct=True),
-        StateReply(round=-1, digest="ab" * 32, decision=b"", size=1000, direct_port=65535, direct_token=b"t" * 32),
+        StateReply(round=-1, digest="ab" * 32, decision=b"", size=1000, direct_port=65535, direct_token=b"t" * 32,
+                   direct_key=b"k" * 32),
         ManifestRequest(),
         ManifestReply(signed=b"manifest"),
         ProbeRequest(maddrs=["/ip4/192.0.2.1/tcp/4001", "/ip4/127.0.0.1/tcp/4001"]),
@@ -283,9 +284,11 @@ def test_bounds_are_inclusive():
     with pytest.raises(ProtocolError, match="min_round"):
         decode_message(_raw("get-state", [-2, True]), StateRequest)
     with pytest.raises(ProtocolError, match="direct_port"):
-        decode_message(_raw("state", [0, "", b"", 0, 65536, b""]), StateReply)
+        decode_message(_raw("state", [0, "", b"", 0, 65536, b"", b""]), StateReply)
     with pytest.raises(ProtocolError, match="direct_token"):
-        decode_message(_raw("state", [0, "", b"", 0, 1, b"t" * 33]), StateReply)
+        decode_message(_raw("state", [0, "", b"", 0, 1, b"t" * 33, b""]), StateReply)
+    with pytest.raises(ProtocolError, match="direct_key"):
+        decode_message(_raw("state", [0, "", b"", 0, 1, b"t" * 32, b"k" * 33]), StateReply)
     assert decode_message(_raw("ack", [False, "r" * 512]), Ack).reason == "r" * 512
     with pytest.raises(ProtocolError, match="ack.reason"):
         decode_message(_raw("ack", [False, "r" * 513]), Ack)
