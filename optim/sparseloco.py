@@ -56,6 +56,9 @@ class SparseLoCo(OuterOptimizer):
         super().__init__(params, codec, segment)
         self.config = config
         self.error = torch.zeros_like(self.global_params)
+        # The eager start decodes our own payload; settling the round needs the same vector, so it
+        # is kept (by the payloads' identity) instead of decoded twice per round.
+        self._sent: tuple[list[Payload], torch.Tensor] | None = None
 
     def _encode_contribution(self, delta: torch.Tensor) -> list[Payload]:
         self.error.mul_(self.config.error_decay).add_(delta)
@@ -64,11 +67,15 @@ class SparseLoCo(OuterOptimizer):
     def _train_on_from(self, payloads: list[Payload]) -> torch.Tensor | None:
         if not self.config.eager:
             return None
-        return self.global_params + self._outer_step(self.decode(payloads))
+        sent = self.decode(payloads)
+        self._sent = (payloads, sent)
+        return self.global_params + self._outer_step(sent)
 
     def _settle_contribution(self, pending: PendingRound, result: RoundResult | None) -> bool:
+        cached, self._sent = self._sent, None
         if result is not None and result.included:
-            self.error -= self.decode(pending.payloads)
+            sent = cached[1] if cached is not None and cached[0] is pending.payloads else self.decode(pending.payloads)
+            self.error -= sent
         return True  # either sent and applied, or still held in the error feedback
 
     def _outer_step(self, mean: torch.Tensor) -> torch.Tensor:

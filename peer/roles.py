@@ -100,6 +100,11 @@ def run_volunteer(p: Participant, bootstrap_peers: list[str], *, max_rounds: int
         p.events.write("train", round=p.outer.round_id, steps=stats.steps, compute_s=stats.compute_s,
                        peer=p.identity.peer_id)  # t is the end; the block ran over [t - compute_s, t]
         if in_flight is not None:
+            extra = _train_while_waiting(trainer, loop.exchange, m.outer.inner_steps, stop, on_step)
+            if extra is not None:
+                p.events.write("train", round=p.outer.round_id, steps=extra.steps, compute_s=extra.compute_s,
+                               extra=True, peer=p.identity.peer_id)
+                stats = _merged(stats, extra)
             loop.settle(*in_flight)
             in_flight = None
             if not more():
@@ -120,6 +125,24 @@ def run_volunteer(p: Participant, bootstrap_peers: list[str], *, max_rounds: int
         log.info("could not list connections: %s", exc)
     write_defence_counts(p)
     p.save_checkpoint({"inner": trainer.state_dict()})
+
+
+def _train_while_waiting(trainer: InnerTrainer, exchange: SwarmExchange, limit: int, stop: StopFlag,
+                         on_step: Callable[[int, float], None] | None) -> InnerStats | None:
+    """With overlap, when the round in flight is still out after our H steps (the other peers are
+    slower, or the round is waiting out a dead peer), train on one step at a time, up to `limit`
+    more, instead of standing still: this peer's next contribution then covers more inner steps.
+    Beyond `limit`, the caller waits as before, so a stalled round cannot pull us far ahead."""
+    done: list[InnerStats] = []
+    while len(done) < limit and not stop and not exchange.ready():
+        done.append(trainer.run(1, on_step))
+    return _merged(*done) if done else None
+
+
+def _merged(*parts: InnerStats) -> InnerStats:
+    steps = sum(s.steps for s in parts)
+    return InnerStats(steps, sum(s.mean_loss * s.steps for s in parts) / max(1, steps),
+                      sum(s.tokens for s in parts), sum(s.compute_s for s in parts))
 
 
 def write_defence_counts(p: Participant) -> None:

@@ -38,6 +38,7 @@ class SimulateOptions:
     min_peers: int = 2
     seed: int = 0
     outer_lr: float = 0.0
+    topk: int = 0  # SparseLoCo: values kept per chunk (0: the manifest's default, 64 of 4096)
     overlap: int = 0  # 1: each round is exchanged while the next H steps train
     checkpoint_every: int = 5
     timeout_s: float = 1800.0
@@ -70,7 +71,8 @@ class SimulateOptions:
 def manifest_toml(opts: SimulateOptions) -> str:
     """The run manifest a simulation launches."""
     codec = f'codec = "{opts.codec}"\n' if opts.codec else ""
-    lr = (f"lr = {opts.outer_lr}\n" if opts.outer_lr else "") + f"overlap = {opts.overlap}\n"
+    lr = ((f"lr = {opts.outer_lr}\n" if opts.outer_lr else "") + (f"topk = {opts.topk}\n" if opts.topk else "")
+          + f"overlap = {opts.overlap}\n")
     return (
         f'[run]\nid = "sim"\nopen = true\nmin_peers = {opts.min_peers}\nseed = {opts.seed}\n'
         f'[model]\nspec = "{opts.preset}"\n[data]\nbatch_size = {opts.batch_size}\n'

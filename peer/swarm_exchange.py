@@ -96,6 +96,11 @@ class SwarmExchange:
         assert client is not None
         self._announced = self.node.submit(client.announce(round_id, trains=True, serves=self.serves))
 
+    def ready(self) -> bool:
+        """Whether the attempt in flight has an outcome (and, on a commit, its aggregate): `collect`
+        would not wait."""
+        return self._future is not None and self._future.done()
+
     def collect(self, round_id: int) -> RoundResult:
         """Wait for the attempt's outcome (bounded by the round deadline plus slack)."""
         future, self._future = self._future, None

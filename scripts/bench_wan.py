@@ -39,13 +39,13 @@ PORT = 29500
 
 
 def swarm_run(name: str, out: Path, wall: float, preset: str, algorithm: str, codec: str, overlap: int,
-              inner_steps: int, outer_lr: float | None = None) -> dict:
+              inner_steps: int, outer_lr: float | None = None, topk: int = 0) -> dict:
     """A coordinator and 4 volunteers for `wall` seconds of training; the figures from their logs."""
     from groundswell.peer.simulate import Simulation, SimulateOptions, manifest_toml
 
     opts = SimulateOptions(peers=4, rounds=10**6, preset=preset, algorithm=algorithm, codec=codec, overlap=overlap,
-                           inner_steps=inner_steps, outer_lr=outer_lr, batch_size=8, deadline_s=60, slack_s=5, min_peers=2,
-                           checkpoint_every=10**6)
+                           inner_steps=inner_steps, outer_lr=outer_lr, topk=topk, batch_size=8, deadline_s=60,
+                           slack_s=5, min_peers=2, checkpoint_every=10**6)
     out.mkdir(parents=True)
     with Simulation(out, opts) as sim:
         (out / "run.toml").write_text(manifest_toml(opts))
@@ -185,6 +185,8 @@ def main() -> int:
                          "it wants more, shorter rounds than DiLoCo")
     ap.add_argument("--sparse-outer-lr", type=float, default=None,
                     help="outer lr of the sparseloco run (default: the manifest's, 1.0)")
+    ap.add_argument("--sparse-topk", type=int, default=0,
+                    help="values kept per 4096-chunk in the sparseloco run (default: the manifest's, 64)")
     ap.add_argument("--runs", default="sparseloco-overlap,diloco-int8,ddp-gloo", help="which runs, comma-separated")
     ap.add_argument("--out", type=Path, default=None)
     ap.add_argument("--json", action="store_true", help="print only the JSON result")
@@ -203,12 +205,12 @@ def main() -> int:
         with netlab.lab(rate_mbit=a.rate_mbit, delay_ms=a.delay_ms, loss_pct=a.loss_pct) as info:
             chosen = set(a.runs.split(","))
             sparse_h = a.sparse_inner_steps or a.inner_steps
-            for name, algorithm, codec, overlap, h, lr in (
-                    ("sparseloco-overlap", "sparseloco", "", 1, sparse_h, a.sparse_outer_lr),
-                    ("diloco-int8", "diloco", "int8", 0, a.inner_steps, None)):
+            for name, algorithm, codec, overlap, h, lr, k in (
+                    ("sparseloco-overlap", "sparseloco", "", 1, sparse_h, a.sparse_outer_lr, a.sparse_topk),
+                    ("diloco-int8", "diloco", "int8", 0, a.inner_steps, None, 0)):
                 if name in chosen:
-                    runs.append(swarm_run(name, out / name, a.wall, a.preset, algorithm, codec, overlap, h, lr))
-                    runs[-1].update(inner_steps=h, outer_lr=lr)
+                    runs.append(swarm_run(name, out / name, a.wall, a.preset, algorithm, codec, overlap, h, lr, k))
+                    runs[-1].update(inner_steps=h, outer_lr=lr, **({"topk": k} if k else {}))
                     if not a.json:
                         print(json.dumps(runs[-1]), file=sys.stderr, flush=True)
             if "ddp-gloo" in chosen:

@@ -35,6 +35,10 @@ SETTINGS = {
     "sparse-H10-lr2-k128": dict(algorithm="sparseloco", inner_steps=10, overlap=1, eager=True, lr=2.0, topk=128),
     "sparse-H5-lr2-k128": dict(algorithm="sparseloco", inner_steps=5, overlap=1, eager=True, lr=2.0, topk=128),
     "sparse-H10-lr1-k128": dict(algorithm="sparseloco", inner_steps=10, overlap=1, eager=True, lr=1.0, topk=128),
+    "sparse-H10-lr1.5-k128": dict(algorithm="sparseloco", inner_steps=10, overlap=1, eager=True, lr=1.5, topk=128),
+    "sparse-H5-lr1-k128": dict(algorithm="sparseloco", inner_steps=5, overlap=1, eager=True, lr=1.0, topk=128),
+    "sparse-H5-lr1.5-k128": dict(algorithm="sparseloco", inner_steps=5, overlap=1, eager=True, lr=1.5, topk=128),
+    "sparse-H10-lr1-k96": dict(algorithm="sparseloco", inner_steps=10, overlap=1, eager=True, lr=1.0, topk=96),
 }
 
 

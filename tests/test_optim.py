@@ -289,3 +289,25 @@ def test_sparseloco_eager_start_changes_nothing_when_rounds_do_not_overlap():
         return [_weights(m) for m in models] + [o.global_params.tolist() for o in outers]
 
     assert run(True) == run(False)
+
+
+def test_sparseloco_eager_start_decodes_its_own_payload_once_per_round():
+    # the eager start and the settling of the round need the same decoded payload: one decode
+    class Counting(KeepLargest):
+        decodes = 0
+
+        def decode(self, payload, device=None):
+            Counting.decodes += 1
+            return super().decode(payload, device=device)
+
+    m = _model([1.0, 2.0])
+    o = SparseLoCo(m.parameters(), Counting(), SparseLoCoConfig(lr=1.0, error_decay=1.0, eager=True))
+    hub = InProcessHub(make_codec("fp32"), ["w0"])
+    ep = hub.endpoint("w0")
+    _set(m, [0.5, 2.1])
+    payloads = o.prepare()
+    assert len(payloads) == 1 and Counting.decodes == 1  # for the eager start
+    ep.contribute(o.round_id, payloads)
+    o.apply(ep.collect(o.round_id))
+    assert Counting.decodes == 1  # settling reused it
+    assert o.error.tolist() == pytest.approx([0.0, -0.1])  # what a second decode would have given

@@ -1,0 +1,56 @@
+"""With overlap, a peer whose round is still out after its H steps trains on (up to H more steps)
+instead of standing still; the extra steps count toward its next contribution."""
+
+from __future__ import annotations
+
+from groundswell.peer.roles import StopFlag, _merged, _train_while_waiting
+from groundswell.peer.worker import InnerStats
+
+
+class _Trainer:
+    def __init__(self, on_call=lambda n: None) -> None:
+        self.calls = 0
+        self.on_call = on_call
+
+    def run(self, num_steps, on_step=None):
+        self.calls += 1
+        self.on_call(self.calls)
+        return InnerStats(num_steps, float(self.calls), 10 * num_steps, 0.5 * num_steps)
+
+
+class _Exchange:
+    def __init__(self, ready_after: int | None, trainer: _Trainer) -> None:
+        self.ready_after, self.trainer = ready_after, trainer
+
+    def ready(self) -> bool:
+        return self.ready_after is not None and self.trainer.calls >= self.ready_after
+
+
+def test_trains_until_the_round_is_in_and_no_longer():
+    t = _Trainer()
+    extra = _train_while_waiting(t, _Exchange(3, t), limit=10, stop=StopFlag(), on_step=None)
+    assert t.calls == 3 and extra == InnerStats(3, 2.0, 30, 1.5)  # mean of losses 1, 2, 3
+
+
+def test_a_round_already_in_costs_no_step():
+    t = _Trainer()
+    assert _train_while_waiting(t, _Exchange(0, t), limit=10, stop=StopFlag(), on_step=None) is None
+    assert t.calls == 0
+
+
+def test_a_stalled_round_gets_at_most_limit_extra_steps():
+    t = _Trainer()
+    extra = _train_while_waiting(t, _Exchange(None, t), limit=4, stop=StopFlag(), on_step=None)
+    assert t.calls == 4 and extra is not None and extra.steps == 4
+
+
+def test_stopping_ends_the_extra_steps():
+    stop = StopFlag()
+    t = _Trainer(on_call=lambda n: stop.set() if n == 2 else None)
+    extra = _train_while_waiting(t, _Exchange(None, t), limit=10, stop=stop, on_step=None)
+    assert t.calls == 2 and extra is not None and extra.steps == 2
+
+
+def test_merged_stats_weight_losses_by_steps():
+    m = _merged(InnerStats(10, 2.0, 100, 5.0), InnerStats(2, 5.0, 20, 1.0))
+    assert m == InnerStats(12, 2.5, 120, 6.0)
