@@ -88,3 +88,4 @@ class SparseLoCo(OuterOptimizer):
         if state.get("algorithm") != "sparseloco":
             raise ValueError(f"not a SparseLoCo state (algorithm={state.get('algorithm')!r})")
         self.error = state["error"].to(self.global_params.device, torch.float32).clone()
+        self._sent = None

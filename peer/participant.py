@@ -241,8 +241,9 @@ class Participant:
 
     async def _verified_state(self, reply: StateReply, blob: bytes | bytearray, digest: str, server: str
                               ) -> GlobalState:
-        """Check a downloaded state (`digest`: BLAKE3 of `blob`, hashed as it arrived): hash, tensor
-        names, shapes and values, decision, swarm majority."""
+        """Check a downloaded state (`digest`: BLAKE3 of `blob`, hashed as it arrived over the stream;
+        over the direct path the signed one, the blob having opened under that reply's key): hash,
+        tensor names, shapes and values, decision, swarm majority."""
         if digest != reply.digest:
             raise ProtocolError("state failed its hash check")
         tensors = GlobalState.tensors_from_blob(blob)

@@ -21,7 +21,8 @@ Two worker processes (multiprocessing "spawn", one torch thread each), everythin
   is what a joiner does: `peer.state_fetch.fetch_state` (the announced size checked against a
   limit before the blob is read; "p2p" row: it must come over the direct connection), or, for the
   "stream" row, `transport.request_bulk(..., StateRequest(0), ...)` with the trailer; then the
-  BLAKE3 check of the blob against the signed digest, and `GlobalState.tensors_from_blob`.
+  BLAKE3 check of the blob against the signed digest (over the stream; the direct path's blob is
+  authenticated by its sealing instead), and `GlobalState.tensors_from_blob`.
 - TCP baseline: the server process sends the same blob (same byte count) over a fresh TCP
   connection on 127.0.0.1; the client receives it into a preallocated buffer.
 
@@ -573,7 +574,7 @@ def format_report(res: dict) -> str:
         "| method | time (s) | MB/s | vs TCP |",
         "|---|---:|---:|---:|",
         f"| plain TCP | {res['tcp_s']:.3f} | {res['tcp_mb_s']:.0f} | 1.00x |",
-        f"| groundswell get-state (signed header; sealed blob over direct TCP, AES-GCM + BLAKE3 + map) "
+        f"| groundswell get-state (signed header; sealed blob over direct TCP, AES-GCM + map) "
         f"| {res['p2p_s']:.3f} "
         f"| {res['p2p_mb_s']:.0f} | {res['ratio']:.2f}x |",
         f"| groundswell get-state, port unreachable (signed header + raw trailer over libp2p + BLAKE3 + map) "

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+import socket
 import sys
 from pathlib import Path
 
@@ -226,6 +227,43 @@ def _fake_node(blob: bytes, port: int, addr: str, asked: list, token: bytes = b"
             return reply, bytearray(blob), digest
 
     return SimpleNamespace(transport=_Transport())
+
+
+@pytest.mark.parametrize("tamper, error", [("swap pieces 0 and 1", "piece 0 .* failed authentication"),
+                                           ("cut the last piece", "ended after 2980 of 3048 bytes")])
+def test_reordered_or_cut_pieces_are_refused(monkeypatch, tamper, error):
+    # each piece is bound to its place by its nonce; the length is the signed size's, checked whole
+    monkeypatch.setattr(direct, "SEAL_PIECE", 1024)
+    blob = os.urandom(3000)  # pieces of 1024, 1024 and 952 bytes (plus a 16-byte tag each)
+
+    async def go():
+        server = DirectServer()
+        port = await server.start("127.0.0.1")
+        loop = asyncio.get_running_loop()
+        real_sendall, held = loop.sock_sendall, []
+
+        async def tampering_sendall(sock, data):
+            if len(data) == 1024 + 16 and tamper.startswith("swap"):
+                held.append(bytes(data))
+                if len(held) == 2:  # pieces 0 and 1 go out in the other order
+                    await real_sendall(sock, held[1])
+                    await real_sendall(sock, held[0])
+                return None
+            if len(data) == 952 + 16 and tamper.startswith("cut"):
+                await real_sendall(sock, data[:900])
+                sock.shutdown(socket.SHUT_WR)  # and nothing more comes
+                return None
+            return await real_sendall(sock, data)
+
+        loop.sock_sendall = tampering_sendall
+        try:
+            token, key = server.offer(blob)
+            with pytest.raises(ConnectionError, match=error):
+                await fetch_direct("127.0.0.1", port, token, key, len(blob))
+        finally:
+            await server.close()
+
+    _run(go())
 
 
 @pytest.mark.parametrize("addr", ["/ip4/127.0.0.1/tcp/4001", "/ip4/127.0.0.1/tcp/4001/p2p/QmRelay/p2p-circuit"])

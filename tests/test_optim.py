@@ -2,9 +2,8 @@
 
 from __future__ import annotations
 
-import torch
 import pytest
-
+import torch
 from groundswell.compression import Payload, make_codec
 from groundswell.compression.base import mean_of_decoded
 from groundswell.optim import DiLoCo, DiLoCoConfig, InProcessHub, RoundFailed, SparseLoCo, SparseLoCoConfig
@@ -311,3 +310,28 @@ def test_sparseloco_eager_start_decodes_its_own_payload_once_per_round():
     o.apply(ep.collect(o.round_id))
     assert Counting.decodes == 1  # settling reused it
     assert o.error.tolist() == pytest.approx([0.0, -0.1])  # what a second decode would have given
+
+
+def test_sparseloco_decodes_again_when_the_pending_payloads_are_not_the_cached_ones():
+    # a retried round (apply(None)) drops the cached vector; the next round decodes its own payload
+    class Counting(KeepLargest):
+        decodes = 0
+
+        def decode(self, payload, device=None):
+            Counting.decodes += 1
+            return super().decode(payload, device=device)
+
+    m = _model([1.0, 2.0])
+    o = SparseLoCo(m.parameters(), Counting(), SparseLoCoConfig(lr=1.0, error_decay=1.0, eager=True))
+    hub = InProcessHub(make_codec("fp32"), ["w0"])
+    ep = hub.endpoint("w0")
+    _set(m, [0.5, 2.1])
+    o.prepare()
+    o.apply(None)  # the round failed: the contribution stays in the error feedback
+    assert o._sent is None
+    payloads = o.prepare()
+    o._sent = (list(payloads), o._sent[1])  # same contents, another object: not trusted as ours
+    before = Counting.decodes
+    ep.contribute(o.round_id, payloads)
+    o.apply(ep.collect(o.round_id))
+    assert Counting.decodes == before + 1

@@ -54,3 +54,17 @@ def test_stopping_ends_the_extra_steps():
 def test_merged_stats_weight_losses_by_steps():
     m = _merged(InnerStats(10, 2.0, 100, 5.0), InnerStats(2, 5.0, 20, 1.0))
     assert m == InnerStats(12, 2.5, 120, 6.0)
+
+
+def test_the_exchange_is_ready_only_once_its_attempt_has_an_outcome():
+    from concurrent.futures import Future
+
+    from groundswell.peer.swarm_exchange import SwarmExchange
+
+    ex = SwarmExchange.__new__(SwarmExchange)  # no node needed to ask about the future
+    ex._future = None
+    assert not ex.ready()  # nothing in flight
+    ex._future = Future()
+    assert not ex.ready()
+    ex._future.set_result(("outcome", None))
+    assert ex.ready()
