@@ -9,6 +9,10 @@ every access link 50 Mbit/s, 0.1% loss; 40 ms delay where the kernel has sch_net
   diloco-int8         groundswell, DiLoCo with the int8 codec, no overlap (same hosts)
   ddp-gloo            plain data parallel: fp32 gradients all-reduced every step with
                       torch.distributed gloo (4 public hosts: gloo needs inbound connections)
+With --cpu-per-peer C, every training process (with its p2pd daemon) runs in its own cgroup capped
+at C CPUs (cgroup v1 cpu controller), so that each behaves as a volunteer's own machine: without
+it, the 4 peers share this machine's cores, and whatever CPU a peer leaves idle while it waits for
+the network speeds up the others. The coordinator is not capped.
 Each trains for --wall seconds from its first step; utilization is time in forward, backward and
 the inner optimizer over that wall time (mean over peers); the loss is the held-out loss of the
 parameters the run agreed on when the wall time was up (groundswell: the coordinator's evaluation
@@ -18,6 +22,7 @@ of the last round completed in time; ddp: rank 0's model). One torch thread per 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import signal
@@ -34,12 +39,45 @@ import netlab
 from groundswell.peer.sim_report import read_events
 
 SWARM_HOSTS = ("pub", "h1", "h2", "h3")
+CGROUP_CPU = Path("/sys/fs/cgroup/cpu")
 DDP_HOSTS = ("coord", "pub", "pub2", "pub3")
 PORT = 29500
 
 
+@contextlib.contextmanager
+def cpu_slices(names: tuple[str, ...], cpus: float):
+    """One cgroup per name, capped at `cpus` CPUs; yields {name: argv prefix that runs a command
+    inside it} ({} when `cpus` is 0). The groups are removed afterwards (once their processes
+    are gone)."""
+    if cpus <= 0:
+        yield {}
+        return
+    if not (CGROUP_CPU / "cpu.cfs_quota_us").exists():
+        raise netlab.NetlabUnavailable(f"--cpu-per-peer needs the cgroup v1 cpu controller at {CGROUP_CPU}")
+    root = CGROUP_CPU / f"groundswell-bench-{os.getpid()}"
+    root.mkdir()
+    made = []
+    try:
+        for name in names:
+            d = root / name
+            d.mkdir()
+            made.append(d)
+            period = int((d / "cpu.cfs_period_us").read_text())
+            (d / "cpu.cfs_quota_us").write_text(str(int(cpus * period)))
+        # the shell moves itself into the group and execs the command: it and its children stay there
+        yield {d.name: ["sh", "-c", f'echo $$ > {d}/cgroup.procs && exec "$@"', "sh"] for d in made}
+    finally:
+        for d in [*made, root]:
+            for _ in range(50):  # processes leave a group a moment after they exit
+                try:
+                    d.rmdir()
+                    break
+                except OSError:
+                    time.sleep(0.2)
+
+
 def swarm_run(name: str, out: Path, wall: float, preset: str, algorithm: str, codec: str, overlap: int,
-              inner_steps: int, outer_lr: float | None = None, topk: int = 0) -> dict:
+              inner_steps: int, outer_lr: float | None = None, topk: int = 0, cpus: float = 0.0) -> dict:
     """A coordinator and 4 volunteers for `wall` seconds of training; the figures from their logs."""
     from groundswell.peer.simulate import Simulation, SimulateOptions, manifest_toml
 
@@ -47,7 +85,7 @@ def swarm_run(name: str, out: Path, wall: float, preset: str, algorithm: str, co
                            inner_steps=inner_steps, outer_lr=outer_lr, topk=topk, batch_size=8, deadline_s=60,
                            slack_s=5, min_peers=2, checkpoint_every=10**6)
     out.mkdir(parents=True)
-    with Simulation(out, opts) as sim:
+    with cpu_slices(SWARM_HOSTS, cpus) as slices, Simulation(out, opts) as sim:
         (out / "run.toml").write_text(manifest_toml(opts))
         common = ["--quiet", "--verbose", "--threads", "1"]
         coord_ip = netlab.HOSTS["coord"][1]
@@ -63,7 +101,8 @@ def swarm_run(name: str, out: Path, wall: float, preset: str, algorithm: str, co
             time.sleep(0.2)
         for host in SWARM_HOSTS:
             sim.spawn(host, ["join", boot.read_text().strip(), "--state-dir", str(out / host), "--listen",
-                             "/ip4/0.0.0.0/tcp/0", *common], prefix=tuple(netlab.netns_exec_argv(host, [])))
+                             "/ip4/0.0.0.0/tcp/0", *common],
+                      prefix=(*slices.get(host, []), *netlab.netns_exec_argv(host, [])))
         start = None
         limit = time.time() + 300
         while start is None or time.time() < start + wall:
@@ -150,9 +189,14 @@ def ddp_worker(rank: int, world: int, master: str, wall: float, preset: str, out
     dist.destroy_process_group()
 
 
-def ddp_run(out: Path, wall: float, preset: str) -> dict:
+def ddp_run(out: Path, wall: float, preset: str, cpus: float = 0.0) -> dict:
     """4 gloo ranks on the 4 public hosts for `wall` seconds."""
     out.mkdir(parents=True)
+    with cpu_slices(DDP_HOSTS, cpus) as slices:
+        return _ddp_ranks(out, wall, preset, slices)
+
+
+def _ddp_ranks(out: Path, wall: float, preset: str, slices: dict[str, list[str]]) -> dict:
     master = netlab.HOSTS[DDP_HOSTS[0]][1]
     # gloo would otherwise advertise the address the host name resolves to, outside the namespace.
     env = dict(os.environ, OMP_WAIT_POLICY="PASSIVE", GLOO_SOCKET_IFNAME="eth0", PYTHONUNBUFFERED="1")
@@ -161,7 +205,7 @@ def ddp_run(out: Path, wall: float, preset: str) -> dict:
         for rank, host in enumerate(DDP_HOSTS):
             argv = [sys.executable, __file__, "--ddp-worker", str(rank), "--master", master, "--wall", str(wall),
                     "--preset", preset, "--out", str(out)]
-            procs.append(subprocess.Popen(netlab.netns_exec_argv(host, argv), env=env,
+            procs.append(subprocess.Popen([*slices.get(host, []), *netlab.netns_exec_argv(host, argv)], env=env,
                                           stdout=open(out / f"rank{rank}.log", "wb"), stderr=subprocess.STDOUT))
         for p in procs:
             p.wait(timeout=wall + 180)
@@ -187,6 +231,9 @@ def main() -> int:
                     help="outer lr of the sparseloco run (default: the manifest's, 1.0)")
     ap.add_argument("--sparse-topk", type=int, default=0,
                     help="values kept per 4096-chunk in the sparseloco run (default: the manifest's, 64)")
+    ap.add_argument("--cpu-per-peer", type=float, default=0.0,
+                    help="cap each training process (and its p2pd) at this many CPUs, as if on its own machine "
+                         "(0: they share the machine's cores)")
     ap.add_argument("--runs", default="sparseloco-overlap,diloco-int8,ddp-gloo", help="which runs, comma-separated")
     ap.add_argument("--out", type=Path, default=None)
     ap.add_argument("--json", action="store_true", help="print only the JSON result")
@@ -209,16 +256,18 @@ def main() -> int:
                     ("sparseloco-overlap", "sparseloco", "", 1, sparse_h, a.sparse_outer_lr, a.sparse_topk),
                     ("diloco-int8", "diloco", "int8", 0, a.inner_steps, None, 0)):
                 if name in chosen:
-                    runs.append(swarm_run(name, out / name, a.wall, a.preset, algorithm, codec, overlap, h, lr, k))
+                    runs.append(swarm_run(name, out / name, a.wall, a.preset, algorithm, codec, overlap, h, lr, k,
+                                          a.cpu_per_peer))
                     runs[-1].update(inner_steps=h, outer_lr=lr, **({"topk": k} if k else {}))
                     if not a.json:
                         print(json.dumps(runs[-1]), file=sys.stderr, flush=True)
             if "ddp-gloo" in chosen:
-                runs.append(ddp_run(out / "ddp-gloo", a.wall, a.preset))
+                runs.append(ddp_run(out / "ddp-gloo", a.wall, a.preset, a.cpu_per_peer))
     except netlab.NetlabUnavailable as exc:
         print(f"netlab unavailable: {exc}", file=sys.stderr)
         return 3
-    print(json.dumps({"link": info["shaping"], "preset": a.preset, "inner_steps": a.inner_steps, "runs": runs},
+    print(json.dumps({"link": info["shaping"], "preset": a.preset, "inner_steps": a.inner_steps,
+                      "cpu_per_peer": a.cpu_per_peer or None, "runs": runs},
                      indent=None if a.json else 1))
     return 0
 
