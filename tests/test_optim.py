@@ -290,15 +290,19 @@ def test_sparseloco_eager_start_changes_nothing_when_rounds_do_not_overlap():
     assert run(True) == run(False)
 
 
+class Counting(KeepLargest):
+    """KeepLargest that counts its decodes (class-wide)."""
+
+    decodes = 0
+
+    def decode(self, payload, device=None):
+        Counting.decodes += 1
+        return super().decode(payload, device=device)
+
+
 def test_sparseloco_eager_start_decodes_its_own_payload_once_per_round():
     # the eager start and the settling of the round need the same decoded payload: one decode
-    class Counting(KeepLargest):
-        decodes = 0
-
-        def decode(self, payload, device=None):
-            Counting.decodes += 1
-            return super().decode(payload, device=device)
-
+    Counting.decodes = 0
     m = _model([1.0, 2.0])
     o = SparseLoCo(m.parameters(), Counting(), SparseLoCoConfig(lr=1.0, error_decay=1.0, eager=True))
     hub = InProcessHub(make_codec("fp32"), ["w0"])
@@ -314,13 +318,6 @@ def test_sparseloco_eager_start_decodes_its_own_payload_once_per_round():
 
 def test_sparseloco_decodes_again_when_the_pending_payloads_are_not_the_cached_ones():
     # a retried round (apply(None)) drops the cached vector; the next round decodes its own payload
-    class Counting(KeepLargest):
-        decodes = 0
-
-        def decode(self, payload, device=None):
-            Counting.decodes += 1
-            return super().decode(payload, device=device)
-
     m = _model([1.0, 2.0])
     o = SparseLoCo(m.parameters(), Counting(), SparseLoCoConfig(lr=1.0, error_decay=1.0, eager=True))
     hub = InProcessHub(make_codec("fp32"), ["w0"])
