@@ -19,7 +19,7 @@ def bulk_digest(data: bytes | bytearray | memoryview) -> bytes:
     return blake3(data).digest()
 
 
-def bulk_hasher(threads: bool = False) -> blake3:
+def bulk_hasher() -> blake3:
     """An incremental BLAKE3 hasher (`update`, `digest`, `hexdigest`), for bytes that arrive in
-    pieces. `threads`: large updates use every core (for a whole blob hashed at once)."""
-    return blake3(max_threads=blake3.AUTO) if threads else blake3()
+    pieces."""
+    return blake3()

@@ -66,12 +66,7 @@ def _nonce(i: int) -> bytes:
 
 async def _recv_exactly(loop: asyncio.AbstractEventLoop, sock: socket.socket, n: int) -> bytes:
     buf = bytearray(n)
-    view, got = memoryview(buf), 0
-    while got < n:
-        k = await loop.sock_recv_into(sock, view[got:])
-        if k == 0:
-            raise ConnectionError(f"the connection closed after {got} of {n} bytes")
-        got += k
+    await _recv_into(loop, sock, memoryview(buf), 0, n)
     return bytes(buf)
 
 
@@ -199,7 +194,7 @@ async def _recv_into(loop: asyncio.AbstractEventLoop, sock: socket.socket, view:
     while got < len(view):
         k = await loop.sock_recv_into(sock, view[got:])
         if k == 0:
-            raise ConnectionError(f"the direct download ended after {done + got} of {total} bytes")
+            raise ConnectionError(f"the connection ended after {done + got} of {total} bytes")
         got += k
 
 

@@ -35,7 +35,6 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).parent))
 import netlab
-
 from groundswell.peer.sim_report import read_events
 
 SWARM_HOSTS = ("pub", "h1", "h2", "h3")
@@ -79,7 +78,7 @@ def cpu_slices(names: tuple[str, ...], cpus: float):
 def swarm_run(name: str, out: Path, wall: float, preset: str, algorithm: str, codec: str, overlap: int,
               inner_steps: int, outer_lr: float | None = None, topk: int = 0, cpus: float = 0.0) -> dict:
     """A coordinator and 4 volunteers for `wall` seconds of training; the figures from their logs."""
-    from groundswell.peer.simulate import Simulation, SimulateOptions, manifest_toml
+    from groundswell.peer.simulate import SimulateOptions, Simulation, manifest_toml
 
     opts = SimulateOptions(peers=4, rounds=10**6, preset=preset, algorithm=algorithm, codec=codec, overlap=overlap,
                            inner_steps=inner_steps, outer_lr=outer_lr, topk=topk, batch_size=8, deadline_s=60,
@@ -137,7 +136,6 @@ def ddp_worker(rank: int, world: int, master: str, wall: float, preset: str, out
     """One rank of plain data-parallel training (run inside a namespace by `ddp_run`)."""
     import torch
     import torch.distributed as dist
-
     from groundswell.optim.schedule import warmup_cosine_scheduler
     from groundswell.peer.config import InnerSection
     from groundswell.peer.data import ShardSampler, evaluate, heldout_batches, load_corpus
