@@ -144,12 +144,15 @@ class Aggregator:
         slot = self.attempts.get((round_id, attempt))
         if slot is None or slot.sealed is not None or slot.decision is not None or round_id in self.book.committed:
             return
+        slot.report_all = True
         self._report(round_id, attempt)
 
     def _report(self, round_id: int, attempt: int) -> None:
         """Report what we hold to the attempt's leaders: one report task per attempt at a time
         (a burst of contributions must not open a stream per contribution to every leader: the
-        leaders' stream limits would refuse them and strike us); changes meanwhile are sent next."""
+        leaders' stream limits would refuse them and strike us); changes meanwhile are sent next.
+        A leader hears of a shard again only when what we hold of it changed (a leader's view of
+        an aggregator only grows), or at the refresh, which repeats everything."""
         slot = self.attempts[(round_id, attempt)]
         if slot.reporting:
             slot.report_again = True
@@ -162,7 +165,8 @@ class Aggregator:
         try:
             while True:
                 slot.report_again = False
-                await self._send_have_unguarded(round_id, attempt)
+                everything, slot.report_all = slot.report_all, False
+                await self._send_have_unguarded(round_id, attempt, everything)
                 if not slot.report_again:
                     break
         except ProtocolError as exc:  # e.g. a conflicting decision: this report is moot; say so
@@ -172,7 +176,7 @@ class Aggregator:
         finally:
             slot.reporting = False
 
-    async def _send_have_unguarded(self, round_id: int, attempt: int) -> None:
+    async def _send_have_unguarded(self, round_id: int, attempt: int, everything: bool = False) -> None:
         plan = await self.plan(round_id, attempt, self.ctx.deadline_s)
         if plan is None:
             return
@@ -187,13 +191,21 @@ class Aggregator:
                                       sorted(slot.refused)[:64]))
 
         async def tell(leader: str, report: HaveReport) -> None:
+            key = (leader, report.shard)
+            content = (tuple(report.contributors), tuple(report.refused))
+            if not everything and slot.told.get(key) == content:
+                return
             if leader == self.identity.peer_id:
                 await self._on_have(leader, report)
-                return
-            try:
-                await self.transport.request(leader, "have", report, Ack, timeout_s=self.ctx.slack_s)
-            except PeerUnavailable as exc:
-                log.info("have report to leader failed: %s", exc)
+            else:
+                try:
+                    ack = await self.transport.request(leader, "have", report, Ack, timeout_s=self.ctx.slack_s)
+                except PeerUnavailable as exc:
+                    log.info("have report to leader failed: %s", exc)
+                    return  # told again with the next change or at the refresh
+                if not ack.ok:  # e.g. it cannot plan the round yet: not recorded there
+                    return
+            slot.told[key] = content
 
         # Every leader at once: a frozen one must not delay the reports its stand-ins need.
         await asyncio.gather(*(tell(leader, report) for leader in plan.leaders for report in reports))

@@ -64,6 +64,9 @@ class _Attempt:
     refresh: bool = False  # as an aggregator: our reports are sent again one slack before the close
     reporting: bool = False  # as an aggregator: a report task is running for this attempt
     report_again: bool = False  # ... and something changed since it started: it sends once more
+    report_all: bool = False  # ... and the next one repeats what leaders were already told (the refresh)
+    # as an aggregator: (leader, shard) -> (contributors, refused) that leader has acknowledged
+    told: dict[tuple[str, int], tuple[tuple[str, ...], tuple[str, ...]]] = field(default_factory=dict)
     refused_reported: set[str] = field(default_factory=set)  # as a leader: what aggregators reported refusing
     # shard -> aggregator -> contributor -> digest of the contribution it holds
     have: dict[int, dict[str, dict[str, bytes]]] = field(default_factory=lambda: defaultdict(dict))
@@ -180,9 +183,12 @@ class RoundServer(Aggregator, Claims, Decider):
             raise ProtocolError("a have report needs one digest per contributor")
         expected = set(plan.trainers) | set(self.joins[msg.round])  # nobody else can be in the commit
         held = slot.have[msg.shard].setdefault(sender, {})
+        unexpected = 0
         for who, digest in zip(msg.contributors, msg.digests):
             if who in expected:
                 held.setdefault(who, digest)  # an aggregator's report only grows; the first digest stays
+            else:
+                unexpected += 1
         slot.refused_reported.update(msg.refused[:64])
         if slot.first_report is None:
             slot.first_report = time.monotonic()
@@ -190,7 +196,9 @@ class RoundServer(Aggregator, Claims, Decider):
         if not slot.leading:
             slot.leading = True
             self._spawn(self._lead_guarded(msg.round, msg.attempt))
-        return Ack(True, "")
+        # Not ok: the aggregator reports this shard again with its next change, by when their
+        # joins may have arrived (it repeats only what changed since an ok).
+        return Ack(not unexpected, f"{unexpected} contributors not expected here (yet)" if unexpected else "")
 
     async def _on_join(self, sender: str, msg: Join) -> Ack:
         if msg.trains and not self.ctx.authorized(sender):

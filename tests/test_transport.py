@@ -23,7 +23,15 @@ import pytest
 from blake3 import blake3
 from groundswell.protocol.identity import Identity
 from groundswell.protocol.schema import Ack, DecisionReply, Join, ProtocolError, StateRequest
-from groundswell.protocol.transport import PeerUnavailable, Transport, seal, unseal
+from groundswell.protocol.transport import (
+    UNARY_MAX,
+    PeerDead,
+    PeerGone,
+    PeerUnavailable,
+    Transport,
+    seal,
+    unseal,
+)
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(120)]
 
@@ -315,6 +323,83 @@ def test_unreachable_peer_is_peer_unavailable(net):
         net.run(net.tb.request(ghost, "join", Join(0, True, True), Ack, timeout_s=3))
     with pytest.raises(PeerUnavailable):
         net.run(net.tb.request("not-a-peer-id", "join", Join(0, True, True), Ack, timeout_s=3))
+
+
+class _PathCounter:
+    """Counts b's outgoing requests by path: unary calls and streams."""
+
+    def __init__(self, net: Net) -> None:
+        self.net, self.unary, self.streams = net, 0, 0
+        self.real_unary, self.real_stream = net.b._client.call_unary_handler, net.b.call_binary_stream_handler
+
+    async def _unary(self, *args: Any, **kwargs: Any) -> Any:
+        self.unary += 1
+        return await self.real_unary(*args, **kwargs)
+
+    async def _stream(self, *args: Any, **kwargs: Any) -> Any:
+        self.streams += 1
+        return await self.real_stream(*args, **kwargs)
+
+    def __enter__(self) -> _PathCounter:
+        self.net.b._client.call_unary_handler, self.net.b.call_binary_stream_handler = self._unary, self._stream
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        del self.net.b._client.call_unary_handler, self.net.b.call_binary_stream_handler  # back to the class's
+
+
+def test_small_requests_are_unary_calls_and_bulky_ones_streams(net):
+    from groundswell.protocol.schema import ShardContribution
+
+    got: list[int] = []
+
+    async def echo(sender: str, req: ShardContribution) -> DecisionReply:
+        got.append(len(req.segments[0]))
+        return DecisionReply(req.segments[0][:8])
+
+    _serve(net, net.ta, "route", ShardContribution, echo, max_request=8 << 20)
+    peer = net.id_a.peer_id
+
+    def ask(size: int, **kwargs: Any) -> DecisionReply:
+        msg = ShardContribution(0, 0, 0, 0, [b"s" * size])
+        return net.run(net.tb.request(peer, "route", msg, DecisionReply, timeout_s=30, **kwargs))
+
+    with _PathCounter(net) as paths:
+        assert ask(1000) == DecisionReply(b"s" * 8)
+        assert (paths.unary, paths.streams) == (1, 0)
+        # a request over UNARY_MAX takes a stream, and so does one whose reply may be that large
+        assert ask(UNARY_MAX + 1) == DecisionReply(b"s" * 8)
+        assert (paths.unary, paths.streams) == (1, 1)
+        assert ask(1, max_reply=UNARY_MAX) == DecisionReply(b"s")
+        assert (paths.unary, paths.streams) == (1, 2)
+    assert got == [1000, UNARY_MAX + 1, 1]
+    assert _refused(net.ta, "route") == 0
+
+
+def test_unary_failures_map_to_the_same_errors_as_streams(net):
+    async def boom(sender: str, req: Join) -> Ack:
+        raise RuntimeError("handler bug")
+
+    async def fine(sender: str, req: Join) -> Ack:
+        return Ack(True, "ok")
+
+    _serve(net, net.ta, "boom", Join, boom)
+    _serve(net, net.ta, "guarded", Join, fine, max_request=64)
+    peer = net.id_a.peer_id
+    with _PathCounter(net) as paths:
+        # nothing could be opened: a protocol nobody serves, a peer nobody runs
+        with pytest.raises(PeerDead):
+            net.run(net.tb.request(peer, "not-served", Join(0, True, True), Ack, timeout_s=30))
+        with pytest.raises(PeerDead):
+            net.run(net.tb.request(Identity.generate().peer_id, "boom", Join(0, True, True), Ack, timeout_s=5))
+        # opened, then ended unanswered: a failing handler, a refused request (counted there)
+        for handler, msg in (("boom", Join(0, True, True)), ("guarded", DecisionReply(b"x" * 2000))):
+            with pytest.raises(PeerGone) as err:
+                net.run(net.tb.request(peer, handler, msg, Ack, timeout_s=30))
+            assert not isinstance(err.value, PeerDead)
+        assert net.ta.rejected["oversized:guarded"] == 1
+        assert paths.streams == 0 and paths.unary == 4
+    assert net.run(net.tb.request(peer, "guarded", Join(1, True, True), Ack, timeout_s=30)).ok
 
 
 def test_a_replayed_or_stale_request_is_dropped_and_counted(net):
