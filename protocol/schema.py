@@ -20,7 +20,7 @@ PROTOCOL_VERSION = 7  # 2: claims carry `fence`; the state follows its reply as 
 # body's sha256; 4: payload wire version 2 (sparseloco's Elias-Fano indices), so mixed peers refuse each other up front,
 # and BLAKE3 instead of SHA-256 for bulk hashes (envelope bodies, contribution digests, the state blob); 5: state
 # requests and replies may move the blob over a direct TCP connection; 6: that blob is sealed (AES-256-GCM, the key in the
-# signed reply), and closed runs use it too; 7: requests and replies that fit `UNARY_MAX` travel as libp2p unary calls
+# signed reply), and closed runs use it too; 7: small requests (`UNARY_MAX_REQUEST`) travel as libp2p unary calls
 # (their own protocol names), not one stream each
 MAX_ID = 128  # peer ids, run ids, reasons and other short strings
 MAX_LIST = 4096  # peer lists, shard lists

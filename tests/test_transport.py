@@ -24,7 +24,8 @@ from blake3 import blake3
 from groundswell.protocol.identity import Identity
 from groundswell.protocol.schema import Ack, DecisionReply, Join, ProtocolError, StateRequest
 from groundswell.protocol.transport import (
-    UNARY_MAX,
+    UNARY_MAX_REPLY,
+    UNARY_MAX_REQUEST,
     PeerDead,
     PeerGone,
     PeerUnavailable,
@@ -367,12 +368,13 @@ def test_small_requests_are_unary_calls_and_bulky_ones_streams(net):
     with _PathCounter(net) as paths:
         assert ask(1000) == DecisionReply(b"s" * 8)
         assert (paths.unary, paths.streams) == (1, 0)
-        # a request over UNARY_MAX takes a stream, and so does one whose reply may be that large
-        assert ask(UNARY_MAX + 1) == DecisionReply(b"s" * 8)
+        # a request over UNARY_MAX_REQUEST takes a stream, and so does one whose reply may be larger
+        # than UNARY_MAX_REPLY
+        assert ask(UNARY_MAX_REQUEST + 1) == DecisionReply(b"s" * 8)
         assert (paths.unary, paths.streams) == (1, 1)
-        assert ask(1, max_reply=UNARY_MAX) == DecisionReply(b"s")
+        assert ask(1, max_reply=UNARY_MAX_REPLY) == DecisionReply(b"s")
         assert (paths.unary, paths.streams) == (1, 2)
-    assert got == [1000, UNARY_MAX + 1, 1]
+    assert got == [1000, UNARY_MAX_REQUEST + 1, 1]
     assert _refused(net.ta, "route") == 0
 
 
