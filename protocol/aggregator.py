@@ -196,7 +196,8 @@ class Aggregator:
             if not everything and slot.told.get(key) == content:
                 return
             if leader == self.identity.peer_id:
-                await self._on_have(leader, report)
+                if not (await self._on_have(leader, report)).ok:
+                    return
             else:
                 try:
                     ack = await self.transport.request(leader, "have", report, Ack, timeout_s=self.ctx.slack_s)

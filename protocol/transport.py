@@ -1,7 +1,7 @@
 """Signed request/response over hivemind's libp2p: unary calls for small messages, binary streams for bulk.
 
-A request whose sealed bytes fit in `UNARY_MAX_REQUEST`, and whose largest allowed reply fits in
-`UNARY_MAX_REPLY`, goes as one unary call over the daemon's persistent control connection: half
+A request whose sealed bytes fit in `UNARY_MAX_REQUEST`, and whose largest allowed reply is a
+control message's (`UNARY_MAX_REPLY`), goes as one unary call over the daemon's persistent control connection: half
 the CPU and latency of a stream per request (no unix socket set up on either side), and most of a
 round's requests are that small (reports, joins, claims, seals, decision polls). Everything else goes on a
 stream of frames: an 8-byte big-endian length and that many bytes; the length is checked against
@@ -37,13 +37,14 @@ _LEN = struct.Struct(">Q")
 # processes, a unary call costs half the CPU of a stream at 300 bytes, the same at 64 KiB, and
 # 2.6x more at 256 KiB (the daemon handles unary messages whole, with copies).
 UNARY_MAX_REQUEST = 32 << 10
-# Largest allowed reply for a unary call. hivemind's persistent connection to the daemon carries
-# messages of up to 4 MiB; half of that leaves room for framing. (Control replies are small.)
-UNARY_MAX_REPLY = 2 << 20
+# Largest allowed reply for a unary call: a control message's budget. Bulk replies (aggregates,
+# contributions) are budgeted from the model size plus MAX_SMALL, so they always take a stream.
+UNARY_MAX_REPLY = MAX_SMALL
 # Daemon errors of a unary call that mean no stream could be opened at all (see `PeerDead`);
 # others ("stream reset") come from a stream that was open.
 _DIAL_FAILURES = ("failed to dial", "failed to negotiate protocol", "routing: not found", "no addresses",
-                  "protocols not supported")
+                  "protocols not supported", "failed to find any peer in table", "failed to open stream",
+                  "connection failed")
 
 Handler = Callable[[str, Any], Awaitable[Message]]
 
@@ -179,10 +180,35 @@ class WithTrailer:
     trailer: bytes
 
 
+class _LivePendingCalls(dict):
+    """hivemind's table of a daemon client's pending unary calls, in which a call whose future is
+    already done counts as absent.
+
+    A call that times out has its future cancelled at once, but leaves the table only when its
+    task runs again. hivemind's reader checks `call_id in table` before setting the result; a reply
+    that lands in that window (a reply and a timeout in the same loop turn: after a freeze, under
+    load) made it set the result of a cancelled future, which raised and ended the reader for
+    good, and every later unary call of the node, ours and the DHT's, went unanswered. A churn
+    test reproduced it: a peer thawed from an 8 s freeze never heard another reply."""
+
+    def __contains__(self, call_id: object) -> bool:
+        fut = self.get(call_id)
+        return fut is not None and not fut.done()
+
+
+def harden_unary_calls(p2p: Any) -> None:
+    """Install `_LivePendingCalls` in a `hivemind.P2P`'s daemon client (once; pending calls kept)."""
+    control = getattr(getattr(p2p, "_client", None), "control", None)
+    calls = getattr(control, "_pending_calls", None)
+    if isinstance(calls, dict) and not isinstance(calls, _LivePendingCalls):
+        control._pending_calls = _LivePendingCalls(calls)
+
+
 class Transport:
     """Typed, signed request/response between peers of one run over a `hivemind.P2P`."""
 
     def __init__(self, p2p: Any, identity: Identity, run_id: str, guard: Guard | None = None) -> None:
+        harden_unary_calls(p2p)
         self.p2p = p2p
         self.identity = identity
         self.run_id = run_id
@@ -248,7 +274,9 @@ class Transport:
 
         async def on_unary(data: bytes, remote_id: Any) -> bytes:
             # The same checks as a stream; a refusal raises, which the caller sees as an answerless
-            # end (`PeerGone`), as a stream closed unanswered.
+            # end (`PeerGone`), as a stream closed unanswered. Whatever happens, this returns or
+            # raises `Refused`: hivemind forgets a handler task only when it ends that way (one that
+            # ends cancelled, because its caller gave up, would stay in its table for good).
             remote = remote_id.to_base58()
             opened = time.time()
             refused = self.guard.admit(remote, handler)
@@ -257,7 +285,7 @@ class Transport:
                 raise Refused(refused)
             try:
                 async with asyncio.timeout(timeout_s):
-                    if len(data) > min(max_request + 512, UNARY_MAX_REQUEST):
+                    if len(data) > max_request + 512:  # the daemon capped it at 4 MiB before we saw it
                         raise ProtocolError(f"request of {len(data)} bytes exceeds the limit", reason="oversized")
                     out, _ = await answer(remote, data, opened)
                     return out
@@ -265,6 +293,14 @@ class Transport:
                 self.guard.reject(remote, handler, exc)
                 self._log_rejection(handler, exc.reason, remote, str(exc))
                 raise Refused(exc.reason) from None
+            except asyncio.CancelledError:  # the caller gave up (its stream is gone), or we are closing
+                raise Refused("cancelled") from None
+            except (TimeoutError, ConnectionError) as exc:
+                log.debug("%s request from %s ended early: %r", handler, remote[-8:], exc)
+                raise Refused("ended early") from None
+            except Exception:
+                log.exception("%s handler failed on a request from %s", handler, remote[-8:])
+                raise Refused("internal error") from None
             finally:
                 self.guard.release(remote)
 
@@ -305,7 +341,7 @@ class Transport:
 
     def _unary_client(self, max_reply: int, trailer_size: Any, remote: Any) -> Any:
         """hivemind's daemon client when a request may be a unary call, else None."""
-        if trailer_size is not None or remote is not None or max_reply + 512 > UNARY_MAX_REPLY:
+        if trailer_size is not None or remote is not None or max_reply > UNARY_MAX_REPLY:
             return None
         return getattr(self.p2p, "_client", None)
 
@@ -348,7 +384,8 @@ class Transport:
             raise
         except Exception as exc:  # daemon errors: a failed dial, an unserved protocol, a reset; refusals
             dead = isinstance(exc, P2PDaemonError) and any(m in str(exc) for m in _DIAL_FAILURES)
-            raise (PeerDead if dead else PeerGone)(f"{peer_id[-8:]} unavailable for {handler}: {exc!r}") from None
+            # the text may come from the other side: keep it short
+            raise (PeerDead if dead else PeerGone)(f"{peer_id[-8:]} unavailable for {handler}: {exc!r:.200}") from None
 
     async def _request_stream(self, peer_id: str, handler: str, msg: Message, sealed: bytes | None, expect: Any,
                               timeout_s: float, max_reply: int, trailer_size: Callable[[Any], int] | None,

@@ -336,11 +336,16 @@ def test_a_source_that_freezes_at_the_seal_does_not_hold_the_commit_until_it_tha
     assert d.status == "commit" and frozen[0] not in d.sources, d
     took = timeline["decided"] - timeline["first_seal"]
     assert took < 1.5 * c.slack_s, f"sealing to commit took {took:.1f} s (grace {seal_grace(c.ctx)} s, slack {c.slack_s} s)"
-    # The frozen source's own poll for the decision may time out while its loop is blocked (it
-    # catches up later, as any straggler): every peer must still assemble the same commit.
+    # The frozen source's own attempt once ended without the decision in a full-suite run (the
+    # cause is not pinned down). A peer in that state asks for it as any straggler does, and
+    # must get the commit and assemble the same mean as everyone.
     thawed = c.ids.index(frozen[0])
     assert all(out[i].signed for i in range(4) if i != thawed)
-    signed = out[c.ids.index(plan.leaders[0])].signed
+    signed = out[thawed].signed
+    if not signed:
+        node = c.nodes[thawed]
+        signed = node.call(node.client.ask_decision(plan.leaders[0], 0, 0, 5.0), timeout_s=30)
+    assert signed == out[c.ids.index(plan.leaders[0])].signed
     means = [c.fetch(i, out[i].signed or signed) for i in range(4)]
     assert all(torch.equal(m, means[0]) for m in means)
 

@@ -369,12 +369,14 @@ def test_small_requests_are_unary_calls_and_bulky_ones_streams(net):
         assert ask(1000) == DecisionReply(b"s" * 8)
         assert (paths.unary, paths.streams) == (1, 0)
         # a request over UNARY_MAX_REQUEST takes a stream, and so does one whose reply may be larger
-        # than UNARY_MAX_REPLY
+        # than UNARY_MAX_REPLY (a bulk reply: aggregates and contributions)
         assert ask(UNARY_MAX_REQUEST + 1) == DecisionReply(b"s" * 8)
         assert (paths.unary, paths.streams) == (1, 1)
-        assert ask(1, max_reply=UNARY_MAX_REPLY) == DecisionReply(b"s")
+        assert ask(1, max_reply=UNARY_MAX_REPLY + 1) == DecisionReply(b"s")
         assert (paths.unary, paths.streams) == (1, 2)
-    assert got == [1000, UNARY_MAX_REQUEST + 1, 1]
+        assert ask(2, max_reply=UNARY_MAX_REPLY) == DecisionReply(b"ss")
+        assert (paths.unary, paths.streams) == (2, 2)
+    assert got == [1000, UNARY_MAX_REQUEST + 1, 1, 2]
     assert _refused(net.ta, "route") == 0
 
 
@@ -402,6 +404,35 @@ def test_unary_failures_map_to_the_same_errors_as_streams(net):
         assert net.ta.rejected["oversized:guarded"] == 1
         assert paths.streams == 0 and paths.unary == 4
     assert net.run(net.tb.request(peer, "guarded", Join(1, True, True), Ack, timeout_s=30)).ok
+
+
+def test_a_unary_call_its_caller_gave_up_on_leaves_nothing_behind(net):
+    # hivemind forgets a unary handler's task only when it returns or raises; one that ended
+    # cancelled (its caller timed out) used to stay in its table with everything it referenced.
+    release = asyncio.Event()
+    entered: list[str] = []
+
+    async def sleeper(sender: str, req: Join) -> Ack:
+        entered.append(sender)
+        await release.wait()
+        return Ack(True, "too late")
+
+    _serve(net, net.ta, "give-up", Join, sleeper)
+    control = net.a._client.control
+    with _PathCounter(net) as paths:
+        for _ in range(3):
+            with pytest.raises(PeerUnavailable, match="within"):
+                net.run(net.tb.request(net.id_a.peer_id, "give-up", Join(0, True, True), Ack, timeout_s=0.5))
+        assert paths.unary == 3 and paths.streams == 0
+
+    async def settled() -> None:
+        while control._handler_tasks:
+            await asyncio.sleep(0.05)
+
+    net.run(settled(), timeout=10)  # each cancelled handler ended: its table entry is gone
+    assert len(entered) == 3
+    assert net.ta.guard._peers[net.id_b.peer_id].streams == 0  # every slot it took is released
+    release.set()
 
 
 def test_a_replayed_or_stale_request_is_dropped_and_counted(net):
@@ -504,3 +535,59 @@ def test_bulk_hashes_are_blake3():
     empty = "af1349b9f5f9a1a6a0404dea36dcc9499bcb25c9adc112b7cc9a93cae41f3262"
     assert bulk_digest(b"").hex() == empty and bulk_hasher().hexdigest() == empty
     assert bulk_hasher().update(b"ab").update(b"c").digest() == bulk_digest(b"abc") != bulk_digest(b"abd")
+
+
+def _varint(n: int) -> bytes:
+    out = bytearray()
+    while True:
+        byte, n = n & 0x7F, n >> 7
+        out.append(byte | (0x80 if n else 0))
+        if not n:
+            return bytes(out)
+
+
+@pytest.mark.parametrize("hardened", [True, False])
+def test_hivemind_reader_survives_a_reply_to_a_call_that_just_timed_out(hardened):
+    # A unary call that times out has its future cancelled at once but leaves hivemind's table
+    # of pending calls only when its task runs again; a reply landing in between made hivemind's
+    # reader set the result of a cancelled future, which raised and ended the reader: no unary
+    # reply (ours or the DHT's) was ever read again. `harden_unary_calls` closes the window.
+    from types import SimpleNamespace
+    from uuid import uuid4
+
+    from groundswell.protocol.transport import harden_unary_calls
+    from hivemind.p2p.p2p_daemon_bindings.control import ControlClient
+    from hivemind.proto import p2pd_pb2
+
+    async def scenario() -> tuple[bool, bytes | None]:
+        control = ControlClient(None, _initialized_with_create=True)
+        if hardened:
+            harden_unary_calls(SimpleNamespace(_client=SimpleNamespace(control=control)))
+        late, live = uuid4(), uuid4()
+        timed_out = asyncio.get_running_loop().create_future()
+        timed_out.cancel()  # what the caller's timeout did, before its task could remove it
+        answer = asyncio.get_running_loop().create_future()
+        control._pending_calls[late] = timed_out
+        control._pending_calls[live] = answer
+        reader = asyncio.StreamReader()
+        for call_id, payload in ((late, b"too late"), (live, b"on time")):
+            msg = p2pd_pb2.PersistentConnectionResponse(
+                callId=call_id.bytes, callUnaryResponse=p2pd_pb2.CallUnaryResponse(response=payload))
+            data = msg.SerializeToString()
+            reader.feed_data(_varint(len(data)) + data)
+        reader.feed_eof()
+        try:
+            await control._read_from_persistent_conn(reader)  # returns at EOF
+        except asyncio.InvalidStateError:
+            return False, None
+        return True, answer.result() if answer.done() else None
+
+    loop = asyncio.new_event_loop()
+    try:
+        survived, result = loop.run_until_complete(scenario())
+    finally:
+        loop.close()
+    if hardened:
+        assert survived and result == b"on time"
+    else:  # hivemind 1.1.12 as shipped: the reader dies on the late reply and never reads the next
+        assert not survived
