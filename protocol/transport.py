@@ -15,12 +15,13 @@ libp2p's secure channel authenticates. Every network wait sits inside an `asynci
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import os
 import struct
 import time
 from collections import Counter
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -367,7 +368,11 @@ class Transport:
             target = PeerID.from_base58(peer_id)
         except Exception as exc:  # not a peer id at all: nothing could be dialled
             raise PeerDead(f"{peer_id[-8:]} unavailable for {handler}: {exc!r}") from None
-        try:
+
+        def dead(exc: BaseException) -> bool:  # daemon errors: a failed dial, an unserved protocol, a reset
+            return isinstance(exc, P2PDaemonError) and any(m in str(exc) for m in _DIAL_FAILURES)
+
+        with self._failures(peer_id, handler, timeout_s, dead):
             async with asyncio.timeout(timeout_s):
                 self.bytes_sent += len(data) + _LEN.size
                 reply = await client.call_unary_handler(target, self._unary_name(handler), data)
@@ -375,6 +380,14 @@ class Transport:
                     raise ProtocolError(f"reply of {len(reply)} bytes exceeds the limit", reason="oversized")
                 self.bytes_received += len(reply) + _LEN.size
                 return unseal(reply, self.run_id, expect, max_reply, sender=peer_id)[1]
+
+    @contextlib.contextmanager
+    def _failures(self, peer_id: str, handler: str, timeout_s: float,
+                  dead: Callable[[BaseException], bool]) -> Iterator[None]:
+        """Map a request's failures to `PeerUnavailable`: a bad reply (counted), a timeout, or the
+        peer gone (`PeerDead` where `dead(exc)`: nothing could be opened, else `PeerGone`)."""
+        try:
+            yield
         except ProtocolError as exc:
             self.rejected_replies[f"{exc.reason}:{handler}"] += 1
             raise PeerUnavailable(f"{peer_id[-8:]} sent a bad {handler} reply: {exc}") from None
@@ -382,10 +395,10 @@ class Transport:
             raise PeerUnavailable(f"{peer_id[-8:]} did not answer {handler} within {timeout_s:.1f}s") from None
         except asyncio.CancelledError:
             raise
-        except Exception as exc:  # daemon errors: a failed dial, an unserved protocol, a reset; refusals
-            dead = isinstance(exc, P2PDaemonError) and any(m in str(exc) for m in _DIAL_FAILURES)
+        except Exception as exc:  # resets, EOF, refusals; dial failures
             # the text may come from the other side: keep it short
-            raise (PeerDead if dead else PeerGone)(f"{peer_id[-8:]} unavailable for {handler}: {exc!r:.200}") from None
+            gone = PeerDead if dead(exc) else PeerGone
+            raise gone(f"{peer_id[-8:]} unavailable for {handler}: {exc!r:.200}") from None
 
     async def _request_stream(self, peer_id: str, handler: str, msg: Message, sealed: bytes | None, expect: Any,
                               timeout_s: float, max_reply: int, trailer_size: Callable[[Any], int] | None,
@@ -396,37 +409,28 @@ class Transport:
         writer = None
         opened = False
         try:
-            async with asyncio.timeout(timeout_s):
-                info, reader, writer = await self.p2p.call_binary_stream_handler(
-                    PeerID.from_base58(peer_id), self._name(handler)
-                )
-                opened = True
-                if remote is not None:
-                    remote["addr"] = str(getattr(info, "addr", ""))
-                data = sealed if sealed is not None else seal(self.identity, self.run_id, msg)
-                await write_frame(writer, data)
-                self.bytes_sent += len(data) + _LEN.size
-                reply = await read_frame(reader, max_reply + 512)
-                self.bytes_received += len(reply) + _LEN.size
-                _, decoded = unseal(reply, self.run_id, expect, max_reply, sender=peer_id)
-                bulk = bytearray()
-                if trailer_size is not None:
-                    size = trailer_size(decoded)
-                    bulk = await read_frame_into(reader, size, hasher=hasher)
-                    if len(bulk) != size:
-                        raise ProtocolError(f"{len(bulk)} trailing bytes, the reply announced {size}")
-                    self.bytes_received += size + _LEN.size
-                return decoded, bulk
-        except ProtocolError as exc:
-            self.rejected_replies[f"{exc.reason}:{handler}"] += 1
-            raise PeerUnavailable(f"{peer_id[-8:]} sent a bad {handler} reply: {exc}") from None
-        except TimeoutError:
-            raise PeerUnavailable(f"{peer_id[-8:]} did not answer {handler} within {timeout_s:.1f}s") from None
-        except asyncio.CancelledError:
-            raise
-        except Exception as exc:  # dial failures (ControlFailure), resets, EOF: the peer is gone
-            gone = PeerGone if opened else PeerDead
-            raise gone(f"{peer_id[-8:]} unavailable for {handler}: {exc!r}") from None
+            with self._failures(peer_id, handler, timeout_s, lambda exc: not opened):  # before the stream: dead
+                async with asyncio.timeout(timeout_s):
+                    info, reader, writer = await self.p2p.call_binary_stream_handler(
+                        PeerID.from_base58(peer_id), self._name(handler)
+                    )
+                    opened = True
+                    if remote is not None:
+                        remote["addr"] = str(getattr(info, "addr", ""))
+                    data = sealed if sealed is not None else seal(self.identity, self.run_id, msg)
+                    await write_frame(writer, data)
+                    self.bytes_sent += len(data) + _LEN.size
+                    reply = await read_frame(reader, max_reply + 512)
+                    self.bytes_received += len(reply) + _LEN.size
+                    _, decoded = unseal(reply, self.run_id, expect, max_reply, sender=peer_id)
+                    bulk = bytearray()
+                    if trailer_size is not None:
+                        size = trailer_size(decoded)
+                        bulk = await read_frame_into(reader, size, hasher=hasher)
+                        if len(bulk) != size:
+                            raise ProtocolError(f"{len(bulk)} trailing bytes, the reply announced {size}")
+                        self.bytes_received += size + _LEN.size
+                    return decoded, bulk
         finally:
             if writer is not None:
                 writer.close()

@@ -537,15 +537,6 @@ def test_bulk_hashes_are_blake3():
     assert bulk_hasher().update(b"ab").update(b"c").digest() == bulk_digest(b"abc") != bulk_digest(b"abd")
 
 
-def _varint(n: int) -> bytes:
-    out = bytearray()
-    while True:
-        byte, n = n & 0x7F, n >> 7
-        out.append(byte | (0x80 if n else 0))
-        if not n:
-            return bytes(out)
-
-
 @pytest.mark.parametrize("hardened", [True, False])
 def test_hivemind_reader_survives_a_reply_to_a_call_that_just_timed_out(hardened):
     # A unary call that times out has its future cancelled at once but leaves hivemind's table
@@ -555,6 +546,7 @@ def test_hivemind_reader_survives_a_reply_to_a_call_that_just_timed_out(hardened
     from types import SimpleNamespace
     from uuid import uuid4
 
+    from groundswell.peer.reachability import _varint
     from groundswell.protocol.transport import harden_unary_calls
     from hivemind.p2p.p2p_daemon_bindings.control import ControlClient
     from hivemind.proto import p2pd_pb2
