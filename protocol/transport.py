@@ -35,8 +35,8 @@ from .schema import MAX_SMALL, PROTOCOL_VERSION, Message, ProtocolError, decode_
 log = logging.getLogger(__name__)
 _LEN = struct.Struct(">Q")
 # Sealed request size up to which a request is a unary call: measured between two local
-# processes, a unary call costs half the CPU of a stream at 300 bytes, the same at 64 KiB, and
-# 2.6x more at 256 KiB (the daemon handles unary messages whole, with copies).
+# processes (scripts/bench_p2p_requests.py), a unary call costs half the CPU of a stream at 300
+# bytes, 1.4x at 64 KiB and 2.3x at 256 KiB (the daemon handles unary messages whole, with copies).
 UNARY_MAX_REQUEST = 32 << 10
 # Largest allowed reply for a unary call: a control message's budget. Bulk replies (aggregates,
 # contributions) are budgeted from the model size plus MAX_SMALL, so they always take a stream.
