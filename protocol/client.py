@@ -136,7 +136,9 @@ class RoundClient(AggregateFetcher):
             await self.server._on_join(peer, msg)
             return
         try:
-            await self.transport.request(peer, handler, msg, Ack, timeout_s=self.ctx.slack_s)
+            # on a stream: a join that reached the leader counts even if our wait ran out first
+            # (a unary one would be dropped unhandled), and nothing retries it
+            await self.transport.request(peer, handler, msg, Ack, timeout_s=self.ctx.slack_s, unary=False)
         except PeerUnavailable as exc:
             log.info("%s to %s failed: %s", handler, peer[-8:], exc)
 

@@ -323,9 +323,14 @@ class Transport:
             log.warning("rejected %s request from %s (%s, %d so far): %s", handler, remote[-8:], reason, n, detail)
 
     async def request(self, peer_id: str, handler: str, msg: Message, expect: Any, *, timeout_s: float,
-                      max_reply: int = MAX_SMALL) -> Any:
-        """Send one request and return the verified reply; `PeerUnavailable` on any failure."""
-        reply, _ = await self._request(peer_id, handler, msg, expect, timeout_s, max_reply, None)
+                      max_reply: int = MAX_SMALL, unary: bool = True) -> Any:
+        """Send one request and return the verified reply; `PeerUnavailable` on any failure.
+
+        `unary=False` keeps a small request on a stream: for one whose effect must not depend on
+        the caller still listening. A unary call whose caller gave up while the request still
+        waited in the receiver's socket is dropped before its handler runs (hivemind cancels the
+        handler task as it reads the cancel); a stream's request that arrived is still handled."""
+        reply, _ = await self._request(peer_id, handler, msg, expect, timeout_s, max_reply, None, unary=unary)
         return reply
 
     async def request_bulk(self, peer_id: str, handler: str, msg: Message, expect: Any, *, timeout_s: float,
@@ -348,8 +353,9 @@ class Transport:
 
     async def _request(self, peer_id: str, handler: str, msg: Message, expect: Any, timeout_s: float,
                        max_reply: int, trailer_size: Callable[[Any], int] | None,
-                       hasher: Any = None, remote: dict[str, str] | None = None) -> tuple[Any, bytearray]:
-        client = self._unary_client(max_reply, trailer_size, remote)
+                       hasher: Any = None, remote: dict[str, str] | None = None, unary: bool = True
+                       ) -> tuple[Any, bytearray]:
+        client = self._unary_client(max_reply, trailer_size, remote) if unary else None
         data = None
         if client is not None:
             data = seal(self.identity, self.run_id, msg)

@@ -376,7 +376,9 @@ def test_small_requests_are_unary_calls_and_bulky_ones_streams(net):
         assert (paths.unary, paths.streams) == (1, 2)
         assert ask(2, max_reply=UNARY_MAX_REPLY) == DecisionReply(b"ss")
         assert (paths.unary, paths.streams) == (2, 2)
-    assert got == [1000, UNARY_MAX_REQUEST + 1, 1, 2]
+        assert ask(3, unary=False) == DecisionReply(b"sss")  # a request that must be handled once it arrived
+        assert (paths.unary, paths.streams) == (2, 3)
+    assert got == [1000, UNARY_MAX_REQUEST + 1, 1, 2, 3]
     assert _refused(net.ta, "route") == 0
 
 
