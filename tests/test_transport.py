@@ -345,7 +345,7 @@ class _PathCounter:
         self.net.b._client.call_unary_handler, self.net.b.call_binary_stream_handler = self._unary, self._stream
         return self
 
-    def __exit__(self, *exc: Any) -> None:
+    def __exit__(self, *exc: object) -> None:
         del self.net.b._client.call_unary_handler, self.net.b.call_binary_stream_handler  # back to the class's
 
 
