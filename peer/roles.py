@@ -17,7 +17,7 @@ from groundswell.protocol.transport import PeerUnavailable
 from .byzantine import Attack
 from .config import DataSection
 from .participant import Participant, genesis_decision
-from .swarm import GlobalState, params_hash
+from .swarm import GlobalState, Stopped, params_hash
 from .swarm_exchange import NeedResync, SwarmExchange
 from .worker import InnerStats, InnerTrainer
 
@@ -279,7 +279,11 @@ def run_coordinator(p: Participant, *, stop: StopFlag, on_round: Callable[[Round
         t0 = time.perf_counter()
         try:
             p.node.call(client.run_attempt(r, None, None, trains=False, serves=True),
-                        timeout_s=2 * m.round.deadline_s + 6 * m.round.slack_s + 60)
+                        timeout_s=2 * m.round.deadline_s + 6 * m.round.slack_s + 60, stop=stop.event)
+        except Stopped:
+            # The coordinator contributes nothing: it leaves at once, even mid-attempt (the
+            # volunteers re-pick any role it held, as when a peer dies), and checkpoints below.
+            break
         except RoundBehind:
             if not _follow_the_swarm(p):
                 time.sleep(1.0)
@@ -289,7 +293,9 @@ def run_coordinator(p: Participant, *, stop: StopFlag, on_round: Callable[[Round
             continue  # a retry or a silent leader: the next attempt (by the clock) rotates the roles
         signed, d = committed
         try:
-            mean = p.node.call(client.fetch_aggregate(signed), timeout_s=m.round.deadline_s * 4 + 60)
+            mean = p.node.call(client.fetch_aggregate(signed), timeout_s=m.round.deadline_s * 4 + 60, stop=stop.event)
+        except Stopped:
+            break
         except PeerUnavailable as exc:
             # Every holder of a shard died before anyone else fetched it: the round's result lives
             # on only in the state of peers that applied it. Take that state (or wait for it).

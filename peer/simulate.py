@@ -8,6 +8,7 @@ Faults (kill, freeze, late joiners) are scheduled events of the same loop: see `
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
@@ -15,7 +16,7 @@ import subprocess
 import sys
 import time
 import tomllib
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -147,28 +148,72 @@ class Simulation:
         env = dict(os.environ, OMP_WAIT_POLICY="PASSIVE", PYTHONUNBUFFERED="1")
         proc = Proc(name, args, self.out / name)
         proc.log = open(self.out / f"{name}.log", "ab")
-        proc.popen = subprocess.Popen([*prefix, sys.executable, "-m", "groundswell.peer", *args], stdout=proc.log,
-                                      stderr=subprocess.STDOUT, env=env, start_new_session=True)
+        with _sigint_not_ignored():
+            proc.popen = subprocess.Popen([*prefix, sys.executable, "-m", "groundswell.peer", *args],
+                                          stdout=proc.log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
         self.procs[name] = proc
         self.event(kind, name)
         return proc
 
     def _kill(self, proc: Proc) -> None:
         if proc.popen is not None and proc.popen.poll() is None:
-            try:
-                os.killpg(proc.popen.pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
+            self._signal_machine(proc, signal.SIGKILL)
             proc.popen.wait(timeout=30)
         if proc.log is not None:
             proc.log.close()  # type: ignore[attr-defined]
             proc.log = None
 
     def signal(self, name: str, sig: int) -> None:
-        """Send a signal to a process's whole group (the peer and its p2pd)."""
+        """Send a signal as the fault it stands for. SIGINT is a person's Ctrl+C: it reaches the
+        peer's process group, as a terminal's would (the peer's p2pd runs in a group of its own
+        and lives on while the peer finishes its round). SIGKILL, SIGSTOP and SIGCONT stand for a
+        crashed or stalled machine: they reach the daemon too."""
         proc = self.procs[name]
-        if proc.popen is not None and proc.popen.poll() is None:
-            os.killpg(proc.popen.pid, sig)
+        if proc.popen is None or proc.popen.poll() is not None:
+            return
+        if sig == signal.SIGINT:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(proc.popen.pid, sig)
+        else:
+            self._signal_machine(proc, sig)
+
+    @staticmethod
+    def _signal_machine(proc: Proc, sig: int) -> None:
+        """Signal a peer's process group and the groups of all its descendants (its p2pd)."""
+        import psutil
+
+        assert proc.popen is not None
+        try:
+            kids = psutil.Process(proc.popen.pid).children(recursive=True)
+        except psutil.Error:
+            kids = []
+        groups = [proc.popen.pid]  # the peer's own group first (it was started in a new session)
+        for kid in kids:
+            with contextlib.suppress(psutil.Error, ProcessLookupError):
+                group = os.getpgid(kid.pid)
+                if group not in groups and group != os.getpgrp():  # never our own group
+                    groups.append(group)
+        for group in groups:
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.killpg(group, sig)
+
+
+@contextlib.contextmanager
+def _sigint_not_ignored() -> Iterator[None]:
+    """Children started inside get SIGINT at its default, as from a terminal. A simulation run
+    from a background job (`cmd &` in a script: POSIX shells ignore SIGINT there) would otherwise
+    hand that "ignore" to every peer and its p2pd, and a simulated Ctrl+C would not be one."""
+    try:
+        ignored = signal.getsignal(signal.SIGINT) is signal.SIG_IGN
+        if ignored:
+            signal.signal(signal.SIGINT, signal.default_int_handler)  # reset to SIG_DFL by exec
+    except ValueError:  # not the main thread: leave it as it is
+        ignored = False
+    try:
+        yield
+    finally:
+        if ignored:
+            signal.signal(signal.SIGINT, signal.SIG_IGN)
 
 
 def _raise_interrupt(signum: int, frame: object) -> None:

@@ -15,6 +15,7 @@ import threading
 import time
 from collections.abc import Callable, Coroutine, Sequence
 from concurrent.futures import Future
+from concurrent.futures import wait as futures_wait
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
@@ -39,6 +40,7 @@ from groundswell.protocol.schema import (
 from groundswell.protocol.server import RoundServer
 from groundswell.protocol.transport import PeerUnavailable, Transport, WithTrailer, seal, unseal
 
+from .daemon import install_p2pd_launcher, reap_daemons
 from .reachability import (
     PROBE_TIMEOUT_S,
     DialBack,
@@ -57,6 +59,14 @@ HEARTBEAT_S = 2.0
 def params_hash(vector: torch.Tensor) -> str:
     """Short BLAKE3 hash of a flat parameter vector, bit for bit."""
     return bulk_hasher().update(memoryview(vector.detach().cpu().contiguous().numpy()).cast("B")).hexdigest()[:16]
+
+
+class NetworkError(RuntimeError):
+    """The network could not start, or the run could not be reached: a message for the user."""
+
+
+class Stopped(Exception):
+    """The caller's stop flag was set while it waited on the network (see `SwarmNode.call`)."""
 
 
 @dataclass
@@ -171,7 +181,11 @@ class SwarmNode:
         if not self._ready.wait(timeout_s) or self._error is not None:
             err = self._error or TimeoutError("network start-up timed out")
             self.close()
-            raise RuntimeError(f"could not start the network: {err}") from err
+            if "failed to connect to bootstrap peers" in str(err):  # p2pd's words
+                peers = ", ".join(self.options.initial_peers)
+                raise NetworkError(f"none of the bootstrap peers answered ({peers}): is the run up, "
+                                   "and is the address right?") from err
+            raise NetworkError(f"could not start the network: {err}") from err
 
     async def _run(self) -> None:
         from hivemind.dht.node import DHTNode
@@ -233,6 +247,7 @@ class SwarmNode:
                 await dht.shutdown()
             if p2p is not None:
                 await p2p.shutdown()
+            await reap_daemons()  # a daemon that failed to start is not waited for by hivemind
 
     async def _attach(self, ctx: RunContext) -> None:
         self.ctx = ctx
@@ -255,6 +270,7 @@ class SwarmNode:
         """Start the libp2p daemon; `reachability` ("public"/"private", None: let AutoNAT guess)
         is what AutoNAT is told. Behind a NAT the node holds a relay reservation (its bootstrap
         peers are the trusted relays) so that others can still open a stream to it."""
+        install_p2pd_launcher()  # Ctrl+C reaches us, not the daemon; it still ends with us
         p2p = await p2p_class.create(
             initial_peers=list(self.options.initial_peers) or None,
             host_maddrs=list(self.options.host_maddrs),
@@ -337,9 +353,27 @@ class SwarmNode:
         if not self._loop.is_running():
             self._loop.close()
 
-    def call(self, coro: Coroutine[Any, Any, T], timeout_s: float | None = None) -> T:
-        """Run a coroutine on the network loop and wait for its result (from the trainer thread)."""
-        return asyncio.run_coroutine_threadsafe(coro, self._loop).result(timeout_s)
+    def call(self, coro: Coroutine[Any, Any, T], timeout_s: float | None = None,
+             stop: threading.Event | None = None) -> T:
+        """Run a coroutine on the network loop and wait for its result (from the trainer thread).
+        If the wait ends first (a timeout, `Stopped` once `stop` is set, Ctrl+C) the coroutine is
+        cancelled: nothing the caller gave up on runs on unowned."""
+        fut = asyncio.run_coroutine_threadsafe(coro, self._loop)
+        try:
+            if stop is None:
+                return fut.result(timeout_s)
+            end = None if timeout_s is None else time.monotonic() + timeout_s
+            while not fut.done():
+                if stop.is_set():
+                    raise Stopped("stopped while waiting on the network")
+                left = 0.2 if end is None else min(0.2, end - time.monotonic())
+                if left <= 0:
+                    raise TimeoutError()
+                futures_wait([fut], timeout=left)
+            return fut.result()
+        except BaseException:
+            fut.cancel()
+            raise
 
     def submit(self, coro: Coroutine[Any, Any, T]) -> Future:
         """Start a coroutine on the network loop; the returned future is the caller's to await."""

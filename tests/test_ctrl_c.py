@@ -1,0 +1,150 @@
+"""Ctrl+C at a terminal: it reaches the peer, not its p2pd daemon (which still ends with the peer);
+a volunteer finishes its round over the network and leaves, a coordinator checkpoints and leaves.
+Real processes on 127.0.0.1; every one is killed by a fixture or context manager, even on failure."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import pytest
+from groundswell.peer.daemon import daemon_owns_group
+from groundswell.peer.simulate import SimulateOptions, Simulation, manifest_toml
+
+sys.path.insert(0, str(Path(__file__).parent))
+from swarm_harness import leftover_processes
+
+pytestmark = [
+    pytest.mark.timeout(300),
+    pytest.mark.skipif(not daemon_owns_group(), reason="p2pd gets its own process group only on Linux (prctl)"),
+]
+
+_HOST = textwrap.dedent("""
+    import asyncio, os, signal, sys
+    from hivemind.p2p import P2P
+    from groundswell.peer.daemon import install_p2pd_launcher
+
+    async def main():
+        install_p2pd_launcher()
+        p2p = await P2P.create(host_maddrs=["/ip4/127.0.0.1/tcp/0"])
+        other = await asyncio.create_subprocess_exec("sleep", "60")
+        signal.signal(signal.SIGINT, signal.SIG_IGN)  # after the spawns: they must not inherit it
+        print(json.dumps({"group": os.getpgrp(), "daemon": p2p._child.pid, "other": other.pid}), flush=True)
+        await asyncio.sleep(120)
+
+    import json
+    asyncio.run(main())
+""")
+
+
+def _alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().split(")")[-1].split()[0] != "Z"  # a zombie has ended
+    except OSError:
+        return False
+
+
+@pytest.fixture
+def host():
+    """A process that starts a p2pd through our launcher (in its own session); killed afterwards."""
+    proc = subprocess.Popen([sys.executable, "-c", _HOST], stdout=subprocess.PIPE, text=True, start_new_session=True)
+    pids: dict = {}
+    try:
+        pids = json.loads(proc.stdout.readline())  # type: ignore[union-attr]
+        yield proc, pids
+    finally:
+        for pid in (proc.pid, pids.get("daemon"), pids.get("other")):
+            if pid:
+                try:
+                    os.kill(pid, signal.SIGKILL)
+                except ProcessLookupError:
+                    pass
+        proc.wait(timeout=30)
+
+
+def test_the_daemon_has_its_own_group_survives_ctrl_c_and_dies_with_its_parent(host):
+    proc, pids = host
+    assert os.getpgid(pids["daemon"]) != pids["group"], "p2pd is still in the peer's process group"
+    assert os.getpgid(pids["other"]) == pids["group"], "a program other than p2pd was moved too"
+    os.killpg(pids["group"], signal.SIGINT)  # what a terminal does on Ctrl+C
+    time.sleep(1.0)
+    assert _alive(pids["daemon"]), "a Ctrl+C to the peer's group ended its daemon"
+    proc.kill()  # SIGKILL: the peer cannot shut its daemon down itself
+    proc.wait(timeout=10)
+    limit = time.time() + 10
+    while _alive(pids["daemon"]) and time.time() < limit:
+        time.sleep(0.1)
+    assert not _alive(pids["daemon"]), "p2pd outlived its killed parent"
+
+
+def _events(path: Path) -> list[dict]:
+    return [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
+
+
+def _wait(pred, timeout_s: float, what: str) -> None:
+    limit = time.time() + timeout_s
+    while not pred():
+        if time.time() > limit:
+            raise AssertionError(f"timed out waiting for {what}")
+        time.sleep(0.2)
+
+
+@pytest.mark.slow
+def test_ctrl_c_lets_a_volunteer_finish_its_round_and_the_coordinator_checkpoint(tmp_path):
+    out = tmp_path / "sim"
+    # Rounds of 200 steps (about 3 s of training here), so Ctrl+C lands while a peer trains and
+    # its contribution still has to go over the network afterwards. (At 30 steps a p2pd killed
+    # by the Ctrl+C sometimes lived just long enough to carry the round.)
+    opts = SimulateOptions(peers=2, rounds=10**6, inner_steps=200, batch_size=4, deadline_s=20, slack_s=2, min_peers=2,
+                           checkpoint_every=1000)
+    common = ["--quiet", "--verbose", "--threads", "1"]
+    try:
+        with Simulation(out, opts) as sim:
+            (out / "run.toml").write_text(manifest_toml(opts))
+            sim.spawn("coordinator", ["launch", str(out / "run.toml"), "--state-dir", str(out / "coordinator"),
+                                      "--listen", "/ip4/127.0.0.1/tcp/0", *common])
+            boot = out / "coordinator" / "bootstrap.txt"
+            _wait(boot.exists, 120, "the coordinator")
+            for name in ("peer-0", "peer-1"):
+                sim.spawn(name, ["join", boot.read_text().strip(), "--state-dir", str(out / name),
+                                 "--listen", "/ip4/127.0.0.1/tcp/0", *common])
+            rounds = lambda name: [e for e in _events(out / name / "events.jsonl") if e["kind"] == "round"]  # noqa: E731
+            _wait(lambda: len(rounds("peer-0")) >= 2, 180, "two rounds")
+            # Ctrl+C right after a round: the peer is training the next one.
+            seen = len(rounds("peer-0"))
+            _wait(lambda: len(rounds("peer-0")) > seen, 60, "the next round")
+            pressed = time.time()
+            sim.signal("peer-0", signal.SIGINT)
+            peer0 = sim.procs["peer-0"].popen
+            assert peer0 is not None and peer0.wait(timeout=120) == 0
+            last = rounds("peer-0")[-1]
+            assert last["t"] > pressed and last["included"], f"no round finished after Ctrl+C: {last}"
+            # The other volunteer applied that very round, to the same parameters.
+            _wait(lambda: any(e["round"] == last["round"] for e in rounds("peer-1")), 60, "peer-1's round")
+            twin = next(e for e in rounds("peer-1") if e["round"] == last["round"])
+            assert twin["hash"] == last["hash"]
+
+            pressed = time.time()
+            sim.signal("coordinator", signal.SIGINT)
+            coordinator = sim.procs["coordinator"].popen
+            assert coordinator is not None and coordinator.wait(timeout=60) == 0
+            # It left promptly, between rounds or mid-attempt, instead of waiting for a round
+            # that needs the volunteer that left (2.5 minutes with these settings).
+            assert time.time() - pressed < 60
+            log = (out / "coordinator.log").read_text() + (out / "peer-0.log").read_text()
+            assert "Traceback" not in log
+            checkpoints = sorted((out / "coordinator").glob("checkpoint-*.pt"))
+            assert checkpoints and checkpoints[-1].name != "checkpoint-00000000.pt", \
+                f"the coordinator saved no checkpoint past genesis: {checkpoints}"
+            for name in ("coordinator", "peer-0"):  # they ended their daemons themselves
+                assert not [p for p in leftover_processes(out / name) if p.is_running()], name
+    finally:
+        for p in leftover_processes(out):
+            p.kill()
