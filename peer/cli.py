@@ -25,7 +25,7 @@ console = Console(stderr=True)
 
 
 def _user_errors(fn: Callable[..., Any]) -> Callable[..., Any]:
-    """Turn the library's typed user-facing errors into one line and exit code 2."""
+    """Turn the library's typed user-facing errors into one line and exit code 2 (Ctrl+C: 130)."""
 
     @functools.wraps(fn)
     def wrapper(*args: Any, **kwargs: Any) -> Any:
@@ -33,13 +33,19 @@ def _user_errors(fn: Callable[..., Any]) -> Callable[..., Any]:
 
         from .config import ConfigError
         from .data import DataError
+        from .manifest import BootstrapError, ManifestError
+        from .swarm import NetworkError
         from .workload import WorkloadError
 
         try:
             return fn(*args, **kwargs)
-        except (ConfigError, DataError, WorkloadError, CodecError, FileNotFoundError, PermissionError) as exc:
+        except (ConfigError, ManifestError, BootstrapError, NetworkError, DataError, WorkloadError, CodecError,
+                FileNotFoundError, FileExistsError, PermissionError) as exc:
             console.print(f"[bold red]error:[/] {exc}", highlight=False)
             raise typer.Exit(2) from None
+        except KeyboardInterrupt:  # Ctrl+C before a command's own handler, or pressed twice
+            console.print("[yellow]interrupted[/]")
+            raise typer.Exit(130) from None
 
     return wrapper
 

@@ -16,6 +16,7 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn
 from rich.table import Table
 
 from .cli import _set_threads, _user_errors, app, console
+from .config import ConfigError
 
 
 def _identity(path: Optional[Path], state_dir: Optional[Path]):
@@ -26,17 +27,17 @@ def _identity(path: Optional[Path], state_dir: Optional[Path]):
     return Identity.load_or_generate(path), path
 
 
-def _stop_on_signals():
+def _stop_on_signals(first: str = "stopping after this round"):
     from .roles import StopFlag
 
     stop = StopFlag()
     presses = {"n": 0}
 
-    def handler(signum, frame):  # first press: finish this round cleanly; second: leave now
+    def handler(signum, frame):  # first press: stop cleanly (`first` says how); second: leave now
         presses["n"] += 1
         if presses["n"] > 1:
             raise KeyboardInterrupt
-        console.print("[yellow]stopping after this round (Ctrl+C again to leave at once)[/]")
+        console.print(f"[yellow]{first} (Ctrl+C again to leave at once)[/]")
         stop.set()
 
     signal.signal(signal.SIGINT, handler)
@@ -44,9 +45,23 @@ def _stop_on_signals():
     return stop
 
 
+def _fetch_manifest(node, maddrs: list[str]) -> bytes:
+    """The signed run manifest from the bootstrap peers (verify it!); NetworkError if none serves it."""
+    from groundswell.protocol.transport import PeerUnavailable
+
+    from .swarm import NetworkError
+
+    try:
+        return node.call(node.fetch_manifest([m.rsplit("/p2p/", 1)[1] for m in maddrs]), timeout_s=120)
+    except (PeerUnavailable, TimeoutError) as exc:
+        raise NetworkError(f"no bootstrap peer served the run manifest ({', '.join(maddrs)}): {exc}") from None
+
+
 def _logging(verbose: bool) -> None:
     logging.basicConfig(level=logging.INFO if verbose else logging.WARNING, stream=sys.stderr,
                         format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    if not verbose:  # asyncio's warnings (a child reaped late, a slow callback) say nothing a user can act on
+        logging.getLogger("asyncio").setLevel(logging.ERROR)
 
 
 @app.command()
@@ -103,11 +118,11 @@ def launch(
     ident, ident_path = _identity(identity, state_dir)
     signed = sign_manifest(manifest, ident).to_bytes()
     if not -1 <= state_port <= 65535:
-        raise ValueError(f"--state-port must be -1 (off), 0 (any free port) or a port number, not {state_port}")
+        raise ConfigError(f"--state-port must be -1 (off), 0 (any free port) or a port number, not {state_port}")
     opts = NodeOptions(host_maddrs=listen, announce_maddrs=announce, initial_peers=peer, role="coordinator",
                        trains=False, serves=True, direct_state=state_port >= 0, direct_port=max(state_port, 0))
     p = Participant(manifest, signed, ident, str(ident_path), opts, state_dir)
-    stop = _stop_on_signals()
+    stop = _stop_on_signals("stopping: saving a checkpoint")
     p.start_network()
     boot = format_bootstrap(ident.peer_id, p.node.maddrs)
     (state_dir / "bootstrap.txt").write_text(boot + "\n")
@@ -161,7 +176,7 @@ def join(
     ident, ident_path = _identity(identity, state_dir)
     state_dir.mkdir(parents=True, exist_ok=True)
     if reachability not in ("auto", "public", "private"):
-        raise ValueError(f"--reachability must be auto, public or private, not {reachability!r}")
+        raise ConfigError(f"--reachability must be auto, public or private, not {reachability!r}")
     opts = NodeOptions(host_maddrs=listen, initial_peers=boot.maddrs, role="volunteer", trains=True, serves=True,
                        reachability=reachability)
     node = SwarmNode(ident, str(ident_path), opts)
@@ -169,7 +184,7 @@ def join(
     (state_dir / "address.txt").write_text("\n".join(node.maddrs) + "\n")  # others may bootstrap from us
     try:
         peers = [m.rsplit("/p2p/", 1)[1] for m in boot.maddrs]
-        signed = node.call(node.fetch_manifest(peers), timeout_s=120)
+        signed = _fetch_manifest(node, boot.maddrs)
         manifest = SignedManifest.from_bytes(signed).verify(boot.coordinator_id)
         console.print(f"joined run [bold]{manifest.run.id}[/] as {ident.peer_id} (manifest verified)")
         relays = ", ".join(pid[-8:] for pid in peers[:3])  # trusted relays: the bootstrap peers
@@ -237,9 +252,7 @@ def status(
         node = SwarmNode(ident, str(path), NodeOptions(initial_peers=boot.maddrs, trains=False, serves=False))
         node.start()
         try:
-            peers = [m.rsplit("/p2p/", 1)[1] for m in boot.maddrs]
-            manifest = SignedManifest.from_bytes(node.call(node.fetch_manifest(peers), timeout_s=120)).verify(
-                boot.coordinator_id)
+            manifest = SignedManifest.from_bytes(_fetch_manifest(node, boot.maddrs)).verify(boot.coordinator_id)
             time.sleep(0.5)
             records = node.call(node.peer_records(manifest.run.id), timeout_s=30)
         finally:

@@ -1,0 +1,71 @@
+"""A user's mistake or an unreachable run is one `error:` line and exit code 2, never a
+traceback; Ctrl+C before a command's own handler is one line and exit code 130."""
+
+from __future__ import annotations
+
+import socket
+import subprocess
+import sys
+
+import pytest
+from typer.testing import CliRunner
+
+from groundswell.peer.cli import app
+from groundswell.protocol.identity import Identity
+
+pytestmark = pytest.mark.timeout(120)
+
+
+def _unused_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]  # closed again: nothing listens there
+
+
+def _bootstrap(port: int) -> str:
+    pid = Identity.generate().peer_id
+    return f"gs1:{pid}@/ip4/127.0.0.1/tcp/{port}/p2p/{pid}"
+
+
+def _one_error_line(res, exit_code: int, words: str) -> None:
+    assert res.exit_code == exit_code, res.output
+    assert "Traceback" not in res.output and words in " ".join(res.output.split()), res.output
+
+
+@pytest.mark.parametrize("command", ["join", "status"])
+def test_a_malformed_bootstrap_line_is_one_error_line(tmp_path, command):
+    extra = ["--state-dir", str(tmp_path)] if command == "join" else []
+    res = CliRunner().invoke(app, [command, "not-a-bootstrap-line", *extra])
+    _one_error_line(res, 2, "error: a bootstrap string looks like")
+
+
+def test_bad_options_are_one_error_line(tmp_path):
+    line = _bootstrap(_unused_port())
+    res = CliRunner().invoke(app, ["join", line, "--reachability", "sometimes", "--state-dir", str(tmp_path)])
+    _one_error_line(res, 2, "--reachability must be auto, public or private")
+    key = tmp_path / "id.key"
+    assert CliRunner().invoke(app, ["keygen", str(key)]).exit_code == 0
+    _one_error_line(CliRunner().invoke(app, ["keygen", str(key)]), 2, "exists; pass --force to overwrite it")
+
+
+def test_an_unreachable_run_is_one_error_line(tmp_path):
+    # A real process, to see all a user would: no log line, no asyncio warning about the daemon
+    # that failed to connect (reaped after its event loop closed, before reap_daemons).
+    res = subprocess.run([sys.executable, "-m", "groundswell.peer", "join", _bootstrap(_unused_port()),
+                          "--state-dir", str(tmp_path), "--listen", "/ip4/127.0.0.1/tcp/0"],
+                         capture_output=True, text=True, timeout=90)
+    words = " ".join((res.stdout + res.stderr).split())
+    assert res.returncode == 2, words
+    assert words.startswith("error: none of the bootstrap peers answered") and words.count("error") == 1, words
+    assert words.endswith("is the run up, and is the address right?"), words
+
+
+def test_ctrl_c_during_start_up_is_one_line(tmp_path, monkeypatch):
+    from groundswell.peer import swarm
+
+    def interrupted(self, timeout_s: float = 60.0) -> None:
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(swarm.SwarmNode, "start", interrupted)
+    res = CliRunner().invoke(app, ["join", _bootstrap(_unused_port()), "--state-dir", str(tmp_path)])
+    _one_error_line(res, 130, "interrupted")
