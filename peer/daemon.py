@@ -8,8 +8,11 @@ Ctrl+C reaches only us, and a parent-death signal (prctl PR_SET_PDEATHSIG), so t
 ends when we do, even on SIGKILL. Elsewhere (no prctl) the daemon stays in our group, as before:
 an orphaned daemon would be worse than an early one.
 
-The death signal follows the *thread* that started the daemon: our network thread, which shuts
-the daemon down before it ends.
+The death signal follows the *thread* that started the daemon (asyncio forks on its event-loop
+thread), so only threads that ask for it get it (`adopt_p2pd_daemons`): a `SwarmNode`'s network
+thread, which lives until it has shut its daemon down. Any other thread starts p2pd as hivemind
+does. (A `preexec_fn` makes Python fork rather than vfork; the function itself only calls the
+prctl resolved at import, with no imports or locks between fork and exec.)
 """
 
 from __future__ import annotations
@@ -21,16 +24,15 @@ import os
 import signal
 import sys
 import threading
-import weakref
 from collections.abc import Callable
 from typing import Any
 
 _PR_SET_PDEATHSIG = 1
-_installed = False
+_patched = False
 _lock = threading.Lock()
-# The daemons each event loop started: hivemind does not wait for one that failed to start, and
-# a loop closed before its exit is reaped logs an asyncio warning at the user.
-_started: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, list[Any]] = weakref.WeakKeyDictionary()
+# Per thread: whether it adopts the daemons it starts, and the ones it started (hivemind does not
+# wait for a daemon that failed to start; one reaped after its loop closed warns the user).
+_local = threading.local()
 
 
 def _find_prctl() -> Callable[..., int] | None:
@@ -46,48 +48,53 @@ _PRCTL = _find_prctl()  # resolved here: the child, between fork and exec, only 
 
 
 def daemon_owns_group() -> bool:
-    """Whether p2pd daemons started from now on get their own process group (Linux only)."""
+    """Whether adopted p2pd daemons get their own process group here (Linux only)."""
     return _PRCTL is not None
 
 
 def _die_with_parent(parent: int) -> Callable[[], None]:
     def preexec() -> None:  # in the child, between fork and exec: no imports, no locks
         _PRCTL(_PR_SET_PDEATHSIG, signal.SIGTERM, 0, 0, 0)  # type: ignore[misc]
-        if os.getppid() != parent:  # the parent died before the line above: follow it now
-            os.kill(os.getpid(), signal.SIGTERM)
+        if os.getppid() != parent:  # the parent died before the line above: do not start at all
+            os._exit(1)  # (not a signal: the parent's Python handlers are still installed here)
 
     return preexec
 
 
-def install_p2pd_launcher() -> None:
-    """From now on, p2pd daemons hivemind starts run in their own process group and get SIGTERM
-    when the thread that started them ends (idempotent; a no-op where prctl is missing)."""
-    global _installed
+def adopt_p2pd_daemons() -> None:
+    """From now on, p2pd daemons hivemind starts *on this thread* run in their own process group
+    and get SIGTERM when this thread ends (a no-op where prctl is missing). Call it on a thread
+    that outlives its daemons, and `reap_daemons` on it once they are shut down."""
+    global _patched
     if _PRCTL is None:
         return
+    _local.adopt = True
+    _local.started = getattr(_local, "started", [])
     with _lock:
-        if _installed:
+        if _patched:
             return
         original = asyncio.subprocess.create_subprocess_exec
 
         async def create_subprocess_exec(program: Any, *args: Any, **kwargs: Any) -> Any:
-            # Only hivemind's daemon is affected; any other program starts as asked.
-            if os.path.basename(str(program)) != "p2pd" or "preexec_fn" in kwargs:
+            # Only hivemind's daemon, and only on adopting threads; anything else starts as asked.
+            if (not getattr(_local, "adopt", False) or os.path.basename(str(program)) != "p2pd"
+                    or "preexec_fn" in kwargs):
                 return await original(program, *args, **kwargs)
             kwargs.setdefault("process_group", 0)
             kwargs["preexec_fn"] = _die_with_parent(os.getpid())
             proc = await original(program, *args, **kwargs)
-            _started.setdefault(asyncio.get_running_loop(), []).append(proc)
+            _local.started.append(proc)
             return proc
 
         asyncio.subprocess.create_subprocess_exec = create_subprocess_exec  # type: ignore[assignment]
-        _installed = True
+        _patched = True
 
 
 async def reap_daemons(timeout_s: float = 2.0) -> None:
-    """End and wait for every daemon this event loop started; call once the loop's node has shut
-    its daemon down (hivemind waits for those, not for one that failed to start)."""
-    for proc in _started.pop(asyncio.get_running_loop(), []):
+    """End and wait for every daemon this thread adopted; call once its node has shut its daemon
+    down (hivemind waits for that one, not for one that failed to start)."""
+    procs, _local.started = getattr(_local, "started", []), []
+    for proc in procs:
         for end in (proc.terminate, proc.kill):
             if proc.returncode is not None:
                 break

@@ -266,11 +266,29 @@ def run_coordinator(p: Participant, *, stop: StopFlag, on_round: Callable[[Round
         p.load_global(GlobalState(resumed["round"], resumed["tensors"], resumed["decision"]))
         p.events.write("resume", round=p.outer.round_id, hash=params_hash(p.outer.global_params),
                        peer=p.identity.peer_id)
-        _follow_the_swarm(p)  # the volunteers may have gone on without us
     else:
         p.node.book.add(genesis_decision(p.identity, m.run.id))  # type: ignore[union-attr]
         p.snapshot()
         p.save_checkpoint()
+    # Ctrl+C cuts any wait on the network short: the coordinator contributes nothing, so it leaves at
+    # once, even mid-attempt (the volunteers re-pick any role it held, as when a peer dies).
+    p.node.interrupt_calls_on(stop.event)
+    try:
+        if resumed is not None:
+            _follow_the_swarm(p)  # the volunteers may have gone on without us
+        _follow_rounds(p, stop, on_round)
+    except Stopped:
+        pass
+    finally:
+        p.node.interrupt_calls_on(None)
+    write_defence_counts(p)
+    p.save_checkpoint()
+
+
+def _follow_rounds(p: Participant, stop: StopFlag, on_round: Callable[[RoundInfo], None]) -> None:
+    """The coordinator's rounds: take part in each attempt (it serves, never trains), apply every
+    committed round, evaluate, checkpoint; until stopped."""
+    m = p.manifest
     client = p.node.client
     assert client is not None
     last_sent: dict[str, int] = {}  # volunteers' cumulative bytes, for the per-round figure
@@ -279,29 +297,23 @@ def run_coordinator(p: Participant, *, stop: StopFlag, on_round: Callable[[Round
         t0 = time.perf_counter()
         try:
             p.node.call(client.run_attempt(r, None, None, trains=False, serves=True),
-                        timeout_s=2 * m.round.deadline_s + 6 * m.round.slack_s + 60, stop=stop.event)
-        except Stopped:
-            # The coordinator contributes nothing: it leaves at once, even mid-attempt (the
-            # volunteers re-pick any role it held, as when a peer dies), and checkpoints below.
-            break
+                        timeout_s=2 * m.round.deadline_s + 6 * m.round.slack_s + 60)
         except RoundBehind:
             if not _follow_the_swarm(p):
-                time.sleep(1.0)
+                stop.event.wait(1.0)
             continue
         committed = p.node.book.committed.get(r)  # type: ignore[union-attr]
         if committed is None:
             continue  # a retry or a silent leader: the next attempt (by the clock) rotates the roles
         signed, d = committed
         try:
-            mean = p.node.call(client.fetch_aggregate(signed), timeout_s=m.round.deadline_s * 4 + 60, stop=stop.event)
-        except Stopped:
-            break
+            mean = p.node.call(client.fetch_aggregate(signed), timeout_s=m.round.deadline_s * 4 + 60)
         except PeerUnavailable as exc:
             # Every holder of a shard died before anyone else fetched it: the round's result lives
             # on only in the state of peers that applied it. Take that state (or wait for it).
             log.warning("aggregate of round %d unavailable (%s); taking the state of a peer past it", r, exc)
             if not _follow_the_swarm(p):
-                time.sleep(m.round.slack_s)
+                stop.event.wait(m.round.slack_s)
             continue
         p.outer.follow(r, mean)
         p.snapshot()
@@ -321,8 +333,6 @@ def run_coordinator(p: Participant, *, stop: StopFlag, on_round: Callable[[Round
         on_round(info)
         if (r + 1) % m.checkpoint.every_rounds == 0:
             p.save_checkpoint()
-    write_defence_counts(p)
-    p.save_checkpoint()
 
 
 def _follow_the_swarm(p: Participant) -> bool:

@@ -40,7 +40,7 @@ from groundswell.protocol.schema import (
 from groundswell.protocol.server import RoundServer
 from groundswell.protocol.transport import PeerUnavailable, Transport, WithTrailer, seal, unseal
 
-from .daemon import install_p2pd_launcher, reap_daemons
+from .daemon import adopt_p2pd_daemons, reap_daemons
 from .reachability import (
     PROBE_TIMEOUT_S,
     DialBack,
@@ -172,13 +172,19 @@ class SwarmNode:
         self._dial_back = DialBack()
         self.guard = Guard()  # every transport of this node: limits and bans are per remote peer
         self._error: BaseException | None = None
+        self._interrupt: threading.Event | None = None  # see interrupt_calls_on
 
     # --- lifecycle ------------------------------------------------------------------------------
     def start(self, timeout_s: float = 60.0) -> None:
         """Start the loop thread, the libp2p host, the DHT and the protocol handlers."""
         self._thread.start()
         self._main = asyncio.run_coroutine_threadsafe(self._run(), self._loop)
-        if not self._ready.wait(timeout_s) or self._error is not None:
+        try:
+            ready = self._ready.wait(timeout_s)
+        except BaseException:  # Ctrl+C during start-up: shut down what has started
+            self.close()
+            raise
+        if not ready or self._error is not None:
             err = self._error or TimeoutError("network start-up timed out")
             self.close()
             if "failed to connect to bootstrap peers" in str(err):  # p2pd's words
@@ -270,7 +276,7 @@ class SwarmNode:
         """Start the libp2p daemon; `reachability` ("public"/"private", None: let AutoNAT guess)
         is what AutoNAT is told. Behind a NAT the node holds a relay reservation (its bootstrap
         peers are the trusted relays) so that others can still open a stream to it."""
-        install_p2pd_launcher()  # Ctrl+C reaches us, not the daemon; it still ends with us
+        adopt_p2pd_daemons()  # Ctrl+C reaches us, not the daemon; it still ends with us (Linux)
         p2p = await p2p_class.create(
             initial_peers=list(self.options.initial_peers) or None,
             host_maddrs=list(self.options.host_maddrs),
@@ -353,11 +359,16 @@ class SwarmNode:
         if not self._loop.is_running():
             self._loop.close()
 
+    def interrupt_calls_on(self, stop: threading.Event | None) -> None:
+        """From now on every `call` raises `Stopped` once `stop` is set (None: no longer)."""
+        self._interrupt = stop
+
     def call(self, coro: Coroutine[Any, Any, T], timeout_s: float | None = None,
              stop: threading.Event | None = None) -> T:
         """Run a coroutine on the network loop and wait for its result (from the trainer thread).
-        If the wait ends first (a timeout, `Stopped` once `stop` is set, Ctrl+C) the coroutine is
-        cancelled: nothing the caller gave up on runs on unowned."""
+        If the wait ends first (a timeout, `Stopped` once `stop` or the `interrupt_calls_on`
+        event is set, Ctrl+C) the coroutine is cancelled: nothing given up on runs on unowned."""
+        stop = stop or self._interrupt
         fut = asyncio.run_coroutine_threadsafe(coro, self._loop)
         try:
             if stop is None:

@@ -4,17 +4,20 @@ Real processes on 127.0.0.1; every one is killed by a fixture or context manager
 
 from __future__ import annotations
 
+import asyncio
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
 import textwrap
+import threading
 import time
 from pathlib import Path
 
 import pytest
-from groundswell.peer.daemon import daemon_owns_group
+from groundswell.peer.daemon import adopt_p2pd_daemons, daemon_owns_group, reap_daemons
 from groundswell.peer.simulate import SimulateOptions, Simulation, manifest_toml
 
 sys.path.insert(0, str(Path(__file__).parent))
@@ -26,19 +29,21 @@ pytestmark = [
 ]
 
 _HOST = textwrap.dedent("""
-    import asyncio, os, signal, sys
+    import asyncio, json, os, signal, sys
     from hivemind.p2p import P2P
-    from groundswell.peer.daemon import install_p2pd_launcher
+    from groundswell.peer.daemon import adopt_p2pd_daemons
 
     async def main():
-        install_p2pd_launcher()
+        adopt_p2pd_daemons()
         p2p = await P2P.create(host_maddrs=["/ip4/127.0.0.1/tcp/0"])
-        other = await asyncio.create_subprocess_exec("sleep", "60")
+        # a stand-in named p2pd with no pipes: the real one also dies of SIGPIPE once we are gone
+        stand_in = await asyncio.subprocess.create_subprocess_exec(sys.argv[1], "120")
+        other = await asyncio.subprocess.create_subprocess_exec("sleep", "120")
         signal.signal(signal.SIGINT, signal.SIG_IGN)  # after the spawns: they must not inherit it
-        print(json.dumps({"group": os.getpgrp(), "daemon": p2p._child.pid, "other": other.pid}), flush=True)
+        print(json.dumps({"group": os.getpgrp(), "daemon": p2p._child.pid, "stand_in": stand_in.pid,
+                          "other": other.pid}), flush=True)
         await asyncio.sleep(120)
 
-    import json
     asyncio.run(main())
 """)
 
@@ -46,22 +51,32 @@ _HOST = textwrap.dedent("""
 def _alive(pid: int) -> bool:
     try:
         with open(f"/proc/{pid}/stat") as f:
-            return f.read().split(")")[-1].split()[0] != "Z"  # a zombie has ended
+            return f.read().rsplit(")", 1)[-1].split()[0] != "Z"  # a zombie has ended
     except OSError:
         return False
 
 
+def _stand_in(tmp_path: Path, program: str) -> Path:
+    """A program named p2pd (a link to `program`), which the launcher treats as the daemon."""
+    link = tmp_path / "bin" / "p2pd"
+    link.parent.mkdir(exist_ok=True)
+    link.symlink_to(shutil.which(program))  # type: ignore[arg-type]
+    return link
+
+
 @pytest.fixture
-def host():
-    """A process that starts a p2pd through our launcher (in its own session); killed afterwards."""
-    proc = subprocess.Popen([sys.executable, "-c", _HOST], stdout=subprocess.PIPE, text=True, start_new_session=True)
+def host(tmp_path):
+    """A process that starts p2pd, a stand-in p2pd and `sleep` on an adopting thread (in its own
+    session); everything is killed afterwards."""
+    proc = subprocess.Popen([sys.executable, "-c", _HOST, str(_stand_in(tmp_path, "sleep"))], stdout=subprocess.PIPE,
+                            text=True, start_new_session=True)
     pids: dict = {}
     try:
         pids = json.loads(proc.stdout.readline())  # type: ignore[union-attr]
         yield proc, pids
     finally:
-        for pid in (proc.pid, pids.get("daemon"), pids.get("other")):
-            if pid:
+        for pid in (proc.pid, *pids.values()):
+            if pid and pid != pids.get("group"):
                 try:
                     os.kill(pid, signal.SIGKILL)
                 except ProcessLookupError:
@@ -72,16 +87,38 @@ def host():
 def test_the_daemon_has_its_own_group_survives_ctrl_c_and_dies_with_its_parent(host):
     proc, pids = host
     assert os.getpgid(pids["daemon"]) != pids["group"], "p2pd is still in the peer's process group"
+    assert os.getpgid(pids["stand_in"]) not in (pids["group"], os.getpgid(pids["daemon"]))
     assert os.getpgid(pids["other"]) == pids["group"], "a program other than p2pd was moved too"
     os.killpg(pids["group"], signal.SIGINT)  # what a terminal does on Ctrl+C
     time.sleep(1.0)
     assert _alive(pids["daemon"]), "a Ctrl+C to the peer's group ended its daemon"
-    proc.kill()  # SIGKILL: the peer cannot shut its daemon down itself
+    proc.kill()  # SIGKILL: the peer cannot shut its daemons down itself
     proc.wait(timeout=10)
     limit = time.time() + 10
-    while _alive(pids["daemon"]) and time.time() < limit:
+    while (_alive(pids["daemon"]) or _alive(pids["stand_in"])) and time.time() < limit:
         time.sleep(0.1)
+    assert not _alive(pids["stand_in"]), "a daemon outlived its killed parent (no parent-death signal)"
     assert not _alive(pids["daemon"]), "p2pd outlived its killed parent"
+
+
+@pytest.mark.parametrize("program, returncodes", [("false", (1, -signal.SIGTERM)), ("sleep", (-signal.SIGTERM,))])
+def test_reap_daemons_ends_and_waits_for_what_the_thread_started(tmp_path, program, returncodes):
+    # A daemon that failed to start ("false") must be reaped before its loop closes, and one that
+    # was never shut down ("sleep") is ended; on a thread of its own, as a SwarmNode's.
+    stand_in = _stand_in(tmp_path, program)
+
+    async def start_and_reap() -> int | None:
+        adopt_p2pd_daemons()
+        proc = await asyncio.subprocess.create_subprocess_exec(str(stand_in), "60")
+        assert proc.returncode is None
+        await reap_daemons()
+        return proc.returncode
+
+    got: list = []
+    thread = threading.Thread(target=lambda: got.append(asyncio.run(start_and_reap())))
+    thread.start()
+    thread.join(30)
+    assert len(got) == 1 and got[0] in returncodes, got  # None: not reaped before the loop closed
 
 
 def _events(path: Path) -> list[dict]:
