@@ -297,6 +297,7 @@ def simulate(
     min_peers: int = typer.Option(2, help="Contributions a round needs."),
     outer_lr: float = typer.Option(0.0, help="Outer learning rate [default: the algorithm's]."),
     topk: int = typer.Option(0, help="SparseLoCo: values kept per 4096-chunk [default: 64]."),
+    error_decay: float = typer.Option(-1.0, help="SparseLoCo: error-feedback decay in [0, 1] [default: 0.95]."),
     overlap: int = typer.Option(0, help="1: exchange each round while the next H steps train (delayed outer step)."),
     seed: int = typer.Option(0, help="Run seed (also seeds every fault's victim)."),
     out: Path = typer.Option(Path("sim-out"), help="Output folder (report.json, loss.png, logs)."),
@@ -320,7 +321,8 @@ def simulate(
 
     opts = SimulateOptions(peers=peers, rounds=rounds, preset=preset, algorithm=algorithm, codec=codec,
                            inner_steps=inner_steps, batch_size=batch_size, deadline_s=deadline,
-                           min_peers=min(min_peers, peers), seed=seed, outer_lr=outer_lr, topk=topk, overlap=overlap,
+                           min_peers=min(min_peers, peers), seed=seed, outer_lr=outer_lr, topk=topk,
+                           error_decay=error_decay, overlap=overlap,
                            kill_every=kill_every, restart_after=restart_after, freeze_every=freeze_every,
                            freeze_for=freeze_for, late_joiners=late_joiners, leave_every=leave_every,
                            kill_coordinator_at=kill_coordinator_at, checkpoint_every=checkpoint_every,

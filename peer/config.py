@@ -89,6 +89,8 @@ class OuterSection:
             raise ConfigError(f"outer.codec must be one of {sorted(CODEC_NAMES)}, got {self.codec!r}")
         if self.lr < 0:
             raise ConfigError(f"outer.lr must be >= 0, got {self.lr}")
+        if not 0 <= self.error_decay <= 1:
+            raise ConfigError(f"outer.error_decay must be in [0, 1], got {self.error_decay}")
 
     @property
     def codec_name(self) -> str:

@@ -40,6 +40,7 @@ class SimulateOptions:
     seed: int = 0
     outer_lr: float = 0.0
     topk: int = 0  # SparseLoCo: values kept per chunk (0: the manifest's default, 64 of 4096)
+    error_decay: float = -1.0  # SparseLoCo: error-feedback decay (< 0: the manifest's default, 0.95)
     overlap: int = 0  # 1: each round is exchanged while the next H steps train
     checkpoint_every: int = 5
     timeout_s: float = 1800.0
@@ -73,7 +74,7 @@ def manifest_toml(opts: SimulateOptions) -> str:
     """The run manifest a simulation launches."""
     codec = f'codec = "{opts.codec}"\n' if opts.codec else ""
     lr = ((f"lr = {opts.outer_lr}\n" if opts.outer_lr else "") + (f"topk = {opts.topk}\n" if opts.topk else "")
-          + f"overlap = {opts.overlap}\n")
+          + (f"error_decay = {opts.error_decay}\n" if opts.error_decay >= 0 else "") + f"overlap = {opts.overlap}\n")
     return (
         f'[run]\nid = "sim"\nopen = true\nmin_peers = {opts.min_peers}\nseed = {opts.seed}\n'
         f'[model]\nspec = "{opts.preset}"\n[data]\nbatch_size = {opts.batch_size}\n'

@@ -76,12 +76,14 @@ def cpu_slices(names: tuple[str, ...], cpus: float):
 
 
 def swarm_run(name: str, out: Path, wall: float, preset: str, algorithm: str, codec: str, overlap: int,
-              inner_steps: int, outer_lr: float | None = None, topk: int = 0, cpus: float = 0.0) -> dict:
+              inner_steps: int, outer_lr: float | None = None, topk: int = 0, cpus: float = 0.0,
+              error_decay: float = -1.0) -> dict:
     """A coordinator and 4 volunteers for `wall` seconds of training; the figures from their logs."""
     from groundswell.peer.simulate import SimulateOptions, Simulation, manifest_toml
 
     opts = SimulateOptions(peers=4, rounds=10**6, preset=preset, algorithm=algorithm, codec=codec, overlap=overlap,
-                           inner_steps=inner_steps, outer_lr=outer_lr, topk=topk, batch_size=8, deadline_s=60,
+                           inner_steps=inner_steps, outer_lr=outer_lr, topk=topk, error_decay=error_decay,
+                           batch_size=8, deadline_s=60,
                            slack_s=5, min_peers=2, checkpoint_every=10**6)
     out.mkdir(parents=True)
     with cpu_slices(SWARM_HOSTS, cpus) as slices, Simulation(out, opts) as sim:
@@ -229,6 +231,8 @@ def main() -> int:
                     help="outer lr of the sparseloco run (default: the manifest's, 1.0)")
     ap.add_argument("--sparse-topk", type=int, default=0,
                     help="values kept per 4096-chunk in the sparseloco run (default: the manifest's, 64)")
+    ap.add_argument("--sparse-error-decay", type=float, default=-1.0,
+                    help="error-feedback decay of run (a) [default: the manifest's, 0.95]")
     ap.add_argument("--cpu-per-peer", type=float, default=0.0,
                     help="cap each training process (and its p2pd) at this many CPUs, as if on its own machine "
                          "(0: they share the machine's cores)")
@@ -254,9 +258,11 @@ def main() -> int:
                     ("sparseloco-overlap", "sparseloco", "", 1, sparse_h, a.sparse_outer_lr, a.sparse_topk),
                     ("diloco-int8", "diloco", "int8", 0, a.inner_steps, None, 0)):
                 if name in chosen:
+                    decay = a.sparse_error_decay if algorithm == "sparseloco" else -1.0
                     runs.append(swarm_run(name, out / name, a.wall, a.preset, algorithm, codec, overlap, h, lr, k,
-                                          a.cpu_per_peer))
-                    runs[-1].update(inner_steps=h, outer_lr=lr, **({"topk": k} if k else {}))
+                                          a.cpu_per_peer, decay))
+                    runs[-1].update(inner_steps=h, outer_lr=lr, **({"topk": k} if k else {}),
+                                    **({"error_decay": decay} if decay >= 0 else {}))
                     if not a.json:
                         print(json.dumps(runs[-1]), file=sys.stderr, flush=True)
             if "ddp-gloo" in chosen:

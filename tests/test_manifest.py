@@ -118,6 +118,8 @@ def test_allowlist(tmp_path):
         ('[run]\nid = "r"\nallowlist = ["not-a-peer"]\n', "run.allowlist[0]"),
         ('[run]\nid = "r"\nallowlist = [3]\n', "run.allowlist[0]"),
         (f'[run]\nid = "r"\nallowlist = ["{COORD.peer_id}", "{COORD.peer_id}"]\n', "run.allowlist"),
+        (MINIMAL + "[outer]\nerror_decay = 1.5\n", "outer.error_decay"),
+        (MINIMAL + "[outer]\nerror_decay = -0.1\n", "outer.error_decay"),
         (MINIMAL + "[defences]\nclip = -1.0\n", "defences.clip"),
         (MINIMAL + "[defences]\ntrim = 0.5\n", "defences.trim"),
         (MINIMAL + "[defences]\nrequests_per_s = 0.0\n", "defences.requests_per_s"),
