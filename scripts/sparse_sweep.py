@@ -43,6 +43,14 @@ SETTINGS = {
     "sparse-H5-lr1-k128": dict(algorithm="sparseloco", inner_steps=5, overlap=1, eager=True, lr=1.0, topk=128),
     "sparse-H5-lr1.5-k128": dict(algorithm="sparseloco", inner_steps=5, overlap=1, eager=True, lr=1.5, topk=128),
     "sparse-H10-lr1-k96": dict(algorithm="sparseloco", inner_steps=10, overlap=1, eager=True, lr=1.0, topk=96),
+    # Error-feedback decay: 0.95 (Covenant-72B) forgets 5% of what was not sent each round.
+    "sparse-H10-lr1-k128-ef1": dict(algorithm="sparseloco", inner_steps=10, overlap=1, eager=True, lr=1.0, topk=128, error_decay=1.0),
+    "sparse-H10-lr1-k128-ef0.9": dict(algorithm="sparseloco", inner_steps=10, overlap=1, eager=True, lr=1.0, topk=128, error_decay=0.9),
+    "sparse-H5-lr1-k128-ef1": dict(algorithm="sparseloco", inner_steps=5, overlap=1, eager=True, lr=1.0, topk=128, error_decay=1.0),
+    "sparse-H10-lr1-k128-ef0.8": dict(algorithm="sparseloco", inner_steps=10, overlap=1, eager=True, lr=1.0, topk=128, error_decay=0.8),
+    "sparse-H5-lr1-k128-ef0.9": dict(algorithm="sparseloco", inner_steps=5, overlap=1, eager=True, lr=1.0, topk=128, error_decay=0.9),
+    "sparse-H10-lr1-k128-ef0.6": dict(algorithm="sparseloco", inner_steps=10, overlap=1, eager=True, lr=1.0, topk=128, error_decay=0.6),
+    "sparse-H5-lr1-k128-ef0.7": dict(algorithm="sparseloco", inner_steps=5, overlap=1, eager=True, lr=1.0, topk=128, error_decay=0.7),
 }
 
 

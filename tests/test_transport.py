@@ -15,7 +15,7 @@ import time
 from collections.abc import Awaitable, Callable
 from contextlib import suppress
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Self
 
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
@@ -341,7 +341,7 @@ class _PathCounter:
         self.streams += 1
         return await self.real_stream(*args, **kwargs)
 
-    def __enter__(self) -> _PathCounter:
+    def __enter__(self) -> Self:
         self.net.b._client.call_unary_handler, self.net.b.call_binary_stream_handler = self._unary, self._stream
         return self
 
