@@ -257,8 +257,10 @@ def status(
             records = node.call(node.peer_records(manifest.run.id), timeout_s=30)
         finally:
             node.close()
+    # A record's loss is 0 until its peer has evaluated (only the coordinator does, by default).
     rows = [{"peer": pid, "role": r.role, "round": r.round, "params_hash": r.params_hash, "trains": r.trains,
-             "serves": r.serves, "reachability": r.reachability, "loss": r.loss, "bytes_sent": r.bytes_sent,
+             "serves": r.serves, "reachability": r.reachability,
+             "loss": r.loss if 0 < r.loss < float("inf") else None, "bytes_sent": r.bytes_sent,
              "refused_messages": r.rejected, "banning": r.banned, "scores": r.scores,
              "age_s": round(time.time() - r.updated, 1)} for pid, r in sorted(records.items())]
     if as_json:
@@ -268,7 +270,8 @@ def status(
     for col in ("peer", "role", "round", "params hash", "loss", "sent", "refused", "banning", "age"):
         table.add_column(col)
     for row in rows:
-        table.add_row(row["peer"][-10:], row["role"], str(row["round"]), row["params_hash"], f"{row['loss']:.4f}",
+        loss = "-" if row["loss"] is None else f"{row['loss']:.4f}"
+        table.add_row(row["peer"][-10:], row["role"], str(row["round"]), row["params_hash"], loss,
                       f"{row['bytes_sent'] / 1e6:.1f} MB", str(row["refused_messages"]),
                       ", ".join(b[-8:] for b in row["banning"]) or "-", f"{row['age_s']} s")
     console.print(table)

@@ -20,6 +20,7 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from .config import ConfigError
 from .sim_report import build_report
 
 
@@ -60,10 +61,13 @@ class SimulateOptions:
     def __post_init__(self) -> None:
         from .byzantine import ATTACKS
 
+        for name in ("peers", "rounds", "inner_steps", "batch_size"):
+            if getattr(self, name) < 1:
+                raise ConfigError(f"--{name.replace('_', '-')} must be at least 1, got {getattr(self, name)}")
         if not 0 <= self.byzantine <= self.peers:
-            raise ValueError(f"--byzantine must be between 0 and --peers ({self.peers}), got {self.byzantine}")
+            raise ConfigError(f"--byzantine must be between 0 and --peers ({self.peers}), got {self.byzantine}")
         if self.attack not in ATTACKS:
-            raise ValueError(f"--attack must be one of {', '.join(ATTACKS)}, not {self.attack!r}")
+            raise ConfigError(f"--attack must be one of {', '.join(ATTACKS)}, not {self.attack!r}")
 
     def byzantine_peers(self) -> list[str]:
         """Names of the volunteers that misbehave."""

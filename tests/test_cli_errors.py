@@ -69,3 +69,16 @@ def test_ctrl_c_during_start_up_is_one_line(tmp_path, monkeypatch):
     monkeypatch.setattr(swarm.SwarmNode, "start", interrupted)
     res = CliRunner().invoke(app, ["join", _bootstrap(_unused_port()), "--state-dir", str(tmp_path)])
     _one_error_line(res, 130, "interrupted")
+
+
+@pytest.mark.parametrize("args, words", [
+    (["--peers", "0"], "--peers must be at least 1"),
+    (["--rounds", "0"], "--rounds must be at least 1"),
+    (["--peers", "2", "--byzantine", "3"], "--byzantine must be between 0 and --peers (2)"),
+    (["--attack", "nope"], "--attack must be one of"),
+    (["--error-decay", "2"], "outer.error_decay must be in [0, 1]"),
+])
+def test_bad_simulate_options_are_one_error_line_before_any_process_starts(tmp_path, args, words):
+    res = CliRunner().invoke(app, ["simulate", *args, "--out", str(tmp_path / "sim")])
+    _one_error_line(res, 2, words)
+    assert not (tmp_path / "sim").exists()

@@ -1,5 +1,6 @@
 """Ctrl+C at a terminal: it reaches the peer, not its p2pd daemon (which still ends with the peer);
-a volunteer finishes its round over the network and leaves, a coordinator checkpoints and leaves.
+a volunteer finishes its round over the network and leaves, a coordinator checkpoints and leaves;
+`groundswell status` on that live run.
 Real processes on 127.0.0.1; every one is killed by a fixture or context manager, even on failure."""
 
 from __future__ import annotations
@@ -154,6 +155,14 @@ def test_ctrl_c_lets_a_volunteer_finish_its_round_and_the_coordinator_checkpoint
                                  "--listen", "/ip4/127.0.0.1/tcp/0", *common])
             rounds = lambda name: [e for e in _events(out / name / "events.jsonl") if e["kind"] == "round"]  # noqa: E731
             _wait(lambda: len(rounds("peer-0")) >= 2, 180, "two rounds")
+            # `groundswell status` sees the run as the DHT does: the coordinator and both volunteers.
+            res = subprocess.run([sys.executable, "-m", "groundswell.peer", "status", boot.read_text().strip(),
+                                  "--json"], capture_output=True, text=True, timeout=120)
+            assert res.returncode == 0, res.stderr
+            seen_by_dht = {row["role"]: row for row in json.loads(res.stdout)["peers"]}
+            assert len(json.loads(res.stdout)["peers"]) == 3 and set(seen_by_dht) == {"coordinator", "volunteer"}
+            assert seen_by_dht["volunteer"]["round"] >= 1 and seen_by_dht["coordinator"]["loss"] > 0
+            assert seen_by_dht["volunteer"]["loss"] is None  # volunteers do not evaluate by default
             # Ctrl+C right after a round: the peer is training the next one.
             seen = len(rounds("peer-0"))
             _wait(lambda: len(rounds("peer-0")) > seen, 60, "the next round")
