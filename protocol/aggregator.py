@@ -142,7 +142,7 @@ class Aggregator:
         at = close_time(opened, attempt, self.ctx.deadline_s, self.ctx.slack_s) - self.ctx.slack_s
         await asyncio.sleep(max(0.0, at - time.time()))
         slot = self.attempts.get((round_id, attempt))
-        if slot is None or slot.sealed is not None or slot.decision is not None or round_id in self.book.committed:
+        if slot is None or slot.sealed is not None or slot.decision is not None or self.book.decided(round_id):
             return
         slot.report_all = True
         self._report(round_id, attempt)

@@ -87,6 +87,11 @@ class DecisionBook:
         entry = self.committed.get(round_id - 1)
         return None if entry is None else entry[1].time
 
+    def decided(self, round_id: int) -> bool:
+        """Whether round `round_id` is committed, as far as this book knows; also true of rounds
+        older than its newest commit whose decisions it has since let go (rounds commit in order)."""
+        return round_id in self.committed or round_id <= self.latest()
+
     def latest(self) -> int:
         """The newest committed round (-1: only genesis; -2: nothing)."""
         return max(self.committed, default=-2)

@@ -40,6 +40,11 @@ class Decider:
     async def _decide(self, plan: RoundPlan, slot: _Attempt) -> None:
         joins = self.joins[plan.round]
         membership = self.book.membership(plan.round)
+        if membership is None or self.book.decided(plan.round):
+            # The swarm went on while we waited (we were frozen, say) and this book let go of the
+            # round's plan: it is decided; a verdict from us now would only confuse late readers.
+            log.info("round %d attempt %d: decided meanwhile; standing back", plan.round, plan.attempt)
+            return
         failed: set[str] = set()
         accepted: set[str] = set()  # peers that sealed one of our commits of this attempt
         dropped: set[str] = set()  # contributions scoring found harmful
@@ -84,7 +89,7 @@ class Decider:
         else:
             contributors = []
         if len(contributors) < self.ctx.min_peers or failed >= set(sources or [""]):
-            trainers, servers = list(membership.trainers), list(membership.servers)  # type: ignore[union-attr]
+            trainers, servers = list(membership.trainers), list(membership.servers)
             decision = Decision(plan.round, plan.attempt, "retry", [], trainers, servers, self.identity.peer_id, [],
                                 plan.num_shards, time.time())
             signed = seal(self.identity, self.ctx.run_id, decision)

@@ -296,7 +296,7 @@ class RoundServer(Aggregator, Claims, Decider):
             ahead = await self._leaders_ahead(plan, rank, wake, time.monotonic() >= close_at) if rank > 0 else rank
             ahead_gone = rank > 0 and ahead == 0
             await asyncio.sleep(max(0.0, close_at + ahead * self.ctx.slack_s - time.monotonic()))
-            if slot.decision is not None or round_id in self.book.committed:
+            if slot.decision is not None or self.book.decided(round_id):
                 return
             # Ask who may have decided: the leaders ahead of us that are not gone, and those behind
             # us whose turn has come too (only if we were late ourselves): the others wait longer
@@ -345,11 +345,11 @@ class RoundServer(Aggregator, Claims, Decider):
         """Claim the attempt at monotonic time `at` (cancelled only before `started` is set)."""
         await asyncio.sleep(max(0.0, at - time.monotonic()))
         started.set()
-        return slot.decision is None and plan.round not in self.book.committed and await self._claim(plan, slot)
+        return slot.decision is None and not self.book.decided(plan.round) and await self._claim(plan, slot)
 
     async def decide_exclusively(self, plan: RoundPlan, slot: _Attempt) -> None:
         """Decide the attempt, unless it is decided, the round committed, or another leader claimed it."""
-        if slot.decision is None and plan.round not in self.book.committed and await self._claim(plan, slot):
+        if slot.decision is None and not self.book.decided(plan.round) and await self._claim(plan, slot):
             await self._decide_claimed(plan, slot)
 
     async def _decide_claimed(self, plan: RoundPlan, slot: _Attempt) -> None:

@@ -1,0 +1,68 @@
+"""A leader whose round the swarm decided long ago stands back instead of deciding it.
+
+Seen in a live run with 0.6 s rounds and a 30 s deadline: a stand-in leader waits until its
+attempt's close, ~45 rounds later; by then its decision book has let go of the round's plan, and
+the leader went on to decide it anyway (and failed with an AttributeError)."""
+
+from __future__ import annotations
+
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from groundswell.protocol.context import DecisionBook
+from groundswell.protocol.schema import Decision
+from groundswell.protocol.transport import seal
+
+sys.path.insert(0, str(Path(__file__).parent))
+from inproc_harness import RUN, make_target
+
+pytestmark = pytest.mark.timeout(120)
+
+
+@pytest.fixture
+def target():
+    yield from make_target()
+
+
+def _commit(target, round_id: int) -> bytes:
+    me = target.me.peer_id
+    servers = [me, *(p.peer_id for p in target.peers[:3])]
+    return seal(target.me, RUN, Decision(round_id, 0, "commit", servers[:2], servers, servers, me, [me], 1,
+                                         time.time(), [b"\x00" * 32] * 2))
+
+
+def test_the_book_counts_rounds_it_let_go_of_as_decided():
+    book = DecisionBook(RUN)
+    assert not book.decided(0)
+    # (signatures are checked by add(); these tests only need its pruning)
+    book.committed.update({r: (b"", None) for r in range(3, 6)})  # type: ignore[misc]
+    assert book.decided(0) and book.decided(5) and not book.decided(6)
+
+
+def test_a_stand_in_leader_stands_back_from_a_round_decided_long_ago(target, caplog):
+    server, book = target.server, target.server.book
+    plan = target.loop.run_until_complete(server.plan(0, 0, 0.1))
+    assert plan is not None
+    server._check_open(0, 0)
+    slot = server.attempts[(0, 0)]
+    for r in range(0, book.keep + 3):  # the swarm goes on; the book lets go of round 0's plan
+        book.add(_commit(target, r))
+    assert book.membership(0) is None and book.decided(0)
+    before = dict(book.committed)
+    caplog.set_level("INFO", logger="groundswell.protocol")
+    target.loop.run_until_complete(server._decide(plan, slot))  # used to raise AttributeError
+    assert slot.decision is None and book.committed == before
+    assert any("decided meanwhile; standing back" in r.getMessage() for r in caplog.records)
+    assert not target.loop.run_until_complete(server._claim_at(plan, slot, time.monotonic(), _event(target)))
+
+
+def _event(target):
+    import asyncio
+
+    async def make() -> asyncio.Event:
+        return asyncio.Event()
+
+    return target.loop.run_until_complete(make())
