@@ -11,6 +11,7 @@ from pathlib import Path
 from typing import Optional
 
 import typer
+from rich import box
 from rich.live import Live
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn
 from rich.table import Table
@@ -266,14 +267,17 @@ def status(
     if as_json:
         print(json.dumps({"run": manifest.run.id, "peers": rows}, indent=2))
         return
-    table = Table(title=f"run {manifest.run.id}: {len(rows)} peers online")
-    for col in ("peer", "role", "round", "params hash", "loss", "sent", "refused", "banning", "age"):
-        table.add_column(col)
+    table = Table(title=f"run {manifest.run.id}: {len(rows)} peers online", box=box.SIMPLE_HEAD,
+                  collapse_padding=True, pad_edge=False, show_edge=False)
+    for col in ("peer", "role", "round", "params", "loss", "sent", "refused", "bans", "age"):
+        # fits an 80-column terminal without cutting ids or hashes (they are what one compares)
+        table.add_column(col, no_wrap=True, justify="left" if col in ("peer", "role") else "right")
     for row in rows:
         loss = "-" if row["loss"] is None else f"{row['loss']:.4f}"
-        table.add_row(row["peer"][-10:], row["role"], str(row["round"]), row["params_hash"], loss,
-                      f"{row['bytes_sent'] / 1e6:.1f} MB", str(row["refused_messages"]),
-                      ", ".join(b[-8:] for b in row["banning"]) or "-", f"{row['age_s']} s")
+        role = {"coordinator": "coord", "volunteer": "vol"}.get(row["role"], row["role"])
+        table.add_row(row["peer"][-10:], role, str(row["round"]), row["params_hash"][:8], loss,
+                      f"{row['bytes_sent'] / 1e6:.1f}MB", str(row["refused_messages"]),
+                      ", ".join(b[-8:] for b in row["banning"]) or "-", f"{row['age_s']:.0f}s")
     console.print(table)
     for row in rows:  # leaders that score contributions publish the scores of their latest scored round
         if row["scores"]:
