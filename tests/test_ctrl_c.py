@@ -102,15 +102,17 @@ def test_the_daemon_has_its_own_group_survives_ctrl_c_and_dies_with_its_parent(h
     assert not _alive(pids["daemon"]), "p2pd outlived its killed parent"
 
 
-@pytest.mark.parametrize("program, returncodes", [("false", (1, -signal.SIGTERM)), ("sleep", (-signal.SIGTERM,))])
-def test_reap_daemons_ends_and_waits_for_what_the_thread_started(tmp_path, program, returncodes):
+@pytest.mark.parametrize("program", ["false", "sleep"])
+def test_reap_daemons_ends_and_waits_for_what_the_thread_started(tmp_path, program):
     # A daemon that failed to start ("false") must be reaped before its loop closes, and one that
     # was never shut down ("sleep") is ended; on a thread of its own, as a SwarmNode's.
     stand_in = _stand_in(tmp_path, program)
+    pids: list[int] = []
 
     async def start_and_reap() -> int | None:
         adopt_p2pd_daemons()
         proc = await asyncio.subprocess.create_subprocess_exec(str(stand_in), "60")
+        pids.append(proc.pid)
         assert proc.returncode is None
         await reap_daemons()
         return proc.returncode
@@ -119,7 +121,12 @@ def test_reap_daemons_ends_and_waits_for_what_the_thread_started(tmp_path, progr
     thread = threading.Thread(target=lambda: got.append(asyncio.run(start_and_reap())))
     thread.start()
     thread.join(30)
-    assert len(got) == 1 and got[0] in returncodes, got  # None: not reaped before the loop closed
+    # None: the loop closed before the exit was delivered. (asyncio reports 255 when another
+    # waiter in this test process reaped the child first: still reaped, still delivered.)
+    assert len(got) == 1 and got[0] is not None, got
+    assert not _alive(pids[0])
+    if program == "sleep":
+        assert got[0] in (-signal.SIGTERM, 255), got
 
 
 def _events(path: Path) -> list[dict]:
