@@ -8,6 +8,10 @@ Ctrl+C reaches only us, and a parent-death signal (prctl PR_SET_PDEATHSIG), so t
 ends when we do, even on SIGKILL. Elsewhere (no prctl) the daemon stays in our group, as before:
 an orphaned daemon would be worse than an early one.
 
+Its unix sockets go in a folder of this process's own (`socket_dir`), not loose in the temp
+folder: a peer killed with SIGKILL cannot remove its socket files, and the next start removes the
+folders of processes that are gone (hivemind's files piled up by the thousand in /tmp).
+
 The death signal follows the *thread* that started the daemon (asyncio forks on its event-loop
 thread), so only threads that ask for it get it (`adopt_p2pd_daemons`): a `SwarmNode`'s network
 thread, which lives until it has shut its daemon down. Any other thread starts p2pd as hivemind
@@ -21,14 +25,18 @@ import asyncio
 import contextlib
 import ctypes
 import os
+import shutil
 import signal
 import sys
+import tempfile
 import threading
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 _PR_SET_PDEATHSIG = 1
 _patched = False
+_socket_users = 0  # live nodes of this process using socket_dir()
 _lock = threading.Lock()
 # Per thread: whether it adopts the daemons it starts, and the ones it started (hivemind does not
 # wait for a daemon that failed to start; one reaped after its loop closed warns the user).
@@ -102,3 +110,61 @@ async def reap_daemons(timeout_s: float = 2.0) -> None:
                 end()
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(proc.wait(), timeout_s)
+
+
+SOCKET_DIR_PREFIX = "groundswell-p2p-"
+
+
+def socket_dir(root: Path | None = None) -> Path:
+    """This process's folder for its daemons' unix sockets (made here, private to the user); the
+    folders of processes that are gone are removed first."""
+    root = Path(tempfile.gettempdir()) if root is None else root
+    sweep_socket_dirs(root)
+    path = root / f"{SOCKET_DIR_PREFIX}{os.getpid()}"
+    path.mkdir(mode=0o700, exist_ok=True)
+    return path
+
+
+def sweep_socket_dirs(root: Path) -> list[Path]:
+    """Remove the socket folders of processes that no longer run; returns what was removed."""
+    removed = []
+    for path in root.glob(f"{SOCKET_DIR_PREFIX}*"):
+        pid = path.name[len(SOCKET_DIR_PREFIX):]
+        if not pid.isdigit() or int(pid) == os.getpid() or _pid_exists(int(pid)):
+            continue
+        shutil.rmtree(path, ignore_errors=True)
+        removed.append(path)
+    return removed
+
+
+def _pid_exists(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # someone else's process: it runs
+        return True
+    return True
+
+
+def with_private_sockets(p2p_class: Any) -> Any:
+    """hivemind's P2P class, its unix sockets in `socket_dir()` (the same class where the path
+    would be too long). Each call must be paired with `release_private_sockets()`."""
+    global _socket_users
+    with _lock:
+        prefix = f"/unix{socket_dir()}/"
+        _socket_users += 1
+    if len(prefix) > 60:  # unix socket paths are limited to ~104 bytes; leave room for the names
+        return p2p_class
+    return type(p2p_class.__name__, (p2p_class,), {"_UNIX_SOCKET_PREFIX": prefix})
+
+
+def release_private_sockets() -> None:
+    """One user of `socket_dir()` is done; the last one removes the (by then empty) folder."""
+    global _socket_users
+    with _lock:
+        _socket_users -= 1
+        if _socket_users <= 0:
+            _socket_users = 0
+            with contextlib.suppress(OSError):  # not empty (a daemon still shutting down): swept later
+                (Path(tempfile.gettempdir()) / f"{SOCKET_DIR_PREFIX}{os.getpid()}").rmdir()

@@ -40,7 +40,7 @@ from groundswell.protocol.schema import (
 from groundswell.protocol.server import RoundServer
 from groundswell.protocol.transport import PeerUnavailable, Transport, WithTrailer, seal, unseal
 
-from .daemon import adopt_p2pd_daemons, reap_daemons
+from .daemon import adopt_p2pd_daemons, reap_daemons, release_private_sockets, with_private_sockets
 from .reachability import (
     PROBE_TIMEOUT_S,
     DialBack,
@@ -198,11 +198,12 @@ class SwarmNode:
         from hivemind.p2p import P2P
 
         self._stop = asyncio.Event()
-        p2p = dht = None
+        p2p = dht = p2p_class = None
         try:
             explicit = self.options.reachability if self.options.reachability != "auto" else None
             t0 = time.monotonic()
-            p2p = await self._create_p2p(P2P, explicit)
+            p2p_class = with_private_sockets(P2P)  # released in the finally below
+            p2p = await self._create_p2p(p2p_class, explicit)
             t1 = time.monotonic()
             self.reachability = await self._find_reachability()
             t2 = time.monotonic()
@@ -214,7 +215,7 @@ class SwarmNode:
                 # ~3 minutes in, autorelay's boot delay with fewer than 4 relay candidates).
                 await p2p.shutdown()
                 p2p = None
-                p2p = await self._create_p2p(P2P, "private")
+                p2p = await self._create_p2p(p2p_class, "private")
             # The manifest is served outside any run (the joiner learns the run id from it); it
             # is signed by the coordinator, whose key the joiner already has.
             await self.bootstrap_transport.serve("get-manifest", ManifestRequest, self._on_manifest)
@@ -254,6 +255,8 @@ class SwarmNode:
             if p2p is not None:
                 await p2p.shutdown()
             await reap_daemons()  # a daemon that failed to start is not waited for by hivemind
+            if p2p_class is not None:
+                release_private_sockets()
 
     async def _attach(self, ctx: RunContext) -> None:
         self.ctx = ctx

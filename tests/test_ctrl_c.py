@@ -12,13 +12,21 @@ import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import textwrap
 import threading
 import time
 from pathlib import Path
 
 import pytest
-from groundswell.peer.daemon import adopt_p2pd_daemons, daemon_owns_group, reap_daemons
+from groundswell.peer.daemon import (
+    SOCKET_DIR_PREFIX,
+    adopt_p2pd_daemons,
+    daemon_owns_group,
+    reap_daemons,
+    socket_dir,
+    sweep_socket_dirs,
+)
 from groundswell.peer.simulate import SimulateOptions, Simulation, manifest_toml
 
 sys.path.insert(0, str(Path(__file__).parent))
@@ -198,6 +206,29 @@ def test_ctrl_c_lets_a_volunteer_finish_its_round_and_the_coordinator_checkpoint
                 f"the coordinator saved no checkpoint past genesis: {checkpoints}"
             for name in ("coordinator", "peer-0"):  # they ended their daemons themselves
                 assert not [p for p in leftover_processes(out / name) if p.is_running()], name
+                pid = sim.procs[name].popen.pid  # type: ignore[union-attr]
+                sockets = Path(tempfile.gettempdir()) / f"{SOCKET_DIR_PREFIX}{pid}"
+                assert not sockets.exists(), f"{name} left {list(sockets.iterdir())}"
     finally:
         for p in leftover_processes(out):
             p.kill()
+
+
+def test_socket_folders_of_processes_that_are_gone_are_swept(tmp_path):
+    gone = subprocess.Popen(["true"])
+    gone.wait()
+    alive = subprocess.Popen(["sleep", "30"])
+    try:
+        for pid in (gone.pid, alive.pid):
+            (tmp_path / f"{SOCKET_DIR_PREFIX}{pid}").mkdir()
+            (tmp_path / f"{SOCKET_DIR_PREFIX}{pid}" / "hivemind-p2pclient-x.sock").write_bytes(b"")
+        (tmp_path / f"{SOCKET_DIR_PREFIX}notapid").mkdir()
+        mine = socket_dir(tmp_path)  # sweeps, then makes this process's own
+        assert mine == tmp_path / f"{SOCKET_DIR_PREFIX}{os.getpid()}" and mine.is_dir()
+        assert not (tmp_path / f"{SOCKET_DIR_PREFIX}{gone.pid}").exists()
+        assert (tmp_path / f"{SOCKET_DIR_PREFIX}{alive.pid}").exists()
+        assert (tmp_path / f"{SOCKET_DIR_PREFIX}notapid").exists()
+        assert sweep_socket_dirs(tmp_path) == [] and mine.is_dir()  # our own is never swept
+    finally:
+        alive.kill()
+        alive.wait()
