@@ -66,7 +66,7 @@ class NetworkError(RuntimeError):
 
 
 class Stopped(Exception):
-    """The caller's stop flag was set while it waited on the network (see `SwarmNode.call`)."""
+    """The stop flag given to `SwarmNode.interrupt_calls_on` was set during a `call`."""
 
 
 @dataclass
@@ -366,12 +366,11 @@ class SwarmNode:
         """From now on every `call` raises `Stopped` once `stop` is set (None: no longer)."""
         self._interrupt = stop
 
-    def call(self, coro: Coroutine[Any, Any, T], timeout_s: float | None = None,
-             stop: threading.Event | None = None) -> T:
+    def call(self, coro: Coroutine[Any, Any, T], timeout_s: float | None = None) -> T:
         """Run a coroutine on the network loop and wait for its result (from the trainer thread).
-        If the wait ends first (a timeout, `Stopped` once `stop` or the `interrupt_calls_on`
-        event is set, Ctrl+C) the coroutine is cancelled: nothing given up on runs on unowned."""
-        stop = stop or self._interrupt
+        If the wait ends first (a timeout, `Stopped` once the `interrupt_calls_on` event is set,
+        Ctrl+C) the coroutine is cancelled: nothing given up on runs on unowned."""
+        stop = self._interrupt
         fut = asyncio.run_coroutine_threadsafe(coro, self._loop)
         try:
             if stop is None:
