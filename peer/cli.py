@@ -90,8 +90,8 @@ def _load_config(config: Optional[Path], overrides: dict[str, Any], sets: list[s
 @app.command("train-local")
 @_user_errors
 def train_local(
-    workers: Optional[int] = typer.Option(None, help="Workers trained in this process [default: 4]."),
-    steps: Optional[int] = typer.Option(None, help="Inner steps per worker [default: 200]."),
+    workers: Optional[int] = typer.Option(None, help="Workers trained in this process.", show_default="4"),
+    steps: Optional[int] = typer.Option(None, help="Inner steps per worker.", show_default="200"),
     preset: Optional[str] = typer.Option(None, "--model", help="Preset (tiny, small, base, 100m) or module:callable."),
     algorithm: Optional[str] = typer.Option(None, help="diloco, sparseloco, data-parallel or single."),
     codec: Optional[str] = typer.Option(None, help="Outer codec: fp32, fp16, bf16, int8, sparseloco."),

@@ -101,7 +101,7 @@ def launch(
                                    "-1: off, joiners get the state over libp2p). Forward it beside the libp2p "
                                    "port behind a port forward."),
     peer: list[str] = typer.Option([], help="Multiaddr(s) of live peers to reconnect to after a restart."),
-    identity: Optional[Path] = typer.Option(None, help="Identity file [default: STATE_DIR/identity.key]."),
+    identity: Optional[Path] = typer.Option(None, help="Identity file.", show_default="STATE_DIR/identity.key"),
     state_dir: Path = typer.Option(Path("groundswell-run"), help="Checkpoints and logs; reuse it to resume."),
     quiet: bool = typer.Option(False, help="No live table (for scripts)."),
     verbose: bool = typer.Option(False, help="Log protocol events."),
@@ -148,7 +148,7 @@ def launch(
 @_user_errors
 def join(
     bootstrap: str = typer.Argument(..., help="The line `groundswell launch` printed (gs1:...)."),
-    identity: Optional[Path] = typer.Option(None, help="Identity file [default: STATE_DIR/identity.key]."),
+    identity: Optional[Path] = typer.Option(None, help="Identity file.", show_default="STATE_DIR/identity.key"),
     device: str = typer.Option("cpu", help="cpu or cuda."),
     state_dir: Path = typer.Option(Path("groundswell-peer"), help="Checkpoints and logs; reuse it to resume."),
     max_rounds: Optional[int] = typer.Option(None, help="Leave after this many applied rounds."),
@@ -296,15 +296,15 @@ def simulate(
     rounds: int = typer.Option(10, help="Rounds each volunteer applies before leaving."),
     preset: str = typer.Option("tiny", help="Model preset or module:callable."),
     algorithm: str = typer.Option("sparseloco", help="diloco or sparseloco."),
-    codec: str = typer.Option("", help="Outer codec [default: the algorithm's]."),
+    codec: str = typer.Option("", help="Outer codec.", show_default="the algorithm's"),
     inner_steps: int = typer.Option(20, "--inner-steps", "-H", help="Inner steps per round."),
     batch_size: int = typer.Option(8, help="Inner batch size."),
     deadline: float = typer.Option(
         30.0, help="Round deadline in seconds: a round is decided by it (contributions are due 2 slacks earlier)."),
     min_peers: int = typer.Option(2, help="Contributions a round needs."),
-    outer_lr: float = typer.Option(0.0, help="Outer learning rate [default: the algorithm's]."),
-    topk: int = typer.Option(0, help="SparseLoCo: values kept per 4096-chunk [default: 64]."),
-    error_decay: float = typer.Option(-1.0, help="SparseLoCo: error-feedback decay in [0, 1] [default: 0.95]."),
+    outer_lr: float = typer.Option(0.0, help="Outer learning rate.", show_default="the algorithm's"),
+    topk: int = typer.Option(0, help="SparseLoCo: values kept per 4096-chunk.", show_default="64"),
+    error_decay: float = typer.Option(-1.0, help="SparseLoCo: error-feedback decay in [0, 1].", show_default="0.95"),
     overlap: int = typer.Option(0, help="1: exchange each round while the next H steps train (delayed outer step)."),
     seed: int = typer.Option(0, help="Run seed (also seeds every fault's victim)."),
     out: Path = typer.Option(Path("sim-out"), help="Output folder (report.json, loss.png, logs)."),

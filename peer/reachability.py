@@ -11,7 +11,9 @@ peers, the coordinator first, are its trusted relays) for the rare stream anothe
 from __future__ import annotations
 
 import asyncio
+import errno
 import ipaddress
+import socket
 import time
 from collections.abc import Sequence
 from typing import Any
@@ -39,6 +41,39 @@ def tcp_targets(maddrs: list[str]) -> list[tuple[str, int]]:
         out.append((str(host), port))
     outside = [t for t in out if not ipaddress.ip_address(t[0]).is_loopback]
     return list(dict.fromkeys(outside or out))[:MAX_TARGETS]
+
+
+def busy_listen_address(maddrs: Sequence[str]) -> str | None:
+    """Why the node cannot listen on one of its plain TCP multiaddrs with a fixed port (the port is
+    taken, or the IP is not this machine's), or None. go-libp2p binds with SO_REUSEPORT, so a second
+    daemon of the same user on a busy port starts anyway and the kernel splits the port's
+    connections between the two: a second `launch` on a running coordinator's port would take
+    part of its volunteers. A plain bind (no SO_REUSEPORT) fails on such a port, so we try one."""
+    for m in maddrs:
+        parts = str(m).split("/")
+        if len(parts) < 5 or parts[1] not in ("ip4", "ip6") or parts[3] != "tcp" or "p2p-circuit" in parts:
+            continue
+        try:
+            host, port = ipaddress.ip_address(parts[2]), int(parts[4])
+        except ValueError:
+            continue  # p2pd reports a malformed address in its own words
+        if port == 0:
+            continue
+        family = socket.AF_INET6 if host.version == 6 else socket.AF_INET
+        with socket.socket(family, socket.SOCK_STREAM) as probe:
+            probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as go does: TIME_WAIT is no obstacle
+            if family == socket.AF_INET6:
+                probe.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 1)
+            try:
+                probe.bind((str(host), port))
+            except OSError as exc:
+                if exc.errno == errno.EADDRINUSE:
+                    return (f"TCP port {port} on {host} is already in use (another groundswell peer or "
+                            f"coordinator on this machine?): stop it, or listen on another port")
+                if exc.errno == errno.EADDRNOTAVAIL:
+                    return f"cannot listen on {host}: it is not an address of this machine"
+                return f"cannot listen on {host} port {port}: {exc.strerror or exc}"
+    return None
 
 
 def listen_host(maddrs: Sequence[str]) -> str | None:

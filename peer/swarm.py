@@ -44,6 +44,7 @@ from .daemon import adopt_p2pd_daemons, reap_daemons, release_private_sockets, w
 from .reachability import (
     PROBE_TIMEOUT_S,
     DialBack,
+    busy_listen_address,
     connect_via_relay,
     connection_paths,
     listen_host,
@@ -187,6 +188,8 @@ class SwarmNode:
         if not ready or self._error is not None:
             err = self._error or TimeoutError("network start-up timed out")
             self.close()
+            if isinstance(err, NetworkError):
+                raise err
             if "failed to connect to bootstrap peers" in str(err):  # p2pd's words
                 peers = ", ".join(self.options.initial_peers)
                 raise NetworkError(f"none of the bootstrap peers answered ({peers}): is the run up, "
@@ -201,6 +204,7 @@ class SwarmNode:
         p2p = dht = p2p_class = None
         try:
             explicit = self.options.reachability if self.options.reachability != "auto" else None
+            await self._check_listen_addresses()
             t0 = time.monotonic()
             p2p_class = with_private_sockets(P2P)  # released in the finally below
             p2p = await self._create_p2p(p2p_class, explicit)
@@ -274,6 +278,15 @@ class SwarmNode:
     def attach(self, ctx: RunContext) -> None:
         """Join the run: register the round protocol and state handlers, start heartbeats."""
         self.call(self._attach(ctx), timeout_s=30)
+
+    async def _check_listen_addresses(self, wait_s: float = 5.0) -> None:
+        """NetworkError if a fixed listen port is taken for longer than `wait_s` (a daemon of
+        this peer's previous process, killed a moment ago, may still hold it) or an IP is not ours."""
+        deadline = time.monotonic() + wait_s
+        while (busy := busy_listen_address(self.options.host_maddrs)) is not None:
+            if "already in use" not in busy or time.monotonic() >= deadline:
+                raise NetworkError(busy)
+            await asyncio.sleep(0.25)
 
     async def _create_p2p(self, p2p_class: Any, reachability: str | None) -> Any:
         """Start the libp2p daemon; `reachability` ("public"/"private", None: let AutoNAT guess)

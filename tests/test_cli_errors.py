@@ -6,11 +6,13 @@ from __future__ import annotations
 import socket
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 from typer.testing import CliRunner
 
 from groundswell.peer.cli import app
+from groundswell.peer.reachability import busy_listen_address
 from groundswell.protocol.identity import Identity
 
 pytestmark = pytest.mark.timeout(120)
@@ -82,3 +84,33 @@ def test_bad_simulate_options_are_one_error_line_before_any_process_starts(tmp_p
     res = CliRunner().invoke(app, ["simulate", *args, "--out", str(tmp_path / "sim")])
     _one_error_line(res, 2, words)
     assert not (tmp_path / "sim").exists()
+
+
+def test_a_busy_listen_port_is_one_error_line_not_a_second_listener(tmp_path):
+    # go-libp2p binds with SO_REUSEPORT: a second daemon on a coordinator's port would start and
+    # take part of its connections. Hold the port the way p2pd does and launch on it.
+    with socket.socket() as held:
+        held.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
+        held.bind(("127.0.0.1", 0))
+        held.listen()
+        port = held.getsockname()[1]
+        res = subprocess.run([sys.executable, "-m", "groundswell.peer", "launch", "scripts/example_run.toml",
+                              "--state-dir", str(tmp_path / "c"), "--listen", f"/ip4/127.0.0.1/tcp/{port}"],
+                             capture_output=True, text=True, timeout=90,
+                             cwd=Path(__file__).resolve().parents[1])
+    words = " ".join((res.stdout + res.stderr).split())
+    assert res.returncode == 2, words
+    assert words.startswith(f"error: TCP port {port} on 127.0.0.1 is already in use"), words
+    assert words.count("error") == 1 and "Traceback" not in words, words
+
+
+def test_busy_listen_address_names_the_problem_and_skips_what_it_cannot_judge():
+    with socket.socket() as held:
+        held.bind(("127.0.0.1", 0))
+        held.listen()
+        port = held.getsockname()[1]
+        assert "already in use" in busy_listen_address([f"/ip4/127.0.0.1/tcp/{port}"])
+        assert "already in use" in busy_listen_address([f"/ip4/0.0.0.0/tcp/{port}"])  # the wildcard overlaps
+    assert busy_listen_address([f"/ip4/127.0.0.1/tcp/{port}"]) is None  # free again
+    assert busy_listen_address(["/ip4/127.0.0.1/tcp/0", "/ip4/127.0.0.1/udp/5/quic", "/dns4/x/tcp/5"]) is None
+    assert "not an address of this machine" in busy_listen_address(["/ip4/192.0.2.1/tcp/4001"])
