@@ -63,6 +63,20 @@ def _logging(verbose: bool) -> None:
                         format="%(asctime)s %(name)s %(levelname)s %(message)s")
     if not verbose:  # asyncio's warnings (a child reaped late, a slow callback) say nothing a user can act on
         logging.getLogger("asyncio").setLevel(logging.ERROR)
+        if not any(isinstance(f, _DaemonGoneFilter) for f in logging.getLogger("asyncio").filters):
+            logging.getLogger("asyncio").addFilter(_DaemonGoneFilter())
+
+
+class _DaemonGoneFilter(logging.Filter):
+    """Drops asyncio's "Task exception was never retrieved" for a lost connection: hivemind's
+    daemon client leaves such tasks behind when the daemon goes first (leaving at once on a
+    second Ctrl+C or SIGTERM), and their tracebacks say nothing a user can act on."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        import asyncio
+
+        exc = record.exc_info[1] if record.exc_info else None
+        return not isinstance(exc, (ConnectionError, asyncio.IncompleteReadError))
 
 
 @app.command()
@@ -214,7 +228,8 @@ def join(
                 console.print(f"round {info.round}: {info.status}"
                               + (f", {'in' if info.included else 'NOT in'} aggregate of {info.contributors}, "
                                  f"eval {info.eval_loss:.4f}, {info.bytes_sent / 1e6:.2f} MB, {info.round_s:.1f} s, "
-                                 f"{info.tokens_per_s:,.0f} tok/s" if info.status == "applied" else ""),
+                                 f"{info.tokens_per_s:,.0f} tok/s" if info.status == "applied" else
+                                 f" ({info.reason})" if info.reason else ""),
                               highlight=False)
 
         tamper = None

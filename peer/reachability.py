@@ -25,8 +25,9 @@ PROBE_EVERY_S = 10.0  # one probe per sender per this many seconds: a prober is 
 MAX_TARGETS = 4
 
 
-def tcp_targets(maddrs: list[str]) -> list[tuple[str, int]]:
-    """The (host, port) pairs of plain TCP multiaddrs, loopback ones only if there is nothing else."""
+def tcp_targets(maddrs: list[str], allowed: set[str] | None = None) -> list[tuple[str, int]]:
+    """The (host, port) pairs of plain TCP multiaddrs (only at `allowed` IPs, if given), loopback
+    ones only if there is nothing else."""
     out: list[tuple[str, int]] = []
     for m in maddrs:
         parts = m.split("/")
@@ -37,6 +38,8 @@ def tcp_targets(maddrs: list[str]) -> list[tuple[str, int]]:
         except ValueError:
             continue
         if host.is_unspecified or host.is_multicast or not 0 < port < 65536:
+            continue
+        if allowed is not None and str(host) not in allowed:
             continue
         out.append((str(host), port))
     outside = [t for t in out if not ipaddress.ip_address(t[0]).is_loopback]
@@ -109,9 +112,9 @@ class DialBack:
         if len(self._last) > 4096:  # forget the oldest senders
             for key in sorted(self._last, key=self._last.get)[:2048]:  # type: ignore[arg-type]
                 del self._last[key]
-        for host, port in tcp_targets(msg.maddrs):
-            if observed is not None and host not in observed:
-                continue
+        # Filter before choosing: a volunteer on the coordinator's machine (connected from
+        # 127.0.0.1) also lists its LAN address, which must not push its loopback one out.
+        for host, port in tcp_targets(msg.maddrs, observed):
             try:
                 async with asyncio.timeout(PROBE_TIMEOUT_S):
                     _, writer = await asyncio.open_connection(host, port)

@@ -39,6 +39,7 @@ class RoundInfo:
     tokens_per_s: float = 0.0
     params_hash: str = ""
     peers_online: int = 0
+    reason: str = ""  # why a round was retried or re-synced, in words
 
 
 @dataclass
@@ -174,7 +175,7 @@ class _VolunteerLoop:
             p.outer.apply(None)
             self.failures += 1
             p.events.write("retry", round=r, reason=str(exc), peer=p.identity.peer_id)
-            self.on_round(RoundInfo(r, "retry", train_loss=stats.mean_loss))
+            self.on_round(RoundInfo(r, "retry", train_loss=stats.mean_loss, reason=str(exc)))
             # An attempt that failed at once (no leader reachable) would fail the same way right
             # away: back off, doubling up to a deadline, instead of spinning.
             backoff = min(m.round.deadline_s, m.round.slack_s * 2 ** min(self.failures - 1, 8))
@@ -186,7 +187,7 @@ class _VolunteerLoop:
             p.events.write("resync", round=r, reason=str(exc), peer=p.identity.peer_id)
             self.stop.event.wait(m.round.slack_s)  # do not hammer peers while the swarm sorts itself out
             _resync(p, self.bootstrap_peers)
-            self.on_round(RoundInfo(r, "resync", train_loss=stats.mean_loss))
+            self.on_round(RoundInfo(r, "resync", train_loss=stats.mean_loss, reason=str(exc)))
             return
         blocked_s = time.perf_counter() - t_collect  # training stood still this long for the network
         p.outer.apply(result)

@@ -114,7 +114,11 @@ class SwarmExchange:
             raise NeedResync(str(exc)) from None
         decision = outcome.decision
         if decision is None or decision.status != "commit":
-            why = "no leader answered" if decision is None else "the leader decided to retry"
+            if decision is None:
+                why = "no leader answered"
+            else:  # the usual cause while a run fills up: fewer volunteers than min_peers
+                why = (f"the leader decided to retry: fewer than {ctx.min_peers} complete contributions "
+                       "(the run's min_peers) arrived in time")
             raise RoundFailed(f"round {round_id} attempt {outcome.attempt}: {why}")
         if decision.round != round_id:
             raise NeedResync(f"got the decision of round {decision.round} while at round {round_id}")

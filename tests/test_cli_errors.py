@@ -114,3 +114,24 @@ def test_busy_listen_address_names_the_problem_and_skips_what_it_cannot_judge():
     assert busy_listen_address([f"/ip4/127.0.0.1/tcp/{port}"]) is None  # free again
     assert busy_listen_address(["/ip4/127.0.0.1/tcp/0", "/ip4/127.0.0.1/udp/5/quic", "/dns4/x/tcp/5"]) is None
     assert "not an address of this machine" in busy_listen_address(["/ip4/192.0.2.1/tcp/4001"])
+
+
+def test_a_lost_daemon_connection_leaves_no_asyncio_traceback_unless_verbose(caplog):
+    import logging
+
+    from groundswell.peer.cli_swarm import _logging
+
+    log = logging.getLogger("asyncio")
+    saved = (log.level, list(log.filters))
+    try:
+        _logging(verbose=False)
+        for exc in (ConnectionResetError("Connection lost"), ValueError("a real bug")):
+            try:
+                raise exc
+            except Exception as caught:
+                log.error("Task exception was never retrieved", exc_info=(type(caught), caught, caught.__traceback__))
+        shown = [str(r.exc_info[1]) for r in caplog.records if r.name == "asyncio"]
+        assert shown == ["a real bug"], shown
+    finally:
+        log.setLevel(saved[0])
+        log.filters[:] = saved[1]

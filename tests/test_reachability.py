@@ -19,6 +19,7 @@ def test_targets_are_plain_tcp_and_prefer_non_loopback_addresses():
     assert tcp_targets(maddrs) == [("192.168.1.2", 4001)]
     assert tcp_targets(["/ip4/127.0.0.1/tcp/4001"]) == [("127.0.0.1", 4001)]  # a run on one machine
     assert len(tcp_targets([f"/ip4/10.0.0.{i}/tcp/1" for i in range(1, 20)])) == 4  # bounded
+    assert tcp_targets(maddrs, {"127.0.0.1"}) == [("127.0.0.1", 4001)]  # only where the requester is seen from
 
 
 def test_dial_back_finds_a_listening_address_refuses_a_closed_one_and_is_rate_limited():
@@ -35,12 +36,17 @@ def test_dial_back_finds_a_listening_address_refuses_a_closed_one_and_is_rate_li
         # only the IPs the requester is connected from are dialed: never a third party
         elsewhere = await prober.handle("peer-c", ProbeRequest([f"/ip4/127.0.0.1/tcp/{port}"]), observed={"10.99.0.7"})
         matching = await prober.handle("peer-d", ProbeRequest([f"/ip4/127.0.0.1/tcp/{port}"]), observed={"127.0.0.1"})
+        # a volunteer on the prober's machine also lists its LAN address; it is connected from loopback
+        same_machine = await prober.handle("peer-e", ProbeRequest([f"/ip4/192.0.2.77/tcp/{port}",
+                                                                   f"/ip4/127.0.0.1/tcp/{port}"]),
+                                           observed={"127.0.0.1"})
         server.close()
         await server.wait_closed()
-        return open_reply, closed_reply, again, port, elsewhere, matching
+        return open_reply, closed_reply, again, port, elsewhere, matching, same_machine
 
-    open_reply, closed_reply, again, port, elsewhere, matching = asyncio.run(main())
+    open_reply, closed_reply, again, port, elsewhere, matching, same_machine = asyncio.run(main())
     assert not elsewhere.reachable and matching.reachable
+    assert same_machine.reachable and same_machine.address == f"127.0.0.1:{port}"
     assert open_reply.reachable and open_reply.address == f"127.0.0.1:{port}"
     assert not closed_reply.reachable
     assert not again.reachable and again.address == "rate limited"

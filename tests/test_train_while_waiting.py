@@ -68,3 +68,25 @@ def test_the_exchange_is_ready_only_once_its_attempt_has_an_outcome():
     assert not ex.ready()
     ex._future.set_result(("outcome", None))
     assert ex.ready()
+
+
+def test_a_retried_round_says_why_in_words():
+    from concurrent.futures import Future
+    from types import SimpleNamespace
+
+    import pytest
+    from groundswell.optim import RoundFailed
+    from groundswell.peer.swarm_exchange import SwarmExchange
+    from groundswell.protocol.client import AttemptResult
+    from groundswell.protocol.schema import Decision
+
+    ex = SwarmExchange.__new__(SwarmExchange)
+    ex.node = SimpleNamespace(ctx=SimpleNamespace(deadline_s=1.0, slack_s=0.1, min_peers=3),
+                              client=object(), transport=object())
+    retry = Decision(4, 1, "retry", [], ["a"], ["a"], "a", [], 1, 0.0)
+    for decision, words in ((retry, "fewer than 3 complete contributions (the run's min_peers)"),
+                            (None, "no leader answered")):
+        ex._round, ex._future = 4, Future()
+        ex._future.set_result((AttemptResult(decision, b"", 1, True), None))
+        with pytest.raises(RoundFailed, match=r"round 4 attempt 1: .*" + words.replace("(", r"\(").replace(")", r"\)")):
+            ex.collect(4)
