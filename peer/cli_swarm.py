@@ -150,6 +150,9 @@ def launch(
         else:
             with Live(_round_table(rows, manifest.run.id), console=console, refresh_per_second=2) as live:
                 def on_round(info):
+                    if info.status != "applied":  # no row: the round runs again
+                        live.update(_round_table(rows, f"{manifest.run.id}: round {info.round} again: {info.reason}"))
+                        return
                     rows.append(info)
                     live.update(_round_table(rows, f"{manifest.run.id}: round {info.round + 1}"))
 

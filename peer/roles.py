@@ -304,8 +304,17 @@ def _follow_rounds(p: Participant, stop: StopFlag, on_round: Callable[[RoundInfo
                 stop.event.wait(1.0)
             continue
         committed = p.node.book.committed.get(r)  # type: ignore[union-attr]
-        if committed is None:
-            continue  # a retry or a silent leader: the next attempt (by the clock) rotates the roles
+        if committed is None:  # a retry or a silent leader: the next attempt (by the clock) rotates the roles
+            try:  # tell whoever watches how many volunteers there are (a run filling up waits here)
+                records = p.node.call(p.node.refresh_records(), timeout_s=30)
+            except (PeerUnavailable, TimeoutError) as exc:
+                log.info("peer records: %s", exc)
+                continue
+            volunteers = sum(1 for rec in records.values() if rec.role != "coordinator")
+            on_round(RoundInfo(r, "retry", peers_online=volunteers,
+                               reason=f"{volunteers} volunteer{'' if volunteers == 1 else 's'} online, "
+                                      f"{m.run.min_peers} needed"))
+            continue
         signed, d = committed
         try:
             mean = p.node.call(client.fetch_aggregate(signed), timeout_s=m.round.deadline_s * 4 + 60)

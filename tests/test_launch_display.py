@@ -1,0 +1,51 @@
+"""What a coordinator sees in its terminal while its run waits for volunteers."""
+
+from __future__ import annotations
+
+import os
+import pty
+import re
+import select
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+pytestmark = pytest.mark.timeout(150)
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def test_the_live_table_says_a_round_waits_for_volunteers(tmp_path):
+    manifest = (ROOT / "scripts" / "example_run.toml").read_text()
+    manifest = manifest.replace("deadline_s = 30.0", "deadline_s = 8.0").replace("slack_s = 5.0", "slack_s = 2.0")
+    assert "deadline_s = 8.0" in manifest and "slack_s = 2.0" in manifest
+    (tmp_path / "run.toml").write_text(manifest)
+    leader, follower = pty.openpty()  # a terminal, so rich draws the live table
+    proc = subprocess.Popen([sys.executable, "-m", "groundswell.peer", "launch", str(tmp_path / "run.toml"),
+                             "--state-dir", str(tmp_path / "c"), "--listen", "/ip4/127.0.0.1/tcp/0"],
+                            stdin=follower, stdout=follower, stderr=follower, start_new_session=True,
+                            env={**os.environ, "COLUMNS": "120"})
+    os.close(follower)
+    seen = b""
+    try:
+        deadline = time.monotonic() + 100
+        while time.monotonic() < deadline and b"volunteers online" not in seen:
+            ready, _, _ = select.select([leader], [], [], 1.0)
+            if ready:
+                try:
+                    seen += os.read(leader, 65536)
+                except OSError:  # the child closed the terminal
+                    break
+    finally:
+        os.killpg(proc.pid, signal.SIGINT)
+        try:
+            proc.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+        os.close(leader)
+    text = re.sub(r"\x1b\[[0-9;?]*[A-Za-z]", "", seen.decode(errors="replace"))
+    assert "round 0 again: 0 volunteers online, 2 needed" in " ".join(text.split()), text[-2000:]
