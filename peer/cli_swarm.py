@@ -21,11 +21,21 @@ from .config import ConfigError
 
 
 def _identity(path: Optional[Path], state_dir: Optional[Path]):
+    """The node's identity (created if missing), held exclusively by this process with its state dir."""
     from groundswell.protocol.identity import Identity
+
+    from .locks import hold_exclusively
 
     path = path or ((state_dir or Path.home() / ".groundswell") / "identity.key")
     path.parent.mkdir(parents=True, exist_ok=True)
-    return Identity.load_or_generate(path), path
+    if state_dir is not None:
+        state_dir.mkdir(parents=True, exist_ok=True)
+        hold_exclusively(state_dir / ".lock", "state dir", state_dir)
+    ident = Identity.load_or_generate(path)
+    # Two processes under one identity are one libp2p peer id at two addresses: the DHT and every
+    # stream would reach either at random.
+    hold_exclusively(path.with_name(path.name + ".lock"), "identity", path, "give this one its own --identity")
+    return ident, path
 
 
 def _stop_on_signals(first: str = "stopping after this round"):

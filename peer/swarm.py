@@ -190,6 +190,9 @@ class SwarmNode:
             self.close()
             if isinstance(err, NetworkError):
                 raise err
+            if "can't access this node" in str(err):  # hivemind's DHT: the bootstrap peer could not dial us back
+                raise NetworkError("the bootstrap peer could not connect back to this node (a firewall? then "
+                                   "--reachability private; or another process with the same identity)") from err
             if "failed to connect to bootstrap peers" in str(err):  # p2pd's words
                 peers = ", ".join(self.options.initial_peers)
                 raise NetworkError(f"none of the bootstrap peers answered ({peers}): is the run up, "

@@ -135,3 +135,35 @@ def test_a_lost_daemon_connection_leaves_no_asyncio_traceback_unless_verbose(cap
     finally:
         log.setLevel(saved[0])
         log.filters[:] = saved[1]
+
+
+def test_a_state_dir_or_identity_in_use_by_another_process_is_one_error_line(tmp_path):
+    # The first holder is another process (a lock taken twice by one process is held once).
+    import textwrap
+
+    holder = subprocess.Popen([sys.executable, "-c", textwrap.dedent(f"""
+        import sys, time
+        from pathlib import Path
+        from groundswell.peer.locks import hold_exclusively
+        hold_exclusively(Path({str(tmp_path / 'a')!r}) / ".lock", "state dir", Path("a"))
+        hold_exclusively(Path({str(tmp_path / 'id.key.lock')!r}), "identity", Path("id.key"))
+        print("held", flush=True)
+        time.sleep(60)
+        """)], stdout=subprocess.PIPE, text=True)
+    try:
+        (tmp_path / "a").mkdir()
+        assert holder.stdout.readline().strip() == "held"
+        line = _bootstrap(_unused_port())
+        res = CliRunner().invoke(app, ["join", line, "--state-dir", str(tmp_path / "a")])
+        _one_error_line(res, 2, f"is in use by another groundswell process (pid {holder.pid}); stop it, or give "
+                                "this one its own --state-dir")
+        res = CliRunner().invoke(app, ["join", line, "--state-dir", str(tmp_path / "b"),
+                                       "--identity", str(tmp_path / "id.key")])
+        _one_error_line(res, 2, "the identity")
+        _one_error_line(res, 2, "its own --identity")
+    finally:
+        holder.kill()
+        holder.wait()
+    # the holder is gone (killed, not cleaned up): its lock went with it
+    res = CliRunner().invoke(app, ["join", line, "--state-dir", str(tmp_path / "a"), "--listen", "/ip4/127.0.0.1/tcp/0"])
+    _one_error_line(res, 2, "error: none of the bootstrap peers answered")

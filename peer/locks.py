@@ -1,0 +1,46 @@
+"""One process per state dir and per identity: an advisory lock held for the process's lifetime.
+
+Two `join`s on one state dir would overwrite each other's checkpoints; two processes with one
+identity are one libp2p peer id at two addresses, which the DHT and the streams cannot tell
+apart. The lock is `flock` on a small file (released by the kernel when the process exits, even
+on `kill -9`), so a stale lock file from a crash never blocks a restart.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+from .config import ConfigError
+
+_HELD: dict[str, int] = {}  # lock path -> open descriptor, kept open until the process exits
+
+
+def hold_exclusively(lock_path: Path, what: str, subject: Path, hint: str = "give this one its own --state-dir") -> None:
+    """Take the lock at `lock_path` for this process (again: no-op); ConfigError naming the
+    holder's pid if another process holds it. No-op where `fcntl` is missing (Windows)."""
+    try:
+        import fcntl
+    except ImportError:  # pragma: no cover - not on POSIX
+        return
+    key = str(lock_path.resolve())
+    if key in _HELD:
+        return
+    fd = os.open(lock_path, os.O_RDWR | os.O_CREAT, 0o600)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        holder = os.read(fd, 32).decode(errors="replace").strip() or "?"
+        os.close(fd)
+        raise ConfigError(f"the {what} {subject} is in use by another groundswell process (pid {holder}); "
+                          f"stop it, or {hint}") from None
+    os.ftruncate(fd, 0)
+    os.write(fd, f"{os.getpid()}\n".encode())
+    _HELD[key] = fd
+
+
+def release_all() -> None:
+    """Let go of every lock this process holds (tests; the kernel does it at exit)."""
+    for fd in _HELD.values():
+        os.close(fd)
+    _HELD.clear()
