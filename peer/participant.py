@@ -29,6 +29,7 @@ from groundswell.protocol.identity import Identity
 from groundswell.protocol.schema import Decision, ProtocolError, StateReply
 from groundswell.protocol.transport import PeerUnavailable, seal, unseal
 
+from .config import ConfigError
 from .data import Corpus, evaluate, heldout_batches, load_corpus
 from .manifest import RunManifest, SignedManifest
 from .scoring import ContributionScorer
@@ -37,6 +38,10 @@ from .swarm import GlobalState, NodeOptions, RunContext, SwarmNode, params_hash
 from .workload import Workload, build_workload
 
 log = logging.getLogger(__name__)
+
+
+class CheckpointMismatch(ConfigError):
+    """The state dir holds a checkpoint of another run or model: a message for the user."""
 
 
 def make_outer(manifest: RunManifest, params: Any, numel: int) -> OuterOptimizer:
@@ -350,13 +355,34 @@ class Participant:
         return path
 
     def load_checkpoint(self) -> dict[str, Any] | None:
-        """The newest readable checkpoint in the state dir (corrupt ones are reported, skipped)."""
+        """The newest readable checkpoint in the state dir (corrupt ones are reported, skipped);
+        CheckpointMismatch if it belongs to another run or model (nothing is overwritten then)."""
         if self.state_dir is None:
             return None
         for path in sorted(self.state_dir.glob("checkpoint-*.pt"), reverse=True):
             try:
-                return torch.load(path, weights_only=True, map_location="cpu")
+                state = torch.load(path, weights_only=True, map_location="cpu")
             except Exception as exc:  # torch raises many types for a truncated or garbled file
                 log.error("checkpoint %s is unreadable (%s); trying an older one or the swarm", path.name, exc)
                 self.events.write("checkpoint-corrupt", path=str(path), peer=self.identity.peer_id)
+                continue
+            self._check_fits(state, path)
+            return state
         return None
+
+    def _check_fits(self, state: dict[str, Any], path: Path) -> None:
+        """CheckpointMismatch unless a checkpoint is of this run (its decision's envelope) and model."""
+        where = f"{path.parent} holds a checkpoint ({path.name})"
+        try:
+            unseal(state["decision"], self.manifest.run.id, Decision)
+        except ProtocolError as exc:
+            raise CheckpointMismatch(f"{where} of another run or protocol version ({exc}): use another "
+                                     "--state-dir for this one") from None
+        except (KeyError, TypeError) as exc:
+            raise CheckpointMismatch(f"{where} this version cannot read ({exc!r})") from None
+        params = state.get("tensors", {}).get("global_params")
+        want = self.outer.global_params.numel()
+        if not isinstance(params, torch.Tensor) or params.numel() != want:
+            have = f"{params.numel():,}" if isinstance(params, torch.Tensor) else "no"
+            raise CheckpointMismatch(f"{where} with {have} parameters; this run's model has {want:,} (the "
+                                     "manifest's model changed?): use another --state-dir")

@@ -63,9 +63,10 @@ def participant(tmp_path, corpus):
     ident.save(tmp_path / "id.key")
     p = Participant(manifest, sign_manifest(manifest, ident).to_bytes(), ident, str(tmp_path / "id.key"),
                     NodeOptions(), tmp_path / "state", corpus=corpus)
+    from groundswell.peer.participant import genesis_decision
     from groundswell.peer.swarm import GlobalState
 
-    p._snapshot = GlobalState(3, {"global_params": p.outer.global_params.clone()}, b"decision")
+    p._snapshot = GlobalState(3, {"global_params": p.outer.global_params.clone()}, genesis_decision(ident, "unit"))
     return p
 
 
@@ -81,6 +82,27 @@ def test_corrupt_or_truncated_checkpoint_is_reported_and_skipped(participant):
     assert any(e["kind"] == "checkpoint-corrupt" for e in events)
     good.write_bytes(b"garbage")
     assert participant.load_checkpoint() is None  # nothing readable: the peer re-syncs from the swarm
+
+
+def test_a_checkpoint_of_another_run_or_model_is_refused_in_words_and_left_alone(participant):
+    from groundswell.peer.participant import CheckpointMismatch, genesis_decision
+    from groundswell.peer.swarm import GlobalState
+    from groundswell.protocol.identity import Identity
+
+    path = participant.save_checkpoint()
+    before = path.read_bytes()
+    participant._snapshot = GlobalState(3, {"global_params": torch.zeros(7)}, participant._snapshot.decision)
+    participant.outer.round_id = 4
+    participant.save_checkpoint()  # the manifest's model changed since: a checkpoint of 7 parameters
+    with pytest.raises(CheckpointMismatch, match=r"with 7 parameters; this run's model has [\d,]+ "):
+        participant.load_checkpoint()
+    participant._snapshot = GlobalState(3, {"global_params": participant.outer.global_params.clone()},
+                                        genesis_decision(Identity.generate(), "another-run"))
+    participant.outer.round_id = 5
+    participant.save_checkpoint()
+    with pytest.raises(CheckpointMismatch, match="of another run .*'another-run'.*use another --state-dir"):
+        participant.load_checkpoint()
+    assert path.read_bytes() == before  # refused, not overwritten or deleted
 
 
 def test_a_full_disk_keeps_training_and_damages_nothing(participant, monkeypatch):
