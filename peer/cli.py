@@ -34,13 +34,14 @@ def _user_errors(fn: Callable[..., Any]) -> Callable[..., Any]:
         from .config import ConfigError
         from .data import DataError
         from .manifest import BootstrapError, ManifestError
+        from .simulate import SimulationError
         from .swarm import NetworkError
         from .workload import WorkloadError
 
         try:
             return fn(*args, **kwargs)
         except (ConfigError, ManifestError, BootstrapError, NetworkError, DataError, WorkloadError, CodecError,
-                FileNotFoundError, FileExistsError, PermissionError) as exc:
+                SimulationError, FileNotFoundError, FileExistsError, PermissionError) as exc:
             console.print(f"[bold red]error:[/] {exc}", highlight=False)
             raise typer.Exit(2) from None
         except KeyboardInterrupt:  # Ctrl+C before a command's own handler, or pressed twice

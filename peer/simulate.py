@@ -21,6 +21,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from .config import ConfigError
+from .workload import check_workload_spec
 from .sim_report import build_report
 
 
@@ -246,14 +247,36 @@ def _rounds_done(out: Path) -> int:
     return best
 
 
+class SimulationError(RuntimeError):
+    """A simulation could not run (a process did not start): a message for the user."""
+
+
+def _first_error(log_path: Path) -> str:
+    """": <the first `error:` line of a process's log>", or "" if it has none."""
+    try:
+        lines = log_path.read_text(errors="replace").splitlines()
+    except OSError:
+        return ""
+    for i, line in enumerate(lines):
+        if line.startswith("error:"):  # rich wraps long lines: take the continuation too
+            tail = [line[len("error:"):].strip()]
+            for more in lines[i + 1:i + 4]:
+                if not more.strip() or more.startswith(("error:", "20")):
+                    break
+                tail.append(more.strip())
+            return ": " + " ".join(tail)
+    return ""
+
+
 def run_simulation(opts: SimulateOptions, out: Path, progress: Callable[[str], None] = print) -> dict:
     """Run a coordinator and volunteers (with the scheduled faults) until round `opts.rounds`."""
     import random
 
     from .manifest import manifest_from_mapping
 
-    # A bad option is one ConfigError line here, before any process starts.
+    # A bad option is one ConfigError (or WorkloadError) line here, before any process starts.
     manifest_from_mapping(tomllib.loads(manifest_toml(opts)))
+    check_workload_spec(opts.preset)
     start = time.time()
     rng = random.Random(opts.seed)
     with Simulation(out, opts) as sim:
@@ -267,7 +290,8 @@ def run_simulation(opts: SimulateOptions, out: Path, progress: Callable[[str], N
         wait_until = time.time() + 120
         while not boot_file.exists():
             if time.time() > wait_until or not sim.alive("coordinator"):
-                raise RuntimeError(f"the coordinator did not start; see {out / 'coordinator.log'}")
+                raise SimulationError(f"the coordinator did not start{_first_error(out / 'coordinator.log')}; "
+                                      f"see {out / 'coordinator.log'}")
             time.sleep(0.2)
         boot = boot_file.read_text().strip()
         progress(f"coordinator up: {boot[:60]}...")

@@ -53,6 +53,17 @@ def build_workload(spec: str, vocab_size: int, seed: int) -> Workload:
         return _build_preset(spec, vocab_size)
 
 
+def check_workload_spec(spec: str) -> None:
+    """WorkloadError unless `spec` names a preset or an importable `module:callable` (nothing is built)."""
+    if not isinstance(spec, str) or not spec.strip():
+        raise WorkloadError(f"workload spec must be a non-empty string, got {spec!r}")
+    spec = spec.strip()
+    if ":" in spec:
+        _resolve_callable(spec)
+    elif spec not in PRESETS:
+        raise WorkloadError(f"unknown workload {spec!r}: expected a preset ({', '.join(PRESETS)}) or 'module:callable'")
+
+
 def _build_preset(name: str, vocab_size: int) -> Workload:
     if name not in PRESETS:
         raise WorkloadError(

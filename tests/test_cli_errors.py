@@ -79,6 +79,8 @@ def test_ctrl_c_during_start_up_is_one_line(tmp_path, monkeypatch):
     (["--peers", "2", "--byzantine", "3"], "--byzantine must be between 0 and --peers (2)"),
     (["--attack", "nope"], "--attack must be one of"),
     (["--error-decay", "2"], "outer.error_decay must be in [0, 1]"),
+    (["--preset", "nosuch"], "unknown workload 'nosuch'"),
+    (["--preset", "no_such_module:make"], "cannot import module 'no_such_module'"),
 ])
 def test_bad_simulate_options_are_one_error_line_before_any_process_starts(tmp_path, args, words):
     res = CliRunner().invoke(app, ["simulate", *args, "--out", str(tmp_path / "sim")])
@@ -167,3 +169,15 @@ def test_a_state_dir_or_identity_in_use_by_another_process_is_one_error_line(tmp
     # the holder is gone (killed, not cleaned up): its lock went with it
     res = CliRunner().invoke(app, ["join", line, "--state-dir", str(tmp_path / "a"), "--listen", "/ip4/127.0.0.1/tcp/0"])
     _one_error_line(res, 2, "error: none of the bootstrap peers answered")
+
+
+def test_a_process_that_did_not_start_is_named_with_its_first_error_line(tmp_path):
+    from groundswell.peer.simulate import _first_error
+
+    log = tmp_path / "coordinator.log"
+    log.write_text("2026-12-01 10:00:00 hivemind INFO noise\nerror: TCP port 5 on 127.0.0.1 is already in use\n"
+                   "(another groundswell peer or coordinator on this machine?)\n\nerror: a later one\n")
+    assert _first_error(log) == (": TCP port 5 on 127.0.0.1 is already in use (another groundswell peer or "
+                                 "coordinator on this machine?)")
+    log.write_text("no error here\n")
+    assert _first_error(log) == "" and _first_error(tmp_path / "missing.log") == ""
