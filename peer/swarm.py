@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import logging
+import re
 import threading
 import time
 from collections.abc import Callable, Coroutine, Sequence
@@ -60,6 +61,13 @@ HEARTBEAT_S = 2.0
 def params_hash(vector: torch.Tensor) -> str:
     """Short BLAKE3 hash of a flat parameter vector, bit for bit."""
     return bulk_hasher().update(memoryview(vector.detach().cpu().contiguous().numpy()).cast("B")).hexdigest()[:16]
+
+
+def _clock_skew(message: str) -> float | None:
+    """Our clock minus a peer's, from hivemind's DHT refusal ("local time must be within 3 seconds
+    of others(local: L, peer: P)"), or None for any other message."""
+    found = re.search(r"local time must be within .*local: ([0-9.]+), peer: ([0-9.]+)", message)
+    return float(found.group(1)) - float(found.group(2)) if found else None
 
 
 class NetworkError(RuntimeError):
@@ -190,6 +198,10 @@ class SwarmNode:
             self.close()
             if isinstance(err, NetworkError):
                 raise err
+            if (skew := _clock_skew(str(err))) is not None:  # hivemind's DHT allows 3 s
+                raise NetworkError(f"this computer's clock is {abs(skew):.0f} s {'ahead of' if skew > 0 else 'behind'} "
+                                   "the bootstrap peer's, and the DHT allows 3 s: set the clock (turn on "
+                                   "network time, e.g. `timedatectl set-ntp true`) and start again") from err
             if "can't access this node" in str(err):  # hivemind's DHT: the bootstrap peer could not dial us back
                 raise NetworkError("the bootstrap peer could not connect back to this node (a firewall? then "
                                    "--reachability private; or another process with the same identity)") from err
