@@ -182,6 +182,8 @@ class SwarmNode:
         self.guard = Guard()  # every transport of this node: limits and bans are per remote peer
         self._error: BaseException | None = None
         self._interrupt: threading.Event | None = None  # see interrupt_calls_on
+        self._rejoined_at = -1e9  # monotonic time of the last attempt to re-enter the DHT
+        self._peer_addrs: dict[str, list[str]] = {}  # peer -> addresses from its last record seen, oldest first
 
     # --- lifecycle ------------------------------------------------------------------------------
     def start(self, timeout_s: float = 60.0) -> None:
@@ -440,11 +442,54 @@ class SwarmNode:
                              sorted(self.guard.bans())[:32], sum(self.guard.rejected.values()), self._latest_scores())
             signed = seal(self.identity, self.ctx.run_id, rec)
             try:
+                await self._rejoin_dht()
+            except Exception as exc:  # best effort: the next heartbeat tries again
+                log.info("re-entering the DHT failed: %r", exc)
+            try:
                 await self.dht.store(self.records_key(self.ctx.run_id), signed, get_dht_time() + 3 * HEARTBEAT_S,
                                      subkey=self.identity.peer_id)
             except Exception as exc:  # the DHT being briefly unreachable is normal under churn
                 log.info("heartbeat store failed: %r", exc)
             await asyncio.sleep(HEARTBEAT_S)
+
+    async def _rejoin_dht(self, every_s: float = 10.0) -> None:
+        """Re-enter the DHT once every peer has dropped out of our routing table. A network outage
+        (Wi-Fi gone for a minute) fails every request, which evicts every peer, and hivemind's node
+        bootstraps only at start: it would then see and publish nothing but its own record while
+        the round protocol (direct streams) went on. So dial the peers we knew (bootstrap peers,
+        then the addresses in their cached records), ping them back into the table and look up
+        our neighbours again, at most once per `every_s`."""
+        from hivemind.p2p import PeerID
+        from hivemind.utils.multiaddr import Multiaddr
+
+        protocol = self.dht.protocol
+        if len(protocol.routing_table.uid_to_peer_id) or time.monotonic() - self._rejoined_at < every_s:
+            return
+        self._rejoined_at = time.monotonic()
+        known: dict[str, list[str]] = {}
+        for maddr in self.options.initial_peers:
+            head, _, pid = str(maddr).rpartition("/p2p/")
+            known.setdefault(pid, []).append(head)
+        for pid, maddrs in reversed(self._peer_addrs.items()):  # the most recently seen first
+            known.setdefault(pid, []).extend(m.rpartition("/p2p/")[0] or m for m in maddrs[:4])
+        known.pop(self.identity.peer_id, None)
+        targets = list(known.items())[:16]
+        if not targets:  # the first peer of a run, alone so far: the others will find us
+            return
+
+        async def ping(pid: str, addrs: list[str]) -> bool:
+            peer = PeerID.from_base58(pid)
+            try:
+                async with asyncio.timeout(5):
+                    await self.p2p._client.connect(peer, [Multiaddr(a) for a in addrs if "p2p-circuit" not in a])
+            except Exception:  # not reachable now, or a relayed peer: the ping below may still work
+                pass
+            return await protocol.call_ping(peer) is not None  # adds it to the table when it answers
+
+        answered = sum(await asyncio.gather(*(ping(pid, addrs) for pid, addrs in targets)))
+        if answered:
+            await self.dht.find_nearest_nodes([self.dht.node_id])
+        log.info("routing table was empty: %d of %d known peers answered", answered, len(targets))
 
     def _latest_scores(self) -> list[str]:
         """"peer=score" for the newest round this peer scored contributions in (as a leader)."""
@@ -478,6 +523,11 @@ class SwarmNode:
     async def refresh_records(self) -> dict[str, PeerRecord]:
         """Refresh the cached view of peer records."""
         self._cached_records = await self.peer_records()
+        for pid, rec in self._cached_records.items():  # addresses outlive records: see _rejoin_dht
+            self._peer_addrs.pop(pid, None)
+            self._peer_addrs[pid] = list(rec.maddrs)
+        while len(self._peer_addrs) > 64:
+            del self._peer_addrs[next(iter(self._peer_addrs))]
         return self._cached_records
 
     def refresh_in_background(self) -> None:

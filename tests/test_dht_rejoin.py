@@ -1,0 +1,55 @@
+"""A peer whose routing table emptied (a network outage evicts every peer) gets back into the DHT."""
+
+from __future__ import annotations
+
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).parent))
+from swarm_harness import Cluster
+
+pytestmark = pytest.mark.timeout(180)
+
+
+async def _forget(node, ids: set[str] | None) -> int:
+    """Drop `ids` (None: everyone) from a node's DHT routing table, as failed requests would."""
+    table = node.dht.protocol.routing_table
+    gone = [uid for uid, pid in list(table.uid_to_peer_id.items()) if ids is None or str(pid) in ids]
+    for uid in gone:
+        del table[uid]
+    return len(table.uid_to_peer_id)
+
+
+async def _table_size(node) -> int:
+    return len(node.dht.protocol.routing_table.uid_to_peer_id)
+
+
+def test_a_peer_cut_off_from_the_dht_rejoins_and_is_seen_again():
+    cluster = Cluster(3)
+    try:
+        a, _, c = cluster.nodes
+        c_id = c.identity.peer_id
+        deadline = time.monotonic() + 30
+        while c_id not in a.call(a.refresh_records(), 10) and time.monotonic() < deadline:
+            time.sleep(0.5)
+        assert c_id in a.call(a.refresh_records(), 10)
+        c.call(c.refresh_records(), 10)  # c has seen the others' records (and addresses)
+        # The outage: c lost everyone, and everyone lost c.
+        assert c.call(_forget(c, None), 10) == 0
+        for node in cluster.nodes[:2]:
+            node.call(_forget(node, {c_id}), 10)
+        c.update_record(round=41)  # what c publishes from now on must reach the others
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline:
+            seen = a.call(a.refresh_records(), 10).get(c_id)
+            if seen is not None and seen.round == 41 and c.call(_table_size(c), 10) > 0:
+                break
+            time.sleep(1.0)
+        assert c.call(_table_size(c), 10) > 0, "c's routing table stayed empty"
+        assert seen is not None and seen.round == 41, "the others never saw c's new record"
+        assert len(c.call(c.refresh_records(), 10)) == 3  # and c sees everyone again
+    finally:
+        cluster.close()
