@@ -58,9 +58,10 @@ def run(rounds: int = 5, out: Path | None = None, timeout_s: float = 300, **lab_
     return report(out, rounds, {**info.get("shaping", {}), "rtt_h1_coord_ms": rtt}, timed_out)
 
 
-def report(out: Path, rounds: int, shaping: dict, timed_out: list[str]) -> dict:
+def report(out: Path, rounds: int, shaping: dict, timed_out: list[str],
+           volunteers: tuple[str, ...] = VOLUNTEERS) -> dict:
     """The run's outcome from every process's event log."""
-    logs = {name: read_events(out / name / "events.jsonl") for name in ("coordinator", *VOLUNTEERS)}
+    logs = {name: read_events(out / name / "events.jsonl") for name in ("coordinator", *volunteers)}
     ids = {next((e["peer"] for e in evs if "peer" in e), ""): name for name, evs in logs.items()}
     hashes: dict[int, set[str]] = {}
     contributed: set[str] = set()
@@ -70,7 +71,7 @@ def report(out: Path, rounds: int, shaping: dict, timed_out: list[str]) -> dict:
                 hashes.setdefault(e["round"], set()).add(e["hash"])
                 contributed |= {ids.get(c, c[-8:]) for c in e.get("contributors", [])}
     connections, reach = [], {}
-    for name in VOLUNTEERS:
+    for name in volunteers:
         last = [e for e in logs[name] if e["kind"] == "connections"]
         if last:
             reach[name] = last[-1]["reachability"]

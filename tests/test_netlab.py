@@ -60,3 +60,20 @@ def test_a_volunteer_behind_nat_is_reachable_through_the_relay():
     assert all(p["ok"] for p in res["pairs"]), res["pairs"]
     # two NAT'ed peers can only meet through the relay; h3 sits behind the symmetric NAT
     assert rows[("h1", "h2")]["path"] == "relay" and rows[("h1", "h3")]["path"] == "relay"
+
+
+@pytest.mark.timeout(400)
+def test_a_volunteer_whose_link_went_down_for_a_while_is_back_in_aggregates(tmp_path):
+    import netlab_outage
+
+    if os.geteuid() != 0:
+        pytest.skip("netlab needs root to create network namespaces")
+    if shutil.which("ping") is None:
+        pytest.skip("netlab's round-trip check needs ping (apt-get install iputils-ping)")
+    try:
+        res = netlab_outage.run(down_at=25, down_for=20, after=35, out=tmp_path / "run")
+    except netlab.NetlabUnavailable as exc:
+        pytest.skip(f"network namespaces unavailable here: {exc}")
+    assert netlab.existing_namespaces() == [], "the lab was not torn down"
+    assert res["timed_out"] == [] and res["param_hash_agreement"], res
+    assert res["victim_included_again_after_s"] is not None, res  # its work counts again after the outage

@@ -1,0 +1,123 @@
+#!/usr/bin/env python3
+"""A volunteer loses its network for a while (Wi-Fi gone, cable pulled) in the middle of a run.
+
+    python scripts/netlab_outage.py [--down-at 40] [--down-for 30] [--after 45] [--out DIR]   (root)
+
+In netlab (shaped links): a coordinator and three public volunteers; `pub3`'s link goes down
+`--down-at` seconds after the volunteers start, for `--down-for` seconds; `--after` seconds after
+it is back, every volunteer leaves (SIGINT). Prints JSON: the outage
+window, pub3's attempts to re-enter the DHT once its routing table was empty (`SwarmNode._rejoin_dht`), how
+long after the link came back pub3 was in an aggregate again, the other volunteers' longest round
+during the outage, and whether every round's parameter hashes agreed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import re
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).parent))
+import netlab
+from netlab_run import report
+
+from groundswell.peer.sim_report import read_events
+from groundswell.peer.simulate import Simulation, SimulateOptions, manifest_toml
+
+VOLUNTEERS = ("pub", "pub2", "pub3")
+VICTIM = "pub3"
+
+
+def _link(name: str, state: str) -> None:
+    subprocess.run(netlab.netns_exec_argv(name, ["ip", "link", "set", "eth0", state]), check=True, timeout=10)
+
+
+def run(down_at: float = 40, down_for: float = 30, after: float = 45, out: Path | None = None,
+        timeout_s: float = 120) -> dict:
+    """Build the lab, run the swarm with one outage, tear the lab down; the outcome as a dict."""
+    out = out or Path(tempfile.mkdtemp(prefix="netlab-outage-"))
+    rounds = 10**6  # the run ends by the clock: `after` seconds after the link is back
+    opts = SimulateOptions(peers=len(VOLUNTEERS), rounds=rounds, inner_steps=20, batch_size=4, deadline_s=12,
+                           slack_s=2, min_peers=2, checkpoint_every=rounds)
+    with netlab.lab(), Simulation(out, opts) as sim:  # shaped links: 50 Mbit/s, 40 ms, 0.1% loss
+        (out / "run.toml").write_text(manifest_toml(opts))
+        coord_ip = netlab.HOSTS["coord"][1]
+        common = ["--quiet", "--verbose", "--threads", "1"]
+        sim.spawn("coordinator", ["launch", str(out / "run.toml"), "--state-dir", str(out / "coordinator"),
+                                  "--listen", f"/ip4/{coord_ip}/tcp/40000", *common],
+                  prefix=tuple(netlab.netns_exec_argv("coord", [])))
+        boot_file = out / "coordinator" / "bootstrap.txt"
+        deadline = time.time() + 120
+        while not boot_file.exists():
+            if time.time() > deadline or not sim.alive("coordinator"):
+                raise RuntimeError(f"the coordinator did not start; see {out / 'coordinator.log'}")
+            time.sleep(0.2)
+        boot = boot_file.read_text().strip()
+        for name in VOLUNTEERS:
+            ip = netlab.HOSTS[name][1]
+            sim.spawn(name, ["join", boot, "--state-dir", str(out / name), "--until-round", str(rounds),
+                             "--listen", f"/ip4/{ip}/tcp/40001", *common],
+                      prefix=tuple(netlab.netns_exec_argv(name, [])))
+        time.sleep(down_at)
+        _link(VICTIM, "down")
+        down_t = time.time()
+        time.sleep(down_for)
+        _link(VICTIM, "up")
+        up_t = time.time()
+        time.sleep(after)  # then everyone leaves cleanly (Ctrl+C), as at the end of a session
+        for name in VOLUNTEERS:
+            sim.signal(name, signal.SIGINT)
+        end = time.time() + timeout_s
+        while time.time() < end and any(sim.alive(v) for v in VOLUNTEERS):
+            time.sleep(0.5)
+        timed_out = [v for v in VOLUNTEERS if sim.alive(v)]
+    return outcome(out, down_t, up_t, timed_out)
+
+
+def outcome(out: Path, down_t: float, up_t: float, timed_out: list[str]) -> dict:
+    """What the outage cost, from the event logs and the victim's protocol log."""
+    base = report(out, 0, {}, timed_out, VOLUNTEERS)
+    victim = read_events(out / VICTIM / "events.jsonl")
+    back = [e for e in victim if e["kind"] == "round" and e.get("included") and e["t"] > up_t]
+    others = [e for name in VOLUNTEERS if name != VICTIM for e in read_events(out / name / "events.jsonl")
+              if e["kind"] == "round" and down_t <= e["t"] <= up_t + 30]
+    rejoins = re.findall(r"routing table was empty: (\d+) of (\d+) known peers answered",
+                         (out / f"{VICTIM}.log").read_text(errors="replace"))
+    return {
+        "rounds_completed": base["rounds_completed"],
+        "param_hash_agreement": base["param_hash_agreement"], "timed_out": timed_out,
+        "outage_s": round(up_t - down_t, 1),
+        # Each time the victim found its DHT routing table empty: (peers that answered, peers tried).
+        # Traffic from the others may refill it first, once the link is back; then there is no attempt after.
+        "victim_rejoin_attempts": [[int(n), int(m)] for n, m in rejoins],
+        "victim_included_again_after_s": round(back[0]["t"] - up_t, 1) if back else None,
+        "victim_events_after_link_up": [e["kind"] for e in victim if e["t"] > up_t][:6],
+        "others_longest_round_s": round(max((e["round_s"] for e in others), default=0.0), 1),
+        "out": str(out),
+    }
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--down-at", type=float, default=40)
+    ap.add_argument("--down-for", type=float, default=30)
+    ap.add_argument("--after", type=float, default=45)
+    ap.add_argument("--out", type=Path, default=None)
+    a = ap.parse_args(argv)
+    try:
+        res = run(a.down_at, a.down_for, a.after, a.out)
+    except netlab.NetlabUnavailable as exc:
+        print(f"netlab unavailable: {exc}", file=sys.stderr)
+        return 3
+    print(json.dumps(res, indent=1))
+    return 0 if res["param_hash_agreement"] and res["victim_included_again_after_s"] is not None else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
