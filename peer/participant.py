@@ -24,6 +24,7 @@ from groundswell.optim import (
     SparseLoCoConfig,
     copy_into_parameters,
 )
+from groundswell.protocol.client import RoundBehind
 from groundswell.protocol.guard import Limits
 from groundswell.protocol.identity import Identity
 from groundswell.protocol.schema import Decision, ProtocolError, StateReply
@@ -295,7 +296,13 @@ class Participant:
             self.node.refresh_in_background()
         target = max((r.round for r in records.values()), default=0)
         client = self.node.client
-        assert client is not None
+        assert client is not None and self.node.server is not None
+        keep = self.node.server.keep_rounds
+        if target - self.outer.round_id > keep:
+            # Peers forget a round's decision and aggregate after `keep` rounds: asking would get
+            # nothing (this peer then stayed at its round for good, after a long network outage).
+            raise RoundBehind(f"the swarm is at round {target}, {target - self.outer.round_id} rounds ahead of us; "
+                              f"peers keep {keep} rounds of aggregates: taking the state instead")
         while self.outer.round_id < target:
             r = self.outer.round_id
             signed = b""

@@ -400,6 +400,8 @@ class RoundServer(Aggregator, Claims, Decider):
 
     async def _on_get_decision(self, sender: str, msg: DecisionRequest) -> DecisionReply:
         deadline = time.monotonic() + min(msg.wait_s, self.ctx.deadline_s + 5 * self.ctx.slack_s)
+        if msg.round not in self.book.committed and self.book.decided(msg.round):
+            return DecisionReply(b"")  # long over and forgotten here: nothing to wait for (the asker re-syncs)
         if msg.round not in self.book.committed and (msg.round, msg.attempt) not in self.attempts:
             self._check_open(msg.round, msg.attempt)  # a reader must not make us keep slots for any round
         slot = self.attempts[(msg.round, msg.attempt)]

@@ -105,6 +105,26 @@ def test_a_checkpoint_of_another_run_or_model_is_refused_in_words_and_left_alone
     assert path.read_bytes() == before  # refused, not overwritten or deleted
 
 
+def test_a_peer_further_behind_than_peers_keep_aggregates_takes_the_state(participant):
+    # After a long network outage the rounds this peer missed are forgotten everywhere: asking for
+    # them got nothing, and the peer stayed at its round for good. It must re-sync instead.
+    from types import SimpleNamespace
+
+    from groundswell.protocol.client import RoundBehind
+
+    participant.outer.round_id = 20
+    asked = []
+    participant.node = SimpleNamespace(
+        _cached_records={"other": SimpleNamespace(round=29)}, refresh_in_background=lambda: None,
+        client=SimpleNamespace(), server=SimpleNamespace(keep_rounds=8),
+        holders=lambda r: asked.append(r) or [])
+    with pytest.raises(RoundBehind, match="9 rounds ahead of us; peers keep 8 rounds"):
+        participant.catch_up(fresh=False)
+    assert asked == []
+    participant.node._cached_records["other"].round = 28  # within reach: ask the holders
+    assert participant.catch_up(fresh=False) == 0 and asked == [20]
+
+
 def test_a_full_disk_keeps_training_and_damages_nothing(participant, monkeypatch):
     saved = participant.save_checkpoint()
     before = saved.read_bytes()
