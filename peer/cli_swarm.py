@@ -24,7 +24,7 @@ def _identity(path: Optional[Path], state_dir: Optional[Path]):
     """The node's identity (created if missing), held exclusively by this process with its state dir."""
     from groundswell.protocol.identity import Identity
 
-    from .locks import hold_exclusively
+    from .locks import hold_exclusively, identity_lock_path
 
     path = path or ((state_dir or Path.home() / ".groundswell") / "identity.key")
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -33,8 +33,9 @@ def _identity(path: Optional[Path], state_dir: Optional[Path]):
         hold_exclusively(state_dir / ".lock", "state dir", state_dir)
     ident = Identity.load_or_generate(path)
     # Two processes under one identity are one libp2p peer id at two addresses: the DHT and every
-    # stream would reach either at random.
-    hold_exclusively(path.with_name(path.name + ".lock"), "identity", path, "give this one its own --identity")
+    # stream would reach either at random. Locked by peer id (a key copied to two paths is one
+    # identity) in a per-user folder (the key's own folder may be read-only).
+    hold_exclusively(identity_lock_path(ident.peer_id), "identity", path, "give this one its own --identity")
     return ident, path
 
 
@@ -147,6 +148,7 @@ def launch(
     opts = NodeOptions(host_maddrs=listen, announce_maddrs=announce, initial_peers=peer, role="coordinator",
                        trains=False, serves=True, direct_state=state_port >= 0, direct_port=max(state_port, 0))
     p = Participant(manifest, signed, ident, str(ident_path), opts, state_dir)
+    p.preload_checkpoint()  # a state dir of another run is refused before we write anything to it
     stop = _stop_on_signals("stopping: saving a checkpoint")
     p.start_network()
     boot = format_bootstrap(ident.peer_id, p.node.maddrs)

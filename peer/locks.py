@@ -16,6 +16,15 @@ from .config import ConfigError
 _HELD: dict[str, int] = {}  # lock path -> open descriptor, kept open until the process exits
 
 
+def identity_lock_path(peer_id: str) -> Path:
+    """Where the lock of an identity lives: a per-user folder in the temp directory."""
+    import tempfile
+
+    folder = Path(tempfile.gettempdir()) / f"groundswell-locks-{os.getuid() if hasattr(os, 'getuid') else 0}"
+    folder.mkdir(mode=0o700, exist_ok=True)
+    return folder / f"{peer_id}.lock"
+
+
 def hold_exclusively(lock_path: Path, what: str, subject: Path, hint: str = "give this one its own --state-dir") -> None:
     """Take the lock at `lock_path` for this process (again: no-op); ConfigError naming the
     holder's pid if another process holds it. No-op where `fcntl` is missing (Windows)."""
@@ -26,7 +35,10 @@ def hold_exclusively(lock_path: Path, what: str, subject: Path, hint: str = "giv
     key = str(lock_path.resolve())
     if key in _HELD:
         return
-    fd = os.open(lock_path, os.O_RDWR | os.O_CREAT, 0o600)
+    try:
+        fd = os.open(lock_path, os.O_RDWR | os.O_CREAT, 0o600)
+    except OSError as exc:  # a read-only or foreign folder: say so in one line, do not guess
+        raise ConfigError(f"cannot lock the {what} {subject} ({lock_path}: {exc.strerror or exc})") from None
     try:
         fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except BlockingIOError:

@@ -127,6 +127,7 @@ class Participant:
         self.node = node or SwarmNode(identity, identity_path, options)
         self.node.signed_manifest = signed_manifest
         self._snapshot: GlobalState | None = None
+        self._preloaded: tuple[dict[str, Any] | None] | None = None  # see preload_checkpoint
         self.hash_history: dict[int, str] = {}  # round -> hash of the global parameters it started from
         self.node.state_provider = lambda: self._snapshot
         self.scorer = ContributionScorer(manifest, self.corpus) if manifest.defences.scoring else None
@@ -295,14 +296,13 @@ class Participant:
             records = self.node._cached_records
             self.node.refresh_in_background()
         target = max((r.round for r in records.values()), default=0)
+        # The round at least half of the other peers have reached: one record (they are only
+        # self-signed) claiming a far-off round must not send everyone re-syncing.
+        others = sorted((r.round for pid, r in records.items() if pid != self.identity.peer_id), reverse=True)
+        swarm_round = others[(len(others) - 1) // 2] if others else 0
         client = self.node.client
         assert client is not None and self.node.server is not None
         keep = self.node.server.keep_rounds
-        if target - self.outer.round_id > keep:
-            # Peers forget a round's decision and aggregate after `keep` rounds: asking would get
-            # nothing (this peer then stayed at its round for good, after a long network outage).
-            raise RoundBehind(f"the swarm is at round {target}, {target - self.outer.round_id} rounds ahead of us; "
-                              f"peers keep {keep} rounds of aggregates: taking the state instead")
         while self.outer.round_id < target:
             r = self.outer.round_id
             signed = b""
@@ -311,6 +311,11 @@ class Participant:
                 if signed:
                     break
             if not signed:
+                if swarm_round - r > keep:
+                    # Peers forget a round's decision and aggregate after `keep` rounds: this peer
+                    # would wait at its round for good (it did, after a long network outage).
+                    raise RoundBehind(f"the swarm is at round {swarm_round}, {swarm_round - r} rounds ahead of us, "
+                                      f"and peers keep {keep} rounds of aggregates: taking the state instead")
                 break
             mean = self.node.call(client.fetch_aggregate(signed), timeout_s=600)
             self.outer.follow(r, mean)
@@ -361,9 +366,17 @@ class Participant:
             old.unlink(missing_ok=True)
         return path
 
+    def preload_checkpoint(self) -> None:
+        """`load_checkpoint` now (before anything is written to the state dir: a checkpoint of
+        another run is refused first); the next `load_checkpoint` returns what it found."""
+        self._preloaded = (self.load_checkpoint(),)
+
     def load_checkpoint(self) -> dict[str, Any] | None:
         """The newest readable checkpoint in the state dir (corrupt ones are reported, skipped);
         CheckpointMismatch if it belongs to another run or model (nothing is overwritten then)."""
+        if self._preloaded is not None:
+            found, self._preloaded = self._preloaded[0], None
+            return found
         if self.state_dir is None:
             return None
         for path in sorted(self.state_dir.glob("checkpoint-*.pt"), reverse=True):

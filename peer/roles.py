@@ -312,8 +312,8 @@ def _follow_rounds(p: Participant, stop: StopFlag, on_round: Callable[[RoundInfo
                 continue
             volunteers = sum(1 for rec in records.values() if rec.role != "coordinator")
             on_round(RoundInfo(r, "retry", peers_online=volunteers,
-                               reason=f"{volunteers} volunteer{'' if volunteers == 1 else 's'} online, "
-                                      f"{m.run.min_peers} needed"))
+                               reason=f"{volunteers} volunteer{'' if volunteers == 1 else 's'} online"
+                                      + (f", {m.run.min_peers} needed" if volunteers < m.run.min_peers else "")))
             continue
         signed, d = committed
         try:

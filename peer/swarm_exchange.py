@@ -118,7 +118,7 @@ class SwarmExchange:
                 why = "no leader answered"
             else:  # the usual cause while a run fills up: fewer volunteers than min_peers
                 why = (f"the leader decided to retry: fewer than {ctx.min_peers} complete contributions "
-                       "(the run's min_peers) arrived in time")
+                       "(the run's min_peers) arrived in time, or an aggregator failed")
             raise RoundFailed(f"round {round_id} attempt {outcome.attempt}: {why}")
         if decision.round != round_id:
             raise NeedResync(f"got the decision of round {decision.round} while at round {round_id}")

@@ -14,6 +14,16 @@ torch.set_num_threads(1)  # several test processes may share 2 cores; one thread
 from groundswell.peer.data import Corpus, load_corpus
 
 
+@pytest.fixture(autouse=True)
+def _release_state_locks():
+    """Commands run in-process (CliRunner) lock their state dir and identity for the process's
+    lifetime; let go after each test, as a process exit would."""
+    yield
+    from groundswell.peer.locks import release_all
+
+    release_all()
+
+
 @pytest.fixture(scope="session")
 def corpus() -> Corpus:
     return load_corpus("stdlib")

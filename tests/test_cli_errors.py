@@ -148,7 +148,10 @@ def test_a_state_dir_or_identity_in_use_by_another_process_is_one_error_line(tmp
         from pathlib import Path
         from groundswell.peer.locks import hold_exclusively
         hold_exclusively(Path({str(tmp_path / 'a')!r}) / ".lock", "state dir", Path("a"))
-        hold_exclusively(Path({str(tmp_path / 'id.key.lock')!r}), "identity", Path("id.key"))
+        from groundswell.peer.locks import identity_lock_path
+        from groundswell.protocol.identity import Identity
+        ident = Identity.load_or_generate(Path({str(tmp_path / 'id.key')!r}))
+        hold_exclusively(identity_lock_path(ident.peer_id), "identity", Path("id.key"))
         print("held", flush=True)
         time.sleep(60)
         """)], stdout=subprocess.PIPE, text=True)
@@ -189,3 +192,27 @@ def test_a_clock_off_by_more_than_the_dht_allows_is_named_with_its_skew():
     refusal = "local time must be within 3 seconds  of others(local: 1796158009.75187, peer: 1796157949.75283)"
     assert abs(_clock_skew(refusal) - 59.99904) < 1e-6
     assert _clock_skew("failed to connect to bootstrap peers") is None
+
+
+def test_launch_on_a_state_dir_of_another_run_refuses_before_writing_anything(tmp_path, corpus):
+    from groundswell.peer.manifest import manifest_from_mapping, sign_manifest
+    from groundswell.peer.participant import Participant, genesis_decision
+    from groundswell.peer.swarm import GlobalState, NodeOptions
+
+    state = tmp_path / "run-1"
+    state.mkdir()
+    manifest = manifest_from_mapping({"run": {"id": "first-run", "open": True}, "model": {"spec": "tiny"}})
+    ident = Identity.load_or_generate(state / "identity.key")
+    p = Participant(manifest, sign_manifest(manifest, ident).to_bytes(), ident, str(state / "identity.key"),
+                    NodeOptions(), state, corpus=corpus)
+    p._snapshot = GlobalState(0, {"global_params": p.outer.global_params.clone()}, genesis_decision(ident, "first-run"))
+    assert p.save_checkpoint() is not None
+    (state / "bootstrap.txt").write_text("gs1:the-first-run's-line\n")
+    before = {f.name: f.read_bytes() for f in state.iterdir()}
+    other = (Path(__file__).resolve().parents[1] / "scripts" / "example_run.toml").read_text()
+    (tmp_path / "other.toml").write_text(other)  # run id "example-tiny"
+    res = CliRunner().invoke(app, ["launch", str(tmp_path / "other.toml"), "--state-dir", str(state),
+                                   "--listen", "/ip4/127.0.0.1/tcp/0", "--quiet"])
+    _one_error_line(res, 2, "holds a checkpoint (checkpoint-00000000.pt) of another run")
+    after = {f.name: f.read_bytes() for f in state.iterdir() if f.name != ".lock"}
+    assert after == {k: v for k, v in before.items() if k != ".lock"}  # nothing written, nothing removed
