@@ -11,7 +11,6 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import logging
-import re
 import threading
 import time
 from collections.abc import Callable, Coroutine, Sequence
@@ -42,6 +41,8 @@ from groundswell.protocol.server import RoundServer
 from groundswell.protocol.transport import PeerUnavailable, Transport, WithTrailer, seal, unseal
 
 from .daemon import adopt_p2pd_daemons, reap_daemons, release_private_sockets, with_private_sockets
+from .dht_rejoin import DhtRejoiner
+from .net_errors import NetworkError, explain_start_failure
 from .reachability import (
     PROBE_TIMEOUT_S,
     DialBack,
@@ -61,17 +62,6 @@ HEARTBEAT_S = 2.0
 def params_hash(vector: torch.Tensor) -> str:
     """Short BLAKE3 hash of a flat parameter vector, bit for bit."""
     return bulk_hasher().update(memoryview(vector.detach().cpu().contiguous().numpy()).cast("B")).hexdigest()[:16]
-
-
-def _clock_skew(message: str) -> float | None:
-    """Our clock minus a peer's, from hivemind's DHT refusal ("local time must be within 3 seconds
-    of others(local: L, peer: P)"), or None for any other message."""
-    found = re.search(r"local time must be within .*local: ([0-9.]+), peer: ([0-9.]+)", message)
-    return float(found.group(1)) - float(found.group(2)) if found else None
-
-
-class NetworkError(RuntimeError):
-    """The network could not start, or the run could not be reached: a message for the user."""
 
 
 class Stopped(Exception):
@@ -182,8 +172,7 @@ class SwarmNode:
         self.guard = Guard()  # every transport of this node: limits and bans are per remote peer
         self._error: BaseException | None = None
         self._interrupt: threading.Event | None = None  # see interrupt_calls_on
-        self._rejoined_at = -1e9  # monotonic time of the last attempt to re-enter the DHT
-        self._peer_addrs: dict[str, list[str]] = {}  # peer -> addresses from its last record seen, oldest first
+        self.rejoiner = DhtRejoiner(identity.peer_id, options.initial_peers)  # after a network outage
 
     # --- lifecycle ------------------------------------------------------------------------------
     def start(self, timeout_s: float = 60.0) -> None:
@@ -198,20 +187,7 @@ class SwarmNode:
         if not ready or self._error is not None:
             err = self._error or TimeoutError("network start-up timed out")
             self.close()
-            if isinstance(err, NetworkError):
-                raise err
-            if (skew := _clock_skew(str(err))) is not None:  # hivemind's DHT allows 3 s
-                raise NetworkError(f"this computer's clock is {abs(skew):.0f} s {'ahead of' if skew > 0 else 'behind'} "
-                                   "the bootstrap peer's, and the DHT allows 3 s: set the clock (turn on "
-                                   "network time, e.g. `timedatectl set-ntp true`) and start again") from err
-            if "can't access this node" in str(err):  # hivemind's DHT: the bootstrap peer could not dial us back
-                raise NetworkError("the bootstrap peer could not connect back to this node (a firewall? then "
-                                   "--reachability private; or another process with the same identity)") from err
-            if "failed to connect to bootstrap peers" in str(err):  # p2pd's words
-                peers = ", ".join(self.options.initial_peers)
-                raise NetworkError(f"none of the bootstrap peers answered ({peers}): is the run up, "
-                                   "and is the address right?") from err
-            raise NetworkError(f"could not start the network: {err}") from err
+            raise explain_start_failure(err, self.options.initial_peers) from err
 
     async def _run(self) -> None:
         from hivemind.dht.node import DHTNode
@@ -442,7 +418,7 @@ class SwarmNode:
                              sorted(self.guard.bans())[:32], sum(self.guard.rejected.values()), self._latest_scores())
             signed = seal(self.identity, self.ctx.run_id, rec)
             try:
-                await self._rejoin_dht()
+                await self.rejoiner.maybe_rejoin(self.p2p, self.dht)
             except Exception as exc:  # best effort: the next heartbeat tries again
                 log.info("re-entering the DHT failed: %r", exc)
             try:
@@ -451,45 +427,6 @@ class SwarmNode:
             except Exception as exc:  # the DHT being briefly unreachable is normal under churn
                 log.info("heartbeat store failed: %r", exc)
             await asyncio.sleep(HEARTBEAT_S)
-
-    async def _rejoin_dht(self, every_s: float = 10.0) -> None:
-        """Re-enter the DHT once every peer has dropped out of our routing table. A network outage
-        (Wi-Fi gone for a minute) fails every request, which evicts every peer, and hivemind's node
-        bootstraps only at start: it would then see and publish nothing but its own record while
-        the round protocol (direct streams) went on. So dial the peers we knew (bootstrap peers,
-        then the addresses in their cached records), ping them back into the table and look up
-        our neighbours again, at most once per `every_s`."""
-        from hivemind.p2p import PeerID
-        from hivemind.utils.multiaddr import Multiaddr
-
-        protocol = self.dht.protocol
-        if len(protocol.routing_table.uid_to_peer_id) or time.monotonic() - self._rejoined_at < every_s:
-            return
-        self._rejoined_at = time.monotonic()
-        known: dict[str, list[str]] = {}
-        for maddr in self.options.initial_peers:
-            head, _, pid = str(maddr).rpartition("/p2p/")
-            known.setdefault(pid, []).append(head)
-        for pid, maddrs in reversed(self._peer_addrs.items()):  # the most recently seen first
-            known.setdefault(pid, []).extend(m.rpartition("/p2p/")[0] or m for m in maddrs[:4])
-        known.pop(self.identity.peer_id, None)
-        targets = list(known.items())[:16]
-        if not targets:  # the first peer of a run, alone so far: the others will find us
-            return
-
-        async def ping(pid: str, addrs: list[str]) -> bool:
-            peer = PeerID.from_base58(pid)
-            try:
-                async with asyncio.timeout(5):
-                    await self.p2p._client.connect(peer, [Multiaddr(a) for a in addrs if "p2p-circuit" not in a])
-            except Exception:  # not reachable now, or a relayed peer: the ping below may still work
-                pass
-            return await protocol.call_ping(peer) is not None  # adds it to the table when it answers
-
-        answered = sum(await asyncio.gather(*(ping(pid, addrs) for pid, addrs in targets)))
-        if answered:
-            await self.dht.find_nearest_nodes([self.dht.node_id])
-        log.info("routing table was empty: %d of %d known peers answered", answered, len(targets))
 
     def _latest_scores(self) -> list[str]:
         """"peer=score" for the newest round this peer scored contributions in (as a leader)."""
@@ -523,11 +460,7 @@ class SwarmNode:
     async def refresh_records(self) -> dict[str, PeerRecord]:
         """Refresh the cached view of peer records."""
         self._cached_records = await self.peer_records()
-        for pid, rec in self._cached_records.items():  # addresses outlive records: see _rejoin_dht
-            self._peer_addrs.pop(pid, None)
-            self._peer_addrs[pid] = list(rec.maddrs)
-        while len(self._peer_addrs) > 64:
-            del self._peer_addrs[next(iter(self._peer_addrs))]
+        self.rejoiner.remember((pid, rec.maddrs) for pid, rec in self._cached_records.items())
         return self._cached_records
 
     def refresh_in_background(self) -> None:

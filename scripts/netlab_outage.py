@@ -6,7 +6,7 @@
 In netlab (shaped links): a coordinator and three public volunteers; `pub3`'s link goes down
 `--down-at` seconds after the volunteers start, for `--down-for` seconds; `--after` seconds after
 it is back, every volunteer leaves (SIGINT). Prints JSON: the outage
-window, pub3's attempts to re-enter the DHT once its routing table was empty (`SwarmNode._rejoin_dht`), how
+window, pub3's attempts to re-enter the DHT once its routing table was empty (`peer/dht_rejoin.py`), how
 long after the link came back pub3 was in an aggregate again, the other volunteers' longest round
 during the outage, and whether every round's parameter hashes agreed.
 """

@@ -187,7 +187,7 @@ def test_a_process_that_did_not_start_is_named_with_its_first_error_line(tmp_pat
 
 
 def test_a_clock_off_by_more_than_the_dht_allows_is_named_with_its_skew():
-    from groundswell.peer.swarm import _clock_skew
+    from groundswell.peer.net_errors import clock_skew as _clock_skew
 
     refusal = "local time must be within 3 seconds  of others(local: 1796158009.75187, peer: 1796157949.75283)"
     assert abs(_clock_skew(refusal) - 59.99904) < 1e-6

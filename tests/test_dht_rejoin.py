@@ -53,3 +53,15 @@ def test_a_peer_cut_off_from_the_dht_rejoins_and_is_seen_again():
         assert len(c.call(c.refresh_records(), 10)) == 3  # and c sees everyone again
     finally:
         cluster.close()
+
+
+def test_rejoin_targets_are_bootstrap_peers_then_the_most_recently_seen_without_ourselves():
+    from groundswell.peer.dht_rejoin import MAX_REMEMBERED, DhtRejoiner
+
+    r = DhtRejoiner("me", ["/ip4/10.0.0.1/tcp/1/p2p/boot"])
+    r.remember([("old", ["/ip4/10.0.0.2/tcp/2/p2p/old"]), ("me", ["/ip4/10.0.0.9/tcp/9/p2p/me"])])
+    r.remember([("new", ["/ip4/10.0.0.3/tcp/3/p2p/new", "/ip4/10.0.0.4/tcp/4/p2p/R/p2p-circuit/p2p/new"])])
+    assert r.targets() == [("boot", ["/ip4/10.0.0.1/tcp/1"]), ("new", ["/ip4/10.0.0.3/tcp/3"]),
+                           ("old", ["/ip4/10.0.0.2/tcp/2"])]
+    r.remember((f"p{i}", []) for i in range(2 * MAX_REMEMBERED))
+    assert len(r._addrs) == MAX_REMEMBERED and "old" not in r._addrs  # the oldest are forgotten

@@ -1,0 +1,35 @@
+"""What a user is told when the network does not start: one line that says what to do."""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Sequence
+
+
+class NetworkError(RuntimeError):
+    """The network could not start, or the run could not be reached: a message for the user."""
+
+
+def clock_skew(message: str) -> float | None:
+    """Our clock minus a peer's, from hivemind's DHT refusal ("local time must be within 3 seconds
+    of others(local: L, peer: P)"), or None for any other message."""
+    found = re.search(r"local time must be within .*local: ([0-9.]+), peer: ([0-9.]+)", message)
+    return float(found.group(1)) - float(found.group(2)) if found else None
+
+
+def explain_start_failure(err: BaseException, initial_peers: Sequence[str]) -> NetworkError:
+    """The NetworkError to raise for a failed start of the daemon or the DHT."""
+    if isinstance(err, NetworkError):
+        return err
+    text = str(err)
+    if (skew := clock_skew(text)) is not None:  # hivemind's DHT allows 3 s
+        return NetworkError(f"this computer's clock is {abs(skew):.0f} s {'ahead of' if skew > 0 else 'behind'} "
+                            "the bootstrap peer's, and the DHT allows 3 s: set the clock (turn on "
+                            "network time, e.g. `timedatectl set-ntp true`) and start again")
+    if "can't access this node" in text:  # hivemind's DHT: the bootstrap peer could not dial us back
+        return NetworkError("the bootstrap peer could not connect back to this node (a firewall? then "
+                            "--reachability private; or another process with the same identity)")
+    if "failed to connect to bootstrap peers" in text:  # p2pd's words
+        return NetworkError(f"none of the bootstrap peers answered ({', '.join(initial_peers)}): is the run up, "
+                            "and is the address right?")
+    return NetworkError(f"could not start the network: {err}")
