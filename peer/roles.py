@@ -311,6 +311,12 @@ def _follow_rounds(p: Participant, stop: StopFlag, on_round: Callable[[RoundInfo
                 log.info("peer records: %s", exc)
                 continue
             volunteers = sum(1 for rec in records.values() if rec.role != "coordinator")
+            if max((rec.round for rec in records.values()), default=-1) > r + 1:
+                # The swarm went on without us (our link was down, say): nobody decides round r
+                # any more, so waiting for it would last for good. Catch up, or take the state.
+                log.info("the swarm is past round %d: catching up", r)
+                _follow_the_swarm(p)
+                continue
             on_round(RoundInfo(r, "retry", peers_online=volunteers,
                                reason=f"{volunteers} volunteer{'' if volunteers == 1 else 's'} online"
                                       + (f", {m.run.min_peers} needed" if volunteers < m.run.min_peers else "")))

@@ -31,7 +31,7 @@ from groundswell.peer.sim_report import read_events
 from groundswell.peer.simulate import Simulation, SimulateOptions, manifest_toml
 
 VOLUNTEERS = ("pub", "pub2", "pub3")
-VICTIM = "pub3"
+NAMES = {"coord": "coordinator", **{v: v for v in VOLUNTEERS}}  # netlab host -> process name
 
 
 def _link(name: str, state: str) -> None:
@@ -39,7 +39,7 @@ def _link(name: str, state: str) -> None:
 
 
 def run(down_at: float = 40, down_for: float = 30, after: float = 45, out: Path | None = None,
-        timeout_s: float = 120) -> dict:
+        timeout_s: float = 120, victim: str = "pub3") -> dict:
     """Build the lab, run the swarm with one outage, tear the lab down; the outcome as a dict."""
     out = out or Path(tempfile.mkdtemp(prefix="netlab-outage-"))
     rounds = 10**6  # the run ends by the clock: `after` seconds after the link is back
@@ -65,10 +65,10 @@ def run(down_at: float = 40, down_for: float = 30, after: float = 45, out: Path 
                              "--listen", f"/ip4/{ip}/tcp/40001", *common],
                       prefix=tuple(netlab.netns_exec_argv(name, [])))
         time.sleep(down_at)
-        _link(VICTIM, "down")
+        _link(victim, "down")
         down_t = time.time()
         time.sleep(down_for)
-        _link(VICTIM, "up")
+        _link(victim, "up")
         up_t = time.time()
         time.sleep(after)  # then everyone leaves cleanly (Ctrl+C), as at the end of a session
         for name in VOLUNTEERS:
@@ -77,18 +77,19 @@ def run(down_at: float = 40, down_for: float = 30, after: float = 45, out: Path 
         while time.time() < end and any(sim.alive(v) for v in VOLUNTEERS):
             time.sleep(0.5)
         timed_out = [v for v in VOLUNTEERS if sim.alive(v)]
-    return outcome(out, down_t, up_t, timed_out)
+    return outcome(out, down_t, up_t, timed_out, NAMES[victim])
 
 
-def outcome(out: Path, down_t: float, up_t: float, timed_out: list[str]) -> dict:
-    """What the outage cost, from the event logs and the victim's protocol log."""
+def outcome(out: Path, down_t: float, up_t: float, timed_out: list[str], name: str = "pub3") -> dict:
+    """What the outage cost, from the event logs and the victim's (process `name`) protocol log."""
     base = report(out, 0, {}, timed_out, VOLUNTEERS)
-    victim = read_events(out / VICTIM / "events.jsonl")
-    back = [e for e in victim if e["kind"] == "round" and e.get("included") and e["t"] > up_t]
-    others = [e for name in VOLUNTEERS if name != VICTIM for e in read_events(out / name / "events.jsonl")
+    victim = read_events(out / name / "events.jsonl")
+    # back: a volunteer's contribution is in an aggregate again; the coordinator follows a round again
+    back = [e for e in victim if e["kind"] == "round" and e["t"] > up_t and (e.get("included") or name == "coordinator")]
+    others = [e for other in VOLUNTEERS if other != name for e in read_events(out / other / "events.jsonl")
               if e["kind"] == "round" and down_t <= e["t"] <= up_t + 30]
     rejoins = re.findall(r"routing table was empty: (\d+) of (\d+) known peers answered",
-                         (out / f"{VICTIM}.log").read_text(errors="replace"))
+                         (out / f"{name}.log").read_text(errors="replace"))
     return {
         "rounds_completed": base["rounds_completed"],
         "param_hash_agreement": base["param_hash_agreement"], "timed_out": timed_out,
@@ -96,6 +97,7 @@ def outcome(out: Path, down_t: float, up_t: float, timed_out: list[str]) -> dict
         # Each time the victim found its DHT routing table empty: (peers that answered, peers tried).
         # Traffic from the others may refill it first, once the link is back; then there is no attempt after.
         "victim_rejoin_attempts": [[int(n), int(m)] for n, m in rejoins],
+        "victim": name,
         "victim_included_again_after_s": round(back[0]["t"] - up_t, 1) if back else None,
         "victim_events_after_link_up": [e["kind"] for e in victim if e["t"] > up_t][:6],
         "others_longest_round_s": round(max((e["round_s"] for e in others), default=0.0), 1),
@@ -108,10 +110,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--down-at", type=float, default=40)
     ap.add_argument("--down-for", type=float, default=30)
     ap.add_argument("--after", type=float, default=45)
+    ap.add_argument("--victim", choices=sorted(NAMES), default="pub3", help="whose link goes down")
     ap.add_argument("--out", type=Path, default=None)
     a = ap.parse_args(argv)
     try:
-        res = run(a.down_at, a.down_for, a.after, a.out)
+        res = run(a.down_at, a.down_for, a.after, a.out, victim=a.victim)
     except netlab.NetlabUnavailable as exc:
         print(f"netlab unavailable: {exc}", file=sys.stderr)
         return 3
