@@ -311,7 +311,8 @@ def _follow_rounds(p: Participant, stop: StopFlag, on_round: Callable[[RoundInfo
                 log.info("peer records: %s", exc)
                 continue
             volunteers = sum(1 for rec in records.values() if rec.role != "coordinator")
-            if max((rec.round for rec in records.values()), default=-1) > r + 1:
+            ahead = sorted((rec.round for pid, rec in records.items() if pid != p.identity.peer_id), reverse=True)
+            if ahead and ahead[(len(ahead) - 1) // 2] > r + 1:  # half the peers, not one record that says so
                 # The swarm went on without us (our link was down, say): nobody decides round r
                 # any more, so waiting for it would last for good. Catch up, or take the state.
                 log.info("the swarm is past round %d: catching up", r)
