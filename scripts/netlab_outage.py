@@ -25,7 +25,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).parent))
 import netlab
-from netlab_run import report
+from netlab_run import COMMON, report, start_coordinator
 
 from groundswell.peer.sim_report import read_events
 from groundswell.peer.simulate import Simulation, SimulateOptions, manifest_toml
@@ -47,22 +47,11 @@ def run(down_at: float = 40, down_for: float = 30, after: float = 45, out: Path 
                            slack_s=2, min_peers=2, checkpoint_every=rounds)
     with netlab.lab(), Simulation(out, opts) as sim:  # shaped links: 50 Mbit/s, 40 ms, 0.1% loss
         (out / "run.toml").write_text(manifest_toml(opts))
-        coord_ip = netlab.HOSTS["coord"][1]
-        common = ["--quiet", "--verbose", "--threads", "1"]
-        sim.spawn("coordinator", ["launch", str(out / "run.toml"), "--state-dir", str(out / "coordinator"),
-                                  "--listen", f"/ip4/{coord_ip}/tcp/40000", *common],
-                  prefix=tuple(netlab.netns_exec_argv("coord", [])))
-        boot_file = out / "coordinator" / "bootstrap.txt"
-        deadline = time.time() + 120
-        while not boot_file.exists():
-            if time.time() > deadline or not sim.alive("coordinator"):
-                raise RuntimeError(f"the coordinator did not start; see {out / 'coordinator.log'}")
-            time.sleep(0.2)
-        boot = boot_file.read_text().strip()
+        boot = start_coordinator(sim, out, ["--listen", f"/ip4/{netlab.HOSTS['coord'][1]}/tcp/40000"])
         for name in VOLUNTEERS:
             ip = netlab.HOSTS[name][1]
             sim.spawn(name, ["join", boot, "--state-dir", str(out / name), "--until-round", str(rounds),
-                             "--listen", f"/ip4/{ip}/tcp/40001", *common],
+                             "--listen", f"/ip4/{ip}/tcp/40001", *COMMON],
                       prefix=tuple(netlab.netns_exec_argv(name, [])))
         time.sleep(down_at)
         _link(victim, "down")

@@ -27,6 +27,22 @@ from groundswell.peer.simulate import Simulation, SimulateOptions, manifest_toml
 VOLUNTEERS = ("pub", "h1", "h2", "h3")
 
 
+COMMON = ("--quiet", "--verbose", "--threads", "1")  # every process: protocol log in NAME.log
+
+
+def start_coordinator(sim: Simulation, out: Path, listen: list[str]) -> str:
+    """Launch OUT/run.toml's coordinator in the `coord` namespace; its bootstrap line once it is up."""
+    sim.spawn("coordinator", ["launch", str(out / "run.toml"), "--state-dir", str(out / "coordinator"),
+                              *listen, *COMMON], prefix=tuple(netlab.netns_exec_argv("coord", [])))
+    boot_file = out / "coordinator" / "bootstrap.txt"
+    deadline = time.time() + 120
+    while not boot_file.exists():
+        if time.time() > deadline or not sim.alive("coordinator"):
+            raise RuntimeError(f"the coordinator did not start; see {out / 'coordinator.log'}")
+        time.sleep(0.2)
+    return boot_file.read_text().strip()
+
+
 def run(rounds: int = 5, out: Path | None = None, timeout_s: float = 300, **lab_kwargs: object) -> dict:
     """Build the lab, run the swarm in it until every volunteer reached `rounds`, tear it down."""
     out = out or Path(tempfile.mkdtemp(prefix="netlab-run-"))
@@ -36,20 +52,11 @@ def run(rounds: int = 5, out: Path | None = None, timeout_s: float = 300, **lab_
         (out / "run.toml").write_text(manifest_toml(opts))
         coord_ip = netlab.HOSTS["coord"][1]
         rtt = netlab.ping("h1", coord_ip, 5)[1]  # what the links give, as a volunteer behind NAT sees it
-        common = ["--quiet", "--verbose", "--threads", "1"]
-        sim.spawn("coordinator", ["launch", str(out / "run.toml"), "--state-dir", str(out / "coordinator"),
-                                  "--listen", "/ip4/0.0.0.0/tcp/40000", "--announce", f"/ip4/{coord_ip}/tcp/40000",
-                                  *common], prefix=tuple(netlab.netns_exec_argv("coord", [])))
-        boot_file = out / "coordinator" / "bootstrap.txt"
-        deadline = time.time() + 120
-        while not boot_file.exists():
-            if time.time() > deadline or not sim.alive("coordinator"):
-                raise RuntimeError(f"the coordinator did not start; see {out / 'coordinator.log'}")
-            time.sleep(0.2)
-        boot = boot_file.read_text().strip()
+        boot = start_coordinator(sim, out, ["--listen", "/ip4/0.0.0.0/tcp/40000",
+                                            "--announce", f"/ip4/{coord_ip}/tcp/40000"])
         for name in VOLUNTEERS:
             sim.spawn(name, ["join", boot, "--state-dir", str(out / name), "--until-round", str(rounds),
-                             "--listen", "/ip4/0.0.0.0/tcp/0", *common],
+                             "--listen", "/ip4/0.0.0.0/tcp/0", *COMMON],
                       prefix=tuple(netlab.netns_exec_argv(name, [])))
         end = time.time() + timeout_s
         while time.time() < end and any(sim.alive(v) for v in VOLUNTEERS):
