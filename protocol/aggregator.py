@@ -13,7 +13,7 @@ import logging
 import time
 from typing import Any
 
-from groundswell.compression import RobustStats, contribution_sq_norm, robust_mean
+from groundswell.compression import Payload, RobustStats, contribution_sq_norm, robust_mean
 
 from .context import contribution_digest, validate_segments
 from .plan import attempt_for, close_time
@@ -125,6 +125,8 @@ class Aggregator:
             raise
         slot.contributions[msg.shard][sender] = (msg.first_segment, msg.segments, envelope,
                                                  contribution_digest(msg.first_segment, msg.segments))
+        if self.ctx.codec.name not in DENSE_MEAN_CODECS:  # small: kept, so our fetch of the commit parses none again
+            slot.parsed[(msg.shard, sender)] = rows
         if self._clips_dense():  # worked out now, while the network is the bottleneck, not at the seal
             slot.sq_norms[(msg.shard, sender)] = contribution_sq_norm(self.ctx.codec, rows)
         self._report(msg.round, msg.attempt)
@@ -308,6 +310,15 @@ class Aggregator:
         _, decision = unseal(signed, self.ctx.run_id, Decision)
         clipped = [decision.contributors[c] for c in sorted(stats.clipped)]
         return AggregateShard(signed, shard, "mean", [codec.encode(m).to_bytes() for m in means], clipped)
+
+    def held_rows(self, round_id: int, attempt: int, shard: int, who: str, digest: bytes) -> list[Payload] | None:
+        """The parsed segments of `who`'s contribution to a shard that this peer took as an
+        aggregator, if its digest is `digest` (so its bytes are those a commit pins); else None."""
+        slot = self.attempts.get((round_id, attempt))
+        held = slot.contributions.get(shard, {}).get(who) if slot is not None else None
+        if held is None or held[3] != digest:
+            return None
+        return slot.parsed.get((shard, who))
 
     def local_contributions(self, round_id: int, attempt: int, shard: int, contributors: list[str]) -> AggregateShard:
         """The signed contributions this peer holds for a shard of an attempt ("none" unless all)."""

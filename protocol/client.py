@@ -34,6 +34,9 @@ from .transport import PeerUnavailable, unseal
 
 log = logging.getLogger(__name__)
 REASK_S = 1.0  # how often a leader that failed to answer is asked again for the decision
+# A shard up to this size goes to all its copies' aggregators at once (sparse shards are ~1/200
+# of fp32); a bigger one to one at a time.
+PARALLEL_COPIES_BYTES = 256 << 10
 
 
 class RoundBehind(RuntimeError):
@@ -143,57 +146,59 @@ class RoundClient(AggregateFetcher):
             log.info("%s to %s failed: %s", handler, peer[-8:], exc)
 
     async def _send_shard(self, plan: RoundPlan, shard: int, segments: list[bytes]) -> bool:
+        """Give the shard to its aggregator and `replica_count` replicas, the first of its reporting
+        candidates that take it (the same peers for every contributor while they are alive, so the
+        leader finds whole replicas); True if at least one took it.
+
+        A frozen candidate never answers: if no copy lands within a hedge, the next candidate is
+        tried too, so it costs the hedge, not the request timeout (which, at the default round
+        timing, is the whole attempt). Small (sparse) shards go to every copy's peer at once; a big
+        one goes to one peer at a time, or the copies would share the uplink and all land late."""
         first, stop = plan.shard_segments[shard]
         msg = ShardContribution(plan.round, plan.attempt, shard, first, segments[first:stop])
         size = sum(len(s) for s in msg.segments)
-        # A dead aggregator fails fast (dial error); a frozen one costs this timeout, sized for the
-        # payload at a modest 5 MB/s, before the next candidate gets the shard.
-        timeout = 2 * self.ctx.slack_s + size / 5e6
-        unreachable: set[str] = set()
-        for peer in plan.candidates(shard)[:REPORTING_CANDIDATES]:
-            try:
-                if peer == self.me:
-                    ack = await self.server._on_contribute(peer, msg)
-                else:
-                    ack = await self.transport.request(peer, "contribute", msg, Ack, timeout_s=timeout)
-            except (PeerUnavailable, ProtocolError) as exc:
-                log.info("shard %d to %s failed: %s", shard, peer[-8:], exc)
-                unreachable.add(peer)
-                continue
-            if ack.ok:
-                await self._replicate(plan, shard, msg, {peer} | unreachable, timeout)
-                return True
-            log.info("shard %d refused by %s: %s", shard, peer[-8:], ack.reason)
-            if "closed" in ack.reason or "sealed" in ack.reason:
-                return False
-        return False
+        timeout = 2 * self.ctx.slack_s + size / 5e6  # a live aggregator at a modest 5 MB/s
+        hedge = max(1.0, self.ctx.slack_s / 2) + size / 5e6
+        copies = 1 + max(0, replica_count(self.ctx))
+        at_once = copies if size <= PARALLEL_COPIES_BYTES else 1
+        queue = list(plan.candidates(shard)[:REPORTING_CANDIDATES])
+        held, stalled = 0, False
+        asking: set[asyncio.Future[str]] = set()  # owned here: whatever still runs is cancelled below
+        try:
+            while held < copies and (queue or asking):
+                if queue and (stalled or len(asking) < min(at_once, copies - held)):
+                    asking.add(asyncio.ensure_future(self._offer(queue.pop(0), msg, timeout)))
+                    stalled = False
+                    continue
+                if stalled and held:
+                    break  # delivered; the copies still on their way had their hedge
+                done, asking = await asyncio.wait(asking, timeout=hedge, return_when=asyncio.FIRST_COMPLETED)
+                stalled = not done
+                for task in done:
+                    verdict = task.result()
+                    if verdict == "closed":
+                        return held > 0
+                    held += verdict == "ok"
+        finally:
+            for task in asking:
+                task.cancel()
+            await asyncio.gather(*asking, return_exceptions=True)
+        return held > 0
 
-    async def _replicate(self, plan: RoundPlan, shard: int, msg: ShardContribution, skip: set[str],
-                         timeout: float) -> None:
-        """Give `replica_count` more aggregators a copy of the shard, so the leader can replace a
-        source that dies or freezes before it seals (best effort: the contribution already
-        counts). The replicas are the first of the shard's reporting candidates, other than the
-        holder, that take it: the same peers for every contributor while the same peers are alive.
-        `skip`: the holder and the candidates that just failed to take the shard."""
-        wanted = replica_count(self.ctx)
-        if wanted <= 0:
-            return
-        for peer in plan.candidates(shard)[:REPORTING_CANDIDATES]:
-            if peer in skip:
-                continue
-            try:
-                if peer == self.me:
-                    ack = await self.server._on_contribute(peer, msg)
-                else:
-                    ack = await self.transport.request(peer, "contribute", msg, Ack, timeout_s=timeout)
-            except (PeerUnavailable, ProtocolError) as exc:
-                log.info("replica of shard %d to %s failed: %s", shard, peer[-8:], exc)
-                continue
-            if "closed" in ack.reason or "sealed" in ack.reason:
-                return
-            wanted -= ack.ok
-            if wanted == 0:
-                return
+    async def _offer(self, peer: str, msg: ShardContribution, timeout: float) -> str:
+        """Send one shard to one aggregator: "ok", "closed" (the attempt is over: stop), or "failed"."""
+        try:
+            if peer == self.me:
+                ack = await self.server._on_contribute(peer, msg)
+            else:
+                ack = await self.transport.request(peer, "contribute", msg, Ack, timeout_s=timeout)
+        except (PeerUnavailable, ProtocolError) as exc:
+            log.info("shard %d to %s failed: %s", msg.shard, peer[-8:], exc)
+            return "failed"
+        if ack.ok:
+            return "ok"
+        log.info("shard %d refused by %s: %s", msg.shard, peer[-8:], ack.reason)
+        return "closed" if "closed" in ack.reason or "sealed" in ack.reason else "failed"
 
     async def _await_decision(self, plan: RoundPlan) -> tuple[Decision | None, bytes]:
         # Ask the leader and the backup at once: the backup answers only if it had to decide

@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING, Any
 from .aggregator import CONTESTED, REPORTING_CANDIDATES
 from .plan import RoundPlan
 from .schema import Ack, Decision, ProtocolError, Seal
-from .transport import PeerUnavailable, seal, unseal
+from .transport import PeerUnavailable, ShardsUnavailable, seal, unseal
 
 if TYPE_CHECKING:
     from .server import _Attempt
@@ -83,9 +83,14 @@ class Decider:
                 log.warning("round %d attempt %d is being decided by another leader; standing back", plan.round,
                             plan.attempt)
                 return
-            if not refused and await self._hold_all(signed):
+            if refused:
+                failed |= refused
+                continue
+            # A shard no holder could provide (its source froze after sealing, say): another
+            # source for it, if a replica reported it whole; the other shards keep theirs.
+            if not (unheld := await self._unheld_shards(signed)):
                 break
-            failed |= refused or set(sources)
+            failed |= {sources[s] for s in unheld}
         else:
             contributors = []
         if len(contributors) < self.ctx.min_peers or failed >= set(sources or [""]):
@@ -128,15 +133,24 @@ class Decider:
 
     async def _hold_all(self, signed: bytes, timeout_s: float | None = None) -> bool:
         """Gather every shard of a commit (archived here) within `timeout_s`; False if that fails."""
+        return not await self._unheld_shards(signed, timeout_s)
+
+    async def _unheld_shards(self, signed: bytes, timeout_s: float | None = None) -> set[int]:
+        """Gather every shard of a commit (archived here) within `timeout_s`: the shards that could
+        not be had (all of them when that is not known), empty if every one is held."""
         if self.prefetch is None:
-            return True
+            return set()
+        _, decision = unseal(signed, self.ctx.run_id, Decision)
         try:
             async with asyncio.timeout(timeout_s or self.ctx.deadline_s + 2 * self.ctx.slack_s):
                 await self.prefetch(signed)
-            return True
+            return set()
+        except ShardsUnavailable as exc:
+            log.warning("could not gather the commit's aggregate (%s)", exc)
+            return set(exc.shards)
         except (PeerUnavailable, ProtocolError, TimeoutError) as exc:
             log.warning("could not gather the commit's aggregate (%s)", exc)
-            return False
+            return set(range(decision.num_shards))
 
     async def _seal_all(self, signed: bytes, peers: list[str], groups: list[list[str]] | None = None,
                         timeout_s: float | None = None) -> tuple[set[str], bool]:

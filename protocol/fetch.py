@@ -26,7 +26,7 @@ from .schema import (
     ProtocolError,
     ShardContribution,
 )
-from .transport import PeerUnavailable, unseal
+from .transport import PeerUnavailable, ShardsUnavailable, unseal
 
 log = logging.getLogger(__name__)
 
@@ -71,8 +71,16 @@ class AggregateFetcher:
         plan = await self.server.plan(decision.round, decision.attempt, wait_s=0)
         if plan is None or plan.num_shards != decision.num_shards:
             raise PeerUnavailable(f"cannot plan round {decision.round}: its membership is not known here")
-        shards = await asyncio.gather(*(self._fetch_shard(decision, signed, plan, s) for s in range(plan.num_shards)))
-        return decision, plan, list(shards)
+        # Every shard to the end, each fetch owned here: the caller learns all that are missing.
+        got = await asyncio.gather(*(self._fetch_shard(decision, signed, plan, s) for s in range(plan.num_shards)),
+                                   return_exceptions=True)
+        for result in got:
+            if isinstance(result, BaseException) and not isinstance(result, PeerUnavailable):
+                raise result
+        missing = [s for s, result in enumerate(got) if isinstance(result, PeerUnavailable)]
+        if missing:
+            raise ShardsUnavailable(decision.round, missing)
+        return decision, plan, [r for r in got if isinstance(r, AggregateShard)]
 
     async def _fetch_aggregate(self, signed: bytes, device: torch.device | str) -> torch.Tensor:
         decision, plan, shards = await self._hold(signed)
@@ -167,7 +175,9 @@ class AggregateFetcher:
             if contribution_digest(msg.first_segment, msg.segments) != pinned[len(rows)]:
                 raise ProtocolError(f"shard {shard}: {who[-8:]}'s contribution is not the one the commit pins",
                                     reason="forged-aggregate")
-            rows.append(validate_segments(self.ctx, first, msg.segments))
+            # One we took as an aggregator is the same bytes (the digest pins them): parsed already.
+            held = self.server.held_rows(decision.round, decision.attempt, shard, who, pinned[len(rows)])
+            rows.append(held if held is not None else validate_segments(self.ctx, first, msg.segments))
         return rows
 
     async def _fetch_shard(self, decision: Decision, signed: bytes, plan: RoundPlan, shard: int) -> AggregateShard:

@@ -24,6 +24,8 @@ from collections.abc import Awaitable, Callable, Coroutine
 from dataclasses import dataclass, field
 from typing import Any
 
+from groundswell.compression import Payload
+
 from .aggregator import FUTURE_ROUNDS, REPORTING_CANDIDATES, Aggregator
 from .claims import Claims
 from .context import DecisionBook, RoundContext
@@ -61,6 +63,7 @@ class _Attempt:
         default_factory=lambda: defaultdict(dict))  # shard -> sender -> (first segment, segments, signed request)
     refused: set[str] = field(default_factory=set)  # as an aggregator: senders of invalid contributions
     sq_norms: dict[tuple[int, str], float] = field(default_factory=dict)  # (shard, sender) -> squared norm (dense, clipped)
+    parsed: dict[tuple[int, str], list[Payload]] = field(default_factory=dict)  # (shard, sender) -> checked segments (sparse)
     refresh: bool = False  # as an aggregator: our reports are sent again one slack before the close
     reporting: bool = False  # as an aggregator: a report task is running for this attempt
     report_again: bool = False  # ... and something changed since it started: it sends once more

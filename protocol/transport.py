@@ -54,6 +54,14 @@ class PeerUnavailable(ConnectionError):
     """A request could not be completed: the peer is gone, frozen, or broke the protocol."""
 
 
+class ShardsUnavailable(PeerUnavailable):
+    """Some shards of a committed round could be had from no peer: `shards` says which."""
+
+    def __init__(self, round_id: int, shards: list[int]) -> None:
+        super().__init__(f"no peer could provide shard(s) {', '.join(map(str, shards))} of round {round_id}")
+        self.shards = shards
+
+
 class PeerGone(PeerUnavailable):
     """The peer is not there: the dial failed, it does not serve the protocol (yet), or it closed
     the stream unanswered; unlike a timeout, not a peer that may merely be slow or frozen."""

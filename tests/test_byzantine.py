@@ -5,6 +5,7 @@ from __future__ import annotations
 import concurrent.futures
 import sys
 import time
+from collections import Counter
 from pathlib import Path
 
 import pytest
@@ -88,15 +89,17 @@ def test_a_contributor_that_sends_aggregators_different_versions_cannot_split_th
     c = Cluster(n=4, codec_name="sparseloco", numel=8 * 4096, min_peers=3)
     try:
         liar = c.nodes[3].client
-        honest_replicate = liar._replicate
+        honest_offer, offered = liar._offer, Counter()
 
-        async def equivocate(plan, shard, msg, skip, timeout):  # the replica gets another version
-            other = [c.codec.encode(torch.randn(len(c.codec.decode(Payload.from_bytes(s))))).to_bytes()
-                     for s in msg.segments]
-            await honest_replicate(plan, shard, ShardContribution(msg.round, msg.attempt, msg.shard,
-                                                                  msg.first_segment, other), skip, timeout)
+        async def equivocate(peer, msg, timeout):  # the shard's first aggregator gets one version, replicas another
+            offered[msg.shard] += 1
+            if offered[msg.shard] > 1:
+                other = [c.codec.encode(torch.randn(len(c.codec.decode(Payload.from_bytes(s))))).to_bytes()
+                         for s in msg.segments]
+                msg = ShardContribution(msg.round, msg.attempt, msg.shard, msg.first_segment, other)
+            return await honest_offer(peer, msg, timeout)
 
-        liar._replicate = equivocate
+        liar._offer = equivocate
         g = torch.Generator().manual_seed(4)
         out = c.attempt(0, {i: torch.randn(c.numel, generator=g) for i in range(4)})
         d = out[0].decision

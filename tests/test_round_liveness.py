@@ -56,6 +56,33 @@ def test_a_shard_whose_first_aggregator_is_dead_still_gets_a_replica(make_cluste
     assert all(torch.equal(m, means[0]) for m in means)
 
 
+@pytest.mark.parametrize("codec_name", ["fp32", "sparseloco"])
+def test_a_frozen_aggregator_costs_contributors_a_hedge_not_the_attempt(make_cluster, codec_name):
+    # A shard's first aggregator froze (sockets open, no answers). Contributors give the shard to
+    # the next candidate once a short hedge has passed (sparse shards go to every copy's aggregator
+    # at once). The old code waited out the request timeout, two slacks, which at these settings
+    # (and the manifest defaults) ends after the attempt's close: the round was retried.
+    from groundswell.protocol.plan import make_plan
+
+    size = {"numel": 8 * 4096} if codec_name == "sparseloco" else {}
+    c = make_cluster(n=4, codec_name=codec_name, min_peers=2, deadline_s=10.0, slack_s=4.0, **size)
+    plan = make_plan(c.ctx.run_id, 0, 0, c.ids, c.ids, len(c.ctx.segment_numels), c.max_shards)
+    frozen = next(c.ids.index(plan.candidates(s)[0]) for s in range(plan.num_shards)
+                  if plan.candidates(s)[0] != plan.leaders[0])
+    thaw_at = time.monotonic() + 2 * c.deadline_s
+    c.nodes[frozen]._loop.call_soon_threadsafe(time.sleep, 2 * c.deadline_s)
+    alive = [i for i in range(4) if i != frozen]
+    xs = _inputs(4, c.numel, 31)
+    out = c.attempt(0, {i: xs[i] for i in alive})
+    d = out[alive[0]].decision
+    assert d is not None and d.status == "commit", f"attempt 0 ended in {d and d.status}"
+    assert sorted(d.contributors) == sorted(c.ids[i] for i in alive)
+    assert all(out[i].delivered and out[i].included for i in alive)
+    time.sleep(max(0.0, thaw_at - time.monotonic()) + 0.5)
+    means = [c.fetch(i, out[alive[0]].signed) for i in range(4)]
+    assert all(torch.equal(m, means[0]) for m in means)
+
+
 @pytest.mark.parametrize("replicas, holders", [(None, 2), (0, 1)])
 def test_round_replicas_sets_how_many_aggregators_hold_each_dense_shard(make_cluster, replicas, holders):
     # A dense shard goes to its aggregator and, by default, one replica; `round.replicas = 0` saves
@@ -231,6 +258,40 @@ def test_a_commit_its_leader_could_not_gather_is_taken_back_and_stops_no_later_a
     assert out1[0].decision.status == "commit" and out1[0].decision.attempt == 1
     assert len({o.signed for o in out1.values()}) == 1
     means = [c.fetch(i, signed) for i in range(4)]
+    assert all(torch.equal(m, means[0]) for m in means)
+
+
+def test_a_shard_its_leader_cannot_gather_gets_another_source_and_only_that_shard(make_cluster):
+    # The leader sealed a commit and then could not gather one shard (its source froze after
+    # sealing, say; forced here). It replaces that shard's source by a replica and keeps the
+    # others: the old code dropped every source, so every shard was re-sealed elsewhere.
+    from groundswell.protocol.schema import Decision
+    from groundswell.protocol.transport import ShardsUnavailable, unseal
+
+    c = make_cluster(n=4, codec_name="fp32", min_peers=2, deadline_s=7.0, slack_s=1.0)
+    tried: list[list[str]] = []  # the sources of each commit a leader tried to gather
+    for node in c.nodes:
+        async def patch(node=node) -> None:
+            real = node.server.prefetch
+
+            async def first_misses_shard_1(signed: bytes) -> None:
+                _, d = unseal(signed, c.ctx.run_id, Decision)
+                tried.append(list(d.sources))
+                if len(tried) == 1:
+                    raise ShardsUnavailable(d.round, [1])
+                await real(signed)
+
+            node.server.prefetch = first_misses_shard_1
+
+        node.call(patch(), timeout_s=10)
+    out = c.attempt(0, _inputs(4, c.numel, 41))
+    d = out[0].decision
+    assert d.status == "commit" and d.attempt == 0 and len(tried) == 2
+    first = tried[0]
+    assert d.sources[1] != first[1]
+    kept = [s for s in range(d.num_shards) if first[s] != first[1]]
+    assert kept and all(d.sources[s] == first[s] for s in kept), f"sources {first} became {d.sources}"
+    means = [c.fetch(i, out[i].signed) for i in range(4)]
     assert all(torch.equal(m, means[0]) for m in means)
 
 

@@ -102,6 +102,29 @@ def test_aggregation_is_sharded_across_peers(make_cluster):
     assert all(torch.equal(m, means[0]) for m in means)
 
 
+def test_an_aggregator_fetching_a_commit_parses_only_contributions_it_did_not_take(make_cluster, monkeypatch):
+    # A sparse commit ships every signed contribution, and each fetcher checks them all. Those this
+    # peer took as an aggregator (the commit pins the same digest) were parsed on arrival: a peer
+    # holds about three of every four shards, and the old code parsed each of them twice.
+    import groundswell.protocol.fetch as fetch_module
+
+    c = make_cluster(n=4, codec_name="sparseloco", numel=8 * 4096, min_peers=4)
+    out = c.attempt(0, _inputs(4, c.numel, 7))
+    d = out[0].decision
+    assert d.status == "commit"
+    parsed: list[int] = []
+    real = fetch_module.validate_segments
+    monkeypatch.setattr(fetch_module, "validate_segments",
+                        lambda ctx, first, segments: parsed.append(first) or real(ctx, first, segments))
+    node = c.nodes[0].server
+    took = node.attempts[(0, d.attempt)].contributions
+    held = sum(who in took.get(s, {}) for s in range(d.num_shards) for who in d.contributors)
+    assert 0 < held < d.num_shards * len(d.contributors)
+    mean = c.fetch(0, out[0].signed)
+    assert len(parsed) == d.num_shards * len(d.contributors) - held
+    assert all(torch.equal(c.fetch(i, out[i].signed), mean) for i in range(1, 4))
+
+
 def test_a_straggler_catches_up_from_peers_and_rejoins(make_cluster):
     c = make_cluster(n=3, codec_name="int8", min_peers=2)
     xs = _inputs(3, c.numel, 4)
@@ -113,7 +136,10 @@ def test_a_straggler_catches_up_from_peers_and_rejoins(make_cluster):
     assert got == signed
     caught_up = c.fetch(2, got)
     assert torch.equal(caught_up, c.fetch(0, signed))
-    # round 1: the straggler contributes again and is in the aggregate
+    # round 1: the straggler contributes again and is in the aggregate. Like a peer, it announces
+    # itself before training: otherwise the others' contributions may complete before its join
+    # reaches the leader, which then closes without it.
+    straggler.call(straggler.client.announce(1, trains=True, serves=True), timeout_s=30)
     out = c.attempt(1, {0: xs[0], 1: xs[1], 2: xs[2]})
     d = out[2].decision
     assert d.status == "commit" and c.ids[2] in d.contributors
