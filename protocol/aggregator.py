@@ -109,7 +109,7 @@ class Aggregator:
             if known[3] == contribution_digest(msg.first_segment, msg.segments):
                 return Ack(True, "")
             raise ProtocolError(f"a second, different contribution to shard {msg.shard}", reason="equivocation")
-        plan = await self.plan(msg.round, msg.attempt, min(1.0, self.ctx.slack_s))
+        plan = await self.plan(msg.round, msg.attempt, min(1.0, self.ctx.slack_s), ask=sender)
         if plan is None:  # behind (catching up): we could not report it, so do not hold it
             return Ack(False, f"round {msg.round - 1} is not known here yet")
         if (msg.shard >= plan.num_shards or (
@@ -221,7 +221,7 @@ class Aggregator:
         if committed is not None and committed[0] != msg.decision:
             return Ack(False, f"round {decision.round} is already committed")
         self._check_open(decision.round, decision.attempt)
-        plan = await self.plan(decision.round, decision.attempt, self.ctx.slack_s)
+        plan = await self.plan(decision.round, decision.attempt, self.ctx.slack_s, ask=sender)
         if plan is None or sender not in plan.leaders:
             return Ack(False, "sender does not lead this attempt")
         slot = self.attempts[(decision.round, decision.attempt)]

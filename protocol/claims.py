@@ -37,7 +37,7 @@ class Claims:
     attempts: Any
     later_claims: dict[int, int]  # round -> newest attempt whose claim this peer let pass
     unobtainable: dict[bytes, int]  # earlier attempts' commits whose aggregate a claim could not gather -> round
-    plan: Callable[[int, int, float], Awaitable[RoundPlan | None]]  # RoundServer.plan
+    plan: Callable[..., Awaitable[RoundPlan | None]]  # RoundServer.plan
     _hold_all: Callable[[bytes, float | None], Awaitable[bool]]  # RoundServer._hold_all: gather a commit's aggregate
 
     async def _claim(self, plan: RoundPlan, slot: "_Attempt") -> bool:
@@ -185,7 +185,7 @@ class Claims:
             return ClaimReply(False, known.decision)
         self._check_open(msg.round, msg.attempt)  # type: ignore[attr-defined]
         # Within half a slack, so that the claimer hears our answer before its request times out.
-        plan = await self.plan(msg.round, msg.attempt, self.ctx.slack_s / 2)
+        plan = await self.plan(msg.round, msg.attempt, self.ctx.slack_s / 2, ask=sender)
         if plan is None:
             # We are behind: we cannot plan this round, so we neither lead it nor granted it to
             # anyone. No objection (it used to be one, and a leader that was catching up could

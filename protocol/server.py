@@ -112,6 +112,7 @@ class RoundServer(Aggregator, Claims, Decider):
         self.aggregates: dict[tuple[int, int], AggregateShard] = {}
         self.later_claims: dict[int, int] = {}  # round -> newest attempt whose claim we let pass (a fence)
         self.unobtainable: dict[bytes, int] = {}  # earlier attempts' commits a claim of ours could not gather
+        self._learning: set[int] = set()  # rounds whose commit we are asking a peer for (`_learn_previous`)
         self._archived = asyncio.Event()
         self.keep_rounds = 8
         # Set by the peer: fetch (and archive) every shard of a signed commit. A leader holds the
@@ -140,13 +141,41 @@ class RoundServer(Aggregator, Claims, Decider):
         await t.serve("get-contributions", ContributionsRequest, self._on_get_contributions)
 
     # --- helpers ------------------------------------------------------------------------------
-    async def plan(self, round_id: int, attempt: int, wait_s: float) -> RoundPlan | None:
-        """This attempt's plan, once the previous round's decision is known here."""
+    async def plan(self, round_id: int, attempt: int, wait_s: float, ask: str | None = None) -> RoundPlan | None:
+        """This attempt's plan, once the previous round's decision is known here. `ask`: a peer
+        that sent us a request for this attempt, so it knows that decision: if it is the only one
+        we lack, we get it from that peer at once instead of waiting for our own poll to learn it
+        (a peer busy applying a round, like the coordinator in short rounds, lags one behind)."""
+        if ask is not None and wait_s > 0 and self.book.membership(round_id) is None:
+            started = time.monotonic()  # within the caller's wait: a claimer times out on our answer
+            await self._learn_previous(round_id, ask, wait_s)
+            wait_s = max(0.0, wait_s - (time.monotonic() - started))
         m = await self.book.wait_membership(round_id, wait_s)
         if m is None or not m.servers:
             return None
         return make_plan(self.ctx.run_id, round_id, attempt, m.servers, m.trainers,
                          len(self.ctx.segment_numels), self.ctx.max_shards)
+
+    async def _learn_previous(self, round_id: int, peer: str, wait_s: float) -> None:
+        """Get the commit of round `round_id - 1` from `peer` (once at a time), if it is the one we lack."""
+        previous = round_id - 1
+        if peer == self.identity.peer_id or self.book.membership(previous) is None or previous in self._learning:
+            return  # further behind: catching up is the participant's job
+        self._learning.add(previous)
+        try:
+            reply = await self.transport.request(peer, "get-decision", DecisionRequest(previous, 0, 0.0), DecisionReply,
+                                                 timeout_s=min(wait_s, self.ctx.slack_s / 2))
+            if reply.decision:
+                d = await self.verify_commit(reply.decision)
+                if d.round != previous:
+                    raise ProtocolError(f"asked for round {previous}'s commit, got round {d.round}'s",
+                                        reason="forged-decision")
+                self.book.add(reply.decision)
+                log.info("learned round %d's commit from %s, who asked about round %d", previous, peer[-8:], round_id)
+        except (PeerUnavailable, ProtocolError) as exc:  # our own poll still learns it, later
+            log.info("round %d's commit from %s: %s", previous, peer[-8:], exc)
+        finally:
+            self._learning.discard(previous)
 
     def archive(self, round_id: int, shard: int, agg: AggregateShard) -> None:
         """Keep an aggregate shard of a committed round to serve to peers that catch up."""
@@ -172,7 +201,7 @@ class RoundServer(Aggregator, Claims, Decider):
     # --- leader -------------------------------------------------------------------------------
     async def _on_have(self, sender: str, msg: HaveReport) -> Ack:
         self._check_open(msg.round, msg.attempt)
-        plan = await self.plan(msg.round, msg.attempt, self.ctx.slack_s)
+        plan = await self.plan(msg.round, msg.attempt, self.ctx.slack_s, ask=sender)
         if plan is None:
             return Ack(False, f"round {msg.round} is not planned here yet")
         # Only the aggregators contributors send a shard to may report on it: anyone else could

@@ -83,6 +83,33 @@ def test_a_frozen_aggregator_costs_contributors_a_hedge_not_the_attempt(make_clu
     assert all(torch.equal(m, means[0]) for m in means)
 
 
+def test_an_aggregator_one_round_behind_learns_the_commit_from_whoever_sends_it_work(make_cluster):
+    # A peer still busy with round 0 (it has not polled round 0's decision: a coordinator that is
+    # evaluating, a volunteer still training) gets round 1's shards. It asks the sender for the
+    # commit it lacks and takes them. The old code refused them ("round 0 is not known here yet")
+    # and, as a leader, could not plan the attempt for up to a slack per request.
+    from groundswell.protocol.plan import make_plan
+
+    c = make_cluster(n=4, codec_name="sparseloco", numel=8 * 4096, min_peers=2, deadline_s=9.0, slack_s=1.5)
+    plan0 = make_plan(c.ctx.run_id, 0, 0, c.ids, c.ids, len(c.ctx.segment_numels), c.max_shards)
+    lag = next(i for i in range(4) if c.ids[i] not in plan0.leaders)  # learns round 0's commit only by asking
+    others = [i for i in range(4) if i != lag]
+    xs = _inputs(4, c.numel, 51)
+    out0 = c.attempt(0, {i: xs[i] for i in others})
+    d0 = out0[others[0]].decision
+    assert d0.status == "commit" and c.ids[lag] in d0.servers
+    assert c.nodes[lag].book.latest() == -1, "the lagging peer learned round 0's commit without asking"
+    out1 = c.attempt(1, {i: xs[i] for i in others})
+    d1 = out1[others[0]].decision
+    assert d1.status == "commit" and d1.round == 1
+    node = c.nodes[lag]
+    assert node.book.latest() >= 0, "the lagging peer never learned round 0's commit"
+    took = node.server.attempts.get((1, d1.attempt))
+    assert took is not None and any(took.contributions.values()), "the lagging peer took no shard of round 1"
+    means = [c.fetch(i, out1[others[0]].signed) for i in range(4)]
+    assert all(torch.equal(m, means[0]) for m in means)
+
+
 @pytest.mark.parametrize("replicas, holders", [(None, 2), (0, 1)])
 def test_round_replicas_sets_how_many_aggregators_hold_each_dense_shard(make_cluster, replicas, holders):
     # A dense shard goes to its aggregator and, by default, one replica; `round.replicas = 0` saves
