@@ -157,8 +157,10 @@ class RoundClient(AggregateFetcher):
         first, stop = plan.shard_segments[shard]
         msg = ShardContribution(plan.round, plan.attempt, shard, first, segments[first:stop])
         size = sum(len(s) for s in msg.segments)
-        timeout = 2 * self.ctx.slack_s + size / 5e6  # a live aggregator at a modest 5 MB/s
-        hedge = max(1.0, self.ctx.slack_s / 2) + size / 5e6
+        hedge = max(1.0, self.ctx.slack_s / 2) + size / 5e6  # a live aggregator at a modest 5 MB/s
+        # A copy may share the uplink with a hedged one (on a link slower than 5 MB/s): its own
+        # timeout allows for that, so the hedge cannot make the first copy fail.
+        timeout = 2 * self.ctx.slack_s + 2 * size / 5e6
         copies = 1 + max(0, replica_count(self.ctx))
         at_once = copies if size <= PARALLEL_COPIES_BYTES else 1
         queue = list(plan.candidates(shard)[:REPORTING_CANDIDATES])

@@ -7,6 +7,7 @@ the trainer or the optimizer.
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Protocol
 
@@ -56,6 +57,9 @@ class DecisionBook:
     committed: dict[int, tuple[bytes, Decision]] = field(default_factory=dict)
     _changed: asyncio.Event = field(default_factory=asyncio.Event)
     keep: int = 16
+    # Told of every commit recorded, whoever recorded it: the server wakes everyone waiting on
+    # any attempt of that round (a long poll for attempt 0 ends when attempt 1 commits).
+    on_commit: Callable[[int], None] | None = None
 
     def add(self, signed: bytes) -> Decision:
         """Verify (signature, run) and record a committed decision; returns it."""
@@ -73,6 +77,8 @@ class DecisionBook:
             del self.committed[old]
         self._changed.set()
         self._changed = asyncio.Event()
+        if self.on_commit is not None:
+            self.on_commit(decision.round)
         return decision
 
     def membership(self, round_id: int) -> Membership | None:

@@ -105,6 +105,8 @@ class RoundServer(Aggregator, Claims, Decider):
         self.ctx = ctx
         self.transport = transport
         self.book = book
+        self._loop: asyncio.AbstractEventLoop | None = None  # set by start(); commits may be recorded from other threads
+        book.on_commit = self._poke_round
         self.identity = identity
         self.tasks = tasks
         self.attempts: dict[tuple[int, int], _Attempt] = defaultdict(_Attempt)
@@ -129,6 +131,7 @@ class RoundServer(Aggregator, Claims, Decider):
 
     async def start(self) -> None:
         """Register every handler on the transport."""
+        self._loop = asyncio.get_running_loop()
         big = self.ctx.max_payload_bytes + MAX_SMALL
         t = self.transport
         await t.serve("contribute", ShardContribution, self._on_contribute, max_request=big, with_envelope=True)
@@ -155,6 +158,19 @@ class RoundServer(Aggregator, Claims, Decider):
             return None
         return make_plan(self.ctx.run_id, round_id, attempt, m.servers, m.trainers,
                          len(self.ctx.segment_numels), self.ctx.max_shards)
+
+    def _poke_round(self, round_id: int) -> None:
+        """Wake whatever waits on an attempt of `round_id` (the round was just committed)."""
+        try:
+            on_loop = self._loop is None or asyncio.get_running_loop() is self._loop
+        except RuntimeError:
+            on_loop = False
+        if not on_loop and self._loop is not None:  # a participant adopting a state records its commit from its thread
+            self._loop.call_soon_threadsafe(self._poke_round, round_id)
+            return
+        for (r, _), slot in list(self.attempts.items()):
+            if r == round_id:
+                slot.poke()
 
     async def _learn_previous(self, round_id: int, peer: str, wait_s: float) -> None:
         """Get the commit of round `round_id - 1` from `peer` (once at a time), if it is the one we lack."""

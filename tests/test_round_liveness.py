@@ -110,6 +110,33 @@ def test_an_aggregator_one_round_behind_learns_the_commit_from_whoever_sends_it_
     assert all(torch.equal(m, means[0]) for m in means)
 
 
+def test_a_long_poll_for_an_attempt_ends_when_the_round_commits_in_another(make_cluster):
+    # A follower polls the leaders of the attempt it joined. When the round commits in another
+    # attempt, the poll must end then, not when its wait runs out: the coordinator's follower,
+    # waiting on attempt 0 while attempt 1 committed, fell 15 rounds behind a fast swarm, past
+    # the 8 rounds whose aggregates peers keep, and had to download the state twice in one run.
+    from groundswell.protocol.plan import make_plan
+    from groundswell.protocol.schema import DecisionReply, DecisionRequest
+
+    c = make_cluster(n=4, codec_name="fp32", min_peers=2, deadline_s=9.0, slack_s=1.0)
+    plan0 = make_plan(c.ctx.run_id, 0, 0, c.ids, c.ids, len(c.ctx.segment_numels), c.max_shards)
+    asked = c.ids.index(plan0.leaders[0])
+    asker = next(i for i in range(4) if i != asked)
+    wait_s = 8.0
+    poll = c.nodes[asker].submit(c.nodes[asker].transport.request(
+        c.ids[asked], "get-decision", DecisionRequest(0, 0, wait_s), DecisionReply, timeout_s=wait_s + 5))
+    out = c.attempt(0, _inputs(4, c.numel, 61), attempt=1)
+    d = out[asked].decision
+    assert d.status == "commit" and d.attempt == 1
+    committed_at = time.monotonic()
+    reply = poll.result(timeout=wait_s + 10)
+    late = time.monotonic() - committed_at
+    assert reply.decision == out[asked].signed
+    assert late < wait_s / 2, f"the poll for attempt 0 answered {late:.1f} s after the round committed in attempt 1"
+    means = [c.fetch(i, out[i].signed) for i in range(4)]
+    assert all(torch.equal(m, means[0]) for m in means)
+
+
 @pytest.mark.parametrize("replicas, holders", [(None, 2), (0, 1)])
 def test_round_replicas_sets_how_many_aggregators_hold_each_dense_shard(make_cluster, replicas, holders):
     # A dense shard goes to its aggregator and, by default, one replica; `round.replicas = 0` saves
