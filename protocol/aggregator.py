@@ -102,16 +102,23 @@ class Aggregator:
             # many fresh identities must not fill our memory: a shard holds a bounded number of senders
             raise ProtocolError(f"shard {msg.shard} already holds {room} contributions", reason="slot-full",
                                 strike=False)
-        if slot.sealed is not None:
-            return Ack(False, f"round {msg.round} attempt {msg.attempt} is sealed")
-        known = slot.contributions.get(msg.shard, {}).get(sender)
-        if known is not None:  # first write wins: a contributor cannot swap what it sent
-            if known[3] == contribution_digest(msg.first_segment, msg.segments):
-                return Ack(True, "")
-            raise ProtocolError(f"a second, different contribution to shard {msg.shard}", reason="equivocation")
+        def settled() -> Ack | None:
+            if slot.sealed is not None:
+                return Ack(False, f"round {msg.round} attempt {msg.attempt} is sealed")
+            known = slot.contributions.get(msg.shard, {}).get(sender)
+            if known is not None:  # first write wins: a contributor cannot swap what it sent
+                if known[3] == contribution_digest(msg.first_segment, msg.segments):
+                    return Ack(True, "")
+                raise ProtocolError(f"a second, different contribution to shard {msg.shard}", reason="equivocation")
+            return None
+
+        if (early := settled()) is not None:
+            return early
         plan = await self.plan(msg.round, msg.attempt, min(1.0, self.ctx.slack_s), ask=sender)
         if plan is None:  # behind (catching up): we could not report it, so do not hold it
             return Ack(False, f"round {msg.round - 1} is not known here yet")
+        if (early := settled()) is not None:  # sealed, or another copy from the sender landed, while we waited
+            return early
         if (msg.shard >= plan.num_shards or (
                 msg.first_segment, msg.first_segment + len(msg.segments)) != plan.shard_segments[msg.shard]
                 or self.identity.peer_id not in plan.candidates(msg.shard)[:REPORTING_CANDIDATES]):

@@ -153,16 +153,18 @@ class RoundClient(AggregateFetcher):
         A frozen candidate never answers: if no copy lands within a hedge, the next candidate is
         tried too, so it costs the hedge, not the request timeout (which, at the default round
         timing, is the whole attempt). Small (sparse) shards go to every copy's peer at once; a big
-        one goes to one peer at a time, or the copies would share the uplink and all land late."""
+        one goes to one peer at a time, and without a hedge (see below)."""
         first, stop = plan.shard_segments[shard]
         msg = ShardContribution(plan.round, plan.attempt, shard, first, segments[first:stop])
         size = sum(len(s) for s in msg.segments)
-        hedge = max(1.0, self.ctx.slack_s / 2) + size / 5e6  # a live aggregator at a modest 5 MB/s
-        # A copy may share the uplink with a hedged one (on a link slower than 5 MB/s): its own
-        # timeout allows for that, so the hedge cannot make the first copy fail.
-        timeout = 2 * self.ctx.slack_s + 2 * size / 5e6
+        timeout = 2 * self.ctx.slack_s + size / 5e6  # a live aggregator at a modest 5 MB/s
         copies = 1 + max(0, replica_count(self.ctx))
-        at_once = copies if size <= PARALLEL_COPIES_BYTES else 1
+        small = size <= PARALLEL_COPIES_BYTES
+        at_once = copies if small else 1
+        # A big shard is not hedged: every shard of a contribution goes at once, and each hedge
+        # would add a copy of each to a slow uplink until none lands in time. A frozen aggregator
+        # then costs the timeout, as before.
+        hedge = max(1.0, self.ctx.slack_s / 2) if small else timeout
         queue = list(plan.candidates(shard)[:REPORTING_CANDIDATES])
         held, stalled = 0, False
         asking: set[asyncio.Future[str]] = set()  # owned here: whatever still runs is cancelled below
@@ -213,7 +215,10 @@ class RoundClient(AggregateFetcher):
         if opened is not None:
             latest = close_time(opened, plan.attempt, self.ctx.deadline_s, self.ctx.slack_s)
             until = min(until, latest + (len(plan.leaders) + 1) * self.ctx.slack_s)
-        asks = [asyncio.ensure_future(self._poll_decision(p, plan, until, wait)) for p in plan.leaders]
+        # Our own book too: it may learn the round's commit another way (another attempt's leader,
+        # a peer that sent us work, a claim), and then this poll is over.
+        asks = [asyncio.ensure_future(self._poll_decision(p, plan, until, wait))
+                for p in dict.fromkeys([*plan.leaders, self.me])]
         try:
             for next_done in asyncio.as_completed(asks):
                 signed = await next_done

@@ -31,7 +31,7 @@ from .claims import Claims
 from .context import DecisionBook, RoundContext
 from .decision import Decider
 from .identity import Identity
-from .plan import RoundPlan, close_time, make_plan
+from .plan import RoundPlan, attempt_for, close_time, make_plan
 from .schema import (
     MAX_SMALL,
     Ack,
@@ -166,7 +166,10 @@ class RoundServer(Aggregator, Claims, Decider):
         except RuntimeError:
             on_loop = False
         if not on_loop and self._loop is not None:  # a participant adopting a state records its commit from its thread
-            self._loop.call_soon_threadsafe(self._poke_round, round_id)
+            try:
+                self._loop.call_soon_threadsafe(self._poke_round, round_id)
+            except RuntimeError:  # the node has closed: nobody waits any more
+                pass
             return
         for (r, _), slot in list(self.attempts.items()):
             if r == round_id:
@@ -188,7 +191,10 @@ class RoundServer(Aggregator, Claims, Decider):
                                         reason="forged-decision")
                 self.book.add(reply.decision)
                 log.info("learned round %d's commit from %s, who asked about round %d", previous, peer[-8:], round_id)
-        except (PeerUnavailable, ProtocolError) as exc:  # our own poll still learns it, later
+        except ProtocolError as exc:  # a bad commit: counted (and struck if it can only be forged)
+            self.transport.guard.count(peer, "decision-reply", exc.reason, strike=exc.strike)
+            log.warning("round %d's commit from %s refused: %s", previous, peer[-8:], exc)
+        except PeerUnavailable as exc:  # our own poll still learns it, later
             log.info("round %d's commit from %s: %s", previous, peer[-8:], exc)
         finally:
             self._learning.discard(previous)
@@ -303,6 +309,13 @@ class RoundServer(Aggregator, Claims, Decider):
         if leader not in plan.leaders:
             raise ProtocolError(f"{leader[-8:]} does not lead round {d.round} attempt {d.attempt}",
                                 reason="forged-decision")
+        opened = self.book.opened_at(d.round)
+        if opened is not None and d.attempt > attempt_for(time.time() + 2 * self.ctx.slack_s, opened,
+                                                          self.ctx.deadline_s, self.ctx.slack_s) + 1:
+            # The bound `_check_open` puts on everything else: a leader of a far-off attempt (roles
+            # reshuffle each attempt, so anyone leads one) must not commit the round in advance.
+            raise ProtocolError(f"round {d.round} attempt {d.attempt} has not begun", reason="forged-decision",
+                                strike=False)  # or our clock is behind
         if (d.contributors != sorted(set(d.contributors)) or len(d.contributors) < self.ctx.min_peers
                 or not all(self.ctx.authorized(c) for c in d.contributors)):
             raise ProtocolError("a commit needs min_peers distinct, allowed, sorted contributors",

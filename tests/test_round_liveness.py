@@ -137,6 +137,51 @@ def test_a_long_poll_for_an_attempt_ends_when_the_round_commits_in_another(make_
     assert all(torch.equal(m, means[0]) for m in means)
 
 
+def test_a_commit_of_an_attempt_that_has_not_begun_is_refused_and_not_learned(make_cluster):
+    # Roles reshuffle every attempt, so any server leads some far-off attempt of the open round.
+    # A commit it signs for that attempt must not count: a peer that asks it for the round's
+    # commit (because it sent work for the next round) would otherwise record a commit nobody
+    # made and refuse the real one. A review of the first version found this hole.
+    import os
+
+    from groundswell.protocol.plan import make_plan
+    from groundswell.protocol.schema import Decision, DecisionReply, ProtocolError
+    from groundswell.protocol.transport import seal
+
+    c = make_cluster(n=4, codec_name="fp32", min_peers=2, deadline_s=9.0, slack_s=1.0)
+    victim, hostile = 0, 1
+    numels = len(c.ctx.segment_numels)
+    far = next(a for a in range(10, 200) if c.ids[hostile] in
+               make_plan(c.ctx.run_id, 0, a, c.ids, c.ids, numels, c.max_shards).leaders)
+    plan = make_plan(c.ctx.run_id, 0, far, c.ids, c.ids, numels, c.max_shards)
+    contributors = sorted(c.ids[:2])
+    forged = seal(c.nodes[hostile].identity, c.ctx.run_id, Decision(
+        0, far, "commit", contributors, list(c.ids), list(c.ids), c.ids[hostile],
+        [plan.candidates(s)[0] for s in range(plan.num_shards)], plan.num_shards, time.time(),
+        [os.urandom(16) for _ in range(plan.num_shards * len(contributors))]))
+    node = c.nodes[victim]
+    with pytest.raises(ProtocolError, match="has not begun"):
+        node.call(node.server.verify_commit(forged), timeout_s=10)
+    # The hostile peer sent work for round 1; asked for round 0's commit, it answers with the forgery.
+    real_request = node.transport.request
+
+    async def request(peer, handler, msg, reply_type, **kw):
+        if peer == c.ids[hostile] and handler == "get-decision":
+            return DecisionReply(forged)
+        return await real_request(peer, handler, msg, reply_type, **kw)
+
+    async def learn() -> object:
+        node.transport.request = request
+        try:
+            return await node.server.plan(1, 0, 1.0, ask=c.ids[hostile])
+        finally:
+            node.transport.request = real_request
+
+    assert node.call(learn(), timeout_s=10) is None
+    assert node.book.latest() == -1, "the victim recorded a commit of an attempt that has not begun"
+    assert node.transport.guard.rejected.get("forged-decision:decision-reply", 0) == 1
+
+
 @pytest.mark.parametrize("replicas, holders", [(None, 2), (0, 1)])
 def test_round_replicas_sets_how_many_aggregators_hold_each_dense_shard(make_cluster, replicas, holders):
     # A dense shard goes to its aggregator and, by default, one replica; `round.replicas = 0` saves
