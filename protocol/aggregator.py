@@ -273,8 +273,9 @@ class Aggregator:
         try:
             for shard in shards:
                 await asyncio.sleep(0)  # the ack goes out first; the loop serves others between shards
-                if slot.sealed != signed or (decision.round, shard) in self.aggregates:
-                    continue
+                held = self.aggregates.get((decision.round, shard))
+                if slot.sealed != signed or (held is not None and held.decision == signed):
+                    continue  # voided, or handed to us meanwhile (a copy of another seal is replaced)
                 first, _ = plan.shard_segments[shard]
                 self.archive(decision.round, shard, self._build_held(signed, decision, slot, shard, first))
         except Exception as exc:  # a background task must never take the node down

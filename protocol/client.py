@@ -107,17 +107,27 @@ class RoundClient(AggregateFetcher):
         if plan is None or attempt is None:
             raise RoundBehind(f"the decision of round {round_id - 1} is not known here")
         join = Join(round_id, trains, serves)
-        await asyncio.gather(*(self._tell(p, "join", join) for p in plan.leaders))
+        # The joins run alongside the shards: a frozen stand-in leader would otherwise hold every
+        # contribution back by a slack (the join's timeout). Only a newcomer waits for its joins:
+        # leaders refuse reports naming a contributor they do not expect yet.
+        joins = [asyncio.ensure_future(self._tell(p, "join", join)) for p in plan.leaders]
         delivered = False
-        if segments is not None:
-            self.contributed[round_id] = max(attempt, self.contributed.get(round_id, -1))
-            for old in [r for r in self.contributed if r < round_id - 2]:
-                del self.contributed[old]
-            if self.on_contribute is not None:
-                self.on_contribute(round_id, self.contributed[round_id])
-            sent = await asyncio.gather(*(self._send_shard(plan, s, segments) for s in range(plan.num_shards)))
-            delivered = all(sent)
-        decision, signed = await self._await_decision(plan)
+        try:
+            if segments is not None:
+                if self.me not in plan.trainers:
+                    await asyncio.wait(joins)
+                self.contributed[round_id] = max(attempt, self.contributed.get(round_id, -1))
+                for old in [r for r in self.contributed if r < round_id - 2]:
+                    del self.contributed[old]
+                if self.on_contribute is not None:
+                    self.on_contribute(round_id, self.contributed[round_id])
+                sent = await asyncio.gather(*(self._send_shard(plan, s, segments) for s in range(plan.num_shards)))
+                delivered = all(sent)
+            decision, signed = await self._await_decision(plan)
+        finally:  # a join still out once the attempt is decided is moot
+            for task in joins:
+                task.cancel()
+            await asyncio.gather(*joins, return_exceptions=True)
         if decision is not None and decision.status == "retry":
             self.retried[round_id] = max(attempt, self.retried.get(round_id, -1))
         included = await self._counts_ours(decision, segments)

@@ -87,6 +87,39 @@ def test_a_frozen_aggregator_costs_contributors_a_hedge_not_the_attempt(make_clu
     assert all(torch.equal(m, means[0]) for m in means)
 
 
+def test_a_frozen_stand_in_leader_does_not_hold_contributions_back(make_cluster, monkeypatch):
+    # Every contributor joins the attempt's leaders. The joins went first, and a frozen stand-in
+    # answers none: each contribution waited out the join's timeout (a slack) before its first
+    # shard went out. A contributor the plan expects (a trainer) now sends its shards alongside.
+    import groundswell.protocol.client as client_module
+    from groundswell.protocol.plan import make_plan
+
+    c = make_cluster(n=4, codec_name="sparseloco", numel=8 * 4096, min_peers=2, deadline_s=12.0, slack_s=3.0)
+    plan = make_plan(c.ctx.run_id, 0, 0, c.ids, c.ids, len(c.ctx.segment_numels), c.max_shards)
+    frozen = c.ids.index(plan.leaders[1])
+    first_offer: dict[str, float] = {}
+    real_offer = client_module.RoundClient._offer
+
+    async def offer(self, peer, msg, timeout):
+        first_offer.setdefault(self.me, time.monotonic())
+        return await real_offer(self, peer, msg, timeout)
+
+    monkeypatch.setattr(client_module.RoundClient, "_offer", offer)
+    thaw_at = time.monotonic() + 2 * c.deadline_s
+    c.nodes[frozen]._loop.call_soon_threadsafe(time.sleep, 2 * c.deadline_s)
+    alive = [i for i in range(4) if i != frozen]
+    xs = _inputs(4, c.numel, 37)
+    start = time.monotonic()
+    out = c.attempt(0, {i: xs[i] for i in alive})
+    d = out[alive[0]].decision
+    assert d is not None and d.status == "commit" and all(out[i].included for i in alive)
+    waited = {who[-6:]: round(t - start, 2) for who, t in first_offer.items()}
+    assert len(waited) == len(alive) and max(waited.values()) < c.slack_s, f"first shard sent after {waited} s"
+    time.sleep(max(0.0, thaw_at - time.monotonic()) + 0.5)
+    means = [c.fetch(i, out[alive[0]].signed) for i in range(4)]
+    assert all(torch.equal(m, means[0]) for m in means)
+
+
 def test_an_aggregator_one_round_behind_learns_the_commit_from_whoever_sends_it_work(make_cluster):
     # A peer still busy with round 0 (it has not polled round 0's decision: a coordinator that is
     # evaluating, a volunteer still training) gets round 1's shards. It asks the sender for the
@@ -394,6 +427,16 @@ def test_a_shard_its_leader_cannot_gather_gets_another_source_and_only_that_shar
     assert d.sources[1] != first[1]
     kept = [s for s in range(d.num_shards) if first[s] != first[1]]
     assert kept and all(d.sources[s] == first[s] for s in kept), f"sources {first} became {d.sources}"
+    # The replicas rebuild their copies under the commit that stands: a copy built under the first
+    # seal is of no use to anyone fetching this one (the old code kept it, and served it).
+    def stale() -> list[tuple[int, int]]:
+        return [(i, shard) for i, node in enumerate(c.nodes) for (r, shard), agg in list(node.server.aggregates.items())
+                if r == 0 and agg.decision != out[0].signed]
+
+    until = time.monotonic() + 5
+    while stale() and time.monotonic() < until:
+        time.sleep(0.1)
+    assert not stale(), f"(node, shard) copies built under the first seal: {stale()}"
     means = [c.fetch(i, out[i].signed) for i in range(4)]
     assert all(torch.equal(m, means[0]) for m in means)
 
