@@ -35,7 +35,7 @@ def _user_errors(fn: Callable[..., Any]) -> Callable[..., Any]:
         from .data import DataError
         from .manifest import BootstrapError, ManifestError
         from .simulate import SimulationError
-        from .swarm import NetworkError
+        from .net_errors import NetworkError
         from .workload import WorkloadError
 
         try:

@@ -61,7 +61,7 @@ def _fetch_manifest(node, maddrs: list[str]) -> bytes:
     """The signed run manifest from the bootstrap peers (verify it!); NetworkError if none serves it."""
     from groundswell.protocol.transport import PeerUnavailable
 
-    from .swarm import NetworkError
+    from .net_errors import NetworkError
 
     try:
         return node.call(node.fetch_manifest([m.rsplit("/p2p/", 1)[1] for m in maddrs]), timeout_s=120)

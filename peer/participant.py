@@ -35,7 +35,8 @@ from .data import Corpus, evaluate, heldout_batches, load_corpus
 from .manifest import RunManifest, SignedManifest
 from .scoring import ContributionScorer
 from .state_fetch import fetch_state
-from .swarm import GlobalState, NodeOptions, RunContext, SwarmNode, params_hash
+from .run_state import GlobalState, RunContext, params_hash
+from .swarm import NodeOptions, SwarmNode
 from .workload import Workload, build_workload
 
 log = logging.getLogger(__name__)

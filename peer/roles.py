@@ -17,7 +17,8 @@ from groundswell.protocol.transport import PeerUnavailable
 from .byzantine import Attack
 from .config import DataSection
 from .participant import Participant, genesis_decision
-from .swarm import GlobalState, Stopped, params_hash
+from .run_state import GlobalState, params_hash
+from .swarm import Stopped
 from .swarm_exchange import NeedResync, SwarmExchange
 from .worker import InnerStats, InnerTrainer
 

@@ -16,16 +16,13 @@ import time
 from collections.abc import Callable, Coroutine, Sequence
 from concurrent.futures import Future
 from concurrent.futures import wait as futures_wait
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, TypeVar
 
-import torch
-from groundswell.compression import Codec, RobustOptions
 from groundswell.protocol.client import RoundClient
 from groundswell.protocol.context import DecisionBook
-from groundswell.protocol.digests import bulk_hasher
 from groundswell.protocol.direct import DirectServer
-from groundswell.protocol.guard import Guard, Limits
+from groundswell.protocol.guard import Guard
 from groundswell.protocol.identity import Identity
 from groundswell.protocol.schema import (
     ManifestReply,
@@ -33,12 +30,11 @@ from groundswell.protocol.schema import (
     PeerRecord,
     ProbeReply,
     ProbeRequest,
-    ProtocolError,
     StateReply,
     StateRequest,
 )
 from groundswell.protocol.server import RoundServer
-from groundswell.protocol.transport import PeerUnavailable, Transport, WithTrailer, seal, unseal
+from groundswell.protocol.transport import PeerUnavailable, Transport, WithTrailer
 
 from .daemon import adopt_p2pd_daemons, reap_daemons, release_private_sockets, with_private_sockets
 from .dht_rejoin import DhtRejoiner
@@ -52,74 +48,15 @@ from .reachability import (
     listen_host,
     observed_ips,
 )
-from .state_blob import pack_tensors, unpack_tensors
+from .records import PeerRecords
+from .run_state import GlobalState, RunContext
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
-HEARTBEAT_S = 2.0
-
-
-def params_hash(vector: torch.Tensor) -> str:
-    """Short BLAKE3 hash of a flat parameter vector, bit for bit."""
-    return bulk_hasher().update(memoryview(vector.detach().cpu().contiguous().numpy()).cast("B")).hexdigest()[:16]
 
 
 class Stopped(Exception):
     """The stop flag given to `SwarmNode.interrupt_calls_on` was set during a `call`."""
-
-
-@dataclass
-class RunContext:
-    """The `RoundContext` of one run, built from the verified manifest."""
-
-    run_id: str
-    min_peers: int
-    deadline_s: float
-    slack_s: float
-    max_shards: int
-    segment_numels: tuple[int, ...]
-    codec: Codec
-    max_payload_bytes: int
-    allowlist: frozenset[str] | None = None  # None: open run
-    robust: RobustOptions = field(default_factory=RobustOptions)
-    limits: Limits = field(default_factory=Limits)
-    state_readers: frozenset[str] | None = None  # None: anyone may download the state
-    verify_aggregates: bool = False  # dense codecs: ship signed contributions, not the aggregator's mean
-    replicas: int | None = None  # copies of each shard beyond the first; None: 1 for dense codecs, 2 for sparse
-
-    def authorized(self, peer_id: str) -> bool:
-        """Open runs take anyone; allowlisted runs only listed peer ids."""
-        return self.allowlist is None or peer_id in self.allowlist
-
-    def may_read_state(self, peer_id: str) -> bool:
-        """May this peer download the run's state?"""
-        return self.state_readers is None or peer_id in self.state_readers
-
-
-@dataclass
-class GlobalState:
-    """What a joiner downloads: the next round, the outer optimizer's shared state, the plan."""
-
-    round: int
-    tensors: dict[str, torch.Tensor]  # "global_params" and any shared outer state (momentum)
-    decision: bytes  # signed decision of round - 1
-    _blob: tuple[bytes, str] | None = None  # serialized once, on the first request of this round
-
-    def to_blob(self) -> bytes:
-        """Serialize the tensors (raw fp32 behind a small header, see `state_blob`)."""
-        return pack_tensors(self.tensors)
-
-    def blob_and_digest(self) -> tuple[bytes, str]:
-        """The serialized state and its BLAKE3 digest (hex), computed once per snapshot (joiners share it)."""
-        if self._blob is None:
-            blob = self.to_blob()
-            self._blob = (blob, bulk_hasher().update(blob).hexdigest())
-        return self._blob
-
-    @staticmethod
-    def tensors_from_blob(blob: bytes | bytearray | memoryview) -> dict[str, torch.Tensor]:
-        """The tensors of a blob (views of it if it is a bytearray); ProtocolError if malformed."""
-        return unpack_tensors(blob)
 
 
 @dataclass
@@ -137,7 +74,7 @@ class NodeOptions:
     direct_port: int = 0  # its TCP port (0: any free one), on the first listen address's IP
 
 
-class SwarmNode:
+class SwarmNode(PeerRecords):
     """A peer's network presence; owns the loop thread, the libp2p daemon and the DHT node."""
 
     def __init__(self, identity: Identity, identity_path: str, options: NodeOptions) -> None:
@@ -397,83 +334,6 @@ class SwarmNode:
     def submit(self, coro: Coroutine[Any, Any, T]) -> Future:
         """Start a coroutine on the network loop; the returned future is the caller's to await."""
         return asyncio.run_coroutine_threadsafe(coro, self._loop)
-
-    # --- DHT records ----------------------------------------------------------------------------
-    def update_record(self, **changes: Any) -> None:
-        """Change fields of the record the heartbeat publishes."""
-        self.record = dataclasses.replace(self.record, **changes)
-
-    @staticmethod
-    def records_key(run_id: str) -> str:
-        """The DHT key under which a run's peers publish their records."""
-        return f"groundswell/{run_id}/peers"
-
-    async def _heartbeat(self) -> None:
-        from hivemind.utils import get_dht_time
-
-        while True:
-            rec = self.record
-            rec = PeerRecord(rec.round, rec.params_hash, rec.role, rec.trains, rec.serves, self.maddrs[:8],
-                             rec.reachability, rec.loss, self.transport.bytes_sent if self.transport else 0, time.time(),
-                             sorted(self.guard.bans())[:32], sum(self.guard.rejected.values()), self._latest_scores())
-            signed = seal(self.identity, self.ctx.run_id, rec)
-            try:
-                await self.rejoiner.maybe_rejoin(self.p2p, self.dht)
-            except Exception as exc:  # best effort: the next heartbeat tries again
-                log.info("re-entering the DHT failed: %r", exc)
-            try:
-                await self.dht.store(self.records_key(self.ctx.run_id), signed, get_dht_time() + 3 * HEARTBEAT_S,
-                                     subkey=self.identity.peer_id)
-            except Exception as exc:  # the DHT being briefly unreachable is normal under churn
-                log.info("heartbeat store failed: %r", exc)
-            await asyncio.sleep(HEARTBEAT_S)
-
-    def _latest_scores(self) -> list[str]:
-        """"peer=score" for the newest round this peer scored contributions in (as a leader)."""
-        scores = self.server.scores if self.server is not None else {}
-        if not scores:
-            return []
-        r = max(scores)
-        return [f"{who}={s:+.4f}" for who, s in sorted(scores[r].items())][:64]
-
-    async def peer_records(self, run_id: str | None = None) -> dict[str, PeerRecord]:
-        """Every live peer's signed record, verified (bad ones are dropped and counted)."""
-        run_id = run_id or self.ctx.run_id  # type: ignore[union-attr]
-        found = await self.dht.get(self.records_key(run_id), latest=True)
-        out: dict[str, PeerRecord] = {}
-        if found is None or not isinstance(found.value, dict):
-            return out
-        for subkey, item in found.value.items():
-            try:
-                sender, rec = unseal(item.value, run_id, PeerRecord)
-                if sender == subkey:
-                    out[sender] = rec
-            except (ProtocolError, TypeError) as exc:
-                self.rejected_records += 1
-                log.info("dropped a peer record: %s", exc)
-        return out
-
-    def holders(self, round_id: int) -> list[str]:
-        """Peers whose last record says they applied `round_id` (best effort, from the cache)."""
-        return [p for p, r in self._cached_records.items() if r.round > round_id and p != self.identity.peer_id]
-
-    async def refresh_records(self) -> dict[str, PeerRecord]:
-        """Refresh the cached view of peer records."""
-        self._cached_records = await self.peer_records()
-        self.rejoiner.remember((pid, rec.maddrs) for pid, rec in self._cached_records.items())
-        return self._cached_records
-
-    def refresh_in_background(self) -> None:
-        """Start refreshing the cached records unless a refresh is under way; nobody waits for it
-        (the node owns the future; `close` cancels it)."""
-        if self._refreshing is None or self._refreshing.done():
-            self._refreshing = self.submit(self._refresh_quietly())
-
-    async def _refresh_quietly(self) -> None:
-        try:
-            await self.refresh_records()
-        except Exception as exc:  # a DHT hiccup: the cache stays as it was, the next refresh retries
-            log.info("refreshing peer records failed: %r", exc)
 
     # --- serving --------------------------------------------------------------------------------
     async def _on_manifest(self, sender: str, msg: ManifestRequest) -> ManifestReply:

@@ -8,8 +8,8 @@ before the deadline); picks
 one source aggregator per shard; commits if at least `min_peers` contributors are complete in
 all sources and every source sealed, else decides "retry". The backup leader decides only if
 the leader stays silent past the close + slack (the deadline); with scoring on, it drops contributions whose
-update alone worsens a probe loss and decides again (claims: `claims.py`; the decision itself:
-`decision.py`; both mixed in).
+update alone worsens a probe loss and decides again (waiting and scheduling: `leading.py`;
+claims: `claims.py`; the decision itself: `decision.py`; all mixed in).
 Archive: committed decisions (in the `DecisionBook`) and aggregate shards of recent rounds, so
 stragglers and joiners can catch up from any peer.
 """
@@ -26,15 +26,15 @@ from typing import Any
 
 from groundswell.compression import Payload
 
-from .aggregator import FUTURE_ROUNDS, REPORTING_CANDIDATES, Aggregator
+from .aggregator import REPORTING_CANDIDATES, Aggregator
 from .claims import Claims
 from .context import DecisionBook, RoundContext
 from .decision import Decider
 from .identity import Identity
-from .plan import RoundPlan, attempt_for, close_time, make_plan
+from .leading import Leading
+from .plan import RoundPlan, attempt_for, make_plan
 from .schema import (
     MAX_SMALL,
-    Ack,
     AggregateRequest,
     AggregateShard,
     Claim,
@@ -48,11 +48,9 @@ from .schema import (
     Seal,
     ShardContribution,
 )
-from .transport import PeerGone, PeerUnavailable, Transport, unseal
+from .transport import PeerUnavailable, Transport, unseal
 
 log = logging.getLogger(__name__)
-CATCH_UP_S = 0.5  # the most a leader waits for a shard's primary to catch up with its replica
-MAX_JOINS = 2048  # members one round may have (Decision lists hold at most 4096)
 
 
 @dataclass
@@ -97,7 +95,7 @@ class _Attempt:
             return False
 
 
-class RoundServer(Aggregator, Claims, Decider):
+class RoundServer(Aggregator, Leading, Claims, Decider):
     """Serves the round protocol for one peer; every background task belongs to its TaskGroup."""
 
     def __init__(self, ctx: RoundContext, transport: Transport, book: DecisionBook, identity: Identity,
@@ -220,79 +218,7 @@ class RoundServer(Aggregator, Claims, Decider):
         except RuntimeError:  # the node is shutting down: the task group takes no new work
             coro.close()
 
-    # --- leader -------------------------------------------------------------------------------
-    async def _on_have(self, sender: str, msg: HaveReport) -> Ack:
-        self._check_open(msg.round, msg.attempt)
-        plan = await self.plan(msg.round, msg.attempt, self.ctx.slack_s, ask=sender)
-        if plan is None:
-            return Ack(False, f"round {msg.round} is not planned here yet")
-        # Only the aggregators contributors send a shard to may report on it: anyone else could
-        # make itself the source of a shard and then build that shard's aggregate.
-        if msg.shard >= plan.num_shards or sender not in plan.candidates(msg.shard)[:REPORTING_CANDIDATES]:
-            self.transport.guard.count(sender, "have", "not-aggregator", strike=False)
-            return Ack(False, "not an aggregator of this shard")
-        slot = self.attempts[(msg.round, msg.attempt)]
-        # Reports travel concurrently and may arrive out of order; an aggregator's set only grows.
-        if len(msg.digests) != len(msg.contributors):
-            raise ProtocolError("a have report needs one digest per contributor")
-        expected = set(plan.trainers) | set(self.joins[msg.round])  # nobody else can be in the commit
-        held = slot.have[msg.shard].setdefault(sender, {})
-        unexpected = 0
-        for who, digest in zip(msg.contributors, msg.digests):
-            if who in expected:
-                held.setdefault(who, digest)  # an aggregator's report only grows; the first digest stays
-            else:
-                unexpected += 1
-        slot.refused_reported.update(msg.refused[:64])
-        if slot.first_report is None:
-            slot.first_report = time.monotonic()
-        slot.poke()
-        if not slot.leading:
-            slot.leading = True
-            self._spawn(self._lead_guarded(msg.round, msg.attempt))
-        # Not ok: the aggregator reports this shard again with its next change, by when their
-        # joins may have arrived (it repeats only what changed since an ok).
-        return Ack(not unexpected, f"{unexpected} contributors not expected here (yet)" if unexpected else "")
-
-    async def _on_join(self, sender: str, msg: Join) -> Ack:
-        if msg.trains and not self.ctx.authorized(sender):
-            self.transport.guard.count(sender, "join", "unauthorized", strike=True)
-            return Ack(False, "not allowed to contribute to this run")
-        if msg.round > self.book.latest() + FUTURE_ROUNDS:
-            raise ProtocolError(f"join for round {msg.round} is too far ahead", reason="future-round", strike=False)
-        if sender not in self.joins[msg.round] and len(self.joins[msg.round]) >= MAX_JOINS:
-            # a decision lists every member: it must stay within the schema's bounds
-            raise ProtocolError(f"round {msg.round} already has {MAX_JOINS} members", reason="full", strike=False)
-        self.joins[msg.round][sender] = (msg.trains, msg.serves)
-        for r in [r for r in self.joins if r < msg.round - 2]:
-            del self.joins[r]
-        return Ack(True, "")
-
-    def _sources(self, plan: RoundPlan, slot: _Attempt, exclude: frozenset[str] = frozenset()
-                 ) -> tuple[list[str], set[str]]:
-        sources, common = [], None
-        for shard in range(plan.num_shards):
-            reports = {a: ids for a, ids in slot.have.get(shard, {}).items() if a not in exclude}
-            if not reports:
-                return [], set()
-            rank = {p: i for i, p in enumerate(plan.candidates(shard))}
-            best = min(reports, key=lambda a: (-len(reports[a]), rank.get(a, 1 << 30), a))
-            sources.append(best)
-            common = set(reports[best]) if common is None else common & reports[best].keys()
-        return sources, common or set()
-
-    def _digests(self, slot: _Attempt, sources: list[str], contributors: list[str]) -> list[bytes]:
-        """What a commit pins: each source's digest of each contribution, shard-major."""
-        return [slot.have[shard][src][c] for shard, src in enumerate(sources) for c in contributors]
-
-    async def _lead_guarded(self, round_id: int, attempt: int) -> None:
-        try:
-            await self._lead(round_id, attempt)
-        except (ProtocolError, PeerUnavailable) as exc:  # a conflicting or forged commit elsewhere
-            log.warning("leading round %d attempt %d stopped: %s", round_id, attempt, exc)
-        except Exception as exc:  # a background task must never take the node down; say what broke
-            log.error("leading round %d attempt %d failed: %r", round_id, attempt, exc)
-
+    # --- decisions --------------------------------------------------------------------------
     async def verify_commit(self, signed: bytes, wait_s: float = 0.0) -> Decision:
         """A signed commit, checked against its attempt's plan: signed by one of the attempt's
         leaders, at least `min_peers` distinct allowed contributors (sorted), and one source per
@@ -326,127 +252,6 @@ class RoundServer(Aggregator, Claims, Decider):
                 src not in plan.candidates(s)[:REPORTING_CANDIDATES] for s, src in enumerate(d.sources)):
             raise ProtocolError("a commit's sources must be its shards' aggregators", reason="forged-decision")
         return d
-
-    async def _lead(self, round_id: int, attempt: int) -> None:
-        plan = await self.plan(round_id, attempt, self.ctx.deadline_s)
-        me = self.identity.peer_id
-        if plan is None or me not in plan.leaders:
-            return
-        rank = plan.leaders.index(me)
-        slot = self.attempts[(round_id, attempt)]
-        opened = self.book.opened_at(round_id) or 0.0
-        close_wall = close_time(opened, attempt, self.ctx.deadline_s, self.ctx.slack_s)
-        close_at = time.monotonic() + (close_wall - time.time())  # the slot's deadline, on our clock
-        # The leader claims the attempt one slack before it closes, while it still waits for
-        # contributions: a fellow leader that is frozen then costs no time after the close.
-        started = asyncio.Event()
-        async with asyncio.TaskGroup() as tg:
-            early = tg.create_task(self._claim_at(plan, slot, close_at - self.ctx.slack_s, started)) if rank == 0 else None
-            await self._await_close(plan, slot, close_at)
-            if early is not None and not started.is_set():
-                early.cancel()  # closed early: claim below, as stand-ins do
-        if early is not None and not early.cancelled():
-            if early.result():
-                await self._decide_claimed(plan, slot)
-            return
-        if rank > 0 or time.monotonic() > close_at + self.ctx.slack_s:
-            # Leader k decides only if leaders 0..k-1 stayed silent past the close + k * slack (or
-            # are gone: not there at all, rather than slow); a leader that was frozen past its
-            # window defers the same way.
-            wake = close_at + rank * self.ctx.slack_s
-            ahead = await self._leaders_ahead(plan, rank, wake, time.monotonic() >= close_at) if rank > 0 else rank
-            ahead_gone = rank > 0 and ahead == 0
-            await asyncio.sleep(max(0.0, close_at + ahead * self.ctx.slack_s - time.monotonic()))
-            if slot.decision is not None or self.book.decided(round_id):
-                return
-            # Ask who may have decided: the leaders ahead of us that are not gone, and those behind
-            # us whose turn has come too (only if we were late ourselves): the others wait longer
-            # than we do, and a long poll at one of them would only hold us back.
-            now = time.monotonic()
-            others = [p for j, p in enumerate(plan.leaders) if p != me and (
-                (j < rank and not ahead_gone) or (j > rank and now >= close_at + j * self.ctx.slack_s))]
-            replies = await asyncio.gather(*(self._ask(p, round_id, attempt) for p in others))
-            for signed in replies:
-                if signed:
-                    await self._learn(round_id, attempt, signed)
-                    return
-        await self.decide_exclusively(plan, slot)
-
-    async def _await_close(self, plan: RoundPlan, slot: _Attempt, close_at: float) -> None:
-        """Wait until every expected trainer is complete (and they are enough to commit), or the close."""
-        while time.monotonic() < close_at:
-            expected = set(plan.trainers) | {p for p, (trains, _) in self.joins[plan.round].items() if trains}
-            expected -= slot.refused_reported  # an invalid contribution will not become valid: do not wait for it
-            _, complete = self._sources(plan, slot)
-            if expected <= complete and len(complete) >= self.ctx.min_peers:
-                await self._first_holders_catch_up(plan, slot, complete, min(close_at, time.monotonic() + CATCH_UP_S))
-                return
-            if not await slot.wait_changed(close_at):
-                return
-
-    async def _first_holders_catch_up(self, plan: RoundPlan, slot: _Attempt, complete: set[str],
-                                      until: float) -> None:
-        """Give each shard's primary aggregator a moment to report it holds `complete`.
-
-        A replica's report can beat its primary's (even the primary's first report) by a few ms;
-        sourcing a shard from the replica would pile two shards' aggregation on one peer, so the
-        leader waits briefly for the primary. A dead primary costs this wait once per attempt."""
-        def lagging() -> bool:
-            for shard in range(plan.num_shards):
-                reports = slot.have.get(shard, {})
-                primary = plan.candidates(shard)[0]
-                if primary not in reports or not complete <= reports[primary].keys():
-                    return True
-            return False
-
-        while lagging() and await slot.wait_changed(until):
-            pass
-
-    async def _claim_at(self, plan: RoundPlan, slot: _Attempt, at: float, started: asyncio.Event) -> bool:
-        """Claim the attempt at monotonic time `at` (cancelled only before `started` is set)."""
-        await asyncio.sleep(max(0.0, at - time.monotonic()))
-        started.set()
-        return slot.decision is None and not self.book.decided(plan.round) and await self._claim(plan, slot)
-
-    async def decide_exclusively(self, plan: RoundPlan, slot: _Attempt) -> None:
-        """Decide the attempt, unless it is decided, the round committed, or another leader claimed it."""
-        if slot.decision is None and not self.book.decided(plan.round) and await self._claim(plan, slot):
-            await self._decide_claimed(plan, slot)
-
-    async def _decide_claimed(self, plan: RoundPlan, slot: _Attempt) -> None:
-        try:
-            await self._decide(plan, slot)
-        finally:
-            slot.deciding = slot.decision is not None  # stood back: no longer objects to later claims
-
-    async def _leaders_ahead(self, plan: RoundPlan, rank: int, until: float, closed: bool) -> int:
-        """How many of leaders 0..rank-1 are not gone (dial refused, protocol not served), as far
-        as can be told before monotonic time `until`? A silent or slow one may still decide.
-
-        `closed`: asked at the close, not at an early one. Then the first leader, which claims the
-        attempt from its fellow leaders a slack before the close, counts as gone if its claim has
-        not reached us: it is a slack late already (frozen, dead, or behind: it cannot plan the
-        round). If it comes back and claims after all, the grants decide between us."""
-        slot = self.attempts[(plan.round, plan.attempt)]
-
-        async def gone(peer: str) -> bool:
-            if closed and peer == plan.leaders[0] and peer not in slot.claimed_by:
-                return True
-            return isinstance(await self._probe(peer, plan, self.ctx.slack_s), PeerGone)
-
-        try:
-            async with asyncio.timeout(max(0.0, until - time.monotonic())):
-                return sum(not g for g in await asyncio.gather(*(gone(p) for p in plan.leaders[:rank])))
-        except TimeoutError:
-            return rank
-
-    async def _ask(self, peer: str, round_id: int, attempt: int) -> bytes:
-        try:
-            reply = await self.transport.request(peer, "get-decision", DecisionRequest(round_id, attempt,
-                                                 self.ctx.slack_s / 2), DecisionReply, timeout_s=self.ctx.slack_s)
-            return reply.decision
-        except (PeerUnavailable, ProtocolError):
-            return b""
 
     async def _learn(self, round_id: int, attempt: int, signed: bytes) -> None:
         leader, decision = unseal(signed, self.ctx.run_id, Decision)

@@ -139,7 +139,8 @@ class _Worker:
     def start(self, codec_name: str, run_id: str, ids: list[str], initial_peers: list[str],
               genesis: bytes | None, replicas: int | None = None) -> dict:
         from groundswell.compression import make_codec, segment_bounds, segment_size
-        from groundswell.peer.swarm import NodeOptions, RunContext, SwarmNode
+        from groundswell.peer.run_state import RunContext
+        from groundswell.peer.swarm import NodeOptions, SwarmNode
         from groundswell.protocol.identity import Identity
         from groundswell.protocol.schema import Decision
         from groundswell.protocol.transport import seal

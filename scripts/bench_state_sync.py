@@ -93,7 +93,7 @@ def _median_times(fn: Callable[[], Any], warmup: int, repeats: int,
 
 def _context(params: int, members: Sequence[str]) -> Any:
     from groundswell.compression import make_codec, segment_bounds, segment_size
-    from groundswell.peer.swarm import RunContext
+    from groundswell.peer.run_state import RunContext
 
     numels = tuple(b - a for a, b in segment_bounds(params, segment_size(params, 16)))
     members = frozenset(members)  # a closed run: only its members join and read the state
@@ -124,7 +124,7 @@ def _maxreply(params: int) -> int:
 class _Server:
     def __init__(self, conn: Any, tmp: str, params: int, seed: int, verbose: bool) -> None:
         import torch
-        from groundswell.peer.swarm import GlobalState, params_hash
+        from groundswell.peer.run_state import GlobalState, params_hash
         from groundswell.protocol.identity import Identity
         from groundswell.protocol.schema import Decision
         from groundswell.protocol.transport import seal
@@ -286,7 +286,7 @@ class _Client:
         direct TCP connection), BLAKE3 check, map the tensors; timed as a whole and in parts. With
         `direct=False`, what a joiner that cannot reach the port does: the blob as the reply's trailer."""
         from groundswell.peer.state_fetch import fetch_state
-        from groundswell.peer.swarm import GlobalState, params_hash
+        from groundswell.peer.run_state import GlobalState, params_hash
         from groundswell.protocol.schema import ProtocolError, StateReply, StateRequest
 
         node, budget = self.node, _maxreply(self.params)
@@ -351,7 +351,7 @@ class _Client:
     def breakdown(self, params: int, seed: int, repeats: int) -> dict:
         """Client-side cost of one reply, piece by piece (medians), on a locally built header and blob."""
         import torch
-        from groundswell.peer.swarm import GlobalState
+        from groundswell.peer.run_state import GlobalState
         from groundswell.protocol.schema import Decision, StateReply
         from groundswell.protocol.transport import seal, unseal
 

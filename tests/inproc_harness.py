@@ -12,7 +12,8 @@ from typing import Any
 import torch
 
 from groundswell.compression import RobustOptions, make_codec, segment_bounds
-from groundswell.peer.swarm import GlobalState, NodeOptions, RunContext, SwarmNode
+from groundswell.peer.run_state import GlobalState, RunContext
+from groundswell.peer.swarm import NodeOptions, SwarmNode
 from groundswell.protocol.context import DecisionBook
 from groundswell.protocol.guard import Guard, Limits
 from groundswell.protocol.identity import Identity

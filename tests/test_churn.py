@@ -64,7 +64,7 @@ def participant(tmp_path, corpus):
     p = Participant(manifest, sign_manifest(manifest, ident).to_bytes(), ident, str(tmp_path / "id.key"),
                     NodeOptions(), tmp_path / "state", corpus=corpus)
     from groundswell.peer.participant import genesis_decision
-    from groundswell.peer.swarm import GlobalState
+    from groundswell.peer.run_state import GlobalState
 
     p._snapshot = GlobalState(3, {"global_params": p.outer.global_params.clone()}, genesis_decision(ident, "unit"))
     return p
@@ -86,7 +86,7 @@ def test_corrupt_or_truncated_checkpoint_is_reported_and_skipped(participant):
 
 def test_a_checkpoint_of_another_run_or_model_is_refused_in_words_and_left_alone(participant):
     from groundswell.peer.participant import CheckpointMismatch, genesis_decision
-    from groundswell.peer.swarm import GlobalState
+    from groundswell.peer.run_state import GlobalState
     from groundswell.protocol.identity import Identity
 
     path = participant.save_checkpoint()

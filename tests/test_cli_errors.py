@@ -197,7 +197,8 @@ def test_a_clock_off_by_more_than_the_dht_allows_is_named_with_its_skew():
 def test_launch_on_a_state_dir_of_another_run_refuses_before_writing_anything(tmp_path, corpus):
     from groundswell.peer.manifest import manifest_from_mapping, sign_manifest
     from groundswell.peer.participant import Participant, genesis_decision
-    from groundswell.peer.swarm import GlobalState, NodeOptions
+    from groundswell.peer.run_state import GlobalState
+    from groundswell.peer.swarm import NodeOptions
 
     state = tmp_path / "run-1"
     state.mkdir()

@@ -1,0 +1,114 @@
+"""Peer records in the DHT: each node publishes a signed record (round, parameter hash, role,
+reachability, bytes sent, bans) every heartbeat, and reads everyone's, verified. `SwarmNode`
+mixes this in."""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import logging
+import time
+from concurrent.futures import Future
+from typing import Any
+
+from groundswell.protocol.schema import PeerRecord, ProtocolError
+from groundswell.protocol.transport import seal, unseal
+
+log = logging.getLogger(__name__)
+HEARTBEAT_S = 2.0
+
+
+class PeerRecords:
+    """The DHT records half of `SwarmNode`; needs its identity, ctx, dht, p2p, transport, guard,
+    server, maddrs, rejoiner, record, _cached_records, _refreshing and submit()."""
+
+    identity: Any
+    ctx: Any
+    dht: Any
+    p2p: Any
+    transport: Any
+    guard: Any
+    server: Any
+    maddrs: list[str]
+    rejoiner: Any
+    record: PeerRecord
+    _cached_records: dict[str, PeerRecord]
+    _refreshing: Future | None
+    rejected_records: int
+    submit: Any
+
+    def update_record(self, **changes: Any) -> None:
+        """Change fields of the record the heartbeat publishes."""
+        self.record = dataclasses.replace(self.record, **changes)
+
+    @staticmethod
+    def records_key(run_id: str) -> str:
+        """The DHT key under which a run's peers publish their records."""
+        return f"groundswell/{run_id}/peers"
+
+    async def _heartbeat(self) -> None:
+        from hivemind.utils import get_dht_time
+
+        while True:
+            rec = self.record
+            rec = PeerRecord(rec.round, rec.params_hash, rec.role, rec.trains, rec.serves, self.maddrs[:8],
+                             rec.reachability, rec.loss, self.transport.bytes_sent if self.transport else 0, time.time(),
+                             sorted(self.guard.bans())[:32], sum(self.guard.rejected.values()), self._latest_scores())
+            signed = seal(self.identity, self.ctx.run_id, rec)
+            try:
+                await self.rejoiner.maybe_rejoin(self.p2p, self.dht)
+            except Exception as exc:  # best effort: the next heartbeat tries again
+                log.info("re-entering the DHT failed: %r", exc)
+            try:
+                await self.dht.store(self.records_key(self.ctx.run_id), signed, get_dht_time() + 3 * HEARTBEAT_S,
+                                     subkey=self.identity.peer_id)
+            except Exception as exc:  # the DHT being briefly unreachable is normal under churn
+                log.info("heartbeat store failed: %r", exc)
+            await asyncio.sleep(HEARTBEAT_S)
+
+    def _latest_scores(self) -> list[str]:
+        """"peer=score" for the newest round this peer scored contributions in (as a leader)."""
+        scores = self.server.scores if self.server is not None else {}
+        if not scores:
+            return []
+        r = max(scores)
+        return [f"{who}={s:+.4f}" for who, s in sorted(scores[r].items())][:64]
+
+    async def peer_records(self, run_id: str | None = None) -> dict[str, PeerRecord]:
+        """Every live peer's signed record, verified (bad ones are dropped and counted)."""
+        run_id = run_id or self.ctx.run_id  # type: ignore[union-attr]
+        found = await self.dht.get(self.records_key(run_id), latest=True)
+        out: dict[str, PeerRecord] = {}
+        if found is None or not isinstance(found.value, dict):
+            return out
+        for subkey, item in found.value.items():
+            try:
+                sender, rec = unseal(item.value, run_id, PeerRecord)
+                if sender == subkey:
+                    out[sender] = rec
+            except (ProtocolError, TypeError) as exc:
+                self.rejected_records += 1
+                log.info("dropped a peer record: %s", exc)
+        return out
+
+    def holders(self, round_id: int) -> list[str]:
+        """Peers whose last record says they applied `round_id` (best effort, from the cache)."""
+        return [p for p, r in self._cached_records.items() if r.round > round_id and p != self.identity.peer_id]
+
+    async def refresh_records(self) -> dict[str, PeerRecord]:
+        """Refresh the cached view of peer records."""
+        self._cached_records = await self.peer_records()
+        self.rejoiner.remember((pid, rec.maddrs) for pid, rec in self._cached_records.items())
+        return self._cached_records
+
+    def refresh_in_background(self) -> None:
+        """Start refreshing the cached records unless a refresh is under way; nobody waits for it
+        (the node owns the future; `close` cancels it)."""
+        if self._refreshing is None or self._refreshing.done():
+            self._refreshing = self.submit(self._refresh_quietly())
+
+    async def _refresh_quietly(self) -> None:
+        try:
+            await self.refresh_records()
+        except Exception as exc:  # a DHT hiccup: the cache stays as it was, the next refresh retries
+            log.info("refreshing peer records failed: %r", exc)

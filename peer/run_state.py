@@ -1,0 +1,72 @@
+"""What a run is to a peer: its round context (from the verified manifest), the global state a
+joiner downloads, and the parameter hash peers publish every round."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+from groundswell.compression import Codec, RobustOptions
+from groundswell.protocol.digests import bulk_hasher
+from groundswell.protocol.guard import Limits
+
+from .state_blob import pack_tensors, unpack_tensors
+
+
+def params_hash(vector: torch.Tensor) -> str:
+    """Short BLAKE3 hash of a flat parameter vector, bit for bit."""
+    return bulk_hasher().update(memoryview(vector.detach().cpu().contiguous().numpy()).cast("B")).hexdigest()[:16]
+
+
+@dataclass
+class RunContext:
+    """The `RoundContext` of one run, built from the verified manifest."""
+
+    run_id: str
+    min_peers: int
+    deadline_s: float
+    slack_s: float
+    max_shards: int
+    segment_numels: tuple[int, ...]
+    codec: Codec
+    max_payload_bytes: int
+    allowlist: frozenset[str] | None = None  # None: open run
+    robust: RobustOptions = field(default_factory=RobustOptions)
+    limits: Limits = field(default_factory=Limits)
+    state_readers: frozenset[str] | None = None  # None: anyone may download the state
+    verify_aggregates: bool = False  # dense codecs: ship signed contributions, not the aggregator's mean
+    replicas: int | None = None  # copies of each shard beyond the first; None: 1 for dense codecs, 2 for sparse
+
+    def authorized(self, peer_id: str) -> bool:
+        """Open runs take anyone; allowlisted runs only listed peer ids."""
+        return self.allowlist is None or peer_id in self.allowlist
+
+    def may_read_state(self, peer_id: str) -> bool:
+        """May this peer download the run's state?"""
+        return self.state_readers is None or peer_id in self.state_readers
+
+
+@dataclass
+class GlobalState:
+    """What a joiner downloads: the next round, the outer optimizer's shared state, the plan."""
+
+    round: int
+    tensors: dict[str, torch.Tensor]  # "global_params" and any shared outer state (momentum)
+    decision: bytes  # signed decision of round - 1
+    _blob: tuple[bytes, str] | None = None  # serialized once, on the first request of this round
+
+    def to_blob(self) -> bytes:
+        """Serialize the tensors (raw fp32 behind a small header, see `state_blob`)."""
+        return pack_tensors(self.tensors)
+
+    def blob_and_digest(self) -> tuple[bytes, str]:
+        """The serialized state and its BLAKE3 digest (hex), computed once per snapshot (joiners share it)."""
+        if self._blob is None:
+            blob = self.to_blob()
+            self._blob = (blob, bulk_hasher().update(blob).hexdigest())
+        return self._blob
+
+    @staticmethod
+    def tensors_from_blob(blob: bytes | bytearray | memoryview) -> dict[str, torch.Tensor]:
+        """The tensors of a blob (views of it if it is a bytearray); ProtocolError if malformed."""
+        return unpack_tensors(blob)
