@@ -273,13 +273,27 @@ class Aggregator:
         try:
             for shard in shards:
                 await asyncio.sleep(0)  # the ack goes out first; the loop serves others between shards
-                held = self.aggregates.get((decision.round, shard))
-                if slot.sealed != signed or (held is not None and held.decision == signed):
-                    continue  # voided, or handed to us meanwhile (a copy of another seal is replaced)
+                if slot.sealed != signed or not self._may_replace(decision, signed, shard):
+                    continue
                 first, _ = plan.shard_segments[shard]
                 self.archive(decision.round, shard, self._build_held(signed, decision, slot, shard, first))
         except Exception as exc:  # a background task must never take the node down
             log.error("replica copy of round %d not built: %r", decision.round, exc)
+
+    def _may_replace(self, decision: Decision, signed: bytes, shard: int) -> bool:
+        """May a replica build its copy of `shard` under this seal? Not if the round committed
+        otherwise, nor over a copy of this commit (handed to us meanwhile) or of another attempt's
+        commit; a copy of an earlier seal of the same attempt, which its leader re-sourced, yes."""
+        committed = self.book.committed.get(decision.round)
+        if committed is not None and committed[0] != signed:
+            return False
+        held = self.aggregates.get((decision.round, shard))
+        if held is None:
+            return True
+        if held.decision == signed:
+            return False
+        _, earlier = unseal(held.decision, self.ctx.run_id, Decision)
+        return earlier.attempt == decision.attempt
 
     def _clips_dense(self) -> bool:
         """Does this run's aggregate clip dense contributions to the median norm (so each one's

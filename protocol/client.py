@@ -146,7 +146,10 @@ class RoundClient(AggregateFetcher):
 
     async def _tell(self, peer: str, handler: str, msg: Join) -> None:
         if peer == self.me:
-            await self.server._on_join(peer, msg)
+            try:
+                await self.server._on_join(peer, msg)
+            except ProtocolError as exc:  # e.g. the round is full: we are not a member of it
+                log.warning("%s refused by ourselves: %s", handler, exc)
             return
         try:
             # on a stream: a join that reached the leader counts even if our wait ran out first

@@ -438,6 +438,36 @@ def test_a_shard_its_leader_cannot_gather_gets_another_source_and_only_that_shar
     assert all(torch.equal(m, means[0]) for m in means)
 
 
+def test_a_replica_replaces_only_a_copy_its_leader_re_sourced():
+    # A replica builds its copies after acknowledging a seal. It replaces a copy built under an
+    # earlier seal of the same attempt (its leader re-sourced a shard), never a copy of the commit
+    # that stands, nor one of another attempt's commit (a later attempt may have committed while
+    # the spares of a stale, never-voided seal were still being built).
+    from groundswell.protocol.context import DecisionBook
+    from groundswell.protocol.identity import Identity
+    from groundswell.protocol.schema import AggregateShard, Decision
+    from groundswell.protocol.server import RoundServer
+    from groundswell.protocol.transport import seal
+
+    ctx = type("Ctx", (), {"run_id": "test-run"})()  # all a replica's choice reads of the run
+    leader = Identity.generate()
+    server = RoundServer(ctx, None, DecisionBook("test-run"), leader, None)
+
+    def commit(attempt: int, sources: list[str]) -> tuple[Decision, bytes]:
+        d = Decision(0, attempt, "commit", [], [], [], leader.peer_id, sources, 1, 0.0)
+        return d, seal(leader, "test-run", d)
+
+    first, first_signed = commit(0, ["a"])
+    re_sourced, re_sourced_signed = commit(0, ["b"])
+    later, later_signed = commit(1, ["a"])
+    assert server._may_replace(first, first_signed, 0)  # nothing held yet
+    server.aggregates[(0, 0)] = AggregateShard(first_signed, 0, "mean", [])
+    assert not server._may_replace(first, first_signed, 0), "rebuilt a copy it holds"
+    assert server._may_replace(re_sourced, re_sourced_signed, 0), "kept the copy of a re-sourced seal"
+    server.aggregates[(0, 0)] = AggregateShard(later_signed, 0, "mean", [])
+    assert not server._may_replace(first, first_signed, 0), "a stale seal replaced a later attempt's commit"
+
+
 def test_a_restarted_peer_never_sends_a_second_contribution_to_an_attempt_and_knows_which_one_counted(make_cluster):
     # Peer X sends v1 to attempt 0 and "crashes"; its restart (the attempt it contributed to is
     # restored from its state dir) trains v2 while attempt 0 is still open. v2 must go to attempt 1,
