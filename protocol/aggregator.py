@@ -157,38 +157,59 @@ class Aggregator:
         self._report(round_id, attempt)
 
     def _report(self, round_id: int, attempt: int) -> None:
-        """Report what we hold to the attempt's leaders: one report task per attempt at a time
+        """Report what we hold to the attempt's leaders. Each leader has one report task at a time
         (a burst of contributions must not open a stream per contribution to every leader: the
         leaders' stream limits would refuse them and strike us); changes meanwhile are sent next.
         A leader hears of a shard again only when what we hold of it changed (a leader's view of
-        an aggregator only grows), or at the refresh, which repeats everything."""
+        an aggregator only grows), or at the refresh, which repeats everything. One task per
+        leader: a frozen fellow leader (its answers time out after a slack) must not hold back
+        the reports the live one decides on."""
         slot = self.attempts[(round_id, attempt)]
-        if slot.reporting:
-            slot.report_again = True
-            return
-        slot.reporting = True
-        self._spawn(self._send_have(round_id, attempt))
+        if slot.report_pending:
+            return  # a launch waiting on the plan will see this change
+        slot.report_pending = True
+        self._spawn(self._launch_reports(round_id, attempt))
 
-    async def _send_have(self, round_id: int, attempt: int) -> None:
+    async def _launch_reports(self, round_id: int, attempt: int) -> None:
+        slot = self.attempts[(round_id, attempt)]
+        try:
+            plan = await self.plan(round_id, attempt, self.ctx.deadline_s)
+        except Exception as exc:  # a background task must never take the node down
+            log.error("have report for round %d failed: %r", round_id, exc)
+            plan = None
+        finally:
+            slot.report_pending = False  # later changes launch again; the tasks below read holdings when they send
+        if plan is None:
+            return
+        everything, slot.report_all = slot.report_all, False
+        for leader in plan.leaders:
+            if everything:
+                slot.report_everything.add(leader)
+            if leader in slot.reporting:
+                slot.report_again.add(leader)
+            else:
+                slot.reporting.add(leader)
+                self._spawn(self._report_to(round_id, attempt, plan, leader))
+
+    async def _report_to(self, round_id: int, attempt: int, plan: Any, leader: str) -> None:
         slot = self.attempts[(round_id, attempt)]
         try:
             while True:
-                slot.report_again = False
-                everything, slot.report_all = slot.report_all, False
-                await self._send_have_unguarded(round_id, attempt, everything)
-                if not slot.report_again:
+                slot.report_again.discard(leader)
+                everything = leader in slot.report_everything
+                slot.report_everything.discard(leader)
+                await self._send_have(round_id, attempt, plan, leader, everything)
+                if leader not in slot.report_again:
                     break
         except ProtocolError as exc:  # e.g. a conflicting decision: this report is moot; say so
             log.warning("have report for round %d not sent: %s", round_id, exc)
         except Exception as exc:  # a background task must never take the node down
             log.error("have report for round %d failed: %r", round_id, exc)
         finally:
-            slot.reporting = False
+            slot.reporting.discard(leader)
 
-    async def _send_have_unguarded(self, round_id: int, attempt: int, everything: bool = False) -> None:
-        plan = await self.plan(round_id, attempt, self.ctx.deadline_s)
-        if plan is None:
-            return
+    async def _send_have(self, round_id: int, attempt: int, plan: Any, leader: str, everything: bool) -> None:
+        """Tell one leader what we hold of each shard (what changed since its last ok, or everything)."""
         slot = self.attempts[(round_id, attempt)]
         reports = []
         for shard, held in list(slot.contributions.items()):
@@ -199,7 +220,7 @@ class Aggregator:
             reports.append(HaveReport(round_id, attempt, shard, ids, [held[c][3] for c in ids],
                                       sorted(slot.refused)[:64]))
 
-        async def tell(leader: str, report: HaveReport) -> None:
+        async def tell(report: HaveReport) -> None:
             key = (leader, report.shard)
             content = (tuple(report.contributors), tuple(report.refused))
             if not everything and slot.told.get(key) == content:
@@ -217,8 +238,7 @@ class Aggregator:
                     return
             slot.told[key] = content
 
-        # Every leader at once: a frozen one must not delay the reports its stand-ins need.
-        await asyncio.gather(*(tell(leader, report) for leader in plan.leaders for report in reports))
+        await asyncio.gather(*(tell(report) for report in reports))
 
     async def _on_seal(self, sender: str, msg: Seal) -> Ack:
         leader, decision = unseal(msg.decision, self.ctx.run_id, Decision)

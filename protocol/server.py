@@ -63,9 +63,11 @@ class _Attempt:
     sq_norms: dict[tuple[int, str], float] = field(default_factory=dict)  # (shard, sender) -> squared norm (dense, clipped)
     parsed: dict[tuple[int, str], list[Payload]] = field(default_factory=dict)  # (shard, sender) -> checked segments (sparse)
     refresh: bool = False  # as an aggregator: our reports are sent again one slack before the close
-    reporting: bool = False  # as an aggregator: a report task is running for this attempt
-    report_again: bool = False  # ... and something changed since it started: it sends once more
-    report_all: bool = False  # ... and the next one repeats what leaders were already told (the refresh)
+    report_pending: bool = False  # as an aggregator: a launch of report tasks is waiting for the plan
+    reporting: set[str] = field(default_factory=set)  # ... leaders a report task is running for
+    report_again: set[str] = field(default_factory=set)  # ... and something changed since it started: once more
+    report_all: bool = False  # ... the next launch repeats what leaders were already told (the refresh)
+    report_everything: set[str] = field(default_factory=set)  # ... leaders whose next report repeats everything
     # as an aggregator: (leader, shard) -> (contributors, refused) that leader has acknowledged
     told: dict[tuple[str, int], tuple[tuple[str, ...], tuple[str, ...]]] = field(default_factory=dict)
     refused_reported: set[str] = field(default_factory=set)  # as a leader: what aggregators reported refusing

@@ -56,15 +56,17 @@ def test_a_shard_whose_first_aggregator_is_dead_still_gets_a_replica(make_cluste
     assert all(torch.equal(m, means[0]) for m in means)
 
 
-@pytest.mark.parametrize("codec_name", ["fp32", "sparseloco"])
-def test_a_frozen_aggregator_costs_contributors_a_hedge_not_the_attempt(make_cluster, codec_name):
+@pytest.mark.parametrize("codec_name, numel", [("fp32", None), ("fp32", 8 * 65536), ("sparseloco", 8 * 4096)],
+                         ids=["fp32", "fp32-512KB-shards", "sparseloco"])
+def test_a_frozen_aggregator_costs_contributors_a_hedge_not_the_attempt(make_cluster, codec_name, numel):
     # A shard's first aggregator froze (sockets open, no answers). Contributors give the shard to
-    # the next candidate once a short hedge has passed (sparse shards go to every copy's aggregator
-    # at once). The old code waited out the request timeout, two slacks, which at these settings
-    # (and the manifest defaults) ends after the attempt's close: the round was retried.
+    # the next candidate once a short hedge has passed (shards up to 256 KiB go to every copy's
+    # aggregator at once), or, for a bigger shard, once the frozen one has not answered a ping for
+    # a slack. The old code waited out the request timeout, two slacks and more, which at these
+    # settings (and the manifest defaults) ends after the attempt's close: the round was retried.
     from groundswell.protocol.plan import make_plan
 
-    size = {"numel": 8 * 4096} if codec_name == "sparseloco" else {}
+    size = {"numel": numel} if numel else {}
     # The frozen peer may also be a fellow leader (its claim answer then costs the leader a slack).
     c = make_cluster(n=4, codec_name=codec_name, min_peers=2, deadline_s=12.0, slack_s=4.0, **size)
     plan = make_plan(c.ctx.run_id, 0, 0, c.ids, c.ids, len(c.ctx.segment_numels), c.max_shards)
