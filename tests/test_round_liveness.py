@@ -119,6 +119,44 @@ def test_a_frozen_stand_in_leader_does_not_hold_contributions_back(make_cluster,
     assert all(torch.equal(m, means[0]) for m in means)
 
 
+def test_a_frozen_stand_in_leader_does_not_hold_back_reports_to_the_leader(make_cluster):
+    # Aggregators report what they hold to every leader of the attempt. All leaders used to share
+    # one report task per attempt, which waited for each leader's answer: with a frozen stand-in,
+    # whatever arrived after the first report reached the live leader a slack (the report's
+    # timeout) later, and contributions that landed in the last slack before the close were
+    # left out. Each leader now has its own report task.
+    from groundswell.protocol.plan import make_plan
+
+    c = make_cluster(n=4, codec_name="sparseloco", numel=8 * 4096, min_peers=2, deadline_s=15.0, slack_s=4.0)
+    plan = make_plan(c.ctx.run_id, 0, 0, c.ids, c.ids, len(c.ctx.segment_numels), c.max_shards)
+    leader, frozen = (c.ids.index(p) for p in plan.leaders[:2])
+    thaw_at = time.monotonic() + 2 * c.deadline_s
+    c.nodes[frozen]._loop.call_soon_threadsafe(time.sleep, 2 * c.deadline_s)
+    first, *later = [i for i in range(4) if i != frozen]
+    xs = _inputs(4, c.numel, 53)
+
+    def run(i: int):
+        return c.nodes[i].submit(c.nodes[i].client.run_attempt(0, 0, c.segments(xs[i]), trains=True, serves=True))
+
+    server = c.nodes[leader].server
+    runs = {first: run(first)}
+    time.sleep(1.0)  # the first contributor's shards are reported (and the report to the frozen leader hangs)
+    sent = time.monotonic()
+    runs.update({i: run(i) for i in later})
+    until = sent + 2 * c.slack_s
+    while time.monotonic() < until and len(server._sources(plan, server.attempts[(0, 0)])[1]) < 3:
+        time.sleep(0.05)
+    took = time.monotonic() - sent
+    # the old code: about a slack after the first report went out (3 s here)
+    assert took < c.slack_s / 2, f"the leader heard of contributions sent {took:.1f} s before that they were complete"
+    out = {i: f.result(timeout=60) for i, f in runs.items()}
+    d = out[first].decision
+    assert d is not None and d.status == "commit" and len(d.contributors) == 3
+    time.sleep(max(0.0, thaw_at - time.monotonic()) + 0.5)
+    means = [c.fetch(i, out[first].signed) for i in range(4)]
+    assert all(torch.equal(m, means[0]) for m in means)
+
+
 def test_an_aggregator_one_round_behind_learns_the_commit_from_whoever_sends_it_work(make_cluster):
     # A peer still busy with round 0 (it has not polled round 0's decision: a coordinator that is
     # evaluating, a volunteer still training) gets round 1's shards. It asks the sender for the
