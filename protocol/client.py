@@ -167,7 +167,7 @@ class RoundClient(AggregateFetcher):
         tried too, so it costs the hedge, not the request timeout (which, at the default round
         timing, is the whole attempt). Small (sparse) shards go to every copy's peer at once; a big
         one goes to one peer at a time, without a hedge, and a frozen peer is told by a ping (see
-        `_watched_offer`)."""
+        `_pinged_offer`)."""
         first, stop = plan.shard_segments[shard]
         msg = ShardContribution(plan.round, plan.attempt, shard, first, segments[first:stop])
         size = sum(len(s) for s in msg.segments)
@@ -177,9 +177,9 @@ class RoundClient(AggregateFetcher):
         at_once = copies if small else 1
         # A big shard is not hedged: every shard of a contribution goes at once, and each hedge
         # would add a copy of each to a slow uplink until none lands in time. A frozen aggregator
-        # costs a slack instead (the ping of `_watched_offer`).
+        # costs a slack instead (the ping of `_pinged_offer`).
         hedge = max(1.0, self.ctx.slack_s / 2) if small else timeout
-        offer = self._offer if small else self._watched_offer
+        offer = self._offer if small else self._pinged_offer
         queue = list(plan.candidates(shard)[:REPORTING_CANDIDATES])
         held, stalled = 0, False
         asking: set[asyncio.Future[str]] = set()  # owned here: whatever still runs is cancelled below
@@ -204,30 +204,23 @@ class RoundClient(AggregateFetcher):
             await asyncio.gather(*asking, return_exceptions=True)
         return held > 0
 
-    async def _watched_offer(self, peer: str, msg: ShardContribution, timeout: float) -> str:
-        """`_offer`, with a ping alongside: a frozen aggregator's daemon still takes the bytes, so
-        the transfer alone would wait out its whole timeout (two slacks and more: past the
-        attempt's close); one that does not answer a ping within a slack is given up on ("failed"),
-        and the shard goes to the next candidate."""
-        if peer == self.me:
-            return await self._offer(peer, msg, timeout)
-        offer = asyncio.ensure_future(self._offer(peer, msg, timeout))
-        ping = asyncio.ensure_future(self._answers(peer, msg.round, msg.attempt, self.ctx.slack_s))
-        try:  # both owned here: cancelled below whatever happens
-            done, _ = await asyncio.wait({offer, ping}, return_when=asyncio.FIRST_COMPLETED)
-            if offer in done or ping.result():
-                return await offer  # alive: the transfer runs to its own end
+    async def _pinged_offer(self, peer: str, msg: ShardContribution, timeout: float) -> str:
+        """`_offer`, after a ping: a frozen aggregator's daemon still takes the bytes, so the
+        transfer alone would wait out its whole timeout (two slacks and more: past the attempt's
+        close). One that does not answer a ping within a slack is passed over ("failed") and the
+        shard goes to the next candidate. The ping goes first, ahead of our own bulk bytes on the
+        connection, and a transfer once started is never cut short: a live aggregator behind a
+        slow link is not mistaken for a frozen one halfway through. Costs one round trip."""
+        if peer != self.me and not await self._answers(peer, msg.round, msg.attempt, self.ctx.slack_s):
             log.info("shard %d to %s: no answer to a ping within %.1fs (frozen?); trying the next aggregator",
                      msg.shard, peer[-8:], self.ctx.slack_s)
             return "failed"
-        finally:
-            for task in (offer, ping):
-                task.cancel()
-            await asyncio.gather(offer, ping, return_exceptions=True)
+        return await self._offer(peer, msg, timeout)
 
     async def _answers(self, peer: str, round_id: int, attempt: int, within: float) -> bool:
-        """Does `peer` answer a request at all within `within` seconds? (A refusal is an answer;
-        so is a dead peer's, which the transfer finds out for itself.)"""
+        """Does `peer` answer a request at all within `within` seconds? A refusal is an answer
+        (the transport raises PeerGone for it), and so is a dead peer's failed dial, which the
+        transfer then finds out for itself."""
         try:
             await self.transport.request(peer, "get-decision", DecisionRequest(round_id, attempt, 0.0),
                                          DecisionReply, timeout_s=within)
@@ -235,8 +228,6 @@ class RoundClient(AggregateFetcher):
             return True
         except PeerUnavailable:  # no answer in time (or a garbled one)
             return False
-        except ProtocolError:
-            return True
         return True
 
     async def _offer(self, peer: str, msg: ShardContribution, timeout: float) -> str:
