@@ -9,9 +9,16 @@ back into fp32 tensors.
 from .base import Codec, CodecError, Payload
 from .dense import DenseCodec
 from .int8 import Int8Codec
-from .robust import RobustOptions, RobustStats, contribution_sq_norm, robust_mean, tree_sum_of_squares
 from .registry import CODEC_NAMES, codec_for_payload, make_codec
-from .segments import ALIGN, aggregate_segments, decode_segments, encode_segments, segment_bounds, segment_size
+from .robust import RobustOptions, RobustStats, contribution_sq_norm, robust_mean, tree_sum_of_squares
+from .segments import (
+    ALIGN,
+    aggregate_segments,
+    decode_segments,
+    encode_segments,
+    segment_bounds,
+    segment_size,
+)
 from .sparseloco import SparseLoCoCodec
 
 __all__ = [

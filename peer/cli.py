@@ -34,8 +34,8 @@ def _user_errors(fn: Callable[..., Any]) -> Callable[..., Any]:
         from .config import ConfigError
         from .data import DataError
         from .manifest import BootstrapError, ManifestError
-        from .simulate import SimulationError
         from .net_errors import NetworkError
+        from .simulate import SimulationError
         from .workload import WorkloadError
 
         try:

@@ -13,13 +13,13 @@ import hashlib
 import math
 import os
 import re
+import tomllib
 import typing
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 import msgpack
-import tomllib
 from groundswell.peer.config import (
     ConfigError,
     DataSection,

@@ -33,9 +33,9 @@ from groundswell.protocol.transport import PeerUnavailable, seal, unseal
 from .config import ConfigError
 from .data import Corpus, evaluate, heldout_batches, load_corpus
 from .manifest import RunManifest, SignedManifest
+from .run_state import GlobalState, RunContext, params_hash
 from .scoring import ContributionScorer
 from .state_fetch import fetch_state
-from .run_state import GlobalState, RunContext, params_hash
 from .swarm import NodeOptions, SwarmNode
 from .workload import Workload, build_workload
 

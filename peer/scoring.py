@@ -8,7 +8,6 @@ than `score_threshold`. It runs on a scratch copy of the model, so training goes
 from __future__ import annotations
 
 import torch
-
 from groundswell.optim import copy_into_parameters
 
 from .data import Corpus, ShardSampler, evaluate

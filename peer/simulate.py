@@ -21,8 +21,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from .config import ConfigError
-from .workload import check_workload_spec
 from .sim_report import build_report
+from .workload import check_workload_spec
 
 
 @dataclass

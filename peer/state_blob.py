@@ -13,7 +13,6 @@ import struct
 import msgpack
 import numpy as np
 import torch
-
 from groundswell.protocol.schema import ProtocolError
 
 FORMAT_VERSION = 1

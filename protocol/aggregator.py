@@ -17,7 +17,17 @@ from groundswell.compression import Payload, RobustStats, contribution_sq_norm, 
 
 from .context import contribution_digest, validate_segments
 from .plan import attempt_for, close_time
-from .schema import Ack, AggregateRequest, AggregateShard, ContributionsRequest, Decision, HaveReport, ProtocolError, Seal, ShardContribution
+from .schema import (
+    Ack,
+    AggregateRequest,
+    AggregateShard,
+    ContributionsRequest,
+    Decision,
+    HaveReport,
+    ProtocolError,
+    Seal,
+    ShardContribution,
+)
 from .transport import PeerUnavailable, seal, unseal
 
 log = logging.getLogger(__name__)

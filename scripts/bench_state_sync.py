@@ -285,8 +285,8 @@ class _Client:
         """What a joiner does: `fetch_state` (the signed reply over libp2p, the sealed blob over a
         direct TCP connection), BLAKE3 check, map the tensors; timed as a whole and in parts. With
         `direct=False`, what a joiner that cannot reach the port does: the blob as the reply's trailer."""
-        from groundswell.peer.state_fetch import fetch_state
         from groundswell.peer.run_state import GlobalState, params_hash
+        from groundswell.peer.state_fetch import fetch_state
         from groundswell.protocol.schema import ProtocolError, StateReply, StateRequest
 
         node, budget = self.node, _maxreply(self.params)

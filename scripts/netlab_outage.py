@@ -25,10 +25,9 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).parent))
 import netlab
-from netlab_run import COMMON, report, start_coordinator
-
 from groundswell.peer.sim_report import read_events
-from groundswell.peer.simulate import Simulation, SimulateOptions, manifest_toml
+from groundswell.peer.simulate import SimulateOptions, Simulation, manifest_toml
+from netlab_run import COMMON, report, start_coordinator
 
 VOLUNTEERS = ("pub", "pub2", "pub3")
 NAMES = {"coord": "coordinator", **{v: v for v in VOLUNTEERS}}  # netlab host -> process name

@@ -20,9 +20,8 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).parent))
 import netlab
-
 from groundswell.peer.sim_report import read_events
-from groundswell.peer.simulate import Simulation, SimulateOptions, manifest_toml
+from groundswell.peer.simulate import SimulateOptions, Simulation, manifest_toml
 
 VOLUNTEERS = ("pub", "h1", "h2", "h3")
 

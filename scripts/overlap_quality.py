@@ -14,9 +14,13 @@ import argparse
 import json
 
 import torch
-
 from groundswell.peer.config import (
-    DataSection, EvalSection, InnerSection, ModelSection, OuterSection, TrainLocalConfig,
+    DataSection,
+    EvalSection,
+    InnerSection,
+    ModelSection,
+    OuterSection,
+    TrainLocalConfig,
 )
 from groundswell.peer.data import load_corpus
 from groundswell.peer.train_local import run_train_local

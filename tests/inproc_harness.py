@@ -10,7 +10,6 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
-
 from groundswell.compression import RobustOptions, make_codec, segment_bounds
 from groundswell.peer.run_state import GlobalState, RunContext
 from groundswell.peer.swarm import NodeOptions, SwarmNode

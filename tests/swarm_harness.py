@@ -3,13 +3,12 @@
 from __future__ import annotations
 
 import concurrent.futures
-import time
 import tempfile
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
-
 from groundswell.compression import RobustOptions, make_codec, segment_bounds
 from groundswell.compression.segments import encode_segments
 from groundswell.peer.run_state import RunContext

@@ -6,13 +6,11 @@ from __future__ import annotations
 
 import errno
 import json
-
 import sys
 from pathlib import Path
 
 import pytest
 import torch
-
 from groundswell.peer.simulate import SimulateOptions, run_simulation
 
 sys.path.insert(0, str(Path(__file__).parent))

@@ -9,11 +9,10 @@ import sys
 from pathlib import Path
 
 import pytest
-from typer.testing import CliRunner
-
 from groundswell.peer.cli import app
 from groundswell.peer.reachability import busy_listen_address
 from groundswell.protocol.identity import Identity
+from typer.testing import CliRunner
 
 pytestmark = pytest.mark.timeout(120)
 

@@ -8,8 +8,7 @@ import time
 from pathlib import Path
 
 import pytest
-
-from groundswell.peer.simulate import Simulation, SimulateOptions, run_simulation
+from groundswell.peer.simulate import SimulateOptions, Simulation, run_simulation
 
 sys.path.insert(0, str(Path(__file__).parent))
 from swarm_harness import leftover_processes

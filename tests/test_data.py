@@ -9,8 +9,6 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from torch import nn
-
 from groundswell.peer.data import (
     FILE_SEPARATOR,
     Corpus,
@@ -20,6 +18,7 @@ from groundswell.peer.data import (
     heldout_batches,
     load_corpus,
 )
+from torch import nn
 
 
 @pytest.fixture(scope="session")

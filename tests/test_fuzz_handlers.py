@@ -24,18 +24,22 @@ from typing import Any
 import msgpack
 import pytest
 import torch
-from hypothesis import HealthCheck, given, settings
-from hypothesis import strategies as st
-
 from groundswell.compression import make_codec
 from groundswell.compression.segments import encode_segments
 from groundswell.peer import reachability
 from groundswell.peer.byzantine import _plant_nan
 from groundswell.protocol.identity import Identity
 from groundswell.protocol.schema import (
-    MESSAGES, PROTOCOL_VERSION, Decision, DecisionReply, DecisionRequest, Message,
+    MESSAGES,
+    PROTOCOL_VERSION,
+    Decision,
+    DecisionReply,
+    DecisionRequest,
+    Message,
 )
 from groundswell.protocol.transport import Envelope, seal, unseal
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 sys.path.insert(0, str(Path(__file__).parent))
 from inproc_harness import HANDLERS, NUMEL, RUN, Target, make_target

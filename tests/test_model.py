@@ -6,7 +6,6 @@ from pathlib import Path
 
 import pytest
 import torch
-
 from groundswell.peer.model import GPT, PRESETS, GPTConfig, gpt_loss, preset_config
 from groundswell.peer.workload import Workload, WorkloadError, build_workload
 

@@ -7,7 +7,6 @@ import sys
 from pathlib import Path
 
 import pytest
-
 from groundswell.peer.simulate import SimulateOptions, run_simulation
 
 sys.path.insert(0, str(Path(__file__).parent))

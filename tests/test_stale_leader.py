@@ -11,7 +11,6 @@ import time
 from pathlib import Path
 
 import pytest
-
 from groundswell.protocol.context import DecisionBook
 from groundswell.protocol.schema import Decision
 from groundswell.protocol.transport import seal

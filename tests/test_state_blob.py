@@ -8,11 +8,10 @@ import struct
 import msgpack
 import pytest
 import torch
-from hypothesis import given, settings
-from hypothesis import strategies as st
-
 from groundswell.peer.state_blob import pack_tensors, unpack_tensors
 from groundswell.protocol.schema import ProtocolError
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 
 def _blob(items, body: bytes) -> bytes:

@@ -5,14 +5,20 @@ from __future__ import annotations
 import json
 
 import pytest
-from typer.testing import CliRunner
-
 from groundswell.peer.cli import app
 from groundswell.peer.config import (
-    ConfigError, DataSection, EvalSection, InnerSection, ModelSection, OuterSection, TrainLocalConfig,
-    from_mapping, replace_path,
+    ConfigError,
+    DataSection,
+    EvalSection,
+    InnerSection,
+    ModelSection,
+    OuterSection,
+    TrainLocalConfig,
+    from_mapping,
+    replace_path,
 )
 from groundswell.peer.train_local import dense_ring_bytes, run_train_local
+from typer.testing import CliRunner
 
 
 def _cfg(algorithm: str, codec: str = "", workers: int = 2, steps: int = 40, h: int = 10) -> TrainLocalConfig:
