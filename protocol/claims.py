@@ -27,6 +27,20 @@ log = logging.getLogger(__name__)
 PROBE_S = 2.0
 
 
+async def ping(transport: Any, peer: str, round_id: int, attempt: int, timeout_s: float) -> PeerUnavailable | None:
+    """Ask `peer` once, without waiting, for an attempt's decision: None if it answered (a
+    refusal, a "gone" from the transport, is no answer), else why not (`PeerDead`, `PeerGone`,
+    or a plain `PeerUnavailable` for a slow or bad answer)."""
+    try:
+        await transport.request(peer, "get-decision", DecisionRequest(round_id, attempt, 0.0), DecisionReply,
+                                timeout_s=timeout_s)
+        return None
+    except PeerUnavailable as exc:
+        return exc
+    except ProtocolError as exc:
+        return PeerUnavailable(str(exc))
+
+
 class Claims:
     """The claim half of the leader; needs the server's identity, transport, book, plan() and attempts."""
 
@@ -112,16 +126,8 @@ class Claims:
             slot.granted_to = None
 
     async def _probe(self, peer: str, plan: RoundPlan, timeout_s: float) -> PeerUnavailable | None:
-        """Ask `peer` once, without waiting, for the attempt's decision: None if it answered, else
-        why not (`PeerDead`, `PeerGone`, or a plain `PeerUnavailable` for a slow or bad answer)."""
-        try:
-            await self.transport.request(peer, "get-decision", DecisionRequest(plan.round, plan.attempt, 0.0),
-                                         DecisionReply, timeout_s=timeout_s)
-            return None
-        except PeerUnavailable as exc:
-            return exc
-        except ProtocolError as exc:
-            return PeerUnavailable(str(exc))
+        """`ping` a peer about the plan's attempt."""
+        return await ping(self.transport, peer, plan.round, plan.attempt, timeout_s)
 
     def _deciding_before(self, round_id: int, attempt: int) -> bool:
         """Is this peer, as a leader, deciding an earlier attempt of the round right now?"""

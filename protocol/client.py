@@ -16,6 +16,7 @@ from dataclasses import dataclass
 from groundswell.compression import Payload
 
 from .aggregator import REPORTING_CANDIDATES, decision_digests, replica_count
+from .claims import ping
 from .context import DecisionBook, contribution_digest
 from .fetch import AggregateFetcher
 from .plan import RoundPlan, attempt_for, close_time
@@ -221,14 +222,8 @@ class RoundClient(AggregateFetcher):
         """Does `peer` answer a request at all within `within` seconds? A refusal is an answer
         (the transport raises PeerGone for it), and so is a dead peer's failed dial, which the
         transfer then finds out for itself."""
-        try:
-            await self.transport.request(peer, "get-decision", DecisionRequest(round_id, attempt, 0.0),
-                                         DecisionReply, timeout_s=within)
-        except PeerGone:
-            return True
-        except PeerUnavailable:  # no answer in time (or a garbled one)
-            return False
-        return True
+        failure = await ping(self.transport, peer, round_id, attempt, within)
+        return failure is None or isinstance(failure, PeerGone)
 
     async def _offer(self, peer: str, msg: ShardContribution, timeout: float) -> str:
         """Send one shard to one aggregator: "ok", "closed" (the attempt is over: stop), or "failed"."""
