@@ -113,7 +113,7 @@ class SparseLoCoCodec:
         scales, codes, levels = _quantize([vals for _, vals in parts], flat.device)
         universes = [self.chunk] * bool(full) + [rem] * bool(rem)
         idx = ef_encode([i for i, _ in parts], universes, self.low_bits, flat.device)
-        return Payload(
+        payload = Payload(
             codec=self.name,
             shape=tuple(x.shape),
             params={"chunk": self.chunk, "k": self.k},
@@ -124,10 +124,19 @@ class SparseLoCoCodec:
                 "level": tensor_to_bytes(levels),
             },
         )
+        if flat.device.type == "cpu":
+            # The encoder's own decode (SparseLoCo decodes what it sent, for the eager start and
+            # the error feedback) then skips unpacking and checking bytes it just wrote.
+            own = _decoded_entries([i for i, _ in parts], codes, scales, levels, self.chunk)
+            self._remember(payload, own)
+        return payload
 
     def validate(self, payload: Payload) -> None:
         """Raise CodecError unless the payload decodes cleanly with this codec."""
-        parsed = self._parse(payload, None)
+        self._remember(payload, self._parse(payload, None))
+
+    def _remember(self, payload: Payload, parsed: tuple[torch.Tensor, torch.Tensor]) -> None:
+        """Keep a payload's parse (CPU tensors) for its next decode or `entries`, by buffer identity."""
         key = _cache_key(payload)
         if key is None:
             return
@@ -295,6 +304,24 @@ def ef_encode(groups: list[torch.Tensor], universes: list[int], low: int, device
 
 def _nbytes(parsed: tuple[torch.Tensor, torch.Tensor]) -> int:
     return sum(t.numel() * t.element_size() for t in parsed)
+
+
+def _decoded_entries(groups: list[torch.Tensor], codes: torch.Tensor, scales: torch.Tensor,
+                     levels: torch.Tensor, chunk: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """What `_parse` makes of an encoding (flat positions, fp32 values), from the encoder's own
+    tensors: `groups` are the (rows, n) ascending in-chunk positions of the full chunks, then of
+    the partial last one; the rest as `_quantize` returns them. The same operations on the same
+    numbers as `_parse`, so bit-identical to parsing the payload's bytes."""
+    table = torch.stack([levels[0], levels[1], -levels[0], -levels[1]])
+    vals = table.index_select(0, codes.to(torch.int64))
+    scale = scales.to(torch.float32)
+    positions, start, offset, row = [], 0, 0, 0
+    for g in groups:
+        rows, n = g.shape
+        positions.append((g + torch.arange(rows, dtype=torch.int64).mul_(chunk).add_(start).unsqueeze(1)).view(-1))
+        vals[offset:offset + rows * n].view(rows, n).mul_(scale[row:row + rows].unsqueeze(1))
+        start, offset, row = start + rows * chunk, offset + rows * n, row + rows
+    return (torch.cat(positions) if positions else torch.zeros(0, dtype=torch.int64)), vals
 
 
 def _cache_key(payload: Payload) -> tuple | None:

@@ -345,6 +345,26 @@ def test_sparseloco_decode_is_deterministic_and_aggregate_is_the_mean() -> None:
     assert torch.allclose(agg.double(), manual, rtol=1e-6, atol=1e-12)
 
 
+@pytest.mark.parametrize("chunk, k, numel", [(4096, 64, 4096 * 5 + 123), (4096, 128, 4096 * 3), (4096, 64, 37),
+                                              (256, 4, 256 * 7 + 3), (16, 16, 16 * 4 + 9), (2, 1, 5)])
+def test_sparseloco_own_decode_skips_the_parse_and_is_bit_identical_to_one(
+        chunk: int, k: int, numel: int, monkeypatch: pytest.MonkeyPatch) -> None:
+    codec = SparseLoCoCodec(chunk, k)
+    for seed, x in enumerate((_randn(numel, seed=1), torch.zeros(numel), _randn(numel, seed=2).round(decimals=3))):
+        payload = codec.encode(x)
+        parsed = SparseLoCoCodec(chunk, k)._parse(Payload.from_bytes(payload.to_bytes()), None)
+        calls = []
+        real = codec._parse
+        monkeypatch.setattr(codec, "_parse", lambda *a: calls.append(a) or real(*a))
+        pos, vals = codec.entries(payload)  # the encoder's own entries, kept at encode time
+        assert calls == [], f"case {seed}: the encoder re-parsed its own payload"
+        assert torch.equal(pos, parsed[0]) and pos.dtype == parsed[0].dtype
+        assert torch.equal(vals.view(torch.int32), parsed[1].view(torch.int32)), f"case {seed}: not bit-identical"
+        assert torch.equal(codec.decode(payload), codec.decode(Payload.from_bytes(payload.to_bytes())))
+        assert len(calls) == 2  # consumed once used: the second decode of our payload parses again
+        monkeypatch.undo()
+
+
 def test_sparseloco_other_chunk_sizes() -> None:
     for chunk, k in ((256, 4), (65536, 64), (2, 1), (16, 16)):
         codec = SparseLoCoCodec(chunk, k)
