@@ -131,6 +131,8 @@ def launch(
     quiet: bool = typer.Option(False, help="No live table (for scripts)."),
     verbose: bool = typer.Option(False, help="Log protocol events."),
     threads: int = typer.Option(0, help="torch threads (0 = default)."),
+    checkpoint_every: int = typer.Option(0, help="Rounds between this coordinator's checkpoints.",
+                                         show_default="the manifest's checkpoint.every_rounds"),
 ) -> None:
     """Coordinate a run: bootstrap/relay peer, signed manifest, state for joiners, checkpoints."""
     from .manifest import format_bootstrap, load_manifest_toml, sign_manifest
@@ -140,6 +142,8 @@ def launch(
 
     _logging(verbose)
     _set_threads(threads)
+    if checkpoint_every < 0:
+        raise ConfigError(f"--checkpoint-every must be at least 1 (or 0: the manifest's), not {checkpoint_every}")
     manifest = load_manifest_toml(manifest_path)
     ident, ident_path = _identity(identity, state_dir)
     signed = sign_manifest(manifest, ident).to_bytes()
@@ -158,7 +162,7 @@ def launch(
     rows: list = []
     try:
         if quiet:
-            run_coordinator(p, stop=stop)
+            run_coordinator(p, stop=stop, checkpoint_every=checkpoint_every)
         else:
             with Live(_round_table(rows, manifest.run.id), console=console, refresh_per_second=2) as live:
                 def on_round(info):
@@ -168,7 +172,7 @@ def launch(
                     rows.append(info)
                     live.update(_round_table(rows, f"{manifest.run.id}: round {info.round + 1}"))
 
-                run_coordinator(p, stop=stop, on_round=on_round)
+                run_coordinator(p, stop=stop, on_round=on_round, checkpoint_every=checkpoint_every)
     finally:
         p.node.close()
 
@@ -336,6 +340,7 @@ def simulate(
     topk: int = typer.Option(0, help="SparseLoCo: values kept per 4096-chunk.", show_default="64"),
     error_decay: float = typer.Option(-1.0, help="SparseLoCo: error-feedback decay in [0, 1].", show_default="0.95"),
     overlap: int = typer.Option(0, help="1: exchange each round while the next H steps train (delayed outer step)."),
+    warmup: int = typer.Option(-1, help="Inner learning-rate warmup steps.", show_default="min(50, 2 H)"),
     seed: int = typer.Option(0, help="Run seed (also seeds every fault's victim)."),
     out: Path = typer.Option(Path("sim-out"), help="Output folder (report.json, loss.png, logs)."),
     kill_every: float = typer.Option(0.0, help="SIGKILL a random live peer every S seconds."),
@@ -359,7 +364,7 @@ def simulate(
     opts = SimulateOptions(peers=peers, rounds=rounds, preset=preset, algorithm=algorithm, codec=codec,
                            inner_steps=inner_steps, batch_size=batch_size, deadline_s=deadline,
                            min_peers=min(min_peers, peers), seed=seed, outer_lr=outer_lr, topk=topk,
-                           error_decay=error_decay, overlap=overlap,
+                           error_decay=error_decay, overlap=overlap, warmup_steps=warmup,
                            kill_every=kill_every, restart_after=restart_after, freeze_every=freeze_every,
                            freeze_for=freeze_for, late_joiners=late_joiners, leave_every=leave_every,
                            kill_coordinator_at=kill_coordinator_at, checkpoint_every=checkpoint_every,

@@ -63,15 +63,17 @@ def run_volunteer(p: Participant, bootstrap_peers: list[str], *, max_rounds: int
     """Sync, then train H steps, exchange, apply; until stopped or `max_rounds` rounds applied.
     `attack`: a simulated byzantine volunteer tampers with what it contributes."""
     m = p.manifest
-    p.start_network()
-    p.events.write("network", peer=p.identity.peer_id, **{f"{k}_s": round(v, 3) for k, v in p.node.startup_s.items()})
-    resumed = p.load_checkpoint()
-    if resumed is not None and resumed.get("outer") is not None:
-        p.load_global(GlobalState(resumed["round"], resumed["tensors"], resumed["decision"]))
-        if resumed["outer"].get("algorithm") == "sparseloco":  # our own error feedback: work not yet sent
-            p.outer.error = resumed["outer"]["error"].to(p.outer.global_params.device)
-        p.events.write("resume", round=p.outer.round_id, peer=p.identity.peer_id)
-    p.sync_state(bootstrap_peers, min_round=p.outer.round_id if resumed else -1)
+    # The first torch optimizer a process builds imports torch._dynamo (1.2-1.6 s of CPU here, more
+    # on a busy machine): done while the network starts and the state downloads, not after.
+    warm = threading.Thread(target=_import_optimizer_machinery, name="warm-imports", daemon=True)
+    warm.start()
+    try:
+        p.start_network()
+        p.events.write("network", peer=p.identity.peer_id,
+                       **{f"{k}_s": round(v, 3) for k, v in p.node.startup_s.items()})
+        resumed = _resume_and_sync(p, bootstrap_peers)
+    finally:
+        warm.join()
     trainer = InnerTrainer(p.workload, p.corpus, DataSection(m.data.source, m.data.batch_size), m.inner,
                            total_steps=10**7, seed=m.run.seed, shard_index=_shard_of(p.identity.peer_id),
                            num_shards=1024, device=p.device)
@@ -127,6 +129,23 @@ def run_volunteer(p: Participant, bootstrap_peers: list[str], *, max_rounds: int
         log.info("could not list connections: %s", exc)
     write_defence_counts(p)
     p.save_checkpoint({"inner": trainer.state_dict()})
+
+
+def _import_optimizer_machinery() -> None:
+    import torch._dynamo  # noqa: F401  (what torch.optim's first optimizer would import)
+
+
+def _resume_and_sync(p: Participant, bootstrap_peers: list[str]) -> dict | None:
+    """Resume from our own checkpoint if there is one, then bring the state up to the swarm's;
+    returns the checkpoint (None: a fresh start)."""
+    resumed = p.load_checkpoint()
+    if resumed is not None and resumed.get("outer") is not None:
+        p.load_global(GlobalState(resumed["round"], resumed["tensors"], resumed["decision"]))
+        if resumed["outer"].get("algorithm") == "sparseloco":  # our own error feedback: work not yet sent
+            p.outer.error = resumed["outer"]["error"].to(p.outer.global_params.device)
+        p.events.write("resume", round=p.outer.round_id, peer=p.identity.peer_id)
+    p.sync_state(bootstrap_peers, min_round=p.outer.round_id if resumed else -1)
+    return resumed
 
 
 def _train_while_waiting(trainer: InnerTrainer, exchange: SwarmExchange, limit: int, stop: StopFlag,
@@ -200,7 +219,7 @@ class _VolunteerLoop:
         info = RoundInfo(r, "applied", result.included, len(result.contributors), stats.mean_loss,
                          eval_loss if evaluate else _swarm_eval_loss(p), result.bytes_sent,
                          time.perf_counter() - t0, stats.tokens / max(stats.compute_s, 1e-9),
-                         params_hash(p.outer.global_params))
+                         p.hash_history.get(p.outer.round_id) or params_hash(p.outer.global_params))
         if evaluate:
             p.node.update_record(loss=eval_loss)
         d = self.exchange.last_decision
@@ -257,8 +276,10 @@ def _shard_of(peer_id: str) -> int:
     return int.from_bytes(hashlib.sha256(peer_id.encode()).digest()[:4], "big") % 1024
 
 
-def run_coordinator(p: Participant, *, stop: StopFlag, on_round: Callable[[RoundInfo], None] = lambda _: None) -> None:
-    """Serve the run: genesis (or resume), then follow every committed round, checkpoint, serve state."""
+def run_coordinator(p: Participant, *, stop: StopFlag, on_round: Callable[[RoundInfo], None] = lambda _: None,
+                    checkpoint_every: int = 0) -> None:
+    """Serve the run: genesis (or resume), then follow every committed round, checkpoint, serve state.
+    `checkpoint_every`: rounds between the coordinator's checkpoints (0: the manifest's cadence)."""
     m = p.manifest
     p.start_network()
     p.events.write("network", peer=p.identity.peer_id, **{f"{k}_s": round(v, 3) for k, v in p.node.startup_s.items()})
@@ -278,7 +299,7 @@ def run_coordinator(p: Participant, *, stop: StopFlag, on_round: Callable[[Round
     try:
         if resumed is not None:
             _follow_the_swarm(p)  # the volunteers may have gone on without us
-        _follow_rounds(p, stop, on_round)
+        _follow_rounds(p, stop, on_round, checkpoint_every or m.checkpoint.every_rounds)
     except Stopped:
         pass
     finally:
@@ -287,7 +308,7 @@ def run_coordinator(p: Participant, *, stop: StopFlag, on_round: Callable[[Round
     p.save_checkpoint()
 
 
-def _follow_rounds(p: Participant, stop: StopFlag, on_round: Callable[[RoundInfo], None]) -> None:
+def _follow_rounds(p: Participant, stop: StopFlag, on_round: Callable[[RoundInfo], None], checkpoint_every: int) -> None:
     """The coordinator's rounds: take part in each attempt (it serves, never trains), apply every
     committed round, evaluate, checkpoint; until stopped."""
     m = p.manifest
@@ -349,7 +370,7 @@ def _follow_rounds(p: Participant, stop: StopFlag, on_round: Callable[[RoundInfo
                        hash=info.params_hash, eval_loss=loss, clipped=client.clipped.get(r, {}), shards=d.num_shards,
                        round_s=info.round_s, peer=p.identity.peer_id, role="coordinator")
         on_round(info)
-        if (r + 1) % m.checkpoint.every_rounds == 0:
+        if (r + 1) % checkpoint_every == 0:
             p.save_checkpoint()
 
 

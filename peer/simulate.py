@@ -44,7 +44,11 @@ class SimulateOptions:
     topk: int = 0  # SparseLoCo: values kept per chunk (0: the manifest's default, 64 of 4096)
     error_decay: float = -1.0  # SparseLoCo: error-feedback decay (< 0: the manifest's default, 0.95)
     overlap: int = 0  # 1: each round is exchanged while the next H steps train
+    warmup_steps: int = -1  # inner lr warmup (< 0: min(50, 2 H), so that short runs are not all warmup)
     checkpoint_every: int = 5
+    checkpoint_keep: int = 2
+    coordinator_checkpoint_every: int = 0  # `launch --checkpoint-every` (0: the manifest's cadence)
+    eval_every: int = 1  # rounds between the coordinator's held-out evaluations
     timeout_s: float = 1800.0
     # churn (seconds; 0 = off); every choice of victim is drawn from `seed`
     kill_every: float = 0.0
@@ -83,10 +87,11 @@ def manifest_toml(opts: SimulateOptions) -> str:
     return (
         f'[run]\nid = "sim"\nopen = true\nmin_peers = {opts.min_peers}\nseed = {opts.seed}\n'
         f'[model]\nspec = "{opts.preset}"\n[data]\nbatch_size = {opts.batch_size}\n'
-        f"[inner]\nwarmup_steps = {min(50, opts.inner_steps * 2)}\n"
+        f"[inner]\nwarmup_steps = {opts.warmup_steps if opts.warmup_steps >= 0 else min(50, opts.inner_steps * 2)}\n"
         f'[outer]\nalgorithm = "{opts.algorithm}"\ninner_steps = {opts.inner_steps}\n{codec}{lr}'
         f"[round]\ndeadline_s = {opts.deadline_s}\nslack_s = {opts.slack_s}\nmax_shards = 16\n"
-        f"[checkpoint]\nevery_rounds = {opts.checkpoint_every}\nkeep = 2\n[eval]\nbatches = 4\nbatch_size = 16\nevery_rounds = 1\n"
+        f"[checkpoint]\nevery_rounds = {opts.checkpoint_every}\nkeep = {opts.checkpoint_keep}\n"
+        f"[eval]\nbatches = 4\nbatch_size = 16\nevery_rounds = {opts.eval_every}\n"
         + ("[defences]\nclip = 0.0\ntrim = 0.0\n" if not opts.defences else
            "[defences]\nscoring = true\n" if opts.scoring else "")
     )
@@ -284,7 +289,7 @@ def run_simulation(opts: SimulateOptions, out: Path, progress: Callable[[str], N
         common = ["--quiet", "--verbose", "--threads", "1"]  # protocol log in NAME.log, for post-mortems
         coord_listen = f"/ip4/127.0.0.1/tcp/{_free_port()}"  # fixed, so a restarted coordinator is found again
         coord_args = ["launch", str(out / "run.toml"), "--state-dir", str(out / "coordinator"), "--listen",
-                      coord_listen, *common]
+                      coord_listen, "--checkpoint-every", str(opts.coordinator_checkpoint_every), *common]
         sim.spawn("coordinator", coord_args)
         boot_file = out / "coordinator" / "bootstrap.txt"
         wait_until = time.time() + 120

@@ -15,8 +15,13 @@ it, the 4 peers share this machine's cores, and whatever CPU a peer leaves idle 
 the network speeds up the others. The coordinator is not capped.
 Each trains for --wall seconds from its first step; utilization is time in forward, backward and
 the inner optimizer over that wall time (mean over peers); the loss is the held-out loss of the
-parameters the run agreed on when the wall time was up (groundswell: the coordinator's evaluation
-of the last round completed in time; ddp: rank 0's model). One torch thread per process.
+parameters the run agreed on when the wall time was up, evaluated after the run (groundswell: the
+coordinator's checkpoint of the last round completed in time, checked against that round's
+parameter hash; ddp: rank 0's model). Before 2026-12-02 the coordinator evaluated every round
+during the run, on the CPU the volunteers train on. One torch thread per process. Every
+run warms its inner lr up over the same --warmup steps (50): before 2026-12-02 the swarm runs
+took simulate's min(50, 2 H), 20 steps for SparseLoCo at H = 10 against DiLoCo's 50 at H = 30,
+which alone moved the in-process comparison by more than the gap it measured.
 """
 
 from __future__ import annotations
@@ -77,14 +82,16 @@ def cpu_slices(names: tuple[str, ...], cpus: float):
 
 def swarm_run(name: str, out: Path, wall: float, preset: str, algorithm: str, codec: str, overlap: int,
               inner_steps: int, outer_lr: float | None = None, topk: int = 0, cpus: float = 0.0,
-              error_decay: float = -1.0) -> dict:
+              error_decay: float = -1.0, warmup: int = -1) -> dict:
     """A coordinator and 4 volunteers for `wall` seconds of training; the figures from their logs."""
     from groundswell.peer.simulate import SimulateOptions, Simulation, manifest_toml
 
     opts = SimulateOptions(peers=4, rounds=10**6, preset=preset, algorithm=algorithm, codec=codec, overlap=overlap,
                            inner_steps=inner_steps, outer_lr=outer_lr, topk=topk, error_decay=error_decay,
-                           batch_size=8, deadline_s=60,
-                           slack_s=5, min_peers=2, checkpoint_every=10**6)
+                           warmup_steps=warmup, batch_size=8, deadline_s=60, slack_s=5, min_peers=2,
+                           # Nobody evaluates or checkpoints on the clock but the coordinator, which keeps
+                           # every round's state for the evaluation after the run (below).
+                           checkpoint_every=10**6, checkpoint_keep=10**6, eval_every=10**6)
     out.mkdir(parents=True)
     with cpu_slices(SWARM_HOSTS, cpus) as slices, Simulation(out, opts) as sim:
         (out / "run.toml").write_text(manifest_toml(opts))
@@ -92,7 +99,7 @@ def swarm_run(name: str, out: Path, wall: float, preset: str, algorithm: str, co
         coord_ip = netlab.HOSTS["coord"][1]
         sim.spawn("coordinator", ["launch", str(out / "run.toml"), "--state-dir", str(out / "coordinator"),
                                   "--listen", "/ip4/0.0.0.0/tcp/40000", "--announce",
-                                  f"/ip4/{coord_ip}/tcp/40000", *common],
+                                  f"/ip4/{coord_ip}/tcp/40000", "--checkpoint-every", "1", *common],
                   prefix=tuple(netlab.netns_exec_argv("coord", [])))
         boot = out / "coordinator" / "bootstrap.txt"
         limit = time.time() + 120
@@ -127,14 +134,38 @@ def swarm_run(name: str, out: Path, wall: float, preset: str, algorithm: str, co
                    for e in events if e["kind"] == "train")
         utilization.append(busy / wall)
         sent.append(sum(e["bytes_sent"] for e in events if e["kind"] == "round" and e["t"] <= stop))
-    followed = [e for e in read_events(out / "coordinator" / "events.jsonl")
-                if e["kind"] == "round" and e["t"] <= stop and e.get("eval_loss") == e.get("eval_loss")]
+    followed = [e for e in read_events(out / "coordinator" / "events.jsonl") if e["kind"] == "round" and e["t"] <= stop]
     return {"name": name, "compute_utilization": round(sum(utilization) / len(utilization), 4),
-            "eval_loss": followed[-1]["eval_loss"] if followed else None, "wall_s": wall,
+            "eval_loss": _eval_checkpoint(out / "coordinator", followed[-1], preset) if followed else None,
+            "wall_s": wall,
             "rounds": len(followed), "bytes_per_peer": int(sum(sent) / len(sent)), "out": str(out)}
 
 
-def ddp_worker(rank: int, world: int, master: str, wall: float, preset: str, out: Path) -> None:
+def _eval_checkpoint(state_dir: Path, last_round: dict, preset: str) -> float:
+    """Held-out loss of the global parameters after `last_round` (the coordinator's "round" event),
+    from the checkpoint the coordinator wrote then; evaluated after the run, on the same held-out
+    batches as the ddp run, so that no evaluation takes CPU from the volunteers while they train
+    (the coordinator would otherwise evaluate every round: 1.5 s of CPU each on the small preset,
+    a share that grows with the number of rounds)."""
+    import torch
+    from groundswell.optim import copy_into_parameters
+    from groundswell.peer.data import evaluate, heldout_batches, load_corpus
+    from groundswell.peer.run_state import params_hash
+    from groundswell.peer.workload import build_workload
+
+    torch.set_num_threads(1)
+    path = state_dir / f"checkpoint-{last_round['round'] + 1:08d}.pt"
+    params = torch.load(path, weights_only=True, map_location="cpu")["tensors"]["global_params"]
+    if params_hash(params) != last_round["hash"]:
+        raise RuntimeError(f"{path} does not hold the parameters of round {last_round['round']}")
+    corpus = load_corpus("stdlib")
+    wl = build_workload(preset, corpus.vocab_size, 0)
+    copy_into_parameters(params, list(wl.model.parameters()))
+    return evaluate(wl.model, wl.loss_fn, heldout_batches(corpus, wl.block_size, 16, 4))
+
+
+def ddp_worker(rank: int, world: int, master: str, wall: float, preset: str, out: Path,
+               warmup: int = -1) -> None:
     """One rank of plain data-parallel training (run inside a namespace by `ddp_run`)."""
     import torch
     import torch.distributed as dist
@@ -148,7 +179,7 @@ def ddp_worker(rank: int, world: int, master: str, wall: float, preset: str, out
                             timeout=timedelta(seconds=120))
     corpus = load_corpus("stdlib")
     wl = build_workload(preset, corpus.vocab_size, 0)
-    inner = InnerSection()
+    inner = InnerSection() if warmup < 0 else InnerSection(warmup_steps=warmup)  # < 0: the default, 50
     params = list(wl.model.parameters())
     opt = torch.optim.AdamW(params, lr=inner.lr, betas=(inner.beta1, inner.beta2), weight_decay=inner.weight_decay)
     sched = warmup_cosine_scheduler(opt, 10**7, inner.warmup_steps, inner.min_lr_ratio)
@@ -189,14 +220,16 @@ def ddp_worker(rank: int, world: int, master: str, wall: float, preset: str, out
     dist.destroy_process_group()
 
 
-def ddp_run(out: Path, wall: float, preset: str, cpus: float = 0.0) -> dict:
+def ddp_run(out: Path, wall: float, preset: str, cpus: float = 0.0, warmup: int = -1) -> dict:
     """4 gloo ranks on the 4 public hosts for `wall` seconds."""
     out.mkdir(parents=True)
     with cpu_slices(DDP_HOSTS, cpus) as slices:
-        return _ddp_ranks(out, wall, preset, slices)
+        return _ddp_ranks(out, wall, preset, slices, warmup)
 
 
-def _ddp_ranks(out: Path, wall: float, preset: str, slices: dict[str, list[str]]) -> dict:
+def _ddp_ranks(out: Path, wall: float, preset: str, slices: dict[str, list[str]], warmup: int) -> dict:
+    from groundswell.peer.config import InnerSection
+
     master = netlab.HOSTS[DDP_HOSTS[0]][1]
     # gloo would otherwise advertise the address the host name resolves to, outside the namespace.
     env = dict(os.environ, OMP_WAIT_POLICY="PASSIVE", GLOO_SOCKET_IFNAME="eth0", PYTHONUNBUFFERED="1")
@@ -204,7 +237,7 @@ def _ddp_ranks(out: Path, wall: float, preset: str, slices: dict[str, list[str]]
     try:
         for rank, host in enumerate(DDP_HOSTS):
             argv = [sys.executable, __file__, "--ddp-worker", str(rank), "--master", master, "--wall", str(wall),
-                    "--preset", preset, "--out", str(out)]
+                    "--preset", preset, "--out", str(out), "--warmup", str(warmup)]
             procs.append(subprocess.Popen([*slices.get(host, []), *netlab.netns_exec_argv(host, argv)], env=env,
                                           stdout=open(out / f"rank{rank}.log", "wb"), stderr=subprocess.STDOUT))
         for p in procs:
@@ -216,7 +249,8 @@ def _ddp_ranks(out: Path, wall: float, preset: str, slices: dict[str, list[str]]
     ranks = [json.loads((out / f"rank{r}.json").read_text()) for r in range(len(DDP_HOSTS))]
     return {"name": "ddp-gloo", "compute_utilization": round(sum(r["compute_s"] / r["wall_s"] for r in ranks) / 4, 4),
             "eval_loss": ranks[0]["eval_loss"], "wall_s": round(ranks[0]["wall_s"], 1),
-            "steps": ranks[0]["steps"], "bytes_per_peer": ranks[0]["bytes"], "out": str(out)}
+            "steps": ranks[0]["steps"], "bytes_per_peer": ranks[0]["bytes"], "out": str(out),
+            "warmup_steps": InnerSection().warmup_steps if warmup < 0 else warmup}
 
 
 def main() -> int:
@@ -233,6 +267,9 @@ def main() -> int:
                     help="values kept per 4096-chunk in the sparseloco run (default: the manifest's, 64)")
     ap.add_argument("--sparse-error-decay", type=float, default=-1.0,
                     help="error-feedback decay of run (a) [default: the manifest's, 0.95]")
+    ap.add_argument("--warmup", type=int, default=50,
+                    help="inner lr warmup steps, the same for every run; -1: each swarm run takes simulate's "
+                         "min(50, 2 H) and ddp 50, as in the runs before 2026-12-02")
     ap.add_argument("--cpu-per-peer", type=float, default=0.0,
                     help="cap each training process (and its p2pd) at this many CPUs, as if on its own machine "
                          "(0: they share the machine's cores)")
@@ -246,7 +283,7 @@ def main() -> int:
     ap.add_argument("--master", default="", help=argparse.SUPPRESS)
     a = ap.parse_args()
     if a.ddp_worker is not None:
-        ddp_worker(a.ddp_worker, len(DDP_HOSTS), a.master, a.wall, a.preset, a.out)
+        ddp_worker(a.ddp_worker, len(DDP_HOSTS), a.master, a.wall, a.preset, a.out, a.warmup)
         return 0
     out = a.out or Path(tempfile.mkdtemp(prefix="bench-wan-"))
     runs = []
@@ -260,13 +297,14 @@ def main() -> int:
                 if name in chosen:
                     decay = a.sparse_error_decay if algorithm == "sparseloco" else -1.0
                     runs.append(swarm_run(name, out / name, a.wall, a.preset, algorithm, codec, overlap, h, lr, k,
-                                          a.cpu_per_peer, decay))
+                                          a.cpu_per_peer, decay, a.warmup))
                     runs[-1].update(inner_steps=h, outer_lr=lr, **({"topk": k} if k else {}),
+                                    warmup_steps=a.warmup if a.warmup >= 0 else min(50, 2 * h),
                                     **({"error_decay": decay} if decay >= 0 else {}))
                     if not a.json:
                         print(json.dumps(runs[-1]), file=sys.stderr, flush=True)
             if "ddp-gloo" in chosen:
-                runs.append(ddp_run(out / "ddp-gloo", a.wall, a.preset, a.cpu_per_peer))
+                runs.append(ddp_run(out / "ddp-gloo", a.wall, a.preset, a.cpu_per_peer, max(-1, a.warmup)))
     except netlab.NetlabUnavailable as exc:
         print(f"netlab unavailable: {exc}", file=sys.stderr)
         return 3

@@ -49,6 +49,14 @@ def test_bad_options_are_one_error_line(tmp_path):
     _one_error_line(CliRunner().invoke(app, ["keygen", str(key)]), 2, "exists; pass --force to overwrite it")
 
 
+def test_a_bad_coordinator_checkpoint_cadence_is_one_error_line_and_writes_nothing(tmp_path):
+    manifest = Path(__file__).resolve().parents[1] / "scripts" / "example_run.toml"
+    res = CliRunner().invoke(app, ["launch", str(manifest), "--checkpoint-every", "-1", "--state-dir",
+                                   str(tmp_path / "run")])
+    _one_error_line(res, 2, "--checkpoint-every must be at least 1")
+    assert not (tmp_path / "run").exists()
+
+
 def test_an_unreachable_run_is_one_error_line(tmp_path):
     # A real process, to see all a user would: no log line, no asyncio warning about the daemon
     # that failed to connect (reaped after its event loop closed, before reap_daemons).

@@ -18,12 +18,17 @@ pytestmark = [pytest.mark.slow, pytest.mark.timeout(400)]
 
 def test_coordinator_resumes_from_its_checkpoint(tmp_path):
     out = tmp_path / "sim"
+    # the manifest's cadence would checkpoint never (but at genesis and on leaving); `launch
+    # --checkpoint-every 1` makes the coordinator checkpoint every round anyway
     opts = SimulateOptions(peers=2, rounds=3, inner_steps=5, batch_size=4, deadline_s=20, slack_s=2, min_peers=2,
-                           checkpoint_every=1, timeout_s=300)
+                           checkpoint_every=10**6, checkpoint_keep=4, coordinator_checkpoint_every=1, timeout_s=300)
     report = run_simulation(opts, out, progress=lambda m: None)
     assert report["rounds_completed"] == 3 and report["param_hash_agreement"]
     rounds = [json.loads(line) for line in (out / "coordinator" / "events.jsonl").read_text().splitlines()]
+    followed = [e["round"] for e in rounds if e["kind"] == "round"]
     last = [e for e in rounds if e["kind"] == "round"][-1]
+    kept = {p.name for p in (out / "coordinator").glob("checkpoint-*.pt")}
+    assert len(followed) >= 2 and {f"checkpoint-{r + 1:08d}.pt" for r in followed} <= kept, (followed, kept)
     with Simulation(out / "again", opts) as sim:
         sim.spawn("coordinator", ["launch", str(out / "run.toml"), "--state-dir", str(out / "coordinator"),
                                   "--listen", "/ip4/127.0.0.1/tcp/0", "--quiet", "--threads", "1"])
