@@ -6,7 +6,7 @@
 Runs train-local (same seed, data and inner optimizer for every row) for DiLoCo-int8 with H = 30
 (bench_wan's run (b)) and SparseLoCo variants (overlapped with the eager start, as bench_wan's run
 (a)), and prints one JSON row per setting: {name, eval_loss, seconds}. With no NAME, all settings.
-Warmup follows `groundswell simulate`: min(50, 2 H) inner steps. One torch thread.
+Warmup follows `groundswell simulate`, min(50, 2 H) inner steps, unless a setting names its own. One torch thread.
 """
 
 from __future__ import annotations
@@ -51,6 +51,16 @@ SETTINGS = {
     "sparse-H5-lr1-k128-ef0.9": dict(algorithm="sparseloco", inner_steps=5, overlap=1, eager=True, lr=1.0, topk=128, error_decay=0.9),
     "sparse-H10-lr1-k128-ef0.6": dict(algorithm="sparseloco", inner_steps=10, overlap=1, eager=True, lr=1.0, topk=128, error_decay=0.6),
     "sparse-H5-lr1-k128-ef0.7": dict(algorithm="sparseloco", inner_steps=5, overlap=1, eager=True, lr=1.0, topk=128, error_decay=0.7),
+    # Shorter blocks: in process, more rounds is what SparseLoCo gains most from at this length of run.
+    "sparse-H2-lr1-k128-ef0.9": dict(algorithm="sparseloco", inner_steps=2, overlap=1, eager=True, lr=1.0, topk=128, error_decay=0.9),
+    "sparse-H3-lr1-k128-ef0.9": dict(algorithm="sparseloco", inner_steps=3, overlap=1, eager=True, lr=1.0, topk=128, error_decay=0.9),
+    "sparse-H1-lr1-k128-ef0.9": dict(algorithm="sparseloco", inner_steps=1, overlap=1, eager=True, lr=1.0, topk=128, error_decay=0.9),
+    "sparse-H2-lr0.7-k128-ef0.9": dict(algorithm="sparseloco", inner_steps=2, overlap=1, eager=True, lr=0.7, topk=128, error_decay=0.9),
+    # The inner warmup follows H (min(50, 2 H)): DiLoCo-H30 warms up over 50 steps, SparseLoCo-H5 over 10.
+    "sparse-H5-lr1-k128-ef0.9-wu50": dict(algorithm="sparseloco", inner_steps=5, overlap=1, eager=True, lr=1.0, topk=128, error_decay=0.9, warmup=50),
+    "sparse-H2-lr1-k128-ef0.9-wu50": dict(algorithm="sparseloco", inner_steps=2, overlap=1, eager=True, lr=1.0, topk=128, error_decay=0.9, warmup=50),
+    "sparse-H10-lr1-k128-ef0.9-wu50": dict(algorithm="sparseloco", inner_steps=10, overlap=1, eager=True, lr=1.0, topk=128, error_decay=0.9, warmup=50),
+    "diloco-int8-H30-wu20": dict(algorithm="diloco", codec="int8", inner_steps=30, overlap=0, warmup=20),
 }
 
 
@@ -66,11 +76,12 @@ def main() -> None:
     torch.set_num_threads(1)
     corpus = load_corpus("stdlib")
     for name in a.names or list(SETTINGS):
-        outer = SETTINGS[name]
+        outer = dict(SETTINGS[name])
+        warmup = outer.pop("warmup", min(50, 2 * int(outer["inner_steps"])))
         started = time.time()
         cfg = TrainLocalConfig(
             workers=a.workers, steps=a.steps, seed=a.seed, model=ModelSection(a.preset), data=DataSection(batch_size=8),
-            inner=InnerSection(lr=3e-3, warmup_steps=min(50, 2 * int(outer["inner_steps"]))),
+            inner=InnerSection(lr=3e-3, warmup_steps=warmup),
             outer=OuterSection(**outer), eval=EvalSection(batches=4, batch_size=8),
         )
         r = run_train_local(cfg, corpus=corpus)
