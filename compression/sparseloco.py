@@ -55,6 +55,8 @@ DEFAULT_K = 64
 MAX_CHUNK = 1 << 16
 PARSED_CACHE_BYTES = 256 << 20  # validated-but-not-yet-decoded payloads kept parsed, at most
 PARSED_CACHE_ITEMS = 1024
+OWN_CACHE_BYTES = 64 << 20  # the encoder's own payloads, kept parsed until decoded (one round's worth)
+OWN_CACHE_ITEMS = 256
 _BF16_MAX = torch.finfo(torch.bfloat16).max
 _EMPTY_BIN_LEVELS = (0.5, 1.5)  # any finite value: an empty bin's level is never used
 
@@ -70,11 +72,11 @@ class SparseLoCoCodec:
         self.k = k
         self.low_bits = ef_low_bits(chunk, k)
         # Payloads `validate` parsed, so that from_bytes -> decode (or -> entries) does not
-        # unpack and check one twice: by buffer identity, consumed when used, oldest dropped
-        # past a byte budget (an aggregator validates contributions it never decodes).
-        self._validated: OrderedDict[tuple[int, ...], tuple[tuple, tuple[torch.Tensor, torch.Tensor]]] = OrderedDict()
-        self._validated_bytes = 0
-        self._lock = threading.Lock()  # the trainer thread decodes while the network thread validates
+        # unpack and check one twice (an aggregator validates contributions it never decodes);
+        # and the encoder's own payloads, apart, so that encodings nobody decodes here (a codec
+        # bench, a tampered copy) never push the network's parses out.
+        self._validated = _ParseCache(PARSED_CACHE_BYTES, PARSED_CACHE_ITEMS)
+        self._own = _ParseCache(OWN_CACHE_BYTES, OWN_CACHE_ITEMS)
 
     def __repr__(self) -> str:
         return f"SparseLoCoCodec(chunk={self.chunk}, k={self.k})"
@@ -127,33 +129,12 @@ class SparseLoCoCodec:
         if flat.device.type == "cpu":
             # The encoder's own decode (SparseLoCo decodes what it sent, for the eager start and
             # the error feedback) then skips unpacking and checking bytes it just wrote.
-            own = _decoded_entries([i for i, _ in parts], codes, scales, levels, self.chunk)
-            self._remember(payload, own)
+            self._own.put(payload, _decoded_entries([i for i, _ in parts], codes, scales, levels, self.chunk))
         return payload
 
     def validate(self, payload: Payload) -> None:
         """Raise CodecError unless the payload decodes cleanly with this codec."""
-        self._remember(payload, self._parse(payload, None))
-
-    def _remember(self, payload: Payload, parsed: tuple[torch.Tensor, torch.Tensor]) -> None:
-        """Keep a payload's parse (CPU tensors) for its next decode or `entries`, by buffer identity."""
-        key = _cache_key(payload)
-        if key is None:
-            return
-        ids = tuple(map(id, key))
-        with self._lock:
-            if ids in self._validated:
-                self._forget(ids)
-            self._validated[ids] = (key, parsed)
-            self._validated_bytes += _nbytes(parsed)
-            while self._validated_bytes > PARSED_CACHE_BYTES or len(self._validated) > PARSED_CACHE_ITEMS:
-                self._forget(next(iter(self._validated)))
-
-    def _forget(self, ids: tuple[int, ...]) -> tuple[tuple, tuple[torch.Tensor, torch.Tensor]]:
-        """Drop one cached parse (the caller holds the lock); returns it."""
-        entry = self._validated.pop(ids)
-        self._validated_bytes -= _nbytes(entry[1])
-        return entry
+        self._validated.put(payload, self._parse(payload, None))
 
     def decode(self, payload: Payload, device: torch.device | str | None = None) -> torch.Tensor:
         """Decode into a dense fp32 tensor of the payload's shape."""
@@ -186,16 +167,11 @@ class SparseLoCoCodec:
     def _parsed(
         self, payload: Payload, device: torch.device | str | None
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """`_parse`, reusing the result of the `validate` call just made on the same payload."""
-        key = _cache_key(payload)
-        ids = tuple(map(id, key)) if key is not None else None
-        with self._lock:
-            cached = self._forget(ids) if ids is not None and ids in self._validated else None
+        """`_parse`, reusing the parse `validate` (or our own `encode`) just made of the same payload."""
+        cached = self._own.take(payload) or self._validated.take(payload)
         if cached is not None:
-            # the cached key holds the very objects, so an id cannot have been reused meanwhile
-            if all(a is b for a, b in zip(key, cached[0], strict=True)):  # type: ignore[arg-type]
-                pos, vals = cached[1]  # parsed on the CPU; the values are the same on any device
-                return (pos, vals) if device is None else (pos.to(device), vals.to(device))
+            pos, vals = cached  # parsed on the CPU; the values are the same on any device
+            return (pos, vals) if device is None else (pos.to(device), vals.to(device))
         return self._parse(payload, device)
 
     def _parse(
@@ -300,6 +276,50 @@ def ef_encode(groups: list[torch.Tensor], universes: list[int], low: int, device
     if low:
         packed.append(pack_bits(torch.cat(lows), low))
     return torch.cat(packed)
+
+
+class _ParseCache:
+    """Parses (CPU positions, values) by payload buffer identity: consumed when used, oldest
+    dropped past a budget, which counts the parses and the payload bytes the keys keep alive."""
+
+    def __init__(self, max_bytes: int, max_items: int) -> None:
+        self.max_bytes, self.max_items = max_bytes, max_items
+        self._items: OrderedDict[tuple[int, ...], tuple[tuple, tuple[torch.Tensor, torch.Tensor], int]] = OrderedDict()
+        self._bytes = 0
+        self._lock = threading.Lock()  # the trainer thread decodes while the network thread validates
+
+    def put(self, payload: Payload, parsed: tuple[torch.Tensor, torch.Tensor]) -> None:
+        """Keep `parsed` for the next `take` of this very payload (a bytearray-backed one: never)."""
+        key = _cache_key(payload)
+        if key is None:
+            return
+        ids = tuple(map(id, key))
+        size = _nbytes(parsed) + sum(len(b) for b in key[:4])
+        with self._lock:
+            if ids in self._items:
+                self._pop(ids)
+            self._items[ids] = (key, parsed, size)
+            self._bytes += size
+            while self._bytes > self.max_bytes or len(self._items) > self.max_items:
+                self._pop(next(iter(self._items)))
+
+    def take(self, payload: Payload) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """The kept parse of this very payload, removed from the cache; None if there is none."""
+        key = _cache_key(payload)
+        if key is None:
+            return None
+        ids = tuple(map(id, key))
+        with self._lock:
+            entry = self._pop(ids) if ids in self._items else None
+        # the kept key holds the very objects, so an id cannot have been reused meanwhile
+        if entry is None or not all(a is b for a, b in zip(key, entry[0], strict=True)):
+            return None
+        return entry[1]
+
+    def _pop(self, ids: tuple[int, ...]) -> tuple[tuple, tuple[torch.Tensor, torch.Tensor], int]:
+        entry = self._items.pop(ids)
+        self._bytes -= entry[2]
+        return entry
 
 
 def _nbytes(parsed: tuple[torch.Tensor, torch.Tensor]) -> int:

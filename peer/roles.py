@@ -132,7 +132,10 @@ def run_volunteer(p: Participant, bootstrap_peers: list[str], *, max_rounds: int
 
 
 def _import_optimizer_machinery() -> None:
-    import torch._dynamo  # noqa: F401  (what torch.optim's first optimizer would import)
+    try:
+        import torch._dynamo  # noqa: F401  (what torch.optim's first optimizer would import)
+    except Exception as exc:  # only a head start: the first optimizer imports it again if need be
+        log.debug("warming torch._dynamo up failed: %r", exc)
 
 
 def _resume_and_sync(p: Participant, bootstrap_peers: list[str]) -> dict | None:

@@ -390,7 +390,7 @@ def run_simulation(opts: SimulateOptions, out: Path, progress: Callable[[str], N
                     sim.event("kill-coordinator", "coordinator")
                     pending.append((now + (opts.restart_after or 5.0), "restart", "coordinator"))
                     live = [a.read_text().splitlines()[0] for a in out.glob("peer-*/address.txt")]
-                    coord_args = [*coord_args[:6], *[x for m in live[:3] for x in ("--peer", m)], *common]
+                    coord_args = [*coord_args[:-len(common)], *[x for m in live[:3] for x in ("--peer", m)], *common]
             time.sleep(0.25)
         for name in list(frozen):
             sim.signal(name, signal.SIGCONT)

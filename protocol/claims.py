@@ -28,9 +28,10 @@ PROBE_S = 2.0
 
 
 async def ping(transport: Any, peer: str, round_id: int, attempt: int, timeout_s: float) -> PeerUnavailable | None:
-    """Ask `peer` once, without waiting, for an attempt's decision: None if it answered (a
-    refusal, a "gone" from the transport, is no answer), else why not (`PeerDead`, `PeerGone`,
-    or a plain `PeerUnavailable` for a slow or bad answer)."""
+    """Ask `peer` once, without waiting, for an attempt's decision: None if it answered in time,
+    else why not: `PeerDead` (nothing could be opened), `PeerGone` (it refused or closed the
+    request unanswered: there, but saying no), or a plain `PeerUnavailable` (too slow, or a bad
+    answer)."""
     try:
         await transport.request(peer, "get-decision", DecisionRequest(round_id, attempt, 0.0), DecisionReply,
                                 timeout_s=timeout_s)

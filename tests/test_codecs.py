@@ -365,6 +365,23 @@ def test_sparseloco_own_decode_skips_the_parse_and_is_bit_identical_to_one(
         monkeypatch.undo()
 
 
+def test_sparseloco_encodings_nobody_decodes_neither_pile_up_nor_push_validated_parses_out(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    from groundswell.compression.sparseloco import OWN_CACHE_ITEMS, PARSED_CACHE_ITEMS
+
+    codec = SparseLoCoCodec(256, 4)
+    received = Payload.from_bytes(codec.encode(_randn(1000, seed=1)).to_bytes())
+    codec.validate(received)  # as an aggregator does, long before it decodes
+    for s in range(PARSED_CACHE_ITEMS + 10):  # a codec bench, tampered copies: encoded, never decoded here
+        codec.encode(_randn(1000, seed=s))
+    assert len(codec._own._items) <= OWN_CACHE_ITEMS
+    calls = []
+    real = codec._parse
+    monkeypatch.setattr(codec, "_parse", lambda *a: calls.append(a) or real(*a))
+    codec.decode(received)
+    assert calls == [], "the validated parse was pushed out by our own encodings"
+
+
 def test_sparseloco_other_chunk_sizes() -> None:
     for chunk, k in ((256, 4), (65536, 64), (2, 1), (16, 16)):
         codec = SparseLoCoCodec(chunk, k)
