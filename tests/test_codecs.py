@@ -353,9 +353,9 @@ def test_sparseloco_own_decode_skips_the_parse_and_is_bit_identical_to_one(
     for seed, x in enumerate((_randn(numel, seed=1), torch.zeros(numel), _randn(numel, seed=2).round(decimals=3))):
         payload = codec.encode(x)
         parsed = SparseLoCoCodec(chunk, k)._parse(Payload.from_bytes(payload.to_bytes()), None)
-        calls = []
+        calls: list[tuple] = []
         real = codec._parse
-        monkeypatch.setattr(codec, "_parse", lambda *a: calls.append(a) or real(*a))
+        monkeypatch.setattr(codec, "_parse", lambda *a, calls=calls, real=real: calls.append(a) or real(*a))
         pos, vals = codec.entries(payload)  # the encoder's own entries, kept at encode time
         assert calls == [], f"case {seed}: the encoder re-parsed its own payload"
         assert torch.equal(pos, parsed[0]) and pos.dtype == parsed[0].dtype

@@ -47,7 +47,7 @@ def test_a_stand_in_leader_stands_back_from_a_round_decided_long_ago(target, cap
     assert plan is not None
     server._check_open(0, 0)
     slot = server.attempts[(0, 0)]
-    for r in range(0, book.keep + 3):  # the swarm goes on; the book lets go of round 0's plan
+    for r in range(book.keep + 3):  # the swarm goes on; the book lets go of round 0's plan
         book.add(_commit(target, r))
     assert book.membership(0) is None and book.decided(0)
     before = dict(book.committed)
