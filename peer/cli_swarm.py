@@ -224,7 +224,8 @@ def join(
         relays = ", ".join(pid[-8:] for pid in peers[:3])  # trusted relays: the bootstrap peers
         console.print("reachable: public (other peers can connect to us)" if node.reachability == "public" else
                       f"reachable: behind a NAT, through relay {relays} once it holds our slot (libp2p "
-                      "reserves it ~3-4 min after start); contributing, not serving")
+                      "reserves it ~3-4 min after start), and directly by peers behind other NATs after hole "
+                      "punching where their NAT allows; contributing, not serving")
         p = Participant(manifest, signed, ident, str(ident_path), opts, state_dir, device=device, node=node)
         stop = _stop_on_signals()
         h = manifest.outer.inner_steps
@@ -294,7 +295,7 @@ def status(
             node.close()
     # A record's loss is 0 until its peer has evaluated (only the coordinator does, by default).
     rows = [{"peer": pid, "role": r.role, "round": r.round, "params_hash": r.params_hash, "trains": r.trains,
-             "serves": r.serves, "reachability": r.reachability,
+             "serves": r.serves, "reachability": r.reachability, "hole_punched": r.punched,
              "loss": r.loss if 0 < r.loss < float("inf") else None, "bytes_sent": r.bytes_sent,
              "refused_messages": r.rejected, "banning": r.banned, "scores": r.scores,
              "age_s": round(time.time() - r.updated, 1)} for pid, r in sorted(records.items())]
@@ -303,13 +304,16 @@ def status(
         return
     table = Table(title=f"run {manifest.run.id}: {len(rows)} peers online", box=box.SIMPLE_HEAD,
                   collapse_padding=True, pad_edge=False, show_edge=False)
-    for col in ("peer", "role", "round", "params", "loss", "sent", "refused", "bans", "age"):
+    for col in ("peer", "role", "reach", "round", "params", "loss", "sent", "refused", "bans", "age"):
         # fits an 80-column terminal without cutting ids or hashes (they are what one compares)
         table.add_column(col, no_wrap=True, justify="left" if col in ("peer", "role") else "right")
     for row in rows:
         loss = "-" if row["loss"] is None else f"{row['loss']:.4f}"
         role = {"coordinator": "coord", "volunteer": "vol"}.get(row["role"], row["role"])
-        table.add_row(row["peer"][-10:], role, str(row["round"]), row["params_hash"][:8], loss,
+        # public; behind a NAT ("nat"), with N peers reached directly by a hole punch ("nat+N")
+        reach = {"public": "pub", "private": "nat"}.get(row["reachability"], row["reachability"][:6])
+        reach += f"+{len(row['hole_punched'])}" if row["hole_punched"] else ""
+        table.add_row(row["peer"][-10:], role, reach, str(row["round"]), row["params_hash"][:8], loss,
                       f"{row['bytes_sent'] / 1e6:.1f}MB", str(row["refused_messages"]),
                       ", ".join(b[-8:] for b in row["banning"]) or "-", f"{row['age_s']:.0f}s")
     console.print(table)

@@ -1,5 +1,5 @@
 """Peer records in the DHT: each node publishes a signed record (round, parameter hash, role,
-reachability, bytes sent, bans) every heartbeat, and reads everyone's, verified. `SwarmNode`
+reachability, bytes sent, bans, peers reached by a hole punch) every heartbeat, and reads everyone's, verified. `SwarmNode`
 mixes this in."""
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ HEARTBEAT_S = 2.0
 
 class PeerRecords:
     """The DHT records half of `SwarmNode`; needs its identity, ctx, dht, p2p, transport, guard,
-    server, maddrs, rejoiner, record, _cached_records, _refreshing and submit()."""
+    server, maddrs, rejoiner, puncher, record, _cached_records, _refreshing and submit()."""
 
     identity: Any
     ctx: Any
@@ -31,6 +31,7 @@ class PeerRecords:
     server: Any
     maddrs: list[str]
     rejoiner: Any
+    puncher: Any
     record: PeerRecord
     _cached_records: dict[str, PeerRecord]
     _refreshing: Future | None
@@ -53,7 +54,8 @@ class PeerRecords:
             rec = self.record
             rec = PeerRecord(rec.round, rec.params_hash, rec.role, rec.trains, rec.serves, self.maddrs[:8],
                              rec.reachability, rec.loss, self.transport.bytes_sent if self.transport else 0, time.time(),
-                             sorted(self.guard.bans())[:32], sum(self.guard.rejected.values()), self._latest_scores())
+                             sorted(self.guard.bans())[:32], sum(self.guard.rejected.values()), self._latest_scores(),
+                             self.puncher.punched()[:64] if self.puncher is not None else [])
             signed = seal(self.identity, self.ctx.run_id, rec)
             try:
                 await self.rejoiner.maybe_rejoin(self.p2p, self.dht)

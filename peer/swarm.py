@@ -30,6 +30,7 @@ from groundswell.protocol.schema import (
     PeerRecord,
     ProbeReply,
     ProbeRequest,
+    PunchRequest,
     StateReply,
     StateRequest,
 )
@@ -38,6 +39,7 @@ from groundswell.protocol.transport import PeerUnavailable, Transport, WithTrail
 
 from .daemon import adopt_p2pd_daemons, reap_daemons, release_private_sockets, with_private_sockets
 from .dht_rejoin import DhtRejoiner
+from .holepunch import PunchScheduler, Rendezvous, serve_punch_invites
 from .net_errors import NetworkError, explain_start_failure
 from .reachability import (
     PROBE_TIMEOUT_S,
@@ -72,6 +74,7 @@ class NodeOptions:
     reachability: str = "auto"  # "auto" (dial-back probe by a bootstrap peer), "public" or "private"
     direct_state: bool = True  # also serve the state sealed over plain TCP (see protocol/direct.py)
     direct_port: int = 0  # its TCP port (0: any free one), on the first listen address's IP
+    hole_punch: bool = True  # behind a NAT: punch holes to other NAT'ed peers (see peer/holepunch.py)
 
 
 class SwarmNode(PeerRecords):
@@ -104,6 +107,8 @@ class SwarmNode(PeerRecords):
         self.p2p: Any = None
         self.reachability = "unknown"
         self.direct: DirectServer | None = None  # direct state downloads, when offered
+        self.puncher: PunchScheduler | None = None  # behind a NAT: direct connections to NAT'ed peers
+        self.punch_target: Any = None  # behind a NAT: our side of the punches others dial
         self.startup_s: dict[str, float] = {}  # where start-up time went: daemon(s), reachability probe, DHT
         self._dial_back = DialBack()
         self.guard = Guard()  # every transport of this node: limits and bans are per remote peer
@@ -154,6 +159,8 @@ class SwarmNode(PeerRecords):
             # is signed by the coordinator, whose key the joiner already has.
             await self.bootstrap_transport.serve("get-manifest", ManifestRequest, self._on_manifest)
             await self.bootstrap_transport.serve("probe", ProbeRequest, self._on_probe)
+            if self.reachability == "public":  # introduce NAT'ed peers to each other
+                await self.bootstrap_transport.serve("punch", PunchRequest, Rendezvous(p2p, self.bootstrap_transport).handle)
             if self.reachability == "private":
                 self.options = dataclasses.replace(self.options, serves=False)
             self.record = dataclasses.replace(self.record, serves=self.options.serves, reachability=self.reachability)
@@ -173,6 +180,9 @@ class SwarmNode(PeerRecords):
             self.startup_s = {"p2pd": t1 - t0, "probe": t2 - t1, "dht": time.monotonic() - t3}
             async with asyncio.TaskGroup() as tasks:
                 self._tasks = tasks
+                if self.reachability == "private" and self.options.hole_punch:  # see peer/holepunch.py
+                    self.punch_target = await serve_punch_invites(self.bootstrap_transport, self.maddrs, self.options.host_maddrs,
+                                              self._bootstrap_ids(), tasks)
                 self._ready.set()
                 await self._stop.wait()
                 raise _Stop()
@@ -204,6 +214,13 @@ class SwarmNode(PeerRecords):
         self.server.individual = self.client.gather_contributions
         await self.transport.serve("get-state", StateRequest, self._on_state, max_request=4096, trailer=True)
         self._tasks.create_task(self._heartbeat())
+        if self.reachability == "private" and self.options.hole_punch:
+            self.puncher = PunchScheduler(self.identity.peer_id, self._bootstrap_ids(), self.p2p,
+                                          self.bootstrap_transport, lambda: self._cached_records, self.punch_target)
+            self._tasks.create_task(self.puncher.run())
+
+    def _bootstrap_ids(self) -> list[str]:
+        return [m.rsplit("/p2p/", 1)[-1] for m in self.options.initial_peers if "/p2p/" in m]
 
     def attach(self, ctx: RunContext) -> None:
         """Join the run: register the round protocol and state handlers, start heartbeats."""

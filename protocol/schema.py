@@ -16,12 +16,13 @@ from typing import Any, ClassVar
 
 import msgpack
 
-PROTOCOL_VERSION = 7  # 2: claims carry `fence`; the state follows its reply as a raw trailer; 3: envelopes sign the
+PROTOCOL_VERSION = 8  # 2: claims carry `fence`; the state follows its reply as a raw trailer; 3: envelopes sign the
 # body's sha256; 4: payload wire version 2 (sparseloco's Elias-Fano indices), so mixed peers refuse each other up front,
 # and BLAKE3 instead of SHA-256 for bulk hashes (envelope bodies, contribution digests, the state blob); 5: state
 # requests and replies may move the blob over a direct TCP connection; 6: that blob is sealed (AES-256-GCM, the key in the
 # signed reply), and closed runs use it too; 7: small requests (`UNARY_MAX_REQUEST`) travel as libp2p unary calls
-# (their own protocol names), not one stream each
+# (their own protocol names), not one stream each; 8: hole punching (`punch`, `punch-invite`), peer records list
+# the peers reached by a punch
 MAX_ID = 128  # peer ids, run ids, reasons and other short strings
 MAX_LIST = 4096  # peer lists, shard lists
 MAX_SMALL = 1 << 20  # a control message never needs more than this
@@ -275,6 +276,42 @@ class ProbeReply(Message):
 
 
 @dataclass(frozen=True)
+class PunchRequest(Message):
+    """A peer behind a NAT asks a rendezvous peer to set up a hole punch to `target`."""
+
+    KIND: ClassVar[str] = "punch"
+    target: str = _f()
+
+
+@dataclass(frozen=True)
+class PunchReply(Message):
+    """The rendezvous' answer: where to dial `target` (a TCP multiaddr it saw it at), or why not."""
+
+    KIND: ClassVar[str] = "punch-reply"
+    ok: bool = _f()
+    reason: str = _f(max_len=256)
+    address: str = _f(max_len=256)
+
+
+@dataclass(frozen=True)
+class PunchInvite(Message):
+    """From a rendezvous peer: `dialer`, seen at `address`, is about to dial us; open our NAT to it."""
+
+    KIND: ClassVar[str] = "punch-invite"
+    dialer: str = _f()
+    address: str = _f(max_len=256)
+
+
+@dataclass(frozen=True)
+class PunchInviteReply(Message):
+    """Whether the invited peer sent its punch (its NAT is open to the dialer for a few seconds)."""
+
+    KIND: ClassVar[str] = "punch-invite-reply"
+    ok: bool = _f()
+    reason: str = _f(max_len=256)
+
+
+@dataclass(frozen=True)
 class PeerRecord(Message):
     """What a peer publishes in the DHT about itself, refreshed every few seconds."""
 
@@ -294,6 +331,8 @@ class PeerRecord(Message):
     rejected: int = field(default=0, metadata={"max_len": 0, "max_items": 0, "lo": 0, "hi": 1 << 62})  # messages refused
     scores: list[str] = field(default_factory=list, metadata={"max_len": 192, "max_items": 64, "lo": None,
                                                               "hi": None})  # "peer=score" of its last scored round
+    punched: list[str] = field(default_factory=list, metadata={"max_len": MAX_ID, "max_items": 64, "lo": None,
+                                                               "hi": None})  # peers it reached by a hole punch
 
 
 MESSAGES: dict[str, type[Message]] = {
@@ -302,6 +341,7 @@ MESSAGES: dict[str, type[Message]] = {
         ShardContribution, Ack, HaveReport, Decision, DecisionRequest, DecisionReply, Seal, Claim, ClaimReply,
         AggregateRequest, AggregateShard, ContributionsRequest, Join,
         StateRequest, StateReply, ManifestRequest, ManifestReply, ProbeRequest, ProbeReply, PeerRecord,
+        PunchRequest, PunchReply, PunchInvite, PunchInviteReply,
     )
 }
 

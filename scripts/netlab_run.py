@@ -6,7 +6,9 @@ behind home routers (two cone NATs, one symmetric), R rounds; prints what happen
 
 `scripts/netlab.py test --json` runs the same thing. Each volunteer probes its reachability at
 start (a bootstrap peer dials it back), so the NAT'ed ones contribute without serving; at the end
-each lists its libp2p connections, direct or through a relay.
+each lists its libp2p connections, direct or through a relay. Volunteers behind NATs punch holes
+to each other (`peer/holepunch.py`): `punches` lists every attempt, and a connection that came of
+one is marked `hole_punched`.
 """
 
 from __future__ import annotations
@@ -76,17 +78,27 @@ def report(out: Path, rounds: int, shaping: dict, timed_out: list[str],
             if e["kind"] == "round":
                 hashes.setdefault(e["round"], set()).add(e["hash"])
                 contributed |= {ids.get(c, c[-8:]) for c in e.get("contributors", [])}
-    connections, reach = [], {}
+    connections, reach, punches = [], {}, []
     for name in volunteers:
         last = [e for e in logs[name] if e["kind"] == "connections"]
         if last:
             reach[name] = last[-1]["reachability"]
+            punched = set()
+            for a in last[-1].get("punches", []):
+                punches.append({"a": name, "b": ids.get(a["peer"], a["peer"][-8:]), "ok": a["ok"], "s": a["s"],
+                                "detail": a.get("address") or a.get("reason", "")})
+                if a["ok"]:
+                    punched.add(a["peer"])
             for pid, path in sorted(last[-1]["paths"].items()):
-                connections.append({"a": name, "b": ids.get(pid, pid[-8:]), "path": path})
+                row = {"a": name, "b": ids.get(pid, pid[-8:]), "path": path}
+                if pid in punched and path == "direct":
+                    row["hole_punched"] = True
+                connections.append(row)
     return {
         "rounds_completed": len(hashes), "rounds_target": rounds,
         "param_hash_agreement": bool(hashes) and all(len(h) == 1 for h in hashes.values()),
         "contributed": sorted(contributed), "reachability": reach, "connections": connections,
+        "punches": punches,
         "timed_out": timed_out, "link": shaping, "out": str(out),
     }
 

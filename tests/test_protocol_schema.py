@@ -42,6 +42,10 @@ from groundswell.protocol.schema import (
     ProbeReply,
     ProbeRequest,
     ProtocolError,
+    PunchInvite,
+    PunchInviteReply,
+    PunchReply,
+    PunchRequest,
     Seal,
     ShardContribution,
     StateReply,
@@ -88,7 +92,12 @@ EXAMPLES: dict[str, Message] = {
         ProbeReply(reachable=True, address="192.0.2.1:4001"),
         PeerRecord(round=12, params_hash="f" * 64, role="volunteer", trains=True, serves=True,
                    maddrs=["/ip4/127.0.0.1/tcp/4001", "/ip6/::1/tcp/4002"], reachability="public", loss=-1.5e-3,
-                   bytes_sent=(1 << 62), updated=1.7e9, banned=PEERS[:1], rejected=3, scores=[f"{PEERS[0]}=+0.1"]),
+                   bytes_sent=(1 << 62), updated=1.7e9, banned=PEERS[:1], rejected=3, scores=[f"{PEERS[0]}=+0.1"],
+                   punched=PEERS[1:2]),
+        PunchRequest(target=PEERS[0]),
+        PunchReply(ok=True, reason="", address="/ip4/192.0.2.1/tcp/4001"),
+        PunchInvite(dialer=PEERS[1], address="/ip4/192.0.2.2/tcp/4002"),
+        PunchInviteReply(ok=False, reason="busy"),
     )
 }
 HINTS = {kind: typing.get_type_hints(cls) for kind, cls in MESSAGES.items()}
@@ -266,7 +275,7 @@ def test_specific_type_confusions():
     with pytest.raises(ProtocolError, match="get-decision.wait_s"):
         decode_message(_raw("get-decision", [1, 0, math.nan]), DecisionRequest)
     with pytest.raises(ProtocolError, match="peer.loss"):
-        decode_message(_raw("peer", _values(EXAMPLES["peer"])[:7] + [math.nan, 0, 0.0, [], 0, []]), PeerRecord)
+        decode_message(_raw("peer", _values(EXAMPLES["peer"])[:7] + [math.nan, 0, 0.0, [], 0, [], []]), PeerRecord)
     # an int where a float is expected is fine, and comes back as a float
     got = decode_message(_raw("get-decision", [1, 0, 3]), DecisionRequest)
     assert got.wait_s == 3.0 and type(got.wait_s) is float

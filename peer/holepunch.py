@@ -1,0 +1,365 @@
+"""Hole punching between two peers behind NATs, set up through a rendezvous peer.
+
+The p2pd that hivemind 1.1.12 ships has no DCUtR, so libp2p cannot punch holes itself. This
+module does the one thing DCUtR would, and leaves the connection to libp2p:
+
+    dialer D (behind NAT)  -> rendezvous R (a bootstrap peer both are connected to): punch(T)
+    R -> target T, over T's own connection to R:  punch-invite(D, the address R sees D at)
+    T: a socket bound to its daemon's listen port (SO_REUSEPORT, as go-libp2p binds) sends a
+       SYN to D's address. D's router drops it, but T's router now lets D's address in.
+    R -> D: the address R sees T at.   D's daemon dials it from its own listen port.
+
+A cone NAT keeps a peer's listen port as its public port for every destination, so D's SYN
+matches the mapping T's SYN opened. Linux conntrack, as in most home routers, also checks TCP
+sequence numbers: the answer to D's SYN must come from the very socket whose SYN opened the
+mapping. So T's socket, still connecting, completes a TCP simultaneous open with D's daemon, and
+T forwards that connection's bytes to its own daemon on loopback. libp2p's handshake runs end to
+end through it and authenticates both peers as on any connection; D's daemon sees a direct one.
+
+A symmetric NAT gives each destination another port: D's SYN meets no mapping, the attempt
+times out, and the pair stays on the relay. Only trusted rendezvous peers (the bootstrap peers)
+can make a peer send a punch, and an honest one names only the address it saw the dialer at; a
+peer never punches to its own machine or to a non-unicast address, whoever asks.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import errno
+import ipaddress
+import logging
+import socket
+import time
+from collections import deque
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+from typing import Any
+
+from groundswell.peer.reachability import listen_host, tcp_targets
+from groundswell.protocol.schema import PunchInvite, PunchInviteReply, PunchReply, PunchRequest
+from groundswell.protocol.transport import PeerUnavailable
+
+log = logging.getLogger(__name__)
+
+PUNCH_WAIT_S = 10.0  # how long an invited peer's socket waits for the dialer's SYN
+INVITE_TIMEOUT_S = 5.0  # rendezvous -> target
+DIAL_TIMEOUT_S = 8.0  # the dialer's daemon dialling the punched address
+MAX_PENDING = 8  # punches an invited peer keeps waiting for their dialer at once (one per dialer)
+MAX_FORWARDED = 64  # punched connections it forwards at once
+KEEPALIVE_S = 30  # a forwarded connection whose dialer vanished is closed within ~KEEPALIVE_S + 30 s
+REQUEST_EVERY_S = 5.0  # a rendezvous serves one punch per (requester, target) per this many seconds
+PUMP_CHUNK = 1 << 16
+
+
+MAX_REASON = 200  # PunchReply.reason holds 256
+
+
+def punchable(host: str) -> bool:
+    """Whether an invite may make us send a SYN to `host`: not to this machine, nor to anything
+    that is not a unicast address on some network (IPv4-mapped IPv6 forms included)."""
+    ip = ipaddress.ip_address(host)
+    if ip.version == 6 and ip.ipv4_mapped is not None:
+        ip = ip.ipv4_mapped
+    return not (ip.is_loopback or ip.is_unspecified or ip.is_multicast or ip.is_link_local or ip.is_reserved)
+
+
+class PunchFailed(Exception):
+    """No direct connection came of the attempt; the reason says at which step."""
+
+
+def observed_address(peer_infos: Iterable[Any], peer_id: str) -> str | None:
+    """The plain TCP multiaddr of our open connection to `peer_id` (as its packets reach us), or None."""
+    for info in peer_infos:
+        if str(info.peer_id) != peer_id:
+            continue
+        for addr in getattr(info, "addrs", []):
+            if tcp_targets([str(addr)]):
+                return str(addr)
+    return None
+
+
+class Rendezvous:
+    """A public peer's side: introduce two peers connected to it to each other."""
+
+    def __init__(self, p2p: Any, transport: Any) -> None:
+        self.p2p = p2p
+        self.transport = transport
+        self._last: dict[tuple[str, str], float] = {}
+        self.served = 0
+
+    async def handle(self, sender: str, msg: PunchRequest) -> PunchReply:
+        """Invite `msg.target` to punch towards where we see `sender`; tell `sender` where we see the target."""
+        now, key = time.monotonic(), (sender, msg.target)
+        if now - self._last.get(key, -REQUEST_EVERY_S) < REQUEST_EVERY_S:
+            return PunchReply(False, "rate limited", "")
+        self._last[key] = now
+        if len(self._last) > 4096:
+            self._last.clear()
+        if msg.target == sender:
+            return PunchReply(False, "target is the requester", "")
+        peers = await self.p2p.list_peers()
+        dialer_at, target_at = observed_address(peers, sender), observed_address(peers, msg.target)
+        if dialer_at is None or target_at is None:
+            who = "requester" if dialer_at is None else "target"
+            return PunchReply(False, f"no direct connection to the {who}", "")
+        try:
+            reply = await self.transport.request(msg.target, "punch-invite", PunchInvite(sender, dialer_at),
+                                                 PunchInviteReply, timeout_s=INVITE_TIMEOUT_S)
+        except PeerUnavailable as exc:
+            return PunchReply(False, f"target unreachable: {exc}"[:MAX_REASON], "")
+        if not reply.ok:
+            return PunchReply(False, f"target declined: {reply.reason}"[:MAX_REASON], "")
+        self.served += 1
+        return PunchReply(True, "", target_at)
+
+
+@dataclass
+class PunchTarget:
+    """An invited peer's side: punch, then forward the connection that comes through to our daemon."""
+
+    listen_port: int  # our daemon's TCP port: the punch leaves from it
+    local_host: str  # where our daemon accepts the forwarded connection (loopback)
+    trusted: frozenset[str]  # peer ids allowed to invite us (our bootstrap peers)
+    tasks: asyncio.TaskGroup  # owns every punch and forward
+    pending: set[str] = field(default_factory=set)  # dialers whose punch waits for them to come through
+    live: set[str] = field(default_factory=set)  # dialers whose punched connection we forward now
+    forwarded: int = 0  # connections that came through a punch and were forwarded
+    forwarded_bytes: int = 0
+
+    async def handle(self, sender: str, msg: PunchInvite) -> PunchInviteReply:
+        """Send the punch now (before answering), wait for the dialer in the background."""
+        if sender not in self.trusted:
+            return PunchInviteReply(False, "only a bootstrap peer may ask for a punch")
+        if msg.dialer in self.pending:
+            return PunchInviteReply(False, "a punch for this dialer is under way")
+        if len(self.pending) >= MAX_PENDING or len(self.live) >= MAX_FORWARDED:
+            return PunchInviteReply(False, "busy")
+        targets = tcp_targets([msg.address])
+        if not targets or not punchable(targets[0][0]):
+            return PunchInviteReply(False, "not a TCP address one may punch to")
+        host, port = targets[0]
+        family = socket.AF_INET6 if ipaddress.ip_address(host).version == 6 else socket.AF_INET
+        sock = socket.socket(family, socket.SOCK_STREAM)
+        try:
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
+            sock.bind(("::" if family == socket.AF_INET6 else "0.0.0.0", self.listen_port))
+            sock.setblocking(False)
+            err = sock.connect_ex((host, port))  # the SYN leaves now
+        except OSError as exc:
+            sock.close()
+            return PunchInviteReply(False, f"cannot punch: {exc.strerror or exc}")
+        if err not in (0, errno.EINPROGRESS):
+            sock.close()
+            return PunchInviteReply(False, f"cannot punch: {errno.errorcode.get(err, err)}")
+        self.pending.add(msg.dialer)
+        try:
+            self.tasks.create_task(self._complete(sock, msg.dialer))
+        except RuntimeError:  # the node is shutting down
+            self.pending.discard(msg.dialer)
+            sock.close()
+            return PunchInviteReply(False, "shutting down")
+        return PunchInviteReply(True, "")
+
+    async def _complete(self, sock: socket.socket, dialer: str) -> None:
+        try:
+            try:
+                came = await _connected(sock, PUNCH_WAIT_S)
+            finally:
+                self.pending.discard(dialer)
+            if not came:
+                log.info("hole punch for %s: the dialer did not come through", dialer[-8:])
+                return
+            log.info("hole punch for %s: connected, forwarding to our daemon", dialer[-8:])
+            _keepalive(sock)
+            self.live.add(dialer)
+            await self._forward(sock)
+        except OSError as exc:
+            log.info("hole punch for %s: %s", dialer[-8:], exc)
+        finally:
+            self.live.discard(dialer)
+            sock.close()
+
+    async def _forward(self, sock: socket.socket) -> None:
+        outer_r, outer_w = await asyncio.open_connection(sock=sock)
+        try:
+            inner_r, inner_w = await asyncio.open_connection(self.local_host, self.listen_port)
+            try:
+                self.forwarded += 1
+                async with asyncio.TaskGroup() as pumps:
+                    pumps.create_task(self._pump(outer_r, inner_w))
+                    pumps.create_task(self._pump(inner_r, outer_w))
+            finally:
+                inner_w.close()
+        finally:
+            outer_w.close()
+
+    async def _pump(self, src: asyncio.StreamReader, dst: asyncio.StreamWriter) -> None:
+        try:
+            while data := await src.read(PUMP_CHUNK):
+                dst.write(data)
+                self.forwarded_bytes += len(data)
+                await dst.drain()
+            if dst.can_write_eof():
+                dst.write_eof()
+        except OSError:  # one side reset: close both (the other pump then ends too)
+            dst.close()
+
+
+def _keepalive(sock: socket.socket) -> None:
+    """Notice a dialer that vanished without closing (its pump would otherwise wait ~15 min)."""
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE, 1)
+    for name, value in (("TCP_KEEPIDLE", KEEPALIVE_S), ("TCP_KEEPINTVL", 10), ("TCP_KEEPCNT", 3),
+                        ("TCP_USER_TIMEOUT", (KEEPALIVE_S + 30) * 1000)):
+        if hasattr(socket, name):  # Linux has them all
+            sock.setsockopt(socket.IPPROTO_TCP, getattr(socket, name), value)
+
+
+async def _connected(sock: socket.socket, timeout_s: float) -> bool:
+    """Whether a non-blocking connect in progress on `sock` completes within `timeout_s`."""
+    loop = asyncio.get_running_loop()
+    ready = loop.create_future()
+    loop.add_writer(sock.fileno(), lambda: ready.done() or ready.set_result(None))
+    try:
+        async with asyncio.timeout(timeout_s):
+            await ready
+    except TimeoutError:
+        return False
+    finally:
+        loop.remove_writer(sock.fileno())
+    return sock.getsockopt(socket.SOL_SOCKET, socket.SO_ERROR) == 0
+
+
+async def punch_through(p2p: Any, transport: Any, rendezvous: str, target: str) -> str:
+    """Ask `rendezvous` to have `target` punch towards us, then dial it; the address dialled.
+    Raises PunchFailed (the libp2p connection is not there) with the step that failed."""
+    from hivemind.p2p import PeerID
+    from hivemind.utils.multiaddr import Multiaddr
+
+    try:
+        reply = await transport.request(rendezvous, "punch", PunchRequest(target), PunchReply,
+                                        timeout_s=INVITE_TIMEOUT_S + 5)
+    except PeerUnavailable as exc:
+        raise PunchFailed(f"rendezvous: {exc}") from exc
+    if not reply.ok:
+        raise PunchFailed(reply.reason)
+    if not tcp_targets([reply.address]):
+        raise PunchFailed(f"rendezvous gave no TCP address: {reply.address!r}")
+    try:
+        async with asyncio.timeout(DIAL_TIMEOUT_S):
+            await p2p._client.connect(PeerID.from_base58(target), [Multiaddr(reply.address)])
+    except TimeoutError as exc:
+        raise PunchFailed(f"dialling {reply.address} timed out (a symmetric NAT?)") from exc
+    except Exception as exc:  # the daemon's ControlFailure: its words, one line
+        raise PunchFailed(f"dialling {reply.address}: {(str(exc).splitlines() or [''])[0][:200]}") from exc
+    # The daemon's connect also "succeeds" when the peer is already connected, relayed included.
+    from groundswell.peer.reachability import connection_paths
+
+    if connection_paths(await p2p.list_peers()).get(target) != "direct":
+        raise PunchFailed("no direct connection came of it (connected through a relay only)")
+    return reply.address
+
+
+async def serve_punch_invites(transport: Any, maddrs: list[str], host_maddrs: Iterable[str],
+                              trusted: list[str], tasks: asyncio.TaskGroup) -> PunchTarget | None:
+    """Behind a NAT: let our bootstrap peers (`trusted`) ask us to punch towards a peer about to
+    dial us; None if the daemon has no plain TCP listen address to punch from."""
+    port, host = listen_port(maddrs), listen_host(list(host_maddrs))
+    if port is None or host is None:
+        return None
+    local = {"0.0.0.0": "127.0.0.1", "::": "::1"}.get(host, host)  # our daemon, as seen from here
+    target = PunchTarget(port, local, frozenset(trusted), tasks)
+    await transport.serve("punch-invite", PunchInvite, target.handle)
+    return target
+
+
+def listen_port(maddrs: Iterable[str]) -> int | None:
+    """The TCP port of the first plain TCP multiaddr in `maddrs` (the daemon's listen port)."""
+    for m in maddrs:
+        parts = str(m).split("/")
+        if len(parts) >= 5 and parts[3] == "tcp" and "p2p-circuit" not in parts:
+            with contextlib.suppress(ValueError):
+                return int(parts[4])
+    return None
+
+
+class PunchScheduler:
+    """A volunteer behind a NAT: get a direct connection to every other peer behind a NAT.
+
+    Of each such pair the peer with the smaller id dials (two crossing attempts would each open
+    the other's router to the wrong socket). A failed pair is tried again after RETRY_S, doubling
+    up to MAX_RETRY_S: at least as long as a router keeps the failed SYN's mapping (Linux:
+    120 s), which would otherwise let the next punch through to the dialer's daemon instead."""
+
+    RETRY_S = 150.0
+    MAX_RETRY_S = 1800.0
+    PER_PASS = 4  # attempts per pass, at most (each can take ~20 s)
+
+    def __init__(self, me: str, rendezvous: list[str], p2p: Any, transport: Any,
+                 records: Any, target: PunchTarget | None = None) -> None:
+        self.me = me
+        self.rendezvous = rendezvous  # bootstrap peer ids, in order of preference
+        self.p2p = p2p
+        self.transport = transport
+        self.records = records  # () -> {peer id: PeerRecord}, the node's cached view
+        self.target = target  # our side of punches others dial, if we take invites
+        self.attempts: deque[dict[str, Any]] = deque(maxlen=256)  # {peer, ok, s, address | reason}
+        self.direct: set[str] = set()  # peers we punched to whose connection is still direct
+        self._fails: dict[str, int] = {}
+        self._next: dict[str, float] = {}
+
+    def punched(self) -> list[str]:
+        """Peers we hold a connection with that a hole punch made, dialled by us or by them."""
+        return sorted(self.direct | (self.target.live if self.target is not None else set()))
+
+    async def run(self, every_s: float = 5.0) -> None:
+        """Forever: every `every_s`, try the pairs that are due (an error skips one pass)."""
+        while True:
+            try:
+                await self.once()
+            except Exception as exc:  # the daemon's control socket failing, say: next pass
+                log.info("hole punching pass failed: %r", exc)
+            await asyncio.sleep(every_s)
+
+    async def once(self) -> None:
+        """Try each due pair once, at the same time (a symmetric NAT's ~10 s timeout holds up no other)."""
+        from groundswell.peer.reachability import connection_paths
+
+        paths = connection_paths(await self.p2p.list_peers())
+        self.direct = {p for p in self.direct if paths.get(p) == "direct"}
+        records = self.records()
+        for book in (self._fails, self._next):  # forget peers that left
+            for gone in [p for p in book if p not in records]:
+                del book[gone]
+        now = time.monotonic()
+        due = [peer for peer, rec in sorted(records.items())
+               if peer > self.me and rec.reachability == "private" and paths.get(peer) != "direct"
+               and now >= self._next.get(peer, 0.0)]
+        async with asyncio.TaskGroup() as attempts:  # `attempt` raises nothing but cancellation
+            for peer in due[:self.PER_PASS]:
+                attempts.create_task(self.attempt(peer))
+
+    async def attempt(self, peer: str) -> bool:
+        """One hole punch to `peer`, through each rendezvous peer until one works; recorded."""
+        t0 = time.monotonic()
+        reasons = []
+        for rdv in self.rendezvous:
+            try:
+                address = await punch_through(self.p2p, self.transport, rdv, peer)
+            except PunchFailed as exc:
+                reasons.append(str(exc))
+                continue
+            self._fails.pop(peer, None)
+            self.direct.add(peer)
+            self._next[peer] = time.monotonic() + 30.0  # look again if the connection drops
+            self.attempts.append({"peer": peer, "ok": True, "s": round(time.monotonic() - t0, 3),
+                                  "address": address})
+            log.info("hole punch to %s: direct connection at %s", peer[-8:], address)
+            return True
+        fails = self._fails[peer] = self._fails.get(peer, 0) + 1
+        self._next[peer] = time.monotonic() + min(self.RETRY_S * 2 ** min(fails - 1, 8), self.MAX_RETRY_S)
+        reason = "; ".join(reasons) or "no rendezvous peer"
+        self.attempts.append({"peer": peer, "ok": False, "s": round(time.monotonic() - t0, 3), "reason": reason})
+        log.info("hole punch to %s failed: %s", peer[-8:], reason)
+        return False
