@@ -82,7 +82,7 @@ def cpu_slices(names: tuple[str, ...], cpus: float):
 
 def swarm_run(name: str, out: Path, wall: float, preset: str, algorithm: str, codec: str, overlap: int,
               inner_steps: int, outer_lr: float | None = None, topk: int = 0, cpus: float = 0.0,
-              error_decay: float = -1.0, warmup: int = -1) -> dict:
+              error_decay: float = -1.0, warmup: int = -1, curve_points: int = 0) -> dict:
     """A coordinator and 4 volunteers for `wall` seconds of training; the figures from their logs."""
     from groundswell.peer.simulate import SimulateOptions, Simulation, manifest_toml
 
@@ -135,10 +135,21 @@ def swarm_run(name: str, out: Path, wall: float, preset: str, algorithm: str, co
         utilization.append(busy / wall)
         sent.append(sum(e["bytes_sent"] for e in events if e["kind"] == "round" and e["t"] <= stop))
     followed = [e for e in read_events(out / "coordinator" / "events.jsonl") if e["kind"] == "round" and e["t"] <= stop]
-    return {"name": name, "compute_utilization": round(sum(utilization) / len(utilization), 4),
-            "eval_loss": _eval_checkpoint(out / "coordinator", followed[-1], preset) if followed else None,
-            "wall_s": wall,
-            "rounds": len(followed), "bytes_per_peer": int(sum(sent) / len(sent)), "out": str(out)}
+    res = {"name": name, "compute_utilization": round(sum(utilization) / len(utilization), 4),
+           "eval_loss": _eval_checkpoint(out / "coordinator", followed[-1], preset) if followed else None,
+           "wall_s": wall,
+           "rounds": len(followed), "bytes_per_peer": int(sum(sent) / len(sent)), "out": str(out)}
+    if curve_points and followed:  # [seconds since training started, round, held-out loss], after the run
+        step = max(1, -(-len(followed) // curve_points))
+        picked = followed[::-1][::step][::-1]  # always includes the last round
+        res["loss_curve"] = [[round(e["t"] - start, 1), e["round"], _eval_checkpoint(out / "coordinator", e, preset)]
+                             for e in picked]
+    return res
+
+
+def time_to_loss(curve: list[list[float]], target: float) -> float | None:
+    """Seconds into the run at which a loss curve first reached `target` (None if it never did)."""
+    return next((t for t, _, loss in curve if loss <= target), None)
 
 
 def _eval_checkpoint(state_dir: Path, last_round: dict, preset: str) -> float:
@@ -273,6 +284,9 @@ def main() -> int:
     ap.add_argument("--cpu-per-peer", type=float, default=0.0,
                     help="cap each training process (and its p2pd) at this many CPUs, as if on its own machine "
                          "(0: they share the machine's cores)")
+    ap.add_argument("--curve", type=int, default=0,
+                    help="also evaluate up to this many of each swarm run's round checkpoints after the run "
+                         "(loss_curve), and report when each swarm run reached ddp's final loss")
     ap.add_argument("--runs", default="sparseloco-overlap,diloco-int8,ddp-gloo", help="which runs, comma-separated")
     ap.add_argument("--out", type=Path, default=None)
     ap.add_argument("--json", action="store_true", help="print only the JSON result")
@@ -297,7 +311,7 @@ def main() -> int:
                 if name in chosen:
                     decay = a.sparse_error_decay if algorithm == "sparseloco" else -1.0
                     runs.append(swarm_run(name, out / name, a.wall, a.preset, algorithm, codec, overlap, h, lr, k,
-                                          a.cpu_per_peer, decay, a.warmup))
+                                          a.cpu_per_peer, decay, a.warmup, a.curve))
                     runs[-1].update(inner_steps=h, outer_lr=lr, **({"topk": k} if k else {}),
                                     warmup_steps=a.warmup if a.warmup >= 0 else min(50, 2 * h),
                                     **({"error_decay": decay} if decay >= 0 else {}))
@@ -305,6 +319,9 @@ def main() -> int:
                         print(json.dumps(runs[-1]), file=sys.stderr, flush=True)
             if "ddp-gloo" in chosen:
                 runs.append(ddp_run(out / "ddp-gloo", a.wall, a.preset, a.cpu_per_peer, max(-1, a.warmup)))
+                for r in runs[:-1]:  # how much sooner each swarm run got where ddp ended
+                    if "loss_curve" in r:
+                        r["time_to_ddp_loss_s"] = time_to_loss(r["loss_curve"], runs[-1]["eval_loss"])
     except netlab.NetlabUnavailable as exc:
         print(f"netlab unavailable: {exc}", file=sys.stderr)
         return 3
