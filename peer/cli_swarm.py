@@ -226,6 +226,8 @@ def join(
                       f"reachable: behind a NAT, through relay {relays} once it holds our slot (libp2p "
                       "reserves it ~3-4 min after start), and directly by peers behind other NATs after hole "
                       "punching where their NAT allows; contributing, not serving")
+        node.announce_punch = lambda peer, addr: console.print(
+            f"reachable: also directly by {peer[-8:]} (behind a NAT too), after hole punching", highlight=False)
         p = Participant(manifest, signed, ident, str(ident_path), opts, state_dir, device=device, node=node)
         stop = _stop_on_signals()
         h = manifest.outer.inner_steps

@@ -306,6 +306,7 @@ class PunchScheduler:
         self.target = target  # our side of punches others dial, if we take invites
         self.attempts: deque[dict[str, Any]] = deque(maxlen=256)  # {peer, ok, s, address | reason}
         self.direct: set[str] = set()  # peers we punched to whose connection is still direct
+        self.announce: Any = None  # (peer, address) -> None, called at the first punch that works
         self._fails: dict[str, int] = {}
         self._next: dict[str, float] = {}
 
@@ -356,6 +357,9 @@ class PunchScheduler:
             self.attempts.append({"peer": peer, "ok": True, "s": round(time.monotonic() - t0, 3),
                                   "address": address})
             log.info("hole punch to %s: direct connection at %s", peer[-8:], address)
+            if self.announce is not None:
+                self.announce, announce = None, self.announce
+                announce(peer, address)
             return True
         fails = self._fails[peer] = self._fails.get(peer, 0) + 1
         self._next[peer] = time.monotonic() + min(self.RETRY_S * 2 ** min(fails - 1, 8), self.MAX_RETRY_S)

@@ -109,6 +109,7 @@ class SwarmNode(PeerRecords):
         self.direct: DirectServer | None = None  # direct state downloads, when offered
         self.puncher: PunchScheduler | None = None  # behind a NAT: direct connections to NAT'ed peers
         self.punch_target: Any = None  # behind a NAT: our side of the punches others dial
+        self.announce_punch: Callable[[str, str], None] | None = None  # told of the first punch that works
         self.startup_s: dict[str, float] = {}  # where start-up time went: daemon(s), reachability probe, DHT
         self._dial_back = DialBack()
         self.guard = Guard()  # every transport of this node: limits and bans are per remote peer
@@ -217,6 +218,7 @@ class SwarmNode(PeerRecords):
         if self.reachability == "private" and self.options.hole_punch:
             self.puncher = PunchScheduler(self.identity.peer_id, self._bootstrap_ids(), self.p2p,
                                           self.bootstrap_transport, lambda: self._cached_records, self.punch_target)
+            self.puncher.announce = self.announce_punch
             self._tasks.create_task(self.puncher.run())
 
     def _bootstrap_ids(self) -> list[str]:

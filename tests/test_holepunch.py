@@ -295,8 +295,11 @@ def test_a_volunteer_punches_to_nated_peers_with_larger_ids_and_backs_off_after_
                "o-public": _rec("public"), "p-ok": _rec("private")}
     p2p = FakeP2P([Info("n-direct", ["/ip4/10.99.0.23/tcp/1"])])
     sched = PunchScheduler("m", ["rdv1", "rdv2"], p2p, None, lambda: records)
+    told: list[tuple[str, str]] = []
+    sched.announce = lambda peer, address: told.append((peer, address))
 
     asyncio.run(sched.once())
+    assert told == [("p-ok", "/ip4/10.99.0.22/tcp/4002")]  # once, for the first punch that worked
     # m-later failed at both rendezvous peers; p-ok worked at the first; nothing else was tried
     assert tried == [("rdv1", "m-later"), ("rdv2", "m-later"), ("rdv1", "p-ok")]
     assert [(a["peer"], a["ok"]) for a in sched.attempts] == [("m-later", False), ("p-ok", True)]
@@ -306,5 +309,7 @@ def test_a_volunteer_punches_to_nated_peers_with_larger_ids_and_backs_off_after_
     asyncio.run(sched.once())
     assert tried == []  # a failed pair waits RETRY_S, a connected one 30 s
     sched._next = {k: 0.0 for k in sched._next}
+    asyncio.run(sched.attempt("p-ok"))
+    assert len(told) == 1  # a second punch that works is not announced again
     asyncio.run(sched.attempt("m-later"))
     assert sched._next["m-later"] - time.monotonic() > 2 * PunchScheduler.RETRY_S - 5  # doubled
