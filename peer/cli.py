@@ -179,7 +179,7 @@ def bench_codecs(
     print(json.dumps(result, indent=2) if as_json else format_codec_table(result))
 
 
-from . import cli_swarm  # noqa: E402,F401  (registers keygen, launch, join, status)
+from . import cli_swarm  # noqa: F401  (registers keygen, launch, join, status)
 
 
 def main() -> None:

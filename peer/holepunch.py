@@ -25,7 +25,6 @@ peer never punches to its own machine or to a non-unicast address, whoever asks.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import errno
 import ipaddress
 import logging
@@ -36,7 +35,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
-from groundswell.peer.reachability import listen_host, tcp_targets
+from groundswell.peer.reachability import connection_paths, listen_host, tcp_targets
 from groundswell.protocol.schema import PunchInvite, PunchInviteReply, PunchReply, PunchRequest
 from groundswell.protocol.transport import PeerUnavailable
 
@@ -254,8 +253,6 @@ async def punch_through(p2p: Any, transport: Any, rendezvous: str, target: str) 
     except Exception as exc:  # the daemon's ControlFailure: its words, one line
         raise PunchFailed(f"dialling {reply.address}: {(str(exc).splitlines() or [''])[0][:200]}") from exc
     # The daemon's connect also "succeeds" when the peer is already connected, relayed included.
-    from groundswell.peer.reachability import connection_paths
-
     if connection_paths(await p2p.list_peers()).get(target) != "direct":
         raise PunchFailed("no direct connection came of it (connected through a relay only)")
     return reply.address
@@ -275,13 +272,9 @@ async def serve_punch_invites(transport: Any, maddrs: list[str], host_maddrs: It
 
 
 def listen_port(maddrs: Iterable[str]) -> int | None:
-    """The TCP port of the first plain TCP multiaddr in `maddrs` (the daemon's listen port)."""
-    for m in maddrs:
-        parts = str(m).split("/")
-        if len(parts) >= 5 and parts[3] == "tcp" and "p2p-circuit" not in parts:
-            with contextlib.suppress(ValueError):
-                return int(parts[4])
-    return None
+    """The TCP port of our daemon's plain TCP listen addresses (they share one), or None."""
+    targets = tcp_targets(list(maddrs))
+    return targets[0][1] if targets else None
 
 
 class PunchScheduler:
@@ -325,8 +318,6 @@ class PunchScheduler:
 
     async def once(self) -> None:
         """Try each due pair once, at the same time (a symmetric NAT's ~10 s timeout holds up no other)."""
-        from groundswell.peer.reachability import connection_paths
-
         paths = connection_paths(await self.p2p.list_peers())
         self.direct = {p for p in self.direct if paths.get(p) == "direct"}
         records = self.records()

@@ -168,7 +168,7 @@ def test_ctrl_c_lets_a_volunteer_finish_its_round_and_the_coordinator_checkpoint
             for name in ("peer-0", "peer-1"):
                 sim.spawn(name, ["join", boot.read_text().strip(), "--state-dir", str(out / name),
                                  "--listen", "/ip4/127.0.0.1/tcp/0", *common])
-            rounds = lambda name: [e for e in _events(out / name / "events.jsonl") if e["kind"] == "round"]  # noqa: E731
+            rounds = lambda name: [e for e in _events(out / name / "events.jsonl") if e["kind"] == "round"]
             _wait(lambda: len(rounds("peer-0")) >= 2, 180, "two rounds")
             # `groundswell status` sees the run as the DHT does: the coordinator and both volunteers.
             res = subprocess.run([sys.executable, "-m", "groundswell.peer", "status", boot.read_text().strip(),

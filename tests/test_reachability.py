@@ -76,7 +76,7 @@ def test_circuit_addresses_carry_peer_ids_as_multihashes():
     relay, target = Identity.generate().peer_id, Identity.generate().peer_id
     raw = circuit_maddr_bytes(f"/ip4/10.99.0.10/tcp/40000/p2p/{relay}", target)
     ip_tcp = bytes([0x04, 10, 99, 0, 10, 0x06]) + (40000).to_bytes(2, "big")
-    p2p = lambda pid: b"\xa5\x03" + bytes([len(PeerID.from_base58(pid).to_bytes())]) + PeerID.from_base58(pid).to_bytes()  # noqa: E731
+    p2p = lambda pid: b"\xa5\x03" + bytes([len(PeerID.from_base58(pid).to_bytes())]) + PeerID.from_base58(pid).to_bytes()
     assert raw == ip_tcp + p2p(relay) + b"\xa2\x02" + p2p(target)
     with pytest.raises(ValueError, match="relay"):
         circuit_maddr_bytes("/ip4/10.99.0.10/tcp/40000", target)
