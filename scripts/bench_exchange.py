@@ -18,6 +18,11 @@ pseudo-gradient of P elements. In the same run they do:
   mean": encode_segments + Payload.to_bytes + RoundClient.run_attempt (join, send shards, wait
   for the commit) + RoundClient.fetch_aggregate (fetch shards, aggregate / decode).
 
+And, unless `--no-floor`, the p2pd floor (`_p2p_floor.py`): rounds of bare fp32 bytes between the
+same processes over the same kind of node, every peer moving what a ring all-reduce moves
+(2(N-1)/N x 4P bytes), with no encoding, checks, hashing or summing. What no dense fp32 exchange
+on this transport can beat on this machine.
+
 Every round starts on a multiprocessing Barrier. A round's time is the max over peers; the
 reported time is the median over `--repeats` measured rounds (after `--warmup` unmeasured ones,
 which absorb connection set-up and first-call costs; gloo gets the same warm-up). Bytes are the
@@ -147,6 +152,7 @@ class _Worker:
 
         identity = Identity.load(self.identity_path)
         assert identity.peer_id == ids[self.rank]
+        self.ids = list(ids)
         self.segment = segment_size(self.params, self.max_shards)
         numels = tuple(b - a for a, b in segment_bounds(self.params, self.segment))
         self.codec = make_codec(codec_name)
@@ -204,6 +210,24 @@ class _Worker:
                         "fetch_decode_s": t3 - t2, "sent": sent - sent0, "received": recv - recv0, "sha": sha,
                         "rel_error": err, "delivered": outcome.delivered})
             sent0, recv0 = sent, recv
+        return {"rounds": out}
+
+    def floor(self, warmup: int, repeats: int) -> dict:
+        """Rounds of bare fp32 bytes over the started node's p2pd streams (see `_p2p_floor`)."""
+        from _p2p_floor import Floor
+
+        node = self.node
+        assert node is not None
+        floor = Floor(node.p2p, self.rank, self.n, memoryview(self.x.numpy()).cast("B"))
+        node.call(floor.serve(), 30)
+        out = []
+        for r in range(warmup + repeats):
+            self.wait()  # also: every peer serves the floor before anyone sends
+            t0 = time.perf_counter()
+            node.call(floor.round(self.ids, r, 600), 660)
+            out.append({"warmup": r < warmup, "total_s": time.perf_counter() - t0, "sha": "", "rel_error": None,
+                        "received": floor.received[r], "expected": floor.expected_bytes()})
+        self.wait()  # nobody leaves while a slower peer still sends to it
         return {"rounds": out}
 
     def close(self) -> dict:
@@ -368,8 +392,9 @@ def _summarize(per_peer: list[dict], n: int) -> dict:
     measured = [rs for rs in rounds if not rs[0]["warmup"]]
     identical = all(len({rec["sha"] for rec in rs}) == 1 for rs in rounds)
     totals = [max(rec["total_s"] for rec in rs) for rs in measured]
+    errors = [rs[0]["rel_error"] for rs in measured if rs[0]["rel_error"] is not None]
     out = {"round_s": statistics.median(totals), "round_s_all": totals, "identical": identical,
-           "rel_error": statistics.median(rs[0]["rel_error"] for rs in measured)}
+           "rel_error": statistics.median(errors) if errors else None}
     if "sent" in measured[0][0]:
         def med(key: str, reduce=lambda v: sum(v) / len(v)) -> float:
             return statistics.median(reduce([rec[key] for rec in rs]) for rs in measured)
@@ -395,6 +420,20 @@ def parse_method(entry: str) -> tuple[str, int | None]:
     return name, int(replicas)
 
 
+def _start_nodes(pool: _Pool, codec_name: str, replicas: int | None, args: argparse.Namespace) -> int:
+    """A fresh node per worker for one method, all in round 0 of a new run; returns the segment count."""
+    ranks = list(range(len(pool.ids)))
+    run_id = f"bench-{codec_name}-{uuid.uuid4().hex[:8]}"
+    first = pool.call([0], "start", timeout_s=120, codec_name=codec_name, run_id=run_id, ids=pool.ids,
+                      initial_peers=[], genesis=None, replicas=replicas)[0]
+    if not first["maddrs"]:
+        raise BenchError("peer 0 has no 127.0.0.1 address")
+    pool.call(ranks[1:], "start", timeout_s=120, codec_name=codec_name, run_id=run_id, ids=pool.ids,
+              initial_peers=first["maddrs"][:1], genesis=first["genesis"], replicas=replicas)
+    time.sleep(args.settle)  # let the DHT settle
+    return first["segments"]
+
+
 def run_bench(args: argparse.Namespace, progress=lambda m: None) -> dict:
     """Run the whole benchmark; returns the JSON-ready result."""
     n, params = args.peers, args.params
@@ -408,18 +447,26 @@ def run_bench(args: argparse.Namespace, progress=lambda m: None) -> dict:
         gloo = _summarize(pool.call(ranks, "gloo", timeout_s=900, port=free_port(), warmup=args.warmup,
                                     repeats=args.repeats), n)
         progress(f"gloo all_reduce: {gloo['round_s']:.3f}s")
+        floor = None
+        if args.floor:
+            _start_nodes(pool, "fp32", None, args)
+            progress(f"p2pd floor: running {args.warmup}+{args.repeats} rounds of bare fp32 bytes")
+            try:
+                per_peer = pool.call(ranks, "floor", timeout_s=(args.warmup + args.repeats) * 700,
+                                     warmup=args.warmup, repeats=args.repeats)
+            finally:
+                pool.call(ranks, "close", timeout_s=120)
+            if any(rec["received"] != rec["expected"] for p in per_peer for rec in p["rounds"]):
+                raise BenchError("a peer of the floor measurement did not receive exactly its bytes")
+            floor = _summarize(per_peer, n)
+            floor["ratio_vs_gloo"] = floor["round_s"] / gloo["round_s"]
+            floor["bytes_received_per_peer"] = statistics.mean(p["rounds"][0]["expected"] for p in per_peer)
+            progress(f"p2pd floor: {floor['round_s']:.3f}s ({floor['ratio_vs_gloo']:.2f}x gloo)")
         codecs: dict[str, dict] = {}
         for name in args.codecs:
             codec_name, replicas = parse_method(name)
-            run_id = f"bench-{codec_name}-{uuid.uuid4().hex[:8]}"
-            first = pool.call([0], "start", timeout_s=120, codec_name=codec_name, run_id=run_id, ids=pool.ids,
-                              initial_peers=[], genesis=None, replicas=replicas)[0]
-            if not first["maddrs"]:
-                raise BenchError("peer 0 has no 127.0.0.1 address")
-            pool.call(ranks[1:], "start", timeout_s=120, codec_name=codec_name, run_id=run_id, ids=pool.ids,
-                      initial_peers=first["maddrs"][:1], genesis=first["genesis"], replicas=replicas)
-            time.sleep(args.settle)  # let the DHT settle
-            progress(f"{name}: {first['segments']} segments; running {args.warmup}+{args.repeats} rounds")
+            segments = _start_nodes(pool, codec_name, replicas, args)
+            progress(f"{name}: {segments} segments; running {args.warmup}+{args.repeats} rounds")
             try:
                 per_peer = pool.call(ranks, "rounds", timeout_s=(args.warmup + args.repeats) * 1200,
                                      warmup=args.warmup, repeats=args.repeats)
@@ -437,6 +484,7 @@ def run_bench(args: argparse.Namespace, progress=lambda m: None) -> dict:
         "peers": n, "params": params, "gloo_allreduce_s": gloo["round_s"],
         "gloo": {k: gloo[k] for k in ("round_s_all", "identical", "rel_error")},
         "repeats": args.repeats, "warmup": args.warmup, "max_shards": args.max_shards, "codecs": codecs,
+        "p2pd_floor": floor,
     }
     goals = {}
     if "sparseloco" in codecs:
@@ -468,6 +516,11 @@ def format_table(result: dict) -> str:
         (f"| gloo all_reduce (fp32) | {g:.3f} | 1.00x | | | | | | {'yes' if result['gloo']['identical'] else 'NO'} "
          f"| {result['gloo']['rel_error']:.2e} |"),
     ]
+    floor = result.get("p2pd_floor")
+    if floor is not None:
+        lines.append(f"| p2pd floor: bare fp32 bytes, no protocol | {floor['round_s']:.3f} | {floor['ratio_vs_gloo']:.2f}x "
+                     f"| | | | {_fmt_bytes(floor['bytes_received_per_peer'])} | {_fmt_bytes(floor['bytes_received_per_peer'])} "
+                     f"| | |")
     for name, c in result["codecs"].items():
         lines.append(
             f"| {name} | {c['round_s']:.3f} | {c['ratio_vs_gloo']:.2f}x | {c['encode_s']:.3f} | {c['exchange_s']:.3f} "
@@ -495,6 +548,8 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--slack", type=float, default=5.0, help="round slack_s")
     parser.add_argument("--settle", type=float, default=2.0, help="seconds to let the DHT settle after start")
     parser.add_argument("--seed", type=int, default=0, help="peer r's tensor uses seed + r")
+    parser.add_argument("--floor", action=argparse.BooleanOptionalAction, default=True,
+                        help="also time bare fp32 bytes over the same p2pd streams (the transport's floor)")
     parser.add_argument("--json", action="store_true", help="print one JSON object instead of the table")
     parser.add_argument("--verbose", action="store_true", help="protocol logs at INFO from the workers")
     args = parser.parse_args(argv)

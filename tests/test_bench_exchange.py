@@ -39,6 +39,29 @@ def test_bench_exchange_sparseloco_two_peers(capsys: pytest.CaptureFixture[str],
     assert 0 < sl["rel_error"] < 1.5  # lossy (top-k without error feedback), but a mean of the inputs
     assert isinstance(result["goals"]["sparseloco_faster_than_gloo"], bool)
 
+    # the transport's floor ran among the same processes: every peer received exactly what a ring
+    # all-reduce moves per peer, 2(N-1)/N x 4P bytes (the bench fails if any peer got other than that)
+    floor = result["p2pd_floor"]
+    assert floor["bytes_received_per_peer"] == 2 * (2 - 1) / 2 * 4 * params
+    assert len(floor["round_s_all"]) == 1 and floor["round_s"] > 0
+    assert floor["ratio_vs_gloo"] == pytest.approx(floor["round_s"] / result["gloo_allreduce_s"])
+
+
+def test_the_floor_splits_a_tensor_into_slices_that_cover_it_once(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.syspath_prepend(str(SCRIPTS))
+    from _p2p_floor import Floor
+
+    for n, numel in ((2, 10), (3, 10), (4, 25_000_003)):
+        floors = [Floor(None, rank, n, memoryview(bytearray(4 * numel))) for rank in range(n)]
+        bounds = floors[0].bounds
+        assert bounds[0][0] == 0 and bounds[-1][1] == 4 * numel
+        assert all(a % 4 == 0 and a <= b for a, b in bounds)
+        assert all(bounds[j][1] == bounds[j + 1][0] for j in range(n - 1))
+        # what peer i must receive per round: N-1 copies of its slice, then every other slice once
+        for rank, f in enumerate(floors):
+            mine = bounds[rank][1] - bounds[rank][0]
+            assert f.expected_bytes() == (n - 1) * mine + 4 * numel - mine
+
 
 def test_a_method_names_a_codec_and_optionally_its_replicas(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.syspath_prepend(str(SCRIPTS))
