@@ -31,7 +31,7 @@ import logging
 import socket
 import time
 from collections import deque
-from collections.abc import Iterable
+from collections.abc import Awaitable, Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -49,6 +49,7 @@ MAX_FORWARDED = 64  # punched connections it forwards at once
 KEEPALIVE_S = 30  # a forwarded connection whose dialer vanished is closed within ~KEEPALIVE_S + 30 s
 REQUEST_EVERY_S = 5.0  # a rendezvous serves one punch per (requester, target) per this many seconds
 PUMP_CHUNK = 1 << 16
+HALF_CLOSED_S = 5.0  # a forward one side of which has ended is closed after this
 
 
 MAX_REASON = 200  # PunchReply.reason holds 256
@@ -67,6 +68,14 @@ class PunchFailed(Exception):
     """No direct connection came of the attempt; the reason says at which step."""
 
 
+class DialFailed(PunchFailed):
+    """The target punched, and our dial did not come through: no other rendezvous would help now
+    (our router holds the failed SYN's mapping a while, see `PunchScheduler`)."""
+
+
+Members = Callable[[tuple[str, ...]], Awaitable[bool]]
+
+
 def observed_address(peer_infos: Iterable[Any], peer_id: str) -> str | None:
     """The plain TCP multiaddr of our open connection to `peer_id` (as its packets reach us), or None."""
     for info in peer_infos:
@@ -81,9 +90,13 @@ def observed_address(peer_infos: Iterable[Any], peer_id: str) -> str | None:
 class Rendezvous:
     """A public peer's side: introduce two peers connected to it to each other."""
 
-    def __init__(self, p2p: Any, transport: Any) -> None:
+    def __init__(self, p2p: Any, transport: Any, members: Members | None = None) -> None:
         self.p2p = p2p
         self.transport = transport
+        # Only peers of the run may use us (else any libp2p identity could keep a NAT'ed peer's
+        # punch slots busy, or learn its public address): `members(ids)` says whether all of
+        # `ids` are NAT'ed peers of the run. None: anyone (tests).
+        self.members = members
         self._last: dict[tuple[str, str], float] = {}
         self.served = 0
 
@@ -93,10 +106,13 @@ class Rendezvous:
         if now - self._last.get(key, -REQUEST_EVERY_S) < REQUEST_EVERY_S:
             return PunchReply(False, "rate limited", "")
         self._last[key] = now
-        if len(self._last) > 4096:
-            self._last.clear()
+        if len(self._last) > 4096:  # forget the oldest half (clearing all would lift every limit at once)
+            for old in sorted(self._last, key=self._last.__getitem__)[:2048]:
+                del self._last[old]
         if msg.target == sender:
             return PunchReply(False, "target is the requester", "")
+        if self.members is not None and not await self.members((sender, msg.target)):
+            return PunchReply(False, "requester and target must both be NAT'ed peers of this run", "")
         peers = await self.p2p.list_peers()
         dialer_at, target_at = observed_address(peers, sender), observed_address(peers, msg.target)
         if dialer_at is None or target_at is None:
@@ -132,6 +148,8 @@ class PunchTarget:
             return PunchInviteReply(False, "only a bootstrap peer may ask for a punch")
         if msg.dialer in self.pending:
             return PunchInviteReply(False, "a punch for this dialer is under way")
+        if msg.dialer in self.live:  # one punched connection per dialer: libp2p needs no second
+            return PunchInviteReply(False, "already connected to this dialer through a punch")
         if len(self.pending) >= MAX_PENDING or len(self.live) >= MAX_FORWARDED:
             return PunchInviteReply(False, "busy")
         targets = tcp_targets([msg.address])
@@ -139,7 +157,10 @@ class PunchTarget:
             return PunchInviteReply(False, "not a TCP address one may punch to")
         host, port = targets[0]
         family = socket.AF_INET6 if ipaddress.ip_address(host).version == 6 else socket.AF_INET
-        sock = socket.socket(family, socket.SOCK_STREAM)
+        try:
+            sock = socket.socket(family, socket.SOCK_STREAM)
+        except OSError as exc:  # out of file descriptors, say
+            return PunchInviteReply(False, f"cannot punch: {exc.strerror or exc}")
         try:
             sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
             sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
@@ -176,6 +197,8 @@ class PunchTarget:
             await self._forward(sock)
         except OSError as exc:
             log.info("hole punch for %s: %s", dialer[-8:], exc)
+        except Exception as exc:  # a task of the node's own group: a bug here must not stop the node
+            log.error("hole punch for %s failed: %r", dialer[-8:], exc)
         finally:
             self.live.discard(dialer)
             sock.close()
@@ -187,8 +210,15 @@ class PunchTarget:
             try:
                 self.forwarded += 1
                 async with asyncio.TaskGroup() as pumps:
-                    pumps.create_task(self._pump(outer_r, inner_w))
-                    pumps.create_task(self._pump(inner_r, outer_w))
+                    both = [pumps.create_task(self._pump(outer_r, inner_w)),
+                            pumps.create_task(self._pump(inner_r, outer_w))]
+                    await asyncio.wait(both, return_when=asyncio.FIRST_COMPLETED)
+                    # One side is done: the other gets a grace for its last bytes, then both are
+                    # closed (a dialer that never closes its end must not hold the forward).
+                    _, running = await asyncio.wait(both, timeout=HALF_CLOSED_S)
+                    if running:
+                        inner_w.close()
+                        outer_w.close()
             finally:
                 inner_w.close()
         finally:
@@ -249,12 +279,12 @@ async def punch_through(p2p: Any, transport: Any, rendezvous: str, target: str) 
         async with asyncio.timeout(DIAL_TIMEOUT_S):
             await p2p._client.connect(PeerID.from_base58(target), [Multiaddr(reply.address)])
     except TimeoutError as exc:
-        raise PunchFailed(f"dialling {reply.address} timed out (a symmetric NAT?)") from exc
+        raise DialFailed(f"dialling {reply.address} timed out (a symmetric NAT?)") from exc
     except Exception as exc:  # the daemon's ControlFailure: its words, one line
-        raise PunchFailed(f"dialling {reply.address}: {(str(exc).splitlines() or [''])[0][:200]}") from exc
+        raise DialFailed(f"dialling {reply.address}: {(str(exc).splitlines() or [''])[0][:200]}") from exc
     # The daemon's connect also "succeeds" when the peer is already connected, relayed included.
     if connection_paths(await p2p.list_peers()).get(target) != "direct":
-        raise PunchFailed("no direct connection came of it (connected through a relay only)")
+        raise DialFailed("no direct connection came of it (connected through a relay only)")
     return reply.address
 
 
@@ -339,8 +369,14 @@ class PunchScheduler:
         for rdv in self.rendezvous:
             try:
                 address = await punch_through(self.p2p, self.transport, rdv, peer)
-            except PunchFailed as exc:
+            except DialFailed as exc:  # the target punched for us and we missed it: wait for the retry
                 reasons.append(str(exc))
+                break
+            except PunchFailed as exc:  # this rendezvous could not introduce us: ask the next one
+                reasons.append(str(exc))
+                continue
+            except Exception as exc:  # the daemon's control socket, say: a failed attempt, backed off
+                reasons.append(f"{rdv[-8:]}: {exc!r}"[:MAX_REASON])
                 continue
             self._fails.pop(peer, None)
             self.direct.add(peer)

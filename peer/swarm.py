@@ -55,6 +55,7 @@ from .run_state import GlobalState, RunContext
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
+MEMBERS_REFRESH_S = 5.0  # a rendezvous re-reads the run's records for an unknown punch requester at most this often
 
 
 class Stopped(Exception):
@@ -86,6 +87,7 @@ class SwarmNode(PeerRecords):
         self.ctx: RunContext | None = None  # set by `attach` once the manifest is verified
         self.options = options
         self._cached_records: dict[str, PeerRecord] = {}
+        self._members_refreshed = -MEMBERS_REFRESH_S  # last refresh of the records for a punch request
         self._refreshing: Future | None = None  # a background refresh of the cached records
         self.rejected_records = 0
         self.bootstrap_transport: Transport | None = None
@@ -159,9 +161,13 @@ class SwarmNode(PeerRecords):
             # The manifest is served outside any run (the joiner learns the run id from it); it
             # is signed by the coordinator, whose key the joiner already has.
             await self.bootstrap_transport.serve("get-manifest", ManifestRequest, self._on_manifest)
-            await self.bootstrap_transport.serve("probe", ProbeRequest, self._on_probe)
+            if self.reachability != "private":
+                # Not behind a NAT: a punched connection reaches our daemon from loopback, and a
+                # dial-back "at the IP it came from" would then probe our own machine's ports.
+                await self.bootstrap_transport.serve("probe", ProbeRequest, self._on_probe)
             if self.reachability == "public":  # introduce NAT'ed peers to each other
-                await self.bootstrap_transport.serve("punch", PunchRequest, Rendezvous(p2p, self.bootstrap_transport).handle)
+                rendezvous = Rendezvous(p2p, self.bootstrap_transport, self._nated_members)
+                await self.bootstrap_transport.serve("punch", PunchRequest, rendezvous.handle)
             if self.reachability == "private":
                 self.options = dataclasses.replace(self.options, serves=False)
             self.record = dataclasses.replace(self.record, serves=self.options.serves, reachability=self.reachability)
@@ -272,6 +278,27 @@ class SwarmNode(PeerRecords):
             if reply.address != "rate limited":
                 return "public" if reply.reachable else "private"
         return "public"  # nobody to ask (the first peer of a run) or nobody answered: assume so
+
+    async def _nated_members(self, ids: tuple[str, ...]) -> bool:
+        """Are all `ids` NAT'ed peers of our run? Our cached records, refreshed (at most every
+        MEMBERS_REFRESH_S) when they do not know one of them yet."""
+        def known() -> bool:
+            records = self._cached_records
+            return all(i in records and records[i].reachability == "private" for i in ids)
+
+        if self.ctx is None:  # not in a run (yet)
+            return False
+        if known():
+            return True
+        if time.monotonic() - self._members_refreshed < MEMBERS_REFRESH_S:
+            return False
+        self._members_refreshed = time.monotonic()
+        try:
+            await self.refresh_records()
+        except Exception as exc:  # a DHT hiccup: refuse now, the punch is retried later
+            log.info("refreshing peer records for a punch request failed: %r", exc)
+            return False
+        return known()
 
     async def _on_probe(self, sender: str, msg: ProbeRequest) -> ProbeReply:
         """Dial the requester back, at the IPs it is connected to us from and nowhere else."""

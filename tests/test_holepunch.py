@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 import pytest
 from groundswell.peer import holepunch
 from groundswell.peer.holepunch import PunchScheduler, PunchTarget, Rendezvous, observed_address
-from groundswell.protocol.schema import PeerRecord, PunchInvite, PunchInviteReply, PunchRequest
+from groundswell.protocol.schema import PeerRecord, PunchInvite, PunchInviteReply, PunchReply, PunchRequest
 from groundswell.protocol.transport import PeerUnavailable
 
 pytestmark = pytest.mark.timeout(60)
@@ -239,7 +239,6 @@ class FakeClient:
                                       (["/ip4/10.99.0.10/tcp/40000/p2p/X/p2p-circuit"], False)])
 def test_a_punch_counts_only_if_a_direct_connection_came_of_it(addrs, ok):
     from groundswell.protocol.identity import Identity
-    from groundswell.protocol.schema import PunchReply
 
     target = Identity.generate().peer_id
     p2p = FakeP2P([Info(target, addrs)])
@@ -313,3 +312,90 @@ def test_a_volunteer_punches_to_nated_peers_with_larger_ids_and_backs_off_after_
     assert len(told) == 1  # a second punch that works is not announced again
     asyncio.run(sched.attempt("m-later"))
     assert sched._next["m-later"] - time.monotonic() > 2 * PunchScheduler.RETRY_S - 5  # doubled
+
+
+def test_the_rendezvous_introduces_only_nated_peers_of_the_run():
+    t = FakeTransport(PunchInviteReply(True, ""))
+    asked: list[tuple[str, ...]] = []
+
+    async def members(ids):
+        asked.append(ids)
+        return "stranger" not in ids
+
+    rdv = Rendezvous(FakeP2P([Info("dialer", [D_AT]), Info("target", [T_AT]), Info("stranger", [D_AT])]), t, members)
+    refused = asyncio.run(rdv.handle("stranger", PunchRequest("target")))
+    assert not refused.ok and "NAT'ed peers of this run" in refused.reason and refused.address == ""
+    assert t.calls == []  # the target was never bothered
+    assert asyncio.run(rdv.handle("dialer", PunchRequest("target"))).ok
+    assert asked == [("stranger", "target"), ("dialer", "target")]
+
+
+def test_the_rendezvous_forgets_its_oldest_requests_not_all_of_them():
+    rdv, t = _rendezvous(PunchInviteReply(True, ""))
+    assert asyncio.run(rdv.handle("dialer", PunchRequest("target"))).ok
+    base = time.monotonic() - 10_000
+    for i in range(4096):  # older requests by other peers fill the table past its bound
+        rdv._last[(f"old{i}", "target")] = base + i
+    assert asyncio.run(rdv.handle("flooder", PunchRequest("x"))).reason == "no direct connection to the requester"
+    assert len(rdv._last) <= 4096 - 2048 + 2
+    assert asyncio.run(rdv.handle("dialer", PunchRequest("target"))) == PunchReply(False, "rate limited", "")
+
+
+def test_an_invited_peer_takes_one_punched_connection_per_dialer():
+    async def go():
+        async with asyncio.TaskGroup() as tasks:
+            target = PunchTarget(_free_port(), "127.0.0.1", frozenset({"boot"}), tasks, live={"dialer"})
+            return await target.handle("boot", PunchInvite("dialer", "/ip4/10.1.2.3/tcp/4001"))
+
+    assert asyncio.run(go()) == PunchInviteReply(False, "already connected to this dialer through a punch")
+
+
+def test_a_forward_ends_when_our_daemon_hangs_up_even_if_the_dialer_never_does(monkeypatch):
+    """A dialer that completes the punch and then never closes must not keep the forward (two
+    sockets and a `live` slot) once our daemon has closed its side."""
+    monkeypatch.setattr(holepunch, "HALF_CLOSED_S", 0.3)
+
+    async def go():
+        async def daemon(r, w):  # takes the connection and hangs up at once (a failed handshake)
+            w.close()
+
+        accepted: asyncio.Future = asyncio.get_running_loop().create_future()
+        daemon_srv = await asyncio.start_server(daemon, "127.0.0.1", 0)
+        dialer_srv = await asyncio.start_server(lambda r, w: accepted.set_result((r, w)), "127.0.0.1", 0)
+        async with asyncio.TaskGroup() as tasks:
+            target = PunchTarget(daemon_srv.sockets[0].getsockname()[1], "127.0.0.1", frozenset({"boot"}), tasks)
+            sock = socket.socket()
+            sock.setblocking(False)
+            sock.connect_ex(("127.0.0.1", dialer_srv.sockets[0].getsockname()[1]))
+            forward = tasks.create_task(target._complete(sock, "dialer"))
+            r, w = await asyncio.wait_for(accepted, 5)  # the dialer: holds its end open, says nothing
+            t0 = time.monotonic()
+            await asyncio.wait_for(forward, 5)
+            took = time.monotonic() - t0
+            eof = await asyncio.wait_for(r.read(), 5)  # our side closed the punched connection
+            w.close()
+        daemon_srv.close()
+        dialer_srv.close()
+        return took, eof, target
+
+    took, eof, target = asyncio.run(go())
+    assert took < 3 and eof == b"" and target.live == set() and target.forwarded == 1
+
+
+def test_a_scheduler_attempt_turns_any_error_into_a_backed_off_failure_and_stops_after_a_missed_dial(monkeypatch):
+    tried: list[str] = []
+
+    async def broken(p2p, transport, rdv, target):
+        tried.append(rdv)
+        if rdv == "rdv1":
+            raise RuntimeError("the daemon's control socket broke")
+        raise holepunch.DialFailed("dialling x timed out (a symmetric NAT?)")
+
+    monkeypatch.setattr(holepunch, "punch_through", broken)
+    sched = PunchScheduler("a", ["rdv1", "rdv2", "rdv3"], None, None, dict)
+    assert asyncio.run(sched.attempt("b")) is False
+    # rdv1 failed before introducing us: rdv2 was asked; its punch came and our dial missed it,
+    # so rdv3 was not asked (our router holds the failed SYN's mapping): retry after RETRY_S
+    assert tried == ["rdv1", "rdv2"]
+    assert "RuntimeError" in sched.attempts[0]["reason"] and "timed out" in sched.attempts[0]["reason"]
+    assert sched._next["b"] - time.monotonic() > PunchScheduler.RETRY_S - 5
