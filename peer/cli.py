@@ -30,6 +30,7 @@ def _user_errors(fn: Callable[..., Any]) -> Callable[..., Any]:
     @functools.wraps(fn)
     def wrapper(*args: Any, **kwargs: Any) -> Any:
         from groundswell.compression import CodecError
+        from groundswell.protocol.identity import IdentityError
 
         from .config import ConfigError
         from .data import DataError
@@ -41,7 +42,8 @@ def _user_errors(fn: Callable[..., Any]) -> Callable[..., Any]:
         try:
             return fn(*args, **kwargs)
         except (ConfigError, ManifestError, BootstrapError, NetworkError, DataError, WorkloadError, CodecError,
-                SimulationError, FileNotFoundError, FileExistsError, PermissionError) as exc:
+                SimulationError, IdentityError, FileNotFoundError, FileExistsError, PermissionError,
+                IsADirectoryError, NotADirectoryError) as exc:
             console.print(f"[bold red]error:[/] {exc}", highlight=False)
             raise typer.Exit(2) from None
         except KeyboardInterrupt:  # Ctrl+C before a command's own handler, or pressed twice
@@ -66,7 +68,7 @@ def _load_config(config: Optional[Path], overrides: dict[str, Any], sets: list[s
 
         try:
             data = tomllib.loads(config.read_text())
-        except tomllib.TOMLDecodeError as exc:
+        except (tomllib.TOMLDecodeError, UnicodeDecodeError) as exc:
             raise ConfigError(f"{config}: not valid TOML: {exc}") from None
         cfg = from_mapping(TrainLocalConfig, data)
     else:
@@ -188,4 +190,8 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    # Run as a script, this file is `__main__`, and `cli_swarm` registered its commands on the
+    # importable `groundswell.peer.cli` instead: use that one's app.
+    from groundswell.peer.cli import main as _main
+
+    _main()

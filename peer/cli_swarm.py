@@ -39,6 +39,23 @@ def _identity(path: Optional[Path], state_dir: Optional[Path]):
     return ident, path
 
 
+def _check_device(device: str) -> None:
+    """A device torch knows and this machine has (cpu, cuda, cuda:N), before anything starts."""
+    import torch
+
+    try:
+        dev = torch.device(device)
+    except RuntimeError:
+        raise ConfigError(f"--device must be cpu, cuda or cuda:N, not {device!r}") from None
+    if dev.type not in ("cpu", "cuda"):
+        raise ConfigError(f"--device must be cpu, cuda or cuda:N, not {device!r}")
+    if dev.type == "cuda":
+        if not torch.cuda.is_available():
+            raise FileNotFoundError("--device cuda was asked for, but torch sees no CUDA device")
+        if dev.index is not None and dev.index >= torch.cuda.device_count():
+            raise FileNotFoundError(f"--device {device}: torch sees only {torch.cuda.device_count()} CUDA device(s)")
+
+
 def _stop_on_signals(first: str = "stopping after this round"):
     from .roles import StopFlag
 
@@ -144,11 +161,11 @@ def launch(
     _set_threads(threads)
     if checkpoint_every < 0:
         raise ConfigError(f"--checkpoint-every must be at least 1 (or 0: the manifest's), not {checkpoint_every}")
+    if not -1 <= state_port <= 65535:
+        raise ConfigError(f"--state-port must be -1 (off), 0 (any free port) or a port number, not {state_port}")
     manifest = load_manifest_toml(manifest_path)
     ident, ident_path = _identity(identity, state_dir)
     signed = sign_manifest(manifest, ident).to_bytes()
-    if not -1 <= state_port <= 65535:
-        raise ConfigError(f"--state-port must be -1 (off), 0 (any free port) or a port number, not {state_port}")
     opts = NodeOptions(host_maddrs=listen, announce_maddrs=announce, initial_peers=peer, role="coordinator",
                        trains=False, serves=True, direct_state=state_port >= 0, direct_port=max(state_port, 0))
     p = Participant(manifest, signed, ident, str(ident_path), opts, state_dir)
@@ -187,7 +204,8 @@ def join(
     max_rounds: Optional[int] = typer.Option(None, help="Leave after this many applied rounds."),
     until_round: Optional[int] = typer.Option(None, help="Leave once the run has reached this round."),
     listen: list[str] = typer.Option(["/ip4/0.0.0.0/tcp/0"], help="Multiaddr(s) to listen on."),
-    quiet: bool = typer.Option(False, help="No progress display (for scripts)."),
+    quiet: bool = typer.Option(False, help="No progress bar and no line per round (for scripts: STATE_DIR/events.jsonl "
+                               "has every round)."),
     verbose: bool = typer.Option(False, help="Log protocol events."),
     threads: int = typer.Option(0, help="torch threads (0 = default)."),
     reachability: str = typer.Option("auto", help="auto (a bootstrap peer dials us back), public or private."),
@@ -201,16 +219,14 @@ def join(
 
     _logging(verbose)
     _set_threads(threads)
-    if device.startswith("cuda"):
-        import torch
-
-        if not torch.cuda.is_available():
-            raise FileNotFoundError("--device cuda was asked for, but torch sees no CUDA device")
-    boot = parse_bootstrap(bootstrap)
-    ident, ident_path = _identity(identity, state_dir)
-    state_dir.mkdir(parents=True, exist_ok=True)
+    _check_device(device)
     if reachability not in ("auto", "public", "private"):
         raise ConfigError(f"--reachability must be auto, public or private, not {reachability!r}")
+    boot = parse_bootstrap(bootstrap)
+    ident, ident_path = _identity(identity, state_dir)
+    if ident.peer_id == boot.coordinator_id:
+        raise ConfigError(f"{ident_path} is the coordinator's identity: a volunteer needs its own --identity")
+    state_dir.mkdir(parents=True, exist_ok=True)
     opts = NodeOptions(host_maddrs=listen, initial_peers=boot.maddrs, role="volunteer", trains=True, serves=True,
                        reachability=reachability)
     node = SwarmNode(ident, str(ident_path), opts)
@@ -220,6 +236,7 @@ def join(
         peers = [m.rsplit("/p2p/", 1)[1] for m in boot.maddrs]
         signed = _fetch_manifest(node, boot.maddrs)
         manifest = SignedManifest.from_bytes(signed).verify(boot.coordinator_id)
+        manifest.check_may_train(ident.peer_id)  # before any download: its contributions would be refused
         console.print(f"joined run [bold]{manifest.run.id}[/] as {ident.peer_id} (manifest verified)")
         relays = ", ".join(pid[-8:] for pid in peers[:3])  # trusted relays: the bootstrap peers
         console.print("reachable: public (other peers can connect to us)" if node.reachability == "public" else
@@ -313,7 +330,7 @@ def status(
         loss = "-" if row["loss"] is None else f"{row['loss']:.4f}"
         role = {"coordinator": "coord", "volunteer": "vol"}.get(row["role"], row["role"])
         # public; behind a NAT ("nat"), with N peers reached directly by a hole punch ("nat+N")
-        reach = {"public": "pub", "private": "nat"}.get(row["reachability"], row["reachability"][:6])
+        reach = {"public": "pub", "private": "nat"}.get(row["reachability"], "?")  # "?": not probed yet
         reach += f"+{len(row['hole_punched'])}" if row["hole_punched"] else ""
         table.add_row(row["peer"][-10:], role, reach, str(row["round"]), row["params_hash"][:8], loss,
                       f"{row['bytes_sent'] / 1e6:.1f}MB", str(row["refused_messages"]),
@@ -341,7 +358,7 @@ def simulate(
     batch_size: int = typer.Option(8, help="Inner batch size."),
     deadline: float = typer.Option(
         30.0, help="Round deadline in seconds: a round is decided by it (contributions are due 2 slacks earlier)."),
-    min_peers: int = typer.Option(2, help="Contributions a round needs."),
+    min_peers: Optional[int] = typer.Option(None, help="Contributions a round needs.", show_default="2, or 1 with --peers 1"),
     outer_lr: float = typer.Option(0.0, help="Outer learning rate.", show_default="the algorithm's"),
     topk: int = typer.Option(0, help="SparseLoCo: values kept per 4096-chunk.", show_default="64"),
     error_decay: float = typer.Option(-1.0, help="SparseLoCo: error-feedback decay in [0, 1].", show_default="0.95"),
@@ -367,14 +384,20 @@ def simulate(
     from .sim_report import fault_summary
     from .simulate import SimulateOptions, run_simulation
 
+    if scoring and not defences:
+        raise ConfigError("--scoring is a defence: it cannot go with --no-defences")
+    if min_peers is None:
+        min_peers = min(2, peers)
+    if min_peers > peers:
+        raise ConfigError(f"--min-peers {min_peers} is more than --peers {peers}: no round could ever commit")
     opts = SimulateOptions(peers=peers, rounds=rounds, preset=preset, algorithm=algorithm, codec=codec,
                            inner_steps=inner_steps, batch_size=batch_size, deadline_s=deadline,
-                           min_peers=min(min_peers, peers), seed=seed, outer_lr=outer_lr, topk=topk,
+                           min_peers=min_peers, seed=seed, outer_lr=outer_lr, topk=topk,
                            error_decay=error_decay, overlap=overlap, warmup_steps=warmup,
                            kill_every=kill_every, restart_after=restart_after, freeze_every=freeze_every,
                            freeze_for=freeze_for, late_joiners=late_joiners, leave_every=leave_every,
                            kill_coordinator_at=kill_coordinator_at, checkpoint_every=checkpoint_every,
-                           byzantine=byzantine, attack=attack, defences=defences, scoring=scoring and defences)
+                           byzantine=byzantine, attack=attack, defences=defences, scoring=scoring)
     report = run_simulation(opts, out, progress=lambda m: console.print(m, highlight=False))
     losses = [v for v in report["eval_loss_by_round"] if v is not None]  # rounds the coordinator evaluated
     console.print(

@@ -91,6 +91,15 @@ class OuterSection:
             raise ConfigError(f"outer.lr must be >= 0, got {self.lr}")
         if not 0 <= self.error_decay <= 1:
             raise ConfigError(f"outer.error_decay must be in [0, 1], got {self.error_decay}")
+        if not 0 <= self.momentum < 1:  # Nesterov momentum of 1 or more never forgets: the outer step diverges
+            raise ConfigError(f"outer.momentum must be in [0, 1), got {self.momentum}")
+        from groundswell.compression import CodecError
+        from groundswell.compression.sparseloco import check_sparseloco_options
+
+        try:
+            check_sparseloco_options(self.chunk, self.topk)
+        except CodecError as exc:
+            raise ConfigError(f"outer.chunk / outer.topk: {exc}") from None
 
     @property
     def codec_name(self) -> str:
@@ -163,15 +172,17 @@ def from_mapping(cls: type[T], data: Mapping[str, Any], where: str = "") -> T:
         raise ConfigError(f"{where + ': ' if where else ''}{exc}") from None
 
 
-def replace_path(cfg: T, dotted: str, value: Any) -> T:
+def replace_path(cfg: T, dotted: str, value: Any, _above: str = "") -> T:
     """Return a copy of `cfg` with one dotted key (e.g. "outer.lr") set, type-checked."""
     head, _, rest = dotted.partition(".")
-    if head not in {f.name for f in dataclasses.fields(cfg)}:  # type: ignore[arg-type]
-        raise ConfigError(f"unknown key {dotted!r}")
+    if not dataclasses.is_dataclass(cfg) or head not in {f.name for f in dataclasses.fields(cfg)}:
+        # also below a plain value (workers.x, workers being an int)
+        raise ConfigError(f"unknown key {_join(_above, dotted)!r}")
     if rest:
-        return dataclasses.replace(cfg, **{head: replace_path(getattr(cfg, head), rest, value)})  # type: ignore
+        inner = replace_path(getattr(cfg, head), rest, value, _join(_above, head))
+        return dataclasses.replace(cfg, **{head: inner})  # type: ignore
     hint = typing.get_type_hints(type(cfg))[head]
-    return dataclasses.replace(cfg, **{head: _coerce(hint, value, dotted)})  # type: ignore
+    return dataclasses.replace(cfg, **{head: _coerce(hint, value, _join(_above, dotted))})  # type: ignore
 
 
 def to_mapping(cfg: object) -> dict[str, Any]:

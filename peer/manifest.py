@@ -192,6 +192,12 @@ class RunManifest:
         """Plain nested dicts (lists for the allowlist), as loaded from TOML."""
         return to_mapping(self)
 
+    def check_may_train(self, peer_id: str) -> None:
+        """ConfigError, naming the id to send the coordinator, unless `peer_id` may contribute."""
+        if not self.run.open and peer_id not in self.run.allowlist:
+            raise ConfigError(f"run {self.run.id} is closed and this peer is not on its allowlist: ask its "
+                              f"coordinator to add {peer_id}")
+
     def canonical_bytes(self) -> bytes:
         """Deterministic msgpack of the manifest: keys sorted at every level."""
         return msgpack.packb(_sorted(to_mapping(self)), use_bin_type=True)

@@ -90,12 +90,20 @@ class EventLog:
     path: Path | None
     start: float = field(default_factory=time.time)
 
+    failed: int = 0  # events that could not be written (a full disk, say): training goes on without them
+
     def write(self, kind: str, **fields: Any) -> None:
-        """Append one event with a wall-clock timestamp."""
+        """Append one event with a wall-clock timestamp; a failed write is logged (once) and counted."""
         if self.path is None:
             return
-        with open(self.path, "a") as f:
-            f.write(json.dumps({"t": time.time(), "kind": kind, **fields}) + "\n")
+        try:
+            with open(self.path, "a") as f:
+                f.write(json.dumps({"t": time.time(), "kind": kind, **fields}) + "\n")
+        except OSError as exc:
+            self.failed += 1
+            if self.failed == 1:
+                log.error("cannot write the event log %s (%s): events are dropped until it works again",
+                          self.path, exc)
 
 
 class Participant:

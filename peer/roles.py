@@ -16,6 +16,7 @@ from groundswell.protocol.transport import PeerUnavailable
 
 from .byzantine import Attack
 from .config import DataSection
+from .net_errors import NetworkError
 from .participant import Participant, genesis_decision
 from .run_state import GlobalState, params_hash
 from .swarm import Stopped
@@ -148,7 +149,11 @@ def _resume_and_sync(p: Participant, bootstrap_peers: list[str]) -> dict | None:
         if resumed["outer"].get("algorithm") == "sparseloco":  # our own error feedback: work not yet sent
             p.outer.error = resumed["outer"]["error"].to(p.outer.global_params.device)
         p.events.write("resume", round=p.outer.round_id, peer=p.identity.peer_id)
-    p.sync_state(bootstrap_peers, min_round=p.outer.round_id if resumed else -1)
+    try:
+        p.sync_state(bootstrap_peers, min_round=p.outer.round_id if resumed else -1)
+    except (PeerUnavailable, TimeoutError) as exc:
+        raise NetworkError(f"could not download the run's state from any peer ({exc or 'timed out'}); "
+                           "is the run still up? Start again to retry") from None
     return resumed
 
 
@@ -307,9 +312,10 @@ def run_coordinator(p: Participant, *, stop: StopFlag, on_round: Callable[[Round
     except Stopped:
         pass
     finally:
+        # Also when something above failed: the rounds applied since the last checkpoint are kept.
         p.node.interrupt_calls_on(None)
-    write_defence_counts(p)
-    p.save_checkpoint()
+        write_defence_counts(p)
+        p.save_checkpoint()
 
 
 def _follow_rounds(p: Participant, stop: StopFlag, on_round: Callable[[RoundInfo], None], checkpoint_every: int) -> None:
@@ -328,6 +334,9 @@ def _follow_rounds(p: Participant, stop: StopFlag, on_round: Callable[[RoundInfo
         except RoundBehind:
             if not _follow_the_swarm(p):
                 stop.event.wait(1.0)
+            continue
+        except (PeerUnavailable, TimeoutError) as exc:  # nothing decided in time: the next attempt
+            log.warning("round %d: no decision reached this coordinator (%s)", r, exc or "timed out")
             continue
         committed = p.node.book.committed.get(r)  # type: ignore[union-attr]
         if committed is None:  # a retry or a silent leader: the next attempt (by the clock) rotates the roles
@@ -351,7 +360,7 @@ def _follow_rounds(p: Participant, stop: StopFlag, on_round: Callable[[RoundInfo
         signed, d = committed
         try:
             mean = p.node.call(client.fetch_aggregate(signed), timeout_s=m.round.deadline_s * 4 + 60)
-        except PeerUnavailable as exc:
+        except (PeerUnavailable, TimeoutError) as exc:
             # Every holder of a shard died before anyone else fetched it: the round's result lives
             # on only in the state of peers that applied it. Take that state (or wait for it).
             log.warning("aggregate of round %d unavailable (%s); taking the state of a peer past it", r, exc)
@@ -361,7 +370,11 @@ def _follow_rounds(p: Participant, stop: StopFlag, on_round: Callable[[RoundInfo
         p.outer.follow(r, mean)
         p.snapshot()
         loss = p.eval_global() if (r + 1) % m.eval.every_rounds == 0 else float("nan")
-        records = p.node.call(p.node.refresh_records(), timeout_s=30)
+        try:
+            records = p.node.call(p.node.refresh_records(), timeout_s=30)
+        except (PeerUnavailable, TimeoutError) as exc:  # a DHT hiccup: the figures use the last view
+            log.info("peer records: %s", exc)
+            records = p.node._cached_records
         sent = {pid: rec.bytes_sent for pid, rec in records.items() if rec.role != "coordinator"}
         deltas = [b - last_sent[pid] for pid, b in sent.items() if pid in last_sent and b >= last_sent[pid]]
         last_sent = sent
@@ -386,7 +399,11 @@ def _follow_the_swarm(p: Participant) -> bool:
         p.catch_up()
     except (PeerUnavailable, RoundBehind, TimeoutError, ProtocolError) as exc:
         log.info("catch-up: %s", exc)
-    records = p.node.call(p.node.refresh_records(), timeout_s=30)
+    try:
+        records = p.node.call(p.node.refresh_records(), timeout_s=30)
+    except (PeerUnavailable, TimeoutError) as exc:
+        log.info("peer records: %s", exc)
+        return p.outer.round_id > before
     if max((r.round for r in records.values()), default=-1) > p.outer.round_id:
         try:
             p.sync_state([], min_round=p.outer.round_id + 1)

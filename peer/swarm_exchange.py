@@ -108,10 +108,14 @@ class SwarmExchange:
             raise RuntimeError("collect() without a matching contribute()")
         ctx = self.node.ctx
         assert ctx is not None and self.node.client is not None and self.node.transport is not None
+        limit = 6 * ctx.deadline_s + 6 * ctx.slack_s + 120
         try:  # the attempt, then the aggregate's fetch (each bounded inside)
-            outcome, mean = future.result(timeout=6 * ctx.deadline_s + 6 * ctx.slack_s + 120)
+            outcome, mean = future.result(timeout=limit)
         except RoundBehind as exc:
             raise NeedResync(str(exc)) from None
+        except TimeoutError:  # every bound inside failed: whether the round counted us is unknown
+            future.cancel()
+            raise NeedResync(f"round {round_id}: no outcome within {limit:.0f} s") from None
         decision = outcome.decision
         if decision is None or decision.status != "commit":
             if decision is None:

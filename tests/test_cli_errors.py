@@ -85,6 +85,8 @@ def test_ctrl_c_during_start_up_is_one_line(tmp_path, monkeypatch):
     (["--rounds", "0"], "--rounds must be at least 1"),
     (["--peers", "2", "--byzantine", "3"], "--byzantine must be between 0 and --peers (2)"),
     (["--attack", "nope"], "--attack must be one of"),
+    (["--scoring", "--no-defences"], "--scoring is a defence: it cannot go with --no-defences"),
+    (["--peers", "3", "--min-peers", "4"], "--min-peers 4 is more than --peers 3"),
     (["--error-decay", "2"], "outer.error_decay must be in [0, 1]"),
     (["--preset", "nosuch"], "unknown workload 'nosuch'"),
     (["--preset", "no_such_module:make"], "cannot import module 'no_such_module'"),
@@ -224,3 +226,70 @@ def test_launch_on_a_state_dir_of_another_run_refuses_before_writing_anything(tm
     _one_error_line(res, 2, "holds a checkpoint (checkpoint-00000000.pt) of another run")
     after = {f.name: f.read_bytes() for f in state.iterdir() if f.name != ".lock"}
     assert after == {k: v for k, v in before.items() if k != ".lock"}  # nothing written, nothing removed
+
+
+@pytest.mark.parametrize("make_identity,words", [
+    (lambda p: p.write_text("garbage"), "not a libp2p private key"),
+    (lambda p: p.mkdir(), "Is a directory"),
+])
+def test_a_bad_identity_file_is_one_error_line(tmp_path, make_identity, words):
+    key = tmp_path / "bad.key"
+    make_identity(key)
+    res = CliRunner().invoke(app, ["join", _bootstrap(_unused_port()), "--identity", str(key),
+                                   "--state-dir", str(tmp_path / "peer")])
+    _one_error_line(res, 2, words)
+
+
+@pytest.mark.parametrize("device,words", [("gpu", "--device must be cpu, cuda or cuda:N"),
+                                          ("meta", "--device must be cpu, cuda or cuda:N")])
+def test_a_bad_device_is_one_error_line_before_anything_is_written(tmp_path, device, words):
+    res = CliRunner().invoke(app, ["join", _bootstrap(_unused_port()), "--device", device,
+                                   "--state-dir", str(tmp_path / "peer")])
+    _one_error_line(res, 2, words)
+    assert not (tmp_path / "peer").exists()
+
+
+def test_options_are_checked_before_the_state_dir_is_written(tmp_path):
+    manifest = Path(__file__).resolve().parents[1] / "scripts" / "example_run.toml"
+    res = CliRunner().invoke(app, ["launch", str(manifest), "--state-port", "70000", "--state-dir", str(tmp_path / "run")])
+    _one_error_line(res, 2, "--state-port must be -1 (off), 0 (any free port) or a port number")
+    res = CliRunner().invoke(app, ["join", _bootstrap(_unused_port()), "--reachability", "sometimes",
+                                   "--state-dir", str(tmp_path / "peer")])
+    _one_error_line(res, 2, "--reachability must be auto, public or private")
+    assert not (tmp_path / "run").exists() and not (tmp_path / "peer").exists()
+
+
+def test_joining_with_the_coordinators_identity_is_refused(tmp_path):
+    key = tmp_path / "coord.key"
+    ident = Identity.generate()
+    ident.save(key)
+    line = f"gs1:{ident.peer_id}@/ip4/127.0.0.1/tcp/{_unused_port()}/p2p/{ident.peer_id}"
+    res = CliRunner().invoke(app, ["join", line, "--identity", str(key), "--state-dir", str(tmp_path / "peer")])
+    _one_error_line(res, 2, "is the coordinator's identity: a volunteer needs its own --identity")
+
+
+def test_train_local_set_below_a_plain_value_and_a_binary_config_are_one_error_line(tmp_path):
+    res = CliRunner().invoke(app, ["train-local", "--set", "workers.x=1"])
+    _one_error_line(res, 2, "unknown key 'workers.x'")
+    binary = tmp_path / "run.toml"
+    binary.write_bytes(b"\xff\xfe\x00garbage")
+    res = CliRunner().invoke(app, ["train-local", "--config", str(binary)])
+    _one_error_line(res, 2, "not valid TOML")
+
+
+def test_the_cli_module_run_as_a_script_has_every_command():
+    out = subprocess.run([sys.executable, "-m", "groundswell.peer.cli", "--help"], capture_output=True, text=True,
+                         timeout=60)
+    assert out.returncode == 0, out.stderr
+    for command in ("keygen", "launch", "join", "status", "simulate", "train-local", "bench"):
+        assert command in out.stdout, out.stdout
+
+
+def test_an_event_log_on_a_full_disk_drops_events_and_training_goes_on(caplog):
+    from groundswell.peer.participant import EventLog
+
+    log = EventLog(Path("/dev/full"))  # every write fails with ENOSPC
+    log.write("round", round=1)
+    log.write("round", round=2)
+    assert log.failed == 2
+    assert sum("cannot write the event log" in r.getMessage() for r in caplog.records) == 1  # said once

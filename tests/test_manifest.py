@@ -78,6 +78,11 @@ def test_allowlist(tmp_path):
     text = f'[run]\nid = "closed"\nallowlist = ["{COORD.peer_id}", "{OTHER.peer_id}"]\n'
     m = load_manifest_toml(_toml(tmp_path, text))
     assert m.run.allowlist == (COORD.peer_id, OTHER.peer_id) and not m.run.open
+    m.check_may_train(OTHER.peer_id)
+    stranger = Identity.generate().peer_id
+    with pytest.raises(ConfigError, match=f"not on its allowlist: ask its coordinator to add {stranger}"):
+        m.check_may_train(stranger)
+    load_manifest_toml(_toml(tmp_path, MINIMAL)).check_may_train(stranger)  # an open run takes anyone
 
 
 @pytest.mark.parametrize(
@@ -120,6 +125,11 @@ def test_allowlist(tmp_path):
         (f'[run]\nid = "r"\nallowlist = ["{COORD.peer_id}", "{COORD.peer_id}"]\n', "run.allowlist"),
         (MINIMAL + "[outer]\nerror_decay = 1.5\n", "outer.error_decay"),
         (MINIMAL + "[outer]\nerror_decay = -0.1\n", "outer.error_decay"),
+        (MINIMAL + "[outer]\nmomentum = 5.0\n", "outer.momentum"),
+        (MINIMAL + "[outer]\nmomentum = 1.0\n", "outer.momentum"),
+        (MINIMAL + "[outer]\nmomentum = -2.0\n", "outer.momentum"),
+        (MINIMAL + "[outer]\ntopk = 0\n", "outer.chunk / outer.topk"),
+        (MINIMAL + "[outer]\nchunk = 1000\n", "outer.chunk / outer.topk"),
         (MINIMAL + "[defences]\nclip = -1.0\n", "defences.clip"),
         (MINIMAL + "[defences]\ntrim = 0.5\n", "defences.trim"),
         (MINIMAL + "[defences]\nrequests_per_s = 0.0\n", "defences.requests_per_s"),
