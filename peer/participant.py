@@ -10,6 +10,7 @@ import json
 import logging
 import os
 import time
+from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -77,6 +78,16 @@ def run_context(manifest: RunManifest, outer: OuterOptimizer, coordinator: str =
                       manifest.round.replicas)
 
 
+def state_servers(records: dict[str, Any], me: str, bootstrap_peers: list[str]) -> list[str]:
+    """Whom to ask for the state, in order: peers whose (round, hash) the most peers published
+    first, the newest among equals first; then bootstrap peers without a record. One peer claiming
+    a far-off round (hostile, or alone ahead) is asked after any state two peers agree on."""
+    votes = Counter((r.round, r.params_hash) for pid, r in records.items() if pid != me and r.params_hash)
+    order = sorted((p for p in records if p != me),
+                   key=lambda p: (-votes[(records[p].round, records[p].params_hash)], -records[p].round, p))
+    return order + [p for p in bootstrap_peers if p not in records and p != me]
+
+
 def genesis_decision(identity: Identity, run_id: str) -> bytes:
     """The signed decision of round -1: the coordinator alone serves round 0."""
     d = Decision(-1, 0, "commit", [], [], [identity.peer_id], identity.peer_id, [], 0, time.time())
@@ -130,6 +141,7 @@ class Participant:
         numel = sum(p.numel() for p in self.workload.model.parameters())
         self.outer = make_outer(manifest, self.workload.model.parameters(), numel)
         coordinator = SignedManifest.from_bytes(signed_manifest).coordinator if signed_manifest else ""
+        self.coordinator_id = coordinator
         self.ctx = run_context(manifest, self.outer, coordinator)
         self.evalset = heldout_batches(self.corpus, self.workload.block_size, manifest.eval.batch_size,
                                        manifest.eval.batches)
@@ -273,20 +285,32 @@ class Participant:
         _, decision = unseal(reply.decision, self.ctx.run_id, Decision)
         if decision.round != reply.round - 1:
             raise ProtocolError("state's decision is not of the round before it")
-        # Cross-check against what other peers published for that round (majority wins).
+        # Cross-check against what other peers published for that round (majority wins). Neither
+        # the server's word nor ours counts; in a closed run only its members' (and the
+        # coordinator's) do. A state nobody else confirms is taken only from the coordinator: any
+        # peer could otherwise serve a state of its own making for a round it alone claims.
         records = await self.node.refresh_records()
-        hashes = [r.params_hash for pid, r in records.items()  # the server's own word does not count
-                  if pid != server and r.round == reply.round and r.params_hash]
-        if hashes and hashes.count(params_hash(tensors["global_params"])) * 2 < len(hashes):
+        hashes = [r.params_hash for pid, r in records.items() if self._vote_counts(pid, server)
+                  and r.round == reply.round and r.params_hash]
+        agree = hashes.count(params_hash(tensors["global_params"]))
+        if hashes and agree * 2 < len(hashes):
             raise ProtocolError("state disagrees with the swarm's published hash", strike=False)
+        if not agree and server != self.coordinator_id:
+            raise ProtocolError(f"no other peer's record confirms the state of round {reply.round}", strike=False)
+        if isinstance(self.outer, DiLoCo) and "momentum_buffer" not in tensors:
+            raise ProtocolError("a DiLoCo state needs its momentum buffer")
         return GlobalState(reply.round, tensors, reply.decision)
+
+    def _vote_counts(self, peer: str, server: str) -> bool:
+        """Does `peer`'s published hash count when checking a state `server` sent us?"""
+        if peer in (server, self.identity.peer_id):
+            return False
+        return peer == self.coordinator_id or self.ctx.authorized(peer)
 
     def sync_state(self, bootstrap_peers: list[str], min_round: int = -1) -> None:
         """Download the newest global state from peers (records first, then bootstrap peers)."""
         async def peers_to_ask() -> list[str]:
-            records = await self.node.refresh_records()
-            ahead = sorted(records, key=lambda p: -records[p].round)
-            return [p for p in ahead if p != self.identity.peer_id] + [p for p in bootstrap_peers if p not in ahead]
+            return state_servers(await self.node.refresh_records(), self.identity.peer_id, bootstrap_peers)
 
         peers = self.node.call(peers_to_ask(), timeout_s=30)
         state, via = self.node.call(self._download_state(peers, min_round), timeout_s=600)
@@ -371,7 +395,11 @@ class Participant:
             self.events.write("checkpoint-failed", error=str(exc), peer=self.identity.peer_id)
             tmp.unlink(missing_ok=True)
             return None
-        for old in sorted(self.state_dir.glob("checkpoint-*.pt"))[: -self.manifest.checkpoint.keep]:
+        # Keep this one and the newest keep-1 before it. Never count a file that sorts after it (an
+        # unreadable newer checkpoint this run resumed past) towards `keep`: that deleted the
+        # checkpoint just written.
+        older = sorted(p for p in self.state_dir.glob("checkpoint-*.pt") if p.name < path.name)
+        for old in older[: max(0, len(older) - (self.manifest.checkpoint.keep - 1))]:
             old.unlink(missing_ok=True)
         return path
 

@@ -147,7 +147,17 @@ def _resume_and_sync(p: Participant, bootstrap_peers: list[str]) -> dict | None:
     if resumed is not None and resumed.get("outer") is not None:
         p.load_global(GlobalState(resumed["round"], resumed["tensors"], resumed["decision"]))
         if resumed["outer"].get("algorithm") == "sparseloco":  # our own error feedback: work not yet sent
-            p.outer.error = resumed["outer"]["error"].to(p.outer.global_params.device)
+            sent_since = [r for r in p._contributed_before() if r >= resumed["round"]]
+            if sent_since:
+                # The process before us contributed after this checkpoint: what it sent came out of
+                # this error feedback and may be in the swarm's parameters already. Sending it again
+                # would count it twice; dropping it loses only what was still below the top-k.
+                p.events.write("error-feedback-dropped", round=resumed["round"], contributed=sent_since[0],
+                               peer=p.identity.peer_id)
+                log.warning("error feedback of the round-%d checkpoint dropped: round %d was contributed since",
+                            resumed["round"], sent_since[0])
+            else:
+                p.outer.error = resumed["outer"]["error"].to(p.outer.global_params.device)
         p.events.write("resume", round=p.outer.round_id, peer=p.identity.peer_id)
     try:
         p.sync_state(bootstrap_peers, min_round=p.outer.round_id if resumed else -1)

@@ -1,0 +1,157 @@
+"""Whose state a joiner takes: a downloaded state must be confirmed by another peer's published
+hash (or come from the coordinator), and checkpoints are cleaned up without losing the newest."""
+
+from __future__ import annotations
+
+import asyncio
+from types import SimpleNamespace
+
+import pytest
+import torch
+from groundswell.peer.run_state import GlobalState, params_hash
+from groundswell.protocol.digests import bulk_hasher
+from groundswell.protocol.schema import ProtocolError, StateReply
+
+
+@pytest.fixture
+def participant(tmp_path, corpus):
+    from groundswell.peer.manifest import manifest_from_mapping, sign_manifest
+    from groundswell.peer.participant import Participant
+    from groundswell.peer.swarm import NodeOptions
+    from groundswell.protocol.identity import Identity
+
+    manifest = manifest_from_mapping({"run": {"id": "unit", "open": True}, "model": {"spec": "tiny"},
+                                      "checkpoint": {"every_rounds": 1, "keep": 2}})
+    coordinator, me = Identity.generate(), Identity.generate()
+    me.save(tmp_path / "id.key")
+    return Participant(manifest, sign_manifest(manifest, coordinator).to_bytes(), me, str(tmp_path / "id.key"),
+                       NodeOptions(), tmp_path / "state", corpus=corpus)
+
+
+def _served_state(p, momentum: bool = True):
+    """A state of round 0 (after the genesis decision) as a server would send it: reply, blob, digest."""
+    from groundswell.peer.participant import genesis_decision
+    from groundswell.protocol.identity import Identity
+
+    tensors = {"global_params": p.outer.global_params.clone() + 0.5}
+    if momentum:
+        tensors["momentum_buffer"] = torch.zeros_like(tensors["global_params"])
+    blob, digest = GlobalState(0, tensors, b"").blob_and_digest()
+    reply = StateReply(0, digest, genesis_decision(Identity.generate(), "unit"), len(blob))
+    return reply, bytearray(blob), bulk_hasher().update(blob).hexdigest(), params_hash(tensors["global_params"])
+
+
+def _check(p, records: dict[str, str], server: str, momentum: bool = True):
+    """`_verified_state` with these published hashes of round 0 (peer -> hash; "" for no record)."""
+    reply, blob, digest, good = _served_state(p, momentum)
+    recs = {pid: SimpleNamespace(round=0, params_hash=good if h == "good" else h) for pid, h in records.items()}
+
+    async def refresh():
+        return recs
+
+    p.node = SimpleNamespace(refresh_records=refresh)
+    return asyncio.run(p._verified_state(reply, blob, digest, server))
+
+
+def test_a_state_nobody_else_confirms_is_refused_unless_the_coordinator_serves_it(participant):
+    p = participant
+    with pytest.raises(ProtocolError, match="no other peer's record confirms the state of round 0"):
+        _check(p, {"server": "good"}, "server")  # a server's word for its own state counts for nothing
+    with pytest.raises(ProtocolError, match="no other peer's record confirms"):
+        _check(p, {}, "server")  # nobody published anything for that round
+    assert _check(p, {}, p.coordinator_id).round == 0  # the run's signer is trusted
+    assert _check(p, {"server": "good", "a": "good"}, "server").round == 0
+
+
+def test_our_own_record_does_not_vote_on_the_state_we_are_checking(participant):
+    p, me = participant, participant.identity.peer_id
+    # a diverged peer re-syncing must not outvote the swarm with its own wrong hash ...
+    assert _check(p, {me: "f" * 64, "a": "good"}, "server").round == 0
+    # ... nor confirm a state on its own
+    with pytest.raises(ProtocolError, match="no other peer's record confirms"):
+        _check(p, {me: "good"}, "server")
+
+
+def test_a_state_the_swarm_disagrees_with_is_refused(participant):
+    with pytest.raises(ProtocolError, match="disagrees with the swarm's published hash"):
+        _check(participant, {"a": "good", "b": "e" * 64, "c": "e" * 64}, "server")
+
+
+def test_in_a_closed_run_only_members_and_the_coordinator_vote(participant, monkeypatch):
+    p = participant
+    monkeypatch.setattr(p.ctx, "authorized", lambda peer: peer != "outsider")
+    with pytest.raises(ProtocolError, match="no other peer's record confirms"):
+        _check(p, {"outsider": "good"}, "server")
+    assert _check(p, {"outsider": "good", p.coordinator_id: "good"}, "server").round == 0
+
+
+def test_a_diloco_state_without_its_momentum_is_refused(participant):
+    with pytest.raises(ProtocolError, match="needs its momentum buffer"):
+        _check(participant, {"a": "good"}, "server", momentum=False)
+
+
+def test_peers_agreeing_on_a_state_are_asked_before_one_claiming_a_far_off_round():
+    from groundswell.peer.participant import state_servers
+
+    def rec(r, h):
+        return SimpleNamespace(round=r, params_hash=h)
+
+    records = {"liar": rec(10**6, "x"), "a": rec(7, "h7"), "b": rec(7, "h7"), "c": rec(6, "h6"), "me": rec(7, "h7")}
+    # (the liar comes before "c" only as one unconfirmed peer before another: its state is refused anyway)
+    assert state_servers(records, "me", ["boot", "a"]) == ["a", "b", "liar", "c", "boot"]
+    # with no agreement anywhere, the newest round goes first (the usual case: a peer just ahead)
+    assert state_servers({"a": rec(3, "p"), "b": rec(4, "q")}, "me", []) == ["b", "a"]
+
+
+def test_cleanup_never_deletes_the_checkpoint_just_written(participant):
+    """A newer checkpoint that cannot be read (the run resumed past it) must not count towards
+    `keep`: it made the cleanup delete the checkpoint just written, leaving nothing good."""
+    from groundswell.peer.participant import genesis_decision
+
+    p = participant
+    p._snapshot = GlobalState(3, {"global_params": p.outer.global_params.clone()},
+                              genesis_decision(p.identity, "unit"))
+    p.state_dir.mkdir(parents=True, exist_ok=True)
+    for r in (50, 51):
+        (p.state_dir / f"checkpoint-{r:08d}.pt").write_bytes(b"garbled")
+    for r in (1, 2, 3):
+        p.outer.round_id = r
+        written = p.save_checkpoint()
+        assert written is not None and written.exists()
+    names = sorted(f.name for f in p.state_dir.glob("checkpoint-*.pt"))
+    # keep = 2: the one just written and the one before it; newer files are left alone
+    assert names == ["checkpoint-00000002.pt", "checkpoint-00000003.pt", "checkpoint-00000050.pt",
+                     "checkpoint-00000051.pt"]
+    assert p.load_checkpoint()["round"] == 3  # the garbled ones are skipped
+
+
+@pytest.mark.parametrize("contributed_round,kept", [(3, False), (5, False), (2, True)])
+def test_a_resumed_error_feedback_is_dropped_if_the_process_before_contributed_after_the_checkpoint(
+        tmp_path, corpus, contributed_round, kept):
+    """SparseLoCo's error feedback in a checkpoint holds what the crashed process sent in later
+    rounds; restoring it would send that work a second time."""
+    from groundswell.peer.manifest import manifest_from_mapping, sign_manifest
+    from groundswell.peer.participant import Participant, genesis_decision
+    from groundswell.peer.roles import _resume_and_sync
+    from groundswell.peer.swarm import NodeOptions
+    from groundswell.protocol.identity import Identity
+
+    manifest = manifest_from_mapping({"run": {"id": "unit", "open": True}, "model": {"spec": "tiny"},
+                                      "outer": {"algorithm": "sparseloco"}})
+    me = Identity.generate()
+    me.save(tmp_path / "id.key")
+    p = Participant(manifest, sign_manifest(manifest, me).to_bytes(), me, str(tmp_path / "id.key"), NodeOptions(),
+                    tmp_path / "state", corpus=corpus)
+    p.state_dir.mkdir(parents=True, exist_ok=True)
+    p.outer.round_id = 3
+    p.outer.error = torch.ones_like(p.outer.global_params)
+    p._snapshot = GlobalState(3, {"global_params": p.outer.global_params.clone()}, genesis_decision(me, "unit"))
+    assert p.save_checkpoint() is not None
+    p._remember_contribution(contributed_round, 0)
+
+    p.outer.error = torch.zeros_like(p.outer.global_params)  # a new process
+    p.node = SimpleNamespace(book=SimpleNamespace(add=lambda d: None, committed={}), update_record=lambda **k: None)
+    p.sync_state = lambda peers, min_round=-1: None  # the swarm has nothing newer
+    _resume_and_sync(p, [])
+    assert bool((p.outer.error == 1).all()) is kept
+    assert bool((p.outer.error == 0).all()) is not kept
