@@ -17,7 +17,7 @@ import torch
 from groundswell.compression import Codec, Payload
 
 from .exchange import RoundResult
-from .outer import OuterOptimizer, PendingRound
+from .outer import OuterOptimizer, PendingRound, copy_into_parameters
 
 
 @dataclass(frozen=True)
@@ -54,6 +54,12 @@ class DiLoCo(OuterOptimizer):
 
     def _settle_contribution(self, pending: PendingRound, result: RoundResult | None) -> bool:
         return result is not None and result.included
+
+    def _absorb_late(self, sent: torch.Tensor, prepared_since: int) -> None:
+        # Left out, the rebase kept all progress since the old global parameters, the sent
+        # pseudo-gradient (global - local, so minus that progress) included; absorbed, it keeps
+        # only what came after. The difference is `sent`.
+        copy_into_parameters(self.local_vector() + sent, self.params)
 
     def _outer_step(self, mean: torch.Tensor) -> torch.Tensor:
         cfg = self.config

@@ -78,6 +78,10 @@ class SparseLoCo(OuterOptimizer):
             self.error -= sent
         return True  # either sent and applied, or still held in the error feedback
 
+    def _absorb_late(self, sent: torch.Tensor, prepared_since: int) -> None:
+        # Settled on time: e <- e - sent. Every contribution prepared since decayed e by beta.
+        self.error -= sent * (self.config.error_decay ** prepared_since)
+
     def _outer_step(self, mean: torch.Tensor) -> torch.Tensor:
         return mean * (-self.config.lr)
 

@@ -220,16 +220,19 @@ class _VolunteerLoop:
             backoff = min(m.round.deadline_s, m.round.slack_s * 2 ** min(self.failures - 1, 8))
             self.stop.event.wait(max(0.0, backoff - (time.perf_counter() - t_exchange)))
             _catch_up_or_resync(p, self.bootstrap_peers)  # the swarm may have gone on without us
+            self.settle_late()
             return
         except NeedResync as exc:
             p.outer.apply(None)
             p.events.write("resync", round=r, reason=str(exc), peer=p.identity.peer_id)
             self.stop.event.wait(m.round.slack_s)  # do not hammer peers while the swarm sorts itself out
             _resync(p, self.bootstrap_peers)
+            self.settle_late()
             self.on_round(RoundInfo(r, "resync", train_loss=stats.mean_loss, reason=str(exc)))
             return
         blocked_s = time.perf_counter() - t_collect  # training stood still this long for the network
         p.outer.apply(result)
+        self.settle_late()  # e.g. an earlier attempt of this round that a commit counted after all
         p.snapshot()
         self.applied += 1
         self.failures = 0
@@ -254,6 +257,28 @@ class _VolunteerLoop:
         if (r + 1) % m.checkpoint.every_rounds == 0:
             p.save_checkpoint({"inner": self.trainer.state_dict()})
         _catch_up_or_resync(p, self.bootstrap_peers, fresh=False)  # we just applied a round: rarely behind
+
+
+    def settle_late(self) -> None:
+        """Our contributions whose outcome we did not know when their round was settled (kept as
+        our work) are, once the global parameters are past their round, checked against that
+        round's commit: one it counted is taken out of our work, or it would be sent again."""
+        p = self.p
+        for item in self.exchange.take_unsettled(p.outer.round_id):
+            included = item.included
+            if included is None:
+                try:
+                    included = p.node.call(self.exchange.counts_ours(item.round_id, item.segments), timeout_s=30)
+                except (PeerUnavailable, TimeoutError, ProtocolError) as exc:
+                    log.info("could not check round %d's commit for our contribution: %s", item.round_id, exc)
+            if included is None:  # its commit is not known here (we took a later state): kept as ours
+                p.events.write("outcome-unknown", round=item.round_id, peer=p.identity.peer_id)
+                log.warning("round %d: whether its commit counted our contribution is not known here; "
+                            "the work stays ours", item.round_id)
+            elif included:
+                p.outer.settle_late(item.payloads, self.exchange.prepared - item.prepared)
+                p.events.write("included-late", round=item.round_id, peer=p.identity.peer_id)
+                log.info("round %d counted our contribution after all: taken out of our work", item.round_id)
 
 
 def _swarm_eval_loss(p: Participant) -> float:

@@ -13,6 +13,7 @@ import asyncio
 import logging
 from collections.abc import Sequence
 from concurrent.futures import Future
+from dataclasses import dataclass
 
 import torch
 from groundswell.compression import Payload
@@ -30,6 +31,17 @@ class NeedResync(RuntimeError):
     """The peer is behind or missed an aggregate nobody can provide: re-download the state."""
 
 
+@dataclass
+class Unsettled:
+    """A contribution whose round was settled without knowing whether a commit counted it."""
+
+    round_id: int
+    payloads: list[Payload]
+    segments: list[bytes]  # as sent: a commit counts them if it pins their digests
+    included: bool | None  # None: unknown until the round's commit is known here
+    prepared: int  # `SwarmExchange.prepared` when it was contributed
+
+
 class SwarmExchange:
     """One peer's `Exchange` over the swarm."""
 
@@ -45,6 +57,10 @@ class SwarmExchange:
         self.last_signed: bytes = b""
         self._announced: Future | None = None
         self.announce_next = False  # announce round r+1 as soon as round r is decided
+        self.prepared = 0  # contributions handed to `contribute` so far
+        self._payloads: list[Payload] = []
+        self._segments: list[bytes] = []
+        self.unsettled: list[Unsettled] = []  # see `take_unsettled`
 
     def contribute(self, round_id: int, payloads: Sequence[Payload]) -> None:
         """Start this peer's attempt at `round_id` with its segment payloads."""
@@ -58,6 +74,8 @@ class SwarmExchange:
         self._sent_before = self.node.transport.bytes_sent
         self._received_before = self.node.transport.bytes_received
         segments = [p.to_bytes() for p in payloads]
+        self.prepared += 1
+        self._payloads, self._segments = list(payloads), segments
         self._round = round_id
         self._future = self.node.submit(self._attempt(round_id, segments))
 
@@ -90,6 +108,25 @@ class SwarmExchange:
         mean, _ = await asyncio.gather(fetch(), announce())
         return outcome, mean
 
+    def _unsettled(self, round_id: int, included: bool | None) -> None:
+        self.unsettled.append(Unsettled(round_id, self._payloads, self._segments, included, self.prepared))
+        del self.unsettled[:-4]  # a peer failing round after round keeps the newest few
+
+    def take_unsettled(self, applied_below: int) -> list[Unsettled]:
+        """The unsettled contributions of rounds the global parameters have taken (those below
+        `applied_below`, the next round to run): their outcome is now fixed, one way or the other."""
+        done = [u for u in self.unsettled if u.round_id < applied_below]
+        self.unsettled = [u for u in self.unsettled if u.round_id >= applied_below]
+        return done
+
+    async def counts_ours(self, round_id: int, segments: list[bytes]) -> bool | None:
+        """Did round `round_id`'s commit, if this peer knows it, count these segments? None: not known here."""
+        committed = self.node.book.committed.get(round_id) if self.node.book is not None else None
+        if committed is None:
+            return None
+        assert self.node.client is not None
+        return await self.node.client.counts_ours(committed[1], segments)
+
     def announce(self, round_id: int) -> None:
         """Ask to be waited for in `round_id` (best effort, in the background of training)."""
         client = self.node.client
@@ -111,14 +148,16 @@ class SwarmExchange:
         limit = 6 * ctx.deadline_s + 6 * ctx.slack_s + 120
         try:  # the attempt, then the aggregate's fetch (each bounded inside)
             outcome, mean = future.result(timeout=limit)
-        except RoundBehind as exc:
+        except RoundBehind as exc:  # raised before anything is sent
             raise NeedResync(str(exc)) from None
         except TimeoutError:  # every bound inside failed: whether the round counted us is unknown
             future.cancel()
+            self._unsettled(round_id, None)
             raise NeedResync(f"round {round_id}: no outcome within {limit:.0f} s") from None
         decision = outcome.decision
         if decision is None or decision.status != "commit":
-            if decision is None:
+            if decision is None:  # a leader may have committed it, and died before telling us
+                self._unsettled(round_id, None)
                 why = "no leader answered"
             else:  # the usual cause while a run fills up: fewer volunteers than min_peers
                 why = (f"the leader decided to retry: fewer than {ctx.min_peers} complete contributions "
@@ -126,7 +165,8 @@ class SwarmExchange:
             raise RoundFailed(f"round {round_id} attempt {outcome.attempt}: {why}")
         if decision.round != round_id:
             raise NeedResync(f"got the decision of round {decision.round} while at round {round_id}")
-        if isinstance(mean, PeerUnavailable):
+        if isinstance(mean, PeerUnavailable):  # committed, its aggregate out of reach: the state will hold it
+            self._unsettled(round_id, outcome.included)
             raise NeedResync(str(mean)) from None
         assert mean is not None
         self.last_decision, self.last_signed = decision, outcome.signed

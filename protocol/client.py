@@ -131,10 +131,10 @@ class RoundClient(AggregateFetcher):
             await asyncio.gather(*joins, return_exceptions=True)
         if decision is not None and decision.status == "retry":
             self.retried[round_id] = max(attempt, self.retried.get(round_id, -1))
-        included = await self._counts_ours(decision, segments)
+        included = await self.counts_ours(decision, segments)
         return AttemptResult(decision, signed, attempt, delivered, included)
 
-    async def _counts_ours(self, decision: Decision | None, segments: list[bytes] | None) -> bool:
+    async def counts_ours(self, decision: Decision | None, segments: list[bytes] | None) -> bool:
         """Does a commit count the contribution we sent (its pinned digests are ours, in every shard)?"""
         if decision is None or decision.status != "commit" or segments is None or self.me not in decision.contributors:
             return False

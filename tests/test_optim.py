@@ -332,3 +332,70 @@ def test_sparseloco_decodes_again_when_the_pending_payloads_are_not_the_cached_o
     ep.contribute(o.round_id, payloads)
     o.apply(ep.collect(o.round_id))
     assert Counting.decodes == before + 1
+
+
+def _outcome(round_id: int, mean: torch.Tensor, included: bool):
+    from groundswell.optim import RoundResult
+
+    return RoundResult(round_id, mean, ("w0",), included, 0, 0)
+
+
+@pytest.mark.parametrize("algo", ["diloco", "sparseloco"])
+def test_a_contribution_learned_late_to_be_in_an_aggregate_is_not_sent_again(algo):
+    """The leader committed our contribution and died before telling us: the round was settled as
+    failed (work kept), then the commit was learned by catching up. `settle_late` must leave the
+    worker exactly where settling the round on time would have."""
+    def make():
+        model = _model([1.0, 2.0])
+        if algo == "diloco":  # an exact codec: settled late, DiLoCo keeps a lossy codec's residual as local work
+            return model, DiLoCo(model.parameters(), make_codec("fp32"), DiLoCoConfig(lr=0.7, momentum=0.9))
+        return model, SparseLoCo(model.parameters(), KeepLargest(), SparseLoCoConfig(lr=1.0, error_decay=0.5,
+                                                                                     eager=False))
+
+    def state(model, outer):  # one flat list: pytest.approx compares no nested ones
+        return [*_weights(model), *outer.global_params.tolist(), outer.round_id,
+                *(outer.error.tolist() if algo == "sparseloco" else outer.momentum_buffer.tolist())]
+
+    on_time, late = make(), make()
+    for model, _ in (on_time, late):
+        _set(model, [0.5, 1.25])  # the same H inner steps on both
+    sent = on_time[1].prepare()
+    mean = on_time[1].decode(sent)  # we were the round's only contributor
+    on_time[1].apply(_outcome(0, mean, included=True))
+
+    late_sent = late[1].prepare()
+    late[1].apply(None)  # no leader answered: the work stays ours
+    late[1].follow(0, mean)  # catching up applies the commit, which holds our contribution
+    assert state(*late) != state(*on_time)  # without settling it, it would go out again
+    late[1].settle_late(late_sent, prepared_since=0)
+    assert state(*late) == pytest.approx(state(*on_time))
+
+    # learned one contribution later (the next attempt found the round closed): same place again
+    def train(model):  # the next H inner steps: the same progress from wherever the model starts
+        _set(model, [w + d for w, d in zip(_weights(model), [-0.75, -0.25])])
+
+    train(on_time[0])
+    on_time[1].prepare()
+    on_time[1].apply(None)
+    if algo == "sparseloco":
+        late2 = make()
+        _set(late2[0], [0.5, 1.25])
+        first = late2[1].prepare()
+        late2[1].apply(None)
+        train(late2[0])
+        late2[1].prepare()  # round 0 again: its second attempt
+        late2[1].apply(_outcome(0, mean, included=False))  # attempt 0's commit; this contribution is not in it
+        assert late2[1].error.tolist() != pytest.approx(on_time[1].error.tolist())
+        late2[1].settle_late(first, prepared_since=1)
+        # on time: e1 = e0 - s0 then e = beta e1 + delta2; late: beta e0 + delta2 - beta s0: the same
+        assert late2[1].error.tolist() == pytest.approx(on_time[1].error.tolist())
+        assert late2[1].global_params.tolist() == pytest.approx(on_time[1].global_params.tolist())
+        assert _weights(late2[0]) == pytest.approx(_weights(on_time[0]))
+
+
+def test_settle_late_refuses_while_a_round_is_pending():
+    model = _model([1.0, 2.0])
+    outer = DiLoCo(model.parameters(), KeepLargest())
+    sent = outer.prepare()
+    with pytest.raises(RuntimeError, match="pending"):
+        outer.settle_late(sent, 0)

@@ -1,0 +1,113 @@
+"""A contribution whose outcome a volunteer did not learn in time (its leader died after
+committing, the aggregate could not be fetched) is checked against the round's commit once the
+volunteer is past that round, and taken out of its work if the commit counted it."""
+
+from __future__ import annotations
+
+import asyncio
+from concurrent.futures import Future
+from types import SimpleNamespace
+
+import pytest
+import torch
+from groundswell.compression import make_codec
+from groundswell.optim import RoundFailed, SparseLoCo, SparseLoCoConfig
+from groundswell.peer.roles import _VolunteerLoop
+from groundswell.peer.swarm_exchange import NeedResync, SwarmExchange, Unsettled
+from groundswell.protocol.client import AttemptResult
+from groundswell.protocol.transport import PeerUnavailable
+
+
+class _Node:
+    """What `SwarmExchange` uses of a node; `outcome` is what the attempt on the network gave."""
+
+    def __init__(self, outcome) -> None:
+        self.identity = SimpleNamespace(peer_id="me")
+        self.ctx = SimpleNamespace(deadline_s=1.0, slack_s=0.1, min_peers=2)
+        self.client = SimpleNamespace()
+        self.transport = SimpleNamespace(bytes_sent=0, bytes_received=0)
+        self.book = SimpleNamespace(committed={})
+        self.outcome = outcome
+
+    def submit(self, coro) -> Future:
+        coro.close()  # the network is not there: the attempt "ran" and gave `outcome`
+        fut: Future = Future()
+        fut.set_result(self.outcome)
+        return fut
+
+
+def _payloads(n: int = 8192):
+    outer = SparseLoCo([torch.nn.Parameter(torch.zeros(n))], make_codec("sparseloco"), SparseLoCoConfig(eager=False))
+    return outer.encode(torch.randn(n))
+
+
+@pytest.mark.parametrize("outcome,raised,included", [
+    ((AttemptResult(None, b"", 0, True, False), None), RoundFailed, None),  # no leader answered
+    ((AttemptResult(SimpleNamespace(status="commit", round=0, contributors=["me"]), b"s", 0, True, True),
+      PeerUnavailable("no holder")), NeedResync, True),  # committed with us, aggregate out of reach
+])
+def test_a_round_settled_without_its_outcome_is_remembered(outcome, raised, included):
+    ex = SwarmExchange(_Node(outcome))
+    payloads = _payloads()
+    ex.contribute(0, payloads)
+    with pytest.raises(raised):
+        ex.collect(0)
+    assert [(u.round_id, u.included, u.prepared) for u in ex.unsettled] == [(0, included, 1)]
+    assert ex.unsettled[0].payloads == payloads and ex.unsettled[0].segments == [p.to_bytes() for p in payloads]
+    assert ex.take_unsettled(0) == []  # round 0 not applied yet: its outcome may still come
+    assert len(ex.take_unsettled(1)) == 1 and ex.unsettled == []
+
+
+def test_a_retry_decision_leaves_nothing_unsettled():
+    retry = SimpleNamespace(status="retry", round=0, contributors=[])
+    ex = SwarmExchange(_Node((AttemptResult(retry, b"", 0, True, False), None)))
+    ex.contribute(0, _payloads())
+    with pytest.raises(RoundFailed):
+        ex.collect(0)
+    assert ex.unsettled == []  # a retry is final: that attempt's contribution is in nothing
+
+
+def _loop(counted):
+    """A volunteer loop whose outer optimizer holds an error feedback of ones, and whose exchange
+    has one unsettled contribution of round 0; `counted`: what round 0's commit says of it."""
+    n = 8192
+    outer = SparseLoCo([torch.nn.Parameter(torch.zeros(n))], make_codec("sparseloco"),
+                       SparseLoCoConfig(error_decay=0.5, eager=False))
+    payloads = outer.encode(torch.randn(n))
+    outer.round_id = 1  # past round 0: the global parameters took its commit
+    outer.error = torch.ones(n)
+    events: list[str] = []
+
+    class Exchange:
+        prepared = 3
+
+        def take_unsettled(self, below):
+            return [Unsettled(0, payloads, [b"x"], counted if isinstance(counted, bool) else None, 2)]
+
+        async def counts_ours(self, round_id, segments):
+            if isinstance(counted, Exception):
+                raise counted
+            return counted
+
+    p = SimpleNamespace(outer=outer, identity=SimpleNamespace(peer_id="me"),
+                        node=SimpleNamespace(call=lambda coro, timeout_s: asyncio.run(coro)),
+                        events=SimpleNamespace(write=lambda kind, **kw: events.append(kind)))
+    loop = _VolunteerLoop(p, Exchange(), None, [], None, None)  # type: ignore[arg-type]
+    return loop, outer, outer.decode(payloads), events
+
+
+def test_a_contribution_a_commit_counted_after_all_is_taken_out_of_the_error_feedback():
+    loop, outer, sent, events = _loop(True)
+    loop.settle_late()
+    # one contribution was prepared after it (3 - 2): the error feedback decayed it once
+    assert torch.allclose(outer.error, 1 - 0.5 * sent)
+    assert events == ["included-late"]
+
+
+@pytest.mark.parametrize("counted,event", [(False, []), (None, ["outcome-unknown"]),
+                                           (PeerUnavailable("x"), ["outcome-unknown"])])
+def test_a_contribution_no_commit_is_known_to_count_stays_ours(counted, event):
+    loop, outer, _, events = _loop(counted)
+    loop.settle_late()
+    assert torch.equal(outer.error, torch.ones_like(outer.error))
+    assert events == event
