@@ -41,6 +41,7 @@ from .swarm import NodeOptions, SwarmNode
 from .workload import Workload, build_workload
 
 log = logging.getLogger(__name__)
+UNCONFIRMED_LEAD = 8  # rounds a state nobody confirms may be past every other record (they lag a heartbeat)
 
 
 class CheckpointMismatch(ConfigError):
@@ -76,6 +77,15 @@ def run_context(manifest: RunManifest, outer: OuterOptimizer, coordinator: str =
                       Limits(requests_per_s=d.requests_per_s, max_streams=d.max_streams, ban_s=d.ban_s,
                              strikes=d.strikes, max_clock_skew_s=d.max_clock_skew_s), readers, d.verify_aggregates,
                       manifest.round.replicas)
+
+
+def _fsync_dir(path: Path) -> None:
+    """Make a rename in `path` durable (POSIX: the directory entry needs its own fsync)."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
 
 
 def state_servers(records: dict[str, Any], me: str, bootstrap_peers: list[str]) -> list[str]:
@@ -188,9 +198,15 @@ class Participant:
         path = self.state_dir / "contributed.json"
         tmp = path.with_suffix(".tmp")
         try:
-            tmp.write_text(json.dumps({"round": round_id, "attempt": attempt}))
+            # Durable before anything is sent: after a power loss, a second contribution to the
+            # same attempt would cost us an equivocation strike at every aggregator.
+            with open(tmp, "w") as f:
+                f.write(json.dumps({"round": round_id, "attempt": attempt}))
+                f.flush()
+                os.fsync(f.fileno())
             os.replace(tmp, path)
-        except OSError as exc:  # disk full or read-only: a restart may then re-send (refused, not harmful)
+            _fsync_dir(self.state_dir)
+        except OSError as exc:  # disk full or read-only: a restart may then re-send (refused as equivocation)
             log.warning("could not record the contribution (%s)", exc)
             tmp.unlink(missing_ok=True)
 
@@ -226,7 +242,7 @@ class Participant:
         g = state.tensors["global_params"]
         if g.shape != self.outer.global_params.shape:
             raise ProtocolError(f"state has {g.numel()} parameters, the model has {self.outer.global_params.numel()}")
-        self.node.book.add(state.decision)  # type: ignore[union-attr]  # first: a conflicting one changes nothing
+        self.node.record_decision(state.decision)  # first: a conflicting one changes nothing
         if self.outer.pending is not None:
             self.outer.apply(None)
         sd = {"round_id": state.round, "global_params": g, **self._extra_state(state)}
@@ -287,16 +303,27 @@ class Participant:
             raise ProtocolError("state's decision is not of the round before it")
         # Cross-check against what other peers published for that round (majority wins). Neither
         # the server's word nor ours counts; in a closed run only its members' (and the
-        # coordinator's) do. A state nobody else confirms is taken only from the coordinator: any
-        # peer could otherwise serve a state of its own making for a round it alone claims.
-        records = await self.node.refresh_records()
-        hashes = [r.params_hash for pid, r in records.items() if self._vote_counts(pid, server)
-                  and r.round == reply.round and r.params_hash]
+        # coordinator's) do. Records lag the rounds by a heartbeat or two, so a state nobody has
+        # confirmed yet is taken if it is at most UNCONFIRMED_LEAD rounds past every other
+        # record (from the coordinator, always): one peer must not hand us a state of its own
+        # making for a far-off round it alone claims, which would leave us stuck there. A made-up
+        # state for a current round is caught later: our hashes then disagree with the swarm's
+        # and we re-sync.
+        try:
+            records = await self.node.refresh_records()
+        except Exception as exc:  # the DHT failing (any error of hivemind's): cannot check, not the server's fault
+            raise ProtocolError(f"cannot read the swarm's published hashes to check the state: {exc!r}",
+                                reason="unchecked", strike=False) from None
+        voters = [r for pid, r in records.items() if self._vote_counts(pid, server) and r.params_hash]
+        hashes = [r.params_hash for r in voters if r.round == reply.round]
         agree = hashes.count(params_hash(tensors["global_params"]))
         if hashes and agree * 2 < len(hashes):
             raise ProtocolError("state disagrees with the swarm's published hash", strike=False)
-        if not agree and server != self.coordinator_id:
-            raise ProtocolError(f"no other peer's record confirms the state of round {reply.round}", strike=False)
+        newest = max((r.round for r in voters), default=None)
+        if not agree and server != self.coordinator_id and newest is not None \
+                and reply.round > newest + UNCONFIRMED_LEAD:
+            raise ProtocolError(f"state of round {reply.round}, which no other peer confirms, is more than "
+                                f"{UNCONFIRMED_LEAD} rounds past every other peer's record ({newest})", strike=False)
         if isinstance(self.outer, DiLoCo) and "momentum_buffer" not in tensors:
             raise ProtocolError("a DiLoCo state needs its momentum buffer")
         return GlobalState(reply.round, tensors, reply.decision)
@@ -390,6 +417,7 @@ class Participant:
                 f.flush()
                 os.fsync(f.fileno())
             os.replace(tmp, path)
+            _fsync_dir(self.state_dir)  # the rename itself survives a power loss
         except OSError as exc:
             log.error("checkpoint not written (%s); training continues from memory", exc)
             self.events.write("checkpoint-failed", error=str(exc), peer=self.identity.peer_id)

@@ -329,12 +329,12 @@ def run_coordinator(p: Participant, *, stop: StopFlag, on_round: Callable[[Round
     p.events.write("network", peer=p.identity.peer_id, **{f"{k}_s": round(v, 3) for k, v in p.node.startup_s.items()})
     resumed = p.load_checkpoint()
     if resumed is not None:
-        p.node.book.add(resumed["decision"])  # type: ignore[union-attr]
+        p.node.record_decision(resumed["decision"])
         p.load_global(GlobalState(resumed["round"], resumed["tensors"], resumed["decision"]))
         p.events.write("resume", round=p.outer.round_id, hash=params_hash(p.outer.global_params),
                        peer=p.identity.peer_id)
     else:
-        p.node.book.add(genesis_decision(p.identity, m.run.id))  # type: ignore[union-attr]
+        p.node.record_decision(genesis_decision(p.identity, m.run.id))
         p.snapshot()
         p.save_checkpoint()
     # Ctrl+C cuts any wait on the network short: the coordinator contributes nothing, so it leaves at

@@ -25,6 +25,7 @@ from groundswell.protocol.direct import DirectServer
 from groundswell.protocol.guard import Guard
 from groundswell.protocol.identity import Identity
 from groundswell.protocol.schema import (
+    Decision,
     ManifestReply,
     ManifestRequest,
     PeerRecord,
@@ -229,6 +230,17 @@ class SwarmNode(PeerRecords):
 
     def _bootstrap_ids(self) -> list[str]:
         return [m.rsplit("/p2p/", 1)[-1] for m in self.options.initial_peers if "/p2p/" in m]
+
+    def record_decision(self, signed: bytes) -> Decision:
+        """Add a committed decision to our book from another thread (the book wakes waiters on the
+        network loop, which only code on that loop may do)."""
+        assert self.book is not None
+
+        async def add() -> Decision:
+            assert self.book is not None
+            return self.book.add(signed)
+
+        return self.call(add(), timeout_s=30)
 
     def attach(self, ctx: RunContext) -> None:
         """Join the run: register the round protocol and state handlers, start heartbeats."""

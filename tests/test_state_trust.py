@@ -28,23 +28,36 @@ def participant(tmp_path, corpus):
                        NodeOptions(), tmp_path / "state", corpus=corpus)
 
 
-def _served_state(p, momentum: bool = True):
-    """A state of round 0 (after the genesis decision) as a server would send it: reply, blob, digest."""
-    from groundswell.peer.participant import genesis_decision
+def _served_state(p, momentum: bool = True, round_id: int = 0):
+    """A state of `round_id` as a server would send it: reply, blob, digest, and its params hash."""
+    import time
+
     from groundswell.protocol.identity import Identity
+    from groundswell.protocol.schema import Decision
+    from groundswell.protocol.transport import seal
 
     tensors = {"global_params": p.outer.global_params.clone() + 0.5}
     if momentum:
         tensors["momentum_buffer"] = torch.zeros_like(tensors["global_params"])
-    blob, digest = GlobalState(0, tensors, b"").blob_and_digest()
-    reply = StateReply(0, digest, genesis_decision(Identity.generate(), "unit"), len(blob))
+    blob, digest = GlobalState(round_id, tensors, b"").blob_and_digest()
+    leader = Identity.generate()
+    decision = seal(leader, "unit", Decision(round=round_id - 1, attempt=0, status="commit", contributors=[],
+                                             trainers=[], servers=[leader.peer_id], leader=leader.peer_id, sources=[],
+                                             num_shards=0, time=time.time()))
+    reply = StateReply(round_id, digest, decision, len(blob))
     return reply, bytearray(blob), bulk_hasher().update(blob).hexdigest(), params_hash(tensors["global_params"])
 
 
-def _check(p, records: dict[str, str], server: str, momentum: bool = True):
-    """`_verified_state` with these published hashes of round 0 (peer -> hash; "" for no record)."""
-    reply, blob, digest, good = _served_state(p, momentum)
-    recs = {pid: SimpleNamespace(round=0, params_hash=good if h == "good" else h) for pid, h in records.items()}
+def _check(p, records: dict, server: str, momentum: bool = True, round_id: int = 0):
+    """`_verified_state` with these published records: peer -> hash of round `round_id` ("good":
+    the served state's), or peer -> (round, hash)."""
+    reply, blob, digest, good = _served_state(p, momentum, round_id)
+
+    def rec(value):
+        r, h = value if isinstance(value, tuple) else (round_id, value)
+        return SimpleNamespace(round=r, params_hash=good if h == "good" else h)
+
+    recs = {pid: rec(v) for pid, v in records.items()}
 
     async def refresh():
         return recs
@@ -53,23 +66,30 @@ def _check(p, records: dict[str, str], server: str, momentum: bool = True):
     return asyncio.run(p._verified_state(reply, blob, digest, server))
 
 
-def test_a_state_nobody_else_confirms_is_refused_unless_the_coordinator_serves_it(participant):
+def test_a_state_far_past_every_other_record_is_refused_unless_the_coordinator_serves_it(participant):
+    """One peer claiming a far-off round must not hand a joiner a state of its own making: the
+    joiner would sit at that round for good."""
+    from groundswell.peer.participant import UNCONFIRMED_LEAD
+
     p = participant
-    with pytest.raises(ProtocolError, match="no other peer's record confirms the state of round 0"):
-        _check(p, {"server": "good"}, "server")  # a server's word for its own state counts for nothing
-    with pytest.raises(ProtocolError, match="no other peer's record confirms"):
-        _check(p, {}, "server")  # nobody published anything for that round
-    assert _check(p, {}, p.coordinator_id).round == 0  # the run's signer is trusted
-    assert _check(p, {"server": "good", "a": "good"}, "server").round == 0
+    far = 10 + UNCONFIRMED_LEAD + 1
+    others = {"a": (10, "h10"), "b": (10, "h10"), "server": (far, "good")}
+    with pytest.raises(ProtocolError, match=f"more than {UNCONFIRMED_LEAD} rounds past every other peer's record"):
+        _check(p, others, "server", round_id=far)
+    assert _check(p, others, p.coordinator_id, round_id=far).round == far  # the run's signer is trusted
+    # records lag the rounds by a heartbeat or two: a state a few rounds ahead is taken
+    assert _check(p, others, "server", round_id=12).round == 12
+    # confirmed by another member's record: taken however far ahead the rest are
+    assert _check(p, {**others, "c": (far, "good")}, "server", round_id=far).round == far
 
 
 def test_our_own_record_does_not_vote_on_the_state_we_are_checking(participant):
     p, me = participant, participant.identity.peer_id
     # a diverged peer re-syncing must not outvote the swarm with its own wrong hash ...
     assert _check(p, {me: "f" * 64, "a": "good"}, "server").round == 0
-    # ... nor confirm a state on its own
-    with pytest.raises(ProtocolError, match="no other peer's record confirms"):
-        _check(p, {me: "good"}, "server")
+    # ... nor vouch for a far-off state on its own
+    with pytest.raises(ProtocolError, match="rounds past every other peer's record"):
+        _check(p, {me: (20, "good"), "a": (1, "x")}, "server", round_id=20)
 
 
 def test_a_state_the_swarm_disagrees_with_is_refused(participant):
@@ -79,10 +99,10 @@ def test_a_state_the_swarm_disagrees_with_is_refused(participant):
 
 def test_in_a_closed_run_only_members_and_the_coordinator_vote(participant, monkeypatch):
     p = participant
-    monkeypatch.setattr(p.ctx, "authorized", lambda peer: peer != "outsider")
-    with pytest.raises(ProtocolError, match="no other peer's record confirms"):
-        _check(p, {"outsider": "good"}, "server")
-    assert _check(p, {"outsider": "good", p.coordinator_id: "good"}, "server").round == 0
+    monkeypatch.setattr(p.ctx, "authorized", lambda peer: peer not in ("outsider", "o2"))
+    with pytest.raises(ProtocolError, match="disagrees with the swarm's published hash"):
+        _check(p, {"a": "e" * 64, "outsider": "good", "o2": "good"}, "server")  # outsiders cannot outvote a member
+    assert _check(p, {"a": "e" * 64, "outsider": "good", p.coordinator_id: "good"}, "server").round == 0
 
 
 def test_a_diloco_state_without_its_momentum_is_refused(participant):
@@ -150,7 +170,8 @@ def test_a_resumed_error_feedback_is_dropped_if_the_process_before_contributed_a
     p._remember_contribution(contributed_round, 0)
 
     p.outer.error = torch.zeros_like(p.outer.global_params)  # a new process
-    p.node = SimpleNamespace(book=SimpleNamespace(add=lambda d: None, committed={}), update_record=lambda **k: None)
+    p.node = SimpleNamespace(book=SimpleNamespace(committed={}), record_decision=lambda d: None,
+                             update_record=lambda **k: None)
     p.sync_state = lambda peers, min_round=-1: None  # the swarm has nothing newer
     _resume_and_sync(p, [])
     assert bool((p.outer.error == 1).all()) is kept
