@@ -434,6 +434,15 @@ def _start_nodes(pool: _Pool, codec_name: str, replicas: int | None, args: argpa
     return first["segments"]
 
 
+def _measure_and_close(pool: _Pool, cmd: str, timeout_s: float, args: argparse.Namespace) -> list[Any]:
+    """Every worker's rounds of one method (`cmd`: "rounds" or "floor"), then their nodes closed."""
+    ranks = list(range(len(pool.ids)))
+    try:
+        return pool.call(ranks, cmd, timeout_s=timeout_s, warmup=args.warmup, repeats=args.repeats)
+    finally:
+        pool.call(ranks, "close", timeout_s=120)
+
+
 def run_bench(args: argparse.Namespace, progress=lambda m: None) -> dict:
     """Run the whole benchmark; returns the JSON-ready result."""
     n, params = args.peers, args.params
@@ -451,11 +460,7 @@ def run_bench(args: argparse.Namespace, progress=lambda m: None) -> dict:
         if args.floor:
             _start_nodes(pool, "fp32", None, args)
             progress(f"p2pd floor: running {args.warmup}+{args.repeats} rounds of bare fp32 bytes")
-            try:
-                per_peer = pool.call(ranks, "floor", timeout_s=(args.warmup + args.repeats) * 700,
-                                     warmup=args.warmup, repeats=args.repeats)
-            finally:
-                pool.call(ranks, "close", timeout_s=120)
+            per_peer = _measure_and_close(pool, "floor", (args.warmup + args.repeats) * 700, args)
             if any(rec["received"] != rec["expected"] for p in per_peer for rec in p["rounds"]):
                 raise BenchError("a peer of the floor measurement did not receive exactly its bytes")
             floor = _summarize(per_peer, n)
@@ -467,11 +472,7 @@ def run_bench(args: argparse.Namespace, progress=lambda m: None) -> dict:
             codec_name, replicas = parse_method(name)
             segments = _start_nodes(pool, codec_name, replicas, args)
             progress(f"{name}: {segments} segments; running {args.warmup}+{args.repeats} rounds")
-            try:
-                per_peer = pool.call(ranks, "rounds", timeout_s=(args.warmup + args.repeats) * 1200,
-                                     warmup=args.warmup, repeats=args.repeats)
-            finally:
-                pool.call(ranks, "close", timeout_s=120)
+            per_peer = _measure_and_close(pool, "rounds", (args.warmup + args.repeats) * 1200, args)
             res = _summarize(per_peer, n)
             res["ratio_vs_gloo"] = res["round_s"] / gloo["round_s"]
             codecs[name] = res
