@@ -9,6 +9,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+from groundswell.compression import Payload
 from groundswell.optim import RoundFailed
 from groundswell.protocol.client import RoundBehind
 from groundswell.protocol.schema import ProtocolError
@@ -276,7 +277,8 @@ class _VolunteerLoop:
                 log.warning("round %d: whether its commit counted our contribution is not known here; "
                             "the work stays ours", item.round_id)
             elif included:
-                p.outer.settle_late(item.payloads, self.exchange.prepared - item.prepared)
+                payloads = [Payload.from_bytes(seg, expect=p.outer.codec) for seg in item.segments]
+                p.outer.settle_late(payloads, self.exchange.prepared - item.prepared)
                 p.events.write("included-late", round=item.round_id, peer=p.identity.peer_id)
                 log.info("round %d counted our contribution after all: taken out of our work", item.round_id)
 

@@ -89,6 +89,7 @@ class SwarmNode(PeerRecords):
         self.options = options
         self._cached_records: dict[str, PeerRecord] = {}
         self._members_refreshed = -MEMBERS_REFRESH_S  # last refresh of the records for a punch request
+        self._members_lock = asyncio.Lock()
         self._refreshing: Future | None = None  # a background refresh of the cached records
         self.rejected_records = 0
         self.bootstrap_transport: Transport | None = None
@@ -235,6 +236,12 @@ class SwarmNode(PeerRecords):
         """Add a committed decision to our book from another thread (the book wakes waiters on the
         network loop, which only code on that loop may do)."""
         assert self.book is not None
+        try:
+            on_loop = asyncio.get_running_loop() is self._loop
+        except RuntimeError:  # no loop in this thread
+            on_loop = False
+        if on_loop:
+            return self.book.add(signed)
 
         async def add() -> Decision:
             assert self.book is not None
@@ -302,15 +309,18 @@ class SwarmNode(PeerRecords):
             return False
         if known():
             return True
-        if time.monotonic() - self._members_refreshed < MEMBERS_REFRESH_S:
-            return False
-        self._members_refreshed = time.monotonic()
-        try:
-            await self.refresh_records()
-        except Exception as exc:  # a DHT hiccup: refuse now, the punch is retried later
-            log.info("refreshing peer records for a punch request failed: %r", exc)
-            return False
-        return known()
+        async with self._members_lock:  # requests arriving together wait for one refresh, then look again
+            if known():
+                return True
+            if time.monotonic() - self._members_refreshed < MEMBERS_REFRESH_S:
+                return False
+            self._members_refreshed = time.monotonic()
+            try:
+                await self.refresh_records()
+            except Exception as exc:  # a DHT hiccup: refuse now, the punch is retried later
+                log.info("refreshing peer records for a punch request failed: %r", exc)
+                return False
+            return known()
 
     async def _on_probe(self, sender: str, msg: ProbeRequest) -> ProbeReply:
         """Dial the requester back, at the IPs it is connected to us from and nowhere else."""

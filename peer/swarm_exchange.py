@@ -36,8 +36,7 @@ class Unsettled:
     """A contribution whose round was settled without knowing whether a commit counted it."""
 
     round_id: int
-    payloads: list[Payload]
-    segments: list[bytes]  # as sent: a commit counts them if it pins their digests
+    segments: list[bytes]  # the payloads as sent: a commit counts them if it pins their digests
     included: bool | None  # None: unknown until the round's commit is known here
     prepared: int  # `SwarmExchange.prepared` when it was contributed
 
@@ -58,8 +57,7 @@ class SwarmExchange:
         self._announced: Future | None = None
         self.announce_next = False  # announce round r+1 as soon as round r is decided
         self.prepared = 0  # contributions handed to `contribute` so far
-        self._payloads: list[Payload] = []
-        self._segments: list[bytes] = []
+        self._segments: list[bytes] = []  # the contribution in flight, until `collect` has its outcome
         self.unsettled: list[Unsettled] = []  # see `take_unsettled`
 
     def contribute(self, round_id: int, payloads: Sequence[Payload]) -> None:
@@ -75,7 +73,7 @@ class SwarmExchange:
         self._received_before = self.node.transport.bytes_received
         segments = [p.to_bytes() for p in payloads]
         self.prepared += 1
-        self._payloads, self._segments = list(payloads), segments
+        self._segments = segments
         self._round = round_id
         self._future = self.node.submit(self._attempt(round_id, segments))
 
@@ -109,8 +107,11 @@ class SwarmExchange:
         return outcome, mean
 
     def _unsettled(self, round_id: int, included: bool | None) -> None:
-        self.unsettled.append(Unsettled(round_id, self._payloads, self._segments, included, self.prepared))
-        del self.unsettled[:-4]  # a peer failing round after round keeps the newest few
+        self.unsettled.append(Unsettled(round_id, self._segments, included, self.prepared))
+        for dropped in self.unsettled[:-4]:  # a peer failing round after round keeps the newest few
+            log.warning("round %d: forgot a contribution whose outcome was not learned; its work stays ours",
+                        dropped.round_id)
+        del self.unsettled[:-4]
 
     def take_unsettled(self, applied_below: int) -> list[Unsettled]:
         """The unsettled contributions of rounds the global parameters have taken (those below
@@ -125,7 +126,7 @@ class SwarmExchange:
         if committed is None:
             return None
         assert self.node.client is not None
-        return await self.node.client.counts_ours(committed[1], segments)
+        return await self.node.client.counts_ours(committed[1], segments, strict=True)
 
     def announce(self, round_id: int) -> None:
         """Ask to be waited for in `round_id` (best effort, in the background of training)."""
@@ -143,6 +144,12 @@ class SwarmExchange:
         future, self._future = self._future, None
         if future is None or round_id != self._round:
             raise RuntimeError("collect() without a matching contribute()")
+        try:
+            return self._outcome(future, round_id)
+        finally:
+            self._segments = []  # a whole contribution: not kept past its outcome (unless unsettled)
+
+    def _outcome(self, future: Future, round_id: int) -> RoundResult:
         ctx = self.node.ctx
         assert ctx is not None and self.node.client is not None and self.node.transport is not None
         limit = 6 * ctx.deadline_s + 6 * ctx.slack_s + 120

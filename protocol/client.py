@@ -134,13 +134,16 @@ class RoundClient(AggregateFetcher):
         included = await self.counts_ours(decision, segments)
         return AttemptResult(decision, signed, attempt, delivered, included)
 
-    async def counts_ours(self, decision: Decision | None, segments: list[bytes] | None) -> bool:
-        """Does a commit count the contribution we sent (its pinned digests are ours, in every shard)?"""
+    async def counts_ours(self, decision: Decision | None, segments: list[bytes] | None,
+                          strict: bool = False) -> bool | None:
+        """Does a commit count the contribution we sent (its pinned digests are ours, in every shard)?
+        When the digests cannot be checked here (the round's plan is not known), a commit that
+        names us counts: True; or, `strict`, None (we may have sent it another contribution)."""
         if decision is None or decision.status != "commit" or segments is None or self.me not in decision.contributors:
             return False
         plan = await self.server.plan(decision.round, decision.attempt, wait_s=0)
         if plan is None or plan.num_shards != decision.num_shards:
-            return True  # cannot check here: the commit names us
+            return None if strict else True  # cannot check here: the commit names us
         mine = decision.contributors.index(self.me)
         return all(decision_digests(decision, shard)[mine] == contribution_digest(first, segments[first:stop])
                    for shard, (first, stop) in enumerate(plan.shard_segments))

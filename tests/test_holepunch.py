@@ -399,3 +399,30 @@ def test_a_scheduler_attempt_turns_any_error_into_a_backed_off_failure_and_stops
     assert tried == ["rdv1", "rdv2"]
     assert "RuntimeError" in sched.attempts[0]["reason"] and "timed out" in sched.attempts[0]["reason"]
     assert sched._next["b"] - time.monotonic() > PunchScheduler.RETRY_S - 5
+
+
+def test_punch_requests_arriving_together_wait_for_one_refresh_of_the_records():
+    """Several dialers asking at once about peers the rendezvous does not know yet: one refresh of
+    the records, after which all of them are judged (not refused because a refresh was running)."""
+    from types import SimpleNamespace
+
+    from groundswell.peer.swarm import MEMBERS_REFRESH_S, SwarmNode
+
+    refreshes = []
+
+    async def go():
+        node = SimpleNamespace(ctx=object(), _cached_records={}, _members_lock=asyncio.Lock(),
+                               _members_refreshed=-MEMBERS_REFRESH_S)
+
+        async def refresh_records():
+            refreshes.append(1)
+            await asyncio.sleep(0.05)
+            node._cached_records = {p: _rec("private") for p in ("a", "b", "c")} | {"pub": _rec("public")}
+
+        node.refresh_records = refresh_records
+        check = SwarmNode._nated_members
+        return await asyncio.gather(check(node, ("a", "b")), check(node, ("b", "c")), check(node, ("a", "pub")),
+                                    check(node, ("a", "nobody")))
+
+    assert asyncio.run(go()) == [True, True, False, False]
+    assert refreshes == [1]

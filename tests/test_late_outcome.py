@@ -53,7 +53,8 @@ def test_a_round_settled_without_its_outcome_is_remembered(outcome, raised, incl
     with pytest.raises(raised):
         ex.collect(0)
     assert [(u.round_id, u.included, u.prepared) for u in ex.unsettled] == [(0, included, 1)]
-    assert ex.unsettled[0].payloads == payloads and ex.unsettled[0].segments == [p.to_bytes() for p in payloads]
+    assert ex.unsettled[0].segments == [p.to_bytes() for p in payloads]
+    assert ex._segments == []  # the contribution in flight is not kept past its outcome
     assert ex.take_unsettled(0) == []  # round 0 not applied yet: its outcome may still come
     assert len(ex.take_unsettled(1)) == 1 and ex.unsettled == []
 
@@ -82,7 +83,7 @@ def _loop(counted):
         prepared = 3
 
         def take_unsettled(self, below):
-            return [Unsettled(0, payloads, [b"x"], counted if isinstance(counted, bool) else None, 2)]
+            return [Unsettled(0, [p.to_bytes() for p in payloads], counted if isinstance(counted, bool) else None, 2)]
 
         async def counts_ours(self, round_id, segments):
             if isinstance(counted, Exception):
@@ -111,3 +112,19 @@ def test_a_contribution_no_commit_is_known_to_count_stays_ours(counted, event):
     loop.settle_late()
     assert torch.equal(outer.error, torch.ones_like(outer.error))
     assert events == event
+
+
+def test_a_late_check_does_not_count_a_commit_it_cannot_verify():
+    """Several contributions of ours may exist for one round (one per attempt): a commit that
+    names us, whose digests cannot be checked here, says nothing about which one it counts."""
+    from groundswell.protocol.client import RoundClient
+
+    async def no_plan(*args, **kwargs):
+        return None
+
+    client = object.__new__(RoundClient)
+    client.me = "me"
+    client.server = SimpleNamespace(plan=no_plan)
+    commit = SimpleNamespace(status="commit", contributors=["me"], round=3, attempt=1, num_shards=2)
+    assert asyncio.run(client.counts_ours(commit, [b"x"])) is True  # on time: the commit names us
+    assert asyncio.run(client.counts_ours(commit, [b"x"], strict=True)) is None
