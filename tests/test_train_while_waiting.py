@@ -80,9 +80,8 @@ def test_a_retried_round_says_why_in_words():
     from groundswell.protocol.client import AttemptResult
     from groundswell.protocol.schema import Decision
 
-    ex = SwarmExchange.__new__(SwarmExchange)
-    ex.node = SimpleNamespace(ctx=SimpleNamespace(deadline_s=1.0, slack_s=0.1, min_peers=3),
-                              client=object(), transport=object())
+    ex = SwarmExchange(SimpleNamespace(identity=SimpleNamespace(peer_id="me"), client=object(), transport=object(),
+                                       ctx=SimpleNamespace(deadline_s=1.0, slack_s=0.1, min_peers=3)))
     retry = Decision(4, 1, "retry", [], ["a"], ["a"], "a", [], 1, 0.0)
     for decision, words in ((retry, "fewer than 3 complete contributions (the run's min_peers)"),
                             (None, "no leader answered")):
@@ -90,3 +89,5 @@ def test_a_retried_round_says_why_in_words():
         ex._future.set_result((AttemptResult(decision, b"", 1, True), None))
         with pytest.raises(RoundFailed, match=r"round 4 attempt 1: .*" + words.replace("(", r"\(").replace(")", r"\)")):
             ex.collect(4)
+    # the retry is final; with no leader's answer, whether a commit counted us is not known yet
+    assert [(u.round_id, u.included) for u in ex.unsettled] == [(4, None)]
