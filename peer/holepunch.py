@@ -29,6 +29,7 @@ import errno
 import ipaddress
 import logging
 import socket
+import struct
 import time
 from collections import deque
 from collections.abc import Awaitable, Callable, Iterable
@@ -139,6 +140,7 @@ class PunchTarget:
     tasks: asyncio.TaskGroup  # owns every punch and forward
     pending: set[str] = field(default_factory=set)  # dialers whose punch waits for them to come through
     live: set[str] = field(default_factory=set)  # dialers whose punched connection we forward now
+    _forwards: dict[str, tuple[asyncio.Task, socket.socket]] = field(default_factory=dict)  # dialer -> its forward
     forwarded: int = 0  # connections that came through a punch and were forwarded
     forwarded_bytes: int = 0
 
@@ -148,8 +150,13 @@ class PunchTarget:
             return PunchInviteReply(False, "only a bootstrap peer may ask for a punch")
         if msg.dialer in self.pending:
             return PunchInviteReply(False, "a punch for this dialer is under way")
-        if msg.dialer in self.live:  # one punched connection per dialer: libp2p needs no second
-            return PunchInviteReply(False, "already connected to this dialer through a punch")
+        if msg.dialer in self.live:
+            # One punched connection per dialer. A dialer asks again only when it has lost the old
+            # one (its daemon restarted, its NAT dropped the mapping) while our end still looks
+            # alive, so the old forward gives way (refusing cost the dialer a long backoff).
+            await self._drop_forward(msg.dialer)
+            if msg.dialer in self.live:
+                return PunchInviteReply(False, "already connected to this dialer through a punch")
         if len(self.pending) >= MAX_PENDING or len(self.live) >= MAX_FORWARDED:
             return PunchInviteReply(False, "busy")
         targets = tcp_targets([msg.address])
@@ -193,15 +200,35 @@ class PunchTarget:
                 return
             log.info("hole punch for %s: connected, forwarding to our daemon", dialer[-8:])
             _keepalive(sock)
+            me = asyncio.current_task()
+            assert me is not None
             self.live.add(dialer)
+            self._forwards[dialer] = (me, sock)
             await self._forward(sock)
         except OSError as exc:
             log.info("hole punch for %s: %s", dialer[-8:], exc)
         except Exception as exc:  # a task of the node's own group: a bug here must not stop the node
             log.error("hole punch for %s failed: %r", dialer[-8:], exc)
         finally:
-            self.live.discard(dialer)
+            if self._forwards.get(dialer, (None,))[0] is asyncio.current_task():
+                del self._forwards[dialer]
+                self.live.discard(dialer)
             sock.close()
+
+    async def _drop_forward(self, dialer: str) -> None:
+        """End `dialer`'s forward now, by a reset: no TIME_WAIT is left on its address pair, which
+        the new punch (from the same port, to the same address, usually) needs free."""
+        forward = self._forwards.get(dialer)
+        if forward is None:
+            return
+        task, sock = forward
+        log.info("hole punch for %s: asked again, dropping its old forward", dialer[-8:])
+        try:
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+        except OSError:  # already closed
+            pass
+        task.cancel()
+        await asyncio.wait({task}, timeout=2.0)
 
     async def _forward(self, sock: socket.socket) -> None:
         outer_r, outer_w = await asyncio.open_connection(sock=sock)

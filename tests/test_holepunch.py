@@ -341,13 +341,48 @@ def test_the_rendezvous_forgets_its_oldest_requests_not_all_of_them():
     assert asyncio.run(rdv.handle("dialer", PunchRequest("target"))) == PunchReply(False, "rate limited", "")
 
 
-def test_an_invited_peer_takes_one_punched_connection_per_dialer():
-    async def go():
-        async with asyncio.TaskGroup() as tasks:
-            target = PunchTarget(_free_port(), "127.0.0.1", frozenset({"boot"}), tasks, live={"dialer"})
-            return await target.handle("boot", PunchInvite("dialer", "/ip4/10.1.2.3/tcp/4001"))
+def test_a_dialer_that_asks_again_gets_a_new_punch_in_place_of_its_old_forward(monkeypatch):
+    """A dialer asks again only when it lost the old connection while our end still looks alive:
+    the old forward is reset (no TIME_WAIT on the address pair) and the new punch, from the same
+    port to the same address, goes through; there is still one forward per dialer."""
+    monkeypatch.setattr(holepunch, "punchable", lambda host: True)  # loopback is refused otherwise
 
-    assert asyncio.run(go()) == PunchInviteReply(False, "already connected to this dialer through a punch")
+    async def go():
+        async def daemon(r, w):
+            await r.read()
+            w.close()
+
+        came: asyncio.Queue = asyncio.Queue()
+        daemon_srv = await asyncio.start_server(daemon, "127.0.0.1", 0, reuse_port=True)
+        dialer_srv = await asyncio.start_server(lambda r, w: came.put_nowait((r, w)), "127.0.0.1", 0)
+        daemon_port = daemon_srv.sockets[0].getsockname()[1]
+        address = f"/ip4/127.0.0.1/tcp/{dialer_srv.sockets[0].getsockname()[1]}"
+        async with asyncio.TaskGroup() as tasks:
+            target = PunchTarget(daemon_port, "127.0.0.1", frozenset({"boot"}), tasks)
+            first = await target.handle("boot", PunchInvite("dialer", address))
+            old_r, old_w = await asyncio.wait_for(came.get(), 5)
+            for _ in range(100):
+                if "dialer" in target.live:
+                    break
+                await asyncio.sleep(0.01)
+            second = await target.handle("boot", PunchInvite("dialer", address))
+            new_r, new_w = await asyncio.wait_for(came.get(), 5)
+            try:
+                old_end = await asyncio.wait_for(old_r.read(), 5)
+            except ConnectionResetError:
+                old_end = b"reset"
+            live, forwards = set(target.live), len(target._forwards)
+            same_port = new_w.get_extra_info("peername")[1] == old_w.get_extra_info("peername")[1] == daemon_port
+            new_w.close()
+            old_w.close()
+        daemon_srv.close()
+        dialer_srv.close()
+        return first, second, old_end, live, forwards, same_port
+
+    first, second, old_end, live, forwards, same_port = asyncio.run(go())
+    assert first == second == PunchInviteReply(True, "")
+    assert old_end in (b"", b"reset") and same_port  # the old one ended; the new one reuses the pair
+    assert live == {"dialer"} and forwards == 1
 
 
 def test_a_forward_ends_when_our_daemon_hangs_up_even_if_the_dialer_never_does(monkeypatch):
