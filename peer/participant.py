@@ -10,7 +10,6 @@ import json
 import logging
 import os
 import time
-from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -28,20 +27,19 @@ from groundswell.optim import (
 from groundswell.protocol.client import RoundBehind
 from groundswell.protocol.guard import Limits
 from groundswell.protocol.identity import Identity
-from groundswell.protocol.schema import Decision, ProtocolError, StateReply
-from groundswell.protocol.transport import PeerUnavailable, seal, unseal
+from groundswell.protocol.schema import Decision, ProtocolError
+from groundswell.protocol.transport import seal, unseal
 
 from .config import ConfigError
 from .data import Corpus, evaluate, heldout_batches, load_corpus
 from .manifest import RunManifest, SignedManifest
 from .run_state import GlobalState, RunContext, params_hash
 from .scoring import ContributionScorer
-from .state_fetch import fetch_state
+from .state_trust import StateCheck, download_state, state_servers
 from .swarm import NodeOptions, SwarmNode
 from .workload import Workload, build_workload
 
 log = logging.getLogger(__name__)
-UNCONFIRMED_LEAD = 8  # rounds a state nobody confirms may be past every other record (they lag a heartbeat)
 
 
 class CheckpointMismatch(ConfigError):
@@ -86,16 +84,6 @@ def _fsync_dir(path: Path) -> None:
         os.fsync(fd)
     finally:
         os.close(fd)
-
-
-def state_servers(records: dict[str, Any], me: str, bootstrap_peers: list[str]) -> list[str]:
-    """Whom to ask for the state, in order: peers whose (round, hash) the most peers published
-    first, the newest among equals first; then bootstrap peers without a record. One peer claiming
-    a far-off round (hostile, or alone ahead) is asked after any state two peers agree on."""
-    votes = Counter((r.round, r.params_hash) for pid, r in records.items() if pid != me and r.params_hash)
-    order = sorted((p for p in records if p != me),
-                   key=lambda p: (-votes[(records[p].round, records[p].params_hash)], -records[p].round, p))
-    return order + [p for p in bootstrap_peers if p not in records and p != me]
 
 
 def genesis_decision(identity: Identity, run_id: str) -> bytes:
@@ -259,80 +247,10 @@ class Participant:
         assert isinstance(self.outer, SparseLoCo)
         return {"algorithm": "sparseloco", "error": self.outer.error.cpu()}  # error feedback stays ours
 
-    async def _download_state(self, peers: list[str], min_round: int) -> tuple[GlobalState, str]:
-        t = self.node.transport
-        assert t is not None
-        budget = 16 * self.outer.global_params.numel() + (1 << 20)
-        def size(reply: StateReply) -> int:  # checked before a byte of the blob is read
-            if reply.size > budget:
-                raise ProtocolError(f"a state of {reply.size} bytes exceeds the limit of {budget}", reason="oversized")
-            return reply.size
-
-        for peer in peers:
-            try:
-                reply, blob, digest, via = await fetch_state(self.node, peer, min_round, size, timeout_s=60 + budget / 20e6)
-            except PeerUnavailable as exc:
-                log.info("state from %s: %s", peer[-8:], exc)
-                continue
-            if not blob or reply.round < min_round:
-                continue
-            try:
-                return await self._verified_state(reply, blob, digest, peer), via
-            except ProtocolError as exc:  # a broken or hostile server: count it, ask the next peer
-                self.node.guard.count(peer, "state-reply", exc.reason, strike=exc.strike)
-                log.warning("state from %s refused: %s", peer[-8:], exc)
-        raise PeerUnavailable("no peer served a verifiable state")
-
-    async def _verified_state(self, reply: StateReply, blob: bytes | bytearray, digest: str, server: str
-                              ) -> GlobalState:
-        """Check a downloaded state (`digest`: BLAKE3 of `blob`, hashed as it arrived over the stream;
-        over the direct path the signed one, the blob having opened under that reply's key): hash,
-        tensor names, shapes and values, decision, swarm majority."""
-        if digest != reply.digest:
-            raise ProtocolError("state failed its hash check")
-        tensors = GlobalState.tensors_from_blob(blob)
-        numel = self.outer.global_params.numel()
-        allowed = {"global_params", "momentum_buffer"}
-        if "global_params" not in tensors or set(tensors) - allowed:
-            raise ProtocolError(f"state holds tensors {sorted(tensors)}, expected global_params (+ momentum_buffer)")
-        for name, t in tensors.items():
-            if t.dtype != torch.float32 or t.shape != (numel,) or not bool(torch.isfinite(t).all()):
-                raise ProtocolError(f"state tensor {name} is not {numel} finite fp32 values", reason="bad-payload")
-        _, decision = unseal(reply.decision, self.ctx.run_id, Decision)
-        if decision.round != reply.round - 1:
-            raise ProtocolError("state's decision is not of the round before it")
-        # Cross-check against what other peers published for that round (majority wins). Neither
-        # the server's word nor ours counts; in a closed run only its members' (and the
-        # coordinator's) do. Records lag the rounds by a heartbeat or two, so a state nobody has
-        # confirmed yet is taken if it is at most UNCONFIRMED_LEAD rounds past every other
-        # record (from the coordinator, always): one peer must not hand us a state of its own
-        # making for a far-off round it alone claims, which would leave us stuck there. A made-up
-        # state for a current round is caught later: our hashes then disagree with the swarm's
-        # and we re-sync.
-        try:
-            records = await self.node.refresh_records()
-        except Exception as exc:  # the DHT failing (any error of hivemind's): cannot check, not the server's fault
-            raise ProtocolError(f"cannot read the swarm's published hashes to check the state: {exc!r}",
-                                reason="unchecked", strike=False) from None
-        voters = [r for pid, r in records.items() if self._vote_counts(pid, server) and r.params_hash]
-        hashes = [r.params_hash for r in voters if r.round == reply.round]
-        agree = hashes.count(params_hash(tensors["global_params"]))
-        if hashes and agree * 2 < len(hashes):
-            raise ProtocolError("state disagrees with the swarm's published hash", strike=False)
-        newest = max((r.round for r in voters), default=None)
-        if not agree and server != self.coordinator_id and newest is not None \
-                and reply.round > newest + UNCONFIRMED_LEAD:
-            raise ProtocolError(f"state of round {reply.round}, which no other peer confirms, is more than "
-                                f"{UNCONFIRMED_LEAD} rounds past every other peer's record ({newest})", strike=False)
-        if isinstance(self.outer, DiLoCo) and "momentum_buffer" not in tensors:
-            raise ProtocolError("a DiLoCo state needs its momentum buffer")
-        return GlobalState(reply.round, tensors, reply.decision)
-
-    def _vote_counts(self, peer: str, server: str) -> bool:
-        """Does `peer`'s published hash count when checking a state `server` sent us?"""
-        if peer in (server, self.identity.peer_id):
-            return False
-        return peer == self.coordinator_id or self.ctx.authorized(peer)
+    def state_check(self) -> StateCheck:
+        """The checks a state downloaded by this peer must pass."""
+        return StateCheck(self.ctx, self.identity.peer_id, self.coordinator_id, self.outer.global_params.numel(),
+                          needs_momentum=isinstance(self.outer, DiLoCo))
 
     def sync_state(self, bootstrap_peers: list[str], min_round: int = -1) -> None:
         """Download the newest global state from peers (records first, then bootstrap peers)."""
@@ -340,7 +258,7 @@ class Participant:
             return state_servers(await self.node.refresh_records(), self.identity.peer_id, bootstrap_peers)
 
         peers = self.node.call(peers_to_ask(), timeout_s=30)
-        state, via = self.node.call(self._download_state(peers, min_round), timeout_s=600)
+        state, via = self.node.call(download_state(self.node, self.state_check(), peers, min_round), timeout_s=600)
         self.load_global(state)
         self.events.write("sync", round=state.round, hash=params_hash(self.outer.global_params), via=via,
                           peer=self.identity.peer_id)
@@ -411,6 +329,12 @@ class Participant:
         tmp = path.with_suffix(".tmp")
         state = {"round": self._snapshot.round, "tensors": self._snapshot.tensors, "decision": self._snapshot.decision,
                  "outer": self.outer.state_dict() if self.outer.pending is None else None, **(extra or {})}
+        if self.outer.pending is None:
+            # Local work not yet in anyone's hands (a left-out DiLoCo contribution, rebased; what
+            # was trained while a round was exchanged): a restart resumes it instead of losing it.
+            progress = (self.outer.local_vector() - self.outer.global_params).cpu()
+            if bool(progress.any()):
+                state["local_progress"] = progress
         try:
             with open(tmp, "wb") as f:
                 torch.save(state, f)

@@ -17,8 +17,8 @@ from groundswell.protocol.transport import PeerUnavailable
 
 from .byzantine import Attack
 from .config import DataSection
-from .net_errors import NetworkError
 from .participant import Participant, genesis_decision
+from .resume import restore_local_progress, resume_and_sync, torch_load_params
 from .run_state import GlobalState, params_hash
 from .swarm import Stopped
 from .swarm_exchange import NeedResync, SwarmExchange
@@ -73,7 +73,7 @@ def run_volunteer(p: Participant, bootstrap_peers: list[str], *, max_rounds: int
         p.start_network()
         p.events.write("network", peer=p.identity.peer_id,
                        **{f"{k}_s": round(v, 3) for k, v in p.node.startup_s.items()})
-        resumed = _resume_and_sync(p, bootstrap_peers)
+        resumed = resume_and_sync(p, bootstrap_peers)
     finally:
         warm.join()
     trainer = InnerTrainer(p.workload, p.corpus, DataSection(m.data.source, m.data.batch_size), m.inner,
@@ -85,6 +85,8 @@ def run_volunteer(p: Participant, bootstrap_peers: list[str], *, max_rounds: int
             torch_load_params(p)
         except (KeyError, ValueError, RuntimeError) as exc:
             log.warning("inner state in the checkpoint does not fit (%s); starting the inner optimizer afresh", exc)
+    if resumed is not None:
+        restore_local_progress(p, resumed)
     if resumed is None:  # so a crash before the first scheduled checkpoint resumes from disk, not a download
         p.save_checkpoint({"inner": trainer.state_dict()})
     loop = _VolunteerLoop(p, SwarmExchange(p.node, serves=p.node.options.serves), trainer, bootstrap_peers, stop,
@@ -139,33 +141,6 @@ def _import_optimizer_machinery() -> None:
         import torch._dynamo  # noqa: F401  (what torch.optim's first optimizer would import)
     except Exception as exc:  # only a head start: the first optimizer imports it again if need be
         log.debug("warming torch._dynamo up failed: %r", exc)
-
-
-def _resume_and_sync(p: Participant, bootstrap_peers: list[str]) -> dict | None:
-    """Resume from our own checkpoint if there is one, then bring the state up to the swarm's;
-    returns the checkpoint (None: a fresh start)."""
-    resumed = p.load_checkpoint()
-    if resumed is not None and resumed.get("outer") is not None:
-        p.load_global(GlobalState(resumed["round"], resumed["tensors"], resumed["decision"]))
-        if resumed["outer"].get("algorithm") == "sparseloco":  # our own error feedback: work not yet sent
-            sent_since = [r for r in p._contributed_before() if r >= resumed["round"]]
-            if sent_since:
-                # The process before us contributed after this checkpoint: what it sent came out of
-                # this error feedback and may be in the swarm's parameters already. Sending it again
-                # would count it twice; dropping it loses only what was still below the top-k.
-                p.events.write("error-feedback-dropped", round=resumed["round"], contributed=sent_since[0],
-                               peer=p.identity.peer_id)
-                log.warning("error feedback of the round-%d checkpoint dropped: round %d was contributed since",
-                            resumed["round"], sent_since[0])
-            else:
-                p.outer.error = resumed["outer"]["error"].to(p.outer.global_params.device)
-        p.events.write("resume", round=p.outer.round_id, peer=p.identity.peer_id)
-    try:
-        p.sync_state(bootstrap_peers, min_round=p.outer.round_id if resumed else -1)
-    except (PeerUnavailable, TimeoutError) as exc:
-        raise NetworkError(f"could not download the run's state from any peer ({exc or 'timed out'}); "
-                           "is the run still up? Start again to retry") from None
-    return resumed
 
 
 def _train_while_waiting(trainer: InnerTrainer, exchange: SwarmExchange, limit: int, stop: StopFlag,
@@ -300,13 +275,6 @@ def _catch_up_or_resync(p: Participant, bootstrap_peers: list[str], fresh: bool 
     except (PeerUnavailable, RoundBehind, TimeoutError, ProtocolError) as exc:
         log.info("catch-up failed (%s); re-syncing", exc)
         _resync(p, bootstrap_peers)
-
-
-def torch_load_params(p: Participant) -> None:
-    """After restoring the inner state, the model's parameters restart from the global ones."""
-    from groundswell.optim import copy_into_parameters
-
-    copy_into_parameters(p.outer.global_params, p.outer.params)
 
 
 def _resync(p: Participant, bootstrap_peers: list[str]) -> None:

@@ -1,6 +1,6 @@
 """How a joiner fetches the global state from one peer: the signed reply over the libp2p stream,
 the blob sealed over a direct TCP connection when the peer offers one and we reach it, else
-as the reply's trailer. Verification of what arrives is the caller's (`Participant`)."""
+as the reply's trailer. Verification of what arrives is `state_trust`'s."""
 
 from __future__ import annotations
 

@@ -49,7 +49,7 @@ def _served_state(p, momentum: bool = True, round_id: int = 0):
 
 
 def _check(p, records: dict, server: str, momentum: bool = True, round_id: int = 0):
-    """`_verified_state` with these published records: peer -> hash of round `round_id` ("good":
+    """`StateCheck.verify` with these published records: peer -> hash of round `round_id` ("good":
     the served state's), or peer -> (round, hash)."""
     reply, blob, digest, good = _served_state(p, momentum, round_id)
 
@@ -62,14 +62,13 @@ def _check(p, records: dict, server: str, momentum: bool = True, round_id: int =
     async def refresh():
         return recs
 
-    p.node = SimpleNamespace(refresh_records=refresh)
-    return asyncio.run(p._verified_state(reply, blob, digest, server))
+    return asyncio.run(p.state_check().verify(reply, blob, digest, server, refresh))
 
 
 def test_a_state_far_past_every_other_record_is_refused_unless_the_coordinator_serves_it(participant):
     """One peer claiming a far-off round must not hand a joiner a state of its own making: the
     joiner would sit at that round for good."""
-    from groundswell.peer.participant import UNCONFIRMED_LEAD
+    from groundswell.peer.state_trust import UNCONFIRMED_LEAD
 
     p = participant
     far = 10 + UNCONFIRMED_LEAD + 1
@@ -111,7 +110,7 @@ def test_a_diloco_state_without_its_momentum_is_refused(participant):
 
 
 def test_peers_agreeing_on_a_state_are_asked_before_one_claiming_a_far_off_round():
-    from groundswell.peer.participant import state_servers
+    from groundswell.peer.state_trust import state_servers
 
     def rec(r, h):
         return SimpleNamespace(round=r, params_hash=h)
@@ -152,7 +151,7 @@ def test_a_resumed_error_feedback_is_dropped_if_the_process_before_contributed_a
     rounds; restoring it would send that work a second time."""
     from groundswell.peer.manifest import manifest_from_mapping, sign_manifest
     from groundswell.peer.participant import Participant, genesis_decision
-    from groundswell.peer.roles import _resume_and_sync
+    from groundswell.peer.resume import resume_and_sync
     from groundswell.peer.swarm import NodeOptions
     from groundswell.protocol.identity import Identity
 
@@ -173,6 +172,62 @@ def test_a_resumed_error_feedback_is_dropped_if_the_process_before_contributed_a
     p.node = SimpleNamespace(book=SimpleNamespace(committed={}), record_decision=lambda d: None,
                              update_record=lambda **k: None)
     p.sync_state = lambda peers, min_round=-1: None  # the swarm has nothing newer
-    _resume_and_sync(p, [])
+    resume_and_sync(p, [])
     assert bool((p.outer.error == 1).all()) is kept
     assert bool((p.outer.error == 0).all()) is not kept
+
+
+def test_a_state_that_cannot_be_checked_against_the_swarm_is_refused_without_blaming_its_server(participant):
+    reply, blob, digest, _ = _served_state(participant)
+
+    async def dht_down():
+        raise RuntimeError("the DHT failed")
+
+    with pytest.raises(ProtocolError, match="cannot read the swarm's published hashes") as err:
+        asyncio.run(participant.state_check().verify(reply, blob, digest, "server", dht_down))
+    assert err.value.reason == "unchecked" and not err.value.strike
+
+
+@pytest.mark.parametrize("contributed_round,kept", [(3, False), (2, True)])
+def test_a_restart_takes_back_its_local_progress_unless_it_may_have_been_sent(tmp_path, corpus, contributed_round,
+                                                                            kept):
+    """A DiLoCo contribution a round left out is rebased into the local parameters: a checkpoint
+    keeps it, and a restart trains on from it, unless the process before contributed since."""
+    import json
+
+    from groundswell.optim import copy_into_parameters
+    from groundswell.peer.manifest import manifest_from_mapping, sign_manifest
+    from groundswell.peer.participant import Participant, genesis_decision
+    from groundswell.peer.resume import restore_local_progress, resume_and_sync, torch_load_params
+    from groundswell.peer.swarm import NodeOptions
+    from groundswell.protocol.identity import Identity
+
+    manifest = manifest_from_mapping({"run": {"id": "unit", "open": True}, "model": {"spec": "tiny"},
+                                      "outer": {"algorithm": "diloco", "codec": "fp32"}})
+    me = Identity.generate()
+    me.save(tmp_path / "id.key")
+
+    def participant():
+        return Participant(manifest, sign_manifest(manifest, me).to_bytes(), me, str(tmp_path / "id.key"),
+                           NodeOptions(), tmp_path / "state", corpus=corpus)
+
+    p = participant()
+    p.outer.round_id = 3
+    progress = torch.randn(p.outer.global_params.numel())
+    copy_into_parameters(p.outer.global_params + progress, p.outer.params)
+    p._snapshot = GlobalState(3, {"global_params": p.outer.global_params.clone(),
+                                  "momentum_buffer": p.outer.momentum_buffer.clone()}, genesis_decision(me, "unit"))
+    assert p.save_checkpoint() is not None
+    p._remember_contribution(contributed_round, 0)
+
+    again = participant()  # a new process, with the same state dir
+    again.node = SimpleNamespace(book=SimpleNamespace(committed={}), record_decision=lambda d: None,
+                                 update_record=lambda **k: None)
+    again.sync_state = lambda peers, min_round=-1: None  # the swarm has nothing newer
+    resumed = resume_and_sync(again, [])
+    torch_load_params(again)  # what the volunteer does once the inner state is loaded
+    assert restore_local_progress(again, resumed) is kept
+    local = again.outer.local_vector() - again.outer.global_params
+    assert torch.allclose(local, progress if kept else torch.zeros_like(progress), atol=1e-6)
+    events = [json.loads(line)["kind"] for line in (tmp_path / "state" / "events.jsonl").read_text().splitlines()]
+    assert ("unsent-work-dropped" in events) is not kept and ("local-progress-restored" in events) is kept

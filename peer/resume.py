@@ -1,0 +1,69 @@
+"""A volunteer restarting from its own checkpoint: the global state it had, the swarm's newer one,
+and the work it had not sent yet (SparseLoCo's error feedback, local progress), which it takes
+back unless the process before it may have sent that work already."""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+from groundswell.optim import copy_into_parameters
+from groundswell.protocol.transport import PeerUnavailable
+
+from .net_errors import NetworkError
+from .participant import Participant
+from .run_state import GlobalState
+
+log = logging.getLogger(__name__)
+
+
+def resume_and_sync(p: Participant, bootstrap_peers: list[str]) -> dict | None:
+    """Resume from our own checkpoint if there is one, then bring the state up to the swarm's;
+    returns the checkpoint (None: a fresh start)."""
+    resumed = p.load_checkpoint()
+    if resumed is not None and resumed.get("outer") is not None:
+        p.load_global(GlobalState(resumed["round"], resumed["tensors"], resumed["decision"]))
+        if not _unsent_work_is_ours(p, resumed):
+            resumed.pop("local_progress", None)
+        elif resumed["outer"].get("algorithm") == "sparseloco":  # our own error feedback: work not yet sent
+            p.outer.error = resumed["outer"]["error"].to(p.outer.global_params.device)
+        p.events.write("resume", round=p.outer.round_id, peer=p.identity.peer_id)
+    try:
+        p.sync_state(bootstrap_peers, min_round=p.outer.round_id if resumed else -1)
+    except (PeerUnavailable, TimeoutError) as exc:
+        raise NetworkError(f"could not download the run's state from any peer ({exc or 'timed out'}); "
+                           "is the run still up? Start again to retry") from None
+    return resumed
+
+
+def _unsent_work_is_ours(p: Participant, resumed: dict) -> bool:
+    """May the work a checkpoint holds that was not sent yet (SparseLoCo's error feedback, local
+    progress) be sent now? Not if the process before us contributed after that checkpoint: what it
+    sent came out of that work and may be in the swarm's parameters already, and sending it again
+    would count it twice. Dropping it loses only what had not been sent."""
+    holds_work = "local_progress" in resumed or resumed["outer"].get("algorithm") == "sparseloco"
+    sent_since = [r for r in p._contributed_before() if r >= resumed["round"]]
+    if not sent_since or not holds_work:
+        return True
+    p.events.write("unsent-work-dropped", round=resumed["round"], contributed=sent_since[0], peer=p.identity.peer_id)
+    log.warning("the unsent work of the round-%d checkpoint is dropped: round %d was contributed since",
+                resumed["round"], sent_since[0])
+    return False
+
+
+def restore_local_progress(p: Participant, resumed: dict) -> bool:
+    """Put a checkpoint's local progress back on top of the global parameters; False if it has none
+    (or none that fits this model)."""
+    progress = resumed.get("local_progress")
+    if not isinstance(progress, torch.Tensor) or progress.shape != p.outer.global_params.shape \
+            or progress.dtype != torch.float32 or not bool(torch.isfinite(progress).all()):
+        return False
+    copy_into_parameters(p.outer.global_params + progress.to(p.outer.global_params.device), p.outer.params)
+    p.events.write("local-progress-restored", round=p.outer.round_id, norm=float(progress.norm()),
+                   peer=p.identity.peer_id)
+    return True
+
+
+def torch_load_params(p: Participant) -> None:
+    """After restoring the inner state, the model's parameters restart from the global ones."""
+    copy_into_parameters(p.outer.global_params, p.outer.params)

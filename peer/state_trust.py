@@ -1,0 +1,125 @@
+"""Which downloaded global state a joiner takes: whom to ask first, and the checks a state must
+pass before it replaces ours (hash, tensors, decision, and the swarm's published hashes).
+
+The server is not trusted: it may be broken, or hostile. A state it sends is taken only if its
+bytes are what its signed reply says, its tensors are this run's, and the other peers' published
+parameter hashes do not contradict it (see `StateCheck.verify` for the rules)."""
+
+from __future__ import annotations
+
+import logging
+from collections import Counter
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from groundswell.protocol.schema import Decision, ProtocolError, StateReply
+from groundswell.protocol.transport import PeerUnavailable, unseal
+
+from .run_state import GlobalState, RunContext, params_hash
+from .state_fetch import fetch_state
+
+log = logging.getLogger(__name__)
+UNCONFIRMED_LEAD = 8  # rounds a state nobody confirms may be past every other record (they lag a heartbeat)
+
+
+def state_servers(records: dict[str, Any], me: str, bootstrap_peers: list[str]) -> list[str]:
+    """Whom to ask for the state, in order: peers whose (round, hash) the most peers published
+    first, the newest among equals first; then bootstrap peers without a record. One peer claiming
+    a far-off round (hostile, or alone ahead) is asked after any state two peers agree on."""
+    votes = Counter((r.round, r.params_hash) for pid, r in records.items() if pid != me and r.params_hash)
+    order = sorted((p for p in records if p != me),
+                   key=lambda p: (-votes[(records[p].round, records[p].params_hash)], -records[p].round, p))
+    return order + [p for p in bootstrap_peers if p not in records and p != me]
+
+
+@dataclass(frozen=True)
+class StateCheck:
+    """What a state must be to be taken by this peer of this run."""
+
+    ctx: RunContext
+    me: str
+    coordinator: str  # the coordinator's peer id: its state is taken unconfirmed
+    numel: int  # parameters of the model
+    needs_momentum: bool  # DiLoCo: the state must carry the outer momentum buffer
+
+    def vote_counts(self, peer: str, server: str) -> bool:
+        """Does `peer`'s published hash count when checking a state `server` sent us?"""
+        if peer in (server, self.me):
+            return False
+        return peer == self.coordinator or self.ctx.authorized(peer)
+
+    async def verify(self, reply: StateReply, blob: bytes | bytearray | memoryview, digest: str, server: str,
+                     records: Callable[[], Awaitable[dict[str, Any]]]) -> GlobalState:
+        """Check a downloaded state (`digest`: BLAKE3 of `blob`, hashed as it arrived over the
+        stream; over the direct path the signed one, the blob having opened under that reply's
+        key) and return it; raise `ProtocolError` if it must not be taken. `records`: the swarm's
+        published peer records, read fresh."""
+        if digest != reply.digest:
+            raise ProtocolError("state failed its hash check")
+        tensors = GlobalState.tensors_from_blob(blob)
+        allowed = {"global_params", "momentum_buffer"}
+        if "global_params" not in tensors or set(tensors) - allowed:
+            raise ProtocolError(f"state holds tensors {sorted(tensors)}, expected global_params (+ momentum_buffer)")
+        for name, t in tensors.items():
+            if t.dtype != torch.float32 or t.shape != (self.numel,) or not bool(torch.isfinite(t).all()):
+                raise ProtocolError(f"state tensor {name} is not {self.numel} finite fp32 values", reason="bad-payload")
+        _, decision = unseal(reply.decision, self.ctx.run_id, Decision)
+        if decision.round != reply.round - 1:
+            raise ProtocolError("state's decision is not of the round before it")
+        if self.needs_momentum and "momentum_buffer" not in tensors:
+            raise ProtocolError("a DiLoCo state needs its momentum buffer")
+        await self._check_with_swarm(reply.round, params_hash(tensors["global_params"]), server, records)
+        return GlobalState(reply.round, tensors, reply.decision)
+
+    async def _check_with_swarm(self, round_id: int, state_hash: str, server: str,
+                                records: Callable[[], Awaitable[dict[str, Any]]]) -> None:
+        # Cross-check against what other peers published for that round (majority wins). Neither
+        # the server's word nor ours counts; in a closed run only its members' (and the
+        # coordinator's) do. Records lag the rounds by a heartbeat or two, so a state nobody has
+        # confirmed yet is taken if it is at most UNCONFIRMED_LEAD rounds past every other
+        # record (from the coordinator, always): one peer must not hand us a state of its own
+        # making for a far-off round it alone claims, which would leave us stuck there. A made-up
+        # state for a current round is caught later: our hashes then disagree with the swarm's
+        # and we re-sync.
+        try:
+            published = await records()
+        except Exception as exc:  # the DHT failing (any error of hivemind's): cannot check, not the server's fault
+            raise ProtocolError(f"cannot read the swarm's published hashes to check the state: {exc!r}",
+                                reason="unchecked", strike=False) from None
+        voters = [r for pid, r in published.items() if self.vote_counts(pid, server) and r.params_hash]
+        hashes = [r.params_hash for r in voters if r.round == round_id]
+        agree = hashes.count(state_hash)
+        if hashes and agree * 2 < len(hashes):
+            raise ProtocolError("state disagrees with the swarm's published hash", strike=False)
+        newest = max((r.round for r in voters), default=None)
+        if not agree and server != self.coordinator and newest is not None and round_id > newest + UNCONFIRMED_LEAD:
+            raise ProtocolError(f"state of round {round_id}, which no other peer confirms, is more than "
+                                f"{UNCONFIRMED_LEAD} rounds past every other peer's record ({newest})", strike=False)
+
+
+async def download_state(node: Any, check: StateCheck, peers: list[str], min_round: int) -> tuple[GlobalState, str]:
+    """The first state of round >= `min_round` one of `peers` (asked in order) serves that passes
+    `check`, and how it came ("direct" or "stream"); a refused state is counted against its server."""
+    budget = 16 * check.numel + (1 << 20)
+
+    def size(reply: StateReply) -> int:  # checked before a byte of the blob is read
+        if reply.size > budget:
+            raise ProtocolError(f"a state of {reply.size} bytes exceeds the limit of {budget}", reason="oversized")
+        return reply.size
+
+    for peer in peers:
+        try:
+            reply, blob, digest, via = await fetch_state(node, peer, min_round, size, timeout_s=60 + budget / 20e6)
+        except PeerUnavailable as exc:
+            log.info("state from %s: %s", peer[-8:], exc)
+            continue
+        if not blob or reply.round < min_round:
+            continue
+        try:
+            return await check.verify(reply, blob, digest, peer, node.refresh_records), via
+        except ProtocolError as exc:  # a broken or hostile server: count it, ask the next peer
+            node.guard.count(peer, "state-reply", exc.reason, strike=exc.strike)
+            log.warning("state from %s refused: %s", peer[-8:], exc)
+    raise PeerUnavailable("no peer served a verifiable state")
