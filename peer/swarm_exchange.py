@@ -25,6 +25,7 @@ from groundswell.protocol.transport import PeerUnavailable
 from .swarm import SwarmNode
 
 log = logging.getLogger(__name__)
+ASK_HOLDERS = 3  # peers asked for a round's commit when checking a contribution's outcome late
 
 
 class NeedResync(RuntimeError):
@@ -121,12 +122,21 @@ class SwarmExchange:
         return done
 
     async def counts_ours(self, round_id: int, segments: list[bytes]) -> bool | None:
-        """Did round `round_id`'s commit, if this peer knows it, count these segments? None: not known here."""
-        committed = self.node.book.committed.get(round_id) if self.node.book is not None else None
+        """Did round `round_id`'s commit count these segments? The commit is asked of a few peers
+        that applied the round if this peer does not hold it (it took a later state meanwhile).
+        None: not known here (no holder had it, or its digests cannot be checked here)."""
+        book, client = self.node.book, self.node.client
+        if book is None or client is None:
+            return None
+        if round_id not in book.committed:
+            for peer in self.node.holders(round_id)[:ASK_HOLDERS]:
+                # a commit is checked against its signatures and goes into the book (ask_decision)
+                if await client.ask_decision(peer, round_id, 0, 0.0) and round_id in book.committed:
+                    break
+        committed = book.committed.get(round_id)
         if committed is None:
             return None
-        assert self.node.client is not None
-        return await self.node.client.counts_ours(committed[1], segments, strict=True)
+        return await client.counts_ours(committed[1], segments, strict=True)
 
     def announce(self, round_id: int) -> None:
         """Ask to be waited for in `round_id` (best effort, in the background of training)."""

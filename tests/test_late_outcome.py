@@ -128,3 +128,28 @@ def test_a_late_check_does_not_count_a_commit_it_cannot_verify():
     commit = SimpleNamespace(status="commit", contributors=["me"], round=3, attempt=1, num_shards=2)
     assert asyncio.run(client.counts_ours(commit, [b"x"])) is True  # on time: the commit names us
     assert asyncio.run(client.counts_ours(commit, [b"x"], strict=True)) is None
+
+
+@pytest.mark.parametrize("holding,expected", [({"b"}, True), (set(), None)])
+def test_a_commit_this_peer_does_not_hold_is_asked_of_the_peers_that_applied_the_round(holding, expected):
+    asked: list[str] = []
+    book = SimpleNamespace(committed={})
+
+    async def ask_decision(peer, round_id, attempt, wait_s):
+        asked.append(peer)
+        if peer in holding:  # a checked commit goes into the book, as the real client does
+            book.committed[round_id] = (b"signed", SimpleNamespace(round=round_id))
+            return b"signed"
+        return b""
+
+    async def counts_ours(decision, segments, strict=False):
+        assert strict and decision.round == 5
+        return True
+
+    node = _Node(None)
+    node.book = book
+    node.client = SimpleNamespace(ask_decision=ask_decision, counts_ours=counts_ours)
+    node.holders = lambda round_id: ["a", "b", "c", "d", "e"]
+    ex = SwarmExchange(node)  # type: ignore[arg-type]
+    assert asyncio.run(ex.counts_ours(5, [b"x"])) is expected
+    assert asked == (["a", "b"] if holding else ["a", "b", "c"])  # stops at the first holder; asks a few at most
