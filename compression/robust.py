@@ -39,11 +39,9 @@ class RobustOptions:
 
 @dataclass
 class RobustStats:
-    """What the robust mean did: which contributions (by position) had their norm clipped, and by
-    what factor (a contributor that keeps error feedback can hold the rest back for later)."""
+    """What the robust mean did: which contributions (by position) had their norm clipped."""
 
     clipped: set[int] = field(default_factory=set)
-    weights: dict[int, float] = field(default_factory=dict)  # position -> scale factor < 1, clipped ones only
     trimmed: int = 0  # values dropped per coordinate at each end
 
 
@@ -121,7 +119,8 @@ def robust_mean(codec: Codec, rows: Sequence[Sequence[Payload]], options: Robust
     if sq_norms is None:
         sq_norms = [_row_sq_norm(row) for row in decoded]
     weights = clip_weights(list(sq_norms), options.clip)
-    _record_clips(stats, weights)
+    if stats is not None:
+        stats.clipped.update(c for c, w in enumerate(weights) if w < 1.0)
     n = len(rows)
     trim = int(options.trim * n)
     if stats is not None:
@@ -153,7 +152,8 @@ def _sparse_clipped_mean(entries: Callable[[Payload], tuple[torch.Tensor, torch.
     parsed = [[entries(p) for p in row] for row in rows]
     sq = [_row_sq_norm(v for _, v in row) for row in parsed]
     weights = clip_weights(sq, clip)
-    _record_clips(stats, weights)
+    if stats is not None:
+        stats.clipped.update(c for c, w in enumerate(weights) if w < 1.0)
     out = []
     for i in range(len(rows[0])):
         total = torch.zeros(rows[0][i].numel, dtype=torch.float32)
@@ -163,14 +163,6 @@ def _sparse_clipped_mean(entries: Callable[[Payload], tuple[torch.Tensor, torch.
                                                                                           dtype=torch.float32))
         out.append(sum_to_mean_(total, len(rows)).view(rows[0][i].shape))
     return out
-
-
-def _record_clips(stats: RobustStats | None, weights: Sequence[float]) -> None:
-    """Note in `stats` which contributions were scaled down, and by how much."""
-    if stats is not None:
-        clipped = {c: w for c, w in enumerate(weights) if w < 1.0}
-        stats.clipped.update(clipped)
-        stats.weights.update(clipped)
 
 
 def _sum_in_order(values: Iterable[float]) -> float:

@@ -53,9 +53,6 @@ class DiLoCo(OuterOptimizer):
         return self.encode(delta)
 
     def _settle_contribution(self, pending: PendingRound, result: RoundResult | None) -> bool:
-        # `result.own_weights` (robust clipping) is deliberately not kept back here: with no decay,
-        # a peer whose progress stays above the median norm would pile up clipped-off work round
-        # after round and drift ever further from the global parameters. SparseLoCo keeps it.
         return result is not None and result.included
 
     def _absorb_late(self, sent: torch.Tensor, prepared_since: int) -> None:

@@ -35,9 +35,6 @@ class RoundResult:
     included: bool  # is this worker's own contribution in `mean`?
     bytes_sent: int  # bytes this worker put on the wire for this round
     bytes_received: int  # bytes this worker took off the wire for this round
-    # Per segment, the factor the aggregate scaled this worker's contribution by (robust norm
-    # clipping); None: taken whole. An optimizer with error feedback keeps the rest for later.
-    own_weights: tuple[float, ...] | None = None
 
 
 class Exchange(Protocol):

@@ -2,8 +2,7 @@
 
 Per worker: e <- beta*e + delta; payload = encode(e); once the round is known, e <- e - decode(payload)
 if the payload made it into the aggregate. A payload the round left out therefore stays whole in
-e and goes out again with the next round; one that robust norm clipping scaled down by w leaves
-(1 - w) of itself in e. The outer step is plain SGD (no momentum) on the mean of
+e and goes out again with the next round. The outer step is plain SGD (no momentum) on the mean of
 the decoded payloads: theta -= lr * mean.
 
 Eager start (`eager=True`, for overlapped rounds): once a contribution is prepared, the local
@@ -76,22 +75,8 @@ class SparseLoCo(OuterOptimizer):
         cached, self._sent = self._sent, None
         if result is not None and result.included:
             sent = cached[1] if cached is not None and cached[0] is pending.payloads else self.decode(pending.payloads)
-            if result.own_weights is not None:
-                sent = self._scaled(sent, result.own_weights)
             self.error -= sent
         return True  # either sent and applied, or still held in the error feedback
-
-    def _scaled(self, sent: torch.Tensor, weights: tuple[float, ...]) -> torch.Tensor:
-        """The part of `sent` the aggregate took, where robust clipping scaled segments down: the
-        clipped-off rest stays in the error feedback and goes out again (decayed by beta each
-        round, so a peer clipped round after round holds a bounded error, not a growing one)."""
-        if len(weights) != -(-sent.numel() // self.segment):
-            raise ValueError(f"{len(weights)} segment weights for {sent.numel()} values in segments of {self.segment}")
-        taken = sent.clone()
-        for i, w in enumerate(weights):
-            if w != 1.0:  # the same fp32 factor the robust mean multiplied by
-                taken[i * self.segment:(i + 1) * self.segment] *= torch.tensor(w, dtype=torch.float32)
-        return taken
 
     def _absorb_late(self, sent: torch.Tensor, prepared_since: int) -> None:
         # Settled on time: e <- e - sent. Every contribution prepared since decayed e by beta.

@@ -32,14 +32,6 @@ class NeedResync(RuntimeError):
     """The peer is behind or missed an aggregate nobody can provide: re-download the state."""
 
 
-@dataclass(frozen=True)
-class _Aggregate:
-    """A committed round's mean, and how the robust mean scaled our own contribution in it."""
-
-    mean: torch.Tensor
-    own_clip: dict[int, float]  # segment -> scale factor < 1 (clipped segments only)
-
-
 @dataclass
 class Unsettled:
     """A contribution whose round was settled without knowing whether a commit counted it."""
@@ -87,7 +79,7 @@ class SwarmExchange:
         self._future = self.node.submit(self._attempt(round_id, segments))
 
     async def _attempt(self, round_id: int, segments: list[bytes]
-                       ) -> tuple[AttemptResult, _Aggregate | PeerUnavailable | None]:
+                       ) -> tuple[AttemptResult, torch.Tensor | PeerUnavailable | None]:
         """The attempt and, once it commits, the aggregate too: fetched on the network loop as soon
         as the decision is known, so that with overlap training never waits for it. The next
         round is announced meanwhile (if `announce_next`)."""
@@ -98,12 +90,11 @@ class SwarmExchange:
         if d is None or d.status != "commit" or d.round != round_id:
             return outcome, None
 
-        async def fetch() -> _Aggregate | PeerUnavailable:
+        async def fetch() -> torch.Tensor | PeerUnavailable:
             try:
-                mean = await client.fetch_aggregate(outcome.signed)
+                return await client.fetch_aggregate(outcome.signed)
             except PeerUnavailable as exc:
                 return exc
-            return _Aggregate(mean, dict(client.own_clip.get(round_id, {})))  # read on the loop that wrote it
 
         async def announce() -> None:
             try:
@@ -195,17 +186,13 @@ class SwarmExchange:
             self._unsettled(round_id, outcome.included)
             raise NeedResync(str(mean)) from None
         assert mean is not None
-        own_weights = None
-        if outcome.included and mean.own_clip:
-            own_weights = tuple(mean.own_clip.get(seg, 1.0) for seg in range(len(ctx.segment_numels)))
         self.last_decision, self.last_signed = decision, outcome.signed
         t = self.node.transport
         return RoundResult(
             round_id=round_id,
-            mean=mean.mean,
+            mean=mean,
             contributors=tuple(decision.contributors),
             included=outcome.included,  # by digest: a commit may count what a crashed process of ours sent
-            own_weights=own_weights,
             bytes_sent=t.bytes_sent - self._sent_before,
             bytes_received=t.bytes_received - self._received_before,
         )

@@ -74,9 +74,6 @@ class RoundClient(AggregateFetcher):
         self.contributed: dict[int, int] = {}
         self.on_contribute: Callable[[int, int], None] | None = None
         self.clipped: dict[int, dict[str, int]] = {}  # round -> contributor -> shards the robust mean clipped it in
-        # round -> segment -> the factor our own contribution was scaled by, where the robust mean
-        # clipped it (known only where receivers average the signed contributions themselves)
-        self.own_clip: dict[int, dict[int, float]] = {}
         # (round, shard) -> (commit, shard, its checked contributions): each is parsed once
         self._rows: dict[tuple[int, int], tuple[bytes, AggregateShard, list[list[Payload]]]] = {}
 

@@ -33,7 +33,7 @@ log = logging.getLogger(__name__)
 
 class AggregateFetcher:
     """The fetching half of the client; needs the client's server, ctx, transport, me, holders,
-    clipped, own_clip and _rows."""
+    clipped and _rows."""
 
     server: Any
     ctx: Any
@@ -41,7 +41,6 @@ class AggregateFetcher:
     me: str
     holders: Callable[[int], Sequence[str]]
     clipped: dict[int, dict[str, int]]
-    own_clip: dict[int, dict[int, float]]
     _rows: dict[tuple[int, int], tuple[bytes, AggregateShard, list[list[Payload]]]]
 
     async def fetch_aggregate(self, signed: bytes, device: torch.device | str = "cpu") -> torch.Tensor:
@@ -92,7 +91,6 @@ class AggregateFetcher:
             offsets.append(offsets[-1] + n)
         codec = self.ctx.codec
         clipped: dict[str, int] = {}  # contributor -> shards in which its norm was clipped
-        own: dict[int, float] = {}  # segment -> the factor our own contribution was scaled by
         for shard, agg in enumerate(shards):
             first, stop = plan.shard_segments[shard]
             if agg.mode == "mean":
@@ -105,16 +103,11 @@ class AggregateFetcher:
                 values = robust_mean(codec, rows, self.ctx.robust, stats)
                 for c in stats.clipped:
                     clipped[decision.contributors[c]] = clipped.get(decision.contributors[c], 0) + 1
-                for c, weight in stats.weights.items():
-                    if decision.contributors[c] == self.me:
-                        own.update((seg, weight) for seg in range(first, stop))
             for seg, value in zip(range(first, stop), values):
                 out[offsets[seg]:offsets[seg + 1]] = value
         self.clipped[decision.round] = clipped
-        self.own_clip[decision.round] = own
-        for book in (self.clipped, self.own_clip):
-            for old in [r for r in book if r < decision.round - 16]:
-                del book[old]
+        for old in [r for r in self.clipped if r < decision.round - 16]:
+            del self.clipped[old]
         return out.to(device)
 
     async def gather_contributions(self, plan: RoundPlan, sources: list[str], contributors: list[str],

@@ -59,9 +59,6 @@ def test_robust_mean_clips_the_outlier_and_is_the_plain_mean_when_off(codec_name
     stats = RobustStats()
     clipped = robust_mean(codec, rows, RobustOptions(clip=1.0), stats)
     assert stats.clipped >= {4}
-    assert set(stats.weights) == stats.clipped and all(0 < w < 1 for w in stats.weights.values())
-    norms = [float(torch.cat([codec.decode(p) for p in r]).norm()) for r in rows]
-    assert stats.weights[4] == pytest.approx(sorted(norms)[2] / norms[4], rel=1e-5)  # scaled to the median
     honest = torch.stack([torch.cat([codec.decode(p) for p in r]) for r in rows[:4]])
     out = torch.cat(clipped)
     median = sorted(float(h.norm()) for h in honest)[2]  # the median of the five (the outlier is the largest)
@@ -100,7 +97,7 @@ def test_sparse_clipped_mean_is_bit_identical_to_the_dense_one(scales):
         fast_stats, dense_stats = RobustStats(), RobustStats()
         fast = robust_mean(codec, rows, RobustOptions(clip=clip), fast_stats)
         dense = robust_mean(_DenseOnly(codec), rows, RobustOptions(clip=clip), dense_stats)
-        assert fast_stats.clipped == dense_stats.clipped and fast_stats.weights == dense_stats.weights
+        assert fast_stats.clipped == dense_stats.clipped
         for a, b in zip(fast, dense, strict=True):
             assert a.shape == b.shape and torch.equal(a.view(torch.int32), b.view(torch.int32))
         clipped |= fast_stats.clipped
@@ -139,15 +136,6 @@ def test_a_scaled_contribution_is_clipped_on_every_peer(codec_name):
         attacker = c.ids[3]
         for node in c.nodes:
             assert node.client.clipped[0][attacker] == d.num_shards  # clipped in every shard
-        own = c.nodes[3].client.own_clip[0]
-        if codec_name == "sparseloco":  # every peer averages the signed contributions itself: it knows its factor
-            assert sorted(own) == list(range(8)) and all(0 < w < 1e-2 for w in own.values())
-        else:  # an aggregator's mean names the clipped, not by how much: the factor is not known here
-            assert own == {}
-        for i, node in enumerate(c.nodes[:3]):  # an honest peer above the median norm is clipped a little
-            mine = node.client.own_clip[0]
-            assert bool(mine) == (codec_name == "sparseloco" and c.ids[i] in node.client.clipped[0])
-            assert all(0.5 < w < 1 for w in mine.values())
         honest = sum(xs[i] for i in range(3)) / 4
         # clipped to the median norm: the attacker moves the mean by about |x| / 4, not 1000 |x| / 4
         assert float((means[0] - honest).norm()) < 2 * float(xs[0].norm()) / 4
@@ -235,42 +223,3 @@ def test_verified_aggregates_ship_signed_dense_contributions():
         assert float((means[0] - sum(xs.values()) / 3).norm()) < 0.2 * float(means[0].norm())  # int8 + clipping
     finally:
         c.close()
-
-
-@pytest.mark.parametrize("included", [True, False])
-def test_the_exchange_tells_the_optimizer_how_much_of_its_contribution_the_aggregate_took(included):
-    from concurrent.futures import Future
-    from types import SimpleNamespace
-
-    from groundswell.optim import SparseLoCo, SparseLoCoConfig
-    from groundswell.peer.swarm_exchange import SwarmExchange, _Aggregate
-    from groundswell.protocol.client import AttemptResult
-
-    n = 2 * 4096
-    decision = SimpleNamespace(status="commit", round=0, contributors=["me", "other"])
-    outcome = (AttemptResult(decision, b"s", 0, True, included), _Aggregate(torch.zeros(n), {1: 0.25}))
-
-    class Node:
-        identity = SimpleNamespace(peer_id="me")
-        ctx = SimpleNamespace(deadline_s=1.0, slack_s=0.1, min_peers=2, segment_numels=(4096, 4096))
-        client = SimpleNamespace()
-        transport = SimpleNamespace(bytes_sent=0, bytes_received=0)
-
-        def submit(self, coro) -> Future:
-            coro.close()  # no network: the attempt "ran" and gave `outcome`
-            fut: Future = Future()
-            fut.set_result(outcome)
-            return fut
-
-    param = torch.nn.Parameter(torch.zeros(n))
-    outer = SparseLoCo([param], make_codec("fp32"), SparseLoCoConfig(error_decay=1.0), segment=4096)
-    with torch.no_grad():
-        param.fill_(-1.0)
-    ex = SwarmExchange(Node())  # type: ignore[arg-type]
-    ex.contribute(0, outer.prepare())
-    result = ex.collect(0)
-    assert result.own_weights == ((1.0, 0.25) if included else None)
-    outer.apply(result)
-    # included: segment 1 went out at a quarter of its size, the rest is held; left out: all is held
-    expected = torch.cat([torch.zeros(4096), torch.full((4096,), 0.75)]) if included else torch.ones(n)
-    assert torch.equal(outer.error, expected)
