@@ -35,7 +35,7 @@ from .data import Corpus, evaluate, heldout_batches, load_corpus
 from .manifest import RunManifest, SignedManifest
 from .run_state import GlobalState, RunContext, params_hash
 from .scoring import ContributionScorer
-from .state_trust import StateCheck, download_state, state_servers
+from .state_trust import StateCheck, download_state, state_servers, sync_timeout_s
 from .swarm import NodeOptions, SwarmNode
 from .workload import Workload, build_workload
 
@@ -258,7 +258,8 @@ class Participant:
             return state_servers(await self.node.refresh_records(), self.identity.peer_id, bootstrap_peers)
 
         peers = self.node.call(peers_to_ask(), timeout_s=30)
-        state, via = self.node.call(download_state(self.node, self.state_check(), peers, min_round), timeout_s=600)
+        state, via = self.node.call(download_state(self.node, self.state_check(), peers, min_round),
+                                    timeout_s=sync_timeout_s(self.outer.global_params.numel()))
         self.load_global(state)
         self.events.write("sync", round=state.round, hash=params_hash(self.outer.global_params), via=via,
                           peer=self.identity.peer_id)

@@ -99,10 +99,26 @@ class StateCheck:
                                 f"{UNCONFIRMED_LEAD} rounds past every other peer's record ({newest})", strike=False)
 
 
+def state_budget(numel: int) -> int:
+    """The most bytes a state download may announce: twice a DiLoCo state (parameters and momentum)."""
+    return 16 * numel + (1 << 20)
+
+
+def state_timeout_s(numel: int) -> float:
+    """How long one peer may take to serve the state (the budget at 20 MB/s, plus a minute)."""
+    return 60 + state_budget(numel) / 20e6
+
+
+def sync_timeout_s(numel: int) -> float:
+    """How long a whole state sync may take: at least 10 minutes, and room for three peers' full
+    timeouts (a big model's state would otherwise never fit in a fixed budget)."""
+    return max(600.0, 3 * state_timeout_s(numel))
+
+
 async def download_state(node: Any, check: StateCheck, peers: list[str], min_round: int) -> tuple[GlobalState, str]:
     """The first state of round >= `min_round` one of `peers` (asked in order) serves that passes
     `check`, and how it came ("direct" or "stream"); a refused state is counted against its server."""
-    budget = 16 * check.numel + (1 << 20)
+    budget = state_budget(check.numel)
 
     def size(reply: StateReply) -> int:  # checked before a byte of the blob is read
         if reply.size > budget:
@@ -111,7 +127,7 @@ async def download_state(node: Any, check: StateCheck, peers: list[str], min_rou
 
     for peer in peers:
         try:
-            reply, blob, digest, via = await fetch_state(node, peer, min_round, size, timeout_s=60 + budget / 20e6)
+            reply, blob, digest, via = await fetch_state(node, peer, min_round, size, timeout_s=state_timeout_s(check.numel))
         except PeerUnavailable as exc:
             log.info("state from %s: %s", peer[-8:], exc)
             continue

@@ -231,3 +231,11 @@ def test_a_restart_takes_back_its_local_progress_unless_it_may_have_been_sent(tm
     assert torch.allclose(local, progress if kept else torch.zeros_like(progress), atol=1e-6)
     events = [json.loads(line)["kind"] for line in (tmp_path / "state" / "events.jsonl").read_text().splitlines()]
     assert ("unsent-work-dropped" in events) is not kept and ("local-progress-restored" in events) is kept
+
+
+def test_a_big_models_state_sync_gets_time_in_proportion_to_its_size():
+    from groundswell.peer.state_trust import state_timeout_s, sync_timeout_s
+
+    assert sync_timeout_s(25_000_000) == 600.0  # small states: the fixed ten minutes
+    big = 1_000_000_000  # an 8 GB DiLoCo state: one peer alone may take longer than ten minutes
+    assert state_timeout_s(big) > 600 and sync_timeout_s(big) >= 3 * state_timeout_s(big)
