@@ -32,9 +32,10 @@ def _user_errors(fn: Callable[..., Any]) -> Callable[..., Any]:
         from groundswell.compression import CodecError
         from groundswell.protocol.identity import IdentityError
 
+        from .bootstrap import BootstrapError
         from .config import ConfigError
         from .data import DataError
-        from .manifest import BootstrapError, ManifestError
+        from .manifest import ManifestError
         from .net_errors import NetworkError
         from .simulate import SimulationError
         from .workload import WorkloadError

@@ -152,7 +152,8 @@ def launch(
                                          show_default="the manifest's checkpoint.every_rounds"),
 ) -> None:
     """Coordinate a run: bootstrap/relay peer, signed manifest, state for joiners, checkpoints."""
-    from .manifest import format_bootstrap, load_manifest_toml, sign_manifest
+    from .bootstrap import format_bootstrap
+    from .manifest import load_manifest_toml, sign_manifest
     from .participant import Participant
     from .roles import run_coordinator
     from .swarm import NodeOptions
@@ -212,7 +213,8 @@ def join(
     attack: str = typer.Option("", hidden=True, help="Simulations only: tamper with contributions (peer/byzantine.py)."),
 ) -> None:
     """Join a run as a volunteer: verify the manifest, download the state, train and exchange."""
-    from .manifest import SignedManifest, parse_bootstrap
+    from .bootstrap import parse_bootstrap
+    from .manifest import SignedManifest
     from .participant import Participant
     from .roles import run_volunteer
     from .swarm import NodeOptions, SwarmNode
@@ -294,7 +296,8 @@ def status(
     """The run as the DHT sees it: peers, rounds, parameter hashes."""
     from groundswell.protocol.identity import Identity
 
-    from .manifest import SignedManifest, parse_bootstrap
+    from .bootstrap import parse_bootstrap
+    from .manifest import SignedManifest
     from .swarm import NodeOptions, SwarmNode
 
     boot = parse_bootstrap(bootstrap)

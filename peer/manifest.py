@@ -15,7 +15,7 @@ import os
 import re
 import tomllib
 import typing
-from collections.abc import Mapping, Sequence
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -50,10 +50,6 @@ _INT64 = (-(1 << 63), (1 << 63) - 1)
 
 class ManifestError(ValueError):
     """A signed manifest is malformed, badly signed, or signed by the wrong coordinator."""
-
-
-class BootstrapError(ValueError):
-    """A bootstrap string (or one of its multiaddrs) is malformed."""
 
 
 @dataclass(frozen=True)
@@ -371,81 +367,3 @@ def sign_manifest(manifest: RunManifest, identity: Identity) -> SignedManifest:
 
 
 # ---- bootstrap strings -------------------------------------------------------------------------
-
-BOOTSTRAP_PREFIX = "gs1:"
-MAX_BOOTSTRAP_MADDRS = 32
-_MAX_BOOTSTRAP_CHARS = 8192
-
-
-@dataclass(frozen=True)
-class Bootstrap:
-    """Where to join a run: the coordinator's peer id and multiaddrs of live peers."""
-
-    coordinator_id: str
-    maddrs: tuple[str, ...]
-
-    def __str__(self) -> str:
-        return format_bootstrap(self.coordinator_id, self.maddrs)
-
-
-def format_bootstrap(coordinator_id: str, maddrs: Sequence[str]) -> str:
-    """`gs1:<coordinator>@<maddr>[,<maddr>...]`, validated so that `parse_bootstrap` accepts it."""
-    maddrs = [str(m) for m in maddrs]  # hivemind hands out Multiaddr objects
-    bootstrap = _checked(coordinator_id, maddrs)
-    return f"{BOOTSTRAP_PREFIX}{bootstrap.coordinator_id}@{','.join(bootstrap.maddrs)}"
-
-
-def parse_bootstrap(text: str) -> Bootstrap:
-    """Parse `gs1:<coordinator>@<maddr>,...` or a plain multiaddr `/.../p2p/<coordinator>`."""
-    if not isinstance(text, str):
-        raise BootstrapError(f"a bootstrap string is text, got {type(text).__name__}")
-    text = text.strip()  # pasted from a terminal
-    if len(text) > _MAX_BOOTSTRAP_CHARS:
-        raise BootstrapError(f"bootstrap string is longer than {_MAX_BOOTSTRAP_CHARS} characters")
-    if text.startswith("/"):
-        maddr = _check_maddr(text)
-        return _checked(maddr.rsplit("/p2p/", 1)[1], [maddr])
-    if re.match(r"gs\d+:", text) and not text.startswith(BOOTSTRAP_PREFIX):
-        raise BootstrapError(f"unsupported bootstrap version {text.split(':', 1)[0]!r}; this peer reads gs1")
-    if not text.startswith(BOOTSTRAP_PREFIX):
-        raise BootstrapError(
-            "a bootstrap string looks like 'gs1:<coordinator peer id>@<multiaddr>[,<multiaddr>...]' "
-            "or a multiaddr ending in /p2p/<coordinator peer id>"
-        )
-    coordinator_id, at, maddr_list = text[len(BOOTSTRAP_PREFIX) :].partition("@")
-    if not at or not maddr_list:
-        raise BootstrapError("bootstrap string has no '@<multiaddr>' after the coordinator id")
-    return _checked(coordinator_id, [m.strip() for m in maddr_list.split(",")])
-
-
-def _checked(coordinator_id: str, maddrs: Sequence[str]) -> Bootstrap:
-    try:
-        public_key_from_peer_id(coordinator_id)
-    except IdentityError as exc:
-        raise BootstrapError(f"bootstrap coordinator: {exc}") from None
-    if not maddrs:
-        raise BootstrapError("a bootstrap string needs at least one multiaddr")
-    if len(maddrs) > MAX_BOOTSTRAP_MADDRS:
-        raise BootstrapError(
-            f"a bootstrap string has at most {MAX_BOOTSTRAP_MADDRS} multiaddrs, got {len(maddrs)}"
-        )
-    checked = tuple(_check_maddr(m) for m in maddrs)
-    if len(set(checked)) != len(checked):
-        raise BootstrapError("bootstrap string lists a multiaddr twice")
-    return Bootstrap(coordinator_id, checked)
-
-
-def _check_maddr(text: str) -> str:
-    from hivemind.utils.multiaddr import Multiaddr
-
-    if not text:
-        raise BootstrapError("empty multiaddr in bootstrap string")
-    try:
-        maddr = Multiaddr(text)
-        protocols = [p.name for p in maddr.protocols()]
-    except Exception as exc:
-        raise BootstrapError(f"invalid multiaddr {text!r}: {exc}") from None
-    # libp2p dials bootstrap peers by id, so every address must say whose it is
-    if len(protocols) < 2 or protocols[-1] != "p2p":
-        raise BootstrapError(f"multiaddr {text!r} must end in /p2p/<peer id>")
-    return str(maddr)

@@ -7,17 +7,14 @@ from pathlib import Path
 
 import msgpack
 import pytest
+from groundswell.peer.bootstrap import Bootstrap, BootstrapError, format_bootstrap, parse_bootstrap
 from groundswell.peer.config import ConfigError
 from groundswell.peer.manifest import (
-    Bootstrap,
-    BootstrapError,
     ManifestError,
     RunManifest,
     SignedManifest,
-    format_bootstrap,
     load_manifest_toml,
     manifest_from_mapping,
-    parse_bootstrap,
     sign_manifest,
 )
 from groundswell.protocol.identity import Identity
