@@ -1,0 +1,235 @@
+"""The peer side of scripts/bench_exchange.py: one worker process per peer, holding its tensor and
+its node, running the rounds (gloo all-reduce, a codec's exchange, the p2pd floor) the parent asks
+for over a pipe, and reporting each round's time, mean hash and error."""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import os
+import socket
+import sys
+import time
+import traceback
+from typing import Any
+
+BARRIER_TIMEOUT_S = 900.0
+
+# --- helpers (both sides) ----------------------------------------------------------------------
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 that was free a moment ago."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def tensor_sha256(t: Any) -> str:
+    """sha256 of a tensor's bytes, bit for bit."""
+    return hashlib.sha256(t.detach().cpu().contiguous().numpy().tobytes()).hexdigest()
+
+
+def rel_error(got: Any, true: Any) -> float:
+    """||got - true|| / ||true||, in fp64."""
+    import torch
+
+    true64 = true.to(torch.float64)
+    denom = float(true64.norm())
+    return float((got.to(torch.float64) - true64).norm()) / denom if denom > 0 else float("nan")
+
+
+# --- worker process ----------------------------------------------------------------------------
+class _Worker:
+    """One peer: its tensor, its node (per codec), and the commands the parent sends it."""
+
+    def __init__(self, rank: int, n: int, conn: Any, barrier: Any, identity_path: str, params: int, seed: int,
+                 max_shards: int, deadline_s: float, slack_s: float, verbose: bool = False) -> None:
+        import torch
+        from groundswell.peer.bench_codecs import pseudo_gradient
+
+        self.rank, self.n, self.conn, self.barrier = rank, n, conn, barrier
+        self.identity_path, self.params = identity_path, params
+        self.max_shards, self.deadline_s, self.slack_s = max_shards, deadline_s, slack_s
+        self.verbose = verbose
+        self.x = pseudo_gradient(params, seed + rank)
+        self.true_mean = None
+        if rank == 0:  # the true fp32 mean of all inputs (fp64 sum), for rel_error; outside any timing
+            total = torch.zeros(params, dtype=torch.float64)
+            for r in range(n):
+                total += (self.x if r == rank else pseudo_gradient(params, seed + r)).to(torch.float64)
+            self.true_mean = total.div_(n).to(torch.float32)
+            del total
+        self.node = None
+
+    def wait(self) -> None:
+        self.barrier.wait(BARRIER_TIMEOUT_S)
+
+    # gloo -------------------------------------------------------------------------------------
+    def gloo(self, port: int, warmup: int, repeats: int) -> dict:
+        import datetime
+
+        import torch
+        import torch.distributed as dist
+
+        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=self.rank,
+                                world_size=self.n, timeout=datetime.timedelta(seconds=300))
+        rounds = []
+        try:
+            inv = torch.tensor(1.0 / self.n, dtype=torch.float32)
+            for i in range(warmup + repeats):
+                buf = self.x.clone()
+                self.wait()
+                t0 = time.perf_counter()
+                dist.all_reduce(buf, op=dist.ReduceOp.SUM)
+                buf.mul_(inv)
+                t1 = time.perf_counter()
+                rounds.append({"warmup": i < warmup, "total_s": t1 - t0, "sha": tensor_sha256(buf),
+                               "rel_error": rel_error(buf, self.true_mean) if self.rank == 0 else None})
+                del buf
+            self.wait()
+        finally:
+            dist.destroy_process_group()
+        return {"rounds": rounds}
+
+    # swarm ------------------------------------------------------------------------------------
+    def start(self, codec_name: str, run_id: str, ids: list[str], initial_peers: list[str],
+              genesis: bytes | None, replicas: int | None = None) -> dict:
+        from groundswell.compression import make_codec, segment_bounds, segment_size
+        from groundswell.peer.run_state import RunContext
+        from groundswell.peer.swarm import NodeOptions, SwarmNode
+        from groundswell.protocol.identity import Identity
+        from groundswell.protocol.schema import Decision
+        from groundswell.protocol.transport import seal
+
+        identity = Identity.load(self.identity_path)
+        assert identity.peer_id == ids[self.rank]
+        self.ids = list(ids)
+        self.segment = segment_size(self.params, self.max_shards)
+        numels = tuple(b - a for a, b in segment_bounds(self.params, self.segment))
+        self.codec = make_codec(codec_name)
+        ctx = RunContext(run_id=run_id, min_peers=self.n, deadline_s=self.deadline_s, slack_s=self.slack_s,
+                         max_shards=self.max_shards, segment_numels=numels, codec=self.codec,
+                         max_payload_bytes=4 * self.params + 64 * len(numels) + 4096, allowlist=None,
+                         replicas=replicas)
+        self.node = SwarmNode(identity, self.identity_path,
+                              NodeOptions(host_maddrs=["/ip4/127.0.0.1/tcp/0"], initial_peers=initial_peers))
+        self.node.start()
+        child = getattr(getattr(self.node, "p2p", None), "_child", None)
+        self.conn.send(("p2pd", child.pid if child is not None else None))  # so the parent can always end it
+        self.node.attach(ctx)
+        if self.rank == 0:
+            decision = Decision(round=-1, attempt=0, status="commit", contributors=[], trainers=list(ids),
+                                servers=list(ids), leader=identity.peer_id, sources=[], num_shards=0,
+                                time=time.time())
+            genesis = seal(identity, run_id, decision)
+        assert genesis is not None
+        self.node.book.add(genesis)
+        return {"maddrs": [m for m in self.node.maddrs if "/ip4/127.0.0.1/" in m], "genesis": genesis,
+                "segments": len(numels)}
+
+    def rounds(self, warmup: int, repeats: int) -> dict:
+        from groundswell.compression import encode_segments
+
+        node, codec = self.node, self.codec
+        assert node is not None
+        timeout = 2 * self.deadline_s + 6 * self.slack_s + 60
+        out = []
+        time.sleep(0.2)
+        sent0, recv0 = node.transport.bytes_sent, node.transport.bytes_received
+        for r in range(warmup + repeats):
+            self.wait()
+            t0 = time.perf_counter()
+            segments = [p.to_bytes() for p in encode_segments(codec, self.x, self.segment)]
+            t1 = time.perf_counter()
+            outcome = node.call(node.client.run_attempt(r, None, segments, trains=True, serves=True), timeout)
+            t2 = time.perf_counter()
+            d = outcome.decision
+            if d is None or d.status != "commit" or len(d.contributors) != self.n:
+                raise RuntimeError(f"round {r}: no full commit on peer {self.rank}: "
+                                   f"{'no decision' if d is None else (d.status, len(d.contributors))}")
+            mean = node.call(node.client.fetch_aggregate(outcome.signed), timeout)
+            t3 = time.perf_counter()
+            del segments
+            self.wait()  # everyone holds the mean: the checks below must not slow a peer still fetching
+            sha = tensor_sha256(mean)
+            err = rel_error(mean, self.true_mean) if self.rank == 0 else None
+            del mean
+            self.wait()
+            time.sleep(0.2)  # let the last replies' counters land
+            sent, recv = node.transport.bytes_sent, node.transport.bytes_received
+            out.append({"warmup": r < warmup, "total_s": t3 - t0, "encode_s": t1 - t0, "exchange_s": t2 - t1,
+                        "fetch_decode_s": t3 - t2, "sent": sent - sent0, "received": recv - recv0, "sha": sha,
+                        "rel_error": err, "delivered": outcome.delivered})
+            sent0, recv0 = sent, recv
+        return {"rounds": out}
+
+    def floor(self, warmup: int, repeats: int) -> dict:
+        """Rounds of bare fp32 bytes over the started node's p2pd streams (see `_p2p_floor`)."""
+        from _p2p_floor import Floor
+
+        node = self.node
+        assert node is not None
+        floor = Floor(node.p2p, self.rank, self.n, memoryview(self.x.numpy()).cast("B"))
+        node.call(floor.serve(), 30)
+        out = []
+        for r in range(warmup + repeats):
+            self.wait()  # also: every peer serves the floor before anyone sends
+            t0 = time.perf_counter()
+            node.call(floor.round(self.ids, r, 600), 660)
+            out.append({"warmup": r < warmup, "total_s": time.perf_counter() - t0, "sha": "", "rel_error": None,
+                        "received": floor.received[r], "expected": floor.expected_bytes()})
+        self.wait()  # nobody leaves while a slower peer still sends to it
+        return {"rounds": out}
+
+    def close(self) -> dict:
+        import logging
+
+        if self.node is not None:
+            node, self.node = self.node, None
+            # Closing cancels hivemind's stream callbacks, which asyncio reports at ERROR; the
+            # measurements are done by now, so keep that noise out of the output.
+            asyncio_log = logging.getLogger("asyncio")
+            level = asyncio_log.level
+            if not self.verbose:
+                asyncio_log.setLevel(logging.CRITICAL)
+            try:
+                node.close()
+            finally:
+                asyncio_log.setLevel(level)
+        return {}
+
+
+def worker_main(rank: int, n: int, conn: Any, barrier: Any, identity_path: str, params: int, seed: int,
+                 max_shards: int, deadline_s: float, slack_s: float, verbose: bool) -> None:
+    import logging
+
+    os.environ["OMP_WAIT_POLICY"] = "PASSIVE"
+    logging.basicConfig(level=logging.INFO if verbose else logging.WARNING,
+                        format=f"[peer {rank}] %(levelname)s %(name)s: %(message)s")
+    import torch
+
+    torch.set_num_threads(1)
+    worker = None
+    try:
+        worker = _Worker(rank, n, conn, barrier, identity_path, params, seed, max_shards, deadline_s, slack_s, verbose)
+        conn.send(("ok", {}))
+        while True:
+            cmd, kwargs = conn.recv()
+            if cmd == "exit":
+                break
+            try:
+                conn.send(("ok", getattr(worker, cmd)(**kwargs)))
+            except BaseException:
+                barrier.abort()  # the others must not wait for this peer at the next barrier
+                conn.send(("error", traceback.format_exc()))
+    except (EOFError, KeyboardInterrupt):  # the parent is gone or interrupted us: just clean up
+        pass
+    except BaseException:
+        barrier.abort()
+        with contextlib.suppress(OSError, ValueError):  # the parent may be gone already
+            conn.send(("error", traceback.format_exc()))
+    finally:
+        if worker is not None:
+            try:
+                worker.close()
+            except Exception as exc:
+                print(f"[peer {rank}] close failed: {exc!r}", file=sys.stderr, flush=True)
