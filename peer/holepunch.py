@@ -150,14 +150,8 @@ class PunchTarget:
             return PunchInviteReply(False, "only a bootstrap peer may ask for a punch")
         if msg.dialer in self.pending:
             return PunchInviteReply(False, "a punch for this dialer is under way")
-        if msg.dialer in self.live:
-            # One punched connection per dialer. A dialer asks again only when it has lost the old
-            # one (its daemon restarted, its NAT dropped the mapping) while our end still looks
-            # alive, so the old forward gives way (refusing cost the dialer a long backoff).
-            await self._drop_forward(msg.dialer)
-            if msg.dialer in self.live:
-                return PunchInviteReply(False, "already connected to this dialer through a punch")
-        if len(self.pending) >= MAX_PENDING or len(self.live) >= MAX_FORWARDED:
+        replacing = msg.dialer in self.live
+        if len(self.pending) >= MAX_PENDING or (len(self.live) >= MAX_FORWARDED and not replacing):
             return PunchInviteReply(False, "busy")
         targets = tcp_targets([msg.address])
         if not targets or not punchable(targets[0][0]):
@@ -168,26 +162,37 @@ class PunchTarget:
             sock = socket.socket(family, socket.SOCK_STREAM)
         except OSError as exc:  # out of file descriptors, say
             return PunchInviteReply(False, f"cannot punch: {exc.strerror or exc}")
+        self.pending.add(msg.dialer)  # ours from here: another invite for this dialer is refused meanwhile
+        started = False
         try:
-            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
-            sock.bind(("::" if family == socket.AF_INET6 else "0.0.0.0", self.listen_port))
-            sock.setblocking(False)
-            err = sock.connect_ex((host, port))  # the SYN leaves now
-        except OSError as exc:
-            sock.close()
-            return PunchInviteReply(False, f"cannot punch: {exc.strerror or exc}")
-        if err not in (0, errno.EINPROGRESS):
-            sock.close()
-            return PunchInviteReply(False, f"cannot punch: {errno.errorcode.get(err, err)}")
-        self.pending.add(msg.dialer)
-        try:
-            self.tasks.create_task(self._complete(sock, msg.dialer))
-        except RuntimeError:  # the node is shutting down
-            self.pending.discard(msg.dialer)
-            sock.close()
-            return PunchInviteReply(False, "shutting down")
-        return PunchInviteReply(True, "")
+            if replacing:
+                # One punched connection per dialer. A dialer asks again only when it has lost the
+                # old one (its daemon restarted, its NAT dropped the mapping) while our end still
+                # looks alive, so the old forward gives way (refusing cost the dialer a long
+                # backoff). Only now, with the new punch checked and its socket in hand.
+                await self._drop_forward(msg.dialer)
+                if msg.dialer in self.live:
+                    return PunchInviteReply(False, "already connected to this dialer through a punch")
+            try:
+                sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+                sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
+                sock.bind(("::" if family == socket.AF_INET6 else "0.0.0.0", self.listen_port))
+                sock.setblocking(False)
+                err = sock.connect_ex((host, port))  # the SYN leaves now
+            except OSError as exc:
+                return PunchInviteReply(False, f"cannot punch: {exc.strerror or exc}")
+            if err not in (0, errno.EINPROGRESS):
+                return PunchInviteReply(False, f"cannot punch: {errno.errorcode.get(err, err)}")
+            try:
+                self.tasks.create_task(self._complete(sock, msg.dialer))
+            except RuntimeError:  # the node is shutting down
+                return PunchInviteReply(False, "shutting down")
+            started = True  # the task owns the socket and the pending slot now
+            return PunchInviteReply(True, "")
+        finally:
+            if not started:
+                self.pending.discard(msg.dialer)
+                sock.close()
 
     async def _complete(self, sock: socket.socket, dialer: str) -> None:
         try:

@@ -53,6 +53,7 @@ from .reachability import (
 )
 from .records import PeerRecords
 from .run_state import GlobalState, RunContext
+from .state_trust import state_timeout_s
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -221,7 +222,8 @@ class SwarmNode(PeerRecords):
         self.client = RoundClient(self.server, self.holders)
         self.server.prefetch = self.client.hold_aggregate
         self.server.individual = self.client.gather_contributions
-        await self.transport.serve("get-state", StateRequest, self._on_state, max_request=4096, trailer=True)
+        await self.transport.serve("get-state", StateRequest, self._on_state, max_request=4096, trailer=True,
+                                   timeout_s=state_timeout_s(sum(ctx.segment_numels)))  # as long as a joiner waits
         self._tasks.create_task(self._heartbeat())
         if self.reachability == "private" and self.options.hole_punch:
             self.puncher = PunchScheduler(self.identity.peer_id, self._bootstrap_ids(), self.p2p,

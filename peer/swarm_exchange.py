@@ -124,15 +124,18 @@ class SwarmExchange:
     async def counts_ours(self, round_id: int, segments: list[bytes]) -> bool | None:
         """Did round `round_id`'s commit count these segments? The commit is asked of a few peers
         that applied the round if this peer does not hold it (it took a later state meanwhile).
+        Bounded by one request timeout (ask_decision answers b"" on any failure).
         None: not known here (no holder had it, or its digests cannot be checked here)."""
         book, client = self.node.book, self.node.client
         if book is None or client is None:
             return None
-        if round_id not in book.committed:
-            for peer in self.node.holders(round_id)[:ASK_HOLDERS]:
-                # a commit is checked against its signatures and goes into the book (ask_decision)
-                if await client.ask_decision(peer, round_id, 0, 0.0) and round_id in book.committed:
-                    break
+        # The commit, and the round before's (it fixes the attempt's plan, without which our
+        # digests in the commit cannot be found): asked of a few peers that applied the round, at
+        # once; a commit is checked against its signatures and goes into the book (ask_decision).
+        missing = [r for r in (round_id - 1, round_id) if r >= 0 and r not in book.committed]
+        if missing:
+            holders = self.node.holders(round_id)[:ASK_HOLDERS]
+            await asyncio.gather(*(client.ask_decision(peer, r, 0, 0.0) for r in missing for peer in holders))
         committed = book.committed.get(round_id)
         if committed is None:
             return None

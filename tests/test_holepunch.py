@@ -461,3 +461,50 @@ def test_punch_requests_arriving_together_wait_for_one_refresh_of_the_records():
 
     assert asyncio.run(go()) == [True, True, False, False]
     assert refreshes == [1]
+
+
+def test_an_invite_that_is_refused_leaves_the_dialers_old_forward_alone():
+    async def go():
+        async with asyncio.TaskGroup() as tasks:
+            old = tasks.create_task(asyncio.sleep(30))  # stands in for the live forward
+            target = PunchTarget(_free_port(), "127.0.0.1", frozenset({"boot"}), tasks, live={"dialer"})
+            target._forwards["dialer"] = (old, socket.socket())
+            reply = await target.handle("boot", PunchInvite("dialer", "/ip4/127.0.0.1/tcp/4001"))  # our own machine
+            alive = not old.done()
+            target._forwards["dialer"][1].close()
+            old.cancel()
+            return reply, alive, target
+
+    reply, alive, target = asyncio.run(go())
+    assert reply == PunchInviteReply(False, "not a TCP address one may punch to")
+    assert alive and target.live == {"dialer"} and target.pending == set()
+
+
+def test_two_invites_for_one_dialer_at_once_make_one_punch(monkeypatch):
+    """The second arrives while the first waits for the dialer's old forward to go: it is refused
+    instead of punching twice (two forwards for one dialer, one of them untracked)."""
+    monkeypatch.setattr(holepunch, "punchable", lambda host: True)
+    calls: list[str] = []
+
+    async def go():
+        gate = asyncio.Event()
+
+        async def slow_drop(dialer):  # the old forward takes a while to go
+            calls.append(dialer)
+            await gate.wait()
+            target.live.discard(dialer)
+
+        async with asyncio.TaskGroup() as tasks:
+            target = PunchTarget(_free_port(), "127.0.0.1", frozenset({"boot"}), tasks, live={"dialer"})
+            target._drop_forward = slow_drop
+            first = tasks.create_task(target.handle("boot", PunchInvite("dialer", "/ip4/127.0.0.1/tcp/9")))
+            await asyncio.sleep(0.05)
+            second = await target.handle("boot", PunchInvite("dialer", "/ip4/127.0.0.1/tcp/9"))
+            gate.set()
+            first_reply = await first
+            await asyncio.sleep(0.05)
+        return first_reply, second
+
+    first, second = asyncio.run(go())
+    assert second == PunchInviteReply(False, "a punch for this dialer is under way")
+    assert first.ok and calls == ["dialer"]

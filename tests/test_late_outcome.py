@@ -136,7 +136,7 @@ def test_a_commit_this_peer_does_not_hold_is_asked_of_the_peers_that_applied_the
     book = SimpleNamespace(committed={})
 
     async def ask_decision(peer, round_id, attempt, wait_s):
-        asked.append(peer)
+        asked.append((peer, round_id))
         if peer in holding:  # a checked commit goes into the book, as the real client does
             book.committed[round_id] = (b"signed", SimpleNamespace(round=round_id))
             return b"signed"
@@ -152,4 +152,9 @@ def test_a_commit_this_peer_does_not_hold_is_asked_of_the_peers_that_applied_the
     node.holders = lambda round_id: ["a", "b", "c", "d", "e"]
     ex = SwarmExchange(node)  # type: ignore[arg-type]
     assert asyncio.run(ex.counts_ours(5, [b"x"])) is expected
-    assert asked == (["a", "b"] if holding else ["a", "b", "c"])  # stops at the first holder; asks a few at most
+    # a few holders at most, for the round's commit and the one before (which fixes its plan)
+    assert sorted(asked) == sorted((p, r) for p in ("a", "b", "c") for r in (4, 5))
+    asked.clear()
+    book.committed[4] = (b"signed", SimpleNamespace(round=4))
+    asyncio.run(ex.counts_ours(5, [b"x"]))
+    assert {r for _, r in asked} <= {5}  # only what is missing is asked for
