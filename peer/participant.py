@@ -303,9 +303,14 @@ class Participant:
         return applied
 
     def agrees_with_swarm(self) -> bool:
-        """False if most peers' published hashes, for rounds this peer also went through, differ
-        from this peer's own hash of the same round (it then re-syncs)."""
+        """False if the coordinator's published hash (else most peers'), for a round this peer also
+        went through, differs from this peer's own hash of that round (it then re-syncs)."""
         records = self.node._cached_records
+        signer = records.get(self.coordinator_id)
+        if signer is not None and self.coordinator_id != self.identity.peer_id \
+                and signer.round in self.hash_history and signer.params_hash:
+            # the coordinator's word, where it has one, decides (as when a state is downloaded)
+            return signer.params_hash == self.hash_history[signer.round]
         comparable = [r.params_hash == self.hash_history[r.round] for pid, r in records.items()
                       if pid != self.identity.peer_id and r.round in self.hash_history and r.params_hash]
         return not comparable or sum(comparable) * 2 >= len(comparable)

@@ -75,7 +75,8 @@ class StateCheck:
 
     async def _check_with_swarm(self, round_id: int, state_hash: str, server: str,
                                 records: Callable[[], Awaitable[dict[str, Any]]]) -> None:
-        # Cross-check against what other peers published for that round (majority wins). Neither
+        # Cross-check against what other peers published for that round (the coordinator's record
+        # if it has one for that round, else the majority). Neither
         # the server's word nor ours counts; in a closed run only its members' (and the
         # coordinator's) do. Records lag the rounds by a heartbeat or two, so a state nobody has
         # confirmed yet is taken if it is at most UNCONFIRMED_LEAD rounds past every other
@@ -88,6 +89,14 @@ class StateCheck:
         except Exception as exc:  # the DHT failing (any error of hivemind's): cannot check, not the server's fault
             raise ProtocolError(f"cannot read the swarm's published hashes to check the state: {exc!r}",
                                 reason="unchecked", strike=False) from None
+        signer = published.get(self.coordinator) if self.coordinator not in (self.me, server) else None
+        if signer is not None and signer.round == round_id and signer.params_hash:
+            # The coordinator signed the run's manifest and its record is signed by its own key:
+            # where it published this round's hash, that decides, whatever the other records say
+            # (in an open run anyone can publish as many records as they like).
+            if signer.params_hash != state_hash:
+                raise ProtocolError("state disagrees with the coordinator's published hash", strike=False)
+            return
         voters = [r for pid, r in published.items() if self.vote_counts(pid, server) and r.params_hash]
         hashes = [r.params_hash for r in voters if r.round == round_id]
         agree = hashes.count(state_hash)

@@ -239,3 +239,39 @@ def test_a_big_models_state_sync_gets_time_in_proportion_to_its_size():
     assert sync_timeout_s(25_000_000) == 600.0  # small states: the fixed ten minutes
     big = 1_000_000_000  # an 8 GB DiLoCo state: one peer alone may take longer than ten minutes
     assert state_timeout_s(big) > 600 and sync_timeout_s(big) >= 3 * state_timeout_s(big)
+
+
+def test_the_coordinators_published_hash_outweighs_any_number_of_other_records(participant):
+    """In an open run anyone can publish records under as many identities as they like: where
+    the coordinator (the manifest's signer, whose record only its key can sign) has published the
+    round's hash, that decides."""
+    p, coord = participant, participant.coordinator_id
+    sybils = {f"s{i}": "good" for i in range(5)}
+    with pytest.raises(ProtocolError, match="disagrees with the coordinator's published hash"):
+        _check(p, {**sybils, coord: "e" * 64}, "server")
+    honest = {f"s{i}": "e" * 64 for i in range(5)}
+    assert _check(p, {**honest, coord: "good"}, "server").round == 0
+    # the coordinator's record of another round says nothing about this one: the majority decides
+    with pytest.raises(ProtocolError, match="disagrees with the swarm's published hash"):
+        _check(p, {**honest, coord: (7, "good")}, "server")
+
+
+def test_after_a_round_the_coordinators_hash_decides_whether_a_peer_re_syncs(participant):
+    p, coord = participant, participant.coordinator_id
+    p.hash_history = {4: "ours"}
+    rec = lambda r, h: SimpleNamespace(round=r, params_hash=h)  # noqa: E731
+    p.node = SimpleNamespace(_cached_records={coord: rec(4, "ours"), "a": rec(4, "x"), "b": rec(4, "x")})
+    assert p.agrees_with_swarm()  # outvoted, but the coordinator agrees
+    p.node._cached_records[coord] = rec(4, "theirs")
+    assert not p.agrees_with_swarm()
+    p.node._cached_records[coord] = rec(9, "later")  # no word on round 4: the majority decides
+    assert not p.agrees_with_swarm()
+    p.node._cached_records.update(a=rec(4, "ours"), b=rec(4, "ours"))
+    assert p.agrees_with_swarm()
+
+
+def test_a_coordinator_checking_a_state_does_not_take_its_own_record_as_the_coordinators_word(participant):
+    p = participant
+    p.coordinator_id = p.identity.peer_id  # this peer is the coordinator, restarting
+    with pytest.raises(ProtocolError, match="disagrees with the swarm's published hash"):
+        _check(p, {p.identity.peer_id: "good", "a": "e" * 64}, "server")
