@@ -48,3 +48,15 @@ def make_cluster():
     yield make
     for c in made:
         c.close()
+
+
+@pytest.fixture(scope="module")
+def net(tmp_path_factory):
+    """Two real libp2p daemons on loopback (tests/p2p_net.py), one pair per test module."""
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).parent))
+    from p2p_net import open_net
+
+    yield from open_net(tmp_path_factory)

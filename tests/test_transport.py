@@ -1,23 +1,14 @@
-"""Signed request/response between two real libp2p daemons (p2pd) on 127.0.0.1.
-
-Both daemons run with `nat_port_map=False` (no UPnP/NAT-PMP probing of the LAN) and listen on
-loopback only; every p2pd started here is stopped in the fixture's `finally`, and any that
-survives `shutdown()` is killed by pid.
-"""
+"""Signed request/response between two real libp2p daemons: replies, timeouts, unary vs stream paths, bulk."""
 
 from __future__ import annotations
 
 import asyncio
 import os
-import signal
 import struct
+import sys
 import time
-from collections.abc import Awaitable, Callable
-from contextlib import suppress
-from dataclasses import dataclass
+from pathlib import Path
 from typing import Any, Self
-
-os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
 import pytest
 from blake3 import blake3
@@ -29,121 +20,12 @@ from groundswell.protocol.transport import (
     PeerDead,
     PeerGone,
     PeerUnavailable,
-    Transport,
-    seal,
-    unseal,
 )
 
+sys.path.insert(0, str(Path(__file__).parent))
+from p2p_net import RUN, Net, _p2pd_children, _refused, _serve
+
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(120)]
-
-RUN = "run-x"
-LOOPBACK = ["/ip4/127.0.0.1/tcp/0"]
-
-
-def _p2pd_children() -> set[int]:
-    """Pids of p2pd processes that are children of this test process."""
-    me, out = os.getpid(), set()
-    for entry in os.listdir("/proc"):
-        if not entry.isdigit():
-            continue
-        try:
-            with open(f"/proc/{entry}/stat") as f:
-                stat = f.read()
-        except OSError:
-            continue
-        comm = stat[stat.index("(") + 1: stat.rindex(")")]
-        ppid = int(stat[stat.rindex(")") + 2:].split()[1])
-        if ppid == me and comm.startswith("p2pd"):
-            out.add(int(entry))
-    return out
-
-
-@dataclass
-class Net:
-    loop: asyncio.AbstractEventLoop
-    a: Any  # P2P, the server side in most tests
-    b: Any  # P2P, bootstrapped from a
-    id_a: Identity
-    id_b: Identity
-    ta: Transport
-    tb: Transport
-
-    def run(self, coro: Awaitable, timeout: float = 60.0) -> Any:
-        return self.loop.run_until_complete(asyncio.wait_for(coro, timeout))
-
-
-@pytest.fixture(scope="module")
-def net(tmp_path_factory):
-    from hivemind.p2p import P2P
-
-    tmp = tmp_path_factory.mktemp("p2p")
-    loop = asyncio.new_event_loop()
-    before = _p2pd_children()
-    started: list[Any] = []
-    try:
-        id_a, id_b = Identity.generate(), Identity.generate()
-        id_a.save(tmp / "a.key")
-        id_b.save(tmp / "b.key")
-
-        async def create(path, **kwargs):
-            p2p = await P2P.create(host_maddrs=LOOPBACK, nat_port_map=False, identity_path=str(path),
-                                   check_if_identity_free=False, **kwargs)
-            started.append(p2p)
-            return p2p
-
-        a = loop.run_until_complete(asyncio.wait_for(create(tmp / "a.key"), 60))
-        maddrs = loop.run_until_complete(a.get_visible_maddrs())
-        assert maddrs and all(str(m).startswith("/ip4/127.0.0.1/") for m in maddrs)
-        b = loop.run_until_complete(asyncio.wait_for(create(tmp / "b.key", initial_peers=maddrs), 60))
-        yield Net(loop, a, b, id_a, id_b, Transport(a, id_a, RUN), Transport(b, id_b, RUN))
-    finally:
-        try:
-            for p2p in started:
-                with suppress(Exception):
-                    loop.run_until_complete(asyncio.wait_for(p2p.shutdown(), 15))
-            pending = [t for t in asyncio.all_tasks(loop) if not t.done()]
-            for task in pending:
-                task.cancel()
-            if pending:
-                with suppress(Exception):
-                    loop.run_until_complete(asyncio.wait(pending, timeout=5))
-        finally:
-            for pid in _p2pd_children() - before:  # whatever shutdown() missed, by pid
-                with suppress(ProcessLookupError):
-                    os.kill(pid, signal.SIGKILL)
-                with suppress(ChildProcessError):
-                    os.waitpid(pid, 0)
-            loop.close()
-
-
-def _refused(transport: Transport, handler: str) -> int:
-    """Inbound requests of `handler` refused for any reason."""
-    return sum(n for key, n in transport.rejected.items() if key.endswith(":" + handler))
-
-
-async def _send_raw(net: Net, handler: str, frame: bytes) -> bytes:
-    """Send a's handler one raw length-prefixed frame from b; the reply frame, or b"" if a closed
-    the stream without one (a handler keeps a stream it answered open until the caller closes)."""
-    from hivemind.p2p import PeerID
-
-    _, reader, writer = await net.b.call_binary_stream_handler(
-        PeerID.from_base58(net.id_a.peer_id), net.ta._name(handler))
-    try:
-        writer.write(struct.pack(">Q", len(frame)) + frame)
-        await writer.drain()
-        async with asyncio.timeout(15):
-            head = await reader.read(8)
-            if not head:
-                return b""
-            head += await reader.readexactly(8 - len(head))
-            return head + await reader.readexactly(struct.unpack(">Q", head)[0])
-    finally:
-        writer.close()
-
-
-def _serve(net: Net, transport: Transport, name: str, expect: Any,
-           fn: Callable[[str, Any], Awaitable[Any]], **kwargs) -> None:
-    net.run(transport.serve(name, expect, fn, **kwargs))
 
 
 def test_peer_ids_come_from_identity_files(net):
@@ -209,113 +91,6 @@ def test_unknown_handler_fails_fast(net):
     with pytest.raises(PeerUnavailable):
         net.run(net.tb.request(net.id_a.peer_id, "no-such-handler", Join(0, True, True), Ack, timeout_s=30))
     assert time.monotonic() - t0 < 10.0  # refused by the remote daemon, not left to time out
-
-
-def test_oversized_frame_rejected_before_reading(net):
-    calls = []
-
-    async def small(sender: str, req: Join) -> Ack:
-        calls.append(req)
-        return Ack(True, "ok")
-
-    _serve(net, net.ta, "small", Join, small, max_request=1024)
-    key = "oversized:small"
-    from hivemind.p2p import PeerID
-
-    async def raw(declared: int, payload: bytes = b"") -> bytes:
-        _, reader, writer = await net.b.call_binary_stream_handler(
-            PeerID.from_base58(net.id_a.peer_id), net.ta._name("small"))
-        try:
-            writer.write(struct.pack(">Q", declared) + payload)
-            await writer.drain()
-            # the 2**40 bytes never come: only a server that refused without reading closes now
-            return await asyncio.wait_for(reader.read(), 15)
-        finally:
-            writer.close()
-
-    for n, declared in enumerate([1 << 40, (1 << 64) - 1, 1024 + 512 + 1], start=1):
-        t0 = time.monotonic()
-        assert net.run(raw(declared)) == b""  # closed with no reply
-        assert time.monotonic() - t0 < 10.0
-        assert net.ta.rejected[key] == n
-    assert calls == []
-    # the server still answers a normal request afterwards
-    assert net.run(net.tb.request(net.id_a.peer_id, "small", Join(2, True, False), Ack, timeout_s=30)) == Ack(True, "ok")
-    assert calls == [Join(2, True, False)]
-    # a request whose signed envelope is over max_request is refused by the same handler
-    with pytest.raises(PeerUnavailable):
-        net.run(net.tb.request(net.id_a.peer_id, "small", DecisionReply(b"x" * 2000), Ack, timeout_s=30))
-    assert net.ta.rejected[key] == 4 and len(calls) == 1
-
-
-def test_garbage_and_foreign_envelopes_rejected_by_server(net):
-    calls = []
-
-    async def handler(sender: str, req: Join) -> Ack:
-        calls.append(sender)
-        return Ack(True, "ok")
-
-    _serve(net, net.ta, "strict", Join, handler)
-
-    def send(frame: bytes) -> Awaitable[bytes]:
-        return _send_raw(net, "strict", frame)
-
-    frames = [
-        b"\x00garbage",
-        seal(net.id_b, "run-y", Join(0, True, True)),  # right signer, wrong run
-        seal(Identity.generate(), RUN, Join(0, True, True)),  # valid signature, but not the stream's peer
-        seal(net.id_a, RUN, Join(0, True, True)),  # a's own key, replayed by b
-        seal(net.id_b, RUN, Ack(True, "x")),  # right signer, wrong kind
-    ]
-    for n, frame in enumerate(frames, start=1):
-        assert net.run(send(frame)) == b""
-        assert _refused(net.ta, "strict") == n
-    assert calls == []
-    assert net.run(send(seal(net.id_b, RUN, Join(0, True, True)))) != b""  # the raw path itself works
-    assert calls == [net.id_b.peer_id]
-
-
-def test_request_signed_by_another_identity_is_refused(net):
-    async def handler(sender: str, req: Join) -> Ack:
-        return Ack(True, "ok")
-
-    _serve(net, net.ta, "who", Join, handler)
-    impostor = Transport(net.b, Identity.generate(), RUN)  # b's daemon, someone else's key
-    with pytest.raises(PeerUnavailable):
-        net.run(impostor.request(net.id_a.peer_id, "who", Join(0, True, True), Ack, timeout_s=30))
-    assert net.ta.rejected["bad-signature:who"] == 1
-    assert net.run(net.tb.request(net.id_a.peer_id, "who", Join(0, True, True), Ack, timeout_s=30)).ok
-
-
-def test_reply_signed_by_another_identity_is_refused(net):
-    impostor = Transport(net.a, Identity.generate(), RUN)  # a's daemon answers with someone else's key
-
-    async def handler(sender: str, req: Join) -> Ack:
-        return Ack(True, "signed by the wrong key")
-
-    _serve(net, impostor, "forged-reply", Join, handler)
-    with pytest.raises(PeerUnavailable, match="bad"):
-        net.run(net.tb.request(net.id_a.peer_id, "forged-reply", Join(0, True, True), Ack, timeout_s=30))
-    assert net.tb.rejected_replies["bad-signature:forged-reply"] == 1
-    # the same check, directly: a validly signed envelope from another key is not the stream's peer
-    reply = seal(impostor.identity, RUN, Ack(True, "x"))
-    assert unseal(reply, RUN, Ack)[0] == impostor.identity.peer_id
-    with pytest.raises(ProtocolError, match="sender"):
-        unseal(reply, RUN, Ack, sender=net.id_a.peer_id)
-
-
-def test_other_run_cannot_talk(net):
-    async def handler(sender: str, req: Join) -> Ack:
-        return Ack(True, "ok")
-
-    _serve(net, net.ta, "run-check", Join, handler)
-    other = Transport(net.b, net.id_b, "run-y")
-    assert other._name("run-check") != net.tb._name("run-check")
-    t0 = time.monotonic()
-    with pytest.raises(PeerUnavailable):
-        net.run(other.request(net.id_a.peer_id, "run-check", Join(0, True, True), Ack, timeout_s=30))
-    assert time.monotonic() - t0 < 10.0
-    assert net.run(net.tb.request(net.id_a.peer_id, "run-check", Join(0, True, True), Ack, timeout_s=30)).ok
 
 
 def test_unreachable_peer_is_peer_unavailable(net):
@@ -435,35 +210,6 @@ def test_a_unary_call_its_caller_gave_up_on_leaves_nothing_behind(net):
     assert len(entered) == 3
     assert net.ta.guard._peers[net.id_b.peer_id].streams == 0  # every slot it took is released
     release.set()
-
-
-def test_a_replayed_or_stale_request_is_dropped_and_counted(net):
-    calls = []
-
-    async def handler(sender: str, req: Join) -> Ack:
-        calls.append(req)
-        return Ack(True, "ok")
-
-    _serve(net, net.ta, "once", Join, handler)
-
-    def send(frame: bytes) -> Awaitable[bytes]:
-        return _send_raw(net, "once", frame)
-
-    frame = seal(net.id_b, RUN, Join(5, True, True))
-    assert net.run(send(frame)) != b""  # first time: answered
-    assert net.run(send(frame)) == b""  # the same signed bytes again: dropped
-    assert net.ta.rejected["replayed:once"] == 1 and len(calls) == 1
-    # validly signed, but stamped ten minutes ago (a message captured and held back)
-    import msgpack
-    from groundswell.protocol.schema import PROTOCOL_VERSION, encode_message
-    from groundswell.protocol.transport import Envelope
-
-    env = Envelope(RUN, net.id_b.peer_id, os.urandom(16), time.time() - 600, encode_message(Join(5, True, True)), b"")
-    old = msgpack.packb([PROTOCOL_VERSION, RUN, env.sender, env.nonce, env.timestamp, env.body,
-                         net.id_b.sign(env.signed_part())], use_bin_type=True)
-    assert net.run(send(old)) == b""
-    assert net.ta.rejected["stale-message:once"] == 1 and len(calls) == 1
-    assert net.run(net.tb.request(net.id_a.peer_id, "once", Join(6, True, True), Ack, timeout_s=30)).ok
 
 
 def test_a_bulk_trailer_arrives_whole_and_its_announced_size_is_enforced(net):
