@@ -4,14 +4,13 @@ for over a pipe, and reporting each round's time, mean hash and error."""
 
 from __future__ import annotations
 
-import contextlib
 import hashlib
 import os
 import socket
-import sys
 import time
-import traceback
 from typing import Any
+
+from _procs import quiet_close, serve_commands
 
 BARRIER_TIMEOUT_S = 900.0
 
@@ -181,20 +180,9 @@ class _Worker:
         return {"rounds": out}
 
     def close(self) -> dict:
-        import logging
-
         if self.node is not None:
             node, self.node = self.node, None
-            # Closing cancels hivemind's stream callbacks, which asyncio reports at ERROR; the
-            # measurements are done by now, so keep that noise out of the output.
-            asyncio_log = logging.getLogger("asyncio")
-            level = asyncio_log.level
-            if not self.verbose:
-                asyncio_log.setLevel(logging.CRITICAL)
-            try:
-                node.close()
-            finally:
-                asyncio_log.setLevel(level)
+            quiet_close(node, self.verbose)
         return {}
 
 
@@ -208,28 +196,6 @@ def worker_main(rank: int, n: int, conn: Any, barrier: Any, identity_path: str, 
     import torch
 
     torch.set_num_threads(1)
-    worker = None
-    try:
-        worker = _Worker(rank, n, conn, barrier, identity_path, params, seed, max_shards, deadline_s, slack_s, verbose)
-        conn.send(("ok", {}))
-        while True:
-            cmd, kwargs = conn.recv()
-            if cmd == "exit":
-                break
-            try:
-                conn.send(("ok", getattr(worker, cmd)(**kwargs)))
-            except BaseException:
-                barrier.abort()  # the others must not wait for this peer at the next barrier
-                conn.send(("error", traceback.format_exc()))
-    except (EOFError, KeyboardInterrupt):  # the parent is gone or interrupted us: just clean up
-        pass
-    except BaseException:
-        barrier.abort()
-        with contextlib.suppress(OSError, ValueError):  # the parent may be gone already
-            conn.send(("error", traceback.format_exc()))
-    finally:
-        if worker is not None:
-            try:
-                worker.close()
-            except Exception as exc:
-                print(f"[peer {rank}] close failed: {exc!r}", file=sys.stderr, flush=True)
+    serve_commands(lambda: _Worker(rank, n, conn, barrier, identity_path, params, seed, max_shards, deadline_s,
+                                   slack_s, verbose),
+                   conn, f"peer {rank}", on_error=barrier.abort)  # the others must not wait for a failed peer

@@ -9,10 +9,10 @@ import socket
 import statistics
 import threading
 import time
-import traceback
 from collections.abc import Callable, Sequence
 from typing import Any
 
+from _procs import quiet_close, serve_commands
 from groundswell.protocol.digests import bulk_hasher
 
 RUN_ID = "bench"
@@ -48,20 +48,6 @@ def _context(params: int, members: Sequence[str]) -> Any:
     return RunContext(run_id=RUN_ID, min_peers=1, deadline_s=30.0, slack_s=5.0, max_shards=16,
                       segment_numels=numels, codec=make_codec("fp32"), max_payload_bytes=4 * params + (1 << 20),
                       allowlist=members, state_readers=members)
-
-
-def _quiet_close(node: Any, verbose: bool) -> None:
-    """Close a node; closing cancels hivemind's stream callbacks, which asyncio logs at ERROR."""
-    import logging
-
-    asyncio_log = logging.getLogger("asyncio")
-    level = asyncio_log.level
-    if not verbose:
-        asyncio_log.setLevel(logging.CRITICAL)
-    try:
-        node.close()
-    finally:
-        asyncio_log.setLevel(level)
 
 
 def _maxreply(params: int) -> int:
@@ -182,7 +168,7 @@ class _Server:
         self.tcp_stop()
         if self.node is not None:
             node, self.node = self.node, None
-            _quiet_close(node, self.verbose)
+            quiet_close(node, self.verbose)
         return {}
 
 
@@ -322,7 +308,7 @@ class _Client:
     def close(self) -> dict:
         if self.node is not None:
             node, self.node = self.node, None
-            _quiet_close(node, self.verbose)
+            quiet_close(node, self.verbose)
         return {}
 
 
@@ -335,28 +321,5 @@ def worker_main(role: str, conn: Any, tmp: str, params: int, seed: int, verbose:
     import torch
 
     torch.set_num_threads(1)
-    worker = None
-    try:
-        worker = _Server(conn, tmp, params, seed, verbose) if role == "server" else _Client(conn, tmp, params, verbose)
-        conn.send(("ok", {}))
-        while True:
-            cmd, kwargs = conn.recv()
-            if cmd == "exit":
-                break
-            try:
-                conn.send(("ok", getattr(worker, cmd)(**kwargs)))
-            except BaseException:
-                conn.send(("error", traceback.format_exc()))
-    except (EOFError, KeyboardInterrupt):
-        pass
-    except BaseException:
-        try:
-            conn.send(("error", traceback.format_exc()))
-        except Exception:
-            pass
-    finally:
-        if worker is not None:
-            try:
-                worker.close()
-            except Exception:
-                pass
+    serve_commands(lambda: _Server(conn, tmp, params, seed, verbose) if role == "server" else
+                   _Client(conn, tmp, params, verbose), conn, role)
