@@ -1,6 +1,6 @@
 """Round liveness under churn, on real nodes (libp2p streams over 127.0.0.1): what keeps a round
 committing on its first attempt when aggregators and contributors die, freeze, fall behind or
-restart mid-round. Faults of the attempt's leaders are in test_leader_faults.py.
+restart mid-round. Faults of the attempt's leaders are in test_leader_faults.py and test_leader_claims.py.
 
 Each test fails on the code before its fix and ends by comparing what the peers hold.
 """
