@@ -25,10 +25,10 @@ from groundswell.optim import (
     copy_into_parameters,
 )
 from groundswell.protocol.client import RoundBehind
+from groundswell.protocol.envelope import seal, unseal
 from groundswell.protocol.guard import Limits
 from groundswell.protocol.identity import Identity
 from groundswell.protocol.schema import Decision, ProtocolError
-from groundswell.protocol.transport import seal, unseal
 
 from .config import ConfigError
 from .data import Corpus, evaluate, heldout_batches, load_corpus

@@ -11,8 +11,8 @@ import time
 from concurrent.futures import Future
 from typing import Any
 
+from groundswell.protocol.envelope import seal, unseal
 from groundswell.protocol.schema import PeerRecord, ProtocolError
-from groundswell.protocol.transport import seal, unseal
 
 log = logging.getLogger(__name__)
 HEARTBEAT_S = 2.0

@@ -14,8 +14,9 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
+from groundswell.protocol.envelope import unseal
 from groundswell.protocol.schema import Decision, ProtocolError, StateReply
-from groundswell.protocol.transport import PeerUnavailable, unseal
+from groundswell.protocol.transport import PeerUnavailable
 
 from .run_state import GlobalState, RunContext, params_hash
 from .state_fetch import fetch_state

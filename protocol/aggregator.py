@@ -16,6 +16,7 @@ from typing import Any
 from groundswell.compression import Payload, RobustStats, contribution_sq_norm, robust_mean
 
 from .context import contribution_digest, validate_segments
+from .envelope import seal, unseal
 from .plan import attempt_for, close_time
 from .schema import (
     Ack,
@@ -28,7 +29,7 @@ from .schema import (
     Seal,
     ShardContribution,
 )
-from .transport import PeerUnavailable, seal, unseal
+from .transport import PeerUnavailable
 
 log = logging.getLogger(__name__)
 DENSE_MEAN_CODECS = ("fp32", "fp16", "bf16", "int8")  # the aggregate is the re-encoded mean

@@ -13,9 +13,10 @@ from collections.abc import Awaitable, Callable
 from typing import TYPE_CHECKING, Any
 
 from .aggregator import REPORTING_CANDIDATES
+from .envelope import unseal
 from .plan import RoundPlan
 from .schema import Claim, ClaimReply, Decision, DecisionReply, DecisionRequest, ProtocolError
-from .transport import PeerDead, PeerUnavailable, unseal
+from .transport import PeerDead, PeerUnavailable
 
 if TYPE_CHECKING:
     from .server import _Attempt

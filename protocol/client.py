@@ -18,6 +18,7 @@ from groundswell.compression import Payload
 from .aggregator import REPORTING_CANDIDATES, decision_digests, replica_count
 from .claims import ping
 from .context import DecisionBook, contribution_digest
+from .envelope import unseal
 from .fetch import AggregateFetcher
 from .plan import RoundPlan, attempt_for, close_time
 from .schema import (
@@ -31,7 +32,7 @@ from .schema import (
     ShardContribution,
 )
 from .server import RoundServer
-from .transport import PeerGone, PeerUnavailable, unseal
+from .transport import PeerGone, PeerUnavailable
 
 log = logging.getLogger(__name__)
 REASK_S = 1.0  # how often a leader that failed to answer is asked again for the decision

@@ -14,8 +14,8 @@ from typing import Protocol
 from groundswell.compression import Codec, CodecError, Payload, RobustOptions
 
 from .digests import bulk_hasher
+from .envelope import unseal
 from .schema import Decision, ProtocolError
-from .transport import unseal
 
 
 @dataclass(frozen=True)

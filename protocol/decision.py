@@ -11,9 +11,10 @@ import time
 from typing import TYPE_CHECKING, Any
 
 from .aggregator import CONTESTED, REPORTING_CANDIDATES
+from .envelope import seal, unseal
 from .plan import RoundPlan
 from .schema import Ack, Decision, ProtocolError, Seal
-from .transport import PeerUnavailable, ShardsUnavailable, seal, unseal
+from .transport import PeerUnavailable, ShardsUnavailable
 
 if TYPE_CHECKING:
     from .server import _Attempt

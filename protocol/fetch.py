@@ -16,6 +16,7 @@ from groundswell.compression import Payload, RobustStats, robust_mean
 
 from .aggregator import decision_digests, ships_contributions
 from .context import contribution_digest, validate_segments
+from .envelope import unseal
 from .plan import RoundPlan
 from .schema import (
     MAX_SMALL,
@@ -26,7 +27,7 @@ from .schema import (
     ProtocolError,
     ShardContribution,
 )
-from .transport import PeerUnavailable, ShardsUnavailable, unseal
+from .transport import PeerUnavailable, ShardsUnavailable
 
 log = logging.getLogger(__name__)
 

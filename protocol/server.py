@@ -30,6 +30,7 @@ from .aggregator import REPORTING_CANDIDATES, Aggregator
 from .claims import Claims
 from .context import DecisionBook, RoundContext
 from .decision import Decider
+from .envelope import unseal
 from .identity import Identity
 from .leading import Leading
 from .plan import RoundPlan, attempt_for, make_plan
@@ -48,7 +49,7 @@ from .schema import (
     Seal,
     ShardContribution,
 )
-from .transport import PeerUnavailable, Transport, unseal
+from .transport import PeerUnavailable, Transport
 
 log = logging.getLogger(__name__)
 

@@ -95,9 +95,9 @@ class _Worker:
         from groundswell.compression import make_codec, segment_bounds, segment_size
         from groundswell.peer.run_state import RunContext
         from groundswell.peer.swarm import NodeOptions, SwarmNode
+        from groundswell.protocol.envelope import seal
         from groundswell.protocol.identity import Identity
         from groundswell.protocol.schema import Decision
-        from groundswell.protocol.transport import seal
 
         identity = Identity.load(self.identity_path)
         assert identity.peer_id == ids[self.rank]

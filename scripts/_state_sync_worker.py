@@ -59,9 +59,9 @@ class _Server:
     def __init__(self, conn: Any, tmp: str, params: int, seed: int, verbose: bool) -> None:
         import torch
         from groundswell.peer.run_state import GlobalState, params_hash
+        from groundswell.protocol.envelope import seal
         from groundswell.protocol.identity import Identity
         from groundswell.protocol.schema import Decision
-        from groundswell.protocol.transport import seal
 
         self.conn, self.tmp, self.params, self.verbose = conn, tmp, params, verbose
         self.identity_path = os.path.join(tmp, "server.key")
@@ -149,8 +149,8 @@ class _Server:
     def breakdown(self, repeats: int) -> dict:
         """Server-side cost (medians): serializing and hashing a state (once per state, then cached),
         sealing the small reply header (per request)."""
+        from groundswell.protocol.envelope import seal
         from groundswell.protocol.schema import StateReply
-        from groundswell.protocol.transport import seal
 
         state, blob = self.state, self.blob
         header = StateReply(state.round, self.digest, state.decision, len(blob))
@@ -286,8 +286,8 @@ class _Client:
         """Client-side cost of one reply, piece by piece (medians), on a locally built header and blob."""
         import torch
         from groundswell.peer.run_state import GlobalState
+        from groundswell.protocol.envelope import seal, unseal
         from groundswell.protocol.schema import Decision, StateReply
-        from groundswell.protocol.transport import seal, unseal
 
         me = self.identity.peer_id
         decision = seal(self.identity, RUN_ID, Decision(0, 0, "commit", [], [], [me], me, [], 0))  # as served

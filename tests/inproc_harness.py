@@ -14,11 +14,12 @@ from groundswell.compression import RobustOptions, make_codec, segment_bounds
 from groundswell.peer.run_state import GlobalState, RunContext
 from groundswell.peer.swarm import NodeOptions, SwarmNode
 from groundswell.protocol.context import DecisionBook
+from groundswell.protocol.envelope import seal
 from groundswell.protocol.guard import Guard, Limits
 from groundswell.protocol.identity import Identity
 from groundswell.protocol.schema import MESSAGES, Decision
 from groundswell.protocol.server import RoundServer
-from groundswell.protocol.transport import Transport, seal
+from groundswell.protocol.transport import Transport
 
 RUN = "fuzz-run"
 NUMEL = 3 * 4096 + 17

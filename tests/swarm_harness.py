@@ -13,9 +13,9 @@ from groundswell.compression import RobustOptions, make_codec, segment_bounds
 from groundswell.compression.segments import encode_segments
 from groundswell.peer.run_state import RunContext
 from groundswell.peer.swarm import NodeOptions, SwarmNode
+from groundswell.protocol.envelope import seal
 from groundswell.protocol.identity import Identity
 from groundswell.protocol.schema import Decision
-from groundswell.protocol.transport import seal
 
 
 @dataclass

@@ -9,9 +9,9 @@ from pathlib import Path
 import pytest
 import torch
 from blake3 import blake3
+from groundswell.protocol.envelope import seal, unseal
 from groundswell.protocol.identity import Identity
 from groundswell.protocol.schema import Ack, Join, ShardContribution, StateReply, StateRequest
-from groundswell.protocol.transport import seal, unseal
 
 sys.path.insert(0, str(Path(__file__).parent))
 from inproc_harness import RUN, frame, make_target

@@ -9,9 +9,9 @@ from pathlib import Path
 
 import pytest
 from groundswell.protocol.context import DecisionBook, Membership
+from groundswell.protocol.envelope import seal
 from groundswell.protocol.identity import Identity
 from groundswell.protocol.schema import Decision, ProtocolError
-from groundswell.protocol.transport import seal
 
 sys.path.insert(0, str(Path(__file__).parent))
 from schema_cases import EXAMPLES, OTHER, PEERS, RUN

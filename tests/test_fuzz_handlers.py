@@ -28,6 +28,7 @@ from groundswell.compression import make_codec
 from groundswell.compression.segments import encode_segments
 from groundswell.peer import reachability
 from groundswell.peer.byzantine import _plant_nan
+from groundswell.protocol.envelope import Envelope, seal, unseal
 from groundswell.protocol.identity import Identity
 from groundswell.protocol.schema import (
     MESSAGES,
@@ -37,7 +38,6 @@ from groundswell.protocol.schema import (
     DecisionRequest,
     Message,
 )
-from groundswell.protocol.transport import Envelope, seal, unseal
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 

@@ -177,8 +177,9 @@ def test_a_shard_its_leader_cannot_gather_gets_another_source_and_only_that_shar
     # The leader sealed a commit and then could not gather one shard (its source froze after
     # sealing, say; forced here). It replaces that shard's source by a replica and keeps the
     # others: the old code dropped every source, so every shard was re-sealed elsewhere.
+    from groundswell.protocol.envelope import unseal
     from groundswell.protocol.schema import Decision
-    from groundswell.protocol.transport import ShardsUnavailable, unseal
+    from groundswell.protocol.transport import ShardsUnavailable
 
     c = make_cluster(n=4, codec_name="fp32", min_peers=2, deadline_s=7.0, slack_s=1.0)
     tried: list[list[str]] = []  # the sources of each commit a leader tried to gather
@@ -223,10 +224,10 @@ def test_a_replica_replaces_only_a_copy_its_leader_re_sourced():
     # that stands, nor one of another attempt's commit (a later attempt may have committed while
     # the spares of a stale, never-voided seal were still being built).
     from groundswell.protocol.context import DecisionBook
+    from groundswell.protocol.envelope import seal
     from groundswell.protocol.identity import Identity
     from groundswell.protocol.schema import AggregateShard, Decision
     from groundswell.protocol.server import RoundServer
-    from groundswell.protocol.transport import seal
 
     ctx = type("Ctx", (), {"run_id": "test-run"})()  # all a replica's choice reads of the run
     leader = Identity.generate()

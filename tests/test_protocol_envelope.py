@@ -8,6 +8,7 @@ from pathlib import Path
 
 import msgpack
 import pytest
+from groundswell.protocol.envelope import seal, unseal
 from groundswell.protocol.identity import peer_id_from_public_bytes
 from groundswell.protocol.schema import (
     MAX_SMALL,
@@ -20,7 +21,6 @@ from groundswell.protocol.schema import (
     ProtocolError,
     encode_message,
 )
-from groundswell.protocol.transport import seal, unseal
 from hypothesis import given
 from hypothesis import strategies as st
 

@@ -147,8 +147,8 @@ def test_a_scaled_contribution_is_clipped_on_every_peer(codec_name):
 @pytest.mark.timeout(240)
 def test_an_aggregator_that_alters_a_contribution_is_caught_and_bypassed():
     from groundswell.compression import Payload
+    from groundswell.protocol.envelope import seal, unseal
     from groundswell.protocol.schema import AggregateShard, ProtocolError, ShardContribution
-    from groundswell.protocol.transport import seal, unseal
     from swarm_harness import Cluster
 
     c = Cluster(n=4, codec_name="sparseloco", numel=8 * 4096, min_peers=4)

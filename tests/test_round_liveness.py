@@ -132,9 +132,9 @@ def test_a_commit_of_an_attempt_that_has_not_begun_is_refused_and_not_learned(ma
     # made and refuse the real one. A review of the first version found this hole.
     import os
 
+    from groundswell.protocol.envelope import seal
     from groundswell.protocol.plan import make_plan
     from groundswell.protocol.schema import Decision, DecisionReply, ProtocolError
-    from groundswell.protocol.transport import seal
 
     c = make_cluster(n=4, codec_name="fp32", min_peers=2, deadline_s=9.0, slack_s=1.0)
     victim, hostile = 0, 1
@@ -276,9 +276,9 @@ def test_a_source_that_freezes_at_the_seal_does_not_hold_the_commit_until_it_tha
     import threading
 
     from groundswell.protocol.decision import seal_grace
+    from groundswell.protocol.envelope import unseal
     from groundswell.protocol.plan import make_plan
     from groundswell.protocol.schema import Decision
-    from groundswell.protocol.transport import unseal
 
     c = make_cluster(n=4, codec_name="fp32", min_peers=2, deadline_s=10.0, slack_s=4.0)
     plan = make_plan(c.ctx.run_id, 0, 0, c.ids, c.ids, len(c.ctx.segment_numels), c.max_shards)

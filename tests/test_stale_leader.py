@@ -12,8 +12,8 @@ from pathlib import Path
 
 import pytest
 from groundswell.protocol.context import DecisionBook
+from groundswell.protocol.envelope import seal
 from groundswell.protocol.schema import Decision
-from groundswell.protocol.transport import seal
 
 sys.path.insert(0, str(Path(__file__).parent))
 from inproc_harness import RUN, make_target

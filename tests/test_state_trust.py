@@ -32,9 +32,9 @@ def _served_state(p, momentum: bool = True, round_id: int = 0):
     """A state of `round_id` as a server would send it: reply, blob, digest, and its params hash."""
     import time
 
+    from groundswell.protocol.envelope import seal
     from groundswell.protocol.identity import Identity
     from groundswell.protocol.schema import Decision
-    from groundswell.protocol.transport import seal
 
     tensors = {"global_params": p.outer.global_params.clone() + 0.5}
     if momentum:

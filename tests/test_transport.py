@@ -248,8 +248,9 @@ def test_a_bulk_trailer_arrives_whole_and_its_announced_size_is_enforced(net):
 def test_a_slow_reader_still_gets_the_whole_trailer(net):
     # The handler has written everything before this caller reads the trailer; p2pd resets a
     # stream whose handler hangs up first, which would drop what the caller's daemon still holds.
+    from groundswell.protocol.envelope import seal
     from groundswell.protocol.schema import StateReply
-    from groundswell.protocol.transport import WithTrailer, read_frame, read_frame_into, seal
+    from groundswell.protocol.transport import WithTrailer, read_frame, read_frame_into
     from hivemind.p2p import PeerID
 
     blob = os.urandom(4 << 20)

@@ -11,9 +11,10 @@ from collections.abc import Awaitable
 from pathlib import Path
 
 import pytest
+from groundswell.protocol.envelope import seal, unseal
 from groundswell.protocol.identity import Identity
 from groundswell.protocol.schema import Ack, DecisionReply, Join, ProtocolError
-from groundswell.protocol.transport import PeerUnavailable, Transport, seal, unseal
+from groundswell.protocol.transport import PeerUnavailable, Transport
 
 sys.path.insert(0, str(Path(__file__).parent))
 from p2p_net import RUN, Net, _refused, _serve
@@ -166,8 +167,8 @@ def test_a_replayed_or_stale_request_is_dropped_and_counted(net):
     assert net.ta.rejected["replayed:once"] == 1 and len(calls) == 1
     # validly signed, but stamped ten minutes ago (a message captured and held back)
     import msgpack
+    from groundswell.protocol.envelope import Envelope
     from groundswell.protocol.schema import PROTOCOL_VERSION, encode_message
-    from groundswell.protocol.transport import Envelope
 
     env = Envelope(RUN, net.id_b.peer_id, os.urandom(16), time.time() - 600, encode_message(Join(5, True, True)), b"")
     old = msgpack.packb([PROTOCOL_VERSION, RUN, env.sender, env.nonce, env.timestamp, env.body,
