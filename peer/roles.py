@@ -17,10 +17,10 @@ from groundswell.protocol.transport import PeerUnavailable
 
 from .byzantine import Attack
 from .config import DataSection
+from .net_loop import Stopped
 from .participant import Participant, genesis_decision
 from .resume import restore_local_progress, resume_and_sync, torch_load_params
 from .run_state import GlobalState, params_hash
-from .swarm import Stopped
 from .swarm_exchange import NeedResync, SwarmExchange
 from .worker import InnerStats, InnerTrainer
 

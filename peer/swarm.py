@@ -1,6 +1,6 @@
 """The network side of a peer: libp2p host, DHT, round protocol, state and manifest serving.
 
-`SwarmNode` runs an asyncio loop in one background thread it owns (started by `start`, ended by
+`SwarmNode` runs an asyncio loop in one background thread it owns (`net_loop.NetLoop`; started by `start`, ended by
 `close`); training stays in the caller's thread. Every task on that loop belongs to the node's
 TaskGroup. The trainer talks to the node through `call` (run a coroutine and wait) and through
 `SwarmExchange`, the `optim.Exchange` over the swarm.
@@ -13,11 +13,10 @@ import dataclasses
 import logging
 import threading
 import time
-from collections.abc import Callable, Coroutine, Sequence
+from collections.abc import Callable, Sequence
 from concurrent.futures import Future
-from concurrent.futures import wait as futures_wait
 from dataclasses import dataclass
-from typing import Any, TypeVar
+from typing import Any
 
 from groundswell.protocol.client import RoundClient
 from groundswell.protocol.context import DecisionBook
@@ -42,6 +41,7 @@ from .daemon import adopt_p2pd_daemons, reap_daemons, release_private_sockets, w
 from .dht_rejoin import DhtRejoiner
 from .holepunch import PunchScheduler, Rendezvous, serve_punch_invites
 from .net_errors import NetworkError, explain_start_failure
+from .net_loop import NetLoop
 from .reachability import (
     PROBE_TIMEOUT_S,
     DialBack,
@@ -56,12 +56,7 @@ from .run_state import GlobalState, RunContext
 from .state_trust import state_timeout_s
 
 log = logging.getLogger(__name__)
-T = TypeVar("T")
 MEMBERS_REFRESH_S = 5.0  # a rendezvous re-reads the run's records for an unknown punch requester at most this often
-
-
-class Stopped(Exception):
-    """The stop flag given to `SwarmNode.interrupt_calls_on` was set during a `call`."""
 
 
 @dataclass
@@ -80,7 +75,7 @@ class NodeOptions:
     hole_punch: bool = True  # behind a NAT: punch holes to other NAT'ed peers (see peer/holepunch.py)
 
 
-class SwarmNode(PeerRecords):
+class SwarmNode(PeerRecords, NetLoop):
     """A peer's network presence; owns the loop thread, the libp2p daemon and the DHT node."""
 
     def __init__(self, identity: Identity, identity_path: str, options: NodeOptions) -> None:
@@ -97,9 +92,7 @@ class SwarmNode(PeerRecords):
         self.signed_manifest: bytes = b""
         self.state_provider: Callable[[], GlobalState | None] = lambda: None
         self.record = PeerRecord(-1, "", options.role, options.trains, options.serves, [], "unknown", 0.0, 0, 0.0)
-        self._loop = asyncio.new_event_loop()
-        self._loop.set_exception_handler(_quiet_cancelled)
-        self._thread = threading.Thread(target=self._loop.run_forever, name="groundswell-net", daemon=True)
+        NetLoop.__init__(self)
         self._stop: asyncio.Event | None = None
         self._main: Future | None = None
         self._ready = threading.Event()
@@ -119,7 +112,6 @@ class SwarmNode(PeerRecords):
         self._dial_back = DialBack()
         self.guard = Guard()  # every transport of this node: limits and bans are per remote peer
         self._error: BaseException | None = None
-        self._interrupt: threading.Event | None = None  # see interrupt_calls_on
         self.rejoiner = DhtRejoiner(identity.peer_id, options.initial_peers)  # after a network outage
 
     # --- lifecycle ------------------------------------------------------------------------------
@@ -363,47 +355,7 @@ class SwarmNode(PeerRecords):
                 self._main.result(timeout=20)
             except Exception as exc:  # shutting down: nothing left to decide, say what happened
                 log.warning("network shutdown: %r", exc)
-        if self._loop.is_running():
-            # Requests started by the trainer thread (and hivemind's own readers) are not in the
-            # TaskGroup; cancel and await them so nothing runs on a closed loop.
-            try:
-                asyncio.run_coroutine_threadsafe(_cancel_stragglers(), self._loop).result(timeout=10)
-            except Exception as exc:
-                log.warning("network shutdown: %r", exc)
-            self._loop.call_soon_threadsafe(self._loop.stop)
-        self._thread.join(timeout=10)
-        if not self._loop.is_running():
-            self._loop.close()
-
-    def interrupt_calls_on(self, stop: threading.Event | None) -> None:
-        """From now on every `call` raises `Stopped` once `stop` is set (None: no longer)."""
-        self._interrupt = stop
-
-    def call(self, coro: Coroutine[Any, Any, T], timeout_s: float | None = None) -> T:
-        """Run a coroutine on the network loop and wait for its result (from the trainer thread).
-        If the wait ends first (a timeout, `Stopped` once the `interrupt_calls_on` event is set,
-        Ctrl+C) the coroutine is cancelled: nothing given up on runs on unowned."""
-        stop = self._interrupt
-        fut = asyncio.run_coroutine_threadsafe(coro, self._loop)
-        try:
-            if stop is None:
-                return fut.result(timeout_s)
-            end = None if timeout_s is None else time.monotonic() + timeout_s
-            while not fut.done():
-                if stop.is_set():
-                    raise Stopped("stopped while waiting on the network")
-                left = 0.2 if end is None else min(0.2, end - time.monotonic())
-                if left <= 0:
-                    raise TimeoutError()
-                futures_wait([fut], timeout=left)
-            return fut.result()
-        except BaseException:
-            fut.cancel()
-            raise
-
-    def submit(self, coro: Coroutine[Any, Any, T]) -> Future:
-        """Start a coroutine on the network loop; the returned future is the caller's to await."""
-        return asyncio.run_coroutine_threadsafe(coro, self._loop)
+        self.stop_loop()
 
     # --- serving --------------------------------------------------------------------------------
     async def _on_manifest(self, sender: str, msg: ManifestRequest) -> ManifestReply:
@@ -425,22 +377,6 @@ class SwarmNode(PeerRecords):
             return WithTrailer(StateReply(state.round, digest, state.decision, len(blob), self.direct.port, token,
                                           key), b"")
         return WithTrailer(StateReply(state.round, digest, state.decision, len(blob)), blob)
-
-
-def _quiet_cancelled(loop: asyncio.AbstractEventLoop, context: dict[str, Any]) -> None:
-    """The node loop's exception handler: asyncio's stream callback asks a handler task that was
-    cancelled (on shutdown, or by hivemind) for its exception, which raises CancelledError; that is
-    a cancellation, not an error, and users leaving a run used to see a traceback per open stream."""
-    if isinstance(context.get("exception"), asyncio.CancelledError):
-        return
-    loop.default_exception_handler(context)
-
-
-async def _cancel_stragglers() -> None:
-    tasks = [t for t in asyncio.all_tasks() if t is not asyncio.current_task()]
-    for t in tasks:
-        t.cancel()
-    await asyncio.gather(*tasks, return_exceptions=True)
 
 
 class _Stop(Exception):

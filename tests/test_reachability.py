@@ -97,7 +97,7 @@ def test_the_node_loop_does_not_report_cancelled_stream_handlers_as_errors(caplo
     import asyncio
     import logging
 
-    from groundswell.peer.swarm import _quiet_cancelled
+    from groundswell.peer.net_loop import _quiet_cancelled
 
     loop = asyncio.new_event_loop()
     try:

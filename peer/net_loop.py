@@ -1,0 +1,91 @@
+"""The network loop of a peer: an asyncio loop on a thread of its own, and how the trainer's
+thread uses it. `call` runs a coroutine there and waits for it (cancelled if the wait ends
+first, so nothing given up on runs on unowned); `submit` starts one and hands back its future."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import threading
+import time
+from collections.abc import Coroutine
+from concurrent.futures import Future
+from concurrent.futures import wait as futures_wait
+from typing import Any, TypeVar
+
+log = logging.getLogger(__name__)
+T = TypeVar("T")
+
+
+class Stopped(Exception):
+    """The stop flag given to `NetLoop.interrupt_calls_on` was set during a `call`."""
+
+
+class NetLoop:
+    """Owns the event loop and its thread; `SwarmNode` runs everything of the network on it."""
+
+    def __init__(self) -> None:
+        self._loop = asyncio.new_event_loop()
+        self._loop.set_exception_handler(_quiet_cancelled)
+        self._thread = threading.Thread(target=self._loop.run_forever, name="groundswell-net", daemon=True)
+        self._interrupt: threading.Event | None = None  # see interrupt_calls_on
+
+    def interrupt_calls_on(self, stop: threading.Event | None) -> None:
+        """From now on every `call` raises `Stopped` once `stop` is set (None: no longer)."""
+        self._interrupt = stop
+
+    def call(self, coro: Coroutine[Any, Any, T], timeout_s: float | None = None) -> T:
+        """Run a coroutine on the network loop and wait for its result (from the trainer thread).
+        If the wait ends first (a timeout, `Stopped` once the `interrupt_calls_on` event is set,
+        Ctrl+C) the coroutine is cancelled: nothing given up on runs on unowned."""
+        stop = self._interrupt
+        fut = asyncio.run_coroutine_threadsafe(coro, self._loop)
+        try:
+            if stop is None:
+                return fut.result(timeout_s)
+            end = None if timeout_s is None else time.monotonic() + timeout_s
+            while not fut.done():
+                if stop.is_set():
+                    raise Stopped("stopped while waiting on the network")
+                left = 0.2 if end is None else min(0.2, end - time.monotonic())
+                if left <= 0:
+                    raise TimeoutError()
+                futures_wait([fut], timeout=left)
+            return fut.result()
+        except BaseException:
+            fut.cancel()
+            raise
+
+    def submit(self, coro: Coroutine[Any, Any, T]) -> Future:
+        """Start a coroutine on the network loop; the returned future is the caller's to await."""
+        return asyncio.run_coroutine_threadsafe(coro, self._loop)
+
+    def stop_loop(self) -> None:
+        """Cancel what still runs on the loop, stop it, join its thread and close it."""
+        if self._loop.is_running():
+            # Requests started by the trainer thread (and hivemind's own readers) are not in the
+            # node's TaskGroup; cancel and await them so nothing runs on a closed loop.
+            try:
+                asyncio.run_coroutine_threadsafe(_cancel_stragglers(), self._loop).result(timeout=10)
+            except Exception as exc:
+                log.warning("network shutdown: %r", exc)
+            self._loop.call_soon_threadsafe(self._loop.stop)
+        self._thread.join(timeout=10)
+        if not self._loop.is_running():
+            self._loop.close()
+
+
+def _quiet_cancelled(loop: asyncio.AbstractEventLoop, context: dict[str, Any]) -> None:
+    """The node loop's exception handler: asyncio's stream callback asks a handler task that was
+    cancelled (on shutdown, or by hivemind) for its exception, which raises CancelledError; that is
+    a cancellation, not an error, and users leaving a run used to see a traceback per open stream."""
+    if isinstance(context.get("exception"), asyncio.CancelledError):
+        return
+    loop.default_exception_handler(context)
+
+
+async def _cancel_stragglers() -> None:
+    tasks = [t for t in asyncio.all_tasks() if t is not asyncio.current_task()]
+    for t in tasks:
+        t.cancel()
+    await asyncio.gather(*tasks, return_exceptions=True)
