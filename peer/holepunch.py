@@ -169,10 +169,12 @@ class PunchTarget:
                 # One punched connection per dialer. A dialer asks again only when it has lost the
                 # old one (its daemon restarted, its NAT dropped the mapping) while our end still
                 # looks alive, so the old forward gives way (refusing cost the dialer a long
-                # backoff). Only now, with the new punch checked and its socket in hand.
+                # backoff). Only now, with the invite checked and the socket made; a bind or
+                # connect that still fails below costs the old connection (the new punch needs
+                # its address pair free).
                 await self._drop_forward(msg.dialer)
                 if msg.dialer in self.live:
-                    return PunchInviteReply(False, "already connected to this dialer through a punch")
+                    return PunchInviteReply(False, "busy: the old punched connection is still closing")
             try:
                 sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
                 sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)

@@ -238,6 +238,9 @@ class Participant:
         progress = local - self.outer.global_params
         self.outer.load_state_dict(sd)
         copy_into_parameters(self.outer.global_params + progress, self.outer.params)
+        # Our hashes of earlier rounds belong to the trajectory just left (maybe the wrong one that
+        # sent us re-syncing): compared with a lagging record they would send us re-syncing again.
+        self.hash_history.clear()
         self.snapshot()
 
     def _extra_state(self, state: GlobalState) -> dict[str, Any]:

@@ -129,13 +129,12 @@ class SwarmExchange:
         book, client = self.node.book, self.node.client
         if book is None or client is None:
             return None
-        # The commit, and the round before's (it fixes the attempt's plan, without which our
-        # digests in the commit cannot be found): asked of a few peers that applied the round, at
-        # once; a commit is checked against its signatures and goes into the book (ask_decision).
-        missing = [r for r in (round_id - 1, round_id) if r >= 0 and r not in book.committed]
-        if missing:
-            holders = self.node.holders(round_id)[:ASK_HOLDERS]
-            await asyncio.gather(*(client.ask_decision(peer, r, 0, 0.0) for r in missing for peer in holders))
+        # Asked of a few peers that applied the round, at once; a commit is checked against its
+        # signatures (which needs the round before's commit, still in the book unless the peer
+        # jumped far ahead) and goes into the book (ask_decision).
+        if round_id not in book.committed:
+            await asyncio.gather(*(client.ask_decision(peer, round_id, 0, 0.0)
+                                   for peer in self.node.holders(round_id)[:ASK_HOLDERS]))
         committed = book.committed.get(round_id)
         if committed is None:
             return None

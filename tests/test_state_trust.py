@@ -275,3 +275,17 @@ def test_a_coordinator_checking_a_state_does_not_take_its_own_record_as_the_coor
     p.coordinator_id = p.identity.peer_id  # this peer is the coordinator, restarting
     with pytest.raises(ProtocolError, match="disagrees with the swarm's published hash"):
         _check(p, {p.identity.peer_id: "good", "a": "e" * 64}, "server")
+
+
+def test_a_state_taken_forgets_the_hashes_of_the_trajectory_it_replaced(participant):
+    """Our hashes of earlier rounds may be the wrong ones that sent us re-syncing: kept, a record
+    still a round behind would be compared with them and send us re-syncing again."""
+    from groundswell.peer.participant import genesis_decision
+
+    p = participant
+    p.hash_history = {1: "wrong", 2: "wrong"}
+    p.node = SimpleNamespace(book=SimpleNamespace(committed={2: (b"commit", None)}), record_decision=lambda d: None,
+                             update_record=lambda **k: None)
+    tensors = {"global_params": p.outer.global_params.clone(), "momentum_buffer": torch.zeros_like(p.outer.global_params)}
+    p.load_global(GlobalState(3, tensors, genesis_decision(p.identity, "unit")))
+    assert list(p.hash_history) == [3]
