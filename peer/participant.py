@@ -35,7 +35,7 @@ from .data import Corpus, evaluate, heldout_batches, load_corpus
 from .manifest import RunManifest, SignedManifest
 from .run_state import GlobalState, RunContext, params_hash
 from .scoring import ContributionScorer
-from .state_trust import StateCheck, download_state, state_servers, sync_timeout_s
+from .state_trust import StateCheck, download_state, state_servers, sync_timeout_s, vouchers_of
 from .swarm import NodeOptions, SwarmNode
 from .workload import Workload, build_workload
 
@@ -252,8 +252,11 @@ class Participant:
 
     def state_check(self) -> StateCheck:
         """The checks a state downloaded by this peer must pass."""
+        vouchers = None
+        if self.identity.peer_id == self.coordinator_id and self.ctx.allowlist is None and self.node.book is not None:
+            vouchers = vouchers_of(self.node.book.committed)  # see vouchers_of: sybils cannot outvote them
         return StateCheck(self.ctx, self.identity.peer_id, self.coordinator_id, self.outer.global_params.numel(),
-                          needs_momentum=isinstance(self.outer, DiLoCo))
+                          needs_momentum=isinstance(self.outer, DiLoCo), vouchers=vouchers)
 
     def sync_state(self, bootstrap_peers: list[str], min_round: int = -1) -> None:
         """Download the newest global state from peers (records first, then bootstrap peers)."""

@@ -7,6 +7,7 @@ parameter hashes do not contradict it (see `StateCheck.verify` for the rules).""
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from collections import Counter
 from collections.abc import Awaitable, Callable
@@ -44,10 +45,13 @@ class StateCheck:
     coordinator: str  # the coordinator's peer id: its state is taken unconfirmed
     numel: int  # parameters of the model
     needs_momentum: bool  # DiLoCo: the state must carry the outer momentum buffer
+    # The coordinator's own check in an open run: only peers its verified commits name vote, and
+    # one of them must confirm the state (see `vouchers_of`). None: every authorized peer votes.
+    vouchers: frozenset[str] | None = None
 
     def vote_counts(self, peer: str, server: str) -> bool:
         """Does `peer`'s published hash count when checking a state `server` sent us?"""
-        if peer in (server, self.me):
+        if peer in (server, self.me) or (self.vouchers is not None and peer not in self.vouchers):
             return False
         return peer == self.coordinator or self.ctx.authorized(peer)
 
@@ -98,15 +102,30 @@ class StateCheck:
             if signer.params_hash != state_hash:
                 raise ProtocolError("state disagrees with the coordinator's published hash", strike=False)
             return
-        voters = [r for pid, r in published.items() if self.vote_counts(pid, server) and r.params_hash]
+        check = self
+        if self.vouchers is not None and not any(pid in self.vouchers for pid in published if pid not in (server, self.me)):
+            # None of them is online (a coordinator back after a long outage): the plain rule, or
+            # it could never get back into the run.
+            log.warning("no peer of our verified commits is online to vouch for a state: taking the majority's word")
+            check = dataclasses.replace(self, vouchers=None)
+        voters = [r for pid, r in published.items() if check.vote_counts(pid, server) and r.params_hash]
         hashes = [r.params_hash for r in voters if r.round == round_id]
         agree = hashes.count(state_hash)
         if hashes and agree * 2 < len(hashes):
             raise ProtocolError("state disagrees with the swarm's published hash", strike=False)
+        if check.vouchers is not None and not agree:
+            raise ProtocolError("no peer named in the run's verified commits confirms this state", strike=False)
         newest = max((r.round for r in voters), default=None)
         if not agree and server != self.coordinator and newest is not None and round_id > newest + UNCONFIRMED_LEAD:
             raise ProtocolError(f"state of round {round_id}, which no other peer confirms, is more than "
                                 f"{UNCONFIRMED_LEAD} rounds past every other peer's record ({newest})", strike=False)
+
+
+def vouchers_of(committed: dict[int, tuple[bytes, Any]]) -> frozenset[str]:
+    """The peers a coordinator's verified commits name as contributors: in an open run, where
+    records cost nothing to publish, the only ones whose word on a state it takes (a sybil would
+    have had to do real work in a committed round to be among them)."""
+    return frozenset(c for _, decision in committed.values() for c in decision.contributors)
 
 
 def state_budget(numel: int) -> int:

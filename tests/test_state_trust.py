@@ -289,3 +289,47 @@ def test_a_state_taken_forgets_the_hashes_of_the_trajectory_it_replaced(particip
     tensors = {"global_params": p.outer.global_params.clone(), "momentum_buffer": torch.zeros_like(p.outer.global_params)}
     p.load_global(GlobalState(3, tensors, genesis_decision(p.identity, "unit")))
     assert list(p.hash_history) == [3]
+
+
+def test_a_coordinator_in_an_open_run_takes_a_state_only_on_the_word_of_peers_its_commits_name(participant):
+    """Records cost nothing to publish in an open run: the coordinator (whose record then vouches
+    for its state to everyone) counts only the peers its verified commits name as contributors,
+    unless none of them is online (back after a long outage: the plain rule, or it never gets back)."""
+    from dataclasses import replace
+
+    p = participant
+    p.coordinator_id = p.identity.peer_id
+    check = replace(p.state_check(), vouchers=frozenset({"v1", "v2"}))
+    reply, blob, digest, good = _served_state(p)
+
+    def run(records):
+        def rec(value):
+            r, h = value if isinstance(value, tuple) else (0, value)
+            return SimpleNamespace(round=r, params_hash=good if h == "good" else h)
+
+        recs = {pid: rec(v) for pid, v in records.items()}
+
+        async def refresh():
+            return recs
+
+        return asyncio.run(check.verify(reply, blob, digest, "server", refresh))
+
+    sybils = {f"s{i}": "good" for i in range(6)}
+    with pytest.raises(ProtocolError, match="disagrees with the swarm's published hash"):
+        run({**sybils, "v1": "e" * 64})  # six sybils cannot outvote one peer of our commits
+    with pytest.raises(ProtocolError, match="no peer named in the run's verified commits confirms"):
+        run({**sybils, "v1": (3, "x")})  # a voucher online, at another round: nobody it trusts confirms
+    assert run({**sybils, "v2": "good"}).round == 0
+    assert run(sybils).round == 0  # no voucher online at all: the majority's word
+
+
+def test_the_coordinators_vouchers_are_the_contributors_of_its_verified_commits(participant):
+    from groundswell.peer.state_trust import vouchers_of
+
+    p = participant
+    commits = {4: (b"s4", SimpleNamespace(contributors=["a", "b"])), 5: (b"s5", SimpleNamespace(contributors=["b", "c"]))}
+    assert vouchers_of(commits) == {"a", "b", "c"}
+    p.node = SimpleNamespace(book=SimpleNamespace(committed=commits))
+    assert p.state_check().vouchers is None  # a volunteer: every authorized peer votes
+    p.coordinator_id = p.identity.peer_id
+    assert p.state_check().vouchers == {"a", "b", "c"}  # the coordinator of an open run
