@@ -172,7 +172,7 @@ def test_a_dialer_that_asks_again_gets_a_new_punch_in_place_of_its_old_forward(m
                     break
                 await asyncio.sleep(0.01)
             second = await target.handle("boot", PunchInvite("dialer", address))
-            new_r, new_w = await asyncio.wait_for(came.get(), 5)
+            _, new_w = await asyncio.wait_for(came.get(), 5)
             try:
                 old_end = await asyncio.wait_for(old_r.read(), 5)
             except ConnectionResetError:

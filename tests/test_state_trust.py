@@ -259,7 +259,10 @@ def test_the_coordinators_published_hash_outweighs_any_number_of_other_records(p
 def test_after_a_round_the_coordinators_hash_decides_whether_a_peer_re_syncs(participant):
     p, coord = participant, participant.coordinator_id
     p.hash_history = {4: "ours"}
-    rec = lambda r, h: SimpleNamespace(round=r, params_hash=h)  # noqa: E731
+
+    def rec(r, h):
+        return SimpleNamespace(round=r, params_hash=h)
+
     p.node = SimpleNamespace(_cached_records={coord: rec(4, "ours"), "a": rec(4, "x"), "b": rec(4, "x")})
     assert p.agrees_with_swarm()  # outvoted, but the coordinator agrees
     p.node._cached_records[coord] = rec(4, "theirs")
