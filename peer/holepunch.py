@@ -31,7 +31,6 @@ import logging
 import socket
 import struct
 import time
-from collections import deque
 from collections.abc import Awaitable, Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Any
@@ -339,92 +338,3 @@ def listen_port(maddrs: Iterable[str]) -> int | None:
     """The TCP port of our daemon's plain TCP listen addresses (they share one), or None."""
     targets = tcp_targets(list(maddrs))
     return targets[0][1] if targets else None
-
-
-class PunchScheduler:
-    """A volunteer behind a NAT: get a direct connection to every other peer behind a NAT.
-
-    Of each such pair the peer with the smaller id dials (two crossing attempts would each open
-    the other's router to the wrong socket). A failed pair is tried again after RETRY_S, doubling
-    up to MAX_RETRY_S: at least as long as a router keeps the failed SYN's mapping (Linux:
-    120 s), which would otherwise let the next punch through to the dialer's daemon instead."""
-
-    RETRY_S = 150.0
-    MAX_RETRY_S = 1800.0
-    PER_PASS = 4  # attempts per pass, at most (each can take ~20 s)
-
-    def __init__(self, me: str, rendezvous: list[str], p2p: Any, transport: Any,
-                 records: Any, target: PunchTarget | None = None) -> None:
-        self.me = me
-        self.rendezvous = rendezvous  # bootstrap peer ids, in order of preference
-        self.p2p = p2p
-        self.transport = transport
-        self.records = records  # () -> {peer id: PeerRecord}, the node's cached view
-        self.target = target  # our side of punches others dial, if we take invites
-        self.attempts: deque[dict[str, Any]] = deque(maxlen=256)  # {peer, ok, s, address | reason}
-        self.direct: set[str] = set()  # peers we punched to whose connection is still direct
-        self.announce: Any = None  # (peer, address) -> None, called at the first punch that works
-        self._fails: dict[str, int] = {}
-        self._next: dict[str, float] = {}
-
-    def punched(self) -> list[str]:
-        """Peers we hold a connection with that a hole punch made, dialled by us or by them."""
-        return sorted(self.direct | (self.target.live if self.target is not None else set()))
-
-    async def run(self, every_s: float = 5.0) -> None:
-        """Forever: every `every_s`, try the pairs that are due (an error skips one pass)."""
-        while True:
-            try:
-                await self.once()
-            except Exception as exc:  # the daemon's control socket failing, say: next pass
-                log.info("hole punching pass failed: %r", exc)
-            await asyncio.sleep(every_s)
-
-    async def once(self) -> None:
-        """Try each due pair once, at the same time (a symmetric NAT's ~10 s timeout holds up no other)."""
-        paths = connection_paths(await self.p2p.list_peers())
-        self.direct = {p for p in self.direct if paths.get(p) == "direct"}
-        records = self.records()
-        for book in (self._fails, self._next):  # forget peers that left
-            for gone in [p for p in book if p not in records]:
-                del book[gone]
-        now = time.monotonic()
-        due = [peer for peer, rec in sorted(records.items())
-               if peer > self.me and rec.reachability == "private" and paths.get(peer) != "direct"
-               and now >= self._next.get(peer, 0.0)]
-        async with asyncio.TaskGroup() as attempts:  # `attempt` raises nothing but cancellation
-            for peer in due[:self.PER_PASS]:
-                attempts.create_task(self.attempt(peer))
-
-    async def attempt(self, peer: str) -> bool:
-        """One hole punch to `peer`, through each rendezvous peer until one works; recorded."""
-        t0 = time.monotonic()
-        reasons = []
-        for rdv in self.rendezvous:
-            try:
-                address = await punch_through(self.p2p, self.transport, rdv, peer)
-            except DialFailed as exc:  # the target punched for us and we missed it: wait for the retry
-                reasons.append(str(exc))
-                break
-            except PunchFailed as exc:  # this rendezvous could not introduce us: ask the next one
-                reasons.append(str(exc))
-                continue
-            except Exception as exc:  # the daemon's control socket, say: a failed attempt, backed off
-                reasons.append(f"{rdv[-8:]}: {exc!r}"[:MAX_REASON])
-                continue
-            self._fails.pop(peer, None)
-            self.direct.add(peer)
-            self._next[peer] = time.monotonic() + 30.0  # look again if the connection drops
-            self.attempts.append({"peer": peer, "ok": True, "s": round(time.monotonic() - t0, 3),
-                                  "address": address})
-            log.info("hole punch to %s: direct connection at %s", peer[-8:], address)
-            if self.announce is not None:
-                self.announce, announce = None, self.announce
-                announce(peer, address)
-            return True
-        fails = self._fails[peer] = self._fails.get(peer, 0) + 1
-        self._next[peer] = time.monotonic() + min(self.RETRY_S * 2 ** min(fails - 1, 8), self.MAX_RETRY_S)
-        reason = "; ".join(reasons) or "no rendezvous peer"
-        self.attempts.append({"peer": peer, "ok": False, "s": round(time.monotonic() - t0, 3), "reason": reason})
-        log.info("hole punch to %s failed: %s", peer[-8:], reason)
-        return False

@@ -39,9 +39,10 @@ from groundswell.protocol.transport import PeerUnavailable, Transport, WithTrail
 
 from .daemon import adopt_p2pd_daemons, reap_daemons, release_private_sockets, with_private_sockets
 from .dht_rejoin import DhtRejoiner
-from .holepunch import PunchScheduler, Rendezvous, serve_punch_invites
+from .holepunch import Rendezvous, serve_punch_invites
 from .net_errors import NetworkError, explain_start_failure
 from .net_loop import NetLoop
+from .punch_scheduler import PunchScheduler
 from .reachability import (
     PROBE_TIMEOUT_S,
     DialBack,

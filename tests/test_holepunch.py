@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import time
 from dataclasses import dataclass, field
 
 import pytest
 from groundswell.peer import holepunch
-from groundswell.peer.holepunch import PunchScheduler, Rendezvous, observed_address
+from groundswell.peer.holepunch import Rendezvous, observed_address
+from groundswell.peer.punch_scheduler import PunchScheduler
 from groundswell.protocol.schema import PeerRecord, PunchInvite, PunchInviteReply, PunchReply, PunchRequest
 from groundswell.protocol.transport import PeerUnavailable
 
@@ -125,11 +127,11 @@ def test_a_failing_pass_does_not_end_the_scheduler():
     sched = PunchScheduler("m", ["rdv"], None, None, dict)
     calls = []
 
-    async def failing():
+    async def failing(attempts):
         calls.append(1)
         raise OSError("the daemon's control socket is gone")
 
-    sched.once = failing  # type: ignore[method-assign]
+    sched.start_due = failing  # type: ignore[method-assign]
 
     async def go():
         with pytest.raises(TimeoutError):
@@ -177,6 +179,43 @@ def test_a_volunteer_punches_to_nated_peers_with_larger_ids_and_backs_off_after_
     assert len(told) == 1  # a second punch that works is not announced again
     asyncio.run(sched.attempt("m-later"))
     assert sched._next["m-later"] - time.monotonic() > 2 * PunchScheduler.RETRY_S - 5  # doubled
+
+
+def test_a_slow_punch_holds_up_neither_the_next_pass_nor_a_peer_that_shows_up_later(monkeypatch):
+    """A symmetric NAT's dial takes ~10 s to time out: a cone-NAT peer whose record arrives
+    meanwhile is punched to at the next pass, and the slow pair is not tried twice at once."""
+    tried: list[str] = []
+    slow_started = asyncio.Event()
+
+    async def fake_punch(p2p, transport, rdv, target):
+        tried.append(target)
+        if target == "m-symmetric":
+            slow_started.set()
+            await asyncio.sleep(3600)
+        return "/ip4/10.99.0.22/tcp/4002"
+
+    monkeypatch.setattr(holepunch, "punch_through", fake_punch)
+    records = {"m-symmetric": _rec("private")}
+    sched = PunchScheduler("m", ["rdv"], FakeP2P([]), None, lambda: records)
+
+    async def go():
+        runner = asyncio.create_task(sched.run(every_s=0.01))
+        try:
+            await asyncio.wait_for(slow_started.wait(), 5)
+            records["p-cone"] = _rec("private")  # its record arrives while the slow punch runs
+            async with asyncio.timeout(5):
+                while not sched.attempts:
+                    await asyncio.sleep(0.01)
+            await asyncio.sleep(0.1)  # a few more passes
+        finally:
+            runner.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await runner
+
+    asyncio.run(go())
+    assert tried == ["m-symmetric", "p-cone"]  # each once: the slow one is still running
+    assert [(a["peer"], a["ok"]) for a in sched.attempts] == [("p-cone", True)]
+    assert sched._trying == set()  # cancelled with the scheduler, nothing left marked running
 
 
 def test_the_rendezvous_introduces_only_nated_peers_of_the_run():
