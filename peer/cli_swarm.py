@@ -153,9 +153,9 @@ def launch(
 ) -> None:
     """Coordinate a run: bootstrap/relay peer, signed manifest, state for joiners, checkpoints."""
     from .bootstrap import format_bootstrap
+    from .coordinator_role import run_coordinator
     from .manifest import load_manifest_toml, sign_manifest
     from .participant import Participant
-    from .roles import run_coordinator
     from .swarm import NodeOptions
 
     _logging(verbose)

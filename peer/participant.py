@@ -35,7 +35,15 @@ from .data import Corpus, evaluate, heldout_batches, load_corpus
 from .manifest import RunManifest, SignedManifest
 from .run_state import GlobalState, RunContext, params_hash
 from .scoring import ContributionScorer
-from .state_trust import StateCheck, download_state, state_servers, sync_timeout_s, vouchers_of
+from .state_trust import (
+    EARLIER_HASHES,
+    StateCheck,
+    coordinator_hashes,
+    download_state,
+    state_servers,
+    sync_timeout_s,
+    vouchers_of,
+)
 from .swarm import NodeOptions, SwarmNode
 from .workload import Workload, build_workload
 
@@ -223,7 +231,11 @@ class Participant:
         self.hash_history[r] = digest
         for old in [k for k in self.hash_history if k < r - 32]:
             del self.hash_history[old]
-        self.node.update_record(round=r, params_hash=digest)
+        # The coordinator's record also lists its hashes of the last rounds before this one: a
+        # joiner checks a state of one of them against the coordinator's word, not a majority.
+        earlier = [f"{k}:{self.hash_history[k]}" for k in sorted(self.hash_history)[-EARLIER_HASHES - 1:-1]] \
+            if self.identity.peer_id == self.coordinator_id else []
+        self.node.update_record(round=r, params_hash=digest, earlier_hashes=earlier)
 
     def load_global(self, state: GlobalState) -> None:
         """Adopt a downloaded or checkpointed global state; local progress is rebased onto it."""
@@ -261,7 +273,8 @@ class Participant:
     def sync_state(self, bootstrap_peers: list[str], min_round: int = -1) -> None:
         """Download the newest global state from peers (records first, then bootstrap peers)."""
         async def peers_to_ask() -> list[str]:
-            return state_servers(await self.node.refresh_records(), self.identity.peer_id, bootstrap_peers)
+            return state_servers(await self.node.refresh_records(), self.identity.peer_id, bootstrap_peers,
+                                 self.coordinator_id)
 
         peers = self.node.call(peers_to_ask(), timeout_s=30)
         state, via = self.node.call(download_state(self.node, self.state_check(), peers, min_round),
@@ -313,10 +326,10 @@ class Participant:
         went through, differs from this peer's own hash of that round (it then re-syncs)."""
         records = self.node._cached_records
         signer = records.get(self.coordinator_id)
-        if signer is not None and self.coordinator_id != self.identity.peer_id \
-                and signer.round in self.hash_history and signer.params_hash:
-            # the coordinator's word, where it has one, decides (as when a state is downloaded)
-            return signer.params_hash == self.hash_history[signer.round]
+        word = coordinator_hashes(signer) if self.coordinator_id != self.identity.peer_id else {}
+        shared = [r for r in word if r in self.hash_history]
+        if shared:  # the coordinator's word, where it has one, decides (as when a state is downloaded)
+            return word[max(shared)] == self.hash_history[max(shared)]
         comparable = [r.params_hash == self.hash_history[r.round] for pid, r in records.items()
                       if pid != self.identity.peer_id and r.round in self.hash_history and r.params_hash]
         return not comparable or sum(comparable) * 2 >= len(comparable)

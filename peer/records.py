@@ -55,7 +55,7 @@ class PeerRecords:
             rec = PeerRecord(rec.round, rec.params_hash, rec.role, rec.trains, rec.serves, self.maddrs[:8],
                              rec.reachability, rec.loss, self.transport.bytes_sent if self.transport else 0, time.time(),
                              sorted(self.guard.bans())[:32], sum(self.guard.rejected.values()), self._latest_scores(),
-                             self.puncher.punched()[:64] if self.puncher is not None else [])
+                             self.puncher.punched()[:64] if self.puncher is not None else [], rec.earlier_hashes[:16])
             signed = seal(self.identity, self.ctx.run_id, rec)
             try:
                 await self.rejoiner.maybe_rejoin(self.p2p, self.dht)

@@ -7,8 +7,10 @@ parameter hashes do not contradict it (see `StateCheck.verify` for the rules).""
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 import logging
+import time
 from collections import Counter
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
@@ -19,20 +21,51 @@ from groundswell.protocol.envelope import unseal
 from groundswell.protocol.schema import Decision, ProtocolError, StateReply
 from groundswell.protocol.transport import PeerUnavailable
 
+from .records import HEARTBEAT_S
 from .run_state import GlobalState, RunContext, params_hash
 from .state_fetch import fetch_state
 
 log = logging.getLogger(__name__)
 UNCONFIRMED_LEAD = 8  # rounds a state nobody confirms may be past every other record (they lag a heartbeat)
+# A coordinator record at most this many rounds behind a state is waited for, up to
+# COORDINATOR_WAIT_S: it lags by a heartbeat, and its word is the one sybils cannot outvote.
+COORDINATOR_LAG_ROUNDS = 2
+COORDINATOR_WAIT_S = 4 * HEARTBEAT_S
+COORDINATOR_POLL_S = HEARTBEAT_S / 2
+EARLIER_HASHES = 8  # the coordinator's record lists its hashes of this many rounds before its newest
 
 
-def state_servers(records: dict[str, Any], me: str, bootstrap_peers: list[str]) -> list[str]:
-    """Whom to ask for the state, in order: peers whose (round, hash) the most peers published
-    first, the newest among equals first; then bootstrap peers without a record. One peer claiming
-    a far-off round (hostile, or alone ahead) is asked after any state two peers agree on."""
+def coordinator_hashes(record: Any) -> dict[int, str]:
+    """round -> parameter hash, as the coordinator's record gives them: its newest round's and the
+    earlier ones it lists (an entry that is not "round:hash" is skipped). {} for no record."""
+    if record is None:
+        return {}
+    hashes: dict[int, str] = {}
+    for entry in getattr(record, "earlier_hashes", ()):
+        round_text, _, digest = entry.partition(":")
+        if round_text.isdigit() and digest and len(round_text) < 16:
+            hashes[int(round_text)] = digest
+    if record.params_hash:
+        hashes[record.round] = record.params_hash
+    return hashes
+
+
+def state_servers(records: dict[str, Any], me: str, bootstrap_peers: list[str], coordinator: str = "") -> list[str]:
+    """Whom to ask for the state, in order: peers whose (round, hash) is the coordinator's record's,
+    then the coordinator; then peers whose (round, hash) the most peers published, the newest among
+    equals first; then bootstrap peers without a record. One peer claiming a far-off round
+    (hostile, or alone ahead), or many sybil records agreeing on a made-up state, are asked after
+    the peers the run's signer vouches for."""
     votes = Counter((r.round, r.params_hash) for pid, r in records.items() if pid != me and r.params_hash)
+    vouched = set(coordinator_hashes(records.get(coordinator) if coordinator != me else None).items())
+
+    def rank(p: str) -> int:
+        if p == coordinator and vouched:
+            return 1  # after the peers that agree with it: they spare it the load
+        return 0 if (records[p].round, records[p].params_hash) in vouched else 2
+
     order = sorted((p for p in records if p != me),
-                   key=lambda p: (-votes[(records[p].round, records[p].params_hash)], -records[p].round, p))
+                   key=lambda p: (rank(p), -votes[(records[p].round, records[p].params_hash)], -records[p].round, p))
     return order + [p for p in bootstrap_peers if p not in records and p != me]
 
 
@@ -94,12 +127,14 @@ class StateCheck:
         except Exception as exc:  # the DHT failing (any error of hivemind's): cannot check, not the server's fault
             raise ProtocolError(f"cannot read the swarm's published hashes to check the state: {exc!r}",
                                 reason="unchecked", strike=False) from None
-        signer = published.get(self.coordinator) if self.coordinator not in (self.me, server) else None
-        if signer is not None and signer.round == round_id and signer.params_hash:
+        signer, published = await self._coordinator_record(round_id, server, published, records)
+        word = coordinator_hashes(signer).get(round_id)
+        if word is not None:
             # The coordinator signed the run's manifest and its record is signed by its own key:
-            # where it published this round's hash, that decides, whatever the other records say
-            # (in an open run anyone can publish as many records as they like).
-            if signer.params_hash != state_hash:
+            # where it published this round's hash (its newest or one of the few before), that
+            # decides, whatever the other records say (in an open run anyone can publish as many
+            # records as they like).
+            if word != state_hash:
                 raise ProtocolError("state disagrees with the coordinator's published hash", strike=False)
             return
         check = self
@@ -119,6 +154,27 @@ class StateCheck:
         if not agree and server != self.coordinator and newest is not None and round_id > newest + UNCONFIRMED_LEAD:
             raise ProtocolError(f"state of round {round_id}, which no other peer confirms, is more than "
                                 f"{UNCONFIRMED_LEAD} rounds past every other peer's record ({newest})", strike=False)
+
+    async def _coordinator_record(self, round_id: int, server: str, published: dict[str, Any],
+                                  records: Callable[[], Awaitable[dict[str, Any]]]) -> tuple[Any, dict[str, Any]]:
+        """The coordinator's record (None where its word does not count: it is us, or it served the
+        state) and the records read last. A record a round or two behind the state is read again
+        for a few heartbeats: the server applied the round just before the coordinator published
+        it, and without the coordinator's word a majority decides, which sybils can stuff."""
+        if self.coordinator in (self.me, server):
+            return None, published
+        signer = published.get(self.coordinator)
+        deadline = time.monotonic() + COORDINATOR_WAIT_S
+        while signer is not None and signer.round < round_id <= signer.round + COORDINATOR_LAG_ROUNDS \
+                and time.monotonic() < deadline:
+            await asyncio.sleep(COORDINATOR_POLL_S)
+            try:
+                published = await records()
+            except Exception as exc:  # noqa: BLE001 (the DHT failing: decide on the records read before)
+                log.info("re-reading the coordinator's record failed: %r", exc)
+                break
+            signer = published.get(self.coordinator)
+        return signer, published
 
 
 def vouchers_of(committed: dict[int, tuple[bytes, Any]]) -> frozenset[str]:

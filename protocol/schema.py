@@ -16,13 +16,13 @@ from typing import Any, ClassVar
 
 import msgpack
 
-PROTOCOL_VERSION = 8  # 2: claims carry `fence`; the state follows its reply as a raw trailer; 3: envelopes sign the
+PROTOCOL_VERSION = 9  # 2: claims carry `fence`; the state follows its reply as a raw trailer; 3: envelopes sign the
 # body's sha256; 4: payload wire version 2 (sparseloco's Elias-Fano indices), so mixed peers refuse each other up front,
 # and BLAKE3 instead of SHA-256 for bulk hashes (envelope bodies, contribution digests, the state blob); 5: state
 # requests and replies may move the blob over a direct TCP connection; 6: that blob is sealed (AES-256-GCM, the key in the
 # signed reply), and closed runs use it too; 7: small requests (`UNARY_MAX_REQUEST`) travel as libp2p unary calls
 # (their own protocol names), not one stream each; 8: hole punching (`punch`, `punch-invite`), peer records list
-# the peers reached by a punch
+# the peers reached by a punch; 9: the coordinator's record lists its hashes of earlier rounds
 MAX_ID = 128  # peer ids, run ids, reasons and other short strings
 MAX_LIST = 4096  # peer lists, shard lists
 MAX_SMALL = 1 << 20  # a control message never needs more than this
@@ -333,6 +333,9 @@ class PeerRecord(Message):
                                                               "hi": None})  # "peer=score" of its last scored round
     punched: list[str] = field(default_factory=list, metadata={"max_len": MAX_ID, "max_items": 64, "lo": None,
                                                                "hi": None})  # peers it reached by a hole punch
+    # "round:hash" of the rounds before `round` (the coordinator's: joiners check states against it)
+    earlier_hashes: list[str] = field(default_factory=list, metadata={"max_len": 96, "max_items": 16, "lo": None,
+                                                                       "hi": None})
 
 
 MESSAGES: dict[str, type[Message]] = {

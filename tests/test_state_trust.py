@@ -120,6 +120,14 @@ def test_peers_agreeing_on_a_state_are_asked_before_one_claiming_a_far_off_round
     assert state_servers(records, "me", ["boot", "a"]) == ["a", "b", "liar", "c", "boot"]
     # with no agreement anywhere, the newest round goes first (the usual case: a peer just ahead)
     assert state_servers({"a": rec(3, "p"), "b": rec(4, "q")}, "me", []) == ["b", "a"]
+    # sybil records agreeing on a made-up state are outnumbered by nothing: the peers agreeing
+    # with the coordinator's record go first, then the coordinator, then everyone else
+    sybils = {f"s{i}": rec(6, "fake") for i in range(5)}
+    honest = {"a": rec(7, "h7"), "coord": rec(7, "h7"), "c": rec(6, "h6")}
+    assert state_servers({**sybils, **honest}, "me", [], "coord") == ["a", "coord", *sorted(sybils), "c"]
+    # a coordinator without a record (or ourselves) changes nothing
+    assert state_servers({**sybils, "a": rec(7, "h7")}, "me", [], "coord") == [*sorted(sybils), "a"]
+    assert state_servers({**sybils, "me": rec(7, "h7")}, "me", [], "me") == sorted(sybils)
 
 
 def test_cleanup_never_deletes_the_checkpoint_just_written(participant):
@@ -256,6 +264,89 @@ def test_the_coordinators_published_hash_outweighs_any_number_of_other_records(p
         _check(p, {**honest, coord: (7, "good")}, "server")
 
 
+def test_a_coordinator_record_a_round_behind_the_state_is_waited_for(participant, monkeypatch):
+    """The server applied the round a heartbeat before the coordinator published it: the joiner
+    reads the records again for a few heartbeats, so the coordinator's word decides and not a
+    majority that sybil records can stuff; a coordinator that does not catch up leaves it to them."""
+    from groundswell.peer import state_trust
+
+    monkeypatch.setattr(state_trust, "COORDINATOR_POLL_S", 0.01)
+    p, coord = participant, participant.coordinator_id
+    reply, blob, digest, good = _served_state(p, round_id=5)
+
+    def run(timeline: list[dict]) -> tuple[object, int]:
+        reads = []
+
+        async def refresh():
+            reads.append(1)
+            recs = timeline[min(len(reads), len(timeline)) - 1]
+            return {pid: SimpleNamespace(round=r, params_hash=good if h == "good" else h) for pid, (r, h) in recs.items()}
+
+        try:
+            return asyncio.run(p.state_check().verify(reply, blob, digest, "server", refresh)), len(reads)
+        except ProtocolError as exc:
+            return exc, len(reads)
+
+    sybils = {f"s{i}": (5, "good") for i in range(5)}
+    lagging, made_up = {**sybils, coord: (4, "h4")}, {**sybils, coord: (5, "e" * 64)}
+    refused, reads = run([lagging, lagging, made_up])
+    assert isinstance(refused, ProtocolError) and "coordinator's published hash" in str(refused) and reads == 3
+    honest = {f"s{i}": (5, "e" * 64) for i in range(5)}
+    taken, _ = run([{**honest, coord: (4, "h4")}, {**honest, coord: (5, "good")}])
+    assert isinstance(taken, GlobalState) and taken.round == 5  # outvoted, but the coordinator confirms it
+    # a coordinator record far behind (the coordinator is down or re-syncing) is not waited for
+    taken, reads = run([{**sybils, coord: (1, "h1")}])
+    assert isinstance(taken, GlobalState) and reads == 1
+    # nor for longer than COORDINATOR_WAIT_S: then the majority decides, as without it
+    monkeypatch.setattr(state_trust, "COORDINATOR_WAIT_S", 0.05)
+    taken, reads = run([lagging])
+    assert isinstance(taken, GlobalState) and 2 <= reads <= 10
+
+
+def test_the_coordinators_hashes_of_earlier_rounds_decide_for_a_state_of_one_of_them(participant):
+    """A state a round or more behind the coordinator's newest: its record lists the hashes of the
+    rounds before, and those decide, not the (sybil-stuffable) majority."""
+    from groundswell.peer.state_trust import coordinator_hashes
+
+    p, coord = participant, participant.coordinator_id
+    reply, blob, digest, good = _served_state(p, round_id=5)
+
+    def check(earlier: list[str]):
+        recs = {**{f"s{i}": SimpleNamespace(round=5, params_hash="e" * 64) for i in range(5)},
+                coord: SimpleNamespace(round=7, params_hash="h7", earlier_hashes=earlier)}
+
+        async def refresh():
+            return recs
+
+        return asyncio.run(p.state_check().verify(reply, blob, digest, "server", refresh))
+
+    assert check(["4:h4", f"5:{good}", "6:h6"]).round == 5  # outvoted, but the coordinator's word
+    with pytest.raises(ProtocolError, match="coordinator's published hash"):
+        check(["4:h4", "5:" + "f" * 64])
+    with pytest.raises(ProtocolError, match="swarm's published hash"):  # no word on round 5: the majority
+        check(["4:h4", "6:h6"])
+    rec = SimpleNamespace(round=7, params_hash="h7", earlier_hashes=["5:a", "x:b", ":c", "6:", "-1:d", "9" * 20 + ":e"])
+    assert coordinator_hashes(rec) == {5: "a", 7: "h7"}  # what is not round:hash is skipped
+    assert coordinator_hashes(None) == {}
+
+
+def test_only_the_coordinator_publishes_its_hashes_of_earlier_rounds(participant):
+    from groundswell.peer.state_trust import EARLIER_HASHES
+
+    p = participant
+    published: dict = {}
+    p.node = SimpleNamespace(book=SimpleNamespace(committed={r: (b"commit", None) for r in range(20)}),
+                             update_record=lambda **k: published.update(k))
+    for r in range(1, 13):
+        p.outer.round_id = r
+        p.snapshot()
+    assert published["round"] == 12 and published["earlier_hashes"] == []  # a volunteer: nothing more
+    p.coordinator_id = p.identity.peer_id
+    p.snapshot()
+    assert [e.split(":")[0] for e in published["earlier_hashes"]] == [str(r) for r in range(12 - EARLIER_HASHES, 12)]
+    assert all(e.split(":")[1] == p.hash_history[int(e.split(":")[0])] for e in published["earlier_hashes"])
+
+
 def test_after_a_round_the_coordinators_hash_decides_whether_a_peer_re_syncs(participant):
     p, coord = participant, participant.coordinator_id
     p.hash_history = {4: "ours"}
@@ -269,6 +360,11 @@ def test_after_a_round_the_coordinators_hash_decides_whether_a_peer_re_syncs(par
     assert not p.agrees_with_swarm()
     p.node._cached_records[coord] = rec(9, "later")  # no word on round 4: the majority decides
     assert not p.agrees_with_swarm()
+    p.node._cached_records[coord].earlier_hashes = ["4:ours"]  # its word on round 4, among its earlier ones
+    assert p.agrees_with_swarm()
+    p.node._cached_records[coord].earlier_hashes = ["4:theirs"]
+    assert not p.agrees_with_swarm()
+    del p.node._cached_records[coord].earlier_hashes
     p.node._cached_records.update(a=rec(4, "ours"), b=rec(4, "ours"))
     assert p.agrees_with_swarm()
 

@@ -1,0 +1,146 @@
+"""The coordinator's program built on a `Participant` (`launch`): genesis or resume, then follow
+every committed round (serving, never training), evaluate, checkpoint and serve the state."""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable
+
+from groundswell.protocol.client import RoundBehind
+from groundswell.protocol.schema import ProtocolError
+from groundswell.protocol.transport import PeerUnavailable
+
+from .net_loop import Stopped
+from .participant import Participant, genesis_decision
+from .roles import RoundInfo, StopFlag, write_defence_counts
+from .run_state import GlobalState, params_hash
+
+log = logging.getLogger(__name__)
+
+
+def run_coordinator(p: Participant, *, stop: StopFlag, on_round: Callable[[RoundInfo], None] = lambda _: None,
+                    checkpoint_every: int = 0) -> None:
+    """Serve the run: genesis (or resume), then follow every committed round, checkpoint, serve state.
+    `checkpoint_every`: rounds between the coordinator's checkpoints (0: the manifest's cadence)."""
+    m = p.manifest
+    p.start_network()
+    p.events.write("network", peer=p.identity.peer_id, **{f"{k}_s": round(v, 3) for k, v in p.node.startup_s.items()})
+    resumed = p.load_checkpoint()
+    if resumed is not None:
+        p.node.record_decision(resumed["decision"])
+        p.load_global(GlobalState(resumed["round"], resumed["tensors"], resumed["decision"]))
+        p.events.write("resume", round=p.outer.round_id, hash=params_hash(p.outer.global_params),
+                       peer=p.identity.peer_id)
+    else:
+        p.node.record_decision(genesis_decision(p.identity, m.run.id))
+        p.snapshot()
+        p.save_checkpoint()
+    # Ctrl+C cuts any wait on the network short: the coordinator contributes nothing, so it leaves at
+    # once, even mid-attempt (the volunteers re-pick any role it held, as when a peer dies).
+    p.node.interrupt_calls_on(stop.event)
+    try:
+        if resumed is not None:
+            _follow_the_swarm(p)  # the volunteers may have gone on without us
+        _follow_rounds(p, stop, on_round, checkpoint_every or m.checkpoint.every_rounds)
+    except Stopped:
+        pass
+    finally:
+        # Also when something above failed: the rounds applied since the last checkpoint are kept.
+        p.node.interrupt_calls_on(None)
+        write_defence_counts(p)
+        p.save_checkpoint()
+
+
+def _follow_rounds(p: Participant, stop: StopFlag, on_round: Callable[[RoundInfo], None], checkpoint_every: int) -> None:
+    """The coordinator's rounds: take part in each attempt (it serves, never trains), apply every
+    committed round, evaluate, checkpoint; until stopped."""
+    m = p.manifest
+    client = p.node.client
+    assert client is not None
+    last_sent: dict[str, int] = {}  # volunteers' cumulative bytes, for the per-round figure
+    while not stop:
+        r = p.outer.round_id
+        t0 = time.perf_counter()
+        try:
+            p.node.call(client.run_attempt(r, None, None, trains=False, serves=True),
+                        timeout_s=2 * m.round.deadline_s + 6 * m.round.slack_s + 60)
+        except RoundBehind:
+            if not _follow_the_swarm(p):
+                stop.event.wait(1.0)
+            continue
+        except (PeerUnavailable, TimeoutError) as exc:  # nothing decided in time: the next attempt
+            log.warning("round %d: no decision reached this coordinator (%s)", r, exc or "timed out")
+            continue
+        committed = p.node.book.committed.get(r)  # type: ignore[union-attr]
+        if committed is None:  # a retry or a silent leader: the next attempt (by the clock) rotates the roles
+            try:  # tell whoever watches how many volunteers there are (a run filling up waits here)
+                records = p.node.call(p.node.refresh_records(), timeout_s=30)
+            except (PeerUnavailable, TimeoutError) as exc:
+                log.info("peer records: %s", exc)
+                continue
+            volunteers = sum(1 for rec in records.values() if rec.role != "coordinator")
+            ahead = sorted((rec.round for pid, rec in records.items() if pid != p.identity.peer_id), reverse=True)
+            if ahead and ahead[(len(ahead) - 1) // 2] > r + 1:  # half the peers, not one record that says so
+                # The swarm went on without us (our link was down, say): nobody decides round r
+                # any more, so waiting for it would last for good. Catch up, or take the state.
+                log.info("the swarm is past round %d: catching up", r)
+                _follow_the_swarm(p)
+                continue
+            on_round(RoundInfo(r, "retry", peers_online=volunteers,
+                               reason=f"{volunteers} volunteer{'' if volunteers == 1 else 's'} online"
+                                      + (f", {m.run.min_peers} needed" if volunteers < m.run.min_peers else "")))
+            continue
+        signed, d = committed
+        try:
+            mean = p.node.call(client.fetch_aggregate(signed), timeout_s=m.round.deadline_s * 4 + 60)
+        except (PeerUnavailable, TimeoutError) as exc:
+            # Every holder of a shard died before anyone else fetched it: the round's result lives
+            # on only in the state of peers that applied it. Take that state (or wait for it).
+            log.warning("aggregate of round %d unavailable (%s); taking the state of a peer past it", r, exc)
+            if not _follow_the_swarm(p):
+                stop.event.wait(m.round.slack_s)
+            continue
+        p.outer.follow(r, mean)
+        p.snapshot()
+        loss = p.eval_global() if (r + 1) % m.eval.every_rounds == 0 else float("nan")
+        try:
+            records = p.node.call(p.node.refresh_records(), timeout_s=30)
+        except (PeerUnavailable, TimeoutError) as exc:  # a DHT hiccup: the figures use the last view
+            log.info("peer records: %s", exc)
+            records = p.node._cached_records
+        sent = {pid: rec.bytes_sent for pid, rec in records.items() if rec.role != "coordinator"}
+        deltas = [b - last_sent[pid] for pid, b in sent.items() if pid in last_sent and b >= last_sent[pid]]
+        last_sent = sent
+        info = RoundInfo(r, "applied", False, len(d.contributors), eval_loss=loss, round_s=time.perf_counter() - t0,
+                         params_hash=params_hash(p.outer.global_params), peers_online=len(records),
+                         bytes_sent=int(sum(deltas) / len(deltas)) if deltas else 0)
+        if loss == loss:
+            p.node.update_record(loss=loss)
+        p.events.write("round", round=r, contributors=list(d.contributors), attempt=d.attempt, leader=d.leader,
+                       hash=info.params_hash, eval_loss=loss, clipped=client.clipped.get(r, {}), shards=d.num_shards,
+                       round_s=info.round_s, peer=p.identity.peer_id, role="coordinator")
+        on_round(info)
+        if (r + 1) % checkpoint_every == 0:
+            p.save_checkpoint()
+
+
+def _follow_the_swarm(p: Participant) -> bool:
+    """Bring a follower up to the swarm's newest round: apply the rounds peers still archive, or
+    take the state of a peer that is ahead. Returns whether this peer moved forward."""
+    before = p.outer.round_id
+    try:
+        p.catch_up()
+    except (PeerUnavailable, RoundBehind, TimeoutError, ProtocolError) as exc:
+        log.info("catch-up: %s", exc)
+    try:
+        records = p.node.call(p.node.refresh_records(), timeout_s=30)
+    except (PeerUnavailable, TimeoutError) as exc:
+        log.info("peer records: %s", exc)
+        return p.outer.round_id > before
+    if max((r.round for r in records.values()), default=-1) > p.outer.round_id:
+        try:
+            p.sync_state([], min_round=p.outer.round_id + 1)
+        except (PeerUnavailable, TimeoutError, ProtocolError) as exc:
+            log.info("no peer ahead served its state: %s", exc)
+    return p.outer.round_id > before
