@@ -8,7 +8,6 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
-import os
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -35,6 +34,7 @@ from .data import Corpus, evaluate, heldout_batches, load_corpus
 from .manifest import RunManifest, SignedManifest
 from .run_state import GlobalState, RunContext, params_hash
 from .scoring import ContributionScorer
+from .state_files import checkpoint_path, checkpoints_newest_first, prune_checkpoints, write_atomically
 from .state_trust import (
     EARLIER_HASHES,
     StateCheck,
@@ -83,15 +83,6 @@ def run_context(manifest: RunManifest, outer: OuterOptimizer, coordinator: str =
                       Limits(requests_per_s=d.requests_per_s, max_streams=d.max_streams, ban_s=d.ban_s,
                              strikes=d.strikes, max_clock_skew_s=d.max_clock_skew_s), readers, d.verify_aggregates,
                       manifest.round.replicas)
-
-
-def _fsync_dir(path: Path) -> None:
-    """Make a rename in `path` durable (POSIX: the directory entry needs its own fsync)."""
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 def genesis_decision(identity: Identity, run_id: str) -> bytes:
@@ -191,20 +182,13 @@ class Participant:
         """Persist the attempt we are about to contribute to (before anything is sent)."""
         if self.state_dir is None:
             return
-        path = self.state_dir / "contributed.json"
-        tmp = path.with_suffix(".tmp")
         try:
             # Durable before anything is sent: after a power loss, a second contribution to the
             # same attempt would cost us an equivocation strike at every aggregator.
-            with open(tmp, "w") as f:
-                f.write(json.dumps({"round": round_id, "attempt": attempt}))
-                f.flush()
-                os.fsync(f.fileno())
-            os.replace(tmp, path)
-            _fsync_dir(self.state_dir)
+            write_atomically(self.state_dir / "contributed.json",
+                             lambda f: f.write(json.dumps({"round": round_id, "attempt": attempt}).encode()))
         except OSError as exc:  # disk full or read-only: a restart may then re-send (refused as equivocation)
             log.warning("could not record the contribution (%s)", exc)
-            tmp.unlink(missing_ok=True)
 
     async def _score(self, round_id: int, updates: dict[str, torch.Tensor]) -> dict[str, float]:
         """Score contributions as the round's leader (in a worker thread: the loop keeps serving)."""
@@ -350,8 +334,7 @@ class Participant:
         A failure (disk full, read-only dir) is reported and training goes on from memory."""
         if self.state_dir is None or self._snapshot is None:
             return None
-        path = self.state_dir / f"checkpoint-{self.outer.round_id:08d}.pt"
-        tmp = path.with_suffix(".tmp")
+        path = checkpoint_path(self.state_dir, self.outer.round_id)
         state = {"round": self._snapshot.round, "tensors": self._snapshot.tensors, "decision": self._snapshot.decision,
                  "outer": self.outer.state_dict() if self.outer.pending is None else None, **(extra or {})}
         if self.outer.pending is None:
@@ -361,23 +344,12 @@ class Participant:
             if bool(progress.any()):
                 state["local_progress"] = progress
         try:
-            with open(tmp, "wb") as f:
-                torch.save(state, f)
-                f.flush()
-                os.fsync(f.fileno())
-            os.replace(tmp, path)
-            _fsync_dir(self.state_dir)  # the rename itself survives a power loss
+            write_atomically(path, lambda f: torch.save(state, f))
         except OSError as exc:
             log.error("checkpoint not written (%s); training continues from memory", exc)
             self.events.write("checkpoint-failed", error=str(exc), peer=self.identity.peer_id)
-            tmp.unlink(missing_ok=True)
             return None
-        # Keep this one and the newest keep-1 before it. Never count a file that sorts after it (an
-        # unreadable newer checkpoint this run resumed past) towards `keep`: that deleted the
-        # checkpoint just written.
-        older = sorted(p for p in self.state_dir.glob("checkpoint-*.pt") if p.name < path.name)
-        for old in older[: max(0, len(older) - (self.manifest.checkpoint.keep - 1))]:
-            old.unlink(missing_ok=True)
+        prune_checkpoints(path, self.manifest.checkpoint.keep)
         return path
 
     def preload_checkpoint(self) -> None:
@@ -393,7 +365,7 @@ class Participant:
             return found
         if self.state_dir is None:
             return None
-        for path in sorted(self.state_dir.glob("checkpoint-*.pt"), reverse=True):
+        for path in checkpoints_newest_first(self.state_dir):
             try:
                 state = torch.load(path, weights_only=True, map_location="cpu")
             except Exception as exc:  # torch raises many types for a truncated or garbled file
