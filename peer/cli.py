@@ -182,7 +182,9 @@ def bench_codecs(
     print(json.dumps(result, indent=2) if as_json else format_codec_table(result))
 
 
-from . import cli_swarm  # noqa: F401  (registers keygen, launch, join, status)
+# Registering the commands, in the order `--help` lists them: keygen, launch, join, status; simulate.
+from . import cli_swarm  # noqa: F401, I001
+from . import cli_simulate  # noqa: F401
 
 
 def main() -> None:

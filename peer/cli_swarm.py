@@ -1,4 +1,4 @@
-"""Swarm commands of the `groundswell` CLI: keygen, launch, join, status, simulate."""
+"""Swarm commands of the `groundswell` CLI: keygen, launch, join, status (simulate: cli_simulate.py)."""
 
 from __future__ import annotations
 
@@ -347,71 +347,3 @@ def status(
     banned = sorted({b for row in rows for b in row["banning"]})
     if banned:
         console.print(f"banned by some peer now: {', '.join(banned)}", highlight=False)
-
-
-@app.command()
-@_user_errors
-def simulate(
-    peers: int = typer.Option(4, help="Volunteer processes."),
-    rounds: int = typer.Option(10, help="Rounds each volunteer applies before leaving."),
-    preset: str = typer.Option("tiny", help="Model preset or module:callable."),
-    algorithm: str = typer.Option("sparseloco", help="diloco or sparseloco."),
-    codec: str = typer.Option("", help="Outer codec.", show_default="the algorithm's"),
-    inner_steps: int = typer.Option(20, "--inner-steps", "-H", help="Inner steps per round."),
-    batch_size: int = typer.Option(8, help="Inner batch size."),
-    deadline: float = typer.Option(
-        30.0, help="Round deadline in seconds: a round is decided by it (contributions are due 2 slacks earlier)."),
-    min_peers: Optional[int] = typer.Option(None, help="Contributions a round needs.", show_default="2, or 1 with --peers 1"),
-    outer_lr: float = typer.Option(0.0, help="Outer learning rate.", show_default="the algorithm's"),
-    topk: int = typer.Option(0, help="SparseLoCo: values kept per 4096-chunk.", show_default="64"),
-    error_decay: float = typer.Option(-1.0, help="SparseLoCo: error-feedback decay in [0, 1].", show_default="0.95"),
-    overlap: int = typer.Option(0, help="1: exchange each round while the next H steps train (delayed outer step)."),
-    warmup: int = typer.Option(-1, help="Inner learning-rate warmup steps.", show_default="min(50, 2 H)"),
-    seed: int = typer.Option(0, help="Run seed (also seeds every fault's victim)."),
-    out: Path = typer.Option(Path("sim-out"), help="Output folder (report.json, loss.png, logs)."),
-    kill_every: float = typer.Option(0.0, help="SIGKILL a random live peer every S seconds."),
-    restart_after: float = typer.Option(0.0, help="Restart a killed peer (same identity and state) after S s."),
-    freeze_every: float = typer.Option(0.0, help="SIGSTOP a random peer every S seconds..."),
-    freeze_for: float = typer.Option(10.0, help="...and SIGCONT it S seconds later."),
-    late_joiners: int = typer.Option(0, help="Start K extra peers after round 2."),
-    leave_every: float = typer.Option(0.0, help="A random peer leaves cleanly (SIGINT) every S seconds."),
-    kill_coordinator_at: float = typer.Option(0.0, help="SIGKILL the coordinator at S s; restart it from its state."),
-    checkpoint_every: int = typer.Option(5, help="Rounds between checkpoints."),
-    byzantine: int = typer.Option(0, help="K of the volunteers misbehave (see --attack)."),
-    attack: str = typer.Option("scale", help="What byzantine peers do: scale, random, signflip, nan or stale."),
-    defences: bool = typer.Option(True, "--defences/--no-defences",
-                                  help="Robust aggregation (norm clipping) on or off; input validation stays on."),
-    scoring: bool = typer.Option(False, help="Leaders score each contribution on a probe batch, drop harmful ones."),
-) -> None:
-    """A coordinator and N volunteers on 127.0.0.1 (real libp2p), R rounds; writes OUT/report.json."""
-    from .sim_report import fault_summary
-    from .simulate import SimulateOptions, run_simulation
-
-    if scoring and not defences:
-        raise ConfigError("--scoring is a defence: it cannot go with --no-defences")
-    if min_peers is None:
-        min_peers = min(2, peers)
-    if min_peers > peers:
-        raise ConfigError(f"--min-peers {min_peers} is more than --peers {peers}: no round could ever commit")
-    opts = SimulateOptions(peers=peers, rounds=rounds, preset=preset, algorithm=algorithm, codec=codec,
-                           inner_steps=inner_steps, batch_size=batch_size, deadline_s=deadline,
-                           min_peers=min_peers, seed=seed, outer_lr=outer_lr, topk=topk,
-                           error_decay=error_decay, overlap=overlap, warmup_steps=warmup,
-                           kill_every=kill_every, restart_after=restart_after, freeze_every=freeze_every,
-                           freeze_for=freeze_for, late_joiners=late_joiners, leave_every=leave_every,
-                           kill_coordinator_at=kill_coordinator_at, checkpoint_every=checkpoint_every,
-                           byzantine=byzantine, attack=attack, defences=defences, scoring=scoring)
-    report = run_simulation(opts, out, progress=lambda m: console.print(m, highlight=False))
-    losses = [v for v in report["eval_loss_by_round"] if v is not None]  # rounds the coordinator evaluated
-    console.print(
-        f"[bold]{report['rounds_completed']}/{report['rounds_target']} rounds[/], {report['peers']} peers, "
-        f"{report['codec']}: held-out loss {losses[0]:.3f} -> {losses[-1]:.3f}; "
-        f"{report['bytes_sent_per_peer_per_round'] / 1e3:,.1f} kB/peer/round "
-        f"(dense ring: {report['dense_fp32_ring_bytes_per_peer_per_round'] / 1e3:,.0f} kB); "
-        f"hashes agree: {report['param_hash_agreement']}; {report['wall_s']:.0f} s; report: {out / 'report.json'}"
-        if losses else f"no round completed; see the logs in {out}",
-        highlight=False,
-    )
-    faults = fault_summary(report)
-    if faults:
-        console.print(faults, highlight=False)
