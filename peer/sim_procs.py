@@ -1,0 +1,153 @@
+"""The processes of a simulation: each started in a session of its own, so that its whole tree
+(its p2pd included) can be signalled or killed; `Simulation` kills everything it started on exit,
+whatever happens (SIGTERM included)."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from .simulate import SimulateOptions
+
+
+@dataclass
+class Proc:
+    """One simulated process."""
+
+    name: str
+    args: list[str]
+    state_dir: Path
+    popen: subprocess.Popen | None = None
+    log: object = None
+
+
+@dataclass
+class Simulation:
+    """Owns every process of a simulation; kills them all on exit."""
+
+    out: Path
+    opts: SimulateOptions
+    events: list[dict] = field(default_factory=list)
+    procs: dict[str, Proc] = field(default_factory=dict)
+    t0: float = field(default_factory=time.time)
+    peak_rss: dict[str, float] = field(default_factory=dict)
+
+    def __enter__(self) -> "Simulation":
+        self.out.mkdir(parents=True, exist_ok=True)
+        # A SIGTERM (e.g. from `timeout`) must still reach __exit__ and kill every process.
+        self._old_term = signal.signal(signal.SIGTERM, _raise_interrupt)
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        for proc in self.procs.values():
+            self._kill(proc)
+        signal.signal(signal.SIGTERM, self._old_term)
+
+    def event(self, kind: str, peer: str) -> None:
+        """Record a driver-side event (spawn, exit, fault)."""
+        self.events.append({"t": round(time.time() - self.t0, 3), "kind": kind, "peer": peer})
+
+    def alive(self, name: str) -> bool:
+        """Is this process running (or frozen)?"""
+        proc = self.procs.get(name)
+        return proc is not None and proc.popen is not None and proc.popen.poll() is None
+
+    def sample_rss(self) -> None:
+        """Track each process's peak resident memory, its p2pd included."""
+        import psutil
+
+        for name, proc in self.procs.items():
+            if not self.alive(name):
+                continue
+            try:
+                root = psutil.Process(proc.popen.pid)  # type: ignore[union-attr]
+                total = sum(p.memory_info().rss for p in [root, *root.children(recursive=True)])
+            except psutil.Error:
+                continue
+            self.peak_rss[name] = max(self.peak_rss.get(name, 0.0), total / 2**20)
+
+    def spawn(self, name: str, args: list[str], kind: str = "spawn", prefix: tuple[str, ...] = ()) -> Proc:
+        """Start `groundswell ARGS` as its own process group, logging to OUT/NAME.log; `prefix`
+        wraps the command (e.g. `ip netns exec NS`, which execs it in place)."""
+        env = dict(os.environ, OMP_WAIT_POLICY="PASSIVE", PYTHONUNBUFFERED="1")
+        proc = Proc(name, args, self.out / name)
+        proc.log = open(self.out / f"{name}.log", "ab")
+        with _sigint_not_ignored():
+            proc.popen = subprocess.Popen([*prefix, sys.executable, "-m", "groundswell.peer", *args],
+                                          stdout=proc.log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
+        self.procs[name] = proc
+        self.event(kind, name)
+        return proc
+
+    def _kill(self, proc: Proc) -> None:
+        if proc.popen is not None and proc.popen.poll() is None:
+            self._signal_machine(proc, signal.SIGKILL)
+            proc.popen.wait(timeout=30)
+        if proc.log is not None:
+            proc.log.close()  # type: ignore[attr-defined]
+            proc.log = None
+
+    def signal(self, name: str, sig: int) -> None:
+        """Send a signal as the fault it stands for. SIGINT is a person's Ctrl+C: it reaches the
+        peer's process group, as a terminal's would (the peer's p2pd runs in a group of its own
+        and lives on while the peer finishes its round). SIGKILL, SIGSTOP and SIGCONT stand for a
+        crashed or stalled machine: they reach the daemon too."""
+        proc = self.procs[name]
+        if proc.popen is None or proc.popen.poll() is not None:
+            return
+        if sig == signal.SIGINT:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(proc.popen.pid, sig)
+        else:
+            self._signal_machine(proc, sig)
+
+    @staticmethod
+    def _signal_machine(proc: Proc, sig: int) -> None:
+        """Signal a peer's process group and the groups of all its descendants (its p2pd)."""
+        import psutil
+
+        assert proc.popen is not None
+        try:
+            kids = psutil.Process(proc.popen.pid).children(recursive=True)
+        except psutil.Error:
+            kids = []
+        groups = [proc.popen.pid]  # the peer's own group first (it was started in a new session)
+        for kid in kids:
+            with contextlib.suppress(psutil.Error, ProcessLookupError):
+                group = os.getpgid(kid.pid)
+                if group not in groups and group != os.getpgrp():  # never our own group
+                    groups.append(group)
+        for group in groups:
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.killpg(group, sig)
+
+
+@contextlib.contextmanager
+def _sigint_not_ignored() -> Iterator[None]:
+    """Children started inside get SIGINT at its default, as from a terminal. A simulation run
+    from a background job (`cmd &` in a script: POSIX shells ignore SIGINT there) would otherwise
+    hand that "ignore" to every peer and its p2pd, and a simulated Ctrl+C would not be one."""
+    try:
+        ignored = signal.getsignal(signal.SIGINT) is signal.SIG_IGN
+        if ignored:
+            signal.signal(signal.SIGINT, signal.default_int_handler)  # reset to SIG_DFL by exec
+    except ValueError:  # not the main thread: leave it as it is
+        ignored = False
+    try:
+        yield
+    finally:
+        if ignored:
+            signal.signal(signal.SIGINT, signal.SIG_IGN)
+
+
+def _raise_interrupt(signum: int, frame: object) -> None:
+    raise KeyboardInterrupt(f"signal {signum}")
