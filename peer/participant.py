@@ -217,8 +217,10 @@ class Participant:
             del self.hash_history[old]
         # The coordinator's record also lists its hashes of the last rounds before this one: a
         # joiner checks a state of one of them against the coordinator's word, not a majority.
-        earlier = [f"{k}:{self.hash_history[k]}" for k in sorted(self.hash_history)[-EARLIER_HASHES - 1:-1]] \
-            if self.identity.peer_id == self.coordinator_id else []
+        earlier = []
+        if self.identity.peer_id == self.coordinator_id:
+            before = sorted(k for k in self.hash_history if k < r)[-EARLIER_HASHES:]
+            earlier = [f"{k}:{self.hash_history[k]}" for k in before]
         self.node.update_record(round=r, params_hash=digest, earlier_hashes=earlier)
 
     def load_global(self, state: GlobalState) -> None:

@@ -66,8 +66,9 @@ class PunchScheduler:
 
     async def start_due(self, attempts: asyncio.TaskGroup) -> None:
         """Start, in `attempts`, a punch to each pair that is due and not being tried already."""
+        known = set(self.direct)  # an attempt may add a peer while we wait for the list: not dropped
         paths = connection_paths(await self.p2p.list_peers())
-        self.direct = {p for p in self.direct if paths.get(p) == "direct"}
+        self.direct -= {p for p in known if paths.get(p) != "direct"}
         records = self.records()
         for book in (self._fails, self._next):  # forget peers that left
             for gone in [p for p in book if p not in records]:

@@ -43,7 +43,7 @@ def coordinator_hashes(record: Any) -> dict[int, str]:
     hashes: dict[int, str] = {}
     for entry in getattr(record, "earlier_hashes", ()):
         round_text, _, digest = entry.partition(":")
-        if round_text.isdigit() and digest and len(round_text) < 16:
+        if round_text.isascii() and round_text.isdigit() and digest and len(round_text) < 16:
             hashes[int(round_text)] = digest
     if record.params_hash:
         hashes[record.round] = record.params_hash
@@ -64,8 +64,12 @@ def state_servers(records: dict[str, Any], me: str, bootstrap_peers: list[str], 
             return 1  # after the peers that agree with it: they spare it the load
         return 0 if (records[p].round, records[p].params_hash) in vouched else 2
 
-    order = sorted((p for p in records if p != me),
-                   key=lambda p: (rank(p), -votes[(records[p].round, records[p].params_hash)], -records[p].round, p))
+    def key(p: str) -> tuple:
+        r = records[p]
+        newest_vouched = -r.round if rank(p) == 0 else 0  # of the states it vouches for, the newest first
+        return rank(p), newest_vouched, -votes[(r.round, r.params_hash)], -r.round, p
+
+    order = sorted((p for p in records if p != me), key=key)
     return order + [p for p in bootstrap_peers if p not in records and p != me]
 
 
@@ -137,6 +141,13 @@ class StateCheck:
             if word != state_hash:
                 raise ProtocolError("state disagrees with the coordinator's published hash", strike=False)
             return
+        if signer is not None and signer.params_hash and self.ctx.allowlist is None:
+            # The coordinator is online and has no word on this round (it is past the rounds its
+            # record lists, or further than the wait above let it catch up). In an open run the
+            # majority is whoever publishes the most records, so the state is refused: the
+            # coordinator's own state, or a state of a round it vouches for, is taken instead.
+            raise ProtocolError(f"the coordinator's record (round {signer.round}) does not vouch for a state of "
+                                f"round {round_id}", strike=False)
         check = self
         if self.vouchers is not None and not any(pid in self.vouchers for pid in published if pid not in (server, self.me)):
             # None of them is online (a coordinator back after a long outage): the plain rule, or

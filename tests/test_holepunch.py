@@ -218,6 +218,40 @@ def test_a_slow_punch_holds_up_neither_the_next_pass_nor_a_peer_that_shows_up_la
     assert sched._trying == set()  # cancelled with the scheduler, nothing left marked running
 
 
+def test_a_punch_that_works_while_the_next_pass_lists_connections_stays_known(monkeypatch):
+    """Attempts run during a pass's own awaits: one that works while the connection list is being
+    read (the list from before its connection) must not be dropped from `direct` by that pass."""
+    punch_may_end = asyncio.Event()
+
+    async def fake_punch(p2p, transport, rdv, target):
+        await punch_may_end.wait()
+        return "/ip4/10.99.0.22/tcp/4002"
+
+    monkeypatch.setattr(holepunch, "punch_through", fake_punch)
+    sched = None
+
+    class SlowList:
+        calls = 0
+
+        async def list_peers(self):
+            SlowList.calls += 1
+            if SlowList.calls == 2:  # the second pass: the punch ends while we read the list
+                punch_may_end.set()
+                while "p-cone" not in sched.direct:
+                    await asyncio.sleep(0)
+            return []  # read before the punched connection showed up
+
+    sched = PunchScheduler("m", ["rdv"], SlowList(), None, lambda: {"p-cone": _rec("private")})
+
+    async def go():
+        async with asyncio.TaskGroup() as attempts:
+            await sched.start_due(attempts)
+            await sched.start_due(attempts)
+
+    asyncio.run(go())
+    assert sched.punched() == ["p-cone"]
+
+
 def test_the_rendezvous_introduces_only_nated_peers_of_the_run():
     t = FakeTransport(PunchInviteReply(True, ""))
     asked: list[tuple[str, ...]] = []

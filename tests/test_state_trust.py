@@ -4,6 +4,7 @@ hash (or come from the coordinator), and checkpoints are cleaned up without losi
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 from types import SimpleNamespace
 
 import pytest
@@ -125,6 +126,11 @@ def test_peers_agreeing_on_a_state_are_asked_before_one_claiming_a_far_off_round
     sybils = {f"s{i}": rec(6, "fake") for i in range(5)}
     honest = {"a": rec(7, "h7"), "coord": rec(7, "h7"), "c": rec(6, "h6")}
     assert state_servers({**sybils, **honest}, "me", [], "coord") == ["a", "coord", *sorted(sybils), "c"]
+    # of the states the coordinator vouches for (its newest round and the ones it lists), the newest first
+    coord = SimpleNamespace(round=7, params_hash="h7", earlier_hashes=["5:h5", "6:h6"])
+    stuck = {f"t{i}": rec(5, "h5") for i in range(3)}
+    assert state_servers({**stuck, "a": rec(7, "h7"), "c": rec(6, "h6"), "coord": coord}, "me", [], "coord") == \
+        ["a", "c", *sorted(stuck), "coord"]
     # a coordinator without a record (or ourselves) changes nothing
     assert state_servers({**sybils, "a": rec(7, "h7")}, "me", [], "coord") == [*sorted(sybils), "a"]
     assert state_servers({**sybils, "me": rec(7, "h7")}, "me", [], "me") == sorted(sybils)
@@ -259,9 +265,17 @@ def test_the_coordinators_published_hash_outweighs_any_number_of_other_records(p
         _check(p, {**sybils, coord: "e" * 64}, "server")
     honest = {f"s{i}": "e" * 64 for i in range(5)}
     assert _check(p, {**honest, coord: "good"}, "server").round == 0
-    # the coordinator's record of another round says nothing about this one: the majority decides
+    # a coordinator online with no word on this round: in an open run the state is refused (the
+    # majority is whoever publishes the most records) ...
+    with pytest.raises(ProtocolError, match="does not vouch for a state of round 0"):
+        _check(p, {**sybils, coord: (17, "h17")}, "server")
+    # ... unless the coordinator serves it itself
+    assert _check(p, {**sybils, coord: (17, "h17")}, coord).round == 0
+    # in a closed run the members' majority decides, as where the coordinator is offline
+    p.ctx = dataclasses.replace(p.ctx, allowlist=frozenset([*sybils, *honest, coord]))
     with pytest.raises(ProtocolError, match="disagrees with the swarm's published hash"):
-        _check(p, {**honest, coord: (7, "good")}, "server")
+        _check(p, {**honest, coord: (17, "h17")}, "server")
+    assert _check(p, {**sybils, coord: (17, "h17")}, "server").round == 0
 
 
 def test_a_coordinator_record_a_round_behind_the_state_is_waited_for(participant, monkeypatch):
@@ -294,13 +308,17 @@ def test_a_coordinator_record_a_round_behind_the_state_is_waited_for(participant
     honest = {f"s{i}": (5, "e" * 64) for i in range(5)}
     taken, _ = run([{**honest, coord: (4, "h4")}, {**honest, coord: (5, "good")}])
     assert isinstance(taken, GlobalState) and taken.round == 5  # outvoted, but the coordinator confirms it
-    # a coordinator record far behind (the coordinator is down or re-syncing) is not waited for
-    taken, reads = run([{**sybils, coord: (1, "h1")}])
-    assert isinstance(taken, GlobalState) and reads == 1
-    # nor for longer than COORDINATOR_WAIT_S: then the majority decides, as without it
+    # a coordinator record far behind (the coordinator is re-syncing, say) is not waited for, nor
+    # one a round behind for longer than COORDINATOR_WAIT_S; either way it does not vouch for the
+    # state, and in an open run that refuses it: the coordinator's own state is taken instead
+    refused, reads = run([{**sybils, coord: (1, "h1")}])
+    assert isinstance(refused, ProtocolError) and "does not vouch" in str(refused) and reads == 1
     monkeypatch.setattr(state_trust, "COORDINATOR_WAIT_S", 0.05)
-    taken, reads = run([lagging])
-    assert isinstance(taken, GlobalState) and 2 <= reads <= 10
+    refused, reads = run([lagging])
+    assert isinstance(refused, ProtocolError) and "does not vouch" in str(refused) and 2 <= reads <= 10
+    # without a record of the coordinator's (it is offline) the majority decides
+    taken, reads = run([sybils])
+    assert isinstance(taken, GlobalState) and reads == 1
 
 
 def test_the_coordinators_hashes_of_earlier_rounds_decide_for_a_state_of_one_of_them(participant):
@@ -323,9 +341,10 @@ def test_the_coordinators_hashes_of_earlier_rounds_decide_for_a_state_of_one_of_
     assert check(["4:h4", f"5:{good}", "6:h6"]).round == 5  # outvoted, but the coordinator's word
     with pytest.raises(ProtocolError, match="coordinator's published hash"):
         check(["4:h4", "5:" + "f" * 64])
-    with pytest.raises(ProtocolError, match="swarm's published hash"):  # no word on round 5: the majority
+    with pytest.raises(ProtocolError, match="does not vouch"):  # no word on round 5 (an open run)
         check(["4:h4", "6:h6"])
-    rec = SimpleNamespace(round=7, params_hash="h7", earlier_hashes=["5:a", "x:b", ":c", "6:", "-1:d", "9" * 20 + ":e"])
+    rec = SimpleNamespace(round=7, params_hash="h7",
+                          earlier_hashes=["5:a", "x:b", ":c", "6:", "-1:d", "9" * 20 + ":e", "\u00b2:f", "\u0663:g"])
     assert coordinator_hashes(rec) == {5: "a", 7: "h7"}  # what is not round:hash is skipped
     assert coordinator_hashes(None) == {}
 
