@@ -128,7 +128,8 @@ def run_volunteer(p: Participant, bootstrap_peers: list[str], *, max_rounds: int
     try:  # which peers we reached directly and which through a relay, for the run's report
         p.events.write("connections", paths=p.node.call(p.node.connections(), timeout_s=10),
                        reachability=p.node.reachability, peer=p.identity.peer_id,
-                       punches=list(p.node.puncher.attempts) if p.node.puncher is not None else [])
+                       punches=list(p.node.puncher.attempts) if p.node.puncher is not None else [],
+                       punched=p.node.puncher.punched() if p.node.puncher is not None else [])
     except (PeerUnavailable, TimeoutError, RuntimeError) as exc:
         log.info("could not list connections: %s", exc)
     write_defence_counts(p)

@@ -13,7 +13,7 @@ import logging
 import time
 from collections import Counter
 from collections.abc import Awaitable, Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -27,8 +27,9 @@ from .state_fetch import fetch_state
 
 log = logging.getLogger(__name__)
 UNCONFIRMED_LEAD = 8  # rounds a state nobody confirms may be past every other record (they lag a heartbeat)
-# A coordinator record at most this many rounds behind a state is waited for, up to
-# COORDINATOR_WAIT_S: it lags by a heartbeat, and its word is the one sybils cannot outvote.
+# A coordinator record behind a state is waited for, up to COORDINATOR_WAIT_S: it lags by a
+# heartbeat, and its word is the one sybils cannot outvote (a dead coordinator's record expires
+# after 3 heartbeats, within the wait). In a closed run only if at most this many rounds behind.
 COORDINATOR_LAG_ROUNDS = 2
 COORDINATOR_WAIT_S = 4 * HEARTBEAT_S
 COORDINATOR_POLL_S = HEARTBEAT_S / 2
@@ -85,6 +86,9 @@ class StateCheck:
     # The coordinator's own check in an open run: only peers its verified commits name vote, and
     # one of them must confirm the state (see `vouchers_of`). None: every authorized peer votes.
     vouchers: frozenset[str] | None = None
+    # When waiting for a lagging coordinator record ends (monotonic), shared by every state this
+    # check sees: one sync waits for it COORDINATOR_WAIT_S at most, however many servers it asks.
+    _wait_until: list[float] = field(default_factory=list, compare=False, repr=False)
 
     def vote_counts(self, peer: str, server: str) -> bool:
         """Does `peer`'s published hash count when checking a state `server` sent us?"""
@@ -169,15 +173,21 @@ class StateCheck:
     async def _coordinator_record(self, round_id: int, server: str, published: dict[str, Any],
                                   records: Callable[[], Awaitable[dict[str, Any]]]) -> tuple[Any, dict[str, Any]]:
         """The coordinator's record (None where its word does not count: it is us, or it served the
-        state) and the records read last. A record a round or two behind the state is read again
-        for a few heartbeats: the server applied the round just before the coordinator published
-        it, and without the coordinator's word a majority decides, which sybils can stuff."""
+        state) and the records read last. A record behind the state is read again for a few
+        heartbeats: the server applied the round just before the coordinator published it, or
+        the coordinator died and its record is about to expire. In a closed run only a record a
+        round or two behind is waited for (without the coordinator's word its members decide)."""
         if self.coordinator in (self.me, server):
             return None, published
         signer = published.get(self.coordinator)
-        deadline = time.monotonic() + COORDINATOR_WAIT_S
-        while signer is not None and signer.round < round_id <= signer.round + COORDINATOR_LAG_ROUNDS \
-                and time.monotonic() < deadline:
+
+        def behind(rec: Any) -> bool:
+            return rec is not None and rec.round < round_id and (
+                self.ctx.allowlist is None or round_id <= rec.round + COORDINATOR_LAG_ROUNDS)
+
+        if behind(signer) and not self._wait_until:
+            self._wait_until.append(time.monotonic() + COORDINATOR_WAIT_S)
+        while behind(signer) and time.monotonic() < self._wait_until[0]:
             await asyncio.sleep(COORDINATOR_POLL_S)
             try:
                 published = await records()

@@ -83,7 +83,9 @@ def report(out: Path, rounds: int, shaping: dict, timed_out: list[str],
         last = [e for e in logs[name] if e["kind"] == "connections"]
         if last:
             reach[name] = last[-1]["reachability"]
-            punched = set()
+            # peers it holds a punched connection with: dialled by it (an attempt that worked) or by
+            # them (its punch target forwards their connection); either end's view counts
+            punched = set(last[-1].get("punched", []))
             for a in last[-1].get("punches", []):
                 punches.append({"a": name, "b": ids.get(a["peer"], a["peer"][-8:]), "ok": a["ok"], "s": a["s"],
                                 "detail": a.get("address") or a.get("reason", "")})

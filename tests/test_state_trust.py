@@ -308,17 +308,32 @@ def test_a_coordinator_record_a_round_behind_the_state_is_waited_for(participant
     honest = {f"s{i}": (5, "e" * 64) for i in range(5)}
     taken, _ = run([{**honest, coord: (4, "h4")}, {**honest, coord: (5, "good")}])
     assert isinstance(taken, GlobalState) and taken.round == 5  # outvoted, but the coordinator confirms it
-    # a coordinator record far behind (the coordinator is re-syncing, say) is not waited for, nor
-    # one a round behind for longer than COORDINATOR_WAIT_S; either way it does not vouch for the
-    # state, and in an open run that refuses it: the coordinator's own state is taken instead
-    refused, reads = run([{**sybils, coord: (1, "h1")}])
-    assert isinstance(refused, ProtocolError) and "does not vouch" in str(refused) and reads == 1
-    monkeypatch.setattr(state_trust, "COORDINATOR_WAIT_S", 0.05)
-    refused, reads = run([lagging])
-    assert isinstance(refused, ProtocolError) and "does not vouch" in str(refused) and 2 <= reads <= 10
-    # without a record of the coordinator's (it is offline) the majority decides
+    # a coordinator that died: its record expires during the wait, and the majority decides
+    taken, reads = run([{**sybils, coord: (1, "h1")}, sybils])
+    assert isinstance(taken, GlobalState) and reads == 2
+    # without a record of the coordinator's (it is offline) the majority decides at once
     taken, reads = run([sybils])
     assert isinstance(taken, GlobalState) and reads == 1
+    # a live coordinator record behind the state for longer than COORDINATOR_WAIT_S does not vouch
+    # for it, and in an open run that refuses it (the coordinator's own state is taken instead)
+    monkeypatch.setattr(state_trust, "COORDINATOR_WAIT_S", 0.05)
+    for behind in (lagging, {**sybils, coord: (1, "h1")}):
+        refused, reads = run([behind])
+        assert isinstance(refused, ProtocolError) and "does not vouch" in str(refused) and 2 <= reads <= 10
+    # one sync waits once: a second server's state is judged at once
+    check, seen = p.state_check(), []
+
+    async def stuck():
+        seen.append(1)
+        return {pid: SimpleNamespace(round=r, params_hash=good if h == "good" else h) for pid, (r, h) in lagging.items()}
+
+    with pytest.raises(ProtocolError, match="does not vouch"):
+        asyncio.run(check.verify(reply, blob, digest, "server", stuck))
+    assert len(seen) >= 2  # it waited
+    before = len(seen)
+    with pytest.raises(ProtocolError, match="does not vouch"):
+        asyncio.run(check.verify(reply, blob, digest, "server2", stuck))
+    assert len(seen) == before + 1  # the sync's deadline had passed: read once, no waiting
 
 
 def test_the_coordinators_hashes_of_earlier_rounds_decide_for_a_state_of_one_of_them(participant):
