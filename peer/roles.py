@@ -8,6 +8,7 @@ import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Any
 
 from groundswell.compression import Payload
 from groundswell.optim import RoundFailed
@@ -126,14 +127,21 @@ def run_volunteer(p: Participant, bootstrap_peers: list[str], *, max_rounds: int
     if in_flight is not None:  # stopping: the last contribution lands in an aggregate or is kept
         loop.settle(*in_flight)
     try:  # which peers we reached directly and which through a relay, for the run's report
-        p.events.write("connections", paths=p.node.call(p.node.connections(), timeout_s=10),
-                       reachability=p.node.reachability, peer=p.identity.peer_id,
-                       punches=list(p.node.puncher.attempts) if p.node.puncher is not None else [],
-                       punched=p.node.puncher.punched() if p.node.puncher is not None else [])
+        p.events.write("connections", **p.node.call(_connection_report(p.node), timeout_s=10),
+                       reachability=p.node.reachability, peer=p.identity.peer_id)
     except (PeerUnavailable, TimeoutError, RuntimeError) as exc:
         log.info("could not list connections: %s", exc)
     write_defence_counts(p)
     p.save_checkpoint({"inner": trainer.state_dict()})
+
+
+async def _connection_report(node: Any) -> dict[str, Any]:
+    """Our libp2p connections (direct or relayed) and hole punches, read on the network loop,
+    whose tasks change them."""
+    puncher = node.puncher
+    return {"paths": await node.connections(),
+            "punches": list(puncher.attempts) if puncher is not None else [],
+            "punched": puncher.punched() if puncher is not None else []}
 
 
 def _import_optimizer_machinery() -> None:

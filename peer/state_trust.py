@@ -27,9 +27,8 @@ from .state_fetch import fetch_state
 
 log = logging.getLogger(__name__)
 UNCONFIRMED_LEAD = 8  # rounds a state nobody confirms may be past every other record (they lag a heartbeat)
-# A coordinator record behind a state is waited for, up to COORDINATOR_WAIT_S: it lags by a
-# heartbeat, and its word is the one sybils cannot outvote (a dead coordinator's record expires
-# after 3 heartbeats, within the wait). In a closed run only if at most this many rounds behind.
+# A coordinator record at most this many rounds behind a state is waited for, up to
+# COORDINATOR_WAIT_S per sync: it lags by a heartbeat, and its word is the one sybils cannot outvote.
 COORDINATOR_LAG_ROUNDS = 2
 COORDINATOR_WAIT_S = 4 * HEARTBEAT_S
 COORDINATOR_POLL_S = HEARTBEAT_S / 2
@@ -130,6 +129,8 @@ class StateCheck:
         # making for a far-off round it alone claims, which would leave us stuck there. A made-up
         # state for a current round is caught later: our hashes then disagree with the swarm's
         # and we re-sync.
+        if server == self.coordinator and self.me != self.coordinator:
+            return  # the run's signer serving its own state: its word (a majority could be sybils)
         try:
             published = await records()
         except Exception as exc:  # the DHT failing (any error of hivemind's): cannot check, not the server's fault
@@ -145,13 +146,6 @@ class StateCheck:
             if word != state_hash:
                 raise ProtocolError("state disagrees with the coordinator's published hash", strike=False)
             return
-        if signer is not None and signer.params_hash and self.ctx.allowlist is None:
-            # The coordinator is online and has no word on this round (it is past the rounds its
-            # record lists, or further than the wait above let it catch up). In an open run the
-            # majority is whoever publishes the most records, so the state is refused: the
-            # coordinator's own state, or a state of a round it vouches for, is taken instead.
-            raise ProtocolError(f"the coordinator's record (round {signer.round}) does not vouch for a state of "
-                                f"round {round_id}", strike=False)
         check = self
         if self.vouchers is not None and not any(pid in self.vouchers for pid in published if pid not in (server, self.me)):
             # None of them is online (a coordinator back after a long outage): the plain rule, or
@@ -173,17 +167,17 @@ class StateCheck:
     async def _coordinator_record(self, round_id: int, server: str, published: dict[str, Any],
                                   records: Callable[[], Awaitable[dict[str, Any]]]) -> tuple[Any, dict[str, Any]]:
         """The coordinator's record (None where its word does not count: it is us, or it served the
-        state) and the records read last. A record behind the state is read again for a few
-        heartbeats: the server applied the round just before the coordinator published it, or
-        the coordinator died and its record is about to expire. In a closed run only a record a
-        round or two behind is waited for (without the coordinator's word its members decide)."""
+        state) and the records read last. A record a round or two behind the state is read again
+        for a few heartbeats (the server applied the round just before the coordinator published
+        it): without the coordinator's word the majority decides, which sybil records can stuff.
+        A coordinator further behind is not waited for: it may be catching up for a long time,
+        and the run must not stall on it."""
         if self.coordinator in (self.me, server):
             return None, published
         signer = published.get(self.coordinator)
 
         def behind(rec: Any) -> bool:
-            return rec is not None and rec.round < round_id and (
-                self.ctx.allowlist is None or round_id <= rec.round + COORDINATOR_LAG_ROUNDS)
+            return rec is not None and rec.round < round_id <= rec.round + COORDINATOR_LAG_ROUNDS
 
         if behind(signer) and not self._wait_until:
             self._wait_until.append(time.monotonic() + COORDINATOR_WAIT_S)

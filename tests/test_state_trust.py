@@ -4,7 +4,6 @@ hash (or come from the coordinator), and checkpoints are cleaned up without losi
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 from types import SimpleNamespace
 
 import pytest
@@ -265,17 +264,12 @@ def test_the_coordinators_published_hash_outweighs_any_number_of_other_records(p
         _check(p, {**sybils, coord: "e" * 64}, "server")
     honest = {f"s{i}": "e" * 64 for i in range(5)}
     assert _check(p, {**honest, coord: "good"}, "server").round == 0
-    # a coordinator online with no word on this round: in an open run the state is refused (the
-    # majority is whoever publishes the most records) ...
-    with pytest.raises(ProtocolError, match="does not vouch for a state of round 0"):
-        _check(p, {**sybils, coord: (17, "h17")}, "server")
-    # ... unless the coordinator serves it itself
-    assert _check(p, {**sybils, coord: (17, "h17")}, coord).round == 0
-    # in a closed run the members' majority decides, as where the coordinator is offline
-    p.ctx = dataclasses.replace(p.ctx, allowlist=frozenset([*sybils, *honest, coord]))
+    # the coordinator's record of another round says nothing about this one: the majority decides
+    # (refusing such states would make a lagging coordinator stall every joiner) ...
     with pytest.raises(ProtocolError, match="disagrees with the swarm's published hash"):
         _check(p, {**honest, coord: (17, "h17")}, "server")
-    assert _check(p, {**sybils, coord: (17, "h17")}, "server").round == 0
+    # ... but never against the coordinator serving its own state
+    assert _check(p, {**honest, coord: (17, "h17")}, coord).round == 0
 
 
 def test_a_coordinator_record_a_round_behind_the_state_is_waited_for(participant, monkeypatch):
@@ -309,30 +303,25 @@ def test_a_coordinator_record_a_round_behind_the_state_is_waited_for(participant
     taken, _ = run([{**honest, coord: (4, "h4")}, {**honest, coord: (5, "good")}])
     assert isinstance(taken, GlobalState) and taken.round == 5  # outvoted, but the coordinator confirms it
     # a coordinator that died: its record expires during the wait, and the majority decides
-    taken, reads = run([{**sybils, coord: (1, "h1")}, sybils])
+    taken, reads = run([lagging, sybils])
     assert isinstance(taken, GlobalState) and reads == 2
-    # without a record of the coordinator's (it is offline) the majority decides at once
-    taken, reads = run([sybils])
+    # a coordinator record far behind (catching up after a restart, say) is not waited for: the
+    # majority decides at once (the run must not stall on a coordinator that lags)
+    taken, reads = run([{**sybils, coord: (1, "h1")}])
     assert isinstance(taken, GlobalState) and reads == 1
-    # a live coordinator record behind the state for longer than COORDINATOR_WAIT_S does not vouch
-    # for it, and in an open run that refuses it (the coordinator's own state is taken instead)
+    # nor is one a round behind for longer than COORDINATOR_WAIT_S, once per sync: a second
+    # server's state is judged at once
     monkeypatch.setattr(state_trust, "COORDINATOR_WAIT_S", 0.05)
-    for behind in (lagging, {**sybils, coord: (1, "h1")}):
-        refused, reads = run([behind])
-        assert isinstance(refused, ProtocolError) and "does not vouch" in str(refused) and 2 <= reads <= 10
-    # one sync waits once: a second server's state is judged at once
     check, seen = p.state_check(), []
 
     async def stuck():
         seen.append(1)
         return {pid: SimpleNamespace(round=r, params_hash=good if h == "good" else h) for pid, (r, h) in lagging.items()}
 
-    with pytest.raises(ProtocolError, match="does not vouch"):
-        asyncio.run(check.verify(reply, blob, digest, "server", stuck))
+    assert asyncio.run(check.verify(reply, blob, digest, "server", stuck)).round == 5
     assert len(seen) >= 2  # it waited
     before = len(seen)
-    with pytest.raises(ProtocolError, match="does not vouch"):
-        asyncio.run(check.verify(reply, blob, digest, "server2", stuck))
+    assert asyncio.run(check.verify(reply, blob, digest, "server2", stuck)).round == 5
     assert len(seen) == before + 1  # the sync's deadline had passed: read once, no waiting
 
 
@@ -356,7 +345,7 @@ def test_the_coordinators_hashes_of_earlier_rounds_decide_for_a_state_of_one_of_
     assert check(["4:h4", f"5:{good}", "6:h6"]).round == 5  # outvoted, but the coordinator's word
     with pytest.raises(ProtocolError, match="coordinator's published hash"):
         check(["4:h4", "5:" + "f" * 64])
-    with pytest.raises(ProtocolError, match="does not vouch"):  # no word on round 5 (an open run)
+    with pytest.raises(ProtocolError, match="swarm's published hash"):  # no word on round 5: the majority
         check(["4:h4", "6:h6"])
     rec = SimpleNamespace(round=7, params_hash="h7",
                           earlier_hashes=["5:a", "x:b", ":c", "6:", "-1:d", "9" * 20 + ":e", "\u00b2:f", "\u0663:g"])
