@@ -29,39 +29,20 @@ from .schema import (
     Seal,
     ShardContribution,
 )
+from .shards import (
+    DENSE_MEAN_CODECS,
+    REPORTING_CANDIDATES,
+    decision_digests,
+    ships_contributions,
+)
 from .transport import PeerUnavailable
 
 log = logging.getLogger(__name__)
-DENSE_MEAN_CODECS = ("fp32", "fp16", "bf16", "int8")  # the aggregate is the re-encoded mean
-REPORTING_CANDIDATES = 4  # a shard and its replicas go to the first of its candidates that take them
 MIN_ROOM = 64  # contributors a shard of one attempt holds at least (4x the expected trainers if more)
 FUTURE_ROUNDS = 3  # contributions and joins further ahead of our newest commit are dropped
 SEALED_BY_ANOTHER = "this attempt is already sealed under another leader's decision"
 LATER_ATTEMPT_CLAIMED = "a later attempt of this round was claimed here"
 CONTESTED = (SEALED_BY_ANOTHER, LATER_ATTEMPT_CLAIMED)  # seal refusals that make a leader stand back
-
-
-def decision_digests(decision: Decision, shard: int) -> list[bytes]:
-    """The contribution digests a commit pins for one shard, in contributor order."""
-    n = len(decision.contributors)
-    return decision.digests[shard * n:(shard + 1) * n]
-
-
-def replica_count(ctx: Any) -> int:
-    """Copies of each shard a contributor makes besides the first: the run's `replicas` if it sets
-    it, else two for sparse payloads (about 1/200 of fp32, so a third copy costs little and keeps a
-    shard when two of its holders die in one round) and one for dense ones (each copy is the
-    shard's full fp32/int8 size). With none, a source that dies before it seals costs a retry."""
-    chosen = getattr(ctx, "replicas", None)
-    if chosen is not None:
-        return min(int(chosen), REPORTING_CANDIDATES - 1)
-    return 1 if ctx.codec.name in DENSE_MEAN_CODECS else 2
-
-
-def ships_contributions(ctx: Any) -> bool:
-    """Does an aggregate carry every signed contribution (sparse codecs, or a run that verifies
-    aggregates) rather than one mean computed by the aggregator?"""
-    return ctx.codec.name not in DENSE_MEAN_CODECS or bool(getattr(ctx, "verify_aggregates", False))
 
 
 class Aggregator:

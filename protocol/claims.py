@@ -12,10 +12,10 @@ import logging
 from collections.abc import Awaitable, Callable
 from typing import TYPE_CHECKING, Any
 
-from .aggregator import REPORTING_CANDIDATES
 from .envelope import unseal
 from .plan import RoundPlan
 from .schema import Claim, ClaimReply, Decision, DecisionReply, DecisionRequest, ProtocolError
+from .shards import REPORTING_CANDIDATES
 from .transport import PeerDead, PeerUnavailable
 
 if TYPE_CHECKING:

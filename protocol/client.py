@@ -15,7 +15,6 @@ from dataclasses import dataclass
 
 from groundswell.compression import Payload
 
-from .aggregator import REPORTING_CANDIDATES, decision_digests, replica_count
 from .claims import ping
 from .context import DecisionBook, contribution_digest
 from .envelope import unseal
@@ -32,6 +31,7 @@ from .schema import (
     ShardContribution,
 )
 from .server import RoundServer
+from .shards import REPORTING_CANDIDATES, decision_digests, replica_count
 from .transport import PeerGone, PeerUnavailable
 
 log = logging.getLogger(__name__)

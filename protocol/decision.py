@@ -10,10 +10,11 @@ import logging
 import time
 from typing import TYPE_CHECKING, Any
 
-from .aggregator import CONTESTED, REPORTING_CANDIDATES
+from .aggregator import CONTESTED
 from .envelope import seal, unseal
 from .plan import RoundPlan
 from .schema import Ack, Decision, ProtocolError, Seal
+from .shards import REPORTING_CANDIDATES
 from .transport import PeerUnavailable, ShardsUnavailable
 
 if TYPE_CHECKING:

@@ -14,7 +14,6 @@ from typing import Any
 import torch
 from groundswell.compression import Payload, RobustStats, robust_mean
 
-from .aggregator import decision_digests, ships_contributions
 from .context import contribution_digest, validate_segments
 from .envelope import unseal
 from .plan import RoundPlan
@@ -27,6 +26,7 @@ from .schema import (
     ProtocolError,
     ShardContribution,
 )
+from .shards import decision_digests, ships_contributions
 from .transport import PeerUnavailable, ShardsUnavailable
 
 log = logging.getLogger(__name__)

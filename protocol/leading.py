@@ -11,9 +11,10 @@ import logging
 import time
 from typing import TYPE_CHECKING, Any
 
-from .aggregator import FUTURE_ROUNDS, REPORTING_CANDIDATES
+from .aggregator import FUTURE_ROUNDS
 from .plan import RoundPlan, close_time
 from .schema import Ack, DecisionReply, DecisionRequest, HaveReport, Join, ProtocolError
+from .shards import REPORTING_CANDIDATES
 from .transport import PeerGone, PeerUnavailable
 
 if TYPE_CHECKING:

@@ -26,7 +26,7 @@ from typing import Any
 
 from groundswell.compression import Payload
 
-from .aggregator import REPORTING_CANDIDATES, Aggregator
+from .aggregator import Aggregator
 from .claims import Claims
 from .context import DecisionBook, RoundContext
 from .decision import Decider
@@ -49,6 +49,7 @@ from .schema import (
     Seal,
     ShardContribution,
 )
+from .shards import REPORTING_CANDIDATES
 from .transport import PeerUnavailable, Transport
 
 log = logging.getLogger(__name__)

@@ -89,7 +89,7 @@ def test_aggregation_is_sharded_across_peers(make_cluster):
     out = c.attempt(0, _inputs(4, c.numel, 3))
     d = out[0].decision
     assert d.status == "commit" and d.num_shards == 4 and len(set(d.sources)) == 4
-    from groundswell.protocol.aggregator import replica_count
+    from groundswell.protocol.shards import replica_count
 
     copies = 0
     for node in c.nodes:  # a shard lives on its aggregator and its replicas: nobody holds them all

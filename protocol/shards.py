@@ -1,0 +1,35 @@
+"""Where a round's shards go and what their aggregates are: the candidates a contribution's shard
+is copied to, the digests a commit pins for a shard, and whether an aggregate is one mean or every
+signed contribution. Shared by contributors, aggregators, leaders and fetchers."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from .schema import Decision
+
+DENSE_MEAN_CODECS = ("fp32", "fp16", "bf16", "int8")  # the aggregate is the re-encoded mean
+REPORTING_CANDIDATES = 4  # a shard and its replicas go to the first of its candidates that take them
+
+
+def decision_digests(decision: Decision, shard: int) -> list[bytes]:
+    """The contribution digests a commit pins for one shard, in contributor order."""
+    n = len(decision.contributors)
+    return decision.digests[shard * n:(shard + 1) * n]
+
+
+def replica_count(ctx: Any) -> int:
+    """Copies of each shard a contributor makes besides the first: the run's `replicas` if it sets
+    it, else two for sparse payloads (about 1/200 of fp32, so a third copy costs little and keeps a
+    shard when two of its holders die in one round) and one for dense ones (each copy is the
+    shard's full fp32/int8 size). With none, a source that dies before it seals costs a retry."""
+    chosen = getattr(ctx, "replicas", None)
+    if chosen is not None:
+        return min(int(chosen), REPORTING_CANDIDATES - 1)
+    return 1 if ctx.codec.name in DENSE_MEAN_CODECS else 2
+
+
+def ships_contributions(ctx: Any) -> bool:
+    """Does an aggregate carry every signed contribution (sparse codecs, or a run that verifies
+    aggregates) rather than one mean computed by the aggregator?"""
+    return ctx.codec.name not in DENSE_MEAN_CODECS or bool(getattr(ctx, "verify_aggregates", False))
