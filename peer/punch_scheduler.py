@@ -85,7 +85,7 @@ class PunchScheduler:
         """`attempt`, marked as running while it runs; an error in it fails this pair, not the group."""
         try:
             await self.attempt(peer)
-        except Exception as exc:  # announcing a punch failed, say: recorded, the next pass goes on
+        except Exception as exc:  # noqa: BLE001 (announcing a punch failed, say: this pair fails, not the group)
             log.info("hole punch to %s ended in an error: %r", peer[-8:], exc)
         finally:
             self._trying.discard(peer)
