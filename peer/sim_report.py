@@ -12,6 +12,7 @@ per-round parameter-hash agreement over every process.
 
 from __future__ import annotations
 
+import itertools
 import json
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -129,7 +130,7 @@ def build_report(out: Path, opts: "SimulateOptions", driver_events: list[dict], 
         "dense_fp32_ring_bytes_per_peer_per_round": 2 * (n - 1) / n * 4 * params,
         "param_hash_agreement": bool(hashes) and not divergent,
         "divergent_rounds": divergent,
-        "round_times_s": [round(b - a, 3) for a, b in zip(marks, marks[1:])],
+        "round_times_s": [round(b - a, 3) for a, b in itertools.pairwise(marks)],
         "wall_s": round(wall_s, 2),
         "recovery_s": recovery,
         "recovery_excluding_s": excluding,

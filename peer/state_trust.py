@@ -65,9 +65,9 @@ def state_servers(records: dict[str, Any], me: str, bootstrap_peers: list[str], 
         return 0 if (records[p].round, records[p].params_hash) in vouched else 2
 
     def key(p: str) -> tuple:
-        r = records[p]
-        newest_vouched = -r.round if rank(p) == 0 else 0  # of the states it vouches for, the newest first
-        return rank(p), newest_vouched, -votes[(r.round, r.params_hash)], -r.round, p
+        r, group = records[p], rank(p)
+        newest_vouched = -r.round if group == 0 else 0  # of the states it vouches for, the newest first
+        return group, newest_vouched, -votes[(r.round, r.params_hash)], -r.round, p
 
     order = sorted((p for p in records if p != me), key=key)
     return order + [p for p in bootstrap_peers if p not in records and p != me]
@@ -136,7 +136,7 @@ class StateCheck:
         except Exception as exc:  # the DHT failing (any error of hivemind's): cannot check, not the server's fault
             raise ProtocolError(f"cannot read the swarm's published hashes to check the state: {exc!r}",
                                 reason="unchecked", strike=False) from None
-        signer, published = await self._coordinator_record(round_id, server, published, records)
+        signer, published = await self._coordinator_record(round_id, published, records)
         word = coordinator_hashes(signer).get(round_id)
         if word is not None:
             # The coordinator signed the run's manifest and its record is signed by its own key:
@@ -160,19 +160,19 @@ class StateCheck:
         if check.vouchers is not None and not agree:
             raise ProtocolError("no peer named in the run's verified commits confirms this state", strike=False)
         newest = max((r.round for r in voters), default=None)
-        if not agree and server != self.coordinator and newest is not None and round_id > newest + UNCONFIRMED_LEAD:
+        if not agree and newest is not None and round_id > newest + UNCONFIRMED_LEAD:
             raise ProtocolError(f"state of round {round_id}, which no other peer confirms, is more than "
                                 f"{UNCONFIRMED_LEAD} rounds past every other peer's record ({newest})", strike=False)
 
-    async def _coordinator_record(self, round_id: int, server: str, published: dict[str, Any],
+    async def _coordinator_record(self, round_id: int, published: dict[str, Any],
                                   records: Callable[[], Awaitable[dict[str, Any]]]) -> tuple[Any, dict[str, Any]]:
-        """The coordinator's record (None where its word does not count: it is us, or it served the
-        state) and the records read last. A record a round or two behind the state is read again
+        """The coordinator's record (None where it is us: our own word does not count) and the
+        records read last. A record a round or two behind the state is read again
         for a few heartbeats (the server applied the round just before the coordinator published
         it): without the coordinator's word the majority decides, which sybil records can stuff.
         A coordinator further behind is not waited for: it may be catching up for a long time,
         and the run must not stall on it."""
-        if self.coordinator in (self.me, server):
+        if self.coordinator == self.me:
             return None, published
         signer = published.get(self.coordinator)
 

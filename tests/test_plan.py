@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import os
 import random
 
@@ -105,7 +106,7 @@ def test_uneven_split_puts_the_extra_segments_first():
 def test_new_attempt_reshuffles_roles():
     servers = SERVERS[:10]
     plans = [_plan(servers=servers, attempt=a) for a in range(12)]
-    for prev, nxt in zip(plans, plans[1:]):
+    for prev, nxt in itertools.pairwise(plans):
         assert prev.order != nxt.order  # 1 in 10! chance of a spurious failure
     leaders = {p.leader for p in plans}
     assert len(leaders) >= 3  # 12 attempts over 10 servers: the lead moves around

@@ -1,5 +1,5 @@
 """Whose state a joiner takes: a downloaded state must be confirmed by another peer's published
-hash (or come from the coordinator), and checkpoints are cleaned up without losing the newest."""
+hash (or come from the coordinator). Restarts from checkpoints: test_resume.py."""
 
 from __future__ import annotations
 
@@ -135,61 +135,6 @@ def test_peers_agreeing_on_a_state_are_asked_before_one_claiming_a_far_off_round
     assert state_servers({**sybils, "me": rec(7, "h7")}, "me", [], "me") == sorted(sybils)
 
 
-def test_cleanup_never_deletes_the_checkpoint_just_written(participant):
-    """A newer checkpoint that cannot be read (the run resumed past it) must not count towards
-    `keep`: it made the cleanup delete the checkpoint just written, leaving nothing good."""
-    from groundswell.peer.participant import genesis_decision
-
-    p = participant
-    p._snapshot = GlobalState(3, {"global_params": p.outer.global_params.clone()},
-                              genesis_decision(p.identity, "unit"))
-    p.state_dir.mkdir(parents=True, exist_ok=True)
-    for r in (50, 51):
-        (p.state_dir / f"checkpoint-{r:08d}.pt").write_bytes(b"garbled")
-    for r in (1, 2, 3):
-        p.outer.round_id = r
-        written = p.save_checkpoint()
-        assert written is not None and written.exists()
-    names = sorted(f.name for f in p.state_dir.glob("checkpoint-*.pt"))
-    # keep = 2: the one just written and the one before it; newer files are left alone
-    assert names == ["checkpoint-00000002.pt", "checkpoint-00000003.pt", "checkpoint-00000050.pt",
-                     "checkpoint-00000051.pt"]
-    assert p.load_checkpoint()["round"] == 3  # the garbled ones are skipped
-
-
-@pytest.mark.parametrize("contributed_round,kept", [(3, False), (5, False), (2, True)])
-def test_a_resumed_error_feedback_is_dropped_if_the_process_before_contributed_after_the_checkpoint(
-        tmp_path, corpus, contributed_round, kept):
-    """SparseLoCo's error feedback in a checkpoint holds what the crashed process sent in later
-    rounds; restoring it would send that work a second time."""
-    from groundswell.peer.manifest import manifest_from_mapping, sign_manifest
-    from groundswell.peer.participant import Participant, genesis_decision
-    from groundswell.peer.resume import resume_and_sync
-    from groundswell.peer.swarm import NodeOptions
-    from groundswell.protocol.identity import Identity
-
-    manifest = manifest_from_mapping({"run": {"id": "unit", "open": True}, "model": {"spec": "tiny"},
-                                      "outer": {"algorithm": "sparseloco"}})
-    me = Identity.generate()
-    me.save(tmp_path / "id.key")
-    p = Participant(manifest, sign_manifest(manifest, me).to_bytes(), me, str(tmp_path / "id.key"), NodeOptions(),
-                    tmp_path / "state", corpus=corpus)
-    p.state_dir.mkdir(parents=True, exist_ok=True)
-    p.outer.round_id = 3
-    p.outer.error = torch.ones_like(p.outer.global_params)
-    p._snapshot = GlobalState(3, {"global_params": p.outer.global_params.clone()}, genesis_decision(me, "unit"))
-    assert p.save_checkpoint() is not None
-    p._remember_contribution(contributed_round, 0)
-
-    p.outer.error = torch.zeros_like(p.outer.global_params)  # a new process
-    p.node = SimpleNamespace(book=SimpleNamespace(committed={}), record_decision=lambda d: None,
-                             update_record=lambda **k: None)
-    p.sync_state = lambda peers, min_round=-1: None  # the swarm has nothing newer
-    resume_and_sync(p, [])
-    assert bool((p.outer.error == 1).all()) is kept
-    assert bool((p.outer.error == 0).all()) is not kept
-
-
 def test_a_state_that_cannot_be_checked_against_the_swarm_is_refused_without_blaming_its_server(participant):
     reply, blob, digest, _ = _served_state(participant)
 
@@ -199,51 +144,6 @@ def test_a_state_that_cannot_be_checked_against_the_swarm_is_refused_without_bla
     with pytest.raises(ProtocolError, match="cannot read the swarm's published hashes") as err:
         asyncio.run(participant.state_check().verify(reply, blob, digest, "server", dht_down))
     assert err.value.reason == "unchecked" and not err.value.strike
-
-
-@pytest.mark.parametrize("contributed_round,kept", [(3, False), (2, True)])
-def test_a_restart_takes_back_its_local_progress_unless_it_may_have_been_sent(tmp_path, corpus, contributed_round,
-                                                                            kept):
-    """A DiLoCo contribution a round left out is rebased into the local parameters: a checkpoint
-    keeps it, and a restart trains on from it, unless the process before contributed since."""
-    import json
-
-    from groundswell.optim import copy_into_parameters
-    from groundswell.peer.manifest import manifest_from_mapping, sign_manifest
-    from groundswell.peer.participant import Participant, genesis_decision
-    from groundswell.peer.resume import restore_local_progress, resume_and_sync, torch_load_params
-    from groundswell.peer.swarm import NodeOptions
-    from groundswell.protocol.identity import Identity
-
-    manifest = manifest_from_mapping({"run": {"id": "unit", "open": True}, "model": {"spec": "tiny"},
-                                      "outer": {"algorithm": "diloco", "codec": "fp32"}})
-    me = Identity.generate()
-    me.save(tmp_path / "id.key")
-
-    def participant():
-        return Participant(manifest, sign_manifest(manifest, me).to_bytes(), me, str(tmp_path / "id.key"),
-                           NodeOptions(), tmp_path / "state", corpus=corpus)
-
-    p = participant()
-    p.outer.round_id = 3
-    progress = torch.randn(p.outer.global_params.numel())
-    copy_into_parameters(p.outer.global_params + progress, p.outer.params)
-    p._snapshot = GlobalState(3, {"global_params": p.outer.global_params.clone(),
-                                  "momentum_buffer": p.outer.momentum_buffer.clone()}, genesis_decision(me, "unit"))
-    assert p.save_checkpoint() is not None
-    p._remember_contribution(contributed_round, 0)
-
-    again = participant()  # a new process, with the same state dir
-    again.node = SimpleNamespace(book=SimpleNamespace(committed={}), record_decision=lambda d: None,
-                                 update_record=lambda **k: None)
-    again.sync_state = lambda peers, min_round=-1: None  # the swarm has nothing newer
-    resumed = resume_and_sync(again, [])
-    torch_load_params(again)  # what the volunteer does once the inner state is loaded
-    assert restore_local_progress(again, resumed) is kept
-    local = again.outer.local_vector() - again.outer.global_params
-    assert torch.allclose(local, progress if kept else torch.zeros_like(progress), atol=1e-6)
-    events = [json.loads(line)["kind"] for line in (tmp_path / "state" / "events.jsonl").read_text().splitlines()]
-    assert ("unsent-work-dropped" in events) is not kept and ("local-progress-restored" in events) is kept
 
 
 def test_a_big_models_state_sync_gets_time_in_proportion_to_its_size():

@@ -1,0 +1,115 @@
+"""A volunteer restarting from its own checkpoints: old ones are pruned without losing the newest,
+and the work it had not sent (error feedback, local progress) is taken back unless the process
+before it may have sent that work already."""
+
+from __future__ import annotations
+
+import json
+from types import SimpleNamespace
+
+import pytest
+import torch
+from groundswell.peer.run_state import GlobalState
+
+
+def _factory(tmp_path, corpus, **sections):
+    """() -> a new Participant process of an open run (`sections` added to its manifest), all
+    sharing one identity and one state dir, as restarts of the same volunteer do."""
+    from groundswell.peer.manifest import manifest_from_mapping, sign_manifest
+    from groundswell.peer.participant import Participant
+    from groundswell.peer.swarm import NodeOptions
+    from groundswell.protocol.identity import Identity
+
+    manifest = manifest_from_mapping({"run": {"id": "unit", "open": True}, "model": {"spec": "tiny"}, **sections})
+    me = Identity.generate()
+    me.save(tmp_path / "id.key")
+
+    def participant():
+        return Participant(manifest, sign_manifest(manifest, me).to_bytes(), me, str(tmp_path / "id.key"),
+                           NodeOptions(), tmp_path / "state", corpus=corpus)
+
+    return participant
+
+
+def _offline(p) -> None:
+    """No network: an empty decision book, and a swarm with nothing newer than our checkpoint."""
+    p.node = SimpleNamespace(book=SimpleNamespace(committed={}), record_decision=lambda d: None,
+                             update_record=lambda **k: None)
+    p.sync_state = lambda peers, min_round=-1: None
+
+
+def test_cleanup_never_deletes_the_checkpoint_just_written(tmp_path, corpus):
+    """A newer checkpoint that cannot be read (the run resumed past it) must not count towards
+    `keep`: it made the cleanup delete the checkpoint just written, leaving nothing good."""
+    from groundswell.peer.participant import genesis_decision
+
+    p = _factory(tmp_path, corpus, checkpoint={"every_rounds": 1, "keep": 2})()
+    p._snapshot = GlobalState(3, {"global_params": p.outer.global_params.clone()},
+                              genesis_decision(p.identity, "unit"))
+    p.state_dir.mkdir(parents=True, exist_ok=True)
+    for r in (50, 51):
+        (p.state_dir / f"checkpoint-{r:08d}.pt").write_bytes(b"garbled")
+    for r in (1, 2, 3):
+        p.outer.round_id = r
+        written = p.save_checkpoint()
+        assert written is not None and written.exists()
+    names = sorted(f.name for f in p.state_dir.glob("checkpoint-*.pt"))
+    # keep = 2: the one just written and the one before it; newer files are left alone
+    assert names == ["checkpoint-00000002.pt", "checkpoint-00000003.pt", "checkpoint-00000050.pt",
+                     "checkpoint-00000051.pt"]
+    assert p.load_checkpoint()["round"] == 3  # the garbled ones are skipped
+
+
+@pytest.mark.parametrize("contributed_round,kept", [(3, False), (5, False), (2, True)])
+def test_a_resumed_error_feedback_is_dropped_if_the_process_before_contributed_after_the_checkpoint(
+        tmp_path, corpus, contributed_round, kept):
+    """SparseLoCo's error feedback in a checkpoint holds what the crashed process sent in later
+    rounds; restoring it would send that work a second time."""
+    from groundswell.peer.participant import genesis_decision
+    from groundswell.peer.resume import resume_and_sync
+
+    p = _factory(tmp_path, corpus, outer={"algorithm": "sparseloco"})()
+    p.state_dir.mkdir(parents=True, exist_ok=True)
+    p.outer.round_id = 3
+    p.outer.error = torch.ones_like(p.outer.global_params)
+    p._snapshot = GlobalState(3, {"global_params": p.outer.global_params.clone()},
+                              genesis_decision(p.identity, "unit"))
+    assert p.save_checkpoint() is not None
+    p._remember_contribution(contributed_round, 0)
+
+    p.outer.error = torch.zeros_like(p.outer.global_params)  # a new process
+    _offline(p)
+    resume_and_sync(p, [])
+    assert bool((p.outer.error == 1).all()) is kept
+    assert bool((p.outer.error == 0).all()) is not kept
+
+
+@pytest.mark.parametrize("contributed_round,kept", [(3, False), (2, True)])
+def test_a_restart_takes_back_its_local_progress_unless_it_may_have_been_sent(tmp_path, corpus, contributed_round,
+                                                                            kept):
+    """A DiLoCo contribution a round left out is rebased into the local parameters: a checkpoint
+    keeps it, and a restart trains on from it, unless the process before contributed since."""
+    from groundswell.optim import copy_into_parameters
+    from groundswell.peer.participant import genesis_decision
+    from groundswell.peer.resume import restore_local_progress, resume_and_sync, torch_load_params
+
+    participant = _factory(tmp_path, corpus, outer={"algorithm": "diloco", "codec": "fp32"})
+    p = participant()
+    p.outer.round_id = 3
+    progress = torch.randn(p.outer.global_params.numel())
+    copy_into_parameters(p.outer.global_params + progress, p.outer.params)
+    p._snapshot = GlobalState(3, {"global_params": p.outer.global_params.clone(),
+                                  "momentum_buffer": p.outer.momentum_buffer.clone()},
+                              genesis_decision(p.identity, "unit"))
+    assert p.save_checkpoint() is not None
+    p._remember_contribution(contributed_round, 0)
+
+    again = participant()  # a new process, with the same state dir
+    _offline(again)
+    resumed = resume_and_sync(again, [])
+    torch_load_params(again)  # what the volunteer does once the inner state is loaded
+    assert restore_local_progress(again, resumed) is kept
+    local = again.outer.local_vector() - again.outer.global_params
+    assert torch.allclose(local, progress if kept else torch.zeros_like(progress), atol=1e-6)
+    events = [json.loads(line)["kind"] for line in (tmp_path / "state" / "events.jsonl").read_text().splitlines()]
+    assert ("unsent-work-dropped" in events) is not kept and ("local-progress-restored" in events) is kept
