@@ -108,7 +108,7 @@ def _follow_rounds(p: Participant, stop: StopFlag, on_round: Callable[[RoundInfo
             records = p.node.call(p.node.refresh_records(), timeout_s=30)
         except (PeerUnavailable, TimeoutError) as exc:  # a DHT hiccup: the figures use the last view
             log.info("peer records: %s", exc)
-            records = p.node._cached_records
+            records = p.node.cached_records
         sent = {pid: rec.bytes_sent for pid, rec in records.items() if rec.role != "coordinator"}
         deltas = [b - last_sent[pid] for pid, b in sent.items() if pid in last_sent and b >= last_sent[pid]]
         last_sent = sent

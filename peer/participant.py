@@ -210,8 +210,8 @@ class Participant:
         tensors = {"global_params": self.outer.global_params.detach().cpu().clone()}
         if isinstance(self.outer, DiLoCo):
             tensors["momentum_buffer"] = self.outer.momentum_buffer.detach().cpu().clone()
-        self._snapshot = GlobalState(r, tensors, entry[0])
         digest = params_hash(self.outer.global_params)
+        self._snapshot = GlobalState(r, tensors, entry[0], _params_hash=digest)
         self.hash_history[r] = digest
         for old in [k for k in self.hash_history if k < r - 32]:
             del self.hash_history[old]
@@ -253,8 +253,10 @@ class Participant:
         vouchers = None
         if self.identity.peer_id == self.coordinator_id and self.ctx.allowlist is None and self.node.book is not None:
             vouchers = vouchers_of(self.node.book.committed)  # see vouchers_of: sybils cannot outvote them
+        book = self.node.book
         return StateCheck(self.ctx, self.identity.peer_id, self.coordinator_id, self.outer.global_params.numel(),
-                          needs_momentum=isinstance(self.outer, DiLoCo), vouchers=vouchers)
+                          needs_momentum=isinstance(self.outer, DiLoCo), vouchers=vouchers,
+                          known_commit=book.committed.get if book is not None else lambda _round: None)
 
     def sync_state(self, bootstrap_peers: list[str], min_round: int = -1) -> None:
         """Download the newest global state from peers (records first, then bootstrap peers)."""
@@ -277,7 +279,7 @@ class Participant:
         if fresh:
             records = self.node.call(self.node.refresh_records(), timeout_s=30)
         else:
-            records = self.node._cached_records
+            records = self.node.cached_records
             self.node.refresh_in_background()
         target = max((r.round for r in records.values()), default=0)
         # The round at least half of the other peers have reached: one record (they are only
@@ -310,7 +312,7 @@ class Participant:
     def agrees_with_swarm(self) -> bool:
         """False if the coordinator's published hash (else most peers'), for a round this peer also
         went through, differs from this peer's own hash of that round (it then re-syncs)."""
-        records = self.node._cached_records
+        records = self.node.cached_records
         signer = records.get(self.coordinator_id)
         word = coordinator_hashes(signer) if self.coordinator_id != self.identity.peer_id else {}
         shared = [r for r in word if r in self.hash_history]

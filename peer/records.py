@@ -97,6 +97,11 @@ class PeerRecords:
         """Peers whose last record says they applied `round_id` (best effort, from the cache)."""
         return [p for p, r in self._cached_records.items() if r.round > round_id and p != self.identity.peer_id]
 
+    @property
+    def cached_records(self) -> dict[str, PeerRecord]:
+        """The peer records as the last refresh read them (no DHT lookup)."""
+        return self._cached_records
+
     async def refresh_records(self) -> dict[str, PeerRecord]:
         """Refresh the cached view of peer records."""
         self._cached_records = await self.peer_records()

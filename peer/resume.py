@@ -8,6 +8,7 @@ import logging
 
 import torch
 from groundswell.optim import copy_into_parameters
+from groundswell.protocol.schema import ProtocolError
 from groundswell.protocol.transport import PeerUnavailable
 
 from .net_errors import NetworkError
@@ -30,7 +31,7 @@ def resume_and_sync(p: Participant, bootstrap_peers: list[str]) -> dict | None:
         p.events.write("resume", round=p.outer.round_id, peer=p.identity.peer_id)
     try:
         p.sync_state(bootstrap_peers, min_round=p.outer.round_id if resumed else -1)
-    except (PeerUnavailable, TimeoutError) as exc:
+    except (PeerUnavailable, TimeoutError, ProtocolError) as exc:  # ProtocolError: the state's decision raced our book
         raise NetworkError(f"could not download the run's state from any peer ({exc or 'timed out'}); "
                            "is the run still up? Start again to retry") from None
     return resumed

@@ -268,7 +268,7 @@ class _VolunteerLoop:
 
 def _swarm_eval_loss(p: Participant) -> float:
     """The newest held-out loss a peer (the coordinator, normally) published, for display."""
-    losses = [(r.round, r.loss) for r in p.node._cached_records.values() if r.loss == r.loss and r.loss > 0]
+    losses = [(r.round, r.loss) for r in p.node.cached_records.values() if r.loss == r.loss and r.loss > 0]
     return max(losses)[1] if losses else float("nan")
 
 

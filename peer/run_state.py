@@ -54,6 +54,7 @@ class GlobalState:
     tensors: dict[str, torch.Tensor]  # "global_params" and any shared outer state (momentum)
     decision: bytes  # signed decision of round - 1
     _blob: tuple[bytes, str] | None = None  # serialized once, on the first request of this round
+    _params_hash: str = ""  # likewise
 
     def to_blob(self) -> bytes:
         """Serialize the tensors (raw fp32 behind a small header, see `state_blob`)."""
@@ -65,6 +66,12 @@ class GlobalState:
             blob = self.to_blob()
             self._blob = (blob, bulk_hasher().update(blob).hexdigest())
         return self._blob
+
+    def params_digest(self) -> str:
+        """`params_hash` of the global parameters, computed once per snapshot."""
+        if not self._params_hash:
+            self._params_hash = params_hash(self.tensors["global_params"])
+        return self._params_hash
 
     @staticmethod
     def tensors_from_blob(blob: bytes | bytearray | memoryview) -> dict[str, torch.Tensor]:

@@ -28,13 +28,15 @@ def direct_host(maddr: str) -> str | None:
         return None
 
 
-async def fetch_state(node: Any, peer: str, min_round: int, size: Callable[[StateReply], int], timeout_s: float
-                      ) -> tuple[StateReply, bytearray | memoryview, str, str]:
+async def fetch_state(node: Any, peer: str, min_round: int, size: Callable[[StateReply], int], timeout_s: float,
+                      reply_timeout_s: float | None = None) -> tuple[StateReply, bytearray | memoryview, str, str]:
     """`peer`'s state reply, its blob, the blob's BLAKE3 digest and how it came: "direct" or
     "stream" (over the stream the digest is computed as the blob arrives; over the direct
     connection the blob is authenticated by its sealing, and the digest is the signed one).
     `size(reply)` returns the announced size or raises ProtocolError (too large); it runs before
-    a byte of the blob is read. All steps share `timeout_s`. `node` is a `SwarmNode`.
+    a byte of the blob is read. All steps share `timeout_s`; the signed reply must come within
+    `reply_timeout_s` (a peer that never answers costs that much, not the whole download's time).
+    `node` is a `SwarmNode`.
 
     The direct connection itself is not authenticated (the IP may reach someone else's port, or the
     path may alter bytes; the sealing catches both), so whatever goes wrong on it is never held
@@ -50,13 +52,20 @@ async def fetch_state(node: Any, peer: str, min_round: int, size: Callable[[Stat
             raise PeerUnavailable(f"{peer[-8:]}: no state within {timeout_s:.0f}s")
         return remaining
 
+    def reply_within() -> float:
+        return min(left(), reply_timeout_s) if reply_timeout_s is not None else left()
+
+    def blob_within(_size: int) -> float:  # the reply came: the rest of the budget is the blob's
+        return max(0.0, deadline - time.monotonic())
+
     def trailer(r: StateReply) -> int:
         announced = size(r)  # the budget check comes first, whichever way the blob comes
         return 0 if r.direct_port else announced
 
     remote: dict[str, str] = {}
     reply, blob, digest = await t.request_bulk(peer, "get-state", StateRequest(min_round, direct=True), StateReply,
-                                               timeout_s=left(), trailer_size=trailer, remote=remote)
+                                               timeout_s=reply_within(), trailer_size=trailer, remote=remote,
+                                               trailer_timeout_s=blob_within)
     if not reply.direct_port or not reply.size:
         return reply, blob, digest, "stream"
     host = direct_host(remote.get("addr", ""))
@@ -71,5 +80,5 @@ async def fetch_state(node: Any, peer: str, min_round: int, size: Callable[[Stat
         except (ProtocolError, OSError, TimeoutError) as exc:  # firewalled, NAT'ed, gone, not that peer, altered
             log.info("direct state download from %s failed (%r): using the stream", peer[-8:], exc)
     reply, blob, digest = await t.request_bulk(peer, "get-state", StateRequest(min_round), StateReply,
-                                               timeout_s=left(), trailer_size=size)
+                                               timeout_s=reply_within(), trailer_size=size, trailer_timeout_s=blob_within)
     return reply, blob, digest, "stream"

@@ -33,6 +33,7 @@ COORDINATOR_LAG_ROUNDS = 2
 COORDINATOR_WAIT_S = 4 * HEARTBEAT_S
 COORDINATOR_POLL_S = HEARTBEAT_S / 2
 EARLIER_HASHES = 8  # the coordinator's record lists its hashes of this many rounds before its newest
+COORDINATOR_AFTER_FAILURES = 2  # peers that failed to serve a state before the coordinator is asked next
 
 
 def coordinator_hashes(record: Any) -> dict[int, str]:
@@ -85,6 +86,9 @@ class StateCheck:
     # The coordinator's own check in an open run: only peers its verified commits name vote, and
     # one of them must confirm the state (see `vouchers_of`). None: every authorized peer votes.
     vouchers: frozenset[str] | None = None
+    # The commit of a round our book already holds (signed bytes and decision), None if it holds
+    # none: a state whose decision conflicts with it would not go into the book.
+    known_commit: Callable[[int], tuple[bytes, Decision] | None] = field(default=lambda _round: None, compare=False)
     # When waiting for a lagging coordinator record ends (monotonic), shared by every state this
     # check sees: one sync waits for it COORDINATOR_WAIT_S at most, however many servers it asks.
     _wait_until: list[float] = field(default_factory=list, compare=False, repr=False)
@@ -110,13 +114,42 @@ class StateCheck:
         for name, t in tensors.items():
             if t.dtype != torch.float32 or t.shape != (self.numel,) or not bool(torch.isfinite(t).all()):
                 raise ProtocolError(f"state tensor {name} is not {self.numel} finite fp32 values", reason="bad-payload")
-        _, decision = unseal(reply.decision, self.ctx.run_id, Decision)
-        if decision.round != reply.round - 1:
-            raise ProtocolError("state's decision is not of the round before it")
+        self._check_decision(reply)
         if self.needs_momentum and "momentum_buffer" not in tensors:
             raise ProtocolError("a DiLoCo state needs its momentum buffer")
-        await self._check_with_swarm(reply.round, params_hash(tensors["global_params"]), server, records)
-        return GlobalState(reply.round, tensors, reply.decision)
+        state_hash = params_hash(tensors["global_params"])
+        if state_hash != reply.params_hash:  # its signed reply named another hash (see `refuse_early`)
+            raise ProtocolError("state's parameters do not have the hash its signed reply names", reason="bad-payload")
+        await self._check_with_swarm(reply.round, state_hash, server, records)
+        return GlobalState(reply.round, tensors, reply.decision, _params_hash=state_hash)
+
+    def _check_decision(self, reply: StateReply) -> None:
+        """The state's decision must be what our book would take: the commit of the round before
+        the state, signed by its leader (round -1's by the coordinator), not conflicting with one
+        the book holds (after a split, ours may be the wrong one: not the server's fault)."""
+        signer, decision = unseal(reply.decision, self.ctx.run_id, Decision)
+        if decision.round != reply.round - 1:
+            raise ProtocolError("state's decision is not of the round before it")
+        if decision.status != "commit" or signer != decision.leader:
+            raise ProtocolError("state's decision is not a commit signed by its leader")
+        if decision.round == -1 and signer != self.coordinator:
+            raise ProtocolError("a state of round 0 must carry the coordinator's genesis decision")
+        known = self.known_commit(decision.round)
+        if known is not None and known[0] != reply.decision and known[1] != decision:
+            raise ProtocolError(f"state's decision of round {decision.round} conflicts with the commit we hold",
+                                reason="conflicting", strike=False)
+
+    def refuse_early(self, reply: StateReply, server: str, records: dict[str, Any]) -> None:
+        """Raise `ProtocolError` for a state whose signed reply names a parameter hash the
+        coordinator's record (in `records`, as last read) contradicts for its round: checked before
+        a byte of its blob is read, so a state `verify` would refuse costs no download. Only the
+        coordinator's word counts here; a majority of records read a moment ago may still change."""
+        if server == self.coordinator or self.me == self.coordinator:
+            return
+        word = coordinator_hashes(records.get(self.coordinator)).get(reply.round)
+        if word is not None and word != reply.params_hash:
+            raise ProtocolError(f"its state of round {reply.round} is not the one the coordinator published: "
+                                "not downloaded", reason="disputed", strike=False)
 
     async def _check_with_swarm(self, round_id: int, state_hash: str, server: str,
                                 records: Callable[[], Awaitable[dict[str, Any]]]) -> None:
@@ -209,6 +242,13 @@ def state_timeout_s(numel: int) -> float:
     return 60 + state_budget(numel) / 20e6
 
 
+def state_reply_timeout_s(numel: int) -> float:
+    """How long a peer may take to answer a state request before its blob (it serializes and
+    hashes the state once per round, at 1 GB/s or better): a silent peer costs this, not the
+    whole `state_timeout_s`."""
+    return 30 + state_budget(numel) / 1e9
+
+
 def sync_timeout_s(numel: int) -> float:
     """How long a whole state sync may take: at least 10 minutes, and room for three peers' full
     timeouts (a big model's state would otherwise never fit in a fixed budget)."""
@@ -220,14 +260,31 @@ async def download_state(node: Any, check: StateCheck, peers: list[str], min_rou
     `check`, and how it came ("direct" or "stream"); a refused state is counted against its server."""
     budget = state_budget(check.numel)
 
-    def size(reply: StateReply) -> int:  # checked before a byte of the blob is read
-        if reply.size > budget:
-            raise ProtocolError(f"a state of {reply.size} bytes exceeds the limit of {budget}", reason="oversized")
-        return reply.size
+    def size_check(server: str) -> Callable[[StateReply], int]:
+        def size(reply: StateReply) -> int:  # runs before a byte of the blob is read
+            if reply.size > budget:
+                raise ProtocolError(f"a state of {reply.size} bytes exceeds the limit of {budget}", reason="oversized")
+            if reply.size and reply.round < min_round:  # an honest server answers size 0 instead
+                raise ProtocolError(f"a state of round {reply.round}, older than the {min_round} asked for")
+            if reply.size:
+                check.refuse_early(reply, server, node.cached_records)
+            return reply.size
+        return size
 
-    for peer in peers:
+    queue, asked = list(dict.fromkeys(peers)), 0
+    while queue:
+        if asked == COORDINATOR_AFTER_FAILURES and check.coordinator in queue:
+            # (each peer asked so far failed, or we would have returned) Peers that copy the
+            # coordinator's (round, hash) into their records are asked before it and may be
+            # silent: after a few failures the coordinator itself is next.
+            queue.remove(check.coordinator)
+            queue.insert(0, check.coordinator)
+        peer = queue.pop(0)
+        asked += 1
         try:
-            reply, blob, digest, via = await fetch_state(node, peer, min_round, size, timeout_s=state_timeout_s(check.numel))
+            reply, blob, digest, via = await fetch_state(node, peer, min_round, size_check(peer),
+                                                         timeout_s=state_timeout_s(check.numel),
+                                                         reply_timeout_s=state_reply_timeout_s(check.numel))
         except PeerUnavailable as exc:
             log.info("state from %s: %s", peer[-8:], exc)
             continue

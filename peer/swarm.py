@@ -376,8 +376,9 @@ class SwarmNode(PeerRecords, NetLoop):
         if msg.direct and self.direct is not None:
             token, key = self.direct.offer(blob)
             return WithTrailer(StateReply(state.round, digest, state.decision, len(blob), self.direct.port, token,
-                                          key), b"")
-        return WithTrailer(StateReply(state.round, digest, state.decision, len(blob)), blob)
+                                          key, params_hash=state.params_digest()), b"")
+        return WithTrailer(StateReply(state.round, digest, state.decision, len(blob), params_hash=state.params_digest()),
+                           blob)
 
 
 class _Stop(Exception):

@@ -276,39 +276,39 @@ class Transport:
         the caller still listening. A unary call whose caller gave up while the request still
         waited in the receiver's socket is dropped before its handler runs (hivemind cancels the
         handler task as it reads the cancel); a stream's request that arrived is still handled."""
-        reply, _ = await self._request(peer_id, handler, msg, expect, timeout_s, max_reply, None, unary=unary)
+        reply, _ = await self._request(peer_id, handler, msg, expect, timeout_s, max_reply, unary=unary)
         return reply
 
     async def request_bulk(self, peer_id: str, handler: str, msg: Message, expect: Any, *, timeout_s: float,
                            trailer_size: Callable[[Any], int], max_reply: int = MAX_SMALL,
-                           remote: dict[str, str] | None = None) -> tuple[Any, bytearray, str]:
+                           remote: dict[str, str] | None = None,
+                           trailer_timeout_s: Callable[[int], float] | None = None) -> tuple[Any, bytearray, str]:
         """`request` to a handler served with `trailer`: the verified reply, the raw bytes after
         it, whose length must be `trailer_size(reply)` (checked before they are read), and their
         BLAKE3 digest (hex, computed while they arrive). The caller checks them against the reply.
-        `remote`: filled with the stream's remote multiaddr ("addr"), where the peer was reached."""
+        `remote`: filled with the stream's remote multiaddr ("addr"), where the peer was reached.
+        `trailer_timeout_s(size)`: how long the trailer may then take (else `timeout_s` bounds
+        reply and trailer together), so that a short `timeout_s` bounds a peer that never replies."""
         hasher = bulk_hasher()
-        reply, bulk = await self._request(peer_id, handler, msg, expect, timeout_s, max_reply, trailer_size, hasher,
-                                          remote)
+        reply, bulk = await self._request_stream(peer_id, handler, msg, None, expect, timeout_s, max_reply,
+                                                 trailer_size, hasher, remote, trailer_timeout_s)
         return reply, bulk, hasher.hexdigest()
 
-    def _unary_client(self, max_reply: int, trailer_size: Any, remote: Any) -> Any:
+    def _unary_client(self, max_reply: int) -> Any:
         """hivemind's daemon client when a request may be a unary call, else None."""
-        if trailer_size is not None or remote is not None or max_reply > UNARY_MAX_REPLY:
+        if max_reply > UNARY_MAX_REPLY:
             return None
         return getattr(self.p2p, "_client", None)
 
     async def _request(self, peer_id: str, handler: str, msg: Message, expect: Any, timeout_s: float,
-                       max_reply: int, trailer_size: Callable[[Any], int] | None,
-                       hasher: Any = None, remote: dict[str, str] | None = None, unary: bool = True
-                       ) -> tuple[Any, bytearray]:
-        client = self._unary_client(max_reply, trailer_size, remote) if unary else None
+                       max_reply: int, unary: bool = True) -> tuple[Any, bytearray]:
+        client = self._unary_client(max_reply) if unary else None
         data = None
         if client is not None:
             data = seal(self.identity, self.run_id, msg)
             if len(data) <= UNARY_MAX_REQUEST:
                 return await self._request_unary(client, peer_id, handler, data, expect, timeout_s, max_reply), bytearray()
-        return await self._request_stream(peer_id, handler, msg, data, expect, timeout_s, max_reply, trailer_size,
-                                          hasher, remote)
+        return await self._request_stream(peer_id, handler, msg, data, expect, timeout_s, max_reply, None)
 
     async def _request_unary(self, client: Any, peer_id: str, handler: str, data: bytes, expect: Any,
                              timeout_s: float, max_reply: int) -> Any:
@@ -354,7 +354,8 @@ class Transport:
 
     async def _request_stream(self, peer_id: str, handler: str, msg: Message, sealed: bytes | None, expect: Any,
                               timeout_s: float, max_reply: int, trailer_size: Callable[[Any], int] | None,
-                              hasher: Any = None, remote: dict[str, str] | None = None) -> tuple[Any, bytearray]:
+                              hasher: Any = None, remote: dict[str, str] | None = None,
+                              trailer_timeout_s: Callable[[int], float] | None = None) -> tuple[Any, bytearray]:
         """One request on its own stream (`sealed`: the request already sealed, else sealed here)."""
         from hivemind.p2p import PeerID
 
@@ -362,7 +363,7 @@ class Transport:
         opened = False
         try:
             with self._failures(peer_id, handler, timeout_s, lambda exc: not opened):  # before the stream: dead
-                async with asyncio.timeout(timeout_s):
+                async with asyncio.timeout(timeout_s) as scope:
                     info, reader, writer = await self.p2p.call_binary_stream_handler(
                         PeerID.from_base58(peer_id), self._name(handler)
                     )
@@ -378,6 +379,8 @@ class Transport:
                     bulk = bytearray()
                     if trailer_size is not None:
                         size = trailer_size(decoded)
+                        if trailer_timeout_s is not None:
+                            scope.reschedule(asyncio.get_running_loop().time() + trailer_timeout_s(size))
                         bulk = await read_frame_into(reader, size, hasher=hasher)
                         if len(bulk) != size:
                             raise ProtocolError(f"{len(bulk)} trailing bytes, the reply announced {size}")

@@ -72,7 +72,7 @@ EXAMPLES: dict[str, Message] = {
         Join(round=3, trains=True, serves=False),
         StateRequest(min_round=-1, direct=True),
         StateReply(round=-1, digest="ab" * 32, decision=b"", size=1000, direct_port=65535, direct_token=b"t" * 32,
-                   direct_key=b"k" * 32),
+                   direct_key=b"k" * 32, params_hash="c" * 16),
         ManifestRequest(),
         ManifestReply(signed=b"manifest"),
         ProbeRequest(maddrs=["/ip4/192.0.2.1/tcp/4001", "/ip4/127.0.0.1/tcp/4001"]),

@@ -113,16 +113,16 @@ def test_a_peer_further_behind_than_peers_keep_aggregates_takes_the_state(partic
     participant.outer.round_id = 20
     asked = []
     participant.node = SimpleNamespace(
-        _cached_records={"other": SimpleNamespace(round=29)}, refresh_in_background=lambda: None,
+        cached_records={"other": SimpleNamespace(round=29)}, refresh_in_background=lambda: None,
         client=SimpleNamespace(), server=SimpleNamespace(keep_rounds=8),
         holders=lambda r: asked.append(r) or [])
     with pytest.raises(RoundBehind, match="9 rounds ahead of us, and peers keep 8 rounds"):
         participant.catch_up(fresh=False)
     assert asked == [20]  # asked first: nobody had round 20's decision any more
-    participant.node._cached_records["other"].round = 28  # within reach: no answer is no reason to re-sync
+    participant.node.cached_records["other"].round = 28  # within reach: no answer is no reason to re-sync
     assert participant.catch_up(fresh=False) == 0 and asked == [20, 20]
     # One self-signed record claiming a far-off round does not send everyone re-syncing.
-    participant.node._cached_records = {"liar": SimpleNamespace(round=10**9), "a": SimpleNamespace(round=21),
+    participant.node.cached_records = {"liar": SimpleNamespace(round=10**9), "a": SimpleNamespace(round=21),
                                         "b": SimpleNamespace(round=21)}
     assert participant.catch_up(fresh=False) == 0
 

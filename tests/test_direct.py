@@ -214,7 +214,8 @@ def _fake_node(blob: bytes, port: int, addr: str, asked: list, token: bytes = b"
     digest = blake3(blob).hexdigest()
 
     class _Transport:
-        async def request_bulk(self, peer, handler, msg, expect, *, timeout_s, trailer_size, remote=None):
+        async def request_bulk(self, peer, handler, msg, expect, *, timeout_s, trailer_size, remote=None,
+                               trailer_timeout_s=None):
             asked.append(msg)
             if remote is not None:
                 remote["addr"] = addr

@@ -24,8 +24,13 @@ def participant(tmp_path, corpus):
                                       "checkpoint": {"every_rounds": 1, "keep": 2}})
     coordinator, me = Identity.generate(), Identity.generate()
     me.save(tmp_path / "id.key")
-    return Participant(manifest, sign_manifest(manifest, coordinator).to_bytes(), me, str(tmp_path / "id.key"),
-                       NodeOptions(), tmp_path / "state", corpus=corpus)
+    p = Participant(manifest, sign_manifest(manifest, coordinator).to_bytes(), me, str(tmp_path / "id.key"),
+                    NodeOptions(), tmp_path / "state", corpus=corpus)
+    COORDINATORS[p.coordinator_id] = coordinator
+    return p
+
+
+COORDINATORS: dict = {}  # peer id -> identity of the coordinators the fixture made: they sign round -1's decision
 
 
 def _served_state(p, momentum: bool = True, round_id: int = 0):
@@ -40,12 +45,14 @@ def _served_state(p, momentum: bool = True, round_id: int = 0):
     if momentum:
         tensors["momentum_buffer"] = torch.zeros_like(tensors["global_params"])
     blob, digest = GlobalState(round_id, tensors, b"").blob_and_digest()
-    leader = Identity.generate()
+    leader = COORDINATORS.get(p.coordinator_id) if round_id == 0 else Identity.generate()
+    leader = leader or Identity.generate()
     decision = seal(leader, "unit", Decision(round=round_id - 1, attempt=0, status="commit", contributors=[],
                                              trainers=[], servers=[leader.peer_id], leader=leader.peer_id, sources=[],
                                              num_shards=0, time=time.time()))
-    reply = StateReply(round_id, digest, decision, len(blob))
-    return reply, bytearray(blob), bulk_hasher().update(blob).hexdigest(), params_hash(tensors["global_params"])
+    good = params_hash(tensors["global_params"])
+    reply = StateReply(round_id, digest, decision, len(blob), params_hash=good)
+    return reply, bytearray(blob), bulk_hasher().update(blob).hexdigest(), good
 
 
 def _check(p, records: dict, server: str, momentum: bool = True, round_id: int = 0):
@@ -144,6 +151,134 @@ def test_a_state_that_cannot_be_checked_against_the_swarm_is_refused_without_bla
     with pytest.raises(ProtocolError, match="cannot read the swarm's published hashes") as err:
         asyncio.run(participant.state_check().verify(reply, blob, digest, "server", dht_down))
     assert err.value.reason == "unchecked" and not err.value.strike
+
+
+def test_a_state_whose_parameters_are_not_the_hash_its_reply_names_is_refused_and_counted(participant):
+    from dataclasses import replace
+
+    reply, blob, digest, _ = _served_state(participant)
+
+    async def refresh():
+        return {}
+
+    with pytest.raises(ProtocolError, match="do not have the hash its signed reply names") as err:
+        asyncio.run(participant.state_check().verify(replace(reply, params_hash="0" * 16), blob, digest, "server",
+                                                     refresh))
+    assert err.value.strike  # an honest server names its own state's hash
+
+
+def test_a_state_the_coordinator_contradicts_is_refused_before_its_blob_is_downloaded(participant, monkeypatch):
+    """Its signed reply names the parameter hash: a joiner compares it with the coordinator's
+    published hash of that round before reading the blob (a model's whole state), and asks the
+    next server instead."""
+    from dataclasses import replace
+
+    from groundswell.peer import state_trust
+
+    p, coord = participant, participant.coordinator_id
+    reply, blob, digest, good = _served_state(p, round_id=5)
+    records = {coord: SimpleNamespace(round=6, params_hash="h6", earlier_hashes=[f"5:{good}"])}
+    served = {"liar": replace(reply, params_hash="e" * 16), "honest": reply}
+    downloaded: list[str] = []
+    counted: list[tuple] = []
+
+    async def fake_fetch(node, peer, min_round, size, timeout_s, reply_timeout_s):
+        from groundswell.protocol.transport import PeerUnavailable
+
+        try:  # the transport calls it before reading a byte of the blob, and counts a bad reply
+            size(served[peer])
+        except ProtocolError as exc:
+            raise PeerUnavailable(f"{peer} sent a bad get-state reply: {exc}") from None
+        downloaded.append(peer)
+        return served[peer], blob, digest, "stream"
+
+    async def refresh():
+        return records
+
+    monkeypatch.setattr(state_trust, "fetch_state", fake_fetch)
+    node = SimpleNamespace(cached_records=records, refresh_records=refresh,
+                           guard=SimpleNamespace(count=lambda *a, **k: counted.append(a)))
+    state, _ = asyncio.run(state_trust.download_state(node, p.state_check(), ["liar", "honest"], 0))
+    assert state.round == 5 and downloaded == ["honest"] and counted == []
+    # the same reply from the coordinator itself is its own word; with no word on round 5 it is
+    # downloaded and judged by the swarm's records as before
+    p.state_check().refuse_early(served["liar"], coord, records)
+    p.state_check().refuse_early(served["liar"], "liar", {coord: SimpleNamespace(round=9, params_hash="h9")})
+    with pytest.raises(ProtocolError, match="not the one the coordinator published") as err:
+        p.state_check().refuse_early(served["liar"], "liar", records)
+    assert not err.value.strike  # the coordinator's record may be the stale one
+
+
+def test_a_states_decision_must_be_a_commit_its_leader_signed_that_our_book_could_take(participant):
+    """A server may attach a genuine state to a decision of its own making: a retry, another's
+    commit under its signature, or one conflicting with the commit we hold. Refused in `verify`,
+    so the joiner asks the next server instead of failing as it records the decision."""
+    import time
+    from dataclasses import replace
+
+    from groundswell.protocol.envelope import seal, unseal
+    from groundswell.protocol.identity import Identity
+    from groundswell.protocol.schema import Decision
+
+    p = participant
+    reply, blob, digest, good = _served_state(p, round_id=5)
+    _, decision = unseal(reply.decision, "unit", Decision)
+    records = {"a": SimpleNamespace(round=5, params_hash=good)}
+
+    async def refresh():
+        return records
+
+    def verify(signed: bytes, check=None, round_id: int = 5):
+        check = check or p.state_check()
+        return asyncio.run(check.verify(replace(reply, decision=signed, round=round_id), blob, digest, "server",
+                                        refresh))
+
+    assert verify(reply.decision).round == 5
+    hostile = Identity.generate()
+    with pytest.raises(ProtocolError, match="not a commit signed by its leader"):
+        verify(seal(hostile, "unit", replace(decision, status="retry", leader=hostile.peer_id)))
+    with pytest.raises(ProtocolError, match="not a commit signed by its leader"):
+        verify(seal(hostile, "unit", decision))  # someone else's commit under its own signature
+    with pytest.raises(ProtocolError, match="genesis decision"):  # round -1's is the coordinator's alone
+        verify(seal(hostile, "unit", replace(decision, round=-1, leader=hostile.peer_id)), round_id=0)
+    ours = seal(hostile, "unit", replace(decision, leader=hostile.peer_id, contributors=["x"], time=time.time()))
+    holding = replace(p.state_check(), known_commit={4: (ours, unseal(ours, "unit", Decision)[1])}.get)
+    with pytest.raises(ProtocolError, match="conflicts with the commit we hold") as err:
+        verify(reply.decision, holding)
+    assert not err.value.strike  # after a split ours may be the wrong one
+    assert verify(reply.decision, replace(holding, known_commit={4: (reply.decision, decision)}.get)).round == 5
+
+
+def test_after_two_servers_fail_the_coordinator_is_asked_next(participant, monkeypatch):
+    """Anyone can copy the coordinator's (round, hash) into a record and be asked first, then
+    stay silent: a joiner asks the coordinator once two servers failed."""
+    from groundswell.peer import state_trust
+    from groundswell.protocol.transport import PeerUnavailable
+
+    p, coord = participant, participant.coordinator_id
+    reply, blob, digest, good = _served_state(p, round_id=5)
+    asked: list[str] = []
+
+    async def fake_fetch(node, peer, min_round, size, timeout_s, reply_timeout_s):
+        asked.append(peer)
+        assert reply_timeout_s < timeout_s  # a silent peer costs the reply's timeout, not the blob's
+        if peer.startswith("silent"):
+            raise PeerUnavailable(f"{peer} did not answer get-state")
+        size(reply)
+        return reply, blob, digest, "stream"
+
+    async def refresh():
+        return {}
+
+    monkeypatch.setattr(state_trust, "fetch_state", fake_fetch)
+    node = SimpleNamespace(cached_records={}, refresh_records=refresh, guard=SimpleNamespace(count=lambda *a, **k: None))
+    peers = ["silent1", "silent2", "silent3", coord, "b"]
+    state, _ = asyncio.run(state_trust.download_state(node, p.state_check(), peers, 0))
+    assert state.round == 5 and asked == ["silent1", "silent2", coord]
+    asked.clear()  # no coordinator among the servers: each is asked once, in order
+    with pytest.raises(PeerUnavailable):
+        asyncio.run(state_trust.download_state(node, p.state_check(), ["silent0", "silent1", "silent2"], 0))
+    assert asked == ["silent0", "silent1", "silent2"]
 
 
 def test_a_big_models_state_sync_gets_time_in_proportion_to_its_size():
@@ -277,18 +412,18 @@ def test_after_a_round_the_coordinators_hash_decides_whether_a_peer_re_syncs(par
     def rec(r, h):
         return SimpleNamespace(round=r, params_hash=h)
 
-    p.node = SimpleNamespace(_cached_records={coord: rec(4, "ours"), "a": rec(4, "x"), "b": rec(4, "x")})
+    p.node = SimpleNamespace(cached_records={coord: rec(4, "ours"), "a": rec(4, "x"), "b": rec(4, "x")})
     assert p.agrees_with_swarm()  # outvoted, but the coordinator agrees
-    p.node._cached_records[coord] = rec(4, "theirs")
+    p.node.cached_records[coord] = rec(4, "theirs")
     assert not p.agrees_with_swarm()
-    p.node._cached_records[coord] = rec(9, "later")  # no word on round 4: the majority decides
+    p.node.cached_records[coord] = rec(9, "later")  # no word on round 4: the majority decides
     assert not p.agrees_with_swarm()
-    p.node._cached_records[coord].earlier_hashes = ["4:ours"]  # its word on round 4, among its earlier ones
+    p.node.cached_records[coord].earlier_hashes = ["4:ours"]  # its word on round 4, among its earlier ones
     assert p.agrees_with_swarm()
-    p.node._cached_records[coord].earlier_hashes = ["4:theirs"]
+    p.node.cached_records[coord].earlier_hashes = ["4:theirs"]
     assert not p.agrees_with_swarm()
-    del p.node._cached_records[coord].earlier_hashes
-    p.node._cached_records.update(a=rec(4, "ours"), b=rec(4, "ours"))
+    del p.node.cached_records[coord].earlier_hashes
+    p.node.cached_records.update(a=rec(4, "ours"), b=rec(4, "ours"))
     assert p.agrees_with_swarm()
 
 
@@ -296,7 +431,7 @@ def test_a_coordinator_checking_a_state_does_not_take_its_own_record_as_the_coor
     p = participant
     p.coordinator_id = p.identity.peer_id  # this peer is the coordinator, restarting
     with pytest.raises(ProtocolError, match="disagrees with the swarm's published hash"):
-        _check(p, {p.identity.peer_id: "good", "a": "e" * 64}, "server")
+        _check(p, {p.identity.peer_id: "good", "a": "e" * 64}, "server", round_id=1)
 
 
 def test_a_state_taken_forgets_the_hashes_of_the_trajectory_it_replaced(participant):
@@ -322,11 +457,11 @@ def test_a_coordinator_in_an_open_run_takes_a_state_only_on_the_word_of_peers_it
     p = participant
     p.coordinator_id = p.identity.peer_id
     check = replace(p.state_check(), vouchers=frozenset({"v1", "v2"}))
-    reply, blob, digest, good = _served_state(p)
+    reply, blob, digest, good = _served_state(p, round_id=1)
 
     def run(records):
         def rec(value):
-            r, h = value if isinstance(value, tuple) else (0, value)
+            r, h = value if isinstance(value, tuple) else (1, value)
             return SimpleNamespace(round=r, params_hash=good if h == "good" else h)
 
         recs = {pid: rec(v) for pid, v in records.items()}
@@ -341,8 +476,8 @@ def test_a_coordinator_in_an_open_run_takes_a_state_only_on_the_word_of_peers_it
         run({**sybils, "v1": "e" * 64})  # six sybils cannot outvote one peer of our commits
     with pytest.raises(ProtocolError, match="no peer named in the run's verified commits confirms"):
         run({**sybils, "v1": (3, "x")})  # a voucher online, at another round: nobody it trusts confirms
-    assert run({**sybils, "v2": "good"}).round == 0
-    assert run(sybils).round == 0  # no voucher online at all: the majority's word
+    assert run({**sybils, "v2": "good"}).round == 1
+    assert run(sybils).round == 1  # no voucher online at all: the majority's word
 
 
 def test_the_coordinators_vouchers_are_the_contributors_of_its_verified_commits(participant):

@@ -245,6 +245,33 @@ def test_a_bulk_trailer_arrives_whole_and_its_announced_size_is_enforced(net):
             fetch()
 
 
+def test_a_bulk_reply_has_its_own_timeout_and_the_trailer_the_time_its_size_gets(net):
+    # A joiner gives a state's reply a short timeout (a silent peer costs little) and its blob the
+    # time its announced size needs: the reply's timeout must not cut the blob short.
+    from groundswell.protocol.schema import StateReply
+    from groundswell.protocol.transport import WithTrailer
+
+    blob = os.urandom(1 << 20)
+
+    async def state(sender: str, msg: StateRequest) -> WithTrailer:
+        return WithTrailer(StateReply(1, "d" * 64, b"", len(blob)), blob)
+
+    _serve(net, net.ta, "timed-bulk", StateRequest, state, trailer=True)
+
+    def size(reply: StateReply) -> int:
+        time.sleep(1.5)  # the reply's timeout runs out here, before the blob is read
+        return reply.size
+
+    def fetch(**kw):
+        return net.run(net.tb.request_bulk(net.id_a.peer_id, "timed-bulk", StateRequest(0), StateReply,
+                                           timeout_s=1.0, trailer_size=size, **kw))
+
+    with pytest.raises(PeerUnavailable, match="did not answer"):
+        fetch()
+    reply, got, _ = fetch(trailer_timeout_s=lambda n: 30.0 if n == len(blob) else 0.0)
+    assert bytes(got) == blob
+
+
 def test_a_slow_reader_still_gets_the_whole_trailer(net):
     # The handler has written everything before this caller reads the trailer; p2pd resets a
     # stream whose handler hangs up first, which would drop what the caller's daemon still holds.
