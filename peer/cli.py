@@ -16,6 +16,7 @@ from typing import Any, Optional
 
 import typer
 from rich.console import Console
+from rich.markup import escape
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
 app = typer.Typer(add_completion=False, no_args_is_help=True, help="groundswell: decentralized training peer.")
@@ -45,7 +46,8 @@ def _user_errors(fn: Callable[..., Any]) -> Callable[..., Any]:
         except (ConfigError, ManifestError, BootstrapError, NetworkError, DataError, WorkloadError, CodecError,
                 SimulationError, IdentityError, FileNotFoundError, FileExistsError, PermissionError,
                 IsADirectoryError, NotADirectoryError) as exc:
-            console.print(f"[bold red]error:[/] {exc}", highlight=False)
+            # escaped: messages quote manifest syntax ("[run]", "[a-z0-9-]") that rich would eat as markup
+            console.print(f"[bold red]error:[/] {escape(str(exc))}", highlight=False, soft_wrap=True)
             raise typer.Exit(2) from None
         except KeyboardInterrupt:  # Ctrl+C before a command's own handler, or pressed twice
             console.print("[yellow]interrupted[/]")
@@ -132,7 +134,10 @@ def train_local(
         "outer.codec": codec, "outer.inner_steps": inner_steps, "outer.lr": outer_lr, "inner.lr": inner_lr,
         "data.source": data, "seed": seed, "device": device,
     }
+    from .config import check_device
+
     cfg = _load_config(config, overrides, set_)
+    check_device(cfg.device)
     if cfg.outer.algorithm == "single" and workers is None:
         from dataclasses import replace
 
@@ -175,6 +180,9 @@ def bench_codecs(
     """Encode/decode throughput, wire bytes and error per codec, next to a reference SparseLoCo."""
     _set_threads(threads)
     from .bench_codecs import format_codec_table, run_codec_bench
+    from .config import check_device
+
+    check_device(device)
 
     if os.environ.get("OMP_WAIT_POLICY", "").upper() != "PASSIVE":
         console.print("[yellow]note:[/] OMP_WAIT_POLICY is not PASSIVE; CPU timings may be noisy on small machines")

@@ -51,6 +51,12 @@ def simulate(
 
     if scoring and not defences:
         raise ConfigError("--scoring is a defence: it cannot go with --no-defences")
+    slack = SimulateOptions.slack_s
+    if not deadline > 2 * slack:  # said in the options' words (the manifest's would name round.slack_s)
+        raise ConfigError(f"--deadline must exceed {2 * slack:g} s (contributions are due two {slack:g} s slacks "
+                          f"before it), not {deadline:g}")
+    if overlap not in (0, 1):
+        raise ConfigError(f"--overlap must be 0 or 1, not {overlap}")
     if min_peers is None:
         min_peers = min(2, peers)
     if min_peers > peers:

@@ -17,7 +17,7 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn
 from rich.table import Table
 
 from .cli import _set_threads, _user_errors, app, console
-from .config import ConfigError
+from .config import ConfigError, check_device
 
 
 def _identity(path: Optional[Path], state_dir: Optional[Path]):
@@ -37,23 +37,6 @@ def _identity(path: Optional[Path], state_dir: Optional[Path]):
     # identity) in a per-user folder (the key's own folder may be read-only).
     hold_exclusively(identity_lock_path(ident.peer_id), "identity", path, "give this one its own --identity")
     return ident, path
-
-
-def _check_device(device: str) -> None:
-    """A device torch knows and this machine has (cpu, cuda, cuda:N), before anything starts."""
-    import torch
-
-    try:
-        dev = torch.device(device)
-    except RuntimeError:
-        raise ConfigError(f"--device must be cpu, cuda or cuda:N, not {device!r}") from None
-    if dev.type not in ("cpu", "cuda"):
-        raise ConfigError(f"--device must be cpu, cuda or cuda:N, not {device!r}")
-    if dev.type == "cuda":
-        if not torch.cuda.is_available():
-            raise FileNotFoundError("--device cuda was asked for, but torch sees no CUDA device")
-        if dev.index is not None and dev.index >= torch.cuda.device_count():
-            raise FileNotFoundError(f"--device {device}: torch sees only {torch.cuda.device_count()} CUDA device(s)")
 
 
 def _stop_on_signals(first: str = "stopping after this round"):
@@ -114,6 +97,10 @@ def keygen(path: Path = typer.Argument(..., help="Where to write the identity (E
     """Write a new Ed25519 identity; prints its peer id."""
     from groundswell.protocol.identity import Identity
 
+    if path.is_dir():
+        raise IsADirectoryError(f"{path} is a folder: give the identity file's path, e.g. {path / 'identity.key'}")
+    if not path.parent.is_dir():
+        raise FileNotFoundError(f"{path.parent} does not exist: create the folder first")
     ident = Identity.generate()
     try:
         ident.save(path, overwrite=force)
@@ -221,7 +208,7 @@ def join(
 
     _logging(verbose)
     _set_threads(threads)
-    _check_device(device)
+    check_device(device)
     if reachability not in ("auto", "public", "private"):
         raise ConfigError(f"--reachability must be auto, public or private, not {reachability!r}")
     boot = parse_bootstrap(bootstrap)

@@ -1,7 +1,7 @@
 """One typed configuration tree, loaded strictly: unknown keys and ill-typed values are errors.
 
-The sections (model, data, inner, outer, eval) are shared by `train-local` and, later, by the run
-manifest; `from_mapping` turns a plain dict (parsed TOML, CLI overrides) into frozen dataclasses
+The sections (model, data, inner, outer, eval) are shared by `train-local` and the run manifest
+(`manifest.py`); `from_mapping` turns a plain dict (parsed TOML, CLI overrides) into frozen dataclasses
 and names the exact key that is wrong.
 """
 
@@ -230,3 +230,20 @@ def _coerce(hint: Any, value: Any, where: str) -> Any:
             raise ConfigError(f"{where} must be a string, got {value!r}")
         return value
     raise ConfigError(f"{where}: unsupported config type {hint!r}")  # a bug in this module, not the user's
+
+
+def check_device(device: str) -> None:
+    """A device torch knows and this machine has (cpu, cuda, cuda:N), checked before anything starts."""
+    import torch
+
+    try:
+        dev = torch.device(device)
+    except RuntimeError:
+        raise ConfigError(f"--device must be cpu, cuda or cuda:N, not {device!r}") from None
+    if dev.type not in ("cpu", "cuda"):
+        raise ConfigError(f"--device must be cpu, cuda or cuda:N, not {device!r}")
+    if dev.type == "cuda":
+        if not torch.cuda.is_available():
+            raise ConfigError("--device cuda was asked for, but torch sees no CUDA device")
+        if dev.index is not None and dev.index >= torch.cuda.device_count():
+            raise ConfigError(f"--device {device}: torch sees only {torch.cuda.device_count()} CUDA device(s)")

@@ -158,6 +158,9 @@ class CheckpointSection:
             raise ConfigError("checkpoint.every_rounds and checkpoint.keep must be >= 1")
 
 
+SWARM_ALGORITHMS = ("diloco", "sparseloco")  # the outer algorithms a run can use
+
+
 @dataclass(frozen=True)
 class RunManifest:
     """Everything a peer needs to join a run, apart from where to find other peers."""
@@ -173,8 +176,10 @@ class RunManifest:
     defences: DefencesSection = field(default_factory=DefencesSection)
 
     def __post_init__(self) -> None:
-        if self.outer.algorithm == "single":
-            raise ConfigError("outer.algorithm 'single' trains alone; a run needs a multi-peer algorithm")
+        if self.outer.algorithm not in SWARM_ALGORITHMS:
+            # single trains alone; data-parallel all-reduces every step (train-local's baselines)
+            raise ConfigError(f"outer.algorithm {self.outer.algorithm!r} cannot run in a swarm: "
+                              f"use {' or '.join(SWARM_ALGORITHMS)}")
         if self.defences.trim and self.outer.codec_name == "sparseloco":
             raise ConfigError("defences.trim is for dense codecs: a sparse update's trimmed mean is mostly zeros")
         if self.defences.scoring and self.outer.codec_name != "sparseloco" and not self.defences.verify_aggregates:

@@ -9,6 +9,8 @@ Faults (kill, freeze, late joiners) are scheduled events of the same loop: see `
 from __future__ import annotations
 
 import json
+import re
+import shutil
 import signal
 import subprocess
 import time
@@ -78,15 +80,16 @@ class SimulateOptions:
 
 
 def manifest_toml(opts: SimulateOptions) -> str:
-    """The run manifest a simulation launches."""
-    codec = f'codec = "{opts.codec}"\n' if opts.codec else ""
+    """The run manifest a simulation launches (strings quoted as TOML basic strings: JSON's
+    escapes are TOML's, so an option holding a quote cannot break the file)."""
+    codec = f"codec = {json.dumps(opts.codec)}\n" if opts.codec else ""
     lr = ((f"lr = {opts.outer_lr}\n" if opts.outer_lr else "") + (f"topk = {opts.topk}\n" if opts.topk else "")
           + (f"error_decay = {opts.error_decay}\n" if opts.error_decay >= 0 else "") + f"overlap = {opts.overlap}\n")
     return (
         f'[run]\nid = "sim"\nopen = true\nmin_peers = {opts.min_peers}\nseed = {opts.seed}\n'
-        f'[model]\nspec = "{opts.preset}"\n[data]\nbatch_size = {opts.batch_size}\n'
+        f"[model]\nspec = {json.dumps(opts.preset)}\n[data]\nbatch_size = {opts.batch_size}\n"
         f"[inner]\nwarmup_steps = {opts.warmup_steps if opts.warmup_steps >= 0 else min(50, opts.inner_steps * 2)}\n"
-        f'[outer]\nalgorithm = "{opts.algorithm}"\ninner_steps = {opts.inner_steps}\n{codec}{lr}'
+        f"[outer]\nalgorithm = {json.dumps(opts.algorithm)}\ninner_steps = {opts.inner_steps}\n{codec}{lr}"
         f"[round]\ndeadline_s = {opts.deadline_s}\nslack_s = {opts.slack_s}\nmax_shards = 16\n"
         f"[checkpoint]\nevery_rounds = {opts.checkpoint_every}\nkeep = {opts.checkpoint_keep}\n"
         f"[eval]\nbatches = 4\nbatch_size = 16\nevery_rounds = {opts.eval_every}\n"
@@ -120,6 +123,30 @@ class SimulationError(RuntimeError):
     """A simulation could not run (a process did not start): a message for the user."""
 
 
+# What a simulation writes in its --out folder (see `run_simulation` and `Simulation.spawn`).
+_OUTPUT = re.compile(r"(coordinator|(peer|late)-\d+)(\.log)?|report\.json|loss\.png|run\.toml")
+
+
+def clear_output(out: Path) -> None:
+    """Make `out` ready for a new simulation: an earlier one's files are removed (its processes
+    would read the old bootstrap address, and its event logs would mix into the new report);
+    a folder holding anything a simulation does not write is refused, never emptied."""
+    if not out.exists():
+        return
+    if not out.is_dir():
+        raise SimulationError(f"--out {out} is a file, not a folder")
+    entries = sorted(out.iterdir())
+    foreign = [e.name for e in entries if not _OUTPUT.fullmatch(e.name)]
+    if foreign:
+        raise SimulationError(f"--out {out} holds files a simulation does not write ({', '.join(foreign[:3])}"
+                              f"{', ...' if len(foreign) > 3 else ''}): choose an empty or new folder")
+    for entry in entries:
+        if entry.is_dir() and not entry.is_symlink():
+            shutil.rmtree(entry)
+        else:
+            entry.unlink()
+
+
 def _first_error(log_path: Path) -> str:
     """": <the first `error:` line of a process's log>", or "" if it has none."""
     try:
@@ -146,6 +173,7 @@ def run_simulation(opts: SimulateOptions, out: Path, progress: Callable[[str], N
     # A bad option is one ConfigError (or WorkloadError) line here, before any process starts.
     manifest_from_mapping(tomllib.loads(manifest_toml(opts)))
     check_workload_spec(opts.preset)
+    clear_output(out)
     start = time.time()
     rng = random.Random(opts.seed)
     with Simulation(out, opts) as sim:

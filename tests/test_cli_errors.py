@@ -47,6 +47,9 @@ def test_bad_options_are_one_error_line(tmp_path):
     key = tmp_path / "id.key"
     assert CliRunner().invoke(app, ["keygen", str(key)]).exit_code == 0
     _one_error_line(CliRunner().invoke(app, ["keygen", str(key)]), 2, "exists; pass --force to overwrite it")
+    _one_error_line(CliRunner().invoke(app, ["keygen", str(tmp_path), "--force"]), 2, f"{tmp_path} is a folder")
+    _one_error_line(CliRunner().invoke(app, ["keygen", str(tmp_path / "no" / "id.key")]), 2,
+                    f"{tmp_path / 'no'} does not exist")
 
 
 def test_a_bad_coordinator_checkpoint_cadence_is_one_error_line_and_writes_nothing(tmp_path):
@@ -90,6 +93,10 @@ def test_ctrl_c_during_start_up_is_one_line(tmp_path, monkeypatch):
     (["--error-decay", "2"], "outer.error_decay must be in [0, 1]"),
     (["--preset", "nosuch"], "unknown workload 'nosuch'"),
     (["--preset", "no_such_module:make"], "cannot import module 'no_such_module'"),
+    (["--preset", 'x"y'], "unknown workload 'x\"y'"),  # quoted into the manifest, not pasted
+    (["--algorithm", "data-parallel"], "'data-parallel' cannot run in a swarm"),
+    (["--deadline", "8"], "--deadline must exceed 10 s"),
+    (["--overlap", "2"], "--overlap must be 0 or 1, not 2"),
 ])
 def test_bad_simulate_options_are_one_error_line_before_any_process_starts(tmp_path, args, words):
     res = CliRunner().invoke(app, ["simulate", *args, "--out", str(tmp_path / "sim")])
@@ -247,6 +254,41 @@ def test_a_bad_device_is_one_error_line_before_anything_is_written(tmp_path, dev
                                    "--state-dir", str(tmp_path / "peer")])
     _one_error_line(res, 2, words)
     assert not (tmp_path / "peer").exists()
+
+
+@pytest.mark.parametrize("command", [["train-local", "--steps", "1"], ["bench", "codecs", "--params", "1000"]])
+@pytest.mark.parametrize("device,words", [("gpu", "--device must be cpu, cuda or cuda:N"),
+                                          ("cuda:99", "--device cuda")])
+def test_a_bad_device_for_local_commands_is_one_error_line(command, device, words):
+    _one_error_line(CliRunner().invoke(app, [*command, "--device", device]), 2, words)
+
+
+def test_error_lines_keep_the_brackets_of_what_they_quote(tmp_path):
+    # rich would read "[a-z0-9-]" or "[run]" as markup and drop it from the message
+    manifest = tmp_path / "run.toml"
+    manifest.write_text('[run]\nid = "Example Tiny"\nopen = true\n')
+    _one_error_line(CliRunner().invoke(app, ["launch", str(manifest)]), 2, "characters of [a-z0-9-]")
+    manifest.write_text("")
+    _one_error_line(CliRunner().invoke(app, ["launch", str(manifest)]), 2, "[run]")
+
+
+def test_simulate_clears_an_earlier_simulations_output_and_refuses_a_folder_of_other_files(tmp_path):
+    # left in place, the old bootstrap address and event logs would feed the new run and its report
+    from groundswell.peer.simulate import SimulationError, clear_output
+
+    out = tmp_path / "sim"
+    for path in ("coordinator/bootstrap.txt", "peer-0/events.jsonl", "late-0/events.jsonl", "peer-1.log",
+                 "report.json", "loss.png", "run.toml"):
+        (out / path).parent.mkdir(parents=True, exist_ok=True)
+        (out / path).write_text("old")
+    clear_output(out)
+    assert list(out.iterdir()) == []
+    (out / "notes.txt").write_text("mine")
+    with pytest.raises(SimulationError, match="holds files a simulation does not write"):
+        clear_output(out)
+    assert (out / "notes.txt").read_text() == "mine"
+    res = CliRunner().invoke(app, ["simulate", "--peers", "1", "--rounds", "1", "--out", str(out)])
+    _one_error_line(res, 2, "notes.txt")
 
 
 def test_options_are_checked_before_the_state_dir_is_written(tmp_path):

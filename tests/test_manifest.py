@@ -102,6 +102,7 @@ def test_allowlist(tmp_path):
         (MINIMAL + "[checkpoint]\nkeep = 0\n", "checkpoint.keep"),
         (MINIMAL + '[outer]\nalgorithm = "adam"\n', "outer.algorithm"),
         (MINIMAL + '[outer]\nalgorithm = "single"\n', "single"),
+        (MINIMAL + '[outer]\nalgorithm = "data-parallel"\n', "'data-parallel' cannot run in a swarm"),
         (MINIMAL + "[inner]\nweight_decay = inf\n", "inner.weight_decay"),
         (MINIMAL + "[data]\nbatch_size = 0\n", "batch_size"),
         (MINIMAL + "[eval]\nbatches = true\n", "eval.batches"),
