@@ -59,8 +59,9 @@ def unpack_bits(data: torch.Tensor, nbits: int, count: int) -> torch.Tensor:
         return _unpack12(data, count)
     if nbits == 8:
         return data.to(torch.int64)
-    if nbits == 16:
-        return data.view(torch.int16).to(torch.int64) & 0xFFFF
+    if nbits == 16:  # byte by byte: `data` may be a slice at an odd offset, which no int16 view allows
+        pairs = data.view(-1, 2).to(torch.int64)
+        return pairs[:, 0] | (pairs[:, 1] << 8)
     if nbits < 8:
         return _unpack_words(data, nbits, count)
     return _unpack_generic(data, nbits, count)

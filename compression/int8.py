@@ -57,8 +57,8 @@ class Int8Codec:
             xb = flat[lo:hi].view(rows, -1)
             amax = torch.maximum(xb.amax(1), xb.amin(1).neg_())
             s = amax.div_(torch.full_like(amax, 127.0))  # a true division on every device
-            if not bool(torch.isfinite(s).all()):
-                raise CodecError("cannot encode non-finite values with int8")
+            if not bool(torch.isfinite(s.mul(128.0)).all()):  # what `_parse` demands of the scales
+                raise CodecError("cannot encode non-finite values, or values too large (over fp32 max * 127 / 128), with int8")
             scales[lo // self.block : lo // self.block + rows] = s
             safe = torch.where(s > 0, s, torch.ones_like(s)).unsqueeze(1)  # all-zero block: q = 0
             q[lo:hi].view(rows, -1).copy_(torch.div(xb, safe).round_().clamp_(-127, 127))
@@ -93,7 +93,7 @@ class Int8Codec:
     def _steps(self, n: int, device: torch.device):
         """(start, end, rows) spans: whole blocks in streamed steps, then the partial last block."""
         full = n // self.block
-        step = full if device.type != "cpu" else max(1, _STREAM_ELEMS // self.block)
+        step = max(1, full) if device.type != "cpu" else max(1, _STREAM_ELEMS // self.block)  # full: 0 under a block
         for r0 in range(0, full, step):
             r1 = min(full, r0 + step)
             yield r0 * self.block, r1 * self.block, r1 - r0

@@ -105,6 +105,34 @@ def test_int8_zero_block_and_exact_extremes() -> None:
     assert torch.equal(y, x)  # absmax maps to exactly +-127 steps; zeros stay zero
 
 
+def test_int8_steps_cover_a_tensor_shorter_than_a_block_on_every_device() -> None:
+    # CUDA takes all whole blocks in one step; with none (a short last segment) the step was 0
+    codec = Int8Codec(128)
+    for device in (torch.device("cpu"), torch.device("cuda")):  # only the device's type is read
+        assert list(codec._steps(100, device)) == [(0, 100, 1)]
+        assert list(codec._steps(0, device)) == []
+        assert list(codec._steps(300, device))[-1] == (256, 300, 1)
+
+
+def test_int8_refuses_to_encode_what_its_decoder_would_refuse() -> None:
+    from groundswell.compression import CodecError
+
+    with pytest.raises(CodecError, match="too large"):
+        Int8Codec(128).encode(torch.full((128,), 3.39e38))
+    big = torch.full((128,), 3.0e38)  # 128 * (3e38 / 127) is still finite: encodes and decodes
+    assert bool(torch.isfinite(_round_trip(Int8Codec(128), big)).all())
+
+
+def test_sparseloco_one_value_per_largest_chunk_round_trips() -> None:
+    # 16 low bits per index: unpacked from a slice at an odd byte offset
+    codec = SparseLoCoCodec(chunk=65536, k=1)
+    x = _randn(65536 * 2 + 5, seed=3)
+    y = _round_trip(codec, x)
+    kept = [int(i) for i in torch.nonzero(y).flatten()]
+    chunks = [(0, 65536), (65536, 131072), (131072, x.numel())]
+    assert kept == [lo + int(x[lo:hi].abs().argmax()) for lo, hi in chunks]  # each chunk's largest
+
+
 # ---------------------------------------------------------------- sparseloco: selection
 
 
