@@ -26,7 +26,7 @@ from .schema import (
     ProtocolError,
     ShardContribution,
 )
-from .shards import decision_digests, ships_contributions
+from .shards import REPORTING_CANDIDATES, decision_digests, ships_contributions
 from .transport import PeerUnavailable, ShardsUnavailable
 
 log = logging.getLogger(__name__)
@@ -138,7 +138,15 @@ class AggregateFetcher:
                 for i, payload in enumerate(row):
                     out[contributor][offsets[first + i]:offsets[first + i + 1]] = self.ctx.codec.decode(payload)
 
-        await asyncio.gather(*(one(s) for s in range(plan.num_shards)))
+        # One shard failing fails them all: the others' downloads (N contributions each) are
+        # cancelled, not left running against the leader's downlink while it commits.
+        tasks = [asyncio.ensure_future(one(s)) for s in range(plan.num_shards)]
+        try:
+            await asyncio.gather(*tasks)
+        finally:
+            for task in tasks:
+                task.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
         return out
 
     def _checked_rows(self, decision: Decision, signed: bytes, shard: int, first: int, stop: int,
@@ -194,8 +202,15 @@ class AggregateFetcher:
         # that has not answered within `hedge` (it may have frozen after the seal) gets company:
         # the next one is asked too, and the first good answer wins.
         hedge = max(1.0, self.ctx.slack_s / 4) + budget / 20e6
-        queue = [p for p in dict.fromkeys([decision.sources[shard], decision.leader, *plan.candidates(shard)[:3],
-                                           *self.holders(decision.round)]) if p != self.me]
+        # A mean (dense codecs) is the word of whoever computed it, unlike signed contributions,
+        # which any holder can hand on unaltered: it is taken only from the shard's source, the
+        # leader and the shard's candidates (its replicas are among them), never from a peer
+        # that merely says it applied the round (in an open run, anyone).
+        if ships_contributions(self.ctx):
+            holders = [*plan.candidates(shard)[:3], *self.holders(decision.round)]
+        else:
+            holders = plan.candidates(shard)[:REPORTING_CANDIDATES]
+        queue = [p for p in dict.fromkeys([decision.sources[shard], decision.leader, *holders]) if p != self.me]
 
         async def ask(peer: str) -> AggregateShard | None:
             try:

@@ -77,3 +77,39 @@ def test_the_leader_drops_a_harmful_contribution_and_commits_the_rest():
         assert float((means[0] - honest).norm()) < 1e-5 * float(honest.norm())
     finally:
         c.close()
+
+
+def test_one_shard_failing_to_hand_over_its_contributions_cancels_the_other_downloads():
+    """The leader gathers every shard's signed contributions to score them; when one source
+    fails, the others' downloads (a contribution of every peer each) must not keep running
+    against its downlink while it commits without scores."""
+    import asyncio
+    from types import SimpleNamespace
+
+    from groundswell.protocol.fetch import AggregateFetcher
+    from groundswell.protocol.transport import PeerUnavailable
+
+    cancelled: list[str] = []
+
+    class _Transport:
+        async def request(self, peer, handler, msg, expect, **kw):
+            if peer == "broken":
+                await asyncio.sleep(0.05)
+                raise PeerUnavailable("broken refused get-contributions")
+            try:
+                await asyncio.sleep(60)  # a big download
+            except asyncio.CancelledError:
+                cancelled.append(peer)
+                raise
+
+    fetcher = AggregateFetcher()
+    fetcher.me, fetcher.transport = "leader", _Transport()
+    fetcher.ctx = SimpleNamespace(segment_numels=[4, 4, 4], max_payload_bytes=100, slack_s=1.0)
+    plan = SimpleNamespace(round=3, attempt=0, num_shards=3, shard_segments=[(0, 1), (1, 2), (2, 3)])
+
+    async def go():
+        with pytest.raises(PeerUnavailable, match="broken"):
+            await fetcher.gather_contributions(plan, ["slow1", "broken", "slow2"], ["a", "b"], [])
+        return sorted(cancelled)
+
+    assert asyncio.run(asyncio.wait_for(go(), 10)) == ["slow1", "slow2"]
