@@ -35,6 +35,9 @@ _LEN = struct.Struct(">Q")
 # Sealed request size up to which a request is a unary call: measured between two local
 # processes (scripts/bench_p2p_requests.py), a unary call costs half the CPU of a stream at 300
 # bytes, 1.4x at 64 KiB and 2.3x at 256 KiB (the daemon handles unary messages whole, with copies).
+# A caller writes its request as soon as the stream is open: one whose request has not begun
+# within this many seconds is cut off, not left holding a stream slot for the handler's whole time.
+REQUEST_START_S = 30.0
 UNARY_MAX_REQUEST = 32 << 10
 # Largest allowed reply for a unary call: a control message's budget. Bulk replies (aggregates,
 # contributions) are budgeted from the model size plus MAX_SMALL, so they always take a stream.
@@ -82,9 +85,12 @@ async def write_frame(writer: asyncio.StreamWriter, data: bytes) -> None:
     await writer.drain()
 
 
-async def read_frame(reader: asyncio.StreamReader, max_bytes: int) -> bytes:
-    """Read one length-prefixed frame, refusing lengths over `max_bytes` before reading them."""
-    (size,) = _LEN.unpack(await reader.readexactly(_LEN.size))
+async def read_frame(reader: asyncio.StreamReader, max_bytes: int, start_s: float | None = None) -> bytes:
+    """Read one length-prefixed frame, refusing lengths over `max_bytes` before reading them;
+    `start_s`: TimeoutError unless its length has arrived within that many seconds."""
+    async with asyncio.timeout(start_s):
+        header = await reader.readexactly(_LEN.size)
+    (size,) = _LEN.unpack(header)
     if size > max_bytes:
         raise ProtocolError(f"frame of {size} bytes exceeds the limit of {max_bytes}", reason="oversized")
     return await reader.readexactly(size)
@@ -201,7 +207,8 @@ class Transport:
                 return
             try:
                 async with asyncio.timeout(timeout_s):
-                    out, bulk = await answer(remote, await read_frame(reader, max_request + 512), opened)
+                    request = await read_frame(reader, max_request + 512, start_s=min(timeout_s, REQUEST_START_S))
+                    out, bulk = await answer(remote, request, opened)
                     await write_frame(writer, out)
                     if trailer:
                         await write_frame(writer, bulk)

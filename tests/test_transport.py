@@ -212,6 +212,33 @@ def test_a_unary_call_its_caller_gave_up_on_leaves_nothing_behind(net):
     release.set()
 
 
+def test_a_stream_whose_request_never_starts_is_closed_and_its_slot_released(net, monkeypatch):
+    # A caller writes its request right after opening the stream: one that sends nothing (a
+    # caller that gave up mid-open, or a peer hoarding stream slots) is cut off early, not after
+    # the handler's whole timeout.
+    from groundswell.protocol import transport
+    from hivemind.p2p import PeerID
+
+    monkeypatch.setattr(transport, "REQUEST_START_S", 0.5)
+    async def never_asked(sender: str, req: Join) -> Ack:
+        return Ack(True, "")
+
+    _serve(net, net.ta, "idle", Join, never_asked)
+
+    async def open_and_wait() -> tuple[bytes, float]:
+        _, reader, writer = await net.b.call_binary_stream_handler(
+            PeerID.from_base58(net.id_a.peer_id), net.ta._name("idle"))
+        start = time.monotonic()
+        try:
+            return await reader.read(), time.monotonic() - start  # b"": closed by the server
+        finally:
+            writer.close()
+
+    got, waited = net.run(open_and_wait(), timeout=20)
+    assert got == b"" and waited < 10
+    assert net.ta.guard._peers[net.id_b.peer_id].streams == 0
+
+
 def test_a_bulk_trailer_arrives_whole_and_its_announced_size_is_enforced(net):
     # The state blob follows its signed reply as a raw frame: the reply announces its size, and
     # the requester refuses a different or too large one before reading it.
