@@ -201,5 +201,9 @@ def sum_to_mean_(total: torch.Tensor, count: int) -> torch.Tensor:
 
     Multiplies by the fp32 reciprocal held in a tensor on the sum's device: CUDA would otherwise
     turn a division by a Python number into a multiplication by its reciprocal, and CPU would not.
+    A coordinate whose sum overflowed (finite inputs near fp32's limit, possible with clipping
+    off) is 0: every peer computes the same bits, so all of them leave it unmoved alike, and
+    the mean stays encodable and the parameters finite.
     """
-    return total.mul_(torch.tensor(1.0 / count, dtype=torch.float32).to(total.device))
+    total.mul_(torch.tensor(1.0 / count, dtype=torch.float32).to(total.device))
+    return total if bool(torch.isfinite(total).all()) else torch.nan_to_num_(total, nan=0.0, posinf=0.0, neginf=0.0)

@@ -105,6 +105,16 @@ def test_int8_zero_block_and_exact_extremes() -> None:
     assert torch.equal(y, x)  # absmax maps to exactly +-127 steps; zeros stay zero
 
 
+@pytest.mark.parametrize("name", ["fp32", "sparseloco"])
+def test_a_mean_whose_sum_overflows_is_zero_there_and_finite_everywhere(name: str) -> None:
+    codec = make_codec(name)
+    x = torch.full((4096,), 1e-3)
+    x[7] = 3e38  # finite, and so is each payload; two of them sum past fp32's limit
+    mean = codec.aggregate([codec.encode(x), codec.encode(x)])
+    assert bool(torch.isfinite(mean).all()) and float(mean[7]) == 0.0
+    assert float(mean[8]) == float(codec.decode(codec.encode(x))[8])  # the rest untouched
+
+
 def test_int8_steps_cover_a_tensor_shorter_than_a_block_on_every_device() -> None:
     # CUDA takes all whole blocks in one step; with none (a short last segment) the step was 0
     codec = Int8Codec(128)

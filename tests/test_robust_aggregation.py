@@ -145,6 +145,27 @@ def test_a_scaled_contribution_is_clipped_on_every_peer(codec_name):
 
 @pytest.mark.slow
 @pytest.mark.timeout(240)
+def test_an_aggregate_that_overflows_with_clipping_off_is_applied_as_zero_there_on_every_peer():
+    # each contribution is finite, their sum near fp32's limit is not: every peer must still end
+    # with the same finite parameters
+    from swarm_harness import Cluster
+
+    c = Cluster(n=4, codec_name="fp32", numel=8 * 4096, min_peers=4, robust=RobustOptions(clip=0.0))
+    try:
+        xs = {i: torch.full((c.numel,), 0.5) for i in range(4)}
+        for i in (0, 1):
+            xs[i][:10] = 3e38
+        out = c.attempt(0, xs)
+        assert out[0].decision.status == "commit"
+        means = [c.fetch(i, out[i].signed) for i in range(4)]
+        assert all(torch.equal(m, means[0]) for m in means)
+        assert bool(torch.isfinite(means[0]).all()) and means[0][:10].eq(0).all() and means[0][10:].eq(0.5).all()
+    finally:
+        c.close()
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(240)
 def test_an_aggregator_that_alters_a_contribution_is_caught_and_bypassed():
     from groundswell.compression import Payload
     from groundswell.protocol.envelope import seal, unseal
