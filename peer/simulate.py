@@ -81,15 +81,16 @@ class SimulateOptions:
 
 def manifest_toml(opts: SimulateOptions) -> str:
     """The run manifest a simulation launches (strings quoted as TOML basic strings: JSON's
-    escapes are TOML's, so an option holding a quote cannot break the file)."""
-    codec = f"codec = {json.dumps(opts.codec)}\n" if opts.codec else ""
+    escapes are TOML's, so an option holding a quote cannot break the file; non-ASCII characters
+    stay as they are, since TOML refuses JSON's surrogate-pair escapes)."""
+    codec = f"codec = {json.dumps(opts.codec, ensure_ascii=False)}\n" if opts.codec else ""
     lr = ((f"lr = {opts.outer_lr}\n" if opts.outer_lr else "") + (f"topk = {opts.topk}\n" if opts.topk else "")
           + (f"error_decay = {opts.error_decay}\n" if opts.error_decay >= 0 else "") + f"overlap = {opts.overlap}\n")
     return (
         f'[run]\nid = "sim"\nopen = true\nmin_peers = {opts.min_peers}\nseed = {opts.seed}\n'
-        f"[model]\nspec = {json.dumps(opts.preset)}\n[data]\nbatch_size = {opts.batch_size}\n"
+        f"[model]\nspec = {json.dumps(opts.preset, ensure_ascii=False)}\n[data]\nbatch_size = {opts.batch_size}\n"
         f"[inner]\nwarmup_steps = {opts.warmup_steps if opts.warmup_steps >= 0 else min(50, opts.inner_steps * 2)}\n"
-        f"[outer]\nalgorithm = {json.dumps(opts.algorithm)}\ninner_steps = {opts.inner_steps}\n{codec}{lr}"
+        f"[outer]\nalgorithm = {json.dumps(opts.algorithm, ensure_ascii=False)}\ninner_steps = {opts.inner_steps}\n{codec}{lr}"
         f"[round]\ndeadline_s = {opts.deadline_s}\nslack_s = {opts.slack_s}\nmax_shards = 16\n"
         f"[checkpoint]\nevery_rounds = {opts.checkpoint_every}\nkeep = {opts.checkpoint_keep}\n"
         f"[eval]\nbatches = 4\nbatch_size = 16\nevery_rounds = {opts.eval_every}\n"
@@ -123,28 +124,33 @@ class SimulationError(RuntimeError):
     """A simulation could not run (a process did not start): a message for the user."""
 
 
-# What a simulation writes in its --out folder (see `run_simulation` and `Simulation.spawn`).
-_OUTPUT = re.compile(r"(coordinator|(peer|late)-\d+)(\.log)?|report\.json|loss\.png|run\.toml")
+# What a simulation writes in its --out folder (see `run_simulation` and `Simulation.spawn`),
+# starting with the marker that says a simulation made the folder.
+MARKER = ".groundswell-simulation"
+_OUTPUT = re.compile(r"(coordinator|(peer|late)-\d+)(\.log)?|report\.json|loss\.png|run\.toml|\.groundswell-simulation")
 
 
 def clear_output(out: Path) -> None:
-    """Make `out` ready for a new simulation: an earlier one's files are removed (its processes
-    would read the old bootstrap address, and its event logs would mix into the new report);
-    a folder holding anything a simulation does not write is refused, never emptied."""
-    if not out.exists():
-        return
-    if not out.is_dir():
+    """Make `out` ready for a new simulation and mark it as one's: an earlier simulation's files
+    are removed (its processes would read the old bootstrap address, and its event logs would
+    mix into the new report). A folder that is not empty is emptied only if an earlier simulation
+    marked it and holds nothing a simulation does not write: a real coordinator's state folder
+    (its identity key, its checkpoints) is never taken for a simulated one."""
+    if out.exists() and not out.is_dir():
         raise SimulationError(f"--out {out} is a file, not a folder")
-    entries = sorted(out.iterdir())
+    entries = sorted(out.iterdir()) if out.exists() else []
     foreign = [e.name for e in entries if not _OUTPUT.fullmatch(e.name)]
-    if foreign:
-        raise SimulationError(f"--out {out} holds files a simulation does not write ({', '.join(foreign[:3])}"
-                              f"{', ...' if len(foreign) > 3 else ''}): choose an empty or new folder")
+    if entries and (foreign or not (out / MARKER).is_file()):
+        what = f"files a simulation does not write ({', '.join(foreign[:3])}{', ...' if len(foreign) > 3 else ''})" \
+            if foreign else "files, but no mark of an earlier simulation"
+        raise SimulationError(f"--out {out} holds {what}: choose an empty or new folder")
     for entry in entries:
         if entry.is_dir() and not entry.is_symlink():
             shutil.rmtree(entry)
         else:
             entry.unlink()
+    out.mkdir(parents=True, exist_ok=True)
+    (out / MARKER).write_text("made by groundswell simulate; it empties this folder when run into it again\n")
 
 
 def _first_error(log_path: Path) -> str:

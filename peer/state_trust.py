@@ -114,7 +114,7 @@ class StateCheck:
         for name, t in tensors.items():
             if t.dtype != torch.float32 or t.shape != (self.numel,) or not bool(torch.isfinite(t).all()):
                 raise ProtocolError(f"state tensor {name} is not {self.numel} finite fp32 values", reason="bad-payload")
-        self._check_decision(reply)
+        self.check_decision(reply)
         if self.needs_momentum and "momentum_buffer" not in tensors:
             raise ProtocolError("a DiLoCo state needs its momentum buffer")
         state_hash = params_hash(tensors["global_params"])
@@ -123,7 +123,7 @@ class StateCheck:
         await self._check_with_swarm(reply.round, state_hash, server, records)
         return GlobalState(reply.round, tensors, reply.decision, _params_hash=state_hash)
 
-    def _check_decision(self, reply: StateReply) -> None:
+    def check_decision(self, reply: StateReply) -> None:
         """The state's decision must be what our book would take: the commit of the round before
         the state, signed by its leader (round -1's by the coordinator), not conflicting with one
         the book holds (after a split, ours may be the wrong one: not the server's fault)."""
@@ -266,8 +266,13 @@ async def download_state(node: Any, check: StateCheck, peers: list[str], min_rou
                 raise ProtocolError(f"a state of {reply.size} bytes exceeds the limit of {budget}", reason="oversized")
             if reply.size and reply.round < min_round:  # an honest server answers size 0 instead
                 raise ProtocolError(f"a state of round {reply.round}, older than the {min_round} asked for")
-            if reply.size:
-                check.refuse_early(reply, server, node.cached_records)
+            if reply.size:  # both are in the signed reply: a state they refuse costs no download
+                try:
+                    check.check_decision(reply)
+                    check.refuse_early(reply, server, node.cached_records)
+                except ProtocolError as exc:  # counted as a refused state is (the transport only counts it)
+                    node.guard.count(server, "state-reply", exc.reason, strike=exc.strike)
+                    raise
             return reply.size
         return size
 

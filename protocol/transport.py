@@ -345,13 +345,16 @@ class Transport:
                   dead: Callable[[BaseException], bool]) -> Iterator[None]:
         """Map a request's failures to `PeerUnavailable`: a bad reply (counted), a timeout, or the
         peer gone (`PeerDead` where `dead(exc)`: nothing could be opened, else `PeerGone`)."""
+        started = time.monotonic()
         try:
             yield
         except ProtocolError as exc:
             self.rejected_replies[f"{exc.reason}:{handler}"] += 1
             raise PeerUnavailable(f"{peer_id[-8:]} sent a bad {handler} reply: {exc}") from None
         except TimeoutError:
-            raise PeerUnavailable(f"{peer_id[-8:]} did not answer {handler} within {timeout_s:.1f}s") from None
+            # the time it took, not `timeout_s`: a bulk trailer gets a timeout of its own
+            raise PeerUnavailable(f"{peer_id[-8:]} did not answer {handler} within "
+                                  f"{max(timeout_s, time.monotonic() - started):.1f}s") from None
         except asyncio.CancelledError:
             raise
         except Exception as exc:  # resets, EOF, refusals; dial failures

@@ -94,6 +94,7 @@ def test_ctrl_c_during_start_up_is_one_line(tmp_path, monkeypatch):
     (["--preset", "nosuch"], "unknown workload 'nosuch'"),
     (["--preset", "no_such_module:make"], "cannot import module 'no_such_module'"),
     (["--preset", 'x"y'], "unknown workload 'x\"y'"),  # quoted into the manifest, not pasted
+    (["--preset", "x\U0001f600"], "unknown workload"),  # beyond the BMP: JSON's escapes are not TOML's
     (["--algorithm", "data-parallel"], "'data-parallel' cannot run in a swarm"),
     (["--deadline", "8"], "--deadline must exceed 10 s"),
     (["--overlap", "2"], "--overlap must be 0 or 1, not 2"),
@@ -274,21 +275,31 @@ def test_error_lines_keep_the_brackets_of_what_they_quote(tmp_path):
 
 def test_simulate_clears_an_earlier_simulations_output_and_refuses_a_folder_of_other_files(tmp_path):
     # left in place, the old bootstrap address and event logs would feed the new run and its report
-    from groundswell.peer.simulate import SimulationError, clear_output
+    from groundswell.peer.simulate import MARKER, SimulationError, clear_output
 
     out = tmp_path / "sim"
+    clear_output(out)  # a new folder: made, and marked as a simulation's
+    assert [p.name for p in out.iterdir()] == [MARKER]
     for path in ("coordinator/bootstrap.txt", "peer-0/events.jsonl", "late-0/events.jsonl", "peer-1.log",
                  "report.json", "loss.png", "run.toml"):
         (out / path).parent.mkdir(parents=True, exist_ok=True)
         (out / path).write_text("old")
     clear_output(out)
-    assert list(out.iterdir()) == []
+    assert [p.name for p in out.iterdir()] == [MARKER]
     (out / "notes.txt").write_text("mine")
     with pytest.raises(SimulationError, match="holds files a simulation does not write"):
         clear_output(out)
     assert (out / "notes.txt").read_text() == "mine"
     res = CliRunner().invoke(app, ["simulate", "--peers", "1", "--rounds", "1", "--out", str(out)])
     _one_error_line(res, 2, "notes.txt")
+    # a real coordinator's state folder looks like a simulation's, but no simulation marked it
+    real = tmp_path / "real"
+    (real / "coordinator").mkdir(parents=True)
+    (real / "coordinator" / "identity.key").write_text("the run's signing key")
+    (real / "run.toml").write_text("[run]")
+    with pytest.raises(SimulationError, match="no mark of an earlier simulation"):
+        clear_output(real)
+    assert (real / "coordinator" / "identity.key").exists()
 
 
 def test_options_are_checked_before_the_state_dir_is_written(tmp_path):

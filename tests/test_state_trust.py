@@ -177,8 +177,15 @@ def test_a_state_the_coordinator_contradicts_is_refused_before_its_blob_is_downl
 
     p, coord = participant, participant.coordinator_id
     reply, blob, digest, good = _served_state(p, round_id=5)
+    from groundswell.protocol.envelope import seal, unseal
+    from groundswell.protocol.identity import Identity
+    from groundswell.protocol.schema import Decision
+
     records = {coord: SimpleNamespace(round=6, params_hash="h6", earlier_hashes=[f"5:{good}"])}
-    served = {"liar": replace(reply, params_hash="e" * 16), "honest": reply}
+    hostile = Identity.generate()
+    _, decision = unseal(reply.decision, "unit", Decision)
+    retry = seal(hostile, "unit", replace(decision, status="retry", leader=hostile.peer_id))
+    served = {"liar": replace(reply, params_hash="e" * 16), "retrier": replace(reply, decision=retry), "honest": reply}
     downloaded: list[str] = []
     counted: list[tuple] = []
 
@@ -197,9 +204,11 @@ def test_a_state_the_coordinator_contradicts_is_refused_before_its_blob_is_downl
 
     monkeypatch.setattr(state_trust, "fetch_state", fake_fetch)
     node = SimpleNamespace(cached_records=records, refresh_records=refresh,
-                           guard=SimpleNamespace(count=lambda *a, **k: counted.append(a)))
-    state, _ = asyncio.run(state_trust.download_state(node, p.state_check(), ["liar", "honest"], 0))
-    assert state.round == 5 and downloaded == ["honest"] and counted == []
+                           guard=SimpleNamespace(count=lambda *a, **k: counted.append((*a, k["strike"]))))
+    state, _ = asyncio.run(state_trust.download_state(node, p.state_check(), ["liar", "retrier", "honest"], 0))
+    assert state.round == 5 and downloaded == ["honest"]
+    # counted, and only the decision it signed for nothing is held against its server
+    assert counted == [("liar", "state-reply", "disputed", False), ("retrier", "state-reply", "malformed", True)]
     # the same reply from the coordinator itself is its own word; with no word on round 5 it is
     # downloaded and judged by the swarm's records as before
     p.state_check().refuse_early(served["liar"], coord, records)
