@@ -256,6 +256,10 @@ class Aggregator:
             _, earlier = unseal(slot.sealed, self.ctx.run_id, Decision)
             if earlier.leader != decision.leader:
                 return Ack(False, SEALED_BY_ANOTHER)
+        # The commit's shape (digests per contribution and shard, sources among the candidates,
+        # contributors) as any peer checks it when it is announced: a leader's seal is held to it
+        # first, or a short digest list would let contributions we do not hold through.
+        await self.verify_commit(msg.decision)
         mine = [s for s, src in enumerate(decision.sources) if src == self.identity.peer_id]
         # A replica builds its copy too, so the commit outlives its source and its leader.
         spare = [s for s in sorted(slot.contributions) if s < plan.num_shards and s not in mine]
@@ -264,7 +268,7 @@ class Aggregator:
             first, stop = plan.shard_segments[shard]
             held = slot.contributions.get(shard, {})
             pinned = decision_digests(decision, shard)
-            missing = [c for c, dg in zip(decision.contributors, pinned)
+            missing = [c for c, dg in zip(decision.contributors, pinned, strict=True)
                        if c not in held or held[c][0] != first or len(held[c][1]) != stop - first or held[c][3] != dg]
             if missing and shard in mine:
                 return Ack(False, f"shard {shard}: missing contributions from {len(missing)} peers")

@@ -33,6 +33,7 @@ from groundswell.protocol.identity import Identity
 from groundswell.protocol.schema import (
     MESSAGES,
     PROTOCOL_VERSION,
+    Ack,
     Decision,
     DecisionReply,
     DecisionRequest,
@@ -232,3 +233,25 @@ def test_the_peer_survives_answers_and_stays_bounded(target, caplog):
     total = sum(TRIED.values())
     print(f"\nfuzz: {total} inputs tried ({dict(TRIED)}); refusals by class: {dict(target.node.guard.rejected)}")
     assert total >= 2000 + (2 * EXAMPLES if EXAMPLES else 0) * 0.9
+
+
+def test_a_leaders_seal_whose_commit_pins_too_few_digests_is_refused_not_a_crash():
+    """Found by the fuzzer: a commit naming us as contributor and shard source, with no digests,
+    sealed by a leader of the attempt, let the aggregator look up a contribution it never held
+    (KeyError out of the handler). A seal is checked as an announced commit is."""
+    gen = make_target()
+    t = next(gen)
+    try:
+        me = t.me.peer_id
+        time.sleep(1.5)  # attempts 0..4 of round 0 have begun (deadline 0.3 s)
+        for attempt in range(5):
+            for leader in t.peers:
+                d = Decision(0, attempt, "commit", [me], [me], [me], leader.peer_id, [me], 1, time.time())
+                reply = t.feed("seal", leader.peer_id, framed(_sealed(leader, MESSAGES["seal"](_sealed(leader, d)))))
+                if reply:
+                    _, ack = unseal(reply[8:], RUN, Ack, sender=me)
+                    assert not ack.ok
+        assert t.node.guard.rejected["forged-decision:seal"] > 0  # reached the check, from a real leader
+        _check_alive(t)
+    finally:
+        next(gen, None)
