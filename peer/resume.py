@@ -14,6 +14,7 @@ from groundswell.protocol.transport import PeerUnavailable
 from .net_errors import NetworkError
 from .participant import Participant
 from .run_state import GlobalState
+from .state_trust import NoNewerState
 
 log = logging.getLogger(__name__)
 
@@ -22,7 +23,8 @@ def resume_and_sync(p: Participant, bootstrap_peers: list[str]) -> dict | None:
     """Resume from our own checkpoint if there is one, then bring the state up to the swarm's;
     returns the checkpoint (None: a fresh start)."""
     resumed = p.load_checkpoint()
-    if resumed is not None and resumed.get("outer") is not None:
+    loaded = resumed is not None and resumed.get("outer") is not None
+    if loaded:
         p.load_global(GlobalState(resumed["round"], resumed["tensors"], resumed["decision"]))
         if not _unsent_work_is_ours(p, resumed):
             resumed.pop("local_progress", None)
@@ -31,6 +33,13 @@ def resume_and_sync(p: Participant, bootstrap_peers: list[str]) -> dict | None:
         p.events.write("resume", round=p.outer.round_id, peer=p.identity.peer_id)
     try:
         p.sync_state(bootstrap_peers, min_round=p.outer.round_id if resumed else -1)
+    except NoNewerState as exc:
+        if not loaded:
+            raise NetworkError(f"no peer has the run's state yet ({exc}); start again in a moment") from None
+        # Every peer that answered is behind our checkpoint (a coordinator restarted from an
+        # older one, say): the run goes on from here, and our state is the one others take.
+        log.warning("%s: carrying on from our checkpoint of round %d", exc, p.outer.round_id)
+        p.events.write("resume-ahead", round=p.outer.round_id, peer=p.identity.peer_id)
     except (PeerUnavailable, TimeoutError, ProtocolError) as exc:  # ProtocolError: the state's decision raced our book
         raise NetworkError(f"could not download the run's state from any peer ({exc or 'timed out'}); "
                            "is the run still up? Start again to retry") from None

@@ -82,9 +82,10 @@ def run_volunteer(p: Participant, bootstrap_peers: list[str], *, max_rounds: int
     if resumed is not None and resumed.get("inner") is not None:
         try:
             trainer.load_state_dict(resumed["inner"])
-            torch_load_params(p)
         except (KeyError, ValueError, RuntimeError) as exc:
             log.warning("inner state in the checkpoint does not fit (%s); starting the inner optimizer afresh", exc)
+        finally:  # the model's weights are the global state's, whatever of the inner state loaded before it failed
+            torch_load_params(p)
     if resumed is not None:
         restore_local_progress(p, resumed)
     if resumed is None:  # so a crash before the first scheduled checkpoint resumes from disk, not a download
@@ -203,14 +204,16 @@ class _VolunteerLoop:
             # away: back off, doubling up to a deadline, instead of spinning.
             backoff = min(m.round.deadline_s, m.round.slack_s * 2 ** min(self.failures - 1, 8))
             self.stop.event.wait(max(0.0, backoff - (time.perf_counter() - t_exchange)))
-            _catch_up_or_resync(p, self.bootstrap_peers)  # the swarm may have gone on without us
+            if not self.stop:  # stopping: save what we hold now, not after a state download
+                _catch_up_or_resync(p, self.bootstrap_peers)  # the swarm may have gone on without us
             self.settle_late()
             return
         except NeedResync as exc:
             p.outer.apply(None)
             p.events.write("resync", round=r, reason=str(exc), peer=p.identity.peer_id)
             self.stop.event.wait(m.round.slack_s)  # do not hammer peers while the swarm sorts itself out
-            _resync(p, self.bootstrap_peers)
+            if not self.stop:
+                _resync(p, self.bootstrap_peers)
             self.settle_late()
             self.on_round(RoundInfo(r, "resync", train_loss=stats.mean_loss, reason=str(exc)))
             return
@@ -240,7 +243,8 @@ class _VolunteerLoop:
         self.on_round(info)
         if (r + 1) % m.checkpoint.every_rounds == 0:
             p.save_checkpoint({"inner": self.trainer.state_dict()})
-        _catch_up_or_resync(p, self.bootstrap_peers, fresh=False)  # we just applied a round: rarely behind
+        if not self.stop:
+            _catch_up_or_resync(p, self.bootstrap_peers, fresh=False)  # we just applied a round: rarely behind
 
 
     def settle_late(self) -> None:

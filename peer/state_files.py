@@ -21,7 +21,8 @@ def fsync_dir(path: Path) -> None:
 
 def write_atomically(path: Path, write: Callable[[IO[bytes]], None]) -> None:
     """Write `path` through `write(file)` so that it holds either its old or its whole new content,
-    even after a power loss; OSError (disk full, read-only dir) leaves no temp file behind."""
+    even after a power loss; OSError (disk full, read-only dir) leaves no temp file behind.
+    torch.save reports a full disk as a RuntimeError from its zip writer: that is an OSError here."""
     tmp = path.with_suffix(".tmp")
     try:
         with open(tmp, "wb") as f:
@@ -33,6 +34,9 @@ def write_atomically(path: Path, write: Callable[[IO[bytes]], None]) -> None:
     except OSError:
         tmp.unlink(missing_ok=True)
         raise
+    except RuntimeError as exc:
+        tmp.unlink(missing_ok=True)
+        raise OSError(f"writing {path.name} failed: {exc}") from exc
 
 
 def checkpoint_path(state_dir: Path, round_id: int) -> Path:

@@ -36,6 +36,11 @@ EARLIER_HASHES = 8  # the coordinator's record lists its hashes of this many rou
 COORDINATOR_AFTER_FAILURES = 2  # peers that failed to serve a state before the coordinator is asked next
 
 
+class NoNewerState(PeerUnavailable):
+    """Peers answered, but none holds a state of the round asked for or later (a volunteer's own
+    checkpoint may be ahead of every peer online: of a coordinator restarted from an older one)."""
+
+
 def coordinator_hashes(record: Any) -> dict[int, str]:
     """round -> parameter hash, as the coordinator's record gives them: its newest round's and the
     earlier ones it lists (an entry that is not "round:hash" is skipped). {} for no record."""
@@ -276,7 +281,7 @@ async def download_state(node: Any, check: StateCheck, peers: list[str], min_rou
             return reply.size
         return size
 
-    queue, asked = list(dict.fromkeys(peers)), 0
+    queue, asked, behind = list(dict.fromkeys(peers)), 0, 0
     while queue:
         if asked == COORDINATOR_AFTER_FAILURES and check.coordinator in queue:
             # (each peer asked so far failed, or we would have returned) Peers that copy the
@@ -293,11 +298,15 @@ async def download_state(node: Any, check: StateCheck, peers: list[str], min_rou
         except PeerUnavailable as exc:
             log.info("state from %s: %s", peer[-8:], exc)
             continue
-        if not blob or reply.round < min_round:
+        if not blob or reply.round < min_round:  # it answered: it has nothing that recent
+            behind += 1
             continue
         try:
             return await check.verify(reply, blob, digest, peer, node.refresh_records), via
         except ProtocolError as exc:  # a broken or hostile server: count it, ask the next peer
             node.guard.count(peer, "state-reply", exc.reason, strike=exc.strike)
             log.warning("state from %s refused: %s", peer[-8:], exc)
+    if behind:  # (peers that did not answer may be gone for good: their records linger a while)
+        raise NoNewerState(f"no peer holds a verifiable state of round {min_round} or later "
+                           f"({behind} answered with an older one or none)")
     raise PeerUnavailable("no peer served a verifiable state")

@@ -157,3 +157,37 @@ def test_a_commit_this_peer_does_not_hold_is_asked_of_the_peers_that_applied_the
     if expected:
         asyncio.run(ex.counts_ours(5, [b"x"]))
         assert asked == []  # held now: nobody is asked again
+
+
+@pytest.mark.parametrize("failure", ["retry", "resync"])
+def test_a_stopping_volunteer_does_not_download_the_state_before_it_saves(monkeypatch, failure):
+    """Ctrl+C during a round that then failed: the volunteer saves what it holds and leaves, instead
+    of first catching up or re-syncing (a state download may take minutes; a second Ctrl+C would
+    then skip the final checkpoint)."""
+    from groundswell.peer import roles
+    from groundswell.peer.roles import StopFlag
+    from groundswell.peer.swarm_exchange import NeedResync
+
+    synced: list[str] = []
+    monkeypatch.setattr(roles, "_catch_up_or_resync", lambda p, peers, fresh=True: synced.append("catch-up"))
+    monkeypatch.setattr(roles, "_resync", lambda p, peers: synced.append("resync"))
+
+    class Exchange:
+        def collect(self, r):
+            raise RoundFailed("no leader answered") if failure == "retry" else NeedResync("behind")
+
+        def take_unsettled(self, below):
+            return []
+
+    manifest = SimpleNamespace(round=SimpleNamespace(deadline_s=0.01, slack_s=0.01))
+    p = SimpleNamespace(manifest=manifest, outer=SimpleNamespace(apply=lambda r: None, round_id=0),
+                        identity=SimpleNamespace(peer_id="me"), events=SimpleNamespace(write=lambda *a, **k: None))
+    stats = SimpleNamespace(mean_loss=1.0)
+    for stopping in (True, False):
+        stop = StopFlag()
+        if stopping:
+            stop.set()
+        loop = roles._VolunteerLoop(p, Exchange(), None, [], stop, lambda info: None)  # type: ignore[arg-type]
+        synced.clear()
+        loop.settle(0, stats, 0.0, 0.0)
+        assert synced == ([] if stopping else ["catch-up" if failure == "retry" else "resync"])

@@ -113,3 +113,39 @@ def test_a_restart_takes_back_its_local_progress_unless_it_may_have_been_sent(tm
     assert torch.allclose(local, progress if kept else torch.zeros_like(progress), atol=1e-6)
     events = [json.loads(line)["kind"] for line in (tmp_path / "state" / "events.jsonl").read_text().splitlines()]
     assert ("unsent-work-dropped" in events) is not kept and ("local-progress-restored" in events) is kept
+
+
+@pytest.mark.parametrize("from_checkpoint", [True, False])
+def test_a_volunteer_whose_checkpoint_is_ahead_of_every_peer_carries_on_from_it(tmp_path, corpus, from_checkpoint):
+    """A coordinator restarted from an older checkpoint answers with an older state: a volunteer
+    resuming from a newer one goes on from its own (it used to exit: "is the run still up?").
+    A fresh volunteer with nobody to take a state from still stops with one clear line."""
+    from groundswell.peer.net_errors import NetworkError
+    from groundswell.peer.participant import genesis_decision
+    from groundswell.peer.resume import resume_and_sync
+    from groundswell.peer.state_trust import NoNewerState
+
+    participant = _factory(tmp_path, corpus, outer={"algorithm": "sparseloco"})
+    p = participant()
+    if from_checkpoint:
+        p.outer.round_id = 7
+        p._snapshot = GlobalState(7, {"global_params": p.outer.global_params.clone()},
+                                  genesis_decision(p.identity, "unit"))
+        assert p.save_checkpoint() is not None
+    again = participant()
+    _offline(again)
+    asked: list[int] = []
+
+    def coordinator_behind(peers, min_round=-1):
+        asked.append(min_round)
+        raise NoNewerState("no peer holds a verifiable state of round 7 or later (1 answered with an older one)")
+
+    again.sync_state = coordinator_behind
+    if not from_checkpoint:
+        with pytest.raises(NetworkError, match="no peer has the run's state yet"):
+            resume_and_sync(again, [])
+        return
+    resume_and_sync(again, [])
+    assert asked == [7] and again.outer.round_id == 7
+    events = [json.loads(line)["kind"] for line in (tmp_path / "state" / "events.jsonl").read_text().splitlines()]
+    assert "resume-ahead" in events

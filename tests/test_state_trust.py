@@ -499,3 +499,26 @@ def test_the_coordinators_vouchers_are_the_contributors_of_its_verified_commits(
     assert p.state_check().vouchers is None  # a volunteer: every authorized peer votes
     p.coordinator_id = p.identity.peer_id
     assert p.state_check().vouchers == {"a", "b", "c"}  # the coordinator of an open run
+
+
+def test_peers_that_answer_with_nothing_as_recent_tell_a_sync_apart_from_an_unreachable_swarm(participant,
+                                                                                             monkeypatch):
+    from groundswell.peer import state_trust
+    from groundswell.protocol.transport import PeerUnavailable
+
+    async def fake_fetch(node, peer, min_round, size, timeout_s, reply_timeout_s):
+        if peer.startswith("gone"):
+            raise PeerUnavailable(f"{peer} unavailable for get-state")
+        return StateReply(-1, "", b"", 0), bytearray(), "", "stream"  # what a server behind answers
+
+    monkeypatch.setattr(state_trust, "fetch_state", fake_fetch)
+    node = SimpleNamespace(cached_records={}, guard=SimpleNamespace(count=lambda *a, **k: None))
+
+    def sync(peers):
+        return asyncio.run(state_trust.download_state(node, participant.state_check(), peers, 7))
+
+    with pytest.raises(state_trust.NoNewerState, match="1 answered"):
+        sync(["gone1", "behind", "gone2"])
+    with pytest.raises(PeerUnavailable) as err:
+        sync(["gone1", "gone2"])
+    assert not isinstance(err.value, state_trust.NoNewerState)
