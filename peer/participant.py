@@ -333,14 +333,18 @@ class Participant:
         finally:
             copy_into_parameters(saved, list(model.parameters()))
 
-    def save_checkpoint(self, extra: dict[str, Any] | None = None) -> Path | None:
+    def save_checkpoint(self, extra: dict[str, Any] | None = None, settled: bool = False) -> Path | None:
         """Atomically write the state (write to a temp file, fsync, rename); keep the newest few.
-        A failure (disk full, read-only dir) is reported and training goes on from memory."""
+        A failure (disk full, read-only dir) is reported and training goes on from memory.
+        `settled`: every contribution made so far has a known outcome, taken into this state (the
+        checkpoint then records the last one, and a restart keeps the work it holds)."""
         if self.state_dir is None or self._snapshot is None:
             return None
         path = checkpoint_path(self.state_dir, self.outer.round_id)
         state = {"round": self._snapshot.round, "tensors": self._snapshot.tensors, "decision": self._snapshot.decision,
                  "outer": self.outer.state_dict() if self.outer.pending is None else None, **(extra or {})}
+        if settled and self.outer.pending is None:
+            state["settled"] = self._contributed_before()  # what contributed.json says now
         if self.outer.pending is None:
             # Local work not yet in anyone's hands (a left-out DiLoCo contribution, rebased; what
             # was trained while a round was exchanged): a restart resumes it instead of losing it.

@@ -52,8 +52,13 @@ def _unsent_work_is_ours(p: Participant, resumed: dict) -> bool:
     sent came out of that work and may be in the swarm's parameters already, and sending it again
     would count it twice. Dropping it loses only what had not been sent."""
     holds_work = "local_progress" in resumed or resumed["outer"].get("algorithm") == "sparseloco"
-    sent_since = [r for r in p._contributed_before() if r >= resumed["round"]]
+    contributed = p._contributed_before()
+    sent_since = [r for r in contributed if r >= resumed["round"]]
     if not sent_since or not holds_work:
+        return True
+    if contributed and resumed.get("settled") == contributed:
+        # Written after that contribution's outcome was known and taken into the state (a retry,
+        # the usual last round of a Ctrl+C while a run fills up): its work is still ours.
         return True
     p.events.write("unsent-work-dropped", round=resumed["round"], contributed=sent_since[0], peer=p.identity.peer_id)
     log.warning("the unsent work of the round-%d checkpoint is dropped: round %d was contributed since",

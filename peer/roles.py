@@ -133,7 +133,7 @@ def run_volunteer(p: Participant, bootstrap_peers: list[str], *, max_rounds: int
     except (PeerUnavailable, TimeoutError, RuntimeError) as exc:
         log.info("could not list connections: %s", exc)
     write_defence_counts(p)
-    p.save_checkpoint({"inner": trainer.state_dict()})
+    p.save_checkpoint({"inner": trainer.state_dict()}, settled=not loop.exchange.unsettled)
 
 
 async def _connection_report(node: Any) -> dict[str, Any]:
@@ -242,7 +242,7 @@ class _VolunteerLoop:
                        compute_s=stats.compute_s, blocked_s=blocked_s, peer=p.identity.peer_id)
         self.on_round(info)
         if (r + 1) % m.checkpoint.every_rounds == 0:
-            p.save_checkpoint({"inner": self.trainer.state_dict()})
+            p.save_checkpoint({"inner": self.trainer.state_dict()}, settled=not self.exchange.unsettled)
         if not self.stop:
             _catch_up_or_resync(p, self.bootstrap_peers, fresh=False)  # we just applied a round: rarely behind
 

@@ -149,3 +149,30 @@ def test_a_volunteer_whose_checkpoint_is_ahead_of_every_peer_carries_on_from_it(
     assert asked == [7] and again.outer.round_id == 7
     events = [json.loads(line)["kind"] for line in (tmp_path / "state" / "events.jsonl").read_text().splitlines()]
     assert "resume-ahead" in events
+
+
+@pytest.mark.parametrize("contributed_after_save", [False, True])
+def test_work_a_checkpoint_holds_after_its_last_contributions_outcome_is_kept(tmp_path, corpus,
+                                                                               contributed_after_save):
+    """Ctrl+C in a round that ended in a retry: the final checkpoint, written once that outcome
+    was known, still holds the work (a retry sends nothing anyone applied). A restart keeps it,
+    unless the process contributed again after that checkpoint."""
+    from groundswell.peer.participant import genesis_decision
+    from groundswell.peer.resume import resume_and_sync
+
+    participant = _factory(tmp_path, corpus, outer={"algorithm": "sparseloco"})
+    p = participant()
+    p.state_dir.mkdir(parents=True, exist_ok=True)
+    p.outer.round_id = 3
+    p.outer.error = torch.ones_like(p.outer.global_params)
+    p._snapshot = GlobalState(3, {"global_params": p.outer.global_params.clone()},
+                              genesis_decision(p.identity, "unit"))
+    p._remember_contribution(3, 0)  # round 3, attempt 0: retried, so the round stays 3
+    assert p.save_checkpoint(settled=True) is not None
+    if contributed_after_save:
+        p._remember_contribution(3, 1)  # attempt 1 went out after the save: its outcome is not in it
+
+    again = participant()
+    _offline(again)
+    resume_and_sync(again, [])
+    assert bool((again.outer.error == 1).all()) is not contributed_after_save
