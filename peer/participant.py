@@ -178,17 +178,22 @@ class Participant:
             log.warning("%s is unreadable (%s); ignoring it", path.name, exc)
             return {}
 
-    def _remember_contribution(self, round_id: int, attempt: int) -> None:
-        """Persist the attempt we are about to contribute to (before anything is sent)."""
+    def _remember_contribution(self, round_id: int, attempt: int) -> bool:
+        """Persist the attempt we are about to contribute to (before anything is sent); False if
+        it cannot be (disk full, read-only dir): then nothing is sent."""
         if self.state_dir is None:
-            return
+            return True
         try:
             # Durable before anything is sent: after a power loss, a second contribution to the
-            # same attempt would cost us an equivocation strike at every aggregator.
+            # same attempt would cost us an equivocation strike at every aggregator, and a restart
+            # from an older checkpoint must know this work went out (or it sends it again).
             write_atomically(self.state_dir / "contributed.json",
                              lambda f: f.write(json.dumps({"round": round_id, "attempt": attempt}).encode()))
-        except OSError as exc:  # disk full or read-only: a restart may then re-send (refused as equivocation)
-            log.warning("could not record the contribution (%s)", exc)
+        except OSError as exc:
+            log.error("could not record the contribution (%s): not sending it; training goes on", exc)
+            self.events.write("contribution-not-recorded", round=round_id, error=str(exc), peer=self.identity.peer_id)
+            return False
+        return True
 
     async def _score(self, round_id: int, updates: dict[str, torch.Tensor]) -> dict[str, float]:
         """Score contributions as the round's leader (in a worker thread: the loop keeps serving)."""

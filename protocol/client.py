@@ -73,7 +73,9 @@ class RoundClient(AggregateFetcher):
         # restart and `on_contribute` persists it): an attempt never gets two different contributions
         # from one peer, which aggregators refuse as equivocation.
         self.contributed: dict[int, int] = {}
-        self.on_contribute: Callable[[int, int], None] | None = None
+        # False: it could not be recorded durably, and nothing is sent (after a crash, a restart
+        # from an older checkpoint would not know this work went out, and send it again)
+        self.on_contribute: Callable[[int, int], bool] | None = None
         self.clipped: dict[int, dict[str, int]] = {}  # round -> contributor -> shards the robust mean clipped it in
         # (round, shard) -> (commit, shard, its checked contributions): each is parsed once
         self._rows: dict[tuple[int, int], tuple[bytes, AggregateShard, list[list[Payload]]]] = {}
@@ -121,10 +123,13 @@ class RoundClient(AggregateFetcher):
                 self.contributed[round_id] = max(attempt, self.contributed.get(round_id, -1))
                 for old in [r for r in self.contributed if r < round_id - 2]:
                     del self.contributed[old]
-                if self.on_contribute is not None:
-                    self.on_contribute(round_id, self.contributed[round_id])
-                sent = await asyncio.gather(*(self._send_shard(plan, s, segments) for s in range(plan.num_shards)))
-                delivered = all(sent)
+                if self.on_contribute is not None and not self.on_contribute(round_id, self.contributed[round_id]):
+                    log.warning("round %d: our contribution could not be recorded, so it is not sent; the work "
+                                "stays ours", round_id)
+                else:
+                    sent = await asyncio.gather(*(self._send_shard(plan, s, segments)
+                                                  for s in range(plan.num_shards)))
+                    delivered = all(sent)
             decision, signed = await self._await_decision(plan)
         finally:  # a join still out once the attempt is decided is moot
             for task in joins:

@@ -148,6 +148,21 @@ def test_a_full_disk_keeps_training_and_damages_nothing(participant, monkeypatch
     assert any(e["kind"] == "checkpoint-failed" and "No space" in e["error"] for e in events)
 
 
+def test_a_contribution_the_disk_cannot_record_is_reported_and_not_sent(participant, monkeypatch):
+    from groundswell.peer import participant as participant_module
+
+    assert participant._remember_contribution(6, 0) is True
+
+    def full(path, write):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(participant_module, "write_atomically", full)
+    assert participant._remember_contribution(7, 0) is False  # the client then sends nothing
+    assert participant._contributed_before() == {6: 0}  # the old record is intact
+    events = [json.loads(line) for line in (participant.state_dir / "events.jsonl").read_text().splitlines()]
+    assert any(e["kind"] == "contribution-not-recorded" and e["round"] == 7 for e in events)
+
+
 def test_the_attempt_a_peer_contributed_to_survives_a_restart_and_a_torn_record_is_ignored(participant):
     # A restarted peer must not send a second contribution to an attempt its earlier process fed.
     participant._remember_contribution(7, 2)

@@ -55,6 +55,29 @@ def test_incomplete_contribution_is_wholly_out_and_its_owner_knows(make_cluster)
     assert torch.allclose(means[0], (xs[0] + xs[1]) / 2, atol=1e-6)  # none of peer 2's other shards leaked in
 
 
+def test_a_contribution_that_could_not_be_recorded_is_not_sent(make_cluster):
+    # A restart from an older checkpoint must know what went out: a peer whose disk refused the
+    # record of its contribution keeps the work instead of sending it.
+    c = make_cluster(n=3, codec_name="fp32", min_peers=2)
+    recorded: list[tuple[int, int]] = []
+    for i, node in enumerate(c.nodes):
+        node.client.on_contribute = lambda r, a, i=i: recorded.append((i, r)) or i != 2  # node 2's disk is full
+    sent = []
+    original = c.nodes[2].client._send_shard
+
+    async def count(plan, shard, segments):
+        sent.append(shard)
+        return await original(plan, shard, segments)
+
+    c.nodes[2].client._send_shard = count
+    xs = _inputs(3, c.numel, seed=11)
+    out = c.attempt(0, xs)
+    d = out[0].decision
+    assert sorted(recorded) == [(0, 0), (1, 0), (2, 0)] and sent == []
+    assert d.status == "commit" and d.contributors == sorted(c.ids[:2]) and not out[2].included
+    assert torch.allclose(c.fetch(2, out[2].signed), (xs[0] + xs[1]) / 2, atol=1e-6)
+
+
 def test_a_dead_peer_cannot_hold_the_round_past_its_deadline(make_cluster):
     c = make_cluster(n=4, codec_name="sparseloco", numel=6 * 4096, min_peers=2, deadline_s=7.0, slack_s=1.0)
     c.nodes[3].close()  # dead, yet still in the membership: it is an aggregator (and maybe a leader)
