@@ -256,6 +256,8 @@ class Aggregator:
             _, earlier = unseal(slot.sealed, self.ctx.run_id, Decision)
             if earlier.leader != decision.leader:
                 return Ack(False, SEALED_BY_ANOTHER)
+        if slot.sealed == msg.decision:
+            return Ack(True, "")  # the same seal again (a retransmission): built already, not rebuilt
         # The commit's shape (digests per contribution and shard, sources among the candidates,
         # contributors) as any peer checks it when it is announced: a leader's seal is held to it
         # first, or a short digest list would let contributions we do not hold through.
@@ -370,6 +372,8 @@ class Aggregator:
         plan = await self.plan(msg.round, msg.attempt, 0.0)
         if plan is None or sender not in plan.leaders:  # only the attempt's leaders score
             return AggregateShard(b"", msg.shard, "none", [])
+        if msg.contributors != sorted(set(msg.contributors)):  # as a commit lists them; repeats would multiply the reply
+            raise ProtocolError("contributors must be distinct and sorted")
         return self.local_contributions(msg.round, msg.attempt, msg.shard, msg.contributors)
 
     async def _on_get_aggregate(self, sender: str, msg: AggregateRequest) -> AggregateShard:

@@ -169,7 +169,11 @@ class Decider:
 
         async def one(peer: str) -> Ack:
             if peer == self.identity.peer_id:
-                return await self._on_seal(peer, Seal(signed))
+                try:
+                    return await self._on_seal(peer, Seal(signed))
+                except ProtocolError as exc:  # what a remote aggregator's refusal would be: not a crash of the attempt
+                    log.warning("our own aggregator refused the seal: %s", exc)
+                    return Ack(False, str(exc)[:500])
             try:
                 ack = await self.transport.request(peer, "seal", Seal(signed), Ack, timeout_s=timeout_s or wait)
                 if not ack.ok:

@@ -55,8 +55,9 @@ class Leading:
             return Ack(False, "not an aggregator of this shard")
         slot = self.attempts[(msg.round, msg.attempt)]
         # Reports travel concurrently and may arrive out of order; an aggregator's set only grows.
-        if len(msg.digests) != len(msg.contributors):
-            raise ProtocolError("a have report needs one digest per contributor")
+        if len(msg.digests) != len(msg.contributors) or any(len(d) != 16 for d in msg.digests):
+            # a commit pins them: one of another length would make it one nobody can verify
+            raise ProtocolError("a have report needs one 16-byte digest per contributor")
         expected = set(plan.trainers) | set(self.joins[msg.round])  # nobody else can be in the commit
         held = slot.have[msg.shard].setdefault(sender, {})
         unexpected = 0

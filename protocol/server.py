@@ -250,6 +250,12 @@ class RoundServer(Aggregator, Leading, Claims, Decider):
                 or not all(self.ctx.authorized(c) for c in d.contributors)):
             raise ProtocolError("a commit needs min_peers distinct, allowed, sorted contributors",
                                 reason="forged-decision")
+        # Its time opens the next round: every later attempt number is counted from it. Leaders'
+        # clocks may differ by the allowed skew, no more: a time far off would stall the run.
+        skew = self.ctx.limits.max_clock_skew_s
+        if not (opened is None or opened - skew <= d.time) or d.time > time.time() + skew:
+            raise ProtocolError(f"a commit's time must lie between its round's opening and now (within "
+                                f"{skew:g} s)", reason="forged-decision", strike=opened is not None)
         if len(d.digests) != plan.num_shards * len(d.contributors) or any(len(x) != 16 for x in d.digests):
             raise ProtocolError("a commit pins one 16-byte digest per contribution and shard", reason="forged-decision")
         if d.num_shards != plan.num_shards or len(d.sources) != plan.num_shards or any(
@@ -272,7 +278,9 @@ class RoundServer(Aggregator, Leading, Claims, Decider):
         deadline = time.monotonic() + min(msg.wait_s, self.ctx.deadline_s + 5 * self.ctx.slack_s)
         if msg.round not in self.book.committed and self.book.decided(msg.round):
             return DecisionReply(b"")  # long over and forgotten here: nothing to wait for (the asker re-syncs)
-        if msg.round not in self.book.committed and (msg.round, msg.attempt) not in self.attempts:
+        if msg.round in self.book.committed:  # without making a slot: any attempt number would
+            return DecisionReply(self.book.committed[msg.round][0])
+        if (msg.round, msg.attempt) not in self.attempts:
             self._check_open(msg.round, msg.attempt)  # a reader must not make us keep slots for any round
         slot = self.attempts[(msg.round, msg.attempt)]
         while True:

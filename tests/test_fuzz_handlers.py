@@ -255,3 +255,46 @@ def test_a_leaders_seal_whose_commit_pins_too_few_digests_is_refused_not_a_crash
         _check_alive(t)
     finally:
         next(gen, None)
+
+
+def test_round_members_cannot_make_a_peer_keep_slots_multiply_replies_or_pin_odd_digests():
+    """Found by a review of the handlers: a get-decision for a committed round made a slot for any
+    attempt number asked; a leader's get-contributions naming one contributor 4096 times got 4096
+    copies back; a have report's digests of another length than a commit's made the leader's
+    commit one nobody could verify."""
+    from groundswell.protocol.schema import ContributionsRequest, HaveReport
+
+    gen = make_target()
+    t = next(gen)
+    try:
+        me = t.me.peer_id
+        members = [me, *(x.peer_id for x in t.peers[:3])]
+        commit = _sealed(t.me, Decision(0, 0, "commit", [], members, members, me, [], 0, time.time()))
+
+        async def add() -> None:
+            t.server.book.add(commit)
+
+        t.loop.run_until_complete(add())
+        slots = len(t.server.attempts)
+        asker = t.peers[0]
+        reply = t.feed("get-decision", asker.peer_id, framed(_sealed(asker, DecisionRequest(0, 1 << 20, 0.0))))
+        assert unseal(reply[8:], RUN, DecisionReply, sender=me)[1].decision == commit
+        assert len(t.server.attempts) == slots
+
+        async def plan(round_id: int, attempt: int):
+            return await t.server.plan(round_id, attempt, 0.0)
+
+        # an attempt one of the peers leads (roles are drawn per attempt from the identities)
+        p, leader = next((q, x) for q in (t.loop.run_until_complete(plan(1, a)) for a in range(20))
+                         for x in t.peers[:3] if x.peer_id in q.leaders)
+        t.feed("get-contributions", leader.peer_id,
+               framed(_sealed(leader, ContributionsRequest(1, p.attempt, 0, [t.peers[1].peer_id] * 2))))
+        assert t.node.guard.rejected["malformed:get-contributions"] == 1
+        first = t.loop.run_until_complete(plan(1, 0))  # attempt 0 is open: the report reaches the digest check
+        reporter = next(x for x in t.peers[:3] if x.peer_id in first.candidates(0)[:4])
+        t.feed("have", reporter.peer_id,
+               framed(_sealed(reporter, HaveReport(1, 0, 0, [t.peers[1].peer_id], [b"8 bytes!"]))))
+        assert t.node.guard.rejected["malformed:have"] == 1
+        _check_alive(t)
+    finally:
+        next(gen, None)

@@ -360,3 +360,34 @@ def test_a_source_that_freezes_after_the_commit_costs_a_fetcher_a_short_hedge_no
     assert took < c.slack_s, f"fetching round 0 took {took:.1f} s with shard {shard}'s source frozen"
     time.sleep(3 * c.slack_s - took + 0.5)  # let the source thaw, then everyone must agree
     assert all(torch.equal(c.fetch(i, out[i].signed), mean) for i in range(4))
+
+
+def test_a_commit_whose_time_is_far_from_its_rounds_opening_and_now_is_refused(make_cluster):
+    # A commit's time opens the next round, and every later attempt number is counted from it: a
+    # leader signing time 0 (attempts past what messages may carry) or an hour ahead (no retry
+    # would open for an hour) would stall the run.
+    import os
+    from dataclasses import replace
+
+    from groundswell.protocol.envelope import seal
+    from groundswell.protocol.plan import make_plan
+    from groundswell.protocol.schema import Decision, ProtocolError
+
+    c = make_cluster(n=4, codec_name="fp32", min_peers=2, deadline_s=9.0, slack_s=1.0)
+    numels = len(c.ctx.segment_numels)
+    plan = make_plan(c.ctx.run_id, 0, 0, c.ids, c.ids, numels, c.max_shards)
+    leader = c.ids.index(plan.leaders[0])
+    contributors = sorted(c.ids[:2])
+    honest = Decision(0, 0, "commit", contributors, list(c.ids), list(c.ids), plan.leaders[0],
+                      [plan.candidates(s)[0] for s in range(plan.num_shards)], plan.num_shards, time.time(),
+                      [os.urandom(16) for _ in range(plan.num_shards * len(contributors))])
+    node = c.nodes[(leader + 1) % 4]
+
+    def check(when: float):
+        return node.call(node.server.verify_commit(seal(c.nodes[leader].identity, c.ctx.run_id,
+                                                        replace(honest, time=when))), timeout_s=10)
+
+    assert check(time.time()).round == 0
+    for when in (0.0, time.time() + 3600):
+        with pytest.raises(ProtocolError, match="a commit's time"):
+            check(when)

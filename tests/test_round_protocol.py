@@ -351,3 +351,22 @@ def test_an_aggregator_tells_a_leader_about_a_shard_only_when_what_it_holds_chan
     assert any(len(ids) == 4 for ids in final.values())
     means = [c.fetch(i, out[i].signed) for i in range(4)]
     assert all(torch.equal(m, means[0]) for m in means)
+
+
+def test_the_same_seal_again_is_acknowledged_without_rebuilding_anything(make_cluster):
+    # A leader may send its seal twice (a retransmission); a hostile one could send it in a loop
+    # to make every aggregator of the attempt re-parse and re-average its shards each time.
+    from groundswell.protocol.schema import Ack, Seal
+
+    c = make_cluster(n=3, codec_name="fp32", min_peers=3)
+    out = c.attempt(0, _inputs(3, c.numel, seed=5))
+    d = out[0].decision
+    assert d.status == "commit"
+    leader = c.ids.index(d.leader)
+    source = c.ids.index(d.sources[0])
+    node = c.nodes[source]
+    built = node.server.aggregates[(0, 0)]
+    ack = c.nodes[leader].call(c.nodes[leader].transport.request(c.ids[source], "seal", Seal(out[0].signed), Ack,
+                                                                timeout_s=10), timeout_s=20) \
+        if leader != source else node.call(node.server._on_seal(c.ids[source], Seal(out[0].signed)), timeout_s=20)
+    assert ack.ok and node.server.aggregates[(0, 0)] is built
