@@ -66,7 +66,7 @@ class Leading:
                 held.setdefault(who, digest)  # an aggregator's report only grows; the first digest stays
             else:
                 unexpected += 1
-        slot.refused_reported.update(msg.refused[:64])
+        slot.refused_reported.update(r for r in msg.refused[:64] if r in expected)  # names of nobody: not kept
         if slot.first_report is None:
             slot.first_report = time.monotonic()
         slot.poke()
@@ -83,6 +83,8 @@ class Leading:
             return Ack(False, "not allowed to contribute to this run")
         if msg.round > self.book.latest() + FUTURE_ROUNDS:
             raise ProtocolError(f"join for round {msg.round} is too far ahead", reason="future-round", strike=False)
+        if msg.round <= self.book.latest():  # moot (a late one, honestly): kept, joins of old rounds would pile up
+            return Ack(False, f"round {msg.round} is already committed")
         if sender not in self.joins[msg.round] and len(self.joins[msg.round]) >= MAX_JOINS:
             # a decision lists every member: it must stay within the schema's bounds
             raise ProtocolError(f"round {msg.round} already has {MAX_JOINS} members", reason="full", strike=False)

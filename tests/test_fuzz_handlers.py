@@ -280,6 +280,8 @@ def test_round_members_cannot_make_a_peer_keep_slots_multiply_replies_or_pin_odd
         reply = t.feed("get-decision", asker.peer_id, framed(_sealed(asker, DecisionRequest(0, 1 << 20, 0.0))))
         assert unseal(reply[8:], RUN, DecisionReply, sender=me)[1].decision == commit
         assert len(t.server.attempts) == slots
+        reply = t.feed("join", asker.peer_id, framed(_sealed(asker, MESSAGES["join"](0, True, True))))
+        assert not unseal(reply[8:], RUN, Ack, sender=me)[1].ok and 0 not in t.server.joins  # a join too late
 
         async def plan(round_id: int, attempt: int):
             return await t.server.plan(round_id, attempt, 0.0)
