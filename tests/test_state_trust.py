@@ -265,7 +265,7 @@ def test_after_two_servers_fail_the_coordinator_is_asked_next(participant, monke
     from groundswell.protocol.transport import PeerUnavailable
 
     p, coord = participant, participant.coordinator_id
-    reply, blob, digest, good = _served_state(p, round_id=5)
+    reply, blob, digest, _ = _served_state(p, round_id=5)
     asked: list[str] = []
 
     async def fake_fetch(node, peer, min_round, size, timeout_s, reply_timeout_s):

@@ -295,7 +295,7 @@ def test_a_bulk_reply_has_its_own_timeout_and_the_trailer_the_time_its_size_gets
 
     with pytest.raises(PeerUnavailable, match="did not answer"):
         fetch()
-    reply, got, _ = fetch(trailer_timeout_s=lambda n: 30.0 if n == len(blob) else 0.0)
+    _, got, _ = fetch(trailer_timeout_s=lambda n: 30.0 if n == len(blob) else 0.0)
     assert bytes(got) == blob
 
 
