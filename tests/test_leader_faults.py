@@ -239,7 +239,7 @@ def test_a_replica_replaces_only_a_copy_its_leader_re_sourced():
 
     first, first_signed = commit(0, ["a"])
     re_sourced, re_sourced_signed = commit(0, ["b"])
-    later, later_signed = commit(1, ["a"])
+    _later, later_signed = commit(1, ["a"])
     assert server._may_replace(first, first_signed, 0)  # nothing held yet
     server.aggregates[(0, 0)] = AggregateShard(first_signed, 0, "mean", [])
     assert not server._may_replace(first, first_signed, 0), "rebuilt a copy it holds"

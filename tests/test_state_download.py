@@ -1,0 +1,131 @@
+"""Downloading a state from peers: what is refused before its blob is read, whom a joiner asks
+next when servers fail or stay silent, and how long a sync may take. What makes a downloaded state
+trusted: test_state_trust.py."""
+
+from __future__ import annotations
+
+import asyncio
+from types import SimpleNamespace
+
+import pytest
+from groundswell.protocol.schema import ProtocolError, StateReply
+from test_state_trust import _served_state, make_participant
+
+
+@pytest.fixture
+def participant(tmp_path, corpus):
+    return make_participant(tmp_path, corpus)
+
+
+def test_a_state_the_coordinator_contradicts_is_refused_before_its_blob_is_downloaded(participant, monkeypatch):
+    """Its signed reply names the parameter hash: a joiner compares it with the coordinator's
+    published hash of that round before reading the blob (a model's whole state), and asks the
+    next server instead."""
+    from dataclasses import replace
+
+    from groundswell.peer import state_trust
+
+    p, coord = participant, participant.coordinator_id
+    reply, blob, digest, good = _served_state(p, round_id=5)
+    from groundswell.protocol.envelope import seal, unseal
+    from groundswell.protocol.identity import Identity
+    from groundswell.protocol.schema import Decision
+
+    records = {coord: SimpleNamespace(round=6, params_hash="h6", earlier_hashes=[f"5:{good}"])}
+    hostile = Identity.generate()
+    _, decision = unseal(reply.decision, "unit", Decision)
+    retry = seal(hostile, "unit", replace(decision, status="retry", leader=hostile.peer_id))
+    served = {"liar": replace(reply, params_hash="e" * 16), "retrier": replace(reply, decision=retry), "honest": reply}
+    downloaded: list[str] = []
+    counted: list[tuple] = []
+
+    async def fake_fetch(node, peer, min_round, size, timeout_s, reply_timeout_s):
+        from groundswell.protocol.transport import PeerUnavailable
+
+        try:  # the transport calls it before reading a byte of the blob, and counts a bad reply
+            size(served[peer])
+        except ProtocolError as exc:
+            raise PeerUnavailable(f"{peer} sent a bad get-state reply: {exc}") from None
+        downloaded.append(peer)
+        return served[peer], blob, digest, "stream"
+
+    async def refresh():
+        return records
+
+    monkeypatch.setattr(state_trust, "fetch_state", fake_fetch)
+    node = SimpleNamespace(cached_records=records, refresh_records=refresh,
+                           guard=SimpleNamespace(count=lambda *a, **k: counted.append((*a, k["strike"]))))
+    state, _ = asyncio.run(state_trust.download_state(node, p.state_check(), ["liar", "retrier", "honest"], 0))
+    assert state.round == 5 and downloaded == ["honest"]
+    # counted, and only the decision it signed for nothing is held against its server
+    assert counted == [("liar", "state-reply", "disputed", False), ("retrier", "state-reply", "malformed", True)]
+    # the same reply from the coordinator itself is its own word; with no word on round 5 it is
+    # downloaded and judged by the swarm's records as before
+    p.state_check().refuse_early(served["liar"], coord, records)
+    p.state_check().refuse_early(served["liar"], "liar", {coord: SimpleNamespace(round=9, params_hash="h9")})
+    with pytest.raises(ProtocolError, match="not the one the coordinator published") as err:
+        p.state_check().refuse_early(served["liar"], "liar", records)
+    assert not err.value.strike  # the coordinator's record may be the stale one
+
+
+def test_after_two_servers_fail_the_coordinator_is_asked_next(participant, monkeypatch):
+    """Anyone can copy the coordinator's (round, hash) into a record and be asked first, then
+    stay silent: a joiner asks the coordinator once two servers failed."""
+    from groundswell.peer import state_trust
+    from groundswell.protocol.transport import PeerUnavailable
+
+    p, coord = participant, participant.coordinator_id
+    reply, blob, digest, _ = _served_state(p, round_id=5)
+    asked: list[str] = []
+
+    async def fake_fetch(node, peer, min_round, size, timeout_s, reply_timeout_s):
+        asked.append(peer)
+        assert reply_timeout_s < timeout_s  # a silent peer costs the reply's timeout, not the blob's
+        if peer.startswith("silent"):
+            raise PeerUnavailable(f"{peer} did not answer get-state")
+        size(reply)
+        return reply, blob, digest, "stream"
+
+    async def refresh():
+        return {}
+
+    monkeypatch.setattr(state_trust, "fetch_state", fake_fetch)
+    node = SimpleNamespace(cached_records={}, refresh_records=refresh, guard=SimpleNamespace(count=lambda *a, **k: None))
+    peers = ["silent1", "silent2", "silent3", coord, "b"]
+    state, _ = asyncio.run(state_trust.download_state(node, p.state_check(), peers, 0))
+    assert state.round == 5 and asked == ["silent1", "silent2", coord]
+    asked.clear()  # no coordinator among the servers: each is asked once, in order
+    with pytest.raises(PeerUnavailable):
+        asyncio.run(state_trust.download_state(node, p.state_check(), ["silent0", "silent1", "silent2"], 0))
+    assert asked == ["silent0", "silent1", "silent2"]
+
+
+def test_a_big_models_state_sync_gets_time_in_proportion_to_its_size():
+    from groundswell.peer.state_trust import state_timeout_s, sync_timeout_s
+
+    assert sync_timeout_s(25_000_000) == 600.0  # small states: the fixed ten minutes
+    big = 1_000_000_000  # an 8 GB DiLoCo state: one peer alone may take longer than ten minutes
+    assert state_timeout_s(big) > 600 and sync_timeout_s(big) >= 3 * state_timeout_s(big)
+
+
+def test_peers_that_answer_with_nothing_as_recent_tell_a_sync_apart_from_an_unreachable_swarm(participant,
+                                                                                             monkeypatch):
+    from groundswell.peer import state_trust
+    from groundswell.protocol.transport import PeerUnavailable
+
+    async def fake_fetch(node, peer, min_round, size, timeout_s, reply_timeout_s):
+        if peer.startswith("gone"):
+            raise PeerUnavailable(f"{peer} unavailable for get-state")
+        return StateReply(-1, "", b"", 0), bytearray(), "", "stream"  # what a server behind answers
+
+    monkeypatch.setattr(state_trust, "fetch_state", fake_fetch)
+    node = SimpleNamespace(cached_records={}, guard=SimpleNamespace(count=lambda *a, **k: None))
+
+    def sync(peers):
+        return asyncio.run(state_trust.download_state(node, participant.state_check(), peers, 7))
+
+    with pytest.raises(state_trust.NoNewerState, match="1 answered"):
+        sync(["gone1", "behind", "gone2"])
+    with pytest.raises(PeerUnavailable) as err:
+        sync(["gone1", "gone2"])
+    assert not isinstance(err.value, state_trust.NoNewerState)
