@@ -83,3 +83,11 @@ def simulate(
     faults = fault_summary(report)
     if faults:
         console.print(faults, highlight=False)
+    failed = [what for what, bad in (
+        (f"only {report['rounds_completed']} of {report['rounds_target']} rounds completed",
+         report["rounds_completed"] < report["rounds_target"]),
+        (f"parameter hashes differ in rounds {report['divergent_rounds']}", bool(report["divergent_rounds"])),
+        (f"{', '.join(report['crashed'])} exited with an error", bool(report["crashed"]))) if bad]
+    if failed:  # scripts and CI read the exit status
+        console.print(f"[bold red]simulation failed:[/] {'; '.join(failed)}", highlight=False)
+        raise typer.Exit(1)

@@ -18,6 +18,7 @@ from rich.table import Table
 
 from .cli import _set_threads, _user_errors, app, console
 from .config import ConfigError, check_device
+from .state_files import write_atomically
 
 
 def _identity(path: Optional[Path], state_dir: Optional[Path]):
@@ -161,7 +162,7 @@ def launch(
     stop = _stop_on_signals("stopping: saving a checkpoint")
     p.start_network()
     boot = format_bootstrap(ident.peer_id, p.node.maddrs)
-    (state_dir / "bootstrap.txt").write_text(boot + "\n")
+    write_atomically(state_dir / "bootstrap.txt", lambda f: f.write(f"{boot}\n".encode()))  # read by scripts
     console.print(f"[bold]run {manifest.run.id}[/] coordinated by {ident.peer_id}")
     console.print(f"volunteers join with:\n  groundswell join '{boot}'", highlight=False, soft_wrap=True)
     rows: list = []
@@ -220,7 +221,8 @@ def join(
                        reachability=reachability)
     node = SwarmNode(ident, str(ident_path), opts)
     node.start()
-    (state_dir / "address.txt").write_text("\n".join(node.maddrs) + "\n")  # others may bootstrap from us
+    # others may bootstrap from us (a simulation reads it while we run: never half-written)
+    write_atomically(state_dir / "address.txt", lambda f: f.write(("\n".join(node.maddrs) + "\n").encode()))
     try:
         peers = [m.rsplit("/p2p/", 1)[1] for m in boot.maddrs]
         signed = _fetch_manifest(node, boot.maddrs)

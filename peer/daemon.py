@@ -69,6 +69,11 @@ def _die_with_parent(parent: int) -> Callable[[], None]:
     return preexec
 
 
+def die_with_us() -> Callable[[], None] | None:
+    """A `preexec_fn` that has a child get SIGTERM when this thread ends (None where prctl is missing)."""
+    return _die_with_parent(os.getpid()) if _PRCTL is not None else None
+
+
 def adopt_p2pd_daemons() -> None:
     """From now on, p2pd daemons hivemind starts *on this thread* run in their own process group
     and get SIGTERM when this thread ends (a no-op where prctl is missing). Call it on a thread

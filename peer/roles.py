@@ -172,8 +172,10 @@ def _merged(*parts: InnerStats) -> InnerStats:
 
 def write_defence_counts(p: Participant) -> None:
     """Log what this peer refused (by reason and handler) and whom it banned, for the run's report."""
-    guard = p.node.guard
-    p.events.write("defences", rejected=dict(guard.rejected), bans=guard.bans_total, peer=p.identity.peer_id)
+    guard, (sent, received) = p.node.guard, p.node.traffic()
+    # with this process's traffic in all (the round events' windows miss what it serves after them)
+    p.events.write("defences", rejected=dict(guard.rejected), bans=guard.bans_total, peer=p.identity.peer_id,
+                   sent_total=sent, received_total=received)
 
 
 @dataclass
@@ -238,6 +240,7 @@ class _VolunteerLoop:
                        contributors=list(result.contributors),
                        attempt=d.attempt if d else None, leader=d.leader if d else None, hash=info.params_hash,
                        bytes_sent=result.bytes_sent, bytes_received=result.bytes_received,
+                       sent_total=p.node.traffic()[0], received_total=p.node.traffic()[1],
                        train_loss=stats.mean_loss, eval_loss=eval_loss, round_s=info.round_s,
                        compute_s=stats.compute_s, blocked_s=blocked_s, peer=p.identity.peer_id)
         self.on_round(info)

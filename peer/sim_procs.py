@@ -15,6 +15,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from .daemon import die_with_us
+
 if TYPE_CHECKING:
     from .simulate import SimulateOptions
 
@@ -40,21 +42,49 @@ class Simulation:
     procs: dict[str, Proc] = field(default_factory=dict)
     t0: float = field(default_factory=time.time)
     peak_rss: dict[str, float] = field(default_factory=dict)
+    _replaced: list[Proc] = field(default_factory=list)  # earlier processes of a restarted name
+
+    signalled: dict[str, int] = field(default_factory=dict)  # name -> the last fault signal the driver sent
 
     def __enter__(self) -> "Simulation":
         self.out.mkdir(parents=True, exist_ok=True)
-        # A SIGTERM (e.g. from `timeout`) must still reach __exit__ and kill every process.
-        self._old_term = signal.signal(signal.SIGTERM, _raise_interrupt)
+        # A SIGTERM (e.g. from `timeout`) or SIGHUP (the terminal closed) must still reach
+        # __exit__ and kill every process. Were the driver killed outright, its children get
+        # SIGTERM from the kernel (parent-death signal, see `spawn`).
+        self._old = {sig: signal.signal(sig, _raise_interrupt) for sig in (signal.SIGTERM, signal.SIGHUP)}
         return self
 
     def __exit__(self, *exc: object) -> None:
-        for proc in self.procs.values():
-            self._kill(proc)
-        signal.signal(signal.SIGTERM, self._old_term)
+        # A second Ctrl+C or SIGTERM while we kill must not leave the rest running.
+        held = {sig: signal.signal(sig, signal.SIG_IGN) for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)}
+        try:
+            for proc in [*self.procs.values(), *self._replaced]:
+                try:
+                    self._kill(proc)
+                except Exception as exc:  # e.g. one that would not die: the others still must
+                    print(f"could not stop {proc.name}: {exc!r}", file=sys.stderr)
+        finally:
+            for sig, old in held.items():
+                signal.signal(sig, old)
+            for sig, old in self._old.items():
+                signal.signal(sig, old)
 
     def event(self, kind: str, peer: str) -> None:
         """Record a driver-side event (spawn, exit, fault)."""
         self.events.append({"t": round(time.time() - self.t0, 3), "kind": kind, "peer": peer})
+
+    def crashed(self, name: str) -> int | None:
+        """The exit status of a process that ended on its own with an error (None: it did not)."""
+        proc = self.procs.get(name)
+        code = proc.popen.poll() if proc is not None and proc.popen is not None else None
+        if code is None or code == 0:
+            return None
+        sent = self.signalled.get(name)
+        if sent == signal.SIGKILL and code == -signal.SIGKILL:
+            return None  # the fault we injected
+        if sent == signal.SIGINT and code in (130, -signal.SIGINT):
+            return None  # told to leave, and it did
+        return code
 
     def alive(self, name: str) -> bool:
         """Is this process running (or frozen)?"""
@@ -83,8 +113,12 @@ class Simulation:
         proc.log = open(self.out / f"{name}.log", "ab")
         with _sigint_not_ignored():
             proc.popen = subprocess.Popen([*prefix, sys.executable, "-m", "groundswell.peer", *args],
-                                          stdout=proc.log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
+                                          stdout=proc.log, stderr=subprocess.STDOUT, env=env, start_new_session=True,
+                                          preexec_fn=die_with_us())
+        if (old := self.procs.get(name)) is not None:
+            self._replaced.append(old)  # killed already; reaped and its log closed on exit
         self.procs[name] = proc
+        self.signalled.pop(name, None)
         self.event(kind, name)
         return proc
 
@@ -104,6 +138,8 @@ class Simulation:
         proc = self.procs[name]
         if proc.popen is None or proc.popen.poll() is not None:
             return
+        if sig in (signal.SIGINT, signal.SIGKILL):
+            self.signalled[name] = sig
         if sig == signal.SIGINT:
             with contextlib.suppress(ProcessLookupError):
                 os.killpg(proc.popen.pid, sig)

@@ -62,8 +62,10 @@ def build_report(out: Path, opts: "SimulateOptions", driver_events: list[dict], 
     # nothing: that contribution was applied, and the restarted process keeps its own work.
     lost = sum(1 for e in volunteer_rounds if bool(e.get("included")) != (e["peer"] in contributors[e["round"]])
                and not e.get("superseded"))
-    sent = [e["bytes_sent"] for e in volunteer_rounds]
     order = sorted(end_t)
+    # Rounds are numbered from 0 in a simulation; one no process logged (e.g. every holder of its
+    # aggregate died, so the others re-synced past it) still happened, and keeps its place as None.
+    completed = order[-1] + 1 if order else 0
     events = list(driver_events) + [
         {"t": round(e["t"] - t0, 3), "kind": e["kind"], "peer": name}
         for name, evs in logs.items() for e in evs if e["kind"] not in ("round", "train")
@@ -115,27 +117,29 @@ def build_report(out: Path, opts: "SimulateOptions", driver_events: list[dict], 
                     if not score <= e.get("threshold", 0.0):
                         dropped.setdefault(names.get(pid, pid), set()).add(e["round"])
     starts = [e["t"] - t0 for evs in logs.values() for e in evs if e["kind"] == "sync"]
-    marks = ([min(starts)] if starts else []) + [end_t[r] for r in order]
+    marks = [min(starts) if starts else None] + [end_t.get(r) for r in range(completed)]
     return {
         "peers": n,
         "rounds_target": opts.rounds,
-        "rounds_completed": len(end_t),
+        "rounds_completed": completed,
         "codec": opts.codec or ("sparseloco" if opts.algorithm == "sparseloco" else "fp32"),
         "algorithm": opts.algorithm,
         "params": params,
         "final_eval_loss": loss[max(loss)] if loss else None,
-        "eval_loss_by_round": [loss.get(r) for r in order],
-        "round_end_t": [round(end_t[r], 3) for r in order],
-        "bytes_sent_per_peer_per_round": sum(sent) / len(sent) if sent else 0.0,
+        "eval_loss_by_round": [loss.get(r) for r in range(completed)],
+        "round_end_t": [round(end_t[r], 3) if r in end_t else None for r in range(completed)],
+        "bytes_sent_per_peer_per_round": _sent_per_round(logs, volunteer_rounds),
         "dense_fp32_ring_bytes_per_peer_per_round": 2 * (n - 1) / n * 4 * params,
         "param_hash_agreement": bool(hashes) and not divergent,
         "divergent_rounds": divergent,
-        "round_times_s": [round(b - a, 3) for a, b in itertools.pairwise(marks)],
+        "round_times_s": [round(b - a, 3) if a is not None and b is not None else None
+                          for a, b in itertools.pairwise(marks)],
         "wall_s": round(wall_s, 2),
         "recovery_s": recovery,
         "recovery_excluding_s": excluding,
         "rejoin_s": rejoin,
         "lost_contributions": lost,
+        "crashed": sorted({e["peer"] for e in driver_events if e["kind"] == "crash"}),  # ended with an error
         "compute_utilization": round(sum(utilization) / len(utilization), 4) if utilization else None,
         "overlap": opts.overlap,
         "peak_rss_mb_per_peer": {k: round(v, 1) for k, v in (rss or {}).items()},
@@ -150,6 +154,27 @@ def build_report(out: Path, opts: "SimulateOptions", driver_events: list[dict], 
     }
 
 
+def _sent_per_round(logs: dict[str, list[dict]], volunteer_rounds: list[dict]) -> float:
+    """What volunteers sent in all (each process's last total: what it served after its last round
+    included) over the rounds they applied. Logs without totals: the mean of the round windows."""
+    if not volunteer_rounds:
+        return 0.0
+    total, seen = 0, False
+    for name, evs in logs.items():
+        if name == "coordinator":
+            continue
+        last = 0
+        for e in evs:
+            if e["kind"] == "network":  # a (re)started process: its counters start again from 0
+                total, last = total + last, 0
+            elif isinstance(e.get("sent_total"), int):
+                last, seen = max(last, e["sent_total"]), True
+        total += last
+    if not seen:
+        return sum(e["bytes_sent"] for e in volunteer_rounds) / len(volunteer_rounds)
+    return total / len(volunteer_rounds)
+
+
 def fault_summary(report: dict) -> str | None:
     """One line on the faults of a run and what they cost (None for a run without faults)."""
     kinds = [e["kind"] for e in report.get("events", [])]
@@ -160,7 +185,7 @@ def fault_summary(report: dict) -> str | None:
     def mean_max(xs: list[float]) -> str:
         return f"{sum(xs) / len(xs):.1f} / {max(xs):.1f} s" if xs else "-"
 
-    times = report.get("round_times_s") or [0.0]
+    times = [t for t in report.get("round_times_s") or [] if t is not None] or [0.0]
     return (", ".join(f"{n} {k}{'s' if n != 1 else ''}" for k, n in faults.items())
             + f"; recovery mean/max {mean_max(report['recovery_s'])}"
             + f" (until a round leaves the peer out: {mean_max(report['recovery_excluding_s'])})"

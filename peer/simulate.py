@@ -8,6 +8,7 @@ Faults (kill, freeze, late joiners) are scheduled events of the same loop: see `
 
 from __future__ import annotations
 
+import contextlib
 import json
 import re
 import shutil
@@ -15,7 +16,7 @@ import signal
 import subprocess
 import time
 import tomllib
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -99,6 +100,16 @@ def manifest_toml(opts: SimulateOptions) -> str:
     )
 
 
+def _addresses(files: Iterable[Path]) -> list[str]:
+    """The first address in each peer's address.txt (one being written, or empty, is skipped)."""
+    out = []
+    for path in files:
+        with contextlib.suppress(OSError):
+            if lines := path.read_text().split():
+                out.append(lines[0])
+    return out
+
+
 def _free_port() -> int:
     import socket
 
@@ -107,17 +118,27 @@ def _free_port() -> int:
         return sock.getsockname()[1]
 
 
-def _rounds_done(out: Path) -> int:
-    """The newest round any process has applied (-1: none yet)."""
-    best = -1
+def _rounds_done(out: Path, seen: dict[Path, tuple[int, int]] | None = None) -> int:
+    """The newest round any process has applied (-1: none yet). `seen` (path -> bytes read, best
+    round there) lets a caller polling in a loop read only what each log gained since."""
+    seen = {} if seen is None else seen
     for path in out.glob("*/events.jsonl"):
-        for line in path.read_text().splitlines()[-20:]:
-            if '"kind": "round"' in line:
+        done, best = seen.get(path, (0, -1))
+        try:
+            with open(path, "rb") as f:
+                f.seek(done)
+                chunk = f.read()
+        except OSError:
+            continue
+        complete = chunk[:chunk.rfind(b"\n") + 1]  # a line still being written is read next time
+        for line in complete.splitlines():
+            if b'"kind": "round"' in line:
                 try:
                     best = max(best, json.loads(line)["round"])
-                except (json.JSONDecodeError, KeyError):
+                except (json.JSONDecodeError, KeyError, TypeError):
                     continue
-    return best
+        seen[path] = (done + len(complete), best)
+    return max((best for _, best in seen.values()), default=-1)
 
 
 class SimulationError(RuntimeError):
@@ -201,7 +222,7 @@ def run_simulation(opts: SimulateOptions, out: Path, progress: Callable[[str], N
 
         def join_args(name: str) -> list[str]:
             # Bootstrap from the coordinator and from any volunteer already up: any live peer will do.
-            extra = [a.splitlines()[0] for a in (p.read_text() for p in out.glob("*/address.txt")) if a.strip()]
+            extra = _addresses(out.glob("*/address.txt"))
             head, _, maddrs = boot.partition("@")
             line = f"{head}@{','.join(dict.fromkeys([*maddrs.split(','), *extra[:3]]))}"
             attack = ["--attack", opts.attack] if name in opts.byzantine_peers() else []
@@ -221,6 +242,7 @@ def run_simulation(opts: SimulateOptions, out: Path, progress: Callable[[str], N
         end = time.time() + opts.timeout_s
         last_sample = 0.0
         finished_at, stragglers_told = 0.0, False
+        seen: dict[Path, tuple[int, int]] = {}
 
         def victims() -> list[str]:
             live = [v for v in volunteers if sim.alive(v) and v not in frozen]
@@ -231,8 +253,12 @@ def run_simulation(opts: SimulateOptions, out: Path, progress: Callable[[str], N
             if now - last_sample > 1.0:
                 sim.sample_rss()
                 last_sample = now
-            done = _rounds_done(out)
+            done = _rounds_done(out, seen)
             if done + 1 >= opts.rounds and not any(sim.alive(v) for v in volunteers):
+                break
+            if (late_done and not any(sim.alive(v) for v in volunteers)
+                    and not any(action == "restart" and name != "coordinator" for _, action, name in pending)):
+                sim.event("all-volunteers-gone", "driver")  # nobody left to finish the run: do not wait it out
                 break
             if done + 1 >= opts.rounds:
                 # A straggler still short of the target once the others left cannot finish alone:
@@ -287,7 +313,7 @@ def run_simulation(opts: SimulateOptions, out: Path, progress: Callable[[str], N
                     sim.signal("coordinator", signal.SIGKILL)
                     sim.event("kill-coordinator", "coordinator")
                     pending.append((now + (opts.restart_after or 5.0), "restart", "coordinator"))
-                    live = [a.read_text().splitlines()[0] for a in out.glob("peer-*/address.txt")]
+                    live = _addresses(out.glob("peer-*/address.txt"))
                     coord_args = [*coord_args[:-len(common)], *[x for m in live[:3] for x in ("--peer", m)], *common]
             time.sleep(0.25)
         for name in list(frozen):
@@ -300,6 +326,10 @@ def run_simulation(opts: SimulateOptions, out: Path, progress: Callable[[str], N
                 sim.procs["coordinator"].popen.wait(timeout=60)  # type: ignore[union-attr]
             except subprocess.TimeoutExpired:
                 pass
+        for name in ["coordinator", *volunteers]:
+            if (code := sim.crashed(name)) is not None:  # ended with an error nobody injected
+                sim.event("crash", name)
+                progress(f"{name} exited with status {code}; see {out / (name + '.log')}")
         report = build_report(out, opts, sim.events, time.time() - start, t0=sim.t0, rss=sim.peak_rss)
     (out / "report.json").write_text(json.dumps(report, indent=2))
     try:

@@ -224,6 +224,12 @@ class SwarmNode(PeerRecords, NetLoop):
             self.puncher.announce = self.announce_punch
             self._tasks.create_task(self.puncher.run())
 
+    def traffic(self) -> tuple[int, int]:
+        """Bytes our transports have sent and received so far (frames on libp2p streams; not the
+        DHT's own traffic, nor state served over the direct TCP path)."""
+        both = [t for t in (self.transport, self.bootstrap_transport) if t is not None]
+        return sum(t.bytes_sent for t in both), sum(t.bytes_received for t in both)
+
     def _bootstrap_ids(self) -> list[str]:
         return [m.rsplit("/p2p/", 1)[-1] for m in self.options.initial_peers if "/p2p/" in m]
 

@@ -1,0 +1,170 @@
+"""The simulation driver's bookkeeping, without a swarm: report.json from event logs, the exit
+status of `groundswell simulate`, and that no process it starts outlives it."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+from groundswell.peer.cli import app
+from groundswell.peer.sim_procs import Simulation
+from groundswell.peer.sim_report import build_report, fault_summary
+from groundswell.peer.simulate import SimulateOptions, _addresses, _rounds_done
+from typer.testing import CliRunner
+
+pytestmark = pytest.mark.timeout(120)
+
+
+def _write(out: Path, name: str, events: list[dict]) -> None:
+    (out / name).mkdir(parents=True, exist_ok=True)
+    with open(out / name / "events.jsonl", "a") as f:
+        f.writelines(json.dumps(e) + "\n" for e in events)
+
+
+def _round(t: float, r: int, peer: str, sent_total: int | None = None, window: int = 10) -> dict:
+    e = {"t": t, "kind": "round", "round": r, "hash": f"h{r}", "contributors": ["P", "Q"], "included": True,
+         "peer": peer, "bytes_sent": window}
+    if sent_total is not None:
+        e["sent_total"] = sent_total
+    return e
+
+
+def test_bytes_per_round_count_what_a_peer_sends_after_its_last_round_and_before_a_restart(tmp_path):
+    # peer-0: 100 bytes by round 0, 250 by round 1, then serves the slower peer-1 (400 in all at
+    # exit). peer-1: killed after round 0 with 80 sent, restarted (a new process: counters from
+    # 0), 60 more by round 1. Four rounds applied, 400 + 80 + 60 bytes sent: 135 a round. The
+    # round windows alone (10 each) miss what is served after them.
+    _write(tmp_path, "peer-0", [{"t": 0.0, "kind": "network", "peer": "P"}, _round(1.0, 0, "P", 100),
+                                _round(2.0, 1, "P", 250),
+                                {"t": 3.0, "kind": "defences", "rejected": {}, "peer": "P", "sent_total": 400}])
+    _write(tmp_path, "peer-1", [{"t": 0.0, "kind": "network", "peer": "Q"}, _round(1.0, 0, "Q", 80),
+                                {"t": 1.5, "kind": "network", "peer": "Q"}, _round(2.5, 1, "Q", 60)])
+    _write(tmp_path, "coordinator", [_round(1.0, 0, "C", 10**9), _round(2.0, 1, "C", 10**9)])
+    report = build_report(tmp_path, SimulateOptions(peers=2, rounds=2), [], wall_s=3.0, t0=0.0)
+    assert report["bytes_sent_per_peer_per_round"] == 135.0
+    # logs of an older version (no totals): the windows' mean, as before
+    old = tmp_path / "old"
+    _write(old, "peer-0", [_round(1.0, 0, "P", window=30), _round(2.0, 1, "P", window=50)])
+    assert build_report(old, SimulateOptions(peers=1, rounds=2), [], 3.0, t0=0.0)[
+        "bytes_sent_per_peer_per_round"] == 40.0
+
+
+def test_a_round_nobody_logged_keeps_its_place(tmp_path):
+    # Round 1 happened (round 2 builds on it), but every process that applied it died before
+    # logging it: 3 rounds completed, round 1's entries unknown rather than shifted.
+    _write(tmp_path, "coordinator", [{"t": 0.5, "kind": "sync", "peer": "C"}, _round(1.0, 0, "C"),
+                                     _round(5.0, 2, "C")])
+    report = build_report(tmp_path, SimulateOptions(peers=2, rounds=3), [], wall_s=6.0, t0=0.0)
+    assert report["rounds_completed"] == 3
+    assert report["round_end_t"] == [1.0, None, 5.0]
+    assert report["round_times_s"] == [0.5, None, None]
+    assert len(report["eval_loss_by_round"]) == 3
+    assert report["crashed"] == []
+    report["events"].append({"t": 2.0, "kind": "kill", "peer": "peer-0"})
+    assert "longest round 0.5 s" in fault_summary(report)
+
+
+def test_crashed_processes_are_named_in_the_report(tmp_path):
+    driver = [{"t": 1.0, "kind": "spawn", "peer": "peer-1"}, {"t": 9.0, "kind": "crash", "peer": "peer-1"}]
+    _write(tmp_path, "coordinator", [_round(1.0, 0, "C")])
+    assert build_report(tmp_path, SimulateOptions(peers=2, rounds=1), driver, 9.0, t0=0.0)["crashed"] == ["peer-1"]
+
+
+def test_rounds_done_reads_each_log_once_and_never_goes_back(tmp_path):
+    seen: dict = {}
+    assert _rounds_done(tmp_path, seen) == -1
+    _write(tmp_path, "peer-0", [_round(1.0, 0, "P"), _round(2.0, 1, "P")])
+    assert _rounds_done(tmp_path, seen) == 1
+    # many events after the last round (a tail of 20 lines would lose it), and half a line
+    _write(tmp_path, "peer-0", [{"t": 3.0 + i, "kind": "train", "round": 9} for i in range(50)])
+    with open(tmp_path / "peer-0" / "events.jsonl", "a") as f:
+        f.write('{"t": 60, "kind": "round", "round": 7')
+    assert _rounds_done(tmp_path, seen) == 1
+    with open(tmp_path / "peer-0" / "events.jsonl", "a") as f:
+        f.write(', "hash": "h"}\n')
+    assert _rounds_done(tmp_path, seen) == 7
+    assert _rounds_done(tmp_path) == 7  # without a cache: the whole log
+
+
+def test_addresses_skip_a_file_being_written(tmp_path):
+    for name, text in (("a", "/ip4/1/tcp/1/p2p/A\n/ip4/2/tcp/1/p2p/A\n"), ("b", ""), ("c", "\n")):
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "address.txt").write_text(text)
+    assert _addresses(sorted(tmp_path.glob("*/address.txt"))) == ["/ip4/1/tcp/1/p2p/A"]
+    assert _addresses([tmp_path / "missing" / "address.txt"]) == []
+
+
+def test_simulate_exits_nonzero_when_the_run_failed(tmp_path, monkeypatch):
+    import groundswell.peer.simulate as simulate
+
+    base = {"rounds_completed": 3, "rounds_target": 3, "peers": 2, "codec": "sparseloco",
+            "eval_loss_by_round": [5.0, 4.0, 3.0], "bytes_sent_per_peer_per_round": 1e3,
+            "dense_fp32_ring_bytes_per_peer_per_round": 1e6, "param_hash_agreement": True, "divergent_rounds": [],
+            "wall_s": 10.0, "crashed": [], "events": []}
+    cases = [({}, 0, "3/3 rounds"), ({"crashed": ["peer-1"]}, 1, "peer-1 exited with an error"),
+             ({"rounds_completed": 2}, 1, "only 2 of 3 rounds"),
+             ({"divergent_rounds": [1], "param_hash_agreement": False}, 1, "hashes differ in rounds [1]")]
+    for change, code, said in cases:
+        monkeypatch.setattr(simulate, "run_simulation", lambda opts, out, progress, r=dict(base, **change): r)
+        res = CliRunner().invoke(app, ["simulate", "--peers", "2", "--rounds", "3", "--out", str(tmp_path / "s")])
+        assert res.exit_code == code, res.output
+        assert said in " ".join(res.output.split()), res.output
+
+
+def test_a_process_that_fails_is_a_crash_and_one_we_killed_is_not(tmp_path):
+    with Simulation(tmp_path, SimulateOptions(peers=1, rounds=1)) as sim:
+        sim.spawn("peer-0", ["no-such-command"])  # typer: usage error, exit status 2
+        sim.spawn("peer-1", ["simulate", "--help"])  # exits 0
+        sim.procs["peer-0"].popen.wait(timeout=60)
+        sim.procs["peer-1"].popen.wait(timeout=60)
+        assert sim.crashed("peer-0") == 2 and sim.crashed("peer-1") is None
+        sleeper = sim.spawn("peer-2", ["simulate", "--help"])
+        sleeper.popen.wait(timeout=60)
+        sim.signalled["peer-2"] = signal.SIGKILL  # a status the injected fault explains is not a crash
+        sleeper.popen.returncode = -signal.SIGKILL
+        assert sim.crashed("peer-2") is None
+        sim.spawn("peer-0", ["simulate", "--help"])  # a restart replaces the name; the old one is reaped on exit
+        assert len(sim._replaced) == 1
+    assert all(p.log is None for p in [*sim.procs.values(), *sim._replaced])
+
+
+def test_a_killed_driver_takes_its_children_with_it(tmp_path):
+    # The driver dies without running its cleanup (SIGKILL): the kernel's parent-death signal
+    # still ends what it started.
+    script = (
+        "import subprocess, sys, time\n"
+        "from groundswell.peer.daemon import die_with_us\n"
+        "child = subprocess.Popen(['sleep', '300'], preexec_fn=die_with_us(), start_new_session=True)\n"
+        "print(child.pid, flush=True)\n"
+        "time.sleep(300)\n"
+    )
+    driver = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, text=True)
+    try:
+        child = int(driver.stdout.readline())
+        os.kill(child, 0)  # running
+        driver.kill()
+        driver.wait(timeout=30)
+        deadline = time.time() + 10
+        while time.time() < deadline:
+            try:
+                os.kill(child, 0)
+            except ProcessLookupError:
+                break
+            try:
+                with open(f"/proc/{child}/stat") as f:  # a zombie waits for init to reap it: it is gone
+                    if f.read().split(") ", 1)[1].startswith("Z"):
+                        break
+            except FileNotFoundError:
+                break
+            time.sleep(0.1)
+        else:
+            os.kill(child, signal.SIGKILL)
+            pytest.fail("the child outlived the driver")
+    finally:
+        driver.kill()
