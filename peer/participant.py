@@ -311,6 +311,9 @@ class Participant:
             mean = self.node.call(client.fetch_aggregate(signed), timeout_s=600)
             self.outer.follow(r, mean)
             self.snapshot()
+            # the hash of a round applied in catching up counts in the run's agreement like any other
+            self.events.write("follow", round=r, hash=self.hash_history.get(self.outer.round_id),
+                              peer=self.identity.peer_id)
             applied += 1
         return applied
 

@@ -56,6 +56,10 @@ def build_report(out: Path, opts: "SimulateOptions", driver_events: list[dict], 
         if e.get("eval_loss") is not None and e["eval_loss"] == e["eval_loss"]:
             loss.setdefault(r, e["eval_loss"])
         contributors.setdefault(r, set(e.get("contributors", [])))
+    for name, evs in logs.items():  # rounds a process applied while catching up finished there too
+        for e in evs:
+            if e["kind"] == "follow" and e.get("hash"):
+                hashes.setdefault(e["round"], set()).add(e["hash"])
     divergent = sorted(r for r, h in hashes.items() if len(h) > 1)
     volunteer_rounds = [e for e in rounds if e["who"] != "coordinator"]
     # A commit that names a peer but counts what its crashed process sent (`superseded`) loses
@@ -68,7 +72,7 @@ def build_report(out: Path, opts: "SimulateOptions", driver_events: list[dict], 
     completed = order[-1] + 1 if order else 0
     events = list(driver_events) + [
         {"t": round(e["t"] - t0, 3), "kind": e["kind"], "peer": name}
-        for name, evs in logs.items() for e in evs if e["kind"] not in ("round", "train")
+        for name, evs in logs.items() for e in evs if e["kind"] not in ("round", "train", "follow")
     ]
     recovery, excluding, rejoin = [], [], []
     for ev in driver_events:
@@ -132,6 +136,8 @@ def build_report(out: Path, opts: "SimulateOptions", driver_events: list[dict], 
         "dense_fp32_ring_bytes_per_peer_per_round": 2 * (n - 1) / n * 4 * params,
         "param_hash_agreement": bool(hashes) and not divergent,
         "divergent_rounds": divergent,
+        # a peer that found its hash off the coordinator's and re-synced (counted, not hidden)
+        "hash_mismatches": sum(1 for evs in logs.values() for e in evs if e["kind"] == "hash-mismatch"),
         "round_times_s": [round(b - a, 3) if a is not None and b is not None else None
                           for a, b in itertools.pairwise(marks)],
         "wall_s": round(wall_s, 2),

@@ -168,3 +168,16 @@ def test_a_killed_driver_takes_its_children_with_it(tmp_path):
             pytest.fail("the child outlived the driver")
     finally:
         driver.kill()
+
+
+def test_a_round_applied_in_catching_up_counts_in_the_hash_agreement(tmp_path):
+    # peer-1 missed round 1 and applied it while catching up, with other parameters than the
+    # rest (then found its hash off and re-synced): the run did diverge in round 1.
+    _write(tmp_path, "coordinator", [_round(1.0, 0, "C"), _round(2.0, 1, "C")])
+    _write(tmp_path, "peer-0", [_round(1.0, 0, "P"), _round(2.0, 1, "P")])
+    _write(tmp_path, "peer-1", [_round(1.0, 0, "Q"), {"t": 2.5, "kind": "follow", "round": 1, "hash": "other"},
+                                {"t": 2.6, "kind": "hash-mismatch", "round": 2, "peer": "Q"}])
+    report = build_report(tmp_path, SimulateOptions(peers=2, rounds=2), [], wall_s=3.0, t0=0.0)
+    assert report["divergent_rounds"] == [1] and report["param_hash_agreement"] is False
+    assert report["hash_mismatches"] == 1
+    assert not any(e["kind"] == "follow" for e in report["events"])
