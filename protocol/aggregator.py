@@ -262,6 +262,10 @@ class Aggregator:
         # contributors) as any peer checks it when it is announced: a leader's seal is held to it
         # first, or a short digest list would let contributions we do not hold through.
         await self.verify_commit(msg.decision)
+        if slot.voided_by == decision.leader:  # checked after the last await: nothing runs between it and the seal
+            # Its retry overtook this seal (sent before it, answered late): the commit was taken
+            # back, and its contributors were told "retry"; sealed now, a later leader could adopt it.
+            return Ack(False, "this leader took its commits of the attempt back")
         mine = [s for s, src in enumerate(decision.sources) if src == self.identity.peer_id]
         # A replica builds its copy too, so the commit outlives its source and its leader.
         spare = [s for s in sorted(slot.contributions) if s < plan.num_shards and s not in mine]
@@ -328,13 +332,14 @@ class Aggregator:
         """A leader that sealed a commit here and then decided retry takes the commit back: it was
         never announced (the leader could not gather it), so later claimers must not be handed it."""
         if slot.sealed is None:
+            slot.voided_by = retry.leader  # a seal of its still on the way is refused when it lands
             return Ack(True, "")
         _, sealed = unseal(slot.sealed, self.ctx.run_id, Decision)
         if sealed.leader != retry.leader:
             return Ack(False, SEALED_BY_ANOTHER)
         for key in [k for k, agg in self.aggregates.items() if k[0] == retry.round and agg.decision == slot.sealed]:
             del self.aggregates[key]
-        slot.sealed = None
+        slot.sealed, slot.voided_by = None, retry.leader
         return Ack(True, "")
 
     def _build(self, signed: bytes, shard: int, held: list[tuple[int, list[bytes], bytes]], first: int,

@@ -77,7 +77,8 @@ class Claims:
         # Then every peer an earlier attempt's leader could seal (a shard's first candidates): a
         # leader that committed an earlier attempt and died or froze before anyone asked left its
         # commit with them (we adopt it); otherwise each fences that attempt off (see `_on_claim`).
-        earlier = [p for a in range(max(0, plan.attempt - 4), plan.attempt)
+        # Newest first: the group is capped, and the attempt just before ours matters most.
+        earlier = [p for a in range(plan.attempt - 1, max(0, plan.attempt - 4) - 1, -1)
                    if (p := await self.plan(plan.round, a, 0)) is not None]
         leaders = [*plan.leaders, *(x for old in earlier for x in old.leaders)]
         holders = [x for old in earlier for s in range(old.num_shards)
@@ -88,8 +89,12 @@ class Claims:
                     break  # attempt 0: nothing to fence off
                 if self._deciding_before(plan.round, plan.attempt):
                     return False  # we began deciding an earlier attempt ourselves meanwhile
-                # We may be one of those aggregators too.
+                # We may be one of those aggregators too: fenced off here from now on (no await
+                # in between), and a commit we sealed before is tried as a witness's would be.
                 self.later_claims[plan.round] = max(self.later_claims.get(plan.round, -1), plan.attempt)
+                for signed in self._sealed_before(plan.round, plan.attempt):
+                    if await self._adopt(plan, signed):
+                        return False
             others = [x for x in dict.fromkeys(group) if x != me][:32]
             replies = await asyncio.gather(*(self._ask_claim(x, plan, fence) for x in others))
             objected = any(r is not None and not r.ok and not r.decision for r in replies)
@@ -148,7 +153,7 @@ class Claims:
         """Take a decision a witness returned; True: stand back. A commit is taken only once its
         whole aggregate is in hand (an earlier attempt's that cannot be had stops nobody)."""
         try:
-            _, decision = unseal(signed, self.ctx.run_id, Decision)
+            signer, decision = unseal(signed, self.ctx.run_id, Decision)
             if decision.round != plan.round:
                 raise ProtocolError("decision for another round")
         except ProtocolError as exc:  # a forged or foreign decision stops nobody
@@ -175,19 +180,28 @@ class Claims:
                 self.book.add(signed)
             except ProtocolError as exc:
                 log.warning("round %d: %s", plan.round, exc)
-        elif decision.attempt == plan.attempt:
+        elif self.is_retry_of(plan, signer, decision):  # type: ignore[attr-defined]
             self.attempts[(plan.round, plan.attempt)].decision = signed
         else:
-            return False  # a retry of an earlier attempt says nothing about this one
+            # A retry of an earlier attempt says nothing about this one; one signed by anyone but
+            # this attempt's leaders would let any witness stop every attempt it is asked about.
+            if decision.attempt == plan.attempt:
+                log.warning("claim reply carried a retry not signed by a leader of round %d attempt %d",
+                            plan.round, plan.attempt)
+            return False
         self.attempts[(plan.round, plan.attempt)].poke()
         return True
+
+    def _sealed_before(self, round_id: int, attempt: int) -> list[bytes]:
+        """The commits of the round's earlier attempts this peer sealed as an aggregator."""
+        return [held.sealed for (r, a), held in sorted(self.attempts.items(), reverse=True)
+                if r == round_id and a < attempt and held.sealed is not None]
 
     async def _on_claim(self, sender: str, msg: Claim) -> ClaimReply:
         if msg.round in self.book.committed:
             return ClaimReply(False, self.book.committed[msg.round][0])
-        for (r, a), held in list(self.attempts.items()):
-            if r == msg.round and a < msg.attempt and held.sealed is not None:
-                return ClaimReply(False, held.sealed)  # an earlier attempt's commit we built shards for
+        if sealed := self._sealed_before(msg.round, msg.attempt):
+            return ClaimReply(False, sealed[0])  # an earlier attempt's commit we built shards for
         known = self.attempts.get((msg.round, msg.attempt))
         if known is not None and known.decision is not None:
             return ClaimReply(False, known.decision)
@@ -208,6 +222,12 @@ class Claims:
         # commits wherever both ask this peer.
         if self._deciding_before(msg.round, msg.attempt) or self.later_claims.get(msg.round, -1) > msg.attempt:
             return ClaimReply(False, b"")
+        if sealed := self._sealed_before(msg.round, msg.attempt):
+            # sealed while we planned: fenced off only from here on (no await until then), so
+            # the claimer must hear of it, or the round could end up with two commits
+            return ClaimReply(False, sealed[0])
+        if msg.round in self.book.committed:
+            return ClaimReply(False, self.book.committed[msg.round][0])
         if msg.fence:
             self.later_claims[msg.round] = max(self.later_claims.get(msg.round, -1), msg.attempt)
         slot = self.attempts[(msg.round, msg.attempt)]  # only a leader of the attempt makes us keep one

@@ -279,14 +279,16 @@ class RoundClient(AggregateFetcher):
     async def _poll_decision(self, peer: str, plan: RoundPlan, until: float, wait_s: float) -> bytes:
         """Ask `peer` for the attempt's decision (a long poll of up to `wait_s`); if it fails fast,
         ask again every `REASK_S` until `until` (wall clock)."""
-        signed = await self.ask_decision(peer, plan.round, plan.attempt, wait_s)
+        signed = await self.ask_decision(peer, plan.round, plan.attempt, wait_s, plan)
         while not signed and (left := until - time.time()) > REASK_S:
             await asyncio.sleep(REASK_S)
-            signed = await self.ask_decision(peer, plan.round, plan.attempt, max(0.0, left - REASK_S))
+            signed = await self.ask_decision(peer, plan.round, plan.attempt, max(0.0, left - REASK_S), plan)
         return signed
 
-    async def ask_decision(self, peer: str, round_id: int, attempt: int, wait_s: float) -> bytes:
-        """A signed decision for round/attempt from one peer, or b"" (and it is recorded if a commit)."""
+    async def ask_decision(self, peer: str, round_id: int, attempt: int, wait_s: float,
+                           plan: RoundPlan | None = None) -> bytes:
+        """A signed decision for round/attempt from one peer, or b"" (and it is recorded if a commit).
+        A "retry" counts only with the attempt's `plan`, signed by one of its leaders."""
         try:
             if peer == self.me:
                 reply = await self.server._on_get_decision(peer, DecisionRequest(round_id, attempt, wait_s))
@@ -301,7 +303,7 @@ class RoundClient(AggregateFetcher):
             if decision.status == "commit":
                 await self.server.verify_commit(reply.decision)  # a forged commit is refused here
                 self.book.add(reply.decision)
-            elif decision.attempt != attempt:
+            elif decision.attempt != attempt or plan is None or not self.server.is_retry_of(plan, leader, decision):
                 return b""
             return reply.decision
         except (PeerUnavailable, ProtocolError) as exc:

@@ -49,9 +49,20 @@ class Decider:
             return
         failed: set[str] = set()
         accepted: set[str] = set()  # peers that sealed one of our commits of this attempt
+        asked: set[str] = set()  # peers sent one (a late answer may still seal it)
         dropped: set[str] = set()  # contributions scoring found harmful
         screened = False
+        # One budget for the whole decision (two gathers and their seals): each gather may take up
+        # to a deadline plus two slacks, and while we decide we object to every later attempt's claim.
+        # Counted from after the scoring screen, which has its own bound.
+        gather_s = self.ctx.deadline_s + 2 * self.ctx.slack_s
+        budget_end = float("inf")
         for _ in range(4):  # a source that will not seal is replaced by a replica holding the same shard
+            if (left := budget_end - time.monotonic()) <= 0:
+                log.warning("round %d attempt %d: no whole aggregate within the decision's budget", plan.round,
+                            plan.attempt)
+                contributors = []
+                break
             sources, complete = self._sources(plan, slot, frozenset(failed))
             contributors = sorted(complete - dropped)
             if len(contributors) < self.ctx.min_peers:
@@ -62,6 +73,8 @@ class Decider:
                 contributors = [c for c in contributors if c not in dropped]
                 if len(contributors) < self.ctx.min_peers:
                     break
+                budget_end = time.monotonic() + 2 * gather_s + 4 * self.ctx.slack_s
+                left = budget_end - time.monotonic()
             trainers = sorted(set(contributors) | {p for p, (t, _) in joins.items() if t})
             # Servers of the next round: those that joined as such, and every aggregator that
             # reported in this attempt (it serves, and is alive), so a leader that lost its join
@@ -78,6 +91,7 @@ class Decider:
             holders = [[src, *sorted(a for a, ids in slot.have.get(shard, {}).items() if a != src and
                                      all(ids.get(c) == slot.have[shard][src][c] for c in contributors))]
                        for shard, src in enumerate(sources)]
+            asked |= {p for h in holders for p in h}
             unsealed, contested = await self._seal_all(signed, sorted({p for h in holders for p in h}), holders)
             accepted |= {p for h in holders for p in h} - unsealed
             refused = set(sources) & unsealed
@@ -90,7 +104,7 @@ class Decider:
                 continue
             # A shard no holder could provide (its source froze after sealing, say): another
             # source for it, if a replica reported it whole; the other shards keep theirs.
-            if not (unheld := await self._unheld_shards(signed)):
+            if not (unheld := await self._unheld_shards(signed, max(1.0, min(gather_s, left)))):
                 break
             failed |= {sources[s] for s in unheld}
         else:
@@ -102,6 +116,11 @@ class Decider:
             signed = seal(self.identity, self.ctx.run_id, decision)
             if accepted:  # take back the commits we sealed: a later claimer must not try to adopt them
                 await self._seal_all(signed, sorted(accepted), timeout_s=self.ctx.slack_s)
+            if late := asked - accepted - {self.identity.peer_id}:
+                # Those that did not answer in time may still seal (a busy or paused aggregator):
+                # told too, in the background (a frozen one must not hold up the retry), they
+                # refuse our commit when it lands, or drop it if it landed meanwhile.
+                self._spawn(self._void_late(signed, sorted(late)))  # type: ignore[attr-defined]
             unreported = [s for s in range(plan.num_shards) if not slot.have.get(s)]
             log.info("round %d attempt %d: retry (%d of %d shards reported%s, %d contributors complete in all, "
                      "%d sources failed, %d dropped)", plan.round, plan.attempt, plan.num_shards - len(unreported),
@@ -110,7 +129,7 @@ class Decider:
                      len(self._sources(plan, slot)[1]), len(failed), len(dropped))
         log.info("round %d attempt %d: %s with %d contributors", plan.round, plan.attempt, decision.status,
                  len(decision.contributors))
-        await self._learn(plan.round, plan.attempt, signed)
+        await self._learn(plan, signed)
 
     async def _screen(self, plan: RoundPlan, sources: list[str], contributors: list[str], digests: list[bytes]
                       ) -> set[str]:
@@ -136,6 +155,15 @@ class Decider:
     async def _hold_all(self, signed: bytes, timeout_s: float | None = None) -> bool:
         """Gather every shard of a commit (archived here) within `timeout_s`; False if that fails."""
         return not await self._unheld_shards(signed, timeout_s)
+
+    async def _void_late(self, retry: bytes, peers: list[str]) -> None:
+        try:
+            unvoided, _ = await self._seal_all(retry, peers, timeout_s=self.ctx.deadline_s)
+        except Exception as exc:  # a background task must never take the node down
+            log.error("taking our commit back failed: %r", exc)
+            return
+        if unvoided:
+            log.info("could not take our commit back at %s", ", ".join(p[-8:] for p in sorted(unvoided)))
 
     async def _unheld_shards(self, signed: bytes, timeout_s: float | None = None) -> set[int]:
         """Gather every shard of a commit (archived here) within `timeout_s`: the shards that could

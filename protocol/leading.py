@@ -12,8 +12,9 @@ import time
 from typing import TYPE_CHECKING, Any
 
 from .aggregator import FUTURE_ROUNDS
+from .envelope import unseal
 from .plan import RoundPlan, close_time
-from .schema import Ack, DecisionReply, DecisionRequest, HaveReport, Join, ProtocolError
+from .schema import Ack, Decision, DecisionReply, DecisionRequest, HaveReport, Join, ProtocolError
 from .shards import REPORTING_CANDIDATES
 from .transport import PeerGone, PeerUnavailable
 
@@ -27,7 +28,7 @@ MAX_JOINS = 2048  # members one round may have (Decision lists hold at most 4096
 
 class Leading:
     """Leading an attempt; needs the server's ctx, transport, book, identity, attempts, joins,
-    plan(), _spawn(), _check_open(), _probe(), _claim(), _decide() and _learn()."""
+    plan(), _spawn(), _check_open(), _probe(), _claim(), _decide(), _learn() and verify_commit()."""
 
     ctx: Any
     transport: Any
@@ -42,8 +43,11 @@ class Leading:
     _claim: Any
     _decide: Any
     _learn: Any
+    verify_commit: Any
 
     async def _on_have(self, sender: str, msg: HaveReport) -> Ack:
+        if self.book.decided(msg.round):  # nothing left to lead: no slot, no leading task for it
+            return Ack(False, f"round {msg.round} is already decided")
         self._check_open(msg.round, msg.attempt)
         plan = await self.plan(msg.round, msg.attempt, self.ctx.slack_s, ask=sender)
         if plan is None:
@@ -156,10 +160,9 @@ class Leading:
             now = time.monotonic()
             others = [p for j, p in enumerate(plan.leaders) if p != me and (
                 (j < rank and not ahead_gone) or (j > rank and now >= close_at + j * self.ctx.slack_s))]
-            replies = await asyncio.gather(*(self._ask(p, round_id, attempt) for p in others))
+            replies = await asyncio.gather(*(self._ask(p, plan) for p in others))
             for signed in replies:
-                if signed:
-                    await self._learn(round_id, attempt, signed)
+                if signed and await self._learn_from_fellow(plan, signed):
                     return
         await self.decide_exclusively(plan, slot)
 
@@ -231,9 +234,26 @@ class Leading:
         except TimeoutError:
             return rank
 
-    async def _ask(self, peer: str, round_id: int, attempt: int) -> bytes:
+    async def _learn_from_fellow(self, plan: RoundPlan, signed: bytes) -> bool:
+        """Take a fellow leader's answer: this attempt's decision, or the round's commit from
+        another attempt (a peer answers with the round's commit whatever attempt is asked).
+        False: nothing we can take (a forgery, say); we decide ourselves."""
         try:
-            reply = await self.transport.request(peer, "get-decision", DecisionRequest(round_id, attempt,
+            _, decision = unseal(signed, self.ctx.run_id, Decision)
+            if decision.status == "commit" and decision.round == plan.round and decision.attempt != plan.attempt:
+                await self.verify_commit(signed)
+                self.book.add(signed)
+                self.attempts[(plan.round, plan.attempt)].poke()
+                return True
+            await self._learn(plan, signed)
+            return True
+        except ProtocolError as exc:
+            log.warning("round %d attempt %d: a fellow leader's answer was refused: %s", plan.round, plan.attempt, exc)
+            return False
+
+    async def _ask(self, peer: str, plan: RoundPlan) -> bytes:
+        try:
+            reply = await self.transport.request(peer, "get-decision", DecisionRequest(plan.round, plan.attempt,
                                                  self.ctx.slack_s / 2), DecisionReply, timeout_s=self.ctx.slack_s)
             return reply.decision
         except (PeerUnavailable, ProtocolError):

@@ -78,6 +78,7 @@ class _Attempt:
     first_report: float | None = None
     decision: bytes | None = None  # signed decision of this attempt (as leader, or learned)
     sealed: bytes | None = None  # the commit this peer sealed as an aggregator
+    voided_by: str | None = None  # as an aggregator: the leader that took its commits of this attempt back
     changed: asyncio.Event = field(default_factory=asyncio.Event)
     leading: bool = False
     granted_to: str | None = None  # the one leader this peer lets decide the attempt (itself included)
@@ -263,16 +264,25 @@ class RoundServer(Aggregator, Leading, Claims, Decider):
             raise ProtocolError("a commit's sources must be its shards' aggregators", reason="forged-decision")
         return d
 
-    async def _learn(self, round_id: int, attempt: int, signed: bytes) -> None:
+    @staticmethod
+    def is_retry_of(plan: RoundPlan, signer: str, decision: Decision) -> bool:
+        """Is this the attempt's "retry", signed by one of the attempt's own leaders? Anyone can
+        sign a retry naming themselves: taken from anyone else, it would end an attempt for all."""
+        return (decision.status == "retry" and (decision.round, decision.attempt) == (plan.round, plan.attempt)
+                and signer == decision.leader and decision.leader in plan.leaders)
+
+    async def _learn(self, plan: RoundPlan, signed: bytes) -> None:
         leader, decision = unseal(signed, self.ctx.run_id, Decision)
-        if (decision.round, decision.attempt) != (round_id, attempt) or leader != decision.leader:
+        if (decision.round, decision.attempt) != (plan.round, plan.attempt) or leader != decision.leader:
             raise ProtocolError("decision for another round, or not signed by its leader")
         if decision.status == "commit":
             await self.verify_commit(signed)
-        self.attempts[(round_id, attempt)].decision = signed
+        elif not self.is_retry_of(plan, leader, decision):
+            raise ProtocolError("a retry must come from one of the attempt's leaders", reason="forged-decision")
+        self.attempts[(plan.round, plan.attempt)].decision = signed
         if decision.status == "commit":
             self.book.add(signed)
-        self.attempts[(round_id, attempt)].poke()
+        self.attempts[(plan.round, plan.attempt)].poke()
 
     async def _on_get_decision(self, sender: str, msg: DecisionRequest) -> DecisionReply:
         deadline = time.monotonic() + min(msg.wait_s, self.ctx.deadline_s + 5 * self.ctx.slack_s)

@@ -300,3 +300,78 @@ def test_round_members_cannot_make_a_peer_keep_slots_multiply_replies_or_pin_odd
         _check_alive(t)
     finally:
         next(gen, None)
+
+
+def test_a_have_report_for_a_decided_round_makes_no_slot_and_no_leading_task():
+    """Found by a review of the consensus code: a reporting candidate of a round already in the
+    book made a slot and a leading task (with probes of the other leaders) for every attempt the
+    clock allowed, and those stayed until the round was archived."""
+    from groundswell.protocol.schema import HaveReport
+
+    gen = make_target()
+    t = next(gen)
+    try:
+        me = t.me.peer_id
+        members = [me, *(x.peer_id for x in t.peers[:3])]
+        commit = _sealed(t.me, Decision(0, 0, "commit", [], members, members, me, [], 0, time.time()))
+        first = t.loop.run_until_complete(t.server.plan(0, 0, 0.0))
+        reporter = next(x for x in t.peers[:3] if x.peer_id in first.candidates(0)[:4])
+        report = HaveReport(0, 0, 0, [t.peers[1].peer_id], [bytes(16)])  # before the commit: it makes a slot
+
+        async def add() -> None:
+            t.server.book.add(commit)
+
+        t.loop.run_until_complete(add())
+        reply = t.feed("have", reporter.peer_id, framed(_sealed(reporter, report)))
+        ack = unseal(reply[8:], RUN, Ack, sender=me)[1]
+        assert not ack.ok and "already decided" in ack.reason
+        assert not t.server.attempts, "a report for a decided round made a slot"
+        _check_alive(t)
+    finally:
+        next(gen, None)
+
+
+def test_a_commit_sealed_while_a_claim_waits_for_its_plan_is_handed_to_the_claimer():
+    """Found by a review of the consensus code: a witness looked for earlier attempts' commits it
+    had sealed before it planned the claimed attempt, and fenced them off after. One sealed in
+    between was neither handed to the claimer nor fenced off: the claimer could commit the round
+    while the earlier leader's commit stood at this peer."""
+    from groundswell.protocol.schema import Claim, ClaimReply, ProtocolError
+
+    gen = make_target()
+    t = next(gen)
+    try:
+        me = t.me.peer_id
+        plans = [t.loop.run_until_complete(t.server.plan(0, a, 0.0)) for a in range(1, 3)]
+        later = next(p for p in plans if any(x.peer_id in p.leaders for x in t.peers))
+        claimer = next(x.peer_id for x in t.peers if x.peer_id in later.leaders)
+        members = [me, *(x.peer_id for x in t.peers[:3])]
+        earlier_commit = _sealed(t.me, Decision(0, 0, "commit", members[:2], members, members, me, [], 0,
+                                                time.time()))
+        real_plan = t.server.plan
+
+        async def plan_while_a_seal_lands(round_id, attempt, wait_s, **kw):
+            t.server.attempts[(0, 0)].sealed = earlier_commit  # what `_on_seal` does meanwhile
+            return await real_plan(round_id, attempt, wait_s, **kw)
+
+        async def claim() -> ClaimReply:
+            t.server.plan = plan_while_a_seal_lands
+            try:
+                return await t.server._on_claim(claimer, Claim(0, later.attempt, True))
+            finally:
+                t.server.plan = real_plan
+
+        deadline = time.time() + 30
+        while True:  # the claimed attempt must have begun by our clock
+            try:
+                reply = t.loop.run_until_complete(claim())
+                break
+            except ProtocolError:
+                assert time.time() < deadline
+                t.server.attempts.pop((0, 0), None)
+                time.sleep(0.2)
+        assert not reply.ok and reply.decision == earlier_commit, reply
+        assert t.server.later_claims.get(0, -1) < later.attempt, "attempt 0 was fenced off over its own commit"
+        _check_alive(t)
+    finally:
+        next(gen, None)

@@ -90,11 +90,11 @@ def test_a_leader_that_failed_to_answer_is_asked_again_for_the_decision(make_clu
         client = node.client
         real_ask = client.ask_decision
 
-        async def ask(peer, round_id, attempt, wait_s, i=i, real_ask=real_ask):
+        async def ask(peer, round_id, attempt, wait_s, attempt_plan=None, i=i, real_ask=real_ask):
             if peer == plan.leaders[0] and i not in failed_once:
                 failed_once.add(i)
                 return b""  # as when the leader's process has just been killed
-            return await real_ask(peer, round_id, attempt, wait_s)
+            return await real_ask(peer, round_id, attempt, wait_s, attempt_plan)
 
         async def patch(client=client, ask=ask) -> None:
             client.ask_decision = ask
@@ -216,3 +216,74 @@ def test_a_stand_in_does_not_wait_for_a_leader_that_is_behind(make_cluster):
     assert decision.time < close + c.ctx.slack_s, f"decided {decision.time - close:.1f} s after the close"
     means = [c.fetch(i, out[i].signed) for i in alive]
     assert all(torch.equal(m, means[0]) for m in means)
+
+
+def test_a_retry_counts_only_when_one_of_the_attempts_leaders_signed_it(make_cluster):
+    # Any peer can sign a "retry" that names itself as leader. A witness that answered a leader's
+    # claim with one used to stop that leader, which then handed the retry to every stand-in and
+    # contributor: one hostile server in the fence group ended every attempt it was asked about.
+    from groundswell.protocol.envelope import seal
+    from groundswell.protocol.schema import Decision, DecisionReply, ProtocolError
+
+    c = make_cluster(n=4, codec_name="fp32", min_peers=2, deadline_s=9.0, slack_s=1.0)
+    node = c.nodes[0]
+    plan = node.call(node.server.plan(0, 0, 5.0), timeout_s=10)
+    hostile = next(i for i, p in enumerate(c.ids) if p not in plan.leaders)
+    leader = c.ids.index(plan.leaders[-1])
+
+    def retry(signer: int, attempt: int = 0) -> bytes:
+        return seal(c.nodes[signer].identity, c.ctx.run_id, Decision(
+            0, attempt, "retry", [], list(c.ids), list(c.ids), c.ids[signer], [], plan.num_shards, time.time()))
+
+    forged = retry(hostile)
+    assert not node.call(node.server._adopt(plan, forged), timeout_s=10)
+    assert node.server.attempts[(0, 0)].decision is None, "a leader stood back for a forged retry"
+    with pytest.raises(ProtocolError, match="leaders"):
+        node.call(node.server._learn(plan, forged), timeout_s=10)
+    assert node.server.attempts[(0, 0)].decision is None
+    # A contributor asking a peer that serves the forgery does not take it either.
+    real_request = node.transport.request
+
+    async def ask(reply: bytes) -> bytes:
+        async def request(peer, handler, msg, reply_type, **kw):
+            return DecisionReply(reply) if handler == "get-decision" else await real_request(
+                peer, handler, msg, reply_type, **kw)
+
+        node.transport.request = request
+        try:
+            return await node.client.ask_decision(c.ids[hostile], 0, 0, 0.0, plan)
+        finally:
+            node.transport.request = real_request
+
+    assert node.call(ask(forged), timeout_s=10) == b""
+    # A retry one of the attempt's leaders signed is taken, from anyone; one of another attempt is not.
+    genuine = retry(leader)
+    assert node.call(ask(genuine), timeout_s=10) == genuine
+    assert node.call(ask(retry(leader, attempt=1)), timeout_s=10) == b""
+    assert node.call(node.server._adopt(plan, genuine), timeout_s=10)
+    assert node.server.attempts[(0, 0)].decision == genuine
+
+
+def test_a_stand_in_told_the_rounds_commit_of_another_attempt_takes_it_and_stands_back(make_cluster):
+    # A peer asked for an attempt's decision answers with the round's commit whatever attempt was
+    # asked. A stand-in of attempt 1 handed attempt 0's commit by a fellow leader records it and
+    # does not decide attempt 1 (a second commit of the round); a forged answer is refused.
+    from groundswell.protocol.envelope import seal
+    from groundswell.protocol.schema import Decision
+
+    c = make_cluster(n=4, codec_name="fp32", min_peers=2, deadline_s=7.0, slack_s=1.0)
+    out = c.attempt(0, _inputs(4, c.numel, 31))
+    commit = out[0].signed
+    assert out[0].decision.status == "commit" and out[0].decision.attempt == 0
+    node = c.nodes[1]
+    later = node.call(node.server.plan(0, 1, 5.0), timeout_s=10)
+
+    async def forget_and_learn(signed: bytes) -> bool:
+        node.book.committed.pop(0, None)
+        return await node.server._learn_from_fellow(later, signed)
+
+    forged = seal(node.identity, c.ctx.run_id, Decision(0, 1, "retry", [], list(c.ids), list(c.ids),
+                                                         "someone else", [], later.num_shards, time.time()))
+    assert not node.call(forget_and_learn(forged), timeout_s=10)
+    assert node.call(forget_and_learn(commit), timeout_s=30)
+    assert node.book.committed[0][0] == commit

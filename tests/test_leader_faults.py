@@ -173,6 +173,56 @@ def test_a_commit_its_leader_could_not_gather_is_taken_back_and_stops_no_later_a
     assert all(torch.equal(m, means[0]) for m in means)
 
 
+def test_a_seal_that_lands_after_its_leader_retried_is_refused(make_cluster):
+    # A seal whose ack never reaches the leader in time (it is slow on the way, or the aggregator
+    # answered late) leaves that aggregator out of the commit and, before, out of the retry that
+    # takes the commit back too: when the seal landed it sealed the commit, and attempt 1's leader
+    # adopted it from there, so the round committed work whose contributors had been told "retry"
+    # (and kept it, to send again). Now the late ones are told too, and a seal that lands after
+    # its leader's retry is refused. The late landing is played here by handing the seal over
+    # after the retry.
+    from groundswell.protocol.envelope import unseal
+    from groundswell.protocol.plan import make_plan
+    from groundswell.protocol.schema import Decision, Seal
+    from groundswell.protocol.transport import PeerUnavailable
+
+    c = make_cluster(n=4, codec_name="fp32", min_peers=2, deadline_s=7.0, slack_s=1.0)
+    plan = make_plan(c.ctx.run_id, 0, 0, c.ids, c.ids, len(c.ctx.segment_numels), c.max_shards)
+    slow = next(i for i, p in enumerate(c.ids) if p not in plan.leaders)
+    lost: list[tuple[str, bytes]] = []  # (leader, commit) seals that did not reach the slow aggregator
+
+    async def cannot_gather(signed: bytes) -> None:
+        raise PeerUnavailable("forced: the aggregate cannot be gathered")
+
+    for node in c.nodes:
+        async def patch(node=node) -> None:
+            node.server.prefetch = cannot_gather
+            real_request = node.transport.request
+
+            async def request(peer, handler, msg, reply_type, **kw):
+                if handler == "seal" and peer == c.ids[slow]:
+                    leader, d = unseal(msg.decision, c.ctx.run_id, Decision)
+                    if d.status == "commit":
+                        lost.append((leader, msg.decision))
+                        raise PeerUnavailable("forced: the seal is still on its way")
+                return await real_request(peer, handler, msg, reply_type, **kw)
+
+            node.transport.request = request
+
+        node.call(patch(), timeout_s=10)
+    out0 = c.attempt(0, _inputs(4, c.numel, 15))
+    assert {o.decision.status for o in out0.values()} == {"retry"}
+    assert lost, "the slow aggregator was never sent a seal"
+    server = c.nodes[slow].server
+    deadline = time.monotonic() + 10  # the retry reaches it in the background
+    while server.attempts[(0, 0)].voided_by is None and time.monotonic() < deadline:
+        time.sleep(0.1)
+    for leader, commit in lost:  # ... and now the seals land
+        ack = c.nodes[slow].call(server._on_seal(leader, Seal(commit)), timeout_s=10)
+        assert not ack.ok and "took its commits" in ack.reason, ack
+    assert server.attempts[(0, 0)].sealed is None, "a commit taken back was sealed after all"
+
+
 def test_a_shard_its_leader_cannot_gather_gets_another_source_and_only_that_shard(make_cluster):
     # The leader sealed a commit and then could not gather one shard (its source froze after
     # sealing, say; forced here). It replaces that shard's source by a replica and keeps the
