@@ -33,7 +33,9 @@ class Bootstrap:
 
 def format_bootstrap(coordinator_id: str, maddrs: Sequence[str]) -> str:
     """`gs1:<coordinator>@<maddr>[,<maddr>...]`, validated so that `parse_bootstrap` accepts it."""
-    maddrs = [str(m) for m in maddrs]  # hivemind hands out Multiaddr objects
+    # hivemind hands out Multiaddr objects, at times one twice; a host with many interfaces lists
+    # more than a line may carry: the first ones do (a joiner needs one that works)
+    maddrs = list(dict.fromkeys(str(m) for m in maddrs))[:MAX_BOOTSTRAP_MADDRS]
     bootstrap = _checked(coordinator_id, maddrs)
     return f"{BOOTSTRAP_PREFIX}{bootstrap.coordinator_id}@{','.join(bootstrap.maddrs)}"
 

@@ -44,8 +44,7 @@ def _user_errors(fn: Callable[..., Any]) -> Callable[..., Any]:
         try:
             return fn(*args, **kwargs)
         except (ConfigError, ManifestError, BootstrapError, NetworkError, DataError, WorkloadError, CodecError,
-                SimulationError, IdentityError, FileNotFoundError, FileExistsError, PermissionError,
-                IsADirectoryError, NotADirectoryError) as exc:
+                SimulationError, IdentityError, OSError) as exc:  # OSError: a missing file, a full disk...
             # escaped: messages quote manifest syntax ("[run]", "[a-z0-9-]") that rich would eat as markup
             console.print(f"[bold red]error:[/] {escape(str(exc))}", highlight=False, soft_wrap=True)
             raise typer.Exit(2) from None

@@ -22,11 +22,16 @@ from .state_files import write_atomically
 
 
 def _identity(path: Optional[Path], state_dir: Optional[Path]):
-    """The node's identity (created if missing), held exclusively by this process with its state dir."""
-    from groundswell.protocol.identity import Identity
+    """The node's identity, held exclusively by this process with its state dir. The default one
+    (STATE_DIR/identity.key) is created if missing; a path given with --identity must exist: a
+    mistyped one would silently make this node someone else (a coordinator, a new run key)."""
+    from groundswell.protocol.identity import Identity, IdentityError
 
     from .locks import hold_exclusively, identity_lock_path
 
+    if path is not None and not path.exists():
+        raise IdentityError(f"no identity at {path}: create one with `groundswell keygen {path}`, or leave "
+                            "--identity out to use the one in --state-dir")
     path = path or ((state_dir or Path.home() / ".groundswell") / "identity.key")
     path.parent.mkdir(parents=True, exist_ok=True)
     if state_dir is not None:
@@ -38,6 +43,26 @@ def _identity(path: Optional[Path], state_dir: Optional[Path]):
     # identity) in a per-user folder (the key's own folder may be read-only).
     hold_exclusively(identity_lock_path(ident.peer_id), "identity", path, "give this one its own --identity")
     return ident, path
+
+
+def _same_run_as_before(state_dir: Path, signed: bytes) -> None:
+    """Refuse a state dir launched before with another manifest or coordinator key; else record
+    this one there. Volunteers keep the manifest they verified when they joined: a coordinator
+    back with other settings (deadline, learning rate, allowlist) under the same run id would
+    split the swarm, and one back under another key is a stranger to them."""
+    from .manifest import ManifestError, SignedManifest
+
+    path, new = state_dir / "manifest.signed", SignedManifest.from_bytes(signed)
+    if path.exists():
+        try:
+            old = SignedManifest.from_bytes(path.read_bytes())
+        except ManifestError as exc:
+            raise ConfigError(f"{path} is not a signed manifest ({exc}); move it away to launch here") from None
+        if old.digest != new.digest:
+            what = "coordinator key (--identity)" if old.manifest_bytes == new.manifest_bytes else "manifest"
+            raise ConfigError(f"{state_dir} holds a run launched with another {what}: resume it with the same "
+                              "manifest and --identity, or start a new run (a new run.id and --state-dir)")
+    write_atomically(path, lambda f: f.write(signed))
 
 
 def _stop_on_signals(first: str = "stopping after this round"):
@@ -159,6 +184,7 @@ def launch(
                        trains=False, serves=True, direct_state=state_port >= 0, direct_port=max(state_port, 0))
     p = Participant(manifest, signed, ident, str(ident_path), opts, state_dir)
     p.preload_checkpoint()  # a state dir of another run is refused before we write anything to it
+    _same_run_as_before(state_dir, signed)
     stop = _stop_on_signals("stopping: saving a checkpoint")
     p.start_network()
     boot = format_bootstrap(ident.peer_id, p.node.maddrs)

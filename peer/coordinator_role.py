@@ -58,10 +58,17 @@ def _follow_rounds(p: Participant, stop: StopFlag, on_round: Callable[[RoundInfo
     m = p.manifest
     client = p.node.client
     assert client is not None
-    last_sent: dict[str, int] = {}  # volunteers' cumulative bytes, for the per-round figure
+    last_sent: dict[str, int] = {}  # volunteers' cumulative bytes, for the per-round figure ...
+    sent_round = p.outer.round_id  # ... as of the start of this round
+    saved = p.outer.round_id  # the round our newest checkpoint holds (or the one we started from)
+    t0 = time.perf_counter()  # when the round in progress began: its retries count in its time
     while not stop:
         r = p.outer.round_id
-        t0 = time.perf_counter()
+        if r // checkpoint_every > saved // checkpoint_every:  # also for rounds we caught up on
+            p.save_checkpoint()
+            saved = r
+        if r != sent_round and not last_sent:
+            sent_round = r  # nothing counted yet: count from here
         try:
             p.node.call(client.run_attempt(r, None, None, trains=False, serves=True),
                         timeout_s=2 * m.round.deadline_s + 6 * m.round.slack_s + 60)
@@ -110,19 +117,23 @@ def _follow_rounds(p: Participant, stop: StopFlag, on_round: Callable[[RoundInfo
             log.info("peer records: %s", exc)
             records = p.node.cached_records
         sent = {pid: rec.bytes_sent for pid, rec in records.items() if rec.role != "coordinator"}
-        deltas = [b - last_sent[pid] for pid, b in sent.items() if pid in last_sent and b >= last_sent[pid]]
-        last_sent = sent
+        # per round: since our last view, which may be several rounds back (we caught up meanwhile)
+        rounds = max(1, r + 1 - sent_round)
+        deltas = [(b - last_sent[pid]) / rounds for pid, b in sent.items() if pid in last_sent and b >= last_sent[pid]]
+        last_sent, sent_round = sent, r + 1
         info = RoundInfo(r, "applied", False, len(d.contributors), eval_loss=loss, round_s=time.perf_counter() - t0,
-                         params_hash=params_hash(p.outer.global_params), peers_online=len(records),
+                         params_hash=params_hash(p.outer.global_params), peers_online=len(sent),
                          bytes_sent=int(sum(deltas) / len(deltas)) if deltas else 0)
+        t0 = time.perf_counter()
         if loss == loss:
             p.node.update_record(loss=loss)
         p.events.write("round", round=r, contributors=list(d.contributors), attempt=d.attempt, leader=d.leader,
                        hash=info.params_hash, eval_loss=loss, clipped=client.clipped.get(r, {}), shards=d.num_shards,
                        round_s=info.round_s, peer=p.identity.peer_id, role="coordinator")
         on_round(info)
-        if (r + 1) % checkpoint_every == 0:
+        if p.outer.round_id // checkpoint_every > saved // checkpoint_every:
             p.save_checkpoint()
+            saved = p.outer.round_id
 
 
 def _follow_the_swarm(p: Participant) -> bool:

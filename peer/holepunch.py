@@ -250,12 +250,12 @@ class PunchTarget:
                     # closed (a dialer that never closes its end must not hold the forward).
                     _, running = await asyncio.wait(both, timeout=HALF_CLOSED_S)
                     if running:
-                        inner_w.close()
-                        outer_w.close()
+                        _end(inner_w)
+                        _end(outer_w)
             finally:
-                inner_w.close()
+                _end(inner_w)
         finally:
-            outer_w.close()
+            _end(outer_w)
 
     async def _pump(self, src: asyncio.StreamReader, dst: asyncio.StreamWriter) -> None:
         try:
@@ -338,3 +338,14 @@ def listen_port(maddrs: Iterable[str]) -> int | None:
     """The TCP port of our daemon's plain TCP listen addresses (they share one), or None."""
     targets = tcp_targets(list(maddrs))
     return targets[0][1] if targets else None
+
+
+def _end(writer: asyncio.StreamWriter) -> None:
+    """Close a forward's side now. With bytes still unsent (the other end stopped reading, or is
+    gone), a plain close() would keep the socket registered with the event loop until they are
+    sent; the raw socket, closed by its owner right after, then leaves a stale registration that
+    breaks whatever socket next gets its file descriptor number. abort() drops them and unregisters."""
+    if writer.transport.get_write_buffer_size():
+        writer.transport.abort()
+    else:
+        writer.close()

@@ -139,11 +139,13 @@ def observed_ips(peer_infos: list[Any], peer_id: str) -> set[str]:
 
 def connection_paths(peer_infos: list[Any]) -> dict[str, str]:
     """peer id -> "relay" if every open connection to it goes through a relay, else "direct"."""
-    paths = {}
-    for info in peer_infos:
+    paths: dict[str, str] = {}
+    for info in peer_infos:  # one entry per connection: a peer may be listed more than once
         addrs = [str(a) for a in getattr(info, "addrs", [])]
         relayed = bool(addrs) and all("p2p-circuit" in a for a in addrs)
-        paths[str(info.peer_id)] = "relay" if relayed else "direct"
+        peer = str(info.peer_id)
+        if paths.get(peer) != "direct":  # any direct connection makes the peer direct
+            paths[peer] = "relay" if relayed else "direct"
     return paths
 
 

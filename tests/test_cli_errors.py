@@ -346,3 +346,41 @@ def test_an_event_log_on_a_full_disk_drops_events_and_training_goes_on(caplog):
     log.write("round", round=2)
     assert log.failed == 2
     assert sum("cannot write the event log" in r.getMessage() for r in caplog.records) == 1  # said once
+
+
+@pytest.mark.parametrize("command", ["launch", "join"])
+def test_an_identity_path_that_does_not_exist_is_refused_not_created(tmp_path, command):
+    # A mistyped --identity used to make a new key: a coordinator restarted that way came back as
+    # another peer, its run's bootstrap line dead and its manifest's signer a stranger.
+    manifest = Path(__file__).resolve().parents[1] / "scripts" / "example_run.toml"
+    first = [str(manifest)] if command == "launch" else [_bootstrap(_unused_port())]
+    key = tmp_path / "coordinatr.key"
+    res = CliRunner().invoke(app, [command, *first, "--identity", str(key), "--state-dir", str(tmp_path / "s"),
+                                   "--listen", "/ip4/127.0.0.1/tcp/0"])
+    _one_error_line(res, 2, f"no identity at {key}: create one with `groundswell keygen {key}`")
+    assert not key.exists()
+
+
+def test_a_state_dir_launched_with_another_manifest_or_key_is_refused(tmp_path):
+    # Volunteers keep the manifest they verified on joining: a coordinator back on its state dir
+    # with other settings under the same run id (or under another key) would split the swarm.
+    import dataclasses
+
+    from groundswell.peer.cli_swarm import _same_run_as_before
+    from groundswell.peer.config import ConfigError
+    from groundswell.peer.manifest import load_manifest_toml, sign_manifest
+
+    manifest = load_manifest_toml(Path(__file__).resolve().parents[1] / "scripts" / "example_run.toml")
+    key = Identity.generate()
+    state = tmp_path / "run-1"
+    state.mkdir()
+    first = sign_manifest(manifest, key).to_bytes()
+    _same_run_as_before(state, first)
+    assert (state / "manifest.signed").read_bytes() == first
+    _same_run_as_before(state, sign_manifest(manifest, key).to_bytes())  # a restart as it was: fine
+    edited = dataclasses.replace(manifest, round=dataclasses.replace(manifest.round, deadline_s=99.0))
+    with pytest.raises(ConfigError, match="another manifest: resume it with the same manifest and --identity"):
+        _same_run_as_before(state, sign_manifest(edited, key).to_bytes())
+    with pytest.raises(ConfigError, match=r"another coordinator key \(--identity\)"):
+        _same_run_as_before(state, sign_manifest(manifest, Identity.generate()).to_bytes())
+    assert (state / "manifest.signed").read_bytes() == first  # what was refused left nothing behind

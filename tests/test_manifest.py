@@ -386,6 +386,10 @@ def test_format_bootstrap_validates():
         format_bootstrap(RSA_PEER_ID, [MADDR_COORD])
     with pytest.raises(BootstrapError):
         format_bootstrap(COORD.peer_id, ["/ip4/127.0.0.1/tcp/1"])
+    # a host with many interfaces (or an address listed twice) still gets a line: the first 32
+    many = [f"/ip4/10.0.{i // 250}.{i % 250 + 1}/tcp/31337/p2p/{COORD.peer_id}" for i in range(40)]
+    line = parse_bootstrap(format_bootstrap(COORD.peer_id, [many[0], *many]))
+    assert list(line.maddrs) == many[:32]
 
 
 @settings(max_examples=200, deadline=None)

@@ -268,3 +268,50 @@ def test_two_invites_for_one_dialer_at_once_make_one_punch(monkeypatch):
     first, second = asyncio.run(go())
     assert second == PunchInviteReply(False, "a punch for this dialer is under way")
     assert first.ok and calls == ["dialer"]
+
+
+def test_a_dropped_forward_with_bytes_unsent_leaves_no_socket_registered_with_the_loop():
+    """Found by a review: a forward dropped while the dialer had stopped reading closed its stream
+    gracefully, which keeps the socket registered until its unsent bytes go out; the raw socket
+    was then closed under it, and the stale registration broke whatever socket next got that
+    file descriptor number (a daemon call of this node, say)."""
+
+    async def go():
+        async def daemon(r, w):  # sends far more than the dialer will ever read
+            try:
+                while True:
+                    w.write(b"x" * 65536)
+                    await w.drain()
+            except (ConnectionError, OSError):
+                pass
+
+        accepted: asyncio.Future = asyncio.get_running_loop().create_future()
+        daemon_srv = await asyncio.start_server(daemon, "127.0.0.1", 0)
+        dialer_srv = await asyncio.start_server(lambda r, w: accepted.set_result((r, w)), "127.0.0.1", 0)
+        loop = asyncio.get_running_loop()
+        async with asyncio.TaskGroup() as tasks:
+            target = PunchTarget(daemon_srv.sockets[0].getsockname()[1], "127.0.0.1", frozenset({"boot"}), tasks)
+            sock = socket.socket()
+            sock.setblocking(False)
+            sock.connect_ex(("127.0.0.1", dialer_srv.sockets[0].getsockname()[1]))
+            fd = sock.fileno()
+            tasks.create_task(target._complete(sock, "dialer"))
+            _, dialer_w = await asyncio.wait_for(accepted, 5)  # ... and never reads
+            deadline, seen = time.monotonic() + 10, -1
+            while time.monotonic() < deadline:  # until the forward to the dialer is backed up (stalled)
+                if "dialer" in target._forwards and target.forwarded_bytes == seen > 1 << 20:
+                    break
+                seen = target.forwarded_bytes
+                await asyncio.sleep(0.3)
+            assert target.forwarded_bytes == seen > 1 << 20, target.forwarded_bytes
+            await target._drop_forward("dialer")
+            await asyncio.sleep(0.1)
+            registered = fd in loop._selector.get_map()  # type: ignore[attr-defined]
+            dialer_w.close()
+        daemon_srv.close()
+        dialer_srv.close()
+        return registered, target
+
+    registered, target = asyncio.run(go())
+    assert not registered, "the dropped forward's socket is still registered with the event loop"
+    assert target.live == set() and target._forwards == {}

@@ -65,6 +65,10 @@ def test_connection_paths_call_a_peer_relayed_only_if_every_connection_is():
              SimpleNamespace(peer_id="B", addrs=["/ip4/10.99.0.11/tcp/2"]),
              SimpleNamespace(peer_id="C", addrs=["/ip4/10.99.0.10/tcp/1/p2p/R/p2p-circuit", "/ip4/10.99.0.12/tcp/3"])]
     assert connection_paths(infos) == {"A": "relay", "B": "direct", "C": "direct"}
+    # the daemon lists one entry per connection: a relayed one after a direct one is still direct
+    both = [SimpleNamespace(peer_id="D", addrs=["/ip4/10.99.0.13/tcp/4"]),
+            SimpleNamespace(peer_id="D", addrs=["/ip4/10.99.0.10/tcp/1/p2p/R/p2p-circuit"])]
+    assert connection_paths(both) == connection_paths(both[::-1]) == {"D": "direct"}
 
 
 def test_circuit_addresses_carry_peer_ids_as_multihashes():
