@@ -156,7 +156,8 @@ def launch(
                                    "-1: off, joiners get the state over libp2p). Forward it beside the libp2p "
                                    "port behind a port forward."),
     peer: list[str] = typer.Option([], help="Multiaddr(s) of live peers to reconnect to after a restart."),
-    identity: Optional[Path] = typer.Option(None, help="Identity file.", show_default="STATE_DIR/identity.key"),
+    identity: Optional[Path] = typer.Option(None, help="Identity file (from `groundswell keygen`).",
+                                            show_default="STATE_DIR/identity.key, made if missing"),
     state_dir: Path = typer.Option(Path("groundswell-run"), help="Checkpoints and logs; reuse it to resume."),
     quiet: bool = typer.Option(False, help="No live table (for scripts)."),
     verbose: bool = typer.Option(False, help="Log protocol events."),
@@ -213,7 +214,8 @@ def launch(
 @_user_errors
 def join(
     bootstrap: str = typer.Argument(..., help="The line `groundswell launch` printed (gs1:...)."),
-    identity: Optional[Path] = typer.Option(None, help="Identity file.", show_default="STATE_DIR/identity.key"),
+    identity: Optional[Path] = typer.Option(None, help="Identity file (from `groundswell keygen`).",
+                                            show_default="STATE_DIR/identity.key, made if missing"),
     device: str = typer.Option("cpu", help="cpu or cuda."),
     state_dir: Path = typer.Option(Path("groundswell-peer"), help="Checkpoints and logs; reuse it to resume."),
     max_rounds: Optional[int] = typer.Option(None, help="Leave after this many applied rounds."),
