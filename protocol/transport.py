@@ -17,7 +17,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-import struct
 import time
 from collections import Counter
 from collections.abc import Awaitable, Callable, Iterator
@@ -26,12 +25,12 @@ from typing import Any
 
 from .digests import bulk_hasher
 from .envelope import seal, unseal
+from .framing import _LEN, read_frame, read_frame_into, read_until_eof, write_frame
 from .guard import Guard
 from .identity import Identity
 from .schema import MAX_SMALL, PROTOCOL_VERSION, Message, ProtocolError
 
 log = logging.getLogger(__name__)
-_LEN = struct.Struct(">Q")
 # Sealed request size up to which a request is a unary call: measured between two local
 # processes (scripts/bench_p2p_requests.py), a unary call costs half the CPU of a stream at 300
 # bytes, 1.4x at 64 KiB and 2.3x at 256 KiB (the daemon handles unary messages whole, with copies).
@@ -76,52 +75,6 @@ class PeerDead(PeerGone):
 
 class Refused(Exception):
     """An inbound unary request we do not answer; the caller sees it end unanswered (`PeerGone`)."""
-
-
-async def write_frame(writer: asyncio.StreamWriter, data: bytes) -> None:
-    """Write one length-prefixed frame."""
-    writer.write(_LEN.pack(len(data)))
-    writer.write(data)
-    await writer.drain()
-
-
-async def read_frame(reader: asyncio.StreamReader, max_bytes: int, start_s: float | None = None) -> bytes:
-    """Read one length-prefixed frame, refusing lengths over `max_bytes` before reading them;
-    `start_s`: TimeoutError unless its length has arrived within that many seconds."""
-    async with asyncio.timeout(start_s):
-        header = await reader.readexactly(_LEN.size)
-    (size,) = _LEN.unpack(header)
-    if size > max_bytes:
-        raise ProtocolError(f"frame of {size} bytes exceeds the limit of {max_bytes}", reason="oversized")
-    return await reader.readexactly(size)
-
-
-async def read_frame_into(reader: asyncio.StreamReader, max_bytes: int, chunk: int = 1 << 20,
-                          hasher: Any = None) -> bytearray:
-    """`read_frame` for bulk data: same length check first, then reads of `chunk` bytes into one
-    preallocated buffer (one `readexactly` of a huge frame grows the reader's buffer to the whole
-    frame and copies it out again); `hasher` (BLAKE3, or anything with `update`) is fed each piece as it arrives."""
-    (size,) = _LEN.unpack(await reader.readexactly(_LEN.size))
-    if size > max_bytes:
-        raise ProtocolError(f"frame of {size} bytes exceeds the limit of {max_bytes}", reason="oversized")
-    buf = bytearray(size)
-    view = memoryview(buf)
-    got = 0
-    while got < size:
-        part = await reader.read(min(chunk, size - got))
-        if not part:
-            raise asyncio.IncompleteReadError(bytes(view[:got]), size)
-        view[got:got + len(part)] = part
-        got += len(part)
-        if hasher is not None:
-            hasher.update(part)
-    return buf
-
-
-async def read_until_eof(reader: asyncio.StreamReader) -> None:
-    """Read and drop whatever the other side still sends, until it closes its end."""
-    while await reader.read(1 << 16):
-        pass
 
 
 @dataclass(frozen=True)

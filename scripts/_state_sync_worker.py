@@ -124,7 +124,7 @@ class _Server:
     # the swarm node -------------------------------------------------------------------------------
     def p2p_start(self, members: list[str]) -> dict:
         from groundswell.peer.swarm import NodeOptions, SwarmNode
-        from groundswell.protocol.transport import read_frame, write_frame
+        from groundswell.protocol.framing import read_frame, write_frame
 
         self.node = SwarmNode(self.identity, self.identity_path, NodeOptions(host_maddrs=["/ip4/127.0.0.1/tcp/0"]))
         self.node.start()
@@ -260,7 +260,7 @@ class _Client:
     def raw(self, server_id: str, size: int, warmup: int, repeats: int, chunked: bool = False) -> dict:
         """The bare libp2p stream: one frame of `size` bytes, nothing else; read with the protocol's
         `read_frame` or (chunked) with `read_frame_into`."""
-        from groundswell.protocol.transport import read_frame, read_frame_into, write_frame
+        from groundswell.protocol.framing import read_frame, read_frame_into, write_frame
         from hivemind.p2p import PeerID
 
         node = self.node

@@ -303,8 +303,9 @@ def test_a_slow_reader_still_gets_the_whole_trailer(net):
     # The handler has written everything before this caller reads the trailer; p2pd resets a
     # stream whose handler hangs up first, which would drop what the caller's daemon still holds.
     from groundswell.protocol.envelope import seal
+    from groundswell.protocol.framing import read_frame, read_frame_into
     from groundswell.protocol.schema import StateReply
-    from groundswell.protocol.transport import WithTrailer, read_frame, read_frame_into
+    from groundswell.protocol.transport import WithTrailer
     from hivemind.p2p import PeerID
 
     blob = os.urandom(4 << 20)
@@ -386,3 +387,29 @@ def test_hivemind_reader_survives_a_reply_to_a_call_that_just_timed_out(hardened
         assert survived and result == b"on time"
     else:  # hivemind 1.1.12 as shipped: the reader dies on the late reply and never reads the next
         assert not survived
+
+
+def test_a_large_frame_is_written_a_piece_at_a_time_with_a_drain_after_each():
+    # Written whole, whatever a slow reader's socket did not take was copied into the stream's
+    # buffer: each concurrent state download over a stream held a second copy of the state.
+    import asyncio as aio
+
+    from groundswell.protocol.framing import WRITE_PIECE, write_frame
+
+    class Writer:
+        def __init__(self) -> None:
+            self.log: list[object] = []
+
+        def write(self, b) -> None:
+            self.log.append(len(b))
+
+        async def drain(self) -> None:
+            self.log.append("drain")
+
+    for size in (0, 5, WRITE_PIECE, 3 * WRITE_PIECE + 7):
+        w = Writer()
+        aio.run(write_frame(w, bytes(size)))
+        writes = [x for x in w.log if x != "drain"]
+        assert writes[0] == 8 and sum(writes[1:]) == size and max(writes[1:], default=0) <= WRITE_PIECE
+        # every piece is drained before the next is written; an empty frame is drained too
+        assert w.log[-1] == "drain" and all(w.log[i + 1] == "drain" for i in range(1, len(w.log) - 1, 2))
