@@ -45,8 +45,11 @@ def _user_errors(fn: Callable[..., Any]) -> Callable[..., Any]:
             return fn(*args, **kwargs)
         except (ConfigError, ManifestError, BootstrapError, NetworkError, DataError, WorkloadError, CodecError,
                 SimulationError, IdentityError, OSError) as exc:  # OSError: a missing file, a full disk...
+            if isinstance(exc, (TimeoutError, ConnectionError)):  # network ones are OSErrors too: bugs here
+                raise
             # escaped: messages quote manifest syntax ("[run]", "[a-z0-9-]") that rich would eat as markup
-            console.print(f"[bold red]error:[/] {escape(str(exc))}", highlight=False, soft_wrap=True)
+            console.print(f"[bold red]error:[/] {escape(str(exc) or type(exc).__name__)}", highlight=False,
+                          soft_wrap=True)
             raise typer.Exit(2) from None
         except KeyboardInterrupt:  # Ctrl+C before a command's own handler, or pressed twice
             console.print("[yellow]interrupted[/]")

@@ -40,9 +40,10 @@ def run_coordinator(p: Participant, *, stop: StopFlag, on_round: Callable[[Round
     # once, even mid-attempt (the volunteers re-pick any role it held, as when a peer dies).
     p.node.interrupt_calls_on(stop.event)
     try:
+        saved = p.outer.round_id  # what our newest checkpoint holds
         if resumed is not None:
             _follow_the_swarm(p)  # the volunteers may have gone on without us
-        _follow_rounds(p, stop, on_round, checkpoint_every or m.checkpoint.every_rounds)
+        _follow_rounds(p, stop, on_round, checkpoint_every or m.checkpoint.every_rounds, saved)
     except Stopped:
         pass
     finally:
@@ -52,21 +53,20 @@ def run_coordinator(p: Participant, *, stop: StopFlag, on_round: Callable[[Round
         p.save_checkpoint()
 
 
-def _follow_rounds(p: Participant, stop: StopFlag, on_round: Callable[[RoundInfo], None], checkpoint_every: int) -> None:
+def _follow_rounds(p: Participant, stop: StopFlag, on_round: Callable[[RoundInfo], None], checkpoint_every: int,
+                   saved: int) -> None:
     """The coordinator's rounds: take part in each attempt (it serves, never trains), apply every
-    committed round, evaluate, checkpoint; until stopped."""
+    committed round, evaluate, checkpoint; until stopped. `saved`: the round our newest checkpoint holds."""
     m = p.manifest
     client = p.node.client
     assert client is not None
     last_sent: dict[str, int] = {}  # volunteers' cumulative bytes, for the per-round figure ...
     sent_round = p.outer.round_id  # ... as of the start of this round
-    saved = p.outer.round_id  # the round our newest checkpoint holds (or the one we started from)
     t0 = time.perf_counter()  # when the round in progress began: its retries count in its time
     while not stop:
         r = p.outer.round_id
-        if r // checkpoint_every > saved // checkpoint_every:  # also for rounds we caught up on
-            p.save_checkpoint()
-            saved = r
+        if r // checkpoint_every > saved // checkpoint_every and p.save_checkpoint() is not None:
+            saved = r  # also after rounds we caught up on; a failed save is tried again next time
         if r != sent_round and not last_sent:
             sent_round = r  # nothing counted yet: count from here
         try:
@@ -131,8 +131,7 @@ def _follow_rounds(p: Participant, stop: StopFlag, on_round: Callable[[RoundInfo
                        hash=info.params_hash, eval_loss=loss, clipped=client.clipped.get(r, {}), shards=d.num_shards,
                        round_s=info.round_s, peer=p.identity.peer_id, role="coordinator")
         on_round(info)
-        if p.outer.round_id // checkpoint_every > saved // checkpoint_every:
-            p.save_checkpoint()
+        if p.outer.round_id // checkpoint_every > saved // checkpoint_every and p.save_checkpoint() is not None:
             saved = p.outer.round_id
 
 

@@ -25,6 +25,7 @@ peer never punches to its own machine or to a non-unicast address, whoever asks.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import errno
 import ipaddress
 import logging
@@ -252,6 +253,9 @@ class PunchTarget:
                     if running:
                         _end(inner_w)
                         _end(outer_w)
+                if not running:  # both sides done: their last bytes go out before we close (bounded)
+                    await _flush_and_close(inner_w)
+                    await _flush_and_close(outer_w)
             finally:
                 _end(inner_w)
         finally:
@@ -349,3 +353,10 @@ def _end(writer: asyncio.StreamWriter) -> None:
         writer.transport.abort()
     else:
         writer.close()
+
+
+async def _flush_and_close(writer: asyncio.StreamWriter) -> None:
+    """Close a finished forward's side once its buffered bytes are out (at most HALF_CLOSED_S)."""
+    writer.close()
+    with contextlib.suppress(TimeoutError, OSError):
+        await asyncio.wait_for(writer.wait_closed(), HALF_CLOSED_S)

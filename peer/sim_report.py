@@ -60,6 +60,8 @@ def build_report(out: Path, opts: "SimulateOptions", driver_events: list[dict], 
         for e in evs:
             if e["kind"] == "follow" and e.get("hash"):
                 hashes.setdefault(e["round"], set()).add(e["hash"])
+                if e["round"] not in end_t or e["t"] - t0 < end_t[e["round"]]:
+                    end_t[e["round"]] = e["t"] - t0  # (whom it counted is not logged there)
     divergent = sorted(r for r, h in hashes.items() if len(h) > 1)
     volunteer_rounds = [e for e in rounds if e["who"] != "coordinator"]
     # A commit that names a peer but counts what its crashed process sent (`superseded`) loses
@@ -81,11 +83,11 @@ def build_report(out: Path, opts: "SimulateOptions", driver_events: list[dict], 
             after = [end_t[r] for r in order if end_t[r] > ev["t"]]
             if after:
                 recovery.append(round(after[0] - ev["t"], 2))
-            after = [end_t[r] for r in order if end_t[r] > ev["t"] and pid not in contributors[r]]
+            after = [end_t[r] for r in order if end_t[r] > ev["t"] and r in contributors and pid not in contributors[r]]
             if after:
                 excluding.append(round(after[0] - ev["t"], 2))
         elif ev["kind"] in ("restart", "join"):
-            after = [end_t[r] for r in order if end_t[r] > ev["t"] and pid in contributors[r]]
+            after = [end_t[r] for r in order if end_t[r] > ev["t"] and pid in contributors.get(r, ())]
             if after:
                 rejoin.append(round(after[0] - ev["t"], 2))
     n = opts.peers

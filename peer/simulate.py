@@ -132,7 +132,7 @@ def _rounds_done(out: Path, seen: dict[Path, tuple[int, int]] | None = None) -> 
             continue
         complete = chunk[:chunk.rfind(b"\n") + 1]  # a line still being written is read next time
         for line in complete.splitlines():
-            if b'"kind": "round"' in line:
+            if b'"kind": "round"' in line or b'"kind": "follow"' in line:  # applied, or caught up on
                 try:
                     best = max(best, json.loads(line)["round"])
                 except (json.JSONDecodeError, KeyError, TypeError):

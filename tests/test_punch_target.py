@@ -315,3 +315,39 @@ def test_a_dropped_forward_with_bytes_unsent_leaves_no_socket_registered_with_th
     registered, target = asyncio.run(go())
     assert not registered, "the dropped forward's socket is still registered with the event loop"
     assert target.live == set() and target._forwards == {}
+
+
+def test_a_forward_that_ends_normally_delivers_its_last_bytes_to_a_slow_reader():
+    """Both sides done, the bytes still buffered for a slow dialer go out before the forward
+    closes (a first version of the abort above dropped them, found by a review)."""
+    size = 2 << 20
+
+    async def go():
+        async def daemon(r, w):  # answers with a lot, then hangs up
+            w.write(b"y" * size)
+            await w.drain()
+            w.close()
+
+        accepted: asyncio.Future = asyncio.get_running_loop().create_future()
+        daemon_srv = await asyncio.start_server(daemon, "127.0.0.1", 0)
+        dialer_srv = await asyncio.start_server(lambda r, w: accepted.set_result((r, w)), "127.0.0.1", 0)
+        async with asyncio.TaskGroup() as tasks:
+            target = PunchTarget(daemon_srv.sockets[0].getsockname()[1], "127.0.0.1", frozenset({"boot"}), tasks)
+            dialer_srv.sockets[0].setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+            sock = socket.socket()
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, 4096)  # small kernel buffers: bytes wait in ours
+            sock.setblocking(False)
+            sock.connect_ex(("127.0.0.1", dialer_srv.sockets[0].getsockname()[1]))
+            tasks.create_task(target._complete(sock, "dialer"))
+            r, w = await asyncio.wait_for(accepted, 5)
+            w.write_eof()  # the dialer has nothing more to say, and reads slowly
+            got = 0
+            while chunk := await asyncio.wait_for(r.read(1 << 16), 10):
+                got += len(chunk)
+                await asyncio.sleep(0.005)
+            w.close()
+        daemon_srv.close()
+        dialer_srv.close()
+        return got
+
+    assert asyncio.run(go()) == size

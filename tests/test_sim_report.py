@@ -181,3 +181,15 @@ def test_a_round_applied_in_catching_up_counts_in_the_hash_agreement(tmp_path):
     assert report["divergent_rounds"] == [1] and report["param_hash_agreement"] is False
     assert report["hash_mismatches"] == 1
     assert not any(e["kind"] == "follow" for e in report["events"])
+
+
+def test_a_round_known_only_from_catching_up_counts_as_completed(tmp_path):
+    # Round 2 was applied by the volunteers in the exchange but logged, before they left, only by
+    # a peer that caught up on it: the run reached its target (it used to read as 2 of 3 rounds).
+    _write(tmp_path, "coordinator", [_round(1.0, 0, "C"), _round(2.0, 1, "C")])
+    _write(tmp_path, "peer-0", [_round(1.0, 0, "P"), _round(2.0, 1, "P"),
+                                {"t": 3.0, "kind": "follow", "round": 2, "hash": "h2", "peer": "P"}])
+    report = build_report(tmp_path, SimulateOptions(peers=1, rounds=3), [], wall_s=3.0, t0=0.0)
+    assert report["rounds_completed"] == 3 and report["param_hash_agreement"] is True
+    assert report["round_end_t"] == [1.0, 2.0, 3.0]
+    assert _rounds_done(tmp_path) == 2
