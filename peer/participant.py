@@ -348,7 +348,7 @@ class Participant:
         checkpoint then records the last one, and a restart keeps the work it holds)."""
         if self.state_dir is None or self._snapshot is None:
             return None
-        path = checkpoint_path(self.state_dir, self._snapshot.round)  # named for what it holds
+        path = checkpoint_path(self.state_dir, self.outer.round_id)
         state = {"round": self._snapshot.round, "tensors": self._snapshot.tensors, "decision": self._snapshot.decision,
                  "outer": self.outer.state_dict() if self.outer.pending is None else None, **(extra or {})}
         if settled and self.outer.pending is None:
