@@ -226,10 +226,10 @@ def test_a_retry_counts_only_when_one_of_the_attempts_leaders_signed_it(make_clu
     from groundswell.protocol.schema import Decision, DecisionReply, ProtocolError
 
     c = make_cluster(n=4, codec_name="fp32", min_peers=2, deadline_s=9.0, slack_s=1.0)
-    node = c.nodes[0]
-    plan = node.call(node.server.plan(0, 0, 5.0), timeout_s=10)
+    plan = c.nodes[0].call(c.nodes[0].server.plan(0, 0, 5.0), timeout_s=10)
     hostile = next(i for i, p in enumerate(c.ids) if p not in plan.leaders)
     leader = c.ids.index(plan.leaders[-1])
+    node = c.nodes[next(i for i in range(4) if i != hostile)]  # asks the hostile peer over the network
 
     def retry(signer: int, attempt: int = 0) -> bytes:
         return seal(c.nodes[signer].identity, c.ctx.run_id, Decision(
