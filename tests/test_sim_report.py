@@ -101,7 +101,7 @@ def test_addresses_skip_a_file_being_written(tmp_path):
 
 
 def test_simulate_exits_nonzero_when_the_run_failed(tmp_path, monkeypatch):
-    import groundswell.peer.simulate as simulate
+    from groundswell.peer import simulate
 
     base = {"rounds_completed": 3, "rounds_target": 3, "peers": 2, "codec": "sparseloco",
             "eval_loss_by_round": [5.0, 4.0, 3.0], "bytes_sent_per_peer_per_round": 1e3,
