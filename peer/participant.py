@@ -124,9 +124,10 @@ class Participant:
         self.identity = identity
         self.device = device
         self.state_dir = state_dir
+        self.work_token: str | None = None  # names the contribution in flight in work.pt (see work_file)
         if state_dir is not None:
             state_dir.mkdir(parents=True, exist_ok=True)
-            for stale in [*state_dir.glob("checkpoint-*.tmp"), state_dir / "contributed.tmp"]:
+            for stale in [*state_dir.glob("checkpoint-*.tmp"), state_dir / "contributed.tmp", state_dir / "work.tmp"]:
                 try:
                     stale.unlink(missing_ok=True)  # half-written by a process that was killed mid-write
                 except OSError:  # an unwritable state dir is reported when we first write to it
@@ -188,7 +189,8 @@ class Participant:
             # same attempt would cost us an equivocation strike at every aggregator, and a restart
             # from an older checkpoint must know this work went out (or it sends it again).
             write_atomically(self.state_dir / "contributed.json",
-                             lambda f: f.write(json.dumps({"round": round_id, "attempt": attempt}).encode()))
+                             lambda f: f.write(json.dumps({"round": round_id, "attempt": attempt,
+                                                           "work": self.work_token}).encode()))
         except OSError as exc:
             log.error("could not record the contribution (%s): not sending it; training goes on", exc)
             self.events.write("contribution-not-recorded", round=round_id, error=str(exc), peer=self.identity.peer_id)
@@ -344,8 +346,9 @@ class Participant:
     def save_checkpoint(self, extra: dict[str, Any] | None = None, settled: bool = False) -> Path | None:
         """Atomically write the state (write to a temp file, fsync, rename); keep the newest few.
         A failure (disk full, read-only dir) is reported and training goes on from memory.
-        `settled`: every contribution made so far has a known outcome, taken into this state (the
-        checkpoint then records the last one, and a restart keeps the work it holds)."""
+        `settled`: every contribution made so far has a known outcome taken into this state, or is
+        listed in `extra["unsettled"]` to be settled late (the checkpoint then records the last
+        one, and a restart keeps the work it holds)."""
         if self.state_dir is None or self._snapshot is None:
             return None
         path = checkpoint_path(self.state_dir, self.outer.round_id)

@@ -7,7 +7,7 @@ from __future__ import annotations
 import logging
 
 import torch
-from groundswell.optim import copy_into_parameters
+from groundswell.optim import SparseLoCo, copy_into_parameters
 from groundswell.protocol.schema import ProtocolError
 from groundswell.protocol.transport import PeerUnavailable
 
@@ -15,6 +15,7 @@ from .net_errors import NetworkError
 from .participant import Participant
 from .run_state import GlobalState
 from .state_trust import NoNewerState
+from .work_file import resumable_work
 
 log = logging.getLogger(__name__)
 
@@ -26,8 +27,19 @@ def resume_and_sync(p: Participant, bootstrap_peers: list[str]) -> dict | None:
     loaded = resumed is not None and resumed.get("outer") is not None
     if loaded:
         p.load_global(GlobalState(resumed["round"], resumed["tensors"], resumed["decision"]))
-        if not _unsent_work_is_ours(p, resumed):
+        work = None
+        if isinstance(p.outer, SparseLoCo) and p.state_dir is not None:
+            work = resumable_work(p.state_dir, p.outer.global_params.numel(), resumed.get("settled"))
+        if work is not None:  # newer than the checkpoint: the error feedback as of our last contribution
+            record, unsettled = work
+            p.outer.error = record.error.to(p.outer.global_params.device)
+            resumed.pop("local_progress", None)  # trained before that contribution: in its error feedback
+            resumed["unsettled"] = [(w.round_id, w.segments, w.decayed) for w in unsettled]
+            p.events.write("work-restored", round=record.round_id, unsettled=[w.round_id for w in unsettled],
+                           peer=p.identity.peer_id)
+        elif not _unsent_work_is_ours(p, resumed):
             resumed.pop("local_progress", None)
+            resumed.pop("unsettled", None)  # their work is not ours any more either
         elif resumed["outer"].get("algorithm") == "sparseloco":  # our own error feedback: work not yet sent
             p.outer.error = resumed["outer"]["error"].to(p.outer.global_params.device)
         p.events.write("resume", round=p.outer.round_id, peer=p.identity.peer_id)
@@ -46,12 +58,25 @@ def resume_and_sync(p: Participant, bootstrap_peers: list[str]) -> dict | None:
     return resumed
 
 
+def unsettled_from(resumed: dict) -> list[tuple[int, list[bytes], int]]:
+    """The contributions of unknown outcome a checkpoint or work record lists, as
+    `SwarmExchange.restore_unsettled` takes them (a malformed list is reported and ignored)."""
+    items = resumed.get("unsettled") or []
+    try:
+        checked = [(int(r), [bytes(s) for s in segs], int(decayed)) for r, segs, decayed in items]
+    except (TypeError, ValueError) as exc:
+        log.warning("the checkpoint's list of unsettled contributions is unreadable (%s); ignoring it", exc)
+        return []
+    return checked
+
+
 def _unsent_work_is_ours(p: Participant, resumed: dict) -> bool:
     """May the work a checkpoint holds that was not sent yet (SparseLoCo's error feedback, local
     progress) be sent now? Not if the process before us contributed after that checkpoint: what it
     sent came out of that work and may be in the swarm's parameters already, and sending it again
     would count it twice. Dropping it loses only what had not been sent."""
-    holds_work = "local_progress" in resumed or resumed["outer"].get("algorithm") == "sparseloco"
+    holds_work = "local_progress" in resumed or resumed["outer"].get("algorithm") == "sparseloco" \
+        or bool(resumed.get("unsettled"))
     contributed = p._contributed_before()
     sent_since = [r for r in contributed if r >= resumed["round"]]
     if not sent_since or not holds_work:

@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from groundswell.compression import Payload
-from groundswell.optim import RoundFailed
+from groundswell.optim import RoundFailed, SparseLoCo
 from groundswell.protocol.client import RoundBehind
 from groundswell.protocol.schema import ProtocolError
 from groundswell.protocol.transport import PeerUnavailable
@@ -19,9 +19,10 @@ from groundswell.protocol.transport import PeerUnavailable
 from .byzantine import Attack
 from .config import DataSection
 from .participant import Participant
-from .resume import restore_local_progress, resume_and_sync, torch_load_params
+from .resume import restore_local_progress, resume_and_sync, torch_load_params, unsettled_from
 from .run_state import params_hash
 from .swarm_exchange import NeedResync, SwarmExchange
+from .work_file import WorkJournal
 from .worker import InnerStats, InnerTrainer
 
 log = logging.getLogger(__name__)
@@ -92,6 +93,12 @@ def run_volunteer(p: Participant, bootstrap_peers: list[str], *, max_rounds: int
         p.save_checkpoint({"inner": trainer.state_dict()})
     loop = _VolunteerLoop(p, SwarmExchange(p.node, serves=p.node.options.serves), trainer, bootstrap_peers, stop,
                           on_round)
+    journal = WorkJournal(p.state_dir, enabled=isinstance(p.outer, SparseLoCo))
+    if resumed is not None and (unsettled := unsettled_from(resumed)):
+        # the process before us sent these and stopped before their outcome: settled now, before
+        # our first contribution, so that work a commit counted is not in it a second time
+        loop.exchange.restore_unsettled(unsettled)
+        loop.settle_late()
 
     def more() -> bool:
         return not stop and (max_rounds is None or loop.applied < max_rounds) and (
@@ -120,7 +127,11 @@ def run_volunteer(p: Participant, bootstrap_peers: list[str], *, max_rounds: int
                 break
         r = p.outer.round_id
         payloads = p.outer.prepare()
-        loop.exchange.contribute(r, attack.tamper(payloads) if attack is not None else payloads)
+        sent = attack.tamper(payloads) if attack is not None else payloads
+        if isinstance(p.outer, SparseLoCo):  # on disk before contributed.json can name it (see work_file)
+            p.work_token = journal.start()
+            journal.record(r, p.outer.error, [x.to_bytes() for x in sent], loop.exchange.unsettled_work())
+        loop.exchange.contribute(r, sent)
         in_flight = (r, stats, t0, time.perf_counter())
         if not m.outer.overlap:
             loop.settle(*in_flight)
@@ -133,7 +144,7 @@ def run_volunteer(p: Participant, bootstrap_peers: list[str], *, max_rounds: int
     except (PeerUnavailable, TimeoutError, RuntimeError) as exc:
         log.info("could not list connections: %s", exc)
     write_defence_counts(p)
-    p.save_checkpoint({"inner": trainer.state_dict()}, settled=not loop.exchange.unsettled)
+    loop.checkpoint()
 
 
 async def _connection_report(node: Any) -> dict[str, Any]:
@@ -245,10 +256,16 @@ class _VolunteerLoop:
                        compute_s=stats.compute_s, blocked_s=blocked_s, peer=p.identity.peer_id)
         self.on_round(info)
         if (r + 1) % m.checkpoint.every_rounds == 0:
-            p.save_checkpoint({"inner": self.trainer.state_dict()}, settled=not self.exchange.unsettled)
+            self.checkpoint()
         if not self.stop:
             _catch_up_or_resync(p, self.bootstrap_peers, fresh=False)  # we just applied a round: rarely behind
 
+
+    def checkpoint(self) -> None:
+        """Save the state with the contributions whose outcome is still open: each is settled late
+        after a restart, so the checkpoint counts as settled (its work stays ours)."""
+        self.p.save_checkpoint({"inner": self.trainer.state_dict(), "unsettled": self.exchange.unsettled_work()},
+                               settled=True)
 
     def settle_late(self) -> None:
         """Our contributions whose outcome we did not know when their round was settled (kept as

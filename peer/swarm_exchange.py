@@ -40,6 +40,7 @@ class Unsettled:
     segments: list[bytes]  # the payloads as sent: a commit counts them if it pins their digests
     included: bool | None  # None: unknown until the round's commit is known here
     prepared: int  # `SwarmExchange.prepared` when it was contributed
+    retried: bool = False  # its attempt was decided "retry" (see `_outcome`)
 
 
 class SwarmExchange:
@@ -107,12 +108,24 @@ class SwarmExchange:
         mean, _ = await asyncio.gather(fetch(), announce())
         return outcome, mean
 
-    def _unsettled(self, round_id: int, included: bool | None) -> None:
-        self.unsettled.append(Unsettled(round_id, self._segments, included, self.prepared))
+    def _unsettled(self, round_id: int, included: bool | None, retried: bool = False) -> None:
+        if retried:  # a later attempt adopts the commit of the one before it, or (rarely) of the one before that
+            for old in [u for u in self.unsettled if u.retried and u.round_id == round_id][:-1]:
+                self.unsettled.remove(old)
+        self.unsettled.append(Unsettled(round_id, self._segments, included, self.prepared, retried))
         for dropped in self.unsettled[:-4]:  # a peer failing round after round keeps the newest few
-            log.warning("round %d: forgot a contribution whose outcome was not learned; its work stays ours",
-                        dropped.round_id)
+            (log.info if dropped.retried else log.warning)(
+                "round %d: forgot a contribution whose outcome was not learned; its work stays ours", dropped.round_id)
         del self.unsettled[:-4]
+
+    def unsettled_work(self) -> list[tuple[int, list[bytes], int]]:
+        """(round, segments as sent, contributions prepared since) of each unsettled contribution."""
+        return [(u.round_id, u.segments, self.prepared - u.prepared) for u in self.unsettled]
+
+    def restore_unsettled(self, items: Sequence[tuple[int, list[bytes], int]]) -> None:
+        """Take over contributions of an earlier process whose outcome is unknown, given as
+        `unsettled_work` lists them (each settles late, by digest, like one of ours)."""
+        self.unsettled.extend(Unsettled(r, list(segs), None, self.prepared - decayed) for r, segs, decayed in items)
 
     def take_unsettled(self, applied_below: int) -> list[Unsettled]:
         """The unsettled contributions of rounds the global parameters have taken (those below
@@ -125,7 +138,7 @@ class SwarmExchange:
         """Did round `round_id`'s commit count these segments? The commit is asked of a few peers
         that applied the round if this peer does not hold it (it took a later state meanwhile).
         Bounded by one request timeout (ask_decision answers b"" on any failure).
-        None: not known here (no holder had it, or its digests cannot be checked here)."""
+        None: not known here (no holder had it)."""
         book, client = self.node.book, self.node.client
         if book is None or client is None:
             return None
@@ -138,7 +151,7 @@ class SwarmExchange:
         committed = book.committed.get(round_id)
         if committed is None:
             return None
-        return await client.counts_ours(committed[1], segments, strict=True)
+        return await client.counts_ours(committed[1], segments)
 
     def announce(self, round_id: int) -> None:
         """Ask to be waited for in `round_id` (best effort, in the background of training)."""
@@ -179,6 +192,11 @@ class SwarmExchange:
                 self._unsettled(round_id, None)
                 why = "no leader answered"
             else:  # the usual cause while a run fills up: fewer volunteers than min_peers
+                # A commit of this attempt that its leader sealed, then took back with this retry,
+                # may still be adopted by a later attempt if the take-back missed an aggregator:
+                # whether the round counted this contribution is open until the round commits
+                # (then it is settled by digest; almost always: not counted).
+                self._unsettled(round_id, None, retried=True)
                 why = (f"the leader decided to retry: fewer than {ctx.min_peers} complete contributions "
                        "(the run's min_peers) arrived in time, or an aggregator failed")
             raise RoundFailed(f"round {round_id} attempt {outcome.attempt}: {why}")

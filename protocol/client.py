@@ -19,7 +19,7 @@ from .claims import ping
 from .context import DecisionBook, contribution_digest
 from .envelope import unseal
 from .fetch import AggregateFetcher
-from .plan import RoundPlan, attempt_for, close_time
+from .plan import RoundPlan, attempt_for, close_time, shard_bounds
 from .schema import (
     Ack,
     AggregateShard,
@@ -140,19 +140,22 @@ class RoundClient(AggregateFetcher):
         included = await self.counts_ours(decision, segments)
         return AttemptResult(decision, signed, attempt, delivered, included)
 
-    async def counts_ours(self, decision: Decision | None, segments: list[bytes] | None,
-                          strict: bool = False) -> bool | None:
+    async def counts_ours(self, decision: Decision | None, segments: list[bytes] | None) -> bool:
         """Does a commit count the contribution we sent (its pinned digests are ours, in every shard)?
-        When the digests cannot be checked here (the round's plan is not known), a commit that
-        names us counts: True; or, `strict`, None (we may have sent it another contribution)."""
+        The commit's shard count fixes each shard's segments, so this needs no plan: a peer that
+        restarted, or jumped rounds ahead, checks an old commit as well as one on time."""
         if decision is None or decision.status != "commit" or segments is None or self.me not in decision.contributors:
             return False
-        plan = await self.server.plan(decision.round, decision.attempt, wait_s=0)
-        if plan is None or plan.num_shards != decision.num_shards:
-            return None if strict else True  # cannot check here: the commit names us
+        try:
+            bounds = shard_bounds(len(segments), decision.num_shards)
+        except ValueError:  # not a split of segments like ours: it cannot pin them
+            return False
         mine = decision.contributors.index(self.me)
-        return all(decision_digests(decision, shard)[mine] == contribution_digest(first, segments[first:stop])
-                   for shard, (first, stop) in enumerate(plan.shard_segments))
+        for shard, (first, stop) in enumerate(bounds):
+            pinned = decision_digests(decision, shard)
+            if len(pinned) <= mine or pinned[mine] != contribution_digest(first, segments[first:stop]):
+                return False
+        return True
 
     async def _tell(self, peer: str, handler: str, msg: Join) -> None:
         if peer == self.me:

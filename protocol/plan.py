@@ -77,6 +77,21 @@ def _rank(run_id: str, round_id: int, attempt: int, peer: str) -> bytes:
     return hashlib.blake2b(f"{run_id}/{round_id}/{attempt}/{peer}".encode(), digest_size=16).digest()
 
 
+def shard_bounds(num_segments: int, num_shards: int) -> tuple[tuple[int, int], ...]:
+    """[first, stop) segment indices of each of `num_shards` shards: contiguous, sizes differing by
+    at most one. A commit's `num_shards` alone fixes them, so a contributor can check a commit
+    against what it sent without the round's plan."""
+    if not 0 < num_shards <= num_segments:
+        raise ValueError(f"{num_shards} shards of {num_segments} segments")
+    base, extra = divmod(num_segments, num_shards)
+    bounds, start = [], 0
+    for s in range(num_shards):
+        stop = start + base + (1 if s < extra else 0)
+        bounds.append((start, stop))
+        start = stop
+    return tuple(bounds)
+
+
 def make_plan(
     run_id: str,
     round_id: int,
@@ -93,12 +108,6 @@ def make_plan(
         raise ValueError("num_segments and max_shards must be positive")
     order = sorted(set(servers), key=lambda p: _rank(run_id, round_id, attempt, p))
     num_shards = min(len(order), max_shards, num_segments)
-    base, extra = divmod(num_segments, num_shards)
-    bounds, start = [], 0
-    for s in range(num_shards):
-        stop = start + base + (1 if s < extra else 0)
-        bounds.append((start, stop))
-        start = stop
     return RoundPlan(
         round=round_id,
         attempt=attempt,
@@ -106,6 +115,6 @@ def make_plan(
         leaders=tuple(order[:3]),
         order=tuple(order),
         aggregators=tuple(order[:num_shards]),
-        shard_segments=tuple(bounds),
+        shard_segments=shard_bounds(num_segments, num_shards),
         trainers=tuple(sorted(set(trainers))),
     )

@@ -40,6 +40,8 @@ def test_kills_restarts_freezes_leaves_and_late_joins(tmp_path):
     assert report["rounds_completed"] >= 20
     assert report["param_hash_agreement"] and report["divergent_rounds"] == []
     assert report["lost_contributions"] == 0
+    # a restart takes back the unsent work (error feedback) of the process before (work.pt)
+    assert "unsent-work-dropped" not in kinds
     assert report["recovery_s"] and report["rejoin_s"]
     losses = [v for v in report["eval_loss_by_round"] if v is not None]  # the coordinator's evaluations
     assert len(losses) >= 2 and losses[-1] < losses[0]

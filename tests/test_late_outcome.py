@@ -59,13 +59,25 @@ def test_a_round_settled_without_its_outcome_is_remembered(outcome, raised, incl
     assert len(ex.take_unsettled(1)) == 1 and ex.unsettled == []
 
 
-def test_a_retry_decision_leaves_nothing_unsettled():
+def test_a_retried_contribution_stays_open_until_its_round_commits():
+    """A leader's retry takes back the commit it sealed, but a take-back that misses an
+    aggregator lets a later attempt adopt that commit: the contribution's outcome is open until
+    the round's commit is known (then it is settled by digest). Two retried attempts of a round
+    are kept, the newest."""
     retry = SimpleNamespace(status="retry", round=0, contributors=[])
     ex = SwarmExchange(_Node((AttemptResult(retry, b"", 0, True, False), None)))
-    ex.contribute(0, _payloads())
-    with pytest.raises(RoundFailed):
-        ex.collect(0)
-    assert ex.unsettled == []  # a retry is final: that attempt's contribution is in nothing
+    sent = []
+    for _ in range(3):
+        payloads = _payloads()
+        sent.append([p.to_bytes() for p in payloads])
+        ex.contribute(0, payloads)
+        with pytest.raises(RoundFailed):
+            ex.collect(0)
+    assert [(u.round_id, u.included, u.retried, u.prepared) for u in ex.unsettled] == [(0, None, True, 2),
+                                                                                         (0, None, True, 3)]
+    assert [u.segments for u in ex.unsettled] == sent[1:]
+    assert ex.unsettled_work() == [(0, sent[1], 1), (0, sent[2], 0)]
+    assert ex.take_unsettled(0) == []  # the round is still open
 
 
 def _loop(counted):
@@ -114,20 +126,24 @@ def test_a_contribution_no_commit_is_known_to_count_stays_ours(counted, event):
     assert events == event
 
 
-def test_a_late_check_does_not_count_a_commit_it_cannot_verify():
-    """Several contributions of ours may exist for one round (one per attempt): a commit that
-    names us, whose digests cannot be checked here, says nothing about which one it counts."""
+@pytest.mark.parametrize("sent,num_shards,expected", [
+    ([b"a", b"b", b"c"], 2, True), ([b"a", b"X", b"c"], 2, False),  # one shard's digest is not ours
+    ([b"a", b"b", b"c"], 4, False),  # not a split of three segments: it cannot pin ours
+])
+def test_a_commit_is_checked_by_its_digests_without_the_rounds_plan(sent, num_shards, expected):
+    """Several contributions of ours may exist for one round (one per attempt), and a restarted or
+    re-synced peer does not know old rounds' plans: the commit's shard count fixes each shard's
+    segments, so its pinned digests say which contribution it counts."""
     from groundswell.protocol.client import RoundClient
+    from groundswell.protocol.context import contribution_digest
 
-    async def no_plan(*args, **kwargs):
-        return None
-
+    ours = [b"a", b"b", b"c"]  # two shards: segments [0, 2) and [2, 3)
+    pinned = [b"\0" * 32, contribution_digest(0, ours[0:2]), b"\0" * 32, contribution_digest(2, ours[2:3])]
     client = object.__new__(RoundClient)
     client.me = "me"
-    client.server = SimpleNamespace(plan=no_plan)
-    commit = SimpleNamespace(status="commit", contributors=["me"], round=3, attempt=1, num_shards=2)
-    assert asyncio.run(client.counts_ours(commit, [b"x"])) is True  # on time: the commit names us
-    assert asyncio.run(client.counts_ours(commit, [b"x"], strict=True)) is None
+    commit = SimpleNamespace(status="commit", contributors=["other", "me"], round=3, attempt=1,
+                             num_shards=num_shards, digests=pinned)
+    assert asyncio.run(client.counts_ours(commit, sent)) is expected
 
 
 @pytest.mark.parametrize("holding,expected", [({"b"}, True), (set(), None)])
@@ -142,8 +158,8 @@ def test_a_commit_this_peer_does_not_hold_is_asked_of_the_peers_that_applied_the
             return b"signed"
         return b""
 
-    async def counts_ours(decision, segments, strict=False):
-        assert strict and decision.round == 5
+    async def counts_ours(decision, segments):
+        assert decision.round == 5
         return True
 
     node = _Node(None)

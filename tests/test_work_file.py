@@ -1,0 +1,134 @@
+"""SparseLoCo's unsent work survives a crash: `work.pt`, written after each contribution, gives a
+restart the error feedback as of that contribution, and the contributions whose outcome it did
+not know are settled late against their rounds' commits, by digest."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from types import SimpleNamespace
+
+import pytest
+import torch
+from groundswell.compression import make_codec
+from groundswell.optim import SparseLoCo, SparseLoCoConfig
+from groundswell.peer.roles import _VolunteerLoop
+from groundswell.peer.run_state import GlobalState
+from groundswell.peer.swarm_exchange import SwarmExchange
+from groundswell.peer.work_file import WorkJournal, read_work
+from test_resume import _factory, _offline
+
+
+def _events(tmp_path) -> list[str]:
+    return [json.loads(line)["kind"] for line in (tmp_path / "state" / "events.jsonl").read_text().splitlines()]
+
+
+@pytest.mark.parametrize("case", ["sent", "never-sent", "sent-again-since", "checkpoint-newer"])
+def test_a_restart_takes_its_error_feedback_from_the_work_record_that_matches_what_it_sent(tmp_path, corpus, case):
+    """The checkpoint (round 3) is older than the last contribution, as after most crashes: its
+    error feedback (ones) holds what that contribution sent. The work record (twos) holds it
+    with the contribution encoded, which is right whether or not a commit counted it, once the
+    contribution is settled late."""
+    from groundswell.peer.participant import genesis_decision
+    from groundswell.peer.resume import resume_and_sync
+
+    participant = _factory(tmp_path, corpus, outer={"algorithm": "sparseloco"})
+    p = participant()
+    p.outer.round_id = 3
+    p.outer.error = torch.ones_like(p.outer.global_params)
+    p._snapshot = GlobalState(3, {"global_params": p.outer.global_params.clone()},
+                              genesis_decision(p.identity, "unit"))
+    assert p.save_checkpoint() is not None
+    p._remember_contribution(3, 0)  # a contribution of an earlier process: before the record
+    journal = WorkJournal(p.state_dir, enabled=True)
+    p.work_token = journal.start()
+    # round 2's contribution is still unsettled; this one decays its work once more
+    assert journal.record(3, 2 * torch.ones_like(p.outer.error), [b"own"], [(2, [b"older"], 0)])
+    if case != "never-sent":  # then the network loop records it before sending
+        p._remember_contribution(3, 1)
+    if case == "sent-again-since":  # a later contribution whose record was never written
+        p.work_token = "another"
+        p._remember_contribution(4, 0)
+    if case == "checkpoint-newer":  # written once the outcome of attempt 1 was known
+        p.outer.error = 3 * torch.ones_like(p.outer.error)
+        assert p.save_checkpoint(settled=True) is not None
+
+    again = participant()
+    _offline(again)
+    resumed = resume_and_sync(again, [])
+    expected = {"sent": 2, "never-sent": 2, "sent-again-since": 0, "checkpoint-newer": 3}[case]
+    assert bool((again.outer.error == expected).all())
+    unsettled = {"sent": [(3, [b"own"], 0), (2, [b"older"], 1)], "never-sent": [(2, [b"older"], 1)]}.get(case)
+    assert resumed.get("unsettled") == unsettled
+    assert ("work-restored" in _events(tmp_path)) is (unsettled is not None)
+    assert ("unsent-work-dropped" in _events(tmp_path)) is (case == "sent-again-since")
+
+
+def test_a_torn_or_foreign_work_record_is_ignored(tmp_path):
+    (tmp_path / "work.pt").write_bytes(b"torn")
+    assert read_work(tmp_path, 10) is None
+    journal = WorkJournal(tmp_path, enabled=True)
+    journal.start()
+    assert journal.record(0, torch.zeros(10), [b"x"], [])
+    assert read_work(tmp_path, 10) is not None
+    assert read_work(tmp_path, 11) is None  # another model
+    assert not WorkJournal(tmp_path, enabled=False).record(0, torch.zeros(10), [b"x"], [])  # DiLoCo: no record
+
+
+def test_restored_contributions_are_settled_late_and_a_counted_one_leaves_the_error_feedback():
+    """Round 3's commit counted the crashed process's contribution; round 2's did not count the
+    earlier one. Only the first is taken out of the restored error feedback (undecayed: no
+    contribution was prepared after it)."""
+    n = 8192
+    outer = SparseLoCo([torch.nn.Parameter(torch.zeros(n))], make_codec("sparseloco"),
+                       SparseLoCoConfig(error_decay=0.5, eager=False))
+    own, older = outer.encode(torch.randn(n)), outer.encode(torch.randn(n))
+    own_bytes, older_bytes = [x.to_bytes() for x in own], [x.to_bytes() for x in older]
+    outer.round_id = 5  # the swarm's state the restart synced to
+    outer.error = 2 * torch.ones(n)
+    checked: list[int] = []
+
+    async def counts_ours(decision, segments):
+        checked.append(decision.round)
+        return segments == own_bytes
+
+    node = SimpleNamespace(book=SimpleNamespace(committed={r: (b"s", SimpleNamespace(round=r)) for r in (2, 3)}),
+                           client=SimpleNamespace(counts_ours=counts_ours), identity=SimpleNamespace(peer_id="me"),
+                           holders=lambda r: [])
+    exchange = SwarmExchange(node)  # type: ignore[arg-type]
+    exchange.restore_unsettled([(3, own_bytes, 0), (2, older_bytes, 1)])
+    events: list[str] = []
+    p = SimpleNamespace(outer=outer, identity=SimpleNamespace(peer_id="me"),
+                        node=SimpleNamespace(call=lambda coro, timeout_s: asyncio.run(coro)),
+                        events=SimpleNamespace(write=lambda kind, **kw: events.append(kind)))
+    _VolunteerLoop(p, exchange, None, [], None, None).settle_late()  # type: ignore[arg-type]
+    assert sorted(checked) == [2, 3] and exchange.unsettled == []
+    assert torch.allclose(outer.error, 2 - outer.decode(own))
+    assert events == ["included-late"]
+
+
+@pytest.mark.parametrize("contributed_after_save", [False, True])
+def test_a_checkpoint_lists_the_contributions_whose_outcome_is_open_and_a_restart_settles_them(
+        tmp_path, corpus, contributed_after_save):
+    """A checkpoint written while a retried attempt of round 3 may still be adopted lists that
+    contribution: the restart keeps the work and settles it late. A contribution sent after the
+    checkpoint makes both the work and the list another process's business (dropped)."""
+    from groundswell.peer.participant import genesis_decision
+    from groundswell.peer.resume import resume_and_sync, unsettled_from
+
+    participant = _factory(tmp_path, corpus, outer={"algorithm": "diloco", "codec": "fp32"})
+    p = participant()
+    p.outer.round_id = 3
+    p._snapshot = GlobalState(3, {"global_params": p.outer.global_params.clone(),
+                                  "momentum_buffer": p.outer.momentum_buffer.clone()},
+                              genesis_decision(p.identity, "unit"))
+    p._remember_contribution(3, 0)  # decided "retry"
+    assert p.save_checkpoint({"unsettled": [(3, [b"sent"], 0)]}, settled=True) is not None
+    if contributed_after_save:
+        p._remember_contribution(3, 1)
+
+    again = participant()
+    _offline(again)
+    resumed = resume_and_sync(again, [])
+    assert unsettled_from(resumed) == ([] if contributed_after_save else [(3, [b"sent"], 0)])
+    assert unsettled_from({"unsettled": [("x", 1)]}) == []  # malformed: ignored, not a crash
