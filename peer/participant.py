@@ -356,6 +356,7 @@ class Participant:
                  "outer": self.outer.state_dict() if self.outer.pending is None else None, **(extra or {})}
         if settled and self.outer.pending is None:
             state["settled"] = self._contributed_before()  # what contributed.json says now
+            state["work"] = self.work_token  # the newest work.pt written before it (see work_file)
         if self.outer.pending is None:
             # Local work not yet in anyone's hands (a left-out DiLoCo contribution, rebased; what
             # was trained while a round was exchanged): a restart resumes it instead of losing it.

@@ -5,6 +5,7 @@ back unless the process before it may have sent that work already."""
 from __future__ import annotations
 
 import logging
+from typing import Any
 
 import torch
 from groundswell.optim import SparseLoCo, copy_into_parameters
@@ -15,6 +16,7 @@ from .net_errors import NetworkError
 from .participant import Participant
 from .run_state import GlobalState
 from .state_trust import NoNewerState
+from .swarm_exchange import parse_unsettled
 from .work_file import resumable_work
 
 log = logging.getLogger(__name__)
@@ -29,13 +31,14 @@ def resume_and_sync(p: Participant, bootstrap_peers: list[str]) -> dict | None:
         p.load_global(GlobalState(resumed["round"], resumed["tensors"], resumed["decision"]))
         work = None
         if isinstance(p.outer, SparseLoCo) and p.state_dir is not None:
-            work = resumable_work(p.state_dir, p.outer.global_params.numel(), resumed.get("settled"))
+            work = resumable_work(p.state_dir, p.outer.global_params.numel(), resumed.get("settled"),
+                                  resumed.get("work"))
         if work is not None:  # newer than the checkpoint: the error feedback as of our last contribution
             record, unsettled = work
             p.outer.error = record.error.to(p.outer.global_params.device)
             resumed.pop("local_progress", None)  # trained before that contribution: in its error feedback
-            resumed["unsettled"] = [(w.round_id, w.segments, w.decayed) for w in unsettled]
-            p.events.write("work-restored", round=record.round_id, unsettled=[w.round_id for w in unsettled],
+            resumed["unsettled"] = unsettled
+            p.events.write("work-restored", round=record.round_id, unsettled=[i["round"] for i in unsettled],
                            peer=p.identity.peer_id)
         elif not _unsent_work_is_ours(p, resumed):
             resumed.pop("local_progress", None)
@@ -58,16 +61,14 @@ def resume_and_sync(p: Participant, bootstrap_peers: list[str]) -> dict | None:
     return resumed
 
 
-def unsettled_from(resumed: dict) -> list[tuple[int, list[bytes], int]]:
-    """The contributions of unknown outcome a checkpoint or work record lists, as
-    `SwarmExchange.restore_unsettled` takes them (a malformed list is reported and ignored)."""
-    items = resumed.get("unsettled") or []
+def unsettled_from(resumed: dict) -> list[dict[str, Any]]:
+    """The contributions of unknown outcome a checkpoint or work record lists (`unsettled_item`s;
+    a malformed list is reported and ignored)."""
     try:
-        checked = [(int(r), [bytes(s) for s in segs], int(decayed)) for r, segs, decayed in items]
-    except (TypeError, ValueError) as exc:
-        log.warning("the checkpoint's list of unsettled contributions is unreadable (%s); ignoring it", exc)
+        return parse_unsettled(resumed.get("unsettled") or [])
+    except ValueError as exc:
+        log.warning("the checkpoint's %s; ignoring it", exc)
         return []
-    return checked
 
 
 def _unsent_work_is_ours(p: Participant, resumed: dict) -> bool:

@@ -279,15 +279,20 @@ class _VolunteerLoop:
                     included = p.node.call(self.exchange.counts_ours(item.round_id, item.segments), timeout_s=30)
                 except (PeerUnavailable, TimeoutError, ProtocolError) as exc:
                     log.info("could not check round %d's commit for our contribution: %s", item.round_id, exc)
-            if included is None:  # its commit is not known here (we took a later state): kept as ours
+            if included is None and not item.if_unknown:  # its commit is not known here (we took a later state)
                 p.events.write("outcome-unknown", round=item.round_id, peer=p.identity.peer_id)
                 log.warning("round %d: whether its commit counted our contribution is not known here; "
                             "the work stays ours", item.round_id)
-            elif included:
+            elif included is None or included:
                 payloads = [Payload.from_bytes(seg, expect=p.outer.codec) for seg in item.segments]
                 p.outer.settle_late(payloads, self.exchange.prepared - item.prepared)
-                p.events.write("included-late", round=item.round_id, peer=p.identity.peer_id)
-                log.info("round %d counted our contribution after all: taken out of our work", item.round_id)
+                if included is None:  # see Unsettled.if_unknown
+                    p.events.write("presumed-counted", round=item.round_id, peer=p.identity.peer_id)
+                    log.warning("round %d: whether its commit counted the contribution of our earlier process "
+                                "is not known here; taken out of our work as counted", item.round_id)
+                else:
+                    p.events.write("included-late", round=item.round_id, peer=p.identity.peer_id)
+                    log.info("round %d counted our contribution after all: taken out of our work", item.round_id)
 
 
 def _swarm_eval_loss(p: Participant) -> float:

@@ -14,6 +14,7 @@ import logging
 from collections.abc import Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 from groundswell.compression import Payload
@@ -41,6 +42,29 @@ class Unsettled:
     included: bool | None  # None: unknown until the round's commit is known here
     prepared: int  # `SwarmExchange.prepared` when it was contributed
     retried: bool = False  # its attempt was decided "retry" (see `_outcome`)
+    # what to take if the commit cannot be found or checked: a contribution a crashed process sent
+    # (restored) most likely counted, and subtracting it loses at most its sent part, where keeping
+    # it would send that work a second time
+    if_unknown: bool = False
+
+
+def unsettled_item(round_id: int, segments: list[bytes], decayed: int, included: bool | None = None,
+                   retried: bool = False) -> dict[str, Any]:
+    """An unsettled contribution as a checkpoint or work.pt stores it (`decayed`: contributions
+    prepared after it, each of which decayed SparseLoCo's error feedback)."""
+    return {"round": round_id, "segments": list(segments), "decayed": decayed, "included": included,
+            "retried": retried}
+
+
+def parse_unsettled(items: Any) -> list[dict[str, Any]]:
+    """`unsettled_item`s read back from a file, checked; ValueError if they are malformed."""
+    try:
+        parsed = [unsettled_item(int(i["round"]), [bytes(s) for s in i["segments"]], int(i["decayed"]),
+                                 None if i["included"] is None else bool(i["included"]), bool(i["retried"]))
+                  for i in items]
+    except (TypeError, KeyError, ValueError) as exc:
+        raise ValueError(f"malformed list of unsettled contributions ({exc!r})") from None
+    return parsed
 
 
 class SwarmExchange:
@@ -113,19 +137,29 @@ class SwarmExchange:
             for old in [u for u in self.unsettled if u.retried and u.round_id == round_id][:-1]:
                 self.unsettled.remove(old)
         self.unsettled.append(Unsettled(round_id, self._segments, included, self.prepared, retried))
-        for dropped in self.unsettled[:-4]:  # a peer failing round after round keeps the newest few
+        self._keep_newest()
+
+    def _keep_newest(self, limit: int = 4) -> None:
+        """A peer failing round after round keeps the newest few, forgetting retried ones first
+        (a retry is its leader's word that the contribution is in nothing)."""
+        while len(self.unsettled) > limit:
+            dropped = next((u for u in self.unsettled if u.retried), self.unsettled[0])
+            self.unsettled.remove(dropped)
             (log.info if dropped.retried else log.warning)(
                 "round %d: forgot a contribution whose outcome was not learned; its work stays ours", dropped.round_id)
-        del self.unsettled[:-4]
 
-    def unsettled_work(self) -> list[tuple[int, list[bytes], int]]:
-        """(round, segments as sent, contributions prepared since) of each unsettled contribution."""
-        return [(u.round_id, u.segments, self.prepared - u.prepared) for u in self.unsettled]
+    def unsettled_work(self) -> list[dict[str, Any]]:
+        """Each unsettled contribution as a checkpoint stores it (`unsettled_item`)."""
+        return [unsettled_item(u.round_id, u.segments, self.prepared - u.prepared, u.included, u.retried)
+                for u in self.unsettled]
 
-    def restore_unsettled(self, items: Sequence[tuple[int, list[bytes], int]]) -> None:
-        """Take over contributions of an earlier process whose outcome is unknown, given as
-        `unsettled_work` lists them (each settles late, by digest, like one of ours)."""
-        self.unsettled.extend(Unsettled(r, list(segs), None, self.prepared - decayed) for r, segs, decayed in items)
+    def restore_unsettled(self, items: Sequence[dict[str, Any]]) -> None:
+        """Take over an earlier process's unsettled contributions (`unsettled_item`s): each settles
+        late, by digest, like one of ours; one whose commit cannot be checked is taken as counted,
+        unless its attempt was retried."""
+        self.unsettled.extend(Unsettled(i["round"], list(i["segments"]), i["included"], self.prepared - i["decayed"],
+                                        i["retried"], if_unknown=not i["retried"]) for i in items)
+        self._keep_newest()
 
     def take_unsettled(self, applied_below: int) -> list[Unsettled]:
         """The unsettled contributions of rounds the global parameters have taken (those below

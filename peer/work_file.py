@@ -33,21 +33,13 @@ from typing import Any
 import torch
 
 from .state_files import write_atomically
+from .swarm_exchange import parse_unsettled, unsettled_item
 
 log = logging.getLogger(__name__)
 
 WORK_FILE = "work.pt"
 CONTRIBUTED_FILE = "contributed.json"
 KEEP_UNSETTLED = 4  # earlier contributions listed at most (SwarmExchange keeps as many)
-
-
-@dataclass
-class SentWork:
-    """A contribution whose outcome the record does not know."""
-
-    round_id: int
-    segments: list[bytes]  # the payloads as sent: a commit counts them if it pins their digests
-    decayed: int  # contributions prepared after it, up to the record's own: the error decayed that often
 
 
 @dataclass
@@ -58,8 +50,8 @@ class WorkRecord:
     before: dict[str, Any] | None  # contributed.json just before this contribution (None: there was none)
     round_id: int
     error: torch.Tensor  # SparseLoCo's error feedback with this contribution encoded, not yet settled
-    own: SentWork  # this contribution
-    earlier: list[SentWork]  # earlier contributions of unknown outcome, their work still in `error`
+    own: dict[str, Any]  # this contribution (`unsettled_item`)
+    earlier: list[dict[str, Any]]  # earlier contributions of unknown outcome, their work still in `error`
 
 
 def new_token() -> str:
@@ -79,8 +71,7 @@ def read_contributed(state_dir: Path) -> dict[str, Any] | None:
 def write_work(state_dir: Path, record: WorkRecord) -> bool:
     """Write the record atomically; False (and a log line) if the disk refuses it."""
     state = {"token": record.token, "before": json.dumps(record.before), "round": record.round_id,
-             "error": record.error.detach().cpu(),
-             "sent": [(w.round_id, list(w.segments), w.decayed) for w in [record.own, *record.earlier]]}
+             "error": record.error.detach().cpu(), "sent": [record.own, *record.earlier]}
     try:
         write_atomically(state_dir / WORK_FILE, lambda f: torch.save(state, f))
     except OSError as exc:
@@ -96,7 +87,7 @@ def read_work(state_dir: Path, numel: int) -> WorkRecord | None:
         return None
     try:
         state = torch.load(path, weights_only=True, map_location="cpu")
-        sent = [SentWork(int(r), [bytes(s) for s in segs], int(d)) for r, segs, d in state["sent"]]
+        sent = parse_unsettled(state["sent"])
         error = state["error"]
         record = WorkRecord(str(state["token"]), json.loads(state["before"]), int(state["round"]), error,
                             sent[0], sent[1:])
@@ -110,17 +101,25 @@ def read_work(state_dir: Path, numel: int) -> WorkRecord | None:
     return record
 
 
-def resumable_work(state_dir: Path, numel: int, checkpoint_settled: Any) -> tuple[WorkRecord, list[SentWork]] | None:
+def resumable_work(state_dir: Path, numel: int, checkpoint_settled: Any, checkpoint_work: Any
+                   ) -> tuple[WorkRecord, list[dict[str, Any]]] | None:
     """The record a restart should take its error feedback from, with the contributions to settle
-    late; None if there is none, it does not match contributed.json, or the checkpoint is newer
-    (`checkpoint_settled`: its marker of the last contribution whose outcome it holds)."""
+    late; None if there is none, it does not match contributed.json, or the newest checkpoint was
+    written after it (`checkpoint_settled`, `checkpoint_work`: that checkpoint's marker of the last
+    contribution whose outcome it holds, and the newest record's token when it was written)."""
     record = read_work(state_dir, numel)
     if record is None:
         return None
     now = read_contributed(state_dir)
+    marker = {} if now is None else {now.get("round"): now.get("attempt")}
+    # A checkpoint that holds the outcome of every contribution up to now, written since the record:
+    # newer, and exact. (When the record's contribution went out, a checkpoint settled on it is
+    # necessarily later; when it did not, the token tells.)
+    settled_since = checkpoint_settled == marker and (
+        checkpoint_work == record.token or (now is not None and now.get("work") == record.token))
+    if settled_since:
+        return None
     if now is not None and now.get("work") == record.token:  # it may have gone out
-        if checkpoint_settled == {now["round"]: now["attempt"]}:
-            return None  # the checkpoint was written once its outcome was known: newer, and exact
         return record, [record.own, *record.earlier]
     if now == record.before:  # it never went out: its work is all in the record's error feedback
         return record, list(record.earlier)
@@ -146,18 +145,18 @@ class WorkJournal:
         self._token = new_token()
         return self._token
 
-    def record(self, round_id: int, error: torch.Tensor, segments: list[bytes],
-               earlier: list[tuple[int, list[bytes], int]]) -> bool:
+    def record(self, round_id: int, error: torch.Tensor, segments: list[bytes], earlier: list[dict[str, Any]]
+               ) -> bool:
         """Write the record of the contribution `segments` (as it will be sent), before it is
         handed to the exchange: if it is written later, a crash in between leaves contributed.json
         naming a contribution with no record, and the work is dropped. `error` has it encoded;
-        `earlier` lists (round, segments, contributions prepared after it, not counting this one)
-        of each earlier contribution whose outcome is unknown. False if nothing was written."""
+        `earlier` lists each earlier contribution whose outcome is unknown (`unsettled_item`s, their
+        `decayed` not counting this one). False if nothing was written."""
         if self.state_dir is None or self._token is None:
             return False
-        own = SentWork(round_id, segments, 0)
+        own = unsettled_item(round_id, segments, 0)
         # this contribution's encoding decayed the error feedback once more
-        older = [SentWork(r, segs, decayed + 1) for r, segs, decayed in earlier[-KEEP_UNSETTLED:]]
+        older = [dict(item, decayed=item["decayed"] + 1) for item in earlier[-KEEP_UNSETTLED:]]
         record = WorkRecord(self._token, self._before, round_id, error, own, older)
         self._token = None
         return write_work(self.state_dir, record)

@@ -76,7 +76,8 @@ def test_a_retried_contribution_stays_open_until_its_round_commits():
     assert [(u.round_id, u.included, u.retried, u.prepared) for u in ex.unsettled] == [(0, None, True, 2),
                                                                                          (0, None, True, 3)]
     assert [u.segments for u in ex.unsettled] == sent[1:]
-    assert ex.unsettled_work() == [(0, sent[1], 1), (0, sent[2], 0)]
+    assert [(i["round"], i["segments"], i["decayed"], i["retried"]) for i in ex.unsettled_work()] == [
+        (0, sent[1], 1, True), (0, sent[2], 0, True)]
     assert ex.take_unsettled(0) == []  # the round is still open
 
 

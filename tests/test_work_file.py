@@ -14,7 +14,7 @@ from groundswell.compression import make_codec
 from groundswell.optim import SparseLoCo, SparseLoCoConfig
 from groundswell.peer.roles import _VolunteerLoop
 from groundswell.peer.run_state import GlobalState
-from groundswell.peer.swarm_exchange import SwarmExchange
+from groundswell.peer.swarm_exchange import SwarmExchange, unsettled_item
 from groundswell.peer.work_file import WorkJournal, read_work
 from test_resume import _factory, _offline
 
@@ -23,7 +23,8 @@ def _events(tmp_path) -> list[str]:
     return [json.loads(line)["kind"] for line in (tmp_path / "state" / "events.jsonl").read_text().splitlines()]
 
 
-@pytest.mark.parametrize("case", ["sent", "never-sent", "sent-again-since", "checkpoint-newer"])
+@pytest.mark.parametrize("case", ["sent", "never-sent", "sent-again-since", "checkpoint-newer",
+                                  "never-sent-checkpoint-newer"])
 def test_a_restart_takes_its_error_feedback_from_the_work_record_that_matches_what_it_sent(tmp_path, corpus, case):
     """The checkpoint (round 3) is older than the last contribution, as after most crashes: its
     error feedback (ones) holds what that contribution sent. The work record (twos) holds it
@@ -43,22 +44,24 @@ def test_a_restart_takes_its_error_feedback_from_the_work_record_that_matches_wh
     journal = WorkJournal(p.state_dir, enabled=True)
     p.work_token = journal.start()
     # round 2's contribution is still unsettled; this one decays its work once more
-    assert journal.record(3, 2 * torch.ones_like(p.outer.error), [b"own"], [(2, [b"older"], 0)])
-    if case != "never-sent":  # then the network loop records it before sending
+    assert journal.record(3, 2 * torch.ones_like(p.outer.error), [b"own"], [unsettled_item(2, [b"older"], 0)])
+    if not case.startswith("never-sent"):  # then the network loop records it before sending
         p._remember_contribution(3, 1)
     if case == "sent-again-since":  # a later contribution whose record was never written
         p.work_token = "another"
         p._remember_contribution(4, 0)
-    if case == "checkpoint-newer":  # written once the outcome of attempt 1 was known
+    if case.endswith("checkpoint-newer"):  # written once the outcome of that contribution was known
         p.outer.error = 3 * torch.ones_like(p.outer.error)
         assert p.save_checkpoint(settled=True) is not None
 
     again = participant()
     _offline(again)
     resumed = resume_and_sync(again, [])
-    expected = {"sent": 2, "never-sent": 2, "sent-again-since": 0, "checkpoint-newer": 3}[case]
+    expected = {"sent": 2, "never-sent": 2, "sent-again-since": 0, "checkpoint-newer": 3,
+                "never-sent-checkpoint-newer": 3}[case]
     assert bool((again.outer.error == expected).all())
-    unsettled = {"sent": [(3, [b"own"], 0), (2, [b"older"], 1)], "never-sent": [(2, [b"older"], 1)]}.get(case)
+    own, older = unsettled_item(3, [b"own"], 0), unsettled_item(2, [b"older"], 1)
+    unsettled = {"sent": [own, older], "never-sent": [older]}.get(case)
     assert resumed.get("unsettled") == unsettled
     assert ("work-restored" in _events(tmp_path)) is (unsettled is not None)
     assert ("unsent-work-dropped" in _events(tmp_path)) is (case == "sent-again-since")
@@ -75,36 +78,101 @@ def test_a_torn_or_foreign_work_record_is_ignored(tmp_path):
     assert not WorkJournal(tmp_path, enabled=False).record(0, torch.zeros(10), [b"x"], [])  # DiLoCo: no record
 
 
-def test_restored_contributions_are_settled_late_and_a_counted_one_leaves_the_error_feedback():
-    """Round 3's commit counted the crashed process's contribution; round 2's did not count the
-    earlier one. Only the first is taken out of the restored error feedback (undecayed: no
-    contribution was prepared after it)."""
+@pytest.mark.parametrize("found", [True, False])
+def test_restored_contributions_are_settled_late_and_a_counted_one_leaves_the_error_feedback(found):
+    """The crashed process's contributions: round 3's (the newest), round 2's (one contribution
+    prepared after it) and a retried attempt of round 3. Round 2's commit counted ours, round 3's
+    did not. When no commit can be found or checked (`found` False: the swarm moved on while we
+    were down), a contribution that went out is taken as counted (at worst its sent part is lost;
+    kept, it would be sent twice), a retried one as not."""
     n = 8192
     outer = SparseLoCo([torch.nn.Parameter(torch.zeros(n))], make_codec("sparseloco"),
                        SparseLoCoConfig(error_decay=0.5, eager=False))
-    own, older = outer.encode(torch.randn(n)), outer.encode(torch.randn(n))
-    own_bytes, older_bytes = [x.to_bytes() for x in own], [x.to_bytes() for x in older]
+    own, older, retried = (outer.encode(torch.randn(n)) for _ in range(3))
+    as_bytes = [[x.to_bytes() for x in c] for c in (own, older, retried)]
     outer.round_id = 5  # the swarm's state the restart synced to
     outer.error = 2 * torch.ones(n)
-    checked: list[int] = []
 
     async def counts_ours(decision, segments):
-        checked.append(decision.round)
-        return segments == own_bytes
+        return segments == as_bytes[1]
 
-    node = SimpleNamespace(book=SimpleNamespace(committed={r: (b"s", SimpleNamespace(round=r)) for r in (2, 3)}),
-                           client=SimpleNamespace(counts_ours=counts_ours), identity=SimpleNamespace(peer_id="me"),
-                           holders=lambda r: [])
+    node = SimpleNamespace(book=SimpleNamespace(committed={r: (b"s", SimpleNamespace(round=r)) for r in (2, 3)}
+                                                if found else {}),
+                           client=SimpleNamespace(counts_ours=counts_ours, ask_decision=None),
+                           identity=SimpleNamespace(peer_id="me"), holders=lambda r: [])
     exchange = SwarmExchange(node)  # type: ignore[arg-type]
-    exchange.restore_unsettled([(3, own_bytes, 0), (2, older_bytes, 1)])
+    exchange.restore_unsettled([unsettled_item(3, as_bytes[0], 0), unsettled_item(2, as_bytes[1], 1),
+                                unsettled_item(3, as_bytes[2], 2, retried=True)])
     events: list[str] = []
     p = SimpleNamespace(outer=outer, identity=SimpleNamespace(peer_id="me"),
                         node=SimpleNamespace(call=lambda coro, timeout_s: asyncio.run(coro)),
                         events=SimpleNamespace(write=lambda kind, **kw: events.append(kind)))
     _VolunteerLoop(p, exchange, None, [], None, None).settle_late()  # type: ignore[arg-type]
-    assert sorted(checked) == [2, 3] and exchange.unsettled == []
-    assert torch.allclose(outer.error, 2 - outer.decode(own))
+    assert exchange.unsettled == []
+    if found:
+        assert torch.allclose(outer.error, 2 - 0.5 * outer.decode(older))
+        assert events == ["included-late"]
+    else:
+        assert torch.allclose(outer.error, 2 - outer.decode(own) - 0.5 * outer.decode(older))
+        assert events == ["presumed-counted", "presumed-counted", "outcome-unknown"]
+
+
+def test_a_commit_of_a_retried_attempt_adopted_later_takes_that_contribution_out_of_the_work():
+    """Attempt 0 of round 0 was decided "retry", yet its commit (counting our first contribution)
+    is what the round applied, adopted by attempt 1, to which we had sent our second. Once settled,
+    the error feedback must be what it would be had the first counted on time, with the second
+    round's training whole in it."""
+    from groundswell.optim import RoundResult
+    from test_late_outcome import _Node
+
+    n = 8192
+    steps = [torch.randn(n), torch.randn(n)]  # the two rounds' local training
+
+    def optimizer():
+        model = torch.nn.Parameter(torch.zeros(n))
+        return model, SparseLoCo([model], make_codec("sparseloco"), SparseLoCoConfig(error_decay=0.5, eager=False))
+
+    def result(mean, included):
+        return RoundResult(round_id=0, mean=mean, contributors=("me",), included=included, bytes_sent=0,
+                           bytes_received=0)
+
+    on_time_model, on_time = optimizer()  # the reference: the first contribution counted on time
+    with torch.no_grad():
+        on_time_model.add_(steps[0])
+    counted = on_time.prepare()
+    on_time.apply(result(on_time.decode(counted), True))
+    with torch.no_grad():
+        on_time_model.add_(steps[1])
+    on_time.prepare()
+
+    model, outer = optimizer()  # retried, then adopted
+    with torch.no_grad():
+        model.add_(steps[0])
+    first = outer.prepare()
+    outer.apply(None)  # attempt 0: "retry"
+    with torch.no_grad():
+        model.add_(steps[1])
+    outer.prepare()  # attempt 1
+    outer.apply(result(outer.decode(first), False))  # the adopted commit does not count the second
+    first_bytes = [x.to_bytes() for x in first]
+    assert first_bytes == [x.to_bytes() for x in counted]
+
+    async def counts_ours(decision, segments):
+        return segments == first_bytes
+
+    node = _Node(None)
+    node.book = SimpleNamespace(committed={0: (b"s", SimpleNamespace(round=0))})
+    node.client = SimpleNamespace(counts_ours=counts_ours)
+    exchange = SwarmExchange(node)  # type: ignore[arg-type]
+    exchange.restore_unsettled([unsettled_item(0, first_bytes, 1, retried=True)])  # as `_outcome` leaves it
+    events: list[str] = []
+    p = SimpleNamespace(outer=outer, identity=SimpleNamespace(peer_id="me"),
+                        node=SimpleNamespace(call=lambda coro, timeout_s: asyncio.run(coro)),
+                        events=SimpleNamespace(write=lambda kind, **kw: events.append(kind)))
+    assert not torch.allclose(outer.error, on_time.error)
+    _VolunteerLoop(p, exchange, None, [], None, None).settle_late()  # type: ignore[arg-type]
     assert events == ["included-late"]
+    assert torch.allclose(outer.error, on_time.error, atol=1e-6)
 
 
 @pytest.mark.parametrize("contributed_after_save", [False, True])
@@ -123,12 +191,12 @@ def test_a_checkpoint_lists_the_contributions_whose_outcome_is_open_and_a_restar
                                   "momentum_buffer": p.outer.momentum_buffer.clone()},
                               genesis_decision(p.identity, "unit"))
     p._remember_contribution(3, 0)  # decided "retry"
-    assert p.save_checkpoint({"unsettled": [(3, [b"sent"], 0)]}, settled=True) is not None
+    assert p.save_checkpoint({"unsettled": [unsettled_item(3, [b"sent"], 0, retried=True)]}, settled=True) is not None
     if contributed_after_save:
         p._remember_contribution(3, 1)
 
     again = participant()
     _offline(again)
     resumed = resume_and_sync(again, [])
-    assert unsettled_from(resumed) == ([] if contributed_after_save else [(3, [b"sent"], 0)])
+    assert unsettled_from(resumed) == ([] if contributed_after_save else [unsettled_item(3, [b"sent"], 0, retried=True)])
     assert unsettled_from({"unsettled": [("x", 1)]}) == []  # malformed: ignored, not a crash
