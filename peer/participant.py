@@ -127,7 +127,8 @@ class Participant:
         self.work_token: str | None = None  # names the contribution in flight in work.pt (see work_file)
         if state_dir is not None:
             state_dir.mkdir(parents=True, exist_ok=True)
-            for stale in [*state_dir.glob("checkpoint-*.tmp"), state_dir / "contributed.tmp", state_dir / "work.tmp"]:
+            for stale in [*state_dir.glob("checkpoint-*.tmp"),
+                          *(state_dir / f"{name}.tmp" for name in ("contributed", "work", "outcome"))]:
                 try:
                     stale.unlink(missing_ok=True)  # half-written by a process that was killed mid-write
                 except OSError:  # an unwritable state dir is reported when we first write to it

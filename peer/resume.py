@@ -17,7 +17,7 @@ from .participant import Participant
 from .run_state import GlobalState
 from .state_trust import NoNewerState
 from .swarm_exchange import parse_unsettled
-from .work_file import resumable_work
+from .work_file import read_work, resumable_work
 
 log = logging.getLogger(__name__)
 
@@ -29,12 +29,15 @@ def resume_and_sync(p: Participant, bootstrap_peers: list[str]) -> dict | None:
     loaded = resumed is not None and resumed.get("outer") is not None
     if loaded:
         p.load_global(GlobalState(resumed["round"], resumed["tensors"], resumed["decision"]))
-        work = None
+        record = unsettled = None
         if isinstance(p.outer, SparseLoCo) and p.state_dir is not None:
-            work = resumable_work(p.state_dir, p.outer.global_params.numel(), resumed.get("settled"),
-                                  resumed.get("work"))
-        if work is not None:  # newer than the checkpoint: the error feedback as of our last contribution
-            record, unsettled = work
+            record = read_work(p.state_dir, p.outer.global_params.numel())
+        if record is not None:
+            # the newest record, whichever state we take: our checkpoints name it, so that a
+            # later restart knows they are newer than it (see work_file.resumable_work)
+            p.work_token = record.token
+            unsettled = resumable_work(record, p.state_dir, resumed.get("settled"), resumed.get("work"))
+        if record is not None and unsettled is not None:  # newer than the checkpoint: as of our last contribution
             p.outer.error = record.error.to(p.outer.global_params.device)
             resumed.pop("local_progress", None)  # trained before that contribution: in its error feedback
             resumed["unsettled"] = unsettled

@@ -91,9 +91,9 @@ def run_volunteer(p: Participant, bootstrap_peers: list[str], *, max_rounds: int
         restore_local_progress(p, resumed)
     if resumed is None:  # so a crash before the first scheduled checkpoint resumes from disk, not a download
         p.save_checkpoint({"inner": trainer.state_dict()})
-    loop = _VolunteerLoop(p, SwarmExchange(p.node, serves=p.node.options.serves), trainer, bootstrap_peers, stop,
-                          on_round)
     journal = WorkJournal(p.state_dir, enabled=isinstance(p.outer, SparseLoCo))
+    loop = _VolunteerLoop(p, SwarmExchange(p.node, serves=p.node.options.serves), trainer, bootstrap_peers, stop,
+                          on_round, journal)
     if resumed is not None and (unsettled := unsettled_from(resumed)):
         # the process before us sent these and stopped before their outcome: settled now, before
         # our first contribution, so that work a commit counted is not in it a second time
@@ -199,6 +199,7 @@ class _VolunteerLoop:
     bootstrap_peers: list[str]
     stop: StopFlag
     on_round: Callable[[RoundInfo], None]
+    journal: WorkJournal = field(default_factory=lambda: WorkJournal(None, enabled=False))
     applied: int = 0
     failures: int = 0
 
@@ -207,7 +208,10 @@ class _VolunteerLoop:
         p, m = self.p, self.p.manifest
         t_collect = time.perf_counter()
         try:
-            result = self.exchange.collect(r)
+            try:
+                result = self.exchange.collect(r)
+            finally:
+                self.journal.outcome(*self.exchange.last_outcome)
         except RoundFailed as exc:
             p.outer.apply(None)
             self.failures += 1

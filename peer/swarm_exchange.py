@@ -42,28 +42,36 @@ class Unsettled:
     included: bool | None  # None: unknown until the round's commit is known here
     prepared: int  # `SwarmExchange.prepared` when it was contributed
     retried: bool = False  # its attempt was decided "retry" (see `_outcome`)
-    # what to take if the commit cannot be found or checked: a contribution a crashed process sent
-    # (restored) most likely counted, and subtracting it loses at most its sent part, where keeping
-    # it would send that work a second time
+    # What to take if the commit cannot be found or checked. True only for the last contribution a
+    # crashed process sent, outcome unknown (see work_file): it most likely counted, and taking it
+    # out loses at most its sent part, where keeping it would send that work a second time.
     if_unknown: bool = False
 
 
 def unsettled_item(round_id: int, segments: list[bytes], decayed: int, included: bool | None = None,
-                   retried: bool = False) -> dict[str, Any]:
+                   retried: bool = False, presume: bool = False) -> dict[str, Any]:
     """An unsettled contribution as a checkpoint or work.pt stores it (`decayed`: contributions
-    prepared after it, each of which decayed SparseLoCo's error feedback)."""
+    prepared after it, each of which decayed SparseLoCo's error feedback; `presume`: its
+    `Unsettled.if_unknown`)."""
     return {"round": round_id, "segments": list(segments), "decayed": decayed, "included": included,
-            "retried": retried}
+            "retried": retried, "presume": presume}
 
 
 def parse_unsettled(items: Any) -> list[dict[str, Any]]:
-    """`unsettled_item`s read back from a file, checked; ValueError if they are malformed."""
-    try:
-        parsed = [unsettled_item(int(i["round"]), [bytes(s) for s in i["segments"]], int(i["decayed"]),
-                                 None if i["included"] is None else bool(i["included"]), bool(i["retried"]))
-                  for i in items]
-    except (TypeError, KeyError, ValueError) as exc:
-        raise ValueError(f"malformed list of unsettled contributions ({exc!r})") from None
+    """`unsettled_item`s read back from a file, checked strictly; ValueError if they are malformed."""
+    if not isinstance(items, list | tuple):
+        raise ValueError("the list of unsettled contributions is not a list")  # noqa: TRY004 (one error type for callers)
+    parsed = []
+    for i in items:
+        ok = isinstance(i, dict) and set(i) == {"round", "segments", "decayed", "included", "retried", "presume"} \
+            and all(type(i[k]) is int and i[k] >= 0 for k in ("round", "decayed")) \
+            and isinstance(i["segments"], list) and all(type(s) is bytes for s in i["segments"]) \
+            and type(i["included"]) in (type(None), bool) \
+            and type(i["retried"]) is bool and type(i["presume"]) is bool
+        if not ok:
+            raise ValueError("malformed list of unsettled contributions")
+        parsed.append(unsettled_item(i["round"], i["segments"], i["decayed"], i["included"], i["retried"],
+                                     i["presume"]))
     return parsed
 
 
@@ -85,6 +93,8 @@ class SwarmExchange:
         self.prepared = 0  # contributions handed to `contribute` so far
         self._segments: list[bytes] = []  # the contribution in flight, until `collect` has its outcome
         self.unsettled: list[Unsettled] = []  # see `take_unsettled`
+        # what the last `collect` learned of its contribution: (counted? None: unknown, retried?)
+        self.last_outcome: tuple[bool | None, bool] = (None, False)
 
     def contribute(self, round_id: int, payloads: Sequence[Payload]) -> None:
         """Start this peer's attempt at `round_id` with its segment payloads."""
@@ -154,11 +164,10 @@ class SwarmExchange:
                 for u in self.unsettled]
 
     def restore_unsettled(self, items: Sequence[dict[str, Any]]) -> None:
-        """Take over an earlier process's unsettled contributions (`unsettled_item`s): each settles
-        late, by digest, like one of ours; one whose commit cannot be checked is taken as counted,
-        unless its attempt was retried."""
+        """Take over an earlier process's unsettled contributions (`unsettled_item`s, oldest first):
+        each settles late, by digest, like one of ours."""
         self.unsettled.extend(Unsettled(i["round"], list(i["segments"]), i["included"], self.prepared - i["decayed"],
-                                        i["retried"], if_unknown=not i["retried"]) for i in items)
+                                        i["retried"], if_unknown=i["presume"]) for i in items)
         self._keep_newest()
 
     def take_unsettled(self, applied_below: int) -> list[Unsettled]:
@@ -212,9 +221,11 @@ class SwarmExchange:
         ctx = self.node.ctx
         assert ctx is not None and self.node.client is not None and self.node.transport is not None
         limit = 6 * ctx.deadline_s + 6 * ctx.slack_s + 120
+        self.last_outcome = (None, False)
         try:  # the attempt, then the aggregate's fetch (each bounded inside)
             outcome, mean = future.result(timeout=limit)
         except RoundBehind as exc:  # raised before anything is sent
+            self.last_outcome = (False, False)
             raise NeedResync(str(exc)) from None
         except TimeoutError:  # every bound inside failed: whether the round counted us is unknown
             future.cancel()
@@ -231,11 +242,13 @@ class SwarmExchange:
                 # whether the round counted this contribution is open until the round commits
                 # (then it is settled by digest; almost always: not counted).
                 self._unsettled(round_id, None, retried=True)
+                self.last_outcome = (None, True)
                 why = (f"the leader decided to retry: fewer than {ctx.min_peers} complete contributions "
                        "(the run's min_peers) arrived in time, or an aggregator failed")
             raise RoundFailed(f"round {round_id} attempt {outcome.attempt}: {why}")
         if decision.round != round_id:
             raise NeedResync(f"got the decision of round {decision.round} while at round {round_id}")
+        self.last_outcome = (outcome.included, False)
         if isinstance(mean, PeerUnavailable):  # committed, its aggregate out of reach: the state will hold it
             self._unsettled(round_id, outcome.included)
             raise NeedResync(str(mean)) from None

@@ -39,6 +39,7 @@ log = logging.getLogger(__name__)
 
 WORK_FILE = "work.pt"
 CONTRIBUTED_FILE = "contributed.json"
+OUTCOME_FILE = "outcome.json"  # what the process learned of the record's contribution (see WorkJournal.outcome)
 KEEP_UNSETTLED = 4  # earlier contributions listed at most (SwarmExchange keeps as many)
 
 
@@ -101,29 +102,40 @@ def read_work(state_dir: Path, numel: int) -> WorkRecord | None:
     return record
 
 
-def resumable_work(state_dir: Path, numel: int, checkpoint_settled: Any, checkpoint_work: Any
-                   ) -> tuple[WorkRecord, list[dict[str, Any]]] | None:
-    """The record a restart should take its error feedback from, with the contributions to settle
-    late; None if there is none, it does not match contributed.json, or the newest checkpoint was
-    written after it (`checkpoint_settled`, `checkpoint_work`: that checkpoint's marker of the last
-    contribution whose outcome it holds, and the newest record's token when it was written)."""
-    record = read_work(state_dir, numel)
-    if record is None:
-        return None
+def resumable_work(record: WorkRecord, state_dir: Path, checkpoint_settled: Any, checkpoint_work: Any
+                   ) -> list[dict[str, Any]] | None:
+    """Whether a restart should take its error feedback from `record`: the contributions to settle
+    late (oldest first) if so; None if the record does not match contributed.json, or the newest
+    checkpoint was written after it (`checkpoint_settled`, `checkpoint_work`: that checkpoint's
+    marker of the last contribution whose outcome it holds, and the newest record's token then)."""
     now = read_contributed(state_dir)
     marker = {} if now is None else {now.get("round"): now.get("attempt")}
     # A checkpoint that holds the outcome of every contribution up to now, written since the record:
     # newer, and exact. (When the record's contribution went out, a checkpoint settled on it is
     # necessarily later; when it did not, the token tells.)
-    settled_since = checkpoint_settled == marker and (
-        checkpoint_work == record.token or (now is not None and now.get("work") == record.token))
-    if settled_since:
+    if checkpoint_settled == marker and (
+            checkpoint_work == record.token or (now is not None and now.get("work") == record.token)):
         return None
     if now is not None and now.get("work") == record.token:  # it may have gone out
-        return record, [record.own, *record.earlier]
+        return [*record.earlier, _with_outcome(record.own, state_dir, record.token)]
     if now == record.before:  # it never went out: its work is all in the record's error feedback
-        return record, list(record.earlier)
+        return list(record.earlier)
     return None
+
+
+def _with_outcome(own: dict[str, Any], state_dir: Path, token: str) -> dict[str, Any]:
+    """The record's own contribution with what its process learned of its outcome (outcome.json),
+    if it learned anything; else presumed counted when its commit cannot be checked."""
+    try:
+        seen = json.loads((state_dir / OUTCOME_FILE).read_text())
+        if not isinstance(seen, dict) or seen.get("work") != token:
+            raise ValueError("another contribution's")
+        included, retried = seen["included"], seen["retried"]
+        if type(included) not in (type(None), bool) or type(retried) is not bool:
+            raise ValueError("malformed")
+    except (OSError, ValueError, KeyError):  # not learned (or torn): unknown
+        included, retried = None, False
+    return dict(own, included=included, retried=retried, presume=included is None and not retried)
 
 
 class WorkJournal:
@@ -158,5 +170,17 @@ class WorkJournal:
         # this contribution's encoding decayed the error feedback once more
         older = [dict(item, decayed=item["decayed"] + 1) for item in earlier[-KEEP_UNSETTLED:]]
         record = WorkRecord(self._token, self._before, round_id, error, own, older)
-        self._token = None
         return write_work(self.state_dir, record)
+
+    def outcome(self, included: bool | None, retried: bool) -> None:
+        """Note what `collect` learned of the recorded contribution (counted? None: unknown;
+        retried?): a crash later in the round then restores it knowing that, instead of looking
+        for its commit (which a restart may not be able to check)."""
+        if self.state_dir is None or self._token is None:
+            return
+        token, self._token = self._token, None
+        try:
+            write_atomically(self.state_dir / OUTCOME_FILE, lambda f: f.write(json.dumps(
+                {"work": token, "included": included, "retried": retried}).encode()))
+        except OSError as exc:  # then a restart looks for the commit, as without the note
+            log.warning("the outcome of our contribution was not noted (%s)", exc)

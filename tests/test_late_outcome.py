@@ -190,6 +190,8 @@ def test_a_stopping_volunteer_does_not_download_the_state_before_it_saves(monkey
     monkeypatch.setattr(roles, "_resync", lambda p, peers: synced.append("resync"))
 
     class Exchange:
+        last_outcome = (None, False)
+
         def collect(self, r):
             raise RoundFailed("no leader answered") if failure == "retry" else NeedResync("behind")
 

@@ -23,8 +23,8 @@ def _events(tmp_path) -> list[str]:
     return [json.loads(line)["kind"] for line in (tmp_path / "state" / "events.jsonl").read_text().splitlines()]
 
 
-@pytest.mark.parametrize("case", ["sent", "never-sent", "sent-again-since", "checkpoint-newer",
-                                  "never-sent-checkpoint-newer"])
+@pytest.mark.parametrize("case", ["sent", "sent-retried", "sent-counted", "never-sent", "sent-again-since",
+                                  "checkpoint-newer", "never-sent-checkpoint-newer"])
 def test_a_restart_takes_its_error_feedback_from_the_work_record_that_matches_what_it_sent(tmp_path, corpus, case):
     """The checkpoint (round 3) is older than the last contribution, as after most crashes: its
     error feedback (ones) holds what that contribution sent. The work record (twos) holds it
@@ -47,6 +47,8 @@ def test_a_restart_takes_its_error_feedback_from_the_work_record_that_matches_wh
     assert journal.record(3, 2 * torch.ones_like(p.outer.error), [b"own"], [unsettled_item(2, [b"older"], 0)])
     if not case.startswith("never-sent"):  # then the network loop records it before sending
         p._remember_contribution(3, 1)
+    if case in ("sent-retried", "sent-counted"):  # the process learned the outcome, then crashed training
+        journal.outcome(True if case == "sent-counted" else None, case == "sent-retried")
     if case == "sent-again-since":  # a later contribution whose record was never written
         p.work_token = "another"
         p._remember_contribution(4, 0)
@@ -57,11 +59,15 @@ def test_a_restart_takes_its_error_feedback_from_the_work_record_that_matches_wh
     again = participant()
     _offline(again)
     resumed = resume_and_sync(again, [])
-    expected = {"sent": 2, "never-sent": 2, "sent-again-since": 0, "checkpoint-newer": 3,
-                "never-sent-checkpoint-newer": 3}[case]
+    expected = {"sent-again-since": 0, "checkpoint-newer": 3, "never-sent-checkpoint-newer": 3}.get(case, 2)
     assert bool((again.outer.error == expected).all())
-    own, older = unsettled_item(3, [b"own"], 0), unsettled_item(2, [b"older"], 1)
-    unsettled = {"sent": [own, older], "never-sent": [older]}.get(case)
+    older = unsettled_item(2, [b"older"], 1)
+    # the last contribution sent: presumed counted if its commit cannot be checked, unless its
+    # process learned its outcome
+    own = {"sent": unsettled_item(3, [b"own"], 0, presume=True),
+           "sent-retried": unsettled_item(3, [b"own"], 0, retried=True),
+           "sent-counted": unsettled_item(3, [b"own"], 0, included=True)}.get(case)
+    unsettled = [older, own] if own else [older] if case == "never-sent" else None
     assert resumed.get("unsettled") == unsettled
     assert ("work-restored" in _events(tmp_path)) is (unsettled is not None)
     assert ("unsent-work-dropped" in _events(tmp_path)) is (case == "sent-again-since")
@@ -83,8 +89,9 @@ def test_restored_contributions_are_settled_late_and_a_counted_one_leaves_the_er
     """The crashed process's contributions: round 3's (the newest), round 2's (one contribution
     prepared after it) and a retried attempt of round 3. Round 2's commit counted ours, round 3's
     did not. When no commit can be found or checked (`found` False: the swarm moved on while we
-    were down), a contribution that went out is taken as counted (at worst its sent part is lost;
-    kept, it would be sent twice), a retried one as not."""
+    were down), the last contribution the crashed process sent, whose outcome it never learned,
+    is taken as counted (at worst its sent part is lost; kept, it would be sent twice); the
+    others stay ours, as they would in the live process."""
     n = 8192
     outer = SparseLoCo([torch.nn.Parameter(torch.zeros(n))], make_codec("sparseloco"),
                        SparseLoCoConfig(error_decay=0.5, eager=False))
@@ -101,20 +108,19 @@ def test_restored_contributions_are_settled_late_and_a_counted_one_leaves_the_er
                            client=SimpleNamespace(counts_ours=counts_ours, ask_decision=None),
                            identity=SimpleNamespace(peer_id="me"), holders=lambda r: [])
     exchange = SwarmExchange(node)  # type: ignore[arg-type]
-    exchange.restore_unsettled([unsettled_item(3, as_bytes[0], 0), unsettled_item(2, as_bytes[1], 1),
-                                unsettled_item(3, as_bytes[2], 2, retried=True)])
+    exchange.restore_unsettled([unsettled_item(2, as_bytes[1], 1), unsettled_item(3, as_bytes[2], 2, retried=True),
+                                unsettled_item(3, as_bytes[0], 0, presume=True)])
     events: list[str] = []
     p = SimpleNamespace(outer=outer, identity=SimpleNamespace(peer_id="me"),
                         node=SimpleNamespace(call=lambda coro, timeout_s: asyncio.run(coro)),
                         events=SimpleNamespace(write=lambda kind, **kw: events.append(kind)))
     _VolunteerLoop(p, exchange, None, [], None, None).settle_late()  # type: ignore[arg-type]
-    assert exchange.unsettled == []
     if found:
         assert torch.allclose(outer.error, 2 - 0.5 * outer.decode(older))
         assert events == ["included-late"]
     else:
-        assert torch.allclose(outer.error, 2 - outer.decode(own) - 0.5 * outer.decode(older))
-        assert events == ["presumed-counted", "presumed-counted", "outcome-unknown"]
+        assert torch.allclose(outer.error, 2 - outer.decode(own))
+        assert events == ["outcome-unknown", "outcome-unknown", "presumed-counted"]
 
 
 def test_a_commit_of_a_retried_attempt_adopted_later_takes_that_contribution_out_of_the_work():
@@ -200,3 +206,58 @@ def test_a_checkpoint_lists_the_contributions_whose_outcome_is_open_and_a_restar
     resumed = resume_and_sync(again, [])
     assert unsettled_from(resumed) == ([] if contributed_after_save else [unsettled_item(3, [b"sent"], 0, retried=True)])
     assert unsettled_from({"unsettled": [("x", 1)]}) == []  # malformed: ignored, not a crash
+
+
+def test_a_restart_keeps_the_newest_of_many_restored_contributions():
+    """Four earlier contributions of open outcome and the last one sent: the cap of four forgets
+    the oldest, never the last one sent (the one most likely counted)."""
+    node = SimpleNamespace(identity=SimpleNamespace(peer_id="me"))
+    exchange = SwarmExchange(node)  # type: ignore[arg-type]
+    items = [unsettled_item(r, [bytes([r])], 5 - r) for r in range(1, 5)] + [unsettled_item(5, [b"own"], 0, presume=True)]
+    exchange.restore_unsettled(items)
+    assert [(u.round_id, u.if_unknown) for u in exchange.unsettled] == [(2, False), (3, False), (4, False), (5, True)]
+
+
+def test_a_second_restart_takes_the_checkpoint_the_first_one_wrote_after_restoring_the_record(tmp_path, corpus):
+    """The record's contribution never went out. The first restart takes its error feedback,
+    trains, and stops with a checkpoint before contributing: that checkpoint is newer than the
+    record, and the second restart takes it."""
+    from groundswell.peer.participant import genesis_decision
+    from groundswell.peer.resume import resume_and_sync
+
+    participant = _factory(tmp_path, corpus, outer={"algorithm": "sparseloco"})
+    p = participant()
+    p.outer.round_id = 3
+    p._snapshot = GlobalState(3, {"global_params": p.outer.global_params.clone()},
+                              genesis_decision(p.identity, "unit"))
+    assert p.save_checkpoint() is not None
+    journal = WorkJournal(p.state_dir, enabled=True)
+    p.work_token = journal.start()
+    assert journal.record(3, 2 * torch.ones_like(p.outer.error), [b"own"], [])
+
+    first = participant()
+    _offline(first)
+    resume_and_sync(first, [])
+    assert bool((first.outer.error == 2).all())
+    first.outer.error = 5 * torch.ones_like(first.outer.error)  # what it did since
+    first._snapshot = GlobalState(3, {"global_params": first.outer.global_params.clone()},
+                                  genesis_decision(first.identity, "unit"))
+    assert first.save_checkpoint(settled=True) is not None
+
+    second = participant()
+    _offline(second)
+    resume_and_sync(second, [])
+    assert bool((second.outer.error == 5).all())
+
+
+@pytest.mark.parametrize("change", [{"included": "False"}, {"decayed": -1}, {"segments": b"xy"}, {"round": 2.0},
+                                    {"retried": 1}, {"included": torch.ones(2)}, {"extra": 1}])
+def test_a_malformed_list_of_unsettled_contributions_is_refused(change):
+    from groundswell.peer.resume import unsettled_from
+    from groundswell.peer.swarm_exchange import parse_unsettled
+
+    good = unsettled_item(2, [b"x"], 1)
+    assert parse_unsettled([good]) == [good]
+    with pytest.raises(ValueError):
+        parse_unsettled([dict(good, **change)])
+    assert unsettled_from({"unsettled": [dict(good, **change)]}) == []
