@@ -160,8 +160,8 @@ class SwarmExchange:
 
     def unsettled_work(self) -> list[dict[str, Any]]:
         """Each unsettled contribution as a checkpoint stores it (`unsettled_item`)."""
-        return [unsettled_item(u.round_id, u.segments, self.prepared - u.prepared, u.included, u.retried)
-                for u in self.unsettled]
+        return [unsettled_item(u.round_id, u.segments, self.prepared - u.prepared, u.included, u.retried,
+                               u.if_unknown) for u in self.unsettled]
 
     def restore_unsettled(self, items: Sequence[dict[str, Any]]) -> None:
         """Take over an earlier process's unsettled contributions (`unsettled_item`s, oldest first):
@@ -210,6 +210,7 @@ class SwarmExchange:
     def collect(self, round_id: int) -> RoundResult:
         """Wait for the attempt's outcome (bounded by the round deadline plus slack)."""
         future, self._future = self._future, None
+        self.last_outcome = (None, False)
         if future is None or round_id != self._round:
             raise RuntimeError("collect() without a matching contribute()")
         try:

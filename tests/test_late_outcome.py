@@ -53,6 +53,7 @@ def test_a_round_settled_without_its_outcome_is_remembered(outcome, raised, incl
     with pytest.raises(raised):
         ex.collect(0)
     assert [(u.round_id, u.included, u.prepared) for u in ex.unsettled] == [(0, included, 1)]
+    assert ex.last_outcome == (included, False)  # what work_file notes for a restart
     assert ex.unsettled[0].segments == [p.to_bytes() for p in payloads]
     assert ex._segments == []  # the contribution in flight is not kept past its outcome
     assert ex.take_unsettled(0) == []  # round 0 not applied yet: its outcome may still come
@@ -76,6 +77,7 @@ def test_a_retried_contribution_stays_open_until_its_round_commits():
     assert [(u.round_id, u.included, u.retried, u.prepared) for u in ex.unsettled] == [(0, None, True, 2),
                                                                                          (0, None, True, 3)]
     assert [u.segments for u in ex.unsettled] == sent[1:]
+    assert ex.last_outcome == (None, True)
     assert [(i["round"], i["segments"], i["decayed"], i["retried"]) for i in ex.unsettled_work()] == [
         (0, sent[1], 1, True), (0, sent[2], 0, True)]
     assert ex.take_unsettled(0) == []  # the round is still open

@@ -23,8 +23,8 @@ def _events(tmp_path) -> list[str]:
     return [json.loads(line)["kind"] for line in (tmp_path / "state" / "events.jsonl").read_text().splitlines()]
 
 
-@pytest.mark.parametrize("case", ["sent", "sent-retried", "sent-counted", "never-sent", "sent-again-since",
-                                  "checkpoint-newer", "never-sent-checkpoint-newer"])
+@pytest.mark.parametrize("case", ["sent", "sent-retried", "sent-counted", "sent-outcome-of-another", "never-sent",
+                                  "sent-again-since", "checkpoint-newer", "never-sent-checkpoint-newer"])
 def test_a_restart_takes_its_error_feedback_from_the_work_record_that_matches_what_it_sent(tmp_path, corpus, case):
     """The checkpoint (round 3) is older than the last contribution, as after most crashes: its
     error feedback (ones) holds what that contribution sent. The work record (twos) holds it
@@ -49,6 +49,8 @@ def test_a_restart_takes_its_error_feedback_from_the_work_record_that_matches_wh
         p._remember_contribution(3, 1)
     if case in ("sent-retried", "sent-counted"):  # the process learned the outcome, then crashed training
         journal.outcome(True if case == "sent-counted" else None, case == "sent-retried")
+    if case == "sent-outcome-of-another":  # a note left by an earlier contribution says nothing of this one
+        (p.state_dir / "outcome.json").write_text('{"work": "earlier", "included": true, "retried": false}')
     if case == "sent-again-since":  # a later contribution whose record was never written
         p.work_token = "another"
         p._remember_contribution(4, 0)
@@ -65,6 +67,7 @@ def test_a_restart_takes_its_error_feedback_from_the_work_record_that_matches_wh
     # the last contribution sent: presumed counted if its commit cannot be checked, unless its
     # process learned its outcome
     own = {"sent": unsettled_item(3, [b"own"], 0, presume=True),
+           "sent-outcome-of-another": unsettled_item(3, [b"own"], 0, presume=True),
            "sent-retried": unsettled_item(3, [b"own"], 0, retried=True),
            "sent-counted": unsettled_item(3, [b"own"], 0, included=True)}.get(case)
     unsettled = [older, own] if own else [older] if case == "never-sent" else None
@@ -81,7 +84,11 @@ def test_a_torn_or_foreign_work_record_is_ignored(tmp_path):
     assert journal.record(0, torch.zeros(10), [b"x"], [])
     assert read_work(tmp_path, 10) is not None
     assert read_work(tmp_path, 11) is None  # another model
-    assert not WorkJournal(tmp_path, enabled=False).record(0, torch.zeros(10), [b"x"], [])  # DiLoCo: no record
+    (tmp_path / "work.pt").unlink()
+    off = WorkJournal(tmp_path, enabled=False)  # DiLoCo: no record
+    assert off.start() is None and not off.record(0, torch.zeros(10), [b"x"], [])
+    off.outcome(True, False)
+    assert not (tmp_path / "work.pt").exists() and not (tmp_path / "outcome.json").exists()
 
 
 @pytest.mark.parametrize("found", [True, False])
@@ -216,6 +223,8 @@ def test_a_restart_keeps_the_newest_of_many_restored_contributions():
     items = [unsettled_item(r, [bytes([r])], 5 - r) for r in range(1, 5)] + [unsettled_item(5, [b"own"], 0, presume=True)]
     exchange.restore_unsettled(items)
     assert [(u.round_id, u.if_unknown) for u in exchange.unsettled] == [(2, False), (3, False), (4, False), (5, True)]
+    # and a checkpoint or the next record keeps the presumption
+    assert [i["presume"] for i in exchange.unsettled_work()] == [False, False, False, True]
 
 
 def test_a_second_restart_takes_the_checkpoint_the_first_one_wrote_after_restoring_the_record(tmp_path, corpus):
