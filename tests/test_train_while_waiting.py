@@ -89,5 +89,6 @@ def test_a_retried_round_says_why_in_words():
         ex._future.set_result((AttemptResult(decision, b"", 1, True), None))
         with pytest.raises(RoundFailed, match=r"round 4 attempt 1: .*" + words.replace("(", r"\(").replace(")", r"\)")):
             ex.collect(4)
-    # the retry is final; with no leader's answer, whether a commit counted us is not known yet
-    assert [(u.round_id, u.included) for u in ex.unsettled] == [(4, None)]
+    # neither outcome is final yet: a later attempt may adopt a commit the retry took back, and
+    # with no leader's answer, whether a commit counted us is not known (both settle by digest)
+    assert [(u.round_id, u.included, u.retried) for u in ex.unsettled] == [(4, None, True), (4, None, False)]
