@@ -281,7 +281,7 @@ def test_a_joiner_that_cannot_reach_the_port_falls_back_to_the_stream(addr):
     blob = os.urandom(1000)
     asked: list[StateRequest] = []
     node = _fake_node(blob, closed_port, addr, asked)
-    reply, got, got_digest, via = _run(fetch_state(node, "peer", 0, lambda r: r.size, timeout_s=10))
+    _reply, got, got_digest, via = _run(fetch_state(node, "peer", 0, lambda r: r.size, timeout_s=10))
     assert (bytes(got), got_digest, via) == (blob, blake3(blob).hexdigest(), "stream")
     assert [m.direct for m in asked] == [True, False]
 
@@ -314,7 +314,7 @@ def test_a_direct_blob_that_does_not_open_is_fetched_again_over_the_stream():
         finally:
             await server.close()
 
-    reply, got, got_digest, via = _run(go())
+    _reply, got, _got_digest, via = _run(go())
     assert (bytes(got), via) == (blob, "stream") and [m.direct for m in asked] == [True, False]
 
 

@@ -269,7 +269,7 @@ def test_the_rendezvous_introduces_only_nated_peers_of_the_run():
 
 
 def test_the_rendezvous_forgets_its_oldest_requests_not_all_of_them():
-    rdv, t = _rendezvous(PunchInviteReply(True, ""))
+    rdv, _t = _rendezvous(PunchInviteReply(True, ""))
     assert asyncio.run(rdv.handle("dialer", PunchRequest("target"))).ok
     base = time.monotonic() - 10_000
     for i in range(4096):  # older requests by other peers fill the table past its bound
