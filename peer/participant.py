@@ -45,6 +45,7 @@ from .state_trust import (
     vouchers_of,
 )
 from .swarm import NodeOptions, SwarmNode
+from .work_file import CONTRIBUTED_FILE, contributed_marker, read_contributed
 from .workload import Workload, build_workload
 
 log = logging.getLogger(__name__)
@@ -170,15 +171,7 @@ class Participant:
     def _contributed_before(self) -> dict[int, int]:
         """The last (round, attempt) an earlier process with this state dir contributed to: a
         restarted peer sends nothing to that attempt again (aggregators would refuse it)."""
-        path = self.state_dir / "contributed.json" if self.state_dir else None
-        if path is None or not path.exists():
-            return {}
-        try:
-            data = json.loads(path.read_text())
-            return {int(data["round"]): int(data["attempt"])}
-        except (OSError, ValueError, KeyError, TypeError) as exc:  # a torn or foreign file: start afresh
-            log.warning("%s is unreadable (%s); ignoring it", path.name, exc)
-            return {}
+        return contributed_marker(read_contributed(self.state_dir)) if self.state_dir else {}  # torn: afresh
 
     def _remember_contribution(self, round_id: int, attempt: int) -> bool:
         """Persist the attempt we are about to contribute to (before anything is sent); False if
@@ -189,7 +182,7 @@ class Participant:
             # Durable before anything is sent: after a power loss, a second contribution to the
             # same attempt would cost us an equivocation strike at every aggregator, and a restart
             # from an older checkpoint must know this work went out (or it sends it again).
-            write_atomically(self.state_dir / "contributed.json",
+            write_atomically(self.state_dir / CONTRIBUTED_FILE,
                              lambda f: f.write(json.dumps({"round": round_id, "attempt": attempt,
                                                            "work": self.work_token}).encode()))
         except OSError as exc:
@@ -389,7 +382,7 @@ class Participant:
         for path in checkpoints_newest_first(self.state_dir):
             try:
                 state = torch.load(path, weights_only=True, map_location="cpu")
-            except Exception as exc:  # torch raises many types for a truncated or garbled file
+            except Exception as exc:  # noqa: BLE001 (torch raises many types for a truncated or garbled file)
                 log.error("checkpoint %s is unreadable (%s); trying an older one or the swarm", path.name, exc)
                 self.events.write("checkpoint-corrupt", path=str(path), peer=self.identity.peer_id)
                 continue

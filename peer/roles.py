@@ -159,7 +159,7 @@ async def _connection_report(node: Any) -> dict[str, Any]:
 def _import_optimizer_machinery() -> None:
     try:
         import torch._dynamo  # noqa: F401  (what torch.optim's first optimizer would import)
-    except Exception as exc:  # only a head start: the first optimizer imports it again if need be
+    except Exception as exc:  # noqa: BLE001 (only a head start: the first optimizer imports it again if need be)
         log.debug("warming torch._dynamo up failed: %r", exc)
 
 

@@ -222,7 +222,6 @@ class SwarmExchange:
         ctx = self.node.ctx
         assert ctx is not None and self.node.client is not None and self.node.transport is not None
         limit = 6 * ctx.deadline_s + 6 * ctx.slack_s + 120
-        self.last_outcome = (None, False)
         try:  # the attempt, then the aggregate's fetch (each bounded inside)
             outcome, mean = future.result(timeout=limit)
         except RoundBehind as exc:  # raised before anything is sent

@@ -61,12 +61,28 @@ def new_token() -> str:
 
 
 def read_contributed(state_dir: Path) -> dict[str, Any] | None:
-    """contributed.json as it is now (None: absent or unreadable)."""
-    try:
-        data = json.loads((state_dir / CONTRIBUTED_FILE).read_text())
-    except (OSError, ValueError):
+    """contributed.json as it is now (None: absent, or unreadable: a torn or foreign file)."""
+    path = state_dir / CONTRIBUTED_FILE
+    if not path.exists():
         return None
-    return data if isinstance(data, dict) else None
+    try:
+        data = json.loads(path.read_text())
+    except (OSError, ValueError) as exc:
+        data = exc
+    if not isinstance(data, dict):
+        log.warning("%s is unreadable (%s); ignoring it", path.name, data if isinstance(data, Exception) else "not an object")
+        return None
+    return data
+
+
+def contributed_marker(data: dict[str, Any] | None) -> dict[int, int]:
+    """{round: attempt} of the contribution contributed.json names ({} if none, or malformed):
+    what a settled checkpoint records as the last outcome it holds."""
+    try:
+        return {} if data is None else {int(data["round"]): int(data["attempt"])}
+    except (KeyError, TypeError, ValueError) as exc:
+        log.warning("%s is unreadable (%r); ignoring it", CONTRIBUTED_FILE, exc)
+        return {}
 
 
 def write_work(state_dir: Path, record: WorkRecord) -> bool:
@@ -109,7 +125,7 @@ def resumable_work(record: WorkRecord, state_dir: Path, checkpoint_settled: Any,
     checkpoint was written after it (`checkpoint_settled`, `checkpoint_work`: that checkpoint's
     marker of the last contribution whose outcome it holds, and the newest record's token then)."""
     now = read_contributed(state_dir)
-    marker = {} if now is None else {now.get("round"): now.get("attempt")}
+    marker = contributed_marker(now)
     # A checkpoint that holds the outcome of every contribution up to now, written since the record:
     # newer, and exact. (When the record's contribution went out, a checkpoint settled on it is
     # necessarily later; when it did not, the token tells.)
