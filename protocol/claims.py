@@ -56,7 +56,7 @@ class Claims:
     plan: Callable[..., Awaitable[RoundPlan | None]]  # RoundServer.plan
     _hold_all: Callable[[bytes, float | None], Awaitable[bool]]  # RoundServer._hold_all: gather a commit's aggregate
 
-    async def _claim(self, plan: RoundPlan, slot: "_Attempt") -> bool:
+    async def _claim(self, plan: RoundPlan, slot: _Attempt) -> bool:
         """May this leader decide? Not if it (or a fellow leader it asked) already let another
         leader decide this attempt, nor if anyone asked knows a commit of the round (it is adopted).
 
@@ -65,7 +65,8 @@ class Claims:
         later attempt's claim also fences the earlier attempts off at every peer their leaders
         could seal: a leader that wakes from a freeze mid-decision finds its seals refused and
         stands back. A split is left possible only if the later leader reached none of the
-        sealed peers (a real network partition), where hash checks re-sync the minority."""
+        sealed peers (a real network partition with peers on both sides: a leader must have a
+        seal from another peer to commit, `Decider._witnesses`), where hash checks re-sync one side."""
         me = self.identity.peer_id
         await self._revoke_if_dead(plan, slot)
         if (slot.granted_to not in (None, me) or self.later_claims.get(plan.round, -1) > plan.attempt
@@ -113,7 +114,7 @@ class Claims:
         slot.deciding = True
         return True
 
-    async def _revoke_if_dead(self, plan: RoundPlan, slot: "_Attempt", claimer: str | None = None) -> None:
+    async def _revoke_if_dead(self, plan: RoundPlan, slot: _Attempt, claimer: str | None = None) -> None:
         """Take our grant back from a fellow leader whose process is gone.
 
         A leader that passed its claim and then died holds its fellow leaders' grants: nobody

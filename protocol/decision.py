@@ -102,6 +102,17 @@ class Decider:
             if refused:
                 failed |= refused
                 continue
+            witnessed, witnesses_asked = await self._witnesses(signed, plan, contributors, holders, unsealed)
+            asked |= witnesses_asked
+            accepted |= witnessed
+            if not witnessed:
+                # Sealed by nobody but us: our link may be down, and the others, who cannot reach
+                # us, let a stand-in decide this attempt from the shard's replicas. A commit of
+                # ours would then be a second commit of the round (a netlab run split this way).
+                log.warning("round %d attempt %d: no peer but this leader sealed the commit (is our link down?); "
+                            "retry", plan.round, plan.attempt)
+                contributors = []
+                break
             # A shard no holder could provide (its source froze after sealing, say): another
             # source for it, if a replica reported it whole; the other shards keep theirs.
             if not (unheld := await self._unheld_shards(signed, max(1.0, min(gather_s, left)))):
@@ -131,6 +142,29 @@ class Decider:
                  len(decision.contributors))
         await self._learn(plan, signed)
 
+    async def _witnesses(self, signed: bytes, plan: RoundPlan, contributors: list[str], holders: list[list[str]],
+                         unsealed: set[str]) -> tuple[set[str], set[str]]:
+        """Peers other than this leader that sealed the commit, and those asked: the shards'
+        holders, else (none of them sealed, or there are none) the attempt's fellow leaders, as
+        witnesses. A commit of others' work that nobody else sealed may be one a leader cut off
+        from everyone made while the others decide the attempt without it. A commit of the
+        leader's own work alone (a run with `min_peers = 1` whose other peers are gone), or by the
+        round's only server, needs none."""
+        me = self.identity.peer_id
+        if set(contributors) <= {me}:
+            return {me}, set()
+        held = {p for h in holders for p in h} - {me}
+        if sealed := held - unsealed:
+            return sealed, set()
+        others = [p for p in plan.leaders if p != me and p not in held]
+        if not held and not others:
+            # We alone lead and hold the round (round 0: the coordinator serves alone). Every
+            # attempt of a round has the same servers, so no other peer can decide it either.
+            return {me}, set()
+        # a fellow leader that seals holds nothing, but now hands the commit to later claimers
+        refused, _ = await self._seal_all(signed, others, timeout_s=self.ctx.slack_s) if others else (set(), False)
+        return set(others) - refused, set(others)
+
     async def _screen(self, plan: RoundPlan, sources: list[str], contributors: list[str], digests: list[bytes]
                       ) -> set[str]:
         """Contributors whose update alone makes the probe loss worse by more than the threshold
@@ -141,7 +175,7 @@ class Decider:
         try:
             async with asyncio.timeout(self.ctx.deadline_s):
                 scores = await self.score(round_id, await self.individual(plan, sources, contributors, digests))
-        except Exception as exc:  # scoring is a filter: without it, commit as is (and say why)
+        except Exception as exc:  # noqa: BLE001 - scoring is a filter: without it, commit as is (and say why)
             log.warning("round %d: contributions not scored (%s)", round_id, exc)
             return set()
         self.scores[round_id] = scores
@@ -159,7 +193,7 @@ class Decider:
     async def _void_late(self, retry: bytes, peers: list[str]) -> None:
         try:
             unvoided, _ = await self._seal_all(retry, peers, timeout_s=self.ctx.deadline_s)
-        except Exception as exc:  # a background task must never take the node down
+        except Exception as exc:  # noqa: BLE001 - a background task must never take the node down
             log.error("taking our commit back failed: %r", exc)
             return
         if unvoided:
