@@ -21,6 +21,7 @@ if TYPE_CHECKING:
     from .server import _Attempt
 
 log = logging.getLogger(__name__)
+WITNESSES = 8  # at most this many peers are asked to witness a commit no holder sealed
 
 
 class Decider:
@@ -102,9 +103,14 @@ class Decider:
             if refused:
                 failed |= refused
                 continue
-            witnessed, witnesses_asked = await self._witnesses(signed, plan, contributors, holders, unsealed)
+            witnessed, witnesses_asked, contested = await self._witnesses(signed, plan, contributors, holders,
+                                                                          unsealed)
             asked |= witnesses_asked
             accepted |= witnessed
+            if contested:
+                log.warning("round %d attempt %d is being decided by another leader; standing back", plan.round,
+                            plan.attempt)
+                return
             if not witnessed:
                 # Sealed by nobody but us: our link may be down, and the others, who cannot reach
                 # us, let a stand-in decide this attempt from the shard's replicas. A commit of
@@ -143,27 +149,33 @@ class Decider:
         await self._learn(plan, signed)
 
     async def _witnesses(self, signed: bytes, plan: RoundPlan, contributors: list[str], holders: list[list[str]],
-                         unsealed: set[str]) -> tuple[set[str], set[str]]:
-        """Peers other than this leader that sealed the commit, and those asked: the shards'
-        holders, else (none of them sealed, or there are none) the attempt's fellow leaders, as
-        witnesses. A commit of others' work that nobody else sealed may be one a leader cut off
-        from everyone made while the others decide the attempt without it. A commit of the
-        leader's own work alone (a run with `min_peers = 1` whose other peers are gone), or by the
-        round's only server, needs none."""
+                         unsealed: set[str]) -> tuple[set[str], set[str], bool]:
+        """Peers other than this leader that sealed the commit, those asked, and whether one had
+        sealed another leader's decision. The shards' holders first; if none of them sealed (or
+        there are none), the attempt's fellow leaders and the contributors, as witnesses.
+
+        A commit of others' work that nobody else sealed may be one a leader cut off from everyone
+        made while the others decide the attempt without it. A leader that merely lost its fellow
+        servers (they died; its contributors are alive) still reaches a contributor. A commit of
+        the leader's own work alone (`min_peers = 1`, everyone else gone), or by the round's only
+        server, needs no witness."""
         me = self.identity.peer_id
         if set(contributors) <= {me}:
-            return {me}, set()
+            return {me}, set(), False
         held = {p for h in holders for p in h} - {me}
         if sealed := held - unsealed:
-            return sealed, set()
-        others = [p for p in plan.leaders if p != me and p not in held]
-        if not held and not others:
+            return sealed, set(), False
+        leaders = [p for p in plan.leaders if p != me and p not in held]
+        if not held and not leaders:
             # We alone lead and hold the round (round 0: the coordinator serves alone). Every
             # attempt of a round has the same servers, so no other peer can decide it either.
-            return {me}, set()
-        # a fellow leader that seals holds nothing, but now hands the commit to later claimers
-        refused, _ = await self._seal_all(signed, others, timeout_s=self.ctx.slack_s) if others else (set(), False)
-        return set(others) - refused, set(others)
+            return {me}, set(), False
+        # A witness that seals holds nothing (a fellow leader then hands the commit to later
+        # claimers, who cannot gather it from there): it only shows that we are not cut off.
+        # Once one sealed, the others get a short grace (`_seal_all` with one group).
+        others = list(dict.fromkeys([*leaders, *(c for c in contributors if c != me and c not in held)]))[:WITNESSES]
+        refused, contested = await self._seal_all(signed, others, [others], timeout_s=self.ctx.slack_s)
+        return set(others) - refused, set(others), contested
 
     async def _screen(self, plan: RoundPlan, sources: list[str], contributors: list[str], digests: list[bytes]
                       ) -> set[str]:

@@ -33,6 +33,7 @@ class Cluster:
     robust: RobustOptions = field(default_factory=lambda: RobustOptions(clip=0.0))  # plain mean unless a test asks
     verify_aggregates: bool = False
     replicas: int | None = None
+    servers: tuple[int, ...] | None = None  # the nodes round 0's membership names as servers (default: all)
     nodes: list[SwarmNode] = field(default_factory=list)
     ids: list[str] = field(default_factory=list)
 
@@ -56,8 +57,9 @@ class Cluster:
             for node in self.nodes:
                 node.attach(self.ctx)
             genesis = seal(self.nodes[0].identity, self.ctx.run_id,
-                           Decision(-1, 0, "commit", [], list(self.ids), list(self.ids), self.ids[0], [], 0,
-                                    time.time()))
+                           Decision(-1, 0, "commit", [], list(self.ids),
+                                    list(self.ids) if self.servers is None else [self.ids[i] for i in self.servers],
+                                    self.ids[0], [], 0, time.time()))
             for node in self.nodes:
                 self.add_decision(node, genesis)
         except BaseException:

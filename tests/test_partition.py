@@ -78,7 +78,6 @@ def test_a_leader_cut_off_after_the_contributions_arrived_does_not_commit_alone(
     plan = make_plan(c.ctx.run_id, 0, 0, c.ids, c.ids, len(c.ctx.segment_numels), c.max_shards)
     lead = c.ids.index(plan.leaders[0])
     assert plan.num_shards == 1 and plan.candidates(0)[0] == plan.leaders[0]  # it holds the whole shard
-    server = c.nodes[lead].server
     cut = threading.Event()
     _cut_links(c, c.ids[lead], cut)
     xs = _inputs(4, c.numel, 41)
@@ -86,7 +85,7 @@ def test_a_leader_cut_off_after_the_contributions_arrived_does_not_commit_alone(
     runs, slot = _attempt_led_by(c, lead, xs)
     # every contribution is at the leader, and a replica reported holding them all
     _wait_for(lambda: any(a != c.ids[lead] and len(ids) == 3 for a, ids in slot.have.get(0, {}).items()))
-    assert len(server._sources(plan, slot)[1]) == 3, "the contributions did not all reach the leader in time"
+    assert len(slot.have.get(0, {}).get(c.ids[lead], {})) == 3, "the contributions did not all reach the leader in time"
     cut.set()
     concurrent.futures.wait(list(runs.values()), timeout=120)
     out = {i: f.result(timeout=1) for i, f in runs.items()}
@@ -136,3 +135,28 @@ def test_a_leader_whose_replicas_do_not_answer_commits_with_a_fellow_leader_as_w
     means = [c.fetch(i, signed) for i in range(4)]
     assert all(torch.equal(m, means[0]) for m in means)
     assert torch.allclose(means[0], sum(xs[i] for i in contributors) / 3, atol=1e-6)
+
+
+def test_a_leader_whose_fellow_servers_died_commits_with_a_contributor_as_witness(make_cluster):
+    # A coordinator and one public volunteer serve; a volunteer behind a NAT only trains. The public
+    # one dies: its replicas and its fellow leader's seat are gone, and every attempt of the round
+    # has the same servers (only a commit changes them). With nobody but the dead peer to seal, the
+    # rule above would retry the round for good; the live contributor is the witness instead.
+    from groundswell.protocol.plan import make_plan
+
+    c = make_cluster(n=3, codec_name="fp32", min_peers=1, max_shards=1, deadline_s=9.0, slack_s=1.0, servers=(0, 1))
+    plan = make_plan(c.ctx.run_id, 0, 0, c.ids[:2], c.ids, len(c.ctx.segment_numels), c.max_shards)
+    lead = c.ids.index(plan.leaders[0])
+    dead = 1 - lead
+    c.nodes[dead].close()
+    xs = _inputs(3, c.numel, 47)
+    # the leader only serves; the NAT'ed volunteer (node 2) trains
+    runs = {i: c.nodes[i].submit(c.nodes[i].client.run_attempt(0, 0, c.segments(xs[i]) if i == 2 else None,
+                                                                trains=i == 2, serves=i != 2)) for i in (lead, 2)}
+    concurrent.futures.wait(list(runs.values()), timeout=90)
+    d = runs[2].result(timeout=1).decision
+    assert d is not None and d.status == "commit" and d.leader == c.ids[lead] and d.contributors == [c.ids[2]], d
+    signed = runs[2].result(timeout=1).signed
+    assert c.nodes[2].server.attempts[(0, 0)].sealed == signed  # the contributor's seal
+    means = [c.fetch(i, signed) for i in (lead, 2)]
+    assert torch.equal(means[0], means[1]) and torch.allclose(means[0], xs[2], atol=1e-6)
