@@ -170,11 +170,14 @@ class Decider:
             # We alone lead and hold the round (round 0: the coordinator serves alone). Every
             # attempt of a round has the same servers, so no other peer can decide it either.
             return {me}, set(), False
-        # A witness that seals holds nothing (a fellow leader then hands the commit to later
-        # claimers, who cannot gather it from there): it only shows that we are not cut off.
-        # Once one sealed, the others get a short grace (`_seal_all` with one group).
-        others = list(dict.fromkeys([*leaders, *(c for c in contributors if c != me and c not in held)]))[:WITNESSES]
-        refused, contested = await self._seal_all(signed, others, [others], timeout_s=self.ctx.slack_s)
+        # A witness that seals holds nothing: it shows that we are not cut off. A fellow leader's
+        # seal also stops a stand-in of this attempt (it refuses that one's seal) and is handed to
+        # later claimers, so a live fellow leader gets the whole slack even once a contributor
+        # sealed; then the rest get a short grace (`_seal_all`, one group each).
+        trainers = [c for c in contributors if c != me and c not in held and c not in leaders]
+        groups = [g for g in (leaders[:WITNESSES], trainers[:max(0, WITNESSES - len(leaders))]) if g]
+        others = [p for g in groups for p in g]
+        refused, contested = await self._seal_all(signed, others, groups, timeout_s=self.ctx.slack_s)
         return set(others) - refused, set(others), contested
 
     async def _screen(self, plan: RoundPlan, sources: list[str], contributors: list[str], digests: list[bytes]

@@ -84,7 +84,8 @@ def test_a_leader_cut_off_after_the_contributions_arrived_does_not_commit_alone(
     contributors = [i for i in range(4) if i != lead]
     runs, slot = _attempt_led_by(c, lead, xs)
     # every contribution is at the leader, and a replica reported holding them all
-    _wait_for(lambda: any(a != c.ids[lead] and len(ids) == 3 for a, ids in slot.have.get(0, {}).items()))
+    _wait_for(lambda: len(slot.have.get(0, {}).get(c.ids[lead], {})) == 3
+              and any(a != c.ids[lead] and len(ids) == 3 for a, ids in slot.have.get(0, {}).items()))
     assert len(slot.have.get(0, {}).get(c.ids[lead], {})) == 3, "the contributions did not all reach the leader in time"
     cut.set()
     concurrent.futures.wait(list(runs.values()), timeout=120)
