@@ -177,7 +177,7 @@ class Decider:
         trainers = [c for c in contributors if c != me and c not in held and c not in leaders]
         groups = [g for g in (leaders[:WITNESSES], trainers[:max(0, WITNESSES - len(leaders))]) if g]
         others = [p for g in groups for p in g]
-        refused, contested = await self._seal_all(signed, others, groups, timeout_s=self.ctx.slack_s)
+        refused, contested = await self._seal_all(signed, others, groups, timeout_s=self.ctx.slack_s, role="witness")
         return set(others) - refused, set(others), contested
 
     async def _screen(self, plan: RoundPlan, sources: list[str], contributors: list[str], digests: list[bytes]
@@ -232,7 +232,7 @@ class Decider:
             return set(range(decision.num_shards))
 
     async def _seal_all(self, signed: bytes, peers: list[str], groups: list[list[str]] | None = None,
-                        timeout_s: float | None = None) -> tuple[set[str], bool]:
+                        timeout_s: float | None = None, role: str = "aggregator") -> tuple[set[str], bool]:
         """Seal every peer (a retry decision voids our commit there); returns the ones that did
         not seal, and whether one of them had sealed another leader's decision of this attempt.
         A live aggregator seals at once (it only builds its shards): one that does not answer within
@@ -254,7 +254,7 @@ class Decider:
             try:
                 ack = await self.transport.request(peer, "seal", Seal(signed), Ack, timeout_s=timeout_s or wait)
                 if not ack.ok:
-                    log.warning("aggregator %s refused the seal: %s", peer[-8:], ack.reason)
+                    log.warning("%s %s refused the seal: %s", role, peer[-8:], ack.reason)
                 return ack
             except PeerUnavailable as exc:
                 log.warning("seal failed: %s", exc)
@@ -278,8 +278,8 @@ class Decider:
             await asyncio.gather(*pending, return_exceptions=True)
         for p in tasks.values():
             if p not in acks:
-                log.warning("aggregator %s had not answered the seal a grace after every shard had a holder that "
-                            "sealed; going on without it", p[-8:])
+                log.warning("%s %s had not answered the seal a grace after %s sealed; going on without it", role,
+                            p[-8:], "every shard had a holder that" if role == "aggregator" else "another peer")
         return {p for p in tasks.values() if not (p in acks and acks[p].ok)}, \
             any(a.reason in CONTESTED for a in acks.values())
 
