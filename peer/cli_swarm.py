@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 import signal
 import sys
 import time
@@ -135,13 +136,18 @@ def keygen(path: Path = typer.Argument(..., help="Where to write the identity (E
     print(ident.peer_id)
 
 
+def _loss_text(loss: float) -> str:
+    """A held-out loss for people: "-" until one is known (no evaluation published yet)."""
+    return "-" if math.isnan(loss) else f"{loss:.4f}"
+
+
 def _round_table(rows: list, header: str) -> Table:
     table = Table(title=header, expand=False)
     for col in ("round", "peers online", "contributors", "held-out loss", "kB/round/peer", "round s"):
         table.add_column(col, justify="right")
     for info in rows[-12:]:
         table.add_row(str(info.round), str(info.peers_online), str(info.contributors),
-                      "" if info.eval_loss != info.eval_loss else f"{info.eval_loss:.4f}",
+                      "" if info.eval_loss != info.eval_loss else _loss_text(info.eval_loss),
                       f"{info.bytes_sent / 1e3:,.1f}" if info.bytes_sent else "", f"{info.round_s:.1f}")
     return table
 
@@ -285,7 +291,7 @@ def join(
             if not quiet:
                 console.print(f"round {info.round}: {info.status}"
                               + (f", {'in' if info.included else 'NOT in'} aggregate of {info.contributors}, "
-                                 f"eval {info.eval_loss:.4f}, {info.bytes_sent / 1e6:.2f} MB, {info.round_s:.1f} s, "
+                                 f"eval {_loss_text(info.eval_loss)}, {info.bytes_sent / 1e6:.2f} MB, {info.round_s:.1f} s, "
                                  f"{info.tokens_per_s:,.0f} tok/s" if info.status == "applied" else
                                  f" ({info.reason})" if info.reason else ""),
                               highlight=False)

@@ -49,3 +49,10 @@ def test_the_live_table_says_a_round_waits_for_volunteers(tmp_path):
         os.close(leader)
     text = re.sub(r"\x1b\[[0-9;?]*[A-Za-z]", "", seen.decode(errors="replace"))
     assert "round 0 again: 0 volunteers online, 2 needed" in " ".join(text.split()), text[-2000:]
+
+
+def test_a_held_out_loss_not_published_yet_reads_as_a_dash_not_nan():
+    from groundswell.peer.cli_swarm import _loss_text
+
+    assert _loss_text(float("nan")) == "-"
+    assert _loss_text(4.53781) == "4.5378"
