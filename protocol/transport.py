@@ -41,11 +41,37 @@ UNARY_MAX_REQUEST = 32 << 10
 # Largest allowed reply for a unary call: a control message's budget. Bulk replies (aggregates,
 # contributions) are budgeted from the model size plus MAX_SMALL, so they always take a stream.
 UNARY_MAX_REPLY = MAX_SMALL
-# Daemon errors of a unary call that mean no stream could be opened at all (see `PeerDead`);
+# Daemon errors that mean no stream could be opened at all (see `PeerDead`), on either path;
 # others ("stream reset") come from a stream that was open.
 _DIAL_FAILURES = ("failed to dial", "failed to negotiate protocol", "routing: not found", "no addresses",
                   "protocols not supported", "failed to find any peer in table", "failed to open stream",
                   "connection failed")
+
+
+def _dial_failed(exc: BaseException) -> bool:
+    """Whether the daemon said no stream to the peer could be opened (a failed dial, an unserved
+    protocol): the peer's process is gone. Not our own daemon's socket failing, nor a bug of ours."""
+    from hivemind.p2p.p2p_daemon_bindings.utils import P2PDaemonError
+
+    return isinstance(exc, P2PDaemonError) and any(m in str(exc) for m in _DIAL_FAILURES)
+
+
+def _target(peer_id: str, handler: str) -> Any:
+    """hivemind's PeerID for `peer_id`; `PeerDead` if it is not one (nothing could be dialled)."""
+    from hivemind.p2p import PeerID
+
+    try:
+        return PeerID.from_base58(peer_id)
+    except ValueError as exc:
+        raise PeerDead(f"{peer_id[-8:]} unavailable for {handler}: {exc!r}") from None
+
+
+def _remote_failure(exc: BaseException) -> bool:
+    """Whether a failed request's error is one the other side (or the path to it) explains: a
+    daemon error (a refusal, a reset), a connection reset, an early end of the stream."""
+    from hivemind.p2p.p2p_daemon_bindings.utils import P2PDaemonError, P2PHandlerError
+
+    return isinstance(exc, (P2PDaemonError, P2PHandlerError, ConnectionError, EOFError))
 
 Handler = Callable[[str, Any], Awaitable[Message]]
 
@@ -120,6 +146,7 @@ class Transport:
         self.run_id = run_id
         self.guard = guard or Guard()  # shared by a node's transports: limits and bans are per peer
         self.rejected_replies: Counter[str] = Counter()  # bad replies to our requests, by reason
+        self.local_failures: Counter[str] = Counter()  # requests that failed on our side, by exception type
         self.bytes_sent = 0
         self.bytes_received = 0
 
@@ -173,7 +200,7 @@ class Transport:
             except ProtocolError as exc:
                 self.guard.reject(remote, handler, exc)
                 self._log_rejection(handler, exc.reason, remote, str(exc))
-            except (asyncio.TimeoutError, asyncio.IncompleteReadError, ConnectionError) as exc:
+            except (TimeoutError, asyncio.IncompleteReadError, ConnectionError) as exc:
                 log.debug("%s request from %s ended early: %r", handler, remote[-8:], exc)
             finally:
                 self.guard.release(remote)
@@ -273,18 +300,8 @@ class Transport:
     async def _request_unary(self, client: Any, peer_id: str, handler: str, data: bytes, expect: Any,
                              timeout_s: float, max_reply: int) -> Any:
         """One request as a unary call; failures map to the same errors as on a stream."""
-        from hivemind.p2p import PeerID
-        from hivemind.p2p.p2p_daemon_bindings.utils import P2PDaemonError
-
-        try:
-            target = PeerID.from_base58(peer_id)
-        except Exception as exc:  # not a peer id at all: nothing could be dialled
-            raise PeerDead(f"{peer_id[-8:]} unavailable for {handler}: {exc!r}") from None
-
-        def dead(exc: BaseException) -> bool:  # daemon errors: a failed dial, an unserved protocol, a reset
-            return isinstance(exc, P2PDaemonError) and any(m in str(exc) for m in _DIAL_FAILURES)
-
-        with self._failures(peer_id, handler, timeout_s, dead):
+        target = _target(peer_id, handler)
+        with self._failures(peer_id, handler, timeout_s, _dial_failed):
             async with asyncio.timeout(timeout_s):
                 self.bytes_sent += len(data) + _LEN.size
                 reply = await client.call_unary_handler(target, self._unary_name(handler), data)
@@ -297,7 +314,9 @@ class Transport:
     def _failures(self, peer_id: str, handler: str, timeout_s: float,
                   dead: Callable[[BaseException], bool]) -> Iterator[None]:
         """Map a request's failures to `PeerUnavailable`: a bad reply (counted), a timeout, or the
-        peer gone (`PeerDead` where `dead(exc)`: nothing could be opened, else `PeerGone`)."""
+        peer gone (`PeerDead` where `dead(exc)`: nothing could be opened, else `PeerGone`). Any
+        other error (our daemon's socket gone, a bug of ours) is plain `PeerUnavailable`, logged
+        with its traceback: it says nothing of the peer, so it must not take a grant from it."""
         started = time.monotonic()
         try:
             yield
@@ -310,25 +329,31 @@ class Transport:
                                   f"{max(timeout_s, time.monotonic() - started):.1f}s") from None
         except asyncio.CancelledError:
             raise
-        except Exception as exc:  # resets, EOF, refusals; dial failures
+        except Exception as exc:  # every failure of a request is the caller's PeerUnavailable
             # the text may come from the other side: keep it short
-            gone = PeerDead if dead(exc) else PeerGone
-            raise gone(f"{peer_id[-8:]} unavailable for {handler}: {exc!r:.200}") from None
+            if dead(exc):
+                raise PeerDead(f"{peer_id[-8:]} unavailable for {handler}: {exc!r:.200}") from None
+            if _remote_failure(exc):  # resets, EOF, refusals
+                raise PeerGone(f"{peer_id[-8:]} unavailable for {handler}: {exc!r:.200}") from None
+            kind = type(exc).__qualname__
+            if kind not in self.local_failures:  # its traceback once (every request may fail alike)
+                log.warning("%s request to %s failed on our side", handler, peer_id[-8:], exc_info=True)
+            self.local_failures[kind] += 1
+            raise PeerUnavailable(f"{handler} request to {peer_id[-8:]} failed on our side: {exc!r:.200}") from None
 
     async def _request_stream(self, peer_id: str, handler: str, msg: Message, sealed: bytes | None, expect: Any,
                               timeout_s: float, max_reply: int, trailer_size: Callable[[Any], int] | None,
                               hasher: Any = None, remote: dict[str, str] | None = None,
                               trailer_timeout_s: Callable[[int], float] | None = None) -> tuple[Any, bytearray]:
         """One request on its own stream (`sealed`: the request already sealed, else sealed here)."""
-        from hivemind.p2p import PeerID
-
+        target = _target(peer_id, handler)
         writer = None
         opened = False
         try:
-            with self._failures(peer_id, handler, timeout_s, lambda exc: not opened):  # before the stream: dead
+            with self._failures(peer_id, handler, timeout_s, lambda exc: not opened and _dial_failed(exc)):
                 async with asyncio.timeout(timeout_s) as scope:
                     info, reader, writer = await self.p2p.call_binary_stream_handler(
-                        PeerID.from_base58(peer_id), self._name(handler)
+                        target, self._name(handler)
                     )
                     opened = True
                     if remote is not None:

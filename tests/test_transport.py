@@ -183,6 +183,38 @@ def test_unary_failures_map_to_the_same_errors_as_streams(net):
     assert net.run(net.tb.request(peer, "guarded", Join(1, True, True), Ack, timeout_s=30)).ok
 
 
+def test_a_failure_on_our_side_is_not_taken_for_the_peer_gone(net, monkeypatch, caplog):
+    """`PeerDead` and `PeerGone` say the peer's process is gone (a leader takes a grant back on
+    them); our own daemon's socket failing, or a bug of ours, says nothing of the peer."""
+    async def fine(sender: str, req: Join) -> Ack:
+        return Ack(True, "ok")
+
+    _serve(net, net.ta, "plain", Join, fine)
+    peer = net.id_a.peer_id
+    # on a stream as on a unary call: a failed dial or an unserved protocol is PeerDead
+    with pytest.raises(PeerDead):
+        net.run(net.tb.request(peer, "not-served", Join(0, True, True), Ack, timeout_s=30, unary=False))
+    with pytest.raises(PeerDead):
+        net.run(net.tb.request(Identity.generate().peer_id, "plain", Join(0, True, True), Ack, timeout_s=5,
+                               unary=False))
+    for local in (FileNotFoundError(2, "No such file or directory"), TypeError("a bug of ours")):
+        async def broken(*args: Any, local: Exception = local, **kwargs: Any) -> Any:
+            raise local
+
+        monkeypatch.setattr(net.b, "call_binary_stream_handler", broken)
+        monkeypatch.setattr(net.b._client, "call_unary_handler", broken)
+        for unary in (True, False):
+            with caplog.at_level("WARNING", logger="groundswell.protocol.transport"), \
+                    pytest.raises(PeerUnavailable, match="failed on our side") as err:
+                net.run(net.tb.request(peer, "plain", Join(0, True, True), Ack, timeout_s=30, unary=unary))
+            assert not isinstance(err.value, PeerGone), (local, unary)
+        monkeypatch.undo()
+    assert net.tb.local_failures == {"FileNotFoundError": 2, "TypeError": 2}
+    tracebacks = [r for r in caplog.records if "failed on our side" in r.getMessage()]
+    assert len(tracebacks) == 2 and all(r.exc_info for r in tracebacks)  # once per kind of failure
+    assert net.run(net.tb.request(peer, "plain", Join(1, True, True), Ack, timeout_s=30)).ok
+
+
 def test_a_unary_call_its_caller_gave_up_on_leaves_nothing_behind(net):
     # hivemind forgets a unary handler's task only when it returns or raises; one that ended
     # cancelled (its caller timed out) used to stay in its table with everything it referenced.
