@@ -13,10 +13,10 @@ import dataclasses
 import logging
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Coroutine, Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeVar
 
 from groundswell.protocol.client import RoundClient
 from groundswell.protocol.context import DecisionBook
@@ -57,6 +57,7 @@ from .run_state import GlobalState, RunContext
 from .state_trust import state_timeout_s
 
 log = logging.getLogger(__name__)
+T = TypeVar("T")
 MEMBERS_REFRESH_S = 5.0  # a rendezvous re-reads the run's records for an unknown punch requester at most this often
 
 
@@ -113,6 +114,7 @@ class SwarmNode(PeerRecords, NetLoop):
         self._dial_back = DialBack()
         self.guard = Guard()  # every transport of this node: limits and bans are per remote peer
         self._error: BaseException | None = None
+        self._down: str | None = None  # why the running node stopped by itself (see `_run`)
         self.rejoiner = DhtRejoiner(identity.peer_id, options.initial_peers)  # after a network outage
 
     # --- lifecycle ------------------------------------------------------------------------------
@@ -191,9 +193,15 @@ class SwarmNode(PeerRecords, NetLoop):
                 raise _Stop()
         except* _Stop:
             pass
-        except* BaseException as group:  # start-up failure: report it to `start`
+        except* Exception as group:  # (a cancellation goes on up: the loop is being shut down)
             self._error = group.exceptions[0]
-            self._ready.set()
+            if self._ready.is_set():
+                # A task of the running node failed, and the TaskGroup took every other one down
+                # with it: the node serves and hears nothing now. Say so, and fail every later
+                # call (`_check_up`), rather than train on as a peer nobody can reach.
+                log.error("the network stopped: %r", self._error, exc_info=self._error)
+                self._down = f"the network stopped ({self._error!r:.200}); start again to rejoin the run"
+            self._ready.set()  # a start-up failure: `start` reports it
         finally:
             if self.direct is not None:
                 await self.direct.close()
@@ -350,6 +358,21 @@ class SwarmNode(PeerRecords, NetLoop):
                     log.info("manifest from %s (try %d): %s", peer[-8:], attempt + 1, exc)
             await asyncio.sleep(1.0 + attempt)
         raise PeerUnavailable("no bootstrap peer served the run manifest")
+
+    def call(self, coro: Coroutine[Any, Any, T], timeout_s: float | None = None) -> T:
+        """`NetLoop.call`, or NetworkError once the node has stopped by itself."""
+        self._check_up(coro)
+        return super().call(coro, timeout_s)
+
+    def submit(self, coro: Coroutine[Any, Any, T]) -> Future:
+        """`NetLoop.submit`, or NetworkError once the node has stopped by itself."""
+        self._check_up(coro)
+        return super().submit(coro)
+
+    def _check_up(self, coro: Coroutine[Any, Any, Any]) -> None:
+        if self._down is not None:
+            coro.close()  # never to run: no "never awaited" warning
+            raise NetworkError(self._down)
 
     def close(self) -> None:
         """Stop every task, shut the daemon down and join the thread (idempotent)."""
