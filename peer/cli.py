@@ -89,7 +89,7 @@ def _load_config(config: Optional[Path], overrides: dict[str, Any], sets: list[s
             import tomllib
 
             value = tomllib.loads(f"v = {raw}")["v"]
-        except Exception:
+        except tomllib.TOMLDecodeError:
             value = raw  # a bare word is a string
         cfg = replace_path(cfg, key.strip(), value)
     return cfg

@@ -215,7 +215,7 @@ class PunchTarget:
         except OSError as exc:
             log.info("hole punch for %s: %s", dialer[-8:], exc)
         except Exception as exc:  # a task of the node's own group: a bug here must not stop the node
-            log.error("hole punch for %s failed: %r", dialer[-8:], exc)
+            log.error("hole punch for %s failed: %r", dialer[-8:], exc, exc_info=exc)
         finally:
             if self._forwards.get(dialer, (None,))[0] is asyncio.current_task():
                 del self._forwards[dialer]

@@ -62,8 +62,9 @@ class PeerRecords:
             except Exception as exc:  # best effort: the next heartbeat tries again
                 log.info("re-entering the DHT failed: %r", exc)
             try:
-                await self.dht.store(self.records_key(self.ctx.run_id), signed, get_dht_time() + 3 * HEARTBEAT_S,
-                                     subkey=self.identity.peer_id)
+                if not await self.dht.store(self.records_key(self.ctx.run_id), signed,
+                                            get_dht_time() + 3 * HEARTBEAT_S, subkey=self.identity.peer_id):
+                    log.info("heartbeat store was refused or reached nobody; the next heartbeat tries again")
             except Exception as exc:  # the DHT being briefly unreachable is normal under churn
                 log.info("heartbeat store failed: %r", exc)
             await asyncio.sleep(HEARTBEAT_S)

@@ -167,7 +167,7 @@ class Aggregator:
         try:
             plan = await self.plan(round_id, attempt, self.ctx.deadline_s)
         except Exception as exc:  # a background task must never take the node down
-            log.error("have report for round %d failed: %r", round_id, exc)
+            log.error("have report for round %d failed: %r", round_id, exc, exc_info=exc)
             plan = None
         finally:
             slot.report_pending = False  # later changes launch again; the tasks below read holdings when they send
@@ -196,7 +196,7 @@ class Aggregator:
         except ProtocolError as exc:  # e.g. a conflicting decision: this report is moot; say so
             log.warning("have report for round %d not sent: %s", round_id, exc)
         except Exception as exc:  # a background task must never take the node down
-            log.error("have report for round %d failed: %r", round_id, exc)
+            log.error("have report for round %d failed: %r", round_id, exc, exc_info=exc)
         finally:
             slot.reporting.discard(leader)
 
@@ -300,7 +300,7 @@ class Aggregator:
                 first, _ = plan.shard_segments[shard]
                 self.archive(decision.round, shard, self._build_held(signed, decision, slot, shard, first))
         except Exception as exc:  # a background task must never take the node down
-            log.error("replica copy of round %d not built: %r", decision.round, exc)
+            log.error("replica copy of round %d not built: %r", decision.round, exc, exc_info=exc)
 
     def _may_replace(self, decision: Decision, signed: bytes, shard: int) -> bool:
         """May a replica build its copy of `shard` under this seal? Not if the round committed

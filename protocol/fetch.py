@@ -12,7 +12,7 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
-from groundswell.compression import Payload, RobustStats, robust_mean
+from groundswell.compression import CodecError, Payload, RobustStats, robust_mean
 
 from .context import contribution_digest, validate_segments
 from .envelope import unseal
@@ -52,8 +52,10 @@ class AggregateFetcher:
             return await self._fetch_aggregate(signed, device)
         except PeerUnavailable:
             raise
+        except (MemoryError, torch.OutOfMemoryError):  # ours to report, not the peers' doing
+            raise
         except Exception as exc:  # ProtocolError, CodecError, or a bug a hostile input found: not applied
-            log.warning("aggregate not applied: %r", exc)
+            log.warning("aggregate not applied: %r", exc, exc_info=_unexpected(exc))
             raise PeerUnavailable(f"the round's aggregate could not be assembled: {exc}") from None
 
     async def hold_aggregate(self, signed: bytes) -> None:
@@ -63,8 +65,10 @@ class AggregateFetcher:
             await self._hold(signed)
         except PeerUnavailable:
             raise
+        except (MemoryError, torch.OutOfMemoryError):  # ours to report, not the peers' doing
+            raise
         except Exception as exc:  # ProtocolError, CodecError, or a bug a hostile input found
-            log.warning("aggregate not held: %r", exc)
+            log.warning("aggregate not held: %r", exc, exc_info=_unexpected(exc))
             raise PeerUnavailable(f"the round's aggregate could not be gathered: {exc}") from None
 
     async def _hold(self, signed: bytes) -> tuple[Decision, RoundPlan, list[AggregateShard]]:
@@ -252,3 +256,9 @@ class AggregateFetcher:
                 task.cancel()
             await asyncio.gather(*asking, return_exceptions=True)
         raise PeerUnavailable(f"no peer could provide shard {shard} of round {decision.round}")
+
+
+def _unexpected(exc: Exception) -> Exception | None:
+    """`exc` when it is not one of the errors hostile bytes are refused with (then its traceback
+    is worth a log line: a bug of ours that some input found), else None."""
+    return None if isinstance(exc, (ProtocolError, CodecError)) else exc

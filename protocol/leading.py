@@ -117,10 +117,11 @@ class Leading:
     async def _lead_guarded(self, round_id: int, attempt: int) -> None:
         try:
             await self._lead(round_id, attempt)
-        except (ProtocolError, PeerUnavailable) as exc:  # a conflicting or forged commit elsewhere
-            log.warning("leading round %d attempt %d stopped: %s", round_id, attempt, exc)
-        except Exception as exc:  # a background task must never take the node down; say what broke
-            log.error("leading round %d attempt %d failed: %r", round_id, attempt, exc)
+        except* (ProtocolError, PeerUnavailable) as group:  # a conflicting or forged commit elsewhere
+            log.warning("leading round %d attempt %d stopped: %s", round_id, attempt, group.exceptions[0])
+        except* Exception as group:  # a background task must never take the node down; say what broke
+            log.error("leading round %d attempt %d failed: %r", round_id, attempt, group.exceptions[0],
+                      exc_info=group)
 
     async def _lead(self, round_id: int, attempt: int) -> None:
         plan = await self.plan(round_id, attempt, self.ctx.deadline_s)

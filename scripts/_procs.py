@@ -78,7 +78,7 @@ def serve_commands(make: Callable[[], Any], conn: Any, name: str, on_error: Call
                 break
             try:
                 conn.send(("ok", getattr(worker, cmd)(**kwargs)))
-            except BaseException:
+            except Exception:  # (Ctrl+C ends the worker: below)
                 on_error()
                 conn.send(("error", traceback.format_exc()))
     except (EOFError, KeyboardInterrupt):  # the parent is gone or interrupted us: just clean up

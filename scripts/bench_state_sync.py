@@ -119,7 +119,7 @@ class _Workers:
         for conn in self.conns.values():
             try:
                 conn.send(("exit", {}))
-            except Exception:
+            except (OSError, ValueError):  # that worker is gone already
                 pass
         end = time.monotonic() + 30
         for p in self.procs.values():

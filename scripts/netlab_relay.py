@@ -76,7 +76,7 @@ def node(role: str, out: Path, timeout_s: float) -> int:
                                path=sn.call(sn.connections(), timeout_s=10).get(tid))
                     break
                 except Exception as exc:  # the relay has no reservation for it yet: try again
-                    row["error"] = str(exc).splitlines()[-1][:200]
+                    row["error"] = ((str(exc) or repr(exc)).splitlines() or [""])[-1][:200]
                     time.sleep(5)
             pairs.append(row)
         (out / f"{role}.pairs.json").write_text(json.dumps(pairs))
