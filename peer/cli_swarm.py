@@ -347,7 +347,8 @@ def status(
     if as_json:
         print(json.dumps({"run": manifest.run.id, "peers": rows}, indent=2))
         return
-    table = Table(title=f"run {manifest.run.id}: {len(rows)} peers online", box=box.SIMPLE_HEAD,
+    online = f"{len(rows)} peer{'' if len(rows) == 1 else 's'} online"
+    table = Table(title=f"run {manifest.run.id}: {online}", box=box.SIMPLE_HEAD,
                   collapse_padding=True, pad_edge=False, show_edge=False)
     for col in ("peer", "role", "reach", "round", "params", "loss", "sent", "refused", "bans", "age"):
         # fits an 80-column terminal without cutting ids or hashes (they are what one compares)
