@@ -34,6 +34,8 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from .locks import make_private_dir
+
 _PR_SET_PDEATHSIG = 1
 _patched = False
 _socket_users = 0  # live nodes of this process using socket_dir()
@@ -126,7 +128,7 @@ def socket_dir(root: Path | None = None) -> Path:
     root = Path(tempfile.gettempdir()) if root is None else root
     sweep_socket_dirs(root)
     path = root / f"{SOCKET_DIR_PREFIX}{os.getpid()}"
-    path.mkdir(mode=0o700, exist_ok=True)
+    make_private_dir(path)  # the daemons' control sockets: nobody else's folder
     return path
 
 

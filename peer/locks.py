@@ -9,6 +9,7 @@ on `kill -9`), so a stale lock file from a crash never blocks a restart.
 from __future__ import annotations
 
 import os
+import stat
 from pathlib import Path
 
 from .config import ConfigError
@@ -21,8 +22,19 @@ def identity_lock_path(peer_id: str) -> Path:
     import tempfile
 
     folder = Path(tempfile.gettempdir()) / f"groundswell-locks-{os.getuid() if hasattr(os, 'getuid') else 0}"
-    folder.mkdir(mode=0o700, exist_ok=True)
+    make_private_dir(folder)
     return folder / f"{peer_id}.lock"
+
+
+def make_private_dir(folder: Path) -> None:
+    """Make `folder` (mode 0700) unless it exists; ConfigError unless it is then this user's own
+    private folder. In a shared temp directory another user may have made it first, to plant
+    links in it (a lock file is emptied on opening) or sockets, or to hold our locks."""
+    folder.mkdir(mode=0o700, exist_ok=True)
+    st = os.lstat(folder)
+    if hasattr(os, "getuid") and (not stat.S_ISDIR(st.st_mode) or st.st_uid != os.getuid() or st.st_mode & 0o077):
+        raise ConfigError(f"{folder} is not a private folder of this user (another user made it?): remove it, "
+                          "or set TMPDIR to a folder of your own")
 
 
 def hold_exclusively(lock_path: Path, what: str, subject: Path, hint: str = "give this one its own --state-dir") -> None:
@@ -35,10 +47,14 @@ def hold_exclusively(lock_path: Path, what: str, subject: Path, hint: str = "giv
     key = str(lock_path.resolve())
     if key in _HELD:
         return
-    try:
-        fd = os.open(lock_path, os.O_RDWR | os.O_CREAT, 0o600)
-    except OSError as exc:  # a read-only or foreign folder: say so in one line, do not guess
+    try:  # never through a link: the file is emptied below
+        fd = os.open(lock_path, os.O_RDWR | os.O_CREAT | getattr(os, "O_NOFOLLOW", 0), 0o600)
+    except OSError as exc:  # a read-only or foreign folder, a planted link: say so in one line
         raise ConfigError(f"cannot lock the {what} {subject} ({lock_path}: {exc.strerror or exc})") from None
+    st = os.fstat(fd)
+    if not stat.S_ISREG(st.st_mode) or (hasattr(os, "getuid") and st.st_uid != os.getuid()):
+        os.close(fd)
+        raise ConfigError(f"cannot lock the {what} {subject}: {lock_path} is not a file of this user; remove it")
     try:
         fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except BlockingIOError:

@@ -1,0 +1,53 @@
+"""The locks that keep one process per state dir and identity cannot be turned against their user:
+a lock file is never opened through a link (it is emptied on opening), and the identity locks'
+folder in the shared temp directory must be this user's own private one."""
+
+from __future__ import annotations
+
+import os
+import tempfile
+
+import pytest
+from groundswell.peer.config import ConfigError
+from groundswell.peer.locks import hold_exclusively, identity_lock_path, release_all
+
+
+@pytest.fixture
+def private_tmp(tmp_path, monkeypatch):
+    monkeypatch.setattr(tempfile, "gettempdir", lambda: str(tmp_path))
+    yield tmp_path
+    release_all()
+
+
+def test_a_lock_file_planted_as_a_link_is_refused_and_its_target_untouched(private_tmp):
+    target = private_tmp / "checkpoint-00000100.pt"
+    target.write_bytes(b"precious")
+    lock = identity_lock_path("12D3KooWPlanted")
+    lock.symlink_to(target)
+    with pytest.raises(ConfigError, match="cannot lock the identity"):
+        hold_exclusively(lock, "identity", private_tmp / "id.key")
+    assert target.read_bytes() == b"precious"
+    fifo = private_tmp / "state" / ".lock"
+    fifo.parent.mkdir()
+    os.mkfifo(fifo)
+    with pytest.raises(ConfigError, match="not a file of this user"):
+        hold_exclusively(fifo, "state dir", fifo.parent)
+
+
+def test_an_identity_lock_folder_others_can_write_to_is_refused(private_tmp):
+    folder = private_tmp / f"groundswell-locks-{os.getuid()}"
+    folder.mkdir(mode=0o700)
+    path = identity_lock_path("12D3KooWMine")  # ours and private: fine
+    hold_exclusively(path, "identity", private_tmp / "id.key")
+    os.chmod(folder, 0o777)  # as if another user had made it for us
+    with pytest.raises(ConfigError, match="not a private folder of this user"):
+        identity_lock_path("12D3KooWMine")
+
+
+def test_the_daemons_socket_folder_must_be_ours_and_private(tmp_path):
+    from groundswell.peer.daemon import SOCKET_DIR_PREFIX, socket_dir
+
+    assert socket_dir(tmp_path) == tmp_path / f"{SOCKET_DIR_PREFIX}{os.getpid()}"
+    os.chmod(tmp_path / f"{SOCKET_DIR_PREFIX}{os.getpid()}", 0o777)  # made, or opened up, by someone else
+    with pytest.raises(ConfigError, match="not a private folder"):
+        socket_dir(tmp_path)
