@@ -29,6 +29,7 @@ from groundswell.protocol.guard import Limits
 from groundswell.protocol.identity import Identity
 from groundswell.protocol.schema import Decision, ProtocolError
 
+from .checkpoint_check import DIGEST_KEY, checkpoint_damage, checkpoint_digest, digest_mismatch
 from .config import ConfigError
 from .data import Corpus, evaluate, heldout_batches, load_corpus
 from .manifest import RunManifest, SignedManifest
@@ -126,6 +127,7 @@ class Participant:
         self.device = device
         self.state_dir = state_dir
         self.work_token: str | None = None  # names the contribution in flight in work.pt (see work_file)
+        self.work_recorded = True  # False: work.pt could not be written for it (then it is not sent)
         if state_dir is not None:
             state_dir.mkdir(parents=True, exist_ok=True)
             for stale in [*state_dir.glob("checkpoint-*.tmp"),
@@ -178,6 +180,12 @@ class Participant:
         it cannot be (disk full, read-only dir): then nothing is sent."""
         if self.state_dir is None:
             return True
+        if not self.work_recorded:  # sent now, a crash before the next checkpoint would drop its work
+            log.error("could not record the work of round %d's contribution: not sending it; training goes on",
+                      round_id)
+            self.events.write("contribution-not-recorded", round=round_id, error="work.pt not written",
+                              peer=self.identity.peer_id)
+            return False
         try:
             # Durable before anything is sent: after a power loss, a second contribution to the
             # same attempt would cost us an equivocation strike at every aggregator, and a restart
@@ -357,6 +365,7 @@ class Participant:
             progress = (self.outer.local_vector() - self.outer.global_params).cpu()
             if bool(progress.any()):
                 state["local_progress"] = progress
+        state[DIGEST_KEY] = checkpoint_digest(state)  # a flipped byte loads; this does not match then
         try:
             write_atomically(path, lambda f: torch.save(state, f))
         except OSError as exc:
@@ -386,7 +395,14 @@ class Participant:
                 log.error("checkpoint %s is unreadable (%s); trying an older one or the swarm", path.name, exc)
                 self.events.write("checkpoint-corrupt", path=str(path), peer=self.identity.peer_id)
                 continue
-            self._check_fits(state, path)
+            problem = digest_mismatch(state)
+            if problem is None:
+                self._check_fits(state, path)  # another run's or model's: refused, not skipped
+                problem = checkpoint_damage(state, self.outer.global_params.numel())
+            if problem is not None:
+                log.error("checkpoint %s is damaged (%s); trying an older one or the swarm", path.name, problem)
+                self.events.write("checkpoint-corrupt", path=str(path), error=problem, peer=self.identity.peer_id)
+                continue
             return state
         return None
 

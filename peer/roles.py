@@ -130,7 +130,9 @@ def run_volunteer(p: Participant, bootstrap_peers: list[str], *, max_rounds: int
         sent = attack.tamper(payloads) if attack is not None else payloads
         if isinstance(p.outer, SparseLoCo):  # on disk before contributed.json can name it (see work_file)
             p.work_token = journal.start()
-            journal.record(r, p.outer.error, [x.to_bytes() for x in sent], loop.exchange.unsettled_work())
+            # unrecorded work is not sent (`_remember_contribution`): a crash would drop it
+            p.work_recorded = p.work_token is None or journal.record(
+                r, p.outer.error, [x.to_bytes() for x in sent], loop.exchange.unsettled_work())
         loop.exchange.contribute(r, sent)
         in_flight = (r, stats, t0, time.perf_counter())
         if not m.outer.overlap:
@@ -138,13 +140,13 @@ def run_volunteer(p: Participant, bootstrap_peers: list[str], *, max_rounds: int
             in_flight = None
     if in_flight is not None:  # stopping: the last contribution lands in an aggregate or is kept
         loop.settle(*in_flight)
+    loop.checkpoint()  # first: a second Ctrl+C during the reports below must not cost the work
     try:  # which peers we reached directly and which through a relay, for the run's report
         p.events.write("connections", **p.node.call(_connection_report(p.node), timeout_s=10),
                        reachability=p.node.reachability, peer=p.identity.peer_id)
     except (PeerUnavailable, TimeoutError, RuntimeError) as exc:
         log.info("could not list connections: %s", exc)
     write_defence_counts(p)
-    loop.checkpoint()
 
 
 async def _connection_report(node: Any) -> dict[str, Any]:

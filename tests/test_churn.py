@@ -84,6 +84,36 @@ def test_corrupt_or_truncated_checkpoint_is_reported_and_skipped(participant):
     assert participant.load_checkpoint() is None  # nothing readable: the peer re-syncs from the swarm
 
 
+def test_a_checkpoint_with_a_flipped_byte_or_a_nan_is_reported_and_skipped(participant):
+    # torch.load reads a checkpoint with one byte of a tensor flipped (it checks the file's shape,
+    # not its data): its own digest catches that, and a NaN in one that predates the digest
+    good = participant.save_checkpoint()
+    participant.outer.round_id = 4
+    newer = participant.save_checkpoint()
+    raw = bytearray(newer.read_bytes())
+    needle = participant.outer.global_params[1000:1004].numpy().tobytes()
+    at = bytes(raw).find(needle)  # in the first copy of the parameters (the outer state has another)
+    assert at > 0
+    raw[at + 2] ^= 0x01
+    newer.write_bytes(bytes(raw))
+    flipped = torch.load(newer, weights_only=True)
+    assert not (torch.equal(flipped["tensors"]["global_params"], participant.outer.global_params)
+                and torch.equal(flipped["outer"]["global_params"], participant.outer.global_params))  # read fine
+    loaded = participant.load_checkpoint()
+    assert loaded is not None and loaded["round"] == 3 and torch.equal(loaded["tensors"]["global_params"],
+                                                                       participant.outer.global_params)
+    events = [json.loads(line) for line in (participant.state_dir / "events.jsonl").read_text().splitlines()]
+    assert any(e["kind"] == "checkpoint-corrupt" and "digest" in e["error"] for e in events)
+    state = torch.load(good, weights_only=True)
+    del state["digest"]  # as written before checkpoints carried one
+    state["tensors"]["global_params"][7] = float("nan")
+    torch.save(state, good)
+    newer.unlink()
+    assert participant.load_checkpoint() is None
+    events = [json.loads(line) for line in (participant.state_dir / "events.jsonl").read_text().splitlines()]
+    assert any(e["kind"] == "checkpoint-corrupt" and "not all finite" in e["error"] for e in events)
+
+
 def test_a_checkpoint_of_another_run_or_model_is_refused_in_words_and_left_alone(participant):
     from groundswell.peer.participant import CheckpointMismatch, genesis_decision
     from groundswell.peer.run_state import GlobalState
@@ -163,6 +193,20 @@ def test_a_contribution_the_disk_cannot_record_is_reported_and_not_sent(particip
     assert participant._contributed_before() == {6: 0}  # the old record is intact
     events = [json.loads(line) for line in (participant.state_dir / "events.jsonl").read_text().splitlines()]
     assert any(e["kind"] == "contribution-not-recorded" and e["round"] == 7 for e in events)
+
+
+def test_a_contribution_whose_work_record_failed_is_not_sent(participant):
+    # work.pt (SparseLoCo's unsent work) could not be written: sent anyway, a crash before the next
+    # checkpoint would drop that work, so it waits, as when contributed.json cannot be written
+    assert participant._remember_contribution(6, 0) is True
+    participant.work_recorded = False
+    assert participant._remember_contribution(7, 0) is False
+    assert participant._contributed_before() == {6: 0}
+    events = [json.loads(line) for line in (participant.state_dir / "events.jsonl").read_text().splitlines()]
+    assert any(e["kind"] == "contribution-not-recorded" and e["round"] == 7 and "work.pt" in e["error"]
+               for e in events)
+    participant.work_recorded = True  # the next round's record was written
+    assert participant._remember_contribution(8, 0) is True and participant._contributed_before() == {8: 0}
 
 
 def test_the_attempt_a_peer_contributed_to_survives_a_restart_and_a_torn_record_is_ignored(participant):
