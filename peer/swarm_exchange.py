@@ -165,10 +165,11 @@ class SwarmExchange:
 
     def restore_unsettled(self, items: Sequence[dict[str, Any]]) -> None:
         """Take over an earlier process's unsettled contributions (`unsettled_item`s, oldest first):
-        each settles late, by digest, like one of ours."""
+        each settles late, by digest, like one of ours. Not trimmed to the newest few here: the
+        caller settles them at once, and one forgotten unsettled could be sent twice (a record
+        lists its own contribution besides the few before it, even when its outcome is known)."""
         self.unsettled.extend(Unsettled(i["round"], list(i["segments"]), i["included"], self.prepared - i["decayed"],
                                         i["retried"], if_unknown=i["presume"]) for i in items)
-        self._keep_newest()
 
     def take_unsettled(self, applied_below: int) -> list[Unsettled]:
         """The unsettled contributions of rounds the global parameters have taken (those below

@@ -10,7 +10,7 @@ from types import SimpleNamespace
 
 import pytest
 import torch
-from groundswell.compression import make_codec
+from groundswell.compression import Payload, make_codec
 from groundswell.optim import SparseLoCo, SparseLoCoConfig
 from groundswell.peer.roles import _VolunteerLoop
 from groundswell.peer.run_state import GlobalState
@@ -128,6 +128,35 @@ def test_restored_contributions_are_settled_late_and_a_counted_one_leaves_the_er
     else:
         assert torch.allclose(outer.error, 2 - outer.decode(own))
         assert events == ["outcome-unknown", "outcome-unknown", "presumed-counted"]
+
+
+def test_every_restored_contribution_is_settled_even_past_the_few_a_live_process_keeps():
+    """A record lists its own contribution besides the (up to) 4 unsettled ones before it, even
+    when the crashed process learned the own one's outcome: all 5 are settled after the restart,
+    the oldest too (forgotten, its work would stay ours and be sent twice if its commit counted it)."""
+    n = 8192
+    outer = SparseLoCo([torch.nn.Parameter(torch.zeros(n))], make_codec("sparseloco"),
+                       SparseLoCoConfig(error_decay=0.5, eager=False))
+    sent = [[x.to_bytes() for x in outer.encode(torch.randn(n))] for _ in range(5)]
+    outer.round_id = 9
+
+    async def counts_ours(decision, segments):
+        return segments == sent[0]  # the oldest one's commit counted it
+
+    node = SimpleNamespace(book=SimpleNamespace(committed={r: (b"s", SimpleNamespace(round=r)) for r in range(1, 6)}),
+                           client=SimpleNamespace(counts_ours=counts_ours, ask_decision=None),
+                           identity=SimpleNamespace(peer_id="me"), holders=lambda r: [])
+    exchange = SwarmExchange(node)  # type: ignore[arg-type]
+    exchange.restore_unsettled([*(unsettled_item(r, sent[r - 1], 5 - r) for r in range(1, 5)),
+                                unsettled_item(5, sent[4], 0, included=False)])
+    events: list[tuple[str, int]] = []
+    p = SimpleNamespace(outer=outer, identity=SimpleNamespace(peer_id="me"),
+                        node=SimpleNamespace(call=lambda coro, timeout_s: asyncio.run(coro)),
+                        events=SimpleNamespace(write=lambda kind, **kw: events.append((kind, kw["round"]))))
+    _VolunteerLoop(p, exchange, None, [], None, None).settle_late()  # type: ignore[arg-type]
+    assert events == [("included-late", 1)]
+    assert torch.allclose(outer.error, -(0.5 ** 4) * outer.decode([Payload.from_bytes(b) for b in sent[0]]))
+    assert exchange.unsettled == []
 
 
 def test_a_commit_of_a_retried_attempt_adopted_later_takes_that_contribution_out_of_the_work():
