@@ -244,13 +244,17 @@ def test_a_checkpoint_lists_the_contributions_whose_outcome_is_open_and_a_restar
     assert unsettled_from({"unsettled": [("x", 1)]}) == []  # malformed: ignored, not a crash
 
 
-def test_a_restart_keeps_the_newest_of_many_restored_contributions():
-    """Four earlier contributions of open outcome and the last one sent: the cap of four forgets
-    the oldest, never the last one sent (the one most likely counted)."""
+def test_a_restart_takes_all_restored_contributions_and_the_cap_later_keeps_the_newest():
+    """Four earlier contributions of open outcome and the last one sent: all five are restored (to
+    be settled at once: test_every_restored_contribution_is_settled_even_past_the_few_a_live_process_keeps);
+    what is still open when the cap of four next applies
+    loses the oldest, never the last one sent (the one most likely counted)."""
     node = SimpleNamespace(identity=SimpleNamespace(peer_id="me"))
     exchange = SwarmExchange(node)  # type: ignore[arg-type]
     items = [unsettled_item(r, [bytes([r])], 5 - r) for r in range(1, 5)] + [unsettled_item(5, [b"own"], 0, presume=True)]
     exchange.restore_unsettled(items)
+    assert [(u.round_id, u.if_unknown) for u in exchange.unsettled] == [(r, r == 5) for r in range(1, 6)]
+    exchange._keep_newest()
     assert [(u.round_id, u.if_unknown) for u in exchange.unsettled] == [(2, False), (3, False), (4, False), (5, True)]
     # and a checkpoint or the next record keeps the presumption
     assert [i["presume"] for i in exchange.unsettled_work()] == [False, False, False, True]
