@@ -147,7 +147,7 @@ def _round_table(rows: list, header: str) -> Table:
         table.add_column(col, justify="right")
     for info in rows[-12:]:
         table.add_row(str(info.round), str(info.peers_online), str(info.contributors),
-                      "" if info.eval_loss != info.eval_loss else _loss_text(info.eval_loss),
+                      "" if math.isnan(info.eval_loss) else f"{info.eval_loss:.4f}",
                       f"{info.bytes_sent / 1e3:,.1f}" if info.bytes_sent else "", f"{info.round_s:.1f}")
     return table
 
