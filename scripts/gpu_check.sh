@@ -1,40 +1,67 @@
 #!/usr/bin/env bash
 # Exercise the CUDA path in a few minutes whenever a GPU machine is at hand:
-#   1. the codec bench on CUDA and on the CPU, and a bit-for-bit comparison of decoded results;
-#   2. a short train-local run on CUDA;
-#   3. a 2-peer swarm on 127.0.0.1 in which one volunteer trains on CUDA.
-# Usage: bash scripts/gpu_check.sh [OUT_DIR]     (needs the package installed, or PYTHONPATH set)
+#   1. every codec on CUDA and on the CPU: identical wire bytes, decodes and aggregates;
+#   2. the codec bench on CUDA and on the CPU (JSON per size and device);
+#   3. a short train-local run on CUDA;
+#   4. a 3-round swarm on 127.0.0.1 (coordinator, one CPU volunteer, one CUDA volunteer), with
+#      SparseLoCo and then DiLoCo, whose per-round parameter hashes must agree across all three.
+# Usage: bash scripts/gpu_check.sh [OUT_DIR] [DEVICE] [BENCH_SIZES]
+#   DEVICE defaults to cuda; `cpu` dry-runs the whole script on a machine without a GPU (the
+#   "GPU" side then runs on the CPU too). BENCH_SIZES defaults to "25000000 100000000".
+# Needs the package installed (or on PYTHONPATH). Exits non-zero on any mismatch.
 set -euo pipefail
 OUT=${1:-gpu-check}
+DEVICE=${2:-cuda}
+SIZES=${3:-25000000 100000000}
 mkdir -p "$OUT"
 export OMP_WAIT_POLICY=PASSIVE PYTHONUNBUFFERED=1
-python - <<'PY' 2>&1 | tee "$OUT/codecs.txt"
-import json, torch
-from groundswell.compression import make_codec
+# the three swarm processes share the machine's cores: 4 torch threads each where there are 12 cores or more
+THREADS=$(( $(nproc) >= 12 ? 4 : 1 ))
+nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv 2>/dev/null || echo "no nvidia-smi"
+
+python3 - "$OUT" "$DEVICE" $SIZES <<'PY' 2>&1 | tee "$OUT/codecs.txt"
+import json, sys, torch
+from groundswell.compression import make_codec, CODEC_NAMES
 from groundswell.peer.bench_codecs import run_codec_bench, format_codec_table
-assert torch.cuda.is_available(), "no CUDA device"
+out, dev, sizes = sys.argv[1], sys.argv[2], [int(s) for s in sys.argv[3:]]
+if dev.startswith("cuda"):
+    assert torch.cuda.is_available(), "no CUDA device"
+    print("torch", torch.__version__, "on", torch.cuda.get_device_name(dev))
 x = torch.randn(4_000_000, generator=torch.Generator().manual_seed(0)) * 1e-3
-for name in ("sparseloco", "int8", "fp16", "bf16", "fp32"):
+mismatches = []
+for name in CODEC_NAMES:
     codec = make_codec(name)
-    cpu, gpu = codec.encode(x), codec.encode(x.cuda())
+    cpu, gpu = codec.encode(x), codec.encode(x.to(dev))
     same_bytes = cpu.to_bytes() == gpu.to_bytes()
-    dec_cpu, dec_gpu = codec.decode(cpu), codec.decode(cpu, device="cuda").cpu()
-    agg_cpu, agg_gpu = codec.aggregate([cpu, gpu, cpu]), codec.aggregate([cpu, gpu, cpu], device="cuda").cpu()
-    print(f"{name}: encode bytes identical {same_bytes}; decode identical {torch.equal(dec_cpu, dec_gpu)}; "
-          f"aggregate identical {torch.equal(agg_cpu, agg_gpu)}; max |diff| {float((dec_cpu - dec_gpu).abs().max()):.3g}")
-for n in (25_000_000, 100_000_000):
-    for device in ("cuda", "cpu"):
+    dec_cpu, dec_gpu = codec.decode(cpu), codec.decode(cpu, device=dev).cpu()
+    agg_cpu, agg_gpu = codec.aggregate([cpu, gpu, cpu]), codec.aggregate([cpu, gpu, cpu], device=dev).cpu()
+    same_dec, same_agg = torch.equal(dec_cpu, dec_gpu), torch.equal(agg_cpu, agg_gpu)
+    print(f"{name}: encode bytes identical {same_bytes}; decode identical {same_dec}; aggregate identical {same_agg}; "
+          f"max |decode diff| {float((dec_cpu - dec_gpu).abs().max()):.3g}")
+    if not (same_dec and same_agg):  # encodings may differ in a last bit: every peer decodes the same bytes
+        mismatches.append(name)
+for n in sizes:
+    for device in (dev, "cpu"):
         r = run_codec_bench(n, device=device, repeats=3)
         print(f"\n{device}, {n:,} params"); print(format_codec_table(r))
-        json.dump(r, open(f"{__import__('os').environ.get('OUT', 'gpu-check')}/bench-{device}-{n}.json", "w"))
+        with open(f"{out}/bench-{device.replace(':', '')}-{n}.json", "w") as f:
+            json.dump(r, f, indent=1)
+if mismatches:
+    sys.exit(f"CPU and {dev} results differ for: {', '.join(mismatches)}")
 PY
-groundswell train-local --workers 2 --steps 40 -H 10 --model small --device cuda --algorithm sparseloco \
-  --out "$OUT/train-local-cuda.json" 2>&1 | tail -3
-# Swarm: coordinator + one CPU peer + one CUDA peer, 3 rounds.
-rm -rf "$OUT/swarm" && mkdir -p "$OUT/swarm"
-cat > "$OUT/swarm/run.toml" <<'TOML'
+
+groundswell train-local --workers 2 --steps 40 -H 10 --model small --device "$DEVICE" --algorithm sparseloco \
+  --out "$OUT/train-local-$DEVICE.json" 2>&1 | tail -3
+
+# Swarm: coordinator + one CPU volunteer + one volunteer on DEVICE, 3 rounds, once per outer algorithm.
+PIDS=()
+trap 'kill "${PIDS[@]}" 2>/dev/null || true' EXIT
+swarm_check() {
+  local algo=$1 dir="$OUT/swarm-$1"
+  rm -rf "$dir" && mkdir -p "$dir"
+  cat > "$dir/run.toml" <<TOML
 [run]
-id = "gpu-check"
+id = "gpu-check-$algo"
 open = true
 min_peers = 2
 [model]
@@ -42,31 +69,51 @@ spec = "small"
 [data]
 batch_size = 8
 [outer]
-algorithm = "sparseloco"
+algorithm = "$algo"
 inner_steps = 10
 [round]
 deadline_s = 60.0
 [eval]
 batches = 2
 TOML
-groundswell launch "$OUT/swarm/run.toml" --listen /ip4/127.0.0.1/tcp/0 --state-dir "$OUT/swarm/coord" --quiet &
-COORD=$!
-trap 'kill $COORD 2>/dev/null || true' EXIT
-for _ in $(seq 60); do [ -f "$OUT/swarm/coord/bootstrap.txt" ] && break; sleep 1; done
-BOOT=$(cat "$OUT/swarm/coord/bootstrap.txt")
-groundswell join "$BOOT" --listen /ip4/127.0.0.1/tcp/0 --state-dir "$OUT/swarm/cpu" --max-rounds 3 --quiet &
-CPU=$!
-groundswell join "$BOOT" --listen /ip4/127.0.0.1/tcp/0 --state-dir "$OUT/swarm/cuda" --max-rounds 3 --device cuda
-wait $CPU
-python - "$OUT/swarm" <<'PY'
-import json, sys, pathlib
-root = pathlib.Path(sys.argv[1])
-rounds = {}
-for name in ("cpu", "cuda", "coord"):
+  groundswell launch "$dir/run.toml" --threads $THREADS --listen /ip4/127.0.0.1/tcp/0 \
+    --state-dir "$dir/coord" --quiet > "$dir/coord.log" 2>&1 &
+  local coord=$!
+  PIDS+=($coord)
+  for _ in $(seq 60); do [ -f "$dir/coord/bootstrap.txt" ] && break; sleep 1; done
+  local boot
+  boot=$(cat "$dir/coord/bootstrap.txt")
+  groundswell join "$boot" --threads $THREADS --listen /ip4/127.0.0.1/tcp/0 \
+    --state-dir "$dir/cpu" --max-rounds 3 --quiet > "$dir/cpu.log" 2>&1 &
+  local cpu=$!
+  PIDS+=($cpu)
+  groundswell join "$boot" --threads $THREADS --listen /ip4/127.0.0.1/tcp/0 \
+    --state-dir "$dir/gpu" --max-rounds 3 --device "$DEVICE" --quiet > "$dir/gpu.log" 2>&1
+  wait $cpu
+  kill $coord 2>/dev/null || true
+  wait $coord 2>/dev/null || true
+  python3 - "$dir" "$algo" <<'PY'
+import json, sys, pathlib, statistics
+root, algo = pathlib.Path(sys.argv[1]), sys.argv[2]
+hashes, included, compute = {}, {}, {}
+for name in ("cpu", "gpu", "coord"):
     for line in (root / name / "events.jsonl").read_text().splitlines():
         e = json.loads(line)
         if e["kind"] == "round":
-            rounds.setdefault(e["round"], set()).add(e["hash"])
-print("per-round parameter hashes agree across CPU peer, CUDA peer and coordinator:",
-      all(len(h) == 1 for h in rounds.values()), sorted(rounds))
+            hashes.setdefault(e["round"], {})[name] = e["hash"]
+            if name != "coord":
+                included.setdefault(name, []).append(e["included"])
+                compute.setdefault(name, []).append(e["compute_s"])
+agree = all(len(set(h.values())) == 1 for h in hashes.values())
+both = [r for r, h in hashes.items() if {"cpu", "gpu"} <= set(h)]
+print(f"{algo} swarm: rounds seen {sorted(hashes)}; rounds both volunteers finished {sorted(both)}; "
+      f"hashes agree across CPU volunteer, GPU volunteer and coordinator: {agree}; "
+      f"contributions included {included}; median compute s per round "
+      f"{ {k: round(statistics.median(v), 2) for k, v in compute.items()} }")
+if not agree or len(both) < 3 or not any(included.get("gpu", [])):
+    sys.exit(f"{algo} swarm check FAILED")
+print(f"{algo} swarm check passed")
 PY
+}
+swarm_check sparseloco
+swarm_check diloco
