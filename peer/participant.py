@@ -9,7 +9,6 @@ import asyncio
 import json
 import logging
 import time
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -32,6 +31,7 @@ from groundswell.protocol.schema import Decision, ProtocolError
 from .checkpoint_check import DIGEST_KEY, checkpoint_damage, checkpoint_digest, digest_mismatch
 from .config import ConfigError
 from .data import Corpus, evaluate, heldout_batches, load_corpus
+from .event_log import EventLog
 from .manifest import RunManifest, SignedManifest
 from .run_state import GlobalState, RunContext, params_hash
 from .scoring import ContributionScorer
@@ -91,29 +91,6 @@ def genesis_decision(identity: Identity, run_id: str) -> bytes:
     """The signed decision of round -1: the coordinator alone serves round 0."""
     d = Decision(-1, 0, "commit", [], [], [identity.peer_id], identity.peer_id, [], 0, time.time())
     return seal(identity, run_id, d)
-
-
-@dataclass
-class EventLog:
-    """Append-only JSON lines a simulation (or a person) reads afterwards."""
-
-    path: Path | None
-    start: float = field(default_factory=time.time)
-
-    failed: int = 0  # events that could not be written (a full disk, say): training goes on without them
-
-    def write(self, kind: str, **fields: Any) -> None:
-        """Append one event with a wall-clock timestamp; a failed write is logged (once) and counted."""
-        if self.path is None:
-            return
-        try:
-            with open(self.path, "a") as f:
-                f.write(json.dumps({"t": time.time(), "kind": kind, **fields}) + "\n")
-        except OSError as exc:
-            self.failed += 1
-            if self.failed == 1:
-                log.error("cannot write the event log %s (%s): events are dropped until it works again",
-                          self.path, exc)
 
 
 class Participant:

@@ -208,6 +208,7 @@ class Identity:
             if os.path.exists(tmp):
                 os.unlink(tmp)
             raise
+        _fsync_dir(path.parent)  # the new name survives a power loss, not only the bytes
 
     @classmethod
     def load_or_generate(cls, path: PathLike) -> Identity:
@@ -222,3 +223,17 @@ class Identity:
         except FileExistsError:  # another process created it meanwhile: theirs wins
             return cls.load(path)
         return identity
+
+
+def _fsync_dir(path: Path) -> None:
+    """Make a new directory entry in `path` durable; a filesystem that cannot is left as it is."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError:  # some filesystems refuse fsync on a directory: nothing more can be done there
+        pass
+    finally:
+        os.close(fd)

@@ -339,13 +339,28 @@ def test_the_cli_module_run_as_a_script_has_every_command():
 
 
 def test_an_event_log_on_a_full_disk_drops_events_and_training_goes_on(caplog):
-    from groundswell.peer.participant import EventLog
+    from groundswell.peer.event_log import EventLog
 
     log = EventLog(Path("/dev/full"))  # every write fails with ENOSPC
     log.write("round", round=1)
     log.write("round", round=2)
     assert log.failed == 2
     assert sum("cannot write the event log" in r.getMessage() for r in caplog.records) == 1  # said once
+
+
+def test_an_event_after_a_line_cut_short_starts_a_line_of_its_own(tmp_path):
+    # A kill (or a full disk) mid-write leaves a last line without its newline; the next run's
+    # first event used to be glued to it and lost with it.
+    from groundswell.peer.event_log import EventLog
+    from groundswell.peer.sim_report import read_events
+
+    path = tmp_path / "events.jsonl"
+    path.write_text('{"t": 1, "kind": "round", "round": 0}\n{"t": 2, "kind": "rou')
+    log = EventLog(path)
+    log.write("round", round=1)
+    log.write("round", round=2)
+    assert [e.get("round") for e in read_events(path)] == [0, 1, 2]
+    assert path.read_text().count("\n") == 4  # one newline for the torn line, none doubled after it
 
 
 @pytest.mark.parametrize("command", ["launch", "join"])

@@ -182,3 +182,18 @@ def test_a_peer_id_holding_a_small_order_key_is_refused():
     with pytest.raises(IdentityError):
         public_key_from_peer_id(forged)
     assert not verify(forged, b"anything", bytes(64))
+
+
+def test_save_makes_the_new_name_durable_too(tmp_path, ident, monkeypatch):
+    # fsync of the file alone keeps its bytes; without an fsync of its folder a power loss can
+    # lose the name, and the peer comes back as a stranger.
+    synced = []
+    real_fsync = os.fsync
+
+    def spy(fd):
+        synced.append(os.path.realpath(f"/proc/self/fd/{fd}"))
+        real_fsync(fd)
+
+    monkeypatch.setattr(os, "fsync", spy)
+    ident.save(tmp_path / "id.key")
+    assert os.path.realpath(tmp_path) in synced
