@@ -174,8 +174,19 @@ class StateCheck:
         except Exception as exc:  # the DHT failing (any error of hivemind's): cannot check, not the server's fault
             raise ProtocolError(f"cannot read the swarm's published hashes to check the state: {exc!r}",
                                 reason="unchecked", strike=False) from None
+        if not published:
+            # Not one record, not even the server's own: our view of the DHT is empty (its lookups
+            # failed quietly, or a hostile bootstrap peer is all we reach). Nothing to check against.
+            raise ProtocolError("no peer's published hashes could be read to check the state against",
+                                reason="unchecked", strike=False)
         signer, published = await self._coordinator_record(round_id, published, records)
-        word = coordinator_hashes(signer).get(round_id)
+        vouched = coordinator_hashes(signer)
+        word = vouched.get(round_id)
+        if vouched and round_id < min(vouched):
+            # Older than every round the coordinator still vouches for: no check is left, and a
+            # state of that age, made up or not, would only put us behind the swarm for good.
+            raise ProtocolError(f"state of round {round_id} is older than every round the coordinator still "
+                                f"publishes a hash for ({min(vouched)}): not downloaded", reason="stale", strike=False)
         if word is not None:
             # The coordinator signed the run's manifest and its record is signed by its own key:
             # where it published this round's hash (its newest or one of the few before), that
@@ -197,7 +208,14 @@ class StateCheck:
             raise ProtocolError("state disagrees with the swarm's published hash", strike=False)
         if check.vouchers is not None and not agree:
             raise ProtocolError("no peer named in the run's verified commits confirms this state", strike=False)
-        newest = max((r.round for r in voters), default=None)
+        rounds = sorted(r.round for r in voters)
+        if not agree and rounds and round_id < rounds[len(rounds) // 2] - UNCONFIRMED_LEAD:
+            # Backwards as forwards: records no older than the swarm's rounds vouch for nothing
+            # this far back, and a made-up old state would leave us re-syncing to it again and again.
+            raise ProtocolError(f"state of round {round_id}, which no other peer confirms, is more than "
+                                f"{UNCONFIRMED_LEAD} rounds behind most peers' records ({rounds[len(rounds) // 2]})",
+                                reason="stale", strike=False)
+        newest = rounds[-1] if rounds else None
         if not agree and newest is not None and round_id > newest + UNCONFIRMED_LEAD:
             raise ProtocolError(f"state of round {round_id}, which no other peer confirms, is more than "
                                 f"{UNCONFIRMED_LEAD} rounds past every other peer's record ({newest})", strike=False)

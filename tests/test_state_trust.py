@@ -94,6 +94,43 @@ def test_a_state_far_past_every_other_record_is_refused_unless_the_coordinator_s
     assert _check(p, {**others, "c": (far, "good")}, "server", round_id=far).round == far
 
 
+def test_an_old_state_nobody_confirms_is_refused(participant):
+    """Backwards as forwards: a peer copying the swarm's newest record to be asked first, then
+    serving a made-up state of an old round (round 0's decision is public), must not have it taken:
+    no record covers that round, and a joiner re-syncing would take it again and again."""
+    from groundswell.peer.state_trust import UNCONFIRMED_LEAD
+
+    p, coord = participant, participant.coordinator_id
+    swarm = {"a": (50, "h50"), "b": (50, "h50"), "c": (49, "h49"), "server": (50, "h50")}
+    with pytest.raises(ProtocolError, match="rounds behind most peers' records") as err:
+        _check(p, swarm, "server", round_id=0)
+    assert err.value.reason == "stale" and not err.value.strike  # not proof of malice: a lagging peer may serve it
+    with pytest.raises(ProtocolError, match="rounds behind most peers' records"):
+        _check(p, swarm, "server", round_id=50 - UNCONFIRMED_LEAD - 1)
+    assert _check(p, swarm, "server", round_id=50 - UNCONFIRMED_LEAD).round == 50 - UNCONFIRMED_LEAD
+    assert _check(p, {**swarm, "d": (10, "good")}, "server", round_id=10).round == 10  # confirmed by a record
+    # with the coordinator's record: older than every round it vouches for is refused, confirmed or not
+    reply, blob, digest, good = _served_state(p, round_id=10)
+    recs = {"s1": SimpleNamespace(round=10, params_hash=good),
+            coord: SimpleNamespace(round=50, params_hash="h50", earlier_hashes=[f"{r}:h{r}" for r in range(42, 50)])}
+
+    async def refresh():
+        return recs
+
+    with pytest.raises(ProtocolError, match="older than every round the coordinator still publishes"):
+        asyncio.run(p.state_check().verify(reply, blob, digest, "server", refresh))
+    assert asyncio.run(p.state_check().verify(reply, blob, digest, coord, refresh)).round == 10  # its own: its word
+
+
+def test_a_state_checked_against_an_empty_view_of_the_dht_is_refused(participant):
+    # hivemind's get returns nothing rather than raising when its lookups fail: with no record at
+    # all there is nothing to check against, and any server's state of any round used to be taken
+    with pytest.raises(ProtocolError, match="no peer's published hashes could be read") as err:
+        _check(participant, {}, "server", round_id=3)
+    assert err.value.reason == "unchecked" and not err.value.strike
+    assert _check(participant, {}, participant.coordinator_id, round_id=3).round == 3  # the run's signer
+
+
 def test_our_own_record_does_not_vote_on_the_state_we_are_checking(participant):
     p, me = participant, participant.identity.peer_id
     # a diverged peer re-syncing must not outvote the swarm with its own wrong hash ...
@@ -222,10 +259,10 @@ def test_the_coordinators_published_hash_outweighs_any_number_of_other_records(p
         _check(p, {**sybils, coord: "e" * 64}, "server")
     honest = {f"s{i}": "e" * 64 for i in range(5)}
     assert _check(p, {**honest, coord: "good"}, "server").round == 0
-    # the coordinator's record of another round says nothing about this one: the majority decides
-    # (refusing such states would make a lagging coordinator stall every joiner) ...
+    # the coordinator's record of an earlier round says nothing about this one: the majority
+    # decides (refusing such states would make a lagging coordinator stall every joiner) ...
     with pytest.raises(ProtocolError, match="disagrees with the swarm's published hash"):
-        _check(p, {**honest, coord: (17, "h17")}, "server")
+        _check(p, {**honest, coord: (17, "h17")}, "server", round_id=20)
     # ... but never against the coordinator serving its own state
     assert _check(p, {**honest, coord: (17, "h17")}, coord).round == 0
 
