@@ -19,6 +19,8 @@ import msgpack
 import torch
 from groundswell.compression import CODEC_NAMES, Payload, make_codec
 
+from .config import ConfigError
+
 _FIELDS = ("bytes", "ratio_vs_fp32", "encode_params_per_s", "decode_params_per_s", "rel_error")
 
 
@@ -33,7 +35,7 @@ def pseudo_gradient(params: int, seed: int = 0, device: str = "cpu") -> torch.Te
 def run_codec_bench(params: int, device: str = "cpu", repeats: int = 3, seed: int = 0) -> dict:
     """Benchmark every codec plus the reference SparseLoCo on `params` elements; JSON-ready dict."""
     if params <= 0 or repeats <= 0:
-        raise ValueError("params and repeats must be positive")
+        raise ConfigError(f"--params and --repeats must be positive, got {params} and {repeats}")
     x = pseudo_gradient(params, seed, device)
     dev = torch.device(device)
     codecs: dict[str, dict] = {}

@@ -15,7 +15,7 @@ from .config import ConfigError
 @_user_errors
 def simulate(
     peers: int = typer.Option(4, help="Volunteer processes."),
-    rounds: int = typer.Option(10, help="Rounds each volunteer applies before leaving."),
+    rounds: int = typer.Option(10, help="Rounds the run goes to: volunteers leave once it reaches round R (late joiners and restarted peers apply fewer)."),
     preset: str = typer.Option("tiny", help="Model preset or module:callable."),
     algorithm: str = typer.Option("sparseloco", help="diloco or sparseloco."),
     codec: str = typer.Option("", help="Outer codec.", show_default="the algorithm's"),

@@ -70,6 +70,13 @@ class SimulateOptions:
         for name in ("peers", "rounds", "inner_steps", "batch_size"):
             if getattr(self, name) < 1:
                 raise ConfigError(f"--{name.replace('_', '-')} must be at least 1, got {getattr(self, name)}")
+        for name in ("kill_every", "restart_after", "freeze_every", "freeze_for", "leave_every",
+                     "kill_coordinator_at", "timeout_s"):
+            value = getattr(self, name)
+            if not value >= 0 or value == float("inf"):  # a negative period would kill on every pass
+                raise ConfigError(f"--{name.replace('_', '-')} must be a finite number of seconds >= 0, got {value}")
+        if self.late_joiners < 0:
+            raise ConfigError(f"--late-joiners must be >= 0, got {self.late_joiners}")
         if not 0 <= self.byzantine <= self.peers:
             raise ConfigError(f"--byzantine must be between 0 and --peers ({self.peers}), got {self.byzantine}")
         if self.attack not in ATTACKS:

@@ -98,6 +98,11 @@ def test_ctrl_c_during_start_up_is_one_line(tmp_path, monkeypatch):
     (["--algorithm", "data-parallel"], "'data-parallel' cannot run in a swarm"),
     (["--deadline", "8"], "--deadline must exceed 10 s"),
     (["--overlap", "2"], "--overlap must be 0 or 1, not 2"),
+    # a negative period used to kill (or freeze) a peer on every pass of the driver's loop
+    (["--kill-every", "-5"], "--kill-every must be a finite number of seconds >= 0, got -5.0"),
+    (["--freeze-every", "10", "--freeze-for", "-1"], "--freeze-for must be a finite number of seconds >= 0"),
+    (["--restart-after", "nan"], "--restart-after must be a finite number of seconds >= 0"),
+    (["--late-joiners", "-1"], "--late-joiners must be >= 0"),
 ])
 def test_bad_simulate_options_are_one_error_line_before_any_process_starts(tmp_path, args, words):
     res = CliRunner().invoke(app, ["simulate", *args, "--out", str(tmp_path / "sim")])
@@ -346,6 +351,12 @@ def test_an_event_log_on_a_full_disk_drops_events_and_training_goes_on(caplog):
     log.write("round", round=2)
     assert log.failed == 2
     assert sum("cannot write the event log" in r.getMessage() for r in caplog.records) == 1  # said once
+
+
+@pytest.mark.parametrize("args", [["--params", "-5"], ["--params", "10", "--repeats", "0"]])
+def test_bad_codec_bench_sizes_are_one_error_line(args):
+    res = CliRunner().invoke(app, ["bench", "codecs", *args])  # was a traceback
+    _one_error_line(res, 2, "--params and --repeats must be positive")
 
 
 def test_an_event_after_a_line_cut_short_starts_a_line_of_its_own(tmp_path):
