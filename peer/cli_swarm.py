@@ -185,6 +185,7 @@ def launch(
     if not -1 <= state_port <= 65535:
         raise ConfigError(f"--state-port must be -1 (off), 0 (any free port) or a port number, not {state_port}")
     manifest = load_manifest_toml(manifest_path)
+    _check_model_and_data(manifest, manifest_path)
     ident, ident_path = _identity(identity, state_dir)
     signed = sign_manifest(manifest, ident).to_bytes()
     opts = NodeOptions(host_maddrs=listen, announce_maddrs=announce, initial_peers=peer, role="coordinator",
@@ -214,6 +215,24 @@ def launch(
                 run_coordinator(p, stop=stop, on_round=on_round, checkpoint_every=checkpoint_every)
     finally:
         p.node.close()
+
+
+def _check_model_and_data(manifest, path: Path) -> None:
+    """The manifest's model and corpus must exist here before anything is written: one error line
+    naming the file and the key."""
+    from .data import DataError, load_corpus
+    from .workload import WorkloadError, check_workload_spec
+
+    try:
+        check_workload_spec(manifest.model.spec)
+    except WorkloadError as exc:
+        raise ConfigError(f"{path}: model.spec: {exc}") from None
+    source = manifest.data.source
+    if source != "stdlib" and not Path(source).expanduser().exists():
+        try:
+            load_corpus(source)  # says what it expects
+        except DataError as exc:
+            raise ConfigError(f"{path}: data.source: {exc}") from None
 
 
 @app.command()

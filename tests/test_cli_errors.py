@@ -241,6 +241,21 @@ def test_launch_on_a_state_dir_of_another_run_refuses_before_writing_anything(tm
     assert after == {k: v for k, v in before.items() if k != ".lock"}  # nothing written, nothing removed
 
 
+@pytest.mark.parametrize("old,new,words", [
+    ('spec = "tiny"', 'spec = "huge"', "model.spec: unknown workload 'huge'"),
+    ('source = "stdlib"', 'source = "/nonexistent/corpus"', "data.source: corpus path '/nonexistent/corpus' does not exist"),
+])
+def test_a_manifests_unknown_model_or_missing_corpus_is_refused_before_anything_is_written(tmp_path, old, new, words):
+    # these used to fail after STATE_DIR/identity.key and its lock were made, without naming the key or file
+    text = (Path(__file__).resolve().parents[1] / "scripts" / "example_run.toml").read_text()
+    assert old in text
+    (tmp_path / "run.toml").write_text(text.replace(old, new))
+    res = CliRunner().invoke(app, ["launch", str(tmp_path / "run.toml"), "--state-dir", str(tmp_path / "state"),
+                                   "--listen", "/ip4/127.0.0.1/tcp/0", "--quiet"])
+    _one_error_line(res, 2, f"{tmp_path / 'run.toml'}: {words}")
+    assert not (tmp_path / "state").exists()
+
+
 @pytest.mark.parametrize("make_identity,words", [
     (lambda p: p.write_text("garbage"), "not a libp2p private key"),
     (lambda p: p.mkdir(), "Is a directory"),
