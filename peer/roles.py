@@ -77,9 +77,7 @@ def run_volunteer(p: Participant, bootstrap_peers: list[str], *, max_rounds: int
         resumed = resume_and_sync(p, bootstrap_peers)
     finally:
         warm.join()
-    trainer = InnerTrainer(p.workload, p.corpus, DataSection(m.data.source, m.data.batch_size), m.inner,
-                           total_steps=10**7, seed=m.run.seed, shard_index=_shard_of(p.identity.peer_id),
-                           num_shards=1024, device=p.device)
+    trainer = volunteer_trainer(p)
     if resumed is not None and resumed.get("inner") is not None:
         try:
             trainer.load_state_dict(resumed["inner"])
@@ -327,7 +325,19 @@ def _resync(p: Participant, bootstrap_peers: list[str]) -> None:
         log.warning("re-sync failed (%s); will try again after the next round", exc)
 
 
-def _shard_of(peer_id: str) -> int:
+def volunteer_trainer(p: Participant) -> InnerTrainer:
+    """The inner trainer of a volunteer: its own seeded order of the whole training stream."""
+    m = p.manifest
+    return InnerTrainer(p.workload, p.corpus, DataSection(m.data.source, m.data.batch_size), m.inner,
+                        total_steps=10**7, seed=_data_seed(m.run.seed, p.identity.peer_id), shard_index=0,
+                        num_shards=1, device=p.device)
+
+
+def _data_seed(run_seed: int, peer_id: str) -> int:
+    """Each volunteer walks its own seeded order of the whole training stream. (It used to take
+    1 of 1024 fixed shards: 1/1024 of the corpus, repeated every few inner steps, and two peers
+    whose ids fell on one shard trained on the same batches.)"""
     import hashlib
 
-    return int.from_bytes(hashlib.sha256(peer_id.encode()).digest()[:4], "big") % 1024
+    digest = hashlib.sha256(f"{run_seed}:{peer_id}".encode()).digest()
+    return int.from_bytes(digest[:8], "big") >> 1
