@@ -45,7 +45,9 @@ class DataSection:
 
 @dataclass(frozen=True)
 class InnerSection:
-    """The inner optimizer: AdamW with linear warmup and cosine decay."""
+    """The inner optimizer: AdamW with linear warmup, then cosine decay to `min_lr_ratio` over a
+    known number of steps (`train-local --steps`). A swarm has no end step: its volunteers keep
+    the peak learning rate after warmup, and `min_lr_ratio` does not apply there."""
 
     lr: float = 3e-3
     weight_decay: float = 0.1
@@ -87,6 +89,11 @@ class OuterSection:
             raise ConfigError(f"outer.overlap must be 0 (wait) or 1 (overlap one round), got {self.overlap}")
         if self.codec and self.codec not in CODEC_NAMES:
             raise ConfigError(f"outer.codec must be one of {sorted(CODEC_NAMES)}, got {self.codec!r}")
+        if self.codec == "sparseloco" and self.algorithm != "sparseloco":
+            # Top-k keeps 1/64 of the values; only SparseLoCo's error feedback carries the rest to
+            # later rounds. Any other algorithm would silently drop ~98% of every contribution.
+            raise ConfigError(f"outer.codec = 'sparseloco' needs outer.algorithm = 'sparseloco' (its error "
+                              f"feedback keeps what top-k leaves out), not {self.algorithm!r}")
         if self.lr < 0:
             raise ConfigError(f"outer.lr must be >= 0, got {self.lr}")
         if not 0 <= self.error_decay <= 1:

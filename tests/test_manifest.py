@@ -127,6 +127,8 @@ def test_allowlist(tmp_path):
         (MINIMAL + "[outer]\nmomentum = 1.0\n", "outer.momentum"),
         (MINIMAL + "[outer]\nmomentum = -2.0\n", "outer.momentum"),
         (MINIMAL + "[outer]\ntopk = 0\n", "outer.chunk / outer.topk"),
+        # DiLoCo has no error feedback: top-k would drop ~98% of every contribution, silently
+        (MINIMAL + '[outer]\nalgorithm = "diloco"\ncodec = "sparseloco"\n', "needs outer.algorithm = 'sparseloco'"),
         (MINIMAL + "[outer]\nchunk = 1000\n", "outer.chunk / outer.topk"),
         (MINIMAL + "[defences]\nclip = -1.0\n", "defences.clip"),
         (MINIMAL + "[defences]\ntrim = 0.5\n", "defences.trim"),
