@@ -175,9 +175,13 @@ class SwarmNode(PeerRecords, NetLoop):
                 try:
                     await direct.start(host, self.options.direct_port)
                     self.direct = direct
-                except OSError as exc:  # the port is taken, say: joiners get the state over libp2p
-                    log.warning("direct state downloads are off: cannot listen on %s port %d: %s",
-                                host, self.options.direct_port, exc)
+                except OSError as exc:
+                    if self.options.direct_port:  # asked for by number (a firewall rule names it): say so
+                        raise NetworkError(f"TCP port {self.options.direct_port} on {host} for direct state "
+                                           f"downloads (--state-port) cannot be used: {exc.strerror or exc}; "
+                                           "choose another, 0 for any free port, or -1 for none") from None
+                    # any free port failing is rare: joiners then get the state over libp2p
+                    log.warning("direct state downloads are off: cannot listen on %s: %s", host, exc)
             t3 = time.monotonic()
             dht = await DHTNode.create(p2p=p2p, initial_peers=list(self.options.initial_peers) or None,
                                        client_mode=self.reachability == "private")
@@ -405,8 +409,8 @@ class SwarmNode(PeerRecords, NetLoop):
         if msg.direct and self.direct is not None:
             token, key = self.direct.offer(blob)
             return WithTrailer(StateReply(state.round, digest, state.decision, len(blob), self.direct.port, token,
-                                          key, params_hash=state.params_digest()), b"")
-        return WithTrailer(StateReply(state.round, digest, state.decision, len(blob), params_hash=state.params_digest()),
+                                          key, params_hash=state.state_digest()), b"")
+        return WithTrailer(StateReply(state.round, digest, state.decision, len(blob), params_hash=state.state_digest()),
                            blob)
 
 

@@ -128,6 +128,24 @@ def test_a_busy_listen_port_is_one_error_line_not_a_second_listener(tmp_path):
     assert words.count("error") == 1 and "Traceback" not in words, words
 
 
+def test_a_busy_state_port_asked_for_by_number_is_one_error_line(tmp_path):
+    # A coordinator behind a port forward names its state port: silently serving without it would
+    # leave joiners on the slow path with nothing but a log line to say why.
+    with socket.socket() as held:
+        held.bind(("127.0.0.1", 0))
+        held.listen()
+        port = held.getsockname()[1]
+        res = subprocess.run([sys.executable, "-m", "groundswell.peer", "launch", "scripts/example_run.toml",
+                              "--state-dir", str(tmp_path / "c"), "--listen", "/ip4/127.0.0.1/tcp/0",
+                              "--state-port", str(port), "--quiet"],
+                             capture_output=True, text=True, timeout=90,
+                             cwd=Path(__file__).resolve().parents[1])
+    words = " ".join((res.stdout + res.stderr).split())
+    assert res.returncode != 0, words
+    assert f"error: TCP port {port} on 127.0.0.1 for direct state downloads (--state-port) cannot be used" in words, words
+    assert words.count("error:") == 1 and "Traceback" not in words, words
+
+
 def test_busy_listen_address_names_the_problem_and_skips_what_it_cannot_judge():
     with socket.socket() as held:
         held.bind(("127.0.0.1", 0))
