@@ -14,7 +14,7 @@ from groundswell.protocol.transport import PeerUnavailable
 from .net_loop import Stopped
 from .participant import Participant, genesis_decision
 from .roles import RoundInfo, StopFlag, write_defence_counts
-from .run_state import GlobalState, params_hash
+from .run_state import GlobalState
 
 log = logging.getLogger(__name__)
 
@@ -30,7 +30,7 @@ def run_coordinator(p: Participant, *, stop: StopFlag, on_round: Callable[[Round
     if resumed is not None:
         p.node.record_decision(resumed["decision"])
         p.load_global(GlobalState(resumed["round"], resumed["tensors"], resumed["decision"]))
-        p.events.write("resume", round=p.outer.round_id, hash=params_hash(p.outer.global_params),
+        p.events.write("resume", round=p.outer.round_id, hash=p.outer_hash(),
                        peer=p.identity.peer_id)
     else:
         p.node.record_decision(genesis_decision(p.identity, m.run.id))
@@ -122,7 +122,7 @@ def _follow_rounds(p: Participant, stop: StopFlag, on_round: Callable[[RoundInfo
         deltas = [(b - last_sent[pid]) / rounds for pid, b in sent.items() if pid in last_sent and b >= last_sent[pid]]
         last_sent, sent_round = sent, r + 1
         info = RoundInfo(r, "applied", False, len(d.contributors), eval_loss=loss, round_s=time.perf_counter() - t0,
-                         params_hash=params_hash(p.outer.global_params), peers_online=len(sent),
+                         params_hash=p.outer_hash(), peers_online=len(sent),
                          bytes_sent=int(sum(deltas) / len(deltas)) if deltas else 0)
         t0 = time.perf_counter()
         if loss == loss:

@@ -33,7 +33,7 @@ from .config import ConfigError
 from .data import Corpus, evaluate, heldout_batches, load_corpus
 from .event_log import EventLog
 from .manifest import RunManifest, SignedManifest
-from .run_state import GlobalState, RunContext, params_hash
+from .run_state import GlobalState, RunContext, state_hash
 from .scoring import ContributionScorer
 from .state_files import checkpoint_path, checkpoints_newest_first, prune_checkpoints, write_atomically
 from .state_trust import (
@@ -196,8 +196,8 @@ class Participant:
         tensors = {"global_params": self.outer.global_params.detach().cpu().clone()}
         if isinstance(self.outer, DiLoCo):
             tensors["momentum_buffer"] = self.outer.momentum_buffer.detach().cpu().clone()
-        digest = params_hash(self.outer.global_params)
-        self._snapshot = GlobalState(r, tensors, entry[0], _params_hash=digest)
+        digest = state_hash(tensors["global_params"], tensors.get("momentum_buffer"))
+        self._snapshot = GlobalState(r, tensors, entry[0], _state_hash=digest)
         self.hash_history[r] = digest
         for old in [k for k in self.hash_history if k < r - 32]:
             del self.hash_history[old]
@@ -208,6 +208,11 @@ class Participant:
             before = sorted(k for k in self.hash_history if k < r)[-EARLIER_HASHES:]
             earlier = [f"{k}:{self.hash_history[k]}" for k in before]
         self.node.update_record(round=r, params_hash=digest, earlier_hashes=earlier)
+
+    def outer_hash(self) -> str:
+        """`state_hash` of this peer's shared outer state now (what its record publishes)."""
+        momentum = self.outer.momentum_buffer if isinstance(self.outer, DiLoCo) else None
+        return state_hash(self.outer.global_params, momentum)
 
     def load_global(self, state: GlobalState) -> None:
         """Adopt a downloaded or checkpointed global state; local progress is rebased onto it."""
@@ -254,7 +259,7 @@ class Participant:
         state, via = self.node.call(download_state(self.node, self.state_check(), peers, min_round),
                                     timeout_s=sync_timeout_s(self.outer.global_params.numel()))
         self.load_global(state)
-        self.events.write("sync", round=state.round, hash=params_hash(self.outer.global_params), via=via,
+        self.events.write("sync", round=state.round, hash=self.outer_hash(), via=via,
                           peer=self.identity.peer_id)
 
     def catch_up(self, fresh: bool = True) -> int:

@@ -20,7 +20,6 @@ from .byzantine import Attack
 from .config import DataSection
 from .participant import Participant
 from .resume import restore_local_progress, resume_and_sync, torch_load_params, unsettled_from
-from .run_state import params_hash
 from .swarm_exchange import NeedResync, SwarmExchange
 from .work_file import WorkJournal
 from .worker import InnerStats, InnerTrainer
@@ -245,7 +244,7 @@ class _VolunteerLoop:
         info = RoundInfo(r, "applied", result.included, len(result.contributors), stats.mean_loss,
                          eval_loss if evaluate else _swarm_eval_loss(p), result.bytes_sent,
                          time.perf_counter() - t0, stats.tokens / max(stats.compute_s, 1e-9),
-                         p.hash_history.get(p.outer.round_id) or params_hash(p.outer.global_params))
+                         p.hash_history.get(p.outer.round_id) or p.outer_hash())
         if evaluate:
             p.node.update_record(loss=eval_loss)
         d = self.exchange.last_decision

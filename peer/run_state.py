@@ -1,5 +1,5 @@
 """What a run is to a peer: its round context (from the verified manifest), the global state a
-joiner downloads, and the parameter hash peers publish every round."""
+joiner downloads, and the hash of the shared outer state peers publish every round."""
 
 from __future__ import annotations
 
@@ -13,9 +13,25 @@ from groundswell.protocol.guard import Limits
 from .state_blob import pack_tensors, unpack_tensors
 
 
+def _raw(vector: torch.Tensor) -> memoryview:
+    return memoryview(vector.detach().cpu().contiguous().numpy()).cast("B")
+
+
 def params_hash(vector: torch.Tensor) -> str:
     """Short BLAKE3 hash of a flat parameter vector, bit for bit."""
-    return bulk_hasher().update(memoryview(vector.detach().cpu().contiguous().numpy()).cast("B")).hexdigest()[:16]
+    return bulk_hasher().update(_raw(vector)).hexdigest()[:16]
+
+
+def state_hash(global_params: torch.Tensor, momentum: torch.Tensor | None = None) -> str:
+    """The hash peers publish every round: of the outer state every peer shares, bit for bit. That
+    is the global parameters and, for DiLoCo, the outer momentum buffer (the same on every peer, as
+    it only ever sees the same aggregates), so a wrong momentum is caught like wrong parameters.
+    Without momentum it is `params_hash` of the parameters (SparseLoCo's error feedback is each
+    peer's own, not shared state)."""
+    hasher = bulk_hasher().update(_raw(global_params))
+    if momentum is not None:
+        hasher.update(b"\0momentum_buffer\0").update(_raw(momentum))
+    return hasher.hexdigest()[:16]
 
 
 @dataclass
@@ -54,7 +70,7 @@ class GlobalState:
     tensors: dict[str, torch.Tensor]  # "global_params" and any shared outer state (momentum)
     decision: bytes  # signed decision of round - 1
     _blob: tuple[bytes, str] | None = None  # serialized once, on the first request of this round
-    _params_hash: str = ""  # likewise
+    _state_hash: str = ""  # likewise
 
     def to_blob(self) -> bytes:
         """Serialize the tensors (raw fp32 behind a small header, see `state_blob`)."""
@@ -67,11 +83,11 @@ class GlobalState:
             self._blob = (blob, bulk_hasher().update(blob).hexdigest())
         return self._blob
 
-    def params_digest(self) -> str:
-        """`params_hash` of the global parameters, computed once per snapshot."""
-        if not self._params_hash:
-            self._params_hash = params_hash(self.tensors["global_params"])
-        return self._params_hash
+    def state_digest(self) -> str:
+        """`state_hash` of the tensors (parameters, and momentum if any), computed once per snapshot."""
+        if not self._state_hash:
+            self._state_hash = state_hash(self.tensors["global_params"], self.tensors.get("momentum_buffer"))
+        return self._state_hash
 
     @staticmethod
     def tensors_from_blob(blob: bytes | bytearray | memoryview) -> dict[str, torch.Tensor]:

@@ -3,7 +3,8 @@ pass before it replaces ours (hash, tensors, decision, and the swarm's published
 
 The server is not trusted: it may be broken, or hostile. A state it sends is taken only if its
 bytes are what its signed reply says, its tensors are this run's, and the other peers' published
-parameter hashes do not contradict it (see `StateCheck.verify` for the rules)."""
+state hashes (of the parameters and, for DiLoCo, the momentum) do not contradict it (see
+`StateCheck.verify` for the rules)."""
 
 from __future__ import annotations
 
@@ -22,7 +23,7 @@ from groundswell.protocol.schema import Decision, ProtocolError, StateReply
 from groundswell.protocol.transport import PeerUnavailable
 
 from .records import HEARTBEAT_S
-from .run_state import GlobalState, RunContext, params_hash
+from .run_state import GlobalState, RunContext, state_hash
 from .state_fetch import fetch_state
 
 log = logging.getLogger(__name__)
@@ -120,13 +121,15 @@ class StateCheck:
             if t.dtype != torch.float32 or t.shape != (self.numel,) or not bool(torch.isfinite(t).all()):
                 raise ProtocolError(f"state tensor {name} is not {self.numel} finite fp32 values", reason="bad-payload")
         self.check_decision(reply)
-        if self.needs_momentum and "momentum_buffer" not in tensors:
-            raise ProtocolError("a DiLoCo state needs its momentum buffer")
-        state_hash = params_hash(tensors["global_params"])
-        if state_hash != reply.params_hash:  # its signed reply named another hash (see `refuse_early`)
-            raise ProtocolError("state's parameters do not have the hash its signed reply names", reason="bad-payload")
-        await self._check_with_swarm(reply.round, state_hash, server, records)
-        return GlobalState(reply.round, tensors, reply.decision, _params_hash=state_hash)
+        if self.needs_momentum != ("momentum_buffer" in tensors):
+            raise ProtocolError("a DiLoCo state needs its momentum buffer" if self.needs_momentum
+                                else "a SparseLoCo state has no momentum buffer")
+        digest_of_state = state_hash(tensors["global_params"], tensors.get("momentum_buffer"))
+        if digest_of_state != reply.params_hash:  # its signed reply named another hash (see `refuse_early`)
+            raise ProtocolError("state's parameters (and momentum) do not have the hash its signed reply names",
+                                reason="bad-payload")
+        await self._check_with_swarm(reply.round, digest_of_state, server, records)
+        return GlobalState(reply.round, tensors, reply.decision, _state_hash=digest_of_state)
 
     def check_decision(self, reply: StateReply) -> None:
         """The state's decision must be what our book would take: the commit of the round before

@@ -16,14 +16,15 @@ from typing import Any, ClassVar
 
 import msgpack
 
-PROTOCOL_VERSION = 10  # 2: claims carry `fence`; the state follows its reply as a raw trailer; 3: envelopes sign the
+PROTOCOL_VERSION = 11  # 2: claims carry `fence`; the state follows its reply as a raw trailer; 3: envelopes sign the
 # body's sha256; 4: payload wire version 2 (sparseloco's Elias-Fano indices), so mixed peers refuse each other up front,
 # and BLAKE3 instead of SHA-256 for bulk hashes (envelope bodies, contribution digests, the state blob); 5: state
 # requests and replies may move the blob over a direct TCP connection; 6: that blob is sealed (AES-256-GCM, the key in the
 # signed reply), and closed runs use it too; 7: small requests (`UNARY_MAX_REQUEST`) travel as libp2p unary calls
 # (their own protocol names), not one stream each; 8: hole punching (`punch`, `punch-invite`), peer records list
 # the peers reached by a punch; 9: the coordinator's record lists its hashes of earlier rounds; 10: a state reply
-# names the state's parameter hash (a joiner refuses a state the coordinator contradicts before downloading it)
+# names the state's parameter hash (a joiner refuses a state the coordinator contradicts before downloading it); 11:
+# that hash, and the one peer records publish, also covers DiLoCo's outer momentum buffer (peers' hashes would differ)
 MAX_ID = 128  # peer ids, run ids, reasons and other short strings
 MAX_LIST = 4096  # peer lists, shard lists
 MAX_SMALL = 1 << 20  # a control message never needs more than this
@@ -242,7 +243,7 @@ class StateReply(Message):
     direct_port: int = _f(lo=0, hi=65535, default=0)  # 0: the blob is the trailer
     direct_token: bytes = _f(max_len=32, default=b"")
     direct_key: bytes = _f(max_len=32, default=b"")  # AES-256-GCM key of the sealed blob
-    # `params_hash` of the state's global parameters: checked against the swarm's published
+    # hash of the state (parameters, and DiLoCo's momentum): checked against the swarm's published
     # hashes before the blob is read, and against the blob once it is
     params_hash: str = _f(max_len=64, default="")
 
@@ -321,7 +322,7 @@ class PeerRecord(Message):
 
     KIND: ClassVar[str] = "peer"
     round: int = _f(lo=-1, hi=1 << 40)
-    params_hash: str = _f(max_len=64)
+    params_hash: str = _f(max_len=64)  # of the shared outer state it holds: parameters (+ DiLoCo's momentum)
     role: str = _f(max_len=16)  # "coordinator" or "volunteer"
     trains: bool = _f()
     serves: bool = _f()

@@ -8,7 +8,7 @@ from types import SimpleNamespace
 
 import pytest
 import torch
-from groundswell.peer.run_state import GlobalState, params_hash
+from groundswell.peer.run_state import GlobalState, params_hash, state_hash
 from groundswell.protocol.digests import bulk_hasher
 from groundswell.protocol.schema import ProtocolError, StateReply
 
@@ -38,8 +38,9 @@ def make_participant(tmp_path, corpus):
 COORDINATORS: dict = {}  # peer id -> identity of the coordinators the fixture made: they sign round -1's decision
 
 
-def _served_state(p, momentum: bool = True, round_id: int = 0):
-    """A state of `round_id` as a server would send it: reply, blob, digest, and its params hash."""
+def _served_state(p, momentum: bool | torch.Tensor = True, round_id: int = 0):
+    """A state of `round_id` as a server would send it: reply, blob, digest, and its state hash
+    (`momentum`: True for a zero buffer, or the buffer itself)."""
     import time
 
     from groundswell.protocol.envelope import seal
@@ -47,20 +48,22 @@ def _served_state(p, momentum: bool = True, round_id: int = 0):
     from groundswell.protocol.schema import Decision
 
     tensors = {"global_params": p.outer.global_params.clone() + 0.5}
-    if momentum:
+    if momentum is True:
         tensors["momentum_buffer"] = torch.zeros_like(tensors["global_params"])
+    elif isinstance(momentum, torch.Tensor):
+        tensors["momentum_buffer"] = momentum
     blob, digest = GlobalState(round_id, tensors, b"").blob_and_digest()
     leader = COORDINATORS.get(p.coordinator_id) if round_id == 0 else Identity.generate()
     leader = leader or Identity.generate()
     decision = seal(leader, "unit", Decision(round=round_id - 1, attempt=0, status="commit", contributors=[],
                                              trainers=[], servers=[leader.peer_id], leader=leader.peer_id, sources=[],
                                              num_shards=0, time=time.time()))
-    good = params_hash(tensors["global_params"])
+    good = state_hash(tensors["global_params"], tensors.get("momentum_buffer"))
     reply = StateReply(round_id, digest, decision, len(blob), params_hash=good)
     return reply, bytearray(blob), bulk_hasher().update(blob).hexdigest(), good
 
 
-def _check(p, records: dict, server: str, momentum: bool = True, round_id: int = 0):
+def _check(p, records: dict, server: str, momentum: bool | torch.Tensor = True, round_id: int = 0):
     """`StateCheck.verify` with these published records: peer -> hash of round `round_id` ("good":
     the served state's), or peer -> (round, hash)."""
     reply, blob, digest, good = _served_state(p, momentum, round_id)
@@ -156,6 +159,44 @@ def test_in_a_closed_run_only_members_and_the_coordinator_vote(participant, monk
 def test_a_diloco_state_without_its_momentum_is_refused(participant):
     with pytest.raises(ProtocolError, match="needs its momentum buffer"):
         _check(participant, {"a": "good"}, "server", momentum=False)
+
+
+def test_a_diloco_state_with_the_swarms_parameters_but_another_momentum_is_refused(participant):
+    """The published hash covers the momentum: a server cannot hand over the current parameters
+    with a made-up momentum buffer (the joiner's next rounds would then go wrong, and peers that
+    downloaded from it would copy the bad buffer)."""
+    p = participant
+    params = p.outer.global_params.clone() + 0.5  # what `_served_state` serves
+    swarm = state_hash(params, torch.zeros_like(params))  # the swarm's: these parameters, zero momentum
+    with pytest.raises(ProtocolError, match="disagrees with the swarm's published hash"):
+        _check(p, {"a": swarm, "b": swarm}, "server", momentum=torch.full_like(params, 0.25))
+    assert _check(p, {"a": swarm, "b": swarm}, "server", momentum=torch.zeros_like(params)).round == 0
+
+
+def test_a_sparseloco_state_with_a_momentum_buffer_is_refused(participant):
+    from dataclasses import replace as dc_replace
+
+    check = dc_replace(participant.state_check(), needs_momentum=False)
+    reply, blob, digest, good = _served_state(participant)
+
+    async def records():
+        return {"a": SimpleNamespace(round=0, params_hash=good)}
+
+    with pytest.raises(ProtocolError, match="has no momentum buffer"):
+        asyncio.run(check.verify(reply, blob, digest, "server", records))
+
+
+def test_the_published_hash_covers_the_momentum_and_without_it_is_the_parameters_hash(participant):
+    p = participant
+    p.node = SimpleNamespace(book=SimpleNamespace(committed={-1: (b"genesis", None)}), update_record=lambda **k: None)
+    p.snapshot()
+    published = p.hash_history[p.outer.round_id]
+    assert published == p.outer_hash() == p._snapshot.state_digest()
+    p.outer.momentum_buffer[3] += 1e-3  # one value off: another state, another hash
+    assert p.outer_hash() != published
+    params = p.outer.global_params
+    assert published != params_hash(params)
+    assert state_hash(params) == params_hash(params)  # SparseLoCo's published hash is unchanged
 
 
 def test_peers_agreeing_on_a_state_are_asked_before_one_claiming_a_far_off_round():
