@@ -71,6 +71,8 @@ def _load_config(config: Optional[Path], overrides: dict[str, Any], sets: list[s
     if config is not None:
         import tomllib
 
+        if not config.is_file():
+            raise ConfigError(f"--config {config}: no such file")
         try:
             data = tomllib.loads(config.read_text())
         except (tomllib.TOMLDecodeError, UnicodeDecodeError) as exc:
@@ -100,7 +102,8 @@ def _load_config(config: Optional[Path], overrides: dict[str, Any], sets: list[s
 def train_local(
     workers: Optional[int] = typer.Option(None, help="Workers trained in this process.", show_default="4"),
     steps: Optional[int] = typer.Option(None, help="Inner steps per worker.", show_default="200"),
-    preset: Optional[str] = typer.Option(None, "--model", help="Preset (tiny, small, base, 100m) or module:callable."),
+    preset: Optional[str] = typer.Option(None, "--model", "--preset",
+                                         help="Preset (tiny, small, base, 100m) or module:callable."),
     algorithm: Optional[str] = typer.Option(None, help="diloco, sparseloco, data-parallel or single."),
     codec: Optional[str] = typer.Option(None, help="Outer codec: fp32, fp16, bf16, int8, sparseloco."),
     inner_steps: Optional[int] = typer.Option(None, "--inner-steps", "-H", help="Inner steps per round (H)."),
@@ -121,7 +124,16 @@ def train_local(
     """Train several workers in one process (DiLoCo / SparseLoCo / baselines) and report held-out loss."""
     _set_threads(threads)
     if table:
+        from .config import ConfigError
         from .mini_table import format_table, run_mini_table
+
+        job_flags = {"--workers": workers, "--steps": steps, "--model": preset, "--algorithm": algorithm,
+                     "--codec": codec, "-H": inner_steps, "--outer-lr": outer_lr, "--inner-lr": inner_lr,
+                     "--data": data, "--seed": seed, "--device": device, "--config": config, "--set": set_ or None}
+        ignored = [flag for flag, value in job_flags.items() if value is not None]
+        if ignored:  # its rows are fixed (see peer/mini_table.py): silently dropping them would mislead
+            raise ConfigError(f"--table runs its fixed rows and takes only --jobs, --quick, --threads, --out and "
+                              f"--json, not {', '.join(ignored)}")
 
         result = run_mini_table(jobs=jobs, quick=quick, progress=lambda msg: console.print(msg, highlight=False))
         if out:

@@ -133,6 +133,8 @@ def keygen(path: Path = typer.Argument(..., help="Where to write the identity (E
         ident.save(path, overwrite=force)
     except FileExistsError:
         raise FileExistsError(f"{path} exists; pass --force to overwrite it") from None
+    except PermissionError as exc:  # raised for the temp file next to it: name the file asked for
+        raise PermissionError(f"cannot write {path}: {exc.strerror or exc} (in {path.parent})") from None
     print(ident.peer_id)
 
 
@@ -186,6 +188,11 @@ def launch(
         raise ConfigError(f"--state-port must be -1 (off), 0 (any free port) or a port number, not {state_port}")
     manifest = load_manifest_toml(manifest_path)
     _check_model_and_data(manifest, manifest_path)
+    if identity is None and (state_dir / "manifest.signed").exists() and not (state_dir / "identity.key").exists():
+        # launched before with --identity elsewhere: a new key made here would only be refused
+        # (it is not the run's), and left behind to be refused again next time
+        raise ConfigError(f"{state_dir} holds a run launched with --identity elsewhere: resume it with the same "
+                          "--identity, or start a new run (a new run.id and --state-dir)")
     ident, ident_path = _identity(identity, state_dir)
     signed = sign_manifest(manifest, ident).to_bytes()
     opts = NodeOptions(host_maddrs=listen, announce_maddrs=announce, initial_peers=peer, role="coordinator",

@@ -443,3 +443,42 @@ def test_a_state_dir_launched_with_another_manifest_or_key_is_refused(tmp_path):
     with pytest.raises(ConfigError, match=r"another coordinator key \(--identity\)"):
         _same_run_as_before(state, sign_manifest(manifest, Identity.generate()).to_bytes())
     assert (state / "manifest.signed").read_bytes() == first  # what was refused left nothing behind
+
+
+def test_a_run_launched_with_identity_elsewhere_is_refused_before_a_new_key_is_made(tmp_path):
+    manifest = Path(__file__).resolve().parents[1] / "scripts" / "example_run.toml"
+    state = tmp_path / "run"
+    state.mkdir()
+    (state / "manifest.signed").write_bytes(b"launched before with --identity elsewhere")
+    res = CliRunner().invoke(app, ["launch", str(manifest), "--state-dir", str(state), "--quiet"])
+    _one_error_line(res, 2, f"{state} holds a run launched with --identity elsewhere: resume it with the same --identity")
+    assert not (state / "identity.key").exists()  # no stray key, to be refused again next time
+
+
+def test_keygen_into_a_folder_it_cannot_write_names_the_file_asked_for(tmp_path, monkeypatch):
+    import tempfile
+
+    def refuse(*args, dir=None, **kwargs):  # root may write anywhere: stand in for the OS refusing
+        raise PermissionError(13, "Permission denied", str(Path(dir) / ".id.key.x1y2.tmp"))
+
+    monkeypatch.setattr(tempfile, "mkstemp", refuse)
+    res = CliRunner().invoke(app, ["keygen", str(tmp_path / "id.key")])
+    _one_error_line(res, 2, f"cannot write {tmp_path / 'id.key'}: Permission denied")
+    assert ".tmp" not in res.output
+
+
+@pytest.mark.parametrize("args, words", [
+    (["--table", "--steps", "5"], "--table runs its fixed rows and takes only --jobs, --quick, --threads, --out and "
+                                  "--json, not --steps"),
+    (["--table", "--preset", "small", "--set", "inner.lr=1"], "not --model, --set"),
+    (["--config", "nowhere.toml"], "--config nowhere.toml: no such file"),
+])
+def test_train_local_flags_it_would_ignore_or_cannot_read_are_one_error_line(args, words):
+    _one_error_line(CliRunner().invoke(app, ["train-local", *args]), 2, words)
+
+
+def test_train_local_takes_preset_as_another_name_for_model():
+    by_model = CliRunner().invoke(app, ["train-local", "--model", "no-such-preset", "--steps", "1"])
+    by_preset = CliRunner().invoke(app, ["train-local", "--preset", "no-such-preset", "--steps", "1"])
+    _one_error_line(by_preset, 2, "no-such-preset")
+    assert by_preset.output == by_model.output
