@@ -198,14 +198,36 @@ def _first_error(log_path: Path) -> str:
     return ""
 
 
+# the manifest key each `simulate` flag sets (see `manifest_toml`)
+FLAG_OF_KEY = {"run.min_peers": "--min-peers", "run.seed": "--seed", "data.batch_size": "--batch-size",
+               "inner.warmup_steps": "--warmup", "outer.algorithm": "--algorithm", "outer.inner_steps": "--inner-steps",
+               "outer.codec": "--codec", "outer.lr": "--outer-lr", "outer.topk": "--topk",
+               "outer.error_decay": "--error-decay", "outer.overlap": "--overlap", "round.deadline_s": "--deadline",
+               "checkpoint.every_rounds": "--checkpoint-every", "model.spec": "--preset"}
+
+
+def in_flag_terms(message: str) -> str:
+    """A manifest error about keys `simulate` sets from flags, reworded to name the flags."""
+    for key, flag in FLAG_OF_KEY.items():
+        pattern = rf"(?<![\w.-]){re.escape(key)}(?![\w.])"
+        if re.search(pattern, message):
+            message = message.removeprefix(f"{key.split('.')[0]}: ")  # "outer: outer.codec ..." -> "--codec ..."
+            message = re.sub(pattern + "( = )?", flag + " ", message).replace(" ,", ",").replace("  ", " ")
+    return message
+
+
 def run_simulation(opts: SimulateOptions, out: Path, progress: Callable[[str], None] = print) -> dict:
     """Run a coordinator and volunteers (with the scheduled faults) until round `opts.rounds`."""
     import random
 
     from .manifest import manifest_from_mapping
 
-    # A bad option is one ConfigError (or WorkloadError) line here, before any process starts.
-    manifest_from_mapping(tomllib.loads(manifest_toml(opts)))
+    # A bad option is one ConfigError (or WorkloadError) line here, before any process starts,
+    # naming the flag the user typed rather than the manifest key it became.
+    try:
+        manifest_from_mapping(tomllib.loads(manifest_toml(opts)))
+    except ConfigError as exc:
+        raise ConfigError(in_flag_terms(str(exc))) from None
     check_workload_spec(opts.preset)
     clear_output(out)
     start = time.time()

@@ -90,7 +90,6 @@ def test_ctrl_c_during_start_up_is_one_line(tmp_path, monkeypatch):
     (["--attack", "nope"], "--attack must be one of"),
     (["--scoring", "--no-defences"], "--scoring is a defence: it cannot go with --no-defences"),
     (["--peers", "3", "--min-peers", "4"], "--min-peers 4 is more than --peers 3"),
-    (["--error-decay", "2"], "outer.error_decay must be in [0, 1]"),
     (["--preset", "nosuch"], "unknown workload 'nosuch'"),
     (["--preset", "no_such_module:make"], "cannot import module 'no_such_module'"),
     (["--preset", 'x"y'], "unknown workload 'x\"y'"),  # quoted into the manifest, not pasted
@@ -103,6 +102,11 @@ def test_ctrl_c_during_start_up_is_one_line(tmp_path, monkeypatch):
     (["--freeze-every", "10", "--freeze-for", "-1"], "--freeze-for must be a finite number of seconds >= 0"),
     (["--restart-after", "nan"], "--restart-after must be a finite number of seconds >= 0"),
     (["--late-joiners", "-1"], "--late-joiners must be >= 0"),
+    # the flags named, not the manifest keys they become
+    (["--peers", "3", "--min-peers", "0"], "error: --min-peers must be >= 1, got 0"),
+    (["--codec", "foo"], "error: --codec must be one of"),
+    (["--algorithm", "diloco", "--codec", "sparseloco"], "error: --codec 'sparseloco' needs --algorithm 'sparseloco'"),
+    (["--error-decay", "2"], "error: --error-decay must be in [0, 1], got 2.0"),
 ])
 def test_bad_simulate_options_are_one_error_line_before_any_process_starts(tmp_path, args, words):
     res = CliRunner().invoke(app, ["simulate", *args, "--out", str(tmp_path / "sim")])
