@@ -182,7 +182,9 @@ def test_random_truncated_mutated_and_oversized_frames(target, data):
         signer = target.peers[0] if sender == target.peers[0].peer_id else data.draw(st.sampled_from(target.peers))
         frame = framed(_envelope(signer, RUN, kind, data.draw(st.lists(values, max_size=12))))
     TRIED[how] += 1
-    target.feed(handler, sender, frame)
+    target.feed(handler, sender, frame)  # a handler that crashes raises here
+    if sum(TRIED.values()) % 50 == 0:
+        _check_alive(target)  # and one that still runs must still answer honest peers
 
 
 @FUZZ
@@ -191,6 +193,8 @@ def test_validly_signed_hostile_messages(target, data):
     kind, signer, envelope = data.draw(hostile_message(target))
     TRIED["signed-hostile"] += 1
     target.feed(kind, signer.peer_id, framed(envelope))
+    if TRIED["signed-hostile"] % 50 == 0:
+        _check_alive(target)
 
 
 def test_the_peer_survives_answers_and_stays_bounded(target, caplog):
@@ -232,7 +236,10 @@ def test_the_peer_survives_answers_and_stays_bounded(target, caplog):
     _check_alive(target)
     total = sum(TRIED.values())
     print(f"\nfuzz: {total} inputs tried ({dict(TRIED)}); refusals by class: {dict(target.node.guard.rejected)}")
-    assert total >= 2000 + (2 * EXAMPLES if EXAMPLES else 0) * 0.9
+    assert TRIED["memory-burst"] >= 2000
+    fuzzed = total - TRIED["memory-burst"]
+    if fuzzed:  # the fuzz tests above ran in this session (not when this one runs alone or under -k)
+        assert fuzzed >= 2 * EXAMPLES * 0.9, f"only {fuzzed} fuzz inputs were fed, of {2 * EXAMPLES}"
 
 
 def test_a_leaders_seal_whose_commit_pins_too_few_digests_is_refused_not_a_crash():

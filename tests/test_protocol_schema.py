@@ -274,7 +274,9 @@ def test_fuzz_random_bytes():
     @given(st.binary(max_size=512))
     def check(data):
         tried.append(data)
-        _decode_or_protocol_error(data)
+        msg = _decode_or_protocol_error(data)
+        if msg is not None:  # whatever decodes must be a well-formed message that encodes back to itself
+            assert isinstance(msg, ALL) and decode_message(encode_message(msg), ALL) == msg
 
     check()
     print(f"fuzz inputs tried: {len(tried)}")
@@ -311,7 +313,9 @@ def test_fuzz_structured_values():
     @given(st.sampled_from(sorted(MESSAGES)), values)
     def check(kind, vals):
         tried.append(kind)
-        _decode_or_protocol_error(_raw(kind, vals))
+        msg = _decode_or_protocol_error(_raw(kind, vals))
+        if msg is not None:  # accepted values are of the kind asked for and survive a round trip
+            assert msg.KIND == kind and decode_message(encode_message(msg), ALL) == msg
 
     check()
     print(f"fuzz inputs tried: {len(tried)}")
