@@ -6,8 +6,8 @@ seconds until a round completes that leaves that peer out; a peer that restarts 
 round it died in is in the next rounds too, so this grows the faster peers come back), `rejoin_s` (per restart or late join: seconds until that peer's first
 contribution is in an aggregate), `lost_contributions` (a contribution counted in a committed
 round while its owner thought it was not, or the reverse: applied twice or never; one that a
-crashed process sent and its restart cannot count as its own is not lost), and the
-per-round parameter-hash agreement over every process.
+crashed process sent and its restart cannot count as its own is not lost), the per-round
+parameter-hash agreement over every process, and where each process ended (`final_round_by_process`).
 """
 
 from __future__ import annotations
@@ -63,6 +63,14 @@ def build_report(out: Path, opts: "SimulateOptions", driver_events: list[dict], 
                 if e["round"] not in end_t or e["t"] - t0 < end_t[e["round"]]:
                     end_t[e["round"]] = e["t"] - t0  # (whom it counted is not logged there)
     divergent = sorted(r for r, h in hashes.items() if len(h) > 1)
+    # Where each process ended: the last round it applied (in a round or in catching up) and the
+    # hash it then held. Per-round agreement says nothing of a process that stopped early.
+    final: dict[str, list] = {}
+    for name, evs in logs.items():
+        applied = [e for e in evs if e["kind"] in ("round", "follow") and e.get("hash")]
+        if applied:
+            last = max(applied, key=lambda e: (e["round"], e["t"]))
+            final[name] = [last["round"], last["hash"]]
     volunteer_rounds = [e for e in rounds if e["who"] != "coordinator"]
     # A commit that names a peer but counts what its crashed process sent (`superseded`) loses
     # nothing: that contribution was applied, and the restarted process keeps its own work.
@@ -138,6 +146,7 @@ def build_report(out: Path, opts: "SimulateOptions", driver_events: list[dict], 
         "dense_fp32_ring_bytes_per_peer_per_round": 2 * (n - 1) / n * 4 * params,
         "param_hash_agreement": bool(hashes) and not divergent,
         "divergent_rounds": divergent,
+        "final_round_by_process": dict(sorted(final.items())),  # name -> [last round applied, its hash]
         # a peer that found its hash off the coordinator's and re-synced (counted, not hidden)
         "hash_mismatches": sum(1 for evs in logs.values() for e in evs if e["kind"] == "hash-mismatch"),
         "round_times_s": [round(b - a, 3) if a is not None and b is not None else None

@@ -193,3 +193,5 @@ def test_a_round_known_only_from_catching_up_counts_as_completed(tmp_path):
     assert report["rounds_completed"] == 3 and report["param_hash_agreement"] is True
     assert report["round_end_t"] == [1.0, 2.0, 3.0]
     assert _rounds_done(tmp_path) == 2
+    # where each process ended: the coordinator stopped a round short of its volunteer
+    assert report["final_round_by_process"] == {"coordinator": [1, "h1"], "peer-0": [2, "h2"]}
