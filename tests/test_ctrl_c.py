@@ -191,6 +191,9 @@ def test_ctrl_c_lets_a_volunteer_finish_its_round_and_the_coordinator_checkpoint
             _wait(lambda: any(e["round"] == last["round"] for e in rounds("peer-1")), 60, "peer-1's round")
             twin = next(e for e in rounds("peer-1") if e["round"] == last["round"])
             assert twin["hash"] == last["hash"]
+            _wait(lambda: any(e["round"] == last["round"] for e in rounds("coordinator")), 60, "the coordinator's round")
+            ours = next(e for e in rounds("coordinator") if e["round"] == last["round"])
+            assert ours["hash"] == last["hash"]  # the coordinator too: all three hold the same parameters
 
             pressed = time.time()
             sim.signal("coordinator", signal.SIGINT)

@@ -287,3 +287,5 @@ def test_a_stand_in_told_the_rounds_commit_of_another_attempt_takes_it_and_stand
     assert not node.call(forget_and_learn(forged), timeout_s=10)
     assert node.call(forget_and_learn(commit), timeout_s=30)
     assert node.book.committed[0][0] == commit
+    means = [c.fetch(i, out[i].signed) for i in range(4)]  # and the round's one result is everyone's
+    assert all(torch.equal(m, means[0]) for m in means)

@@ -75,7 +75,9 @@ def test_a_contribution_that_could_not_be_recorded_is_not_sent(make_cluster):
     d = out[0].decision
     assert sorted(recorded) == [(0, 0), (1, 0), (2, 0)] and sent == []
     assert d.status == "commit" and d.contributors == sorted(c.ids[:2]) and not out[2].included
-    assert torch.allclose(c.fetch(2, out[2].signed), (xs[0] + xs[1]) / 2, atol=1e-6)
+    means = [c.fetch(i, out[i].signed) for i in range(3)]
+    assert torch.allclose(means[2], (xs[0] + xs[1]) / 2, atol=1e-6)
+    assert all(torch.equal(m, means[0]) for m in means)  # every peer applies the same aggregate
 
 
 def test_a_dead_peer_cannot_hold_the_round_past_its_deadline(make_cluster):
@@ -102,6 +104,8 @@ def test_a_frozen_aggregator_cannot_hold_the_round_past_its_deadline(make_cluste
     d = out[0].decision
     assert d is not None and d.status in ("commit", "retry")
     assert elapsed < c.deadline_s + 6 * c.slack_s, elapsed
+    # every live peer learned the same outcome: all apply the same aggregate, or none applies one
+    assert [out[i].decision.status if out[i].decision else None for i in range(3)] == [d.status] * 3
     if d.status == "commit":
         means = [c.fetch(i, out[i].signed) for i in range(3)]
         assert torch.equal(means[0], means[1]) and torch.equal(means[0], means[2])
@@ -370,3 +374,5 @@ def test_the_same_seal_again_is_acknowledged_without_rebuilding_anything(make_cl
                                                                 timeout_s=10), timeout_s=20) \
         if leader != source else node.call(node.server._on_seal(c.ids[source], Seal(out[0].signed)), timeout_s=20)
     assert ack.ok and node.server.aggregates[(0, 0)] is built
+    means = [c.fetch(i, out[i].signed) for i in range(3)]
+    assert all(torch.equal(m, means[0]) for m in means)  # and the round's result is the same everywhere
