@@ -3,6 +3,7 @@ joiner downloads, and the hash of the shared outer state peers publish every rou
 
 from __future__ import annotations
 
+import threading
 from dataclasses import dataclass, field
 
 import torch
@@ -71,17 +72,20 @@ class GlobalState:
     decision: bytes  # signed decision of round - 1
     _blob: tuple[bytes, str] | None = None  # serialized once, on the first request of this round
     _state_hash: str = ""  # likewise
+    _lock: threading.Lock = field(default_factory=threading.Lock, repr=False, compare=False)
 
     def to_blob(self) -> bytes:
         """Serialize the tensors (raw fp32 behind a small header, see `state_blob`)."""
         return pack_tensors(self.tensors)
 
     def blob_and_digest(self) -> tuple[bytes, str]:
-        """The serialized state and its BLAKE3 digest (hex), computed once per snapshot (joiners share it)."""
-        if self._blob is None:
-            blob = self.to_blob()
-            self._blob = (blob, bulk_hasher().update(blob).hexdigest())
-        return self._blob
+        """The serialized state and its BLAKE3 digest (hex), computed once per snapshot (joiners
+        share it); thread-safe, so a server can build it off its network loop."""
+        with self._lock:
+            if self._blob is None:
+                blob = self.to_blob()
+                self._blob = (blob, bulk_hasher().update(blob).hexdigest())
+            return self._blob
 
     def state_digest(self) -> str:
         """`state_hash` of the tensors (parameters, and momentum if any), computed once per snapshot."""

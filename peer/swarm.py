@@ -402,7 +402,9 @@ class SwarmNode(PeerRecords, NetLoop):
         state = self.state_provider()
         if state is None or state.round < msg.min_round:
             return StateReply(-1, "", b"", 0)
-        blob, digest = state.blob_and_digest()  # once per round, shared by every joiner
+        # once per round, shared by every joiner; off the loop: packing and hashing a big model's
+        # state takes seconds, which heartbeats and round messages must not wait for
+        blob, digest = await asyncio.to_thread(state.blob_and_digest)
         # The signed reply carries the blob's size and BLAKE3 digest; the blob follows as a raw
         # trailer, or, if asked, sealed over a direct TCP connection (the key is in this reply,
         # which only the requester can read: a closed run's state stays among its readers).

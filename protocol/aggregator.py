@@ -35,7 +35,7 @@ from .shards import (
     decision_digests,
     ships_contributions,
 )
-from .transport import PeerUnavailable
+from .transport import PeerUnavailable, Presealed
 
 log = logging.getLogger(__name__)
 MIN_ROOM = 64  # contributors a shard of one attempt holds at least (4x the expected trainers if more)
@@ -381,7 +381,7 @@ class Aggregator:
             raise ProtocolError("contributors must be distinct and sorted")
         return self.local_contributions(msg.round, msg.attempt, msg.shard, msg.contributors)
 
-    async def _on_get_aggregate(self, sender: str, msg: AggregateRequest) -> AggregateShard:
+    async def _on_get_aggregate(self, sender: str, msg: AggregateRequest) -> AggregateShard | Presealed:
         deadline = time.monotonic() + min(msg.wait_s, self.ctx.deadline_s + self.ctx.slack_s)
         while (agg := self.aggregates.get((msg.round, msg.shard))) is None:
             remaining = deadline - time.monotonic()
@@ -393,4 +393,17 @@ class Aggregator:
                     await waiter.wait()
             except TimeoutError:
                 pass
-        return agg
+        return self._sealed_aggregate((msg.round, msg.shard), agg)
+
+    def _sealed_aggregate(self, key: tuple[int, int], agg: AggregateShard) -> Presealed:
+        """The aggregate shard sealed once, however many peers ask for it (each of the others
+        does, right after the commit; sealing a dense shard copies and hashes all of it). Kept for
+        the newest two rounds asked for: a straggler's request for an older one seals it again."""
+        hit = self._sealed.get(key)
+        if hit is None or hit[0] is not agg:  # (an aggregate replaced since, after a retry)
+            hit = (agg, seal(self.identity, self.ctx.run_id, agg))
+            self._sealed[key] = hit
+            newest = max(r for r, _ in self._sealed)
+            for old in [k for k in self._sealed if k[0] < newest - 1]:
+                del self._sealed[old]
+        return Presealed(hit[1])

@@ -87,6 +87,8 @@ class DirectServer:
         self._listener: socket.socket | None = None
         self._accepting: asyncio.Task | None = None  # owned here: cancelled and awaited by close()
         self._connections: set[asyncio.Task] = set()  # likewise
+        # connections that have not sent their token yet, oldest first: the ones a full server drops
+        self._waiting: OrderedDict[asyncio.Task, None] = OrderedDict()
         self._expiry: asyncio.TimerHandle | None = None  # drops expired tickets (and their blobs)
         self.port = 0
         self.served = 0  # blobs sent whole
@@ -150,12 +152,19 @@ class DirectServer:
                 await asyncio.sleep(1.0)
                 continue
             conn.setblocking(False)
-            if len(self._connections) >= MAX_CONNECTIONS:
-                self.refused += 1
-                conn.close()
-                continue
+            if sum(1 for t in self._connections if not t.cancelling()) >= MAX_CONNECTIONS:
+                if not self._waiting:  # every slot is a download under way
+                    self.refused += 1
+                    conn.close()
+                    continue
+                # Connections that send no token (anyone can open them, no ticket needed) must not
+                # fill the slots: the oldest of them makes room. A joiner sends its token at once.
+                # (It stays in `_connections`, owned, until its cancellation has closed it.)
+                oldest, _ = self._waiting.popitem(last=False)
+                oldest.cancel()
             task = loop.create_task(self._serve(conn))
             self._connections.add(task)
+            self._waiting[task] = None
             task.add_done_callback(self._connections.discard)
 
     async def _serve(self, conn: socket.socket) -> None:
@@ -163,6 +172,7 @@ class DirectServer:
         try:
             async with asyncio.timeout(TOKEN_WAIT_S):
                 token = await _recv_exactly(loop, conn, TOKEN_BYTES)
+            self._waiting.pop(asyncio.current_task(), None)  # type: ignore[arg-type]
             self._expire()
             ticket = self._tickets.pop(token, None)
             if ticket is None:
@@ -184,7 +194,11 @@ class DirectServer:
         except (TimeoutError, OSError) as exc:
             self.refused += 1
             log.debug("direct download ended early: %r", exc)
+        except asyncio.CancelledError:  # made room for another connection (or the server is closing)
+            self.refused += 1
+            raise
         finally:
+            self._waiting.pop(asyncio.current_task(), None)  # type: ignore[arg-type]
             conn.close()
 
 

@@ -115,6 +115,7 @@ class RoundServer(Aggregator, Leading, Claims, Decider):
         self.attempts: dict[tuple[int, int], _Attempt] = defaultdict(_Attempt)
         self.joins: dict[int, dict[str, tuple[bool, bool]]] = defaultdict(dict)
         self.aggregates: dict[tuple[int, int], AggregateShard] = {}
+        self._sealed: dict[tuple[int, int], tuple[AggregateShard, bytes]] = {}  # see `_sealed_aggregate`
         self.later_claims: dict[int, int] = {}  # round -> newest attempt whose claim we let pass (a fence)
         self.unobtainable: dict[bytes, int] = {}  # earlier attempts' commits a claim of ours could not gather
         self._learning: set[int] = set()  # rounds whose commit we are asking a peer for (`_learn_previous`)

@@ -112,6 +112,15 @@ class WithTrailer:
     trailer: bytes
 
 
+@dataclass(frozen=True)
+class Presealed:
+    """A reply the handler sealed once and serves as-is to every requester (a large aggregate
+    shard asked for by every peer): its nonce and time are those of its first sealing, which is
+    fine as replies, unlike requests, are not checked for freshness (the request they answer is)."""
+
+    data: bytes
+
+
 class _LivePendingCalls(dict):
     """hivemind's table of a daemon client's pending unary calls, in which a call whose future is
     already done counts as absent.
@@ -173,7 +182,7 @@ class Transport:
             bulk = b""
             if isinstance(reply, WithTrailer):
                 reply, bulk = reply.reply, reply.trailer
-            out = seal(self.identity, self.run_id, reply)
+            out = reply.data if isinstance(reply, Presealed) else seal(self.identity, self.run_id, reply)
             self.bytes_sent += len(out) + _LEN.size
             return out, bulk
 
@@ -222,6 +231,11 @@ class Transport:
                     if len(data) > max_request + 512:  # the daemon capped it at 4 MiB before we saw it
                         raise ProtocolError(f"request of {len(data)} bytes exceeds the limit", reason="oversized")
                     out, _ = await answer(remote, data, opened)
+                    if len(out) > UNARY_MAX_REPLY + 512:
+                        # Honest callers ask on a stream when the reply may be this big; handed to
+                        # the daemon it would be copied whole before being dropped as oversized.
+                        raise ProtocolError(f"a reply of {len(out)} bytes is too big for a unary call",
+                                            reason="unary-oversized", strike=False)
                     return out
             except ProtocolError as exc:
                 self.guard.reject(remote, handler, exc)

@@ -115,6 +115,33 @@ def test_a_connection_without_a_token_is_closed(monkeypatch):
     assert _run(go()) == 1
 
 
+def test_connections_that_send_no_token_cannot_keep_a_joiner_out(monkeypatch):
+    # Anyone can open TCP connections to the port without a ticket: filling every slot with silent
+    # ones used to refuse each joiner until they timed out, one batch after another.
+    monkeypatch.setattr(direct, "MAX_CONNECTIONS", 4)
+    blob = os.urandom(100_000)
+
+    async def go():
+        server = DirectServer()
+        port = await server.start("127.0.0.1")
+        silent = []
+        try:
+            for _ in range(direct.MAX_CONNECTIONS):
+                silent.append(await asyncio.open_connection("127.0.0.1", port))
+            await asyncio.sleep(0.1)  # all accepted, all waiting for a token
+            token, key = server.offer(blob)
+            got = await fetch_direct("127.0.0.1", port, token, key, len(blob))
+            first_silent = await asyncio.wait_for(silent[0][0].read(), 5)  # the oldest made room
+            return bytes(got), first_silent
+        finally:
+            for _, writer in silent:
+                writer.close()
+            await server.close()
+
+    got, first_silent = _run(go())
+    assert got == blob and first_silent == b""
+
+
 @pytest.fixture
 def open_run():
     yield from make_target()
@@ -352,3 +379,30 @@ def test_a_dual_stack_server_takes_ipv4_joiners():
             await server.close()
 
     assert _run(go()) == b"both families"
+
+
+def test_the_state_blob_is_built_once_and_off_the_network_loop(open_run, monkeypatch):
+    # Packing and hashing a big model's state takes seconds: on the loop, heartbeats and round
+    # messages would wait for it. Every requester of the round shares the one blob.
+    import threading
+
+    from groundswell.peer.run_state import GlobalState
+
+    t = open_run
+    built_on: list[threading.Thread] = []
+    real = GlobalState.to_blob
+
+    def recording(self):
+        built_on.append(threading.current_thread())
+        return real(self)
+
+    monkeypatch.setattr(GlobalState, "to_blob", recording)
+    state = t.node.state_provider()  # the round's snapshot, which every request of the round gets
+    state._blob = None  # as a fresh snapshot has it
+    monkeypatch.setattr(t.node, "state_provider", lambda: state)
+    loop_thread: list[threading.Thread] = []
+    t.loop.call_soon(lambda: loop_thread.append(threading.current_thread()))
+    first, blob = _ask_with_trailer(t, "get-state", Identity.generate(), StateRequest(-1), StateReply)
+    again, blob_again = _ask_with_trailer(t, "get-state", Identity.generate(), StateRequest(-1), StateReply)
+    assert blob == blob_again and first.digest == again.digest and len(blob) == first.size > 0
+    assert len(built_on) == 1 and built_on[0] is not loop_thread[0]

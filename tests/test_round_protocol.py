@@ -376,3 +376,33 @@ def test_the_same_seal_again_is_acknowledged_without_rebuilding_anything(make_cl
     assert ack.ok and node.server.aggregates[(0, 0)] is built
     means = [c.fetch(i, out[i].signed) for i in range(3)]
     assert all(torch.equal(m, means[0]) for m in means)  # and the round's result is the same everywhere
+
+
+def test_an_aggregate_shard_is_sealed_once_however_many_peers_fetch_it(make_cluster, monkeypatch):
+    # Sealing a dense shard copies and hashes all of it, and every other peer asks for it right
+    # after the commit: its holder seals it once and serves those bytes to each.
+    import groundswell.protocol.aggregator as aggregator
+    from groundswell.protocol.schema import AggregateShard
+    from groundswell.protocol.server import RoundServer
+
+    sealed, served = [], []
+    real_seal, real_serve = aggregator.seal, RoundServer._sealed_aggregate
+
+    def counting_seal(identity, run_id, msg):
+        if isinstance(msg, AggregateShard):
+            sealed.append((identity.peer_id, msg.shard))
+        return real_seal(identity, run_id, msg)
+
+    def counting_serve(self, key, agg):
+        served.append((self.identity.peer_id, key))
+        return real_serve(self, key, agg)
+
+    monkeypatch.setattr(aggregator, "seal", counting_seal)
+    monkeypatch.setattr(RoundServer, "_sealed_aggregate", counting_serve)
+    c = make_cluster(n=4, codec_name="fp32", min_peers=4)
+    out = c.attempt(0, _inputs(4, c.numel, 7))
+    assert out[0].decision.status == "commit"
+    means = [c.fetch(i, out[i].signed) for i in range(4)]
+    assert all(torch.equal(m, means[0]) for m in means)
+    assert len(served) > len(set(served)), "no aggregate shard was asked for twice: nothing to show"
+    assert sorted(sealed) == sorted(set(sealed)) and len(sealed) == len({(p, k) for p, k in served})

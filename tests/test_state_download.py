@@ -129,3 +129,38 @@ def test_peers_that_answer_with_nothing_as_recent_tell_a_sync_apart_from_an_unre
     with pytest.raises(PeerUnavailable) as err:
         sync(["gone1", "gone2"])
     assert not isinstance(err.value, state_trust.NoNewerState)
+
+
+@pytest.mark.parametrize("momentum", [True, False])
+def test_a_state_announced_bigger_than_the_runs_state_is_refused_before_a_byte_is_allocated(participant,
+                                                                                          monkeypatch, momentum):
+    """The announced size is allocated before the bytes arrive: a server may announce no more than
+    the state itself (the parameters, and DiLoCo's momentum), so a SparseLoCo joiner is not made
+    to hold a DiLoCo-sized (or any larger) buffer for a trickle of bytes."""
+    from dataclasses import replace
+
+    from groundswell.peer import state_trust
+    from groundswell.protocol.transport import PeerUnavailable
+
+    p = participant
+    check = replace(p.state_check(), needs_momentum=momentum)
+    reply, blob, digest, _ = _served_state(p, momentum=momentum)
+    numel = p.outer.global_params.numel()
+    exact = 4 * numel * (2 if momentum else 1)
+    assert exact < len(blob) <= state_trust.state_budget(numel, momentum)  # the real state fits
+    refused: list[str] = []
+
+    async def fake_fetch(node, peer, min_round, size, timeout_s, reply_timeout_s):
+        announced = replace(reply, size=exact + (1 << 20) + 1)  # a little more than the state could be
+        try:
+            size(announced)
+        except ProtocolError as exc:
+            refused.append(exc.reason)
+            raise PeerUnavailable(f"{peer}: {exc}") from None
+        raise AssertionError("an oversized announcement was let through to the download")
+
+    monkeypatch.setattr(state_trust, "fetch_state", fake_fetch)
+    node = SimpleNamespace(cached_records={}, guard=SimpleNamespace(count=lambda *a, **k: None))
+    with pytest.raises(PeerUnavailable):
+        asyncio.run(state_trust.download_state(node, check, ["server"], 0))
+    assert refused == ["oversized"]

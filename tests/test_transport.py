@@ -157,6 +157,35 @@ def test_small_requests_are_unary_calls_and_bulky_ones_streams(net):
     assert _refused(net.ta, "route") == 0
 
 
+def test_a_presealed_reply_is_served_as_is_and_one_too_big_for_a_unary_call_is_refused(net):
+    from groundswell.protocol.envelope import seal
+    from groundswell.protocol.schema import ShardContribution
+    from groundswell.protocol.transport import Presealed
+
+    reply = ShardContribution(0, 0, 0, 0, [b"x" * (UNARY_MAX_REPLY + 1024)])  # a bulky message kind
+    big = seal(net.id_a, RUN, reply)
+
+    async def presealed(sender: str, req: Join) -> Presealed:
+        return Presealed(big)
+
+    _serve(net, net.ta, "presealed", Join, presealed)
+    peer = net.id_a.peer_id
+    with _PathCounter(net) as paths:
+        # on a stream (the reply may be this big): the very bytes sealed once, for every caller
+        for _ in range(2):
+            got = net.run(net.tb.request(peer, "presealed", Join(0, True, True), ShardContribution, timeout_s=30,
+                                         max_reply=2 * UNARY_MAX_REPLY))
+            assert got == reply
+        assert paths.streams == 2
+        # as a unary call (only a caller that breaks the rules asks so): refused, not handed to the
+        # daemon to be copied whole and dropped
+        with pytest.raises(PeerGone):
+            net.run(net.tb._request_unary(net.tb._unary_client(UNARY_MAX_REPLY), peer, "presealed",
+                                          seal(net.id_b, RUN, Join(0, True, True)), ShardContribution, 30,
+                                          UNARY_MAX_REPLY))
+    assert net.ta.rejected["unary-oversized:presealed"] == 1
+
+
 def test_unary_failures_map_to_the_same_errors_as_streams(net):
     async def boom(sender: str, req: Join) -> Ack:
         raise RuntimeError("handler bug")
