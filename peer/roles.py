@@ -3,10 +3,11 @@ coordinator's follow-and-serve loop (`launch`) is in `coordinator_role.py`."""
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -18,6 +19,7 @@ from groundswell.protocol.transport import PeerUnavailable
 
 from .byzantine import Attack
 from .config import DataSection
+from .net_errors import NetworkError
 from .participant import Participant
 from .resume import restore_local_progress, resume_and_sync, torch_load_params, unsettled_from
 from .swarm_exchange import NeedResync, SwarmExchange
@@ -82,6 +84,7 @@ def run_volunteer(p: Participant, bootstrap_peers: list[str], *, max_rounds: int
             trainer.load_state_dict(resumed["inner"])
         except (KeyError, ValueError, RuntimeError) as exc:
             log.warning("inner state in the checkpoint does not fit (%s); starting the inner optimizer afresh", exc)
+            trainer = volunteer_trainer(p)  # afresh indeed: not what of the old state loaded before it failed
         finally:  # the model's weights are the global state's, whatever of the inner state loaded before it failed
             torch_load_params(p)
     if resumed is not None:
@@ -105,36 +108,37 @@ def run_volunteer(p: Participant, bootstrap_peers: list[str], *, max_rounds: int
     # delayed outer step); the optimizer's rebase rule carries that progress over the update.
     in_flight: tuple[int, InnerStats, float, float] | None = None
     loop.exchange.announce_next = not m.outer.overlap  # with overlap we contribute right after a decision
-    while more():
-        t0 = time.perf_counter()
-        if in_flight is None and loop.applied == 0:
-            loop.exchange.announce(p.outer.round_id)  # later rounds are announced as soon as the previous one is decided
-        stats = trainer.run(m.outer.inner_steps, on_step)
-        p.events.write("train", round=p.outer.round_id, steps=stats.steps, compute_s=stats.compute_s,
-                       peer=p.identity.peer_id)  # t is the end; the block ran over [t - compute_s, t]
-        if in_flight is not None:
-            extra = _train_while_waiting(trainer, loop.exchange, m.outer.inner_steps, stop, on_step)
-            if extra is not None:
-                p.events.write("train", round=p.outer.round_id, steps=extra.steps, compute_s=extra.compute_s,
-                               extra=True, peer=p.identity.peer_id)
-                stats = _merged(stats, extra)
-            loop.settle(*in_flight)
-            in_flight = None
-            if not more():
-                break
-        r = p.outer.round_id
-        payloads = p.outer.prepare()
-        sent = attack.tamper(payloads) if attack is not None else payloads
-        if isinstance(p.outer, SparseLoCo):  # on disk before contributed.json can name it (see work_file)
-            p.work_token = journal.start()
-            # unrecorded work is not sent (`_remember_contribution`): a crash would drop it
-            p.work_recorded = p.work_token is None or journal.record(
-                r, p.outer.error, [x.to_bytes() for x in sent], loop.exchange.unsettled_work())
-        loop.exchange.contribute(r, sent)
-        in_flight = (r, stats, t0, time.perf_counter())
-        if not m.outer.overlap:
-            loop.settle(*in_flight)
-            in_flight = None
+    with _saved_if_the_network_fails(p, loop):
+        while more():
+            t0 = time.perf_counter()
+            if in_flight is None and loop.applied == 0:
+                loop.exchange.announce(p.outer.round_id)  # later rounds are announced as soon as the previous one is decided
+            stats = trainer.run(m.outer.inner_steps, on_step)
+            p.events.write("train", round=p.outer.round_id, steps=stats.steps, compute_s=stats.compute_s,
+                           peer=p.identity.peer_id)  # t is the end; the block ran over [t - compute_s, t]
+            if in_flight is not None:
+                extra = _train_while_waiting(trainer, loop.exchange, m.outer.inner_steps, stop, on_step)
+                if extra is not None:
+                    p.events.write("train", round=p.outer.round_id, steps=extra.steps, compute_s=extra.compute_s,
+                                   extra=True, peer=p.identity.peer_id)
+                    stats = _merged(stats, extra)
+                loop.settle(*in_flight)
+                in_flight = None
+                if not more():
+                    break
+            r = p.outer.round_id
+            payloads = p.outer.prepare()
+            sent = attack.tamper(payloads) if attack is not None else payloads
+            if isinstance(p.outer, SparseLoCo):  # on disk before contributed.json can name it (see work_file)
+                p.work_token = journal.start()
+                # unrecorded work is not sent (`_remember_contribution`): a crash would drop it
+                p.work_recorded = p.work_token is None or journal.record(
+                    r, p.outer.error, [x.to_bytes() for x in sent], loop.exchange.unsettled_work())
+            loop.exchange.contribute(r, sent)
+            in_flight = (r, stats, t0, time.perf_counter())
+            if not m.outer.overlap:
+                loop.settle(*in_flight)
+                in_flight = None
     if in_flight is not None:  # stopping: the last contribution lands in an aggregate or is kept
         loop.settle(*in_flight)
     loop.checkpoint()  # first: a second Ctrl+C during the reports below must not cost the work
@@ -144,6 +148,20 @@ def run_volunteer(p: Participant, bootstrap_peers: list[str], *, max_rounds: int
     except (PeerUnavailable, TimeoutError, RuntimeError) as exc:
         log.info("could not list connections: %s", exc)
     write_defence_counts(p)
+
+
+@contextlib.contextmanager
+def _saved_if_the_network_fails(p: Participant, loop: "_VolunteerLoop") -> Iterator[None]:
+    """If the network fails (the node went down), keep the rounds applied since the last
+    checkpoint before the error goes up: our state is fine. Not while a contribution is out (a
+    checkpoint cannot say yet what became of it), and not on any other error, which may be our
+    state's own (a NaN loss): nothing is saved over the last good checkpoint then."""
+    try:
+        yield
+    except NetworkError:
+        if p.outer.pending is None:
+            loop.checkpoint()
+        raise
 
 
 async def _connection_report(node: Any) -> dict[str, Any]:
@@ -275,13 +293,18 @@ class _VolunteerLoop:
         our work) are, once the global parameters are past their round, checked against that
         round's commit: one it counted is taken out of our work, or it would be sent again."""
         p = self.p
+        check_again = []
         for item in self.exchange.take_unsettled(p.outer.round_id):
             included = item.included
             if included is None:
                 try:
                     included = p.node.call(self.exchange.counts_ours(item.round_id, item.segments), timeout_s=30)
                 except (PeerUnavailable, TimeoutError, ProtocolError) as exc:
+                    # a failure on the way, not an answer: asked again at the next settle (the
+                    # commit may well have counted it, and then its work must come out)
                     log.info("could not check round %d's commit for our contribution: %s", item.round_id, exc)
+                    check_again.append(item)
+                    continue
             if included is None and not item.if_unknown:  # its commit is not known here (we took a later state)
                 p.events.write("outcome-unknown", round=item.round_id, peer=p.identity.peer_id)
                 log.warning("round %d: whether its commit counted our contribution is not known here; "
@@ -296,6 +319,8 @@ class _VolunteerLoop:
                 else:
                     p.events.write("included-late", round=item.round_id, peer=p.identity.peer_id)
                     log.info("round %d counted our contribution after all: taken out of our work", item.round_id)
+        if check_again:
+            self.exchange.unsettled[:0] = check_again  # oldest first, as they were
 
 
 def _swarm_eval_loss(p: Participant) -> float:

@@ -255,24 +255,32 @@ def vouchers_of(committed: dict[int, tuple[bytes, Any]]) -> frozenset[str]:
     """The peers a coordinator's verified commits name as contributors: in an open run, where
     records cost nothing to publish, the only ones whose word on a state it takes (a sybil would
     have had to do real work in a committed round to be among them)."""
-    return frozenset(c for _, decision in committed.values() for c in decision.contributors)
+    # a copy first (one C call, under the GIL): the network loop adds and prunes commits meanwhile
+    return frozenset(c for _, decision in tuple(committed.values()) for c in decision.contributors)
 
 
-def state_budget(numel: int) -> int:
-    """The most bytes a state download may announce: twice a DiLoCo state (parameters and momentum)."""
+def state_budget(numel: int, momentum: bool = True) -> int:
+    """The most bytes a state download may announce: the parameters (and DiLoCo's momentum) as
+    fp32, plus room for the blob's header. It is allocated as announced, before the bytes arrive:
+    a server must not make a joiner hold more than the state it needs anyway."""
+    return 4 * numel * (2 if momentum else 1) + (1 << 20)
+
+
+def _timed_bytes(numel: int) -> int:
+    # what the timeouts are sized for: twice a DiLoCo state, so a slow link still gets the time
     return 16 * numel + (1 << 20)
 
 
 def state_timeout_s(numel: int) -> float:
-    """How long one peer may take to serve the state (the budget at 20 MB/s, plus a minute)."""
-    return 60 + state_budget(numel) / 20e6
+    """How long one peer may take to serve the state (twice a DiLoCo state at 20 MB/s, plus a minute)."""
+    return 60 + _timed_bytes(numel) / 20e6
 
 
 def state_reply_timeout_s(numel: int) -> float:
     """How long a peer may take to answer a state request before its blob (it serializes and
     hashes the state once per round, at 1 GB/s or better): a silent peer costs this, not the
     whole `state_timeout_s`."""
-    return 30 + state_budget(numel) / 1e9
+    return 30 + _timed_bytes(numel) / 1e9
 
 
 def sync_timeout_s(numel: int) -> float:
@@ -284,7 +292,7 @@ def sync_timeout_s(numel: int) -> float:
 async def download_state(node: Any, check: StateCheck, peers: list[str], min_round: int) -> tuple[GlobalState, str]:
     """The first state of round >= `min_round` one of `peers` (asked in order) serves that passes
     `check`, and how it came ("direct" or "stream"); a refused state is counted against its server."""
-    budget = state_budget(check.numel)
+    budget = state_budget(check.numel, check.needs_momentum)
 
     def size_check(server: str) -> Callable[[StateReply], int]:
         def size(reply: StateReply) -> int:  # runs before a byte of the blob is read

@@ -143,6 +143,8 @@ class SwarmExchange:
         return outcome, mean
 
     def _unsettled(self, round_id: int, included: bool | None, retried: bool = False) -> None:
+        if included is False:  # known to be in nothing: its work simply stays ours, nothing to settle
+            return
         if retried:  # a later attempt adopts the commit of the one before it, or (rarely) of the one before that
             for old in [u for u in self.unsettled if u.retried and u.round_id == round_id][:-1]:
                 self.unsettled.remove(old)
@@ -151,9 +153,14 @@ class SwarmExchange:
 
     def _keep_newest(self, limit: int = 4) -> None:
         """A peer failing round after round keeps the newest few, forgetting retried ones first
-        (a retry is its leader's word that the contribution is in nothing)."""
+        (a retry is its leader's word that the contribution is in nothing), then the oldest of
+        unknown outcome; never one a commit is known to have counted: forgotten, its work would
+        stay ours and go out a second time."""
         while len(self.unsettled) > limit:
-            dropped = next((u for u in self.unsettled if u.retried), self.unsettled[0])
+            dropped = next((u for u in self.unsettled if u.retried),
+                           next((u for u in self.unsettled if u.included is None), None))
+            if dropped is None:  # all of them counted: each must be taken out of our work
+                return
             self.unsettled.remove(dropped)
             (log.info if dropped.retried else log.warning)(
                 "round %d: forgot a contribution whose outcome was not learned; its work stays ours", dropped.round_id)

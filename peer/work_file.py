@@ -184,7 +184,10 @@ class WorkJournal:
             return False
         own = unsettled_item(round_id, segments, 0)
         # this contribution's encoding decayed the error feedback once more
-        older = [dict(item, decayed=item["decayed"] + 1) for item in earlier[-KEEP_UNSETTLED:]]
+        # the newest few, and every one a commit is known to have counted (SwarmExchange keeps those)
+        cut = len(earlier) - KEEP_UNSETTLED
+        older = [dict(item, decayed=item["decayed"] + 1) for n, item in enumerate(earlier)
+                 if n >= cut or item.get("included") is True]
         record = WorkRecord(self._token, self._before, round_id, error, own, older)
         return write_work(self.state_dir, record)
 

@@ -60,6 +60,32 @@ def test_a_round_settled_without_its_outcome_is_remembered(outcome, raised, incl
     assert len(ex.take_unsettled(1)) == 1 and ex.unsettled == []
 
 
+def test_a_contribution_a_commit_counted_is_never_forgotten_for_newer_ones_it_did_not():
+    """Round 0 commits with us in it, but its aggregate is out of reach (a link down): the loop
+    tries round 0 again and again, each new contribution known to be in nothing (the commit pins
+    the first one) and its aggregate still out of reach. The counted one used to be dropped as the
+    oldest after four such tries: its work then stayed ours and went out a second time."""
+    commit = SimpleNamespace(status="commit", round=0, contributors=["me"])
+    node = _Node((AttemptResult(commit, b"s", 0, True, True), PeerUnavailable("no holder")))
+    ex = SwarmExchange(node)
+    counted = _payloads()
+    ex.contribute(0, counted)
+    with pytest.raises(NeedResync):
+        ex.collect(0)
+    node.outcome = (AttemptResult(commit, b"s", 1, True, False), PeerUnavailable("no holder"))
+    for _ in range(6):
+        ex.contribute(0, _payloads())
+        with pytest.raises(NeedResync):
+            ex.collect(0)
+    # the counted one is kept; the others are in nothing, their work simply stays ours
+    assert [(u.round_id, u.included) for u in ex.unsettled] == [(0, True)]
+    assert ex.unsettled[0].segments == [p.to_bytes() for p in counted]
+    # and however many counted ones pile up, the cap forgets none of them
+    ex.unsettled = ex.unsettled * 6
+    ex._keep_newest()
+    assert len(ex.unsettled) == 6
+
+
 def test_a_retried_contribution_stays_open_until_its_round_commits():
     """A leader's retry takes back the commit it sealed, but a take-back that misses an
     aggregator lets a later attempt adopt that commit: the contribution's outcome is open until
@@ -97,6 +123,9 @@ def _loop(counted):
     class Exchange:
         prepared = 3
 
+        def __init__(self):
+            self.unsettled = []
+
         def take_unsettled(self, below):
             return [Unsettled(0, [p.to_bytes() for p in payloads], counted if isinstance(counted, bool) else None, 2)]
 
@@ -120,13 +149,23 @@ def test_a_contribution_a_commit_counted_after_all_is_taken_out_of_the_error_fee
     assert events == ["included-late"]
 
 
-@pytest.mark.parametrize("counted,event", [(False, []), (None, ["outcome-unknown"]),
-                                           (PeerUnavailable("x"), ["outcome-unknown"])])
+@pytest.mark.parametrize("counted,event", [(False, []), (None, ["outcome-unknown"])])
 def test_a_contribution_no_commit_is_known_to_count_stays_ours(counted, event):
     loop, outer, _, events = _loop(counted)
     loop.settle_late()
     assert torch.equal(outer.error, torch.ones_like(outer.error))
     assert events == event
+    assert loop.exchange.unsettled == []  # settled: it is not asked about again
+
+
+@pytest.mark.parametrize("failure", [PeerUnavailable("x"), TimeoutError()])
+def test_a_contribution_whose_check_failed_on_the_way_is_checked_again_later(failure):
+    # A timeout is not an answer: taken as "unknown", the work stayed ours for good, and went out
+    # a second time if the commit had counted it.
+    loop, outer, _, events = _loop(failure)
+    loop.settle_late()
+    assert torch.equal(outer.error, torch.ones_like(outer.error)) and events == []
+    assert [(u.round_id, u.included) for u in loop.exchange.unsettled] == [(0, None)]
 
 
 @pytest.mark.parametrize("sent,num_shards,expected", [
@@ -193,6 +232,7 @@ def test_a_stopping_volunteer_does_not_download_the_state_before_it_saves(monkey
 
     class Exchange:
         last_outcome = (None, False)
+        unsettled: list = []
 
         def collect(self, r):
             raise RoundFailed("no leader answered") if failure == "retry" else NeedResync("behind")
@@ -212,3 +252,22 @@ def test_a_stopping_volunteer_does_not_download_the_state_before_it_saves(monkey
         synced.clear()
         loop.settle(0, stats, 0.0, 0.0)
         assert synced == ([] if stopping else ["catch-up" if failure == "retry" else "resync"])
+
+
+@pytest.mark.parametrize("error,pending,saved", [
+    ("network", None, True),  # the node went down: the rounds applied since the last checkpoint are kept
+    ("network", object(), False),  # a contribution is out: a checkpoint could not say what became of it
+    ("other", None, False),  # maybe our state's own fault (a NaN loss): the last good checkpoint stays
+])
+def test_a_volunteer_whose_network_fails_saves_what_it_holds_first(error, pending, saved):
+    from groundswell.peer.net_errors import NetworkError
+    from groundswell.peer.roles import _saved_if_the_network_fails
+
+    checkpoints: list[int] = []
+    p = SimpleNamespace(outer=SimpleNamespace(pending=pending))
+    loop = SimpleNamespace(checkpoint=lambda: checkpoints.append(1))
+    raised = NetworkError("the network stopped") if error == "network" else FloatingPointError("nan loss")
+    with pytest.raises(type(raised)):
+        with _saved_if_the_network_fails(p, loop):
+            raise raised
+    assert checkpoints == ([1] if saved else [])

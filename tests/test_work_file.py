@@ -91,6 +91,19 @@ def test_a_torn_or_foreign_work_record_is_ignored(tmp_path):
     assert not (tmp_path / "work.pt").exists() and not (tmp_path / "outcome.json").exists()
 
 
+def test_a_work_record_keeps_every_earlier_contribution_known_to_be_counted(tmp_path):
+    # as SwarmExchange keeps them: a counted one forgotten would have its work sent a second time
+    from groundswell.peer.swarm_exchange import unsettled_item
+
+    journal = WorkJournal(tmp_path, enabled=True)
+    journal.start()
+    earlier = [unsettled_item(0, [b"counted"], 6, included=True)] + [unsettled_item(r, [bytes([r])], 6 - r)
+                                                                     for r in range(1, 6)]
+    assert journal.record(6, torch.zeros(10), [b"own"], earlier)
+    kept = [(i["round"], i["included"]) for i in read_work(tmp_path, 10).earlier]
+    assert kept == [(0, True), (2, None), (3, None), (4, None), (5, None)]
+
+
 @pytest.mark.parametrize("found", [True, False])
 def test_restored_contributions_are_settled_late_and_a_counted_one_leaves_the_error_feedback(found):
     """The crashed process's contributions: round 3's (the newest), round 2's (one contribution
