@@ -65,12 +65,14 @@ def build_report(out: Path, opts: "SimulateOptions", driver_events: list[dict], 
     divergent = sorted(r for r, h in hashes.items() if len(h) > 1)
     # Where each process ended: the last round it applied (in a round or in catching up) and the
     # hash it then held. Per-round agreement says nothing of a process that stopped early.
+    # A downloaded state of round s is where round s - 1 left the swarm.
     final: dict[str, list] = {}
     for name, evs in logs.items():
-        applied = [e for e in evs if e["kind"] in ("round", "follow") and e.get("hash")]
+        applied = [(e["round"] - (e["kind"] == "sync"), e["t"], e["hash"]) for e in evs
+                   if e["kind"] in ("round", "follow", "sync") and e.get("hash")]
         if applied:
-            last = max(applied, key=lambda e: (e["round"], e["t"]))
-            final[name] = [last["round"], last["hash"]]
+            r, _, digest = max(applied)
+            final[name] = [r, digest]
     volunteer_rounds = [e for e in rounds if e["who"] != "coordinator"]
     # A commit that names a peer but counts what its crashed process sent (`superseded`) loses
     # nothing: that contribution was applied, and the restarted process keeps its own work.

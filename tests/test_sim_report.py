@@ -195,3 +195,11 @@ def test_a_round_known_only_from_catching_up_counts_as_completed(tmp_path):
     assert _rounds_done(tmp_path) == 2
     # where each process ended: the coordinator stopped a round short of its volunteer
     assert report["final_round_by_process"] == {"coordinator": [1, "h1"], "peer-0": [2, "h2"]}
+
+
+def test_a_process_that_ended_on_a_downloaded_state_ended_where_its_round_left_the_swarm(tmp_path):
+    # peer-0 restarted and took the state of round 3 (what round 2 left), then the run stopped
+    _write(tmp_path, "coordinator", [_round(1.0, 0, "C"), _round(2.0, 1, "C"), _round(3.0, 2, "C")])
+    _write(tmp_path, "peer-0", [_round(1.0, 0, "P"), {"t": 3.5, "kind": "sync", "round": 3, "hash": "h2", "peer": "P"}])
+    report = build_report(tmp_path, SimulateOptions(peers=1, rounds=3), [], wall_s=4.0, t0=0.0)
+    assert report["final_round_by_process"] == {"coordinator": [2, "h2"], "peer-0": [2, "h2"]}
