@@ -292,35 +292,50 @@ class _VolunteerLoop:
         """Our contributions whose outcome we did not know when their round was settled (kept as
         our work) are, once the global parameters are past their round, checked against that
         round's commit: one it counted is taken out of our work, or it would be sent again."""
-        p = self.p
-        check_again = []
-        for item in self.exchange.take_unsettled(p.outer.round_id):
-            included = item.included
-            if included is None:
-                try:
-                    included = p.node.call(self.exchange.counts_ours(item.round_id, item.segments), timeout_s=30)
-                except (PeerUnavailable, TimeoutError, ProtocolError) as exc:
-                    # a failure on the way, not an answer: asked again at the next settle (the
-                    # commit may well have counted it, and then its work must come out)
-                    log.info("could not check round %d's commit for our contribution: %s", item.round_id, exc)
+        check_again: list = []
+        items = self.exchange.take_unsettled(self.p.outer.round_id)
+        settled = 0
+        try:
+            for item in items:
+                if not self._settle_one(item):
                     check_again.append(item)
-                    continue
-            if included is None and not item.if_unknown:  # its commit is not known here (we took a later state)
-                p.events.write("outcome-unknown", round=item.round_id, peer=p.identity.peer_id)
-                log.warning("round %d: whether its commit counted our contribution is not known here; "
-                            "the work stays ours", item.round_id)
-            elif included is None or included:
-                payloads = [Payload.from_bytes(seg, expect=p.outer.codec) for seg in item.segments]
-                p.outer.settle_late(payloads, self.exchange.prepared - item.prepared)
-                if included is None:  # see Unsettled.if_unknown
-                    p.events.write("presumed-counted", round=item.round_id, peer=p.identity.peer_id)
-                    log.warning("round %d: whether its commit counted the contribution of our earlier process "
-                                "is not known here; taken out of our work as counted", item.round_id)
-                else:
-                    p.events.write("included-late", round=item.round_id, peer=p.identity.peer_id)
-                    log.info("round %d counted our contribution after all: taken out of our work", item.round_id)
+                settled += 1
+        except BaseException:
+            # (the node went down, say) what was not settled yet is still open: kept, in order,
+            # or a checkpoint written on the way out would forget it, counted or not
+            self.exchange.unsettled[:0] = check_again + items[settled:]
+            raise
         if check_again:
             self.exchange.unsettled[:0] = check_again  # oldest first, as they were
+
+    def _settle_one(self, item: Any) -> bool:
+        """Settle one contribution of a round the global parameters have taken (see `settle_late`);
+        False if its check failed on the way (it is asked again at the next settle)."""
+        p = self.p
+        included = item.included
+        if included is None:
+            try:
+                included = p.node.call(self.exchange.counts_ours(item.round_id, item.segments), timeout_s=30)
+            except (PeerUnavailable, TimeoutError, ProtocolError) as exc:
+                # a failure on the way, not an answer: the commit may well have counted it, and
+                # then its work must come out
+                log.info("could not check round %d's commit for our contribution: %s", item.round_id, exc)
+                return False
+        if included is None and not item.if_unknown:  # its commit is not known here (we took a later state)
+            log.warning("round %d: whether its commit counted our contribution is not known here; "
+                        "the work stays ours", item.round_id)
+            p.events.write("outcome-unknown", round=item.round_id, peer=p.identity.peer_id)
+        elif included is None or included:
+            payloads = [Payload.from_bytes(seg, expect=p.outer.codec) for seg in item.segments]
+            p.outer.settle_late(payloads, self.exchange.prepared - item.prepared)
+            if included is None:  # see Unsettled.if_unknown
+                log.warning("round %d: whether its commit counted the contribution of our earlier process "
+                            "is not known here; taken out of our work as counted", item.round_id)
+                p.events.write("presumed-counted", round=item.round_id, peer=p.identity.peer_id)
+            else:
+                log.info("round %d counted our contribution after all: taken out of our work", item.round_id)
+                p.events.write("included-late", round=item.round_id, peer=p.identity.peer_id)
+        return True  # (EventLog.write handles its own failures: nothing after settling can raise)
 
 
 def _swarm_eval_loss(p: Participant) -> float:

@@ -212,7 +212,8 @@ def in_flag_terms(message: str) -> str:
         pattern = rf"(?<![\w.-]){re.escape(key)}(?![\w.])"
         if re.search(pattern, message):
             message = message.removeprefix(f"{key.split('.')[0]}: ")  # "outer: outer.codec ..." -> "--codec ..."
-            message = re.sub(pattern + "( = )?", flag + " ", message).replace(" ,", ",").replace("  ", " ")
+            message = re.sub(pattern + "( = )?", flag + " ", message)
+            message = message.replace(" ,", ",").replace(" :", ":").replace("  ", " ")
     return message
 
 

@@ -154,12 +154,12 @@ class SwarmExchange:
     def _keep_newest(self, limit: int = 4) -> None:
         """A peer failing round after round keeps the newest few, forgetting retried ones first
         (a retry is its leader's word that the contribution is in nothing), then the oldest of
-        unknown outcome; never one a commit is known to have counted: forgotten, its work would
-        stay ours and go out a second time."""
+        unknown outcome; never one a commit is known (or, for a crashed process's last one,
+        presumed) to have counted: forgotten, its work would stay ours and go out a second time."""
         while len(self.unsettled) > limit:
             dropped = next((u for u in self.unsettled if u.retried),
-                           next((u for u in self.unsettled if u.included is None), None))
-            if dropped is None:  # all of them counted: each must be taken out of our work
+                           next((u for u in self.unsettled if u.included is None and not u.if_unknown), None))
+            if dropped is None:  # all counted, or presumed so (`if_unknown`): each must come out of our work
                 return
             self.unsettled.remove(dropped)
             (log.info if dropped.retried else log.warning)(

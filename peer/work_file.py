@@ -184,10 +184,10 @@ class WorkJournal:
             return False
         own = unsettled_item(round_id, segments, 0)
         # this contribution's encoding decayed the error feedback once more
-        # the newest few, and every one a commit is known to have counted (SwarmExchange keeps those)
+        # the newest few, and every one counted or presumed counted (SwarmExchange keeps those)
         cut = len(earlier) - KEEP_UNSETTLED
         older = [dict(item, decayed=item["decayed"] + 1) for n, item in enumerate(earlier)
-                 if n >= cut or item.get("included") is True]
+                 if n >= cut or item.get("included") is True or item.get("presume")]
         record = WorkRecord(self._token, self._before, round_id, error, own, older)
         return write_work(self.state_dir, record)
 

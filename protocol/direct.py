@@ -41,6 +41,7 @@ from .schema import ProtocolError
 log = logging.getLogger(__name__)
 TOKEN_BYTES = 32
 TOKEN_WAIT_S = 5.0  # a connection that has not sent its token by then is closed
+SILENT_S = 1.0  # a connection without a token for this long makes room for a new one when all slots are taken
 MAX_TICKETS = 64  # outstanding tickets; the oldest is dropped beyond this
 MAX_CONNECTIONS = 16  # concurrent downloads
 _LEN = struct.Struct(">Q")
@@ -87,8 +88,9 @@ class DirectServer:
         self._listener: socket.socket | None = None
         self._accepting: asyncio.Task | None = None  # owned here: cancelled and awaited by close()
         self._connections: set[asyncio.Task] = set()  # likewise
-        # connections that have not sent their token yet, oldest first: the ones a full server drops
-        self._waiting: OrderedDict[asyncio.Task, None] = OrderedDict()
+        # connections that have not sent their token yet, oldest first, with when they were
+        # accepted: those silent for a while are the ones a full server drops
+        self._waiting: OrderedDict[asyncio.Task, float] = OrderedDict()
         self._expiry: asyncio.TimerHandle | None = None  # drops expired tickets (and their blobs)
         self.port = 0
         self.served = 0  # blobs sent whole
@@ -153,18 +155,21 @@ class DirectServer:
                 continue
             conn.setblocking(False)
             if sum(1 for t in self._connections if not t.cancelling()) >= MAX_CONNECTIONS:
-                if not self._waiting:  # every slot is a download under way
+                oldest = next(iter(self._waiting.items()), None)
+                if oldest is None or time.monotonic() - oldest[1] < SILENT_S:
+                    # every slot is a download under way, or a connection that may be sending its
+                    # token right now (a burst of joiners): this one waits for a free slot elsewhere
                     self.refused += 1
                     conn.close()
                     continue
                 # Connections that send no token (anyone can open them, no ticket needed) must not
-                # fill the slots: the oldest of them makes room. A joiner sends its token at once.
-                # (It stays in `_connections`, owned, until its cancellation has closed it.)
-                oldest, _ = self._waiting.popitem(last=False)
-                oldest.cancel()
+                # fill the slots: the one silent longest makes room. A joiner sends its token at
+                # once. (It stays in `_connections`, owned, until its cancellation has closed it.)
+                del self._waiting[oldest[0]]
+                oldest[0].cancel()
             task = loop.create_task(self._serve(conn))
             self._connections.add(task)
-            self._waiting[task] = None
+            self._waiting[task] = time.monotonic()
             task.add_done_callback(self._connections.discard)
 
     async def _serve(self, conn: socket.socket) -> None:

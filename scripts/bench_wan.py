@@ -161,13 +161,14 @@ def _eval_checkpoint(state_dir: Path, last_round: dict, preset: str) -> float:
     import torch
     from groundswell.optim import copy_into_parameters
     from groundswell.peer.data import evaluate, heldout_batches, load_corpus
-    from groundswell.peer.run_state import params_hash
+    from groundswell.peer.run_state import state_hash
     from groundswell.peer.workload import build_workload
 
     torch.set_num_threads(1)
     path = state_dir / f"checkpoint-{last_round['round'] + 1:08d}.pt"
-    params = torch.load(path, weights_only=True, map_location="cpu")["tensors"]["global_params"]
-    if params_hash(params) != last_round["hash"]:
+    tensors = torch.load(path, weights_only=True, map_location="cpu")["tensors"]
+    params = tensors["global_params"]
+    if state_hash(params, tensors.get("momentum_buffer")) != last_round["hash"]:  # what the round event names
         raise RuntimeError(f"{path} does not hold the parameters of round {last_round['round']}")
     corpus = load_corpus("stdlib")
     wl = build_workload(preset, corpus.vocab_size, 0)

@@ -119,6 +119,7 @@ def test_connections_that_send_no_token_cannot_keep_a_joiner_out(monkeypatch):
     # Anyone can open TCP connections to the port without a ticket: filling every slot with silent
     # ones used to refuse each joiner until they timed out, one batch after another.
     monkeypatch.setattr(direct, "MAX_CONNECTIONS", 4)
+    monkeypatch.setattr(direct, "SILENT_S", 0.05)  # silent this long: may make room
     blob = os.urandom(100_000)
 
     async def go():
@@ -128,7 +129,7 @@ def test_connections_that_send_no_token_cannot_keep_a_joiner_out(monkeypatch):
         try:
             for _ in range(direct.MAX_CONNECTIONS):
                 silent.append(await asyncio.open_connection("127.0.0.1", port))
-            await asyncio.sleep(0.1)  # all accepted, all waiting for a token
+            await asyncio.sleep(0.2)  # all accepted, all waiting for a token, silent past SILENT_S
             token, key = server.offer(blob)
             got = await fetch_direct("127.0.0.1", port, token, key, len(blob))
             first_silent = await asyncio.wait_for(silent[0][0].read(), 5)  # the oldest made room
@@ -140,6 +141,35 @@ def test_connections_that_send_no_token_cannot_keep_a_joiner_out(monkeypatch):
 
     got, first_silent = _run(go())
     assert got == blob and first_silent == b""
+
+
+def test_a_full_direct_server_does_not_drop_connections_that_may_be_sending_their_token(monkeypatch):
+    # A burst of joiners: a connection accepted a moment ago is not dropped for a newer one.
+    monkeypatch.setattr(direct, "MAX_CONNECTIONS", 2)
+    blob = os.urandom(50_000)
+
+    async def go():
+        server = DirectServer()
+        port = await server.start("127.0.0.1")
+        try:
+            tokens = [server.offer(blob) for _ in range(2)]
+            first = [await asyncio.open_connection("127.0.0.1", port) for _ in range(2)]
+            await asyncio.sleep(0.05)  # accepted, tokens not sent yet: well under SILENT_S
+            with pytest.raises(ConnectionError):  # the third is the one refused
+                await fetch_direct("127.0.0.1", port, *server.offer(blob), len(blob))
+            got = []
+            for (reader, writer), (token, key) in zip(first, tokens):
+                writer.write(token)
+                await writer.drain()
+                # served whole: its length, then the sealed pieces (the server waits for us to close)
+                got.append(await asyncio.wait_for(reader.readexactly(8 + direct.sealed_size(len(blob))), 10))
+                writer.close()
+            return got
+        finally:
+            await server.close()
+
+    got = _run(go())
+    assert [int.from_bytes(g[:8], "big") for g in got] == [direct.sealed_size(len(blob))] * 2
 
 
 @pytest.fixture

@@ -271,3 +271,27 @@ def test_a_volunteer_whose_network_fails_saves_what_it_holds_first(error, pendin
         with _saved_if_the_network_fails(p, loop):
             raise raised
     assert checkpoints == ([1] if saved else [])
+
+
+def test_contributions_still_open_when_the_network_fails_mid_settle_are_kept_in_order():
+    # The node went down while a commit was being checked: what was not settled stays open (a
+    # checkpoint written on the way out lists it), or a counted one's work would go out again.
+    from groundswell.peer.net_errors import NetworkError
+
+    loop, outer, _, events = _loop(NetworkError("the network stopped"))
+    with pytest.raises(NetworkError):
+        loop.settle_late()
+    assert [(u.round_id, u.included) for u in loop.exchange.unsettled] == [(0, None)]
+    assert torch.equal(outer.error, torch.ones_like(outer.error)) and events == []
+
+
+def test_a_crashed_processs_last_contribution_presumed_counted_is_never_forgotten():
+    """The last contribution a crashed process sent is taken out of our work when its commit
+    cannot be checked (it most likely counted): the cap must not drop it as if it had not."""
+    from groundswell.peer.swarm_exchange import unsettled_item
+
+    ex = SwarmExchange(_Node(None))
+    ex.restore_unsettled([unsettled_item(1, [b"last"], 5, presume=True)]
+                         + [unsettled_item(r, [bytes([r])], 5 - r) for r in range(2, 7)])
+    ex._keep_newest()
+    assert [(u.round_id, u.if_unknown) for u in ex.unsettled] == [(1, True), (4, False), (5, False), (6, False)]
