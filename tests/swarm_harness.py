@@ -118,3 +118,18 @@ def inputs(n: int, numel: int, seed: int) -> dict[int, torch.Tensor]:
     """n seeded random vectors of `numel` values, one per node."""
     g = torch.Generator().manual_seed(seed)
     return {i: torch.randn(numel, generator=g) for i in range(n)}
+
+
+def ended_together(report: dict, rounds: int) -> dict[str, str]:
+    """The processes of a simulation that ended at the newest round two or more of them reached,
+    name -> hash, after checking they hold one hash and that round is the run's last. (A lone
+    process may be a round ahead, or one killed or lagging a round behind: the others stopped.)"""
+    final = report["final_round_by_process"]
+    reached: dict[int, int] = {}
+    for r, _ in final.values():
+        reached[r] = reached.get(r, 0) + 1
+    top = max((r for r, n in reached.items() if n >= 2), default=None)
+    assert top is not None and top >= rounds - 1, final
+    at_top = {name: digest for name, (r, digest) in final.items() if r == top}
+    assert len(set(at_top.values())) == 1, f"processes ended at round {top} with different parameters: {final}"
+    return at_top

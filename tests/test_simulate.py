@@ -10,7 +10,7 @@ import pytest
 from groundswell.peer.simulate import SimulateOptions, run_simulation
 
 sys.path.insert(0, str(Path(__file__).parent))
-from swarm_harness import leftover_processes
+from swarm_harness import ended_together, leftover_processes
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(400)]
 
@@ -30,11 +30,12 @@ def test_simulate_three_peers_agree_and_learn(tmp_path, overlap):
     assert json.loads((out / "report.json").read_text()) == report
     assert report["rounds_completed"] >= 4 and report["rounds_target"] == 4
     assert report["param_hash_agreement"] is True and report["divergent_rounds"] == []
-    # and all four processes ended at the last round, holding identical parameters
-    final = report["final_round_by_process"]
-    assert set(final) == {"coordinator", "peer-0", "peer-1", "peer-2"}, final
-    assert len({r for r, _ in final.values()}) == 1 and len({h for _, h in final.values()}) == 1, final
-    assert next(iter(final.values()))[0] >= 3
+    # and every volunteer ended at the last round, holding identical parameters (the coordinator
+    # there too, or a round behind if the volunteers left before it applied the last one)
+    at_top = ended_together(report, 4)
+    assert {"peer-0", "peer-1", "peer-2"} <= set(at_top), report["final_round_by_process"]
+    top = report["final_round_by_process"]["peer-0"][0]
+    assert report["final_round_by_process"]["coordinator"][0] >= top - 1
     losses = [v for v in report["eval_loss_by_round"] if v is not None]  # the coordinator's evaluations
     assert len(losses) >= 3 and losses[-1] < losses[0] - 0.2
     # only the coordinator evaluates: a volunteer's compute goes to training ([eval] volunteers = false)
