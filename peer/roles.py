@@ -151,7 +151,7 @@ def run_volunteer(p: Participant, bootstrap_peers: list[str], *, max_rounds: int
 
 
 @contextlib.contextmanager
-def _saved_if_the_network_fails(p: Participant, loop: "_VolunteerLoop") -> Iterator[None]:
+def _saved_if_the_network_fails(p: Participant, loop: _VolunteerLoop) -> Iterator[None]:
     """If the network fails (the node went down), keep the rounds applied since the last
     checkpoint before the error goes up: our state is fine. Not while a contribution is out (a
     checkpoint cannot say yet what became of it), and not on any other error, which may be our

@@ -232,7 +232,9 @@ def test_a_stopping_volunteer_does_not_download_the_state_before_it_saves(monkey
 
     class Exchange:
         last_outcome = (None, False)
-        unsettled: list = []
+
+        def __init__(self):
+            self.unsettled: list = []
 
         def collect(self, r):
             raise RoundFailed("no leader answered") if failure == "retry" else NeedResync("behind")
@@ -267,9 +269,8 @@ def test_a_volunteer_whose_network_fails_saves_what_it_holds_first(error, pendin
     p = SimpleNamespace(outer=SimpleNamespace(pending=pending))
     loop = SimpleNamespace(checkpoint=lambda: checkpoints.append(1))
     raised = NetworkError("the network stopped") if error == "network" else FloatingPointError("nan loss")
-    with pytest.raises(type(raised)):
-        with _saved_if_the_network_fails(p, loop):
-            raise raised
+    with pytest.raises(type(raised)), _saved_if_the_network_fails(p, loop):
+        raise raised
     assert checkpoints == ([1] if saved else [])
 
 

@@ -381,7 +381,7 @@ def test_the_same_seal_again_is_acknowledged_without_rebuilding_anything(make_cl
 def test_an_aggregate_shard_is_sealed_once_however_many_peers_fetch_it(make_cluster, monkeypatch):
     # Sealing a dense shard copies and hashes all of it, and every other peer asks for it right
     # after the commit: its holder seals it once and serves those bytes to each.
-    import groundswell.protocol.aggregator as aggregator
+    from groundswell.protocol import aggregator
     from groundswell.protocol.schema import AggregateShard
     from groundswell.protocol.server import RoundServer
 

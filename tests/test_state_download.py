@@ -144,7 +144,7 @@ def test_a_state_announced_bigger_than_the_runs_state_is_refused_before_a_byte_i
 
     p = participant
     check = replace(p.state_check(), needs_momentum=momentum)
-    reply, blob, digest, _ = _served_state(p, momentum=momentum)
+    reply, blob, _digest, _ = _served_state(p, momentum=momentum)
     numel = p.outer.global_params.numel()
     exact = 4 * numel * (2 if momentum else 1)
     assert exact < len(blob) <= state_trust.state_budget(numel, momentum)  # the real state fits
