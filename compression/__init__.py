@@ -6,7 +6,7 @@ from the payload, with range-checked params), `codec.decode` / `codec.aggregate`
 back into fp32 tensors.
 """
 
-from .base import Codec, CodecError, Payload
+from .base import Codec, CodecError, Payload, all_finite
 from .dense import DenseCodec
 from .int8 import Int8Codec
 from .registry import CODEC_NAMES, codec_for_payload, make_codec
@@ -24,6 +24,7 @@ from .sparseloco import SparseLoCoCodec
 __all__ = [
     "ALIGN",
     "aggregate_segments",
+    "all_finite",
     "decode_segments",
     "encode_segments",
     "segment_bounds",

@@ -99,20 +99,25 @@ def clip_weights(sq_norms: Sequence[float], clip: float) -> list[float]:
 
 
 def robust_mean(codec: Codec, rows: Sequence[Sequence[Payload]], options: RobustOptions,
-                stats: RobustStats | None = None, sq_norms: Sequence[float] | None = None) -> list[torch.Tensor]:
+                stats: RobustStats | None = None, sq_norms: Sequence[float] | None = None,
+                out: Sequence[torch.Tensor] | None = None) -> list[torch.Tensor]:
     """The robust mean of each segment over contributions: `rows[c][i]` is contribution c's
     payload of segment i; the norm that is clipped is contribution c's over all its segments.
-    `sq_norms`: each row's `contribution_sq_norm`, if already known (dense codecs)."""
+    `sq_norms`: each row's `contribution_sq_norm`, if already known (dense codecs). `out`: one
+    contiguous fp32 buffer per segment to write the means into (the caller's slices of one whole
+    vector, say: no second copy of it); the returned means are then views of them."""
     if not rows:
         raise CodecError("cannot aggregate zero contributions")
     num_segments = len(rows[0])
     if any(len(r) != num_segments for r in rows):
         raise CodecError("contributions cover different segments")
+    buffers = _checked_out(out, [p.numel for p in rows[0]])
     if not options.active:
-        return [codec.aggregate([r[i] for r in rows]) for i in range(num_segments)]
+        means = [codec.aggregate([r[i] for r in rows]) for i in range(num_segments)]
+        return means if buffers is None else [b.copy_(m.view(-1)).view(m.shape) for b, m in zip(buffers, means)]
     entries = getattr(codec, "entries", None)
     if entries is not None and not options.trim:
-        return _sparse_clipped_mean(entries, rows, options.clip, stats)
+        return _sparse_clipped_mean(entries, rows, options.clip, stats, buffers)
     decoded = [[codec.decode(p, device="cpu") for p in row] for row in rows]
     if sq_norms is not None and len(sq_norms) != len(rows):
         raise CodecError(f"{len(sq_norms)} norms for {len(rows)} contributions")
@@ -132,7 +137,7 @@ def robust_mean(codec: Codec, rows: Sequence[Sequence[Payload]], options: Robust
         if trim:
             kept = torch.sort(torch.stack(scaled), dim=0).values[trim:n - trim]  # a sort is exact
             scaled = list(kept.unbind(0))
-        total = scaled[0].clone()
+        total = scaled[0].clone() if buffers is None else buffers[i].copy_(scaled[0].view(-1)).view(scaled[0].shape)
         for t in scaled[1:]:  # one after another: a fixed order, like the codecs' own aggregate
             total += t
         if trim:
@@ -141,9 +146,19 @@ def robust_mean(codec: Codec, rows: Sequence[Sequence[Payload]], options: Robust
     return out
 
 
+def _checked_out(out: Sequence[torch.Tensor] | None, numels: list[int]) -> list[torch.Tensor] | None:
+    """`robust_mean`'s output buffers, flat, once checked to fit the segments."""
+    if out is None:
+        return None
+    if len(out) != len(numels) or any(
+            b.dtype != torch.float32 or not b.is_contiguous() or b.numel() != n for b, n in zip(out, numels)):
+        raise CodecError("output buffers must be contiguous fp32, one per segment, of the segments' sizes")
+    return [b.view(-1) for b in out]
+
+
 def _sparse_clipped_mean(entries: Callable[[Payload], tuple[torch.Tensor, torch.Tensor]],
-                         rows: Sequence[Sequence[Payload]], clip: float, stats: RobustStats | None
-                         ) -> list[torch.Tensor]:
+                         rows: Sequence[Sequence[Payload]], clip: float, stats: RobustStats | None,
+                         buffers: list[torch.Tensor] | None = None) -> list[torch.Tensor]:
     """The clipped mean of sparse contributions from their kept entries alone, never densely
     decoded. Bit for bit what the dense path computes: the squared norms are summed over the
     same nonzero values in the same (ascending position) order, and each output element gets
@@ -156,7 +171,8 @@ def _sparse_clipped_mean(entries: Callable[[Payload], tuple[torch.Tensor, torch.
         stats.clipped.update(c for c, w in enumerate(weights) if w < 1.0)
     out = []
     for i in range(len(rows[0])):
-        total = torch.zeros(rows[0][i].numel, dtype=torch.float32)
+        n = rows[0][i].numel
+        total = torch.zeros(n, dtype=torch.float32) if buffers is None else buffers[i].zero_()
         for c, row in enumerate(parsed):
             pos, vals = row[i]
             total.scatter_add_(0, pos, vals if weights[c] == 1.0 else vals * torch.tensor(weights[c],

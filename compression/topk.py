@@ -25,6 +25,8 @@ from __future__ import annotations
 
 import torch
 
+from .base import all_finite
+
 _J = 4  # candidate slots per selected column; more than this in one column sends the row to the fallback
 # The fast path is tuned for CPUs. On an H200 it gave the same (canonical) result as on the CPU
 # but ran 2-3x slower than a plain torch.topk, so GPUs take the exact (torch.topk-based) path.
@@ -50,7 +52,7 @@ def exact_topk_indices(x: torch.Tensor, k: int) -> torch.Tensor:
     rows = x.shape[0]
     if rows == 0:
         return torch.empty((0, k), dtype=torch.int64, device=x.device)
-    if not bool(torch.isfinite(x).all()):
+    if not all_finite(x):
         raise ValueError("cannot select the top-k of non-finite values")
     a = x.abs()
     kth = torch.topk(a, k, dim=1, sorted=False).values.amin(1, keepdim=True)

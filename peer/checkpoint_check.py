@@ -15,6 +15,7 @@ from typing import Any
 
 import torch
 from blake3 import blake3
+from groundswell.compression import all_finite
 
 DIGEST_KEY = "digest"
 
@@ -72,6 +73,6 @@ def checkpoint_damage(state: dict[str, Any], numel: int) -> str | None:
             continue
         if not isinstance(value, torch.Tensor) or value.dtype != torch.float32 or value.numel() != numel:
             return f"its {name} are not {numel:,} fp32 values"
-        if not bool(torch.isfinite(value).all()):
+        if not all_finite(value):
             return f"its {name} are not all finite"
     return None

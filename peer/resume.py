@@ -8,6 +8,7 @@ import logging
 from typing import Any
 
 import torch
+from groundswell.compression import all_finite
 from groundswell.optim import SparseLoCo, copy_into_parameters
 from groundswell.protocol.schema import ProtocolError
 from groundswell.protocol.transport import PeerUnavailable
@@ -100,7 +101,7 @@ def restore_local_progress(p: Participant, resumed: dict) -> bool:
     (or none that fits this model)."""
     progress = resumed.get("local_progress")
     if not isinstance(progress, torch.Tensor) or progress.shape != p.outer.global_params.shape \
-            or progress.dtype != torch.float32 or not bool(torch.isfinite(progress).all()):
+            or progress.dtype != torch.float32 or not all_finite(progress):
         return False
     copy_into_parameters(p.outer.global_params + progress.to(p.outer.global_params.device), p.outer.params)
     p.events.write("local-progress-restored", round=p.outer.round_id, norm=float(progress.norm()),

@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
+from groundswell.compression import all_finite
 from groundswell.protocol.envelope import unseal
 from groundswell.protocol.schema import Decision, ProtocolError, StateReply
 from groundswell.protocol.transport import PeerUnavailable
@@ -118,7 +119,7 @@ class StateCheck:
         if "global_params" not in tensors or set(tensors) - allowed:
             raise ProtocolError(f"state holds tensors {sorted(tensors)}, expected global_params (+ momentum_buffer)")
         for name, t in tensors.items():
-            if t.dtype != torch.float32 or t.shape != (self.numel,) or not bool(torch.isfinite(t).all()):
+            if t.dtype != torch.float32 or t.shape != (self.numel,) or not all_finite(t):
                 raise ProtocolError(f"state tensor {name} is not {self.numel} finite fp32 values", reason="bad-payload")
         self.check_decision(reply)
         if self.needs_momentum != ("momentum_buffer" in tensors):

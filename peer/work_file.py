@@ -31,6 +31,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from groundswell.compression import all_finite
 
 from .state_files import write_atomically
 from .swarm_exchange import parse_unsettled, unsettled_item
@@ -112,7 +113,7 @@ def read_work(state_dir: Path, numel: int) -> WorkRecord | None:
         log.warning("%s is unreadable (%s); ignoring it", path.name, exc)
         return None
     if not isinstance(error, torch.Tensor) or error.dtype != torch.float32 or error.shape != (numel,) \
-            or not bool(torch.isfinite(error).all()):
+            or not all_finite(error):
         log.warning("%s does not fit this model; ignoring it", path.name)
         return None
     return record

@@ -102,14 +102,16 @@ class AggregateFetcher:
                 values = [codec.decode(p) for p in validate_segments(self.ctx, first, agg.parts)]
                 for who in agg.clipped:
                     clipped[who] = clipped.get(who, 0) + 1
+                for seg, value in zip(range(first, stop), values):
+                    out[offsets[seg]:offsets[seg + 1]] = value
             else:  # every contributor's signed request: rows[c][i] is contributor c's segment first + i
                 rows = self._checked_rows(decision, signed, shard, first, stop, agg)
                 stats = RobustStats()
-                values = robust_mean(codec, rows, self.ctx.robust, stats)
+                # written straight into `out`: a second copy of the whole vector costs more than the sum
+                robust_mean(codec, rows, self.ctx.robust, stats,
+                            out=[out[offsets[seg]:offsets[seg + 1]] for seg in range(first, stop)])
                 for c in stats.clipped:
                     clipped[decision.contributors[c]] = clipped.get(decision.contributors[c], 0) + 1
-            for seg, value in zip(range(first, stop), values):
-                out[offsets[seg]:offsets[seg + 1]] = value
         self.clipped[decision.round] = clipped
         for old in [r for r in self.clipped if r < decision.round - 16]:
             del self.clipped[old]

@@ -103,6 +103,30 @@ def test_a_mean_whose_sum_overflows_is_zero_there_and_finite_everywhere(name: st
     assert float(mean[8]) == float(codec.decode(codec.encode(x))[8])  # the rest untouched
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.float64])
+def test_all_finite_matches_the_elementwise_check_even_when_the_sum_overflows(dtype: torch.dtype) -> None:
+    from groundswell.compression import all_finite
+
+    big = torch.finfo(dtype).max
+    cases = [
+        torch.zeros(0, dtype=dtype),
+        torch.randn(10_000).to(dtype),
+        torch.full((1000,), big, dtype=dtype),  # every element finite, the sum is not
+        torch.tensor([big, -big, big], dtype=dtype),
+    ]
+    for bad in (float("inf"), float("-inf"), float("nan")):
+        for at in (0, 4_999, 9_999):
+            t = torch.randn(10_000).to(dtype)
+            t[at] = bad
+            cases.append(t)
+    both = torch.zeros(8, dtype=dtype)
+    both[1], both[5] = float("inf"), float("-inf")  # the sum is NaN: still not finite
+    cases.append(both)
+    for t in cases:
+        assert all_finite(t) == bool(torch.isfinite(t).all()), t
+    assert all_finite(torch.tensor([2**62, 2**62], dtype=torch.int64))  # integers are always finite
+
+
 def test_int8_steps_cover_a_tensor_shorter_than_a_block_on_every_device() -> None:
     # CUDA takes all whole blocks in one step; with none (a short last segment) the step was 0
     codec = Int8Codec(128)

@@ -105,6 +105,27 @@ def test_sparse_clipped_mean_is_bit_identical_to_the_dense_one(scales):
         assert clipped, "nothing was clipped: the weighted path went untested"
 
 
+@pytest.mark.parametrize("options", [RobustOptions(clip=0.0), RobustOptions(clip=1.0), RobustOptions(clip=1.0, trim=0.2)])
+@pytest.mark.parametrize("codec_name", ["fp32", "sparseloco"])
+def test_means_written_into_the_callers_buffers_are_the_same_bits(codec_name, options):
+    codec = make_codec(codec_name)
+    g = torch.Generator().manual_seed(5)
+    rows = [[codec.encode(torch.randn(4096, generator=g) * s), codec.encode(torch.randn(1000, generator=g) * s)]
+            for s in (1.0, 2.0, 50.0, 0.5, 1.0)]
+    fresh = robust_mean(codec, rows, options)
+    whole = torch.full((5096,), float("nan"))  # stale contents must not leak into a mean
+    got = robust_mean(codec, rows, options, out=[whole[:4096], whole[4096:]])
+    for a, b, buf in zip(fresh, got, (whole[:4096], whole[4096:]), strict=True):
+        assert torch.equal(a.view(torch.int32), b.view(torch.int32)) and b.data_ptr() == buf.data_ptr()
+    assert torch.equal(torch.cat(fresh).view(torch.int32), whole.view(torch.int32))
+    from groundswell.compression import CodecError
+
+    for bad in ([whole[:4096]], [whole[:4096], whole[4096:5095]], [whole[:4096], torch.zeros(1000, dtype=torch.float64)],
+                [whole[:4096], whole.view(2, -1)[:, :500]]):  # too few, too short, not fp32, not contiguous
+        with pytest.raises(CodecError, match="output buffers"):
+            robust_mean(codec, rows, options, out=bad)
+
+
 def test_trimmed_mean_drops_the_extremes_per_coordinate():
     codec = make_codec("fp32")
     xs = [torch.full((8,), v) for v in (1.0, 2.0, 3.0, 4.0, 1e9)]
