@@ -21,7 +21,7 @@ import torch
 from groundswell.compression import all_finite
 from groundswell.protocol.envelope import unseal
 from groundswell.protocol.schema import Decision, ProtocolError, StateReply
-from groundswell.protocol.transport import PeerUnavailable
+from groundswell.protocol.transport import PeerDead, PeerUnavailable
 
 from .records import HEARTBEAT_S
 from .run_state import GlobalState, RunContext, state_hash
@@ -36,6 +36,8 @@ COORDINATOR_WAIT_S = 4 * HEARTBEAT_S
 COORDINATOR_POLL_S = HEARTBEAT_S / 2
 EARLIER_HASHES = 8  # the coordinator's record lists its hashes of this many rounds before its newest
 COORDINATOR_AFTER_FAILURES = 2  # peers that failed to serve a state before the coordinator is asked next
+BUSY_WAIT_S = 2.0  # a peer whose upload slots are taken is asked again this long after, doubling each time,
+BUSY_WAIT_MAX_S = 30.0  # up to this, while a sync still has the time for one download after it
 
 
 class NoNewerState(PeerUnavailable):
@@ -311,32 +313,64 @@ async def download_state(node: Any, check: StateCheck, peers: list[str], min_rou
             return reply.size
         return size
 
-    queue, asked, behind = list(dict.fromkeys(peers)), 0, 0
+    queue, asked = list(dict.fromkeys(peers)), 0
+    behind: set[str] = set()  # answered: nothing of round >= min_round
+    silent: set[str] = set()  # alive, or not known to be gone, but served nothing: may hold a newer state
+    newer: set[str] = set()  # showed a state of round >= min_round (busy serving it, or one we refused)
+    busy: dict[str, int] = {}  # peer -> how often it said its upload slots were taken
+    retry_at: dict[str, float] = {}
+    # busy servers are asked again as long as one download would still fit in the sync's time
+    patience_end = time.monotonic() + max(0.0, sync_timeout_s(check.numel) - state_timeout_s(check.numel))
     while queue:
-        if asked == COORDINATOR_AFTER_FAILURES and check.coordinator in queue:
+        if asked == COORDINATOR_AFTER_FAILURES and check.coordinator in queue and check.coordinator not in busy:
             # (each peer asked so far failed, or we would have returned) Peers that copy the
             # coordinator's (round, hash) into their records are asked before it and may be
             # silent: after a few failures the coordinator itself is next.
             queue.remove(check.coordinator)
             queue.insert(0, check.coordinator)
         peer = queue.pop(0)
+        if peer in retry_at and retry_at[peer] >= patience_end:  # the peers ahead of it took the time left
+            continue
         asked += 1
+        if (wait := retry_at.get(peer, 0.0) - time.monotonic()) > 0:  # every peer ahead of it was asked meanwhile
+            await asyncio.sleep(wait)
+        silent.discard(peer)
         try:
             reply, blob, digest, via = await fetch_state(node, peer, min_round, size_check(peer),
                                                          timeout_s=state_timeout_s(check.numel),
                                                          reply_timeout_s=state_reply_timeout_s(check.numel))
         except PeerUnavailable as exc:
             log.info("state from %s: %s", peer[-8:], exc)
+            if not isinstance(exc, PeerDead):  # a dead peer's record lingers a while: it holds nothing
+                silent.add(peer)
+            continue
+        if reply.busy and not blob:
+            newer.add(peer)  # (a server asked for more than it holds answers "nothing newer", not "busy")
+            busy[peer] = busy.get(peer, 0) + 1
+            wait = min(BUSY_WAIT_MAX_S, BUSY_WAIT_S * 2 ** (busy[peer] - 1))
+            if time.monotonic() + wait < patience_end:  # asked again once the others have been, later each time
+                log.info("state from %s: busy uploading to others; asking again in %.0fs", peer[-8:], wait)
+                retry_at[peer] = time.monotonic() + wait
+                queue.append(peer)
+            silent.add(peer)
             continue
         if not blob or reply.round < min_round:  # it answered: it has nothing that recent
-            behind += 1
+            behind.add(peer)
             continue
         try:
             return await check.verify(reply, blob, digest, peer, node.refresh_records), via
         except ProtocolError as exc:  # a broken or hostile server: count it, ask the next peer
             node.guard.count(peer, "state-reply", exc.reason, strike=exc.strike)
             log.warning("state from %s refused: %s", peer[-8:], exc)
-    if behind:  # (peers that did not answer may be gone for good: their records linger a while)
+            newer.add(peer)
+    # "Nothing newer" only when the answers say so, and no peer showed a newer state: the
+    # coordinator's answer, or more peers' than those that may have been silent only for now
+    # (slow, refusing a flood). Peers whose dial failed are gone: their records linger a while,
+    # and they must not keep a restarted volunteer that is ahead of everyone online from
+    # carrying on.
+    if behind and not newer and (check.coordinator in behind or len(behind) > len(silent)):
         raise NoNewerState(f"no peer holds a verifiable state of round {min_round} or later "
-                           f"({behind} answered with an older one or none)")
-    raise PeerUnavailable("no peer served a verifiable state")
+                           f"({len(behind)} answered with an older one or none)")
+    raise PeerUnavailable("no peer served a verifiable state"
+                          + (f" ({len(silent)} did not answer, {len(newer)} had a newer one we could not "
+                             f"take, {len(behind)} had nothing newer)" if behind else ""))

@@ -54,6 +54,7 @@ from .reachability import (
 )
 from .records import PeerRecords
 from .run_state import GlobalState, RunContext
+from .state_serving import UploadSlots
 from .state_trust import state_timeout_s
 
 log = logging.getLogger(__name__)
@@ -107,6 +108,7 @@ class SwarmNode(PeerRecords, NetLoop):
         self.p2p: Any = None
         self.reachability = "unknown"
         self.direct: DirectServer | None = None  # direct state downloads, when offered
+        self.uploads = UploadSlots()  # state uploads over streams
         self.puncher: PunchScheduler | None = None  # behind a NAT: direct connections to NAT'ed peers
         self.punch_target: Any = None  # behind a NAT: our side of the punches others dial
         self.announce_punch: Callable[[str, str], None] | None = None  # told of the first punch that works
@@ -402,18 +404,31 @@ class SwarmNode(PeerRecords, NetLoop):
         state = self.state_provider()
         if state is None or state.round < msg.min_round:
             return StateReply(-1, "", b"", 0)
-        # once per round, shared by every joiner; off the loop: packing and hashing a big model's
-        # state takes seconds, which heartbeats and round messages must not wait for
-        blob, digest = await asyncio.to_thread(state.blob_and_digest)
+        direct = msg.direct and self.direct is not None  # the direct port bounds its own downloads
+        release = None if direct else self.uploads.take(sender)
+        if not direct and release is None:
+            self.guard.count(sender, "get-state", "busy", strike=False)
+            return StateReply(-1, "", b"", 0, busy=True)
+        try:
+            # once per round, shared by every joiner; off the loop: packing and hashing a big model's
+            # state takes seconds, which heartbeats and round messages must not wait for
+            blob, digest = await asyncio.to_thread(state.blob_and_digest)
+            params_hash = state.state_digest()
+        except BaseException:
+            if release is not None:
+                release()
+            raise
         # The signed reply carries the blob's size and BLAKE3 digest; the blob follows as a raw
-        # trailer, or, if asked, sealed over a direct TCP connection (the key is in this reply,
-        # which only the requester can read: a closed run's state stays among its readers).
-        if msg.direct and self.direct is not None:
+        # trailer (its upload slot freed once it is written), or, if asked, sealed over a direct
+        # TCP connection (the key is in this reply, which only the requester can read: a closed
+        # run's state stays among its readers).
+        if direct:
+            assert self.direct is not None
             token, key = self.direct.offer(blob)
             return WithTrailer(StateReply(state.round, digest, state.decision, len(blob), self.direct.port, token,
-                                          key, params_hash=state.state_digest()), b"")
-        return WithTrailer(StateReply(state.round, digest, state.decision, len(blob), params_hash=state.state_digest()),
-                           blob)
+                                          key, params_hash=params_hash), b"")
+        return WithTrailer(StateReply(state.round, digest, state.decision, len(blob), params_hash=params_hash),
+                           blob, release)
 
 
 class _Stop(Exception):

@@ -14,6 +14,9 @@ from dataclasses import dataclass, field
 
 from .schema import ProtocolError
 
+MAX_PEERS = 10_000  # peers whose counters are kept; beyond this the longest-idle is forgotten
+IDLE_SCAN = 64  # at most this many of the oldest peers are looked at to find an idle one
+
 
 @dataclass(frozen=True)
 class Limits:
@@ -60,13 +63,25 @@ class Guard:
         if state is None:
             state = _PeerState(tokens=2 * self.limits.requests_per_s, refilled=now)
             self._peers[peer] = state
-            if len(self._peers) > 10_000:  # forget the longest-idle peer (bans included: bounded memory)
-                for key, old in self._peers.items():
-                    if key != peer and old.streams == 0:
-                        del self._peers[key]
-                        break
+            if len(self._peers) > MAX_PEERS:  # forget the longest-idle peer (bans included: bounded memory)
+                self._forget_one_idle(peer)
         self._peers.move_to_end(peer)
         return state
+
+    def _forget_one_idle(self, newcomer: str) -> None:
+        """Drop the least recently seen peer without an open stream, looking at no more than
+        `IDLE_SCAN` of the oldest: peers with streams open go to the back (they are busy, not
+        idle), so a table full of them costs each newcomer a bounded scan, not one over every
+        peer. If none of those is idle the table grows by one; peers with open streams are bounded
+        by the daemon's connections and `max_streams` each."""
+        for _ in range(min(IDLE_SCAN, len(self._peers) - 1)):
+            key, old = next(iter(self._peers.items()))
+            if key == newcomer:
+                break
+            if old.streams == 0:
+                del self._peers[key]
+                return
+            self._peers.move_to_end(key)
 
     def admit(self, peer: str, handler: str) -> str | None:
         """Take one request slot for `peer`; returns why not (and counts it), or None."""

@@ -16,7 +16,7 @@ from typing import Any, ClassVar
 
 import msgpack
 
-PROTOCOL_VERSION = 11  # 2: claims carry `fence`; the state follows its reply as a raw trailer; 3: envelopes sign the
+PROTOCOL_VERSION = 12  # 2: claims carry `fence`; the state follows its reply as a raw trailer; 3: envelopes sign the
 # body's sha256; 4: payload wire version 2 (sparseloco's Elias-Fano indices), so mixed peers refuse each other up front,
 # and BLAKE3 instead of SHA-256 for bulk hashes (envelope bodies, contribution digests, the state blob); 5: state
 # requests and replies may move the blob over a direct TCP connection; 6: that blob is sealed (AES-256-GCM, the key in the
@@ -24,7 +24,8 @@ PROTOCOL_VERSION = 11  # 2: claims carry `fence`; the state follows its reply as
 # (their own protocol names), not one stream each; 8: hole punching (`punch`, `punch-invite`), peer records list
 # the peers reached by a punch; 9: the coordinator's record lists its hashes of earlier rounds; 10: a state reply
 # names the state's parameter hash (a joiner refuses a state the coordinator contradicts before downloading it); 11:
-# that hash, and the one peer records publish, also covers DiLoCo's outer momentum buffer (peers' hashes would differ)
+# that hash, and the one peer records publish, also covers DiLoCo's outer momentum buffer (peers' hashes would differ);
+# 12: a state reply may say `busy` (the server's upload slots are taken: ask again later), not "nothing newer"
 MAX_ID = 128  # peer ids, run ids, reasons and other short strings
 MAX_LIST = 4096  # peer lists, shard lists
 MAX_SMALL = 1 << 20  # a control message never needs more than this
@@ -233,7 +234,8 @@ class StateReply(Message):
     reply as a raw trailer, and their BLAKE3 digest (hex) is `digest`; `decision` is the signed decision of
     round `round - 1` (which plans round `round`). Size 0: unavailable. With `direct_port`, the
     trailer is empty and the blob is fetched once over TCP from that port of the same host, by
-    presenting `direct_token`, sealed under `direct_key` (see `protocol/direct.py`)."""
+    presenting `direct_token`, sealed under `direct_key` (see `protocol/direct.py`). Size 0 with
+    `busy`: the server is uploading its state to as many peers as it takes at once; ask later."""
 
     KIND: ClassVar[str] = "state"
     round: int = _f(lo=-1, hi=1 << 40)
@@ -246,6 +248,7 @@ class StateReply(Message):
     # hash of the state (parameters, and DiLoCo's momentum): checked against the swarm's published
     # hashes before the blob is read, and against the blob once it is
     params_hash: str = _f(max_len=64, default="")
+    busy: bool = _f(default=False)
 
 
 @dataclass(frozen=True)

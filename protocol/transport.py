@@ -68,9 +68,13 @@ def _target(peer_id: str, handler: str) -> Any:
 
 def _remote_failure(exc: BaseException) -> bool:
     """Whether a failed request's error is one the other side (or the path to it) explains: a
-    daemon error (a refusal, a reset), a connection reset, an early end of the stream."""
+    daemon error (a refusal, a reset), a connection reset, an early end of the stream. Not a
+    refused connection: every request goes through our own daemon's socket, so that one is ours
+    (the daemon died), and it must not take a grant from the peer."""
     from hivemind.p2p.p2p_daemon_bindings.utils import P2PDaemonError, P2PHandlerError
 
+    if isinstance(exc, ConnectionRefusedError):
+        return False
     return isinstance(exc, (P2PDaemonError, P2PHandlerError, ConnectionError, EOFError))
 
 Handler = Callable[[str, Any], Awaitable[Message]]
@@ -110,6 +114,9 @@ class WithTrailer:
 
     reply: Message
     trailer: bytes
+    # Called once the trailer is written, or once it cannot be (the stream failed, timed out): a
+    # handler that bounds its bulk uploads (see `peer.state_serving`) frees the slot here.
+    release: Callable[[], None] | None = None
 
 
 @dataclass(frozen=True)
@@ -173,18 +180,24 @@ class Transport:
         protocol and (without `trailer`) a unary one. With `trailer`, every reply is followed by
         one raw frame: `WithTrailer.trailer`, or empty."""
 
-        async def answer(remote: str, data: bytes, opened: float) -> tuple[bytes, bytes]:
-            """The sealed reply and its trailer, for one request's bytes."""
+        async def answer(remote: str, data: bytes, opened: float) -> tuple[bytes, bytes, Callable[[], None] | None]:
+            """The sealed reply, its trailer and the trailer's release (the caller's to call), for
+            one request's bytes."""
             self.bytes_received += len(data) + _LEN.size
             sender, request = unseal(data, self.run_id, expect, max_request, sender=remote,
                                      fresh=lambda nonce, ts: self.guard.check_fresh(nonce, ts, opened))
             reply = await (fn(sender, request, data) if with_envelope else fn(sender, request))
-            bulk = b""
+            bulk, release = b"", None
             if isinstance(reply, WithTrailer):
-                reply, bulk = reply.reply, reply.trailer
-            out = reply.data if isinstance(reply, Presealed) else seal(self.identity, self.run_id, reply)
+                reply, bulk, release = reply.reply, reply.trailer, reply.release
+            try:
+                out = reply.data if isinstance(reply, Presealed) else seal(self.identity, self.run_id, reply)
+            except BaseException:
+                if release is not None:
+                    release()
+                raise
             self.bytes_sent += len(out) + _LEN.size
-            return out, bulk
+            return out, bulk, release
 
         async def on_stream(info: Any, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
             remote = info.peer_id.to_base58()
@@ -194,10 +207,11 @@ class Transport:
                 writer.close()
                 self._log_rejection(handler, refused, remote, "")
                 return
+            release = None
             try:
                 async with asyncio.timeout(timeout_s):
                     request = await read_frame(reader, max_request + 512, start_s=min(timeout_s, REQUEST_START_S))
-                    out, bulk = await answer(remote, request, opened)
+                    out, bulk, release = await answer(remote, request, opened)
                     await write_frame(writer, out)
                     if trailer:
                         await write_frame(writer, bulk)
@@ -212,6 +226,8 @@ class Transport:
             except (TimeoutError, asyncio.IncompleteReadError, ConnectionError) as exc:
                 log.debug("%s request from %s ended early: %r", handler, remote[-8:], exc)
             finally:
+                if release is not None:
+                    release()
                 self.guard.release(remote)
                 writer.close()  # without this the caller's read never sees EOF
 
@@ -230,7 +246,9 @@ class Transport:
                 async with asyncio.timeout(timeout_s):
                     if len(data) > max_request + 512:  # the daemon capped it at 4 MiB before we saw it
                         raise ProtocolError(f"request of {len(data)} bytes exceeds the limit", reason="oversized")
-                    out, _ = await answer(remote, data, opened)
+                    out, _, release = await answer(remote, data, opened)
+                    if release is not None:  # no trailer goes with a unary reply
+                        release()
                     if len(out) > UNARY_MAX_REPLY + 512:
                         # Honest callers ask on a stream when the reply may be this big; handed to
                         # the daemon it would be copied whole before being dropped as oversized.

@@ -73,6 +73,7 @@ EXAMPLES: dict[str, Message] = {
         StateRequest(min_round=-1, direct=True),
         StateReply(round=-1, digest="ab" * 32, decision=b"", size=1000, direct_port=65535, direct_token=b"t" * 32,
                    direct_key=b"k" * 32, params_hash="c" * 16),
+        StateReply(round=-1, digest="", decision=b"", size=0, busy=True),
         ManifestRequest(),
         ManifestReply(signed=b"manifest"),
         ProbeRequest(maddrs=["/ip4/192.0.2.1/tcp/4001", "/ip4/127.0.0.1/tcp/4001"]),

@@ -103,11 +103,11 @@ def test_a_mean_whose_sum_overflows_is_zero_there_and_finite_everywhere(name: st
     assert float(mean[8]) == float(codec.decode(codec.encode(x))[8])  # the rest untouched
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.float64])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16, torch.float64, torch.complex64])
 def test_all_finite_matches_the_elementwise_check_even_when_the_sum_overflows(dtype: torch.dtype) -> None:
     from groundswell.compression import all_finite
 
-    big = torch.finfo(dtype).max
+    big = torch.finfo(dtype).max if not dtype.is_complex else torch.finfo(torch.float32).max
     cases = [
         torch.zeros(0, dtype=dtype),
         torch.randn(10_000).to(dtype),

@@ -134,3 +134,26 @@ def test_a_slow_upload_is_judged_by_when_its_stream_opened():
     g.check_fresh(os.urandom(16), opened - 1, opened=opened)  # stamped when it was sent: fine
     with pytest.raises(ProtocolError):
         g.check_fresh(os.urandom(16), opened - 61, opened=opened)
+
+
+def test_the_peer_table_forgets_idle_peers_with_a_bounded_scan_past_busy_ones(monkeypatch):
+    from groundswell.protocol import guard as guard_mod
+
+    monkeypatch.setattr(guard_mod, "MAX_PEERS", 50)
+    monkeypatch.setattr(guard_mod, "IDLE_SCAN", 8)
+    g, _, _ = _guard(max_streams=4)
+    for i in range(50):
+        g.admit(f"p{i}", "join")  # each holds one stream open
+    for i in range(40, 50):
+        g.release(f"p{i}")  # the ten most recent are idle
+    g.admit("new1", "join")  # the 8 oldest are busy: looked at, sent to the back, nobody dropped
+    assert len(g._peers) == 51 and list(g._peers)[:2] == ["p8", "p9"] and list(g._peers)[-2:] == ["p7", "new1"]
+    for n in range(2, 6):  # each newcomer looks at 8 more busy peers: still no idle one in reach
+        g.admit(f"new{n}", "join")
+    assert len(g._peers) == 55 and all(f"p{i}" in g._peers for i in range(50))
+    g.admit("new6", "join")  # the oldest now is p40, idle: forgotten
+    assert len(g._peers) == 55 and "p40" not in g._peers
+    for i in range(41, 50):
+        g.admit(f"late{i}", "join")
+    assert len(g._peers) == 55 and all(f"p{i}" not in g._peers for i in range(40, 50))  # idle ones, oldest first
+    assert all(f"p{i}" in g._peers for i in range(40))  # the busy ones stay, however old

@@ -202,13 +202,13 @@ def test_bounds_are_inclusive():
     with pytest.raises(ProtocolError, match="min_round"):
         decode_message(_raw("get-state", [-2, True]), StateRequest)
     with pytest.raises(ProtocolError, match="direct_port"):
-        decode_message(_raw("state", [0, "", b"", 0, 65536, b"", b"", ""]), StateReply)
+        decode_message(_raw("state", [0, "", b"", 0, 65536, b"", b"", "", False]), StateReply)
     with pytest.raises(ProtocolError, match="direct_token"):
-        decode_message(_raw("state", [0, "", b"", 0, 1, b"t" * 33, b"", ""]), StateReply)
+        decode_message(_raw("state", [0, "", b"", 0, 1, b"t" * 33, b"", "", False]), StateReply)
     with pytest.raises(ProtocolError, match="direct_key"):
-        decode_message(_raw("state", [0, "", b"", 0, 1, b"t" * 32, b"k" * 33, ""]), StateReply)
+        decode_message(_raw("state", [0, "", b"", 0, 1, b"t" * 32, b"k" * 33, "", False]), StateReply)
     with pytest.raises(ProtocolError, match="params_hash"):
-        decode_message(_raw("state", [0, "", b"", 0, 1, b"t" * 32, b"k" * 32, "h" * 65]), StateReply)
+        decode_message(_raw("state", [0, "", b"", 0, 1, b"t" * 32, b"k" * 32, "h" * 65, False]), StateReply)
     assert decode_message(_raw("ack", [False, "r" * 512]), Ack).reason == "r" * 512
     with pytest.raises(ProtocolError, match="ack.reason"):
         decode_message(_raw("ack", [False, "r" * 513]), Ack)

@@ -5,6 +5,7 @@ trusted: test_state_trust.py."""
 from __future__ import annotations
 
 import asyncio
+import time
 from types import SimpleNamespace
 
 import pytest
@@ -111,11 +112,13 @@ def test_a_big_models_state_sync_gets_time_in_proportion_to_its_size():
 def test_peers_that_answer_with_nothing_as_recent_tell_a_sync_apart_from_an_unreachable_swarm(participant,
                                                                                              monkeypatch):
     from groundswell.peer import state_trust
-    from groundswell.protocol.transport import PeerUnavailable
+    from groundswell.protocol.transport import PeerDead, PeerUnavailable
 
     async def fake_fetch(node, peer, min_round, size, timeout_s, reply_timeout_s):
-        if peer.startswith("gone"):
-            raise PeerUnavailable(f"{peer} unavailable for get-state")
+        if peer.startswith("gone"):  # its dial failed: its record lingers, the process is gone
+            raise PeerDead(f"{peer} unavailable for get-state")
+        if peer.startswith("silent"):  # alive, or not known to be gone: it may hold a newer state
+            raise PeerUnavailable(f"{peer} did not answer get-state within 30s")
         return StateReply(-1, "", b"", 0), bytearray(), "", "stream"  # what a server behind answers
 
     monkeypatch.setattr(state_trust, "fetch_state", fake_fetch)
@@ -126,9 +129,69 @@ def test_peers_that_answer_with_nothing_as_recent_tell_a_sync_apart_from_an_unre
 
     with pytest.raises(state_trust.NoNewerState, match="1 answered"):
         sync(["gone1", "behind", "gone2"])
+    with pytest.raises(state_trust.NoNewerState, match="2 answered"):
+        sync(["behind1", "silent1", "behind2"])
+    for peers in (["gone1", "gone2"], ["silent1", "behind", "gone1"], ["silent1", "behind1", "silent2", "behind2"]):
+        # one peer's "nothing newer" does not outweigh those that did not answer: the state they
+        # may hold is not given up on (a volunteer would carry on from its own older checkpoint)
+        with pytest.raises(PeerUnavailable) as err:
+            sync(peers)
+        assert not isinstance(err.value, state_trust.NoNewerState), peers
+    # the coordinator's own answer is the run's word, whoever else is silent
+    with pytest.raises(state_trust.NoNewerState):
+        sync(["silent1", "silent2", participant.coordinator_id])
+
+
+def test_a_busy_server_is_asked_again_later_and_never_counts_as_having_nothing_newer(participant, monkeypatch):
+    """A server whose upload slots are taken answers `busy`: a joiner asks the others, then it
+    again, a little later each time, a bounded number of times; "busy" is not "nothing newer"."""
+    from groundswell.peer import state_trust
+    from groundswell.protocol.transport import PeerUnavailable
+
+    reply, blob, digest, _ = _served_state(participant, round_id=5)
+    asked: list[str] = []
+    coord = participant.coordinator_id  # its state needs no records to confirm it
+    free_after = {coord: 2, "always-busy": 1 << 30}
+
+    async def fake_fetch(node, peer, min_round, size, timeout_s, reply_timeout_s):
+        asked.append(peer)
+        if asked.count(peer) <= free_after.get(peer, 0):
+            return StateReply(-1, "", b"", 0, busy=True), bytearray(), "", "stream"
+        if peer.startswith("behind") or (peer == coord and free_after[coord] == 0):
+            return StateReply(-1, "", b"", 0), bytearray(), "", "stream"
+        size(reply)
+        return reply, blob, digest, "stream"
+
+    async def refresh():
+        return {}
+
+    monkeypatch.setattr(state_trust, "fetch_state", fake_fetch)
+    monkeypatch.setattr(state_trust, "BUSY_WAIT_S", 0.01)
+    monkeypatch.setattr(state_trust, "BUSY_WAIT_MAX_S", 0.05)
+    # the patience: what is left of a sync after one download's time
+    monkeypatch.setattr(state_trust, "sync_timeout_s", lambda numel: state_trust.state_timeout_s(numel) + 0.6)
+    node = SimpleNamespace(cached_records={}, refresh_records=refresh, guard=SimpleNamespace(count=lambda *a, **k: None))
+
+    def sync(peers):
+        return asyncio.run(state_trust.download_state(node, participant.state_check(), peers, 0))
+
+    state, _ = sync([coord, "behind1"])
+    assert state.round == 5 and asked == [coord, "behind1", coord, coord]
+    asked.clear()
+    started = time.monotonic()
     with pytest.raises(PeerUnavailable) as err:
-        sync(["gone1", "gone2"])
+        sync(["always-busy", "behind1"])
     assert not isinstance(err.value, state_trust.NoNewerState)
+    # asked again and again (waits 0.01, 0.02, 0.04, then 0.05 s), until the patience ran out
+    assert 5 <= asked.count("always-busy") <= 20 and asked.count("behind1") == 1
+    assert time.monotonic() - started >= 0.5
+    # a busy server holds a state as new as asked for (one that does not answers "nothing newer"):
+    # however many others have nothing newer, even the coordinator, the sync is not given up as such
+    for peers in (["behind1", "behind2", "behind3", "always-busy"], [coord, "always-busy"]):
+        free_after[coord] = 0 if peers[0] == coord else 2
+        with pytest.raises(PeerUnavailable) as err:
+            sync(peers)
+        assert not isinstance(err.value, state_trust.NoNewerState), peers
 
 
 @pytest.mark.parametrize("momentum", [True, False])

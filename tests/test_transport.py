@@ -226,7 +226,9 @@ def test_a_failure_on_our_side_is_not_taken_for_the_peer_gone(net, monkeypatch, 
     with pytest.raises(PeerDead):
         net.run(net.tb.request(Identity.generate().peer_id, "plain", Join(0, True, True), Ack, timeout_s=5,
                                unary=False))
-    for local in (FileNotFoundError(2, "No such file or directory"), TypeError("a bug of ours")):
+    # (a refused connection can only be our own daemon's socket: every request goes through it)
+    for local in (FileNotFoundError(2, "No such file or directory"), ConnectionRefusedError(111, "Connection refused"),
+                  TypeError("a bug of ours")):
         async def broken(*args: Any, local: Exception = local, **kwargs: Any) -> Any:
             raise local
 
@@ -238,9 +240,9 @@ def test_a_failure_on_our_side_is_not_taken_for_the_peer_gone(net, monkeypatch, 
                 net.run(net.tb.request(peer, "plain", Join(0, True, True), Ack, timeout_s=30, unary=unary))
             assert not isinstance(err.value, PeerGone), (local, unary)
         monkeypatch.undo()
-    assert net.tb.local_failures == {"FileNotFoundError": 2, "TypeError": 2}
+    assert net.tb.local_failures == {"FileNotFoundError": 2, "ConnectionRefusedError": 2, "TypeError": 2}
     tracebacks = [r for r in caplog.records if "failed on our side" in r.getMessage()]
-    assert len(tracebacks) == 2 and all(r.exc_info for r in tracebacks)  # once per kind of failure
+    assert len(tracebacks) == 3 and all(r.exc_info for r in tracebacks)  # once per kind of failure
     assert net.run(net.tb.request(peer, "plain", Join(1, True, True), Ack, timeout_s=30)).ok
 
 

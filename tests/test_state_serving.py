@@ -1,0 +1,141 @@
+"""A node uploads its state to a bounded number of peers at once over streams, one upload per
+requester; the rest are told it is busy, and a slot is freed once its upload is over."""
+
+from __future__ import annotations
+
+import asyncio
+from types import SimpleNamespace
+
+import pytest
+import torch
+from groundswell.peer.state_serving import MAX_UPLOADS, UploadSlots
+from groundswell.protocol.schema import StateReply, StateRequest
+from groundswell.protocol.transport import WithTrailer
+
+
+def test_upload_slots_are_bounded_one_per_requester_and_freed_once():
+    slots = UploadSlots(total=2)
+    a, b = slots.take("a"), slots.take("b")
+    assert a is not None and b is not None and slots.in_use == 2
+    assert slots.take("c") is None and slots.take("a") is None and slots.refused == 2
+    a()
+    a()  # freeing twice frees one slot, not someone else's
+    c = slots.take("c")
+    assert c is not None and slots.in_use == 2 and slots.take("a") is None
+    b()
+    again = slots.take("b")
+    b()  # an old release of "b" does not free its new upload
+    assert again is not None and slots.in_use == 2
+    with pytest.raises(ValueError):
+        UploadSlots(total=0)
+
+
+@pytest.fixture
+def node():
+    from groundswell.peer.run_state import GlobalState
+    from groundswell.peer.swarm import NodeOptions, SwarmNode
+    from groundswell.protocol.identity import Identity
+
+    n = SwarmNode(Identity.generate(), "unused", NodeOptions())  # only its handler is used: never started
+    n.state_provider = lambda: GlobalState(3, {"global_params": torch.arange(1000, dtype=torch.float32)}, b"signed")
+    try:
+        yield n
+    finally:
+        n._loop.close()
+
+
+def test_a_node_serving_as_many_uploads_as_it_takes_answers_busy_and_frees_slots_as_uploads_end(node):
+    async def ask(sender: str, direct: bool = False):
+        return await node._on_state(sender, StateRequest(0, direct=direct))
+
+    async def scenario() -> None:
+        uploads = [await ask(f"joiner{i}") for i in range(MAX_UPLOADS)]
+        assert all(isinstance(u, WithTrailer) and u.trailer and u.release is not None for u in uploads)
+        assert uploads[0].reply.size == len(uploads[0].trailer) and not uploads[0].reply.busy
+        for sender in ("joiner0", "late"):  # one more upload to the same requester, or to anyone
+            busy = await ask(sender)
+            assert isinstance(busy, StateReply) and busy.busy and busy.size == 0
+        assert node.guard.rejected["busy:get-state"] == 2
+        # the direct port bounds its own downloads: a ticket needs no stream upload slot
+        node.direct = SimpleNamespace(port=4242, offer=lambda blob: (b"t" * 32, b"k" * 32))
+        ticket = await ask("late", direct=True)
+        assert isinstance(ticket, WithTrailer) and ticket.trailer == b"" and ticket.reply.direct_port == 4242
+        assert ticket.release is None
+        node.direct = None
+        uploads[1].release()
+        again = await ask("late")
+        assert isinstance(again, WithTrailer) and again.trailer and not again.reply.busy
+        # a state older than asked for is "nothing newer", not "busy"
+        older = await node._on_state("other", StateRequest(9))
+        assert isinstance(older, StateReply) and older.size == 0 and not older.busy
+
+    asyncio.run(scenario())
+    assert node.uploads.in_use == MAX_UPLOADS
+
+
+@pytest.mark.parametrize("step", ["blob_and_digest", "state_digest"])
+def test_a_slot_is_freed_when_building_the_reply_fails(node, step):
+    def broken():
+        raise RuntimeError("disk gone")
+
+    state = node.state_provider()
+    setattr(state, step, broken)
+    node.state_provider = lambda: state
+    with pytest.raises(RuntimeError):
+        asyncio.run(node._on_state("joiner", StateRequest(0)))
+    assert node.uploads.in_use == 0
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(120)
+def test_the_transport_frees_an_upload_once_its_trailer_is_written_or_cannot_be(net):
+    import os
+    import sys
+    import time
+    from pathlib import Path
+
+    from groundswell.protocol.schema import ProtocolError
+    from groundswell.protocol.transport import PeerUnavailable
+
+    sys.path.insert(0, str(Path(__file__).parent))
+    from p2p_net import _serve
+
+    blob = os.urandom(2 << 20)
+    released: list[int] = []
+    slots = UploadSlots(total=1)
+
+    async def state(sender: str, msg: StateRequest) -> WithTrailer | StateReply:
+        release = slots.take(sender)
+        if release is None:
+            return StateReply(-1, "", b"", 0, busy=True)
+
+        def free() -> None:
+            released.append(len(released))
+            release()
+
+        return WithTrailer(StateReply(1, "d" * 64, b"", len(blob)), blob, free)
+
+    _serve(net, net.ta, "slotted", StateRequest, state, trailer=True)
+
+    def fetch(limit: int = 1 << 30):
+        def size(reply: StateReply) -> int:
+            if reply.size > limit:
+                raise ProtocolError("too large", reason="oversized")
+            return reply.size
+
+        return net.run(net.tb.request_bulk(net.id_a.peer_id, "slotted", StateRequest(0), StateReply,
+                                           timeout_s=30, trailer_size=size))
+
+    def freed(count: int) -> bool:  # both ends run on the test's loop: it runs while we wait
+        end = time.monotonic() + 20
+        while time.monotonic() < end and len(released) < count:
+            net.run(asyncio.sleep(0.05))
+        return len(released) == count and slots.in_use == 0
+
+    reply, got, _ = fetch()
+    assert bytes(got) == blob and not reply.busy and freed(1)
+    with pytest.raises(PeerUnavailable, match="too large"):  # the caller hangs up before the trailer
+        fetch(limit=len(blob) - 1)
+    assert freed(2)
+    reply, got, _ = fetch()  # the slot is free again: served whole
+    assert bytes(got) == blob and freed(3)
