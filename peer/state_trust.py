@@ -329,8 +329,8 @@ async def download_state(node: Any, check: StateCheck, peers: list[str], min_rou
             queue.remove(check.coordinator)
             queue.insert(0, check.coordinator)
         peer = queue.pop(0)
-        if peer in retry_at and retry_at[peer] >= patience_end:  # the peers ahead of it took the time left
-            continue
+        if peer in retry_at and max(retry_at[peer], time.monotonic()) >= patience_end:
+            continue  # the peers asked since took the time left: a download would not fit any more
         asked += 1
         if (wait := retry_at.get(peer, 0.0) - time.monotonic()) > 0:  # every peer ahead of it was asked meanwhile
             await asyncio.sleep(wait)

@@ -157,6 +157,9 @@ def test_a_busy_server_is_asked_again_later_and_never_counts_as_having_nothing_n
         asked.append(peer)
         if asked.count(peer) <= free_after.get(peer, 0):
             return StateReply(-1, "", b"", 0, busy=True), bytearray(), "", "stream"
+        if peer == "slow":  # takes longer than the sync's patience, then fails
+            await asyncio.sleep(0.8)
+            raise PeerUnavailable("slow did not answer get-state")
         if peer.startswith("behind") or (peer == coord and free_after[coord] == 0):
             return StateReply(-1, "", b"", 0), bytearray(), "", "stream"
         size(reply)
@@ -192,6 +195,11 @@ def test_a_busy_server_is_asked_again_later_and_never_counts_as_having_nothing_n
         with pytest.raises(PeerUnavailable) as err:
             sync(peers)
         assert not isinstance(err.value, state_trust.NoNewerState), peers
+    # a busy peer is not asked again once the peers asked since took the time a download needs
+    asked.clear()
+    with pytest.raises(PeerUnavailable):
+        sync(["always-busy", "slow"])
+    assert asked == ["always-busy", "slow"]
 
 
 @pytest.mark.parametrize("momentum", [True, False])
