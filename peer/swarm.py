@@ -405,7 +405,7 @@ class SwarmNode(PeerRecords, NetLoop):
         if state is None or state.round < msg.min_round:
             return StateReply(-1, "", b"", 0)
         direct = msg.direct and self.direct is not None  # the direct port bounds its own downloads
-        release = None if direct else self.uploads.take(sender)
+        release = None if direct else self.uploads.take(sender, vouched=self._contributed(sender))
         if not direct and release is None:
             self.guard.count(sender, "get-state", "busy", strike=False)
             return StateReply(-1, "", b"", 0, busy=True)
@@ -429,6 +429,12 @@ class SwarmNode(PeerRecords, NetLoop):
                                           key, params_hash=params_hash), b"")
         return WithTrailer(StateReply(state.round, digest, state.decision, len(blob), params_hash=params_hash),
                            blob, release)
+
+
+    def _contributed(self, peer: str) -> bool:
+        """Is `peer` a contributor in one of the commits our book holds (it did real work)?"""
+        book = self.book
+        return book is not None and any(peer in decision.contributors for _, decision in book.committed.values())
 
 
 class _Stop(Exception):

@@ -8,13 +8,13 @@ from types import SimpleNamespace
 
 import pytest
 import torch
-from groundswell.peer.state_serving import MAX_UPLOADS, UploadSlots
+from groundswell.peer.state_serving import KEPT_FOR_CONTRIBUTORS, MAX_UPLOADS, UploadSlots
 from groundswell.protocol.schema import StateReply, StateRequest
 from groundswell.protocol.transport import WithTrailer
 
 
 def test_upload_slots_are_bounded_one_per_requester_and_freed_once():
-    slots = UploadSlots(total=2)
+    slots = UploadSlots(total=2, kept=0)
     a, b = slots.take("a"), slots.take("b")
     assert a is not None and b is not None and slots.in_use == 2
     assert slots.take("c") is None and slots.take("a") is None and slots.refused == 2
@@ -28,15 +28,44 @@ def test_upload_slots_are_bounded_one_per_requester_and_freed_once():
     assert again is not None and slots.in_use == 2
     with pytest.raises(ValueError):
         UploadSlots(total=0)
+    with pytest.raises(ValueError):
+        UploadSlots(total=2, kept=2)
+
+
+def test_kept_slots_go_only_to_requesters_the_node_vouches_for():
+    slots = UploadSlots(total=3, kept=1)
+    s1, s2 = slots.take("s1"), slots.take("s2")
+    assert s1 is not None and s2 is not None
+    assert slots.take("s3") is None  # strangers (fresh identities cost nothing) get two of three
+    vet = slots.take("vet", vouched=True)
+    assert vet is not None and slots.take("vet2", vouched=True) is None and slots.in_use == 3
+    vet()
+    assert slots.take("s3") is None  # the kept slot stays kept when it frees
+    assert slots.take("vet", vouched=True) is not None
+    s1()  # a stranger's slot frees: a vouched peer may take it too, and then strangers wait
+    assert slots.take("vet3", vouched=True) is not None and slots.in_use == 3
+    s2()
+    assert slots.take("s4") is not None and slots.in_use == 3
+
+
+VET = "12D3KooWvet"  # a contributor in a commit the node holds
 
 
 @pytest.fixture
 def node():
+    import time
+
     from groundswell.peer.run_state import GlobalState
     from groundswell.peer.swarm import NodeOptions, SwarmNode
+    from groundswell.protocol.context import DecisionBook
+    from groundswell.protocol.envelope import seal
     from groundswell.protocol.identity import Identity
+    from groundswell.protocol.schema import Decision
 
-    n = SwarmNode(Identity.generate(), "unused", NodeOptions())  # only its handler is used: never started
+    me = Identity.generate()
+    n = SwarmNode(me, "unused", NodeOptions())  # only its handler is used: never started
+    n.book = DecisionBook("unit")
+    n.book.add(seal(me, "unit", Decision(2, 0, "commit", [VET], [VET], [me.peer_id], me.peer_id, [], 0, time.time())))
     n.state_provider = lambda: GlobalState(3, {"global_params": torch.arange(1000, dtype=torch.float32)}, b"signed")
     try:
         yield n
@@ -49,13 +78,18 @@ def test_a_node_serving_as_many_uploads_as_it_takes_answers_busy_and_frees_slots
         return await node._on_state(sender, StateRequest(0, direct=direct))
 
     async def scenario() -> None:
-        uploads = [await ask(f"joiner{i}") for i in range(MAX_UPLOADS)]
+        open_slots = MAX_UPLOADS - KEPT_FOR_CONTRIBUTORS
+        uploads = [await ask(f"joiner{i}") for i in range(open_slots)]
         assert all(isinstance(u, WithTrailer) and u.trailer and u.release is not None for u in uploads)
         assert uploads[0].reply.size == len(uploads[0].trailer) and not uploads[0].reply.busy
-        for sender in ("joiner0", "late"):  # one more upload to the same requester, or to anyone
+        for sender in ("joiner0", "late"):  # one more upload to the same requester, or to a stranger
             busy = await ask(sender)
             assert isinstance(busy, StateReply) and busy.busy and busy.size == 0
         assert node.guard.rejected["busy:get-state"] == 2
+        vet = await ask(VET)  # a contributor in our commits gets the slot kept for such peers
+        assert isinstance(vet, WithTrailer) and vet.trailer and vet.release is not None
+        uploads.append(vet)
+        assert node.uploads.in_use == MAX_UPLOADS
         # the direct port bounds its own downloads: a ticket needs no stream upload slot
         node.direct = SimpleNamespace(port=4242, offer=lambda blob: (b"t" * 32, b"k" * 32))
         ticket = await ask("late", direct=True)
@@ -102,7 +136,7 @@ def test_the_transport_frees_an_upload_once_its_trailer_is_written_or_cannot_be(
 
     blob = os.urandom(2 << 20)
     released: list[int] = []
-    slots = UploadSlots(total=1)
+    slots = UploadSlots(total=1, kept=0)
 
     async def state(sender: str, msg: StateRequest) -> WithTrailer | StateReply:
         release = slots.take(sender)
