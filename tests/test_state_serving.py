@@ -173,3 +173,80 @@ def test_the_transport_frees_an_upload_once_its_trailer_is_written_or_cannot_be(
     assert freed(2)
     reply, got, _ = fetch()  # the slot is free again: served whole
     assert bytes(got) == blob and freed(3)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(240)
+def test_joiners_past_the_upload_slots_are_told_busy_and_all_get_the_state(tmp_path, monkeypatch):
+    """Real nodes, the direct port off: five joiners ask at once, the server uploads to two at a
+    time (its blob build slowed, so the first two hold their slots a while); the rest are told it
+    is busy, ask again, and all end with the server's state; every slot is free after."""
+    import threading
+    import time
+
+    from groundswell.compression import make_codec
+    from groundswell.peer import state_trust
+    from groundswell.peer.run_state import GlobalState, RunContext
+    from groundswell.peer.swarm import NodeOptions, SwarmNode
+    from groundswell.protocol.envelope import seal
+    from groundswell.protocol.identity import Identity
+    from groundswell.protocol.schema import Decision
+
+    numel = 1 << 20
+    monkeypatch.setattr(state_trust, "BUSY_WAIT_S", 0.2)
+    ids = [Identity.generate() for _ in range(6)]
+    for i, ident in enumerate(ids):
+        ident.save(tmp_path / f"{i}.key")
+    ctx = RunContext("unit", 1, 5.0, 1.0, 1, (numel,), make_codec("sparseloco"), 4 * numel + 4096)
+    nodes: list[SwarmNode] = []
+    try:
+        server = SwarmNode(ids[0], str(tmp_path / "0.key"), NodeOptions(direct_state=False, reachability="public"))
+        nodes.append(server)
+        server.start()
+        server.attach(ctx)
+        genesis = seal(ids[0], "unit", Decision(-1, 0, "commit", [], [ids[0].peer_id], [ids[0].peer_id],
+                                                ids[0].peer_id, [], 0, time.time()))
+        params = torch.randn(numel)
+        state = GlobalState(0, {"global_params": params}, genesis)
+        built = state.blob_and_digest
+
+        def slowly_built():
+            time.sleep(1.0)
+            return built()
+
+        state.blob_and_digest = slowly_built
+        server.state_provider = lambda: state
+        server.uploads = UploadSlots(total=2, kept=0)
+        boot = [m for m in server.maddrs if "/ip4/127.0.0.1/" in m]
+        joiners = []
+        for i in range(1, 6):
+            node = SwarmNode(ids[i], str(tmp_path / f"{i}.key"),
+                             NodeOptions(initial_peers=boot, direct_state=False, reachability="public"))
+            nodes.append(node)
+            node.start()
+            node.attach(ctx)
+            joiners.append(node)
+        got: dict[int, object] = {}
+
+        def sync(i: int, node: SwarmNode) -> None:
+            check = state_trust.StateCheck(ctx, node.identity.peer_id, ids[0].peer_id, numel, needs_momentum=False)
+            try:
+                got[i] = node.call(state_trust.download_state(node, check, [ids[0].peer_id], -1), timeout_s=120)[0]
+            except Exception as exc:  # noqa: BLE001 - reported by the assert below
+                got[i] = exc
+
+        threads = [threading.Thread(target=sync, args=(i, n)) for i, n in enumerate(joiners)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(150)
+        assert all(isinstance(got.get(i), GlobalState) for i in range(5)), got
+        assert all(torch.equal(got[i].tensors["global_params"], params) for i in range(5))
+        assert server.guard.rejected["busy:get-state"] >= 1
+        end = time.monotonic() + 20
+        while server.uploads.in_use and time.monotonic() < end:
+            time.sleep(0.1)
+        assert server.uploads.in_use == 0
+    finally:
+        for node in reversed(nodes):
+            node.close()
