@@ -121,61 +121,6 @@ def test_a_slot_is_freed_when_building_the_reply_fails(node, step):
 
 
 @pytest.mark.slow
-@pytest.mark.timeout(120)
-def test_the_transport_frees_an_upload_once_its_trailer_is_written_or_cannot_be(net):
-    import os
-    import sys
-    import time
-    from pathlib import Path
-
-    from groundswell.protocol.schema import ProtocolError
-    from groundswell.protocol.transport import PeerUnavailable
-
-    sys.path.insert(0, str(Path(__file__).parent))
-    from p2p_net import _serve
-
-    blob = os.urandom(2 << 20)
-    released: list[int] = []
-    slots = UploadSlots(total=1, kept=0)
-
-    async def state(sender: str, msg: StateRequest) -> WithTrailer | StateReply:
-        release = slots.take(sender)
-        if release is None:
-            return StateReply(-1, "", b"", 0, busy=True)
-
-        def free() -> None:
-            released.append(len(released))
-            release()
-
-        return WithTrailer(StateReply(1, "d" * 64, b"", len(blob)), blob, free)
-
-    _serve(net, net.ta, "slotted", StateRequest, state, trailer=True)
-
-    def fetch(limit: int = 1 << 30):
-        def size(reply: StateReply) -> int:
-            if reply.size > limit:
-                raise ProtocolError("too large", reason="oversized")
-            return reply.size
-
-        return net.run(net.tb.request_bulk(net.id_a.peer_id, "slotted", StateRequest(0), StateReply,
-                                           timeout_s=30, trailer_size=size))
-
-    def freed(count: int) -> bool:  # both ends run on the test's loop: it runs while we wait
-        end = time.monotonic() + 20
-        while time.monotonic() < end and len(released) < count:
-            net.run(asyncio.sleep(0.05))
-        return len(released) == count and slots.in_use == 0
-
-    reply, got, _ = fetch()
-    assert bytes(got) == blob and not reply.busy and freed(1)
-    with pytest.raises(PeerUnavailable, match="too large"):  # the caller hangs up before the trailer
-        fetch(limit=len(blob) - 1)
-    assert freed(2)
-    reply, got, _ = fetch()  # the slot is free again: served whole
-    assert bytes(got) == blob and freed(3)
-
-
-@pytest.mark.slow
 @pytest.mark.timeout(240)
 def test_joiners_past_the_upload_slots_are_told_busy_and_all_get_the_state(tmp_path, monkeypatch):
     """Real nodes, the direct port off: five joiners ask at once, the server uploads to two at a
