@@ -42,6 +42,7 @@ class RobustStats:
     """What the robust mean did: which contributions (by position) had their norm clipped."""
 
     clipped: set[int] = field(default_factory=set)
+    weights: dict[int, float] = field(default_factory=dict)  # clipped ones: the fp32 factor each entered the mean with
     trimmed: int = 0  # values dropped per coordinate at each end
 
 
@@ -125,7 +126,7 @@ def robust_mean(codec: Codec, rows: Sequence[Sequence[Payload]], options: Robust
         sq_norms = [_row_sq_norm(row) for row in decoded]
     weights = clip_weights(list(sq_norms), options.clip)
     if stats is not None:
-        stats.clipped.update(c for c, w in enumerate(weights) if w < 1.0)
+        _note_clipped(stats, weights)
     n = len(rows)
     trim = int(options.trim * n)
     if stats is not None:
@@ -144,6 +145,15 @@ def robust_mean(codec: Codec, rows: Sequence[Sequence[Payload]], options: Robust
             total.add_(0.0)  # -0 + 0 = +0: the sort may have put a -0 or a +0 first
         out.append(sum_to_mean_(total, len(scaled)))
     return out
+
+
+def _note_clipped(stats: RobustStats, weights: list[float]) -> None:
+    """Record which contributions were clipped, and the fp32 factor each was scaled by (the
+    value the mean multiplied it by: its sender keeps the rest in its error feedback)."""
+    for c, w in enumerate(weights):
+        if w < 1.0:
+            stats.clipped.add(c)
+            stats.weights[c] = float(torch.tensor(w, dtype=torch.float32))
 
 
 def _checked_out(out: Sequence[torch.Tensor] | None, numels: list[int]) -> list[torch.Tensor] | None:
@@ -168,7 +178,7 @@ def _sparse_clipped_mean(entries: Callable[[Payload], tuple[torch.Tensor, torch.
     sq = [_row_sq_norm(v for _, v in row) for row in parsed]
     weights = clip_weights(sq, clip)
     if stats is not None:
-        stats.clipped.update(c for c, w in enumerate(weights) if w < 1.0)
+        _note_clipped(stats, weights)
     out = []
     for i in range(len(rows[0])):
         n = rows[0][i].numel

@@ -35,6 +35,9 @@ class RoundResult:
     included: bool  # is this worker's own contribution in `mean`?
     bytes_sent: int  # bytes this worker put on the wire for this round
     bytes_received: int  # bytes this worker took off the wire for this round
+    # Where this worker's contribution entered `mean` scaled down (norm clipping): flat ranges
+    # [start, stop) of the parameter vector and the factor, < 1. Empty: whole, wherever included.
+    scaled: tuple[tuple[int, int, float], ...] = ()
 
 
 class Exchange(Protocol):

@@ -1,8 +1,9 @@
 """SparseLoCo's outer optimizer: error feedback, a sparse 2-bit codec, and plain outer SGD.
 
 Per worker: e <- beta*e + delta; payload = encode(e); once the round is known, e <- e - decode(payload)
-if the payload made it into the aggregate. A payload the round left out therefore stays whole in
-e and goes out again with the next round. The outer step is plain SGD (no momentum) on the mean of
+if the payload made it into the aggregate (scaled by the factor the mean took it with, where norm
+clipping scaled it down: `RoundResult.scaled`). A payload the round left out therefore stays whole
+in e and goes out again with the next round, and so does the part clipping took off. The outer step is plain SGD (no momentum) on the mean of
 the decoded payloads: theta -= lr * mean.
 
 Eager start (`eager=True`, for overlapped rounds): once a contribution is prepared, the local
@@ -75,6 +76,12 @@ class SparseLoCo(OuterOptimizer):
         cached, self._sent = self._sent, None
         if result is not None and result.included:
             sent = cached[1] if cached is not None and cached[0] is pending.payloads else self.decode(pending.payloads)
+            # What the mean took of it leaves the error feedback; a part norm clipping scaled
+            # away stays, and goes out again with the next round, as a part left out does.
+            if result.scaled:
+                sent = sent.clone()  # a decode may be shared (the eager start's): not ours to change
+                for start, stop, factor in result.scaled:
+                    sent[start:stop] *= torch.tensor(factor, dtype=torch.float32, device=sent.device)
             self.error -= sent
         return True  # either sent and applied, or still held in the error feedback
 

@@ -77,6 +77,8 @@ class RoundClient(AggregateFetcher):
         # from an older checkpoint would not know this work went out, and send it again)
         self.on_contribute: Callable[[int, int], bool] | None = None
         self.clipped: dict[int, dict[str, int]] = {}  # round -> contributor -> shards the robust mean clipped it in
+        # round -> where our own contribution entered the mean scaled down by clipping: (start, stop, factor)
+        self.own_scaled: dict[int, tuple[tuple[int, int, float], ...]] = {}
         # (round, shard) -> (commit, shard, its checked contributions): each is parsed once
         self._rows: dict[tuple[int, int], tuple[bytes, AggregateShard, list[list[Payload]]]] = {}
 

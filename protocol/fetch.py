@@ -34,7 +34,7 @@ log = logging.getLogger(__name__)
 
 class AggregateFetcher:
     """The fetching half of the client; needs the client's server, ctx, transport, me, holders,
-    clipped and _rows."""
+    clipped, own_scaled and _rows."""
 
     server: Any
     ctx: Any
@@ -42,6 +42,7 @@ class AggregateFetcher:
     me: str
     holders: Callable[[int], Sequence[str]]
     clipped: dict[int, dict[str, int]]
+    own_scaled: dict[int, tuple[tuple[int, int, float], ...]]
     _rows: dict[tuple[int, int], tuple[bytes, AggregateShard, list[list[Payload]]]]
 
     async def fetch_aggregate(self, signed: bytes, device: torch.device | str = "cpu") -> torch.Tensor:
@@ -96,6 +97,8 @@ class AggregateFetcher:
             offsets.append(offsets[-1] + n)
         codec = self.ctx.codec
         clipped: dict[str, int] = {}  # contributor -> shards in which its norm was clipped
+        mine = decision.contributors.index(self.me) if self.me in decision.contributors else -1
+        scaled: list[tuple[int, int, float]] = []  # where our contribution entered the mean clipped
         for shard, agg in enumerate(shards):
             first, stop = plan.shard_segments[shard]
             if agg.mode == "mean":
@@ -112,9 +115,13 @@ class AggregateFetcher:
                             out=[out[offsets[seg]:offsets[seg + 1]] for seg in range(first, stop)])
                 for c in stats.clipped:
                     clipped[decision.contributors[c]] = clipped.get(decision.contributors[c], 0) + 1
+                if mine in stats.weights:
+                    scaled.append((offsets[first], offsets[stop], stats.weights[mine]))
         self.clipped[decision.round] = clipped
-        for old in [r for r in self.clipped if r < decision.round - 16]:
-            del self.clipped[old]
+        self.own_scaled[decision.round] = tuple(scaled)
+        for book in (self.clipped, self.own_scaled):
+            for old in [r for r in book if r < decision.round - 16]:
+                del book[old]
         return out.to(device)
 
     async def gather_contributions(self, plan: RoundPlan, sources: list[str], contributors: list[str],

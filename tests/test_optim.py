@@ -34,7 +34,7 @@ class KeepLargest:
 
 
 def _model(values: list[float]) -> torch.nn.Linear:
-    m = torch.nn.Linear(2, 1, bias=False)
+    m = torch.nn.Linear(len(values), 1, bias=False)
     with torch.no_grad():
         m.weight.copy_(torch.tensor([values]))
     return m
@@ -141,6 +141,26 @@ def test_sparseloco_dropped_contribution_stays_in_error_feedback():
     _round(outers, hub)
     assert outers[1].error.tolist() == [0.0, 0.0]
     assert _weights(models[1]) == pytest.approx([-1.0, -2.0])  # minus the mean of [0,0] and [0,4]
+
+
+@pytest.mark.parametrize("eager", [False, True])
+def test_sparseloco_keeps_what_norm_clipping_took_off_its_contribution(eager):
+    # The mean took our contribution scaled by 0.25 on [0, 2) (clipped in that shard), whole on
+    # [2, 4): the clipped-off 0.75 stays in the error feedback and goes out again next round.
+    from groundswell.optim import RoundResult
+
+    m = _model([0.0, 0.0, 0.0, 0.0])
+    o = SparseLoCo(m.parameters(), make_codec("fp32"), SparseLoCoConfig(lr=1.0, error_decay=1.0, eager=eager))
+    _set(m, [-4.0, -8.0, -1.0, -2.0])  # delta [4, 8, 1, 2], all sent (fp32)
+    o.prepare()
+    mean = torch.tensor([1.0, 2.0, 1.0, 2.0])  # what a mean with our clipped part would hold
+    o.apply(RoundResult(0, mean, ("w0",), True, 0, 0, scaled=((0, 2, 0.25),)))
+    assert o.error.tolist() == [3.0, 6.0, 0.0, 0.0]
+    assert o.global_params.tolist() == [-1.0, -2.0, -1.0, -2.0]
+    o.prepare()  # no training since: the kept part is the whole next contribution
+    o.apply(RoundResult(1, torch.tensor([3.0, 6.0, 0.0, 0.0]), ("w0",), True, 0, 0))
+    assert o.error.tolist() == [0.0, 0.0, 0.0, 0.0]
+    assert o.global_params.tolist() == [-4.0, -8.0, -1.0, -2.0]  # all of the first delta, in the end
 
 
 def test_failed_round_applies_nothing_and_is_retried():

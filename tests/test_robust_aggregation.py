@@ -58,7 +58,12 @@ def test_robust_mean_clips_the_outlier_and_is_the_plain_mean_when_off(codec_name
         assert torch.equal(plain[i], codec.aggregate([r[i] for r in rows]))
     stats = RobustStats()
     clipped = robust_mean(codec, rows, RobustOptions(clip=1.0), stats)
-    assert stats.clipped >= {4}
+    assert stats.clipped >= {4} and set(stats.weights) == stats.clipped
+    assert all(0 < w < 1 and w == float(torch.tensor(w, dtype=torch.float32)) for w in stats.weights.values())
+    # the factors the mean used: the scaled contributions, summed and averaged, give its bits
+    scaled = [torch.cat([codec.decode(p) for p in r]) * torch.tensor(stats.weights.get(c, 1.0))
+              for c, r in enumerate(rows)]
+    assert torch.allclose(torch.cat(clipped), sum(scaled) / 5, atol=1e-6 * float(sum(scaled).abs().max()))
     honest = torch.stack([torch.cat([codec.decode(p) for p in r]) for r in rows[:4]])
     out = torch.cat(clipped)
     median = sorted(float(h.norm()) for h in honest)[2]  # the median of the five (the outlier is the largest)
@@ -157,6 +162,16 @@ def test_a_scaled_contribution_is_clipped_on_every_peer(codec_name):
         attacker = c.ids[3]
         for node in c.nodes:
             assert node.client.clipped[0][attacker] == d.num_shards  # clipped in every shard
+        if codec_name != "sparseloco":
+            return  # a dense mean is made by its aggregators: the factors are not shipped
+        # the attacker learns where, and by how much, its contribution was scaled (its error
+        # feedback keeps the rest)
+        mine = c.nodes[3].client.own_scaled[0]  # one range per shard, covering the whole vector
+        assert len(mine) == d.num_shards and mine[0][0] == 0 and mine[-1][1] == c.numel
+        assert all(mine[i][1] == mine[i + 1][0] for i in range(len(mine) - 1))
+        assert all(0 < w < 2e-3 for _, _, w in mine)  # about the median norm over 1000x its own
+        # an honest peer above the (lower) median is clipped a little too: it learns by how much
+        assert all(0.5 < w < 1 for i in range(3) for _, _, w in c.nodes[i].client.own_scaled[0])
         honest = sum(xs[i] for i in range(3)) / 4
         # clipped to the median norm: the attacker moves the mean by about |x| / 4, not 1000 |x| / 4
         assert float((means[0] - honest).norm()) < 2 * float(xs[0].norm()) / 4
