@@ -84,7 +84,7 @@ def run_context(manifest: RunManifest, outer: OuterOptimizer, coordinator: str =
                       RobustOptions(clip=d.clip, trim=d.trim),
                       Limits(requests_per_s=d.requests_per_s, max_streams=d.max_streams, ban_s=d.ban_s,
                              strikes=d.strikes, max_clock_skew_s=d.max_clock_skew_s), readers, d.verify_aggregates,
-                      manifest.round.replicas)
+                      manifest.round.replicas, coordinator)
 
 
 def genesis_decision(identity: Identity, run_id: str) -> bytes:

@@ -53,10 +53,16 @@ class RunContext:
     state_readers: frozenset[str] | None = None  # None: anyone may download the state
     verify_aggregates: bool = False  # dense codecs: ship signed contributions, not the aggregator's mean
     replicas: int | None = None  # copies of each shard beyond the first; None: 1 for dense codecs, 2 for sparse
+    coordinator: str = ""  # its peer id: in a closed run it serves whether or not the allowlist names it
 
     def authorized(self, peer_id: str) -> bool:
         """Open runs take anyone; allowlisted runs only listed peer ids."""
         return self.allowlist is None or peer_id in self.allowlist
+
+    def may_serve(self, peer_id: str) -> bool:
+        """May this peer take roles? In a closed run only its listed peers and its coordinator:
+        a leader signs commits and an aggregator builds means, which strangers must not."""
+        return self.authorized(peer_id) or (bool(self.coordinator) and peer_id == self.coordinator)
 
     def may_read_state(self, peer_id: str) -> bool:
         """May this peer download the run's state?"""

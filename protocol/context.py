@@ -45,6 +45,10 @@ class RoundContext(Protocol):
         """May this peer contribute to the run?"""
         ...
 
+    def may_serve(self, peer_id: str) -> bool:
+        """May this peer take roles in the run (aggregate shards, lead attempts)?"""
+        ...
+
 
 @dataclass
 class DecisionBook:

@@ -85,6 +85,9 @@ class Leading:
         if msg.trains and not self.ctx.authorized(sender):
             self.transport.guard.count(sender, "join", "unauthorized", strike=True)
             return Ack(False, "not allowed to contribute to this run")
+        if msg.serves and not self.ctx.may_serve(sender):  # it would lead attempts and build means
+            self.transport.guard.count(sender, "join", "unauthorized", strike=True)
+            return Ack(False, "not allowed to serve this run")
         if msg.round > self.book.latest() + FUTURE_ROUNDS:
             raise ProtocolError(f"join for round {msg.round} is too far ahead", reason="future-round", strike=False)
         if msg.round <= self.book.latest():  # moot (a late one, honestly): kept, joins of old rounds would pile up

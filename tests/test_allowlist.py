@@ -56,9 +56,30 @@ def test_only_listed_peers_contribute_or_join(closed_run):
     assert not refused.ok and "not allowed" in refused.reason
     assert not _ask(t, "join", stranger, Join(0, True, False), Ack).ok  # as a trainer
     assert _ask(t, "join", stranger, Join(0, False, False), Ack).ok  # a mere reader may announce itself
+    # nor as a server: it would lead attempts (sign commits) and build means in the next round
+    refused = _ask(t, "join", stranger, Join(0, False, True), Ack)
+    assert not refused.ok and "not allowed to serve" in refused.reason
+    assert _ask(t, "join", listed, Join(0, False, True), Ack).ok
+    assert t.server.joins[0][stranger.peer_id] == (False, False)  # still the reader it announced itself as
+    assert t.server.joins[0][listed.peer_id] == (False, True)
     held = t.server.attempts[(0, 0)].contributions[0]
     assert set(held) == {listed.peer_id}
-    assert t.node.guard.rejected["unauthorized:contribute"] == 1 and t.node.guard.rejected["unauthorized:join"] == 1
+    assert t.node.guard.rejected["unauthorized:contribute"] == 1 and t.node.guard.rejected["unauthorized:join"] == 2
+
+
+def test_a_closed_runs_coordinator_serves_whether_or_not_the_allowlist_names_it():
+    from dataclasses import replace
+
+    from groundswell.compression import make_codec
+    from groundswell.peer.run_state import RunContext
+
+    coordinator, listed, stranger = (Identity.generate().peer_id for _ in range(3))
+    ctx = RunContext("r", 1, 5.0, 1.0, 1, (4096,), make_codec("fp32"), 1 << 20, frozenset({listed}),
+                     coordinator=coordinator)
+    assert ctx.may_serve(coordinator) and ctx.may_serve(listed) and not ctx.may_serve(stranger)
+    assert not ctx.authorized(coordinator)  # serving is not contributing
+    assert not replace(ctx, coordinator="").may_serve(coordinator)
+    assert replace(ctx, allowlist=None).may_serve(stranger)  # an open run: anyone
 
 
 def test_state_is_only_for_listed_peers_unless_the_manifest_opens_it(closed_run, closed_run_open_state):
