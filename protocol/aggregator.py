@@ -40,6 +40,7 @@ from .transport import PeerUnavailable, Presealed
 log = logging.getLogger(__name__)
 MIN_ROOM = 64  # contributors a shard of one attempt holds at least (4x the expected trainers if more)
 FUTURE_ROUNDS = 3  # contributions and joins further ahead of our newest commit are dropped
+KEEP_ATTEMPTS = 4  # contributions held for this many attempts of a round before the newest (claims look as far)
 SEALED_BY_ANOTHER = "this attempt is already sealed under another leader's decision"
 LATER_ATTEMPT_CLAIMED = "a later attempt of this round was claimed here"
 CONTESTED = (SEALED_BY_ANOTHER, LATER_ATTEMPT_CLAIMED)  # seal refusals that make a leader stand back
@@ -124,6 +125,7 @@ class Aggregator:
             raise
         slot.contributions[msg.shard][sender] = (msg.first_segment, msg.segments, envelope,
                                                  contribution_digest(msg.first_segment, msg.segments))
+        self._free_old_attempts(msg.round, msg.attempt)
         if self.ctx.codec.name not in DENSE_MEAN_CODECS:  # small: kept, so our fetch of the commit parses none again
             slot.parsed[(msg.shard, sender)] = rows
         if self._clips_dense():  # worked out now, while the network is the bottleneck, not at the seal
@@ -133,6 +135,18 @@ class Aggregator:
             slot.refresh = True
             self._spawn(self._refresh_have(msg.round, msg.attempt))
         return Ack(True, "")
+
+    def _free_old_attempts(self, round_id: int, attempt: int) -> None:
+        """Drop the contributions held for attempts of the round more than `KEEP_ATTEMPTS` before
+        `attempt`, unless we sealed a commit of one: a round retried for a long time would
+        otherwise hold every attempt's until it commits. No leader is still deciding one that old
+        (a decision's budget is about two slots, and claims look back no further), and a late
+        seal of one is refused for what it misses, as any seal is."""
+        for (r, a), held in list(self.attempts.items()):
+            if r == round_id and a < attempt - KEEP_ATTEMPTS and held.sealed is None and held.contributions:
+                held.contributions.clear()
+                held.parsed.clear()
+                held.sq_norms.clear()
 
     async def _refresh_have(self, round_id: int, attempt: int) -> None:
         """Send our reports again one slack before the attempt closes: a leader that restarted

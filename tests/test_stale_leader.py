@@ -65,3 +65,27 @@ def _event(target):
         return asyncio.Event()
 
     return target.loop.run_until_complete(make())
+
+
+def test_contributions_of_attempts_retried_long_ago_are_freed_unless_we_sealed_one(target):
+    # A round retried for a long time held every attempt's contributions until it committed.
+    from groundswell.protocol.aggregator import KEEP_ATTEMPTS
+
+    server = target.server
+
+    def hold(round_id: int, attempt: int) -> None:
+        slot = server.attempts[(round_id, attempt)]
+        slot.contributions[0]["x"] = (0, [b"p" * 10], b"signed", b"d" * 16)
+        slot.parsed[(0, "x")] = []
+        slot.sq_norms[(0, "x")] = 1.0
+
+    newest = KEEP_ATTEMPTS + 2
+    for a in range(newest + 1):
+        hold(0, a)
+    hold(1, 0)
+    server.attempts[(0, 1)].sealed = b"a commit we sealed"  # its aggregate may still be asked for
+    server._free_old_attempts(0, newest)
+    kept = [a for a in range(newest + 1) if server.attempts[(0, a)].contributions]
+    assert kept == [1, *range(newest - KEEP_ATTEMPTS, newest + 1)]
+    assert not server.attempts[(0, 0)].parsed and not server.attempts[(0, 0)].sq_norms
+    assert server.attempts[(1, 0)].contributions  # another round's are not touched
