@@ -244,7 +244,10 @@ class Aggregator:
                     return
             slot.told[key] = content
 
-        await asyncio.gather(*(tell(report) for report in reports))
+        # every report finishes (none left running unowned) before the first failure is raised
+        for failure in await asyncio.gather(*(tell(report) for report in reports), return_exceptions=True):
+            if isinstance(failure, BaseException):
+                raise failure
 
     async def _on_seal(self, sender: str, msg: Seal) -> Ack:
         leader, decision = unseal(msg.decision, self.ctx.run_id, Decision)
