@@ -147,6 +147,8 @@ class Leading:
         if early is not None and not early.cancelled():
             if early.result():
                 await self._decide_claimed(plan, slot)
+            else:
+                await self._claim_again(plan, slot, close_at)
             return
         if rank > 0 or time.monotonic() > close_at + self.ctx.slack_s:
             # Leader k decides only if leaders 0..k-1 stayed silent past the close + k * slack (or
@@ -169,6 +171,21 @@ class Leading:
                 if signed and await self._learn_from_fellow(plan, signed):
                     return
         await self.decide_exclusively(plan, slot)
+
+    async def _claim_again(self, plan: RoundPlan, slot: _Attempt, close_at: float) -> None:
+        """Our early claim was refused (an earlier attempt's leader was still deciding, say). Our
+        fellow leaders granted us the attempt and will not claim it themselves, so we ask again:
+        at the close, then every slack while a stand-in could still have decided."""
+        last = close_at + len(plan.leaders) * self.ctx.slack_s
+        at = max(close_at, time.monotonic())
+        while at <= last:
+            await asyncio.sleep(max(0.0, at - time.monotonic()))
+            if slot.decision is not None or self.book.decided(plan.round):
+                return
+            if await self._claim(plan, slot):
+                await self._decide_claimed(plan, slot)
+                return
+            at = time.monotonic() + self.ctx.slack_s
 
     async def _await_close(self, plan: RoundPlan, slot: _Attempt, close_at: float) -> None:
         """Wait until every expected trainer is complete (and they are enough to commit), or the close."""

@@ -289,3 +289,55 @@ def test_a_stand_in_told_the_rounds_commit_of_another_attempt_takes_it_and_stand
     assert node.book.committed[0][0] == commit
     means = [c.fetch(i, out[i].signed) for i in range(4)]  # and the round's one result is everyone's
     assert all(torch.equal(m, means[0]) for m in means)
+
+
+def test_a_leader_whose_early_claim_was_refused_claims_again_at_the_close(make_cluster):
+    # Attempt 1's first leader claims a slack before the close while a leader of attempt 0 is
+    # still deciding that one (it then stops, as after a retry): the claim is refused. Its fellow
+    # leaders granted it the attempt and do not claim themselves, so the attempt used to go
+    # undecided and the round ran again a slot later. It now claims again at the close.
+    import concurrent.futures
+
+    from groundswell.protocol.plan import make_plan
+
+    c = make_cluster(n=4, codec_name="fp32", min_peers=2, deadline_s=4.0, slack_s=1.0)
+    plan0 = make_plan(c.ctx.run_id, 0, 0, c.ids, c.ids, len(c.ctx.segment_numels), c.max_shards)
+    plan1 = make_plan(c.ctx.run_id, 0, 1, c.ids, c.ids, len(c.ctx.segment_numels), c.max_shards)
+    first = c.ids.index(plan1.leaders[0])
+    busy = next(c.ids.index(p) for p in [*plan1.leaders[1:], *plan0.leaders] if c.ids.index(p) != first)
+    idle = next(i for i in range(4) if i not in (first, busy))  # joins, never contributes: no early close
+    server, results = c.nodes[first].server, []
+    real_claim = server._claim
+
+    async def claim(plan, slot):
+        passed = await real_claim(plan, slot)
+        results.append((plan.attempt, passed))
+        return passed
+
+    async def setup() -> None:
+        server._claim = claim
+
+    async def deciding(flag: bool) -> None:
+        c.nodes[busy].server.attempts[(0, 0)].deciding = flag
+
+    c.nodes[first].call(setup(), timeout_s=10)
+    c.nodes[busy].call(deciding(True), timeout_s=10)
+    xs = _inputs(4, c.numel, 21)
+    end = time.monotonic() + 60
+    while time.monotonic() < end and c.nodes[first].client.current_attempt(0) != 1:  # attempt 1's slot
+        time.sleep(0.05)
+    runs = [c.nodes[i].submit(c.nodes[i].client.run_attempt(0, 1, None if i == idle else c.segments(xs[i]),
+                                                             trains=True, serves=True)) for i in range(4)]
+    end = time.monotonic() + 60
+    while time.monotonic() < end and not results:
+        time.sleep(0.05)
+    assert results[:1] == [(1, False)], "the early claim should have met the objection"
+    c.nodes[busy].call(deciding(False), timeout_s=10)  # attempt 0 is over
+    concurrent.futures.wait(runs, timeout=90)
+    out = [r.result(timeout=1) for r in runs]
+    d = out[first].decision
+    assert d is not None and d.status == "commit" and d.attempt == 1 and d.leader == c.ids[first]
+    assert results[-1] == (1, True) and len(results) >= 2
+    assert all(out[i].decision == d for i in range(4) if i != idle)  # every contributor learned it
+    means = [c.fetch(i, out[first].signed) for i in range(4)]
+    assert all(torch.equal(m, means[0]) for m in means)
