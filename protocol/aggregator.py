@@ -40,7 +40,9 @@ from .transport import PeerUnavailable, Presealed
 log = logging.getLogger(__name__)
 MIN_ROOM = 64  # contributors a shard of one attempt holds at least (4x the expected trainers if more)
 FUTURE_ROUNDS = 3  # contributions and joins further ahead of our newest commit are dropped
-KEEP_ATTEMPTS = 4  # contributions held for this many attempts of a round before the newest (claims look as far)
+# Contributions held for this many attempts of a round before the newest: claims look 4 back, and a
+# stand-in that scores contributions and replaces a failed source may still be deciding one 5 back.
+KEEP_ATTEMPTS = 6
 SEALED_BY_ANOTHER = "this attempt is already sealed under another leader's decision"
 LATER_ATTEMPT_CLAIMED = "a later attempt of this round was claimed here"
 CONTESTED = (SEALED_BY_ANOTHER, LATER_ATTEMPT_CLAIMED)  # seal refusals that make a leader stand back
@@ -140,8 +142,7 @@ class Aggregator:
         """Drop the contributions held for attempts of the round more than `KEEP_ATTEMPTS` before
         `attempt`, unless we sealed a commit of one: a round retried for a long time would
         otherwise hold every attempt's until it commits. No leader is still deciding one that old
-        (a decision's budget is about two slots, and claims look back no further), and a late
-        seal of one is refused for what it misses, as any seal is."""
+        (see `KEEP_ATTEMPTS`), and a late seal of one is refused for what it misses, as any seal is."""
         for (r, a), held in list(self.attempts.items()):
             if r == round_id and a < attempt - KEEP_ATTEMPTS and held.sealed is None and held.contributions:
                 held.contributions.clear()
