@@ -55,8 +55,10 @@ class DiLoCo(OuterOptimizer):
     def _settle_contribution(self, pending: PendingRound, result: RoundResult | None) -> bool:
         return result is not None and result.included
 
-    def _absorb_late(self, sent: torch.Tensor, prepared_since: int) -> None:
-        # Left out, the rebase kept all progress since the old global parameters, the sent
+    def _absorb_late(self, sent: torch.Tensor, prepared_since: int,
+                     scaled: tuple[tuple[int, int, float], ...]) -> None:
+        # (`scaled` does not matter here: as on time, a counted contribution's progress is taken
+        # whole, clipped or not.) Left out, the rebase kept all progress since the old global parameters, the sent
         # pseudo-gradient (global - local, so minus that progress) included; absorbed, it keeps
         # only what came after. The difference is `sent`.
         copy_into_parameters(self.local_vector() + sent, self.params)

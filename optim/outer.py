@@ -124,15 +124,17 @@ class OuterOptimizer(ABC):
         self.global_params = new_global
         self.round_id += 1
 
-    def settle_late(self, payloads: list[Payload], prepared_since: int) -> None:
+    def settle_late(self, payloads: list[Payload], prepared_since: int,
+                    scaled: tuple[tuple[int, int, float], ...] = ()) -> None:
         """A contribution that `apply(None)` (or a result that did not count it) left in the local
         work turned out to be in an aggregate the global parameters took since: its outcome was
         learned late (the leader died after committing, the aggregate could not be fetched, a
         later attempt found the round closed). Take it out of the local work now, or it would be
-        sent a second time. `prepared_since`: contributions prepared after it."""
+        sent a second time. `prepared_since`: contributions prepared after it. `scaled`: where the
+        mean took it clipped, as in `RoundResult.scaled` (empty: taken whole, or not known)."""
         if self.pending is not None:
             raise RuntimeError("settle_late() with a round pending; apply it first")
-        self._absorb_late(self.decode(payloads), prepared_since)
+        self._absorb_late(self.decode(payloads), prepared_since, scaled)
 
     def sync(self, exchange: Exchange) -> RoundResult | None:
         """One blocking round: prepare, contribute, collect, apply. None if the round failed."""
@@ -170,7 +172,8 @@ class OuterOptimizer(ABC):
         is absorbed (applied, or kept inside the optimizer's own state)."""
 
     @abstractmethod
-    def _absorb_late(self, sent: torch.Tensor, prepared_since: int) -> None:
+    def _absorb_late(self, sent: torch.Tensor, prepared_since: int,
+                     scaled: tuple[tuple[int, int, float], ...]) -> None:
         """`settle_late` for this algorithm: `sent` is the decoded contribution."""
 
     @abstractmethod

@@ -76,18 +76,13 @@ class SparseLoCo(OuterOptimizer):
         cached, self._sent = self._sent, None
         if result is not None and result.included:
             sent = cached[1] if cached is not None and cached[0] is pending.payloads else self.decode(pending.payloads)
-            # What the mean took of it leaves the error feedback; a part norm clipping scaled
-            # away stays, and goes out again with the next round, as a part left out does.
-            if result.scaled:
-                sent = sent.clone()  # a decode may be shared (the eager start's): not ours to change
-                for start, stop, factor in result.scaled:
-                    sent[start:stop] *= torch.tensor(factor, dtype=torch.float32, device=sent.device)
-            self.error -= sent
+            self.error -= _taken(sent, result.scaled)
         return True  # either sent and applied, or still held in the error feedback
 
-    def _absorb_late(self, sent: torch.Tensor, prepared_since: int) -> None:
-        # Settled on time: e <- e - sent. Every contribution prepared since decayed e by beta.
-        self.error -= sent * (self.config.error_decay ** prepared_since)
+    def _absorb_late(self, sent: torch.Tensor, prepared_since: int,
+                     scaled: tuple[tuple[int, int, float], ...]) -> None:
+        # Settled on time: e <- e - taken. Every contribution prepared since decayed e by beta.
+        self.error -= _taken(sent, scaled) * (self.config.error_decay ** prepared_since)
 
     def _outer_step(self, mean: torch.Tensor) -> torch.Tensor:
         return mean * (-self.config.lr)
@@ -100,3 +95,14 @@ class SparseLoCo(OuterOptimizer):
             raise ValueError(f"not a SparseLoCo state (algorithm={state.get('algorithm')!r})")
         self.error = state["error"].to(self.global_params.device, torch.float32).clone()
         self._sent = None
+
+
+def _taken(sent: torch.Tensor, scaled: tuple[tuple[int, int, float], ...]) -> torch.Tensor:
+    """What the mean took of a decoded contribution: all of it, but where norm clipping scaled it
+    down. The rest stays in the error feedback and goes out again, as a part left out does."""
+    if not scaled:
+        return sent
+    taken = sent.clone()  # a decode may be shared (the eager start's): not ours to change
+    for start, stop, factor in scaled:
+        taken[start:stop] *= torch.tensor(factor, dtype=torch.float32, device=sent.device)
+    return taken

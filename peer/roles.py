@@ -327,7 +327,8 @@ class _VolunteerLoop:
             p.events.write("outcome-unknown", round=item.round_id, peer=p.identity.peer_id)
         elif included is None or included:
             payloads = [Payload.from_bytes(seg, expect=p.outer.codec) for seg in item.segments]
-            p.outer.settle_late(payloads, self.exchange.prepared - item.prepared)
+            scaled = self._own_scaled(item.round_id) if included else ()
+            p.outer.settle_late(payloads, self.exchange.prepared - item.prepared, scaled)
             if included is None:  # see Unsettled.if_unknown
                 log.warning("round %d: whether its commit counted the contribution of our earlier process "
                             "is not known here; taken out of our work as counted", item.round_id)
@@ -336,6 +337,22 @@ class _VolunteerLoop:
                 log.info("round %d counted our contribution after all: taken out of our work", item.round_id)
                 p.events.write("included-late", round=item.round_id, peer=p.identity.peer_id)
         return True  # (EventLog.write handles its own failures: nothing after settling can raise)
+
+    def _own_scaled(self, round_id: int) -> tuple[tuple[int, int, float], ...]:
+        """Where the round's mean took our late-settled contribution clipped; that part stays in
+        our work, as on time. Not known (its aggregate is out of reach): taken out whole, which
+        never sends anything twice (it loses the clipped-off part)."""
+        try:
+            scaled = self.p.node.call(self.exchange.own_scaled(round_id), timeout_s=60)
+        except (PeerUnavailable, TimeoutError, ProtocolError) as exc:
+            scaled, why = None, str(exc)
+        else:
+            why = "its aggregate is not known here"
+        if scaled is None:
+            log.info("round %d: where its mean clipped our contribution is not known (%s): taken out whole",
+                     round_id, why)
+            return ()
+        return scaled
 
 
 def _swarm_eval_loss(p: Participant) -> float:

@@ -21,6 +21,7 @@ from groundswell.compression import Payload
 from groundswell.optim import RoundFailed, RoundResult
 from groundswell.protocol.client import AttemptResult, RoundBehind
 from groundswell.protocol.schema import Decision
+from groundswell.protocol.shards import ships_contributions
 from groundswell.protocol.transport import PeerUnavailable
 
 from .swarm import SwarmNode
@@ -203,6 +204,22 @@ class SwarmExchange:
         if committed is None:
             return None
         return await client.counts_ours(committed[1], segments)
+
+    async def own_scaled(self, round_id: int) -> tuple[tuple[int, int, float], ...] | None:
+        """Where round `round_id`'s mean took our contribution clipped (`RoundResult.scaled`), for
+        one whose outcome was learned late. Known if this peer fetched the round's aggregate (on
+        time or catching up); else, where the mean is made from the signed contributions, the
+        aggregate is fetched again to find out. None: not known here."""
+        client, book, ctx = self.node.client, self.node.book, self.node.ctx
+        if client is None or book is None or ctx is None:
+            return None
+        if round_id not in client.own_scaled:
+            committed = book.committed.get(round_id)
+            # a dense codec's mean (made by its aggregators) does not say: taken whole there, as on time
+            if committed is None or not ships_contributions(ctx) or not ctx.robust.clip > 0:
+                return None if committed is None else ()
+            await client.fetch_aggregate(committed[0])  # notes own_scaled on the way
+        return client.own_scaled.get(round_id)
 
     def announce(self, round_id: int) -> None:
         """Ask to be waited for in `round_id` (best effort, in the background of training)."""

@@ -109,9 +109,10 @@ def test_a_retried_contribution_stays_open_until_its_round_commits():
     assert ex.take_unsettled(0) == []  # the round is still open
 
 
-def _loop(counted):
+def _loop(counted, scaled=()):
     """A volunteer loop whose outer optimizer holds an error feedback of ones, and whose exchange
-    has one unsettled contribution of round 0; `counted`: what round 0's commit says of it."""
+    has one unsettled contribution of round 0; `counted`: what round 0's commit says of it;
+    `scaled`: where its mean took it clipped (an exception: finding out failed)."""
     n = 8192
     outer = SparseLoCo([torch.nn.Parameter(torch.zeros(n))], make_codec("sparseloco"),
                        SparseLoCoConfig(error_decay=0.5, eager=False))
@@ -134,6 +135,12 @@ def _loop(counted):
                 raise counted
             return counted
 
+        async def own_scaled(self, round_id):
+            assert round_id == 0
+            if isinstance(scaled, Exception):
+                raise scaled
+            return scaled
+
     p = SimpleNamespace(outer=outer, identity=SimpleNamespace(peer_id="me"),
                         node=SimpleNamespace(call=lambda coro, timeout_s: asyncio.run(coro)),
                         events=SimpleNamespace(write=lambda kind, **kw: events.append(kind)))
@@ -147,6 +154,72 @@ def test_a_contribution_a_commit_counted_after_all_is_taken_out_of_the_error_fee
     # one contribution was prepared after it (3 - 2): the error feedback decayed it once
     assert torch.allclose(outer.error, 1 - 0.5 * sent)
     assert events == ["included-late"]
+
+
+@pytest.mark.parametrize("scaled", [((0, 4096, 0.25),), None, PeerUnavailable("no holder"), TimeoutError()])
+def test_a_contribution_counted_late_keeps_the_part_norm_clipping_took_off(scaled):
+    """As on time: what the mean took leaves the error feedback, the part clipping scaled away
+    stays. Where that is not known (the aggregate is out of reach) it is taken out whole, which
+    loses the clipped part but never sends anything twice."""
+    loop, outer, sent, events = _loop(True, scaled)
+    loop.settle_late()
+    taken = sent.clone()
+    if isinstance(scaled, tuple):
+        taken[:4096] *= 0.25
+    assert torch.allclose(outer.error, 1 - 0.5 * taken)
+    assert events == ["included-late"] and loop.exchange.unsettled == []
+
+
+def test_a_late_settle_takes_out_what_an_on_time_settle_would():
+    """The late path (`settle_late` with the round's clip factors) leaves the error feedback the
+    on-time path (`apply` with `RoundResult.scaled`) would have left."""
+    from groundswell.optim import RoundResult
+
+    n, scaled = 8192, ((0, 4096, 0.3), (4096, 8192, 0.7))
+    errors = []
+    for late in (False, True):
+        torch.manual_seed(0)
+        param = torch.nn.Parameter(torch.zeros(n))
+        outer = SparseLoCo([param], make_codec("sparseloco"), SparseLoCoConfig(eager=False))
+        with torch.no_grad():
+            param.add_(torch.randn(n))
+        payloads = outer.prepare()
+        mean = torch.zeros(n)  # the same step either way: only the error feedback differs
+        if late:
+            outer.apply(None)
+            outer.follow(0, mean)
+            outer.settle_late(payloads, 0, scaled)
+        else:
+            outer.apply(RoundResult(round_id=0, mean=mean, contributors=("me",), included=True, bytes_sent=0, bytes_received=0, scaled=scaled))
+        errors.append(outer.error.clone())
+    assert not torch.equal(errors[0], torch.zeros(n))
+    assert torch.equal(errors[0], errors[1])
+
+
+@pytest.mark.parametrize("codec,clip,known,fetched,expected", [
+    ("sparseloco", 1.0, {5: ((0, 8, 0.5),)}, False, ((0, 8, 0.5),)),  # noted when the aggregate came
+    ("sparseloco", 1.0, {}, True, ((8, 16, 0.25),)),  # not fetched here yet: fetched to find out
+    ("sparseloco", 0.0, {}, False, ()),  # no clipping in this run
+    ("fp32", 1.0, {}, False, ()),  # a dense mean does not say: taken whole, as on time
+])
+def test_where_the_mean_clipped_a_late_contribution_is_found_out(codec, clip, known, fetched, expected):
+    fetches: list[bytes] = []
+
+    async def fetch_aggregate(signed, device="cpu"):
+        fetches.append(signed)
+        client.own_scaled[5] = ((8, 16, 0.25),)  # as the real fetch notes it
+        return torch.zeros(1)
+
+    node = _Node(None)
+    node.ctx = SimpleNamespace(codec=SimpleNamespace(name=codec), robust=SimpleNamespace(clip=clip),
+                               verify_aggregates=False)
+    node.book = SimpleNamespace(committed={5: (b"signed", SimpleNamespace(round=5))})
+    client = node.client = SimpleNamespace(own_scaled=dict(known), fetch_aggregate=fetch_aggregate)
+    ex = SwarmExchange(node)  # type: ignore[arg-type]
+    assert asyncio.run(ex.own_scaled(5)) == expected
+    assert fetches == ([b"signed"] if fetched else [])
+    node.book.committed.clear()
+    assert asyncio.run(ex.own_scaled(6)) is None  # its commit is not known here
 
 
 @pytest.mark.parametrize("counted,event", [(False, []), (None, ["outcome-unknown"])])
