@@ -45,6 +45,8 @@ FUTURE_ROUNDS = 3  # contributions and joins further ahead of our newest commit 
 KEEP_ATTEMPTS = 6
 SEALED_BY_ANOTHER = "this attempt is already sealed under another leader's decision"
 LATER_ATTEMPT_CLAIMED = "a later attempt of this round was claimed here"
+COMMITTED_OTHERWISE = "the round is already committed otherwise"
+FENCED_OFF = (LATER_ATTEMPT_CLAIMED, COMMITTED_OTHERWISE)  # confirm refusals that make a leader stand back
 CONTESTED = (SEALED_BY_ANOTHER, LATER_ATTEMPT_CLAIMED)  # seal refusals that make a leader stand back
 
 
@@ -254,6 +256,8 @@ class Aggregator:
         leader, decision = unseal(msg.decision, self.ctx.run_id, Decision)
         if leader != sender or decision.leader != sender or decision.status not in ("commit", "retry"):
             return Ack(False, "a seal must be a decision signed by the sending leader")
+        if msg.confirm:
+            return self._confirm_seal(decision, msg.decision)  # type: ignore[attr-defined]
         committed = self.book.committed.get(decision.round)
         if committed is not None and committed[0] != msg.decision:
             return Ack(False, f"round {decision.round} is already committed")

@@ -12,9 +12,10 @@ import logging
 from collections.abc import Awaitable, Callable
 from typing import TYPE_CHECKING, Any
 
+from .aggregator import COMMITTED_OTHERWISE, LATER_ATTEMPT_CLAIMED
 from .envelope import unseal
 from .plan import RoundPlan
-from .schema import Claim, ClaimReply, Decision, DecisionReply, DecisionRequest, ProtocolError
+from .schema import Ack, Claim, ClaimReply, Decision, DecisionReply, DecisionRequest, ProtocolError
 from .shards import REPORTING_CANDIDATES
 from .transport import PeerDead, PeerUnavailable
 
@@ -52,7 +53,8 @@ class Claims:
     ctx: Any
     attempts: Any
     later_claims: dict[int, int]  # round -> newest attempt whose claim this peer let pass
-    unobtainable: dict[bytes, int]  # earlier attempts' commits whose aggregate a claim could not gather -> round
+    # earlier attempts' commits whose aggregate a claim could not gather -> (round, tried for the whole window)
+    unobtainable: dict[bytes, tuple[int, bool]]
     plan: Callable[..., Awaitable[RoundPlan | None]]  # RoundServer.plan
     _hold_all: Callable[[bytes, float | None], Awaitable[bool]]  # RoundServer._hold_all: gather a commit's aggregate
 
@@ -93,16 +95,19 @@ class Claims:
                 # We may be one of those aggregators too: fenced off here from now on (no await
                 # in between), and a commit we sealed before is tried as a witness's would be.
                 self.later_claims[plan.round] = max(self.later_claims.get(plan.round, -1), plan.attempt)
-                for signed in self._sealed_before(plan.round, plan.attempt):
-                    if await self._adopt(plan, signed):
+                for signed, final in self._seals_before(plan.round, plan.attempt):
+                    if await self._adopt(plan, signed, final):
                         return False
             others = [x for x in dict.fromkeys(group) if x != me][:32]
             replies = await asyncio.gather(*(self._ask_claim(x, plan, fence) for x in others))
             objected = any(r is not None and not r.ok and not r.decision for r in replies)
             # that leader let another one decide, or is deciding an earlier attempt
-            witnessed = dict.fromkeys(r.decision for r in replies if r is not None and not r.ok and r.decision)
-            for signed in witnessed:  # several holders usually return the same commit: try it once
-                if await self._adopt(plan, signed):
+            witnessed: dict[bytes, bool] = {}  # several holders usually return the same commit: try it once
+            for r in replies:
+                if r is not None and not r.ok and r.decision:
+                    witnessed[r.decision] = witnessed.get(r.decision, False) or r.final
+            for signed, final in witnessed.items():
+                if await self._adopt(plan, signed, final):
                     return False
             if objected:
                 return False
@@ -150,9 +155,13 @@ class Claims:
             log.info("claim of round %d attempt %d at %s: %s", plan.round, plan.attempt, peer[-8:], exc)
             return None
 
-    async def _adopt(self, plan: RoundPlan, signed: bytes) -> bool:
+    async def _adopt(self, plan: RoundPlan, signed: bytes, final: bool = False) -> bool:
         """Take a decision a witness returned; True: stand back. A commit is taken only once its
-        whole aggregate is in hand (an earlier attempt's that cannot be had stops nobody)."""
+        whole aggregate is in hand; an earlier attempt's that cannot be had stops nobody. One
+        that is `final` (announced, or confirmed by its leader) gets the whole window to gather:
+        its leader holds the aggregate. (Standing back for good over one that cannot be had was
+        weighed and left out: `final` is the replier's word, and a hostile replier could then
+        hold every later attempt back.)"""
         try:
             signer, decision = unseal(signed, self.ctx.run_id, Decision)
             if decision.round != plan.round:
@@ -166,17 +175,21 @@ class Claims:
             except ProtocolError as exc:
                 log.warning("claim reply carried a commit that does not check out: %s", exc)
                 return False
-            if signed in self.unobtainable:
-                return False  # tried already, by an earlier claim of ours
-            # An earlier attempt's commit that its holders can hand over comes at once; one that
-            # cannot be had stops nobody, so do not spend the attempt's window trying.
             earlier = decision.attempt < plan.attempt
-            if not await self._hold_all(signed, 2 * self.ctx.slack_s if earlier else None):
-                log.warning("round %d: attempt %d's commit exists but its aggregate cannot be had", plan.round,
-                            decision.attempt)
-                if earlier:
-                    self.unobtainable[signed] = plan.round
-                return not earlier  # that leader may still be gathering it
+            whole = not earlier or final
+            tried = self.unobtainable.get(signed)
+            if tried is not None and (tried[1] or not whole):
+                return False  # tried already, by an earlier claim of ours, for as long as this one would
+            # An earlier attempt's commit that its holders can hand over comes at once; one that
+            # cannot be had stops nobody, so do not spend the attempt's window trying (unless it
+            # is final: then this claim is most likely a leader's answer arriving late).
+            if not await self._hold_all(signed, None if whole else 2 * self.ctx.slack_s):
+                log.warning("round %d: attempt %d's commit exists but its aggregate cannot be had%s", plan.round,
+                            decision.attempt, " (it is final)" if final else "")
+                if not earlier:
+                    return True  # that leader may still be gathering it
+                self.unobtainable[signed] = (plan.round, whole)
+                return False
             try:
                 self.book.add(signed)
             except ProtocolError as exc:
@@ -193,20 +206,46 @@ class Claims:
         self.attempts[(plan.round, plan.attempt)].poke()
         return True
 
-    def _sealed_before(self, round_id: int, attempt: int) -> list[bytes]:
-        """The commits of the round's earlier attempts this peer sealed as an aggregator."""
-        return [held.sealed for (r, a), held in sorted(self.attempts.items(), reverse=True)
-                if r == round_id and a < attempt and held.sealed is not None]
+    def _seals_before(self, round_id: int, attempt: int) -> list[tuple[bytes, bool]]:
+        """The commits of the round's earlier attempts this peer sealed as an aggregator (or a
+        witness), each with whether its leader confirmed it (final): final ones first, then the
+        newest first (a claim reply carries the first)."""
+        seals = [(held.sealed, held.confirmed == held.sealed) for (r, a), held in sorted(self.attempts.items(), reverse=True)
+                 if r == round_id and a < attempt and held.sealed is not None]
+        return sorted(seals, key=lambda s: not s[1])  # stable: newest first within each
+
+    def _confirm_seal(self, decision: Decision, signed: bytes) -> Ack:
+        """The leader of a commit sealed here asks, before it announces it, whether a later
+        attempt's claim fenced it off here since. Then that attempt's leader may commit the round
+        otherwise (it could not gather this commit), and the leader stands back. If not, the seal
+        is confirmed: a later claimer is told it is final (see `_adopt`). No await in here: a
+        fence (`_on_claim`) lands wholly before or wholly after."""
+        committed = self.book.committed.get(decision.round)
+        if committed is not None:
+            return Ack(True, "") if committed[0] == signed else Ack(False, COMMITTED_OTHERWISE)
+        slot = self.attempts.get((decision.round, decision.attempt))
+        if decision.status != "commit" or slot is None or slot.sealed != signed:
+            return Ack(False, "that commit is not sealed here")
+        if self.later_claims.get(decision.round, -1) > decision.attempt:
+            return Ack(False, LATER_ATTEMPT_CLAIMED)
+        slot.confirmed = signed
+        return Ack(True, "")
 
     async def _on_claim(self, sender: str, msg: Claim) -> ClaimReply:
         if msg.round in self.book.committed:
-            return ClaimReply(False, self.book.committed[msg.round][0])
-        if sealed := self._sealed_before(msg.round, msg.attempt):
-            return ClaimReply(False, sealed[0])  # an earlier attempt's commit we built shards for
+            return ClaimReply(False, self.book.committed[msg.round][0], True)
+        seals = self._seals_before(msg.round, msg.attempt)  # earlier attempts' commits we sealed
+        if seals and (seals[0][1] or not msg.fence):
+            return ClaimReply(False, *seals[0])  # a fence of an unconfirmed one is also noted (below)
         known = self.attempts.get((msg.round, msg.attempt))
-        if known is not None and known.decision is not None:
+        if known is not None and known.decision is not None and not seals:
             return ClaimReply(False, known.decision)
-        self._check_open(msg.round, msg.attempt)  # type: ignore[attr-defined]
+        try:
+            self._check_open(msg.round, msg.attempt)  # type: ignore[attr-defined]
+        except ProtocolError:
+            if seals:  # handed over all the same, as before; no fence noted for a claim we cannot place
+                return ClaimReply(False, *seals[0])
+            raise
         # Within half a slack, so that the claimer hears our answer before its request times out.
         plan = await self.plan(msg.round, msg.attempt, self.ctx.slack_s / 2, ask=sender)
         if plan is None:
@@ -214,21 +253,26 @@ class Claims:
             # anyone. No objection (it used to be one, and a leader that was catching up could
             # keep every stand-in from deciding). A fence still gets one: we cannot check who
             # sends it, and it would make us refuse the earlier attempts once we catch up.
-            return ClaimReply(not msg.fence, b"")
+            return ClaimReply(False, *seals[0]) if seals else ClaimReply(not msg.fence, b"")
         if sender not in plan.leaders:
-            return ClaimReply(False, b"")
+            return ClaimReply(False, *seals[0]) if seals else ClaimReply(False, b"")
         # Across attempts, the first to reach this peer wins: a leader of an earlier attempt that
         # is deciding objects; otherwise that earlier attempt is fenced off here (no claim, no
         # seal of it passes any more), so of a stalled leader and its successor at most one
         # commits wherever both ask this peer.
         if self._deciding_before(msg.round, msg.attempt) or self.later_claims.get(msg.round, -1) > msg.attempt:
             return ClaimReply(False, b"")
-        if sealed := self._sealed_before(msg.round, msg.attempt):
-            # sealed while we planned: fenced off only from here on (no await until then), so
-            # the claimer must hear of it, or the round could end up with two commits
-            return ClaimReply(False, sealed[0])
         if msg.round in self.book.committed:
-            return ClaimReply(False, self.book.committed[msg.round][0])
+            return ClaimReply(False, self.book.committed[msg.round][0], True)
+        if seals := self._seals_before(msg.round, msg.attempt):
+            # A commit we sealed (perhaps while we planned): the claimer tries to adopt it. An
+            # unconfirmed one is fenced off here all the same (no await since the check above):
+            # its leader, slow to answer the claim while it gathers the aggregate, say, asks us
+            # before it announces, and stands back, since this claimer may commit the round
+            # otherwise if it cannot gather this commit. A confirmed one is final.
+            if msg.fence and not seals[0][1]:
+                self.later_claims[msg.round] = max(self.later_claims.get(msg.round, -1), msg.attempt)
+            return ClaimReply(False, *seals[0])
         if msg.fence:
             self.later_claims[msg.round] = max(self.later_claims.get(msg.round, -1), msg.attempt)
         slot = self.attempts[(msg.round, msg.attempt)]  # only a leader of the attempt makes us keep one

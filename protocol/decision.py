@@ -10,7 +10,7 @@ import logging
 import time
 from typing import TYPE_CHECKING, Any
 
-from .aggregator import CONTESTED
+from .aggregator import CONTESTED, FENCED_OFF
 from .envelope import seal, unseal
 from .plan import RoundPlan
 from .schema import Ack, Decision, ProtocolError, Seal
@@ -58,6 +58,7 @@ class Decider:
         # Counted from after the scoring screen, which has its own bound.
         gather_s = self.ctx.deadline_s + 2 * self.ctx.slack_s
         budget_end = float("inf")
+        sealers: set[str] = set()  # the peers that sealed our latest commit (asked to confirm it)
         for _ in range(4):  # a source that will not seal is replaced by a replica holding the same shard
             if (left := budget_end - time.monotonic()) <= 0:
                 log.warning("round %d attempt %d: no whole aggregate within the decision's budget", plan.round,
@@ -119,6 +120,7 @@ class Decider:
                             "retry", plan.round, plan.attempt)
                 contributors = []
                 break
+            sealers = ({p for h in holders for p in h} - unsealed) | witnessed  # of this very commit
             # A shard no holder could provide (its source froze after sealing, say): another
             # source for it, if a replica reported it whole; the other shards keep theirs.
             if not (unheld := await self._unheld_shards(signed, max(1.0, min(gather_s, left)))):
@@ -144,9 +146,35 @@ class Decider:
                      plan.num_shards, "".join(f"; none from shard {s}'s " + ",".join(
                          p[-8:] for p in plan.candidates(s)[:REPORTING_CANDIDATES]) for s in unreported[:2]),
                      len(self._sources(plan, slot)[1]), len(failed), len(dropped))
+        elif not await self._confirmed(plan, signed, sealers):
+            return  # a later attempt's leader fenced it off: it may commit the round otherwise
         log.info("round %d attempt %d: %s with %d contributors", plan.round, plan.attempt, decision.status,
                  len(decision.contributors))
         await self._learn(plan, signed)
+
+    async def _confirmed(self, plan: RoundPlan, signed: bytes, sealers: set[str]) -> bool:
+        """Before announcing a commit, ask the peers that sealed it and that a later attempt's
+        claim would fence (this attempt's leaders, its shards' reporting candidates) whether one
+        did since. Such a claimer asks us too, but we may answer too late (a saturated link while
+        we gather the aggregate): it then takes our sealed commit from them, and if it cannot
+        gather it in time, commits its own attempt. False: stand back, announce nothing (that
+        claimer adopts our commit or decides the round otherwise). True once one of them confirmed
+        and none refused; the confirmed seal is then final (a later claimer that is handed it gives
+        it the whole window to gather, not two slacks)."""
+        me = self.identity.peer_id
+        fenced = set(plan.leaders) | {x for s in range(plan.num_shards) for x in plan.candidates(s)[:REPORTING_CANDIDATES]}
+        asked = sorted((sealers & fenced) - {me})
+        if not asked:
+            return True  # sealed by us alone, or by contributors a claimer does not fence: nothing to ask
+        # A slack at most; once one confirmed, the rest get a short grace (one that froze since it
+        # sealed must not cost every commit a slack). One refusal is enough to stand back.
+        unconfirmed, fenced_off = await self._seal_all(signed, asked, [asked], timeout_s=self.ctx.slack_s,
+                                                       role="sealer", confirm=True)
+        if fenced_off or unconfirmed >= set(asked):
+            log.warning("round %d attempt %d: commit not confirmed (%s); standing back", plan.round, plan.attempt,
+                        "a later attempt's leader fenced it off" if fenced_off else f"none of {len(asked)} sealers answered")
+            return False
+        return True
 
     async def _witnesses(self, signed: bytes, plan: RoundPlan, contributors: list[str], holders: list[list[str]],
                          unsealed: set[str]) -> tuple[set[str], set[str], bool]:
@@ -232,9 +260,11 @@ class Decider:
             return set(range(decision.num_shards))
 
     async def _seal_all(self, signed: bytes, peers: list[str], groups: list[list[str]] | None = None,
-                        timeout_s: float | None = None, role: str = "aggregator") -> tuple[set[str], bool]:
+                        timeout_s: float | None = None, role: str = "aggregator",
+                        confirm: bool = False) -> tuple[set[str], bool]:
         """Seal every peer (a retry decision voids our commit there); returns the ones that did
-        not seal, and whether one of them had sealed another leader's decision of this attempt.
+        not seal, and whether one of them had sealed another leader's decision of this attempt
+        (with `confirm`: the seals are asked to confirm, and the flag says one was fenced off).
         A live aggregator seals at once (it only builds its shards): one that does not answer within
         a slack plus the time to average its shards is treated as refusing, and replaced. With
         `groups` (each shard's holders), once every group has a peer that sealed, the others get
@@ -247,12 +277,12 @@ class Decider:
         async def one(peer: str) -> Ack:
             if peer == self.identity.peer_id:
                 try:
-                    return await self._on_seal(peer, Seal(signed))
+                    return await self._on_seal(peer, Seal(signed, confirm))
                 except ProtocolError as exc:  # what a remote aggregator's refusal would be: not a crash of the attempt
                     log.warning("our own aggregator refused the seal: %s", exc)
                     return Ack(False, str(exc)[:500])
             try:
-                ack = await self.transport.request(peer, "seal", Seal(signed), Ack, timeout_s=timeout_s or wait)
+                ack = await self.transport.request(peer, "seal", Seal(signed, confirm), Ack, timeout_s=timeout_s or wait)
                 if not ack.ok:
                     log.warning("%s %s refused the seal: %s", role, peer[-8:], ack.reason)
                 return ack
@@ -281,7 +311,7 @@ class Decider:
                 log.warning("%s %s had not answered the seal a grace after %s sealed; going on without it", role,
                             p[-8:], "every shard had a holder that" if role == "aggregator" else "another peer")
         return {p for p in tasks.values() if not (p in acks and acks[p].ok)}, \
-            any(a.reason in CONTESTED for a in acks.values())
+            any(a.reason in (FENCED_OFF if confirm else CONTESTED) for a in acks.values())
 
 
 def seal_grace(ctx: Any) -> float:

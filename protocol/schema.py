@@ -16,7 +16,7 @@ from typing import Any, ClassVar
 
 import msgpack
 
-PROTOCOL_VERSION = 12  # 2: claims carry `fence`; the state follows its reply as a raw trailer; 3: envelopes sign the
+PROTOCOL_VERSION = 13  # 2: claims carry `fence`; the state follows its reply as a raw trailer; 3: envelopes sign the
 # body's sha256; 4: payload wire version 2 (sparseloco's Elias-Fano indices), so mixed peers refuse each other up front,
 # and BLAKE3 instead of SHA-256 for bulk hashes (envelope bodies, contribution digests, the state blob); 5: state
 # requests and replies may move the blob over a direct TCP connection; 6: that blob is sealed (AES-256-GCM, the key in the
@@ -25,7 +25,9 @@ PROTOCOL_VERSION = 12  # 2: claims carry `fence`; the state follows its reply as
 # the peers reached by a punch; 9: the coordinator's record lists its hashes of earlier rounds; 10: a state reply
 # names the state's parameter hash (a joiner refuses a state the coordinator contradicts before downloading it); 11:
 # that hash, and the one peer records publish, also covers DiLoCo's outer momentum buffer (peers' hashes would differ);
-# 12: a state reply may say `busy` (the server's upload slots are taken: ask again later), not "nothing newer"
+# 12: a state reply may say `busy` (the server's upload slots are taken: ask again later), not "nothing newer"; 13: a
+# leader confirms its commit at the peers that sealed it before announcing it (`Seal.confirm`), and a claim reply
+# says whether the commit it carries is final (`ClaimReply.final`)
 MAX_ID = 128  # peer ids, run ids, reasons and other short strings
 MAX_LIST = 4096  # peer lists, shard lists
 MAX_SMALL = 1 << 20  # a control message never needs more than this
@@ -150,6 +152,9 @@ class Seal(Message):
 
     KIND: ClassVar[str] = "seal"
     decision: bytes = _f(max_len=MAX_SMALL)
+    # the same commit again, before the leader announces it: refused if a later attempt's claim
+    # fenced it off here since; else later claimers are told it is final
+    confirm: bool = _f(default=False)
 
 
 @dataclass(frozen=True)
@@ -166,11 +171,13 @@ class Claim(Message):
 @dataclass(frozen=True)
 class ClaimReply(Message):
     """`ok`: no objection (this peer has not let another leader decide this attempt); `decision`:
-    a commit of the round this peer already knows (the claimer adopts it), or empty."""
+    a commit of the round this peer already knows (the claimer adopts it), or empty; `final`: that
+    commit was announced, or its leader confirmed it here (it must not be decided otherwise)."""
 
     KIND: ClassVar[str] = "claim-reply"
     ok: bool = _f()
     decision: bytes = _f(max_len=MAX_SMALL)
+    final: bool = _f(default=False)
 
 
 @dataclass(frozen=True)

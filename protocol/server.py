@@ -78,6 +78,7 @@ class _Attempt:
     first_report: float | None = None
     decision: bytes | None = None  # signed decision of this attempt (as leader, or learned)
     sealed: bytes | None = None  # the commit this peer sealed as an aggregator
+    confirmed: bytes | None = None  # ... the one its leader confirmed before announcing it: final for later claimers
     voided_by: str | None = None  # as an aggregator: the leader that took its commits of this attempt back
     changed: asyncio.Event = field(default_factory=asyncio.Event)
     leading: bool = False
@@ -117,7 +118,7 @@ class RoundServer(Aggregator, Leading, Claims, Decider):
         self.aggregates: dict[tuple[int, int], AggregateShard] = {}
         self._sealed: dict[tuple[int, int], tuple[AggregateShard, bytes]] = {}  # see `_sealed_aggregate`
         self.later_claims: dict[int, int] = {}  # round -> newest attempt whose claim we let pass (a fence)
-        self.unobtainable: dict[bytes, int] = {}  # earlier attempts' commits a claim of ours could not gather
+        self.unobtainable: dict[bytes, tuple[int, bool]] = {}  # earlier attempts' commits a claim of ours could not gather
         self._learning: set[int] = set()  # rounds whose commit we are asking a peer for (`_learn_previous`)
         self._archived = asyncio.Event()
         self.keep_rounds = 8
@@ -212,7 +213,7 @@ class RoundServer(Aggregator, Leading, Claims, Decider):
             del self.attempts[key]
         for r in [r for r in self.later_claims if r < round_id - 1]:
             del self.later_claims[r]
-        for signed in [x for x, r in self.unobtainable.items() if r < round_id - 1]:
+        for signed in [x for x, (r, _) in self.unobtainable.items() if r < round_id - 1]:
             del self.unobtainable[signed]
         self._archived.set()
         self._archived = asyncio.Event()

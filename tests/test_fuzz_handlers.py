@@ -343,6 +343,7 @@ def test_a_commit_sealed_while_a_claim_waits_for_its_plan_is_handed_to_the_claim
     had sealed before it planned the claimed attempt, and fenced them off after. One sealed in
     between was neither handed to the claimer nor fenced off: the claimer could commit the round
     while the earlier leader's commit stood at this peer."""
+    from groundswell.protocol.aggregator import LATER_ATTEMPT_CLAIMED
     from groundswell.protocol.schema import Claim, ClaimReply, ProtocolError
 
     gen = make_target()
@@ -377,8 +378,13 @@ def test_a_commit_sealed_while_a_claim_waits_for_its_plan_is_handed_to_the_claim
                 assert time.time() < deadline
                 t.server.attempts.pop((0, 0), None)
                 time.sleep(0.2)
-        assert not reply.ok and reply.decision == earlier_commit, reply
-        assert t.server.later_claims.get(0, -1) < later.attempt, "attempt 0 was fenced off over its own commit"
+        assert not reply.ok and reply.decision == earlier_commit and not reply.final, reply
+        # and fenced off here all the same: its leader, asking before it announces, stands back
+        # (the claimer may commit the round otherwise if it cannot gather this commit)
+        assert t.server.later_claims.get(0, -1) == later.attempt
+        ack = t.server._confirm_seal(unseal(earlier_commit, RUN, Decision)[1], earlier_commit)
+        assert not ack.ok and ack.reason == LATER_ATTEMPT_CLAIMED
+        assert t.server.attempts[(0, 0)].confirmed is None
         _check_alive(t)
     finally:
         next(gen, None)
