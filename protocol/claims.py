@@ -234,8 +234,13 @@ class Claims:
     async def _on_claim(self, sender: str, msg: Claim) -> ClaimReply:
         if msg.round in self.book.committed:
             return ClaimReply(False, self.book.committed[msg.round][0], True)
+        if self._deciding_before(msg.round, msg.attempt):
+            # We are deciding an earlier attempt: we object, even where we hold its seal (a
+            # leader is usually a holder of its own commit). Handing that seal over instead let
+            # the claimer try to gather it while we still were, and fence us off when it could not.
+            return ClaimReply(False, b"")
         seals = self._seals_before(msg.round, msg.attempt)  # earlier attempts' commits we sealed
-        if seals and (seals[0][1] or not msg.fence):
+        if seals and (not msg.fence or all(final for _, final in seals)):
             return ClaimReply(False, *seals[0])  # a fence of an unconfirmed one is also noted (below)
         known = self.attempts.get((msg.round, msg.attempt))
         if known is not None and known.decision is not None and not seals:
@@ -269,8 +274,9 @@ class Claims:
             # unconfirmed one is fenced off here all the same (no await since the check above):
             # its leader, slow to answer the claim while it gathers the aggregate, say, asks us
             # before it announces, and stands back, since this claimer may commit the round
-            # otherwise if it cannot gather this commit. A confirmed one is final.
-            if msg.fence and not seals[0][1]:
+            # otherwise if it cannot gather this commit. A confirmed one is final (and handed
+            # over first), but a fence still counts against any other seal we hold unconfirmed.
+            if msg.fence and not all(final for _, final in seals):
                 self.later_claims[msg.round] = max(self.later_claims.get(msg.round, -1), msg.attempt)
             return ClaimReply(False, *seals[0])
         if msg.fence:

@@ -338,6 +338,46 @@ def test_a_have_report_for_a_decided_round_makes_no_slot_and_no_leading_task():
         next(gen, None)
 
 
+@pytest.mark.parametrize("case", ["confirmed", "confirmed-and-unconfirmed", "deciding"])
+def test_what_a_holder_answers_a_fence_once_its_seal_is_confirmed_or_while_it_decides(case):
+    """A seal its leader confirmed (before announcing) is handed to a later claim as final, and
+    fences nothing off; a fence still counts against another seal held unconfirmed. A peer
+    deciding an earlier attempt objects even where it holds that attempt's seal: handing the
+    seal over let the claimer gather it while the leader still was, and fence the leader off."""
+    from groundswell.protocol.schema import Claim
+
+    gen = make_target()
+    t = next(gen)
+    try:
+        me = t.me.peer_id
+        plans = [t.loop.run_until_complete(t.server.plan(0, a, 0.0)) for a in range(2, 4)]
+        later = next(p for p in plans if any(x.peer_id in p.leaders for x in t.peers))
+        claimer = next(x.peer_id for x in t.peers if x.peer_id in later.leaders)
+        members = [me, *(x.peer_id for x in t.peers[:3])]
+        commits = [_sealed(t.me, Decision(0, a, "commit", members[:2], members, members, me, [], 0, time.time()))
+                   for a in range(2)]
+        t.server._check_open = lambda round_id, attempt: None  # attempts 2 and 3 open now, as if it were later
+        t.server.attempts[(0, 0)].sealed = commits[0]
+        if case == "deciding":
+            t.server.attempts[(0, 0)].deciding = True
+        else:
+            ack = t.server._confirm_seal(unseal(commits[0], RUN, Decision)[1], commits[0])
+            assert ack.ok and t.server.attempts[(0, 0)].confirmed == commits[0]
+        if case == "confirmed-and-unconfirmed":
+            t.server.attempts[(0, 1)].sealed = commits[1]  # newer, never confirmed
+        for fence in (False, True):
+            reply = t.loop.run_until_complete(t.server._on_claim(claimer, Claim(0, later.attempt, fence)))
+            if case == "deciding":
+                assert not reply.ok and reply.decision == b"" and not reply.final  # an objection
+            else:  # the confirmed one comes first, as final
+                assert not reply.ok and reply.decision == commits[0] and reply.final
+        noted = t.server.later_claims.get(0, -1) == later.attempt
+        assert noted == (case == "confirmed-and-unconfirmed")
+        _check_alive(t)
+    finally:
+        next(gen, None)
+
+
 def test_a_commit_sealed_while_a_claim_waits_for_its_plan_is_handed_to_the_claimer():
     """Found by a review of the consensus code: a witness looked for earlier attempts' commits it
     had sealed before it planned the claimed attempt, and fenced them off after. One sealed in
