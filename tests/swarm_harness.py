@@ -7,6 +7,7 @@ import tempfile
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import torch
 from groundswell.compression import RobustOptions, make_codec, segment_bounds
@@ -105,6 +106,40 @@ class Cluster:
         for node in self.nodes:
             node.close()
         self._tmp.cleanup()
+
+
+@dataclass
+class TwoLeaders:
+    """Round 0 of a 4-node cluster with attempt 0 running: its first leader (`l0`, server `s0`)
+    holds 3 contributions (one node only joins, so nobody closes early), and `l1` leads attempt 1."""
+
+    plan0: Any
+    plan1: Any
+    l0: int
+    l1: int
+    s0: Any
+    s1: Any
+    runs: list
+
+
+def attempt_0_with_two_leaders(c: Cluster, seed: int) -> TwoLeaders:
+    """Start round 0's attempt 0 on every node of `c` (4 nodes) and wait until its leader holds 3
+    contributions (see `TwoLeaders`)."""
+    from groundswell.protocol.plan import make_plan
+
+    plan0, plan1 = (make_plan(c.ctx.run_id, 0, a, c.ids, c.ids, len(c.ctx.segment_numels), c.max_shards)
+                    for a in (0, 1))
+    l0 = c.ids.index(plan0.leaders[0])
+    l1 = next(c.ids.index(p) for p in plan1.leaders if c.ids.index(p) != l0)
+    s0, s1 = c.nodes[l0].server, c.nodes[l1].server
+    xs = inputs(4, c.numel, seed)
+    idle = next(i for i in range(4) if i not in (l0, l1))
+    runs = [c.nodes[i].submit(c.nodes[i].client.run_attempt(0, 0, None if i == idle else c.segments(xs[i]),
+                                                             trains=True, serves=True)) for i in range(4)]
+    deadline = time.monotonic() + 20
+    while time.monotonic() < deadline and len(s0._sources(plan0, s0.attempts[(0, 0)])[1]) < 3:
+        time.sleep(0.1)
+    return TwoLeaders(plan0, plan1, l0, l1, s0, s1, runs)
 
 
 def leftover_processes(out: Path) -> list:

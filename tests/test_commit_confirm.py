@@ -23,7 +23,7 @@ import pytest
 import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
-from swarm_harness import inputs as _inputs
+from swarm_harness import attempt_0_with_two_leaders
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(240)]
 
@@ -31,21 +31,10 @@ pytestmark = [pytest.mark.slow, pytest.mark.timeout(240)]
 @pytest.mark.parametrize("claimed_first", [True, False], ids=["fenced-before-confirm", "confirmed-before-claim"])
 def test_a_leader_slow_to_answer_claims_while_it_gathers_and_the_next_leader_never_both_commit(
         make_cluster, claimed_first):
-    from groundswell.protocol.plan import make_plan
-
     c = make_cluster(n=4, codec_name="fp32", min_peers=2, deadline_s=31.0, slack_s=1.0)
-    plan0 = make_plan(c.ctx.run_id, 0, 0, c.ids, c.ids, len(c.ctx.segment_numels), c.max_shards)
-    plan1 = make_plan(c.ctx.run_id, 0, 1, c.ids, c.ids, len(c.ctx.segment_numels), c.max_shards)
-    l0 = c.ids.index(plan0.leaders[0])
-    l1 = next(c.ids.index(p) for p in plan1.leaders if c.ids.index(p) != l0)
-    s0, s1 = c.nodes[l0].server, c.nodes[l1].server
-    xs = _inputs(4, c.numel, 11)
-    idle = next(i for i in range(4) if i not in (l0, l1))  # joins, never contributes: nobody closes early
-    runs = [c.nodes[i].submit(c.nodes[i].client.run_attempt(0, 0, None if i == idle else c.segments(xs[i]),
-                                                             trains=True, serves=True)) for i in range(4)]
+    two = attempt_0_with_two_leaders(c, seed=11)
+    plan0, plan1, l0, l1, s0, s1, runs = two.plan0, two.plan1, two.l0, two.l1, two.s0, two.s1, two.runs
     deadline = time.monotonic() + 20
-    while time.monotonic() < deadline and len(s0._sources(plan0, s0.attempts[(0, 0)])[1]) < 3:
-        time.sleep(0.1)
     gathering, wake, windows = [], None, []
 
     async def install() -> None:

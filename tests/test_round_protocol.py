@@ -258,21 +258,12 @@ def test_a_leader_stalled_while_deciding_and_the_next_attempts_leader_never_both
     import asyncio
     import concurrent.futures
 
-    from groundswell.protocol.plan import make_plan
+    from swarm_harness import attempt_0_with_two_leaders
 
     c = make_cluster(n=4, codec_name="fp32", min_peers=2, deadline_s=31.0, slack_s=1.0)
-    plan0 = make_plan(c.ctx.run_id, 0, 0, c.ids, c.ids, len(c.ctx.segment_numels), c.max_shards)
-    plan1 = make_plan(c.ctx.run_id, 0, 1, c.ids, c.ids, len(c.ctx.segment_numels), c.max_shards)
-    l0 = c.ids.index(plan0.leaders[0])
-    l1 = next(c.ids.index(p) for p in plan1.leaders if c.ids.index(p) != l0)
-    s0, s1 = c.nodes[l0].server, c.nodes[l1].server
-    xs = _inputs(4, c.numel, 10)
-    idle = next(i for i in range(4) if i not in (l0, l1))  # joins, never contributes: nobody closes early
-    runs = [c.nodes[i].submit(c.nodes[i].client.run_attempt(0, 0, None if i == idle else c.segments(xs[i]),
-                                                             trains=True, serves=True)) for i in range(4)]
+    two = attempt_0_with_two_leaders(c, seed=10)
+    plan0, plan1, l0, l1, s0, s1, runs = two.plan0, two.plan1, two.l0, two.l1, two.s0, two.s1, two.runs
     deadline = time.monotonic() + 20
-    while time.monotonic() < deadline and len(s0._sources(plan0, s0.attempts[(0, 0)])[1]) < 3:
-        time.sleep(0.1)
     stalled, wake = [], None
 
     async def install() -> None:
