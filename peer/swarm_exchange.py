@@ -210,15 +210,17 @@ class SwarmExchange:
         one whose outcome was learned late. Known if this peer fetched the round's aggregate (on
         time or catching up); else, where the mean is made from the signed contributions, the
         aggregate is fetched again to find out. None: not known here."""
-        client, book, ctx = self.node.client, self.node.book, self.node.ctx
-        if client is None or book is None or ctx is None:
+        client, book = self.node.client, self.node.book
+        if client is None or book is None:
             return None
-        if round_id not in client.own_scaled:
-            committed = book.committed.get(round_id)
-            # a dense codec's mean (made by its aggregators) does not say: taken whole there, as on time
-            if committed is None or not ships_contributions(ctx) or not ctx.robust.clip > 0:
-                return None if committed is None else ()
-            await client.fetch_aggregate(committed[0])  # notes own_scaled on the way
+        if round_id in client.own_scaled:
+            return client.own_scaled[round_id]
+        committed, ctx = book.committed.get(round_id), self.node.ctx
+        if committed is None or ctx is None:
+            return None
+        if not ships_contributions(ctx) or not ctx.robust.clip > 0:
+            return ()  # a dense codec's mean (made by its aggregators) does not say: taken whole, as on time
+        await client.fetch_aggregate(committed[0])  # notes own_scaled on the way
         return client.own_scaled.get(round_id)
 
     def announce(self, round_id: int) -> None:

@@ -125,7 +125,8 @@ def test_restored_contributions_are_settled_late_and_a_counted_one_leaves_the_er
 
     node = SimpleNamespace(book=SimpleNamespace(committed={r: (b"s", SimpleNamespace(round=r)) for r in (2, 3)}
                                                 if found else {}),
-                           client=SimpleNamespace(counts_ours=counts_ours, ask_decision=None),
+                           client=SimpleNamespace(counts_ours=counts_ours, ask_decision=None,
+                                                  own_scaled={r: () for r in range(6)}),  # fetched, not clipped
                            identity=SimpleNamespace(peer_id="me"), holders=lambda r: [])
     exchange = SwarmExchange(node)  # type: ignore[arg-type]
     exchange.restore_unsettled([unsettled_item(2, as_bytes[1], 1), unsettled_item(3, as_bytes[2], 2, retried=True),
@@ -157,7 +158,8 @@ def test_every_restored_contribution_is_settled_even_past_the_few_a_live_process
         return segments == sent[0]  # the oldest one's commit counted it
 
     node = SimpleNamespace(book=SimpleNamespace(committed={r: (b"s", SimpleNamespace(round=r)) for r in range(1, 6)}),
-                           client=SimpleNamespace(counts_ours=counts_ours, ask_decision=None),
+                           client=SimpleNamespace(counts_ours=counts_ours, ask_decision=None,
+                                                  own_scaled={r: () for r in range(6)}),  # fetched, not clipped
                            identity=SimpleNamespace(peer_id="me"), holders=lambda r: [])
     exchange = SwarmExchange(node)  # type: ignore[arg-type]
     exchange.restore_unsettled([*(unsettled_item(r, sent[r - 1], 5 - r) for r in range(1, 5)),
@@ -217,7 +219,7 @@ def test_a_commit_of_a_retried_attempt_adopted_later_takes_that_contribution_out
 
     node = _Node(None)
     node.book = SimpleNamespace(committed={0: (b"s", SimpleNamespace(round=0))})
-    node.client = SimpleNamespace(counts_ours=counts_ours)
+    node.client = SimpleNamespace(counts_ours=counts_ours, own_scaled={0: ()})  # its aggregate fetched, not clipped
     exchange = SwarmExchange(node)  # type: ignore[arg-type]
     exchange.restore_unsettled([unsettled_item(0, first_bytes, 1, retried=True)])  # as `_outcome` leaves it
     events: list[str] = []
