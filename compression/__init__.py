@@ -10,7 +10,14 @@ from .base import Codec, CodecError, Payload, all_finite
 from .dense import DenseCodec
 from .int8 import Int8Codec
 from .registry import CODEC_NAMES, codec_for_payload, make_codec
-from .robust import RobustOptions, RobustStats, contribution_sq_norm, robust_mean, tree_sum_of_squares
+from .robust import (
+    RobustOptions,
+    RobustStats,
+    contribution_sq_norm,
+    robust_mean,
+    robust_weights,
+    tree_sum_of_squares,
+)
 from .segments import (
     ALIGN,
     aggregate_segments,
@@ -39,6 +46,7 @@ __all__ = [
     "RobustStats",
     "contribution_sq_norm",
     "robust_mean",
+    "robust_weights",
     "tree_sum_of_squares",
     "SparseLoCoCodec",
     "codec_for_payload",

@@ -147,6 +147,19 @@ def robust_mean(codec: Codec, rows: Sequence[Sequence[Payload]], options: Robust
     return out
 
 
+def robust_weights(codec: Codec, rows: Sequence[Sequence[Payload]], options: RobustOptions) -> list[float]:
+    """The fp32 factor each contribution enters `robust_mean`'s clipped mean with (1.0: whole),
+    without computing the mean: a sparse contribution's norm comes from its kept entries alone."""
+    if options.clip <= 0:
+        return [1.0] * len(rows)
+    entries = getattr(codec, "entries", None)
+    if entries is not None and not options.trim:  # as `_sparse_clipped_mean` sums them
+        sq = [_row_sq_norm(v for _, v in (entries(p) for p in row)) for row in rows]
+    else:
+        sq = [contribution_sq_norm(codec, row) for row in rows]
+    return [1.0 if w >= 1.0 else float(torch.tensor(w, dtype=torch.float32)) for w in clip_weights(sq, options.clip)]
+
+
 def _note_clipped(stats: RobustStats, weights: list[float]) -> None:
     """Record which contributions were clipped, and the fp32 factor each was scaled by (the
     value the mean multiplied it by: its sender keeps the rest in its error feedback)."""

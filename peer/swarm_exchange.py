@@ -208,8 +208,8 @@ class SwarmExchange:
     async def own_scaled(self, round_id: int) -> tuple[tuple[int, int, float], ...] | None:
         """Where round `round_id`'s mean took our contribution clipped (`RoundResult.scaled`), for
         one whose outcome was learned late. Known if this peer fetched the round's aggregate (on
-        time or catching up); else, where the mean is made from the signed contributions, the
-        aggregate is fetched again to find out. None: not known here."""
+        time or catching up); else, where the mean is made from the signed contributions, those
+        are fetched again to work it out (not the mean). None: not known here."""
         client, book = self.node.client, self.node.book
         if client is None or book is None:
             return None
@@ -220,7 +220,7 @@ class SwarmExchange:
             return None
         if not ships_contributions(ctx) or not ctx.robust.clip > 0:
             return ()  # a dense codec's mean (made by its aggregators) does not say: taken whole, as on time
-        await client.fetch_aggregate(committed[0])  # notes own_scaled on the way
+        await client.note_own_scaled(committed[0])
         return client.own_scaled.get(round_id)
 
     def announce(self, round_id: int) -> None:

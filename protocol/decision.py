@@ -166,9 +166,10 @@ class Decider:
         asked = sorted((sealers & fenced) - {me})
         if not asked:
             return True  # sealed by us alone, or by contributors a claimer does not fence: nothing to ask
-        # A slack at most; once one confirmed, the rest get a short grace (one that froze since it
-        # sealed must not cost every commit a slack). One refusal is enough to stand back.
-        unconfirmed, fenced_off = await self._seal_all(signed, asked, [asked], timeout_s=self.ctx.slack_s,
+        # Two slacks at most (a link busy with the gather must not make an unraced leader stand
+        # back); once one confirmed, the rest get a short grace (one that froze since it sealed
+        # must not cost every commit that long). One refusal is enough to stand back.
+        unconfirmed, fenced_off = await self._seal_all(signed, asked, [asked], timeout_s=2 * self.ctx.slack_s,
                                                        role="sealer", confirm=True)
         if fenced_off or unconfirmed >= set(asked):
             log.warning("round %d attempt %d: commit not confirmed (%s); standing back", plan.round, plan.attempt,

@@ -12,7 +12,7 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
-from groundswell.compression import CodecError, Payload, RobustStats, robust_mean
+from groundswell.compression import CodecError, Payload, RobustStats, robust_mean, robust_weights
 
 from .context import contribution_digest, validate_segments
 from .envelope import unseal
@@ -72,6 +72,32 @@ class AggregateFetcher:
             log.warning("aggregate not held: %r", exc, exc_info=_unexpected(exc))
             raise PeerUnavailable(f"the round's aggregate could not be gathered: {exc}") from None
 
+    async def note_own_scaled(self, signed: bytes) -> None:
+        """Work out where a commit's mean took our contribution clipped (into `own_scaled`, as a
+        fetch notes it) from its shards' signed contributions, without computing the mean: what
+        a contribution settled late needs. Raises like `fetch_aggregate`."""
+        try:
+            decision, plan, shards = await self._hold(signed)
+            offsets = _offsets(self.ctx.segment_numels)
+            mine = decision.contributors.index(self.me) if self.me in decision.contributors else -1
+            scaled: list[tuple[int, int, float]] = []
+            for shard, agg in enumerate(shards):
+                if agg.mode != "signed" or mine < 0:
+                    continue  # a dense mean (made by its aggregators) does not say
+                first, stop = plan.shard_segments[shard]
+                weight = robust_weights(self.ctx.codec, self._checked_rows(decision, signed, shard, first, stop, agg),
+                                        self.ctx.robust)[mine]
+                if weight < 1.0:
+                    scaled.append((offsets[first], offsets[stop], weight))
+        except PeerUnavailable:
+            raise
+        except (MemoryError, torch.OutOfMemoryError):  # ours to report, not the peers' doing
+            raise
+        except Exception as exc:  # ProtocolError, CodecError, or a bug a hostile input found
+            log.warning("clip factors not worked out: %r", exc, exc_info=_unexpected(exc))
+            raise PeerUnavailable(f"the round's contributions could not be gathered: {exc}") from None
+        self.own_scaled[decision.round] = tuple(scaled)
+
     async def _hold(self, signed: bytes) -> tuple[Decision, RoundPlan, list[AggregateShard]]:
         decision = await self.server.verify_commit(signed)
         plan = await self.server.plan(decision.round, decision.attempt, wait_s=0)
@@ -90,11 +116,8 @@ class AggregateFetcher:
 
     async def _fetch_aggregate(self, signed: bytes, device: torch.device | str) -> torch.Tensor:
         decision, plan, shards = await self._hold(signed)
-        numels = self.ctx.segment_numels
-        out = torch.empty(sum(numels), dtype=torch.float32)
-        offsets = [0]
-        for n in numels:
-            offsets.append(offsets[-1] + n)
+        out = torch.empty(sum(self.ctx.segment_numels), dtype=torch.float32)
+        offsets = _offsets(self.ctx.segment_numels)
         codec = self.ctx.codec
         clipped: dict[str, int] = {}  # contributor -> shards in which its norm was clipped
         mine = decision.contributors.index(self.me) if self.me in decision.contributors else -1
@@ -130,9 +153,7 @@ class AggregateFetcher:
         hold (the leader scores them one by one before it decides)."""
         probe = Decision(plan.round, plan.attempt, "probe", list(contributors), [], [], self.me, list(sources),
                          plan.num_shards, 0.0, list(digests))
-        offsets = [0]
-        for n in self.ctx.segment_numels:
-            offsets.append(offsets[-1] + n)
+        offsets = _offsets(self.ctx.segment_numels)
         out = {c: torch.empty(offsets[-1], dtype=torch.float32) for c in contributors}
         budget = self.ctx.max_payload_bytes * max(1, len(contributors)) + MAX_SMALL
 
@@ -271,3 +292,11 @@ def _unexpected(exc: Exception) -> Exception | None:
     """`exc` when it is not one of the errors hostile bytes are refused with (then its traceback
     is worth a log line: a bug of ours that some input found), else None."""
     return None if isinstance(exc, (ProtocolError, CodecError)) else exc
+
+
+def _offsets(numels: Sequence[int]) -> list[int]:
+    """Where each segment starts in the flat vector, and where the last one ends."""
+    offsets = [0]
+    for n in numels:
+        offsets.append(offsets[-1] + n)
+    return offsets

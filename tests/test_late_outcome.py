@@ -198,23 +198,22 @@ def test_a_late_settle_takes_out_what_an_on_time_settle_would():
 
 @pytest.mark.parametrize("codec,clip,known,fetched,expected", [
     ("sparseloco", 1.0, {5: ((0, 8, 0.5),)}, False, ((0, 8, 0.5),)),  # noted when the aggregate came
-    ("sparseloco", 1.0, {}, True, ((8, 16, 0.25),)),  # not fetched here yet: fetched to find out
+    ("sparseloco", 1.0, {}, True, ((8, 16, 0.25),)),  # not fetched here yet: worked out from the contributions
     ("sparseloco", 0.0, {}, False, ()),  # no clipping in this run
     ("fp32", 1.0, {}, False, ()),  # a dense mean does not say: taken whole, as on time
 ])
 def test_where_the_mean_clipped_a_late_contribution_is_found_out(codec, clip, known, fetched, expected):
     fetches: list[bytes] = []
 
-    async def fetch_aggregate(signed, device="cpu"):
+    async def note_own_scaled(signed):
         fetches.append(signed)
-        client.own_scaled[5] = ((8, 16, 0.25),)  # as the real fetch notes it
-        return torch.zeros(1)
+        client.own_scaled[5] = ((8, 16, 0.25),)  # as the real client notes it
 
     node = _Node(None)
     node.ctx = SimpleNamespace(codec=SimpleNamespace(name=codec), robust=SimpleNamespace(clip=clip),
                                verify_aggregates=False)
     node.book = SimpleNamespace(committed={5: (b"signed", SimpleNamespace(round=5))})
-    client = node.client = SimpleNamespace(own_scaled=dict(known), fetch_aggregate=fetch_aggregate)
+    client = node.client = SimpleNamespace(own_scaled=dict(known), note_own_scaled=note_own_scaled)
     ex = SwarmExchange(node)  # type: ignore[arg-type]
     assert asyncio.run(ex.own_scaled(5)) == expected
     assert fetches == ([b"signed"] if fetched else [])

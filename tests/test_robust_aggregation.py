@@ -9,7 +9,14 @@ from pathlib import Path
 
 import pytest
 import torch
-from groundswell.compression import RobustOptions, RobustStats, make_codec, robust_mean, tree_sum_of_squares
+from groundswell.compression import (
+    RobustOptions,
+    RobustStats,
+    make_codec,
+    robust_mean,
+    robust_weights,
+    tree_sum_of_squares,
+)
 from groundswell.compression.robust import clip_weights
 
 sys.path.insert(0, str(Path(__file__).parent))
@@ -131,6 +138,22 @@ def test_means_written_into_the_callers_buffers_are_the_same_bits(codec_name, op
             robust_mean(codec, rows, options, out=bad)
 
 
+@pytest.mark.parametrize("options", [RobustOptions(clip=0.0), RobustOptions(clip=1.0), RobustOptions(clip=0.5),
+                                     RobustOptions(clip=1.0, trim=0.2)])
+@pytest.mark.parametrize("codec_name", ["fp32", "sparseloco"])
+def test_the_clip_factors_alone_are_the_ones_the_mean_takes(codec_name, options):
+    # A contribution settled late learns where the mean took it clipped without the mean itself.
+    codec = make_codec(codec_name)
+    g = torch.Generator().manual_seed(9)
+    rows = [[codec.encode(torch.randn(4096, generator=g) * s), codec.encode(torch.randn(1000, generator=g) * s)]
+            for s in (1.0, 2.0, 50.0, 0.5, 1.0)]
+    stats = RobustStats()
+    robust_mean(codec, rows, options, stats)
+    weights = robust_weights(codec, rows, options)
+    assert {c: w for c, w in enumerate(weights) if w < 1.0} == stats.weights
+    assert any(w < 1.0 for w in weights) == (options.clip > 0)
+
+
 def test_trimmed_mean_drops_the_extremes_per_coordinate():
     codec = make_codec("fp32")
     xs = [torch.full((8,), v) for v in (1.0, 2.0, 3.0, 4.0, 1e9)]
@@ -172,6 +195,12 @@ def test_a_scaled_contribution_is_clipped_on_every_peer(codec_name):
         assert all(0 < w < 2e-3 for _, _, w in mine)  # about the median norm over 1000x its own
         # an honest peer above the (lower) median is clipped a little too: it learns by how much
         assert all(0.5 < w < 1 for i in range(3) for _, _, w in c.nodes[i].client.own_scaled[0])
+        # a peer that settles its contribution late works the same factors out from the signed
+        # contributions alone (it did not fetch the mean)
+        for i in range(4):
+            client, noted = c.nodes[i].client, c.nodes[i].client.own_scaled.pop(0)
+            c.nodes[i].call(client.note_own_scaled(out[i].signed), timeout_s=60)
+            assert client.own_scaled[0] == noted
         honest = sum(xs[i] for i in range(3)) / 4
         # clipped to the median norm: the attacker moves the mean by about |x| / 4, not 1000 |x| / 4
         assert float((means[0] - honest).norm()) < 2 * float(xs[0].norm()) / 4
