@@ -178,9 +178,12 @@ def test_ctrl_c_lets_a_volunteer_finish_its_round_and_the_coordinator_checkpoint
             assert len(json.loads(res.stdout)["peers"]) == 3 and set(seen_by_dht) == {"coordinator", "volunteer"}
             assert seen_by_dht["volunteer"]["round"] >= 1 and seen_by_dht["coordinator"]["loss"] > 0
             assert seen_by_dht["volunteer"]["loss"] is None  # volunteers do not evaluate by default
-            # Ctrl+C right after a round: the peer is training the next one.
+            # Ctrl+C while the peer trains the next round (its 200 steps take seconds). Pressed
+            # the instant a round was logged, it could land before the next round began (a CI run
+            # under load): the peer then rightly left with no round to finish.
             seen = len(rounds("peer-0"))
             _wait(lambda: len(rounds("peer-0")) > seen, 60, "the next round")
+            time.sleep(1.0)
             pressed = time.time()
             sim.signal("peer-0", signal.SIGINT)
             peer0 = sim.procs["peer-0"].popen
