@@ -8,8 +8,8 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Callable, Sequence
-from typing import Any
+from collections.abc import Awaitable, Callable, Sequence
+from typing import Any, TypeVar
 
 import torch
 from groundswell.compression import CodecError, Payload, RobustStats, robust_mean, robust_weights
@@ -30,6 +30,7 @@ from .shards import REPORTING_CANDIDATES, decision_digests, ships_contributions
 from .transport import PeerUnavailable, ShardsUnavailable
 
 log = logging.getLogger(__name__)
+T = TypeVar("T")
 
 
 class AggregateFetcher:
@@ -49,54 +50,35 @@ class AggregateFetcher:
         """The committed mean of a round as one flat fp32 vector; raises PeerUnavailable if some
         shard cannot be had from anyone, or the commit does not check out (the caller then
         re-syncs the full state): whatever peers send, this never raises anything else."""
-        try:
-            return await self._fetch_aggregate(signed, device)
-        except PeerUnavailable:
-            raise
-        except (MemoryError, torch.OutOfMemoryError):  # ours to report, not the peers' doing
-            raise
-        except Exception as exc:  # ProtocolError, CodecError, or a bug a hostile input found: not applied
-            log.warning("aggregate not applied: %r", exc, exc_info=_unexpected(exc))
-            raise PeerUnavailable(f"the round's aggregate could not be assembled: {exc}") from None
+        return await _refusing_peer_faults(self._fetch_aggregate(signed, device),
+                                           "the round's aggregate could not be assembled")
 
     async def hold_aggregate(self, signed: bytes) -> None:
         """Fetch and check every shard of a commit (archived here), without computing the mean:
         what a leader needs in hand before it announces. Raises like `fetch_aggregate`."""
-        try:
-            await self._hold(signed)
-        except PeerUnavailable:
-            raise
-        except (MemoryError, torch.OutOfMemoryError):  # ours to report, not the peers' doing
-            raise
-        except Exception as exc:  # ProtocolError, CodecError, or a bug a hostile input found
-            log.warning("aggregate not held: %r", exc, exc_info=_unexpected(exc))
-            raise PeerUnavailable(f"the round's aggregate could not be gathered: {exc}") from None
+        await _refusing_peer_faults(self._hold(signed), "the round's aggregate could not be gathered")
 
     async def note_own_scaled(self, signed: bytes) -> None:
         """Work out where a commit's mean took our contribution clipped (into `own_scaled`, as a
         fetch notes it) from its shards' signed contributions, without computing the mean: what
         a contribution settled late needs. Raises like `fetch_aggregate`."""
-        try:
-            decision, plan, shards = await self._hold(signed)
-            offsets = _offsets(self.ctx.segment_numels)
-            mine = decision.contributors.index(self.me) if self.me in decision.contributors else -1
-            scaled: list[tuple[int, int, float]] = []
-            for shard, agg in enumerate(shards):
-                if agg.mode != "signed" or mine < 0:
-                    continue  # a dense mean (made by its aggregators) does not say
-                first, stop = plan.shard_segments[shard]
-                weight = robust_weights(self.ctx.codec, self._checked_rows(decision, signed, shard, first, stop, agg),
-                                        self.ctx.robust)[mine]
-                if weight < 1.0:
-                    scaled.append((offsets[first], offsets[stop], weight))
-        except PeerUnavailable:
-            raise
-        except (MemoryError, torch.OutOfMemoryError):  # ours to report, not the peers' doing
-            raise
-        except Exception as exc:  # ProtocolError, CodecError, or a bug a hostile input found
-            log.warning("clip factors not worked out: %r", exc, exc_info=_unexpected(exc))
-            raise PeerUnavailable(f"the round's contributions could not be gathered: {exc}") from None
-        self.own_scaled[decision.round] = tuple(scaled)
+        self.own_scaled.update(await _refusing_peer_faults(self._own_scaled(signed),
+                                                           "the round's contributions could not be gathered"))
+
+    async def _own_scaled(self, signed: bytes) -> dict[int, tuple[tuple[int, int, float], ...]]:
+        decision, plan, shards = await self._hold(signed)
+        offsets = _offsets(self.ctx.segment_numels)
+        mine = decision.contributors.index(self.me) if self.me in decision.contributors else -1
+        scaled: list[tuple[int, int, float]] = []
+        for shard, agg in enumerate(shards):
+            if agg.mode != "signed" or mine < 0:
+                continue  # a dense mean (made by its aggregators) does not say
+            first, stop = plan.shard_segments[shard]
+            weight = robust_weights(self.ctx.codec, self._checked_rows(decision, signed, shard, first, stop, agg),
+                                    self.ctx.robust)[mine]
+            if weight < 1.0:
+                scaled.append((offsets[first], offsets[stop], weight))
+        return {decision.round: tuple(scaled)}
 
     async def _hold(self, signed: bytes) -> tuple[Decision, RoundPlan, list[AggregateShard]]:
         decision = await self.server.verify_commit(signed)
@@ -286,6 +268,20 @@ class AggregateFetcher:
                 task.cancel()
             await asyncio.gather(*asking, return_exceptions=True)
         raise PeerUnavailable(f"no peer could provide shard {shard} of round {decision.round}")
+
+
+async def _refusing_peer_faults(work: Awaitable[T], failed: str) -> T:
+    """Await `work`; whatever other peers' bytes made it fail with becomes PeerUnavailable(failed),
+    so a caller that gets anything else knows it is its own trouble (memory) or a cancellation."""
+    try:
+        return await work
+    except PeerUnavailable:
+        raise
+    except (MemoryError, torch.OutOfMemoryError):  # ours to report, not the peers' doing
+        raise
+    except Exception as exc:  # ProtocolError, CodecError, or a bug a hostile input found: not used
+        log.warning("%s: %r", failed, exc, exc_info=_unexpected(exc))
+        raise PeerUnavailable(f"{failed}: {exc}") from None
 
 
 def _unexpected(exc: Exception) -> Exception | None:
