@@ -1,7 +1,7 @@
 """The serving half of the round protocol: aggregator, leader, and the archive of past rounds.
 
 Aggregator (`aggregator.py`, mixed in): holds contributors' shard payloads for an attempt, reports who is complete to the
-attempt's leader and backup leader, and on a commit `Seal` builds its shard's aggregate over
+attempt's leader and backup leader (`have_reports.py`), and on a commit `Seal` builds its shard's aggregate over
 exactly the decided contributors (refusing if it lacks any: wholly in or wholly out).
 Leader: waits until every expected trainer is complete in every shard, or the close (a slack
 before the deadline); picks
