@@ -107,10 +107,12 @@ class Participant:
         self.work_recorded = True  # False: work.pt could not be written for it (then it is not sent)
         if state_dir is not None:
             state_dir.mkdir(parents=True, exist_ok=True)
-            for stale in [*state_dir.glob("checkpoint-*.tmp"),
-                          *(state_dir / f"{name}.tmp" for name in ("contributed", "work", "outcome"))]:
+            # Every *.tmp here is a half-written file of a process killed mid-write (write_atomically's
+            # X.tmp, Identity.save's .identity.key.*.tmp): nothing else in a state dir is named so,
+            # and no other process writes here (the CLI holds the state dir's lock, locks.py).
+            for stale in state_dir.glob("*.tmp"):
                 try:
-                    stale.unlink(missing_ok=True)  # half-written by a process that was killed mid-write
+                    stale.unlink(missing_ok=True)
                 except OSError:  # an unwritable state dir is reported when we first write to it
                     pass
         self.events = EventLog(state_dir / "events.jsonl" if state_dir else None)
@@ -350,9 +352,10 @@ class Participant:
         state[DIGEST_KEY] = checkpoint_digest(state)  # a flipped byte loads; this does not match then
         try:
             write_atomically(path, lambda f: torch.save(state, f))
-        except OSError as exc:
-            log.error("checkpoint not written (%s); training continues from memory", exc)
-            self.events.write("checkpoint-failed", error=str(exc), peer=self.identity.peer_id)
+        except (OSError, MemoryError) as exc:  # MemoryError (torch.save's pickler): training goes on too
+            why = str(exc) or type(exc).__name__  # a bare MemoryError() says nothing
+            log.error("checkpoint not written (%s); training continues from memory", why)
+            self.events.write("checkpoint-failed", error=why, peer=self.identity.peer_id)
             return None
         prune_checkpoints(path, self.manifest.checkpoint.keep)
         return path

@@ -18,7 +18,7 @@ from .participant import Participant
 from .run_state import GlobalState
 from .state_trust import NoNewerState
 from .swarm_exchange import parse_unsettled
-from .work_file import read_work, resumable_work
+from .work_file import WORK_FILE, read_work, resumable_work
 
 log = logging.getLogger(__name__)
 
@@ -32,7 +32,9 @@ def resume_and_sync(p: Participant, bootstrap_peers: list[str]) -> dict | None:
         p.load_global(GlobalState(resumed["round"], resumed["tensors"], resumed["decision"]))
         record = unsettled = None
         if isinstance(p.outer, SparseLoCo) and p.state_dir is not None:
-            record = read_work(p.state_dir, p.outer.global_params.numel())
+            work_path = str(p.state_dir / WORK_FILE)
+            record = read_work(p.state_dir, p.outer.global_params.numel(), lambda why: p.events.write(
+                "work-corrupt", path=work_path, error=why, peer=p.identity.peer_id))
         if record is not None:
             # the newest record, whichever state we take: our checkpoints name it, so that a
             # later restart knows they are newer than it (see work_file.resumable_work)

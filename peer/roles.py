@@ -11,8 +11,9 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
-from groundswell.compression import Payload
-from groundswell.optim import RoundFailed, SparseLoCo
+import torch
+from groundswell.compression import CodecError, Payload
+from groundswell.optim import RoundFailed, SparseLoCo, copy_into_parameters
 from groundswell.protocol.client import RoundBehind
 from groundswell.protocol.schema import ProtocolError
 from groundswell.protocol.transport import PeerUnavailable
@@ -300,6 +301,9 @@ class _VolunteerLoop:
                 if not self._settle_one(item):
                     check_again.append(item)
                 settled += 1
+        except _UndecodableWork as exc:
+            self._drop_unsent_work(exc)
+            return
         except BaseException:
             # (the node went down, say) what was not settled yet is still open: kept, in order,
             # or a checkpoint written on the way out would forget it, counted or not
@@ -326,9 +330,12 @@ class _VolunteerLoop:
                         "the work stays ours", item.round_id)
             p.events.write("outcome-unknown", round=item.round_id, peer=p.identity.peer_id)
         elif included is None or included:
-            payloads = [Payload.from_bytes(seg, expect=p.outer.codec) for seg in item.segments]
             scaled = self._own_scaled(item.round_id) if included else ()
-            p.outer.settle_late(payloads, self.exchange.prepared - item.prepared, scaled)
+            try:  # segments read back from work.pt or a checkpoint, damaged past their digest's check
+                payloads = [Payload.from_bytes(seg, expect=p.outer.codec) for seg in item.segments]
+                p.outer.settle_late(payloads, self.exchange.prepared - item.prepared, scaled)
+            except CodecError as exc:  # (settle_late decodes before it changes anything)
+                raise _UndecodableWork(item.round_id, exc) from exc
             if included is None:  # see Unsettled.if_unknown
                 log.warning("round %d: whether its commit counted the contribution of our earlier process "
                             "is not known here; taken out of our work as counted", item.round_id)
@@ -337,6 +344,21 @@ class _VolunteerLoop:
                 log.info("round %d counted our contribution after all: taken out of our work", item.round_id)
                 p.events.write("included-late", round=item.round_id, peer=p.identity.peer_id)
         return True  # (EventLog.write handles its own failures: nothing after settling can raise)
+
+    def _drop_unsent_work(self, exc: _UndecodableWork) -> None:
+        """A contribution that counted (or is presumed to) cannot be taken out of our work: its
+        segments do not decode. Kept, that work would be sent a second time; so all our unsent
+        work goes (what was sent and settled is in the global parameters: only unsent work is
+        lost), and with it every open contribution, whose work it held."""
+        p = self.p
+        log.error("round %d: our stored contribution does not decode (%s): dropping our unsent work, which "
+                  "may hold it, rather than send it twice; training goes on", exc.round_id, exc.cause)
+        p.events.write("unsettled-corrupt", round=exc.round_id, error=str(exc.cause), peer=p.identity.peer_id)
+        if isinstance(p.outer, SparseLoCo):
+            p.outer.error = torch.zeros_like(p.outer.error)  # their work lives in the error feedback alone
+        else:  # DiLoCo: in the local progress (see DiLoCo._absorb_late)
+            copy_into_parameters(p.outer.global_params, p.outer.params)
+        self.exchange.unsettled.clear()  # settled later against zero work, each would be taken out again
 
     def _own_scaled(self, round_id: int) -> tuple[tuple[int, int, float], ...]:
         """Where the round's mean took our late-settled contribution clipped; that part stays in
@@ -353,6 +375,14 @@ class _VolunteerLoop:
                      round_id, why)
             return ()
         return scaled
+
+
+class _UndecodableWork(Exception):
+    """A stored contribution to settle late whose segments do not decode (see `_drop_unsent_work`)."""
+
+    def __init__(self, round_id: int, cause: CodecError) -> None:
+        super().__init__(f"round {round_id}: {cause}")
+        self.round_id, self.cause = round_id, cause
 
 
 def _swarm_eval_loss(p: Participant) -> float:

@@ -4,10 +4,13 @@ the one just written."""
 
 from __future__ import annotations
 
+import logging
 import os
 from collections.abc import Callable
 from pathlib import Path
 from typing import IO
+
+log = logging.getLogger(__name__)
 
 
 def fsync_dir(path: Path) -> None:
@@ -21,7 +24,7 @@ def fsync_dir(path: Path) -> None:
 
 def write_atomically(path: Path, write: Callable[[IO[bytes]], None]) -> None:
     """Write `path` through `write(file)` so that it holds either its old or its whole new content,
-    even after a power loss; OSError (disk full, read-only dir) leaves no temp file behind.
+    even after a power loss; a failed or interrupted write leaves no temp file behind.
     torch.save reports a full disk as a RuntimeError from its zip writer: that is an OSError here."""
     tmp = path.with_suffix(".tmp")
     try:
@@ -30,13 +33,39 @@ def write_atomically(path: Path, write: Callable[[IO[bytes]], None]) -> None:
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, path)
-        fsync_dir(path.parent)  # the rename itself survives a power loss
-    except OSError:
-        tmp.unlink(missing_ok=True)
-        raise
     except RuntimeError as exc:
-        tmp.unlink(missing_ok=True)
+        _discard(tmp)
         raise OSError(f"writing {path.name} failed: {exc}") from exc
+    except BaseException:  # a second Ctrl+C, a MemoryError or a pickling error mid-write too
+        _discard(tmp)
+        raise
+    # The new file is in place from here on: a failure now must not read as "not written" (callers
+    # would then prune nothing, send nothing, or take contributed.json to name the attempt before).
+    try:
+        fsync_dir(path.parent)  # the rename itself survives a power loss
+    except OSError as exc:  # some filesystems refuse fsync on a directory (EINVAL), or a one-off EIO
+        _warn_not_durable(path, exc)
+
+
+def _discard(tmp: Path) -> None:
+    # A temp file that cannot be removed now is removed at the next start (Participant): its
+    # OSError must not replace the error that stopped the write.
+    try:
+        tmp.unlink(missing_ok=True)
+    except OSError:
+        pass
+
+
+_WARNED: set[tuple[Path, int | None]] = set()  # (directory, errno) already warned about
+
+
+def _warn_not_durable(path: Path, exc: OSError) -> None:
+    # Once per directory and error: a filesystem that always refuses would repeat it every round.
+    key = (path.parent, exc.errno)
+    level = logging.DEBUG if key in _WARNED else logging.WARNING
+    _WARNED.add(key)
+    log.log(level, "%s was written, but its directory could not be synced (%s): the write may not "
+            "survive a power loss", path.name, exc)
 
 
 def checkpoint_path(state_dir: Path, round_id: int) -> Path:

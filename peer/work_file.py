@@ -26,6 +26,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -33,6 +34,7 @@ from typing import Any
 import torch
 from groundswell.compression import all_finite
 
+from .checkpoint_check import DIGEST_KEY, checkpoint_digest
 from .state_files import write_atomically
 from .swarm_exchange import parse_unsettled, unsettled_item
 
@@ -79,17 +81,27 @@ def read_contributed(state_dir: Path) -> dict[str, Any] | None:
 def contributed_marker(data: dict[str, Any] | None) -> dict[int, int]:
     """{round: attempt} of the contribution contributed.json names ({} if none, or malformed):
     what a settled checkpoint records as the last outcome it holds."""
+    if data is None:
+        return {}
     try:
-        return {} if data is None else {int(data["round"]): int(data["attempt"])}
-    except (KeyError, TypeError, ValueError) as exc:
+        round_id, attempt = data["round"], data["attempt"]
+    except (KeyError, TypeError) as exc:
         log.warning("%s is unreadable (%r); ignoring it", CONTRIBUTED_FILE, exc)
         return {}
+    # Exactly what we write: JSON ints. int() took true as 1, "7" as 7, and raised OverflowError
+    # out of start-up for 1e999 (JSON reads it as inf).
+    if type(round_id) is not int or type(attempt) is not int:
+        log.warning("%s is unreadable (round %r, attempt %r); ignoring it", CONTRIBUTED_FILE, round_id,
+                    attempt)
+        return {}
+    return {round_id: attempt}
 
 
 def write_work(state_dir: Path, record: WorkRecord) -> bool:
     """Write the record atomically; False (and a log line) if the disk refuses it."""
     state = {"token": record.token, "before": json.dumps(record.before), "round": record.round_id,
              "error": record.error.detach().cpu(), "sent": [record.own, *record.earlier]}
+    state[DIGEST_KEY] = checkpoint_digest(state)  # torch.load reads a flipped byte in a segment as is
     try:
         write_atomically(state_dir / WORK_FILE, lambda f: torch.save(state, f))
     except OSError as exc:
@@ -98,25 +110,35 @@ def write_work(state_dir: Path, record: WorkRecord) -> bool:
     return True
 
 
-def read_work(state_dir: Path, numel: int) -> WorkRecord | None:
-    """The record in `state_dir`, if there is one that fits a model of `numel` parameters."""
+def read_work(state_dir: Path, numel: int, report: Callable[[str], None] = lambda why: None
+              ) -> WorkRecord | None:
+    """The record in `state_dir`, if there is one that fits a model of `numel` parameters; one
+    that is there but cannot be used is logged and `report`ed (why), and None is returned."""
     path = state_dir / WORK_FILE
     if not path.exists():
         return None
     try:
         state = torch.load(path, weights_only=True, map_location="cpu")
+        # A record without a digest is refused too: a damaged key name reads so, and refusing one
+        # written by an older version costs what an unreadable record costs (the checkpoint's rule:
+        # its work is kept unless a contribution was sent since it), never work sent twice.
+        if not isinstance(state, dict) or state.get(DIGEST_KEY) != checkpoint_digest(state):
+            raise ValueError("its contents do not match its digest")
         sent = parse_unsettled(state["sent"])
         error = state["error"]
         record = WorkRecord(str(state["token"]), json.loads(state["before"]), int(state["round"]), error,
                             sent[0], sent[1:])
     except Exception as exc:  # noqa: BLE001 (a torn or foreign file: torch raises many types)
-        log.warning("%s is unreadable (%s); ignoring it", path.name, exc)
-        return None
+        return _unusable(path, f"unreadable: {exc}", report)
     if not isinstance(error, torch.Tensor) or error.dtype != torch.float32 or error.shape != (numel,) \
             or not all_finite(error):
-        log.warning("%s does not fit this model; ignoring it", path.name)
-        return None
+        return _unusable(path, "it does not fit this model", report)
     return record
+
+
+def _unusable(path: Path, why: str, report: Callable[[str], None]) -> None:
+    log.warning("%s is not used (%s)", path.name, why)
+    report(why)
 
 
 def resumable_work(record: WorkRecord, state_dir: Path, checkpoint_settled: Any, checkpoint_work: Any

@@ -368,3 +368,17 @@ def test_a_crashed_processs_last_contribution_presumed_counted_is_never_forgotte
                          + [unsettled_item(r, [bytes([r])], 5 - r) for r in range(2, 7)])
     ex._keep_newest()
     assert [(u.round_id, u.if_unknown) for u in ex.unsettled] == [(1, True), (4, False), (5, False), (6, False)]
+
+
+@pytest.mark.parametrize("counted", [True, None])  # None: presumed counted (a crashed process's last)
+def test_a_stored_contribution_that_does_not_decode_drops_our_unsent_work_not_the_peer(counted):
+    """A segment read back from a damaged record or checkpoint does not decode: its work cannot
+    be taken out of the error feedback, and kept it would be sent twice. The error feedback goes
+    (and every open contribution with it, or each would be taken out of nothing later); the peer
+    carries on. It used to stop with the CodecError."""
+    loop, outer, _, events = _loop(counted)
+    loop.exchange.take_unsettled = lambda below: [Unsettled(0, [b"\x93garbled"], counted, 2, if_unknown=True)]
+    loop.exchange.unsettled = [Unsettled(4, [b"later"], None, 3)]  # open, its round not past yet
+    loop.settle_late()
+    assert torch.equal(outer.error, torch.zeros_like(outer.error))
+    assert events == ["unsettled-corrupt"] and loop.exchange.unsettled == []

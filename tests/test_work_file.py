@@ -318,3 +318,72 @@ def test_a_malformed_list_of_unsettled_contributions_is_refused(change):
     with pytest.raises(ValueError):
         parse_unsettled([dict(good, **change)])
     assert unsettled_from({"unsettled": [dict(good, **change)]}) == []
+
+
+def _flip_in_file(path, needle: bytes) -> None:
+    raw = bytearray(path.read_bytes())
+    at = bytes(raw).find(needle)
+    assert at >= 0
+    raw[at + 3] ^= 0x01
+    path.write_bytes(bytes(raw))
+
+
+def test_a_work_record_with_a_flipped_byte_or_no_digest_is_refused(tmp_path):
+    # torch.load reads a flipped byte inside a segment as is: a restart then settled a contribution
+    # that was never sent (a crash at every start, or work counted twice)
+    segment = b"the segment we sent, as bytes"
+    journal = WorkJournal(tmp_path, enabled=True)
+    journal.start()
+    assert journal.record(0, torch.zeros(10), [segment], [])
+    assert read_work(tmp_path, 10).own["segments"] == [segment]
+    _flip_in_file(tmp_path / "work.pt", segment)
+    assert read_work(tmp_path, 10) is None  # it read back as b"the!segment ..."
+    reasons: list[str] = []
+    assert read_work(tmp_path, 10, reasons.append) is None
+    assert len(reasons) == 1 and "digest" in reasons[0]
+    journal.start()
+    assert journal.record(0, torch.zeros(10), [segment], [])
+    state = torch.load(tmp_path / "work.pt", weights_only=True)
+    del state["digest"]  # as an older version wrote it, or a damaged key name reads
+    torch.save(state, tmp_path / "work.pt")
+    assert read_work(tmp_path, 10) is None
+
+
+def test_a_damaged_work_record_is_reported_and_never_sends_work_twice(tmp_path, corpus):
+    """The record of a contribution that went out is damaged: the restart reports it and falls
+    back on the checkpoint, whose work the contribution sent part of (so it is dropped)."""
+    from groundswell.peer.participant import genesis_decision
+    from groundswell.peer.resume import resume_and_sync
+
+    participant = _factory(tmp_path, corpus, outer={"algorithm": "sparseloco"})
+    p = participant()
+    p.outer.round_id = 3
+    p.outer.error = torch.ones_like(p.outer.global_params)
+    p._snapshot = GlobalState(3, {"global_params": p.outer.global_params.clone()},
+                              genesis_decision(p.identity, "unit"))
+    assert p.save_checkpoint() is not None
+    journal = WorkJournal(p.state_dir, enabled=True)
+    p.work_token = journal.start()
+    segment = b"the segment we sent, as bytes"
+    assert journal.record(3, 2 * torch.ones_like(p.outer.error), [segment], [])
+    p._remember_contribution(3, 0)
+    _flip_in_file(p.state_dir / "work.pt", segment)
+
+    again = participant()
+    _offline(again)
+    resumed = resume_and_sync(again, [])
+    assert bool((again.outer.error == 0).all()) and not resumed.get("unsettled")
+    assert "work-corrupt" in _events(tmp_path) and "unsent-work-dropped" in _events(tmp_path)
+
+
+@pytest.mark.parametrize("text", ['{"round": 1e999, "attempt": 0}', '{"round": 7, "attempt": -1e999}',
+                                  '{"round": true, "attempt": 0}', '{"round": "7", "attempt": 0}',
+                                  '{"round": 7.0, "attempt": 0}'])
+def test_a_contributed_marker_of_other_types_is_unreadable_not_a_crash(tmp_path, text):
+    # 1e999 is inf in JSON: int() raised OverflowError out of start-up; true, "7", 7.0 were taken
+    from groundswell.peer.work_file import contributed_marker, read_contributed
+
+    (tmp_path / "contributed.json").write_text('{"round": 7, "att')  # torn by a crash
+    unreadable = contributed_marker(read_contributed(tmp_path))
+    (tmp_path / "contributed.json").write_text(text)
+    assert contributed_marker(read_contributed(tmp_path)) == unreadable == {}

@@ -1,0 +1,110 @@
+"""Files in a state dir are written whole or not at all: an interrupted write leaves no temp file
+(and a restart removes any a killed process left), and a directory that refuses fsync after the
+rename does not turn a file that is in place into one "not written"."""
+
+from __future__ import annotations
+
+import errno
+import json
+import os
+import pickle
+import stat
+
+import pytest
+import torch
+from groundswell.peer.run_state import GlobalState
+from groundswell.peer.state_files import write_atomically
+from test_resume import _factory
+
+
+def _refuse_directory_fsync(monkeypatch) -> list[int]:
+    """os.fsync raises EINVAL for a directory, as some filesystems do; returns the refused fds."""
+    real, refused = os.fsync, []
+
+    def fsync(fd: int) -> None:
+        if stat.S_ISDIR(os.fstat(fd).st_mode):
+            refused.append(fd)
+            raise OSError(errno.EINVAL, "Invalid argument")
+        real(fd)
+
+    monkeypatch.setattr(os, "fsync", fsync)
+    return refused
+
+
+def _events(p) -> list[dict]:
+    return [json.loads(line) for line in (p.state_dir / "events.jsonl").read_text().splitlines()]
+
+
+def _at_round(p, round_id: int):
+    from groundswell.peer.participant import genesis_decision
+
+    p.outer.round_id = round_id
+    p._snapshot = GlobalState(round_id, {"global_params": p.outer.global_params.clone()},
+                              genesis_decision(p.identity, "unit"))
+    return p
+
+
+def test_a_file_whose_directory_refuses_fsync_is_written(tmp_path, monkeypatch, caplog):
+    path = tmp_path / "contributed.json"
+    path.write_bytes(b"old")
+    refused = _refuse_directory_fsync(monkeypatch)
+    write_atomically(path, lambda f: f.write(b"new"))  # returns: the new file is in place
+    assert refused and path.read_bytes() == b"new"
+    assert not list(tmp_path.glob("*.tmp"))
+    assert "may not survive a power loss" in caplog.text
+
+
+def test_a_checkpoint_whose_directory_refuses_fsync_counts_and_older_ones_are_pruned(tmp_path, corpus,
+                                                                                     monkeypatch):
+    # It used to be "not written": checkpoints piled up, never pruned, on such a filesystem.
+    p = _at_round(_factory(tmp_path, corpus, checkpoint={"keep": 1})(), 1)
+    first = p.save_checkpoint()
+    assert first is not None
+    _refuse_directory_fsync(monkeypatch)
+    second = _at_round(p, 2).save_checkpoint()
+    assert second is not None and second.exists() and not first.exists()
+    assert p.load_checkpoint()["round"] == 2
+
+
+@pytest.mark.parametrize("error", [KeyboardInterrupt(), MemoryError(), pickle.PicklingError("a lambda")])
+def test_an_interrupted_write_leaves_no_temp_file_and_the_old_file_whole(tmp_path, error):
+    path = tmp_path / "work.pt"
+    path.write_bytes(b"old")
+
+    def write(f) -> None:
+        f.write(b"half of it")
+        raise error  # a second Ctrl+C, memory running out, torch.save failing to pickle
+
+    with pytest.raises(type(error)):
+        write_atomically(path, write)
+    assert path.read_bytes() == b"old"
+    assert not list(tmp_path.glob("*.tmp"))
+
+
+def test_a_checkpoint_that_runs_out_of_memory_is_reported_and_training_goes_on(tmp_path, corpus, monkeypatch):
+    p = _at_round(_factory(tmp_path, corpus)(), 3)
+    saved = p.save_checkpoint()
+    before = saved.read_bytes()
+
+    def out_of_memory(state, f) -> None:
+        f.write(b"part of a checkpoint")
+        raise MemoryError
+
+    monkeypatch.setattr(torch, "save", out_of_memory)
+    assert _at_round(p, 4).save_checkpoint() is None  # reported, not raised
+    assert saved.read_bytes() == before
+    assert not list(p.state_dir.glob("*.tmp"))
+    assert any(e["kind"] == "checkpoint-failed" and e["error"] == "MemoryError" for e in _events(p))
+
+
+def test_a_restart_removes_every_half_written_file_a_killed_process_left(tmp_path, corpus):
+    participant = _factory(tmp_path, corpus)
+    state = participant().state_dir
+    stale = ["manifest.tmp", "bootstrap.tmp", "address.tmp", "contributed.tmp", "work.tmp", "outcome.tmp",
+             "checkpoint-00000009.tmp", ".identity.key.x1y2.tmp"]  # the last: Identity.save's
+    for name in stale:
+        (state / name).write_bytes(b"half")
+    (state / "manifest.signed").write_bytes(b"kept")
+    participant()
+    assert not list(state.glob("*.tmp")), "a restart leaves half-written files behind"
+    assert (state / "manifest.signed").read_bytes() == b"kept"
