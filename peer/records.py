@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import logging
+import math
 import time
 from concurrent.futures import Future
 from typing import Any
@@ -40,6 +41,8 @@ class PeerRecords:
 
     def update_record(self, **changes: Any) -> None:
         """Change fields of the record the heartbeat publishes."""
+        if "loss" in changes and not math.isfinite(changes["loss"]):
+            del changes["loss"]  # records refuse non-finite floats: a diverged loss would hide the whole record
         self.record = dataclasses.replace(self.record, **changes)
 
     @staticmethod

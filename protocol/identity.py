@@ -84,11 +84,15 @@ def _public_key_from_peer_id(peer_id: str) -> Ed25519PublicKey:
         raise IdentityError(f"peer id {peer_id!r} is not canonically encoded")
     if bytes(key.data) in _SMALL_ORDER_KEYS:  # signatures "verify" for these without any private key
         raise IdentityError(f"peer id {peer_id!r} holds a small-order Ed25519 key")
+    # y >= p spells a point twice (y - p is the canonical spelling), and y = p, p + 1 are small
+    # order: OpenSSL accepts such keys, so one key must not have two peer ids
+    if int.from_bytes(key.data, "little") & ((1 << 255) - 1) >= _P:
+        raise IdentityError(f"peer id {peer_id!r} holds a non-canonical Ed25519 key")
     return Ed25519PublicKey.from_public_bytes(key.data)
 
 
 # Encodings of the 8 small-order points of edwards25519 (with their sign-bit twins and the
-# non-canonical spellings of y = 1 and y = -1): no honest key is one of them.
+# non-canonical spellings of y = 0, y = 1 and y = -1): no honest key is one of them.
 _SMALL_ORDER_KEYS = frozenset(bytes.fromhex(h) for h in (
     "01" + "00" * 31, "01" + "00" * 30 + "80",
     "ec" + "ff" * 30 + "7f", "ec" + "ff" * 31,
@@ -98,7 +102,9 @@ _SMALL_ORDER_KEYS = frozenset(bytes.fromhex(h) for h in (
     "c7176a703d4dd84fba3c0b760d10670f2a2053fa2c39ccc64ec7fd7792ac037a",
     "c7176a703d4dd84fba3c0b760d10670f2a2053fa2c39ccc64ec7fd7792ac03fa",
     "ee" + "ff" * 30 + "7f", "ee" + "ff" * 31,
+    "ed" + "ff" * 30 + "7f", "ed" + "ff" * 31,
 ))
+_P = (1 << 255) - 19  # the field prime of edwards25519
 
 
 def verify(peer_id: str, data: bytes, signature: bytes) -> bool:

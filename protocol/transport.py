@@ -225,6 +225,8 @@ class Transport:
                 self._log_rejection(handler, exc.reason, remote, str(exc))
             except (TimeoutError, asyncio.IncompleteReadError, ConnectionError) as exc:
                 log.debug("%s request from %s ended early: %r", handler, remote[-8:], exc)
+            except Exception:  # a bug some request found: logged here, not left to hivemind's callback
+                log.exception("%s handler failed on a request from %s", handler, remote[-8:])
             finally:
                 if release is not None:
                     release()

@@ -107,7 +107,7 @@ def _scalar_strategy(hint: type, meta: typing.Mapping) -> st.SearchStrategy:
     if hint is int:
         return st.integers(min_value=meta["lo"], max_value=meta["hi"])
     if hint is float:
-        return st.floats(min_value=meta["lo"], max_value=meta["hi"], allow_nan=False)
+        return st.floats(min_value=meta["lo"], max_value=meta["hi"], allow_nan=False, allow_infinity=False)
     if hint is str:
         return st.text(max_size=min(meta["max_len"], 24))
     if hint is bytes:

@@ -429,3 +429,34 @@ def test_encoders_reject_integer_tensors() -> None:
     for name in CODEC_NAMES:
         with pytest.raises(CodecError):
             make_codec(name).encode(torch.arange(10))
+
+
+def test_nested_containers_in_a_payload_are_refused_before_they_are_built() -> None:
+    import tracemalloc
+
+    def tree(depth: int) -> bytes:  # 16-wide nested arrays: within every array-length cap
+        return b"\x90" if depth == 0 else b"\xdc\x00\x10" + tree(depth - 1) * 16
+
+    bomb = msgpack.packb([WIRE_VERSION, "sparseloco", [], {}], use_bin_type=True)
+    bomb = b"\x95" + bomb[1:] + b"\x81\xa1k" + tree(5)  # 1 MB: a buffer that is a tree
+    in_params = _envelope()[:-1]  # a params map whose value is a tree, not a scalar
+    tracemalloc.start()
+    try:
+        with pytest.raises(CodecError):
+            Payload.from_bytes(bomb)
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert peak < 4 * len(bomb)
+    with pytest.raises(CodecError):
+        Payload.from_bytes(_envelope(params={"k": [[]] * 4}))
+    with pytest.raises(CodecError):
+        Payload.from_bytes(in_params)  # cut short
+    with pytest.raises(CodecError, match="bytes after"):
+        Payload.from_bytes(VALID["fp32"] + b"\x00")
+
+
+def test_an_empty_shape_cannot_hide_a_dimension_no_tensor_can_take() -> None:
+    for shape in ([0, 2**63], [2**40, 0]):
+        with pytest.raises(CodecError, match="dimension"):
+            _decode_any(_envelope(shape=shape, buffers={}))

@@ -197,3 +197,20 @@ def test_save_makes_the_new_name_durable_too(tmp_path, ident, monkeypatch):
     monkeypatch.setattr(os, "fsync", spy)
     ident.save(tmp_path / "id.key")
     assert os.path.realpath(tmp_path) in synced
+
+
+@pytest.mark.parametrize("key_hex", [
+    "ed" + "ff" * 30 + "7f", "ed" + "ff" * 31,  # y = p: a non-canonical spelling of y = 0, small order
+    "f0" + "ff" * 30 + "7f", "ff" * 32,  # y = p + 3, 2**255 - 1: other spellings of a point, once more
+])
+def test_a_peer_id_whose_key_spells_y_at_or_over_p_is_refused(key_hex):
+    # OpenSSL accepts these keys; for y = p, the all-zero-S signature with R = the identity
+    # verifies for about a quarter of all messages, so anyone could sign as that peer id.
+    from groundswell.protocol.identity import (
+        IdentityError,
+        peer_id_from_public_bytes,
+        public_key_from_peer_id,
+    )
+
+    with pytest.raises(IdentityError):
+        public_key_from_peer_id(peer_id_from_public_bytes(bytes.fromhex(key_hex)))

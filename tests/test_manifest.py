@@ -151,6 +151,26 @@ def test_missing_file(tmp_path):
         load_manifest_toml(tmp_path / "nope.toml")
 
 
+def test_a_signed_manifest_of_nested_arrays_is_refused_before_they_are_built():
+    import tracemalloc
+
+    def tree(depth: int) -> bytes:  # 8-wide nested empty arrays: ~64 bytes of Python objects per byte, if built
+        return b"\x90" if depth == 0 else b"\x98" + tree(depth - 1) * 8
+
+    wire = sign_manifest(load_manifest_toml(EXAMPLE), COORD).to_bytes()
+    bomb = wire[:-66] + tree(6)  # the signature slot (bin8 of 64 bytes) holds a 0.3 MB tree
+    tracemalloc.start()
+    try:
+        with pytest.raises(ManifestError):
+            SignedManifest.from_bytes(bomb)
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert peak < 4 * len(bomb)
+    with pytest.raises(ManifestError, match="after its 4 fields"):
+        SignedManifest.from_bytes(wire + b"\x00")
+
+
 def test_sign_verify_round_trip():
     m = load_manifest_toml(EXAMPLE)
     signed = sign_manifest(m, COORD)

@@ -224,3 +224,68 @@ def test_fuzz_unseal_structured():
     print(f"fuzz inputs tried: {len(tried)}")
     assert len(tried) >= MIN_FUZZ
 
+
+
+# --- nested containers and other spellings -------------------------------------------------------
+def _tree(width: int, depth: int) -> bytes:
+    """Nested msgpack arrays, `width` wide (within every array-length cap), empty arrays at the
+    bottom: ~64 bytes of Python objects per input byte, if built."""
+    return b"\x90" if depth == 0 else bytes([0x90 | width]) + _tree(width, depth - 1) * width
+
+
+def _peak_bytes(call) -> int:
+    """Peak memory traced while `call()` raises ProtocolError (it must)."""
+    import tracemalloc
+
+    tracemalloc.start()
+    try:
+        with pytest.raises(ProtocolError):
+            call()
+        return tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+
+
+def test_nested_containers_are_refused_before_they_are_built():
+    # A tree of empty arrays where a signature or a field belongs: msgpack used to build it all
+    # (a 19 MB envelope: 1.3 GB and 4 s, before the signature was even checked).
+    fields = _fields(seal(ID, RUN, EXAMPLES["ack"]))
+    head = _repack(fields[:6])[1:]  # the first six fields, without their array header
+    envelope = b"\x97" + head + _tree(8, 7)  # 2.4 MB
+    assert _peak_bytes(lambda: unseal(envelope, RUN, Ack, max_bytes=len(envelope))) < 4 * len(envelope)
+    from groundswell.protocol.schema import decode_message
+
+    message = b"\x92\xa3ack" + _tree(8, 6)  # the fields list itself holds the tree (0.3 MB)
+    assert _peak_bytes(lambda: decode_message(message, ALL, max_bytes=len(message))) < 4 * len(message)
+    listed = b"\x92\xa3ack\x92\xc3" + _tree(8, 6)  # and where a single value belongs
+    with pytest.raises(ProtocolError, match=r"ack\.reason"):
+        decode_message(listed, ALL, max_bytes=len(listed))
+
+
+def _respelled(envelope: bytes) -> list[bytes]:
+    """The same fields in other valid msgpack spellings than `seal` writes."""
+    version, run, sender, nonce, ts, body, sig = _fields(envelope)
+    packed = [_repack(v) for v in (version, run, sender, nonce, ts, body, sig)]
+
+    def spell(i: int, raw: bytes) -> bytes:
+        return b"\x97" + b"".join(raw if j == i else p for j, p in enumerate(packed))
+
+    return [
+        spell(0, b"\xcc" + bytes([version])),  # uint8 instead of a fixint
+        spell(1, b"\xd9" + bytes([len(run)]) + run.encode()),  # str8 instead of a fixstr
+        spell(3, b"\xc5" + len(nonce).to_bytes(2, "big") + nonce),  # bin16 instead of bin8
+        spell(5, b"\xc6" + len(body).to_bytes(4, "big") + body),  # bin32 instead of bin8
+        spell(6, b"\xc5" + len(sig).to_bytes(2, "big") + sig),
+        b"\xdc\x00\x07" + b"".join(packed),  # array16 header
+    ]
+
+
+def test_a_sealed_message_has_one_spelling_only():
+    # Peers use a signed commit's bytes as its identity; a relay that re-spelled one (the
+    # signature covers the decoded fields) could make peers hold two versions of one commit.
+    envelope = seal(ID, RUN, EXAMPLES["decision"])
+    assert unseal(envelope, RUN, Decision)[1] == EXAMPLES["decision"]
+    for variant in _respelled(envelope):
+        assert variant != envelope and msgpack.unpackb(variant, raw=False) == _fields(envelope)
+        with pytest.raises(ProtocolError, match="canonical"):
+            unseal(variant, RUN, Decision)

@@ -135,11 +135,11 @@ def _wrong_values(hint: typing.Any, meta: typing.Mapping) -> list:
             out.append(meta["hi"] + 1)
         return out
     if hint is float:
-        out = [True, False, "1.0", b"", None, [], math.nan, -math.nan]
+        out = [True, False, "1.0", b"", None, [], math.nan, -math.nan, math.inf, -math.inf]
         if meta["lo"] is not None:
-            out += [meta["lo"] - 0.5, -math.inf]
+            out.append(meta["lo"] - 0.5)
         if meta["hi"] is not None:
-            out += [meta["hi"] + 0.5, math.inf]
+            out.append(meta["hi"] + 0.5)
         return out
     if hint is str:
         out = [1, 0, True, b"x", None, ["x"], 1.5]
