@@ -10,14 +10,17 @@ import functools
 import json
 import os
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from pathlib import Path
-from typing import Any, Optional
+from typing import TYPE_CHECKING, Any, Optional
 
 import typer
 from rich.console import Console
 from rich.markup import escape
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+if TYPE_CHECKING:
+    from .config import TrainLocalConfig
 
 app = typer.Typer(add_completion=False, no_args_is_help=True, help="groundswell: decentralized training peer.")
 bench_app = typer.Typer(no_args_is_help=True, help="Benchmarks that compare against a baseline measured in the same run.")
@@ -65,9 +68,11 @@ def _set_threads(threads: int) -> None:
         torch.set_num_threads(threads)
 
 
-def _load_config(config: Optional[Path], overrides: dict[str, Any], sets: list[str]):
-    from .config import ConfigError, TrainLocalConfig, from_mapping, replace_path
+def _load_config(config: Optional[Path], overrides: dict[str, Any], sets: list[str]) -> TrainLocalConfig:
+    """The train-local config: the file, then the flags, then every --set, merged and validated once."""
+    from .config import ConfigError, TrainLocalConfig, from_mapping, set_path
 
+    data: dict[str, Any] = {}
     if config is not None:
         import tomllib
 
@@ -77,12 +82,11 @@ def _load_config(config: Optional[Path], overrides: dict[str, Any], sets: list[s
             data = tomllib.loads(config.read_text())
         except (tomllib.TOMLDecodeError, UnicodeDecodeError) as exc:
             raise ConfigError(f"{config}: not valid TOML: {exc}") from None
-        cfg = from_mapping(TrainLocalConfig, data)
-    else:
-        cfg = TrainLocalConfig()
+    # One mapping, checked once: checked after each override, a valid final config could be
+    # refused for a value that a later override replaces (see config.set_path).
     for key, value in overrides.items():
         if value is not None:
-            cfg = replace_path(cfg, key, value)
+            set_path(data, TrainLocalConfig, key, value)
     for item in sets:
         key, sep, raw = item.partition("=")
         if not sep:
@@ -93,8 +97,24 @@ def _load_config(config: Optional[Path], overrides: dict[str, Any], sets: list[s
             value = tomllib.loads(f"v = {raw}")["v"]
         except tomllib.TOMLDecodeError:
             value = raw  # a bare word is a string
-        cfg = replace_path(cfg, key.strip(), value)
-    return cfg
+        set_path(data, TrainLocalConfig, key.strip(), value)
+    outer = data.get("outer")
+    if "workers" not in data and isinstance(outer, Mapping) and outer.get("algorithm") == "single":
+        data["workers"] = 1  # single trains one worker; the default of 4 would only be refused
+    return from_mapping(TrainLocalConfig, data)
+
+
+def _check_out(out: Optional[Path]) -> None:
+    """Refuse an --out that could not be written, before the training whose result it would hold."""
+    from .config import ConfigError
+
+    if out is None:
+        return
+    if out.is_dir():
+        raise ConfigError(f"--out {out} is a folder: give the path of a file to write")
+    if not out.parent.is_dir():
+        what = "is not a folder" if out.parent.exists() else "does not exist"
+        raise ConfigError(f"--out {out}: {out.parent} {what}")
 
 
 @app.command("train-local")
@@ -134,6 +154,9 @@ def train_local(
         if ignored:  # its rows are fixed (see peer/mini_table.py): silently dropping them would mislead
             raise ConfigError(f"--table runs its fixed rows and takes only --jobs, --quick, --threads, --out and "
                               f"--json, not {', '.join(ignored)}")
+        if jobs < 1:
+            raise ConfigError(f"--jobs must be at least 1, got {jobs}")
+        _check_out(out)
 
         result = run_mini_table(jobs=jobs, quick=quick, progress=lambda msg: console.print(msg, highlight=False))
         if out:
@@ -152,10 +175,7 @@ def train_local(
 
     cfg = _load_config(config, overrides, set_)
     check_device(cfg.device)
-    if cfg.outer.algorithm == "single" and workers is None:
-        from dataclasses import replace
-
-        cfg = replace(cfg, workers=1)
+    _check_out(out)
     with Progress(
         TextColumn("[bold]{task.description}"), BarColumn(), MofNCompleteColumn(), TextColumn("{task.fields[info]}"),
         TimeElapsedColumn(), console=console, disable=as_json or not sys.stderr.isatty(),

@@ -8,6 +8,7 @@ and names the exact key that is wrong.
 from __future__ import annotations
 
 import dataclasses
+import math
 import types
 import typing
 from collections.abc import Mapping
@@ -40,7 +41,7 @@ class DataSection:
     batch_size: int = 16
 
     def __post_init__(self) -> None:
-        _positive(self, "batch_size")
+        _positive(self, "batch_size", "data")
 
 
 @dataclass(frozen=True)
@@ -58,12 +59,13 @@ class InnerSection:
     grad_clip: float = 1.0  # 0 disables clipping
 
     def __post_init__(self) -> None:
-        _positive(self, "lr")
+        _positive(self, "lr", "inner")
         for name in ("beta1", "beta2", "min_lr_ratio"):
             if not 0 <= getattr(self, name) <= 1:
                 raise ConfigError(f"inner.{name} must be in [0, 1], got {getattr(self, name)}")
-        if self.warmup_steps < 0 or self.weight_decay < 0 or self.grad_clip < 0:
-            raise ConfigError("inner.warmup_steps, weight_decay and grad_clip must be >= 0")
+        for name in ("warmup_steps", "weight_decay", "grad_clip"):  # one key per message: the one that is wrong
+            if getattr(self, name) < 0:
+                raise ConfigError(f"inner.{name} must be >= 0, got {getattr(self, name)}")
 
 
 @dataclass(frozen=True)
@@ -84,7 +86,7 @@ class OuterSection:
     eager: bool = True
 
     def __post_init__(self) -> None:
-        _positive(self, "inner_steps")
+        _positive(self, "inner_steps", "outer")
         if self.overlap not in (0, 1):
             raise ConfigError(f"outer.overlap must be 0 (wait) or 1 (overlap one round), got {self.overlap}")
         if self.codec and self.codec not in CODEC_NAMES:
@@ -132,7 +134,7 @@ class EvalSection:
 
     def __post_init__(self) -> None:
         for name in ("batches", "batch_size", "every_rounds"):
-            _positive(self, name)
+            _positive(self, name, "eval")
 
 
 @dataclass(frozen=True)
@@ -157,10 +159,10 @@ class TrainLocalConfig:
             raise ConfigError("outer.algorithm 'single' trains one worker; set workers = 1")
 
 
-def _positive(obj: object, name: str) -> None:
+def _positive(obj: object, name: str, section: str = "") -> None:
     value = getattr(obj, name)
     if not value > 0:
-        raise ConfigError(f"{name} must be positive, got {value!r}")
+        raise ConfigError(f"{_join(section, name)} must be positive, got {value!r}")
 
 
 def from_mapping(cls: type[T], data: Mapping[str, Any], where: str = "") -> T:
@@ -176,7 +178,10 @@ def from_mapping(cls: type[T], data: Mapping[str, Any], where: str = "") -> T:
     try:
         return cls(**kwargs)
     except ConfigError as exc:
-        raise ConfigError(f"{where + ': ' if where else ''}{exc}") from None
+        message = str(exc)
+        if where and not message.startswith(f"{where}."):  # "outer: outer.lr ..." would say it twice
+            message = f"{where}: {message}"
+        raise ConfigError(message) from None
 
 
 def replace_path(cfg: T, dotted: str, value: Any, _above: str = "") -> T:
@@ -190,6 +195,26 @@ def replace_path(cfg: T, dotted: str, value: Any, _above: str = "") -> T:
         return dataclasses.replace(cfg, **{head: inner})  # type: ignore
     hint = typing.get_type_hints(type(cfg))[head]
     return dataclasses.replace(cfg, **{head: _coerce(hint, value, _join(_above, dotted))})  # type: ignore
+
+
+def set_path(data: dict[str, Any], cls: type, dotted: str, value: Any, _above: str = "") -> None:
+    """Set one dotted key (e.g. "outer.lr") in a plain config mapping, in place, if `cls` has that key.
+
+    Overrides are merged into one mapping this way and validated once by `from_mapping`: applied
+    one by one to the typed config, each would be checked against the values not yet overridden
+    (`--algorithm diloco --codec fp32` over a sparseloco file failed on the first flag)."""
+    head, _, rest = dotted.partition(".")
+    if not dataclasses.is_dataclass(cls) or head not in {f.name for f in dataclasses.fields(cls)}:
+        # also below a plain value (workers.x, workers being an int)
+        raise ConfigError(f"unknown key {_join(_above, dotted)!r}")
+    if not rest:
+        data[head] = value
+        return
+    below = data.get(head, {})
+    if not isinstance(below, Mapping):
+        raise ConfigError(f"{_join(_above, head)} must be a table, got {type(below).__name__}")
+    data[head] = below = dict(below)  # a copy: the caller's nested tables are left as they were
+    set_path(below, typing.get_type_hints(cls)[head], rest, value, _join(_above, head))
 
 
 def to_mapping(cfg: object) -> dict[str, Any]:
@@ -231,7 +256,13 @@ def _coerce(hint: Any, value: Any, where: str) -> Any:
     if hint is float:
         if isinstance(value, bool) or not isinstance(value, (int, float)):
             raise ConfigError(f"{where} must be a number, got {value!r}")
-        return float(value)
+        try:
+            number = float(value)
+        except OverflowError:  # an integer of hundreds of digits (not quoted: it may be too long to print)
+            raise ConfigError(f"{where} is out of range: too large for a floating-point number") from None
+        if not math.isfinite(number):  # a NaN or infinite learning rate would silently ruin the run
+            raise ConfigError(f"{where} must be a finite number, got {number}")
+        return number
     if hint is str:
         if not isinstance(value, str):
             raise ConfigError(f"{where} must be a string, got {value!r}")

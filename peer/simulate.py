@@ -43,9 +43,11 @@ class SimulateOptions:
     seed: int = 0
     outer_lr: float = 0.0
     topk: int = 0  # SparseLoCo: values kept per chunk (0: the manifest's default, 64 of 4096)
-    error_decay: float = -1.0  # SparseLoCo: error-feedback decay (< 0: the manifest's default, 0.95)
+    # None, not a sentinel value, means "the default": any value given goes to the manifest, whose
+    # checks refuse a bad one (read as "the default", -0.5 ran silently with 0.95).
+    error_decay: float | None = None  # SparseLoCo: error-feedback decay (None: the manifest's default, 0.95)
     overlap: int = 0  # 1: each round is exchanged while the next H steps train
-    warmup_steps: int = -1  # inner lr warmup (< 0: min(50, 2 H), so that short runs are not all warmup)
+    warmup_steps: int | None = None  # inner lr warmup (None: min(50, 2 H), so that short runs are not all warmup)
     checkpoint_every: int = 5
     checkpoint_keep: int = 2
     coordinator_checkpoint_every: int = 0  # `launch --checkpoint-every` (0: the manifest's cadence)
@@ -93,11 +95,13 @@ def manifest_toml(opts: SimulateOptions) -> str:
     stay as they are, since TOML refuses JSON's surrogate-pair escapes)."""
     codec = f"codec = {json.dumps(opts.codec, ensure_ascii=False)}\n" if opts.codec else ""
     lr = ((f"lr = {opts.outer_lr}\n" if opts.outer_lr else "") + (f"topk = {opts.topk}\n" if opts.topk else "")
-          + (f"error_decay = {opts.error_decay}\n" if opts.error_decay >= 0 else "") + f"overlap = {opts.overlap}\n")
+          + (f"error_decay = {opts.error_decay}\n" if opts.error_decay is not None else "")
+          + f"overlap = {opts.overlap}\n")
+    warmup = opts.warmup_steps if opts.warmup_steps is not None else min(50, opts.inner_steps * 2)
     return (
         f'[run]\nid = "sim"\nopen = true\nmin_peers = {opts.min_peers}\nseed = {opts.seed}\n'
         f"[model]\nspec = {json.dumps(opts.preset, ensure_ascii=False)}\n[data]\nbatch_size = {opts.batch_size}\n"
-        f"[inner]\nwarmup_steps = {opts.warmup_steps if opts.warmup_steps >= 0 else min(50, opts.inner_steps * 2)}\n"
+        f"[inner]\nwarmup_steps = {warmup}\n"
         f"[outer]\nalgorithm = {json.dumps(opts.algorithm, ensure_ascii=False)}\ninner_steps = {opts.inner_steps}\n{codec}{lr}"
         f"[round]\ndeadline_s = {opts.deadline_s}\nslack_s = {opts.slack_s}\nmax_shards = 16\n"
         f"[checkpoint]\nevery_rounds = {opts.checkpoint_every}\nkeep = {opts.checkpoint_keep}\n"
@@ -217,18 +221,22 @@ def in_flag_terms(message: str) -> str:
     return message
 
 
-def run_simulation(opts: SimulateOptions, out: Path, progress: Callable[[str], None] = print) -> dict:
-    """Run a coordinator and volunteers (with the scheduled faults) until round `opts.rounds`."""
-    import random
-
+def check_manifest(opts: SimulateOptions) -> None:
+    """Validate the manifest `opts` would launch; a ConfigError names the flag, not the manifest key."""
     from .manifest import manifest_from_mapping
 
-    # A bad option is one ConfigError (or WorkloadError) line here, before any process starts,
-    # naming the flag the user typed rather than the manifest key it became.
     try:
         manifest_from_mapping(tomllib.loads(manifest_toml(opts)))
     except ConfigError as exc:
         raise ConfigError(in_flag_terms(str(exc))) from None
+
+
+def run_simulation(opts: SimulateOptions, out: Path, progress: Callable[[str], None] = print) -> dict:
+    """Run a coordinator and volunteers (with the scheduled faults) until round `opts.rounds`."""
+    import random
+
+    # A bad option is one ConfigError (or WorkloadError) line here, before any process starts.
+    check_manifest(opts)
     check_workload_spec(opts.preset)
     clear_output(out)
     start = time.time()

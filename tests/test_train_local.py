@@ -5,7 +5,9 @@ from __future__ import annotations
 import json
 
 import pytest
-from groundswell.peer.cli import app
+from groundswell.peer import mini_table
+from groundswell.peer import train_local as train_local_module
+from groundswell.peer.cli import _load_config, app
 from groundswell.peer.config import (
     ConfigError,
     DataSection,
@@ -61,7 +63,7 @@ def test_config_rejects_unknown_keys_and_bad_values():
         from_mapping(TrainLocalConfig, {"outer": {"algorithm": "adam"}})
     with pytest.raises(ConfigError, match="codec"):
         from_mapping(TrainLocalConfig, {"outer": {"codec": "zip"}})
-    with pytest.raises(ConfigError, match="positive"):
+    with pytest.raises(ConfigError, match=r"^outer\.inner_steps must be positive"):
         replace_path(TrainLocalConfig(), "outer.inner_steps", 0)
     assert replace_path(TrainLocalConfig(), "inner.lr", 1).inner.lr == 1.0
 
@@ -92,3 +94,95 @@ def test_train_local_with_overlap_learns_and_ends_agreed(corpus, algorithm, code
     assert overlapped.params_identical  # the last round is collected before the end
     assert overlapped.eval_loss < blocking.eval_loss * 1.25, (overlapped.eval_loss, blocking.eval_loss)
     assert overlapped.eval_curve != blocking.eval_curve  # the delay really changed the run
+
+
+@pytest.mark.parametrize("mapping, words", [
+    ({"outer": {"inner_steps": 0}}, "outer.inner_steps must be positive, got 0"),
+    ({"eval": {"batches": 0}}, "eval.batches must be positive, got 0"),
+    ({"data": {"batch_size": -1}}, "data.batch_size must be positive, got -1"),
+    ({"inner": {"lr": 0}}, "inner.lr must be positive, got 0.0"),
+])
+def test_a_value_that_must_be_positive_is_named_by_its_dotted_key(mapping, words):
+    # "inner_steps must be positive" alone does not say which section to fix
+    with pytest.raises(ConfigError) as info:
+        from_mapping(TrainLocalConfig, mapping)
+    assert str(info.value) == words
+
+
+def test_cli_train_local_single_trains_one_worker_without_a_workers_flag():
+    # --help lists `single`; it used to be refused because workers (4) was checked before it became 1
+    res = CliRunner().invoke(app, ["train-local", "--algorithm", "single", "--steps", "1", "--set", "eval.batches=1",
+                                   "--set", "data.batch_size=2", "--json"])
+    assert res.exit_code == 0, res.output
+    data = json.loads(res.stdout)
+    assert data["workers"] == 1 and data["steps"] == 1
+
+
+def test_train_local_config_is_checked_once_all_overrides_are_in(tmp_path):
+    # Checked after each override, these were refused for a value a later override replaces.
+    config = tmp_path / "run.toml"
+    config.write_text('[outer]\nalgorithm = "sparseloco"\ncodec = "sparseloco"\n')
+    cfg = _load_config(config, {"outer.algorithm": "diloco", "outer.codec": "fp32"}, [])
+    assert (cfg.outer.algorithm, cfg.outer.codec) == ("diloco", "fp32")
+    cfg = _load_config(None, {}, ["outer.codec=sparseloco", "outer.algorithm=sparseloco"])
+    assert (cfg.outer.algorithm, cfg.outer.codec_name) == ("sparseloco", "sparseloco")
+    assert _load_config(None, {"outer.algorithm": "single"}, []).workers == 1
+    assert _load_config(None, {}, ["outer.algorithm=single"]).workers == 1
+    # later overrides win; a whole table, then one of its keys
+    cfg = _load_config(config, {"outer.lr": 2.0}, ["outer.lr=3", "outer={momentum = 0.5}", "outer.topk=32"])
+    assert (cfg.outer.lr, cfg.outer.momentum, cfg.outer.topk, cfg.outer.algorithm) == (0.0, 0.5, 32, "diloco")
+    # workers given explicitly is kept, and refused with single
+    with pytest.raises(ConfigError, match="set workers = 1"):
+        _load_config(None, {"workers": 3, "outer.algorithm": "single"}, [])
+    with pytest.raises(ConfigError, match="unknown key 'outer.nope'"):
+        _load_config(config, {}, ["outer.nope=1"])
+
+
+def test_a_float_key_refuses_an_integer_too_large_for_a_float():
+    with pytest.raises(ConfigError, match="^lr is out of range"):
+        from_mapping(InnerSection, {"lr": 10**400})
+    with pytest.raises(ConfigError, match="^outer.lr is out of range"):
+        from_mapping(TrainLocalConfig, {"outer": {"lr": 10**400}})
+
+
+@pytest.mark.parametrize("item, key", [
+    ("outer.lr=nan", "outer.lr"), ("inner.lr=inf", "inner.lr"), ("inner.grad_clip=nan", "inner.grad_clip"),
+    ("inner.weight_decay=inf", "inner.weight_decay"), ("outer.momentum=-nan", "outer.momentum"),
+])
+def test_a_float_key_refuses_nan_and_infinity(item, key):
+    # a NaN outer learning rate passed every range check (NaN compares false) and ruined the run
+    with pytest.raises(ConfigError, match=f"^{key} must be a finite number"):
+        _load_config(None, {}, [item])
+
+
+def test_cli_train_local_a_huge_number_is_one_error_line():
+    res = CliRunner().invoke(app, ["train-local", "--set", "outer.lr=1" + "0" * 400])
+    assert res.exit_code == 2 and "outer.lr is out of range" in res.output, res.output
+    assert "Traceback" not in res.output
+
+
+def test_cli_train_local_table_refuses_jobs_below_one():
+    res = CliRunner().invoke(app, ["train-local", "--table", "--jobs", "0"])
+    assert res.exit_code == 2 and "--jobs must be at least 1" in res.output, res.output
+    assert "Traceback" not in res.output
+
+
+@pytest.mark.parametrize("where, words", [
+    ("missing/r.json", "missing does not exist"),
+    ("file.txt/r.json", "file.txt is not a folder"),
+    ("", "is a folder"),
+])
+@pytest.mark.parametrize("table", [False, True])
+def test_cli_train_local_checks_out_before_training(tmp_path, monkeypatch, where, words, table):
+    # a typo in --out's folder used to be found only when the result was written, after training
+    def no_training(*args, **kwargs):
+        raise AssertionError("trained before --out was checked")
+
+    monkeypatch.setattr(train_local_module, "run_train_local", no_training)
+    monkeypatch.setattr(mini_table, "run_mini_table", no_training)  # its rows train in other processes
+    (tmp_path / "file.txt").write_text("")
+    out = tmp_path / where
+    res = CliRunner().invoke(app, ["train-local", *(["--table"] if table else ["--steps", "1"]), "--out", str(out)])
+    assert res.exit_code == 2, res.output
+    assert f"--out {out}" in " ".join(res.output.split()) and words in res.output, res.output
+    assert "Traceback" not in res.output
