@@ -424,7 +424,7 @@ class SwarmNode(PeerRecords, NetLoop):
         # run's state stays among its readers).
         if direct:
             assert self.direct is not None
-            token, key = self.direct.offer(blob)
+            token, key = self.direct.offer(blob, sender)
             return WithTrailer(StateReply(state.round, digest, state.decision, len(blob), self.direct.port, token,
                                           key, params_hash=params_hash), b"")
         return WithTrailer(StateReply(state.round, digest, state.decision, len(blob), params_hash=params_hash),

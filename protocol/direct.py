@@ -17,18 +17,27 @@ tens of microseconds per piece), so sealing adds no copy of the state in memory.
 Wire format on the TCP connection: the client sends the 32-byte token; the server answers with one
 length-prefixed frame (8-byte big-endian size, then the sealed blob) and waits for the client to
 close. An unknown, expired or already used token gets the connection closed with nothing sent.
+
+Bounds (a ticket needs no stream upload slot, so the port bounds its own downloads): each
+requester holds at most one ticket (a new one replaces it) and one download (redeeming a new
+ticket ends the one before); at most `MAX_CONNECTIONS` downloads run at once; a download whose
+reader takes no piece for `STALL_S` seconds is ended, and none runs longer than the longest a
+joiner waits for a blob of its size (`serve_timeout_s`), so a reader that stalls neither holds a
+slot for long nor keeps an old state in memory; and one source address holds at most
+`MAX_SILENT_PER_SOURCE` connections that have not sent their token yet.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import ipaddress
 import logging
 import secrets
 import socket
 import struct
 import time
-from collections import OrderedDict
+from collections import Counter, OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -42,8 +51,20 @@ log = logging.getLogger(__name__)
 TOKEN_BYTES = 32
 TOKEN_WAIT_S = 5.0  # a connection that has not sent its token by then is closed
 SILENT_S = 1.0  # a connection without a token for this long makes room for a new one when all slots are taken
-MAX_TICKETS = 64  # outstanding tickets; the oldest is dropped beyond this
+MAX_TICKETS = 64  # outstanding tickets, one per requester at most; the oldest is dropped beyond this
 MAX_CONNECTIONS = 16  # concurrent downloads
+# No piece may wait longer than this for the reader to take it (nor the end for the reader to
+# close): a piece is 1 MiB, about a second on an honest 1 MB/s link, so this leaves room for TCP
+# retransmission backoff and a busy joiner; a reader that stops reading frees its slot (and the
+# state it pins) this soon, not after the whole download's time.
+STALL_S = 20.0
+# Connections that have not sent their token yet, per source address (an IPv6 /64 counts as one):
+# a joiner sends its token at once, so this is only reached by connections opened to hold slots,
+# and the source's next ones are refused instead of making other sources' connections room.
+MAX_SILENT_PER_SOURCE = 2
+# Loopback sources are this machine's own peers (`groundswell simulate` runs every peer on
+# 127.0.0.1, and its joiners sync at once): the per-source bound does not apply to them.
+CAP_LOOPBACK = False
 _LEN = struct.Struct(">Q")
 SEAL_PIECE = 1 << 20  # plaintext bytes per AES-GCM piece: small enough to open while the next arrive
 SEAL_TAG = 16
@@ -57,6 +78,30 @@ def sealed_size(size: int) -> int:
 
 def _nonce(i: int) -> bytes:
     return i.to_bytes(12, "big")
+
+
+def serve_timeout_s(size: int) -> float:
+    """The longest a download of a `size`-byte blob may run: what a joiner waits for it at most
+    (`peer.state_trust.state_timeout_s`: a minute plus 16 bytes per parameter at 20 MB/s; a state
+    blob holds at least 4 bytes per parameter), so a slow reader holds its slot no longer than an
+    honest joiner would still be reading."""
+    return 60 + size / 5e6
+
+
+def source_of(host: str) -> str | None:
+    """The key connections from `host` are counted under (an IPv6 address's /64, the IPv4 address
+    of an IPv4-mapped one), or None when they are not bounded (loopback, unless `CAP_LOOPBACK`)."""
+    try:
+        ip = ipaddress.ip_address(host.split("%", 1)[0])
+    except ValueError:
+        return host
+    if isinstance(ip, ipaddress.IPv6Address) and ip.ipv4_mapped is not None:
+        ip = ip.ipv4_mapped
+    if ip.is_loopback and not CAP_LOOPBACK:
+        return None
+    if isinstance(ip, ipaddress.IPv6Address):
+        return str(ipaddress.IPv6Network((ip, 64), strict=False))
+    return str(ip)
 
 
 # Plain non-blocking sockets with the loop's sock_* calls, not asyncio streams: each piece is
@@ -76,6 +121,7 @@ class _Ticket:
     blob: bytes | bytearray | memoryview
     key: bytes
     expires: float
+    requester: str
 
 
 class DirectServer:
@@ -89,8 +135,10 @@ class DirectServer:
         self._accepting: asyncio.Task | None = None  # owned here: cancelled and awaited by close()
         self._connections: set[asyncio.Task] = set()  # likewise
         # connections that have not sent their token yet, oldest first, with when they were
-        # accepted: those silent for a while are the ones a full server drops
-        self._waiting: OrderedDict[asyncio.Task, float] = OrderedDict()
+        # accepted and their source: those silent for a while are the ones a full server drops
+        self._waiting: OrderedDict[asyncio.Task, tuple[float, str | None]] = OrderedDict()
+        self._silent: Counter[str] = Counter()  # of those, how many per source (`source_of`)
+        self._serving: dict[str, asyncio.Task] = {}  # the download under way per requester
         self._expiry: asyncio.TimerHandle | None = None  # drops expired tickets (and their blobs)
         self.port = 0
         self.served = 0  # blobs sent whole
@@ -109,6 +157,7 @@ class DirectServer:
     async def close(self) -> None:
         """Stop listening, end every download in progress, forget every ticket."""
         self._tickets.clear()
+        self._serving.clear()
         if self._expiry is not None:
             self._expiry.cancel()
             self._expiry = None
@@ -120,14 +169,17 @@ class DirectServer:
             self._listener.close()
             self._listener = None
 
-    def offer(self, blob: bytes | bytearray | memoryview) -> tuple[bytes, bytes]:
+    def offer(self, blob: bytes | bytearray | memoryview, requester: str) -> tuple[bytes, bytes]:
         """A fresh one-time token for `blob`, valid for `ttl_s` seconds, and the fresh key it will
-        be sealed under."""
+        be sealed under. It replaces `requester`'s (a peer id) earlier ticket if it holds one: a
+        requester asking again and again holds one ticket, and pushes no one else's out."""
         self._expire()
+        for token in [t for t, ticket in self._tickets.items() if ticket.requester == requester]:
+            del self._tickets[token]
         while len(self._tickets) >= MAX_TICKETS:
             self._tickets.popitem(last=False)
         token, key = secrets.token_bytes(TOKEN_BYTES), secrets.token_bytes(KEY_BYTES)
-        self._tickets[token] = _Ticket(blob, key, self._clock() + self.ttl_s)
+        self._tickets[token] = _Ticket(blob, key, self._clock() + self.ttl_s, requester)
         if self._expiry is None and self._listener is not None:
             # an unused ticket (a joiner that cannot reach us) must not keep an old state alive
             self._expiry = asyncio.get_running_loop().call_later(self.ttl_s + 1, self._expire_on_timer)
@@ -148,15 +200,22 @@ class DirectServer:
         loop = asyncio.get_running_loop()
         while True:
             try:
-                conn, _ = await loop.sock_accept(listener)
+                conn, addr = await loop.sock_accept(listener)
             except OSError as exc:  # out of file descriptors, say: joiners fall back to the stream meanwhile
                 log.warning("direct state server cannot accept: %r", exc)
                 await asyncio.sleep(1.0)
                 continue
             conn.setblocking(False)
+            source = source_of(addr[0])
+            if source is not None and self._silent[source] >= MAX_SILENT_PER_SOURCE:
+                # this source already holds its share of connections without a token: it waits,
+                # and makes no room at others' expense
+                self.refused += 1
+                conn.close()
+                continue
             if sum(1 for t in self._connections if not t.cancelling()) >= MAX_CONNECTIONS:
                 oldest = next(iter(self._waiting.items()), None)
-                if oldest is None or time.monotonic() - oldest[1] < SILENT_S:
+                if oldest is None or time.monotonic() - oldest[1][0] < SILENT_S:
                     # every slot is a download under way, or a connection that may be sending its
                     # token right now (a burst of joiners): this one waits for a free slot elsewhere
                     self.refused += 1
@@ -165,34 +224,63 @@ class DirectServer:
                 # Connections that send no token (anyone can open them, no ticket needed) must not
                 # fill the slots: the one silent longest makes room. A joiner sends its token at
                 # once. (It stays in `_connections`, owned, until its cancellation has closed it.)
-                del self._waiting[oldest[0]]
+                self._heard(oldest[0])
                 oldest[0].cancel()
             task = loop.create_task(self._serve(conn))
             self._connections.add(task)
-            self._waiting[task] = time.monotonic()
+            self._waiting[task] = (time.monotonic(), source)
+            if source is not None:
+                self._silent[source] += 1
             task.add_done_callback(self._connections.discard)
+            # let it take its token if that came already, before the next connection of a burst
+            # is counted against its source
+            await asyncio.sleep(0)
+
+    def _heard(self, task: asyncio.Task | None) -> None:
+        """`task`'s connection is no longer one without a token (it sent it, or it ends)."""
+        entry = self._waiting.pop(task, None)  # type: ignore[arg-type]
+        if entry is not None and entry[1] is not None:
+            self._silent[entry[1]] -= 1
+            if not self._silent[entry[1]]:
+                del self._silent[entry[1]]
 
     async def _serve(self, conn: socket.socket) -> None:
         loop = asyncio.get_running_loop()
+        me = asyncio.current_task()
+        assert me is not None
+        ticket: _Ticket | None = None
+        requester: str | None = None
+        src: memoryview | None = None
+        piece: memoryview | None = None
         try:
             async with asyncio.timeout(TOKEN_WAIT_S):
                 token = await _recv_exactly(loop, conn, TOKEN_BYTES)
-            self._waiting.pop(asyncio.current_task(), None)  # type: ignore[arg-type]
+            self._heard(me)
             self._expire()
             ticket = self._tickets.pop(token, None)
             if ticket is None:
                 self.refused += 1
                 return
-            # Bounded like any download: the slowest honest link still moves ~1 MB/s.
+            requester = ticket.requester
+            earlier = self._serving.get(requester)
+            if earlier is not None and earlier is not me:
+                earlier.cancel()  # one download per requester: its newer ticket ends the one before
+            self._serving[requester] = me
             src, aead = memoryview(ticket.blob).cast("B"), AESGCM(ticket.key)
+            ticket = None
             slot = memoryview(bytearray(min(SEAL_PIECE, len(src)) + SEAL_TAG))
-            async with asyncio.timeout(60 + len(src) / 1e6):
+            # the whole download is bounded, and so is each piece: a reader that stops reading
+            # frees its slot (and the state) within STALL_S
+            async with asyncio.timeout(serve_timeout_s(len(src))), asyncio.timeout(STALL_S) as stall:
                 await loop.sock_sendall(conn, _LEN.pack(sealed_size(len(src))))
                 for i, start in enumerate(range(0, len(src), SEAL_PIECE)):
+                    stall.reschedule(loop.time() + STALL_S)
                     piece = src[start:start + SEAL_PIECE]
                     sealed = slot[:len(piece) + SEAL_TAG]
                     aead.encrypt_into(_nonce(i), piece, None, sealed)
                     await loop.sock_sendall(conn, sealed)
+                piece = src = None  # all sent: the state is no longer needed here
+                stall.reschedule(loop.time() + STALL_S)
                 while await loop.sock_recv(conn, 1 << 16):
                     pass  # the client closes first, once it holds everything
             self.served += 1
@@ -203,7 +291,11 @@ class DirectServer:
             self.refused += 1
             raise
         finally:
-            self._waiting.pop(asyncio.current_task(), None)  # type: ignore[arg-type]
+            # nothing of this download pins the state once it ends (not even a traceback's frame)
+            ticket = src = piece = None
+            self._heard(me)
+            if requester is not None and self._serving.get(requester) is me:
+                del self._serving[requester]
             conn.close()
 
 

@@ -42,8 +42,8 @@ def test_a_ticket_serves_its_blob_once_whole(monkeypatch):
         server = DirectServer()
         port = await server.start("127.0.0.1")
         try:
-            token, key = server.offer(blob)
-            other_token, other_key = server.offer(blob)
+            token, key = server.offer(blob, "A")
+            other_token, other_key = server.offer(blob, "B")
             assert other_key != key and other_token != token  # a key per ticket, not per blob
             got = await fetch_direct("127.0.0.1", port, token, key, len(blob))
             assert bytes(got) == blob
@@ -67,11 +67,11 @@ def test_expired_and_evicted_tickets_are_refused(monkeypatch):
         server = DirectServer(ttl_s=30, clock=clock)
         port = await server.start("127.0.0.1")
         try:
-            late, key = server.offer(b"late")
+            late, key = server.offer(b"late", "A")
             clock.now += 31
             with pytest.raises(ConnectionError):
                 await fetch_direct("127.0.0.1", port, late, key, 4)
-            offers = [server.offer(bytes([i])) for i in range(4)]  # one more than fit: the oldest goes
+            offers = [server.offer(bytes([i]), f"peer{i}") for i in range(4)]  # one more than fit: the oldest goes
             with pytest.raises(ConnectionError):
                 await fetch_direct("127.0.0.1", port, *offers[0], 1)
             assert bytes(await fetch_direct("127.0.0.1", port, *offers[3], 1)) == b"\x03"
@@ -87,9 +87,9 @@ def test_a_blob_of_another_size_than_announced_is_refused():
         port = await server.start("127.0.0.1")
         try:
             with pytest.raises(ConnectionError, match="announced"):  # shorter
-                await fetch_direct("127.0.0.1", port, *server.offer(b"x" * 99), 100)
+                await fetch_direct("127.0.0.1", port, *server.offer(b"x" * 99, "A"), 100)
             with pytest.raises(ProtocolError, match="exceeds"):  # longer: refused before it is read
-                await fetch_direct("127.0.0.1", port, *server.offer(b"x" * 101), 100)
+                await fetch_direct("127.0.0.1", port, *server.offer(b"x" * 101, "A"), 100)
             with pytest.raises(ProtocolError, match="key"):
                 await fetch_direct("127.0.0.1", port, b"t" * 32, b"short", 100)
         finally:
@@ -130,7 +130,7 @@ def test_connections_that_send_no_token_cannot_keep_a_joiner_out(monkeypatch):
             for _ in range(direct.MAX_CONNECTIONS):
                 silent.append(await asyncio.open_connection("127.0.0.1", port))
             await asyncio.sleep(0.2)  # all accepted, all waiting for a token, silent past SILENT_S
-            token, key = server.offer(blob)
+            token, key = server.offer(blob, "A")
             got = await fetch_direct("127.0.0.1", port, token, key, len(blob))
             first_silent = await asyncio.wait_for(silent[0][0].read(), 5)  # the oldest made room
             return bytes(got), first_silent
@@ -152,11 +152,11 @@ def test_a_full_direct_server_does_not_drop_connections_that_may_be_sending_thei
         server = DirectServer()
         port = await server.start("127.0.0.1")
         try:
-            tokens = [server.offer(blob) for _ in range(2)]
+            tokens = [server.offer(blob, f"joiner{i}") for i in range(2)]
             first = [await asyncio.open_connection("127.0.0.1", port) for _ in range(2)]
             await asyncio.sleep(0.05)  # accepted, tokens not sent yet: well under SILENT_S
             with pytest.raises(ConnectionError):  # the third is the one refused
-                await fetch_direct("127.0.0.1", port, *server.offer(blob), len(blob))
+                await fetch_direct("127.0.0.1", port, *server.offer(blob, "late"), len(blob))
             got = []
             for (reader, writer), (token, key) in zip(first, tokens):
                 writer.write(token)
@@ -255,7 +255,7 @@ def test_bytes_altered_on_the_way_fail_authentication(monkeypatch):
 
         loop.sock_sendall = flip_a_bit_of_the_third_piece
         try:
-            token, key = server.offer(blob)
+            token, key = server.offer(blob, "A")
             with pytest.raises(ConnectionError, match="piece 2 .* failed authentication"):
                 await fetch_direct("127.0.0.1", port, token, key, len(blob))
             return pieces[:5]
@@ -315,7 +315,7 @@ def test_reordered_or_cut_pieces_are_refused(monkeypatch, tamper, error):
 
         loop.sock_sendall = tampering_sendall
         try:
-            token, key = server.offer(blob)
+            token, key = server.offer(blob, "A")
             with pytest.raises(ConnectionError, match=error):
                 await fetch_direct("127.0.0.1", port, token, key, len(blob))
         finally:
@@ -365,7 +365,7 @@ def test_a_direct_blob_that_does_not_open_is_fetched_again_over_the_stream():
         server = DirectServer()
         port = await server.start("127.0.0.1")
         try:
-            token, _ = server.offer(blob)
+            token, _ = server.offer(blob, "A")
             node = _fake_node(blob, port, "/ip4/127.0.0.1/tcp/4001", asked, token, os.urandom(32))
             return await fetch_state(node, "peer", 0, lambda r: r.size, timeout_s=10)
         finally:
@@ -381,7 +381,7 @@ def test_unused_tickets_are_dropped_on_a_timer():
         server = DirectServer(ttl_s=0.1)
         await server.start("127.0.0.1")
         try:
-            server.offer(b"an old state")
+            server.offer(b"an old state", "A")
             assert len(server._tickets) == 1
             await asyncio.sleep(1.5)  # nothing else happens meanwhile
             return len(server._tickets)
@@ -404,7 +404,7 @@ def test_a_dual_stack_server_takes_ipv4_joiners():
         except OSError as exc:
             pytest.skip(f"no IPv6 here: {exc}")
         try:
-            return bytes(await fetch_direct("127.0.0.1", port, *server.offer(b"both families"), 13))
+            return bytes(await fetch_direct("127.0.0.1", port, *server.offer(b"both families", "A"), 13))
         finally:
             await server.close()
 
@@ -436,3 +436,195 @@ def test_the_state_blob_is_built_once_and_off_the_network_loop(open_run, monkeyp
     again, blob_again = _ask_with_trailer(t, "get-state", Identity.generate(), StateRequest(-1), StateReply)
     assert blob == blob_again and first.digest == again.digest and len(blob) == first.size > 0
     assert len(built_on) == 1 and built_on[0] is not loop_thread[0]
+
+
+# --- bounds on what one requester, one reader or one source address can hold ---------------------
+
+
+async def _closed_within(reader: asyncio.StreamReader, timeout_s: float) -> tuple[bool, int]:
+    """Whether the server closes the connection within `timeout_s` (reading whatever it sent
+    meanwhile), and how many bytes came."""
+    got = 0
+    try:
+        async with asyncio.timeout(timeout_s):
+            while chunk := await reader.read(1 << 20):
+                got += len(chunk)
+    except TimeoutError:
+        return False, got
+    except ConnectionError:
+        pass
+    return True, got
+
+
+def test_readers_that_stop_reading_free_their_slots_and_the_state(monkeypatch):
+    # Sixteen tickets, sixteen connections that send their token and never read: each download
+    # used to wait in sendall for a minute and more (hours for a big state), refusing every joiner
+    # meanwhile and keeping the blob alive. Now a piece the reader does not take within STALL_S
+    # ends the download, and nothing keeps the blob once the downloads end.
+    import gc
+    import weakref
+
+    monkeypatch.setattr(direct, "STALL_S", 1.0)
+
+    class _Blob(bytearray):  # a bytearray that can be watched with a weak reference
+        pass
+
+    async def go():
+        server = DirectServer()
+        port = await server.start("127.0.0.1")
+        stalled = []
+        try:
+            blob = _Blob(64 << 20)
+            alive = weakref.ref(blob)
+            for i in range(direct.MAX_CONNECTIONS):
+                token, _ = server.offer(blob, f"sybil{i}")
+                s = socket.create_connection(("127.0.0.1", port))
+                s.sendall(token)  # and never read
+                stalled.append(s)
+            del blob
+            await asyncio.sleep(2.5)
+            fresh = os.urandom(3 << 20)
+            got = await fetch_direct("127.0.0.1", port, *server.offer(fresh, "joiner"), len(fresh))
+            gc.collect()
+            return bytes(got) == fresh, alive(), server.refused
+        finally:
+            for s in stalled:
+                s.close()
+            await server.close()
+
+    fetched, blob_left, refused = _run(go())
+    assert fetched and blob_left is None and refused >= direct.MAX_CONNECTIONS
+
+
+def test_a_requester_holds_one_ticket_and_cannot_push_out_anothers():
+    # one peer asking again and again used to push every other peer's ticket out (oldest first)
+    blob_a, blob_b = os.urandom(5000), os.urandom(6000)
+
+    async def go():
+        server = DirectServer()
+        port = await server.start("127.0.0.1")
+        try:
+            ticket_a = server.offer(blob_a, "A")
+            tickets_b = [server.offer(blob_b, "B") for _ in range(direct.MAX_TICKETS)]
+            got_a = await fetch_direct("127.0.0.1", port, *ticket_a, len(blob_a))
+            assert len(server._tickets) == 1  # B's latest
+            with pytest.raises(ConnectionError):  # replaced by B's newer ticket
+                await fetch_direct("127.0.0.1", port, *tickets_b[0], len(blob_b))
+            got_b = await fetch_direct("127.0.0.1", port, *tickets_b[-1], len(blob_b))
+            return bytes(got_a), bytes(got_b)
+        finally:
+            await server.close()
+
+    assert _run(go()) == (blob_a, blob_b)
+
+
+def test_a_requesters_newer_download_ends_its_earlier_one():
+    # one requester, one download: a second ticket redeemed ends the first (whose reader stalls)
+    blob = os.urandom(32 << 20)
+
+    async def go():
+        server = DirectServer()
+        port = await server.start("127.0.0.1")
+        try:
+            first, _ = server.offer(blob, "R")
+            reader, writer = await asyncio.open_connection("127.0.0.1", port)
+            writer.write(first)
+            await writer.drain()
+            await asyncio.sleep(0.3)  # its download under way, stalled: nobody reads
+            got = await fetch_direct("127.0.0.1", port, *server.offer(blob, "R"), len(blob))
+            closed, sent = await _closed_within(reader, 5)
+            writer.close()
+            return bytes(got) == blob, closed, sent
+        finally:
+            await server.close()
+
+    fetched, closed, sent = _run(go())
+    assert fetched and closed and sent < 8 + direct.sealed_size(len(blob))
+
+
+def test_a_source_holds_few_silent_connections_and_makes_no_room_at_others_expense(monkeypatch):
+    # Connections without a token from one address: past its share, its next ones are refused
+    # rather than pushing out another address's. (Every 127.x.y.z is this machine; the bound is
+    # off for loopback outside this test, see test_loopback_joiners_are_not_bounded_per_source.)
+    monkeypatch.setattr(direct, "CAP_LOOPBACK", True)
+    monkeypatch.setattr(direct, "MAX_CONNECTIONS", 4)
+    monkeypatch.setattr(direct, "SILENT_S", 0.05)  # silent this long: may make room
+    blob = os.urandom(10_000)
+
+    async def go():
+        server = DirectServer()
+        port = await server.start("127.0.0.1")
+        opened = []
+
+        async def connect(ip: str):
+            opened.append(await asyncio.open_connection("127.0.0.1", port, local_addr=(ip, 0)))
+            return opened[-1]
+
+        try:
+            other = await connect("127.0.0.2")
+            await asyncio.sleep(0.2)  # silent past SILENT_S: a full server could drop it
+            share = [await connect("127.0.0.3") for _ in range(direct.MAX_SILENT_PER_SOURCE)]
+            await asyncio.sleep(0.2)
+            beyond = [await connect("127.0.0.3") for _ in range(3)]  # would fill the last slot, then evict
+            refused = [(await _closed_within(r, 2))[0] for r, _ in beyond]
+            share_open = [not (await _closed_within(r, 0.1))[0] for r, _ in share]
+            token, key = server.offer(blob, "other")  # the other address's connection still stands
+            other[1].write(token)
+            await other[1].drain()
+            served = await asyncio.wait_for(other[0].readexactly(8 + direct.sealed_size(len(blob))), 5)
+            return refused, share_open, int.from_bytes(served[:8], "big")
+        finally:
+            for _, writer in opened:
+                writer.close()
+            await server.close()
+
+    refused, share_open, size = _run(go())
+    assert refused == [True] * 3 and share_open == [True] * direct.MAX_SILENT_PER_SOURCE
+    assert size == direct.sealed_size(len(blob))
+
+
+def test_loopback_joiners_are_not_bounded_per_source():
+    # `groundswell simulate` runs every peer on 127.0.0.1 and its joiners sync at once: a burst of
+    # connections that have not sent their token yet, all from one address, is served whole
+    blob = os.urandom(20_000)
+    n = direct.MAX_SILENT_PER_SOURCE + 4
+
+    async def go():
+        server = DirectServer()
+        port = await server.start("127.0.0.1")
+        conns = []
+        try:
+            tickets = [server.offer(blob, f"joiner{i}") for i in range(n)]
+            conns = [await asyncio.open_connection("127.0.0.1", port) for _ in range(n)]
+            await asyncio.sleep(0.1)  # all accepted, all silent at once
+            for (_, writer), (token, _) in zip(conns, tickets):
+                writer.write(token)
+                await writer.drain()
+            return [len(await asyncio.wait_for(r.readexactly(8 + direct.sealed_size(len(blob))), 5))
+                    for r, _ in conns]
+        finally:
+            for _, writer in conns:
+                writer.close()
+            await server.close()
+
+    assert _run(go()) == [8 + direct.sealed_size(len(blob))] * n
+
+
+def test_sources_are_addresses_ipv6_prefixes_and_loopback_is_not_bounded(monkeypatch):
+    assert direct.source_of("192.0.2.7") == "192.0.2.7"
+    assert direct.source_of("2001:db8:1:2::7") == direct.source_of("2001:db8:1:2:ffff::1") == "2001:db8:1:2::/64"
+    assert direct.source_of("2001:db8:1:3::7") != direct.source_of("2001:db8:1:2::7")
+    assert direct.source_of("::ffff:192.0.2.7") == "192.0.2.7"  # an IPv4 joiner on a dual-stack port
+    for loopback in ("127.0.0.1", "127.0.0.2", "::1", "::ffff:127.0.0.1"):
+        assert direct.source_of(loopback) is None
+    monkeypatch.setattr(direct, "CAP_LOOPBACK", True)
+    assert direct.source_of("127.0.0.1") == "127.0.0.1"
+
+
+def test_no_download_outlasts_the_joiners_own_wait():
+    # a download's total bound is at most what a joiner waits for a state blob of that size (the
+    # server cannot tell how many parameters it holds: 4 bytes each at the least, plus a header)
+    from groundswell.peer.state_trust import state_timeout_s
+
+    for numel in (1, 10_000, 25_000_000, 1_000_000_000, 2_000_000_000):
+        assert direct.serve_timeout_s(4 * numel + 4096) <= state_timeout_s(numel)

@@ -91,9 +91,12 @@ def test_a_node_serving_as_many_uploads_as_it_takes_answers_busy_and_frees_slots
         uploads.append(vet)
         assert node.uploads.in_use == MAX_UPLOADS
         # the direct port bounds its own downloads: a ticket needs no stream upload slot
-        node.direct = SimpleNamespace(port=4242, offer=lambda blob: (b"t" * 32, b"k" * 32))
+        offered_to: list[str] = []
+        node.direct = SimpleNamespace(port=4242, offer=lambda blob, requester: offered_to.append(requester) or (
+            b"t" * 32, b"k" * 32))
         ticket = await ask("late", direct=True)
         assert isinstance(ticket, WithTrailer) and ticket.trailer == b"" and ticket.reply.direct_port == 4242
+        assert offered_to == ["late"]  # the ticket is the requester's: a newer one replaces it
         assert ticket.release is None
         node.direct = None
         uploads[1].release()
