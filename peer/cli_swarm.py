@@ -77,7 +77,7 @@ def _stop_on_signals(first: str = "stopping after this round"):
         if presses["n"] > 1:
             raise KeyboardInterrupt
         console.print(f"[yellow]{first} (Ctrl+C again to leave at once)[/]")
-        stop.set()
+        stop.set_from_signal()
 
     signal.signal(signal.SIGINT, handler)
     signal.signal(signal.SIGTERM, handler)
@@ -154,6 +154,16 @@ def _round_table(rows: list, header: str) -> Table:
     return table
 
 
+def _round_line(info) -> str:
+    """One round as a line of text: the live table's row where there is no terminal."""
+    if info.status != "applied":
+        return f"round {info.round}: runs again ({info.reason})"
+    loss = "" if math.isnan(info.eval_loss) else f", held-out loss {info.eval_loss:.4f}"
+    sent = f", {info.bytes_sent / 1e3:,.1f} kB/round/peer" if info.bytes_sent else ""
+    return (f"round {info.round}: applied, {info.contributors} contributors, {info.peers_online} peers online"
+            f"{loss}{sent}, {info.round_s:.1f} s")
+
+
 @app.command()
 @_user_errors
 def launch(
@@ -201,15 +211,18 @@ def launch(
     p.preload_checkpoint()  # a state dir of another run is refused before we write anything to it
     _same_run_as_before(state_dir, signed)
     stop = _stop_on_signals("stopping: saving a checkpoint")
-    p.start_network()
-    boot = format_bootstrap(ident.peer_id, p.node.maddrs)
-    write_atomically(state_dir / "bootstrap.txt", lambda f: f.write(f"{boot}\n".encode()))  # read by scripts
-    console.print(f"[bold]run {manifest.run.id}[/] coordinated by {ident.peer_id}")
-    console.print(f"volunteers join with:\n  groundswell join '{boot}'", highlight=False, soft_wrap=True)
     rows: list = []
-    try:
+    try:  # from here on the node is closed whatever happens (an attach timeout, a full disk, Ctrl+C)
+        p.start_network()
+        boot = format_bootstrap(ident.peer_id, p.node.maddrs)
+        write_atomically(state_dir / "bootstrap.txt", lambda f: f.write(f"{boot}\n".encode()))  # read by scripts
+        console.print(f"[bold]run {manifest.run.id}[/] coordinated by {ident.peer_id}")
+        console.print(f"volunteers join with:\n  groundswell join '{boot}'", highlight=False, soft_wrap=True)
         if quiet:
             run_coordinator(p, stop=stop, checkpoint_every=checkpoint_every)
+        elif not console.is_terminal:  # a log file or a pipe: a live table would show nothing there until the end
+            run_coordinator(p, stop=stop, checkpoint_every=checkpoint_every,
+                            on_round=lambda info: console.print(_round_line(info), highlight=False))
         else:
             with Live(_round_table(rows, manifest.run.id), console=console, refresh_per_second=2) as live:
                 def on_round(info):
@@ -281,9 +294,9 @@ def join(
                        reachability=reachability)
     node = SwarmNode(ident, str(ident_path), opts)
     node.start()
-    # others may bootstrap from us (a simulation reads it while we run: never half-written)
-    write_atomically(state_dir / "address.txt", lambda f: f.write(("\n".join(node.maddrs) + "\n").encode()))
     try:
+        # others may bootstrap from us (a simulation reads it while we run: never half-written)
+        write_atomically(state_dir / "address.txt", lambda f: f.write(("\n".join(node.maddrs) + "\n").encode()))
         peers = [m.rsplit("/p2p/", 1)[1] for m in boot.maddrs]
         signed = _fetch_manifest(node, boot.maddrs)
         manifest = SignedManifest.from_bytes(signed).verify(boot.coordinator_id)

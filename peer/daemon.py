@@ -24,17 +24,21 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import ctypes
+import logging
 import os
 import shutil
 import signal
 import sys
 import tempfile
 import threading
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Any
 
 from .locks import make_private_dir
+from .net_errors import NetworkError
+
+log = logging.getLogger(__name__)
 
 _PR_SET_PDEATHSIG = 1
 _patched = False
@@ -175,3 +179,27 @@ def release_private_sockets() -> None:
             _socket_users = 0
             with contextlib.suppress(OSError):  # not empty (a daemon still shutting down): swept later
                 (Path(tempfile.gettempdir()) / f"{SOCKET_DIR_PREFIX}{os.getpid()}").rmdir()
+
+
+TEARDOWN_S = 4.0  # one shutdown step (the DHT, the daemon) of a node; a frozen daemon answers never
+
+
+async def bounded(step: Callable[[], Awaitable[object]], what: str, timeout_s: float = TEARDOWN_S) -> None:
+    """Run one shutdown step, giving up after `timeout_s`: hivemind waits for its daemon's answer
+    without a timeout (a frozen or dead daemon's never comes), and what comes after (killing that
+    daemon) must still run. Failures are logged: shutting down, nothing else is left to decide."""
+    try:
+        async with asyncio.timeout(timeout_s):
+            await step()
+    except Exception as exc:  # noqa: BLE001
+        log.warning("shutting down the %s: %r", what, exc)
+
+
+async def watch_daemon(p2p: object) -> None:
+    """Return never while `p2p`'s daemon runs; raise NetworkError once it has exited (killed for
+    memory, say): the node is deaf and dumb then, and must say so rather than loop on timeouts."""
+    child = getattr(p2p, "_child", None)  # hivemind's handle on the daemon process
+    if child is None:  # an in-process stand-in, or a daemon we did not start
+        await asyncio.Event().wait()
+    code = await child.wait()
+    raise NetworkError(f"the libp2p daemon exited (code {code})")

@@ -70,7 +70,8 @@ class NetLoop:
             except Exception as exc:
                 log.warning("network shutdown: %r", exc)
             self._loop.call_soon_threadsafe(self._loop.stop)
-        self._thread.join(timeout=10)
+        if self._thread.ident is not None:  # started (closing a node that never started is fine)
+            self._thread.join(timeout=10)
         if not self._loop.is_running():
             self._loop.close()
 

@@ -17,6 +17,7 @@ from groundswell.protocol.schema import PeerRecord, ProtocolError
 
 log = logging.getLogger(__name__)
 HEARTBEAT_S = 2.0
+LEFT = "left"  # the role of a record a peer leaves behind when it leaves cleanly
 
 
 class PeerRecords:
@@ -72,6 +73,16 @@ class PeerRecords:
                 log.info("heartbeat store failed: %r", exc)
             await asyncio.sleep(HEARTBEAT_S)
 
+    async def _withdraw_record(self) -> None:
+        """Replace our record with a "left" one (it lives as long as a heartbeat's would): others
+        stop counting us among the run's peers, serving states or holding rounds at once, not
+        only once our last record expires."""
+        from hivemind.utils import get_dht_time
+
+        gone = PeerRecord(self.record.round, "", LEFT, False, False, [], self.record.reachability, 0.0, 0, time.time())
+        await self.dht.store(self.records_key(self.ctx.run_id), seal(self.identity, self.ctx.run_id, gone),
+                             get_dht_time() + 3 * HEARTBEAT_S, subkey=self.identity.peer_id)
+
     def _latest_scores(self) -> list[str]:
         """"peer=score" for the newest round this peer scored contributions in (as a leader)."""
         scores = self.server.scores if self.server is not None else {}
@@ -90,7 +101,7 @@ class PeerRecords:
         for subkey, item in found.value.items():
             try:
                 sender, rec = unseal(item.value, run_id, PeerRecord)
-                if sender == subkey:
+                if sender == subkey and rec.role != LEFT:
                     out[sender] = rec
             except (ProtocolError, TypeError) as exc:
                 self.rejected_records += 1

@@ -53,12 +53,21 @@ class StopFlag:
     """Set from a signal handler or another thread; loops check it between steps."""
 
     event: threading.Event = field(default_factory=threading.Event)
+    signalled: bool = False
 
     def set(self) -> None:
+        """Set it (from any thread but in a signal handler: see `set_from_signal`)."""
         self.event.set()
 
+    def set_from_signal(self) -> None:
+        """Set it from a signal handler. The handler runs on the main thread, possibly while that
+        thread holds the event's lock (entering or leaving `event.wait`): `Event.set` would wait
+        for that lock forever, so a short-lived thread of its own sets the event."""
+        self.signalled = True  # seen at once by checks; the event wakes the waits
+        threading.Thread(target=self.event.set, name="stop-flag", daemon=True).start()
+
     def __bool__(self) -> bool:
-        return self.event.is_set()
+        return self.signalled or self.event.is_set()
 
 
 def run_volunteer(p: Participant, bootstrap_peers: list[str], *, max_rounds: int | None, stop: StopFlag,
@@ -143,12 +152,28 @@ def run_volunteer(p: Participant, bootstrap_peers: list[str], *, max_rounds: int
     if in_flight is not None:  # stopping: the last contribution lands in an aggregate or is kept
         loop.settle(*in_flight)
     loop.checkpoint()  # first: a second Ctrl+C during the reports below must not cost the work
+    _announce_departure(p)
     try:  # which peers we reached directly and which through a relay, for the run's report
         p.events.write("connections", **p.node.call(_connection_report(p.node), timeout_s=10),
                        reachability=p.node.reachability, peer=p.identity.peer_id)
     except (PeerUnavailable, TimeoutError, RuntimeError) as exc:
         log.info("could not list connections: %s", exc)
     write_defence_counts(p)
+
+
+def _announce_departure(p: Participant) -> None:
+    """Tell the leaders of the round we would have contributed to next that we will not: they
+    close it as soon as the others are in, not at its close. (Our record in the DHT is replaced
+    by a "left" one when the node shuts down.)"""
+    client = p.node.client
+    if client is None:
+        return
+    try:
+        p.node.call(client.leave(p.outer.round_id), timeout_s=2 * p.manifest.round.slack_s)
+    except (PeerUnavailable, TimeoutError, RuntimeError) as exc:  # best effort: they stop waiting at the close
+        log.info("could not tell the next round's leaders we are leaving: %r", exc)
+    else:
+        p.events.write("departure", round=p.outer.round_id, peer=p.identity.peer_id)
 
 
 @contextlib.contextmanager

@@ -37,7 +37,14 @@ from groundswell.protocol.schema import (
 from groundswell.protocol.server import RoundServer
 from groundswell.protocol.transport import PeerUnavailable, Transport, WithTrailer
 
-from .daemon import adopt_p2pd_daemons, reap_daemons, release_private_sockets, with_private_sockets
+from .daemon import (
+    adopt_p2pd_daemons,
+    bounded,
+    reap_daemons,
+    release_private_sockets,
+    watch_daemon,
+    with_private_sockets,
+)
 from .dht_rejoin import DhtRejoiner
 from .holepunch import Rendezvous, serve_punch_invites
 from .net_errors import NetworkError, explain_start_failure
@@ -52,7 +59,7 @@ from .reachability import (
     listen_host,
     observed_ips,
 )
-from .records import PeerRecords
+from .records import HEARTBEAT_S, PeerRecords
 from .run_state import GlobalState, RunContext
 from .state_serving import UploadSlots
 from .state_trust import state_timeout_s
@@ -194,6 +201,7 @@ class SwarmNode(PeerRecords, NetLoop):
                 if self.reachability == "private" and self.options.hole_punch:  # see peer/holepunch.py
                     self.punch_target = await serve_punch_invites(self.bootstrap_transport, self.maddrs, self.options.host_maddrs,
                                               self._bootstrap_ids(), tasks)
+                tasks.create_task(watch_daemon(p2p))  # a daemon that died (out of memory, say) stops the node
                 self._ready.set()
                 await self._stop.wait()
                 raise _Stop()
@@ -209,15 +217,21 @@ class SwarmNode(PeerRecords, NetLoop):
                 self._down = f"the network stopped ({self._error!r:.200}); start again to rejoin the run"
             self._ready.set()  # a start-up failure: `start` reports it
         finally:
-            if self.direct is not None:
-                await self.direct.close()
-            if dht is not None:
-                await dht.shutdown()
-            if p2p is not None:
-                await p2p.shutdown()
-            await reap_daemons()  # a daemon that failed to start is not waited for by hivemind
-            if p2p_class is not None:
-                release_private_sockets()
+            # Each step bounded: a frozen or dead daemon never answers hivemind's shutdown calls,
+            # and the steps after them (killing that daemon, above all) must still run.
+            try:
+                if self.direct is not None:
+                    await bounded(self.direct.close, "direct state port")
+                if dht is not None:
+                    if self.ctx is not None and self._ready.is_set() and self._down is None:  # left cleanly
+                        await bounded(self._withdraw_record, "peer record", timeout_s=HEARTBEAT_S)
+                    await bounded(dht.shutdown, "DHT")
+                if p2p is not None:
+                    await bounded(p2p.shutdown, "libp2p daemon")
+            finally:
+                await reap_daemons()  # one that failed to start, or did not stop in time
+                if p2p_class is not None:
+                    release_private_sockets()
 
     async def _attach(self, ctx: RunContext) -> None:
         self.ctx = ctx
@@ -386,12 +400,13 @@ class SwarmNode(PeerRecords, NetLoop):
             return
         if self._stop is not None and self._loop.is_running():
             self._loop.call_soon_threadsafe(self._stop.set)
-        if self._main is not None:
-            try:
+        try:
+            if self._main is not None:
                 self._main.result(timeout=20)
-            except Exception as exc:  # shutting down: nothing left to decide, say what happened
-                log.warning("network shutdown: %r", exc)
-        self.stop_loop()
+        except Exception as exc:  # shutting down: nothing left to decide, say what happened
+            log.warning("network shutdown: %r", exc)
+        finally:  # a Ctrl+C during the wait too: the loop and its thread are not left behind
+            self.stop_loop()
 
     # --- serving --------------------------------------------------------------------------------
     async def _on_manifest(self, sender: str, msg: ManifestRequest) -> ManifestReply:

@@ -99,6 +99,20 @@ class RoundClient(AggregateFetcher):
             join = Join(round_id, trains, serves)
             await asyncio.gather(*(self._tell(p, "join", join) for p in plan.leaders))
 
+    async def leave(self, round_id: int, attempts: int = 3) -> None:
+        """Tell the leaders of `round_id`'s open attempt, and of the next few, that we will not
+        contribute to it (we are leaving the run): they then close it once the others are in,
+        instead of waiting for us up to the close."""
+        attempt = self.current_attempt(round_id)
+        if attempt is None:
+            return  # the round before it is not known here: no plan, nobody to tell
+        leaders: set[str] = set()
+        for a in range(attempt, attempt + attempts):
+            plan = await self.server.plan(round_id, a, wait_s=0)
+            leaders.update(plan.leaders if plan is not None else ())
+        leave = Join(round_id, trains=False, serves=False)
+        await asyncio.gather(*(self._tell(p, "join", leave) for p in sorted(leaders)))
+
     async def run_attempt(self, round_id: int, attempt: int | None, segments: list[bytes] | None, *, trains: bool,
                           serves: bool) -> AttemptResult:
         """Join, contribute (if `segments`), and wait for the attempt's decision. `attempt=None`:

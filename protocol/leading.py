@@ -190,7 +190,9 @@ class Leading:
     async def _await_close(self, plan: RoundPlan, slot: _Attempt, close_at: float) -> None:
         """Wait until every expected trainer is complete (and they are enough to commit), or the close."""
         while time.monotonic() < close_at:
-            expected = set(plan.trainers) | {p for p, (trains, _) in self.joins[plan.round].items() if trains}
+            joins = self.joins[plan.round]
+            expected = set(plan.trainers) | {p for p, (trains, _) in joins.items() if trains}
+            expected -= {p for p, (trains, _) in joins.items() if not trains}  # it left, or will not train this round
             expected -= slot.refused_reported  # an invalid contribution will not become valid: do not wait for it
             _, complete = self._sources(plan, slot)
             if expected <= complete and len(complete) >= self.ctx.min_peers:

@@ -56,3 +56,40 @@ def test_a_held_out_loss_not_published_yet_reads_as_a_dash_not_nan():
 
     assert _loss_text(float("nan")) == "-"
     assert _loss_text(4.53781) == "4.5378"
+
+
+def test_without_a_terminal_each_round_is_a_line_as_it_happens(tmp_path):
+    # Under nohup, systemd or `2>log`, a live table draws nothing until the process ends.
+    manifest = (ROOT / "scripts" / "example_run.toml").read_text()
+    manifest = manifest.replace("deadline_s = 30.0", "deadline_s = 8.0").replace("slack_s = 5.0", "slack_s = 2.0")
+    (tmp_path / "run.toml").write_text(manifest)
+    log = tmp_path / "launch.log"
+    with open(log, "wb") as out:
+        proc = subprocess.Popen([sys.executable, "-m", "groundswell.peer", "launch", str(tmp_path / "run.toml"),
+                                 "--state-dir", str(tmp_path / "c"), "--listen", "/ip4/127.0.0.1/tcp/0"],
+                                stdin=subprocess.DEVNULL, stdout=out, stderr=out, start_new_session=True)
+    try:
+        deadline = time.monotonic() + 100
+        while time.monotonic() < deadline and b"round 0: runs again" not in log.read_bytes():
+            time.sleep(0.5)
+        text = log.read_text(errors="replace")  # read while it runs, not what it prints on the way out
+    finally:
+        os.killpg(proc.pid, signal.SIGINT)
+        try:
+            proc.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+    assert "round 0: runs again (0 volunteers online, 2 needed)" in text, text[-2000:]
+
+
+def test_a_round_line_says_what_the_tables_row_says():
+    from types import SimpleNamespace
+
+    from groundswell.peer.cli_swarm import _round_line
+
+    info = SimpleNamespace(round=3, status="applied", contributors=4, peers_online=5, eval_loss=2.5,
+                           bytes_sent=48_600, round_s=3.21, reason="")
+    assert _round_line(info) == ("round 3: applied, 4 contributors, 5 peers online, held-out loss 2.5000, "
+                                 "48.6 kB/round/peer, 3.2 s")
+    assert "loss" not in _round_line(SimpleNamespace(**{**vars(info), "eval_loss": float("nan")}))

@@ -1,0 +1,134 @@
+"""Leaving a run: a peer that stops says so (the next round's leaders stop waiting for it, its
+DHT record is withdrawn), and a node shuts down in bounded time even when its daemon is frozen,
+and notices when its daemon dies."""
+
+from __future__ import annotations
+
+import os
+import signal
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from groundswell.peer.net_errors import NetworkError
+from groundswell.peer.swarm import NodeOptions, SwarmNode
+from groundswell.protocol.identity import Identity
+
+sys.path.insert(0, str(Path(__file__).parent))
+from swarm_harness import Cluster, inputs  # noqa: E402
+
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(240)]
+
+
+@pytest.fixture
+def make_cluster():
+    made: list[Cluster] = []
+
+    def make(*args, **kwargs) -> Cluster:
+        made.append(Cluster(*args, **kwargs))
+        return made[-1]
+
+    yield make
+    for c in made:
+        c.close()
+
+
+def test_the_next_rounds_leaders_do_not_wait_for_a_trainer_that_left(make_cluster):
+    # All three are round 0's trainers; the leaders would wait for the third up to the close
+    # (29 s here). It leaves instead: they commit once the other two are in.
+    c = make_cluster(3, deadline_s=30.0, slack_s=1.0)
+    leaver = c.nodes[2]
+    leaver.call(leaver.client.leave(0), timeout_s=10)  # type: ignore[union-attr]
+    xs = inputs(2, c.numel, seed=5)
+    t0 = time.monotonic()
+    results = c.attempt(0, {0: xs[0], 1: xs[1]})
+    took = time.monotonic() - t0
+    decisions = {i: r.decision for i, r in results.items()}
+    assert all(d is not None and d.status == "commit" for d in decisions.values()), decisions
+    assert sorted(decisions[0].contributors) == sorted(c.ids[:2]) and decisions[0] == decisions[1]
+    assert took < 15, f"the round waited {took:.1f} s for a trainer that had left"
+    means = [c.fetch(i, results[i].signed) for i in (0, 1)]
+    assert torch.equal(means[0], means[1])  # both hold the identical aggregate
+    assert torch.allclose(means[0], (c.sent(xs[0]) + c.sent(xs[1])) / 2, atol=1e-6)
+
+
+def test_a_node_that_closes_cleanly_withdraws_its_record_at_once(make_cluster):
+    c = make_cluster(2)
+    watcher, leaver = c.nodes
+    deadline = time.monotonic() + 30
+    while leaver.identity.peer_id not in watcher.call(watcher.peer_records(), timeout_s=10):
+        assert time.monotonic() < deadline, "the leaver's record never appeared"
+        time.sleep(0.5)
+    leaver.close()
+    # its last heartbeat's record would live 6 s more; the "left" one replaces it
+    assert leaver.identity.peer_id not in watcher.call(watcher.peer_records(), timeout_s=10)
+
+
+@pytest.fixture
+def lone_node():
+    tmp = tempfile.TemporaryDirectory()
+    ident = Identity.generate()
+    ident.save(Path(tmp.name) / "id.key")
+    node = SwarmNode(ident, str(Path(tmp.name) / "id.key"), NodeOptions())
+    node.start()
+    child = node.p2p._child
+    yield node, child
+    if child.returncode is None:  # the old code left it behind, stopped
+        for sig in (signal.SIGKILL, signal.SIGCONT):
+            try:
+                os.kill(child.pid, sig)
+            except ProcessLookupError:
+                pass
+    node.close()
+    tmp.cleanup()
+
+
+def test_closing_a_node_whose_daemon_is_frozen_ends_in_time_and_kills_the_daemon(lone_node):
+    node, child = lone_node
+    os.kill(child.pid, signal.SIGSTOP)  # hivemind waits for its answers without a timeout
+    t0 = time.monotonic()
+    node.close()
+    took = time.monotonic() - t0
+    assert child.returncode is not None, "the frozen daemon outlived its node"
+    assert took < 19, f"closing took {took:.1f} s"
+
+
+def test_a_node_whose_daemon_dies_says_so_instead_of_timing_out_forever(lone_node):
+    node, child = lone_node
+    os.kill(child.pid, signal.SIGKILL)  # out of memory, say
+
+    async def nothing() -> None:
+        return None
+
+    deadline = time.monotonic() + 15
+    while True:
+        try:
+            node.call(nothing(), timeout_s=5)
+        except NetworkError as exc:
+            assert "daemon exited" in str(exc)
+            break
+        assert time.monotonic() < deadline, "the node never noticed its daemon was gone"
+        time.sleep(0.2)
+
+
+def test_ctrl_c_while_the_main_thread_holds_the_stop_flags_lock_does_not_hang(monkeypatch):
+    # A signal handler runs on the main thread, maybe while it is entering or leaving
+    # `stop.event.wait()` and holds the event's (non-reentrant) lock: setting the event there
+    # would wait for that lock forever.
+    from groundswell.peer import cli_swarm
+
+    monkeypatch.setattr(signal, "signal", lambda *a: None)  # leave this process's handlers alone
+    handlers = []
+    monkeypatch.setattr(cli_swarm.signal, "signal", lambda sig, h: handlers.append(h))
+    stop = cli_swarm._stop_on_signals()
+    press = threading.Thread(target=handlers[0], args=(signal.SIGINT, None), daemon=True)
+    with stop.event._cond:  # as the main thread does inside Event.wait
+        press.start()
+        press.join(timeout=3)
+        assert not press.is_alive(), "the handler blocked on the stop flag's lock"
+        assert stop  # seen at once, before the event itself can be set
+    assert stop.event.wait(5)  # and the waits wake once the lock is free
