@@ -70,6 +70,7 @@ def _stop_on_signals(first: str = "stopping after this round"):
     from .roles import StopFlag
 
     stop = StopFlag()
+    stop.arm_for_signals()
     presses = {"n": 0}
 
     def handler(signum, frame):  # first press: stop cleanly (`first` says how); second: leave now

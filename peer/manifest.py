@@ -20,6 +20,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import msgpack
+from groundswell.compression.wire_bounds import count_objects
 from groundswell.peer.config import (
     ConfigError,
     DataSection,
@@ -37,7 +38,6 @@ from groundswell.protocol.identity import (
     public_key_from_peer_id,
     verify,
 )
-from groundswell.protocol.schema import strict_unpacker
 
 MANIFEST_VERSION = 1
 MAX_MANIFEST_BYTES = 1 << 20
@@ -322,16 +322,16 @@ class SignedManifest:
         if len(data) > max_bytes:
             raise ManifestError(f"signed manifest is {len(data)} bytes; the limit is {max_bytes}")
         try:
-            u = strict_unpacker(bytes(data), max_str=len(data))  # a leaf that is a container is refused unbuilt
-            if u.read_array_header() != 4:
-                raise ManifestError("signed manifest must be a 4-element array")
-            obj = [u.unpack() for _ in range(4)]
-            if u.tell() != len(data):
-                raise ManifestError("signed manifest has bytes after its 4 fields")
-        except ManifestError:
+            count_objects(bytes(data), 8)  # an array of 4 scalars: nothing nested is built
+            obj = msgpack.unpackb(bytes(data), raw=False, use_list=True, strict_map_key=True)
+        except MemoryError:
             raise
+        except ValueError as exc:
+            raise ManifestError(f"signed manifest is not valid msgpack: {exc}") from None
         except Exception as exc:
             raise ManifestError(f"signed manifest is not valid msgpack: {type(exc).__name__}") from None
+        if not isinstance(obj, list) or len(obj) != 4:
+            raise ManifestError("signed manifest must be a 4-element array")
         version, coordinator, manifest_bytes, signature = obj
         if type(version) is not int or version != MANIFEST_VERSION:
             raise ManifestError(

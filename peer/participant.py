@@ -50,6 +50,8 @@ from .work_file import CONTRIBUTED_FILE, contributed_marker, read_contributed
 from .workload import Workload, build_workload
 
 log = logging.getLogger(__name__)
+_OUR_TEMP_FILES = ("checkpoint-*.tmp", "work.tmp", "contributed.tmp", "outcome.tmp", "manifest.tmp",
+                   "bootstrap.tmp", "address.tmp", ".*.key.*.tmp")
 
 
 class CheckpointMismatch(ConfigError):
@@ -107,10 +109,11 @@ class Participant:
         self.work_recorded = True  # False: work.pt could not be written for it (then it is not sent)
         if state_dir is not None:
             state_dir.mkdir(parents=True, exist_ok=True)
-            # Every *.tmp here is a half-written file of a process killed mid-write (write_atomically's
-            # X.tmp, Identity.save's .identity.key.*.tmp): nothing else in a state dir is named so,
-            # and no other process writes here (the CLI holds the state dir's lock, locks.py).
-            for stale in state_dir.glob("*.tmp"):
+            # Half-written files of a process killed mid-write (write_atomically's X.tmp for each file
+            # we write here, Identity.save's .identity.key.*.tmp); no other groundswell process writes
+            # here (the CLI holds the state dir's lock, locks.py). Only our own names: a state dir
+            # may be a folder other programs write their *.tmp files in too.
+            for stale in [p for pattern in _OUR_TEMP_FILES for p in state_dir.glob(pattern)]:
                 try:
                     stale.unlink(missing_ok=True)
                 except OSError:  # an unwritable state dir is reported when we first write to it

@@ -162,8 +162,9 @@ class SwarmNode(PeerRecords, NetLoop):
                 # reaches that verdict with the few dial-back servers a run has (a netlab
                 # volunteer behind NAT had no reservation after 5 minutes; forced, it had one
                 # ~3 minutes in, autorelay's boot delay with fewer than 4 relay candidates).
-                await p2p.shutdown()
+                await bounded(p2p.shutdown, "libp2p daemon, to restart it as private")
                 p2p = None
+                await reap_daemons()  # one that did not stop in time
                 p2p = await self._create_p2p(p2p_class, "private")
             # The manifest is served outside any run (the joiner learns the run id from it); it
             # is signed by the coordinator, whose key the joiner already has.

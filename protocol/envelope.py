@@ -12,6 +12,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import msgpack
+from groundswell.compression.wire_bounds import count_objects
 
 from .digests import bulk_digest
 from .identity import Identity, verify
@@ -24,7 +25,6 @@ from .schema import (
     decode_message,
     encode_message,
     packb,
-    strict_unpacker,
 )
 
 
@@ -67,18 +67,16 @@ def unseal(data: bytes, run_id: str, expect: Any, max_bytes: int = MAX_SMALL, se
         raise ProtocolError(f"envelope is {len(data)} bytes, over the limit", reason="oversized")
     data = bytes(data)
     try:
-        u = strict_unpacker(data, max_str=512)
-        if u.read_array_header() != 7:
-            raise ProtocolError("an envelope has 7 fields")
-        version, env_run, env_sender, nonce, ts = (_leaf(u, name) for name in _HEADER)
-        body_at = u.tell()
-        body = u.unpack()
-        sig_at = u.tell()
-        sig = u.unpack()
-    except ProtocolError:
+        count_objects(data, 16)  # an array of 7 scalars (a few more: a bad version gets its own error)
+        obj = msgpack.unpackb(data, raw=False, use_list=True, max_bin_len=len(data), max_str_len=512,
+                              max_array_len=8, max_map_len=0, max_ext_len=0)
+    except MemoryError:  # ours, not the sender's fault: no strike for it
         raise
     except Exception as exc:  # msgpack raises many unrelated types on bad input
         raise ProtocolError(f"not a valid envelope: {exc}") from None
+    if not isinstance(obj, list) or len(obj) != 7:
+        raise ProtocolError("an envelope has 7 fields")
+    version, env_run, env_sender, nonce, ts, body, sig = obj
     if type(version) is not int or version != PROTOCOL_VERSION:  # True and 1.0 equal 1 in Python
         raise ProtocolError(f"protocol version {brief(version)}; this peer speaks {PROTOCOL_VERSION}", reason="version")
     if not (isinstance(env_run, str) and isinstance(env_sender, str) and isinstance(nonce, bytes)
@@ -87,8 +85,9 @@ def unseal(data: bytes, run_id: str, expect: Any, max_bytes: int = MAX_SMALL, se
     # Only the one encoding `seal` writes is accepted: the signature covers the decoded fields, and
     # peers use a signed commit's bytes as its identity, so a relay must not be able to re-spell it.
     head = b"\x97" + b"".join(msgpack.packb(v, use_bin_type=True) for v in (version, env_run, env_sender, nonce, ts))
-    if (data[:body_at] != head or sig_at - body_at - len(body) != _bin_header_bytes(len(body))
-            or data[sig_at:] != msgpack.packb(sig, use_bin_type=True)):
+    body_at = len(head) + _bin_header_bytes(len(body))
+    if (not data.startswith(head) or data[len(head):body_at] != _bin_header(len(body))
+            or data[body_at + len(body):] != msgpack.packb(sig, use_bin_type=True)):
         raise ProtocolError("envelope is not canonically encoded")
     if env_run != run_id:
         raise ProtocolError(f"message is for run {env_run!r}, not {run_id!r}", reason="wrong-run")
@@ -102,16 +101,12 @@ def unseal(data: bytes, run_id: str, expect: Any, max_bytes: int = MAX_SMALL, se
     return env_sender, decode_message(body, expect, max_bytes=max_bytes)
 
 
-_HEADER = ("protocol version", "run", "sender", "nonce", "time")
-
-
-def _leaf(u: Any, name: str) -> Any:
-    try:
-        return u.unpack()
-    except ValueError:  # a list or map where a single value belongs: refused before it is built
-        raise ProtocolError(f"envelope field {name!r} must be a single value") from None
-
-
 def _bin_header_bytes(length: int) -> int:
     """Bytes of the shortest msgpack bin header for `length` bytes (bin8, bin16 or bin32)."""
     return 2 if length < 1 << 8 else 3 if length < 1 << 16 else 5
+
+
+def _bin_header(length: int) -> bytes:
+    """The shortest msgpack bin header for `length` bytes: the one `seal` writes."""
+    width = _bin_header_bytes(length) - 1
+    return bytes([{1: 0xC4, 2: 0xC5, 4: 0xC6}[width]]) + length.to_bytes(width, "big")

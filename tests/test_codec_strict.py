@@ -460,3 +460,64 @@ def test_an_empty_shape_cannot_hide_a_dimension_no_tensor_can_take() -> None:
     for shape in ([0, 2**63], [2**40, 0]):
         with pytest.raises(CodecError, match="dimension"):
             _decode_any(_envelope(shape=shape, buffers={}))
+
+
+_MSGPACK_VALUES = st.recursive(
+    st.none() | st.booleans() | st.integers(-(2**63), 2**64 - 1) | st.floats(allow_nan=False)
+    | st.text(max_size=300) | st.binary(max_size=300),
+    lambda inner: st.lists(inner, max_size=20) | st.dictionaries(st.text(max_size=5), inner, max_size=20),
+    max_leaves=60,
+)
+
+
+def _objects(value: object) -> int:
+    if isinstance(value, list):
+        return 1 + sum(_objects(v) for v in value)
+    if isinstance(value, dict):
+        return 1 + sum(1 + _objects(v) for v in value.values())
+    return 1
+
+
+@settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(_MSGPACK_VALUES)
+def test_count_objects_counts_what_msgpack_would_build(value: object) -> None:
+    from groundswell.compression.wire_bounds import count_objects
+
+    data = msgpack.packb(value, use_bin_type=True)
+    assert count_objects(data, 10**6) == _objects(value)
+    if _objects(value) > 1:
+        with pytest.raises(ValueError, match="more than"):
+            count_objects(data, _objects(value) - 1)
+    for cut in {1, len(data) // 2, len(data) - 1} - {0, len(data)}:
+        with pytest.raises(ValueError):
+            count_objects(data[:cut], 10**6)
+    with pytest.raises(ValueError, match="after"):
+        count_objects(data + b"\x00", 10**6)
+
+
+def test_count_objects_refuses_reserved_bytes_and_huge_headers_without_reading_on() -> None:
+    from groundswell.compression.wire_bounds import count_objects
+
+    with pytest.raises(ValueError, match="reserved"):
+        count_objects(b"\x92\x01\xc1", 10)
+    with pytest.raises(ValueError, match="more than 10"):
+        count_objects(b"\xdd\xff\xff\xff\xff", 10)  # an array of 4 billion, refused from its header
+    with pytest.raises(ValueError, match="cut short"):
+        count_objects(b"\xc6\xff\xff\xff\xff", 10)  # a 4 GiB bin that is not there
+
+
+def test_running_out_of_memory_while_parsing_is_not_taken_for_a_bad_payload(monkeypatch) -> None:
+    # A MemoryError is this peer's trouble: read as a bad payload, a stored contribution would be
+    # given up as undecodable (and a sender struck for it).
+    import groundswell.compression.base as base
+
+    def no_memory(*args, **kwargs):
+        raise MemoryError
+
+    monkeypatch.setattr(base.msgpack, "unpackb", no_memory)
+    with pytest.raises(MemoryError):
+        Payload.from_bytes(VALID["fp32"])
+    from groundswell.protocol.schema import Ack, decode_message, encode_message
+
+    with pytest.raises(MemoryError):
+        decode_message(encode_message(Ack(True, "")), Ack)

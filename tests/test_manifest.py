@@ -167,7 +167,7 @@ def test_a_signed_manifest_of_nested_arrays_is_refused_before_they_are_built():
     finally:
         tracemalloc.stop()
     assert peak < 4 * len(bomb)
-    with pytest.raises(ManifestError, match="after its 4 fields"):
+    with pytest.raises(ManifestError, match="bytes after"):
         SignedManifest.from_bytes(wire + b"\x00")
 
 
