@@ -19,7 +19,7 @@ from typing import Any
 import torch
 from groundswell.compression import Payload
 from groundswell.optim import RoundFailed, RoundResult
-from groundswell.protocol.client import AttemptResult, RoundBehind
+from groundswell.protocol.client import LEAVE_ATTEMPTS, AttemptResult, RoundBehind
 from groundswell.protocol.schema import Decision
 from groundswell.protocol.shards import ships_contributions
 from groundswell.protocol.transport import PeerUnavailable
@@ -224,10 +224,12 @@ class SwarmExchange:
         return client.own_scaled.get(round_id)
 
     def announce(self, round_id: int) -> None:
-        """Ask to be waited for in `round_id` (best effort, in the background of training)."""
+        """Ask to be waited for in `round_id` (best effort, in the background of training): the
+        first round after start, at every attempt an earlier process's `leave` reached."""
         client = self.node.client
         assert client is not None
-        self._announced = self.node.submit(client.announce(round_id, trains=True, serves=self.serves))
+        self._announced = self.node.submit(client.announce(round_id, trains=True, serves=self.serves,
+                                                           attempts=LEAVE_ATTEMPTS))
 
     def ready(self) -> bool:
         """Whether the attempt in flight has an outcome (and, on a commit, its aggregate): `collect`

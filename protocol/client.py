@@ -35,6 +35,7 @@ from .shards import REPORTING_CANDIDATES, decision_digests, replica_count
 from .transport import PeerGone, PeerUnavailable
 
 log = logging.getLogger(__name__)
+LEAVE_ATTEMPTS = 3  # a leave reaches the leaders of the open attempt and the two after it
 REASK_S = 1.0  # how often a leader that failed to answer is asked again for the decision
 # A shard up to this size goes to all its copies' aggregators at once (sparse shards are ~1/200
 # of fp32); a bigger one to one at a time.
@@ -89,29 +90,31 @@ class RoundClient(AggregateFetcher):
             return None
         return attempt_for(time.time(), opened, self.ctx.deadline_s, self.ctx.slack_s)
 
-    async def announce(self, round_id: int, *, trains: bool, serves: bool) -> None:
-        """Tell the leaders of `round_id`'s open attempt that we will contribute, before training:
-        they then wait for us (up to the close) instead of closing early without us, which
-        would leave a peer slower than the others out of every round."""
-        attempt = self.current_attempt(round_id)
-        plan = None if attempt is None else await self.server.plan(round_id, attempt, wait_s=0)
-        if plan is not None:
-            join = Join(round_id, trains, serves)
-            await asyncio.gather(*(self._tell(p, "join", join) for p in plan.leaders))
+    async def announce(self, round_id: int, *, trains: bool, serves: bool, attempts: int = 1) -> None:
+        """Tell the leaders of `round_id`'s open attempt (and of the next `attempts - 1`) that we
+        will contribute, before training: they then wait for us (up to the close) instead of
+        closing early without us, which would leave a peer slower than the others out of every
+        round. A peer starting up covers `LEAVE_ATTEMPTS`: a `leave` of its earlier process may
+        still stand at any of them."""
+        join = Join(round_id, trains, serves)
+        await asyncio.gather(*(self._tell(p, "join", join) for p in await self._leaders(round_id, attempts)))
 
-    async def leave(self, round_id: int, attempts: int = 3) -> None:
+    async def leave(self, round_id: int) -> None:
         """Tell the leaders of `round_id`'s open attempt, and of the next few, that we will not
         contribute to it (we are leaving the run): they then close it once the others are in,
         instead of waiting for us up to the close."""
+        leave = Join(round_id, trains=False, serves=False)
+        await asyncio.gather(*(self._tell(p, "join", leave) for p in await self._leaders(round_id, LEAVE_ATTEMPTS)))
+
+    async def _leaders(self, round_id: int, attempts: int) -> list[str]:
+        """The leaders of `round_id`'s open attempt and the `attempts - 1` after it (none if the
+        round before is not known here)."""
         attempt = self.current_attempt(round_id)
-        if attempt is None:
-            return  # the round before it is not known here: no plan, nobody to tell
         leaders: set[str] = set()
-        for a in range(attempt, attempt + attempts):
+        for a in range(attempt, attempt + attempts) if attempt is not None else ():
             plan = await self.server.plan(round_id, a, wait_s=0)
             leaders.update(plan.leaders if plan is not None else ())
-        leave = Join(round_id, trains=False, serves=False)
-        await asyncio.gather(*(self._tell(p, "join", leave) for p in sorted(leaders)))
+        return sorted(leaders)
 
     async def run_attempt(self, round_id: int, attempt: int | None, segments: list[bytes] | None, *, trains: bool,
                           serves: bool) -> AttemptResult:

@@ -132,3 +132,28 @@ def test_ctrl_c_while_the_main_thread_holds_the_stop_flags_lock_does_not_hang(mo
         assert not press.is_alive(), "the handler blocked on the stop flag's lock"
         assert stop  # seen at once, before the event itself can be set
     assert stop.event.wait(5)  # and the waits wake once the lock is free
+
+
+def test_a_peer_back_after_leaving_is_waited_for_again_at_every_attempt_its_leave_reached(make_cluster):
+    # Leaders differ per attempt with more servers than leaders: the restarted peer's announce
+    # must reach each leader its leave reached, or a retried attempt's leader would close
+    # without it while it still trains.
+    from groundswell.protocol.client import LEAVE_ATTEMPTS
+
+    c = make_cluster(6, deadline_s=30.0, slack_s=1.0)
+    peer = c.nodes[5]
+    client = peer.client
+    peer.call(client.leave(0), timeout_s=15)
+    peer.call(client.announce(0, trains=True, serves=True, attempts=LEAVE_ATTEMPTS), timeout_s=15)
+    plans = [peer.call(peer.server.plan(0, a, wait_s=0), timeout_s=5)
+             for a in range(client.current_attempt(0), client.current_attempt(0) + LEAVE_ATTEMPTS)]
+    leaders = {leader for plan in plans for leader in plan.leaders}
+    assert len(leaders) > len(plans[0].leaders)  # the attempts do have other leaders
+    by_id = dict(zip(c.ids, c.nodes))
+    for leader in leaders:
+        joins = by_id[leader].call(_joins(by_id[leader], 0), timeout_s=5)
+        assert joins.get(peer.identity.peer_id) == (True, True), f"{leader[-6:]} still holds the leave"
+
+
+async def _joins(node, round_id):
+    return dict(node.server.joins[round_id])
