@@ -67,7 +67,7 @@ def _same_run_as_before(state_dir: Path, signed: bytes) -> None:
 
 
 def _stop_on_signals(first: str = "stopping after this round"):
-    from .roles import StopFlag
+    from .stop_flag import StopFlag
 
     stop = StopFlag()
     stop.arm_for_signals()

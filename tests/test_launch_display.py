@@ -18,6 +18,16 @@ pytestmark = pytest.mark.timeout(150)
 ROOT = Path(__file__).resolve().parents[1]
 
 
+def _stop(proc: subprocess.Popen) -> None:
+    """Ctrl+C the coordinator's process group; kill it if it has not left within 30 s."""
+    os.killpg(proc.pid, signal.SIGINT)
+    try:
+        proc.wait(timeout=30)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
+
+
 def test_the_live_table_says_a_round_waits_for_volunteers(tmp_path):
     manifest = (ROOT / "scripts" / "example_run.toml").read_text()
     manifest = manifest.replace("deadline_s = 30.0", "deadline_s = 8.0").replace("slack_s = 5.0", "slack_s = 2.0")
@@ -40,12 +50,7 @@ def test_the_live_table_says_a_round_waits_for_volunteers(tmp_path):
                 except OSError:  # the child closed the terminal
                     break
     finally:
-        os.killpg(proc.pid, signal.SIGINT)
-        try:
-            proc.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait()
+        _stop(proc)
         os.close(leader)
     text = re.sub(r"\x1b\[[0-9;?]*[A-Za-z]", "", seen.decode(errors="replace"))
     assert "round 0 again: 0 volunteers online, 2 needed" in " ".join(text.split()), text[-2000:]
@@ -74,12 +79,7 @@ def test_without_a_terminal_each_round_is_a_line_as_it_happens(tmp_path):
             time.sleep(0.5)
         text = log.read_text(errors="replace")  # read while it runs, not what it prints on the way out
     finally:
-        os.killpg(proc.pid, signal.SIGINT)
-        try:
-            proc.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait()
+        _stop(proc)
     assert "round 0: runs again (0 volunteers online, 2 needed)" in text, text[-2000:]
 
 
