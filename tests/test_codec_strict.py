@@ -509,7 +509,7 @@ def test_count_objects_refuses_reserved_bytes_and_huge_headers_without_reading_o
 def test_running_out_of_memory_while_parsing_is_not_taken_for_a_bad_payload(monkeypatch) -> None:
     # A MemoryError is this peer's trouble: read as a bad payload, a stored contribution would be
     # given up as undecodable (and a sender struck for it).
-    import groundswell.compression.base as base
+    from groundswell.compression import base
 
     def no_memory(*args, **kwargs):
         raise MemoryError

@@ -19,7 +19,7 @@ from groundswell.peer.swarm import NodeOptions, SwarmNode
 from groundswell.protocol.identity import Identity
 
 sys.path.insert(0, str(Path(__file__).parent))
-from swarm_harness import Cluster, inputs  # noqa: E402
+from swarm_harness import Cluster, inputs
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(240)]
 

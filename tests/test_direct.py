@@ -568,7 +568,7 @@ def test_a_source_holds_few_silent_connections_and_makes_no_room_at_others_expen
             beyond = [await connect("127.0.0.3") for _ in range(3)]  # would fill the last slot, then evict
             refused = [(await _closed_within(r, 2))[0] for r, _ in beyond]
             share_open = [not (await _closed_within(r, 0.1))[0] for r, _ in share]
-            token, key = server.offer(blob, "other")  # the other address's connection still stands
+            token, _key = server.offer(blob, "other")  # the other address's connection still stands
             other[1].write(token)
             await other[1].drain()
             served = await asyncio.wait_for(other[0].readexactly(8 + direct.sealed_size(len(blob))), 5)
