@@ -17,6 +17,8 @@ from groundswell.protocol.schema import PeerRecord, ProtocolError
 
 log = logging.getLogger(__name__)
 HEARTBEAT_S = 2.0
+RECORD_TTL_S = 3 * HEARTBEAT_S  # a record outlives two missed heartbeats
+STORE_CUTOFF_S = RECORD_TTL_S - HEARTBEAT_S  # a heartbeat's store is given up after this (from its start)
 LEFT = "left"  # the role of a record a peer leaves behind when it leaves cleanly
 
 
@@ -52,26 +54,35 @@ class PeerRecords:
         return f"groundswell/{run_id}/peers"
 
     async def _heartbeat(self) -> None:
+        """Publish our record every HEARTBEAT_S, start to start. A slow store (a DHT hop to a dead
+        peer waits out hivemind's RPC timeout) is cut off once the next one is due and the record
+        before would be past half its life, so stores never space out beyond its lifetime (others
+        would drop us for a moment), as they did when each waited for the last to finish."""
         from hivemind.utils import get_dht_time
 
+        loop = asyncio.get_running_loop()
         while True:
+            started = loop.time()
             rec = self.record
             rec = PeerRecord(rec.round, rec.params_hash, rec.role, rec.trains, rec.serves, self.maddrs[:8],
                              rec.reachability, rec.loss, self.transport.bytes_sent if self.transport else 0, time.time(),
                              sorted(self.guard.bans())[:32], sum(self.guard.rejected.values()), self._latest_scores(),
                              self.puncher.punched()[:64] if self.puncher is not None else [], rec.earlier_hashes[:16])
             signed = seal(self.identity, self.ctx.run_id, rec)
-            try:
-                await self.rejoiner.maybe_rejoin(self.p2p, self.dht)
-            except Exception as exc:  # best effort: the next heartbeat tries again
+            try:  # (only when the routing table is empty, when a store would reach nobody anyway)
+                async with asyncio.timeout(RECORD_TTL_S):
+                    await self.rejoiner.maybe_rejoin(self.p2p, self.dht)
+            except Exception as exc:  # best effort (a TimeoutError too): the next heartbeat tries again
                 log.info("re-entering the DHT failed: %r", exc)
             try:
-                if not await self.dht.store(self.records_key(self.ctx.run_id), signed,
-                                            get_dht_time() + 3 * HEARTBEAT_S, subkey=self.identity.peer_id):
+                async with asyncio.timeout(max(0.1, STORE_CUTOFF_S - (loop.time() - started))):
+                    stored = await self.dht.store(self.records_key(self.ctx.run_id), signed,
+                                                  get_dht_time() + RECORD_TTL_S, subkey=self.identity.peer_id)
+                if not stored:
                     log.info("heartbeat store was refused or reached nobody; the next heartbeat tries again")
-            except Exception as exc:  # the DHT being briefly unreachable is normal under churn
+            except Exception as exc:  # the DHT being briefly unreachable (or slow: TimeoutError) is normal under churn
                 log.info("heartbeat store failed: %r", exc)
-            await asyncio.sleep(HEARTBEAT_S)
+            await asyncio.sleep(max(0.0, HEARTBEAT_S - (loop.time() - started)))
 
     async def _withdraw_record(self) -> None:
         """Replace our record with a "left" one (it lives as long as a heartbeat's would): others
@@ -81,7 +92,7 @@ class PeerRecords:
 
         gone = PeerRecord(self.record.round, "", LEFT, False, False, [], self.record.reachability, 0.0, 0, time.time())
         await self.dht.store(self.records_key(self.ctx.run_id), seal(self.identity, self.ctx.run_id, gone),
-                             get_dht_time() + 3 * HEARTBEAT_S, subkey=self.identity.peer_id)
+                             get_dht_time() + RECORD_TTL_S, subkey=self.identity.peer_id)
 
     def _latest_scores(self) -> list[str]:
         """"peer=score" for the newest round this peer scored contributions in (as a leader)."""

@@ -14,7 +14,7 @@ import logging
 import threading
 import time
 from collections.abc import Callable, Coroutine, Sequence
-from concurrent.futures import Future
+from concurrent.futures import CancelledError, Future
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
@@ -105,6 +105,8 @@ class SwarmNode(PeerRecords, NetLoop):
         NetLoop.__init__(self)
         self._stop: asyncio.Event | None = None
         self._main: Future | None = None
+        self._run_task: asyncio.Task | None = None  # what `_main` runs, on the loop
+        self._start_cancelled = False  # closed before `_run` began (see `_stop_soon`)
         self._ready = threading.Event()
         self.maddrs: list[str] = []
         self.book: DecisionBook | None = None
@@ -145,6 +147,9 @@ class SwarmNode(PeerRecords, NetLoop):
         from hivemind.dht.node import DHTNode
         from hivemind.p2p import P2P
 
+        self._run_task = asyncio.current_task()
+        if self._start_cancelled:
+            return
         self._stop = asyncio.Event()
         p2p = dht = p2p_class = None
         try:
@@ -399,15 +404,28 @@ class SwarmNode(PeerRecords, NetLoop):
         """Stop every task, shut the daemon down and join the thread (idempotent)."""
         if self._loop.is_closed():
             return
-        if self._stop is not None and self._loop.is_running():
-            self._loop.call_soon_threadsafe(self._stop.set)
+        if self._loop.is_running():
+            # Still starting (a Ctrl+C during a slow DHT bootstrap, say): the start-up is
+            # cancelled, not waited for (up to 20 s), and its teardown below runs at once.
+            self._loop.call_soon_threadsafe(self._stop_soon)
         try:
             if self._main is not None:
                 self._main.result(timeout=20)
+        except CancelledError:  # a start-up cancelled (`_stop_soon`), its teardown done
+            pass
         except Exception as exc:  # shutting down: nothing left to decide, say what happened
             log.warning("network shutdown: %r", exc)
         finally:  # a Ctrl+C during the wait too: the loop and its thread are not left behind
             self.stop_loop()
+
+    def _stop_soon(self) -> None:
+        """(On the loop.) Stop the running node, or cancel its start-up."""
+        if self._ready.is_set() and self._stop is not None:
+            self._stop.set()
+            return
+        self._start_cancelled = True  # `_run` has not begun: it never will
+        if self._run_task is not None:
+            self._run_task.cancel()  # its teardown (the finally) still runs, and `close` waits for it
 
     # --- serving --------------------------------------------------------------------------------
     async def _on_manifest(self, sender: str, msg: ManifestRequest) -> ManifestReply:

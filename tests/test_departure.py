@@ -4,6 +4,7 @@ and notices when its daemon dies."""
 
 from __future__ import annotations
 
+import asyncio
 import os
 import signal
 import sys
@@ -157,3 +158,46 @@ def test_a_peer_back_after_leaving_is_waited_for_again_at_every_attempt_its_leav
 
 async def _joins(node, round_id):
     return dict(node.server.joins[round_id])
+
+
+def test_a_ctrl_c_during_start_up_cancels_it_and_kills_the_daemon_at_once(monkeypatch):
+    # The reachability probe stands for any slow start-up step (a DHT bootstrap to peers that do
+    # not answer, say). Closing used to wait 20 s for the start-up to end on its own.
+    tmp = tempfile.TemporaryDirectory()
+    ident = Identity.generate()
+    ident.save(Path(tmp.name) / "id.key")
+    node = SwarmNode(ident, str(Path(tmp.name) / "id.key"), NodeOptions())
+    probing = threading.Event()
+    pressed: list[float] = []
+
+    async def probe_forever() -> str:
+        probing.set()
+        await asyncio.sleep(3600)
+        return "public"
+
+    class CtrlC:  # what `start` waits on: the Ctrl+C comes once the daemon is up and probing
+        def wait(self, timeout: float | None = None) -> bool:
+            assert probing.wait(60), "start-up never reached the probe"
+            pressed.append(time.monotonic())
+            raise KeyboardInterrupt
+
+        def is_set(self) -> bool:
+            return False
+
+        def set(self) -> None:
+            pass
+
+    monkeypatch.setattr(node, "_find_reachability", probe_forever)
+    monkeypatch.setattr(node, "_ready", CtrlC())
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            node.start()
+        took = time.monotonic() - pressed[0]
+        assert node.p2p._child.returncode is not None, "the daemon outlived the cancelled start-up"
+        assert node._loop.is_closed()
+        assert took < 10, f"leaving took {took:.1f} s after the Ctrl+C"
+    finally:
+        if node.p2p is not None and node.p2p._child.returncode is None:
+            node.p2p._child.kill()
+        node.close()
+        tmp.cleanup()

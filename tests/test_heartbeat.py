@@ -1,0 +1,72 @@
+"""A peer's DHT record is republished before it expires, even when stores are slow."""
+
+from __future__ import annotations
+
+import asyncio
+import types
+
+import pytest
+from groundswell.peer import records
+from groundswell.peer.records import PeerRecords
+from groundswell.protocol.guard import Guard
+from groundswell.protocol.identity import Identity
+from groundswell.protocol.schema import PeerRecord
+
+pytestmark = pytest.mark.timeout(60)
+
+
+class _SlowDht:
+    """A DHT whose stores take `store_s` each (a hop to a dead peer waits out an RPC timeout)."""
+
+    def __init__(self, store_s: float) -> None:
+        self.store_s = store_s
+        self.stores: list[tuple[float, float]] = []  # (when it began, when its record expires), loop time
+
+    async def store(self, key, value, expiration_time, subkey=None) -> bool:
+        from hivemind.utils import get_dht_time
+
+        now = asyncio.get_running_loop().time()
+        self.stores.append((now, now + expiration_time - get_dht_time()))
+        await asyncio.sleep(self.store_s)
+        return True
+
+
+class _NoRejoin:
+    async def maybe_rejoin(self, p2p, dht) -> None:
+        return None
+
+
+def _node(dht: _SlowDht) -> PeerRecords:
+    node = PeerRecords()
+    node.identity = Identity.generate()
+    node.ctx = types.SimpleNamespace(run_id="heartbeat-test")
+    node.dht, node.p2p, node.transport, node.server, node.puncher = dht, None, None, None, None
+    node.guard, node.rejoiner, node.maddrs = Guard(), _NoRejoin(), []
+    node.record = PeerRecord(-1, "", "volunteer", True, True, [], "public", 0.0, 0, 0.0)
+    return node
+
+
+async def _beat_for(node: PeerRecords, seconds: float) -> None:
+    task = asyncio.get_running_loop().create_task(node._heartbeat())
+    await asyncio.sleep(seconds)
+    task.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await task
+
+
+@pytest.mark.parametrize("store_s", [0.0, 0.3, 5.0])
+def test_every_record_is_replaced_before_it_expires(monkeypatch, store_s):
+    # Scaled down 10x: heartbeats every 0.2 s, records living 0.6 s. A store that hangs (5 s here,
+    # 25 heartbeats) used to space the next one out past the record's life.
+    monkeypatch.setattr(records, "HEARTBEAT_S", 0.2)
+    monkeypatch.setattr(records, "RECORD_TTL_S", 0.6)
+    monkeypatch.setattr(records, "STORE_CUTOFF_S", 0.4)
+    dht = _SlowDht(store_s)
+    asyncio.run(_beat_for(_node(dht), 2.0))
+    starts = [t for t, _ in dht.stores]
+    assert len(starts) >= 4, f"only {len(starts)} stores in 2 s of heartbeats"
+    for (_, expires), next_start in zip(dht.stores, starts[1:]):
+        assert next_start < expires, "a record expired before the next heartbeat began storing its successor"
+    # start to start, not end to start: a store that took 0.3 s did not add its time to the spacing
+    gaps = [b - a for a, b in zip(starts, starts[1:])]
+    assert max(gaps) < 0.45, gaps
