@@ -1,4 +1,5 @@
-"""How many peers a node uploads its state to at once over libp2p streams.
+"""Serving the run manifest and the global state to joiners, and how many peers a node uploads
+its state to at once over libp2p streams.
 
 A state is the largest thing a run sends (a model's parameters, and DiLoCo's momentum), and in an
 open run anyone may ask for it, under as many identities as they like, and read it slowly. So a
@@ -14,7 +15,12 @@ slots by asking under fresh identities and reading slowly, but not that one.
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import Callable
+from typing import Any
+
+from groundswell.protocol.schema import ManifestReply, ManifestRequest, StateReply, StateRequest
+from groundswell.protocol.transport import WithTrailer
 
 MAX_UPLOADS = 4  # a home uplink shared by more is slower for every joiner than taking turns
 KEPT_FOR_CONTRIBUTORS = 1  # of those, slots only peers named in our commits as contributors may take
@@ -54,3 +60,56 @@ class UploadSlots:
                 del self._holders[peer]
 
         return release
+
+
+class StateServing:
+    """The manifest and state handlers of `SwarmNode`, which mixes this in; needs its ctx, guard,
+    book, direct, uploads, signed_manifest and state_provider."""
+
+    ctx: Any
+    guard: Any
+    book: Any
+    direct: Any
+    uploads: UploadSlots
+    signed_manifest: bytes
+    state_provider: Callable[[], Any]
+
+    async def _on_manifest(self, sender: str, msg: ManifestRequest) -> ManifestReply:
+        return ManifestReply(self.signed_manifest)
+
+    async def _on_state(self, sender: str, msg: StateRequest) -> StateReply | WithTrailer:
+        if self.ctx is not None and not self.ctx.may_read_state(sender):
+            self.guard.count(sender, "get-state", "unauthorized", strike=True)
+            return StateReply(-1, "", b"", 0)
+        state = self.state_provider()
+        if state is None or state.round < msg.min_round:
+            return StateReply(-1, "", b"", 0)
+        direct = msg.direct and self.direct is not None  # the direct port bounds its own downloads
+        release = None if direct else self.uploads.take(sender, vouched=self._contributed(sender))
+        if not direct and release is None:
+            self.guard.count(sender, "get-state", "busy", strike=False)
+            return StateReply(-1, "", b"", 0, busy=True)
+        try:
+            # once per round, shared by every joiner; off the loop: packing and hashing a big model's
+            # state takes seconds, which heartbeats and round messages must not wait for
+            blob, digest = await asyncio.to_thread(state.blob_and_digest)
+            params_hash = state.state_digest()
+        except BaseException:
+            if release is not None:
+                release()
+            raise
+        # The signed reply carries the blob's size and BLAKE3 digest; the blob follows as a raw
+        # trailer (its upload slot freed once it is written), or, if asked, sealed over a direct
+        # TCP connection (the key is in this reply, which only the requester can read: a closed
+        # run's state stays among its readers).
+        if direct:
+            token, key = self.direct.offer(blob, sender)
+            return WithTrailer(StateReply(state.round, digest, state.decision, len(blob), self.direct.port, token,
+                                          key, params_hash=params_hash), b"")
+        return WithTrailer(StateReply(state.round, digest, state.decision, len(blob), params_hash=params_hash),
+                           blob, release)
+
+    def _contributed(self, peer: str) -> bool:
+        """Is `peer` a contributor in one of the commits our book holds (it did real work)?"""
+        book = self.book
+        return book is not None and any(peer in decision.contributors for _, decision in book.committed.values())

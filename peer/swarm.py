@@ -31,11 +31,10 @@ from groundswell.protocol.schema import (
     ProbeReply,
     ProbeRequest,
     PunchRequest,
-    StateReply,
     StateRequest,
 )
 from groundswell.protocol.server import RoundServer
-from groundswell.protocol.transport import PeerUnavailable, Transport, WithTrailer
+from groundswell.protocol.transport import PeerUnavailable, Transport
 
 from .daemon import (
     adopt_p2pd_daemons,
@@ -61,7 +60,7 @@ from .reachability import (
 )
 from .records import HEARTBEAT_S, PeerRecords
 from .run_state import GlobalState, RunContext
-from .state_serving import UploadSlots
+from .state_serving import StateServing, UploadSlots
 from .state_trust import state_timeout_s
 
 log = logging.getLogger(__name__)
@@ -85,7 +84,7 @@ class NodeOptions:
     hole_punch: bool = True  # behind a NAT: punch holes to other NAT'ed peers (see peer/holepunch.py)
 
 
-class SwarmNode(PeerRecords, NetLoop):
+class SwarmNode(PeerRecords, StateServing, NetLoop):
     """A peer's network presence; owns the loop thread, the libp2p daemon and the DHT node."""
 
     def __init__(self, identity: Identity, identity_path: str, options: NodeOptions) -> None:
@@ -426,50 +425,6 @@ class SwarmNode(PeerRecords, NetLoop):
         self._start_cancelled = True  # `_run` has not begun: it never will
         if self._run_task is not None:
             self._run_task.cancel()  # its teardown (the finally) still runs, and `close` waits for it
-
-    # --- serving --------------------------------------------------------------------------------
-    async def _on_manifest(self, sender: str, msg: ManifestRequest) -> ManifestReply:
-        return ManifestReply(self.signed_manifest)
-
-    async def _on_state(self, sender: str, msg: StateRequest) -> StateReply | WithTrailer:
-        if self.ctx is not None and not self.ctx.may_read_state(sender):
-            self.guard.count(sender, "get-state", "unauthorized", strike=True)
-            return StateReply(-1, "", b"", 0)
-        state = self.state_provider()
-        if state is None or state.round < msg.min_round:
-            return StateReply(-1, "", b"", 0)
-        direct = msg.direct and self.direct is not None  # the direct port bounds its own downloads
-        release = None if direct else self.uploads.take(sender, vouched=self._contributed(sender))
-        if not direct and release is None:
-            self.guard.count(sender, "get-state", "busy", strike=False)
-            return StateReply(-1, "", b"", 0, busy=True)
-        try:
-            # once per round, shared by every joiner; off the loop: packing and hashing a big model's
-            # state takes seconds, which heartbeats and round messages must not wait for
-            blob, digest = await asyncio.to_thread(state.blob_and_digest)
-            params_hash = state.state_digest()
-        except BaseException:
-            if release is not None:
-                release()
-            raise
-        # The signed reply carries the blob's size and BLAKE3 digest; the blob follows as a raw
-        # trailer (its upload slot freed once it is written), or, if asked, sealed over a direct
-        # TCP connection (the key is in this reply, which only the requester can read: a closed
-        # run's state stays among its readers).
-        if direct:
-            assert self.direct is not None
-            token, key = self.direct.offer(blob, sender)
-            return WithTrailer(StateReply(state.round, digest, state.decision, len(blob), self.direct.port, token,
-                                          key, params_hash=params_hash), b"")
-        return WithTrailer(StateReply(state.round, digest, state.decision, len(blob), params_hash=params_hash),
-                           blob, release)
-
-
-    def _contributed(self, peer: str) -> bool:
-        """Is `peer` a contributor in one of the commits our book holds (it did real work)?"""
-        book = self.book
-        return book is not None and any(peer in decision.contributors for _, decision in book.committed.values())
-
 
 class _Stop(Exception):
     """Raised inside the node's TaskGroup to cancel every task on close."""
