@@ -26,10 +26,11 @@ from .base import (
     require_param,
     tensor_to_bytes,
 )
+from .segments import ALIGN
 
 DEFAULT_BLOCK = 128
 MIN_BLOCK = 8
-MAX_BLOCK = 1 << 16
+MAX_BLOCK = ALIGN  # a block must divide the segment alignment: no segment ends in a partial block
 _STREAM_ELEMS = 1 << 21  # elements per streamed step on CPU: temporaries stay small and cached
 
 
@@ -121,6 +122,12 @@ class Int8Codec:
 
 
 def check_int8_options(block: object) -> None:
-    """CodecError unless block is an int in 8..65536."""
-    if not isinstance(block, int) or isinstance(block, bool) or not MIN_BLOCK <= block <= MAX_BLOCK:
-        raise CodecError(f"int8 block must be an int in {MIN_BLOCK}..{MAX_BLOCK}, got {block!r}")
+    """CodecError unless block is a power of two in 8..4096 (so it divides segments.ALIGN)."""
+    if (
+        not isinstance(block, int)
+        or isinstance(block, bool)
+        or not MIN_BLOCK <= block <= MAX_BLOCK
+        or block & (block - 1)
+    ):
+        raise CodecError(f"int8 block must be a power of two in {MIN_BLOCK}..{MAX_BLOCK} (a divisor of the "
+                         f"segment alignment), got {block!r}")

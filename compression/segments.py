@@ -3,6 +3,12 @@
 The swarm splits the parameter space into shards, each aggregated by a different peer. Encoding
 segment by segment (instead of the whole vector at once) lets any contiguous run of segments be
 one shard without re-encoding, and keeps every codec's chunks and blocks inside one segment.
+
+Chunks (sparseloco) and blocks (int8) are runs of consecutive values of the flat vector, all the
+model's parameters concatenated in `parameters()` order: not tiles of each matrix, and a run may
+span two parameter tensors. Segments start at multiples of ALIGN, which every chunk and block
+size divides, so only the vector's last segment may end in a partial chunk or block, and the
+boundaries fall where they would if the whole vector were encoded at once.
 """
 
 from __future__ import annotations
@@ -13,7 +19,9 @@ import torch
 
 from .base import Codec, CodecError, Payload
 
-ALIGN = 4096  # a multiple of every codec's chunk or block (sparseloco 4096, int8 128)
+# A multiple of every codec's chunk or block (defaults: sparseloco 4096, int8 128): the codecs'
+# option checks accept only powers of two up to it.
+ALIGN = 4096
 
 
 def segment_size(numel: int, max_segments: int = 16) -> int:

@@ -47,11 +47,12 @@ from .base import (
 )
 from .bitpack import pack_bits, packed_nbytes, unpack_bits
 from .parse_cache import ParseCache
+from .segments import ALIGN
 from .topk import topk_rows
 
 DEFAULT_CHUNK = 4096
 DEFAULT_K = 64
-MAX_CHUNK = 1 << 16
+MAX_CHUNK = ALIGN  # a chunk must divide the segment alignment: no segment ends in a partial chunk
 PARSED_CACHE_BYTES = 256 << 20  # validated-but-not-yet-decoded payloads kept parsed, at most
 PARSED_CACHE_ITEMS = 1024
 OWN_CACHE_BYTES = 64 << 20  # the encoder's own payloads, kept parsed until decoded (one round's worth)
@@ -296,14 +297,16 @@ def _decoded_entries(groups: list[torch.Tensor], codes: torch.Tensor, scales: to
 
 
 def check_sparseloco_options(chunk: object, k: object) -> None:
-    """CodecError unless chunk is a power of two in 2..65536 and k is in 1..chunk."""
+    """CodecError unless chunk is a power of two in 2..4096 (so it divides segments.ALIGN) and k
+    is in 1..chunk."""
     if (
         not isinstance(chunk, int)
         or isinstance(chunk, bool)
         or not 2 <= chunk <= MAX_CHUNK
         or chunk & (chunk - 1)
     ):
-        raise CodecError(f"sparseloco chunk must be a power of two in 2..{MAX_CHUNK}, got {chunk!r}")
+        raise CodecError(f"sparseloco chunk must be a power of two in 2..{MAX_CHUNK} (a divisor of the "
+                         f"segment alignment), got {chunk!r}")
     if not isinstance(k, int) or isinstance(k, bool) or not 1 <= k <= chunk:
         raise CodecError(f"sparseloco k must be an int in 1..chunk ({chunk}), got {k!r}")
 

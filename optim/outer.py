@@ -78,8 +78,16 @@ class OuterOptimizer(ABC):
         if self.pending is not None:
             raise RuntimeError(f"round {self.pending.round_id} is still pending; apply it first")
         local = self.local_vector().clone()
-        payloads = self._encode_contribution(self.global_params - local)
-        start = self._train_on_from(payloads)
+        # All or nothing: a codec refusing the contribution (CodecError) must leave the optimizer
+        # as it was, or a caller that carries on would count the pseudo-gradient twice (once in
+        # the optimizer's state, once in the local parameters it keeps training).
+        try:
+            payloads = self._encode_contribution(self.global_params - local)
+            start = self._train_on_from(payloads)
+        except BaseException:
+            self._discard_contribution()
+            raise
+        self._commit_contribution()
         if start is not None:  # training goes on from there; progress is measured from there too
             copy_into_parameters(start, self.params)
             local = start
@@ -139,8 +147,8 @@ class OuterOptimizer(ABC):
     def sync(self, exchange: Exchange) -> RoundResult | None:
         """One blocking round: prepare, contribute, collect, apply. None if the round failed."""
         payloads = self.prepare()
-        exchange.contribute(self.round_id, payloads)
-        try:
+        try:  # a refused contribution (too late) fails the round like a failed collect: work kept
+            exchange.contribute(self.round_id, payloads)
             result: RoundResult | None = exchange.collect(self.round_id)
         except RoundFailed:
             result = None
@@ -150,7 +158,15 @@ class OuterOptimizer(ABC):
     # --- what subclasses define --------------------------------------------------------------
     @abstractmethod
     def _encode_contribution(self, delta: torch.Tensor) -> list[Payload]:
-        """Turn this round's pseudo-gradient into the segment payloads to send."""
+        """Turn this round's pseudo-gradient into the segment payloads to send. `delta` is a
+        fresh tensor the callee may reuse. State changes must be staged, not made: they take
+        effect in `_commit_contribution`, once the whole of `prepare` succeeded."""
+
+    def _commit_contribution(self) -> None:
+        """Make the state staged by `_encode_contribution` / `_train_on_from` current."""
+
+    def _discard_contribution(self) -> None:
+        """Drop the state staged by `_encode_contribution` / `_train_on_from` (prepare failed)."""
 
     def encode(self, vector: torch.Tensor) -> list[Payload]:
         """Encode a flat vector segment by segment with this optimizer's codec."""
@@ -163,7 +179,8 @@ class OuterOptimizer(ABC):
 
     def _train_on_from(self, payloads: list[Payload]) -> torch.Tensor | None:
         """Where the local parameters go once a contribution is prepared (None: they stay put).
-        Matters only when training runs on while the round is exchanged (overlap)."""
+        Matters only when training runs on while the round is exchanged (overlap). Stages, as
+        `_encode_contribution` does."""
         return None
 
     @abstractmethod

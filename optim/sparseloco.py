@@ -60,17 +60,32 @@ class SparseLoCo(OuterOptimizer):
         # The eager start decodes our own payload; settling the round needs the same vector, so it
         # is kept (by the payloads' identity) instead of decoded twice per round.
         self._sent: tuple[list[Payload], torch.Tensor] | None = None
+        # What `prepare` stages until it has succeeded (see `OuterOptimizer.prepare`).
+        self._staged_error: torch.Tensor | None = None
+        self._staged_sent: tuple[list[Payload], torch.Tensor] | None = None
 
     def _encode_contribution(self, delta: torch.Tensor) -> list[Payload]:
-        self.error.mul_(self.config.error_decay).add_(delta)
-        return self.encode(self.error)
+        # e <- beta*e + delta, written into `delta` (ours to reuse) so that self.error stays as it
+        # was should encoding fail; on success the two are swapped: no extra full-size copy.
+        self._staged_error = _decay_into(delta, self.error, self.config.error_decay)
+        return self.encode(self._staged_error)
 
     def _train_on_from(self, payloads: list[Payload]) -> torch.Tensor | None:
         if not self.config.eager:
             return None
         sent = self.decode(payloads)
-        self._sent = (payloads, sent)
+        self._staged_sent = (payloads, sent)
         return self.global_params + self._outer_step(sent)
+
+    def _commit_contribution(self) -> None:
+        if self._staged_error is not None:
+            self.error = self._staged_error
+        if self._staged_sent is not None:
+            self._sent = self._staged_sent
+        self._discard_contribution()
+
+    def _discard_contribution(self) -> None:
+        self._staged_error = self._staged_sent = None
 
     def _settle_contribution(self, pending: PendingRound, result: RoundResult | None) -> bool:
         cached, self._sent = self._sent, None
@@ -95,6 +110,21 @@ class SparseLoCo(OuterOptimizer):
             raise ValueError(f"not a SparseLoCo state (algorithm={state.get('algorithm')!r})")
         self.error = state["error"].to(self.global_params.device, torch.float32).clone()
         self._sent = None
+        self._discard_contribution()
+
+
+def _decay_into(out: torch.Tensor, error: torch.Tensor, decay: float, block: int = 1 << 20) -> torch.Tensor:
+    """out <- decay*error + out, leaving `error` unchanged; bitwise `error.mul_(decay).add_(out)`
+    (the same two fp32 roundings; the sum commutes exactly). Block by block, so the temporary for
+    decay*error stays small next to a 25M-value vector."""
+    flat_out, flat_err = out.view(-1), error.view(-1)
+    scratch = torch.empty(min(block, flat_out.numel()), dtype=error.dtype, device=error.device)
+    for start in range(0, flat_out.numel(), block):
+        stop = min(start + block, flat_out.numel())
+        part = scratch[: stop - start]
+        torch.mul(flat_err[start:stop], decay, out=part)
+        flat_out[start:stop].add_(part)
+    return out
 
 
 def _taken(sent: torch.Tensor, scaled: tuple[tuple[int, int, float], ...]) -> torch.Tensor:

@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 import math
+import warnings
 
 import msgpack
 import pytest
 import torch
 from groundswell.compression import (
+    ALIGN,
     CODEC_NAMES,
     CodecError,
     DenseCodec,
@@ -19,6 +21,7 @@ from groundswell.compression import (
 )
 from groundswell.compression.base import WIRE_VERSION
 from groundswell.compression.bitpack import pack_bits
+from groundswell.compression.int8 import check_int8_options
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -267,6 +270,28 @@ def test_make_codec_rejects_unknown_names_and_options() -> None:
         make_codec("sparseloco", chunk=3000)
 
 
+def test_codecs_accept_exactly_the_chunks_and_blocks_that_divide_the_segment_alignment() -> None:
+    # segments start at multiples of ALIGN: a chunk or block that does not divide it would leave
+    # a partial (denser) chunk at the end of every segment
+    def accepted(build) -> bool:
+        try:
+            build()
+        except CodecError:
+            return False
+        return True
+
+    for log in range(1, 18):
+        chunk = 1 << log
+        assert accepted(lambda: make_codec("sparseloco", chunk=chunk, k=1)) == (ALIGN % chunk == 0), chunk
+    for block in range(1, 1 << 17):
+        assert accepted(lambda: check_int8_options(block)) == (block >= 8 and ALIGN % block == 0), block
+    with pytest.raises(CodecError, match="power of two in 8..4096"):
+        make_codec("int8", block=100)
+    p = Payload.from_bytes(VALID["sparseloco"])  # a peer announcing a chunk of 8192
+    with pytest.raises(CodecError, match="power of two in 2..4096"):
+        codec_for_payload(Payload(p.codec, p.shape, {"chunk": 8192, "k": 64}, dict(p.buffers)))
+
+
 # ---------------------------------------------------------------- sparseloco content
 
 
@@ -404,6 +429,56 @@ def test_dense_non_finite_values_are_rejected(name: str, value: float) -> None:
         _decode_any(data)
     with pytest.raises(CodecError, match="non-finite"):
         codec.encode(torch.tensor([1.0, value]))
+
+
+class _WatchedFilters(list):
+    """warnings.filters that counts copies: warnings.catch_warnings starts with one."""
+
+    copies = 0
+
+    def __getitem__(self, index):  # type: ignore[override]
+        if isinstance(index, slice):
+            self.copies += 1
+        return super().__getitem__(index)
+
+
+@pytest.mark.parametrize("name", ["fp32", "fp16", "bf16"])
+def test_dense_validate_refuses_exactly_the_non_finite_and_leaves_the_warning_filters_alone(
+        name: str, recwarn: pytest.WarningsRecorder) -> None:
+    # validate runs on the network thread while the trainer trains: catch_warnings there would
+    # swap warnings.filters under the trainer (not thread-safe; its warnings could be lost)
+    codec = DenseCodec(name)
+    info = torch.finfo(codec.dtype)
+    bits = torch.int32 if codec.itemsize == 4 else torch.int16
+    quiet_nan = torch.tensor([float("nan")], dtype=codec.dtype)
+    negative_nan = (quiet_nan.view(bits) | torch.tensor([-1], dtype=bits)).view(codec.dtype)  # all bits set
+    cases = {
+        "nan": (quiet_nan, False), "-nan": (negative_nan, False),
+        "+inf": (torch.tensor([float("inf")], dtype=codec.dtype), False),
+        "-inf": (torch.tensor([-float("inf")], dtype=codec.dtype), False),
+        "max": (torch.tensor([info.max, -info.max], dtype=codec.dtype), True),
+        "subnormal": (torch.tensor([info.smallest_normal / 2, -info.smallest_normal / 4], dtype=codec.dtype), True),
+        "-0.0": (torch.tensor([-0.0, 0.0], dtype=codec.dtype), True),
+    }
+    original = warnings.filters
+    watched = warnings.filters = _WatchedFilters(original)
+    try:
+        for case, (special, finite) in cases.items():
+            for at in (0, 300_000):  # in the first block the check scans, and past it
+                x = torch.ones(at + 2 * special.numel(), dtype=codec.dtype)
+                x[at:at + special.numel()] = special
+                payload = Payload(name, tuple(x.shape), {}, {"data": x.view(torch.uint8).numpy().tobytes()})
+                if finite:
+                    codec.validate(payload)
+                    assert torch.equal(codec.decode(payload), x.float()), case
+                else:
+                    with pytest.raises(CodecError, match="non-finite"):
+                        codec.validate(payload)
+        codec.validate(Payload(name, (0,), {}, {"data": b""}))
+    finally:
+        warnings.filters = original
+    assert watched.copies == 0
+    assert not recwarn.list  # and it raises no warning of its own
 
 
 @pytest.mark.parametrize("value", [float("nan"), float("inf"), -1.0, 3e38])

@@ -130,6 +130,8 @@ def test_allowlist(tmp_path):
         # DiLoCo has no error feedback: top-k would drop ~98% of every contribution, silently
         (MINIMAL + '[outer]\nalgorithm = "diloco"\ncodec = "sparseloco"\n', "needs outer.algorithm = 'sparseloco'"),
         (MINIMAL + "[outer]\nchunk = 1000\n", "outer.chunk / outer.topk"),
+        # a chunk must divide the segment alignment (4096), or segments end in partial chunks
+        (MINIMAL + "[outer]\nchunk = 8192\n", "outer.chunk / outer.topk"),
         (MINIMAL + "[defences]\nclip = -1.0\n", "defences.clip"),
         (MINIMAL + "[defences]\ntrim = 0.5\n", "defences.trim"),
         (MINIMAL + "[defences]\nrequests_per_s = 0.0\n", "defences.requests_per_s"),

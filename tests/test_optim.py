@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from groundswell.compression import Payload, make_codec
+from groundswell.compression import CodecError, Payload, make_codec
 from groundswell.compression.base import mean_of_decoded
 from groundswell.optim import DiLoCo, DiLoCoConfig, InProcessHub, RoundFailed, SparseLoCo, SparseLoCoConfig
 
@@ -419,3 +419,68 @@ def test_settle_late_refuses_while_a_round_is_pending():
     sent = outer.prepare()
     with pytest.raises(RuntimeError, match="pending"):
         outer.settle_late(sent, 0)
+
+
+class Refusing(KeepLargest):
+    """KeepLargest whose encode or decode raises CodecError while `refuse` names it."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.refuse = ""
+
+    def encode(self, x: torch.Tensor) -> Payload:
+        if self.refuse == "encode":
+            raise CodecError("cannot encode: values too large")
+        return super().encode(x)
+
+    def decode(self, payload, device=None):
+        if self.refuse == "decode":
+            raise CodecError("refused")
+        return super().decode(payload, device=device)
+
+
+@pytest.mark.parametrize("eager, fails", [(False, "encode"), (True, "encode"), (True, "decode")])
+def test_sparseloco_prepare_that_raises_leaves_the_optimizer_as_it_was(eager, fails):
+    # A caller that catches the CodecError and trains on must not find the pseudo-gradient both in
+    # the error feedback and in its parameters: a raising prepare() changes nothing.
+    def setup():
+        m = _model([1.0, 2.0, 3.0])
+        codec = Refusing()
+        o = SparseLoCo(m.parameters(), codec, SparseLoCoConfig(lr=1.0, error_decay=0.5, eager=eager))
+        _set(m, [0.5, 2.1, 3.0])
+        o.prepare()
+        o.apply(None)  # a non-zero error feedback to keep: [0.5, 0, 0] stays in it
+        _set(m, [0.25, 2.5, 2.0])
+        return m, o, codec
+
+    m, o, codec = setup()
+    error, params, sent = o.error.clone(), _weights(m), o._sent
+    codec.refuse = fails
+    with pytest.raises(CodecError):
+        o.prepare()
+    assert torch.equal(o.error, error)
+    assert _weights(m) == params
+    assert o.pending is None and o._sent is sent
+    codec.refuse = ""
+    payloads = o.prepare()  # and the next try is exactly the one that never failed
+    m2, o2, _ = setup()
+    assert torch.equal(o.decode(payloads), o2.decode(o2.prepare()))
+    assert torch.equal(o.error, o2.error) and _weights(m) == _weights(m2)
+
+
+def test_sync_whose_contribution_comes_too_late_fails_the_round_and_keeps_the_work():
+    # The hub refuses a contribution to a round already aggregated (RoundFailed from contribute):
+    # sync() settles it as a failed round instead of leaving it pending forever.
+    codec = make_codec("fp32")
+    hub = InProcessHub(codec, ["w0", "w1"])
+    other = DiLoCo(_model([1.0, 2.0]).parameters(), codec)
+    hub.endpoint("w0").contribute(0, other.prepare())  # round 0 fills up without this worker's
+    hub.endpoint("w1").contribute(0, other.encode(torch.zeros(2)))
+    hub.endpoint("w1").collect(0)  # aggregated: a contribution to round 0 is now too late
+    model = _model([1.0, 2.0])
+    outer = DiLoCo(model.parameters(), codec)
+    _set(model, [0.5, 2.5])
+    assert outer.sync(hub.endpoint("w0")) is None
+    assert outer.pending is None and outer.round_id == 0
+    assert _weights(model) == [0.5, 2.5] and outer.global_params.tolist() == [1.0, 2.0]
+    outer.prepare()  # not "still pending"
