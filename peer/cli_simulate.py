@@ -71,14 +71,13 @@ def simulate(
                            kill_coordinator_at=kill_coordinator_at, checkpoint_every=checkpoint_every,
                            byzantine=byzantine, attack=attack, defences=defences, scoring=scoring)
     report = run_simulation(opts, out, progress=lambda m: console.print(m, highlight=False))
-    losses = [v for v in report["eval_loss_by_round"] if v is not None]  # rounds the coordinator evaluated
     console.print(
         f"[bold]{report['rounds_completed']}/{report['rounds_target']} rounds[/], {report['peers']} peers, "
-        f"{report['codec']}: held-out loss {losses[0]:.3f} -> {losses[-1]:.3f}; "
+        f"{report['codec']}: {loss_summary(report)}; "
         f"{report['bytes_sent_per_peer_per_round'] / 1e3:,.1f} kB/peer/round "
         f"(dense ring: {report['dense_fp32_ring_bytes_per_peer_per_round'] / 1e3:,.0f} kB); "
         f"hashes agree: {report['param_hash_agreement']}; {report['wall_s']:.0f} s; report: {out / 'report.json'}"
-        if losses else f"no round completed; see the logs in {out}",
+        if report["rounds_completed"] else f"no round completed; see the logs in {out}",
         highlight=False,
     )
     faults = fault_summary(report)
@@ -92,3 +91,20 @@ def simulate(
     if failed:  # scripts and CI read the exit status
         console.print(f"[bold red]simulation failed:[/] {'; '.join(failed)}", highlight=False)
         raise typer.Exit(1)
+
+
+def loss_summary(report: dict) -> str:
+    """The held-out loss from the first to the last round evaluated, naming that round when it is
+    not the last completed, and saying whether the loss diverged (was NaN or infinite)."""
+    by_round = report["eval_loss_by_round"]
+    losses = [v for v in by_round if v is not None]  # rounds the coordinator evaluated, finite losses
+    last = report.get("final_eval_round", max((r for r, v in enumerate(by_round) if v is not None), default=None))
+    bad = report.get("eval_nonfinite_rounds") or []
+    diverged = (f"diverged (not finite in {len(bad)} round{'s' if len(bad) > 1 else ''} from round {bad[0]})"
+                if bad else "")
+    if not losses:
+        return f"held-out loss {diverged}" if bad else "no held-out loss evaluated"
+    text = f"held-out loss {losses[0]:.3f}" + (f" -> {losses[-1]:.3f}" if len(losses) > 1 else "")
+    if last is not None and last < report["rounds_completed"] - 1:
+        text += f" at round {last} (the last completed: {report['rounds_completed'] - 1})"
+    return f"{text}, {diverged}" if bad else text

@@ -91,6 +91,11 @@ class Simulation:
         proc = self.procs.get(name)
         return proc is not None and proc.popen is not None and proc.popen.poll() is None
 
+    def going(self, name: str) -> bool:
+        """Was this process told to end (SIGKILL or SIGINT) since it was last started? It may still
+        run: a killed one until it is reaped, one told to leave until its round settles."""
+        return name in self.signalled  # `spawn` forgets what the name's earlier process was sent
+
     def sample_rss(self) -> None:
         """Track each process's peak resident memory, its p2pd included."""
         import psutil
@@ -110,11 +115,15 @@ class Simulation:
         wraps the command (e.g. `ip netns exec NS`, which execs it in place)."""
         env = dict(os.environ, OMP_WAIT_POLICY="PASSIVE", PYTHONUNBUFFERED="1")
         proc = Proc(name, args, self.out / name)
-        proc.log = open(self.out / f"{name}.log", "ab")
-        with _sigint_not_ignored():
-            proc.popen = subprocess.Popen([*prefix, sys.executable, "-m", "groundswell.peer", *args],
-                                          stdout=proc.log, stderr=subprocess.STDOUT, env=env, start_new_session=True,
-                                          preexec_fn=die_with_us())
+        proc.log = log = open(self.out / f"{name}.log", "ab")
+        try:
+            with _sigint_not_ignored():
+                proc.popen = subprocess.Popen([*prefix, sys.executable, "-m", "groundswell.peer", *args],
+                                              stdout=log, stderr=subprocess.STDOUT, env=env,
+                                              start_new_session=True, preexec_fn=die_with_us())
+        except BaseException:
+            log.close()  # not in `procs`: `__exit__` would never close it
+            raise
         if (old := self.procs.get(name)) is not None:
             self._replaced.append(old)  # killed already; reaped and its log closed on exit
         self.procs[name] = proc
@@ -138,7 +147,9 @@ class Simulation:
         proc = self.procs[name]
         if proc.popen is None or proc.popen.poll() is not None:
             return
-        if sig in (signal.SIGINT, signal.SIGKILL):
+        # A SIGINT after a SIGKILL (e.g. to a straggler not reaped yet) does not make the injected
+        # kill read as a leave, nor the kill's exit status as a crash.
+        if sig == signal.SIGKILL or (sig == signal.SIGINT and self.signalled.get(name) != signal.SIGKILL):
             self.signalled[name] = sig
         if sig == signal.SIGINT:
             with contextlib.suppress(ProcessLookupError):

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import itertools
 import json
+import math
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -47,15 +48,16 @@ def build_report(out: Path, opts: "SimulateOptions", driver_events: list[dict], 
     rounds = [dict(e, who=name) for name, evs in logs.items() for e in evs if e["kind"] == "round"]
     hashes: dict[int, set[str]] = {}
     end_t: dict[int, float] = {}
-    loss: dict[int, float] = {}
+    loss: dict[int, float] = {}  # finite held-out losses only: the report is strict JSON
     contributors: dict[int, set[str]] = {}
     for e in sorted(rounds, key=lambda e: e["t"]):
         r = e["round"]
         hashes.setdefault(r, set()).add(e["hash"])
         end_t.setdefault(r, e["t"] - t0)
-        if e.get("eval_loss") is not None and e["eval_loss"] == e["eval_loss"]:
+        if _finite(e.get("eval_loss")):
             loss.setdefault(r, e["eval_loss"])
         contributors.setdefault(r, set(e.get("contributors", [])))
+    nonfinite = sorted({e["round"] for e in rounds if _diverged(e, opts.eval_every)} - set(loss))
     for name, evs in logs.items():  # rounds a process applied while catching up finished there too
         for e in evs:
             if e["kind"] == "follow" and e.get("hash"):
@@ -141,10 +143,15 @@ def build_report(out: Path, opts: "SimulateOptions", driver_events: list[dict], 
         "codec": opts.codec or ("sparseloco" if opts.algorithm == "sparseloco" else "fp32"),
         "algorithm": opts.algorithm,
         "params": params,
+        # the newest round with a finite held-out loss: it may be earlier than the last round
+        # completed (not evaluated there, or not finite: see `eval_nonfinite_rounds`)
         "final_eval_loss": loss[max(loss)] if loss else None,
+        "final_eval_round": max(loss) if loss else None,
+        "eval_nonfinite_rounds": nonfinite,  # evaluated, and the loss was NaN or infinite
         "eval_loss_by_round": [loss.get(r) for r in range(completed)],
         "round_end_t": [round(end_t[r], 3) if r in end_t else None for r in range(completed)],
         "bytes_sent_per_peer_per_round": _sent_per_round(logs, volunteer_rounds),
+        "coordinator_bytes_sent_per_round": _coordinator_sent_per_round(logs.get("coordinator", []), completed),
         "dense_fp32_ring_bytes_per_peer_per_round": 2 * (n - 1) / n * 4 * params,
         "param_hash_agreement": bool(hashes) and not divergent,
         "divergent_rounds": divergent,
@@ -173,25 +180,55 @@ def build_report(out: Path, opts: "SimulateOptions", driver_events: list[dict], 
     }
 
 
+def report_json(report: dict) -> str:
+    """report.json's text: strict JSON (a NaN or infinity, which `build_report` never puts there,
+    is an error rather than a token that strict readers refuse)."""
+    return json.dumps(report, indent=2, allow_nan=False)
+
+
+def _finite(x: object) -> bool:
+    return isinstance(x, (int, float)) and math.isfinite(x)
+
+
+def _diverged(e: dict, eval_every: int) -> bool:
+    """Was this round event's held-out loss evaluated and NaN or infinite? NaN also stands for
+    "not evaluated": only the coordinator's evaluation rounds tell the two apart."""
+    x = e.get("eval_loss")
+    if not isinstance(x, float) or math.isfinite(x):
+        return False
+    return math.isinf(x) or (e["who"] == "coordinator" and (e["round"] + 1) % eval_every == 0)
+
+
+def _sent_total(evs: list[dict]) -> int | None:
+    """What one state dir's processes sent in all: each process's last `sent_total` (what it served
+    after its last round included), summed over its restarts (None: no totals logged)."""
+    total, last, seen = 0, 0, False
+    for e in evs:
+        if e["kind"] == "network":  # a (re)started process: its counters start again from 0
+            total, last = total + last, 0
+        elif isinstance(e.get("sent_total"), int):
+            last, seen = max(last, e["sent_total"]), True
+    return total + last if seen else None
+
+
 def _sent_per_round(logs: dict[str, list[dict]], volunteer_rounds: list[dict]) -> float:
-    """What volunteers sent in all (each process's last total: what it served after its last round
-    included) over the rounds they applied. Logs without totals: the mean of the round windows."""
+    """What volunteers sent in all over the rounds they applied (the coordinator's bytes are not
+    in it, see `_coordinator_sent_per_round`). Frames on libp2p streams only: the DHT's own traffic
+    and state served over the direct TCP port are not counted. Logs without totals: the mean of
+    the round windows."""
     if not volunteer_rounds:
         return 0.0
-    total, seen = 0, False
-    for name, evs in logs.items():
-        if name == "coordinator":
-            continue
-        last = 0
-        for e in evs:
-            if e["kind"] == "network":  # a (re)started process: its counters start again from 0
-                total, last = total + last, 0
-            elif isinstance(e.get("sent_total"), int):
-                last, seen = max(last, e["sent_total"]), True
-        total += last
-    if not seen:
+    totals = [_sent_total(evs) for name, evs in logs.items() if name != "coordinator"]
+    if all(t is None for t in totals):
         return sum(e["bytes_sent"] for e in volunteer_rounds) / len(volunteer_rounds)
-    return total / len(volunteer_rounds)
+    return sum(t or 0 for t in totals) / len(volunteer_rounds)
+
+
+def _coordinator_sent_per_round(evs: list[dict], completed: int) -> float | None:
+    """What the coordinator sent in all (it serves aggregate shards and state), across its restarts,
+    over the rounds completed; counted as in `_sent_per_round` (None: no total logged, or no round)."""
+    total = _sent_total(evs)
+    return total / completed if total is not None and completed else None
 
 
 def fault_summary(report: dict) -> str | None:

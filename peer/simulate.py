@@ -16,13 +16,13 @@ import signal
 import subprocess
 import time
 import tomllib
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Collection, Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
 from .config import ConfigError
 from .sim_procs import Simulation
-from .sim_report import build_report
+from .sim_report import build_report, report_json
 from .workload import check_workload_spec
 
 
@@ -83,6 +83,17 @@ class SimulateOptions:
             raise ConfigError(f"--byzantine must be between 0 and --peers ({self.peers}), got {self.byzantine}")
         if self.attack not in ATTACKS:
             raise ConfigError(f"--attack must be one of {', '.join(ATTACKS)}, not {self.attack!r}")
+        self._check_faults()
+
+    def _check_faults(self) -> None:
+        """Refuse faults that could never happen, rather than run without them and exit 0."""
+        if self.late_joiners and self.rounds < LATE_JOIN_ROUND + 2:  # they start while a round is still to go
+            raise ConfigError(f"--late-joiners start once round {LATE_JOIN_ROUND} is applied: they need --rounds "
+                              f"{LATE_JOIN_ROUND + 2} or more, got --rounds {self.rounds}")
+        for name, what in (("kill_every", "kill"), ("freeze_every", "freeze"), ("leave_every", "send away")):
+            if getattr(self, name) and self.peers <= self.min_peers:  # see `fault_victims`
+                raise ConfigError(f"--{name.replace('_', '-')} needs more peers than --min-peers ({self.min_peers}): "
+                                  f"with --peers {self.peers} it would never {what} one")
 
     def byzantine_peers(self) -> list[str]:
         """Names of the volunteers that misbehave."""
@@ -109,6 +120,31 @@ def manifest_toml(opts: SimulateOptions) -> str:
         + ("[defences]\nclip = 0.0\ntrim = 0.0\n" if not opts.defences else
            "[defences]\nscoring = true\n" if opts.scoring else "")
     )
+
+
+# Late joiners start once this round is applied (so that they join a run under way).
+LATE_JOIN_ROUND = 2
+
+
+def fault_victims(live: Sequence[str], frozen: Collection[str], going: Collection[str], min_peers: int) -> list[str]:
+    """The volunteers a fault may pick: running, not frozen, not already told to end (killed but
+    not reaped yet, or leaving); none unless more than `min_peers` of them are, so that no fault,
+    nor several in one pass of the driver, leaves fewer than `min_peers` able to make a round."""
+    pool = [v for v in live if v not in frozen and v not in going]
+    return pool if len(pool) > min_peers else []
+
+
+def nobody_left(done: int, late_started: bool, any_alive: bool, restart_pending: bool) -> bool:
+    """No volunteer runs and none can come: no restart is due, and late joiners are not about to
+    start (were they yet to, they never could: only volunteers make round LATE_JOIN_ROUND happen)."""
+    late_due = not late_started and done >= LATE_JOIN_ROUND
+    return not any_alive and not restart_pending and not late_due
+
+
+def live_addresses(out: Path, up: Callable[[str], bool]) -> list[str]:
+    """The first address of each process in `out` that `up` says runs: a dead peer's address.txt
+    stays behind, and a restarted peer given only those could not join while the coordinator is down."""
+    return _addresses(path for path in sorted(out.glob("*/address.txt")) if up(path.parent.name))
 
 
 def _addresses(files: Iterable[Path]) -> list[str]:
@@ -258,9 +294,12 @@ def run_simulation(opts: SimulateOptions, out: Path, progress: Callable[[str], N
         boot = boot_file.read_text().strip()
         progress(f"coordinator up: {boot[:60]}...")
 
+        def up(name: str) -> bool:  # running, and not told to end: a peer to bootstrap from
+            return sim.alive(name) and not sim.going(name)
+
         def join_args(name: str) -> list[str]:
             # Bootstrap from the coordinator and from any volunteer already up: any live peer will do.
-            extra = _addresses(out.glob("*/address.txt"))
+            extra = live_addresses(out, up)
             head, _, maddrs = boot.partition("@")
             line = f"{head}@{','.join(dict.fromkeys([*maddrs.split(','), *extra[:3]]))}"
             attack = ["--attack", opts.attack] if name in opts.byzantine_peers() else []
@@ -283,8 +322,8 @@ def run_simulation(opts: SimulateOptions, out: Path, progress: Callable[[str], N
         seen: dict[Path, tuple[int, int]] = {}
 
         def victims() -> list[str]:
-            live = [v for v in volunteers if sim.alive(v) and v not in frozen]
-            return live if len(live) > opts.min_peers else []
+            live = [v for v in volunteers if sim.alive(v)]
+            return fault_victims(live, frozen, {v for v in live if sim.going(v)}, opts.min_peers)
 
         while time.time() < end:
             now = time.time() - sim.t0
@@ -294,8 +333,8 @@ def run_simulation(opts: SimulateOptions, out: Path, progress: Callable[[str], N
             done = _rounds_done(out, seen)
             if done + 1 >= opts.rounds and not any(sim.alive(v) for v in volunteers):
                 break
-            if (late_done and not any(sim.alive(v) for v in volunteers)
-                    and not any(action == "restart" and name != "coordinator" for _, action, name in pending)):
+            if nobody_left(done, late_done, any(sim.alive(v) for v in volunteers),
+                           any(action == "restart" and name != "coordinator" for _, action, name in pending)):
                 sim.event("all-volunteers-gone", "driver")  # nobody left to finish the run: do not wait it out
                 break
             if done + 1 >= opts.rounds:
@@ -340,7 +379,7 @@ def run_simulation(opts: SimulateOptions, out: Path, progress: Callable[[str], N
                         name = rng.choice(pool)
                         sim.signal(name, signal.SIGINT)
                         sim.event("leave", name)
-                if not late_done and done >= 2:
+                if not late_done and done >= LATE_JOIN_ROUND:
                     late_done = True
                     for i in range(opts.late_joiners):
                         name = f"late-{i}"
@@ -351,7 +390,7 @@ def run_simulation(opts: SimulateOptions, out: Path, progress: Callable[[str], N
                     sim.signal("coordinator", signal.SIGKILL)
                     sim.event("kill-coordinator", "coordinator")
                     pending.append((now + (opts.restart_after or 5.0), "restart", "coordinator"))
-                    live = _addresses(out.glob("peer-*/address.txt"))
+                    live = live_addresses(out, up)  # the volunteers up now (the coordinator writes none)
                     coord_args = [*coord_args[:-len(common)], *[x for m in live[:3] for x in ("--peer", m)], *common]
             time.sleep(0.25)
         for name in list(frozen):
@@ -369,7 +408,7 @@ def run_simulation(opts: SimulateOptions, out: Path, progress: Callable[[str], N
                 sim.event("crash", name)
                 progress(f"{name} exited with status {code}; see {out / (name + '.log')}")
         report = build_report(out, opts, sim.events, time.time() - start, t0=sim.t0, rss=sim.peak_rss)
-    (out / "report.json").write_text(json.dumps(report, indent=2))
+    (out / "report.json").write_text(report_json(report))
     try:
         from .plots import plot_loss
 

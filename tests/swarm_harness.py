@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import concurrent.futures
+import re
 import tempfile
 import time
 from dataclasses import dataclass, field
@@ -102,10 +103,19 @@ class Cluster:
         return node.call(node.client.fetch_aggregate(signed), timeout_s=120)  # type: ignore[union-attr]
 
     def close(self) -> None:
-        """Close every node (and its p2pd)."""
-        for node in self.nodes:
-            node.close()
-        self._tmp.cleanup()
+        """Close every node (and its p2pd), and remove the keys' folder; the first failure is raised
+        once all that is done, so one node that fails to close leaks none of the others."""
+        errors: list[Exception] = []
+        try:
+            for node in self.nodes:
+                try:
+                    node.close()
+                except Exception as exc:  # noqa: BLE001 - the other nodes must still be closed
+                    errors.append(exc)
+        finally:
+            self._tmp.cleanup()
+        if errors:
+            raise errors[0]
 
 
 @dataclass
@@ -142,11 +152,21 @@ def attempt_0_with_two_leaders(c: Cluster, seed: int) -> TwoLeaders:
     return TwoLeaders(plan0, plan1, l0, l1, s0, s1, runs)
 
 
+_SEP = r"\s,:;=\"'"  # what may stand around a path in a command line (`--out=P`, `a,P`)
+
+
+def mentions(cmdline: list[str], out: Path) -> bool:
+    """Does a command line name `out` or a path inside it (not a sibling such as `out`2, nor
+    another folder whose path ends like it)?"""
+    pattern = rf"(?<![^{_SEP}]){re.escape(str(out))}(?![^/{_SEP}])"
+    return re.search(pattern, " ".join(cmdline)) is not None
+
+
 def leftover_processes(out: Path) -> list:
     """Processes whose command line mentions `out`: what a simulation left running (should be none)."""
     import psutil
 
-    return [p for p in psutil.process_iter(["cmdline"]) if str(out) in " ".join(p.info["cmdline"] or [])]
+    return [p for p in psutil.process_iter(["cmdline"]) if mentions(p.info["cmdline"] or [], out)]
 
 
 def inputs(n: int, numel: int, seed: int) -> dict[int, torch.Tensor]:

@@ -6,9 +6,12 @@ import math
 import tomllib
 
 import pytest
+from groundswell.peer import simulate
+from groundswell.peer.cli import app
 from groundswell.peer.config import ConfigError
 from groundswell.peer.manifest import manifest_from_mapping
 from groundswell.peer.simulate import SimulateOptions, check_manifest, manifest_toml
+from typer.testing import CliRunner
 
 
 @pytest.mark.parametrize("options, words", [
@@ -32,3 +35,25 @@ def test_none_is_the_default_and_a_given_value_is_kept(inner_steps, warmup):
     given = SimulateOptions(inner_steps=inner_steps, error_decay=0.0, warmup_steps=0)
     manifest = manifest_from_mapping(tomllib.loads(manifest_toml(given)))
     assert manifest.outer.error_decay == 0.0 and manifest.inner.warmup_steps == 0
+
+
+@pytest.mark.parametrize("args, words", [
+    # late joiners start once round 2 is applied, while a round is still to go: never with 3 rounds
+    (["--late-joiners", "1", "--rounds", "3"], "--late-joiners start once round 2 is applied: they need --rounds 4"),
+    # with no more peers than min_peers no fault ever finds a victim: the run would exit 0 without any
+    (["--peers", "2", "--kill-every", "10"], "--kill-every needs more peers than --min-peers (2): with --peers 2"),
+    (["--peers", "3", "--min-peers", "3", "--freeze-every", "10"], "--freeze-every needs more peers than --min-peers (3)"),
+    (["--peers", "1", "--leave-every", "10"], "--leave-every needs more peers than --min-peers (1)"),
+])
+def test_faults_that_could_never_happen_are_refused_before_any_process_starts(tmp_path, monkeypatch, args, words):
+    def no_run(*args, **kwargs):
+        raise AssertionError("the simulation started")
+
+    monkeypatch.setattr(simulate, "run_simulation", no_run)
+    # one more peer than --min-peers, and 4 rounds, are enough
+    SimulateOptions(peers=3, min_peers=2, kill_every=10, freeze_every=10, leave_every=10, late_joiners=1, rounds=4)
+    res = CliRunner().invoke(app, ["simulate", *args, "--out", str(tmp_path / "sim")])
+    assert res.exit_code == 2 and "Traceback" not in res.output, res.output
+    assert words in " ".join(res.output.split()), res.output
+    assert not (tmp_path / "sim").exists()
+

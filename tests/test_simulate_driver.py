@@ -1,0 +1,281 @@
+"""The simulation driver's decisions and bookkeeping, without starting a process: whom a fault may
+pick, when nobody is left, whom a restarted peer bootstraps from, report.json's loss and byte
+figures, the summary line, and the harness's cleanup."""
+
+from __future__ import annotations
+
+import json
+import math
+import signal
+import tempfile
+import time
+from pathlib import Path
+
+import pytest
+from groundswell.peer import sim_procs
+from groundswell.peer.cli import app
+from groundswell.peer.sim_procs import Proc, Simulation
+from groundswell.peer.sim_report import build_report, report_json
+from groundswell.peer.simulate import SimulateOptions, fault_victims, live_addresses, nobody_left
+from swarm_harness import Cluster, leftover_processes
+from typer.testing import CliRunner
+
+pytestmark = pytest.mark.timeout(120)
+
+
+class _Running:
+    """A Popen stand-in for a process that has not been reaped yet."""
+
+    pid = 999_999_999
+    returncode = None
+
+    def poll(self) -> int | None:
+        return self.returncode
+
+
+def test_a_peer_told_to_end_is_no_fault_victim_and_counts_no_more():
+    # --peers 3 --min-peers 2, kill and leave due in the same pass: A is killed (not reaped yet,
+    # so still alive); the leave must not take B, which would leave C alone, below min_peers.
+    live = ["A", "B", "C"]
+    assert fault_victims(live, frozen={}, going=set(), min_peers=2) == live
+    assert fault_victims(live, frozen={}, going={"A"}, min_peers=2) == []
+    # with room for a second fault, neither the dying nor a frozen peer is picked
+    assert fault_victims(["A", "B", "C", "D", "E"], frozen={"B": 9.0}, going={"A"}, min_peers=2) == ["C", "D", "E"]
+
+
+def test_a_sigint_after_a_sigkill_keeps_the_kill_recorded(tmp_path, monkeypatch):
+    sent: list[int] = []
+    monkeypatch.setattr(Simulation, "_signal_machine", staticmethod(lambda proc, sig: sent.append(sig)))
+    monkeypatch.setattr(sim_procs.os, "killpg", lambda pid, sig: sent.append(sig))
+    sim = Simulation(tmp_path, SimulateOptions())
+    popen = _Running()
+    sim.procs["peer-0"] = Proc("peer-0", [], tmp_path / "peer-0", popen=popen)
+    assert not sim.going("peer-0")
+    sim.signal("peer-0", signal.SIGKILL)
+    sim.signal("peer-0", signal.SIGINT)  # e.g. told to leave before the kill was reaped
+    assert sent == [signal.SIGKILL, signal.SIGINT] and sim.going("peer-0")
+    popen.returncode = -signal.SIGKILL
+    assert sim.crashed("peer-0") is None  # the kill we injected, not a crash
+
+
+class _Ending(_Running):
+    """A stand-in process that ends at `dies_at` (None: runs until told to end)."""
+
+    def __init__(self, dies_at: float | None) -> None:
+        self.dies_at = dies_at
+
+    def poll(self) -> int | None:
+        return 1 if self.dies_at is not None and time.time() >= self.dies_at else None
+
+    def wait(self, timeout: float | None = None) -> int:
+        self.dies_at = time.time()
+        return 1
+
+
+class _FakeSimulation(Simulation):
+    """A Simulation whose processes are stand-ins: nothing starts. A signalled one ends a second
+    later (not reaped at once, like a real one); with `die_after`, volunteers end on their own."""
+
+    die_after: float | None = None
+
+    def spawn(self, name: str, args: list[str], kind: str = "spawn", prefix: tuple[str, ...] = ()) -> Proc:
+        popen = _Ending(time.time() + self.die_after if self.die_after and name != "coordinator" else None)
+        self.procs[name] = proc = Proc(name, args, self.out / name, popen=popen)
+        self.signalled.pop(name, None)
+        self.event(kind, name)
+        proc.state_dir.mkdir(exist_ok=True)
+        if name == "coordinator":
+            (proc.state_dir / "bootstrap.txt").write_text("gs1:C@/ip4/127.0.0.1/tcp/1/p2p/C\n")
+        return proc
+
+    def signal(self, name: str, sig: int) -> None:
+        super().signal(name, sig)
+        popen = self.procs[name].popen
+        if sig in (signal.SIGKILL, signal.SIGINT) and popen.dies_at is None:
+            popen.dies_at = time.time() + 1.0
+
+    def sample_rss(self) -> None:
+        pass
+
+
+def _fake_run(tmp_path: Path, monkeypatch, opts: SimulateOptions, rounds_done: int | None = None,
+              die_after: float | None = None) -> tuple[list[dict], float]:
+    """run_simulation's loop over stand-in processes: the driver's events, and its wall time."""
+    from groundswell.peer import plots, simulate
+
+    monkeypatch.setattr(Simulation, "_signal_machine", staticmethod(lambda proc, sig: None))
+    monkeypatch.setattr(sim_procs.os, "killpg", lambda pid, sig: None)
+    monkeypatch.setattr(simulate, "Simulation", lambda out, o: _FakeSimulation(out, o))
+    monkeypatch.setattr(_FakeSimulation, "die_after", die_after)
+    monkeypatch.setattr(simulate, "_rounds_done", lambda out, seen=None: rounds_done)
+    monkeypatch.setattr(simulate, "build_report", lambda out, opts, events, wall, t0, rss: {"events": events})
+    monkeypatch.setattr(plots, "plot_loss", lambda report, path: None)
+    start = time.time()
+    report = simulate.run_simulation(opts, tmp_path / "sim", progress=lambda m: None)
+    return report["events"], time.time() - start
+
+
+def test_faults_due_in_one_pass_never_stall_the_run(tmp_path, monkeypatch):
+    # kill, freeze and leave all due at 0.5 s with 3 peers and min_peers 2: only one may fire
+    opts = SimulateOptions(peers=3, rounds=10, kill_every=0.5, freeze_every=0.5, leave_every=0.5, timeout_s=2.0)
+    events, _ = _fake_run(tmp_path, monkeypatch, opts, rounds_done=0)
+    faults = [e for e in events if e["kind"] in ("kill", "freeze", "leave")]
+    assert [e["kind"] for e in faults] == ["kill"], events
+
+
+def test_the_run_ends_when_every_volunteer_is_gone_before_late_joiners_could_start(tmp_path, monkeypatch):
+    opts = SimulateOptions(peers=2, rounds=10, late_joiners=2, timeout_s=20.0)
+    events, wall = _fake_run(tmp_path, monkeypatch, opts, rounds_done=1, die_after=0.3)
+    assert any(e["kind"] == "all-volunteers-gone" for e in events) and wall < 10, events
+
+
+def test_no_volunteer_left_ends_the_run_unless_one_can_still_come():
+    # every volunteer died before round 2: late joiners could never start, do not wait 1800 s
+    assert nobody_left(done=1, late_started=False, any_alive=False, restart_pending=False)
+    assert not nobody_left(done=2, late_started=False, any_alive=False, restart_pending=False)  # they start now
+    assert not nobody_left(done=1, late_started=False, any_alive=False, restart_pending=True)
+    assert not nobody_left(done=5, late_started=True, any_alive=True, restart_pending=False)
+
+
+def test_a_restarted_peer_bootstraps_only_from_live_peers(tmp_path):
+    for name in ("peer-0", "peer-1", "peer-2"):
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "address.txt").write_text(f"/ip4/127.0.0.1/tcp/1/p2p/{name}\n")
+    assert live_addresses(tmp_path, lambda name: name != "peer-1") == [
+        "/ip4/127.0.0.1/tcp/1/p2p/peer-0", "/ip4/127.0.0.1/tcp/1/p2p/peer-2"]
+
+
+def test_a_process_that_cannot_start_leaves_no_open_log(tmp_path, monkeypatch):
+    opened = []
+
+    def recording_open(*args, **kwargs):
+        opened.append(open(*args, **kwargs))  # noqa: SIM115 - the test checks spawn closes it
+        return opened[-1]
+
+    def no_popen(*args, **kwargs):
+        raise OSError("no such interpreter")
+
+    monkeypatch.setattr(sim_procs, "open", recording_open, raising=False)
+    monkeypatch.setattr(sim_procs.subprocess, "Popen", no_popen)
+    sim = Simulation(tmp_path, SimulateOptions())
+    with pytest.raises(OSError):
+        sim.spawn("peer-0", ["join"])
+    assert len(opened) == 1 and opened[0].closed and "peer-0" not in sim.procs
+
+
+def _write(out: Path, name: str, events: list[dict]) -> None:
+    (out / name).mkdir(parents=True, exist_ok=True)
+    with open(out / name / "events.jsonl", "a") as f:
+        f.writelines(json.dumps(e) + "\n" for e in events)  # NaN and Infinity, as the peers write them
+
+
+def _round(t: float, r: int, peer: str, loss: float = math.nan, sent_total: int | None = None) -> dict:
+    e = {"t": t, "kind": "round", "round": r, "hash": f"h{r}", "contributors": ["P"], "included": True,
+         "peer": peer, "bytes_sent": 10, "eval_loss": loss}
+    return e if sent_total is None else dict(e, sent_total=sent_total)
+
+
+def test_a_diverged_loss_is_reported_as_such_and_the_report_is_strict_json(tmp_path):
+    # The coordinator evaluates every round: 5.0, 4.0, then NaN and inf (diverged). The volunteer
+    # evaluates none (NaN: not evaluated, not diverged).
+    _write(tmp_path, "coordinator", [_round(1.0, 0, "C", 5.0), _round(2.0, 1, "C", 4.0),
+                                     _round(3.0, 2, "C", math.nan), _round(4.0, 3, "C", math.inf)])
+    _write(tmp_path, "peer-0", [_round(1.0 + r, r, "P") for r in range(4)])
+    report = build_report(tmp_path, SimulateOptions(peers=1, rounds=4), [], wall_s=5.0, t0=0.0)
+    assert report["final_eval_loss"] == 4.0 and report["final_eval_round"] == 1
+    assert report["eval_nonfinite_rounds"] == [2, 3]
+    assert report["eval_loss_by_round"] == [5.0, 4.0, None, None]
+    assert json.loads(report_json(report))["eval_nonfinite_rounds"] == [2, 3]  # no Infinity in the file
+    with pytest.raises(ValueError):
+        report_json({"final_eval_loss": math.inf})
+
+
+def test_the_final_loss_names_its_round_and_a_round_not_evaluated_is_not_diverged(tmp_path):
+    # evaluated every 2 rounds: round 1 is, round 2 (the last) is not
+    _write(tmp_path, "coordinator", [_round(1.0, 0, "C"), _round(2.0, 1, "C", 3.5), _round(3.0, 2, "C")])
+    report = build_report(tmp_path, SimulateOptions(peers=1, rounds=3, eval_every=2), [], wall_s=4.0, t0=0.0)
+    assert report["rounds_completed"] == 3 and report["final_eval_round"] == 1
+    assert report["final_eval_loss"] == 3.5 and report["eval_nonfinite_rounds"] == []
+
+
+def test_the_coordinators_bytes_are_reported_across_its_restarts(tmp_path):
+    # Killed after round 1 with 300 bytes sent (no total at exit), restarted, 120 sent by its exit:
+    # 420 bytes over 3 rounds. The volunteers' figure leaves it out, as before.
+    _write(tmp_path, "coordinator", [{"t": 0.0, "kind": "network", "peer": "C"}, _round(1.0, 0, "C", sent_total=100),
+                                     _round(2.0, 1, "C", sent_total=300), {"t": 2.5, "kind": "network", "peer": "C"},
+                                     _round(3.0, 2, "C", sent_total=50),
+                                     {"t": 4.0, "kind": "defences", "rejected": {}, "peer": "C", "sent_total": 120}])
+    _write(tmp_path, "peer-0", [_round(1.0 + r, r, "P", sent_total=30 * (r + 1)) for r in range(3)])
+    report = build_report(tmp_path, SimulateOptions(peers=1, rounds=3), [], wall_s=5.0, t0=0.0)
+    assert report["coordinator_bytes_sent_per_round"] == 140.0
+    assert report["bytes_sent_per_peer_per_round"] == 30.0
+
+
+_BASE = {"rounds_completed": 3, "rounds_target": 3, "peers": 2, "codec": "sparseloco",
+         "eval_loss_by_round": [5.0, 4.0, 3.0], "final_eval_round": 2, "eval_nonfinite_rounds": [],
+         "bytes_sent_per_peer_per_round": 1e3, "dense_fp32_ring_bytes_per_peer_per_round": 1e6,
+         "param_hash_agreement": True, "divergent_rounds": [], "wall_s": 10.0, "crashed": [], "events": []}
+
+
+def test_the_summary_says_what_the_loss_is(tmp_path, monkeypatch):
+    from groundswell.peer import simulate
+
+    cases = [
+        ({}, "held-out loss 5.000 -> 3.000; 1.0 kB"),
+        # rounds completed, none evaluated: not "no round completed"
+        ({"eval_loss_by_round": [None] * 3, "final_eval_round": None},
+         "3/3 rounds, 2 peers, sparseloco: no held-out loss evaluated"),
+        ({"eval_loss_by_round": [5.0, None, None], "final_eval_round": 0, "eval_nonfinite_rounds": [1, 2]},
+         "held-out loss 5.000 at round 0 (the last completed: 2), diverged (not finite in 2 rounds from round 1)"),
+        ({"eval_loss_by_round": [None] * 3, "final_eval_round": None, "eval_nonfinite_rounds": [0, 1, 2]},
+         "sparseloco: held-out loss diverged (not finite in 3 rounds from round 0)"),
+        ({"rounds_completed": 0, "eval_loss_by_round": [], "final_eval_round": None}, "no round completed"),
+    ]
+    for change, said in cases:
+        report = dict(_BASE, **change)
+        monkeypatch.setattr(simulate, "run_simulation", lambda opts, out, progress, r=report: r)
+        res = CliRunner().invoke(app, ["simulate", "--peers", "2", "--rounds", "3", "--out", str(tmp_path / "s")])
+        assert said in " ".join(res.output.split()), res.output
+        assert ("no round completed" in res.output) == (report["rounds_completed"] == 0), res.output
+
+
+def test_the_summary_reads_a_report_without_the_new_keys():
+    from groundswell.peer.cli_simulate import loss_summary
+
+    old = {k: v for k, v in _BASE.items() if k not in ("final_eval_round", "eval_nonfinite_rounds")}
+    assert loss_summary(dict(old, eval_loss_by_round=[5.0, 4.0, None])) == \
+        "held-out loss 5.000 -> 4.000 at round 1 (the last completed: 2)"
+
+
+def test_closing_a_cluster_closes_every_node_though_one_fails():
+    closed: list[int] = []
+
+    class Node:
+        def __init__(self, i: int) -> None:
+            self.i = i
+
+        def close(self) -> None:
+            if self.i == 0:
+                raise RuntimeError("p2pd would not stop")
+            closed.append(self.i)
+
+    cluster = object.__new__(Cluster)  # no real nodes: only what close() touches
+    cluster.nodes = [Node(0), Node(1), Node(2)]
+    cluster._tmp = tempfile.TemporaryDirectory()
+    with pytest.raises(RuntimeError, match="would not stop"):
+        cluster.close()
+    assert closed == [1, 2] and not Path(cluster._tmp.name).exists()
+
+
+def test_leftover_processes_match_the_folder_not_a_sibling(tmp_path, monkeypatch):
+    import psutil
+
+    class P:
+        def __init__(self, *cmdline: str) -> None:
+            self.info = {"cmdline": list(cmdline)}
+
+    out = tmp_path / "s"
+    procs = [P("python", "-m", "groundswell.peer", "join", "--state-dir", f"{out}/peer-0"), P("p2pd", f"--out={out}"),
+             P("python", "--state-dir", f"{out}2/peer-0"), P("python", f"{out}-old"), P("bash"), P()]
+    monkeypatch.setattr(psutil, "process_iter", lambda attrs: iter(procs))
+    assert leftover_processes(out) == procs[:2]
