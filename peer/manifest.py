@@ -183,6 +183,10 @@ class RunManifest:
                               f"use {' or '.join(SWARM_ALGORITHMS)}")
         if self.defences.trim and self.outer.codec_name == "sparseloco":
             raise ConfigError("defences.trim is for dense codecs: a sparse update's trimmed mean is mostly zeros")
+        if self.defences.trim and self.outer.algorithm == "sparseloco":
+            # its cuts are per coordinate, and no peer learns them: the error feedback would lose them
+            raise ConfigError("defences.trim cannot go with outer.algorithm = 'sparseloco': what a trimmed mean "
+                              "cuts off would be lost from the error feedback (use defences.clip)")
         if self.defences.scoring and self.outer.codec_name != "sparseloco" and not self.defences.verify_aggregates:
             # a dense codec's aggregator ships only the mean: nobody else holds a single contribution
             raise ConfigError(f"defences.scoring with the {self.outer.codec_name!r} codec needs "

@@ -201,7 +201,7 @@ class Participant:
         tensors = {"global_params": self.outer.global_params.detach().cpu().clone()}
         if isinstance(self.outer, DiLoCo):
             tensors["momentum_buffer"] = self.outer.momentum_buffer.detach().cpu().clone()
-        digest = state_hash(tensors["global_params"], tensors.get("momentum_buffer"))
+        digest = state_hash(entry[0], tensors["global_params"], tensors.get("momentum_buffer"))
         self._snapshot = GlobalState(r, tensors, entry[0], _state_hash=digest)
         self.hash_history[r] = digest
         for old in [k for k in self.hash_history if k < r - 32]:
@@ -215,9 +215,15 @@ class Participant:
         self.node.update_record(round=r, params_hash=digest, earlier_hashes=earlier)
 
     def outer_hash(self) -> str:
-        """`state_hash` of this peer's shared outer state now (what its record publishes)."""
+        """`state_hash` of this peer's shared outer state now (what its record publishes); "" if
+        our book lacks the commit it came from (never after a sync, a catch-up or a round)."""
+        entry = self.node.book.committed.get(self.outer.round_id - 1) if self.node.book is not None else None
+        if entry is None:
+            log.warning("round %d: the commit before it is not in our book; its state hash is not known",
+                        self.outer.round_id)
+            return ""
         momentum = self.outer.momentum_buffer if isinstance(self.outer, DiLoCo) else None
-        return state_hash(self.outer.global_params, momentum)
+        return state_hash(entry[0], self.outer.global_params, momentum)
 
     def load_global(self, state: GlobalState) -> None:
         """Adopt a downloaded or checkpointed global state; local progress is rebased onto it."""

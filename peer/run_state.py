@@ -9,6 +9,7 @@ from dataclasses import dataclass, field
 import torch
 from groundswell.compression import Codec, RobustOptions
 from groundswell.protocol.digests import bulk_hasher
+from groundswell.protocol.envelope import sealed_message
 from groundswell.protocol.guard import Limits
 
 from .state_blob import pack_tensors, unpack_tensors
@@ -23,15 +24,18 @@ def params_hash(vector: torch.Tensor) -> str:
     return bulk_hasher().update(_raw(vector)).hexdigest()[:16]
 
 
-def state_hash(global_params: torch.Tensor, momentum: torch.Tensor | None = None) -> str:
+def state_hash(decision: bytes, global_params: torch.Tensor, momentum: torch.Tensor | None = None) -> str:
     """The hash peers publish every round: of the outer state every peer shares, bit for bit. That
-    is the global parameters and, for DiLoCo, the outer momentum buffer (the same on every peer, as
-    it only ever sees the same aggregates), so a wrong momentum is caught like wrong parameters.
-    Without momentum it is `params_hash` of the parameters (SparseLoCo's error feedback is each
-    peer's own, not shared state)."""
+    is the global parameters, for DiLoCo the outer momentum buffer (the same on every peer, as it
+    only ever sees the same aggregates), so a wrong momentum is caught like wrong parameters, and
+    the commit of the round before (`decision`, signed: its message, not its envelope), which the
+    next round is planned from: a server handing out the true tensors with a commit of its own
+    making (itself as the only leader, say) is caught like a wrong tensor. SparseLoCo's error
+    feedback is each peer's own, not shared state."""
     hasher = bulk_hasher().update(_raw(global_params))
     if momentum is not None:
         hasher.update(b"\0momentum_buffer\0").update(_raw(momentum))
+    hasher.update(b"\0decision\0").update(sealed_message(decision))
     return hasher.hexdigest()[:16]
 
 
@@ -94,9 +98,10 @@ class GlobalState:
             return self._blob
 
     def state_digest(self) -> str:
-        """`state_hash` of the tensors (parameters, and momentum if any), computed once per snapshot."""
+        """`state_hash` of the state (parameters, momentum if any, decision), computed once per snapshot."""
         if not self._state_hash:
-            self._state_hash = state_hash(self.tensors["global_params"], self.tensors.get("momentum_buffer"))
+            self._state_hash = state_hash(self.decision, self.tensors["global_params"],
+                                          self.tensors.get("momentum_buffer"))
         return self._state_hash
 
     @staticmethod

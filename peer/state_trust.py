@@ -127,9 +127,9 @@ class StateCheck:
         if self.needs_momentum != ("momentum_buffer" in tensors):
             raise ProtocolError("a DiLoCo state needs its momentum buffer" if self.needs_momentum
                                 else "a SparseLoCo state has no momentum buffer")
-        digest_of_state = state_hash(tensors["global_params"], tensors.get("momentum_buffer"))
+        digest_of_state = state_hash(reply.decision, tensors["global_params"], tensors.get("momentum_buffer"))
         if digest_of_state != reply.params_hash:  # its signed reply named another hash (see `refuse_early`)
-            raise ProtocolError("state's parameters (and momentum) do not have the hash its signed reply names",
+            raise ProtocolError("state's parameters (momentum, decision) do not have the hash its signed reply names",
                                 reason="bad-payload")
         await self._check_with_swarm(reply.round, digest_of_state, server, records)
         return GlobalState(reply.round, tensors, reply.decision, _state_hash=digest_of_state)
@@ -168,9 +168,9 @@ class StateCheck:
         # if it has one for that round, else the majority). Neither
         # the server's word nor ours counts; in a closed run only its members' (and the
         # coordinator's) do. Records lag the rounds by a heartbeat or two, so a state nobody has
-        # confirmed yet is taken if it is at most UNCONFIRMED_LEAD rounds past every other
-        # record (from the coordinator, always): one peer must not hand us a state of its own
-        # making for a far-off round it alone claims, which would leave us stuck there. A made-up
+        # confirmed yet is taken if it is at most UNCONFIRMED_LEAD rounds past most records (and
+        # in an open run past the coordinator's; from the coordinator, always): one peer must not
+        # hand us a state of its own making for a far-off round, which would leave us stuck there. A made-up
         # state for a current round is caught later: our hashes then disagree with the swarm's
         # and we re-sync.
         if server == self.coordinator and self.me != self.coordinator:
@@ -221,10 +221,17 @@ class StateCheck:
             raise ProtocolError(f"state of round {round_id}, which no other peer confirms, is more than "
                                 f"{UNCONFIRMED_LEAD} rounds behind most peers' records ({rounds[len(rounds) // 2]})",
                                 reason="stale", strike=False)
-        newest = rounds[-1] if rounds else None
-        if not agree and newest is not None and round_id > newest + UNCONFIRMED_LEAD:
-            raise ProtocolError(f"state of round {round_id}, which no other peer confirms, is more than "
-                                f"{UNCONFIRMED_LEAD} rounds past every other peer's record ({newest})", strike=False)
+        # Forwards, in an open run, where records cost nothing, confirmations do not count either:
+        # one more identity would confirm a state of a made-up far-off round, and we would sit at
+        # that round for good (re-syncs ask for newer states only). The swarm's round is judged by
+        # the coordinator's record where it has one, else by most records, never by the newest.
+        if signer is not None and self.ctx.allowlist is None and round_id > signer.round + UNCONFIRMED_LEAD:
+            raise ProtocolError(f"state of round {round_id} is more than {UNCONFIRMED_LEAD} rounds past the "
+                                f"coordinator's record ({signer.round})", strike=False)
+        most = rounds[len(rounds) // 2] if rounds else None
+        if (not agree or self.ctx.allowlist is None) and most is not None and round_id > most + UNCONFIRMED_LEAD:
+            raise ProtocolError(f"state of round {round_id}, which no member confirms, is more than "
+                                f"{UNCONFIRMED_LEAD} rounds past most peers' records ({most})", strike=False)
 
     async def _coordinator_record(self, round_id: int, published: dict[str, Any],
                                   records: Callable[[], Awaitable[dict[str, Any]]]) -> tuple[Any, dict[str, Any]]:

@@ -21,7 +21,6 @@ from groundswell.compression import Payload
 from groundswell.optim import RoundFailed, RoundResult
 from groundswell.protocol.client import LEAVE_ATTEMPTS, AttemptResult, RoundBehind
 from groundswell.protocol.schema import Decision
-from groundswell.protocol.shards import ships_contributions
 from groundswell.protocol.transport import PeerUnavailable
 
 from .swarm import SwarmNode
@@ -208,8 +207,9 @@ class SwarmExchange:
     async def own_scaled(self, round_id: int) -> tuple[tuple[int, int, float], ...] | None:
         """Where round `round_id`'s mean took our contribution clipped (`RoundResult.scaled`), for
         one whose outcome was learned late. Known if this peer fetched the round's aggregate (on
-        time or catching up); else, where the mean is made from the signed contributions, those
-        are fetched again to work it out (not the mean). None: not known here."""
+        time or catching up); else the round's shards are fetched again to work it out (a dense
+        mean's shards say it; sparse ones from the signed contributions, without the mean). None:
+        not known here."""
         client, book = self.node.client, self.node.book
         if client is None or book is None:
             return None
@@ -218,8 +218,8 @@ class SwarmExchange:
         committed, ctx = book.committed.get(round_id), self.node.ctx
         if committed is None or ctx is None:
             return None
-        if not ships_contributions(ctx) or not ctx.robust.clip > 0:
-            return ()  # a dense codec's mean (made by its aggregators) does not say: taken whole, as on time
+        if not ctx.robust.clip > 0:
+            return ()  # nothing was clipped
         await client.note_own_scaled(committed[0])
         return client.own_scaled.get(round_id)
 

@@ -275,7 +275,8 @@ class Aggregator(HaveReporter):
         means = robust_mean(codec, rows, self.ctx.robust, stats, sq_norms)
         _, decision = unseal(signed, self.ctx.run_id, Decision)
         clipped = [decision.contributors[c] for c in sorted(stats.clipped)]
-        return AggregateShard(signed, shard, "mean", [codec.encode(m).to_bytes() for m in means], clipped)
+        weights = [stats.weights[c] for c in sorted(stats.clipped)]
+        return AggregateShard(signed, shard, "mean", [codec.encode(m).to_bytes() for m in means], clipped, weights)
 
     def held_rows(self, round_id: int, attempt: int, shard: int, who: str, digest: bytes) -> list[Payload] | None:
         """The parsed segments of `who`'s contribution to a shard that this peer took as an

@@ -60,8 +60,8 @@ class AggregateFetcher:
 
     async def note_own_scaled(self, signed: bytes) -> None:
         """Work out where a commit's mean took our contribution clipped (into `own_scaled`, as a
-        fetch notes it) from its shards' signed contributions, without computing the mean: what
-        a contribution settled late needs. Raises like `fetch_aggregate`."""
+        fetch notes it) from its shards (a dense mean's say; the signed contributions, without
+        computing the mean): what a contribution settled late needs. Raises like `fetch_aggregate`."""
         self.own_scaled.update(await _refusing_peer_faults(self._own_scaled(signed),
                                                            "the round's contributions could not be gathered"))
 
@@ -71,9 +71,13 @@ class AggregateFetcher:
         mine = decision.contributors.index(self.me) if self.me in decision.contributors else -1
         scaled: list[tuple[int, int, float]] = []
         for shard, agg in enumerate(shards):
-            if agg.mode != "signed" or mine < 0:
-                continue  # a dense mean (made by its aggregators) does not say
             first, stop = plan.shard_segments[shard]
+            if agg.mode == "mean":  # its aggregators' word (they made the mean)
+                if (weight := _dense_weight(agg, self.me)) is not None:
+                    scaled.append((offsets[first], offsets[stop], weight))
+                continue
+            if mine < 0:
+                continue
             weight = robust_weights(self.ctx.codec, self._checked_rows(decision, signed, shard, first, stop, agg),
                                     self.ctx.robust)[mine]
             if weight < 1.0:
@@ -110,6 +114,8 @@ class AggregateFetcher:
                 values = [codec.decode(p) for p in validate_segments(self.ctx, first, agg.parts)]
                 for who in agg.clipped:
                     clipped[who] = clipped.get(who, 0) + 1
+                if (weight := _dense_weight(agg, self.me)) is not None:
+                    scaled.append((offsets[first], offsets[stop], weight))
                 for seg, value in zip(range(first, stop), values):
                     out[offsets[seg]:offsets[seg + 1]] = value
             else:  # every contributor's signed request: rows[c][i] is contributor c's segment first + i
@@ -246,6 +252,9 @@ class AggregateFetcher:
                     self._checked_rows(decision, signed, shard, first, stop, agg)
                 else:
                     validate_segments(self.ctx, first, agg.parts)
+                    if len(agg.weights) != len(agg.clipped) or len(set(agg.clipped)) != len(agg.clipped) \
+                            or not set(agg.clipped) <= set(decision.contributors):
+                        raise ProtocolError("a mean's clipped contributors and their factors do not match")
             except ProtocolError as exc:
                 self.transport.guard.count(peer, "aggregate-reply", exc.reason, strike=exc.strike)
                 log.warning("aggregate %s from %s refused: %s", key, peer[-8:], exc)
@@ -261,13 +270,23 @@ class AggregateFetcher:
                                                   return_when=asyncio.FIRST_COMPLETED)
                 for task in done:
                     if (agg := task.result()) is not None:
-                        self.server.archive(decision.round, shard, agg)
+                        self.server.archive(decision.round, shard, agg if self._serves_shard(decision, plan, shard)
+                                            else None)
                         return agg
         finally:
             for task in asking:
                 task.cancel()
             await asyncio.gather(*asking, return_exceptions=True)
         raise PeerUnavailable(f"no peer could provide shard {shard} of round {decision.round}")
+
+
+    def _serves_shard(self, decision: Decision, plan: RoundPlan, shard: int) -> bool:
+        """Would another peer ever ask us for this fetched shard? Signed contributions: anyone
+        who applied the round may be asked. A dense mean: only its source, the leader and the
+        shard's candidates are (see `_fetch_shard`); kept by anyone else, it would be 9 rounds of
+        full-size means (36 bytes per parameter in fp32) that nobody reads."""
+        return ships_contributions(self.ctx) or self.me in (
+            decision.sources[shard], decision.leader, *plan.candidates(shard)[:REPORTING_CANDIDATES])
 
 
 async def _refusing_peer_faults(work: Awaitable[T], failed: str) -> T:
@@ -288,6 +307,14 @@ def _unexpected(exc: Exception) -> Exception | None:
     """`exc` when it is not one of the errors hostile bytes are refused with (then its traceback
     is worth a log line: a bug of ours that some input found), else None."""
     return None if isinstance(exc, (ProtocolError, CodecError)) else exc
+
+
+def _dense_weight(agg: AggregateShard, me: str) -> float | None:
+    """The factor a dense mean's shard took our contribution in with, if it clipped it."""
+    if me not in agg.clipped:
+        return None
+    weight = agg.weights[agg.clipped.index(me)]
+    return weight if weight < 1.0 else None
 
 
 def _offsets(numels: Sequence[int]) -> list[int]:

@@ -204,9 +204,11 @@ class RoundServer(Aggregator, Leading, Claims, Decider):
         finally:
             self._learning.discard(previous)
 
-    def archive(self, round_id: int, shard: int, agg: AggregateShard) -> None:
-        """Keep an aggregate shard of a committed round to serve to peers that catch up."""
-        self.aggregates[(round_id, shard)] = agg
+    def archive(self, round_id: int, shard: int, agg: AggregateShard | None) -> None:
+        """Keep an aggregate shard of a committed round to serve to peers that catch up (None: one
+        nobody will ask us for), and let go of what is older."""
+        if agg is not None:
+            self.aggregates[(round_id, shard)] = agg
         for key in [k for k in self.aggregates if k[0] < round_id - self.keep_rounds]:
             del self.aggregates[key]
         for key in [k for k in self.attempts if k[0] < round_id - 1]:

@@ -167,9 +167,10 @@ def _eval_checkpoint(state_dir: Path, last_round: dict, preset: str) -> float:
 
     torch.set_num_threads(1)
     path = state_dir / f"checkpoint-{last_round['round'] + 1:08d}.pt"
-    tensors = torch.load(path, weights_only=True, map_location="cpu")["tensors"]
+    saved = torch.load(path, weights_only=True, map_location="cpu")
+    tensors = saved["tensors"]
     params = tensors["global_params"]
-    if state_hash(params, tensors.get("momentum_buffer")) != last_round["hash"]:  # what the round event names
+    if state_hash(saved["decision"], params, tensors.get("momentum_buffer")) != last_round["hash"]:  # what the round event names
         raise RuntimeError(f"{path} does not hold the parameters of round {last_round['round']}")
     corpus = load_corpus("stdlib")
     wl = build_workload(preset, corpus.vocab_size, 0)

@@ -45,3 +45,22 @@ def test_signed_contributions_are_asked_of_any_peer_that_applied_the_round_too()
     expected = ["source", "leader", "cand1", "cand2", "cand3", "applied1", "applied2"]
     assert _asked("sparseloco") == expected
     assert _asked("fp32", verify_aggregates=True) == expected
+
+
+@pytest.mark.parametrize("codec,verify_aggregates,kept_by", [
+    ("fp32", False, {"source", "leader", "cand1", "cand2", "cand3", "cand4"}),  # those asked for a mean
+    ("int8", False, {"source", "leader", "cand1", "cand2", "cand3", "cand4"}),
+    ("sparseloco", False, None),  # anyone who applied the round may be asked: everyone keeps it
+    ("fp32", True, None),
+])
+def test_a_fetched_shard_is_kept_only_by_peers_that_would_be_asked_for_it(codec, verify_aggregates, kept_by):
+    # A dense mean kept by every peer that fetched it was 9 rounds of full-size means (36 bytes per
+    # parameter) that nobody would ever read.
+    fetcher = AggregateFetcher()
+    fetcher.ctx = SimpleNamespace(codec=SimpleNamespace(name=codec), verify_aggregates=verify_aggregates)
+    plan = SimpleNamespace(candidates=lambda shard: ["cand1", "cand2", "cand3", "cand4", "cand5"])
+    decision = Decision(round=7, attempt=0, status="commit", contributors=["a", "b"], trainers=[], servers=[],
+                        leader="leader", sources=["source"], num_shards=1)
+    for me in ["source", "leader", "cand1", "cand4", "cand5", "a", "other"]:
+        fetcher.me = me
+        assert fetcher._serves_shard(decision, plan, 0) == (kept_by is None or me in kept_by), me

@@ -200,7 +200,7 @@ def test_a_late_settle_takes_out_what_an_on_time_settle_would():
     ("sparseloco", 1.0, {5: ((0, 8, 0.5),)}, False, ((0, 8, 0.5),)),  # noted when the aggregate came
     ("sparseloco", 1.0, {}, True, ((8, 16, 0.25),)),  # not fetched here yet: worked out from the contributions
     ("sparseloco", 0.0, {}, False, ()),  # no clipping in this run
-    ("fp32", 1.0, {}, False, ()),  # a dense mean does not say: taken whole, as on time
+    ("fp32", 1.0, {}, True, ((8, 16, 0.25),)),  # a dense mean's shards say it
 ])
 def test_where_the_mean_clipped_a_late_contribution_is_found_out(codec, clip, known, fetched, expected):
     fetches: list[bytes] = []

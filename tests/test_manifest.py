@@ -134,6 +134,8 @@ def test_allowlist(tmp_path):
         (MINIMAL + "[outer]\nchunk = 8192\n", "outer.chunk / outer.topk"),
         (MINIMAL + "[defences]\nclip = -1.0\n", "defences.clip"),
         (MINIMAL + "[defences]\ntrim = 0.5\n", "defences.trim"),
+        # a trimmed mean's per-coordinate cuts would be lost from SparseLoCo's error feedback
+        (MINIMAL + '[outer]\nalgorithm = "sparseloco"\ncodec = "int8"\n[defences]\ntrim = 0.2\n', "defences.trim"),
         (MINIMAL + "[defences]\nrequests_per_s = 0.0\n", "defences.requests_per_s"),
         (MINIMAL + "[defences]\nscoring = true\n", "scoring"),
         ('[run]\nid = "r"\nopen = true\nopen_state = 1\n', "run.open_state"),

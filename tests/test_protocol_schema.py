@@ -122,7 +122,7 @@ def _wrong_values(hint: typing.Any, meta: typing.Mapping) -> list:
         out = ["notalist", b"", 7, None, True]
         out += [[w] for w in _wrong_values(item, meta)]  # one bad item spoils the list
         if meta["max_items"] <= 4096:
-            good = {str: "", bytes: b""}[item]
+            good = {str: "", bytes: b"", float: 0.5}[item]
             out.append([good] * (meta["max_items"] + 1))
         return out
     if hint is bool:

@@ -185,18 +185,16 @@ def test_a_scaled_contribution_is_clipped_on_every_peer(codec_name):
         attacker = c.ids[3]
         for node in c.nodes:
             assert node.client.clipped[0][attacker] == d.num_shards  # clipped in every shard
-        if codec_name != "sparseloco":
-            return  # a dense mean is made by its aggregators: the factors are not shipped
         # the attacker learns where, and by how much, its contribution was scaled (its error
-        # feedback keeps the rest)
+        # feedback keeps the rest); a dense mean's shards carry the factors its aggregators took
         mine = c.nodes[3].client.own_scaled[0]  # one range per shard, covering the whole vector
         assert len(mine) == d.num_shards and mine[0][0] == 0 and mine[-1][1] == c.numel
         assert all(mine[i][1] == mine[i + 1][0] for i in range(len(mine) - 1))
         assert all(0 < w < 2e-3 for _, _, w in mine)  # about the median norm over 1000x its own
         # an honest peer above the (lower) median is clipped a little too: it learns by how much
         assert all(0.5 < w < 1 for i in range(3) for _, _, w in c.nodes[i].client.own_scaled[0])
-        # a peer that settles its contribution late works the same factors out from the signed
-        # contributions alone (it did not fetch the mean)
+        # a peer that settles its contribution late works the same factors out from the shards
+        # (sparse: from the signed contributions alone, without the mean)
         for i in range(4):
             client, noted = c.nodes[i].client, c.nodes[i].client.own_scaled.pop(0)
             c.nodes[i].call(client.note_own_scaled(out[i].signed), timeout_s=60)

@@ -4,13 +4,15 @@ hash (or come from the coordinator). Restarts from checkpoints: test_resume.py."
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 from types import SimpleNamespace
 
 import pytest
 import torch
 from groundswell.peer.run_state import GlobalState, params_hash, state_hash
 from groundswell.protocol.digests import bulk_hasher
-from groundswell.protocol.schema import ProtocolError, StateReply
+from groundswell.protocol.envelope import seal, unseal
+from groundswell.protocol.schema import Decision, ProtocolError, StateReply
 
 
 @pytest.fixture
@@ -58,19 +60,19 @@ def _served_state(p, momentum: bool | torch.Tensor = True, round_id: int = 0):
     decision = seal(leader, "unit", Decision(round=round_id - 1, attempt=0, status="commit", contributors=[],
                                              trainers=[], servers=[leader.peer_id], leader=leader.peer_id, sources=[],
                                              num_shards=0, time=time.time()))
-    good = state_hash(tensors["global_params"], tensors.get("momentum_buffer"))
+    good = state_hash(decision, tensors["global_params"], tensors.get("momentum_buffer"))
     reply = StateReply(round_id, digest, decision, len(blob), params_hash=good)
     return reply, bytearray(blob), bulk_hasher().update(blob).hexdigest(), good
 
 
 def _check(p, records: dict, server: str, momentum: bool | torch.Tensor = True, round_id: int = 0):
     """`StateCheck.verify` with these published records: peer -> hash of round `round_id` ("good":
-    the served state's), or peer -> (round, hash)."""
+    the served state's; a callable: of the served decision), or peer -> (round, hash)."""
     reply, blob, digest, good = _served_state(p, momentum, round_id)
 
     def rec(value):
         r, h = value if isinstance(value, tuple) else (round_id, value)
-        return SimpleNamespace(round=r, params_hash=good if h == "good" else h)
+        return SimpleNamespace(round=r, params_hash=good if h == "good" else h(reply.decision) if callable(h) else h)
 
     recs = {pid: rec(v) for pid, v in records.items()}
 
@@ -88,12 +90,21 @@ def test_a_state_far_past_every_other_record_is_refused_unless_the_coordinator_s
     p = participant
     far = 10 + UNCONFIRMED_LEAD + 1
     others = {"a": (10, "h10"), "b": (10, "h10"), "server": (far, "good")}
-    with pytest.raises(ProtocolError, match=f"more than {UNCONFIRMED_LEAD} rounds past every other peer's record"):
+    with pytest.raises(ProtocolError, match=f"more than {UNCONFIRMED_LEAD} rounds past most peers' records"):
         _check(p, others, "server", round_id=far)
     assert _check(p, others, p.coordinator_id, round_id=far).round == far  # the run's signer is trusted
     # records lag the rounds by a heartbeat or two: a state a few rounds ahead is taken
     assert _check(p, others, "server", round_id=12).round == 12
-    # confirmed by another member's record: taken however far ahead the rest are
+    # In an open run a confirming record costs nothing (one more identity): judged by most records,
+    # not by the newest, so a made-up far-off round cannot be vouched for by one sybil...
+    with pytest.raises(ProtocolError, match="rounds past most peers' records"):
+        _check(p, {**others, "c": (far, "good")}, "server", round_id=far)
+    # ...nor by any number of them while the coordinator's record says where the run is
+    sybils = {f"s{i}": (far, "good") for i in range(5)}
+    with pytest.raises(ProtocolError, match="rounds past the coordinator's record"):
+        _check(p, {**others, **sybils, p.coordinator_id: (10, "h10")}, "server", round_id=far)
+    # in a closed run a member's confirmation counts: taken however far ahead the rest are
+    p.ctx = dataclasses.replace(p.ctx, allowlist=frozenset({"a", "b", "c", "server", p.identity.peer_id}))
     assert _check(p, {**others, "c": (far, "good")}, "server", round_id=far).round == far
 
 
@@ -139,7 +150,7 @@ def test_our_own_record_does_not_vote_on_the_state_we_are_checking(participant):
     # a diverged peer re-syncing must not outvote the swarm with its own wrong hash ...
     assert _check(p, {me: "f" * 64, "a": "good"}, "server").round == 0
     # ... nor vouch for a far-off state on its own
-    with pytest.raises(ProtocolError, match="rounds past every other peer's record"):
+    with pytest.raises(ProtocolError, match="rounds past most peers. records"):
         _check(p, {me: (20, "good"), "a": (1, "x")}, "server", round_id=20)
 
 
@@ -167,7 +178,9 @@ def test_a_diloco_state_with_the_swarms_parameters_but_another_momentum_is_refus
     downloaded from it would copy the bad buffer)."""
     p = participant
     params = p.outer.global_params.clone() + 0.5  # what `_served_state` serves
-    swarm = state_hash(params, torch.zeros_like(params))  # the swarm's: these parameters, zero momentum
+    def swarm(decision: bytes) -> str:  # the swarm's: these parameters, zero momentum
+        return state_hash(decision, params, torch.zeros_like(params))
+
     with pytest.raises(ProtocolError, match="disagrees with the swarm's published hash"):
         _check(p, {"a": swarm, "b": swarm}, "server", momentum=torch.full_like(params, 0.25))
     assert _check(p, {"a": swarm, "b": swarm}, "server", momentum=torch.zeros_like(params)).round == 0
@@ -186,17 +199,25 @@ def test_a_sparseloco_state_with_a_momentum_buffer_is_refused(participant):
         asyncio.run(check.verify(reply, blob, digest, "server", records))
 
 
-def test_the_published_hash_covers_the_momentum_and_without_it_is_the_parameters_hash(participant):
+def test_the_published_hash_covers_the_momentum_and_the_commit_before(participant):
+    from groundswell.peer.participant import genesis_decision
+
     p = participant
-    p.node = SimpleNamespace(book=SimpleNamespace(committed={-1: (b"genesis", None)}), update_record=lambda **k: None)
+    genesis = genesis_decision(p.identity, "unit")
+    p.node = SimpleNamespace(book=SimpleNamespace(committed={-1: (genesis, None)}), update_record=lambda **k: None)
     p.snapshot()
     published = p.hash_history[p.outer.round_id]
     assert published == p.outer_hash() == p._snapshot.state_digest()
+    params, momentum = p.outer.global_params, p.outer.momentum_buffer.clone()
+    assert published != params_hash(params)
+    # the same commit sealed again (a new nonce and time) is the same commit: the same hash
+    _, decision = unseal(genesis, "unit", Decision)
+    assert state_hash(seal(p.identity, "unit", decision), params, momentum) == published
+    # another commit (the same tensors with a membership of a server's own making): another hash
+    other = seal(p.identity, "unit", dataclasses.replace(decision, servers=["someone-else"]))
+    assert state_hash(other, params, momentum) != published
     p.outer.momentum_buffer[3] += 1e-3  # one value off: another state, another hash
     assert p.outer_hash() != published
-    params = p.outer.global_params
-    assert published != params_hash(params)
-    assert state_hash(params) == params_hash(params)  # SparseLoCo's published hash is unchanged
 
 
 def test_peers_agreeing_on_a_state_are_asked_before_one_claiming_a_far_off_round():
@@ -390,11 +411,13 @@ def test_the_coordinators_hashes_of_earlier_rounds_decide_for_a_state_of_one_of_
 
 
 def test_only_the_coordinator_publishes_its_hashes_of_earlier_rounds(participant):
+    from groundswell.peer.participant import genesis_decision
     from groundswell.peer.state_trust import EARLIER_HASHES
 
     p = participant
     published: dict = {}
-    p.node = SimpleNamespace(book=SimpleNamespace(committed={r: (b"commit", None) for r in range(20)}),
+    commit = genesis_decision(p.identity, "unit")  # a sealed decision (which one does not matter here)
+    p.node = SimpleNamespace(book=SimpleNamespace(committed={r: (commit, None) for r in range(20)}),
                              update_record=lambda **k: published.update(k))
     for r in range(1, 13):
         p.outer.round_id = r
@@ -442,7 +465,8 @@ def test_a_state_taken_forgets_the_hashes_of_the_trajectory_it_replaced(particip
 
     p = participant
     p.hash_history = {1: "wrong", 2: "wrong"}
-    p.node = SimpleNamespace(book=SimpleNamespace(committed={2: (b"commit", None)}), record_decision=lambda d: None,
+    p.node = SimpleNamespace(book=SimpleNamespace(committed={2: (genesis_decision(p.identity, "unit"), None)}),
+                             record_decision=lambda d: None,
                              update_record=lambda **k: None)
     tensors = {"global_params": p.outer.global_params.clone(), "momentum_buffer": torch.zeros_like(p.outer.global_params)}
     p.load_global(GlobalState(3, tensors, genesis_decision(p.identity, "unit")))
@@ -492,3 +516,26 @@ def test_the_coordinators_vouchers_are_the_contributors_of_its_verified_commits(
     p.coordinator_id = p.identity.peer_id
     assert p.state_check().vouchers == {"a", "b", "c"}  # the coordinator of an open run
 
+
+
+def test_the_swarms_tensors_with_a_commit_of_the_servers_making_are_refused(participant):
+    """The published hash pins the commit a state comes with: a server that hands out the true
+    tensors with a commit it signed itself (itself the only leader and server, so the joiner's
+    next rounds would go through it alone) is refused like a wrong tensor."""
+    from groundswell.protocol.identity import Identity
+
+    p = participant
+    reply, blob, digest, good = _served_state(p, round_id=5)  # the swarm's state and commit
+    forger = Identity.generate()
+    _, decision = unseal(reply.decision, "unit", Decision)
+    forged = seal(forger, "unit", dataclasses.replace(decision, leader=forger.peer_id, servers=[forger.peer_id]))
+    tensors = GlobalState.tensors_from_blob(bytes(blob))
+    fake = dataclasses.replace(reply, decision=forged, params_hash=state_hash(forged, tensors["global_params"],
+                                                                             tensors.get("momentum_buffer")))
+
+    async def records():
+        return {"a": SimpleNamespace(round=5, params_hash=good), "b": SimpleNamespace(round=5, params_hash=good)}
+
+    with pytest.raises(ProtocolError, match="disagrees with the swarm's published hash"):
+        asyncio.run(p.state_check().verify(fake, bytearray(blob), digest, "server", records))
+    assert asyncio.run(p.state_check().verify(reply, bytearray(blob), digest, "server", records)).round == 5
