@@ -43,6 +43,7 @@ def resume_and_sync(p: Participant, bootstrap_peers: list[str]) -> dict | None:
         if record is not None and unsettled is not None:  # newer than the checkpoint: as of our last contribution
             p.outer.error = record.error.to(p.outer.global_params.device)
             resumed.pop("local_progress", None)  # trained before that contribution: in its error feedback
+            resumed["inner_progress"] = record.progress  # and the batches it was trained on are behind us
             resumed["unsettled"] = unsettled
             p.events.write("work-restored", round=record.round_id, unsettled=[i["round"] for i in unsettled],
                            peer=p.identity.peer_id)
@@ -96,6 +97,20 @@ def _unsent_work_is_ours(p: Participant, resumed: dict) -> bool:
     log.warning("the unsent work of the round-%d checkpoint is dropped: round %d was contributed since",
                 resumed["round"], sent_since[0])
     return False
+
+
+def restore_progress(p: Participant, trainer: Any, progress: dict) -> bool:
+    """Move the inner trainer (loaded from an older checkpoint) on to where the work record says
+    training was: the data position and schedule of our last contribution, whose batches are in
+    the error feedback restored from it (trained again, they would count twice). False if the
+    record's progress does not fit (then training goes on from the checkpoint's position)."""
+    try:
+        trainer.load_progress_state(progress)
+    except (KeyError, ValueError, TypeError) as exc:
+        log.warning("the work record's training position does not fit (%s); going on from the checkpoint's", exc)
+        return False
+    p.events.write("progress-restored", step=trainer.step, peer=p.identity.peer_id)
+    return True
 
 
 def restore_local_progress(p: Participant, resumed: dict) -> bool:

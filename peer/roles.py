@@ -22,7 +22,13 @@ from .byzantine import Attack
 from .config import DataSection
 from .net_errors import NetworkError
 from .participant import Participant
-from .resume import restore_local_progress, resume_and_sync, torch_load_params, unsettled_from
+from .resume import (
+    restore_local_progress,
+    restore_progress,
+    resume_and_sync,
+    torch_load_params,
+    unsettled_from,
+)
 from .stop_flag import StopFlag
 from .swarm_exchange import NeedResync, SwarmExchange
 from .work_file import WorkJournal
@@ -76,6 +82,8 @@ def run_volunteer(p: Participant, bootstrap_peers: list[str], *, max_rounds: int
             trainer = volunteer_trainer(p)  # afresh indeed: not what of the old state loaded before it failed
         finally:  # the model's weights are the global state's, whatever of the inner state loaded before it failed
             torch_load_params(p)
+    if resumed is not None and resumed.get("inner_progress") is not None:
+        restore_progress(p, trainer, resumed["inner_progress"])
     if resumed is not None:
         restore_local_progress(p, resumed)
     if resumed is None:  # so a crash before the first scheduled checkpoint resumes from disk, not a download
@@ -122,7 +130,8 @@ def run_volunteer(p: Participant, bootstrap_peers: list[str], *, max_rounds: int
                 p.work_token = journal.start()
                 # unrecorded work is not sent (`_remember_contribution`): a crash would drop it
                 p.work_recorded = p.work_token is None or journal.record(
-                    r, p.outer.error, [x.to_bytes() for x in sent], loop.exchange.unsettled_work())
+                    r, p.outer.error, [x.to_bytes() for x in sent], loop.exchange.unsettled_work(),
+                    trainer.progress_state())
             loop.exchange.contribute(r, sent)
             in_flight = (r, stats, t0, time.perf_counter())
             if not m.outer.overlap:

@@ -56,6 +56,7 @@ class WorkRecord:
     error: torch.Tensor  # SparseLoCo's error feedback with this contribution encoded, not yet settled
     own: dict[str, Any]  # this contribution (`unsettled_item`)
     earlier: list[dict[str, Any]]  # earlier contributions of unknown outcome, their work still in `error`
+    progress: dict[str, Any] | None = None  # the inner trainer's `progress_state()` then (None: not kept)
 
 
 def new_token() -> str:
@@ -101,6 +102,8 @@ def write_work(state_dir: Path, record: WorkRecord) -> bool:
     """Write the record atomically; False (and a log line) if the disk refuses it."""
     state = {"token": record.token, "before": json.dumps(record.before), "round": record.round_id,
              "error": record.error.detach().cpu(), "sent": [record.own, *record.earlier]}
+    if record.progress is not None:
+        state["progress"] = record.progress
     state[DIGEST_KEY] = checkpoint_digest(state)  # torch.load reads a flipped byte in a segment as is
     try:
         write_atomically(state_dir / WORK_FILE, lambda f: torch.save(state, f))
@@ -126,8 +129,9 @@ def read_work(state_dir: Path, numel: int, report: Callable[[str], None] = lambd
             raise ValueError("its contents do not match its digest")
         sent = parse_unsettled(state["sent"])
         error = state["error"]
+        progress = state.get("progress")
         record = WorkRecord(str(state["token"]), json.loads(state["before"]), int(state["round"]), error,
-                            sent[0], sent[1:])
+                            sent[0], sent[1:], progress if isinstance(progress, dict) else None)
     except Exception as exc:  # noqa: BLE001 (a torn or foreign file: torch raises many types)
         return _unusable(path, f"unreadable: {exc}", report)
     if not isinstance(error, torch.Tensor) or error.dtype != torch.float32 or error.shape != (numel,) \
@@ -196,13 +200,14 @@ class WorkJournal:
         self._token = new_token()
         return self._token
 
-    def record(self, round_id: int, error: torch.Tensor, segments: list[bytes], earlier: list[dict[str, Any]]
-               ) -> bool:
+    def record(self, round_id: int, error: torch.Tensor, segments: list[bytes], earlier: list[dict[str, Any]],
+               progress: dict[str, Any] | None = None) -> bool:
         """Write the record of the contribution `segments` (as it will be sent), before it is
         handed to the exchange: if it is written later, a crash in between leaves contributed.json
         naming a contribution with no record, and the work is dropped. `error` has it encoded;
         `earlier` lists each earlier contribution whose outcome is unknown (`unsettled_item`s, their
-        `decayed` not counting this one). False if nothing was written."""
+        `decayed` not counting this one); `progress`: where training is (the batches trained are in
+        `error`: a restart must not train them again). False if nothing was written."""
         if self.state_dir is None or self._token is None:
             return False
         own = unsettled_item(round_id, segments, 0)
@@ -211,7 +216,7 @@ class WorkJournal:
         cut = len(earlier) - KEEP_UNSETTLED
         older = [dict(item, decayed=item["decayed"] + 1) for n, item in enumerate(earlier)
                  if n >= cut or item.get("included") is True or item.get("presume")]
-        record = WorkRecord(self._token, self._before, round_id, error, own, older)
+        record = WorkRecord(self._token, self._before, round_id, error, own, older, progress)
         return write_work(self.state_dir, record)
 
     def outcome(self, included: bool | None, retried: bool) -> None:

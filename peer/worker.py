@@ -104,6 +104,17 @@ class InnerTrainer:
             "step": self.step,
         }
 
+    def progress_state(self) -> dict:
+        """Where training is, without the model and AdamW (small: the work record keeps it with
+        every contribution, so a restart does not train the batches since its checkpoint again)."""
+        return {"scheduler": self.scheduler.state_dict(), "sampler": self.sampler.state_dict(), "step": self.step}
+
+    def load_progress_state(self, state: dict) -> None:
+        """Restore a `progress_state()` (after `load_state_dict`, which it moves forward)."""
+        self.sampler.load_state_dict(state["sampler"])  # checked against this corpus and seed before it moves
+        self.scheduler.load_state_dict(state["scheduler"])
+        self.step = int(state["step"])
+
     def load_state_dict(self, state: dict) -> None:
         """Restore a `state_dict()`."""
         self.model.load_state_dict(state["model"])

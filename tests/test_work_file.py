@@ -387,3 +387,50 @@ def test_a_contributed_marker_of_other_types_is_unreadable_not_a_crash(tmp_path,
     unreadable = contributed_marker(read_contributed(tmp_path))
     (tmp_path / "contributed.json").write_text(text)
     assert contributed_marker(read_contributed(tmp_path)) == unreadable == {}
+
+
+@pytest.mark.parametrize("newer", ["record", "checkpoint"])
+def test_a_restart_from_the_work_record_trains_on_from_where_that_contribution_left_off(tmp_path, corpus, newer):
+    """The record's error feedback holds the batches trained since the checkpoint: a restart that
+    takes it must not train them again (their gradients would count twice), so the record also
+    keeps where training was, and the trainer moves on to there."""
+    from groundswell.peer.participant import genesis_decision
+    from groundswell.peer.resume import restore_progress, resume_and_sync
+    from groundswell.peer.roles import volunteer_trainer
+
+    participant = _factory(tmp_path, corpus, outer={"algorithm": "sparseloco"})
+    p = participant()
+    trainer = volunteer_trainer(p)
+    p.outer.round_id = 3
+    p._snapshot = GlobalState(3, {"global_params": p.outer.global_params.clone()},
+                              genesis_decision(p.identity, "unit"))
+    assert p.save_checkpoint({"inner": trainer.state_dict()}) is not None  # at step 0
+    for _ in range(5):  # H inner steps' worth of data and schedule since
+        trainer.sampler.next_batch()
+        trainer.scheduler.step()
+    trainer.step = 5
+    journal = WorkJournal(p.state_dir, enabled=True)
+    p.work_token = journal.start()
+    assert journal.record(3, 2 * torch.ones_like(p.outer.error), [b"own"], [], trainer.progress_state())
+    p._remember_contribution(3, 0)
+    if newer == "checkpoint":  # the outcome known, a checkpoint at step 5 written after the record
+        p.outer.error = 3 * torch.ones_like(p.outer.error)
+        assert p.save_checkpoint({"inner": trainer.state_dict()}, settled=True) is not None
+    expected_batch = trainer.sampler.next_batch()
+
+    again = participant()
+    _offline(again)
+    resumed = resume_and_sync(again, [])
+    fresh = volunteer_trainer(again)
+    fresh.load_state_dict(resumed["inner"])
+    if newer == "record":
+        assert restore_progress(again, fresh, resumed["inner_progress"])
+        assert "progress-restored" in _events(tmp_path)
+    else:
+        assert "inner_progress" not in resumed  # the checkpoint is where training was
+    assert fresh.step == 5 and fresh.scheduler.last_epoch == trainer.scheduler.last_epoch
+    assert all(torch.equal(a, b) for a, b in zip(fresh.sampler.next_batch(), expected_batch))
+    # a position from another data order (another peer's seed, say) is not taken
+    other = volunteer_trainer(again)
+    other.sampler.seed += 1
+    assert not restore_progress(again, other, trainer.progress_state()) and other.step == 0
