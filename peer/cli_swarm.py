@@ -256,6 +256,31 @@ def _check_model_and_data(manifest, path: Path) -> None:
             raise ConfigError(f"{path}: data.source: {exc}") from None
 
 
+def volunteer_corpus(manifest, data: Path | None, allow_model_code: bool):
+    """The corpus a volunteer trains on, and its consent to what the coordinator's manifest asks
+    of its machine: a coordinator's signature vouches for the run, not for paths on our disk (it
+    could name a folder of private files to train on, and its gradients would carry them out) or
+    for code to import. So the dataset is the one `--data` names, and a `module:callable` model
+    needs `--allow-model-code`; ConfigError, before anything is downloaded, otherwise."""
+    from .data import DataError, load_corpus
+
+    if ":" in manifest.model.spec and not allow_model_code:
+        raise ConfigError(f"this run's model is {manifest.model.spec!r}, code it would import and run here: "
+                          "join with --allow-model-code if you trust it (the module must be installed here)")
+    source = manifest.data.source
+    if source == "stdlib":
+        if data is not None:
+            raise ConfigError("this run trains on the Python standard library's sources: leave --data out")
+        return load_corpus("stdlib")
+    if data is None:
+        raise ConfigError(f"this run trains on its own dataset ({source!r} on the coordinator's machine): get a "
+                          "copy from the coordinator and pass its folder with --data")
+    try:
+        return load_corpus(str(data))
+    except DataError as exc:
+        raise ConfigError(f"--data {data}: {exc}") from None
+
+
 @app.command()
 @_user_errors
 def join(
@@ -272,6 +297,11 @@ def join(
     verbose: bool = typer.Option(False, help="Log protocol events."),
     threads: int = typer.Option(0, help="torch threads (0 = default)."),
     reachability: str = typer.Option("auto", help="auto (a bootstrap peer dials us back), public or private."),
+    data: Optional[Path] = typer.Option(None, help="Our copy of the run's dataset (a folder of text files, or one "
+                                        "with train.bin and val.bin): needed when the run trains on its own "
+                                        "data rather than the Python standard library's sources."),
+    allow_model_code: bool = typer.Option(False, help="Run a model the manifest names as 'module:callable' (it "
+                                          "imports and runs that module, installed on this machine)."),
     attack: str = typer.Option("", hidden=True, help="Simulations only: tamper with contributions (peer/byzantine.py)."),
 ) -> None:
     """Join a run as a volunteer: verify the manifest, download the state, train and exchange."""
@@ -302,6 +332,7 @@ def join(
         signed = _fetch_manifest(node, boot.maddrs)
         manifest = SignedManifest.from_bytes(signed).verify(boot.coordinator_id)
         manifest.check_may_train(ident.peer_id)  # before any download: its contributions would be refused
+        corpus = volunteer_corpus(manifest, data, allow_model_code)
         console.print(f"joined run [bold]{manifest.run.id}[/] as {ident.peer_id} (manifest verified)")
         relays = ", ".join(pid[-8:] for pid in peers[:3])  # trusted relays: the bootstrap peers
         console.print("reachable: public (other peers can connect to us)" if node.reachability == "public" else
@@ -310,7 +341,8 @@ def join(
                       "punching where their NAT allows; contributing, not serving")
         node.announce_punch = lambda peer, addr: console.print(
             f"reachable: also directly by {peer[-8:]} (behind a NAT too), after hole punching", highlight=False)
-        p = Participant(manifest, signed, ident, str(ident_path), opts, state_dir, device=device, node=node)
+        p = Participant(manifest, signed, ident, str(ident_path), opts, state_dir, device=device, node=node,
+                        corpus=corpus)
         stop = _stop_on_signals()
         h = manifest.outer.inner_steps
         tokens_per_step = manifest.data.batch_size * p.workload.block_size

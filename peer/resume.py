@@ -13,10 +13,11 @@ from groundswell.optim import SparseLoCo, copy_into_parameters
 from groundswell.protocol.schema import ProtocolError
 from groundswell.protocol.transport import PeerUnavailable
 
+from .config import ConfigError
 from .net_errors import NetworkError
 from .participant import Participant
 from .run_state import GlobalState
-from .state_trust import NoNewerState
+from .state_trust import ModelMismatch, NoNewerState
 from .swarm_exchange import parse_unsettled
 from .work_file import WORK_FILE, read_work, resumable_work
 
@@ -62,6 +63,8 @@ def resume_and_sync(p: Participant, bootstrap_peers: list[str]) -> dict | None:
         # older one, say): the run goes on from here, and our state is the one others take.
         log.warning("%s: carrying on from our checkpoint of round %d", exc, p.outer.round_id)
         p.events.write("resume-ahead", round=p.outer.round_id, peer=p.identity.peer_id)
+    except ModelMismatch as exc:
+        raise ConfigError(f"{exc}; join with --data naming a copy of the run's own dataset") from None
     except (PeerUnavailable, TimeoutError, ProtocolError) as exc:  # ProtocolError: the state's decision raced our book
         raise NetworkError(f"could not download the run's state from any peer ({exc or 'timed out'}); "
                            "is the run still up? Start again to retry") from None

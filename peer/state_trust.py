@@ -45,6 +45,11 @@ class NoNewerState(PeerUnavailable):
     checkpoint may be ahead of every peer online: of a coordinator restarted from an older one)."""
 
 
+class ModelMismatch(PeerUnavailable):
+    """Every state peers served is of a model of another size than ours: our configuration (most
+    likely our dataset's vocabulary) is not the run's, not theirs."""
+
+
 def coordinator_hashes(record: Any) -> dict[int, str]:
     """round -> parameter hash, as the coordinator's record gives them: its newest round's and the
     earlier ones it lists (an entry that is not "round:hash" is skipped). {} for no record."""
@@ -121,6 +126,10 @@ class StateCheck:
         if "global_params" not in tensors or set(tensors) - allowed:
             raise ProtocolError(f"state holds tensors {sorted(tensors)}, expected global_params (+ momentum_buffer)")
         for name, t in tensors.items():
+            if t.dtype == torch.float32 and t.dim() == 1 and t.numel() != self.numel:
+                # most likely ours: a model built for another vocabulary (our --data is not the run's)
+                raise ProtocolError(f"the state's model has {t.numel()} parameters, ours {self.numel}: is our "
+                                    "dataset (its vocabulary) the run's?", reason="other-model", strike=False)
             if t.dtype != torch.float32 or t.shape != (self.numel,) or not all_finite(t):
                 raise ProtocolError(f"state tensor {name} is not {self.numel} finite fp32 values", reason="bad-payload")
         self.check_decision(reply)
@@ -321,6 +330,7 @@ async def download_state(node: Any, check: StateCheck, peers: list[str], min_rou
         return size
 
     queue, asked = list(dict.fromkeys(peers)), 0
+    other_model: list[str] = []  # refusals of states whose model is not ours
     behind: set[str] = set()  # answered: nothing of round >= min_round
     silent: set[str] = set()  # alive, or not known to be gone, but served nothing: may hold a newer state
     newer: set[str] = set()  # showed a state of round >= min_round (busy serving it, or one we refused)
@@ -370,11 +380,15 @@ async def download_state(node: Any, check: StateCheck, peers: list[str], min_rou
             node.guard.count(peer, "state-reply", exc.reason, strike=exc.strike)
             log.warning("state from %s refused: %s", peer[-8:], exc)
             newer.add(peer)
+            if exc.reason == "other-model":
+                other_model.append(str(exc))
     # "Nothing newer" only when the answers say so, and no peer showed a newer state: the
     # coordinator's answer, or more peers' than those that may have been silent only for now
     # (slow, refusing a flood). Peers whose dial failed are gone: their records linger a while,
     # and they must not keep a restarted volunteer that is ahead of everyone online from
     # carrying on.
+    if other_model and len(other_model) == len(newer):  # every state we could have taken: not theirs, ours
+        raise ModelMismatch(other_model[0])
     if behind and not newer and (check.coordinator in behind or len(behind) > len(silent)):
         raise NoNewerState(f"no peer holds a verifiable state of round {min_round} or later "
                            f"({len(behind)} answered with an older one or none)")

@@ -235,3 +235,29 @@ def test_a_state_announced_bigger_than_the_runs_state_is_refused_before_a_byte_i
     with pytest.raises(PeerUnavailable):
         asyncio.run(state_trust.download_state(node, check, ["server"], 0))
     assert refused == ["oversized"]
+
+
+def test_states_of_a_model_of_another_size_from_every_server_say_it_is_ours_not_theirs(participant, monkeypatch):
+    """A joiner whose model was built for another vocabulary (its --data is not the run's dataset)
+    finds every state the wrong size: it says so, and strikes no honest server for it."""
+    from dataclasses import replace
+
+    from groundswell.peer import state_trust
+
+    reply, blob, digest, _ = _served_state(participant, round_id=5)
+    struck: list[tuple] = []
+
+    async def fake_fetch(node, peer, min_round, size, timeout_s, reply_timeout_s):
+        size(reply)
+        return reply, bytearray(blob), digest, "stream"
+
+    async def refresh():
+        return {}
+
+    monkeypatch.setattr(state_trust, "fetch_state", fake_fetch)
+    node = SimpleNamespace(cached_records={}, refresh_records=refresh,
+                           guard=SimpleNamespace(count=lambda *a, strike, **k: struck.append(strike)))
+    ours = replace(participant.state_check(), numel=participant.outer.global_params.numel() + 7)
+    with pytest.raises(state_trust.ModelMismatch, match="is our dataset"):
+        asyncio.run(state_trust.download_state(node, ours, ["a", "b", participant.coordinator_id], 0))
+    assert struck and not any(struck)

@@ -1,0 +1,48 @@
+"""What a coordinator's signed manifest may ask of a volunteer's machine: its signature vouches for
+the run, not for paths on the volunteer's disk or code to import, so `join` takes the dataset
+from `--data` and runs a `module:callable` model only with `--allow-model-code`."""
+
+from __future__ import annotations
+
+import pytest
+from groundswell.peer.cli_swarm import volunteer_corpus
+from groundswell.peer.config import ConfigError
+from groundswell.peer.manifest import manifest_from_mapping
+
+
+def _manifest(source: str = "stdlib", spec: str = "tiny"):
+    return manifest_from_mapping({"run": {"id": "consent", "open": True}, "model": {"spec": spec},
+                                  "data": {"source": source}})
+
+
+def _folder(path, text: str):
+    path.mkdir()
+    (path / "a.txt").write_text(text * 400)
+    (path / "b.txt").write_text(text[::-1] * 400)
+    return path
+
+
+def test_a_run_on_its_own_dataset_trains_on_the_copy_the_volunteer_names(tmp_path):
+    # The coordinator's path (here a folder of "private" files on this very machine) is never read.
+    private = _folder(tmp_path / "private", "secret key material ")
+    mine = _folder(tmp_path / "mine", "the run's published text ")
+    with pytest.raises(ConfigError, match="--data"):
+        volunteer_corpus(_manifest(str(private)), None, False)
+    corpus = volunteer_corpus(_manifest(str(private)), mine, False)
+    assert corpus.fingerprint == volunteer_corpus(_manifest(str(mine)), mine, False).fingerprint
+    assert corpus.fingerprint != volunteer_corpus(_manifest(str(private)), private, False).fingerprint
+    with pytest.raises(ConfigError, match="--data .*does not exist"):
+        volunteer_corpus(_manifest(str(private)), tmp_path / "missing", False)
+
+
+def test_a_stdlib_run_needs_no_data_and_refuses_other_data(tmp_path):
+    assert volunteer_corpus(_manifest(), None, False).name
+    with pytest.raises(ConfigError, match="leave --data out"):
+        volunteer_corpus(_manifest(), _folder(tmp_path / "mine", "text "), False)
+
+
+def test_a_model_the_manifest_names_as_code_runs_only_with_consent():
+    manifest = _manifest(spec="custom_model_example:make_model")
+    with pytest.raises(ConfigError, match="--allow-model-code"):
+        volunteer_corpus(manifest, None, False)
+    assert volunteer_corpus(manifest, None, True).name
