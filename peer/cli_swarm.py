@@ -350,15 +350,20 @@ def join(
                        TextColumn("loss {task.fields[loss]:.3f}  {task.fields[tps]:,.0f} tok/s"),
                        console=console, disable=quiet or not sys.stderr.isatty())
         task = bar.add_task("inner", total=h, round=p.outer.round_id, loss=float("nan"), tps=0.0)
-        clock = {"t": time.perf_counter(), "n": 0}
+        # Steps and time since the round's first step: the first round's clock must not count the
+        # state download, nor the bar the extra steps trained while a round was still out.
+        clock: dict = {"t": None, "n": 0}
 
         def on_step(step: int, loss: float) -> None:
+            now = time.perf_counter()
+            if clock["t"] is None:
+                clock["t"] = now  # (this step's own time is not known: the rate counts from the next)
             clock["n"] += 1
-            rate = clock["n"] * tokens_per_step / max(time.perf_counter() - clock["t"], 1e-9)
-            bar.update(task, completed=(step - 1) % h + 1, round=p.outer.round_id, loss=loss, tps=rate)
+            rate = (clock["n"] - 1) * tokens_per_step / max(now - clock["t"], 1e-9)
+            bar.update(task, completed=min(clock["n"], h), round=p.outer.round_id, loss=loss, tps=rate)
 
         def on_round(info):
-            clock.update(t=time.perf_counter(), n=0)
+            clock.update(t=None, n=0)
             bar.update(task, completed=0, round=p.outer.round_id)
             if not quiet:
                 console.print(f"round {info.round}: {info.status}"
