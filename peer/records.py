@@ -19,6 +19,7 @@ log = logging.getLogger(__name__)
 HEARTBEAT_S = 2.0
 RECORD_TTL_S = 3 * HEARTBEAT_S  # a record outlives two missed heartbeats
 STORE_CUTOFF_S = RECORD_TTL_S - HEARTBEAT_S  # a heartbeat's store is given up after this (from its start)
+REJOIN_S = 30.0  # re-entering the DHT: dials (5 s each), pings and a lookup; it only runs when stores reach nobody
 LEFT = "left"  # the role of a record a peer leaves behind when it leaves cleanly
 
 
@@ -70,7 +71,7 @@ class PeerRecords:
                              self.puncher.punched()[:64] if self.puncher is not None else [], rec.earlier_hashes[:16])
             signed = seal(self.identity, self.ctx.run_id, rec)
             try:  # (only when the routing table is empty, when a store would reach nobody anyway)
-                async with asyncio.timeout(RECORD_TTL_S):
+                async with asyncio.timeout(REJOIN_S):
                     await self.rejoiner.maybe_rejoin(self.p2p, self.dht)
             except Exception as exc:  # best effort (a TimeoutError too): the next heartbeat tries again
                 log.info("re-entering the DHT failed: %r", exc)

@@ -343,7 +343,8 @@ class _VolunteerLoop:
                         "the work stays ours", item.round_id)
             p.events.write("outcome-unknown", round=item.round_id, peer=p.identity.peer_id)
         elif included is None or included:
-            scaled = self._own_scaled(item.round_id) if included else ()
+            # (DiLoCo takes a counted contribution's progress back whole: no need to fetch where it was clipped)
+            scaled = self._own_scaled(item.round_id) if included and isinstance(p.outer, SparseLoCo) else ()
             try:  # segments read back from work.pt or a checkpoint, damaged past their digest's check
                 payloads = [Payload.from_bytes(seg, expect=p.outer.codec) for seg in item.segments]
                 p.outer.settle_late(payloads, self.exchange.prepared - item.prepared, scaled)

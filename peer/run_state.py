@@ -11,6 +11,7 @@ from groundswell.compression import Codec, RobustOptions
 from groundswell.protocol.digests import bulk_hasher
 from groundswell.protocol.envelope import sealed_message
 from groundswell.protocol.guard import Limits
+from groundswell.protocol.schema import Decision
 
 from .state_blob import pack_tensors, unpack_tensors
 
@@ -35,7 +36,7 @@ def state_hash(decision: bytes, global_params: torch.Tensor, momentum: torch.Ten
     hasher = bulk_hasher().update(_raw(global_params))
     if momentum is not None:
         hasher.update(b"\0momentum_buffer\0").update(_raw(momentum))
-    hasher.update(b"\0decision\0").update(sealed_message(decision))
+    hasher.update(b"\0decision\0").update(sealed_message(decision, Decision))
     return hasher.hexdigest()[:16]
 
 

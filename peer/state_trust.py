@@ -230,16 +230,17 @@ class StateCheck:
             raise ProtocolError(f"state of round {round_id}, which no other peer confirms, is more than "
                                 f"{UNCONFIRMED_LEAD} rounds behind most peers' records ({rounds[len(rounds) // 2]})",
                                 reason="stale", strike=False)
-        # Forwards, in an open run, where records cost nothing, confirmations do not count either:
-        # one more identity would confirm a state of a made-up far-off round, and we would sit at
-        # that round for good (re-syncs ask for newer states only). The swarm's round is judged by
-        # the coordinator's record where it has one, else by most records, never by the newest.
+        # Forwards, in an open run, where records cost nothing, confirmations do not count where
+        # the coordinator's record says where the run is: one more identity would confirm a state
+        # of a made-up far-off round, and we would sit at that round for good (re-syncs ask for
+        # newer states only). (A coordinator catching up after a restart holds joiners back until
+        # it has: they are refused without a strike, and re-syncs try again after the next round.)
         if signer is not None and self.ctx.allowlist is None and round_id > signer.round + UNCONFIRMED_LEAD:
             raise ProtocolError(f"state of round {round_id} is more than {UNCONFIRMED_LEAD} rounds past the "
                                 f"coordinator's record ({signer.round})", strike=False)
-        most = rounds[len(rounds) // 2] if rounds else None
-        if (not agree or self.ctx.allowlist is None) and most is not None and round_id > most + UNCONFIRMED_LEAD:
-            raise ProtocolError(f"state of round {round_id}, which no member confirms, is more than "
+        most = rounds[len(rounds) // 2] if rounds else None  # the swarm's round: most records', not the newest
+        if not agree and most is not None and round_id > most + UNCONFIRMED_LEAD:
+            raise ProtocolError(f"state of round {round_id}, which no other peer confirms, is more than "
                                 f"{UNCONFIRMED_LEAD} rounds past most peers' records ({most})", strike=False)
 
     async def _coordinator_record(self, round_id: int, published: dict[str, Any],

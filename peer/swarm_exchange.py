@@ -291,6 +291,6 @@ class SwarmExchange:
             included=outcome.included,  # by digest: a commit may count what a crashed process of ours sent
             bytes_sent=t.bytes_sent - self._sent_before,
             bytes_received=t.bytes_received - self._received_before,
-            # a dense codec's mean (made by its aggregators) does not say: taken as whole there
+            # where the mean took our contribution clipped (noted by the fetch; a dense mean's shards say it)
             scaled=self.node.client.own_scaled.get(round_id, ()) if outcome.included else (),
         )

@@ -231,7 +231,8 @@ class Decider:
         return harmful
 
     async def _hold_all(self, signed: bytes, timeout_s: float | None = None) -> bool:
-        """Gather every shard of a commit (archived here) within `timeout_s`; False if that fails."""
+        """Gather every shard of a commit within `timeout_s` (archived here where this peer would
+        be asked for them, see `AggregateFetcher._serves_shard`); False if that fails."""
         return not await self._unheld_shards(signed, timeout_s)
 
     async def _void_late(self, retry: bytes, peers: list[str]) -> None:
@@ -244,7 +245,7 @@ class Decider:
             log.info("could not take our commit back at %s", ", ".join(p[-8:] for p in sorted(unvoided)))
 
     async def _unheld_shards(self, signed: bytes, timeout_s: float | None = None) -> set[int]:
-        """Gather every shard of a commit (archived here) within `timeout_s`: the shards that could
+        """Gather every shard of a commit within `timeout_s` (see `_hold_all`): the shards that could
         not be had (all of them when that is not known), empty if every one is held."""
         if self.prefetch is None:
             return set()

@@ -101,9 +101,11 @@ def unseal(data: bytes, run_id: str, expect: Any, max_bytes: int = MAX_SMALL, se
     return env_sender, decode_message(body, expect, max_bytes=max_bytes)
 
 
-def sealed_message(data: bytes) -> bytes:
-    """The encoded message inside an envelope `seal` wrote, unchecked: for one already unsealed.
-    The same message sealed twice (a new nonce and time each) has the same message bytes."""
+def sealed_message(data: bytes, expect: Any) -> bytes:
+    """The message inside an envelope, decoded (strictly) and encoded again: the same bytes for the
+    same message however it was sealed (each seal has its own nonce and time) or spelled (msgpack
+    has several spellings of a number, which decoding accepts). The signature is not checked:
+    for envelopes already unsealed."""
     try:
         obj = msgpack.unpackb(data, raw=False, use_list=True, max_bin_len=len(data), max_str_len=512,
                               max_array_len=8, max_map_len=0, max_ext_len=0)
@@ -111,7 +113,7 @@ def sealed_message(data: bytes) -> bytes:
         raise ProtocolError(f"not a valid envelope: {exc}") from None
     if not (isinstance(obj, list) and len(obj) == 7 and isinstance(obj[5], bytes)):
         raise ProtocolError("an envelope has 7 fields")
-    return obj[5]
+    return encode_message(decode_message(obj[5], expect))
 
 
 def _bin_header_bytes(length: int) -> int:

@@ -54,8 +54,9 @@ class AggregateFetcher:
                                            "the round's aggregate could not be assembled")
 
     async def hold_aggregate(self, signed: bytes) -> None:
-        """Fetch and check every shard of a commit (archived here), without computing the mean:
-        what a leader needs in hand before it announces. Raises like `fetch_aggregate`."""
+        """Fetch and check every shard of a commit (archived where others would ask us for it),
+        without computing the mean: what a leader needs in hand before it announces. Raises like
+        `fetch_aggregate`."""
         await _refusing_peer_faults(self._hold(signed), "the round's aggregate could not be gathered")
 
     async def note_own_scaled(self, signed: bytes) -> None:

@@ -95,17 +95,20 @@ def test_a_state_far_past_every_other_record_is_refused_unless_the_coordinator_s
     assert _check(p, others, p.coordinator_id, round_id=far).round == far  # the run's signer is trusted
     # records lag the rounds by a heartbeat or two: a state a few rounds ahead is taken
     assert _check(p, others, "server", round_id=12).round == 12
-    # In an open run a confirming record costs nothing (one more identity): judged by most records,
-    # not by the newest, so a made-up far-off round cannot be vouched for by one sybil...
+    # the swarm's round is most records', not the newest: one record far ahead lifts nothing
     with pytest.raises(ProtocolError, match="rounds past most peers' records"):
-        _check(p, {**others, "c": (far, "good")}, "server", round_id=far)
-    # ...nor by any number of them while the coordinator's record says where the run is
+        _check(p, {**others, "d": (far + 5, "other")}, "server", round_id=far)
+    # confirmed by another record: taken however far ahead the rest are, unless, in an open run
+    # (where a confirming record costs one more identity), the coordinator's record says where
+    # the run is: then no number of confirmations takes a state far past it
+    assert _check(p, {**others, "c": (far, "good")}, "server", round_id=far).round == far
     sybils = {f"s{i}": (far, "good") for i in range(5)}
     with pytest.raises(ProtocolError, match="rounds past the coordinator's record"):
         _check(p, {**others, **sybils, p.coordinator_id: (10, "h10")}, "server", round_id=far)
-    # in a closed run a member's confirmation counts: taken however far ahead the rest are
+    # in a closed run its members' confirmations count (they cannot be made up)
     p.ctx = dataclasses.replace(p.ctx, allowlist=frozenset({"a", "b", "c", "server", p.identity.peer_id}))
-    assert _check(p, {**others, "c": (far, "good")}, "server", round_id=far).round == far
+    assert _check(p, {**others, "c": (far, "good"), p.coordinator_id: (10, "h10")}, "server",
+                  round_id=far).round == far
 
 
 def test_an_old_state_nobody_confirms_is_refused(participant):
@@ -199,6 +202,28 @@ def test_a_sparseloco_state_with_a_momentum_buffer_is_refused(participant):
         asyncio.run(check.verify(reply, blob, digest, "server", records))
 
 
+def _respelled(identity, signed: bytes) -> bytes:
+    """`signed`'s message with its first field (a negative fixint here) spelled as an int8, sealed."""
+    import os
+    import time as _time
+
+    import msgpack
+    from groundswell.protocol.envelope import Envelope
+    from groundswell.protocol.schema import PROTOCOL_VERSION, encode_message, packb
+
+    _, decision = unseal(signed, "unit", Decision)
+    body = encode_message(decision)
+    kind = msgpack.packb(decision.KIND)  # the layout: [kind, [fields...]]
+    at = 1 + len(kind) + 1  # array of 2, the kind, the fields' array header (fewer than 16 fields)
+    assert body[at] == 0xFF and decision.round == -1
+    body = body[:at] + b"\xd0\xff" + body[at + 1:]
+    env = Envelope("unit", identity.peer_id, os.urandom(16), _time.time(), body, b"")
+    sig = identity.sign(env.signed_part())
+    respelled = packb([PROTOCOL_VERSION, "unit", env.sender, env.nonce, env.timestamp, body, sig], len(body))
+    assert unseal(respelled, "unit", Decision)[1] == decision and respelled != signed
+    return respelled
+
+
 def test_the_published_hash_covers_the_momentum_and_the_commit_before(participant):
     from groundswell.peer.participant import genesis_decision
 
@@ -213,6 +238,9 @@ def test_the_published_hash_covers_the_momentum_and_the_commit_before(participan
     # the same commit sealed again (a new nonce and time) is the same commit: the same hash
     _, decision = unseal(genesis, "unit", Decision)
     assert state_hash(seal(p.identity, "unit", decision), params, momentum) == published
+    # the same commit spelled otherwise (msgpack has several spellings of a number, and decoding
+    # takes any; a hostile leader could hand each half of the swarm its own): the same hash
+    assert state_hash(_respelled(p.identity, genesis), params, momentum) == published
     # another commit (the same tensors with a membership of a server's own making): another hash
     other = seal(p.identity, "unit", dataclasses.replace(decision, servers=["someone-else"]))
     assert state_hash(other, params, momentum) != published
