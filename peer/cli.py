@@ -1,7 +1,7 @@
 """The `groundswell` command line: thin typer commands over the library.
 
-User errors (bad config, missing data, malformed payloads) end with one clear red line and exit
-code 2, never a traceback; anything else is a bug and keeps its traceback.
+User errors (bad config, missing data, malformed payloads, a training that diverged) end with one
+clear red line and exit code 2, never a traceback; anything else is a bug and keeps its traceback.
 """
 
 from __future__ import annotations
@@ -47,7 +47,8 @@ def _user_errors(fn: Callable[..., Any]) -> Callable[..., Any]:
         try:
             return fn(*args, **kwargs)
         except (ConfigError, ManifestError, BootstrapError, NetworkError, DataError, WorkloadError, CodecError,
-                SimulationError, IdentityError, OSError) as exc:  # OSError: a missing file, a full disk...
+                SimulationError, IdentityError, OSError,  # OSError: a missing file, a full disk...
+                FloatingPointError) as exc:  # training diverged (the worker says which step): a learning rate to lower
             if isinstance(exc, (TimeoutError, ConnectionError)):  # network ones are OSErrors too: bugs here
                 raise
             # escaped: messages quote manifest syntax ("[run]", "[a-z0-9-]") that rich would eat as markup

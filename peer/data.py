@@ -6,11 +6,16 @@ Three corpus sources, all offline:
   30 MB), as bytes (vocab 256). Real text that every machine already has.
 * a folder (or single file) of text: every non-hidden file under it, as bytes.
 * a nanoGPT-style folder with ``train.bin`` / ``val.bin`` of uint16 tokens
-  (memory-mapped; optional ``meta.json`` with ``{"vocab_size": N}``).
+  (memory-mapped; optional ``meta.json`` with ``{"vocab_size": N}``; without it the
+  largest token sets the vocab, remembered in a small hidden file next to train.bin;
+  see ``bin_corpus.py``).
 
 Text corpora are split into train / held-out by a hash of each file's relative path,
-so the split depends only on names, never on the machine or the run seed. Files are
-joined in sorted-path order with a 0 byte between them.
+when there are at least 10 files and those held out hold about 5% of the bytes (between
+1% and 10%). Otherwise (a single file, a few files, or a file that dominates) the last 5%
+of every file is held out instead. Either way the split depends only on the files' names
+and sizes, never on the machine or the run seed. Files (or their parts) are joined in
+sorted-path order with a 0 byte between them.
 
 The train stream is cut into non-overlapping windows of ``block_size + 1`` tokens. A
 permutation seeded by the run seed deals the windows to shards like cards, so the
@@ -20,7 +25,6 @@ shards are disjoint, cover the stream, and are the same on every worker.
 from __future__ import annotations
 
 import hashlib
-import json
 import os
 import sysconfig
 from collections.abc import Callable
@@ -37,6 +41,12 @@ TokenArray = Union[Tensor, np.ndarray]
 Batch = tuple[Tensor, Tensor]
 
 HELDOUT_FRACTION = 0.05
+# The share of the bytes whole held-out files may hold; outside it the split falls back to tails,
+# or one big file landing under the hash would be most of the corpus (or a tiny one, all of eval).
+# 1%: a corpus of up to 100 similar files whose one held-out file is the lowest hash still splits whole.
+HELDOUT_BYTES_RANGE = (0.01, 0.10)
+# Fewer files split whole hinge on one file (a README held out from a single big text, say).
+MIN_FILES_FOR_WHOLE_SPLIT = 10
 FILE_SEPARATOR = 0  # never occurs in source code, so it marks document boundaries cleanly
 HELDOUT_SEED = 0x5EED  # fixed so every worker and every run evaluates on the same batches
 _EXCLUDED_STDLIB_DIRS = {"site-packages", "dist-packages", "__pycache__"}
@@ -71,9 +81,20 @@ def load_corpus(source: str) -> Corpus:
     path = Path(source).expanduser()
     if not path.exists():
         raise DataError(f"corpus path {str(path)!r} does not exist (expected 'stdlib', a folder or a file)")
-    if path.is_dir() and (path / "train.bin").exists():
-        return _load_bin_folder(path)
+    if path.is_dir() and _holds_bin_corpus(path):
+        from .bin_corpus import load_bin_folder  # (it builds on this module's Corpus)
+
+        return load_bin_folder(path)  # says which of the two is missing
+    if path.is_file() and (path.suffix == ".bin" or _holds_bin_corpus(path.parent)):
+        # read as text it would train on the raw bytes of the token arrays (vocab 256), silently
+        raise DataError(
+            f"{str(path)!r} is part of a train.bin/val.bin corpus: give the folder that holds train.bin and val.bin"
+        )
     return _load_text(path, name=path.resolve().name, skip_dir=lambda name: name.startswith("."))
+
+
+def _holds_bin_corpus(folder: Path) -> bool:
+    return (folder / "train.bin").exists() or (folder / "val.bin").exists()
 
 
 # --- text corpora -------------------------------------------------------------------------------
@@ -102,35 +123,76 @@ def _path_hash(relpath: str) -> float:
     return int.from_bytes(digest[:8], "big") / 2**64
 
 
-def _split_files(relpaths: list[str]) -> tuple[list[str], list[str]]:
-    if len(relpaths) == 1:
-        return relpaths, []  # the caller holds out the tail of the single file instead
-    heldout = [p for p in relpaths if _path_hash(p) < HELDOUT_FRACTION]
-    train = [p for p in relpaths if _path_hash(p) >= HELDOUT_FRACTION]
-    if not heldout or not train:
-        # Few files: the hash threshold may leave one side empty. Hold out exactly the
-        # file with the smallest hash, which is still a function of the names alone.
-        lowest = min(relpaths, key=_path_hash)
-        heldout, train = [lowest], [p for p in relpaths if p != lowest]
-    return train, heldout
-
-
-def _read_files(root: Path, relpaths: list[str]) -> list[bytes]:
-    contents = []
+def _file_sizes(root: Path, relpaths: list[str]) -> dict[str, int]:
+    sizes = {}
     for relpath in relpaths:
         try:
-            contents.append((root / relpath).read_bytes())
+            sizes[relpath] = (root / relpath).stat().st_size
         except OSError as exc:
             raise DataError(f"cannot read corpus file {str(root / relpath)!r}: {exc}") from exc
-    return contents
+    return sizes
 
 
-def _join_bytes(contents: list[bytes]) -> Tensor:
-    # bytearray (writable) lets torch share the buffer without a copy or a warning.
-    joined = bytearray(bytes([FILE_SEPARATOR]).join(contents))
-    if not joined:
+def _split_files(relpaths: list[str], sizes: dict[str, int]) -> tuple[list[str], list[str]] | None:
+    """Train and held-out files by path hash, or None when whole files cannot hold out about
+    HELDOUT_FRACTION of the bytes (the caller then holds out the tail of every file)."""
+    if len(relpaths) < MIN_FILES_FOR_WHOLE_SPLIT:
+        return None
+    heldout = [p for p in relpaths if _path_hash(p) < HELDOUT_FRACTION]
+    if not heldout or len(heldout) == len(relpaths):
+        # The hash threshold left one side empty. Hold out exactly the file with the
+        # smallest hash, which is still a function of the names alone.
+        heldout = [min(relpaths, key=_path_hash)]
+    held = set(heldout)
+    total = sum(sizes.values())
+    fraction = sum(sizes[p] for p in heldout) / total if total else 0.0
+    low, high = HELDOUT_BYTES_RANGE
+    if not low <= fraction <= high:
+        return None
+    return [p for p in relpaths if p not in held], heldout
+
+
+def _tail_sizes(relpaths: list[str], sizes: dict[str, int]) -> list[int]:
+    """Bytes held out at the end of each file: HELDOUT_FRACTION of each (at least one byte in all)."""
+    tails = [int(sizes[p] * HELDOUT_FRACTION) for p in relpaths]
+    if not any(tails):  # all files tiny: one byte of the largest, as a single file always had
+        largest = max(range(len(relpaths)), key=lambda i: sizes[relpaths[i]])
+        tails[largest] = min(1, sizes[relpaths[largest]])
+    return tails
+
+
+def _read_into(path: Path, start: int, view: memoryview) -> None:
+    """Fill `view` with the bytes of `path` from offset `start`."""
+    got = 0
+    try:
+        with path.open("rb", buffering=0) as f:  # unbuffered: straight into the corpus buffer
+            f.seek(start)
+            while got < len(view):
+                n = f.readinto(view[got:])
+                if not n:
+                    break
+                got += n
+    except OSError as exc:
+        raise DataError(f"cannot read corpus file {str(path)!r}: {exc}") from exc
+    if got < len(view):
+        raise DataError(f"corpus file {str(path)!r} shrank while it was read; load the corpus again")
+
+
+def _join_pieces(root: Path, pieces: list[tuple[str, int, int]]) -> Tensor:
+    """Byte ranges (relpath, start, length) of files, joined with FILE_SEPARATOR, as one uint8 tensor."""
+    # One buffer of the final size, read into in place: the corpus is held once, not three times.
+    # bytearray (writable) lets torch share it without a copy or a warning.
+    buffer = bytearray(sum(n for _, _, n in pieces) + max(0, len(pieces) - 1))
+    view, pos = memoryview(buffer), 0
+    for i, (relpath, start, length) in enumerate(pieces):
+        if i:
+            buffer[pos] = FILE_SEPARATOR
+            pos += 1
+        _read_into(root / relpath, start, view[pos : pos + length])
+        pos += length
+    if not buffer:
         return torch.empty(0, dtype=torch.uint8)
-    return torch.frombuffer(joined, dtype=torch.uint8)
+    return torch.frombuffer(buffer, dtype=torch.uint8)
 
 
 def _fingerprint(parts: list[str]) -> str:
@@ -146,22 +208,35 @@ def _load_text(
         root, relpaths = path, _list_files(path, skip_dir, suffix)
     if not relpaths:
         raise DataError(f"corpus {str(path)!r} contains no files")
-    train_files, heldout_files = _split_files(relpaths)
-    train_bytes = _read_files(root, train_files)
-    heldout_bytes = _read_files(root, heldout_files)
-    sizes = dict(zip(train_files + heldout_files, [len(b) for b in train_bytes + heldout_bytes]))
-    if sum(sizes.values()) == 0:
+    sizes = _file_sizes(root, relpaths)
+    total = sum(sizes.values())
+    if total == 0:
         raise DataError(f"corpus {str(path)!r} is empty (all {len(relpaths)} files have size 0)")
 
-    if heldout_files:
-        train, heldout = _join_bytes(train_bytes), _join_bytes(heldout_bytes)
+    split = _split_files(relpaths, sizes)
+    if split is not None:
+        train_files, heldout_files = split
+        train_pieces = [(p, 0, sizes[p]) for p in train_files]
+        heldout_pieces = [(p, 0, sizes[p]) for p in heldout_files]
     else:
-        # A single file: hold out its tail instead, so evaluation still sees unseen text.
-        whole = _join_bytes(train_bytes)
-        cut = len(whole) - max(1, int(len(whole) * HELDOUT_FRACTION))
-        train, heldout = whole[:cut], whole[cut:]
+        # One file, or files that cannot be split whole: hold out the tail of each instead,
+        # so evaluation still sees unseen text from every file.
+        train_files, heldout_files = relpaths, []
+        tails = _tail_sizes(relpaths, sizes)
+        train_pieces = [(p, 0, sizes[p] - t) for p, t in zip(relpaths, tails)]
+        heldout_pieces = [(p, sizes[p] - t, t) for p, t in zip(relpaths, tails) if t]
+    train_bytes = sum(n for _, _, n in train_pieces)
+    heldout_bytes = sum(n for _, _, n in heldout_pieces)
+    if not 0 < heldout_bytes <= train_bytes:
+        raise DataError(
+            f"corpus {str(path)!r} has {total} bytes: too little to split into train and held-out text"
+        )
+    train, heldout = _join_pieces(root, train_pieces), _join_pieces(root, heldout_pieces)
 
-    fingerprint = _fingerprint(["text", "vocab=256"] + [f"{p}\t{sizes[p]}" for p in relpaths])
+    # Tails of several files: a split older versions did not make, so resumed state from those
+    # is refused; a single file and a whole-file split keep their fingerprints.
+    split_part = ["split=tails"] if split is None and len(relpaths) > 1 else []
+    fingerprint = _fingerprint(["text", "vocab=256", *split_part] + [f"{p}\t{sizes[p]}" for p in relpaths])
     return Corpus(
         name=name,
         train=train,
@@ -170,51 +245,6 @@ def _load_text(
         fingerprint=fingerprint,
         train_files=tuple(train_files),
         heldout_files=tuple(heldout_files),
-    )
-
-
-# --- nanoGPT .bin corpora -----------------------------------------------------------------------
-
-
-def _open_bin(path: Path) -> np.ndarray:
-    if not path.exists():
-        raise DataError(f"{str(path)!r} is missing (a .bin corpus needs train.bin and val.bin)")
-    size = path.stat().st_size
-    if size == 0 or size % 2:
-        raise DataError(f"{str(path)!r} has {size} bytes; expected a non-empty array of uint16 tokens")
-    try:
-        return np.memmap(path, dtype=np.uint16, mode="r")
-    except OSError as exc:
-        raise DataError(f"cannot memory-map {str(path)!r}: {exc}") from exc
-
-
-def _bin_vocab_size(folder: Path, train: np.ndarray, heldout: np.ndarray) -> int:
-    meta_path = folder / "meta.json"
-    if meta_path.exists():
-        try:
-            vocab_size = json.loads(meta_path.read_text())["vocab_size"]
-        except (OSError, ValueError, KeyError, TypeError) as exc:
-            raise DataError(f"{str(meta_path)!r} must be JSON like {{\"vocab_size\": N}}: {exc}") from exc
-        if isinstance(vocab_size, bool) or not isinstance(vocab_size, int) or vocab_size < 1:
-            raise DataError(f"{str(meta_path)!r}: vocab_size must be a positive int, got {vocab_size!r}")
-        return vocab_size
-    # No metadata: the smallest vocabulary that covers every token (one pass over the data).
-    return int(max(train.max(), heldout.max())) + 1
-
-
-def _load_bin_folder(folder: Path) -> Corpus:
-    train = _open_bin(folder / "train.bin")
-    heldout = _open_bin(folder / "val.bin")
-    vocab_size = _bin_vocab_size(folder, train, heldout)
-    fingerprint = _fingerprint(
-        ["bin", f"vocab={vocab_size}", f"train.bin\t{train.nbytes}", f"val.bin\t{heldout.nbytes}"]
-    )
-    return Corpus(
-        name=folder.resolve().name,
-        train=train,
-        heldout=heldout,
-        vocab_size=vocab_size,
-        fingerprint=fingerprint,
     )
 
 
@@ -231,14 +261,21 @@ def _permutation(n: int, seed: int) -> Tensor:
     return torch.randperm(n, generator=torch.Generator().manual_seed(seed))
 
 
-def _gather_windows(tokens: TokenArray, window_ids: Tensor, block_size: int) -> Batch:
+def _gather_windows(tokens: TokenArray, window_ids: Tensor, block_size: int, vocab_size: int) -> Batch:
     """Inputs and next-token targets (int64, shape (len(window_ids), block_size))."""
     span = block_size + 1
     index = window_ids.view(-1, 1) * span + torch.arange(span)
     if isinstance(tokens, Tensor):
         windows = tokens[index].long()
     else:
-        windows = torch.from_numpy(tokens[index.numpy()].astype(np.int64))
+        raw = tokens[index.numpy()]
+        # train.bin is only sampled at load: a token past the vocab is a clear error here, not an
+        # IndexError (a device-side assert on CUDA) in the model. One max over a batch: cheap.
+        top = int(raw.max())
+        if top >= vocab_size:
+            raise DataError(f"the corpus holds token {top}, but its vocab_size is {vocab_size}: "
+                            f"fix meta.json or tokenize again")
+        windows = torch.from_numpy(raw.astype(np.int64))
     return windows[:, :-1].contiguous(), windows[:, 1:].contiguous()
 
 
@@ -301,7 +338,8 @@ class ShardSampler:
 
     def next_batch(self) -> Batch:
         """Next (x, y) int64 batch of shape (batch_size, block_size)."""
-        x, y = _gather_windows(self.corpus.train, self.next_window_ids(), self.block_size)
+        ids = self.next_window_ids()
+        x, y = _gather_windows(self.corpus.train, ids, self.block_size, self.corpus.vocab_size)
         if self.device is not None:
             x, y = x.to(self.device), y.to(self.device)
         return x, y
@@ -346,7 +384,8 @@ def heldout_batches(corpus: Corpus, block_size: int, batch_size: int, num_batche
     # Distinct windows while they last; a small held-out set is cycled rather than refused.
     order = _permutation(num_windows, HELDOUT_SEED).repeat(-(-needed // num_windows))[:needed]
     return [
-        _gather_windows(corpus.heldout, ids, block_size) for ids in order.view(num_batches, batch_size)
+        _gather_windows(corpus.heldout, ids, block_size, corpus.vocab_size)
+        for ids in order.view(num_batches, batch_size)
     ]
 
 

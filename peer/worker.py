@@ -28,6 +28,13 @@ class InnerStats:
     compute_s: float
 
 
+def _grad_norm(params: list[torch.nn.Parameter]) -> torch.Tensor:
+    """Total 2-norm of the parameters' gradients, leaving them as they are."""
+    if hasattr(torch.nn.utils, "get_total_norm"):  # torch >= 2.6
+        return torch.nn.utils.get_total_norm([p.grad for p in params if p.grad is not None])
+    return torch.nn.utils.clip_grad_norm_(params, float("inf"))  # older torch: scales each gradient by 1
+
+
 class InnerTrainer:
     """Runs inner AdamW steps on one model replica over one data shard."""
 
@@ -78,11 +85,17 @@ class InnerTrainer:
             loss = self.loss_fn(self.model, x, y)
             if not torch.isfinite(loss):
                 # A non-finite loss would poison the pseudo-gradient; refuse it loudly.
-                raise FloatingPointError(f"inner step {self.step}: loss is {loss.item()}")
+                raise FloatingPointError(self._diverged(f"loss is {loss.item()}"))
             self.optimizer.zero_grad(set_to_none=True)
             loss.backward()
             if self.inner.grad_clip > 0:
-                torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.inner.grad_clip)
+                grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.inner.grad_clip)
+            else:
+                grad_norm = _grad_norm(list(self.model.parameters()))
+            if not torch.isfinite(grad_norm):
+                # A finite loss can still have an inf/NaN gradient: AdamW would write NaN into the
+                # weights, and the failure would surface rounds later as a codec error.
+                raise FloatingPointError(self._diverged(f"gradient norm is {grad_norm.item()}"))
             self.optimizer.step()
             self.scheduler.step()
             self.step += 1
@@ -93,6 +106,9 @@ class InnerTrainer:
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
         return InnerStats(num_steps, total / max(1, num_steps), tokens, time.perf_counter() - start)
+
+    def _diverged(self, what: str) -> str:
+        return f"inner step {self.step}: {what}: training diverged; try a lower inner.lr (now {self.inner.lr:g})"
 
     def state_dict(self) -> dict:
         """Inner state for a checkpoint: model, AdamW, schedule and data position."""

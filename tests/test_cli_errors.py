@@ -486,3 +486,14 @@ def test_train_local_takes_preset_as_another_name_for_model():
     by_preset = CliRunner().invoke(app, ["train-local", "--preset", "no-such-preset", "--steps", "1"])
     _one_error_line(by_preset, 2, "no-such-preset")
     assert by_preset.output == by_model.output
+
+
+def test_a_training_that_diverged_is_one_error_line(monkeypatch):
+    from groundswell.peer import train_local
+
+    def diverged(cfg, progress=None):
+        raise FloatingPointError("inner step 7: gradient norm is inf: training diverged; try a lower inner.lr (now 3)")
+
+    monkeypatch.setattr(train_local, "run_train_local", diverged)
+    res = CliRunner().invoke(app, ["train-local", "--steps", "1"])  # was a traceback and exit code 1
+    _one_error_line(res, 2, "error: inner step 7: gradient norm is inf: training diverged; try a lower inner.lr")

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 import sysconfig
 from pathlib import Path
 
@@ -213,8 +214,10 @@ def test_text_folder_corpus(tmp_path: Path) -> None:
 def test_few_files_still_get_a_heldout_split(tmp_path: Path) -> None:
     (tmp_path / "a.txt").write_bytes(b"a" * 500)
     (tmp_path / "b.txt").write_bytes(b"b" * 500)
-    two = load_corpus(str(tmp_path))
-    assert len(two.train_files) == 1 and len(two.heldout_files) == 1
+    two = load_corpus(str(tmp_path))  # one whole file of two would hold out half the corpus
+    assert two.train_files == ("a.txt", "b.txt") and two.heldout_files == ()
+    assert bytes(two.train.numpy()) == b"a" * 475 + b"\0" + b"b" * 475
+    assert bytes(two.heldout.numpy()) == b"a" * 25 + b"\0" + b"b" * 25
 
     for name in ("a.txt", "short.txt", "x", "input.txt"):  # whatever its name hashes to,
         (tmp_path / name).write_bytes(b"a" * 500)  # a single file holds out its tail
@@ -276,13 +279,141 @@ def test_clear_errors_for_bad_sources(tmp_path: Path) -> None:
 def test_unreadable_file_is_a_data_error(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     (tmp_path / "ok.txt").write_bytes(b"hello")
     (tmp_path / "bad.txt").write_bytes(b"world")
-    real_read_bytes = Path.read_bytes
+    real_open = Path.open
 
-    def failing_read_bytes(self: Path) -> bytes:
+    def failing_open(self: Path, *args, **kwargs):  # root reads anything: stand in for the OS refusing
         if self.name == "bad.txt":
             raise PermissionError("permission denied")
-        return real_read_bytes(self)
+        return real_open(self, *args, **kwargs)
 
-    monkeypatch.setattr(Path, "read_bytes", failing_read_bytes)
+    monkeypatch.setattr(Path, "open", failing_open)
     with pytest.raises(DataError, match="bad.txt"):
         load_corpus(str(tmp_path))
+
+
+# --- the split of text folders by bytes, not by files ---------------------------------------------
+
+
+def _tails(files: dict[str, bytes]) -> tuple[bytes, bytes]:
+    """The train and held-out streams of a split that holds out the last 5% of every file."""
+    cuts = {rel: len(content) - int(len(content) * 0.05) for rel, content in files.items()}
+    train = b"\0".join(files[rel][: cuts[rel]] for rel in sorted(files))
+    heldout = b"\0".join(files[rel][cuts[rel] :] for rel in sorted(files) if cuts[rel] < len(files[rel]))
+    return train, heldout
+
+
+@pytest.mark.parametrize("sizes", [
+    {"input.txt": 20_000, "README.md": 479},  # the big file used to be held out whole: trained on the README
+    {"input.txt": 20_000, "notes10.md": 479},  # a few files: no evaluating on the notes alone either
+    {**{f"doc{i:02d}.txt": 300 for i in range(40)}, "doc03.txt": 20_000},  # under 5% by hash, most by bytes
+])
+def test_a_file_that_is_most_of_the_corpus_is_never_held_out_whole(tmp_path: Path, sizes: dict[str, int]) -> None:
+    files = {rel: (rel.encode() + b" text ") * (n // 10) for rel, n in sizes.items()}
+    for rel, content in files.items():
+        (tmp_path / rel).write_bytes(content)
+    corpus = load_corpus(str(tmp_path))
+    assert corpus.heldout_files == () and set(corpus.train_files) == set(files)
+    train, heldout = _tails(files)
+    assert bytes(corpus.train.numpy()) == train and bytes(corpus.heldout.numpy()) == heldout
+    assert 0.04 < len(heldout) / (len(train) + len(heldout)) < 0.06
+    again = load_corpus(str(tmp_path))
+    assert again.fingerprint == corpus.fingerprint and torch.equal(again.heldout, corpus.heldout)
+
+
+def test_a_corpus_too_small_to_split_is_refused(tmp_path: Path) -> None:
+    (tmp_path / "one.txt").write_bytes(b"x")  # used to load with an empty train stream
+    with pytest.raises(DataError, match="too little to split into train and held-out"):
+        load_corpus(str(tmp_path / "one.txt"))
+
+
+def test_loading_a_text_corpus_holds_it_about_once(tmp_path: Path) -> None:
+    import tracemalloc
+
+    for i in range(20):
+        (tmp_path / f"doc{i:02d}.txt").write_bytes(bytes([65 + i]) * 50_000)
+    tracemalloc.start()
+    try:
+        corpus = load_corpus(str(tmp_path))
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert corpus.num_tokens >= 1_000_000
+    assert peak < 1.3 * corpus.num_tokens  # was about 3x: the files, their join and a copy of it
+
+
+# --- train.bin / val.bin folders ------------------------------------------------------------------
+
+
+def _bin_folder(folder: Path, train: np.ndarray, val: np.ndarray, vocab_size: int | None = None) -> Path:
+    folder.mkdir(exist_ok=True)
+    train.astype(np.uint16).tofile(folder / "train.bin")
+    val.astype(np.uint16).tofile(folder / "val.bin")
+    if vocab_size is not None:
+        (folder / "meta.json").write_text(json.dumps({"vocab_size": vocab_size}))
+    return folder
+
+
+@pytest.mark.parametrize("where, vocab_size, words", [
+    ("val", 100, "val.bin' holds token 100, but meta.json says vocab_size 100"),
+    ("train", 100, "train.bin' holds token 100, but meta.json says vocab_size 100"),
+    (None, 70_000, "vocab_size 70000 does not fit uint16 tokens (at most 65536)"),
+])
+def test_bin_tokens_past_meta_vocab_size_are_refused_at_load(tmp_path: Path, where, vocab_size, words) -> None:
+    train, val = np.arange(1000) % 100, np.arange(200) % 100
+    if where == "train":
+        train[500] = 100
+    if where == "val":
+        val[7] = 100
+    _bin_folder(tmp_path, train, val, vocab_size)
+    with pytest.raises(DataError, match=re.escape(words)):
+        load_corpus(str(tmp_path))
+
+
+def test_a_bad_bin_token_the_load_did_not_sample_is_a_data_error_in_the_batch(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from groundswell.peer import bin_corpus
+
+    monkeypatch.setattr(bin_corpus, "_SAMPLE_CHUNK", 10)
+    monkeypatch.setattr(bin_corpus, "_SAMPLE_CHUNKS", 2)  # samples train.bin's first and last 10 tokens only
+    train = np.arange(1000) % 100
+    train[500] = 60_000
+    corpus = load_corpus(str(_bin_folder(tmp_path, train, np.arange(200) % 100, 100)))
+    sampler = ShardSampler(corpus, block_size=9, batch_size=100, seed=0)  # one batch: every window
+    with pytest.raises(DataError, match="holds token 60000, but its vocab_size is 100"):
+        sampler.next_batch()
+
+
+def test_the_inferred_bin_vocab_is_scanned_once_and_cached_next_to_train_bin(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    folder = _bin_folder(tmp_path / "c", np.arange(1000) % 300, np.arange(200) % 100)
+    assert load_corpus(str(folder)).vocab_size == 300
+    cache = folder / ".train.bin.max-token.json"
+    saved = json.loads(cache.read_text())
+    cache.write_text(json.dumps({**saved, "max_token": 999}))  # proves the next load reads it, not the data
+    assert load_corpus(str(folder)).vocab_size == 1000
+    (np.arange(1002) % 400).astype(np.uint16).tofile(folder / "train.bin")  # another train.bin: scanned again
+    assert load_corpus(str(folder)).vocab_size == 400
+
+    import tempfile
+
+    def refuse(*args, **kwargs):
+        raise PermissionError(13, "Permission denied")
+
+    cache.unlink()
+    monkeypatch.setattr(tempfile, "mkstemp", refuse)  # a read-only corpus folder: no cache, still loads
+    assert load_corpus(str(folder)).vocab_size == 400 and not cache.exists()
+
+
+def test_a_file_of_a_bin_corpus_is_refused_not_read_as_text(tmp_path: Path) -> None:
+    folder = _bin_folder(tmp_path / "owt", np.arange(1000) % 300, np.arange(200) % 100, 300)
+    for name in ("train.bin", "val.bin", "meta.json"):
+        with pytest.raises(DataError, match="give the folder that holds train.bin and val.bin"):
+            load_corpus(str(folder / name))
+    (tmp_path / "tokens.bin").write_bytes(b"\x01\x00" * 100)
+    with pytest.raises(DataError, match="give the folder that holds train.bin and val.bin"):
+        load_corpus(str(tmp_path / "tokens.bin"))
+    (folder / "train.bin").unlink()  # val.bin alone is not a text folder either
+    with pytest.raises(DataError, match="train.bin' is missing"):
+        load_corpus(str(folder))
