@@ -85,16 +85,27 @@ def _stop_on_signals(first: str = "stopping after this round"):
     return stop
 
 
-def _fetch_manifest(node, maddrs: list[str]) -> bytes:
-    """The signed run manifest from the bootstrap peers (verify it!); NetworkError if none serves it."""
+def _fetch_manifest(node, maddrs: list[str], coordinator_id: str):
+    """The run manifest from the bootstrap peers, signed by `coordinator_id` (the first one that
+    verifies: the others are asked when one serves another's); NetworkError if none does."""
     from groundswell.protocol.transport import PeerUnavailable
 
+    from .manifest import ManifestError, SignedManifest
     from .net_errors import NetworkError
 
+    def why_not(signed: bytes) -> str | None:
+        try:
+            SignedManifest.from_bytes(signed).verify(coordinator_id)
+        except ManifestError as exc:
+            return str(exc)
+        return None
+
     try:
-        return node.call(node.fetch_manifest([m.rsplit("/p2p/", 1)[1] for m in maddrs]), timeout_s=120)
+        signed = node.call(node.fetch_manifest([m.rsplit("/p2p/", 1)[1] for m in maddrs], accept=why_not),
+                           timeout_s=120)
     except (PeerUnavailable, TimeoutError) as exc:
         raise NetworkError(f"no bootstrap peer served the run manifest ({', '.join(maddrs)}): {exc}") from None
+    return signed, SignedManifest.from_bytes(signed).verify(coordinator_id)
 
 
 def _logging(verbose: bool) -> None:
@@ -306,7 +317,6 @@ def join(
 ) -> None:
     """Join a run as a volunteer: verify the manifest, download the state, train and exchange."""
     from .bootstrap import parse_bootstrap
-    from .manifest import SignedManifest
     from .participant import Participant
     from .roles import run_volunteer
     from .swarm import NodeOptions, SwarmNode
@@ -329,8 +339,7 @@ def join(
         # others may bootstrap from us (a simulation reads it while we run: never half-written)
         write_atomically(state_dir / "address.txt", lambda f: f.write(("\n".join(node.maddrs) + "\n").encode()))
         peers = [m.rsplit("/p2p/", 1)[1] for m in boot.maddrs]
-        signed = _fetch_manifest(node, boot.maddrs)
-        manifest = SignedManifest.from_bytes(signed).verify(boot.coordinator_id)
+        signed, manifest = _fetch_manifest(node, boot.maddrs, boot.coordinator_id)
         manifest.check_may_train(ident.peer_id)  # before any download: its contributions would be refused
         corpus = volunteer_corpus(manifest, data, allow_model_code)
         console.print(f"joined run [bold]{manifest.run.id}[/] as {ident.peer_id} (manifest verified)")
@@ -397,7 +406,6 @@ def status(
     from groundswell.protocol.identity import Identity
 
     from .bootstrap import parse_bootstrap
-    from .manifest import SignedManifest
     from .swarm import NodeOptions, SwarmNode
 
     boot = parse_bootstrap(bootstrap)
@@ -410,7 +418,7 @@ def status(
         node = SwarmNode(ident, str(path), NodeOptions(initial_peers=boot.maddrs, trains=False, serves=False))
         node.start()
         try:
-            manifest = SignedManifest.from_bytes(_fetch_manifest(node, boot.maddrs)).verify(boot.coordinator_id)
+            _, manifest = _fetch_manifest(node, boot.maddrs, boot.coordinator_id)
             time.sleep(0.5)
             records = node.call(node.peer_records(manifest.run.id), timeout_s=30)
         finally:
@@ -424,8 +432,15 @@ def status(
     if as_json:
         print(json.dumps({"run": manifest.run.id, "peers": rows}, indent=2))
         return
+    print_status(manifest.run.id, rows)
+
+
+def print_status(run_id: str, rows: list[dict]) -> None:
+    """`status`'s table and lines, from the peers' published records (`rows`)."""
+    from rich.markup import escape
+
     online = f"{len(rows)} peer{'' if len(rows) == 1 else 's'} online"
-    table = Table(title=f"run {manifest.run.id}: {online}", box=box.SIMPLE_HEAD,
+    table = Table(title=escape(f"run {run_id}: {online}"), box=box.SIMPLE_HEAD,
                   collapse_padding=True, pad_edge=False, show_edge=False)
     for col in ("peer", "role", "reach", "round", "params", "loss", "sent", "refused", "bans", "age"):
         # fits an 80-column terminal without cutting ids or hashes (they are what one compares)
@@ -436,15 +451,16 @@ def status(
         # public; behind a NAT ("nat"), with N peers reached directly by a hole punch ("nat+N")
         reach = {"public": "pub", "private": "nat"}.get(row["reachability"], "?")  # "?": not probed yet
         reach += f"+{len(row['hole_punched'])}" if row["hole_punched"] else ""
-        table.add_row(row["peer"][-10:], role, reach, str(row["round"]), row["params_hash"][:8], loss,
-                      f"{row['bytes_sent'] / 1e6:.1f}MB", str(row["refused_messages"]),
-                      ", ".join(b[-8:] for b in row["banning"]) or "-", f"{row['age_s']:.0f}s")
+        # every string here is a peer's own word (in an open run, anyone's): text, never rich markup
+        table.add_row(*map(escape, (row["peer"][-10:], role, reach, str(row["round"]), row["params_hash"][:8], loss,
+                                    f"{row['bytes_sent'] / 1e6:.1f}MB", str(row["refused_messages"]),
+                                    ", ".join(b[-8:] for b in row["banning"]) or "-", f"{row['age_s']:.0f}s")))
     console.print(table)
     for row in rows:  # leaders that score contributions publish the scores of their latest scored round
         if row["scores"]:
             shown = ", ".join(f"{who[-8:]} {v}" for who, _, v in (s.partition("=") for s in row["scores"]))
-            console.print(f"scores by {row['peer'][-10:]} (probe loss change; > threshold is dropped): {shown}",
-                          highlight=False)
+            console.print(escape(f"scores by {row['peer'][-10:]} (probe loss change; > threshold is dropped): "
+                                 f"{shown}"), highlight=False)
     banned = sorted({b for row in rows for b in row["banning"]})
     if banned:
-        console.print(f"banned by some peer now: {', '.join(banned)}", highlight=False)
+        console.print(escape(f"banned by some peer now: {', '.join(banned)}"), highlight=False)

@@ -113,16 +113,19 @@ def _follow_rounds(p: Participant, stop: StopFlag, on_round: Callable[[RoundInfo
         loss = p.eval_global() if (r + 1) % m.eval.every_rounds == 0 else float("nan")
         try:
             records = p.node.call(p.node.refresh_records(), timeout_s=30)
-        except (PeerUnavailable, TimeoutError) as exc:  # a DHT hiccup: the figures use the last view
+        except (PeerUnavailable, TimeoutError) as exc:  # a DHT hiccup: no figure this round (not a stale one)
             log.info("peer records: %s", exc)
-            records = p.node.cached_records
-        sent = {pid: rec.bytes_sent for pid, rec in records.items() if rec.role != "coordinator"}
-        # per round: since our last view, which may be several rounds back (we caught up meanwhile)
-        rounds = max(1, r + 1 - sent_round)
-        deltas = [(b - last_sent[pid]) / rounds for pid, b in sent.items() if pid in last_sent and b >= last_sent[pid]]
-        last_sent, sent_round = sent, r + 1
+            records = None
+        sent = {pid: rec.bytes_sent for pid, rec in (records or {}).items() if rec.role != "coordinator"}
+        deltas: list[float] = []
+        if records is not None:
+            # per round: since our last view, which may be several rounds back (we caught up meanwhile)
+            rounds = max(1, r + 1 - sent_round)
+            deltas = [(b - last_sent[pid]) / rounds for pid, b in sent.items()
+                      if pid in last_sent and b >= last_sent[pid]]
+            last_sent, sent_round = sent, r + 1
         info = RoundInfo(r, "applied", False, len(d.contributors), eval_loss=loss, round_s=time.perf_counter() - t0,
-                         params_hash=p.outer_hash(), peers_online=len(sent),
+                         params_hash=p.outer_hash(), peers_online=len(sent if records is not None else last_sent),
                          bytes_sent=int(sum(deltas) / len(deltas)) if deltas else 0)
         t0 = time.perf_counter()
         if loss == loss:
@@ -149,7 +152,10 @@ def _follow_the_swarm(p: Participant) -> bool:
     except (PeerUnavailable, TimeoutError) as exc:
         log.info("peer records: %s", exc)
         return p.outer.round_id > before
-    if max((r.round for r in records.values()), default=-1) > p.outer.round_id:
+    # half the other peers, not one record that says so (a sybil's far-off round would have the
+    # coordinator try a download, and follow no round meanwhile, at every call)
+    others = sorted((r.round for pid, r in records.items() if pid != p.identity.peer_id), reverse=True)
+    if others and others[(len(others) - 1) // 2] > p.outer.round_id:
         try:
             p.sync_state([], min_round=p.outer.round_id + 1)
         except (PeerUnavailable, TimeoutError, ProtocolError) as exc:

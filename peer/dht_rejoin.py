@@ -10,9 +10,11 @@ pings them back in.
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
 import time
 from collections.abc import Iterable, Sequence
+from pathlib import Path
 from typing import Any
 
 log = logging.getLogger(__name__)
@@ -38,6 +40,10 @@ class DhtRejoiner:
             self._addrs[pid] = list(maddrs)
         while len(self._addrs) > MAX_REMEMBERED:
             del self._addrs[next(iter(self._addrs))]
+
+    def remembered(self) -> dict[str, list[str]]:
+        """Peer -> addresses, oldest first (what `remember` took in, for a file to keep them)."""
+        return {pid: list(maddrs) for pid, maddrs in list(self._addrs.items())}  # (the loop thread adds to it)
 
     def targets(self) -> list[tuple[str, list[str]]]:
         """(peer id, plain addresses) to dial: bootstrap peers first, then the most recently seen."""
@@ -77,3 +83,30 @@ class DhtRejoiner:
         if answered:
             await dht.find_nearest_nodes([dht.node_id])
         log.info("routing table was empty: %d of %d known peers answered", answered, len(targets))
+
+
+def save_known_peers(path: Path, rejoiner: DhtRejoiner | None) -> None:
+    """Keep where the run's peers were (atomically; a disk refusing it is logged, not raised): a
+    peer restarted without any bootstrap peer, as a coordinator usually is, dials them to get back
+    into the DHT instead of sitting alone in it while the run goes on."""
+    from .state_files import write_atomically
+
+    known = rejoiner.remembered() if rejoiner is not None else {}
+    if not known:
+        return
+    try:
+        write_atomically(path, lambda f: f.write(json.dumps(known).encode()))
+    except OSError as exc:
+        log.info("could not keep the known peers' addresses: %s", exc)
+
+
+def load_known_peers(path: Path) -> list[tuple[str, list[str]]]:
+    """(peer, addresses) kept by `save_known_peers`, oldest first ([] if none, or unreadable)."""
+    try:
+        data = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return []
+    if not isinstance(data, dict):
+        return []
+    return [(pid, [m for m in maddrs if isinstance(m, str)][:8]) for pid, maddrs in data.items()
+            if isinstance(pid, str) and isinstance(maddrs, list)][-MAX_REMEMBERED:]

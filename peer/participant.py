@@ -31,6 +31,7 @@ from groundswell.protocol.schema import Decision, ProtocolError
 from .checkpoint_check import DIGEST_KEY, checkpoint_damage, checkpoint_digest, digest_mismatch
 from .config import ConfigError
 from .data import Corpus, evaluate, heldout_batches, load_corpus
+from .dht_rejoin import load_known_peers, save_known_peers
 from .event_log import EventLog
 from .manifest import RunManifest, SignedManifest
 from .run_state import GlobalState, RunContext, state_hash
@@ -51,7 +52,8 @@ from .workload import Workload, build_workload
 
 log = logging.getLogger(__name__)
 _OUR_TEMP_FILES = ("checkpoint-*.tmp", "work.tmp", "contributed.tmp", "outcome.tmp", "manifest.tmp",
-                   "bootstrap.tmp", "address.tmp", ".*.key.*.tmp")
+                   "bootstrap.tmp", "address.tmp", "known_peers.tmp", ".*.key.*.tmp")
+KNOWN_PEERS_FILE = "known_peers.json"  # where the run's peers were, kept with each checkpoint (see dht_rejoin)
 
 
 class CheckpointMismatch(ConfigError):
@@ -141,6 +143,8 @@ class Participant:
     def start_network(self) -> None:
         """Start the node (if not yet) and join the run's protocol."""
         if self.node.ctx is None:
+            if self.state_dir is not None:  # before the first heartbeat, whose DHT re-entry dials them
+                self.node.rejoiner.remember(load_known_peers(self.state_dir / KNOWN_PEERS_FILE))
             if not self.node._thread.is_alive():
                 self.node.start()
             self.node.attach(self.ctx)
@@ -367,6 +371,7 @@ class Participant:
             self.events.write("checkpoint-failed", error=why, peer=self.identity.peer_id)
             return None
         prune_checkpoints(path, self.manifest.checkpoint.keep)
+        save_known_peers(self.state_dir / KNOWN_PEERS_FILE, getattr(self.node, "rejoiner", None))
         return path
 
     def preload_checkpoint(self) -> None:

@@ -369,20 +369,29 @@ class SwarmNode(PeerRecords, StateServing, NetLoop):
         """Peers this node has open libp2p connections to, and whether "direct" or via "relay"."""
         return connection_paths(await self.p2p.list_peers())
 
-    async def fetch_manifest(self, peers: Sequence[str], timeout_s: float = 15.0, tries: int = 3) -> bytes:
-        """The signed manifest from the first of `peers` that has one (verify it yourself); a lossy
-        link can reset the first stream, so every peer is asked up to `tries` times."""
+    async def fetch_manifest(self, peers: Sequence[str], timeout_s: float = 15.0, tries: int = 3,
+                             accept: Callable[[bytes], str | None] = lambda signed: None) -> bytes:
+        """The signed manifest from the first of `peers` that has one `accept` takes (it returns
+        why not, or None); a lossy link can reset the first stream, so every peer is asked up to
+        `tries` times. One peer serving another run's manifest (a stale address in a bootstrap
+        line) or a forged one does not stop the others from being asked."""
+        refused: list[str] = []
         for attempt in range(tries):
-            for peer in peers:
+            for peer in dict.fromkeys(peers):
                 try:
                     reply = await self.bootstrap_transport.request(  # type: ignore[union-attr]
                         peer, "get-manifest", ManifestRequest(), ManifestReply, timeout_s=timeout_s)
-                    if reply.signed:
-                        return reply.signed
                 except PeerUnavailable as exc:
                     log.info("manifest from %s (try %d): %s", peer[-8:], attempt + 1, exc)
+                    continue
+                why = accept(reply.signed) if reply.signed else "it has none"
+                if why is None:
+                    return reply.signed
+                log.warning("the manifest from %s is not taken: %s", peer[-8:], why)
+                refused.append(f"{peer[-8:]}: {why}")
             await asyncio.sleep(1.0 + attempt)
-        raise PeerUnavailable("no bootstrap peer served the run manifest")
+        raise PeerUnavailable("no bootstrap peer served the run manifest"
+                              + (f" ({'; '.join(dict.fromkeys(refused))})" if refused else ""))
 
     def call(self, coro: Coroutine[Any, Any, T], timeout_s: float | None = None) -> T:
         """`NetLoop.call`, or NetworkError once the node has stopped by itself."""

@@ -65,3 +65,50 @@ def test_rejoin_targets_are_bootstrap_peers_then_the_most_recently_seen_without_
                            ("old", ["/ip4/10.0.0.2/tcp/2"])]
     r.remember((f"p{i}", []) for i in range(2 * MAX_REMEMBERED))
     assert len(r._addrs) == MAX_REMEMBERED and "old" not in r._addrs  # the oldest are forgotten
+
+
+def test_the_peers_a_node_knew_are_kept_on_disk_and_read_back(tmp_path):
+    from groundswell.peer.dht_rejoin import DhtRejoiner, load_known_peers, save_known_peers
+
+    path = tmp_path / "known_peers.json"
+    assert load_known_peers(path) == []  # none kept yet
+    rejoiner = DhtRejoiner("me", [])
+    save_known_peers(path, rejoiner)
+    assert not path.exists()  # nothing to keep: an empty file would only hide the older one
+    rejoiner.remember([("a", ["/ip4/127.0.0.1/tcp/1/p2p/a"]), ("b", ["/ip4/127.0.0.1/tcp/2/p2p/b"])])
+    save_known_peers(path, rejoiner)
+    again = DhtRejoiner("me", [])
+    again.remember(load_known_peers(path))
+    assert again.targets() == rejoiner.targets()
+    path.write_text('{"a": "not a list", "b": [1, "/ip4/127.0.0.1/tcp/2/p2p/b"]}')
+    assert load_known_peers(path) == [("b", ["/ip4/127.0.0.1/tcp/2/p2p/b"])]
+    path.write_text("[torn")
+    assert load_known_peers(path) == []
+
+
+def test_a_node_started_without_bootstrap_peers_gets_into_the_dht_through_the_peers_it_knew():
+    """A coordinator restarted from its state dir, without --peer: its known peers (kept with
+    each checkpoint) are dialled, and it sees the run's records again. It used to sit alone in
+    its own DHT for good, saying "0 volunteers online" while the run went on without it."""
+    from groundswell.peer.swarm import NodeOptions, SwarmNode
+    from groundswell.protocol.identity import Identity
+
+    cluster = Cluster(1)
+    node = None
+    try:
+        a = cluster.nodes[0]
+        path = Path(cluster._tmp.name) / "back.key"
+        ident = Identity.generate()
+        ident.save(path)
+        node = SwarmNode(ident, str(path), NodeOptions())  # no initial peers
+        node.rejoiner.remember([(a.identity.peer_id, a.maddrs)])
+        node.start()
+        node.attach(cluster.ctx)
+        deadline = time.monotonic() + 60
+        while a.identity.peer_id not in node.call(node.refresh_records(), 10) and time.monotonic() < deadline:
+            time.sleep(0.5)
+        assert a.identity.peer_id in node.call(node.refresh_records(), 10), "never got back into the run's DHT"
+    finally:
+        if node is not None:
+            node.close()
+        cluster.close()

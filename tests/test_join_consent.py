@@ -46,3 +46,17 @@ def test_a_model_the_manifest_names_as_code_runs_only_with_consent():
     with pytest.raises(ConfigError, match="--allow-model-code"):
         volunteer_corpus(manifest, None, False)
     assert volunteer_corpus(manifest, None, True).name
+
+
+def test_status_shows_what_peers_publish_as_text_not_markup(capsys):
+    """Every string in a record is its peer's own word (in an open run, anyone's): one role of
+    "[/x]" made `status` die with a rich MarkupError for everyone looking at the run."""
+    from groundswell.peer.cli_swarm import print_status
+
+    hostile = {"peer": "12D3KooW[/x]", "role": "[/x]", "round": 3, "params_hash": "[bold]abc", "trains": True,
+               "serves": True, "reachability": "[/]", "hole_punched": [], "loss": None, "bytes_sent": 0,
+               "refused_messages": 0, "banning": ["[/red]"], "scores": ["[/y]=+0.1"], "age_s": 1.0}
+    print_status("run[/z]", [hostile])
+    captured = capsys.readouterr()
+    out = captured.out + captured.err
+    assert "[/x]" in out and "[/red]" in out and "[bold]abc"[:8] in out
