@@ -60,3 +60,33 @@ def test_status_shows_what_peers_publish_as_text_not_markup(capsys):
     captured = capsys.readouterr()
     out = captured.out + captured.err
     assert "[/x]" in out and "[/red]" in out and "[bold]abc"[:8] in out
+
+
+def test_a_bootstrap_peer_serving_a_manifest_that_does_not_verify_does_not_stop_the_others():
+    """A bootstrap line may list several peers; one of them serving another run's manifest (a
+    stale address) or a forged one used to end the join there."""
+    import asyncio
+    from types import SimpleNamespace
+
+    from groundswell.peer.swarm import SwarmNode
+    from groundswell.protocol.transport import PeerUnavailable
+
+    served = {"stale": b"another run's", "good": b"ours"}
+    asked: list[str] = []
+
+    class Transport:
+        async def request(self, peer, handler, msg, expect, timeout_s):
+            asked.append(peer)
+            return SimpleNamespace(signed=served[peer])
+
+    node = SwarmNode.__new__(SwarmNode)
+    node.bootstrap_transport = Transport()
+
+    def accept(signed: bytes) -> str | None:
+        return None if signed == b"ours" else "signed by someone else"
+
+    assert asyncio.run(node.fetch_manifest(["stale", "good", "stale"], accept=accept)) == b"ours"
+    assert asked == ["stale", "good"]  # each peer once per try
+    served["good"] = b"forged"
+    with pytest.raises(PeerUnavailable, match="signed by someone else"):
+        asyncio.run(node.fetch_manifest(["stale", "good"], tries=1, accept=accept))
