@@ -1,6 +1,7 @@
 """The peer side of scripts/bench_exchange.py: one worker process per peer, holding its tensor and
 its node, running the rounds (gloo all-reduce, a codec's exchange, the p2pd floor) the parent asks
-for over a pipe, and reporting each round's time, mean hash and error."""
+for over a pipe, and reporting each round's start and end (absolute `time.perf_counter()`:
+CLOCK_MONOTONIC on Linux, one clock for all processes of the machine), mean hash and error."""
 
 from __future__ import annotations
 
@@ -58,35 +59,41 @@ class _Worker:
             self.true_mean = total.div_(n).to(torch.float32)
             del total
         self.node = None
+        self.gloo_up = False
 
     def wait(self) -> None:
         self.barrier.wait(BARRIER_TIMEOUT_S)
 
     # gloo -------------------------------------------------------------------------------------
-    def gloo(self, port: int, warmup: int, repeats: int) -> dict:
+    def gloo_init(self, port: int) -> dict:
+        """Join the gloo group the parent times next to every method; it stays up until `close`."""
         import datetime
 
-        import torch
         import torch.distributed as dist
 
         dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=self.rank,
                                 world_size=self.n, timeout=datetime.timedelta(seconds=300))
+        self.gloo_up = True
+        return {}
+
+    def gloo(self, warmup: int, repeats: int) -> dict:
+        import torch
+        import torch.distributed as dist
+
+        assert self.gloo_up, "gloo_init first"
         rounds = []
-        try:
-            inv = torch.tensor(1.0 / self.n, dtype=torch.float32)
-            for i in range(warmup + repeats):
-                buf = self.x.clone()
-                self.wait()
-                t0 = time.perf_counter()
-                dist.all_reduce(buf, op=dist.ReduceOp.SUM)
-                buf.mul_(inv)
-                t1 = time.perf_counter()
-                rounds.append({"warmup": i < warmup, "total_s": t1 - t0, "sha": tensor_sha256(buf),
-                               "rel_error": rel_error(buf, self.true_mean) if self.rank == 0 else None})
-                del buf
+        inv = torch.tensor(1.0 / self.n, dtype=torch.float32)
+        for i in range(warmup + repeats):
+            buf = self.x.clone()
             self.wait()
-        finally:
-            dist.destroy_process_group()
+            t0 = time.perf_counter()
+            dist.all_reduce(buf, op=dist.ReduceOp.SUM)
+            buf.mul_(inv)
+            t3 = time.perf_counter()
+            rounds.append({"warmup": i < warmup, "t0": t0, "t3": t3, "sha": tensor_sha256(buf),
+                           "rel_error": rel_error(buf, self.true_mean) if self.rank == 0 else None})
+            del buf
+        self.wait()
         return {"rounds": rounds}
 
     # swarm ------------------------------------------------------------------------------------
@@ -155,7 +162,9 @@ class _Worker:
             self.wait()
             time.sleep(0.2)  # let the last replies' counters land
             sent, recv = node.transport.bytes_sent, node.transport.bytes_received
-            out.append({"warmup": r < warmup, "total_s": t3 - t0, "encode_s": t1 - t0, "exchange_s": t2 - t1,
+            # t0 and t3 are absolute (CLOCK_MONOTONIC, shared by the processes of this machine): the
+            # parent takes a round from the first peer's start to the last peer's end
+            out.append({"warmup": r < warmup, "t0": t0, "t3": t3, "encode_s": t1 - t0, "exchange_s": t2 - t1,
                         "fetch_decode_s": t3 - t2, "sent": sent - sent0, "received": recv - recv0, "sha": sha,
                         "rel_error": err, "delivered": outcome.delivered})
             sent0, recv0 = sent, recv
@@ -174,15 +183,29 @@ class _Worker:
             self.wait()  # also: every peer serves the floor before anyone sends
             t0 = time.perf_counter()
             node.call(floor.round(self.ids, r, 600), 660)
-            out.append({"warmup": r < warmup, "total_s": time.perf_counter() - t0, "sha": "", "rel_error": None,
-                        "received": floor.received[r], "expected": floor.expected_bytes()})
+            t3 = time.perf_counter()
+            # sha None: the floor moves bytes without computing a mean, so there is nothing to compare
+            out.append({"warmup": r < warmup, "t0": t0, "t3": t3, "sha": None, "rel_error": None,
+                        "payload_sent": floor.sent[r], "received": floor.received[r],
+                        "expected": floor.expected_bytes()})
         self.wait()  # nobody leaves while a slower peer still sends to it
         return {"rounds": out}
 
-    def close(self) -> dict:
+    def close_node(self) -> dict:
+        """End this method's node (the gloo group stays for the next method)."""
         if self.node is not None:
             node, self.node = self.node, None
             quiet_close(node, self.verbose)
+        return {}
+
+    def close(self) -> dict:
+        """End everything: the node and the gloo group (`serve_commands` calls this on the way out)."""
+        self.close_node()
+        if self.gloo_up:
+            import torch.distributed as dist
+
+            self.gloo_up = False
+            dist.destroy_process_group()
         return {}
 
 

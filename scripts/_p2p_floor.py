@@ -35,6 +35,7 @@ class Floor:
         self.bounds = [(len(data) // 4 * j // n * 4, len(data) // 4 * (j + 1) // n * 4) for j in range(n)]
         self.arrived: Counter[tuple[int, int]] = Counter()
         self.received: Counter[int] = Counter()  # payload bytes taken, per round
+        self.sent: Counter[int] = Counter()  # payload bytes acknowledged by their receiver, per round
         self.changed = asyncio.Condition()
 
     async def serve(self) -> None:
@@ -65,6 +66,7 @@ class Floor:
             await writer.drain()
             if await reader.readexactly(1) != b"\x01":
                 raise RuntimeError("bad acknowledgement")
+            self.sent[round_id] += len(piece)
         finally:
             writer.close()
 

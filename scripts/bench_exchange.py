@@ -10,26 +10,37 @@ run's default (1 for dense codecs, 2 for sparseloco): `fp32@0` measures what the
 N worker processes (multiprocessing "spawn", one torch thread each) each hold a seeded
 pseudo-gradient of P elements. In the same run they do:
 
-- a dense fp32 `torch.distributed` gloo all_reduce (sum, then * 1/N) of their tensors, over
-  tcp://127.0.0.1:<free port>;
 - for each codec, a fresh `SwarmNode` per process (hivemind libp2p on 127.0.0.1), a genesis
   decision signed by peer 0 that puts all N peers in round 0, then rounds 0, 1, ... of the real
-  round protocol. A round's time on one peer runs from "I have my tensor" to "I hold the decoded
+  round protocol. A peer's part of a round runs from "I have my tensor" to "I hold the decoded
   mean": encode_segments + Payload.to_bytes + RoundClient.run_attempt (join, send shards, wait
-  for the commit) + RoundClient.fetch_aggregate (fetch shards, aggregate / decode).
+  for the commit) + RoundClient.fetch_aggregate (fetch shards, aggregate / decode);
+- right before each method (each codec and the floor, once its nodes are up and settled), the
+  baseline: a dense fp32 `torch.distributed` gloo all_reduce (sum, then * 1/N) of their tensors,
+  over one gloo group (tcp://127.0.0.1:<free port>) kept up for the whole run. Each method's
+  `ratio_vs_gloo` divides by the gloo median measured next to it, so a burst of load from others
+  on a shared machine moves both sides of a ratio instead of every ratio at once.
 
 And, unless `--no-floor`, the p2pd floor (`_p2p_floor.py`): rounds of bare fp32 bytes between the
 same processes over the same kind of node, every peer moving what a ring all-reduce moves
 (2(N-1)/N x 4P bytes), with no encoding, checks, hashing or summing. What no dense fp32 exchange
 on this transport can beat on this machine.
 
-Every round starts on a multiprocessing Barrier. A round's time is the max over peers; the
-reported time is the median over `--repeats` measured rounds (after `--warmup` unmeasured ones,
-which absorb connection set-up and first-call costs; gloo gets the same warm-up). Bytes are the
+Every round starts on a multiprocessing Barrier. A round's time runs from the first peer's start
+to the last peer's end (each peer reports absolute `time.perf_counter()` times, CLOCK_MONOTONIC
+on Linux, one clock for all processes), so it includes how unevenly the peers leave the barrier;
+the reported time is the median over `--repeats` measured rounds (after `--warmup` unmeasured
+ones, which absorb connection set-up and first-call costs; each gloo measurement gets the same
+warm-up). Bytes are the
 round protocol's framed request/reply bytes (`Transport.bytes_sent/received`, libp2p's own
 encryption and multiplexing overhead not included), averaged over peers. Each peer hashes its
-mean (sha256): `identical` says every peer held bit-identical means in every round. `rel_error`
-is ||mean - true mean|| / ||true mean||, the true mean taken in fp64 over the N inputs.
+mean (sha256): `identical` says every peer held bit-identical means in every round (null for
+the floor, which computes no mean). `rel_error` is ||mean - true mean|| / ||true mean||, the true
+mean taken in fp64 over the N inputs. A goal counts as met only if the method's and its gloo
+measurement's means were identical on every peer.
+
+The JSON also records how it was made (`run`: command line, git commit, CPU count, torch and
+hivemind versions, OMP_WAIT_POLICY, UTC time).
 
 Prints a Markdown table, or with --json one JSON object. Every process this script starts (the
 workers and their p2pd daemons) is ended before it returns, also on failure.
@@ -39,11 +50,13 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import datetime
 import json
 import os
 import shutil
 import signal
 import statistics
+import subprocess
 import sys
 import tempfile
 import time
@@ -55,6 +68,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # the shared hel
 from _exchange_worker import free_port, worker_main
 from _procs import kill_if_p2pd, p2pd_pids_using
 
+OMP_WAIT_POLICY_AT_LAUNCH = os.environ.get("OMP_WAIT_POLICY")  # recorded: the line below overrides it
 os.environ["OMP_WAIT_POLICY"] = "PASSIVE"  # before torch starts its thread pool (workers inherit it)
 os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")  # gloo on loopback only
 os.environ.setdefault("HIVEMIND_LOGLEVEL", "WARNING")
@@ -164,11 +178,16 @@ class _Pool:
 
 
 def _summarize(per_peer: list[dict], n: int) -> dict:
-    """Per-round max over peers, median over measured rounds; identical means across peers."""
+    """Per round, the first peer's start to the last peer's end; median over measured rounds;
+    identical means across peers (None where no peer computed a mean, as in the floor)."""
     rounds = list(zip(*(p["rounds"] for p in per_peer)))  # rounds[i] = the n peers' records of round i
     measured = [rs for rs in rounds if not rs[0]["warmup"]]
-    identical = all(len({rec["sha"] for rec in rs}) == 1 for rs in rounds)
-    totals = [max(rec["total_s"] for rec in rs) for rs in measured]
+    shas = [rec["sha"] for rs in rounds for rec in rs]
+    identical = None if any(sha is None for sha in shas) else all(len({rec["sha"] for rec in rs}) == 1
+                                                                   for rs in rounds)
+    # The peers' clocks are one (CLOCK_MONOTONIC): a round spans from whoever left the barrier
+    # first to whoever finished last, not the slowest peer's own duration.
+    totals = [max(rec["t3"] for rec in rs) - min(rec["t0"] for rec in rs) for rs in measured]
     errors = [rs[0]["rel_error"] for rs in measured if rs[0]["rel_error"] is not None]
     out = {"round_s": statistics.median(totals), "round_s_all": totals, "identical": identical,
            "rel_error": statistics.median(errors) if errors else None}
@@ -211,13 +230,38 @@ def _start_nodes(pool: _Pool, codec_name: str, replicas: int | None, args: argpa
     return first["segments"]
 
 
-def _measure_and_close(pool: _Pool, cmd: str, timeout_s: float, args: argparse.Namespace) -> list[Any]:
-    """Every worker's rounds of one method (`cmd`: "rounds" or "floor"), then their nodes closed."""
+def _gloo_then(pool: _Pool, cmd: str, timeout_s: float, args: argparse.Namespace) -> tuple[dict, list[Any]]:
+    """gloo's rounds, then every worker's rounds of one method (`cmd`: "rounds" or "floor") right
+    after them, then the method's nodes closed. Returns (gloo's summary, the method's per-peer records)."""
     ranks = list(range(len(pool.ids)))
     try:
-        return pool.call(ranks, cmd, timeout_s=timeout_s, warmup=args.warmup, repeats=args.repeats)
+        gloo = _summarize(pool.call(ranks, "gloo", timeout_s=900, warmup=args.warmup, repeats=args.repeats),
+                          len(ranks))
+        return gloo, pool.call(ranks, cmd, timeout_s=timeout_s, warmup=args.warmup, repeats=args.repeats)
     finally:
-        pool.call(ranks, "close", timeout_s=120)
+        pool.call(ranks, "close_node", timeout_s=120)
+
+
+def _goal_ok(method: dict, gloo: dict) -> bool:
+    """A goal's time counts only if the method's and its gloo measurement's rounds were correct."""
+    return method["identical"] is True and gloo["identical"] is True
+
+
+def run_info(argv: Sequence[str]) -> dict:
+    """How the numbers were made: enough to tell two result files' conditions apart."""
+    import hivemind
+    import torch
+
+    try:
+        commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, timeout=10,
+                                cwd=os.path.dirname(os.path.abspath(__file__)), check=True).stdout.strip() or None
+    except (OSError, subprocess.SubprocessError):
+        commit = None  # not a git checkout, or no git
+    return {"argv": [sys.argv[0], *argv], "git_commit": commit,
+            "cpu_count": os.cpu_count(), "torch": torch.__version__, "hivemind": hivemind.__version__,
+            "omp_wait_policy": os.environ.get("OMP_WAIT_POLICY"),
+            "omp_wait_policy_at_launch": OMP_WAIT_POLICY_AT_LAUNCH,
+            "utc": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")}
 
 
 def run_bench(args: argparse.Namespace, progress=lambda m: None) -> dict:
@@ -225,32 +269,47 @@ def run_bench(args: argparse.Namespace, progress=lambda m: None) -> dict:
     n, params = args.peers, args.params
     tmp = tempfile.mkdtemp(prefix="gs-bench-exchange-")
     pool = None
+    gloo_by_method: dict[str, dict] = {}
+    gloo_records: list[tuple[float, bool | None, float | None]] = []  # (round_s, identical, rel_error)
+
+    def next_gloo(name: str, gloo: dict) -> dict:
+        gloo_by_method[name] = gloo
+        gloo_records.extend((t, gloo["identical"], gloo["rel_error"]) for t in gloo["round_s_all"])
+        progress(f"gloo all_reduce before {name}: {gloo['round_s']:.3f}s")
+        return gloo
+
     try:
         progress(f"starting {n} peers with {params:,} parameters each")
         pool = _Pool(n, tmp, args)
         ranks = list(range(n))
-        progress("gloo all_reduce")
-        gloo = _summarize(pool.call(ranks, "gloo", timeout_s=900, port=free_port(), warmup=args.warmup,
-                                    repeats=args.repeats), n)
-        progress(f"gloo all_reduce: {gloo['round_s']:.3f}s")
+        pool.call(ranks, "gloo_init", timeout_s=300, port=free_port())  # up until the workers end
         floor = None
         if args.floor:
             _start_nodes(pool, "fp32", None, args)
-            progress(f"p2pd floor: running {args.warmup}+{args.repeats} rounds of bare fp32 bytes")
-            per_peer = _measure_and_close(pool, "floor", (args.warmup + args.repeats) * 700, args)
+            progress(f"p2pd floor: running {args.warmup}+{args.repeats} rounds of bare fp32 bytes, after gloo's")
+            gloo, per_peer = _gloo_then(pool, "floor", (args.warmup + args.repeats) * 700, args)
+            gloo = next_gloo("p2pd_floor", gloo)
             if any(rec["received"] != rec["expected"] for p in per_peer for rec in p["rounds"]):
                 raise BenchError("a peer of the floor measurement did not receive exactly its bytes")
             floor = _summarize(per_peer, n)
+            floor["gloo_round_s"] = gloo["round_s"]
             floor["ratio_vs_gloo"] = floor["round_s"] / gloo["round_s"]
             floor["bytes_received_per_peer"] = statistics.mean(p["rounds"][0]["expected"] for p in per_peer)
+            # payload bytes whose receiver acknowledged them (no stream headers), measured, per round
+            floor["bytes_sent_per_peer"] = statistics.median(
+                statistics.mean(rec["payload_sent"] for rec in rs)
+                for rs in zip(*(p["rounds"] for p in per_peer)) if not rs[0]["warmup"])
             progress(f"p2pd floor: {floor['round_s']:.3f}s ({floor['ratio_vs_gloo']:.2f}x gloo)")
         codecs: dict[str, dict] = {}
         for name in args.codecs:
             codec_name, replicas = parse_method(name)
             segments = _start_nodes(pool, codec_name, replicas, args)
-            progress(f"{name}: {segments} segments; running {args.warmup}+{args.repeats} rounds")
-            per_peer = _measure_and_close(pool, "rounds", (args.warmup + args.repeats) * 1200, args)
+            progress(f"{name}: {segments} segments; running {args.warmup}+{args.repeats} rounds, after gloo's")
+            gloo, per_peer = _gloo_then(pool, "rounds", (args.warmup + args.repeats) * 1200, args)
+            gloo = next_gloo(name, gloo)
             res = _summarize(per_peer, n)
+            res["gloo_round_s"] = gloo["round_s"]
+            res["gloo_identical"] = gloo["identical"]
             res["ratio_vs_gloo"] = res["round_s"] / gloo["round_s"]
             codecs[name] = res
             progress(f"{name}: {res['round_s']:.3f}s ({res['ratio_vs_gloo']:.2f}x gloo)")
@@ -258,17 +317,27 @@ def run_bench(args: argparse.Namespace, progress=lambda m: None) -> dict:
         if pool is not None:
             pool.shutdown()
         shutil.rmtree(tmp, ignore_errors=True)
+    gloo_errors = [e for _, _, e in gloo_records if e is not None]
     result: dict[str, Any] = {
-        "peers": n, "params": params, "gloo_allreduce_s": gloo["round_s"],
-        "gloo": {k: gloo[k] for k in ("round_s_all", "identical", "rel_error")},
+        "run": run_info(args.argv), "peers": n, "params": params,
+        # every gloo round measured in this run (next to each method): what one figure for the
+        # baseline can be; each ratio_vs_gloo uses its own method's gloo_round_s instead
+        "gloo_allreduce_s": statistics.median(t for t, _, _ in gloo_records),
+        "gloo": {"round_s_all": [t for t, _, _ in gloo_records],
+                 "identical": all(ok is True for _, ok, _ in gloo_records),
+                 "rel_error": statistics.median(gloo_errors) if gloo_errors else None,
+                 "by_method": gloo_by_method},
         "repeats": args.repeats, "warmup": args.warmup, "max_shards": args.max_shards, "codecs": codecs,
         "p2pd_floor": floor,
     }
     goals = {}
     if "sparseloco" in codecs:
-        goals["sparseloco_faster_than_gloo"] = codecs["sparseloco"]["round_s"] < gloo["round_s"]
+        sl = codecs["sparseloco"]
+        goals["sparseloco_faster_than_gloo"] = (sl["round_s"] < sl["gloo_round_s"]
+                                                and _goal_ok(sl, gloo_by_method["sparseloco"]))
     if "fp32" in codecs:
-        goals["fp32_within_8x_of_gloo"] = codecs["fp32"]["ratio_vs_gloo"] <= 8.0
+        fp = codecs["fp32"]
+        goals["fp32_within_8x_of_gloo"] = fp["ratio_vs_gloo"] <= 8.0 and _goal_ok(fp, gloo_by_method["fp32"])
     result["goals"] = goals
     return result
 
@@ -283,34 +352,39 @@ def _fmt_bytes(b: float) -> str:
 
 def format_table(result: dict) -> str:
     """The result as a Markdown table plus the goals."""
-    g = result["gloo_allreduce_s"]
+    g = result["gloo"]
     lines = [
         (f"Exchange round, {result['peers']} peers x {result['params']:,} params on 127.0.0.1 "
-         f"(median of {result['repeats']} after {result['warmup']} warm-up; round = max over peers)"),
+         f"(median of {result['repeats']} after {result['warmup']} warm-up; round = first peer's start to "
+         f"last peer's end; gloo timed right before each method, and each ratio is to that gloo time)"),
         "",
-        ("| method | round (s) | vs gloo | encode (s) | exchange (s) | fetch+decode (s) | sent/peer | recv/peer "
-         "| identical | rel. error |"),
-        "|---|---:|---:|---:|---:|---:|---:|---:|:-:|---:|",
-        (f"| gloo all_reduce (fp32) | {g:.3f} | 1.00x | | | | | | {'yes' if result['gloo']['identical'] else 'NO'} "
-         f"| {result['gloo']['rel_error']:.2e} |"),
+        ("| method | round (s) | gloo before it (s) | vs gloo | encode (s) | exchange (s) | fetch+decode (s) "
+         "| sent/peer | recv/peer | identical | rel. error |"),
+        "|---|---:|---:|---:|---:|---:|---:|---:|---:|:-:|---:|",
+        (f"| gloo all_reduce (fp32), all its rounds | {result['gloo_allreduce_s']:.3f} | | | | | | | "
+         f"| {'yes' if g['identical'] else 'NO'} | {g['rel_error']:.2e} |"),
     ]
     floor = result.get("p2pd_floor")
     if floor is not None:
-        lines.append(f"| p2pd floor: bare fp32 bytes, no protocol | {floor['round_s']:.3f} | {floor['ratio_vs_gloo']:.2f}x "
-                     f"| | | | {_fmt_bytes(floor['bytes_received_per_peer'])} | {_fmt_bytes(floor['bytes_received_per_peer'])} "
-                     f"| | |")
+        # payload bytes only (the codecs' columns count the round protocol's framing too)
+        lines.append(f"| p2pd floor: bare fp32 bytes, no protocol | {floor['round_s']:.3f} | {floor['gloo_round_s']:.3f} "
+                     f"| {floor['ratio_vs_gloo']:.2f}x | | | | {_fmt_bytes(floor['bytes_sent_per_peer'])} payload "
+                     f"| {_fmt_bytes(floor['bytes_received_per_peer'])} payload | n/a | |")
     for name, c in result["codecs"].items():
         lines.append(
-            f"| {name} | {c['round_s']:.3f} | {c['ratio_vs_gloo']:.2f}x | {c['encode_s']:.3f} | {c['exchange_s']:.3f} "
-            f"| {c['fetch_decode_s']:.3f} | {_fmt_bytes(c['bytes_sent_per_peer'])} "
+            f"| {name} | {c['round_s']:.3f} | {c['gloo_round_s']:.3f} | {c['ratio_vs_gloo']:.2f}x | {c['encode_s']:.3f} "
+            f"| {c['exchange_s']:.3f} | {c['fetch_decode_s']:.3f} | {_fmt_bytes(c['bytes_sent_per_peer'])} "
             f"| {_fmt_bytes(c['bytes_received_per_peer'])} | {'yes' if c['identical'] else 'NO'} "
             f"| {c['rel_error']:.2e} |")
     names = {"sparseloco_faster_than_gloo": "sparseloco round faster than gloo's dense fp32 all-reduce",
              "fp32_within_8x_of_gloo": "fp32 round within 8x of gloo"}
     if result["goals"]:
-        lines.append("")
+        lines += ["", "Goals (met only where the method's and its gloo rounds' means were identical on every peer):"]
         for key, met in result["goals"].items():
             lines.append(f"- {names[key]}: {'met' if met else 'NOT met'}")
+    run = result.get("run", {})
+    lines += ["", f"`{' '.join(run.get('argv', []))}` at {run.get('git_commit')}, {run.get('cpu_count')} CPUs, "
+                  f"torch {run.get('torch')}, hivemind {run.get('hivemind')}, {run.get('utc')}"]
     return "\n".join(lines)
 
 
@@ -331,6 +405,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--json", action="store_true", help="print one JSON object instead of the table")
     parser.add_argument("--verbose", action="store_true", help="protocol logs at INFO from the workers")
     args = parser.parse_args(argv)
+    args.argv = list(sys.argv[1:] if argv is None else argv)  # recorded in the result
     args.codecs = [c.strip() for c in args.codecs.split(",") if c.strip()]
     from groundswell.compression import make_codec
 

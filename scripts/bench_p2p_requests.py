@@ -5,7 +5,8 @@ unary call on the daemon's persistent connection, by message size.
     OMP_WAIT_POLICY=PASSIVE python scripts/bench_p2p_requests.py [--sizes 300,65536,262144] \\
         [--requests 100] [--json]
 
-Two processes on 127.0.0.1, each with its own p2pd. The server echoes every request. For each size
+Two processes on 127.0.0.1, each with its own p2pd. The server echoes every request, and the
+client checks every reply equals what it sent (a wrong echo fails the run). For each size
 and path the client sends `--requests` sequential requests (after 10 unmeasured ones) and reports
 the wall time per request and the CPU time per request of the four processes involved (client,
 client daemon, server daemon, server), read from /proc. The paths alternate twice, so a drift of
@@ -64,6 +65,12 @@ def _server_main(info: Any, done: Any) -> None:
     asyncio.run(_serve(info, done))
 
 
+def _check_echo(path: str, reply: bytes, msg: bytes) -> None:
+    """A request only counts if it made the round trip intact (a compare costs microseconds, a request milliseconds)."""
+    if reply != msg:
+        raise RuntimeError(f"{path} echo of {len(msg)} bytes came back as {len(reply)} different bytes")
+
+
 async def _measure(server: tuple, sizes: list[int], requests: int) -> list[dict]:
     from hivemind.p2p import P2P, PeerID
 
@@ -81,11 +88,12 @@ async def _measure(server: tuple, sizes: list[int], requests: int) -> list[dict]
                 _, reader, writer = await p2p.call_binary_stream_handler(peer, "echo")
                 writer.write(len(msg).to_bytes(4, "big") + msg)
                 await writer.drain()
-                await reader.readexactly(int.from_bytes(await reader.readexactly(4), "big"))
+                reply = await reader.readexactly(int.from_bytes(await reader.readexactly(4), "big"))
                 writer.close()
+                _check_echo("stream", reply, msg)
 
             async def unary_call() -> None:
-                await p2p._client.call_unary_handler(peer, "echo-unary", msg)
+                _check_echo("unary", await p2p._client.call_unary_handler(peer, "echo-unary", msg), msg)
 
             for rnd in range(2):
                 for path, call in (("stream", stream_call), ("unary", unary_call)):

@@ -13,11 +13,16 @@ With --cpu-per-peer C, every training process (with its p2pd daemon) runs in its
 at C CPUs (cgroup v1 cpu controller), so that each behaves as a volunteer's own machine: without
 it, the 4 peers share this machine's cores, and whatever CPU a peer leaves idle while it waits for
 the network speeds up the others. The coordinator is not capped.
-Each trains for --wall seconds from its first step; utilization is time in forward, backward and
-the inner optimizer over that wall time (mean over peers); the loss is the held-out loss of the
-parameters the run agreed on when the wall time was up, evaluated after the run (groundswell: the
-coordinator's checkpoint of the last round completed in time, checked against that round's
-parameter hash; ddp: rank 0's model). Before 2026-12-02 the coordinator evaluated every round
+Each run gets --wall seconds from its first step: a swarm run from the moment the first
+volunteer starts its first block of inner steps (a volunteer that syncs later loses that time, as
+it would in a real run; all work before the end counts), ddp from the barrier all ranks pass
+before their first step. Utilization is time in forward, backward and the inner optimizer inside
+that window (mean over peers); the loss is the held-out loss of the parameters the run agreed on
+when the window closed, evaluated after the run (groundswell: the coordinator's checkpoint of
+the last round completed in time, checked against that round's parameter hash; ddp: rank 0's
+model after the last step every rank finished in time, a step that ends later being dropped).
+ddp's bytes are computed (steps x the ring all-reduce's 2(N-1)/N x 4P bytes), not measured:
+`bytes_per_peer_computed` says so. Before 2026-12-02 the coordinator evaluated every round
 during the run, on the CPU the volunteers train on. One torch thread per process. Every
 run warms its inner lr up over the same --warmup steps (50): before 2026-12-02 the swarm runs
 took simulate's min(50, 2 H), 20 steps for SparseLoCo at H = 10 against DiLoCo's 50 at H = 30,
@@ -115,9 +120,8 @@ def swarm_run(name: str, out: Path, wall: float, preset: str, algorithm: str, co
         start = None
         limit = time.time() + 300
         while start is None or time.time() < start + wall:
-            syncs = [e["t"] for h in SWARM_HOSTS for e in read_events(out / h / "events.jsonl") if e["kind"] == "sync"]
-            if start is None and len(syncs) == len(SWARM_HOSTS):
-                start = max(syncs)  # every peer holds the state: training starts
+            # (a block in progress is not logged yet: start can only move earlier, never past the window)
+            start = _first_block_start(out) or start
             if time.time() > limit and start is None:
                 raise RuntimeError(f"{name}: the volunteers did not start")
             time.sleep(0.5)
@@ -126,6 +130,8 @@ def swarm_run(name: str, out: Path, wall: float, preset: str, algorithm: str, co
         limit = time.time() + 120
         while time.time() < limit and any(sim.alive(h) for h in SWARM_HOSTS):
             time.sleep(0.5)
+    # the earliest block, now that every block in progress when we stopped is logged too
+    start = _first_block_start(out) or start
     stop = start + wall
     utilization, sent = [], []
     for host in SWARM_HOSTS:
@@ -146,6 +152,17 @@ def swarm_run(name: str, out: Path, wall: float, preset: str, algorithm: str, co
         res["loss_curve"] = [[round(e["t"] - start, 1), e["round"], _eval_checkpoint(out / "coordinator", e, preset)]
                              for e in picked]
     return res
+
+
+def _first_block_start(out: Path) -> float | None:
+    """When the first volunteer started training: the earliest start of any logged block of inner
+    steps (a "train" event is written at the block's end, t, and its compute_s is the block's
+    wall time, so the block ran over [t - compute_s, t]). Timing the swarm from the last peer's
+    sync instead would hand it the work its early peers did before that, which ddp's ranks, all
+    starting after a barrier, do not get."""
+    starts = [e["t"] - e["compute_s"] for h in SWARM_HOSTS for e in read_events(out / h / "events.jsonl")
+              if e["kind"] == "train"]
+    return min(starts, default=None)
 
 
 def time_to_loss(curve: list[list[float]], target: float) -> float | None:
@@ -198,15 +215,24 @@ def ddp_worker(rank: int, world: int, master: str, wall: float, preset: str, out
     opt = torch.optim.AdamW(params, lr=inner.lr, betas=(inner.beta1, inner.beta2), weight_decay=inner.weight_decay)
     sched = warmup_cosine_scheduler(opt, 10**7, inner.warmup_steps, inner.min_lr_ratio)
     sampler = ShardSampler(corpus, wl.block_size, 8, 0, rank, world)
+    # The model after the last step every rank finished inside the window: what rank 0 evaluates,
+    # as the swarm runs are scored on the last round completed in time. (A step is seconds over
+    # the shaped links: stopping after the step that crosses the window would give ddp that much more.)
+    kept = [p.detach().clone() for p in params] if rank == 0 else []
     dist.barrier()
     start, compute, steps = time.perf_counter(), 0.0, 0
+    end = start + wall
+
+    def in_window(t0: float, t1: float) -> float:
+        return max(0.0, min(t1, end) - max(t0, start))
+
     while True:
         t = time.perf_counter()
         x, y = sampler.next_batch()
         loss = wl.loss_fn(wl.model, x, y)
         opt.zero_grad(set_to_none=True)
         loss.backward()
-        compute += time.perf_counter() - t
+        compute += in_window(t, time.perf_counter())
         flat = torch.cat([p.grad.reshape(-1) for p in params])
         dist.all_reduce(flat)
         flat /= world
@@ -218,17 +244,23 @@ def ddp_worker(rank: int, world: int, master: str, wall: float, preset: str, out
         torch.nn.utils.clip_grad_norm_(params, inner.grad_clip)
         opt.step()
         sched.step()
-        compute += time.perf_counter() - t
+        compute += in_window(t, time.perf_counter())
+        late = torch.tensor([1.0 if time.perf_counter() > end else 0.0])
+        dist.all_reduce(late, op=dist.ReduceOp.MAX)  # every rank decides the same about this step
+        if late.item():
+            break  # this step ended after the window on some rank: it does not count
         steps += 1
-        done = torch.tensor([1.0 if time.perf_counter() - start >= wall else 0.0])
-        dist.all_reduce(done, op=dist.ReduceOp.MAX)  # every rank stops after the same step
-        if done.item():
-            break
+        with torch.no_grad():
+            for k, p in zip(kept, params):
+                k.copy_(p)
     elapsed = time.perf_counter() - start
     numel = flat.numel()
-    result = {"rank": rank, "compute_s": compute, "wall_s": elapsed, "steps": steps,
+    result = {"rank": rank, "compute_s": compute, "wall_s": wall, "ran_s": elapsed, "steps": steps,
               "bytes": int(steps * 2 * (world - 1) / world * 4 * numel)}
     if rank == 0:
+        with torch.no_grad():
+            for k, p in zip(kept, params):
+                p.copy_(k)
         result["eval_loss"] = evaluate(wl.model, wl.loss_fn, heldout_batches(corpus, wl.block_size, 16, 4))
     (out / f"rank{rank}.json").write_text(json.dumps(result))
     dist.destroy_process_group()
@@ -263,7 +295,10 @@ def _ddp_ranks(out: Path, wall: float, preset: str, slices: dict[str, list[str]]
     ranks = [json.loads((out / f"rank{r}.json").read_text()) for r in range(len(DDP_HOSTS))]
     return {"name": "ddp-gloo", "compute_utilization": round(sum(r["compute_s"] / r["wall_s"] for r in ranks) / 4, 4),
             "eval_loss": ranks[0]["eval_loss"], "wall_s": round(ranks[0]["wall_s"], 1),
-            "steps": ranks[0]["steps"], "bytes_per_peer": ranks[0]["bytes"], "out": str(out),
+            "ran_s": round(max(r["ran_s"] for r in ranks), 1),  # until the dropped step that crossed the window ended
+            "steps": ranks[0]["steps"], "bytes_per_peer": ranks[0]["bytes"],
+            "bytes_per_peer_computed": True,  # steps x 2(N-1)/N x 4P, not counted on the wire
+            "out": str(out),
             "warmup_steps": InnerSection().warmup_steps if warmup < 0 else warmup}
 
 

@@ -33,18 +33,27 @@ def test_bench_exchange_sparseloco_two_peers(capsys: pytest.CaptureFixture[str],
         assert key in sl, key
     assert sl["identical"] is True
     assert sl["round_s"] > 0
-    assert sl["ratio_vs_gloo"] == pytest.approx(sl["round_s"] / result["gloo_allreduce_s"])
+    # each method's ratio is to the gloo rounds timed right before it, not to one run-wide figure
+    assert sl["ratio_vs_gloo"] == pytest.approx(sl["round_s"] / sl["gloo_round_s"])
+    assert sl["gloo_round_s"] == result["gloo"]["by_method"]["sparseloco"]["round_s"]
+    assert sorted(result["gloo"]["by_method"]) == ["p2pd_floor", "sparseloco"]
+    assert len(result["gloo"]["round_s_all"]) == 2  # 1 measured gloo round next to each of the 2 methods
+    assert result["gloo"]["identical"] is True
+    assert result["run"]["argv"][1:] == ["--peers", "2", "--params", str(params), "--codecs", "sparseloco",
+                                         "--repeats", "1", "--json"]
     assert 0 < sl["bytes_sent_per_peer"] < 4 * params  # far below a dense fp32 copy
     assert 0 < sl["bytes_received_per_peer"] < 4 * params
     assert 0 < sl["rel_error"] < 1.5  # lossy (top-k without error feedback), but a mean of the inputs
-    assert isinstance(result["goals"]["sparseloco_faster_than_gloo"], bool)
+    assert result["goals"]["sparseloco_faster_than_gloo"] == (sl["round_s"] < sl["gloo_round_s"])  # all identical
 
     # the transport's floor ran among the same processes: every peer received exactly what a ring
     # all-reduce moves per peer, 2(N-1)/N x 4P bytes (the bench fails if any peer got other than that)
     floor = result["p2pd_floor"]
     assert floor["bytes_received_per_peer"] == 2 * (2 - 1) / 2 * 4 * params
     assert len(floor["round_s_all"]) == 1 and floor["round_s"] > 0
-    assert floor["ratio_vs_gloo"] == pytest.approx(floor["round_s"] / result["gloo_allreduce_s"])
+    assert floor["ratio_vs_gloo"] == pytest.approx(floor["round_s"] / floor["gloo_round_s"])
+    assert floor["identical"] is None  # the floor computes no mean: nothing was compared
+    assert floor["bytes_sent_per_peer"] == floor["bytes_received_per_peer"]  # each peer sends what it takes
 
 
 def test_the_floor_splits_a_tensor_into_slices_that_cover_it_once(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -76,3 +85,24 @@ def test_a_method_names_a_codec_and_optionally_its_replicas(monkeypatch: pytest.
             bench_exchange.parse_method(bad)
     with pytest.raises(SystemExit):
         bench_exchange.parse_args(["--codecs", "fp32@9"])
+
+
+def test_a_round_spans_from_the_first_start_to_the_last_end(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.syspath_prepend(str(SCRIPTS))
+    import bench_exchange
+
+    def rec(t0: float, t3: float, sha: str | None, warmup: bool = False) -> dict:
+        return {"warmup": warmup, "t0": t0, "t3": t3, "sha": sha, "rel_error": None}
+
+    # peer 0 starts early and ends early, peer 1 starts late and ends late: the round is neither
+    # peer's own duration (1.0 each) but the span 10.0 .. 11.5
+    per_peer = [{"rounds": [rec(0.0, 9.0, "a", warmup=True), rec(10.0, 11.0, "b")]},
+                {"rounds": [rec(0.5, 9.0, "a", warmup=True), rec(10.5, 11.5, "b")]}]
+    out = bench_exchange._summarize(per_peer, 2)
+    assert out["round_s_all"] == [1.5] and out["identical"] is True
+    per_peer[1]["rounds"][0]["sha"] = "c"  # a warm-up round that disagrees still counts against identical
+    assert bench_exchange._summarize(per_peer, 2)["identical"] is False
+    for p in per_peer:
+        for r in p["rounds"]:
+            r["sha"] = None  # nothing hashed (the floor): nothing to call identical
+    assert bench_exchange._summarize(per_peer, 2)["identical"] is None
