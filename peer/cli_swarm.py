@@ -406,6 +406,7 @@ def status(
     from groundswell.protocol.identity import Identity
 
     from .bootstrap import parse_bootstrap
+    from .net_errors import NetworkError
     from .swarm import NodeOptions, SwarmNode
 
     boot = parse_bootstrap(bootstrap)
@@ -420,7 +421,11 @@ def status(
         try:
             _, manifest = _fetch_manifest(node, boot.maddrs, boot.coordinator_id)
             time.sleep(0.5)
-            records = node.call(node.peer_records(manifest.run.id), timeout_s=30)
+            try:
+                records = node.call(node.peer_records(manifest.run.id), timeout_s=30)
+            except TimeoutError:
+                raise NetworkError("the run's peer records could not be read from the DHT within 30 s; "
+                                   "try again") from None
         finally:
             node.close()
     # A record's loss is 0 until its peer has evaluated (only the coordinator does, by default).

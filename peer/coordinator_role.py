@@ -35,7 +35,11 @@ def run_coordinator(p: Participant, *, stop: StopFlag, on_round: Callable[[Round
     else:
         p.node.record_decision(genesis_decision(p.identity, m.run.id))
         p.snapshot()
-        p.save_checkpoint()
+        if p.save_checkpoint() is None:
+            # A restart without it would sign another genesis (its own time): a round 0 of another
+            # state than the one the volunteers who joined meanwhile hold. Refused before anyone joins.
+            raise OSError(f"the run's first checkpoint could not be written to {p.state_dir} (see the log "
+                               "line above); free space or choose another --state-dir, then launch again")
     # Ctrl+C cuts any wait on the network short: the coordinator contributes nothing, so it leaves at
     # once, even mid-attempt (the volunteers re-pick any role it held, as when a peer dies).
     p.node.interrupt_calls_on(stop.event)

@@ -400,8 +400,13 @@ class _UndecodableWork(Exception):
 
 
 def _swarm_eval_loss(p: Participant) -> float:
-    """The newest held-out loss a peer (the coordinator, normally) published, for display."""
-    losses = [(r.round, r.loss) for r in p.node.cached_records.values() if r.loss == r.loss and r.loss > 0]
+    """The held-out loss the coordinator published, for display (in an open run any other peer's
+    record could show a made-up one); else the newest one a peer published (volunteers evaluate too)."""
+    records = p.node.cached_records
+    coordinator = records.get(p.coordinator_id)
+    if coordinator is not None and coordinator.loss == coordinator.loss and coordinator.loss > 0:
+        return coordinator.loss
+    losses = [(r.round, r.loss) for r in records.values() if r.loss == r.loss and r.loss > 0]
     return max(losses)[1] if losses else float("nan")
 
 

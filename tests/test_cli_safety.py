@@ -1,6 +1,8 @@
-"""What a coordinator's signed manifest may ask of a volunteer's machine: its signature vouches for
-the run, not for paths on the volunteer's disk or code to import, so `join` takes the dataset
-from `--data` and runs a `module:callable` model only with `--allow-model-code`."""
+"""What `join`, `launch` and `status` must not do on their user's machine or on untrusted input.
+A coordinator's signed manifest vouches for the run, not for paths on the volunteer's disk or code
+to import, so `join` takes the dataset from `--data` and runs a `module:callable` model only with
+`--allow-model-code`; records and manifests from peers are shown as text and checked one by one;
+a run does not start on a first checkpoint that could not be written."""
 
 from __future__ import annotations
 
@@ -90,3 +92,24 @@ def test_a_bootstrap_peer_serving_a_manifest_that_does_not_verify_does_not_stop_
     served["good"] = b"forged"
     with pytest.raises(PeerUnavailable, match="signed by someone else"):
         asyncio.run(node.fetch_manifest(["stale", "good"], tries=1, accept=accept))
+
+
+def test_a_coordinator_whose_first_checkpoint_cannot_be_written_does_not_start_the_run(tmp_path):
+    """A restart without it would sign another genesis (its own time): round 0 of another state
+    than the one volunteers who joined meanwhile hold. It used to carry on, the failure logged."""
+    from types import SimpleNamespace
+
+    from groundswell.peer.coordinator_role import run_coordinator
+    from groundswell.peer.stop_flag import StopFlag
+    from groundswell.protocol.identity import Identity
+
+    followed: list[str] = []
+    p = SimpleNamespace(
+        manifest=SimpleNamespace(run=SimpleNamespace(id="r")), identity=Identity.generate(), state_dir=tmp_path,
+        start_network=lambda: None, events=SimpleNamespace(write=lambda *a, **k: None),
+        node=SimpleNamespace(startup_s={}, record_decision=lambda d: None,
+                             interrupt_calls_on=lambda e: followed.append("followed")),
+        load_checkpoint=lambda: None, snapshot=lambda: None, save_checkpoint=lambda *a, **k: None)
+    with pytest.raises(OSError, match="first checkpoint could not be written"):
+        run_coordinator(p, stop=StopFlag())
+    assert followed == []  # no round was followed
