@@ -100,9 +100,13 @@ def _fetch_manifest(node, maddrs: list[str], coordinator_id: str):
             return str(exc)
         return None
 
+    from .swarm import ManifestRefused
+
     try:
         signed = node.call(node.fetch_manifest([m.rsplit("/p2p/", 1)[1] for m in maddrs], accept=why_not),
                            timeout_s=120)
+    except ManifestRefused as exc:  # not the network's doing: the manifest itself, in one line
+        raise ManifestError(str(exc)) from None
     except (PeerUnavailable, TimeoutError) as exc:
         raise NetworkError(f"no bootstrap peer served the run manifest ({', '.join(maddrs)}): {exc}") from None
     return signed, SignedManifest.from_bytes(signed).verify(coordinator_id)

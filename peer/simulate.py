@@ -303,6 +303,8 @@ def run_simulation(opts: SimulateOptions, out: Path, progress: Callable[[str], N
             head, _, maddrs = boot.partition("@")
             line = f"{head}@{','.join(dict.fromkeys([*maddrs.split(','), *extra[:3]]))}"
             attack = ["--attack", opts.attack] if name in opts.byzantine_peers() else []
+            if ":" in opts.preset:  # the researcher named the model code: the volunteers may run it
+                attack.append("--allow-model-code")
             return ["join", line, "--state-dir", str(out / name), "--until-round", str(opts.rounds),
                     "--listen", "/ip4/127.0.0.1/tcp/0", *attack, *common]
 

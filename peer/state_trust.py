@@ -46,8 +46,8 @@ class NoNewerState(PeerUnavailable):
 
 
 class ModelMismatch(PeerUnavailable):
-    """Every state peers served is of a model of another size than ours: our configuration (most
-    likely our dataset's vocabulary) is not the run's, not theirs."""
+    """A state the coordinator vouches for (the run's own) is of a model of another size than ours:
+    our configuration (most likely our dataset's vocabulary) is not the run's."""
 
 
 def coordinator_hashes(record: Any) -> dict[int, str]:
@@ -126,9 +126,11 @@ class StateCheck:
         if "global_params" not in tensors or set(tensors) - allowed:
             raise ProtocolError(f"state holds tensors {sorted(tensors)}, expected global_params (+ momentum_buffer)")
         for name, t in tensors.items():
-            if t.dtype == torch.float32 and t.dim() == 1 and t.numel() != self.numel:
-                # most likely ours: a model built for another vocabulary (our --data is not the run's)
-                raise ProtocolError(f"the state's model has {t.numel()} parameters, ours {self.numel}: is our "
+            if t.dtype == torch.float32 and t.dim() == 1 and t.numel() != self.numel \
+                    and await self._vouched_whole(reply, tensors, server, records):
+                # the run's own state, the coordinator says: ours is a model built for another
+                # vocabulary (our --data is not the run's dataset)
+                raise ProtocolError(f"the run's model has {t.numel()} parameters, ours {self.numel}: is our "
                                     "dataset (its vocabulary) the run's?", reason="other-model", strike=False)
             if t.dtype != torch.float32 or t.shape != (self.numel,) or not all_finite(t):
                 raise ProtocolError(f"state tensor {name} is not {self.numel} finite fp32 values", reason="bad-payload")
@@ -158,6 +160,24 @@ class StateCheck:
         if known is not None and known[0] != reply.decision and known[1] != decision:
             raise ProtocolError(f"state's decision of round {decision.round} conflicts with the commit we hold",
                                 reason="conflicting", strike=False)
+
+    def vouched(self, reply: StateReply, server: str, records: dict[str, Any]) -> bool:
+        """Does the coordinator vouch for the state hash this signed reply names (it is the server,
+        or its record publishes that hash for the round)? Then the state is the run's own."""
+        if server == self.coordinator:
+            return True
+        return coordinator_hashes(records.get(self.coordinator)).get(reply.round) == reply.params_hash
+
+    async def _vouched_whole(self, reply: StateReply, tensors: dict[str, torch.Tensor], server: str,
+                             records: Callable[[], Awaitable[dict[str, Any]]]) -> bool:
+        """`vouched`, and the tensors that came have the hash the reply names (of whatever size)."""
+        digest = state_hash(reply.decision, tensors["global_params"], tensors.get("momentum_buffer"))
+        if digest != reply.params_hash:
+            return False
+        try:
+            return self.vouched(reply, server, await records())
+        except Exception:  # noqa: BLE001 (the DHT failing: not vouched for, refused as any bad state is)
+            return False
 
     def refuse_early(self, reply: StateReply, server: str, records: dict[str, Any]) -> None:
         """Raise `ProtocolError` for a state whose signed reply names a parameter hash the
@@ -317,6 +337,10 @@ async def download_state(node: Any, check: StateCheck, peers: list[str], min_rou
     def size_check(server: str) -> Callable[[StateReply], int]:
         def size(reply: StateReply) -> int:  # runs before a byte of the blob is read
             if reply.size > budget:
+                if check.vouched(reply, server, node.cached_records):  # the run's own: our model is too small
+                    other_model[server] = (f"the run's state is {reply.size} bytes, more than a model of ours can "
+                                           f"have ({budget}): is our dataset (its vocabulary) the run's?")
+                    raise ProtocolError(other_model[server], reason="other-model", strike=False)
                 raise ProtocolError(f"a state of {reply.size} bytes exceeds the limit of {budget}", reason="oversized")
             if reply.size and reply.round < min_round:  # an honest server answers size 0 instead
                 raise ProtocolError(f"a state of round {reply.round}, older than the {min_round} asked for")
@@ -331,7 +355,7 @@ async def download_state(node: Any, check: StateCheck, peers: list[str], min_rou
         return size
 
     queue, asked = list(dict.fromkeys(peers)), 0
-    other_model: list[str] = []  # refusals of states whose model is not ours
+    other_model: dict[str, str] = {}  # server -> why its state, the run's own, is of a model not ours
     behind: set[str] = set()  # answered: nothing of round >= min_round
     silent: set[str] = set()  # alive, or not known to be gone, but served nothing: may hold a newer state
     newer: set[str] = set()  # showed a state of round >= min_round (busy serving it, or one we refused)
@@ -359,6 +383,8 @@ async def download_state(node: Any, check: StateCheck, peers: list[str], min_rou
                                                          reply_timeout_s=state_reply_timeout_s(check.numel))
         except PeerUnavailable as exc:
             log.info("state from %s: %s", peer[-8:], exc)
+            if peer in other_model:
+                continue
             if not isinstance(exc, PeerDead):  # a dead peer's record lingers a while: it holds nothing
                 silent.add(peer)
             continue
@@ -382,14 +408,14 @@ async def download_state(node: Any, check: StateCheck, peers: list[str], min_rou
             log.warning("state from %s refused: %s", peer[-8:], exc)
             newer.add(peer)
             if exc.reason == "other-model":
-                other_model.append(str(exc))
+                other_model[peer] = str(exc)
     # "Nothing newer" only when the answers say so, and no peer showed a newer state: the
     # coordinator's answer, or more peers' than those that may have been silent only for now
     # (slow, refusing a flood). Peers whose dial failed are gone: their records linger a while,
     # and they must not keep a restarted volunteer that is ahead of everyone online from
     # carrying on.
-    if other_model and len(other_model) == len(newer):  # every state we could have taken: not theirs, ours
-        raise ModelMismatch(other_model[0])
+    if other_model:  # the run's own state (the coordinator vouches for it) does not fit our model: ours is wrong
+        raise ModelMismatch(next(iter(other_model.values())))
     if behind and not newer and (check.coordinator in behind or len(behind) > len(silent)):
         raise NoNewerState(f"no peer holds a verifiable state of round {min_round} or later "
                            f"({len(behind)} answered with an older one or none)")

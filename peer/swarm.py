@@ -375,9 +375,11 @@ class SwarmNode(PeerRecords, StateServing, NetLoop):
         why not, or None); a lossy link can reset the first stream, so every peer is asked up to
         `tries` times. One peer serving another run's manifest (a stale address in a bootstrap
         line) or a forged one does not stop the others from being asked."""
-        refused: list[str] = []
+        refused: dict[str, str] = {}  # peer -> why its manifest was not taken (it is not asked again)
         for attempt in range(tries):
-            for peer in dict.fromkeys(peers):
+            if attempt:
+                await asyncio.sleep(attempt)
+            for peer in [p for p in dict.fromkeys(peers) if p not in refused]:
                 try:
                     reply = await self.bootstrap_transport.request(  # type: ignore[union-attr]
                         peer, "get-manifest", ManifestRequest(), ManifestReply, timeout_s=timeout_s)
@@ -388,10 +390,13 @@ class SwarmNode(PeerRecords, StateServing, NetLoop):
                 if why is None:
                     return reply.signed
                 log.warning("the manifest from %s is not taken: %s", peer[-8:], why)
-                refused.append(f"{peer[-8:]}: {why}")
-            await asyncio.sleep(1.0 + attempt)
+                refused[peer] = why
+            if set(refused) >= set(peers):
+                break  # every peer answered with one we cannot take: asking again changes nothing
+        if refused and set(refused) >= set(peers):
+            raise ManifestRefused("; ".join(dict.fromkeys(refused.values())))
         raise PeerUnavailable("no bootstrap peer served the run manifest"
-                              + (f" ({'; '.join(dict.fromkeys(refused))})" if refused else ""))
+                              + (f" ({'; '.join(dict.fromkeys(refused.values()))})" if refused else ""))
 
     def call(self, coro: Coroutine[Any, Any, T], timeout_s: float | None = None) -> T:
         """`NetLoop.call`, or NetworkError once the node has stopped by itself."""
@@ -434,6 +439,11 @@ class SwarmNode(PeerRecords, StateServing, NetLoop):
         self._start_cancelled = True  # `_run` has not begun: it never will
         if self._run_task is not None:
             self._run_task.cancel()  # its teardown (the finally) still runs, and `close` waits for it
+
+class ManifestRefused(PeerUnavailable):
+    """Every bootstrap peer answered with a manifest that cannot be taken (signed by another key,
+    say): the message says why."""
+
 
 class _Stop(Exception):
     """Raised inside the node's TaskGroup to cancel every task on close."""

@@ -127,9 +127,13 @@ class InnerTrainer:
 
     def load_progress_state(self, state: dict) -> None:
         """Restore a `progress_state()` (after `load_state_dict`, which it moves forward)."""
+        step = int(state["step"])
         self.sampler.load_state_dict(state["sampler"])  # checked against this corpus and seed before it moves
         self.scheduler.load_state_dict(state["scheduler"])
-        self.step = int(state["step"])
+        # (the schedule's rate reaches the optimizer at its next step only: the next step is now)
+        for group, lr in zip(self.optimizer.param_groups, self.scheduler.get_last_lr()):
+            group["lr"] = lr
+        self.step = step
 
     def load_state_dict(self, state: dict) -> None:
         """Restore a `state_dict()`."""

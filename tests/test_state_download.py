@@ -237,27 +237,43 @@ def test_a_state_announced_bigger_than_the_runs_state_is_refused_before_a_byte_i
     assert refused == ["oversized"]
 
 
-def test_states_of_a_model_of_another_size_from_every_server_say_it_is_ours_not_theirs(participant, monkeypatch):
+@pytest.mark.parametrize("ours", ["larger", "smaller"])
+def test_the_runs_own_state_of_another_model_size_says_it_is_ours_not_theirs(participant, monkeypatch, ours):
     """A joiner whose model was built for another vocabulary (its --data is not the run's dataset)
-    finds every state the wrong size: it says so, and strikes no honest server for it."""
+    says so in one line once a state the coordinator vouches for does not fit it (a larger one is
+    refused by its size before it is downloaded). A state of the wrong size nobody vouches for is a
+    bad state, struck as before: a hostile server must not make a joiner blame its own dataset."""
     from dataclasses import replace
 
     from groundswell.peer import state_trust
 
-    reply, blob, digest, _ = _served_state(participant, round_id=5)
-    struck: list[tuple] = []
+    coord = participant.coordinator_id
+    reply, blob, digest, good = _served_state(participant, round_id=5)
+    struck: dict[str, bool] = {}
 
     async def fake_fetch(node, peer, min_round, size, timeout_s, reply_timeout_s):
-        size(reply)
+        try:
+            size(reply)
+        except ProtocolError as exc:  # as the transport reports a reply refused by its size
+            raise state_trust.PeerUnavailable(str(exc)) from None
         return reply, bytearray(blob), digest, "stream"
 
+    records = {coord: SimpleNamespace(round=6, params_hash="h6", earlier_hashes=[f"5:{good}"])}
+
     async def refresh():
-        return {}
+        return records
 
     monkeypatch.setattr(state_trust, "fetch_state", fake_fetch)
-    node = SimpleNamespace(cached_records={}, refresh_records=refresh,
-                           guard=SimpleNamespace(count=lambda *a, strike, **k: struck.append(strike)))
-    ours = replace(participant.state_check(), numel=participant.outer.global_params.numel() + 7)
+    node = SimpleNamespace(cached_records=records, refresh_records=refresh,
+                           guard=SimpleNamespace(count=lambda peer, *a, strike, **k: struck.update({peer: strike})))
+    numel = participant.outer.global_params.numel()
+    check = replace(participant.state_check(), numel=numel + 7 if ours == "larger" else numel // 4)
     with pytest.raises(state_trust.ModelMismatch, match="is our dataset"):
-        asyncio.run(state_trust.download_state(node, ours, ["a", "b", participant.coordinator_id], 0))
-    assert struck and not any(struck)
+        asyncio.run(state_trust.download_state(node, check, ["a"], 0))
+    assert not any(struck.values())
+    # nobody vouches for it: a bad state, struck, and the sync fails as any other does
+    records.clear()
+    node.cached_records = {}
+    with pytest.raises(state_trust.PeerUnavailable) as err:
+        asyncio.run(state_trust.download_state(node, check, ["a"], 0))
+    assert not isinstance(err.value, state_trust.ModelMismatch)

@@ -429,6 +429,8 @@ def test_a_restart_from_the_work_record_trains_on_from_where_that_contribution_l
     else:
         assert "inner_progress" not in resumed  # the checkpoint is where training was
     assert fresh.step == 5 and fresh.scheduler.last_epoch == trainer.scheduler.last_epoch
+    # the next step runs at the schedule's rate for step 5, not the checkpoint's (warm-up: they differ)
+    assert fresh.optimizer.param_groups[0]["lr"] == trainer.scheduler.get_last_lr()[0]
     assert all(torch.equal(a, b) for a, b in zip(fresh.sampler.next_batch(), expected_batch))
     # a position from another data order (another peer's seed, say) is not taken
     other = volunteer_trainer(again)
