@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import itertools
 import types
 
 import pytest
@@ -68,5 +69,5 @@ def test_every_record_is_replaced_before_it_expires(monkeypatch, store_s):
     for (_, expires), next_start in zip(dht.stores, starts[1:]):
         assert next_start < expires, "a record expired before the next heartbeat began storing its successor"
     # start to start, not end to start: a store that took 0.3 s did not add its time to the spacing
-    gaps = [b - a for a, b in zip(starts, starts[1:])]
+    gaps = [b - a for a, b in itertools.pairwise(starts)]
     assert max(gaps) < 0.45, gaps

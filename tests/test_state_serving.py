@@ -65,8 +65,9 @@ def node():
     me = Identity.generate()
     n = SwarmNode(me, "unused", NodeOptions())  # only its handler is used: never started
     n.book = DecisionBook("unit")
-    n.book.add(seal(me, "unit", Decision(2, 0, "commit", [VET], [VET], [me.peer_id], me.peer_id, [], 0, time.time())))
-    n.state_provider = lambda: GlobalState(3, {"global_params": torch.arange(1000, dtype=torch.float32)}, b"signed")
+    commit = seal(me, "unit", Decision(2, 0, "commit", [VET], [VET], [me.peer_id], me.peer_id, [], 0, time.time()))
+    n.book.add(commit)
+    n.state_provider = lambda: GlobalState(3, {"global_params": torch.arange(1000, dtype=torch.float32)}, commit)
     try:
         yield n
     finally:
