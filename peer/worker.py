@@ -6,6 +6,7 @@ around it by the driver (`train_local` here, the swarm peer later).
 
 from __future__ import annotations
 
+import math
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -83,26 +84,29 @@ class InnerTrainer:
             x, y = self.sampler.next_batch()
             x, y = x.to(self.device, non_blocking=True), y.to(self.device, non_blocking=True)
             loss = self.loss_fn(self.model, x, y)
-            if not torch.isfinite(loss):
-                # A non-finite loss would poison the pseudo-gradient; refuse it loudly.
-                raise FloatingPointError(self._diverged(f"loss is {loss.item()}"))
             self.optimizer.zero_grad(set_to_none=True)
-            loss.backward()
+            loss.backward()  # (a non-finite loss only makes non-finite gradients: refused below, before the step)
             if self.inner.grad_clip > 0:
                 grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.inner.grad_clip)
             else:
                 grad_norm = _grad_norm(list(self.model.parameters()))
-            if not torch.isfinite(grad_norm):
+            # One read from the device per step (each read waits for the GPU): the loss for the
+            # progress bar and both finiteness checks come from it.
+            loss_value, norm_value = torch.stack([loss.detach().float(), grad_norm.float()]).tolist()
+            if not math.isfinite(loss_value):
+                # A non-finite loss would poison the pseudo-gradient; refuse it loudly.
+                raise FloatingPointError(self._diverged(f"loss is {loss_value}"))
+            if not math.isfinite(norm_value):
                 # A finite loss can still have an inf/NaN gradient: AdamW would write NaN into the
                 # weights, and the failure would surface rounds later as a codec error.
-                raise FloatingPointError(self._diverged(f"gradient norm is {grad_norm.item()}"))
+                raise FloatingPointError(self._diverged(f"gradient norm is {norm_value}"))
             self.optimizer.step()
             self.scheduler.step()
             self.step += 1
-            total += loss.item()
+            total += loss_value
             tokens += x.numel()
             if on_step is not None:
-                on_step(self.step, loss.item())
+                on_step(self.step, loss_value)
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
         return InnerStats(num_steps, total / max(1, num_steps), tokens, time.perf_counter() - start)

@@ -9,6 +9,7 @@ from groundswell.peer.data import Corpus
 from groundswell.peer.worker import InnerTrainer
 from groundswell.peer.workload import Workload
 from torch import nn
+from torch.utils._python_dispatch import TorchDispatchMode
 
 
 class _InfGradient(nn.Module):
@@ -35,3 +36,59 @@ def test_a_finite_loss_with_a_non_finite_gradient_stops_before_the_optimizer_ste
         trainer.run(3)
     assert torch.equal(trainer.model.weight.detach(), torch.ones(4))  # was NaN after AdamW's step
     assert trainer.step == 0 and not trainer.optimizer.state
+
+
+def _nan_loss(model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    return (model.weight * float("nan")).sum()
+
+
+def _trainer(model: nn.Module, loss_fn, grad_clip: float = 1.0) -> InnerTrainer:
+    tokens = torch.arange(200, dtype=torch.uint8)
+    corpus = Corpus(name="t", train=tokens, heldout=tokens[:20], vocab_size=256, fingerprint="t")
+    workload = Workload(model=model, loss_fn=loss_fn, block_size=8, name="t")
+    return InnerTrainer(workload, corpus, DataSection(batch_size=2), InnerSection(lr=0.5, grad_clip=grad_clip),
+                        total_steps=10, seed=0, shard_index=0, num_shards=1)
+
+
+def test_a_non_finite_loss_stops_before_the_optimizer_steps() -> None:
+    trainer = _trainer(_InfGradient(), _nan_loss)
+    with pytest.raises(FloatingPointError, match=r"inner step 0: loss is nan: training diverged"):
+        trainer.run(2)
+    assert torch.equal(trainer.model.weight.detach(), torch.ones(4))
+    assert trainer.step == 0 and not trainer.optimizer.state
+
+
+class _ScalarReads(TorchDispatchMode):
+    """Counts reads of a tensor's value by the host (`.item()`, `bool(t)`): on a GPU each one waits
+    for the device to finish its queue."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.count = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # noqa: ANN001, ANN204
+        self.count += func is torch.ops.aten._local_scalar_dense.default
+        return func(*args, **(kwargs or {}))
+
+
+def _linear_loss(model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    return ((model(x.float()) - y.float()) ** 2).mean()
+
+
+def test_an_inner_step_reads_no_scalar_from_the_device_beyond_the_optimizers_own() -> None:
+    """The loss and the finiteness checks come from one `tolist()` per step: before, `isfinite`
+    twice and `.item()` twice made four separate waits for the GPU."""
+    torch.manual_seed(0)
+    trainer = _trainer(nn.Linear(8, 8), _linear_loss)
+    trainer.run(1)  # AdamW's state exists from here on
+    with _ScalarReads() as trained:
+        trainer.run(3, on_step=lambda step, loss: None)
+    bare = _trainer(nn.Linear(8, 8), _linear_loss)
+    bare.run(1)
+    with _ScalarReads() as stepped:  # what AdamW and the schedule read by themselves
+        for _ in range(3):
+            _linear_loss(bare.model, *bare.sampler.next_batch()).backward()
+            torch.nn.utils.clip_grad_norm_(bare.model.parameters(), 1.0)
+            bare.optimizer.step()
+            bare.scheduler.step()
+    assert trained.count == stepped.count
