@@ -10,51 +10,136 @@ pings them back in.
 from __future__ import annotations
 
 import asyncio
+import ipaddress
 import json
 import logging
 import time
 from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 log = logging.getLogger(__name__)
 
-MAX_REMEMBERED = 64  # peers whose addresses are kept
+MAX_REMEMBERED = 64  # peers whose addresses are kept, in each tier
 MAX_TARGETS = 16  # peers dialled per attempt
+MAX_ADDRS = 4  # addresses dialled per peer
+
+LOOPBACK, PRIVATE, PUBLIC = "loopback", "private", "public"
+
+
+def address_scope(maddr: str) -> str | None:
+    """Where a multiaddr's IP lives: loopback, private (RFC 1918, ULA, CGNAT) or public; None for
+    one never worth dialling (link-local, multicast, unspecified, reserved, malformed). A DNS name
+    counts as public (the daemon resolves it)."""
+    parts = str(maddr).split("/")
+    if len(parts) < 3 or parts[1] not in ("ip4", "ip6", "dns", "dns4", "dns6"):
+        return None
+    if parts[1].startswith("dns"):
+        return PUBLIC
+    try:
+        ip = ipaddress.ip_address(parts[2])
+    except ValueError:
+        return None
+    if ip.is_loopback:
+        return LOOPBACK
+    if ip.is_link_local or ip.is_multicast or ip.is_unspecified or ip.is_reserved:
+        return None
+    if ip.is_private or (ip.version == 4 and ip in _CGNAT):
+        return PRIVATE
+    return PUBLIC if ip.is_global else None
+
+
+_CGNAT = ipaddress.ip_network("100.64.0.0/10")
+
+
+def dialable_scopes(own: Sequence[str]) -> frozenset[str]:
+    """The scopes of the addresses a run's own peers may be dialled at: those of `own` (the
+    bootstrap addresses the user gave, else our own listen addresses), public always. A public run
+    never has a hostile record make its peers dial their own loopback or home network; a run on
+    127.0.0.1 or a LAN still dials its peers there. An unspecified listen address (0.0.0.0)
+    allows private ones (a LAN run), not loopback."""
+    scopes = {PUBLIC}
+    for maddr in own:
+        parts = str(maddr).split("/")
+        if len(parts) >= 3 and parts[2] in ("0.0.0.0", "::"):
+            scopes.add(PRIVATE)
+        elif (scope := address_scope(maddr)) is not None:
+            scopes.add(scope)
+    return frozenset(scopes)
 
 
 class DhtRejoiner:
-    """Peer addresses seen in records, and the re-entry into the DHT once its table is empty."""
+    """Peer addresses seen in records, and the re-entry into the DHT once its table is empty.
 
-    def __init__(self, me: str, bootstrap: Sequence[str], every_s: float = 10.0) -> None:
+    Peers are kept in two tiers. *Proven* peers are the coordinator and those named in commits
+    this node holds (they did the run's work); *seen* ones only published a record, which in an
+    open run anyone can do by the thousand. Proven peers are dialled first, and a flood of records
+    only ever pushes seen ones out."""
+
+    def __init__(self, me: str, bootstrap: Sequence[str], every_s: float = 10.0,
+                 scopes: frozenset[str] | None = None) -> None:
         self.me = me
         self.bootstrap = list(bootstrap)
         self.every_s = every_s
-        self._addrs: dict[str, list[str]] = {}  # peer -> addresses from its last record, oldest first
+        self.scopes = scopes if scopes is not None else dialable_scopes(self.bootstrap)
+        self._addrs: dict[str, list[str]] = {}  # seen: peer -> addresses from its last record, oldest first
+        self._proven: dict[str, list[str]] = {}  # proven: the same, for proven peers
+        self._vouched: dict[str, None] = {}  # proven peer ids, addresses known or not (newest last)
         self._tried_at = -1e9  # monotonic time of the last attempt
 
     def remember(self, records: Iterable[tuple[str, Sequence[str]]]) -> None:
-        """Note the addresses of peers whose records were just read (they outlive the records)."""
+        """Note the addresses of peers whose records were just read (they outlive the records);
+        only addresses in a dialable scope are kept."""
         for pid, maddrs in records:
-            self._addrs.pop(pid, None)
-            self._addrs[pid] = list(maddrs)
-        while len(self._addrs) > MAX_REMEMBERED:
-            del self._addrs[next(iter(self._addrs))]
+            usable = [m for m in maddrs if isinstance(m, str) and address_scope(m) in self.scopes][:8]
+            tier = self._proven if pid in self._vouched else self._addrs
+            tier.pop(pid, None)
+            tier[pid] = usable
+        self._trim()
 
-    def remembered(self) -> dict[str, list[str]]:
-        """Peer -> addresses, oldest first (what `remember` took in, for a file to keep them)."""
-        return {pid: list(maddrs) for pid, maddrs in list(self._addrs.items())}  # (the loop thread adds to it)
+    def vouch(self, peers: Iterable[str]) -> None:
+        """Mark `peers` as proven (the coordinator, peers named in commits): their addresses move
+        to the tier a flood of records cannot push out."""
+        for pid in peers:
+            self._vouched.pop(pid, None)
+            self._vouched[pid] = None
+            if pid in self._addrs:
+                self._proven.pop(pid, None)
+                self._proven[pid] = self._addrs.pop(pid)
+        while len(self._vouched) > 4 * MAX_REMEMBERED:
+            del self._vouched[next(iter(self._vouched))]
+        self._trim()
+
+    def _trim(self) -> None:
+        for tier in (self._addrs, self._proven):
+            while len(tier) > MAX_REMEMBERED:
+                del tier[next(iter(tier))]
+
+    def remembered(self) -> KnownPeers:
+        """Both tiers, oldest first (what a file keeps; the loop thread adds to them meanwhile)."""
+        return KnownPeers(proven=list(dict(self._proven).items()), seen=list(dict(self._addrs).items()))
+
+    def restore(self, known: KnownPeers) -> None:
+        """Take back what `remembered` returned (from a file kept by `save_known_peers`)."""
+        self.vouch(pid for pid, _ in known.proven)
+        self.remember(known.proven)
+        self.remember(known.seen)
 
     def targets(self) -> list[tuple[str, list[str]]]:
-        """(peer id, plain addresses) to dial: bootstrap peers first, then the most recently seen."""
+        """(peer id, plain addresses) to dial: bootstrap peers first, then proven peers, then seen
+        ones, the most recently seen first in each tier."""
         known: dict[str, list[str]] = {}
         for maddr in self.bootstrap:
             head, _, pid = str(maddr).rpartition("/p2p/")
             known.setdefault(pid, []).append(head)
-        for pid, maddrs in reversed(self._addrs.items()):
-            known.setdefault(pid, []).extend(m.rpartition("/p2p/")[0] or m for m in maddrs[:4])
+        for tier in (self._proven, self._addrs):
+            for pid, maddrs in reversed(list(tier.items())):
+                plain = [m.rpartition("/p2p/")[0] or m for m in maddrs if "p2p-circuit" not in m]
+                if plain:
+                    known.setdefault(pid, []).extend(plain[:MAX_ADDRS])
         known.pop(self.me, None)
-        return [(pid, [a for a in addrs if "p2p-circuit" not in a]) for pid, addrs in known.items()][:MAX_TARGETS]
+        return list(known.items())[:MAX_TARGETS]
 
     async def maybe_rejoin(self, p2p: Any, dht: Any) -> None:
         """If `dht`'s routing table is empty (and the last attempt is `every_s` old), dial the
@@ -85,28 +170,44 @@ class DhtRejoiner:
         log.info("routing table was empty: %d of %d known peers answered", answered, len(targets))
 
 
+@dataclass(frozen=True)
+class KnownPeers:
+    """Where the run's peers were: (peer id, multiaddrs) pairs, oldest first, in two tiers."""
+
+    proven: list[tuple[str, list[str]]] = field(default_factory=list)
+    seen: list[tuple[str, list[str]]] = field(default_factory=list)
+
+
 def save_known_peers(path: Path, rejoiner: DhtRejoiner | None) -> None:
     """Keep where the run's peers were (atomically; a disk refusing it is logged, not raised): a
     peer restarted without any bootstrap peer, as a coordinator usually is, dials them to get back
     into the DHT instead of sitting alone in it while the run goes on."""
     from .state_files import write_atomically
 
-    known = rejoiner.remembered() if rejoiner is not None else {}
-    if not known:
+    known = rejoiner.remembered() if rejoiner is not None else KnownPeers()
+    if not known.proven and not known.seen:
         return
+    data = {"proven": dict(known.proven), "seen": dict(known.seen)}
     try:
-        write_atomically(path, lambda f: f.write(json.dumps(known).encode()))
+        write_atomically(path, lambda f: f.write(json.dumps(data).encode()))
     except OSError as exc:
         log.info("could not keep the known peers' addresses: %s", exc)
 
 
-def load_known_peers(path: Path) -> list[tuple[str, list[str]]]:
-    """(peer, addresses) kept by `save_known_peers`, oldest first ([] if none, or unreadable)."""
+def load_known_peers(path: Path) -> KnownPeers:
+    """What `save_known_peers` kept (nothing if none, or unreadable; malformed entries dropped)."""
     try:
         data = json.loads(path.read_text())
     except (OSError, ValueError):
-        return []
+        return KnownPeers()
     if not isinstance(data, dict):
-        return []
-    return [(pid, [m for m in maddrs if isinstance(m, str)][:8]) for pid, maddrs in data.items()
-            if isinstance(pid, str) and isinstance(maddrs, list)][-MAX_REMEMBERED:]
+        return KnownPeers()
+
+    def tier(name: str) -> list[tuple[str, list[str]]]:
+        entries = data.get(name)
+        if not isinstance(entries, dict):
+            return []
+        return [(pid, [m for m in maddrs if isinstance(m, str)][:8]) for pid, maddrs in entries.items()
+                if isinstance(pid, str) and isinstance(maddrs, list)][-MAX_REMEMBERED:]
+
+    return KnownPeers(proven=tier("proven"), seen=tier("seen"))

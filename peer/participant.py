@@ -133,6 +133,8 @@ class Participant:
                                        manifest.eval.batches)
         self.node = node or SwarmNode(identity, identity_path, options)
         self.node.signed_manifest = signed_manifest
+        if coordinator:
+            self.node.rejoiner.vouch([coordinator])  # dialled first (after bootstrap peers) to get back into the DHT
         self._snapshot: GlobalState | None = None
         self._preloaded: tuple[dict[str, Any] | None] | None = None  # see preload_checkpoint
         self.hash_history: dict[int, str] = {}  # round -> hash of the global parameters it started from
@@ -144,7 +146,7 @@ class Participant:
         """Start the node (if not yet) and join the run's protocol."""
         if self.node.ctx is None:
             if self.state_dir is not None:  # before the first heartbeat, whose DHT re-entry dials them
-                self.node.rejoiner.remember(load_known_peers(self.state_dir / KNOWN_PEERS_FILE))
+                self.node.rejoiner.restore(load_known_peers(self.state_dir / KNOWN_PEERS_FILE))
             if not self.node._thread.is_alive():
                 self.node.start()
             self.node.attach(self.ctx)

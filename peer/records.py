@@ -132,6 +132,9 @@ class PeerRecords:
     async def refresh_records(self) -> dict[str, PeerRecord]:
         """Refresh the cached view of peer records."""
         self._cached_records = await self.peer_records()
+        book = getattr(self, "book", None)
+        if book is not None:  # peers named in the commits we hold did the run's work (see DhtRejoiner)
+            self.rejoiner.vouch({p for _, d in list(book.committed.values()) for p in (*d.contributors, d.leader)})
         self.rejoiner.remember((pid, rec.maddrs) for pid, rec in self._cached_records.items())
         return self._cached_records
 

@@ -44,7 +44,7 @@ from .daemon import (
     watch_daemon,
     with_private_sockets,
 )
-from .dht_rejoin import DhtRejoiner
+from .dht_rejoin import DhtRejoiner, dialable_scopes
 from .holepunch import Rendezvous, serve_punch_invites
 from .net_errors import NetworkError, explain_start_failure
 from .net_loop import NetLoop
@@ -125,7 +125,9 @@ class SwarmNode(PeerRecords, StateServing, NetLoop):
         self.guard = Guard()  # every transport of this node: limits and bans are per remote peer
         self._error: BaseException | None = None
         self._down: str | None = None  # why the running node stopped by itself (see `_run`)
-        self.rejoiner = DhtRejoiner(identity.peer_id, options.initial_peers)  # after a network outage
+        # After a network outage; dialling only addresses where the run's own are (see dialable_scopes).
+        own = options.initial_peers or options.announce_maddrs or options.host_maddrs
+        self.rejoiner = DhtRejoiner(identity.peer_id, options.initial_peers, scopes=dialable_scopes(own))
 
     # --- lifecycle ------------------------------------------------------------------------------
     def start(self, timeout_s: float = 60.0) -> None:

@@ -9,6 +9,7 @@ from pathlib import Path
 import pytest
 
 sys.path.insert(0, str(Path(__file__).parent))
+from groundswell.peer.dht_rejoin import dialable_scopes
 from swarm_harness import Cluster
 
 pytestmark = pytest.mark.timeout(180)
@@ -68,22 +69,81 @@ def test_rejoin_targets_are_bootstrap_peers_then_the_most_recently_seen_without_
 
 
 def test_the_peers_a_node_knew_are_kept_on_disk_and_read_back(tmp_path):
-    from groundswell.peer.dht_rejoin import DhtRejoiner, load_known_peers, save_known_peers
+    from groundswell.peer.dht_rejoin import DhtRejoiner, KnownPeers, load_known_peers, save_known_peers
 
     path = tmp_path / "known_peers.json"
-    assert load_known_peers(path) == []  # none kept yet
-    rejoiner = DhtRejoiner("me", [])
+    assert load_known_peers(path) == KnownPeers()  # none kept yet
+    rejoiner = DhtRejoiner("me", [], scopes=dialable_scopes(["/ip4/127.0.0.1/tcp/0"]))
     save_known_peers(path, rejoiner)
     assert not path.exists()  # nothing to keep: an empty file would only hide the older one
     rejoiner.remember([("a", ["/ip4/127.0.0.1/tcp/1/p2p/a"]), ("b", ["/ip4/127.0.0.1/tcp/2/p2p/b"])])
+    rejoiner.vouch(["a"])
     save_known_peers(path, rejoiner)
-    again = DhtRejoiner("me", [])
-    again.remember(load_known_peers(path))
-    assert again.targets() == rejoiner.targets()
-    path.write_text('{"a": "not a list", "b": [1, "/ip4/127.0.0.1/tcp/2/p2p/b"]}')
-    assert load_known_peers(path) == [("b", ["/ip4/127.0.0.1/tcp/2/p2p/b"])]
-    path.write_text("[torn")
-    assert load_known_peers(path) == []
+    again = DhtRejoiner("me", [], scopes=rejoiner.scopes)
+    again.restore(load_known_peers(path))
+    assert again.targets() == rejoiner.targets() == [("a", ["/ip4/127.0.0.1/tcp/1"]), ("b", ["/ip4/127.0.0.1/tcp/2"])]
+    assert again.remembered() == rejoiner.remembered()  # "a" is still proven
+    path.write_text('{"seen": {"a": "not a list", "b": [1, "/ip4/127.0.0.1/tcp/2/p2p/b"]}, "proven": []}')
+    assert load_known_peers(path) == KnownPeers(seen=[("b", ["/ip4/127.0.0.1/tcp/2/p2p/b"])])
+    for torn in ("[torn", "[]", '{"proven": 3}'):
+        path.write_text(torn)
+        assert load_known_peers(path) == KnownPeers()
+
+
+def test_a_flood_of_records_never_pushes_out_the_coordinator_or_the_peers_named_in_commits():
+    """In an open run anyone can publish records by the thousand: they used to push every real
+    peer out of what a node remembers (and keeps on disk), leaving a restarted coordinator
+    dialling only made-up peers."""
+    from groundswell.peer.dht_rejoin import MAX_REMEMBERED, MAX_TARGETS, DhtRejoiner
+
+    r = DhtRejoiner("me", [], scopes=dialable_scopes(["/ip4/0.0.0.0/tcp/0"]))
+    r.vouch(["coord"])  # known before any record of it is read
+    r.remember([("coord", ["/ip4/10.0.0.1/tcp/1/p2p/coord"]), ("worker", ["/ip4/10.0.0.2/tcp/2/p2p/worker"])])
+    r.vouch(["worker"])  # named in a commit later
+    r.remember((f"sybil{i}", [f"/ip4/10.1.{i // 250}.{i % 250 + 1}/tcp/9/p2p/sybil{i}"]) for i in range(1000))
+    r.remember([("coord", ["/ip4/10.0.0.1/tcp/1/p2p/coord"])])  # read again among them
+    targets = [pid for pid, _ in r.targets()]
+    assert targets[:2] == ["coord", "worker"] and len(targets) == MAX_TARGETS
+    assert len(r.remembered().seen) == MAX_REMEMBERED and len(r.remembered().proven) == 2
+
+
+@pytest.mark.parametrize(("own", "kept"), [
+    (["/ip4/8.8.4.4/tcp/4001/p2p/boot"], ["/ip4/1.2.3.4/tcp/1", "/dns4/peer.example/tcp/1"]),  # a public run
+    (["/ip4/192.168.1.2/tcp/4001/p2p/boot"], ["/ip4/1.2.3.4/tcp/1", "/dns4/peer.example/tcp/1", "/ip4/192.168.1.9/tcp/1"]),
+    (["/ip4/127.0.0.1/tcp/4001/p2p/boot"], ["/ip4/1.2.3.4/tcp/1", "/dns4/peer.example/tcp/1", "/ip4/127.0.0.1/tcp/1"]),
+])
+def test_a_record_cannot_make_a_public_run_dial_loopback_or_home_network_addresses(own, kept):
+    """A hostile record naming 127.0.0.1:6379 or a home router would otherwise be dialled by every
+    peer whose DHT table emptied; a run on 127.0.0.1 or a LAN still dials its peers there."""
+    from groundswell.peer.dht_rejoin import DhtRejoiner
+
+    r = DhtRejoiner("me", own)
+    offered = ["/ip4/1.2.3.4/tcp/1", "/dns4/peer.example/tcp/1", "/ip4/192.168.1.9/tcp/1", "/ip4/127.0.0.1/tcp/1",
+               "/ip4/169.254.0.1/tcp/1", "/ip4/224.0.0.1/tcp/1", "/ip4/0.0.0.0/tcp/1", "/unix/tmp/x", "/ip6/fe80::1/tcp/1"]
+    r.remember([("x", [f"{m}/p2p/x" for m in offered])])
+    assert dict(r.targets())["x"] == kept[:4]
+
+
+def test_refreshing_records_vouches_for_the_peers_named_in_the_commits_held():
+    import asyncio
+    from types import SimpleNamespace
+
+    from groundswell.peer.dht_rejoin import DhtRejoiner
+    from groundswell.peer.records import PeerRecords
+
+    decision = SimpleNamespace(contributors=["c1", "c2"], leader="lead")
+    node = SimpleNamespace(book=SimpleNamespace(committed={7: (b"", decision)}),
+                           rejoiner=DhtRejoiner("me", [], scopes=dialable_scopes(["/ip4/127.0.0.1/tcp/0"])))
+    records = {p: SimpleNamespace(maddrs=[f"/ip4/127.0.0.1/tcp/{i + 1}/p2p/{p}"]) for i, p in
+               enumerate(["c1", "lead", "s1", "c2", "s2"])}
+
+    async def peer_records():
+        return records
+
+    node.peer_records = peer_records
+    asyncio.run(PeerRecords.refresh_records(node))
+    assert [pid for pid, _ in node.rejoiner.remembered().proven] == ["c1", "lead", "c2"]
+    assert [pid for pid, _ in node.rejoiner.targets()] == ["c2", "lead", "c1", "s2", "s1"]
 
 
 def test_a_node_started_without_bootstrap_peers_gets_into_the_dht_through_the_peers_it_knew():
@@ -102,6 +162,7 @@ def test_a_node_started_without_bootstrap_peers_gets_into_the_dht_through_the_pe
         ident.save(path)
         node = SwarmNode(ident, str(path), NodeOptions())  # no initial peers
         node.rejoiner.remember([(a.identity.peer_id, a.maddrs)])
+        assert node.rejoiner.targets(), "a's loopback addresses were not kept"
         node.start()
         node.attach(cluster.ctx)
         deadline = time.monotonic() + 60
