@@ -12,14 +12,15 @@ from pathlib import Path
 from typing import Optional
 
 import typer
-from rich import box
 from rich.live import Live
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn
 from rich.table import Table
 
 from .cli import _set_threads, _user_errors, app, console
 from .config import ConfigError, check_device
+from .join_consent import volunteer_corpus
 from .state_files import write_atomically
+from .status_view import print_status
 
 
 def _identity(path: Optional[Path], state_dir: Optional[Path]):
@@ -271,31 +272,6 @@ def _check_model_and_data(manifest, path: Path) -> None:
             raise ConfigError(f"{path}: data.source: {exc}") from None
 
 
-def volunteer_corpus(manifest, data: Path | None, allow_model_code: bool):
-    """The corpus a volunteer trains on, and its consent to what the coordinator's manifest asks
-    of its machine: a coordinator's signature vouches for the run, not for paths on our disk (it
-    could name a folder of private files to train on, and its gradients would carry them out) or
-    for code to import. So the dataset is the one `--data` names, and a `module:callable` model
-    needs `--allow-model-code`; ConfigError, before anything is downloaded, otherwise."""
-    from .data import DataError, load_corpus
-
-    if ":" in manifest.model.spec and not allow_model_code:
-        raise ConfigError(f"this run's model is {manifest.model.spec!r}, code it would import and run here: "
-                          "join with --allow-model-code if you trust it (the module must be installed here)")
-    source = manifest.data.source
-    if source == "stdlib":
-        if data is not None:
-            raise ConfigError("this run trains on the Python standard library's sources: leave --data out")
-        return load_corpus("stdlib")
-    if data is None:
-        raise ConfigError(f"this run trains on its own dataset ({source!r} on the coordinator's machine): get a "
-                          "copy from the coordinator and pass its folder with --data")
-    try:
-        return load_corpus(str(data))
-    except DataError as exc:
-        raise ConfigError(f"--data {data}: {exc}") from None
-
-
 @app.command()
 @_user_errors
 def join(
@@ -442,34 +418,3 @@ def status(
         print(json.dumps({"run": manifest.run.id, "peers": rows}, indent=2))
         return
     print_status(manifest.run.id, rows)
-
-
-def print_status(run_id: str, rows: list[dict]) -> None:
-    """`status`'s table and lines, from the peers' published records (`rows`)."""
-    from rich.markup import escape
-
-    online = f"{len(rows)} peer{'' if len(rows) == 1 else 's'} online"
-    table = Table(title=escape(f"run {run_id}: {online}"), box=box.SIMPLE_HEAD,
-                  collapse_padding=True, pad_edge=False, show_edge=False)
-    for col in ("peer", "role", "reach", "round", "params", "loss", "sent", "refused", "bans", "age"):
-        # fits an 80-column terminal without cutting ids or hashes (they are what one compares)
-        table.add_column(col, no_wrap=True, justify="left" if col in ("peer", "role") else "right")
-    for row in rows:
-        loss = "-" if row["loss"] is None else f"{row['loss']:.4f}"
-        role = {"coordinator": "coord", "volunteer": "vol"}.get(row["role"], row["role"])
-        # public; behind a NAT ("nat"), with N peers reached directly by a hole punch ("nat+N")
-        reach = {"public": "pub", "private": "nat"}.get(row["reachability"], "?")  # "?": not probed yet
-        reach += f"+{len(row['hole_punched'])}" if row["hole_punched"] else ""
-        # every string here is a peer's own word (in an open run, anyone's): text, never rich markup
-        table.add_row(*map(escape, (row["peer"][-10:], role, reach, str(row["round"]), row["params_hash"][:8], loss,
-                                    f"{row['bytes_sent'] / 1e6:.1f}MB", str(row["refused_messages"]),
-                                    ", ".join(b[-8:] for b in row["banning"]) or "-", f"{row['age_s']:.0f}s")))
-    console.print(table)
-    for row in rows:  # leaders that score contributions publish the scores of their latest scored round
-        if row["scores"]:
-            shown = ", ".join(f"{who[-8:]} {v}" for who, _, v in (s.partition("=") for s in row["scores"]))
-            console.print(escape(f"scores by {row['peer'][-10:]} (probe loss change; > threshold is dropped): "
-                                 f"{shown}"), highlight=False)
-    banned = sorted({b for row in rows for b in row["banning"]})
-    if banned:
-        console.print(escape(f"banned by some peer now: {', '.join(banned)}"), highlight=False)

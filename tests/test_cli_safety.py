@@ -7,8 +7,8 @@ a run does not start on a first checkpoint that could not be written."""
 from __future__ import annotations
 
 import pytest
-from groundswell.peer.cli_swarm import volunteer_corpus
 from groundswell.peer.config import ConfigError
+from groundswell.peer.join_consent import volunteer_corpus
 from groundswell.peer.manifest import manifest_from_mapping
 
 
@@ -53,7 +53,7 @@ def test_a_model_the_manifest_names_as_code_runs_only_with_consent():
 def test_status_shows_what_peers_publish_as_text_not_markup(capsys):
     """Every string in a record is its peer's own word (in an open run, anyone's): one role of
     "[/x]" made `status` die with a rich MarkupError for everyone looking at the run."""
-    from groundswell.peer.cli_swarm import print_status
+    from groundswell.peer.status_view import print_status
 
     hostile = {"peer": "12D3KooW[/x]", "role": "[/x]", "round": 3, "params_hash": "[bold]abc", "trains": True,
                "serves": True, "reachability": "[/]", "hole_punched": [], "loss": None, "bytes_sent": 0,

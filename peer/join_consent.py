@@ -1,0 +1,33 @@
+"""What `join` takes from a coordinator's signed manifest, and what it asks the volunteer for
+instead: a signature vouches for the run, not for paths on the volunteer's disk or code to import."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from .config import ConfigError
+
+
+def volunteer_corpus(manifest, data: Path | None, allow_model_code: bool):
+    """The corpus a volunteer trains on, and its consent to what the coordinator's manifest asks
+    of its machine: a coordinator's signature vouches for the run, not for paths on our disk (it
+    could name a folder of private files to train on, and its gradients would carry them out) or
+    for code to import. So the dataset is the one `--data` names, and a `module:callable` model
+    needs `--allow-model-code`; ConfigError, before anything is downloaded, otherwise."""
+    from .data import DataError, load_corpus
+
+    if ":" in manifest.model.spec and not allow_model_code:
+        raise ConfigError(f"this run's model is {manifest.model.spec!r}, code it would import and run here: "
+                          "join with --allow-model-code if you trust it (the module must be installed here)")
+    source = manifest.data.source
+    if source == "stdlib":
+        if data is not None:
+            raise ConfigError("this run trains on the Python standard library's sources: leave --data out")
+        return load_corpus("stdlib")
+    if data is None:
+        raise ConfigError(f"this run trains on its own dataset ({source!r} on the coordinator's machine): get a "
+                          "copy from the coordinator and pass its folder with --data")
+    try:
+        return load_corpus(str(data))
+    except DataError as exc:
+        raise ConfigError(f"--data {data}: {exc}") from None
