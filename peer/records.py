@@ -19,8 +19,66 @@ log = logging.getLogger(__name__)
 HEARTBEAT_S = 2.0
 RECORD_TTL_S = 3 * HEARTBEAT_S  # a record outlives two missed heartbeats
 STORE_CUTOFF_S = RECORD_TTL_S - HEARTBEAT_S  # a heartbeat's store is given up after this (from its start)
+EXPIRY_SLACK_S = 1.0  # (a record's expiration is its own time plus RECORD_TTL_S, exactly)
 REJOIN_S = 30.0  # re-entering the DHT: dials (5 s each), pings and a lookup; it only runs when stores reach nobody
 LEFT = "left"  # the role of a record a peer leaves behind when it leaves cleanly
+
+
+def expires_at(rec: PeerRecord) -> float:
+    """When a record leaves the DHT: RECORD_TTL_S after the time it carries, signed."""
+    return rec.updated + RECORD_TTL_S
+
+
+def lives_as_signed(rec: PeerRecord, expiration: float) -> bool:
+    """Does a stored record expire when its signed time says? hivemind's DHT keeps, per subkey,
+    the value that expires last, so anyone could store one of our old records again with an
+    expiration years away: the record would then shadow every later heartbeat for good (a
+    coordinator frozen at one round, a live peer hidden behind its "left" record)."""
+    return expiration <= expires_at(rec) + EXPIRY_SLACK_S
+
+
+class PeerRecordValidator:
+    """Refuses, on every DHT store and lookup answer, a run's peer record that is not signed by
+    the peer it is stored under or that would outlive its signed time (see `lives_as_signed`).
+    hivemind's `RecordValidatorBase` in all but name (it is not imported before the node needs
+    it: the CLI starts without hivemind); it signs nothing, so values pass through unchanged."""
+
+    priority = 0
+
+    def __init__(self) -> None:
+        self._runs: dict[bytes, str] = {}  # DHT key id of a run's records -> run id
+
+    def watch(self, run_id: str) -> None:
+        """Check the records of `run_id` from now on."""
+        from hivemind.dht.routing import DHTID
+
+        self._runs[DHTID.generate(source=PeerRecords.records_key(run_id)).to_bytes()] = run_id
+
+    def validate(self, record: Any) -> bool:
+        """Is this DHT record (key, subkey, value, expiration) acceptable?"""
+        from hivemind.utils.serializer import MSGPackSerializer
+
+        run_id = self._runs.get(record.key)
+        if run_id is None:
+            return True  # not a peer record of a run we are in
+        try:
+            subkey = MSGPackSerializer.loads(record.subkey)
+            sender, rec = unseal(MSGPackSerializer.loads(record.value), run_id, PeerRecord)
+        except Exception:  # (msgpack's errors, ProtocolError, TypeError): not a record at all
+            return False
+        return sender == subkey and lives_as_signed(rec, record.expiration_time)
+
+    def sign_value(self, record: Any) -> bytes:
+        """The value as stored (nothing added)."""
+        return record.value
+
+    def strip_value(self, record: Any) -> bytes:
+        """The value as read (nothing to take off)."""
+        return record.value
+
+    def merge_with(self, other: Any) -> bool:
+        """Never merged into another validator (hivemind's CompositeValidator asks)."""
+        return False
 
 
 class PeerRecords:
@@ -59,26 +117,24 @@ class PeerRecords:
         peer waits out hivemind's RPC timeout) is cut off once the next one is due and the record
         before would be past half its life, so stores never space out beyond its lifetime (others
         would drop us for a moment), as they did when each waited for the last to finish."""
-        from hivemind.utils import get_dht_time
-
         loop = asyncio.get_running_loop()
         while True:
             started = loop.time()
+            try:  # (only when the routing table is empty, when a store would reach nobody anyway)
+                async with asyncio.timeout(REJOIN_S):
+                    await self.rejoiner.maybe_rejoin(self.p2p, self.dht)
+            except Exception as exc:  # best effort (a TimeoutError too): the next heartbeat tries again
+                log.info("re-entering the DHT failed: %r", exc)
             rec = self.record
             rec = PeerRecord(rec.round, rec.params_hash, rec.role, rec.trains, rec.serves, self.maddrs[:8],
                              rec.reachability, rec.loss, self.transport.bytes_sent if self.transport else 0, time.time(),
                              sorted(self.guard.bans())[:32], sum(self.guard.rejected.values()), self._latest_scores(),
                              self.puncher.punched()[:64] if self.puncher is not None else [], rec.earlier_hashes[:16])
             signed = seal(self.identity, self.ctx.run_id, rec)
-            try:  # (only when the routing table is empty, when a store would reach nobody anyway)
-                async with asyncio.timeout(REJOIN_S):
-                    await self.rejoiner.maybe_rejoin(self.p2p, self.dht)
-            except Exception as exc:  # best effort (a TimeoutError too): the next heartbeat tries again
-                log.info("re-entering the DHT failed: %r", exc)
             try:
                 async with asyncio.timeout(max(0.1, STORE_CUTOFF_S - (loop.time() - started))):
-                    stored = await self.dht.store(self.records_key(self.ctx.run_id), signed,
-                                                  get_dht_time() + RECORD_TTL_S, subkey=self.identity.peer_id)
+                    stored = await self.dht.store(self.records_key(self.ctx.run_id), signed, expires_at(rec),
+                                                  subkey=self.identity.peer_id)
                 if not stored:
                     log.info("heartbeat store was refused or reached nobody; the next heartbeat tries again")
             except Exception as exc:  # the DHT being briefly unreachable (or slow: TimeoutError) is normal under churn
@@ -89,11 +145,9 @@ class PeerRecords:
         """Replace our record with a "left" one (it lives as long as a heartbeat's would): others
         stop counting us among the run's peers, serving states or holding rounds at once, not
         only once our last record expires."""
-        from hivemind.utils import get_dht_time
-
         gone = PeerRecord(self.record.round, "", LEFT, False, False, [], self.record.reachability, 0.0, 0, time.time())
         await self.dht.store(self.records_key(self.ctx.run_id), seal(self.identity, self.ctx.run_id, gone),
-                             get_dht_time() + RECORD_TTL_S, subkey=self.identity.peer_id)
+                             expires_at(gone), subkey=self.identity.peer_id)
 
     def _latest_scores(self) -> list[str]:
         """"peer=score" for the newest round this peer scored contributions in (as a leader)."""
@@ -113,7 +167,9 @@ class PeerRecords:
         for subkey, item in found.value.items():
             try:
                 sender, rec = unseal(item.value, run_id, PeerRecord)
-                if sender == subkey and rec.role != LEFT:
+                if sender != subkey or not lives_as_signed(rec, item.expiration_time):
+                    raise ProtocolError("a record stored under another peer's name, or to outlive its time")
+                if rec.role != LEFT:
                     out[sender] = rec
             except (ProtocolError, TypeError) as exc:
                 self.rejected_records += 1

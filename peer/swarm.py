@@ -58,7 +58,7 @@ from .reachability import (
     listen_host,
     observed_ips,
 )
-from .records import HEARTBEAT_S, PeerRecords
+from .records import HEARTBEAT_S, PeerRecords, PeerRecordValidator
 from .run_state import GlobalState, RunContext
 from .state_serving import StateServing, UploadSlots
 from .state_trust import state_timeout_s
@@ -127,6 +127,7 @@ class SwarmNode(PeerRecords, StateServing, NetLoop):
         self._down: str | None = None  # why the running node stopped by itself (see `_run`)
         # After a network outage; dialling only addresses where the run's own are (see dialable_scopes).
         own = options.initial_peers or options.announce_maddrs or options.host_maddrs
+        self.record_validator = PeerRecordValidator()  # (the DHT's: see records.lives_as_signed)
         self.rejoiner = DhtRejoiner(identity.peer_id, options.initial_peers, scopes=dialable_scopes(own))
 
     # --- lifecycle ------------------------------------------------------------------------------
@@ -200,7 +201,7 @@ class SwarmNode(PeerRecords, StateServing, NetLoop):
                     log.warning("direct state downloads are off: cannot listen on %s: %s", host, exc)
             t3 = time.monotonic()
             dht = await DHTNode.create(p2p=p2p, initial_peers=list(self.options.initial_peers) or None,
-                                       client_mode=self.reachability == "private")
+                                       client_mode=self.reachability == "private", record_validator=self.record_validator)
             self.dht = dht
             self.startup_s = {"p2pd": t1 - t0, "probe": t2 - t1, "dht": time.monotonic() - t3}
             async with asyncio.TaskGroup() as tasks:
@@ -242,6 +243,7 @@ class SwarmNode(PeerRecords, StateServing, NetLoop):
 
     async def _attach(self, ctx: RunContext) -> None:
         self.ctx = ctx
+        self.record_validator.watch(ctx.run_id)
         self.guard.limits = ctx.limits
         self.transport = Transport(self.p2p, self.identity, ctx.run_id, self.guard)
         self.book = DecisionBook(ctx.run_id)

@@ -1,0 +1,79 @@
+"""An old signed peer record stored again with a far-off expiration neither hides nor freezes its
+peer: hivemind's DHT keeps, per subkey, the value that expires last."""
+
+from __future__ import annotations
+
+import sys
+import time
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).parent))
+from swarm_harness import Cluster
+
+pytestmark = pytest.mark.timeout(120)
+
+
+async def _replay(node, key: str, subkey: str, value: bytes, expiration: float) -> bool:
+    return await node.dht.store(key, value, expiration, subkey=subkey)
+
+
+async def _raw(node, key: str, subkey: str):
+    found = await node.dht.get(key, latest=True)
+    return found.value[subkey]
+
+
+def test_a_replayed_record_with_a_far_expiration_is_refused_and_the_peer_stays_current():
+    from hivemind.utils import get_dht_time
+
+    cluster = Cluster(2)
+    try:
+        a, b = cluster.nodes
+        key, b_id = a.records_key(cluster.ctx.run_id), b.identity.peer_id
+        b.update_record(round=5)
+        deadline = time.monotonic() + 30
+        while (seen := a.call(a.refresh_records(), 10).get(b_id)) is None or seen.round != 5:
+            assert time.monotonic() < deadline, "b's record never showed round 5"
+            time.sleep(0.5)
+        old = a.call(_raw(a, key, b_id), 10).value  # b's signed record saying round 5
+        # Anyone may store those bytes again, to expire in 11 days: every DHT node refuses it.
+        assert not a.call(_replay(a, key, b_id, old, get_dht_time() + 1e6), 10)
+        b.update_record(round=6)  # b's later heartbeats must still get through
+        deadline = time.monotonic() + 30
+        while (seen := a.call(a.refresh_records(), 10).get(b_id)) is None or seen.round != 6:
+            assert time.monotonic() < deadline, "b's record stayed frozen at round 5"
+            time.sleep(0.5)
+    finally:
+        cluster.close()
+
+
+def test_a_record_expiring_past_its_signed_time_is_refused_by_the_validator_and_the_reader():
+    from groundswell.peer.records import RECORD_TTL_S, PeerRecordValidator, expires_at, lives_as_signed
+    from groundswell.protocol.envelope import seal
+    from groundswell.protocol.identity import Identity
+    from groundswell.protocol.schema import PeerRecord
+    from hivemind.dht.routing import DHTID
+    from hivemind.utils.serializer import MSGPackSerializer
+
+    me, other = Identity.generate(), Identity.generate()
+    rec = PeerRecord(3, "h", "volunteer", True, True, [], "public", 1.0, 0, 1000.0)
+    assert expires_at(rec) == 1000.0 + RECORD_TTL_S
+    assert lives_as_signed(rec, expires_at(rec)) and not lives_as_signed(rec, expires_at(rec) + 60)
+    validator = PeerRecordValidator()
+    validator.watch("run")
+    key = DHTID.generate(source="groundswell/run/peers").to_bytes()
+
+    def record(subkey: str, value: bytes, expiration: float):
+        return SimpleNamespace(key=key, subkey=MSGPackSerializer.dumps(subkey), value=MSGPackSerializer.dumps(value),
+                               expiration_time=expiration)
+
+    signed = seal(me, "run", rec)
+    assert validator.validate(record(me.peer_id, signed, expires_at(rec)))
+    assert not validator.validate(record(me.peer_id, signed, expires_at(rec) + 60))  # a replay kept alive
+    assert not validator.validate(record(other.peer_id, signed, expires_at(rec)))  # under another's name
+    assert not validator.validate(record(me.peer_id, b"junk", expires_at(rec)))
+    assert not validator.validate(record(me.peer_id, seal(me, "other-run", rec), expires_at(rec)))
+    other_key = SimpleNamespace(key=DHTID.generate(source="x").to_bytes(), subkey=b"", value=b"", expiration_time=0)
+    assert validator.validate(other_key)  # not a run this node is in: not ours to judge
