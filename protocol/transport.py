@@ -216,6 +216,9 @@ class Transport:
                     if trailer:
                         await write_frame(writer, bulk)
                         self.bytes_sent += len(bulk) + _LEN.size
+                    if release is not None:  # written: the slot is free, whenever the caller hangs up
+                        release()
+                        release = None
                     # Keep our end open until the caller closes its own: p2pd resets a stream whose
                     # handler hangs up first, and the reset drops the reply's tail still buffered
                     # in the caller's daemon (a slow reader then sees a truncated reply).

@@ -141,6 +141,39 @@ def test_the_transport_frees_an_upload_once_its_trailer_is_written_or_cannot_be(
     assert bytes(got) == blob and freed(3)
 
 
+def test_an_upload_slot_is_freed_once_the_trailer_is_written_though_the_requester_keeps_its_stream_open(net):
+    """A requester that read the whole state and then kept its stream open used to hold its
+    upload slot for the handler's whole timeout: three of them held every stranger's slot."""
+    from groundswell.protocol.envelope import seal
+    from groundswell.protocol.framing import read_frame, read_frame_into
+    from hivemind.p2p import PeerID
+
+    blob = os.urandom(1 << 20)
+    released: list[bool] = []
+
+    async def state(sender: str, msg: StateRequest) -> WithTrailer:
+        return WithTrailer(StateReply(1, "d" * 64, b"", len(blob)), blob, lambda: released.append(True))
+
+    _serve(net, net.ta, "held-open", StateRequest, state, trailer=True)
+
+    async def fetch_and_hold() -> bool:
+        _, reader, writer = await net.b.call_binary_stream_handler(
+            PeerID.from_base58(net.id_a.peer_id), net.ta._name("held-open"))
+        try:
+            writer.write(struct.pack(">Q", len(data := seal(net.id_b, RUN, StateRequest(0)))) + data)
+            await writer.drain()
+            await read_frame(reader, 1 << 20)
+            assert bytes(await read_frame_into(reader, len(blob))) == blob
+            end = time.monotonic() + 10
+            while not released and time.monotonic() < end:  # the stream stays open all along
+                await asyncio.sleep(0.05)
+            return bool(released)
+        finally:
+            writer.close()
+
+    assert net.run(fetch_and_hold()), "the slot was held until the requester closed its stream"
+
+
 def test_bulk_hashes_are_blake3():
     # the published BLAKE3 test vector for the empty input: envelopes, contribution digests and
     # state blobs all hash with it, so a peer using another hash fails every check
