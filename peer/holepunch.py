@@ -91,15 +91,33 @@ def observed_address(peer_infos: Iterable[Any], peer_id: str) -> str | None:
 class Rendezvous:
     """A public peer's side: introduce two peers connected to it to each other."""
 
-    def __init__(self, p2p: Any, transport: Any, members: Members | None = None) -> None:
+    def __init__(self, p2p: Any, transport: Any, members: Members | None = None,
+                 proven: Callable[[str], bool] | None = None) -> None:
         self.p2p = p2p
         self.transport = transport
         # Only peers of the run may use us (else any libp2p identity could keep a NAT'ed peer's
         # punch slots busy, or learn its public address): `members(ids)` says whether all of
         # `ids` are NAT'ed peers of the run. None: anyone (tests).
         self.members = members
+        # Records say who is NAT'ed, and in an open run anyone may publish them: a target takes
+        # at most MAX_PENDING invites per PUNCH_WAIT_S from us, and requesters not `proven`
+        # (named in a commit: they did the run's work) only half of them, so a few identities
+        # cannot keep its punch slots busy.
+        self.proven = proven or (lambda peer: False)
         self._last: dict[tuple[str, str], float] = {}
+        self._invited: dict[str, list[float]] = {}  # target -> when we invited it, within PUNCH_WAIT_S
         self.served = 0
+
+    def _room_for(self, sender: str, target: str, now: float) -> bool:
+        """Take one of `target`'s invites in this window for `sender`, if there is one."""
+        recent = [t for t in self._invited.get(target, []) if now - t < PUNCH_WAIT_S]
+        if len(recent) >= (MAX_PENDING if self.proven(sender) else MAX_PENDING // 2):
+            self._invited[target] = recent
+            return False
+        self._invited[target] = [*recent, now]
+        if len(self._invited) > 4096:  # forget targets not invited within the window
+            self._invited = {k: v for k, v in self._invited.items() if now - v[-1] < PUNCH_WAIT_S}
+        return True
 
     async def handle(self, sender: str, msg: PunchRequest) -> PunchReply:
         """Invite `msg.target` to punch towards where we see `sender`; tell `sender` where we see the target."""
@@ -119,6 +137,8 @@ class Rendezvous:
         if dialer_at is None or target_at is None:
             who = "requester" if dialer_at is None else "target"
             return PunchReply(False, f"no direct connection to the {who}", "")
+        if not self._room_for(sender, msg.target, now):
+            return PunchReply(False, "the target has enough punches under way", "")
         try:
             reply = await self.transport.request(msg.target, "punch-invite", PunchInvite(sender, dialer_at),
                                                  PunchInviteReply, timeout_s=INVITE_TIMEOUT_S)

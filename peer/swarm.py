@@ -181,7 +181,7 @@ class SwarmNode(PeerRecords, StateServing, NetLoop):
                 # dial-back "at the IP it came from" would then probe our own machine's ports.
                 await self.bootstrap_transport.serve("probe", ProbeRequest, self._on_probe)
             if self.reachability == "public":  # introduce NAT'ed peers to each other
-                rendezvous = Rendezvous(p2p, self.bootstrap_transport, self._nated_members)
+                rendezvous = Rendezvous(p2p, self.bootstrap_transport, self._nated_members, self._contributed)
                 await self.bootstrap_transport.serve("punch", PunchRequest, rendezvous.handle)
             if self.reachability == "private":
                 self.options = dataclasses.replace(self.options, serves=False)

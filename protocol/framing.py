@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import struct
+from collections.abc import Callable
 from typing import Any
 
 from .schema import ProtocolError
@@ -26,15 +27,24 @@ async def write_frame(writer: asyncio.StreamWriter, data: bytes | bytearray | me
         await writer.drain()
 
 
-async def read_frame(reader: asyncio.StreamReader, max_bytes: int, start_s: float | None = None) -> bytes:
+async def read_frame(reader: asyncio.StreamReader, max_bytes: int, start_s: float | None = None,
+                     on_length: Callable[[int], None] | None = None, min_rate: float | None = None) -> bytes:
     """Read one length-prefixed frame, refusing lengths over `max_bytes` before reading them;
-    `start_s`: TimeoutError unless its length has arrived within that many seconds."""
+    `start_s`: TimeoutError unless its length has arrived within that many seconds;
+    `on_length(size)`: called once the length is known and before the body is read (it may
+    raise); `min_rate` (bytes/s): TimeoutError unless the body arrives within `start_s` (or
+    30 s) plus its size at that rate (a sender trickling a large body cannot hold it for long)."""
     async with asyncio.timeout(start_s):
         header = await reader.readexactly(_LEN.size)
     (size,) = _LEN.unpack(header)
     if size > max_bytes:
         raise ProtocolError(f"frame of {size} bytes exceeds the limit of {max_bytes}", reason="oversized")
-    return await reader.readexactly(size)
+    if on_length is not None:
+        on_length(size)
+    if min_rate is None:
+        return await reader.readexactly(size)
+    async with asyncio.timeout((start_s or 30.0) + size / min_rate):
+        return await reader.readexactly(size)
 
 
 async def read_frame_into(reader: asyncio.StreamReader, max_bytes: int, chunk: int = 1 << 20,

@@ -16,6 +16,7 @@ from .schema import ProtocolError
 
 MAX_PEERS = 10_000  # peers whose counters are kept; beyond this the longest-idle is forgotten
 IDLE_SCAN = 64  # at most this many of the oldest peers are looked at to find an idle one
+SMALL_BODY = 64 << 10  # request bodies up to this size are not counted against the inbound budget
 
 
 @dataclass(frozen=True)
@@ -28,10 +29,17 @@ class Limits:
     strikes: int = 20
     max_clock_skew_s: float = 120.0  # a message stamped further from our clock is dropped
     max_nonces: int = 200_000  # replay cache entries (24 bytes of nonce + time each, ~10 MB at most)
+    # Bytes of large request bodies being read at once, all peers together and one peer alone (at
+    # least four and one of the largest request a handler takes, see `Guard.take_bytes`): a body
+    # is buffered whole before it is checked, so without this a few identities announcing
+    # full-size contributions and sending them slowly held gigabytes.
+    max_inbound_bytes: int = 1 << 30
+    max_inbound_bytes_per_peer: int = 1 << 27
 
     def __post_init__(self) -> None:
         if not (self.requests_per_s > 0 and self.max_streams >= 1 and self.ban_s >= 0 and self.strikes >= 1
-                and self.max_clock_skew_s > 0 and self.max_nonces >= 1):
+                and self.max_clock_skew_s > 0 and self.max_nonces >= 1 and self.max_inbound_bytes >= 1
+                and self.max_inbound_bytes_per_peer >= 1):
             raise ValueError(f"invalid limits: {self}")
 
 
@@ -40,6 +48,7 @@ class _PeerState:
     tokens: float
     refilled: float
     streams: int = 0
+    inbound: int = 0  # bytes of large request bodies of this peer being read now
     strikes: deque = field(default_factory=deque)  # monotonic times of recent violations
     banned_until: float = 0.0
 
@@ -55,6 +64,7 @@ class Guard:
         self._peers: OrderedDict[str, _PeerState] = OrderedDict()
         self._nonces: OrderedDict[bytes, float] = OrderedDict()  # nonce -> wall time it expires
         self.rejected: Counter[str] = Counter()  # "reason:handler" -> count
+        self.inbound = 0  # bytes of large request bodies being read now, all peers together
         self.bans_total = 0
 
     def _peer(self, peer: str) -> _PeerState:
@@ -78,7 +88,7 @@ class Guard:
             key, old = next(iter(self._peers.items()))
             if key == newcomer:
                 break
-            if old.streams == 0:
+            if old.streams == 0 and old.inbound == 0:
                 del self._peers[key]
                 return
             self._peers.move_to_end(key)
@@ -103,6 +113,34 @@ class Guard:
         if reason != "banned":
             self.strike(peer)
         return reason
+
+    def take_bytes(self, peer: str, size: int, largest: int) -> str | None:
+        """Reserve room for a request body of `size` bytes (of a handler taking up to `largest`)
+        before it is read; returns why not (the caller counts it), or None. Small bodies (control
+        messages) are not counted. The budgets grow with the run's payloads: four of the largest
+        in flight at once, and one for a single peer (an honest one sends us at most one
+        contribution's worth at a time)."""
+        if size <= SMALL_BODY:
+            return None
+        state, lim = self._peer(peer), self.limits
+        if self.inbound + size > max(lim.max_inbound_bytes, 4 * largest):
+            reason = "inbound-full"
+        elif state.inbound + size > max(lim.max_inbound_bytes_per_peer, largest):
+            reason = "inbound-per-peer"
+        else:
+            state.inbound += size
+            self.inbound += size
+            return None
+        return reason
+
+    def release_bytes(self, peer: str, size: int) -> None:
+        """A body reserved by `take_bytes` has been read and handled (or will never be)."""
+        if size <= SMALL_BODY:
+            return
+        self.inbound = max(0, self.inbound - size)
+        state = self._peers.get(peer)
+        if state is not None:
+            state.inbound = max(0, state.inbound - size)
 
     def release(self, peer: str) -> None:
         """A stream admitted by `admit` has ended."""

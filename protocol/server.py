@@ -139,7 +139,9 @@ class RoundServer(Aggregator, Leading, Claims, Decider):
         self._loop = asyncio.get_running_loop()
         big = self.ctx.max_payload_bytes + MAX_SMALL
         t = self.transport
-        await t.serve("contribute", ShardContribution, self._on_contribute, max_request=big, with_envelope=True)
+        # A closed run's stranger is refused before its (large) body is read, not after.
+        await t.serve("contribute", ShardContribution, self._on_contribute, max_request=big, with_envelope=True,
+                      admit=lambda remote: None if self.ctx.authorized(remote) else "unauthorized")
         await t.serve("have", HaveReport, self._on_have)
         await t.serve("join", Join, self._on_join)
         await t.serve("get-decision", DecisionRequest, self._on_get_decision)

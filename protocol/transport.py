@@ -37,6 +37,7 @@ log = logging.getLogger(__name__)
 # A caller writes its request as soon as the stream is open: one whose request has not begun
 # within this many seconds is cut off, not left holding a stream slot for the handler's whole time.
 REQUEST_START_S = 30.0
+MIN_BODY_RATE = 256 << 10  # bytes/s a request body must keep up once its length has come (after 30 s)
 UNARY_MAX_REQUEST = 32 << 10
 # Largest allowed reply for a unary call: a control message's budget. Bulk replies (aggregates,
 # contributions) are budgeted from the model size plus MAX_SMALL, so they always take a stream.
@@ -174,11 +175,20 @@ class Transport:
         return self._name(handler) + "/unary"
 
     async def serve(self, handler: str, expect: Any, fn: Handler, max_request: int = MAX_SMALL,
-                    timeout_s: float = 600.0, with_envelope: bool = False, trailer: bool = False) -> None:
+                    timeout_s: float = 600.0, with_envelope: bool = False, trailer: bool = False,
+                    admit: Callable[[str], str | None] | None = None) -> None:
         """Register `fn(sender, request) -> reply` for one request kind (`fn(sender, request,
         envelope)` with `with_envelope`: the verified signed bytes, to pass on), on a stream
         protocol and (without `trailer`) a unary one. With `trailer`, every reply is followed by
-        one raw frame: `WithTrailer.trailer`, or empty."""
+        one raw frame: `WithTrailer.trailer`, or empty. `admit(remote)`: why a peer may not send
+        this request at all (checked before a byte of it is read), or None."""
+
+        def refusal(remote: str) -> str | None:
+            refused = self.guard.admit(remote, handler)  # bans, floods, stream count
+            if refused is None and admit is not None and (refused := admit(remote)) is not None:
+                self.guard.release(remote)
+                self.guard.count(remote, handler, refused, strike=True)
+            return refused
 
         async def answer(remote: str, data: bytes, opened: float) -> tuple[bytes, bytes, Callable[[], None] | None]:
             """The sealed reply, its trailer and the trailer's release (the caller's to call), for
@@ -202,16 +212,27 @@ class Transport:
         async def on_stream(info: Any, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
             remote = info.peer_id.to_base58()
             opened = time.time()
-            refused = self.guard.admit(remote, handler)  # before a byte is read: bans, floods, stream count
+            refused = refusal(remote)  # before a byte is read
             if refused is not None:
                 writer.close()
                 self._log_rejection(handler, refused, remote, "")
                 return
-            release = None
+            release, reserved = None, 0
+
+            def reserve(size: int) -> None:
+                nonlocal reserved
+                if (full := self.guard.take_bytes(remote, size, max_request + 512)) is not None:
+                    raise ProtocolError(f"no room for a {size}-byte request now", reason=full, strike=False)
+                reserved = size
+
             try:
                 async with asyncio.timeout(timeout_s):
-                    request = await read_frame(reader, max_request + 512, start_s=min(timeout_s, REQUEST_START_S))
-                    out, bulk, release = await answer(remote, request, opened)
+                    try:
+                        request = await read_frame(reader, max_request + 512, start_s=min(timeout_s, REQUEST_START_S),
+                                                   on_length=reserve, min_rate=MIN_BODY_RATE)
+                        out, bulk, release = await answer(remote, request, opened)
+                    finally:
+                        self.guard.release_bytes(remote, reserved)
                     await write_frame(writer, out)
                     if trailer:
                         await write_frame(writer, bulk)
@@ -243,7 +264,7 @@ class Transport:
             # ends cancelled, because its caller gave up, would stay in its table for good).
             remote = remote_id.to_base58()
             opened = time.time()
-            refused = self.guard.admit(remote, handler)
+            refused = refusal(remote)
             if refused is not None:
                 self._log_rejection(handler, refused, remote, "")
                 raise Refused(refused)

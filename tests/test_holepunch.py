@@ -323,3 +323,25 @@ def test_punch_requests_arriving_together_wait_for_one_refresh_of_the_records():
 
     assert asyncio.run(go()) == [True, True, False, False]
     assert refreshes == [1]
+
+
+def test_a_target_takes_a_bounded_number_of_invites_and_strangers_only_half_of_them():
+    """Records say who is NAT'ed and anyone may publish one in an open run: eight identities
+    asking for punches to one target used to keep all its punch slots busy."""
+    t = FakeTransport(PunchInviteReply(True, ""))
+    sybils = [f"sybil{i}" for i in range(holepunch.MAX_PENDING)]
+    workers = [f"worker{i}" for i in range(holepunch.MAX_PENDING)]
+    peers = [Info(p, [D_AT]) for p in [*sybils, *workers, "fresh"]] + [Info("target", [T_AT])]
+    rdv = Rendezvous(FakeP2P(peers), t, proven=lambda peer: peer.startswith("worker"))
+
+    async def ask(who: str) -> PunchReply:
+        return await rdv.handle(who, PunchRequest("target"))
+
+    answers = [asyncio.run(ask(s)) for s in sybils]
+    assert sum(a.ok for a in answers) == holepunch.MAX_PENDING // 2
+    assert answers[-1].reason == "the target has enough punches under way"
+    answers = [asyncio.run(ask(w)) for w in workers]  # peers that did the run's work get the rest
+    assert sum(a.ok for a in answers) == holepunch.MAX_PENDING - holepunch.MAX_PENDING // 2
+    assert len(t.calls) == holepunch.MAX_PENDING
+    rdv._invited["target"] = [time.monotonic() - holepunch.PUNCH_WAIT_S - 1] * 8  # the window passed
+    assert asyncio.run(ask("fresh")).ok
