@@ -80,6 +80,19 @@ def _checked(coordinator_id: str, maddrs: Sequence[str]) -> Bootstrap:
     return Bootstrap(coordinator_id, checked)
 
 
+def check_maddr_flag(flag: str, texts: Sequence[str], peer_id: bool = False) -> None:
+    """Refuse a malformed multiaddr given with `flag` (--listen, --announce, --peer) in one line."""
+    from hivemind.utils.multiaddr import Multiaddr
+
+    for text in texts:
+        try:
+            protocols = [p.name for p in Multiaddr(text).protocols()]
+        except Exception as exc:  # the parser's own errors are of several types
+            raise BootstrapError(f"{flag}: {exc}") from None
+        if peer_id and (len(protocols) < 2 or protocols[-1] != "p2p"):  # peers are dialled by id
+            raise BootstrapError(f"{flag} {text!r} must end in /p2p/<peer id>")
+
+
 def _check_maddr(text: str) -> str:
     from hivemind.utils.multiaddr import Multiaddr
 

@@ -63,6 +63,11 @@ def _user_errors(fn: Callable[..., Any]) -> Callable[..., Any]:
 
 
 def _set_threads(threads: int) -> None:
+    """Set torch's thread count from --threads (0: torch's default); a negative one is refused."""
+    from .config import ConfigError
+
+    if threads < 0:  # read as 0 it would run silently on torch's default
+        raise ConfigError(f"--threads must be 0 (torch's default) or more, not {threads}")
     import torch
 
     if threads > 0:
@@ -137,15 +142,20 @@ def train_local(
     set_: list[str] = typer.Option([], "--set", help="Override any config key, e.g. --set inner.warmup_steps=10."),
     threads: int = typer.Option(0, help="torch threads (0 = torch's default)."),
     table: bool = typer.Option(False, "--table", help="Run the miniature paper table instead of one job."),
-    jobs: int = typer.Option(1, help="With --table: rows run in this many processes (one torch thread each)."),
+    jobs: Optional[int] = typer.Option(None, help="With --table: rows run in this many processes (one torch "
+                                       "thread each).", show_default="1"),
     quick: bool = typer.Option(False, help="With --table: a short smoke-test budget."),
     out: Optional[Path] = typer.Option(None, help="Write the result as JSON to this file."),
     as_json: bool = typer.Option(False, "--json", help="Print the result as JSON on stdout."),
 ) -> None:
     """Train several workers in one process (DiLoCo / SparseLoCo / baselines) and report held-out loss."""
+    from .config import ConfigError
+
     _set_threads(threads)
+    table_only = [flag for flag, given in (("--jobs", jobs is not None), ("--quick", quick)) if given]
+    if table_only and not table:  # one job has no rows to share out or shorten: silently dropping them would mislead
+        raise ConfigError(f"{' and '.join(table_only)} go{'es' if len(table_only) == 1 else ''} with --table only")
     if table:
-        from .config import ConfigError
         from .mini_table import format_table, run_mini_table
 
         job_flags = {"--workers": workers, "--steps": steps, "--model": preset, "--algorithm": algorithm,
@@ -155,6 +165,7 @@ def train_local(
         if ignored:  # its rows are fixed (see peer/mini_table.py): silently dropping them would mislead
             raise ConfigError(f"--table runs its fixed rows and takes only --jobs, --quick, --threads, --out and "
                               f"--json, not {', '.join(ignored)}")
+        jobs = 1 if jobs is None else jobs
         if jobs < 1:
             raise ConfigError(f"--jobs must be at least 1, got {jobs}")
         _check_out(out)

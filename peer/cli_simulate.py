@@ -25,7 +25,7 @@ def simulate(
         30.0, help="Round deadline in seconds: a round is decided by it (contributions are due 2 slacks earlier)."),
     min_peers: Optional[int] = typer.Option(None, help="Contributions a round needs.", show_default="2, or 1 with --peers 1"),
     outer_lr: float = typer.Option(0.0, help="Outer learning rate.", show_default="the algorithm's"),
-    topk: int = typer.Option(0, help="SparseLoCo: values kept per 4096-chunk.", show_default="64"),
+    topk: Optional[int] = typer.Option(None, help="SparseLoCo: values kept per 4096-chunk.", show_default="64"),
     error_decay: Optional[float] = typer.Option(None, help="SparseLoCo: error-feedback decay in [0, 1].",
                                                 show_default="0.95"),
     overlap: int = typer.Option(0, help="1: exchange each round while the next H steps train (delayed outer step)."),
@@ -33,15 +33,17 @@ def simulate(
     seed: int = typer.Option(0, help="Run seed (also seeds every fault's victim)."),
     out: Path = typer.Option(Path("sim-out"), help="Output folder (report.json, loss.png, logs)."),
     kill_every: float = typer.Option(0.0, help="SIGKILL a random live peer every S seconds."),
-    restart_after: float = typer.Option(0.0, help="Restart a killed peer (same identity and state) after S s."),
+    restart_after: Optional[float] = typer.Option(None, help="Restart a killed peer (same identity and state) after "
+                                                  "S s.", show_default="0: killed peers stay dead"),
     freeze_every: float = typer.Option(0.0, help="SIGSTOP a random peer every S seconds..."),
-    freeze_for: float = typer.Option(10.0, help="...and SIGCONT it S seconds later."),
+    freeze_for: Optional[float] = typer.Option(None, help="...and SIGCONT it S seconds later.", show_default="10.0"),
     late_joiners: int = typer.Option(0, help="Start K extra peers after round 2."),
     leave_every: float = typer.Option(0.0, help="A random peer leaves cleanly (SIGINT) every S seconds."),
     kill_coordinator_at: float = typer.Option(0.0, help="SIGKILL the coordinator at S s; restart it from its state."),
     checkpoint_every: int = typer.Option(5, help="Rounds between checkpoints."),
     byzantine: int = typer.Option(0, help="K of the volunteers misbehave (see --attack)."),
-    attack: str = typer.Option("scale", help="What byzantine peers do: scale, random, signflip, nan or stale."),
+    attack: Optional[str] = typer.Option(None, help="What byzantine peers do: scale, random, signflip, nan or stale.",
+                                         show_default="scale"),
     defences: bool = typer.Option(True, "--defences/--no-defences",
                                   help="Robust aggregation (norm clipping) on or off; input validation stays on."),
     scoring: bool = typer.Option(False, help="Leaders score each contribution on a probe batch, drop harmful ones."),
@@ -62,14 +64,18 @@ def simulate(
         min_peers = min(2, peers)
     if min_peers > peers:
         raise ConfigError(f"--min-peers {min_peers} is more than --peers {peers}: no round could ever commit")
+    # None: not given; the options' defaults fill in, and the options see what was given (even
+    # its default value) to refuse what could never take effect
+    optional = {"topk": topk, "error_decay": error_decay, "restart_after": restart_after, "freeze_for": freeze_for,
+                "attack": attack}
+    given = {name: value for name, value in optional.items() if value is not None}
     opts = SimulateOptions(peers=peers, rounds=rounds, preset=preset, algorithm=algorithm, codec=codec,
                            inner_steps=inner_steps, batch_size=batch_size, deadline_s=deadline,
-                           min_peers=min_peers, seed=seed, outer_lr=outer_lr, topk=topk,
-                           error_decay=error_decay, overlap=overlap, warmup_steps=warmup,
-                           kill_every=kill_every, restart_after=restart_after, freeze_every=freeze_every,
-                           freeze_for=freeze_for, late_joiners=late_joiners, leave_every=leave_every,
-                           kill_coordinator_at=kill_coordinator_at, checkpoint_every=checkpoint_every,
-                           byzantine=byzantine, attack=attack, defences=defences, scoring=scoring)
+                           min_peers=min_peers, seed=seed, outer_lr=outer_lr, overlap=overlap, warmup_steps=warmup,
+                           kill_every=kill_every, freeze_every=freeze_every, late_joiners=late_joiners,
+                           leave_every=leave_every, kill_coordinator_at=kill_coordinator_at,
+                           checkpoint_every=checkpoint_every, byzantine=byzantine, defences=defences,
+                           scoring=scoring, **given, given=set(given))
     report = run_simulation(opts, out, progress=lambda m: console.print(m, highlight=False))
     console.print(
         f"[bold]{report['rounds_completed']}/{report['rounds_target']} rounds[/], {report['peers']} peers, "

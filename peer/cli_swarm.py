@@ -34,11 +34,13 @@ def _identity(path: Optional[Path], state_dir: Optional[Path]):
     if path is not None and not path.exists():
         raise IdentityError(f"no identity at {path}: create one with `groundswell keygen {path}`, or leave "
                             "--identity out to use the one in --state-dir")
+    if path is not None and path.is_dir():
+        raise IdentityError(f"--identity {path} is a folder, not an identity file (from `groundswell keygen`)")
+    if state_dir is not None:  # first: the default identity lives in it
+        _make_state_dir(state_dir)
+        hold_exclusively(state_dir / ".lock", "state dir", state_dir)
     path = path or ((state_dir or Path.home() / ".groundswell") / "identity.key")
     path.parent.mkdir(parents=True, exist_ok=True)
-    if state_dir is not None:
-        state_dir.mkdir(parents=True, exist_ok=True)
-        hold_exclusively(state_dir / ".lock", "state dir", state_dir)
     ident = Identity.load_or_generate(path)
     # Two processes under one identity are one libp2p peer id at two addresses: the DHT and every
     # stream would reach either at random. Locked by peer id (a key copied to two paths is one
@@ -47,11 +49,23 @@ def _identity(path: Optional[Path], state_dir: Optional[Path]):
     return ident, path
 
 
+def _make_state_dir(state_dir: Path) -> None:
+    """Create --state-dir, or say in one line, naming the flag, why it cannot be."""
+    if state_dir.exists() and not state_dir.is_dir():
+        raise ConfigError(f"--state-dir {state_dir} is a file, not a folder")
+    try:
+        state_dir.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:  # a file above it, no permission, a read-only disk
+        above = next((p for p in state_dir.parents if p.exists() and not p.is_dir()), None)
+        why = f"{above} is a file, not a folder" if above is not None else exc.strerror or str(exc)
+        raise ConfigError(f"--state-dir {state_dir} cannot be created: {why}") from None
+
+
 def _same_run_as_before(state_dir: Path, signed: bytes) -> None:
-    """Refuse a state dir launched before with another manifest or coordinator key; else record
-    this one there. Volunteers keep the manifest they verified when they joined: a coordinator
-    back with other settings (deadline, learning rate, allowlist) under the same run id would
-    split the swarm, and one back under another key is a stranger to them."""
+    """Refuse a state dir launched before with another manifest or coordinator key (`_record_run`
+    records one once its network is up). Volunteers keep the manifest they verified when they
+    joined: a coordinator back with other settings (deadline, learning rate, allowlist) under the
+    same run id would split the swarm, and one back under another key is a stranger to them."""
     from .manifest import ManifestError, SignedManifest
 
     path, new = state_dir / "manifest.signed", SignedManifest.from_bytes(signed)
@@ -64,7 +78,13 @@ def _same_run_as_before(state_dir: Path, signed: bytes) -> None:
             what = "coordinator key (--identity)" if old.manifest_bytes == new.manifest_bytes else "manifest"
             raise ConfigError(f"{state_dir} holds a run launched with another {what}: resume it with the same "
                               "manifest and --identity, or start a new run (a new run.id and --state-dir)")
-    write_atomically(path, lambda f: f.write(signed))
+
+
+def _record_run(state_dir: Path, signed: bytes) -> None:
+    """Bind the state dir to this signed manifest: only once the network is up, since no peer can
+    have seen a run whose network never started (recorded then, a typo in --listen would have
+    bound the state dir to a manifest the user still meant to correct)."""
+    write_atomically(state_dir / "manifest.signed", lambda f: f.write(signed))
 
 
 def _stop_on_signals(first: str = "stopping after this round"):
@@ -144,14 +164,16 @@ def keygen(path: Path = typer.Argument(..., help="Where to write the identity (E
     if path.is_dir():
         raise IsADirectoryError(f"{path} is a folder: give the identity file's path, e.g. {path / 'identity.key'}")
     if not path.parent.is_dir():
+        if path.parent.exists():
+            raise NotADirectoryError(f"{path.parent} is not a folder: give the path of a file in a folder")
         raise FileNotFoundError(f"{path.parent} does not exist: create the folder first")
     ident = Identity.generate()
     try:
         ident.save(path, overwrite=force)
     except FileExistsError:
         raise FileExistsError(f"{path} exists; pass --force to overwrite it") from None
-    except PermissionError as exc:  # raised for the temp file next to it: name the file asked for
-        raise PermissionError(f"cannot write {path}: {exc.strerror or exc} (in {path.parent})") from None
+    except OSError as exc:  # often raised for the temp file next to it: name the file asked for
+        raise OSError(f"cannot write {path}: {exc.strerror or exc} (in {path.parent})") from None
     print(ident.peer_id)
 
 
@@ -201,7 +223,7 @@ def launch(
                                          show_default="the manifest's checkpoint.every_rounds"),
 ) -> None:
     """Coordinate a run: bootstrap/relay peer, signed manifest, state for joiners, checkpoints."""
-    from .bootstrap import format_bootstrap
+    from .bootstrap import check_maddr_flag, format_bootstrap
     from .coordinator_role import run_coordinator
     from .manifest import load_manifest_toml, sign_manifest
     from .participant import Participant
@@ -209,6 +231,8 @@ def launch(
 
     _logging(verbose)
     _set_threads(threads)
+    for flag, maddrs in (("--listen", listen), ("--announce", announce), ("--peer", peer)):
+        check_maddr_flag(flag, maddrs, peer_id=flag == "--peer")  # before the disk: see `_record_run`
     if checkpoint_every < 0:
         raise ConfigError(f"--checkpoint-every must be at least 1 (or 0: the manifest's), not {checkpoint_every}")
     if not -1 <= state_port <= 65535:
@@ -231,6 +255,7 @@ def launch(
     rows: list = []
     try:  # from here on the node is closed whatever happens (an attach timeout, a full disk, Ctrl+C)
         p.start_network()
+        _record_run(state_dir, signed)
         boot = format_bootstrap(ident.peer_id, p.node.maddrs)
         write_atomically(state_dir / "bootstrap.txt", lambda f: f.write(f"{boot}\n".encode()))  # read by scripts
         console.print(f"[bold]run {manifest.run.id}[/] coordinated by {ident.peer_id}")
@@ -296,7 +321,7 @@ def join(
     attack: str = typer.Option("", hidden=True, help="Simulations only: tamper with contributions (peer/byzantine.py)."),
 ) -> None:
     """Join a run as a volunteer: verify the manifest, download the state, train and exchange."""
-    from .bootstrap import parse_bootstrap
+    from .bootstrap import check_maddr_flag, parse_bootstrap
     from .participant import Participant
     from .roles import run_volunteer
     from .swarm import NodeOptions, SwarmNode
@@ -306,11 +331,15 @@ def join(
     check_device(device)
     if reachability not in ("auto", "public", "private"):
         raise ConfigError(f"--reachability must be auto, public or private, not {reachability!r}")
+    if max_rounds is not None and max_rounds < 1:  # 0 or less would leave at once, as if it had trained
+        raise ConfigError(f"--max-rounds must be at least 1, not {max_rounds}")
+    if until_round is not None and until_round < 1:  # rounds count from 0: the run is always past 0
+        raise ConfigError(f"--until-round must be at least 1 (the run starts at round 0), not {until_round}")
+    check_maddr_flag("--listen", listen)
     boot = parse_bootstrap(bootstrap)
     ident, ident_path = _identity(identity, state_dir)
     if ident.peer_id == boot.coordinator_id:
         raise ConfigError(f"{ident_path} is the coordinator's identity: a volunteer needs its own --identity")
-    state_dir.mkdir(parents=True, exist_ok=True)
     opts = NodeOptions(host_maddrs=listen, initial_peers=boot.maddrs, role="volunteer", trains=True, serves=True,
                        reachability=reachability)
     node = SwarmNode(ident, str(ident_path), opts)

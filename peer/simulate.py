@@ -17,7 +17,7 @@ import subprocess
 import time
 import tomllib
 from collections.abc import Callable, Collection, Iterable, Sequence
-from dataclasses import dataclass
+from dataclasses import InitVar, dataclass, fields
 from pathlib import Path
 
 from .config import ConfigError
@@ -65,11 +65,14 @@ class SimulateOptions:
     attack: str = "scale"  # see peer/byzantine.py
     defences: bool = True  # False: no norm clipping or scoring (input validation always stays on)
     scoring: bool = False  # leaders score each contribution on a probe batch and drop harmful ones
+    # The options the caller set (the CLI's flags given), for `_check_unused`; None: those whose
+    # value is not the default (a flag given its default value is only seen by the CLI).
+    given: InitVar[Collection[str] | None] = None
 
-    def __post_init__(self) -> None:
+    def __post_init__(self, given: Collection[str] | None) -> None:
         from .byzantine import ATTACKS
 
-        for name in ("peers", "rounds", "inner_steps", "batch_size"):
+        for name in ("peers", "rounds", "inner_steps", "batch_size", "checkpoint_every"):
             if getattr(self, name) < 1:
                 raise ConfigError(f"--{name.replace('_', '-')} must be at least 1, got {getattr(self, name)}")
         for name in ("kill_every", "restart_after", "freeze_every", "freeze_for", "leave_every",
@@ -84,6 +87,22 @@ class SimulateOptions:
         if self.attack not in ATTACKS:
             raise ConfigError(f"--attack must be one of {', '.join(ATTACKS)}, not {self.attack!r}")
         self._check_faults()
+        self._check_unused(given)
+
+    def _check_unused(self, given: Collection[str] | None) -> None:
+        """Refuse an option that the others given keep from taking effect, rather than run without it."""
+        if given is None:
+            given = {f.name for f in fields(self) if getattr(self, f.name) != f.default}
+        codec = self.codec or ("sparseloco" if self.algorithm == "sparseloco" else "fp32")
+        killed = "without --kill-every or --kill-coordinator-at (only killed peers restart)"
+        needs = {"restart_after": (self.kill_every or self.kill_coordinator_at, killed),
+                 "freeze_for": (self.freeze_every, "without --freeze-every"),
+                 "attack": (self.byzantine, "without --byzantine (no peer misbehaves)"),
+                 "topk": (codec == "sparseloco", f"with the {codec} codec (--algorithm {self.algorithm})"),
+                 "error_decay": (self.algorithm == "sparseloco", f"with --algorithm {self.algorithm}")}
+        for name, (used, why_not) in needs.items():
+            if name in given and not used:
+                raise ConfigError(f"--{name.replace('_', '-')} does nothing {why_not}")
 
     def _check_faults(self) -> None:
         """Refuse faults that could never happen, rather than run without them and exit 0."""

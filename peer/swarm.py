@@ -393,7 +393,7 @@ class SwarmNode(PeerRecords, StateServing, NetLoop):
                 why = accept(reply.signed) if reply.signed else "it has none"
                 if why is None:
                     return reply.signed
-                log.warning("the manifest from %s is not taken: %s", peer[-8:], why)
+                log.info("the manifest from %s is not taken: %s", peer[-8:], why)  # the CLI says why
                 refused[peer] = why
             if set(refused) >= set(peers):
                 break  # every peer answered with one we cannot take: asking again changes nothing

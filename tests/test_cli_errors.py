@@ -280,7 +280,7 @@ def test_a_manifests_unknown_model_or_missing_corpus_is_refused_before_anything_
 
 @pytest.mark.parametrize("make_identity,words", [
     (lambda p: p.write_text("garbage"), "not a libp2p private key"),
-    (lambda p: p.mkdir(), "Is a directory"),
+    (lambda p: p.mkdir(), "is a folder, not an identity file"),
 ])
 def test_a_bad_identity_file_is_one_error_line(tmp_path, make_identity, words):
     key = tmp_path / "bad.key"
@@ -429,7 +429,7 @@ def test_a_state_dir_launched_with_another_manifest_or_key_is_refused(tmp_path):
     # with other settings under the same run id (or under another key) would split the swarm.
     import dataclasses
 
-    from groundswell.peer.cli_swarm import _same_run_as_before
+    from groundswell.peer.cli_swarm import _record_run, _same_run_as_before
     from groundswell.peer.config import ConfigError
     from groundswell.peer.manifest import load_manifest_toml, sign_manifest
 
@@ -439,6 +439,8 @@ def test_a_state_dir_launched_with_another_manifest_or_key_is_refused(tmp_path):
     state.mkdir()
     first = sign_manifest(manifest, key).to_bytes()
     _same_run_as_before(state, first)
+    assert not (state / "manifest.signed").exists()  # recorded only once the network is up
+    _record_run(state, first)
     assert (state / "manifest.signed").read_bytes() == first
     _same_run_as_before(state, sign_manifest(manifest, key).to_bytes())  # a restart as it was: fine
     edited = dataclasses.replace(manifest, round=dataclasses.replace(manifest.round, deadline_s=99.0))

@@ -1,0 +1,199 @@
+"""Flags that could never take effect, or could not be used as given, are refused in one `error:`
+line naming the flag, before anything is written or started; a launch that never started its
+network leaves its state dir free for a corrected manifest."""
+
+from __future__ import annotations
+
+import errno
+import logging
+from pathlib import Path
+
+import pytest
+from groundswell.peer.cli import app
+from groundswell.protocol.identity import Identity
+from typer.testing import CliRunner
+
+pytestmark = pytest.mark.timeout(120)
+
+EXAMPLE = Path(__file__).resolve().parents[1] / "scripts" / "example_run.toml"
+
+
+def _bootstrap() -> str:
+    pid = Identity.generate().peer_id
+    return f"gs1:{pid}@/ip4/127.0.0.1/tcp/9/p2p/{pid}"  # never dialled: every case is refused before
+
+
+@pytest.fixture
+def nothing_starts(monkeypatch):
+    """No network, simulation or training starts (were a refusal missed, the test fails at once),
+    and no signal handler is left in pytest."""
+    from groundswell.peer import cli_swarm, simulate, train_local
+    from groundswell.peer.participant import Participant
+    from groundswell.peer.stop_flag import StopFlag
+    from groundswell.peer.swarm import SwarmNode
+
+    def started(*args, **kwargs):
+        raise AssertionError("started")
+
+    for owner, name in ((Participant, "start_network"), (SwarmNode, "start"), (simulate, "run_simulation"),
+                        (train_local, "run_train_local")):
+        monkeypatch.setattr(owner, name, started)
+    monkeypatch.setattr(cli_swarm, "_stop_on_signals", lambda first="": StopFlag())
+
+
+def _one_error_line(res, words: str) -> None:
+    assert res.exit_code == 2, res.output
+    lines = res.output.strip().splitlines()
+    assert "Traceback" not in res.output and lines[0].startswith("error:"), res.output
+    assert words in " ".join(res.output.split()), res.output
+
+
+@pytest.mark.parametrize("args, words", [
+    (["--listen", "garbage"], "--listen: Invalid MultiAddr 'garbage'"),
+    (["--announce", "/ip4/1.2.3.4/tcp/99999"], "--announce: Invalid MultiAddr"),
+    (["--peer", "/ip4/127.0.0.1/tcp/9"], "--peer '/ip4/127.0.0.1/tcp/9' must end in /p2p/<peer id>"),
+])
+def test_launch_refuses_a_malformed_multiaddr_before_writing_anything(tmp_path, nothing_starts, args, words):
+    res = CliRunner().invoke(app, ["launch", str(EXAMPLE), "--state-dir", str(tmp_path / "sd"), "--quiet", *args])
+    _one_error_line(res, words)
+    assert not (tmp_path / "sd").exists()
+
+
+def test_join_refuses_a_malformed_listen_address_before_writing_anything(tmp_path, nothing_starts):
+    res = CliRunner().invoke(app, ["join", _bootstrap(), "--listen", "garbage", "--state-dir", str(tmp_path / "p")])
+    _one_error_line(res, "--listen: Invalid MultiAddr 'garbage'")
+    assert not (tmp_path / "p").exists()
+
+
+def test_a_launch_whose_network_did_not_start_does_not_bind_the_state_dir_to_its_manifest(tmp_path, monkeypatch,
+                                                                                         nothing_starts):
+    from groundswell.peer import bootstrap
+    from groundswell.peer.net_errors import NetworkError
+    from groundswell.peer.participant import Participant
+
+    def no_network(self):
+        raise NetworkError("could not start the network: the daemon said no")
+
+    monkeypatch.setattr(Participant, "start_network", no_network)
+    state, fixed = tmp_path / "sd", tmp_path / "fixed.toml"
+    fixed.write_text(EXAMPLE.read_text().replace("deadline_s = 30.0", "deadline_s = 40.0"))
+    launch = ["launch", "--state-dir", str(state), "--quiet"]
+    _one_error_line(CliRunner().invoke(app, [launch[0], str(EXAMPLE), *launch[1:]]), "could not start the network")
+    assert not (state / "manifest.signed").exists()
+    # relaunched with a corrected manifest: refused for the network again, not for "another manifest"
+    _one_error_line(CliRunner().invoke(app, [launch[0], str(fixed), *launch[1:]]), "could not start the network")
+
+    def interrupted(*args, **kwargs):  # once the network is up: stop there, the run recorded
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(Participant, "start_network", lambda self: None)
+    monkeypatch.setattr(bootstrap, "format_bootstrap", interrupted)
+    assert CliRunner().invoke(app, [launch[0], str(fixed), *launch[1:]]).exit_code == 130
+    assert (state / "manifest.signed").exists()
+    # a restart as it was resumes; another manifest is refused as before
+    assert CliRunner().invoke(app, [launch[0], str(fixed), *launch[1:]]).exit_code == 130
+    _one_error_line(CliRunner().invoke(app, [launch[0], str(EXAMPLE), *launch[1:]]),
+                    f"{state} holds a run launched with another manifest")
+
+
+@pytest.mark.parametrize("args, words", [
+    (["--restart-after", "5"], "--restart-after does nothing without --kill-every or --kill-coordinator-at"),
+    (["--restart-after", "0"], "--restart-after does nothing without --kill-every"),  # given, even as its default
+    (["--freeze-for", "10"], "--freeze-for does nothing without --freeze-every"),
+    (["--attack", "scale"], "--attack does nothing without --byzantine"),
+    (["--algorithm", "diloco", "--topk", "32"], "--topk does nothing with the fp32 codec (--algorithm diloco)"),
+    (["--algorithm", "diloco", "--error-decay", "0.5"], "--error-decay does nothing with --algorithm diloco"),
+    (["--checkpoint-every", "0"], "--checkpoint-every must be at least 1, got 0"),  # not checkpoint.keep
+])
+def test_simulate_refuses_flags_that_could_never_take_effect(tmp_path, nothing_starts, args, words):
+    res = CliRunner().invoke(app, ["simulate", *args, "--out", str(tmp_path / "sim")])
+    _one_error_line(res, words)
+    assert "checkpoint.keep" not in res.output
+    assert not (tmp_path / "sim").exists()
+
+
+def test_simulate_options_refuse_what_a_programmatic_caller_set_to_no_effect():
+    from groundswell.peer.config import ConfigError
+    from groundswell.peer.simulate import SimulateOptions
+
+    with pytest.raises(ConfigError, match="--restart-after does nothing"):
+        SimulateOptions(restart_after=5)
+    with pytest.raises(ConfigError, match="--attack does nothing"):
+        SimulateOptions(attack="signflip")
+    SimulateOptions(kill_coordinator_at=3, restart_after=5)  # the coordinator restarts after it
+    SimulateOptions(peers=4, byzantine=1, attack="signflip", freeze_every=5, freeze_for=10)
+    SimulateOptions(algorithm="diloco")  # the defaults stay quiet
+
+
+@pytest.mark.parametrize("args, words", [
+    (["--max-rounds", "0"], "--max-rounds must be at least 1, not 0"),
+    (["--max-rounds", "-1"], "--max-rounds must be at least 1, not -1"),
+    (["--until-round", "-2"], "--until-round must be at least 1 (the run starts at round 0), not -2"),
+    (["--until-round", "0"], "--until-round must be at least 1"),
+    (["--threads", "-5"], "--threads must be 0 (torch's default) or more, not -5"),
+])
+def test_join_refuses_a_round_count_that_would_leave_at_once(tmp_path, nothing_starts, args, words):
+    res = CliRunner().invoke(app, ["join", _bootstrap(), *args, "--state-dir", str(tmp_path / "p")])
+    _one_error_line(res, words)
+    assert not (tmp_path / "p").exists()
+
+
+@pytest.mark.parametrize("command", ["join", "launch"])
+def test_a_state_dir_that_is_a_file_or_an_identity_that_is_a_folder_names_the_flag(tmp_path, nothing_starts,
+                                                                                    command):
+    first = [str(EXAMPLE)] if command == "launch" else [_bootstrap()]
+    (tmp_path / "f").write_text("")
+    (tmp_path / "d").mkdir()
+    res = CliRunner().invoke(app, [command, *first, "--state-dir", str(tmp_path / "f")])
+    _one_error_line(res, f"--state-dir {tmp_path / 'f'} is a file, not a folder")
+    res = CliRunner().invoke(app, [command, *first, "--state-dir", str(tmp_path / "f" / "s")])
+    _one_error_line(res, f"--state-dir {tmp_path / 'f' / 's'} cannot be created: {tmp_path / 'f'} is a file")
+    res = CliRunner().invoke(app, [command, *first, "--identity", str(tmp_path / "d"), "--state-dir",
+                                   str(tmp_path / "s")])
+    _one_error_line(res, f"--identity {tmp_path / 'd'} is a folder, not an identity file")
+
+
+def test_keygen_below_a_file_or_where_it_cannot_write_says_so_about_the_path_asked_for(tmp_path, monkeypatch):
+    import tempfile
+
+    (tmp_path / "f").write_text("")
+    res = CliRunner().invoke(app, ["keygen", str(tmp_path / "f" / "x.key")])
+    _one_error_line(res, f"{tmp_path / 'f'} is not a folder")
+    assert "does not exist" not in res.output
+
+    def read_only(*args, dir=None, **kwargs):  # EROFS, not EACCES: used to name the temp file
+        raise OSError(errno.EROFS, "Read-only file system", str(Path(dir) / ".id.key.x1y2.tmp"))
+
+    monkeypatch.setattr(tempfile, "mkstemp", read_only)
+    res = CliRunner().invoke(app, ["keygen", str(tmp_path / "id.key")])
+    _one_error_line(res, f"cannot write {tmp_path / 'id.key'}: Read-only file system")
+    assert ".tmp" not in res.output
+
+
+@pytest.mark.parametrize("args, words", [
+    (["--jobs", "2"], "--jobs goes with --table only"),
+    (["--jobs", "1"], "--jobs goes with --table only"),  # given, even as its default
+    (["--quick"], "--quick goes with --table only"),
+    (["--threads", "-5"], "--threads must be 0 (torch's default) or more, not -5"),
+])
+def test_train_local_refuses_table_flags_without_table_before_training(nothing_starts, args, words):
+    _one_error_line(CliRunner().invoke(app, ["train-local", *args]), words)
+
+
+def test_a_manifest_signed_by_another_key_is_not_a_warning_the_cli_repeats(caplog):
+    # join/status already say why in their one error line: a WARN log line before it was noise
+    import asyncio
+    from types import SimpleNamespace
+
+    from groundswell.peer.swarm import ManifestRefused, SwarmNode
+
+    class Transport:
+        async def request(self, peer, handler, msg, expect, timeout_s):
+            return SimpleNamespace(signed=b"forged")
+
+    node = SwarmNode.__new__(SwarmNode)
+    node.bootstrap_transport = Transport()
+    with caplog.at_level(logging.INFO), pytest.raises(ManifestRefused, match="signed by someone else"):
+        asyncio.run(node.fetch_manifest(["peer"], accept=lambda signed: "signed by someone else"))
+    assert any("is not taken" in r.getMessage() for r in caplog.records)  # kept for --verbose
+    assert not [r for r in caplog.records if r.levelno >= logging.WARNING], caplog.records
