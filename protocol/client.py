@@ -301,7 +301,10 @@ class RoundClient(AggregateFetcher):
     async def _poll_decision(self, peer: str, plan: RoundPlan, until: float, wait_s: float) -> bytes:
         """Ask `peer` for the attempt's decision (a long poll of up to `wait_s`); if it fails fast,
         ask again every `REASK_S` until `until` (wall clock)."""
-        signed = await self.ask_decision(peer, plan.round, plan.attempt, wait_s, plan)
+        # The first long poll too ends by `until`: a contributor that came late to its attempt
+        # would otherwise wait out the whole `wait_s` on a silent leader and miss the next one.
+        signed = await self.ask_decision(peer, plan.round, plan.attempt, min(wait_s, max(0.0, until - time.time())),
+                                         plan)
         while not signed and (left := until - time.time()) > REASK_S:
             await asyncio.sleep(REASK_S)
             signed = await self.ask_decision(peer, plan.round, plan.attempt, max(0.0, left - REASK_S), plan)

@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING, Any
 
 from .aggregator import CONTESTED, FENCED_OFF
 from .envelope import seal, unseal
-from .plan import RoundPlan
+from .plan import RoundPlan, close_time
 from .schema import Ack, Decision, ProtocolError, Seal
 from .shards import REPORTING_CANDIDATES
 from .transport import PeerUnavailable, ShardsUnavailable
@@ -94,7 +94,8 @@ class Decider:
                                      all(ids.get(c) == slot.have[shard][src][c] for c in contributors))]
                        for shard, src in enumerate(sources)]
             asked |= {p for h in holders for p in h}
-            unsealed, contested = await self._seal_all(signed, sorted({p for h in holders for p in h}), holders)
+            unsealed, contested = await self._seal_all(signed, sorted({p for h in holders for p in h}), holders,
+                                                       patient_until=self._attempt_deadline(plan))
             accepted |= {p for h in holders for p in h} - unsealed
             refused = set(sources) & unsealed
             if contested:  # another leader is deciding this attempt: replacing sources would fork the round
@@ -261,16 +262,28 @@ class Decider:
             log.warning("could not gather the commit's aggregate (%s)", exc)
             return set(range(decision.num_shards))
 
+    def _attempt_deadline(self, plan: RoundPlan) -> float:
+        """The attempt's deadline plus a slack (its close plus two slacks), on our monotonic clock:
+        as long as a frozen holder may keep a commit's seal waiting when no other peer holds its
+        shard (see `_seal_all`)."""
+        opened = self.book.opened_at(plan.round) or 0.0
+        close = close_time(opened, plan.attempt, self.ctx.deadline_s, self.ctx.slack_s)
+        return time.monotonic() + (close + 2 * self.ctx.slack_s - time.time())
+
     async def _seal_all(self, signed: bytes, peers: list[str], groups: list[list[str]] | None = None,
                         timeout_s: float | None = None, role: str = "aggregator",
-                        confirm: bool = False) -> tuple[set[str], bool]:
+                        confirm: bool = False, patient_until: float | None = None) -> tuple[set[str], bool]:
         """Seal every peer (a retry decision voids our commit there); returns the ones that did
         not seal, and whether one of them had sealed another leader's decision of this attempt
         (with `confirm`: the seals are asked to confirm, and the flag says one was fenced off).
         A live aggregator seals at once (it only builds its shards): one that does not answer within
         a slack plus the time to average its shards is treated as refusing, and replaced. With
-        `groups` (each shard's holders), once every group has a peer that sealed, the others get
-        only `seal_grace` more: a frozen source then costs no slack when a replica answered."""
+        `groups` (each shard's holders), once every group has a peer that sealed (or none left to
+        answer), the others get only `seal_grace` more: a frozen source then costs no slack when a
+        replica answered. `patient_until` (monotonic): until then a holder is waited for however
+        long its seal takes: the only holder of a shard, frozen for a few seconds, used to be
+        given up after one slack, and the round retried although the holder was back well
+        within the attempt's deadline (a churn run lost 70 s of one round that way)."""
         _, decision = unseal(signed, self.ctx.run_id, Decision)
         shard_bytes = self.ctx.max_payload_bytes * max(1, len(decision.contributors)) / max(1, decision.num_shards)
         wait = self.ctx.slack_s + 2 * shard_bytes / 100e6
@@ -284,7 +297,9 @@ class Decider:
                     log.warning("our own aggregator refused the seal: %s", exc)
                     return Ack(False, str(exc)[:500])
             try:
-                ack = await self.transport.request(peer, "seal", Seal(signed, confirm), Ack, timeout_s=timeout_s or wait)
+                patience = 0.0 if patient_until is None else patient_until - loop.time()
+                ack = await self.transport.request(peer, "seal", Seal(signed, confirm), Ack,
+                                                   timeout_s=max(timeout_s or wait, patience))
                 if not ack.ok:
                     log.warning("%s %s refused the seal: %s", role, peer[-8:], ack.reason)
                 return ack
@@ -302,8 +317,9 @@ class Decider:
                 acks.update((tasks[t], t.result()) for t in done)
                 if not done:
                     break  # the grace is over: whoever has not answered is replaced
-                if covered_at is None and groups and all(any(p in acks and acks[p].ok for p in g) for g in groups):
-                    covered_at = loop.time()
+                if covered_at is None and groups and all(
+                        any(p in acks and acks[p].ok for p in g) or all(p in acks for p in g) for g in groups):
+                    covered_at = loop.time()  # (a shard whose holders all refused waits for nobody)
         finally:
             for t in pending:
                 t.cancel()

@@ -341,6 +341,52 @@ def test_a_source_that_freezes_at_the_seal_does_not_hold_the_commit_until_it_tha
     assert all(torch.equal(m, means[0]) for m in means)
 
 
+def test_the_only_holder_of_a_shard_frozen_at_the_seal_is_waited_for_within_the_attempts_deadline(make_cluster):
+    # With no replica, a source that froze for longer than one seal timeout (a slack and the
+    # shard's transfer) used to be given up on: its shard had no holder left, the round was
+    # retried, and a churn run lost 70 s of one round waiting for the next attempts, although
+    # the source was back (holding every contribution) 20 ms later, well within the attempt's
+    # deadline. The leader now waits for it until the attempt's deadline plus a slack.
+    import threading
+
+    from groundswell.protocol.envelope import unseal
+    from groundswell.protocol.plan import make_plan
+    from groundswell.protocol.schema import Decision
+
+    c = make_cluster(n=3, codec_name="fp32", min_peers=2, deadline_s=16.0, slack_s=2.0, replicas=0)
+    plan = make_plan(c.ctx.run_id, 0, 0, c.ids, c.ids, len(c.ctx.segment_numels), c.max_shards)
+    leader = c.nodes[c.ids.index(plan.leaders[0])]
+    frozen: list[str] = []
+    lock = threading.Lock()
+    for node in c.nodes:
+        if node is leader:
+            continue
+        server = node.server
+        real_build = server._build
+
+        def build(signed, shard, held, first, sq_norms=None, server=server, real_build=real_build):
+            _, d = unseal(signed, c.ctx.run_id, Decision)
+            with lock:
+                freeze = not frozen and d.status == "commit"
+                if freeze:
+                    frozen.append(server.identity.peer_id)
+            if freeze:
+                time.sleep(3 * c.slack_s)  # blocks this node's event loop: longer than a seal's timeout
+            return real_build(signed, shard, held, first, sq_norms)
+
+        async def patch(server=server, build=build) -> None:
+            server._build = build
+
+        node.call(patch(), timeout_s=10)
+    out = c.attempt(0, _inputs(3, c.numel, 23))
+    d = out[c.ids.index(plan.leaders[0])].decision
+    assert frozen, "no aggregator other than the leader was asked to seal"
+    assert d is not None and d.status == "commit" and len(d.contributors) == 3, d
+    assert frozen[0] in d.sources  # waited for, not replaced: no other peer held its shard
+    means = [c.fetch(i, out[i].signed or out[c.ids.index(plan.leaders[0])].signed) for i in range(3)]
+    assert all(torch.equal(m, means[0]) for m in means)
+
+
 def test_a_source_that_freezes_after_the_commit_costs_a_fetcher_a_short_hedge_not_a_timeout(make_cluster):
     # A fetcher asks a shard's source first. If the source froze after the commit, the next
     # holder is asked too once a short hedge has passed, instead of after the whole request timeout.
@@ -391,3 +437,24 @@ def test_a_commit_whose_time_is_far_from_its_rounds_opening_and_now_is_refused(m
     for when in (0.0, time.time() + 3600):
         with pytest.raises(ProtocolError, match="a commit's time"):
             check(when)
+
+
+def test_a_contributor_late_to_its_attempt_polls_a_silent_leader_only_until_the_attempt_is_over():
+    # A peer that contributed near its attempt's close used to long-poll the leader for the whole
+    # `wait_s` (deadline plus slacks) and so missed the next attempt (20 s in a churn run).
+    import asyncio
+    from types import SimpleNamespace
+
+    from groundswell.protocol.client import RoundClient
+
+    asked: list[float] = []
+
+    async def ask_decision(peer, round_id, attempt, wait_s, plan=None) -> bytes:
+        asked.append(wait_s)
+        await asyncio.sleep(min(wait_s, 0.2))
+        return b""
+
+    client = SimpleNamespace(ask_decision=ask_decision)
+    plan = SimpleNamespace(round=3, attempt=1)
+    signed = asyncio.run(RoundClient._poll_decision(client, "leader", plan, time.time() + 1.0, 20.0))
+    assert signed == b"" and asked and asked[0] <= 1.0 and all(w <= 1.0 for w in asked)
