@@ -84,10 +84,13 @@ def contribution_sq_norm(codec: Codec, row: Sequence[Payload]) -> float:
 
 
 def clip_weights(sq_norms: Sequence[float], clip: float) -> list[float]:
-    """Per-contribution scale factors (<= 1) that clip every norm to `clip` * the median norm."""
-    if clip <= 0 or not sq_norms:
+    """Per-contribution scale factors (<= 1) that clip every norm to `clip` * the median of the
+    non-zero norms. An all-zero contribution (a peer that made no step) has nothing to clip and
+    sets no reference: counted in the median, one of two peers' zeros used to scale the other's
+    whole update to nothing, which DiLoCo then dropped from the peer's progress."""
+    ordered = sorted(sq for sq in sq_norms if sq > 0)
+    if clip <= 0 or not ordered:
         return [1.0] * len(sq_norms)
-    ordered = sorted(sq_norms)
     mid = len(ordered) // 2
     # the lower median: with an even count, the larger half cannot pull the reference up
     median_sq = ordered[mid - 1] if len(ordered) % 2 == 0 else ordered[mid]

@@ -75,4 +75,4 @@ class DiLoCo(OuterOptimizer):
     def _load_extra_state(self, state: dict[str, Any]) -> None:
         if state.get("algorithm") != "diloco":
             raise ValueError(f"not a DiLoCo state (algorithm={state.get('algorithm')!r})")
-        self.momentum_buffer = state["momentum_buffer"].to(self.global_params.device, torch.float32).clone()
+        self.momentum_buffer = self._like_params(state, "momentum_buffer")

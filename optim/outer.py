@@ -204,15 +204,25 @@ class OuterOptimizer(ABC):
             raise RuntimeError("cannot snapshot with a round pending; apply it first")
         return {"round_id": self.round_id, "global_params": self.global_params.cpu().clone(), **self._extra_state()}
 
+    def _like_params(self, state: dict[str, Any], name: str) -> torch.Tensor:
+        """`state[name]` as a float32 tensor shaped like the parameters, on their device; a
+        ValueError if it is not one (a buffer too long or short would fail a round later, or be
+        cut silently)."""
+        t = state.get(name)
+        if not isinstance(t, torch.Tensor) or t.shape != self.global_params.shape or not t.is_floating_point():
+            what = f"shape {tuple(t.shape)}" if isinstance(t, torch.Tensor) else type(t).__name__
+            raise ValueError(f"state's {name} is {what}, not {tuple(self.global_params.shape)} floats")
+        return t.to(self.global_params.device, torch.float32).clone()
+
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Restore a `state_dict()`; the model's parameters are not touched."""
         g = state["global_params"]
         if g.shape != self.global_params.shape:
             raise ValueError(f"state has {g.numel()} parameters, the model has {self.global_params.numel()}")
+        self._load_extra_state(state)  # first: a bad extra state leaves this one as it was
         self.global_params = g.to(self.global_params.device, torch.float32).clone()
         self.round_id = int(state["round_id"])
         self.pending = None
-        self._load_extra_state(state)
 
     def _extra_state(self) -> dict[str, Any]:
         return {}

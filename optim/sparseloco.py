@@ -108,7 +108,7 @@ class SparseLoCo(OuterOptimizer):
     def _load_extra_state(self, state: dict[str, Any]) -> None:
         if state.get("algorithm") != "sparseloco":
             raise ValueError(f"not a SparseLoCo state (algorithm={state.get('algorithm')!r})")
-        self.error = state["error"].to(self.global_params.device, torch.float32).clone()
+        self.error = self._like_params(state, "error")
         self._sent = None
         self._discard_contribution()
 

@@ -214,6 +214,25 @@ def test_state_dict_round_trip_resumes_exactly(algo):
         (DiLoCo(clone.parameters(), codec) if algo == "sparseloco" else SparseLoCo(clone.parameters(), codec)).load_state_dict(state)
 
 
+@pytest.mark.parametrize("algo", ["diloco", "sparseloco"])
+def test_a_state_whose_buffer_does_not_fit_the_model_is_refused_whole(algo):
+    """An error-feedback buffer too long was cut silently, one too short (or a DiLoCo momentum
+    of another shape) failed only at the next round; and the global copy was replaced first."""
+    codec = make_codec("sparseloco", chunk=64, k=4) if algo == "sparseloco" else make_codec("fp32")
+    make = (lambda ps: SparseLoCo(ps, codec)) if algo == "sparseloco" else (lambda ps: DiLoCo(ps, codec))
+    name = "error" if algo == "sparseloco" else "momentum_buffer"
+    outer = make(torch.nn.Linear(32, 8).parameters())
+    state = outer.state_dict()
+    state["global_params"] = state["global_params"] + 1.0
+    before = outer.global_params.clone()
+    for bad in (torch.zeros(state[name].numel() + 5), torch.zeros(state[name].numel() - 1), "junk"):
+        with pytest.raises(ValueError, match=name):
+            outer.load_state_dict({**state, name: bad})
+        assert torch.equal(outer.global_params, before)  # left as it was
+    outer.load_state_dict(state)
+    assert torch.equal(outer.global_params, state["global_params"])
+
+
 def test_applied_parameters_do_not_alias_the_global_copy():
     model = _model([1.0, 2.0])
     codec = make_codec("fp32")

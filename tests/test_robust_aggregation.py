@@ -48,7 +48,12 @@ def test_clip_weights_bound_every_norm_by_the_median():
     assert w[0] == 1.0 and w[1] == 1.0
     assert w[2] == pytest.approx(2 / 3) and w[3] == pytest.approx(2 / 100)
     assert clip_weights(sq, clip=0.0) == [1.0] * 4  # off
-    assert clip_weights([0.0, 0.0, 1.0], clip=1.0) == [1.0, 1.0, 0.0]  # median 0: everything above it is zeroed
+    # an all-zero contribution (no step made) sets no reference: one of two peers' zeros used to
+    # scale the other's whole update to nothing
+    assert clip_weights([0.0, 16.0], clip=1.0) == [1.0, 1.0]
+    assert clip_weights([0.0, 0.0, 1.0], clip=1.0) == [1.0, 1.0, 1.0]
+    assert clip_weights([0.0, 1.0, 4.0, 100.0], clip=1.0) == [1.0, 1.0, 1.0, pytest.approx(2 / 10)]
+    assert clip_weights([0.0, 0.0], clip=1.0) == [1.0, 1.0]
     # the reference is the lower median: two attackers of four cannot raise it
     assert clip_weights([1.0, 1.0, 1e6, 1e6], clip=1.0)[2] == pytest.approx(1e-3)
 
