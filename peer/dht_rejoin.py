@@ -30,13 +30,12 @@ LOOPBACK, PRIVATE, PUBLIC = "loopback", "private", "public"
 
 def address_scope(maddr: str) -> str | None:
     """Where a multiaddr's IP lives: loopback, private (RFC 1918, ULA, CGNAT) or public; None for
-    one never worth dialling (link-local, multicast, unspecified, reserved, malformed). A DNS name
-    counts as public (the daemon resolves it)."""
+    one never worth dialling (link-local, multicast, unspecified, reserved, malformed) and for a
+    DNS name, which may resolve anywhere (`localhost`, or a rebinding name pointing into a home
+    network): only a bootstrap address the user gave may be one."""
     parts = str(maddr).split("/")
-    if len(parts) < 3 or parts[1] not in ("ip4", "ip6", "dns", "dns4", "dns6"):
+    if len(parts) < 3 or parts[1] not in ("ip4", "ip6"):
         return None
-    if parts[1].startswith("dns"):
-        return PUBLIC
     try:
         ip = ipaddress.ip_address(parts[2])
     except ValueError:
@@ -54,18 +53,21 @@ _CGNAT = ipaddress.ip_network("100.64.0.0/10")
 
 
 def dialable_scopes(own: Sequence[str]) -> frozenset[str]:
-    """The scopes of the addresses a run's own peers may be dialled at: those of `own` (the
-    bootstrap addresses the user gave, else our own listen addresses), public always. A public run
-    never has a hostile record make its peers dial their own loopback or home network; a run on
-    127.0.0.1 or a LAN still dials its peers there. An unspecified listen address (0.0.0.0)
-    allows private ones (a LAN run), not loopback."""
-    scopes = {PUBLIC}
+    """The scopes of the addresses a run's own peers may be dialled at, judged from `own` (the
+    bootstrap addresses the user gave, else our own listen addresses): public always; private if
+    one of them is private (a LAN run; an unspecified 0.0.0.0 counts so); loopback only if all
+    of them are (a run on 127.0.0.1: a daemon listening on 0.0.0.0 lists 127.0.0.1 among its
+    addresses, so a bootstrap line of a public run names it too). A public run never has a
+    hostile record make its peers dial their own machine or home network."""
+    scopes, local = {PUBLIC}, []
     for maddr in own:
         parts = str(maddr).split("/")
-        if len(parts) >= 3 and parts[2] in ("0.0.0.0", "::"):
+        scope = PRIVATE if len(parts) >= 3 and parts[2] in ("0.0.0.0", "::") else address_scope(maddr)
+        if scope == PRIVATE:
             scopes.add(PRIVATE)
-        elif (scope := address_scope(maddr)) is not None:
-            scopes.add(scope)
+        local.append(scope == LOOPBACK)
+    if local and all(local):
+        scopes.add(LOOPBACK)
     return frozenset(scopes)
 
 
@@ -202,6 +204,9 @@ def load_known_peers(path: Path) -> KnownPeers:
         return KnownPeers()
     if not isinstance(data, dict):
         return KnownPeers()
+
+    if "proven" not in data and "seen" not in data:  # the flat {peer: addresses} file of 2026-12-05
+        data = {"seen": data}
 
     def tier(name: str) -> list[tuple[str, list[str]]]:
         entries = data.get(name)

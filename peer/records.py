@@ -37,6 +37,16 @@ def lives_as_signed(rec: PeerRecord, expiration: float) -> bool:
     return expiration <= expires_at(rec) + EXPIRY_SLACK_S
 
 
+@dataclasses.dataclass(frozen=True)
+class _Record:
+    """What hivemind's DHTRecord holds (its key id, subkey and value as bytes, the expiration)."""
+
+    key: bytes
+    subkey: bytes
+    value: bytes
+    expiration_time: float
+
+
 class PeerRecordValidator:
     """Refuses, on every DHT store and lookup answer, a run's peer record that is not signed by
     the peer it is stored under or that would outlive its signed time (see `lives_as_signed`).
@@ -48,11 +58,24 @@ class PeerRecordValidator:
     def __init__(self) -> None:
         self._runs: dict[bytes, str] = {}  # DHT key id of a run's records -> run id
 
-    def watch(self, run_id: str) -> None:
-        """Check the records of `run_id` from now on."""
+    def watch(self, run_id: str, dht: Any = None) -> None:
+        """Check the records of `run_id` from now on, and drop the ones `dht` (a DHTNode) took in
+        before: hivemind refuses a whole answer for a key if one of its entries fails, so an entry
+        stored while we were not yet checking would hide every record this node serves."""
         from hivemind.dht.routing import DHTID
+        from hivemind.dht.storage import DictionaryDHTValue
+        from hivemind.utils.serializer import MSGPackSerializer
 
-        self._runs[DHTID.generate(source=PeerRecords.records_key(run_id)).to_bytes()] = run_id
+        key = DHTID.generate(source=PeerRecords.records_key(run_id)).to_bytes()
+        self._runs[key] = run_id
+        protocol = getattr(dht, "protocol", None)
+        for storage in (getattr(protocol, "storage", None), getattr(protocol, "cache", None)):
+            found = storage.get(DHTID.from_bytes(key)) if storage is not None else None
+            if found is None or not isinstance(found.value, DictionaryDHTValue):
+                continue
+            for subkey, (value, expiration) in list(found.value.items()):
+                if not self.validate(_Record(key, MSGPackSerializer.dumps(subkey), value, expiration)):
+                    del found.value[subkey]
 
     def validate(self, record: Any) -> bool:
         """Is this DHT record (key, subkey, value, expiration) acceptable?"""
@@ -125,6 +148,7 @@ class PeerRecords:
                     await self.rejoiner.maybe_rejoin(self.p2p, self.dht)
             except Exception as exc:  # best effort (a TimeoutError too): the next heartbeat tries again
                 log.info("re-entering the DHT failed: %r", exc)
+            stored_from = loop.time()  # (after a re-entry of several seconds the store still gets its time)
             rec = self.record
             rec = PeerRecord(rec.round, rec.params_hash, rec.role, rec.trains, rec.serves, self.maddrs[:8],
                              rec.reachability, rec.loss, self.transport.bytes_sent if self.transport else 0, time.time(),
@@ -132,7 +156,7 @@ class PeerRecords:
                              self.puncher.punched()[:64] if self.puncher is not None else [], rec.earlier_hashes[:16])
             signed = seal(self.identity, self.ctx.run_id, rec)
             try:
-                async with asyncio.timeout(max(0.1, STORE_CUTOFF_S - (loop.time() - started))):
+                async with asyncio.timeout(max(0.1, STORE_CUTOFF_S - (loop.time() - stored_from))):
                     stored = await self.dht.store(self.records_key(self.ctx.run_id), signed, expires_at(rec),
                                                   subkey=self.identity.peer_id)
                 if not stored:

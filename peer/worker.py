@@ -92,7 +92,7 @@ class InnerTrainer:
                 grad_norm = _grad_norm(list(self.model.parameters()))
             # One read from the device per step (each read waits for the GPU): the loss for the
             # progress bar and both finiteness checks come from it.
-            loss_value, norm_value = torch.stack([loss.detach().float(), grad_norm.float()]).tolist()
+            loss_value, norm_value = torch.stack([loss.detach().float(), grad_norm.float().to(loss.device)]).tolist()
             if not math.isfinite(loss_value):
                 # A non-finite loss would poison the pseudo-gradient; refuse it loudly.
                 raise FloatingPointError(self._diverged(f"loss is {loss_value}"))

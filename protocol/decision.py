@@ -263,12 +263,13 @@ class Decider:
             return set(range(decision.num_shards))
 
     def _attempt_deadline(self, plan: RoundPlan) -> float:
-        """The attempt's deadline plus a slack (its close plus two slacks), on our monotonic clock:
-        as long as a frozen holder may keep a commit's seal waiting when no other peer holds its
-        shard (see `_seal_all`)."""
+        """The attempt's deadline (its close plus a slack), on our monotonic clock: as long as a
+        frozen holder may keep a commit's seal waiting when no other peer holds its shard (see
+        `_seal_all`). Not longer: contributors with a single leader stop polling it a slack
+        later, and the commit still has to be confirmed and announced."""
         opened = self.book.opened_at(plan.round) or 0.0
         close = close_time(opened, plan.attempt, self.ctx.deadline_s, self.ctx.slack_s)
-        return time.monotonic() + (close + 2 * self.ctx.slack_s - time.time())
+        return time.monotonic() + (close + self.ctx.slack_s - time.time())
 
     async def _seal_all(self, signed: bytes, peers: list[str], groups: list[list[str]] | None = None,
                         timeout_s: float | None = None, role: str = "aggregator",

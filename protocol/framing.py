@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import struct
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from typing import Any
 
 from .schema import ProtocolError
@@ -27,24 +27,39 @@ async def write_frame(writer: asyncio.StreamWriter, data: bytes | bytearray | me
         await writer.drain()
 
 
-async def read_frame(reader: asyncio.StreamReader, max_bytes: int, start_s: float | None = None,
-                     on_length: Callable[[int], None] | None = None, min_rate: float | None = None) -> bytes:
+async def read_frame(reader: asyncio.StreamReader, max_bytes: int, start_s: float | None = None) -> bytes:
     """Read one length-prefixed frame, refusing lengths over `max_bytes` before reading them;
-    `start_s`: TimeoutError unless its length has arrived within that many seconds;
-    `on_length(size)`: called once the length is known and before the body is read (it may
-    raise); `min_rate` (bytes/s): TimeoutError unless the body arrives within `start_s` (or
-    30 s) plus its size at that rate (a sender trickling a large body cannot hold it for long)."""
+    `start_s`: TimeoutError unless its length has arrived within that many seconds."""
     async with asyncio.timeout(start_s):
         header = await reader.readexactly(_LEN.size)
     (size,) = _LEN.unpack(header)
     if size > max_bytes:
         raise ProtocolError(f"frame of {size} bytes exceeds the limit of {max_bytes}", reason="oversized")
-    if on_length is not None:
-        on_length(size)
-    if min_rate is None:
-        return await reader.readexactly(size)
-    async with asyncio.timeout((start_s or 30.0) + size / min_rate):
-        return await reader.readexactly(size)
+    return await reader.readexactly(size)
+
+
+async def read_frame_paced(reader: asyncio.StreamReader, max_bytes: int, start_s: float,
+                           take: Callable[[int, int], Awaitable[float]], min_rate: float,
+                           piece: int = 256 << 10) -> bytes:
+    """`read_frame` for requests that may be large: the body is read a piece at a time, and
+    `take(n, size)` is awaited before each piece (it reserves room for the piece's bytes, waiting
+    for some or raising, and returns the seconds it waited). Past the first `start_s` seconds the
+    body must keep up `min_rate` bytes/s (time spent waiting for room aside): an announced length
+    costs nothing until its bytes arrive, and a sender that stops cannot hold what it sent."""
+    async with asyncio.timeout(start_s):
+        header = await reader.readexactly(_LEN.size)
+    (size,) = _LEN.unpack(header)
+    if size > max_bytes:
+        raise ProtocolError(f"frame of {size} bytes exceeds the limit of {max_bytes}", reason="oversized")
+    loop = asyncio.get_running_loop()
+    began, pieces, got = loop.time(), [], 0
+    while got < size:
+        n = min(piece, size - got)
+        began += await take(n, size)
+        async with asyncio.timeout_at(began + start_s + (got + n) / min_rate):
+            pieces.append(await reader.readexactly(n))
+        got += n
+    return b"".join(pieces)  # (bytes, as `read_frame` returns: one copy, as readexactly makes)
 
 
 async def read_frame_into(reader: asyncio.StreamReader, max_bytes: int, chunk: int = 1 << 20,

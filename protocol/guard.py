@@ -16,7 +16,7 @@ from .schema import ProtocolError
 
 MAX_PEERS = 10_000  # peers whose counters are kept; beyond this the longest-idle is forgotten
 IDLE_SCAN = 64  # at most this many of the oldest peers are looked at to find an idle one
-SMALL_BODY = 64 << 10  # request bodies up to this size are not counted against the inbound budget
+SMALL_BODY = 64 << 10  # request bodies up to this size are not counted against the inbound budget (the transport's rule)
 
 
 @dataclass(frozen=True)
@@ -29,10 +29,10 @@ class Limits:
     strikes: int = 20
     max_clock_skew_s: float = 120.0  # a message stamped further from our clock is dropped
     max_nonces: int = 200_000  # replay cache entries (24 bytes of nonce + time each, ~10 MB at most)
-    # Bytes of large request bodies being read at once, all peers together and one peer alone (at
-    # least four and one of the largest request a handler takes, see `Guard.take_bytes`): a body
-    # is buffered whole before it is checked, so without this a few identities announcing
-    # full-size contributions and sending them slowly held gigabytes.
+    # Bytes of large request bodies received and not yet handled, all peers together and one peer
+    # alone (at least four and one of the largest request a handler takes, see
+    # `Guard.take_bytes`): a body is buffered whole before it is checked, so without this a few
+    # identities sending full-size contributions slowly held gigabytes.
     max_inbound_bytes: int = 1 << 30
     max_inbound_bytes_per_peer: int = 1 << 27
 
@@ -115,13 +115,10 @@ class Guard:
         return reason
 
     def take_bytes(self, peer: str, size: int, largest: int) -> str | None:
-        """Reserve room for a request body of `size` bytes (of a handler taking up to `largest`)
-        before it is read; returns why not (the caller counts it), or None. Small bodies (control
-        messages) are not counted. The budgets grow with the run's payloads: four of the largest
-        in flight at once, and one for a single peer (an honest one sends us at most one
-        contribution's worth at a time)."""
-        if size <= SMALL_BODY:
-            return None
+        """Reserve room for `size` more bytes of request bodies from `peer` (to a handler taking
+        up to `largest`), before they are read; returns why not (the caller counts it), or None.
+        The budgets grow with the run's payloads: four of the largest in flight at once, and one
+        for a single peer (an honest one sends us at most one contribution's worth at a time)."""
         state, lim = self._peer(peer), self.limits
         if self.inbound + size > max(lim.max_inbound_bytes, 4 * largest):
             reason = "inbound-full"
@@ -134,8 +131,8 @@ class Guard:
         return reason
 
     def release_bytes(self, peer: str, size: int) -> None:
-        """A body reserved by `take_bytes` has been read and handled (or will never be)."""
-        if size <= SMALL_BODY:
+        """Bytes reserved by `take_bytes` have been read and handled (or will never be)."""
+        if size <= 0:
             return
         self.inbound = max(0, self.inbound - size)
         state = self._peers.get(peer)

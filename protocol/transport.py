@@ -25,8 +25,8 @@ from typing import Any
 
 from .digests import bulk_hasher
 from .envelope import seal, unseal
-from .framing import _LEN, read_frame, read_frame_into, read_until_eof, write_frame
-from .guard import Guard
+from .framing import _LEN, read_frame, read_frame_into, read_frame_paced, read_until_eof, write_frame
+from .guard import SMALL_BODY, Guard
 from .identity import Identity
 from .schema import MAX_SMALL, PROTOCOL_VERSION, Message, ProtocolError
 
@@ -38,6 +38,8 @@ log = logging.getLogger(__name__)
 # within this many seconds is cut off, not left holding a stream slot for the handler's whole time.
 REQUEST_START_S = 30.0
 MIN_BODY_RATE = 256 << 10  # bytes/s a request body must keep up once its length has come (after 30 s)
+ROOM_WAIT_S = 10.0  # how long a request body waits in all for room in the node's inbound budget
+ROOM_POLL_S = 0.05
 UNARY_MAX_REQUEST = 32 << 10
 # Largest allowed reply for a unary call: a control message's budget. Bulk replies (aggregates,
 # contributions) are budgeted from the model size plus MAX_SMALL, so they always take a stream.
@@ -219,17 +221,26 @@ class Transport:
                 return
             release, reserved = None, 0
 
-            def reserve(size: int) -> None:
+            async def take(n: int, size: int) -> float:
+                """Room for the next `n` bytes of a `size`-byte body (see `read_frame_paced`)."""
                 nonlocal reserved
-                if (full := self.guard.take_bytes(remote, size, max_request + 512)) is not None:
-                    raise ProtocolError(f"no room for a {size}-byte request now", reason=full, strike=False)
-                reserved = size
+                if size <= SMALL_BODY:  # control messages are not counted
+                    return 0.0
+                loop, waited = asyncio.get_running_loop(), 0.0
+                while (full := self.guard.take_bytes(remote, n, max_request + 512)) is not None:
+                    if waited >= ROOM_WAIT_S:
+                        raise ProtocolError(f"no room for a {size}-byte request", reason=full, strike=False)
+                    t0 = loop.time()
+                    await asyncio.sleep(ROOM_POLL_S)
+                    waited += loop.time() - t0
+                reserved += n
+                return waited
 
             try:
                 async with asyncio.timeout(timeout_s):
                     try:
-                        request = await read_frame(reader, max_request + 512, start_s=min(timeout_s, REQUEST_START_S),
-                                                   on_length=reserve, min_rate=MIN_BODY_RATE)
+                        request = await read_frame_paced(reader, max_request + 512, min(timeout_s, REQUEST_START_S),
+                                                         take, MIN_BODY_RATE)
                         out, bulk, release = await answer(remote, request, opened)
                     finally:
                         self.guard.release_bytes(remote, reserved)

@@ -12,8 +12,9 @@ from pathlib import Path
 
 import pytest
 from groundswell.protocol import transport as transport_module
-from groundswell.protocol.guard import SMALL_BODY, Guard, Limits
-from groundswell.protocol.schema import Ack, Join
+from groundswell.protocol.guard import Guard, Limits
+from groundswell.protocol.schema import Ack, DecisionReply, Join
+from groundswell.protocol.transport import PeerUnavailable
 
 sys.path.insert(0, str(Path(__file__).parent))
 from p2p_net import _serve
@@ -25,7 +26,6 @@ MIB = 1 << 20
 
 def test_the_guard_budgets_large_bodies_per_node_and_per_peer():
     g = Guard(Limits(max_inbound_bytes=4 * MIB, max_inbound_bytes_per_peer=2 * MIB))
-    assert g.take_bytes("a", SMALL_BODY, MIB) is None and g.inbound == 0  # control messages are free
     assert g.take_bytes("a", MIB, MIB) is None
     assert g.take_bytes("a", MIB, MIB) is None
     assert g.take_bytes("a", MIB, MIB) == "inbound-per-peer"  # a third: over a's 2 MiB
@@ -57,30 +57,54 @@ async def _closed_within(reader, seconds: float) -> bool:
         return False
 
 
-def test_a_second_large_body_from_one_peer_over_its_budget_is_refused_before_it_is_read(net):
-    async def echo(sender: str, req: Join) -> Ack:
-        return Ack(True, "ok")
+async def _ack(sender: str, req: DecisionReply) -> Ack:
+    return Ack(True, "ok")
 
-    _serve(net, net.ta, "budgeted", Join, echo, max_request=MIB)
+
+def test_an_announced_length_costs_nothing_until_its_bytes_arrive(net):
+    _serve(net, net.ta, "announced", DecisionReply, _ack, max_request=64 * MIB)
+
+    async def scenario() -> int:
+        reader, writer = await _announce(net, "announced", 64 * MIB, 0)
+        try:
+            await asyncio.sleep(1.0)
+            return net.ta.guard.inbound  # at most the one piece it waits for
+        finally:
+            writer.close()
+
+    assert net.run(scenario()) <= 256 << 10
+
+
+def test_a_body_over_a_peers_budget_waits_for_room_then_goes_through_or_is_refused(net, monkeypatch):
+    _serve(net, net.ta, "budgeted", DecisionReply, _ack, max_request=MIB)
     old_limits = net.ta.guard.limits
     net.ta.guard.limits = Limits(max_inbound_bytes=8 * MIB, max_inbound_bytes_per_peer=MIB)
+    monkeypatch.setattr(transport_module, "ROOM_WAIT_S", 4.0)
+    big = DecisionReply(b"x" * 700_000)  # a valid request of about 700 KB, on a stream
 
-    async def scenario() -> tuple[bool, bool]:
-        r1, w1 = await _announce(net, "budgeted", MIB, MIB // 2)  # held half-sent
+    async def scenario(release_after: float | None) -> tuple[bool, float]:
+        reader, writer = await _announce(net, "budgeted", MIB, 600_000)  # held, about 768 KB booked
         await asyncio.sleep(0.5)
-        r2, w2 = await _announce(net, "budgeted", MIB, 0)
-        refused = await _closed_within(r2, 10)  # closed unread, not left waiting for its body
-        held = not await _closed_within(r1, 1)  # the first is still being read
-        w1.close()
-        w2.close()
-        return refused, held
+        if release_after is not None:
+            asyncio.get_running_loop().call_later(release_after, writer.close)
+        t0 = time.monotonic()
+        try:
+            await net.tb.request(net.id_a.peer_id, "budgeted", big, Ack, timeout_s=30, unary=False)
+            return True, time.monotonic() - t0
+        except PeerUnavailable:
+            return False, time.monotonic() - t0
+        finally:
+            writer.close()
 
     try:
-        refused, held = net.run(scenario())
-        assert refused and held
-        assert net.ta.rejected["inbound-per-peer:budgeted"] == 1, dict(net.ta.rejected)
+        went, took = net.run(scenario(release_after=1.5))  # room comes back when the first ends
+        assert went and took > 1.0
+        assert net.ta.rejected["inbound-per-peer:budgeted"] == 0
+        went, took = net.run(scenario(release_after=None))  # no room within ROOM_WAIT_S: refused
+        assert not went and took >= 4.0
+        assert net.ta.rejected["inbound-per-peer:budgeted"] == 1
         deadline = time.monotonic() + 10
-        while net.ta.guard.inbound and time.monotonic() < deadline:  # the first one's bytes come back
+        while net.ta.guard.inbound and time.monotonic() < deadline:  # every booking comes back
             net.run(asyncio.sleep(0.1))
         assert net.ta.guard.inbound == 0
     finally:

@@ -77,3 +77,50 @@ def test_a_record_expiring_past_its_signed_time_is_refused_by_the_validator_and_
     assert not validator.validate(record(me.peer_id, seal(me, "other-run", rec), expires_at(rec)))
     other_key = SimpleNamespace(key=DHTID.generate(source="x").to_bytes(), subkey=b"", value=b"", expiration_time=0)
     assert validator.validate(other_key)  # not a run this node is in: not ours to judge
+
+
+async def _stored_subkeys(node, key: str) -> dict:
+    from hivemind.dht.routing import DHTID
+
+    found = node.dht.protocol.storage.get(DHTID.generate(source=key))
+    return {} if found is None else {k: e for k, (_, e) in found.value.items()}
+
+
+def test_records_a_node_took_in_before_it_checked_them_are_dropped_when_it_starts_to():
+    """hivemind refuses a whole answer for a key if one entry fails validation: a bad entry stored
+    before the node watched its run (while a volunteer fetched the manifest) would hide every
+    record the node serves."""
+    from groundswell.peer.records import PeerRecordValidator
+    from hivemind.dht.routing import DHTID
+    from hivemind.utils import get_dht_time
+    from hivemind.utils.serializer import MSGPackSerializer
+
+    cluster = Cluster(2)
+    try:
+        a, b = cluster.nodes
+        key, b_id = a.records_key(cluster.ctx.run_id), b.identity.peer_id
+        deadline = time.monotonic() + 30
+        while b_id not in a.call(_stored_subkeys(a, key), 10):
+            assert time.monotonic() < deadline, "a never stored b's record"
+            time.sleep(0.5)
+        old = a.call(_raw(a, key, b_id), 10).value
+
+        async def plant() -> None:  # what a node that did not check yet would have taken in
+            a.dht.protocol.storage.store(DHTID.generate(source=key), MSGPackSerializer.dumps(old),
+                                         get_dht_time() + 1e6, subkey="X" * 8)
+            a.dht.protocol.storage.store(DHTID.generate(source=key), MSGPackSerializer.dumps(old),
+                                         get_dht_time() + 1e6, subkey=b_id)
+
+        a.call(plant(), 10)
+        assert "X" * 8 in a.call(_stored_subkeys(a, key), 10)
+        validator = PeerRecordValidator()
+        a.call(_watch(validator, cluster.ctx.run_id, a), 10)
+        left = a.call(_stored_subkeys(a, key), 10)
+        assert all(e < get_dht_time() + 60 for e in left.values()), left  # the far-future entries are gone
+        assert a.identity.peer_id in left  # a's own honest record stays
+    finally:
+        cluster.close()
+
+
+async def _watch(validator, run_id: str, node) -> None:
+    validator.watch(run_id, node.dht)

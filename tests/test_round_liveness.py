@@ -346,7 +346,7 @@ def test_the_only_holder_of_a_shard_frozen_at_the_seal_is_waited_for_within_the_
     # shard's transfer) used to be given up on: its shard had no holder left, the round was
     # retried, and a churn run lost 70 s of one round waiting for the next attempts, although
     # the source was back (holding every contribution) 20 ms later, well within the attempt's
-    # deadline. The leader now waits for it until the attempt's deadline plus a slack.
+    # deadline. The leader now waits for it until the attempt's deadline.
     import threading
 
     from groundswell.protocol.envelope import unseal
