@@ -54,21 +54,21 @@ _CGNAT = ipaddress.ip_network("100.64.0.0/10")
 
 def dialable_scopes(own: Sequence[str]) -> frozenset[str]:
     """The scopes of the addresses a run's own peers may be dialled at, judged from `own` (the
-    bootstrap addresses the user gave, else our own listen addresses): public always; private if
-    one of them is private (a LAN run; an unspecified 0.0.0.0 counts so); loopback only if all
-    of them are (a run on 127.0.0.1: a daemon listening on 0.0.0.0 lists 127.0.0.1 among its
-    addresses, so a bootstrap line of a public run names it too). A public run never has a
-    hostile record make its peers dial their own machine or home network."""
-    scopes, local = {PUBLIC}, []
+    bootstrap addresses the user gave, else our own listen addresses): public always; private
+    only if none of them is public (a LAN run; an unspecified 0.0.0.0 counts as private); loopback
+    only if all of them are loopback (a run on 127.0.0.1). A bootstrap line lists every address
+    its daemon listens on, 127.0.0.1 and a cloud machine's VPC address among them, so a public
+    run's line names those too; but a public run never has a hostile record make its peers dial
+    their own machine or home network."""
+    scopes = []
     for maddr in own:
         parts = str(maddr).split("/")
-        scope = PRIVATE if len(parts) >= 3 and parts[2] in ("0.0.0.0", "::") else address_scope(maddr)
-        if scope == PRIVATE:
-            scopes.add(PRIVATE)
-        local.append(scope == LOOPBACK)
-    if local and all(local):
-        scopes.add(LOOPBACK)
-    return frozenset(scopes)
+        scopes.append(PRIVATE if len(parts) >= 3 and parts[2] in ("0.0.0.0", "::") else address_scope(maddr))
+    if scopes and all(scope == LOOPBACK for scope in scopes):
+        return frozenset({PUBLIC, LOOPBACK})
+    if PRIVATE in scopes and PUBLIC not in scopes:
+        return frozenset({PUBLIC, PRIVATE})
+    return frozenset({PUBLIC})
 
 
 class DhtRejoiner:

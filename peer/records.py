@@ -69,13 +69,17 @@ class PeerRecordValidator:
         key = DHTID.generate(source=PeerRecords.records_key(run_id)).to_bytes()
         self._runs[key] = run_id
         protocol = getattr(dht, "protocol", None)
+        key_id = DHTID.from_bytes(key)
         for storage in (getattr(protocol, "storage", None), getattr(protocol, "cache", None)):
-            found = storage.get(DHTID.from_bytes(key)) if storage is not None else None
+            found = storage.get(key_id) if storage is not None else None
             if found is None or not isinstance(found.value, DictionaryDHTValue):
                 continue
-            for subkey, (value, expiration) in list(found.value.items()):
-                if not self.validate(_Record(key, MSGPackSerializer.dumps(subkey), value, expiration)):
-                    del found.value[subkey]
+            entries = list(found.value.items())
+            good = [(k, v, e) for k, (v, e) in entries if self.validate(_Record(key, MSGPackSerializer.dumps(k), v, e))]
+            if len(good) < len(entries):  # stored again whole: the key's own expiration was the bad entry's
+                del storage[key_id]
+                for subkey, value, expiration in good:
+                    storage.store(key_id, value, expiration, subkey=subkey)
 
     def validate(self, record: Any) -> bool:
         """Is this DHT record (key, subkey, value, expiration) acceptable?"""

@@ -39,13 +39,14 @@ async def read_frame(reader: asyncio.StreamReader, max_bytes: int, start_s: floa
 
 
 async def read_frame_paced(reader: asyncio.StreamReader, max_bytes: int, start_s: float,
-                           take: Callable[[int, int], Awaitable[float]], min_rate: float,
+                           admit: Callable[[int], Awaitable[float]], min_rate: float, stall_s: float,
                            piece: int = 256 << 10) -> bytes:
-    """`read_frame` for requests that may be large: the body is read a piece at a time, and
-    `take(n, size)` is awaited before each piece (it reserves room for the piece's bytes, waiting
-    for some or raising, and returns the seconds it waited). Past the first `start_s` seconds the
-    body must keep up `min_rate` bytes/s (time spent waiting for room aside): an announced length
-    costs nothing until its bytes arrive, and a sender that stops cannot hold what it sent."""
+    """`read_frame` for requests that may be large. Once the body's first piece has come,
+    `admit(size)` is awaited (it books the whole body, waiting for room or raising, and returns
+    the seconds it waited): a length announced with nothing behind it books nothing. The rest is
+    read a piece at a time; TimeoutError if no piece comes within `stall_s` or, past the first
+    `start_s` seconds (time spent waiting for room aside), the body falls behind `min_rate`
+    bytes/s: a sender that stops cannot hold what it booked."""
     async with asyncio.timeout(start_s):
         header = await reader.readexactly(_LEN.size)
     (size,) = _LEN.unpack(header)
@@ -55,9 +56,10 @@ async def read_frame_paced(reader: asyncio.StreamReader, max_bytes: int, start_s
     began, pieces, got = loop.time(), [], 0
     while got < size:
         n = min(piece, size - got)
-        began += await take(n, size)
-        async with asyncio.timeout_at(began + start_s + (got + n) / min_rate):
+        async with asyncio.timeout_at(min(began + start_s + (got + n) / min_rate, loop.time() + stall_s)):
             pieces.append(await reader.readexactly(n))
+        if not got:
+            began += await admit(size)
         got += n
     return b"".join(pieces)  # (bytes, as `read_frame` returns: one copy, as readexactly makes)
 

@@ -8,6 +8,7 @@ seen recently (idle ones are forgotten).
 
 from __future__ import annotations
 
+import asyncio
 import time
 from collections import Counter, OrderedDict, deque
 from dataclasses import dataclass, field
@@ -64,7 +65,9 @@ class Guard:
         self._peers: OrderedDict[str, _PeerState] = OrderedDict()
         self._nonces: OrderedDict[bytes, float] = OrderedDict()  # nonce -> wall time it expires
         self.rejected: Counter[str] = Counter()  # "reason:handler" -> count
-        self.inbound = 0  # bytes of large request bodies being read now, all peers together
+        self.inbound = 0  # bytes of large request bodies booked now, all peers together
+        self._waiting: deque = deque()  # `room_for` callers in their order of arrival (futures)
+        self._wake: list = []  # futures of `room_for` callers waiting for a change
         self.bans_total = 0
 
     def _peer(self, peer: str) -> _PeerState:
@@ -120,15 +123,46 @@ class Guard:
         The budgets grow with the run's payloads: four of the largest in flight at once, and one
         for a single peer (an honest one sends us at most one contribution's worth at a time)."""
         state, lim = self._peer(peer), self.limits
-        if self.inbound + size > max(lim.max_inbound_bytes, 4 * largest):
+        if state.inbound + size > max(lim.max_inbound_bytes_per_peer, largest):
+            reason = "inbound-per-peer"  # (first: waiting for the node's room would not help)
+        elif self.inbound + size > max(lim.max_inbound_bytes, 4 * largest):
             reason = "inbound-full"
-        elif state.inbound + size > max(lim.max_inbound_bytes_per_peer, largest):
-            reason = "inbound-per-peer"
         else:
             state.inbound += size
             self.inbound += size
             return None
         return reason
+
+    async def room_for(self, peer: str, size: int, largest: int, wait_s: float) -> str | None:
+        """`take_bytes`, waiting up to `wait_s` (first come, first served) while the node's budget
+        is full; a peer over its own share is refused at once (an honest one never is)."""
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + wait_s
+        turn = loop.create_future()
+        self._waiting.append(turn)
+        try:
+            while True:
+                ahead = next(f for f in self._waiting if not f.cancelled())
+                why = self.take_bytes(peer, size, largest) if ahead is turn else "inbound-full"
+                if why != "inbound-full" or (left := deadline - loop.time()) <= 0:
+                    return why
+                woken = loop.create_future()
+                self._wake.append(woken)
+                try:
+                    async with asyncio.timeout(left):
+                        await woken
+                except TimeoutError:
+                    pass
+        finally:
+            turn.cancel()
+            self._waiting = deque(f for f in self._waiting if not f.cancelled())
+            self._wake_all()  # the next in line may go now
+
+    def _wake_all(self) -> None:
+        wake, self._wake = self._wake, []
+        for f in wake:
+            if not f.done():
+                f.set_result(None)
 
     def release_bytes(self, peer: str, size: int) -> None:
         """Bytes reserved by `take_bytes` have been read and handled (or will never be)."""
@@ -138,6 +172,7 @@ class Guard:
         state = self._peers.get(peer)
         if state is not None:
             state.inbound = max(0, state.inbound - size)
+        self._wake_all()
 
     def release(self, peer: str) -> None:
         """A stream admitted by `admit` has ended."""

@@ -38,8 +38,8 @@ log = logging.getLogger(__name__)
 # within this many seconds is cut off, not left holding a stream slot for the handler's whole time.
 REQUEST_START_S = 30.0
 MIN_BODY_RATE = 256 << 10  # bytes/s a request body must keep up once its length has come (after 30 s)
-ROOM_WAIT_S = 10.0  # how long a request body waits in all for room in the node's inbound budget
-ROOM_POLL_S = 0.05
+ROOM_WAIT_S = 10.0  # how long a request body waits for room in the node's inbound budget
+BODY_STALL_S = 20.0  # a request body with no new piece for this long is cut off
 UNARY_MAX_REQUEST = 32 << 10
 # Largest allowed reply for a unary call: a control message's budget. Bulk replies (aggregates,
 # contributions) are budgeted from the model size plus MAX_SMALL, so they always take a stream.
@@ -221,26 +221,23 @@ class Transport:
                 return
             release, reserved = None, 0
 
-            async def take(n: int, size: int) -> float:
-                """Room for the next `n` bytes of a `size`-byte body (see `read_frame_paced`)."""
+            async def admit_body(size: int) -> float:
+                """Book a `size`-byte body in the node's inbound budget (see `read_frame_paced`)."""
                 nonlocal reserved
                 if size <= SMALL_BODY:  # control messages are not counted
                     return 0.0
-                loop, waited = asyncio.get_running_loop(), 0.0
-                while (full := self.guard.take_bytes(remote, n, max_request + 512)) is not None:
-                    if waited >= ROOM_WAIT_S:
-                        raise ProtocolError(f"no room for a {size}-byte request", reason=full, strike=False)
-                    t0 = loop.time()
-                    await asyncio.sleep(ROOM_POLL_S)
-                    waited += loop.time() - t0
-                reserved += n
-                return waited
+                t0 = time.monotonic()
+                full = await self.guard.room_for(remote, size, max_request + 512, ROOM_WAIT_S)
+                if full is not None:
+                    raise ProtocolError(f"no room for a {size}-byte request", reason=full, strike=False)
+                reserved = size
+                return time.monotonic() - t0
 
             try:
                 async with asyncio.timeout(timeout_s):
                     try:
                         request = await read_frame_paced(reader, max_request + 512, min(timeout_s, REQUEST_START_S),
-                                                         take, MIN_BODY_RATE)
+                                                         admit_body, MIN_BODY_RATE, BODY_STALL_S)
                         out, bulk, release = await answer(remote, request, opened)
                     finally:
                         self.guard.release_bytes(remote, reserved)

@@ -114,6 +114,8 @@ def test_a_flood_of_records_never_pushes_out_the_coordinator_or_the_peers_named_
     # launch's default --listen 0.0.0.0 puts 127.0.0.1 in the bootstrap line next to the public address
     (["/ip4/8.8.4.4/tcp/4001/p2p/boot", "/ip4/127.0.0.1/tcp/4001/p2p/boot"], ["/ip4/1.2.3.4/tcp/1"]),
     (["/ip4/192.168.1.2/tcp/4001/p2p/boot"], ["/ip4/1.2.3.4/tcp/1", "/ip4/192.168.1.9/tcp/1"]),
+    # a cloud coordinator's line lists its VPC address too: still a public run
+    (["/ip4/8.8.4.4/tcp/4001/p2p/boot", "/ip4/10.0.3.7/tcp/4001/p2p/boot"], ["/ip4/1.2.3.4/tcp/1"]),
     (["/ip4/127.0.0.1/tcp/4001/p2p/boot"], ["/ip4/1.2.3.4/tcp/1", "/ip4/127.0.0.1/tcp/1"]),
 ])
 def test_a_record_cannot_make_a_public_run_dial_loopback_or_home_network_addresses(own, kept):

@@ -61,32 +61,72 @@ async def _ack(sender: str, req: DecisionReply) -> Ack:
     return Ack(True, "ok")
 
 
-def test_an_announced_length_costs_nothing_until_its_bytes_arrive(net):
-    _serve(net, net.ta, "announced", DecisionReply, _ack, max_request=64 * MIB)
+def test_room_is_given_first_come_first_served_and_a_peer_over_its_share_is_refused_at_once():
+    g = Guard(Limits(max_inbound_bytes=2 * MIB, max_inbound_bytes_per_peer=2 * MIB))
+    HALF = MIB // 2  # the largest request: the node's budget is then 2 MiB
 
-    async def scenario() -> int:
+    async def scenario() -> list:
+        assert g.take_bytes("a", 2 * MIB, HALF) is None  # the node is full
+        order: list[str] = []
+
+        async def wait(peer: str) -> None:
+            order.append(f"{peer}:{await g.room_for(peer, MIB, HALF, 5.0)}")
+
+        first = asyncio.create_task(wait("b"))
+        await asyncio.sleep(0.01)
+        second = asyncio.create_task(wait("c"))
+        await asyncio.sleep(0.01)
+        assert order == [] and g.inbound == 2 * MIB  # both wait
+        g.release_bytes("a", MIB)  # room for one: the first in line
+        await asyncio.sleep(0.01)
+        assert order == ["b:None"]
+        g.release_bytes("a", MIB)
+        await asyncio.gather(first, second)
+        assert await g.room_for("b", 2 * MIB, HALF, 5.0) == "inbound-per-peer"  # b holds 1 MiB: no wait
+        assert await g.room_for("d", MIB, HALF, 0.2) == "inbound-full"  # full again, and it stays so
+        return order
+
+    assert asyncio.run(scenario()) == ["b:None", "c:None"]
+    assert g.inbound == 2 * MIB
+
+
+def test_an_announced_length_books_nothing_until_its_first_piece_and_a_stalled_body_is_cut_off(net, monkeypatch):
+    _serve(net, net.ta, "announced", DecisionReply, _ack, max_request=64 * MIB)
+    monkeypatch.setattr(transport_module, "BODY_STALL_S", 1.5)
+
+    async def scenario() -> tuple[int, int, bool, int]:
         reader, writer = await _announce(net, "announced", 64 * MIB, 0)
         try:
-            await asyncio.sleep(1.0)
-            return net.ta.guard.inbound  # at most the one piece it waits for
+            await asyncio.sleep(0.5)
+            empty = net.ta.guard.inbound  # nothing came: nothing booked
+            writer.write(b"\0" * (300 << 10))  # the first piece and a little: the whole body is booked
+            await writer.drain()
+            await asyncio.sleep(0.5)
+            booked = net.ta.guard.inbound
+            t0 = time.monotonic()
+            cut = await _closed_within(reader, 10)  # then nothing more: cut off after the stall limit
+            return empty, booked, cut and time.monotonic() - t0 >= 0.5, net.ta.guard.inbound
         finally:
             writer.close()
 
-    assert net.run(scenario()) <= 256 << 10
+    empty, booked, cut, after = net.run(scenario())
+    assert empty == 0 and booked == 64 * MIB and cut and after == 0
 
 
-def test_a_body_over_a_peers_budget_waits_for_room_then_goes_through_or_is_refused(net, monkeypatch):
+def test_a_body_waits_for_room_in_a_full_node_then_goes_through_or_is_refused(net, monkeypatch):
     _serve(net, net.ta, "budgeted", DecisionReply, _ack, max_request=MIB)
     old_limits = net.ta.guard.limits
-    net.ta.guard.limits = Limits(max_inbound_bytes=8 * MIB, max_inbound_bytes_per_peer=MIB)
-    monkeypatch.setattr(transport_module, "ROOM_WAIT_S", 4.0)
+    # the node's budget is then four of the largest request (about 4 MiB), the peer's 64 MiB
+    net.ta.guard.limits = Limits(max_inbound_bytes=1, max_inbound_bytes_per_peer=64 * MIB)
+    monkeypatch.setattr(transport_module, "ROOM_WAIT_S", 3.0)
     big = DecisionReply(b"x" * 700_000)  # a valid request of about 700 KB, on a stream
 
     async def scenario(release_after: float | None) -> tuple[bool, float]:
-        reader, writer = await _announce(net, "budgeted", MIB, 600_000)  # held, about 768 KB booked
+        held = [await _announce(net, "budgeted", MIB, 300_000) for _ in range(4)]  # 4 MiB booked
         await asyncio.sleep(0.5)
+        assert net.ta.guard.inbound == 4 * MIB
         if release_after is not None:
-            asyncio.get_running_loop().call_later(release_after, writer.close)
+            asyncio.get_running_loop().call_later(release_after, held[0][1].close)
         t0 = time.monotonic()
         try:
             await net.tb.request(net.id_a.peer_id, "budgeted", big, Ack, timeout_s=30, unary=False)
@@ -94,15 +134,14 @@ def test_a_body_over_a_peers_budget_waits_for_room_then_goes_through_or_is_refus
         except PeerUnavailable:
             return False, time.monotonic() - t0
         finally:
-            writer.close()
+            for _, writer in held:
+                writer.close()
 
     try:
-        went, took = net.run(scenario(release_after=1.5))  # room comes back when the first ends
-        assert went and took > 1.0
-        assert net.ta.rejected["inbound-per-peer:budgeted"] == 0
+        went, took = net.run(scenario(release_after=1.5))  # room comes back when one of them ends
+        assert went and took > 1.0 and net.ta.rejected["inbound-full:budgeted"] == 0
         went, took = net.run(scenario(release_after=None))  # no room within ROOM_WAIT_S: refused
-        assert not went and took >= 4.0
-        assert net.ta.rejected["inbound-per-peer:budgeted"] == 1
+        assert not went and took >= 3.0 and net.ta.rejected["inbound-full:budgeted"] == 1
         deadline = time.monotonic() + 10
         while net.ta.guard.inbound and time.monotonic() < deadline:  # every booking comes back
             net.run(asyncio.sleep(0.1))

@@ -118,9 +118,16 @@ def test_records_a_node_took_in_before_it_checked_them_are_dropped_when_it_start
         left = a.call(_stored_subkeys(a, key), 10)
         assert all(e < get_dht_time() + 60 for e in left.values()), left  # the far-future entries are gone
         assert a.identity.peer_id in left  # a's own honest record stays
+        assert a.call(_key_expiration(a, key), 10) < get_dht_time() + 60  # and the key no longer lives as long as they did
     finally:
         cluster.close()
 
 
 async def _watch(validator, run_id: str, node) -> None:
     validator.watch(run_id, node.dht)
+
+
+async def _key_expiration(node, key: str) -> float:
+    from hivemind.dht.routing import DHTID
+
+    return node.dht.protocol.storage.get(DHTID.generate(source=key)).expiration_time
