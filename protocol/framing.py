@@ -39,27 +39,29 @@ async def read_frame(reader: asyncio.StreamReader, max_bytes: int, start_s: floa
 
 
 async def read_frame_paced(reader: asyncio.StreamReader, max_bytes: int, start_s: float,
-                           admit: Callable[[int], Awaitable[float]], min_rate: float, stall_s: float,
+                           admit: Callable[[int], Awaitable[None]], min_rate: float, stall_s: float,
                            piece: int = 256 << 10) -> bytes:
-    """`read_frame` for requests that may be large. Once the body's first piece has come,
-    `admit(size)` is awaited (it books the whole body, waiting for room or raising, and returns
-    the seconds it waited): a length announced with nothing behind it books nothing. The rest is
-    read a piece at a time; TimeoutError if no piece comes within `stall_s` or, past the first
-    `start_s` seconds (time spent waiting for room aside), the body falls behind `min_rate`
-    bytes/s: a sender that stops cannot hold what it booked."""
+    """`read_frame` for requests that may be large. Once the body's first piece has come (within
+    `start_s` and `stall_s`), `admit(size)` is awaited: it books the whole body, waiting for room
+    or raising; a length announced with nothing behind it books nothing. From the booking on, the
+    body must keep up `min_rate` bytes/s after a grace of `stall_s`, and a piece must come within
+    `stall_s`, else TimeoutError: holding a booking costs sending about as much as it books."""
     async with asyncio.timeout(start_s):
         header = await reader.readexactly(_LEN.size)
     (size,) = _LEN.unpack(header)
     if size > max_bytes:
         raise ProtocolError(f"frame of {size} bytes exceeds the limit of {max_bytes}", reason="oversized")
     loop = asyncio.get_running_loop()
-    began, pieces, got = loop.time(), [], 0
+    first = min(piece, size)
+    async with asyncio.timeout(min(start_s, stall_s)):
+        pieces = [await reader.readexactly(first)] if size else []
+    if size:
+        await admit(size)
+    booked, got = loop.time(), first if size else 0
     while got < size:
         n = min(piece, size - got)
-        async with asyncio.timeout_at(min(began + start_s + (got + n) / min_rate, loop.time() + stall_s)):
+        async with asyncio.timeout_at(min(booked + stall_s + (got - first + n) / min_rate, loop.time() + stall_s)):
             pieces.append(await reader.readexactly(n))
-        if not got:
-            began += await admit(size)
         got += n
     return b"".join(pieces)  # (bytes, as `read_frame` returns: one copy, as readexactly makes)
 

@@ -54,6 +54,14 @@ class _PeerState:
     banned_until: float = 0.0
 
 
+@dataclass
+class _Waiter:
+    """A `room_for` caller in line: woken (its future set) when it comes first and room may be there."""
+
+    wake: asyncio.Future | None = None
+    gone: bool = False
+
+
 class Guard:
     """Admission control for inbound streams, and the counts of what was refused and why."""
 
@@ -66,8 +74,7 @@ class Guard:
         self._nonces: OrderedDict[bytes, float] = OrderedDict()  # nonce -> wall time it expires
         self.rejected: Counter[str] = Counter()  # "reason:handler" -> count
         self.inbound = 0  # bytes of large request bodies booked now, all peers together
-        self._waiting: deque = deque()  # `room_for` callers in their order of arrival (futures)
-        self._wake: list = []  # futures of `room_for` callers waiting for a change
+        self._queue: deque[_Waiter] = deque()  # `room_for` callers waiting, in their order of arrival
         self.bans_total = 0
 
     def _peer(self, peer: str) -> _PeerState:
@@ -134,35 +141,48 @@ class Guard:
         return reason
 
     async def room_for(self, peer: str, size: int, largest: int, wait_s: float) -> str | None:
-        """`take_bytes`, waiting up to `wait_s` (first come, first served) while the node's budget
-        is full; a peer over its own share is refused at once (an honest one never is)."""
+        """`take_bytes`, waiting up to `wait_s` while the node's budget is full, first come first
+        served (a small body does not overtake a large one); a peer over its own share is
+        refused at once (an honest one never is). Each waiter is woken only when it is first in
+        line: a release costs one wake-up, however many wait."""
+        if self._over_share(peer, size, largest):
+            return "inbound-per-peer"
+        if self._head() is None and (why := self.take_bytes(peer, size, largest)) != "inbound-full":
+            return why
         loop = asyncio.get_running_loop()
-        deadline = loop.time() + wait_s
-        turn = loop.create_future()
-        self._waiting.append(turn)
+        deadline, me = loop.time() + wait_s, _Waiter()
+        self._queue.append(me)
         try:
             while True:
-                ahead = next(f for f in self._waiting if not f.cancelled())
-                why = self.take_bytes(peer, size, largest) if ahead is turn else "inbound-full"
-                if why != "inbound-full" or (left := deadline - loop.time()) <= 0:
+                if self._over_share(peer, size, largest):
+                    return "inbound-per-peer"
+                if self._head() is me and (why := self.take_bytes(peer, size, largest)) != "inbound-full":
                     return why
-                woken = loop.create_future()
-                self._wake.append(woken)
+                if (left := deadline - loop.time()) <= 0:
+                    return "inbound-full"
+                me.wake = loop.create_future()
                 try:
                     async with asyncio.timeout(left):
-                        await woken
+                        await me.wake
                 except TimeoutError:
                     pass
         finally:
-            turn.cancel()
-            self._waiting = deque(f for f in self._waiting if not f.cancelled())
-            self._wake_all()  # the next in line may go now
+            me.gone = True
+            self._wake_head()  # the next in line may fit now
 
-    def _wake_all(self) -> None:
-        wake, self._wake = self._wake, []
-        for f in wake:
-            if not f.done():
-                f.set_result(None)
+    def _over_share(self, peer: str, size: int, largest: int) -> bool:
+        state = self._peers.get(peer)
+        return state is not None and state.inbound + size > max(self.limits.max_inbound_bytes_per_peer, largest)
+
+    def _head(self) -> _Waiter | None:
+        while self._queue and self._queue[0].gone:  # (those gone leave lazily, when they come first)
+            self._queue.popleft()
+        return self._queue[0] if self._queue else None
+
+    def _wake_head(self) -> None:
+        head = self._head()
+        if head is not None and head.wake is not None and not head.wake.done():
+            head.wake.set_result(None)
 
     def release_bytes(self, peer: str, size: int) -> None:
         """Bytes reserved by `take_bytes` have been read and handled (or will never be)."""
@@ -172,7 +192,7 @@ class Guard:
         state = self._peers.get(peer)
         if state is not None:
             state.inbound = max(0, state.inbound - size)
-        self._wake_all()
+        self._wake_head()
 
     def release(self, peer: str) -> None:
         """A stream admitted by `admit` has ended."""

@@ -37,9 +37,9 @@ log = logging.getLogger(__name__)
 # A caller writes its request as soon as the stream is open: one whose request has not begun
 # within this many seconds is cut off, not left holding a stream slot for the handler's whole time.
 REQUEST_START_S = 30.0
-MIN_BODY_RATE = 256 << 10  # bytes/s a request body must keep up once its length has come (after 30 s)
+MIN_BODY_RATE = 128 << 10  # bytes/s a booked request body must keep up (1 Mbit/s), after a grace of BODY_STALL_S
 ROOM_WAIT_S = 10.0  # how long a request body waits for room in the node's inbound budget
-BODY_STALL_S = 20.0  # a request body with no new piece for this long is cut off
+BODY_STALL_S = 10.0  # a request body with no new piece for this long is cut off
 UNARY_MAX_REQUEST = 32 << 10
 # Largest allowed reply for a unary call: a control message's budget. Bulk replies (aggregates,
 # contributions) are budgeted from the model size plus MAX_SMALL, so they always take a stream.
@@ -221,17 +221,15 @@ class Transport:
                 return
             release, reserved = None, 0
 
-            async def admit_body(size: int) -> float:
+            async def admit_body(size: int) -> None:
                 """Book a `size`-byte body in the node's inbound budget (see `read_frame_paced`)."""
                 nonlocal reserved
                 if size <= SMALL_BODY:  # control messages are not counted
-                    return 0.0
-                t0 = time.monotonic()
+                    return
                 full = await self.guard.room_for(remote, size, max_request + 512, ROOM_WAIT_S)
                 if full is not None:
                     raise ProtocolError(f"no room for a {size}-byte request", reason=full, strike=False)
                 reserved = size
-                return time.monotonic() - t0
 
             try:
                 async with asyncio.timeout(timeout_s):

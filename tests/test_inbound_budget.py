@@ -69,25 +69,28 @@ def test_room_is_given_first_come_first_served_and_a_peer_over_its_share_is_refu
         assert g.take_bytes("a", 2 * MIB, HALF) is None  # the node is full
         order: list[str] = []
 
-        async def wait(peer: str) -> None:
-            order.append(f"{peer}:{await g.room_for(peer, MIB, HALF, 5.0)}")
+        async def wait(peer: str, size: int) -> None:
+            order.append(f"{peer}:{await g.room_for(peer, size, HALF, 5.0)}")
 
-        first = asyncio.create_task(wait("b"))
+        first = asyncio.create_task(wait("b", MIB + HALF))  # a large body first in line
         await asyncio.sleep(0.01)
-        second = asyncio.create_task(wait("c"))
+        second = asyncio.create_task(wait("c", HALF))  # a small one behind it
         await asyncio.sleep(0.01)
         assert order == [] and g.inbound == 2 * MIB  # both wait
-        g.release_bytes("a", MIB)  # room for one: the first in line
-        await asyncio.sleep(0.01)
-        assert order == ["b:None"]
-        g.release_bytes("a", MIB)
+        g.release_bytes("a", MIB)  # room for the small one only: it does not overtake
+        await asyncio.sleep(0.05)
+        assert order == []
+        t0 = asyncio.get_running_loop().time()
+        assert await g.room_for("a", 2 * MIB, HALF, 5.0) == "inbound-per-peer"  # over its share: no wait,
+        assert asyncio.get_running_loop().time() - t0 < 0.1  # though others are in line
+        g.release_bytes("a", MIB)  # room for the large one, then the small one
         await asyncio.gather(first, second)
-        assert await g.room_for("b", 2 * MIB, HALF, 5.0) == "inbound-per-peer"  # b holds 1 MiB: no wait
         assert await g.room_for("d", MIB, HALF, 0.2) == "inbound-full"  # full again, and it stays so
         return order
 
     assert asyncio.run(scenario()) == ["b:None", "c:None"]
-    assert g.inbound == 2 * MIB
+    assert g.inbound == 2 * MIB  # b's and c's
+    assert not any(not w.gone for w in g._queue)  # nobody left in line
 
 
 def test_an_announced_length_books_nothing_until_its_first_piece_and_a_stalled_body_is_cut_off(net, monkeypatch):
