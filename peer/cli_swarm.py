@@ -355,7 +355,7 @@ def join(
         relays = ", ".join(pid[-8:] for pid in peers[:3])  # trusted relays: the bootstrap peers
         console.print("reachable: public (other peers can connect to us)" if node.reachability == "public" else
                       f"reachable: behind a NAT, through relay {relays} once it holds our slot (libp2p "
-                      "reserves it ~3-4 min after start), and directly by peers behind other NATs after hole "
+                      "reserves it within seconds), and directly by peers behind other NATs after hole "
                       "punching where their NAT allows; contributing, not serving")
         node.announce_punch = lambda peer, addr: console.print(
             f"reachable: also directly by {peer[-8:]} (behind a NAT too), after hole punching", highlight=False)

@@ -159,15 +159,34 @@ def _pid_exists(pid: int) -> bool:
 
 
 def with_private_sockets(p2p_class: Any) -> Any:
-    """hivemind's P2P class, its unix sockets in `socket_dir()` (the same class where the path
-    would be too long). Each call must be paired with `release_private_sockets()`."""
+    """hivemind's P2P class, its unix sockets in `socket_dir()` (where the path is short enough)
+    and its autorelay on static relays (`static_relay_args`). Each call must be paired with
+    `release_private_sockets()`."""
     global _socket_users
     with _lock:
         prefix = f"/unix{socket_dir()}/"
         _socket_users += 1
-    if len(prefix) > 60:  # unix socket paths are limited to ~104 bytes; leave room for the names
-        return p2p_class
-    return type(p2p_class.__name__, (p2p_class,), {"_UNIX_SOCKET_PREFIX": prefix})
+    attrs: dict[str, Any] = {"_make_process_args": staticmethod(static_relay_args(p2p_class._make_process_args))}
+    if len(prefix) <= 60:  # unix socket paths are limited to ~104 bytes; leave room for the names
+        attrs["_UNIX_SOCKET_PREFIX"] = prefix
+    return type(p2p_class.__name__, (p2p_class,), attrs)
+
+
+def static_relay_args(make_args: Callable[..., list[str]]) -> Callable[..., list[str]]:
+    """hivemind's p2pd command-line builder, with relay discovery off when trusted relays are named.
+
+    With discovery on (p2pd's default, and hivemind has no way to turn it off), go-libp2p's
+    autorelay waits for 4 relay candidates, or 3 minutes, before it asks any relay for a slot;
+    a run's NAT'ed volunteer has one or two (its bootstrap peers), so it was unreachable for its
+    first ~3.4 minutes. With static relays alone the wait is for those few, so the slot comes
+    within seconds."""
+
+    def process_args(*args: Any, **kwargs: Any) -> list[str]:
+        if kwargs.get("autoRelay") and kwargs.get("trustedRelays"):
+            kwargs["relayDiscovery"] = False
+        return make_args(*args, **kwargs)
+
+    return process_args
 
 
 def release_private_sockets() -> None:

@@ -4,7 +4,7 @@ A volunteer asks a bootstrap peer to open a plain TCP connection to the addresse
 (nothing is sent; the connection is closed at once). If none accepts, the peer is behind a NAT
 or a firewall: it then never serves (no aggregator or leader role needs inbound connections from
 it), keeps its DHT node in client mode, restarts its daemon telling AutoNAT it is private (so
-that autorelay reserves a slot, ~3.4 minutes later), and relies on that relay (the bootstrap
+that autorelay reserves a slot, within seconds), and relies on that relay (the bootstrap
 peers, the coordinator first, are its trusted relays) for the rare stream another peer opens to it.
 """
 
@@ -192,7 +192,7 @@ class _RawMaddr:
 
 async def connect_via_relay(p2p: Any, target: str, relay_maddr: str) -> None:
     """Connect `p2p` (a hivemind P2P) to `target` through the relay at `relay_maddr`, which must
-    hold a reservation for it (a NAT'ed peer reserves ~3.4 minutes after it found itself
+    hold a reservation for it (a NAT'ed peer reserves one within seconds of finding itself
     private); later streams to `target` use the connection. Raises if the relay refuses."""
     from hivemind.p2p import PeerID
 

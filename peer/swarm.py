@@ -167,8 +167,8 @@ class SwarmNode(PeerRecords, StateServing, NetLoop):
                 # Restart the daemon (same identity) knowing it is private: only then does
                 # libp2p's autorelay ask the relays for a slot, and its AutoNAT alone rarely
                 # reaches that verdict with the few dial-back servers a run has (a netlab
-                # volunteer behind NAT had no reservation after 5 minutes; forced, it had one
-                # ~3 minutes in, autorelay's boot delay with fewer than 4 relay candidates).
+                # volunteer behind NAT had no reservation after 5 minutes; forced, it has one
+                # within seconds, its bootstrap peers being its static relays).
                 await bounded(p2p.shutdown, "libp2p daemon, to restart it as private")
                 p2p = None
                 await reap_daemons()  # one that did not stop in time
@@ -313,12 +313,22 @@ class SwarmNode(PeerRecords, StateServing, NetLoop):
             check_if_identity_free=False,  # hivemind's check assumes RSA identity files
             nat_port_map=False,  # UPnP probes the LAN; never on by default
             use_auto_relay=reachability != "public",
+            trusted_relays=self._relay_candidates() if reachability != "public" else None,
             force_reachability=reachability,
         )
         self.p2p = p2p
         self.maddrs = [str(m) for m in await p2p.get_visible_maddrs()]
         self.bootstrap_transport = Transport(p2p, self.identity, "", self.guard)
         return p2p
+
+    def _relay_candidates(self) -> list[str]:
+        """One address per bootstrap peer: autorelay's static relays (see `static_relay_args`).
+        It waits for as many candidates as it is given, and counts them by peer, not address."""
+        seen: dict[str, str] = {}
+        for maddr in self.options.initial_peers:
+            if "/p2p/" in maddr:
+                seen.setdefault(maddr.rsplit("/p2p/", 1)[-1], maddr)
+        return list(seen.values())
 
     async def _find_reachability(self) -> str:
         """"public" or "private" as a bootstrap peer's dial-back finds us ("public" if nobody answers)."""

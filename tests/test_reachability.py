@@ -112,3 +112,27 @@ def test_the_node_loop_does_not_report_cancelled_stream_handlers_as_errors(caplo
             assert [r.levelname for r in caplog.records] == ["ERROR"]  # anything else is still reported
     finally:
         loop.close()
+
+
+def test_a_nated_peers_daemon_takes_its_bootstrap_peers_as_its_only_relays():
+    # With relay discovery on (p2pd's default) autorelay waits 3 minutes for 4 candidates before
+    # it reserves a slot; a run's volunteer has one or two bootstrap peers. Static relays alone
+    # (one address per peer: autorelay counts candidates by peer) make the wait theirs.
+    from groundswell.peer.daemon import release_private_sockets, with_private_sockets
+    from groundswell.peer.swarm import NodeOptions, SwarmNode
+    from hivemind.p2p import P2P
+
+    a, b = Identity.generate().peer_id, Identity.generate().peer_id
+    boot = (f"/ip4/203.0.113.5/tcp/4001/p2p/{a}", f"/ip6/2001:db8::5/tcp/4001/p2p/{a}",
+            f"/ip4/203.0.113.6/tcp/4001/p2p/{b}", "/ip4/203.0.113.7/tcp/4001")
+    node = SwarmNode(Identity.generate(), None, NodeOptions(initial_peers=boot))
+    assert node._relay_candidates() == [boot[0], boot[2]]
+    cls = with_private_sockets(P2P)
+    try:
+        args = cls._make_process_args("p2pd", autoRelay=True, trustedRelays=",".join(boot[:1]), relay=True)
+        assert "-relayDiscovery=0" in args and f"-trustedRelays={boot[0]}" in args
+        # a public peer (no autorelay) and one without trusted relays are started as before
+        assert not any("relayDiscovery" in x for x in cls._make_process_args("p2pd", autoRelay=False, relay=True))
+        assert not any("relayDiscovery" in x for x in cls._make_process_args("p2pd", autoRelay=True))
+    finally:
+        release_private_sockets()
