@@ -66,7 +66,7 @@ class _ScalarReads(TorchDispatchMode):
         super().__init__()
         self.count = 0
 
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # noqa: ANN001, ANN204
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         self.count += func is torch.ops.aten._local_scalar_dense.default
         return func(*args, **(kwargs or {}))
 
