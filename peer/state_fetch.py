@@ -10,7 +10,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from groundswell.protocol.direct import fetch_direct
+from groundswell.protocol.direct import fetch_direct, wire_size
 from groundswell.protocol.schema import ProtocolError, StateReply, StateRequest
 from groundswell.protocol.transport import PeerUnavailable
 
@@ -73,6 +73,7 @@ async def fetch_state(node: Any, peer: str, min_round: int, size: Callable[[Stat
         try:
             blob = await fetch_direct(host, reply.direct_port, reply.direct_token, reply.direct_key, reply.size,
                                       timeout_s=left())
+            node.direct_received += wire_size(reply.size)
             # Opened under a key only `peer` and we hold: these are the bytes `peer` sealed for us,
             # so its signed digest stands for them (a second pass to hash them would prove nothing
             # more; the caller still checks the state against the swarm).

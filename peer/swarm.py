@@ -116,6 +116,7 @@ class SwarmNode(PeerRecords, StateServing, NetLoop):
         self.p2p: Any = None
         self.reachability = "unknown"
         self.direct: DirectServer | None = None  # direct state downloads, when offered
+        self.direct_received = 0  # bytes of state downloaded over other peers' direct ports
         self.uploads = UploadSlots()  # state uploads over streams
         self.puncher: PunchScheduler | None = None  # behind a NAT: direct connections to NAT'ed peers
         self.punch_target: Any = None  # behind a NAT: our side of the punches others dial
@@ -262,10 +263,12 @@ class SwarmNode(PeerRecords, StateServing, NetLoop):
             self._tasks.create_task(self.puncher.run())
 
     def traffic(self) -> tuple[int, int]:
-        """Bytes our transports have sent and received so far (frames on libp2p streams; not the
-        DHT's own traffic, nor state served over the direct TCP path)."""
+        """Bytes sent and received so far: frames on our libp2p streams, and state downloads over
+        the direct TCP path (whole or not when served; whole when fetched). Not the DHT's own
+        traffic, nor libp2p's or TCP's framing and encryption."""
         both = [t for t in (self.transport, self.bootstrap_transport) if t is not None]
-        return sum(t.bytes_sent for t in both), sum(t.bytes_received for t in both)
+        sent = sum(t.bytes_sent for t in both) + (self.direct.bytes_sent if self.direct is not None else 0)
+        return sent, sum(t.bytes_received for t in both) + self.direct_received
 
     def _bootstrap_ids(self) -> list[str]:
         return [m.rsplit("/p2p/", 1)[-1] for m in self.options.initial_peers if "/p2p/" in m]

@@ -71,6 +71,11 @@ SEAL_TAG = 16
 KEY_BYTES = 32
 
 
+def wire_size(size: int) -> int:
+    """Bytes a whole download of a `size`-byte blob puts on the connection: its length, then it sealed."""
+    return _LEN.size + sealed_size(size)
+
+
 def sealed_size(size: int) -> int:
     """Bytes on the wire for a `size`-byte blob sealed in pieces."""
     return size + SEAL_TAG * -(-size // SEAL_PIECE)
@@ -142,6 +147,7 @@ class DirectServer:
         self._expiry: asyncio.TimerHandle | None = None  # drops expired tickets (and their blobs)
         self.port = 0
         self.served = 0  # blobs sent whole
+        self.bytes_sent = 0  # on every download, whole or not (the node's traffic figure counts them)
         self.refused = 0  # connections closed without a blob: bad token, too many, too slow
 
     async def start(self, host: str, port: int = 0) -> int:
@@ -273,12 +279,14 @@ class DirectServer:
             # frees its slot (and the state) within STALL_S
             async with asyncio.timeout(serve_timeout_s(len(src))), asyncio.timeout(STALL_S) as stall:
                 await loop.sock_sendall(conn, _LEN.pack(sealed_size(len(src))))
+                self.bytes_sent += _LEN.size
                 for i, start in enumerate(range(0, len(src), SEAL_PIECE)):
                     stall.reschedule(loop.time() + STALL_S)
                     piece = src[start:start + SEAL_PIECE]
                     sealed = slot[:len(piece) + SEAL_TAG]
                     aead.encrypt_into(_nonce(i), piece, None, sealed)
                     await loop.sock_sendall(conn, sealed)
+                    self.bytes_sent += len(sealed)
                 piece = src = None  # all sent: the state is no longer needed here
                 stall.reschedule(loop.time() + STALL_S)
                 while await loop.sock_recv(conn, 1 << 16):

@@ -284,7 +284,7 @@ def _fake_node(blob: bytes, port: int, addr: str, asked: list, token: bytes = b"
             assert trailer_size(reply) == len(blob)
             return reply, bytearray(blob), digest
 
-    return SimpleNamespace(transport=_Transport())
+    return SimpleNamespace(transport=_Transport(), direct_received=0)
 
 
 @pytest.mark.parametrize("tamper, error", [("swap pieces 0 and 1", "piece 0 .* failed authentication"),
@@ -373,6 +373,33 @@ def test_a_direct_blob_that_does_not_open_is_fetched_again_over_the_stream():
 
     _reply, got, _got_digest, via = _run(go())
     assert (bytes(got), via) == (blob, "stream") and [m.direct for m in asked] == [True, False]
+
+
+def test_state_sent_and_received_directly_counts_in_the_nodes_traffic():
+    # simulate's bytes per peer per round is every byte a peer sends: state downloads over the
+    # direct port, the largest thing a run sends, were missing from it
+    from groundswell.peer.state_fetch import fetch_state
+    from groundswell.peer.swarm import NodeOptions, SwarmNode
+
+    blob = os.urandom(5000)
+    asked: list[StateRequest] = []
+
+    async def go():
+        server = DirectServer()
+        port = await server.start("127.0.0.1")
+        try:
+            token, key = server.offer(blob, "A")
+            node = _fake_node(blob, port, "/ip4/127.0.0.1/tcp/4001", asked, token, key)
+            _reply, got, _digest, via = await fetch_state(node, "peer", 0, lambda r: r.size, timeout_s=10)
+            assert (bytes(got), via) == (blob, "direct")
+            return node.direct_received
+        finally:
+            await server.close()
+            serving = SwarmNode(Identity.generate(), None, NodeOptions())
+            serving.direct = server
+            assert serving.traffic() == (direct.wire_size(len(blob)), 0)
+
+    assert _run(go()) == direct.wire_size(len(blob)) == 8 + len(blob) + 16
 
 
 def test_unused_tickets_are_dropped_on_a_timer():
