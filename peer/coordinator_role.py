@@ -11,10 +11,12 @@ from groundswell.protocol.client import RoundBehind
 from groundswell.protocol.schema import ProtocolError
 from groundswell.protocol.transport import PeerUnavailable
 
+from .config import ConfigError
 from .net_loop import Stopped
 from .participant import Participant, genesis_decision
 from .roles import RoundInfo, StopFlag, write_defence_counts
 from .run_state import GlobalState
+from .state_files import checkpoints_newest_first
 
 log = logging.getLogger(__name__)
 
@@ -24,9 +26,15 @@ def run_coordinator(p: Participant, *, stop: StopFlag, on_round: Callable[[Round
     """Serve the run: genesis (or resume), then follow every committed round, checkpoint, serve state.
     `checkpoint_every`: rounds between the coordinator's checkpoints (0: the manifest's cadence)."""
     m = p.manifest
+    resumed = p.load_checkpoint()
+    if resumed is None and p.state_dir is not None and checkpoints_newest_first(p.state_dir):
+        # A new genesis would sign a round 0 of another state under the volunteers of this run,
+        # all past it: refused, as when the first checkpoint cannot be written (below).
+        raise ConfigError(f"none of the checkpoints in {p.state_dir} can be read (see the log lines above): "
+                          "copy in a good one (a volunteer's --state-dir of this run holds some), or start a "
+                          "new run (a new run.id and --state-dir)")
     p.start_network()
     p.events.write("network", peer=p.identity.peer_id, **{f"{k}_s": round(v, 3) for k, v in p.node.startup_s.items()})
-    resumed = p.load_checkpoint()
     if resumed is not None:
         p.node.record_decision(resumed["decision"])
         p.load_global(GlobalState(resumed["round"], resumed["tensors"], resumed["decision"]))

@@ -176,3 +176,22 @@ def test_work_a_checkpoint_holds_after_its_last_contributions_outcome_is_kept(tm
     _offline(again)
     resume_and_sync(again, [])
     assert bool((again.outer.error == 1).all()) is not contributed_after_save
+
+
+def test_a_coordinator_whose_checkpoints_are_all_unreadable_refuses_a_new_genesis(tmp_path, corpus):
+    # Starting the run over from a new round 0 under volunteers that are far past it would fork it
+    from groundswell.peer.config import ConfigError
+    from groundswell.peer.coordinator_role import run_coordinator
+    from groundswell.peer.roles import StopFlag
+
+    p = _factory(tmp_path, corpus)()
+    p.state_dir.mkdir(parents=True, exist_ok=True)
+    (p.state_dir / "checkpoint-00000050.pt").write_bytes(b"garbled")
+
+    def no_network():
+        raise AssertionError("the network started: a new genesis was on its way")
+
+    p.start_network = no_network
+    with pytest.raises(ConfigError, match="none of the checkpoints .* can be read"):
+        run_coordinator(p, stop=StopFlag())
+    assert sorted(f.name for f in p.state_dir.glob("checkpoint-*.pt")) == ["checkpoint-00000050.pt"]
