@@ -325,6 +325,7 @@ def join(
     from .participant import Participant
     from .roles import run_volunteer
     from .swarm import NodeOptions, SwarmNode
+    from .volunteer_dir import same_volunteer_as_before
 
     _logging(verbose)
     _set_threads(threads)
@@ -350,6 +351,7 @@ def join(
         peers = [m.rsplit("/p2p/", 1)[1] for m in boot.maddrs]
         signed, manifest = _fetch_manifest(node, boot.maddrs, boot.coordinator_id)
         manifest.check_may_train(ident.peer_id)  # before any download: its contributions would be refused
+        same_volunteer_as_before(state_dir, ident.peer_id, boot.coordinator_id, manifest.run.id)  # before it is read
         corpus = volunteer_corpus(manifest, data, allow_model_code)
         console.print(f"joined run [bold]{manifest.run.id}[/] as {ident.peer_id} (manifest verified)")
         relays = ", ".join(pid[-8:] for pid in peers[:3])  # trusted relays: the bootstrap peers

@@ -499,3 +499,27 @@ def test_a_training_that_diverged_is_one_error_line(monkeypatch):
     monkeypatch.setattr(train_local, "run_train_local", diverged)
     res = CliRunner().invoke(app, ["train-local", "--steps", "1"])  # was a traceback and exit code 1
     _one_error_line(res, 2, "error: inner step 7: gradient norm is inf: training diverged; try a lower inner.lr")
+
+
+def test_a_volunteers_state_dir_is_refused_to_another_identity_or_run(tmp_path):
+    # Its unsent work and open contributions are one peer's: read under another peer id, a
+    # contribution the round counted looks uncounted and its work would be sent (applied) twice;
+    # a checkpoint of another coordinator's run with the same id would be taken for this run's.
+    from groundswell.peer.config import ConfigError
+    from groundswell.peer.volunteer_dir import VOLUNTEER_FILE, same_volunteer_as_before
+
+    state = tmp_path / "peer"
+    state.mkdir()
+    same_volunteer_as_before(state, "peerA", "coordC", "run-1")
+    bound = (state / VOLUNTEER_FILE).read_bytes()
+    same_volunteer_as_before(state, "peerA", "coordC", "run-1")  # a restart as it was: fine
+    with pytest.raises(ConfigError, match="holds the work of peer peerA, not of this identity .peerB."):
+        same_volunteer_as_before(state, "peerB", "coordC", "run-1")
+    with pytest.raises(ConfigError, match="holds run 'run-1' of coordinator coordC, not run 'run-1' of coordD"):
+        same_volunteer_as_before(state, "peerA", "coordD", "run-1")
+    with pytest.raises(ConfigError, match="not run 'run-2'"):
+        same_volunteer_as_before(state, "peerA", "coordC", "run-2")
+    assert (state / VOLUNTEER_FILE).read_bytes() == bound  # what was refused changed nothing
+    (state / VOLUNTEER_FILE).write_bytes(b"\xff{garbled")
+    with pytest.raises(ConfigError, match="is unreadable"):
+        same_volunteer_as_before(state, "peerA", "coordC", "run-1")
