@@ -54,7 +54,7 @@ def _make_state_dir(state_dir: Path) -> None:
     if state_dir.exists() and not state_dir.is_dir():
         raise ConfigError(f"--state-dir {state_dir} is a file, not a folder")
     try:
-        state_dir.mkdir(parents=True, exist_ok=True)
+        state_dir.mkdir(mode=0o700, parents=True, exist_ok=True)  # private: a closed run's weights
     except OSError as exc:  # a file above it, no permission, a read-only disk
         above = next((p for p in state_dir.parents if p.exists() and not p.is_dir()), None)
         why = f"{above} is a file, not a folder" if above is not None else exc.strerror or str(exc)

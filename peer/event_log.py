@@ -1,16 +1,23 @@
 """The append-only events.jsonl of a state dir: one JSON object a line, read by `simulate`,
-`gpu_check.sh` and people."""
+`gpu_check.sh` and people.
+
+Past ROTATE_BYTES it is renamed events.jsonl.1 (replacing the one before) and a new file starts,
+so a long run keeps at most about two caps of it; a short run (every simulation, every test)
+never reaches the cap and keeps all its events in events.jsonl. Older events: events.jsonl.1.
+"""
 
 from __future__ import annotations
 
 import json
 import logging
+import os
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 log = logging.getLogger(__name__)
+ROTATE_BYTES = 64 << 20  # a big run wrote ~1 GB a month into one file (peers x rounds of events)
 
 
 @dataclass
@@ -30,6 +37,7 @@ class EventLog:
         if self.path is None:
             return
         line = json.dumps({"t": time.time(), "kind": kind, **fields}) + "\n"
+        self._rotate_if_full()
         try:
             with open(self.path, "ab+") as f:
                 if not self._tail_whole and f.seek(0, 2) > 0:
@@ -44,3 +52,15 @@ class EventLog:
             if self.failed == 1:
                 log.error("cannot write the event log %s (%s): events are dropped until it works again",
                           self.path, exc)
+
+    def _rotate_if_full(self) -> None:
+        """Rename a file past ROTATE_BYTES to events.jsonl.1; one that cannot be renamed grows on
+        (an event dropped for the sake of disk space would be worse)."""
+        assert self.path is not None
+        try:
+            if self.path.stat().st_size < ROTATE_BYTES:
+                return
+            os.replace(self.path, self.path.with_name(self.path.name + ".1"))
+        except OSError:  # not there yet (FileNotFoundError), or a folder that refuses the rename
+            return
+        self._tail_whole = True  # the next event starts a new, empty file

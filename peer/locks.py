@@ -8,6 +8,7 @@ on `kill -9`), so a stale lock file from a crash never blocks a restart.
 
 from __future__ import annotations
 
+import errno
 import os
 import stat
 from pathlib import Path
@@ -15,13 +16,15 @@ from pathlib import Path
 from .config import ConfigError
 
 _HELD: dict[str, int] = {}  # lock path -> open descriptor, kept open until the process exits
+_LOCKS_FOLDER = "groundswell-locks-"  # the identity locks' folder in the temp directory, then the uid
+_NO_LOCKS = {errno.ENOLCK, errno.ENOSYS, errno.EOPNOTSUPP, errno.ENOTSUP}  # flock's "no locks here"
 
 
 def identity_lock_path(peer_id: str) -> Path:
     """Where the lock of an identity lives: a per-user folder in the temp directory."""
     import tempfile
 
-    folder = Path(tempfile.gettempdir()) / f"groundswell-locks-{os.getuid() if hasattr(os, 'getuid') else 0}"
+    folder = Path(tempfile.gettempdir()) / f"{_LOCKS_FOLDER}{os.getuid() if hasattr(os, 'getuid') else 0}"
     make_private_dir(folder)
     return folder / f"{peer_id}.lock"
 
@@ -62,9 +65,23 @@ def hold_exclusively(lock_path: Path, what: str, subject: Path, hint: str = "giv
         os.close(fd)
         raise ConfigError(f"the {what} {subject} is in use by another groundswell process (pid {holder}); "
                           f"stop it, or {hint}") from None
+    except OSError as exc:  # Lustre (noflock), some NFS and FUSE mounts: ENOLCK, ENOSYS, EOPNOTSUPP
+        os.close(fd)
+        raise ConfigError(_no_lock_message(lock_path, what, subject, exc)) from None
     os.ftruncate(fd, 0)
     os.write(fd, f"{os.getpid()}\n".encode())
     _HELD[key] = fd
+
+
+def _no_lock_message(lock_path: Path, what: str, subject: Path, exc: OSError) -> str:
+    """The one line for a lock `flock` refused with `exc`: the file, and a folder to use instead."""
+    if exc.errno not in _NO_LOCKS:
+        return f"cannot lock the {what} {subject} ({lock_path}: {exc.strerror or exc})"
+    # The identity locks live in the temp directory (identity_lock_path), whatever --state-dir is.
+    elsewhere = ("set TMPDIR to a folder on a local disk" if lock_path.parent.name.startswith(_LOCKS_FOLDER)
+                 else "use a --state-dir on a local disk")
+    return (f"cannot lock the {what} {subject}: the filesystem of {lock_path} does not support file locks "
+            f"({exc.strerror or exc}); {elsewhere}")
 
 
 def release_all() -> None:

@@ -110,7 +110,7 @@ class Participant:
         self.work_token: str | None = None  # names the contribution in flight in work.pt (see work_file)
         self.work_recorded = True  # False: work.pt could not be written for it (then it is not sent)
         if state_dir is not None:
-            state_dir.mkdir(parents=True, exist_ok=True)
+            state_dir.mkdir(mode=0o700, parents=True, exist_ok=True)  # private: a closed run's weights
             # Half-written files of a process killed mid-write (write_atomically's X.tmp for each file
             # we write here, Identity.save's .identity.key.*.tmp); no other groundswell process writes
             # here (the CLI holds the state dir's lock, locks.py). Only our own names: a state dir

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import logging
 import os
+import zipfile
 from collections.abc import Callable
 from pathlib import Path
 from typing import IO
@@ -28,7 +29,11 @@ def write_atomically(path: Path, write: Callable[[IO[bytes]], None]) -> None:
     torch.save reports a full disk as a RuntimeError from its zip writer: that is an OSError here."""
     tmp = path.with_suffix(".tmp")
     try:
-        with open(tmp, "wb") as f:
+        # 0600 from the start (before the rename): a closed run's weights are not for other local
+        # users. A temp file a killed process left would keep its mode under O_CREAT: gone first.
+        _discard(tmp)
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | getattr(os, "O_BINARY", 0), 0o600)
+        with open(fd, "wb") as f:
             write(f)
             f.flush()
             os.fsync(f.fileno())
@@ -79,9 +84,29 @@ def checkpoints_newest_first(state_dir: Path) -> list[Path]:
 
 
 def prune_checkpoints(just_written: Path, keep: int) -> None:
-    """Keep `just_written` and the newest keep-1 before it. A file that sorts after it (an
-    unreadable newer checkpoint this run resumed past) never counts towards `keep`: counting it
-    deleted the checkpoint just written."""
-    older = sorted(p for p in just_written.parent.glob("checkpoint-*.pt") if p.name < just_written.name)
-    for old in older[: max(0, len(older) - (keep - 1))]:
+    """Keep `just_written` and the newest keep-1 readable ones before it. A file that sorts after
+    it (an unreadable newer checkpoint this run resumed past) never counts towards `keep`:
+    counting it deleted the checkpoint just written. An older one that is not whole is deleted
+    and does not count either: counting it deleted the last good one (the one resumed from)."""
+    older = sorted((p for p in just_written.parent.glob("checkpoint-*.pt") if p.name < just_written.name),
+                   reverse=True)
+    kept = 1
+    for old in older:
+        if kept < keep and not _not_whole(old):  # checked only while there is room to keep it
+            kept += 1
+            continue
         old.unlink(missing_ok=True)
+
+
+def _not_whole(path: Path) -> bool:
+    """True if `path` is no archive torch.load can open (cut short or garbled by a crash or a full
+    disk; torch.save writes zip archives). Reads only the zip directory at its end, not the
+    tensors: a flipped byte inside them is for the loader's digest to find. A read error (EIO,
+    EACCES) is no proof: the file is kept."""
+    try:
+        with zipfile.ZipFile(path) as archive:
+            return not any(name.endswith("data.pkl") for name in archive.namelist())
+    except (zipfile.BadZipFile, EOFError, ValueError):
+        return True
+    except OSError:
+        return False

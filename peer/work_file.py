@@ -99,16 +99,17 @@ def contributed_marker(data: dict[str, Any] | None) -> dict[int, int]:
 
 
 def write_work(state_dir: Path, record: WorkRecord) -> bool:
-    """Write the record atomically; False (and a log line) if the disk refuses it."""
-    state = {"token": record.token, "before": json.dumps(record.before), "round": record.round_id,
-             "error": record.error.detach().cpu(), "sent": [record.own, *record.earlier]}
-    if record.progress is not None:
-        state["progress"] = record.progress
-    state[DIGEST_KEY] = checkpoint_digest(state)  # torch.load reads a flipped byte in a segment as is
+    """Write the record atomically; False (and a log line) if the disk or the memory refuses it."""
     try:
+        state = {"token": record.token, "before": json.dumps(record.before), "round": record.round_id,
+                 "error": record.error.detach().cpu(), "sent": [record.own, *record.earlier]}
+        if record.progress is not None:
+            state["progress"] = record.progress
+        state[DIGEST_KEY] = checkpoint_digest(state)  # torch.load reads a flipped byte in a segment as is
         write_atomically(state_dir / WORK_FILE, lambda f: torch.save(state, f))
-    except OSError as exc:
-        log.warning("the work record was not written (%s); a crash now would drop the unsent work", exc)
+    except (OSError, MemoryError) as exc:  # as save_checkpoint: the round goes on, this work is not sent
+        why = str(exc) or type(exc).__name__  # a bare MemoryError() says nothing
+        log.warning("the work record was not written (%s); a crash now would drop the unsent work", why)
         return False
     return True
 

@@ -4,6 +4,7 @@ folder in the shared temp directory must be this user's own private one."""
 
 from __future__ import annotations
 
+import errno
 import os
 import tempfile
 
@@ -51,3 +52,25 @@ def test_the_daemons_socket_folder_must_be_ours_and_private(tmp_path):
     os.chmod(tmp_path / f"{SOCKET_DIR_PREFIX}{os.getpid()}", 0o777)  # made, or opened up, by someone else
     with pytest.raises(ConfigError, match="not a private folder"):
         socket_dir(tmp_path)
+
+
+@pytest.mark.parametrize("code", [errno.ENOLCK, errno.ENOSYS, errno.EOPNOTSUPP])
+def test_a_filesystem_without_locks_is_named_in_one_line_and_the_lock_file_closed(private_tmp, monkeypatch, code):
+    # Lustre (noflock), some NFS and FUSE mounts: a raw "[Errno 37] No locks available" named no
+    # file, and its descriptor stayed open.
+    import fcntl
+
+    def no_locks(fd, op):
+        raise OSError(code, os.strerror(code))
+
+    monkeypatch.setattr(fcntl, "flock", no_locks)
+    state = private_tmp / "state"
+    state.mkdir()
+    before = len(os.listdir("/proc/self/fd"))
+    with pytest.raises(ConfigError, match=r"state dir .*state/\.lock.* does not support file locks.*--state-dir "
+                                          "on a local disk") as caught:
+        hold_exclusively(state / ".lock", "state dir", state)
+    assert "\n" not in str(caught.value)
+    assert len(os.listdir("/proc/self/fd")) == before, "the lock file's descriptor leaked"
+    with pytest.raises(ConfigError, match="TMPDIR"):  # the identity locks live in the temp directory
+        hold_exclusively(identity_lock_path("12D3KooWNoLocks"), "identity", private_tmp / "id.key")

@@ -109,3 +109,61 @@ def test_a_restart_removes_every_half_written_file_a_killed_process_left(tmp_pat
     participant()
     assert [p.name for p in state.glob("*.tmp")] == ["notes.tmp"], "a restart leaves half-written files behind"
     assert (state / "manifest.signed").read_bytes() == b"kept"
+
+
+def test_pruning_keeps_the_good_checkpoint_a_run_resumed_from_past_unreadable_newer_ones(tmp_path, corpus):
+    # 490 and 500 unreadable (a crash, a full disk), the run resumed from 480 and synced on to 510:
+    # counting the two towards keep=3 deleted 480, the last checkpoint that loads but the new one.
+    p = _at_round(_factory(tmp_path, corpus, checkpoint={"keep": 3})(), 480)
+    good = p.save_checkpoint()
+    (p.state_dir / "checkpoint-00000490.pt").write_bytes(good.read_bytes()[:200])  # truncated
+    (p.state_dir / "checkpoint-00000500.pt").write_bytes(b"garbled")
+    assert p.load_checkpoint()["round"] == 480
+    assert _at_round(p, 510).save_checkpoint() is not None
+    assert good.exists(), "pruning deleted the newest checkpoint that loads"
+    assert sorted(f.name for f in p.state_dir.glob("checkpoint-*.pt")) == ["checkpoint-00000480.pt",
+                                                                           "checkpoint-00000510.pt"]
+
+
+@pytest.mark.parametrize("failing", ["save", "digest"])
+def test_a_work_record_that_runs_out_of_memory_is_reported_not_raised(tmp_path, monkeypatch, caplog, failing):
+    # A MemoryError escaped write_work mid-round as a traceback; save_checkpoint reports the same.
+    from groundswell.peer import work_file
+    from groundswell.peer.swarm_exchange import unsettled_item
+
+    record = work_file.WorkRecord("t1", None, 3, torch.ones(8), unsettled_item(3, [b"own"], 0), [])
+    assert work_file.write_work(tmp_path, record)
+    before = (tmp_path / "work.pt").read_bytes()
+
+    def out_of_memory(*args, **kwargs):
+        raise MemoryError
+
+    if failing == "save":
+        monkeypatch.setattr(torch, "save", out_of_memory)
+    else:
+        monkeypatch.setattr(work_file, "checkpoint_digest", out_of_memory)
+    assert work_file.write_work(tmp_path, record) is False
+    assert (tmp_path / "work.pt").read_bytes() == before
+    assert not list(tmp_path.glob("*.tmp"))
+    assert "MemoryError" in caplog.text
+
+
+def test_state_files_and_a_new_state_dir_are_private_to_their_user(tmp_path, corpus):
+    # A closed run's weights were world-readable (0644 files, 0755 state dir under umask 022).
+    from groundswell.peer.cli_swarm import _make_state_dir
+
+    old = os.umask(0o022)
+    try:
+        path = tmp_path / "checkpoint-00000001.pt"
+        write_atomically(path, lambda f: f.write(b"weights"))
+        assert stat.S_IMODE(path.stat().st_mode) & 0o077 == 0
+        p = _factory(tmp_path, corpus)()
+        assert stat.S_IMODE(p.state_dir.stat().st_mode) == 0o700
+        _make_state_dir(tmp_path / "cli" / "state")
+        assert stat.S_IMODE((tmp_path / "cli" / "state").stat().st_mode) == 0o700
+        mine = tmp_path / "mine"
+        mine.mkdir(mode=0o755)  # a folder the user made and opened up: left as it is
+        _make_state_dir(mine)
+        assert stat.S_IMODE(mine.stat().st_mode) == 0o755
+    finally:
+        os.umask(old)

@@ -1,0 +1,33 @@
+"""events.jsonl is rotated by size: a long run keeps at most about two caps of it on disk, and a
+short run (under the cap) keeps every event in the one file its readers open."""
+
+from __future__ import annotations
+
+from groundswell.peer import event_log
+from groundswell.peer.event_log import EventLog
+from groundswell.peer.sim_report import read_events
+
+
+def test_the_event_log_is_rotated_past_its_cap_and_keeps_one_older_file(tmp_path, monkeypatch):
+    # It grew forever: with peers x rounds of events, about 1 GB a month on a big run.
+    monkeypatch.setattr(event_log, "ROTATE_BYTES", 400)
+    path, older = tmp_path / "events.jsonl", tmp_path / "events.jsonl.1"
+    log = EventLog(path)
+    for r in range(100):
+        log.write("round", round=r)
+    assert older.exists(), "events.jsonl was never rotated"
+    line = len(path.read_text().splitlines()[0]) + 1
+    assert path.stat().st_size < 400 + line and older.stat().st_size < 400 + line
+    kept = [e["round"] for e in read_events(older) + read_events(path)]
+    assert kept == list(range(kept[0], 100)) and kept[0] > 0  # the newest, in order, none lost at a rotation
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["events.jsonl", "events.jsonl.1"]
+    assert log.failed == 0
+
+
+def test_a_short_run_keeps_every_event_in_one_file(tmp_path):
+    path = tmp_path / "events.jsonl"
+    log = EventLog(path)
+    for r in range(50):
+        log.write("round", round=r)
+    assert [e["round"] for e in read_events(path)] == list(range(50))
+    assert not (tmp_path / "events.jsonl.1").exists()
