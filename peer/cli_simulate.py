@@ -47,6 +47,7 @@ def simulate(
     defences: bool = typer.Option(True, "--defences/--no-defences",
                                   help="Robust aggregation (norm clipping) on or off; input validation stays on."),
     scoring: bool = typer.Option(False, help="Leaders score each contribution on a probe batch, drop harmful ones."),
+    timeout: float = typer.Option(1800.0, help="Stop the run after S seconds, finished or not (the summary says so)."),
 ) -> None:
     """A coordinator and N volunteers on 127.0.0.1 (real libp2p), R rounds; writes OUT/report.json."""
     from .sim_report import fault_summary
@@ -75,17 +76,21 @@ def simulate(
                            kill_every=kill_every, freeze_every=freeze_every, late_joiners=late_joiners,
                            leave_every=leave_every, kill_coordinator_at=kill_coordinator_at,
                            checkpoint_every=checkpoint_every, byzantine=byzantine, defences=defences,
-                           scoring=scoring, **given, given=set(given))
+                           scoring=scoring, timeout_s=timeout, **given, given=set(given))
     report = run_simulation(opts, out, progress=lambda m: console.print(m, highlight=False))
     console.print(
         f"[bold]{report['rounds_completed']}/{report['rounds_target']} rounds[/], {report['peers']} peers, "
         f"{report['codec']}: {loss_summary(report)}; "
         f"{report['bytes_sent_per_peer_per_round'] / 1e3:,.1f} kB/peer/round "
         f"(dense ring: {report['dense_fp32_ring_bytes_per_peer_per_round'] / 1e3:,.0f} kB); "
-        f"hashes agree: {report['param_hash_agreement']}; {report['wall_s']:.0f} s; report: {out / 'report.json'}"
+        f"hashes agree: {report['param_hash_agreement']}{hash_checks(report)}; {report['wall_s']:.0f} s; "
+        f"report: {out / 'report.json'}"
         if report["rounds_completed"] else f"no round completed; see the logs in {out}",
         highlight=False,
     )
+    if report.get("timed_out"):  # whatever else the run reached, it did not end by itself
+        console.print(f"[bold yellow]stopped by the timeout:[/] the run was still going after {timeout:g} s "
+                      "(--timeout)", highlight=False)
     faults = fault_summary(report)
     if faults:
         console.print(faults, highlight=False)
@@ -97,6 +102,12 @@ def simulate(
     if failed:  # scripts and CI read the exit status
         console.print(f"[bold red]simulation failed:[/] {'; '.join(failed)}", highlight=False)
         raise typer.Exit(1)
+
+
+def hash_checks(report: dict) -> str:
+    """" (compared in N rounds)": the rounds whose hash two or more processes reported ("": not in the report)."""
+    n = report.get("hash_checked_rounds")
+    return "" if n is None else f" (compared in {n} round{'s' if n != 1 else ''})"
 
 
 def loss_summary(report: dict) -> str:

@@ -66,18 +66,18 @@ def daemon_owns_group() -> bool:
     return _PRCTL is not None
 
 
-def _die_with_parent(parent: int) -> Callable[[], None]:
+def _die_with_parent(parent: int, sig: int = signal.SIGTERM) -> Callable[[], None]:
     def preexec() -> None:  # in the child, between fork and exec: no imports, no locks
-        _PRCTL(_PR_SET_PDEATHSIG, signal.SIGTERM, 0, 0, 0)  # type: ignore[misc]
+        _PRCTL(_PR_SET_PDEATHSIG, sig, 0, 0, 0)  # type: ignore[misc]
         if os.getppid() != parent:  # the parent died before the line above: do not start at all
             os._exit(1)  # (not a signal: the parent's Python handlers are still installed here)
 
     return preexec
 
 
-def die_with_us() -> Callable[[], None] | None:
-    """A `preexec_fn` that has a child get SIGTERM when this thread ends (None where prctl is missing)."""
-    return _die_with_parent(os.getpid()) if _PRCTL is not None else None
+def die_with_us(sig: int = signal.SIGTERM) -> Callable[[], None] | None:
+    """A `preexec_fn` that has a child get `sig` when this thread ends (None where prctl is missing)."""
+    return _die_with_parent(os.getpid(), sig) if _PRCTL is not None else None
 
 
 def adopt_p2pd_daemons() -> None:

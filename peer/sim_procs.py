@@ -10,7 +10,7 @@ import signal
 import subprocess
 import sys
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -30,6 +30,7 @@ class Proc:
     state_dir: Path
     popen: subprocess.Popen | None = None
     log: object = None
+    ended: bool = False  # its end is recorded (`Simulation.note_end`)
 
 
 @dataclass
@@ -50,7 +51,7 @@ class Simulation:
         self.out.mkdir(parents=True, exist_ok=True)
         # A SIGTERM (e.g. from `timeout`) or SIGHUP (the terminal closed) must still reach
         # __exit__ and kill every process. Were the driver killed outright, its children get
-        # SIGTERM from the kernel (parent-death signal, see `spawn`).
+        # SIGKILL from the kernel (parent-death signal, see `die_with_driver`).
         self._old = {sig: signal.signal(sig, _raise_interrupt) for sig in (signal.SIGTERM, signal.SIGHUP)}
         return self
 
@@ -84,6 +85,18 @@ class Simulation:
             return None  # the fault we injected
         if sent == signal.SIGINT and code in (130, -signal.SIGINT):
             return None  # told to leave, and it did
+        return code
+
+    def note_end(self, name: str, exit_event: bool = True) -> int | None:
+        """Record this process's end (`exit`; `crash` too for an error) once, when first seen; a crash's status."""
+        proc = self.procs.get(name)
+        if proc is None or proc.ended or proc.popen is None or proc.popen.poll() is None:
+            return None
+        proc.ended = True
+        if exit_event:
+            self.event("exit", name)
+        if (code := self.crashed(name)) is not None:  # ended with an error nobody injected
+            self.event("crash", name)
         return code
 
     def alive(self, name: str) -> bool:
@@ -120,7 +133,7 @@ class Simulation:
             with _sigint_not_ignored():
                 proc.popen = subprocess.Popen([*prefix, sys.executable, "-m", "groundswell.peer", *args],
                                               stdout=log, stderr=subprocess.STDOUT, env=env,
-                                              start_new_session=True, preexec_fn=die_with_us())
+                                              start_new_session=True, preexec_fn=die_with_driver())
         except BaseException:
             log.close()  # not in `procs`: `__exit__` would never close it
             raise
@@ -176,6 +189,13 @@ class Simulation:
         for group in groups:
             with contextlib.suppress(ProcessLookupError, PermissionError):
                 os.killpg(group, sig)
+
+
+def die_with_driver() -> Callable[[], None] | None:
+    """A `preexec_fn` that has a child get SIGKILL when this thread ends (None where prctl is missing).
+    SIGKILL, not SIGTERM: a peer the churn froze (SIGSTOP) would keep a SIGTERM pending, and stay
+    stopped for good. These are simulation processes: the polite stops are the driver's."""
+    return die_with_us(signal.SIGKILL)
 
 
 @contextlib.contextmanager

@@ -4,10 +4,13 @@ Fault metrics: `recovery_s` (per kill or freeze: seconds until the swarm next co
 without that peer, or with it once it is back), `recovery_excluding_s` (the stricter reading:
 seconds until a round completes that leaves that peer out; a peer that restarts in time for the
 round it died in is in the next rounds too, so this grows the faster peers come back), `rejoin_s` (per restart or late join: seconds until that peer's first
-contribution is in an aggregate), `lost_contributions` (a contribution counted in a committed
-round while its owner thought it was not, or the reverse: applied twice or never; one that a
-crashed process sent and its restart cannot count as its own is not lost), the per-round
-parameter-hash agreement over every process, and where each process ended (`final_round_by_process`).
+contribution is in an aggregate), `lost_contributions` (a contribution whose work went wrong:
+counted in a committed round while its owner kept its work, so applied twice, or taken out of
+its owner's work while the commit left it out, so never applied; one that a crashed process sent
+and its restart cannot count as its own is not lost), `double_counted_contributions` (those of
+them applied twice), the per-round parameter-hash agreement over every process (and in how many
+rounds two or more processes reported a hash to compare: `hash_checked_rounds`), whether the
+driver's timeout stopped the run (`timed_out`), and where each process ended (`final_round_by_process`).
 """
 
 from __future__ import annotations
@@ -47,12 +50,14 @@ def build_report(out: Path, opts: "SimulateOptions", driver_events: list[dict], 
     ids = {name: next((e["peer"] for e in evs if "peer" in e), name) for name, evs in logs.items()}
     rounds = [dict(e, who=name) for name, evs in logs.items() for e in evs if e["kind"] == "round"]
     hashes: dict[int, set[str]] = {}
+    reporters: dict[int, set[str]] = {}  # round -> the processes (state dirs) that reported its hash
     end_t: dict[int, float] = {}
     loss: dict[int, float] = {}  # finite held-out losses only: the report is strict JSON
     contributors: dict[int, set[str]] = {}
     for e in sorted(rounds, key=lambda e: e["t"]):
         r = e["round"]
         hashes.setdefault(r, set()).add(e["hash"])
+        reporters.setdefault(r, set()).add(e["who"])
         end_t.setdefault(r, e["t"] - t0)
         if _finite(e.get("eval_loss")):
             loss.setdefault(r, e["eval_loss"])
@@ -62,6 +67,7 @@ def build_report(out: Path, opts: "SimulateOptions", driver_events: list[dict], 
         for e in evs:
             if e["kind"] == "follow" and e.get("hash"):
                 hashes.setdefault(e["round"], set()).add(e["hash"])
+                reporters.setdefault(e["round"], set()).add(name)
                 if e["round"] not in end_t or e["t"] - t0 < end_t[e["round"]]:
                     end_t[e["round"]] = e["t"] - t0  # (whom it counted is not logged there)
     divergent = sorted(r for r, h in hashes.items() if len(h) > 1)
@@ -76,10 +82,7 @@ def build_report(out: Path, opts: "SimulateOptions", driver_events: list[dict], 
             r, _, digest = max(applied)
             final[name] = [r, digest]
     volunteer_rounds = [e for e in rounds if e["who"] != "coordinator"]
-    # A commit that names a peer but counts what its crashed process sent (`superseded`) loses
-    # nothing: that contribution was applied, and the restarted process keeps its own work.
-    lost = sum(1 for e in volunteer_rounds if bool(e.get("included")) != (e["peer"] in contributors[e["round"]])
-               and not e.get("superseded"))
+    lost, twice = _misapplied(logs, volunteer_rounds, contributors)
     order = sorted(end_t)
     # Rounds are numbered from 0 in a simulation; one no process logged (e.g. every holder of its
     # aggregate died, so the others re-synced past it) still happened, and keeps its place as None.
@@ -91,17 +94,22 @@ def build_report(out: Path, opts: "SimulateOptions", driver_events: list[dict], 
     recovery, excluding, rejoin = [], [], []
     for ev in driver_events:
         pid = ids.get(ev["peer"])
+        # The earliest end after the fault, not the next round's: a round known only from a late
+        # catch-up can end after a later round did.
         if ev["kind"] in ("kill", "freeze"):
             after = [end_t[r] for r in order if end_t[r] > ev["t"]]
             if after:
-                recovery.append(round(after[0] - ev["t"], 2))
+                recovery.append(round(min(after) - ev["t"], 2))
             after = [end_t[r] for r in order if end_t[r] > ev["t"] and r in contributors and pid not in contributors[r]]
             if after:
-                excluding.append(round(after[0] - ev["t"], 2))
+                excluding.append(round(min(after) - ev["t"], 2))
         elif ev["kind"] in ("restart", "join"):
-            after = [end_t[r] for r in order if end_t[r] > ev["t"] and pid in contributors.get(r, ())]
+            # The (re)started process's own word that a commit counted its work: a commit naming the
+            # peer may count what its killed process sent before it died (`superseded`).
+            after = [e["t"] - t0 for e in logs.get(ev["peer"], [])
+                     if e["kind"] == "round" and e.get("included") is True and e["t"] - t0 > ev["t"]]
             if after:
-                rejoin.append(round(after[0] - ev["t"], 2))
+                rejoin.append(round(min(after) - ev["t"], 2))
     n = opts.peers
     # Compute utilization: time in forward/backward/inner optimizer over each volunteer's wall time
     # from its first sync to the end of its last block of inner steps.
@@ -154,6 +162,8 @@ def build_report(out: Path, opts: "SimulateOptions", driver_events: list[dict], 
         "coordinator_bytes_sent_per_round": _coordinator_sent_per_round(logs.get("coordinator", []), completed),
         "dense_fp32_ring_bytes_per_peer_per_round": 2 * (n - 1) / n * 4 * params,
         "param_hash_agreement": bool(hashes) and not divergent,
+        # rounds whose hash two or more processes reported: only those are compared at all
+        "hash_checked_rounds": sum(1 for who in reporters.values() if len(who) >= 2),
         "divergent_rounds": divergent,
         "final_round_by_process": dict(sorted(final.items())),  # name -> [last round applied, its hash]
         # a peer that found its hash off the coordinator's and re-synced (counted, not hidden)
@@ -165,6 +175,8 @@ def build_report(out: Path, opts: "SimulateOptions", driver_events: list[dict], 
         "recovery_excluding_s": excluding,
         "rejoin_s": rejoin,
         "lost_contributions": lost,
+        "double_counted_contributions": twice,  # of `lost_contributions`, those applied twice
+        "timed_out": any(e["kind"] == "timed-out" for e in driver_events),  # stopped by the driver's timeout
         "crashed": sorted({e["peer"] for e in driver_events if e["kind"] == "crash"}),  # ended with an error
         "compute_utilization": round(sum(utilization) / len(utilization), 4) if utilization else None,
         "overlap": opts.overlap,
@@ -178,6 +190,39 @@ def build_report(out: Path, opts: "SimulateOptions", driver_events: list[dict], 
         "shards_applied": shards_total,
         "events": sorted(events, key=lambda e: e["t"]),
     }
+
+
+def _misapplied(logs: dict[str, list[dict]], volunteer_rounds: list[dict],
+                contributors: dict[int, set[str]]) -> tuple[int, int]:
+    """Contributions whose work went wrong, as (all of them, those applied twice): each owner's
+    reading of a commit against the commit's contributors."""
+    lost = twice = 0
+    for e in volunteer_rounds:
+        # A commit that names a peer but counts what its crashed process sent (`superseded`) loses
+        # nothing: that contribution was applied, and the restarted process keeps its own work.
+        counted = e["peer"] in contributors[e["round"]]
+        if bool(e.get("included")) != counted and not e.get("superseded"):
+            lost += 1
+            twice += counted  # counted, and its work kept
+    # Contributions settled after their round (roles.py `_settle_one`) without knowing the commit:
+    # `outcome-unknown` kept the work, `presumed-counted` took it out. Only the commit says which
+    # was right. A peer's settlings of one round are read as one (a commit names a peer once, and
+    # an earlier process's settling died with it): the latest.
+    counted_elsewhere = {(e["peer"], e["round"]) for e in volunteer_rounds if e.get("included") is True}
+    settled: dict[tuple[str, int], str] = {}
+    for e in sorted((e for evs in logs.values() for e in evs
+                     if e["kind"] in ("outcome-unknown", "presumed-counted", "included-late")), key=lambda e: e["t"]):
+        settled[(e["peer"], e["round"])] = e["kind"]
+    for (pid, r), kind in settled.items():
+        if r not in contributors:  # no log holds the round's commit: nothing to compare with
+            continue
+        # the peer is named, and no other contribution of its (one its round event says counted) is why
+        counted = pid in contributors[r] and (pid, r) not in counted_elsewhere
+        if kind == "outcome-unknown" and counted:
+            lost, twice = lost + 1, twice + 1
+        elif kind == "presumed-counted" and not counted:
+            lost += 1
+    return lost, twice
 
 
 def report_json(report: dict) -> str:
@@ -246,4 +291,6 @@ def fault_summary(report: dict) -> str | None:
             + f"; recovery mean/max {mean_max(report['recovery_s'])}"
             + f" (until a round leaves the peer out: {mean_max(report['recovery_excluding_s'])})"
             + f"; rejoin mean/max {mean_max(report['rejoin_s'])}; longest round {max(times):.1f} s"
-            + f"; lost contributions {report['lost_contributions']}")
+            + f"; lost contributions {report['lost_contributions']}"
+            + (f" ({report['double_counted_contributions']} applied twice)"
+               if report.get("double_counted_contributions") else ""))

@@ -42,9 +42,9 @@ class SimulateOptions:
     min_peers: int = 2
     seed: int = 0
     outer_lr: float = 0.0
-    topk: int = 0  # SparseLoCo: values kept per chunk (0: the manifest's default, 64 of 4096)
     # None, not a sentinel value, means "the default": any value given goes to the manifest, whose
-    # checks refuse a bad one (read as "the default", -0.5 ran silently with 0.95).
+    # checks refuse a bad one (read as "the default", -0.5 ran silently with 0.95, and a topk of 0 with 64).
+    topk: int | None = None  # SparseLoCo: values kept per chunk (None: the manifest's default, 64 of 4096)
     error_decay: float | None = None  # SparseLoCo: error-feedback decay (None: the manifest's default, 0.95)
     overlap: int = 0  # 1: each round is exchanged while the next H steps train
     warmup_steps: int | None = None  # inner lr warmup (None: min(50, 2 H), so that short runs are not all warmup)
@@ -52,7 +52,7 @@ class SimulateOptions:
     checkpoint_keep: int = 2
     coordinator_checkpoint_every: int = 0  # `launch --checkpoint-every` (0: the manifest's cadence)
     eval_every: int = 1  # rounds between the coordinator's held-out evaluations
-    timeout_s: float = 1800.0
+    timeout_s: float = 1800.0  # the driver stops the run after this long (report.json says so: `timed_out`)
     # churn (seconds; 0 = off); every choice of victim is drawn from `seed`
     kill_every: float = 0.0
     restart_after: float = 0.0  # 0: killed peers stay dead
@@ -76,10 +76,14 @@ class SimulateOptions:
             if getattr(self, name) < 1:
                 raise ConfigError(f"--{name.replace('_', '-')} must be at least 1, got {getattr(self, name)}")
         for name in ("kill_every", "restart_after", "freeze_every", "freeze_for", "leave_every",
-                     "kill_coordinator_at", "timeout_s"):
+                     "kill_coordinator_at"):
             value = getattr(self, name)
             if not value >= 0 or value == float("inf"):  # a negative period would kill on every pass
                 raise ConfigError(f"--{name.replace('_', '-')} must be a finite number of seconds >= 0, got {value}")
+        if not 0 < self.timeout_s < float("inf"):  # 0 would end the run before its first round
+            raise ConfigError(f"--timeout must be a finite number of seconds > 0, got {self.timeout_s}")
+        if self.topk is not None and self.topk < 1:  # said here: the manifest's words name outer.chunk too
+            raise ConfigError(f"--topk must be at least 1, got {self.topk}")
         if self.late_joiners < 0:
             raise ConfigError(f"--late-joiners must be >= 0, got {self.late_joiners}")
         if not 0 <= self.byzantine <= self.peers:
@@ -124,7 +128,7 @@ def manifest_toml(opts: SimulateOptions) -> str:
     escapes are TOML's, so an option holding a quote cannot break the file; non-ASCII characters
     stay as they are, since TOML refuses JSON's surrogate-pair escapes)."""
     codec = f"codec = {json.dumps(opts.codec, ensure_ascii=False)}\n" if opts.codec else ""
-    lr = ((f"lr = {opts.outer_lr}\n" if opts.outer_lr else "") + (f"topk = {opts.topk}\n" if opts.topk else "")
+    lr = ((f"lr = {opts.outer_lr}\n" if opts.outer_lr else "") + (f"topk = {opts.topk}\n" if opts.topk is not None else "")
           + (f"error_decay = {opts.error_decay}\n" if opts.error_decay is not None else "")
           + f"overlap = {opts.overlap}\n")
     warmup = opts.warmup_steps if opts.warmup_steps is not None else min(50, opts.inner_steps * 2)
@@ -346,8 +350,14 @@ def run_simulation(opts: SimulateOptions, out: Path, progress: Callable[[str], N
             live = [v for v in volunteers if sim.alive(v)]
             return fault_victims(live, frozen, {v for v in live if sim.going(v)}, opts.min_peers)
 
+        def note_ended(names: Sequence[str], exits: bool = True) -> None:
+            for name in names:  # stamped when first seen gone, not when the run ends
+                if (code := sim.note_end(name, exit_event=exits and name != "coordinator")) is not None:
+                    progress(f"{name} exited with status {code}; see {out / (name + '.log')}")
+
         while time.time() < end:
             now = time.time() - sim.t0
+            note_ended(["coordinator", *volunteers])
             if now - last_sample > 1.0:
                 sim.sample_rss()
                 last_sample = now
@@ -414,20 +424,22 @@ def run_simulation(opts: SimulateOptions, out: Path, progress: Callable[[str], N
                     live = live_addresses(out, up)  # the volunteers up now (the coordinator writes none)
                     coord_args = [*coord_args[:-len(common)], *[x for m in live[:3] for x in ("--peer", m)], *common]
             time.sleep(0.25)
+        else:
+            sim.event("timed-out", "driver")  # report.json's `timed_out`, said in the CLI's summary
+        note_ended(["coordinator", *volunteers])
         for name in list(frozen):
             sim.signal(name, signal.SIGCONT)
         for v in volunteers:
-            sim.event("exit" if not sim.alive(v) else "timeout", v)
+            if sim.alive(v):
+                sim.event("timeout", v)
         if sim.alive("coordinator"):
             sim.signal("coordinator", signal.SIGINT)
             try:
                 sim.procs["coordinator"].popen.wait(timeout=60)  # type: ignore[union-attr]
             except subprocess.TimeoutExpired:
                 pass
-        for name in ["coordinator", *volunteers]:
-            if (code := sim.crashed(name)) is not None:  # ended with an error nobody injected
-                sim.event("crash", name)
-                progress(f"{name} exited with status {code}; see {out / (name + '.log')}")
+        # the coordinator told to stop, and volunteers still running at the timeout that ended meanwhile
+        note_ended(["coordinator", *volunteers], exits=False)
         report = build_report(out, opts, sim.events, time.time() - start, t0=sim.t0, rss=sim.peak_rss)
     (out / "report.json").write_text(report_json(report))
     try:

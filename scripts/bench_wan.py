@@ -92,7 +92,7 @@ def swarm_run(name: str, out: Path, wall: float, preset: str, algorithm: str, co
     from groundswell.peer.simulate import SimulateOptions, Simulation, manifest_toml
 
     opts = SimulateOptions(peers=4, rounds=10**6, preset=preset, algorithm=algorithm, codec=codec, overlap=overlap,
-                           inner_steps=inner_steps, outer_lr=outer_lr, topk=topk,
+                           inner_steps=inner_steps, outer_lr=outer_lr, topk=topk or None,  # 0: the run's default
                            error_decay=None if error_decay < 0 else error_decay,  # < 0: the run's default
                            warmup_steps=None if warmup < 0 else warmup, batch_size=8, deadline_s=60, slack_s=5, min_peers=2,
                            # Nobody evaluates or checkpoints on the clock but the coordinator, which keeps

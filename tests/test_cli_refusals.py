@@ -104,6 +104,8 @@ def test_a_launch_whose_network_did_not_start_does_not_bind_the_state_dir_to_its
     (["--algorithm", "diloco", "--topk", "32"], "--topk does nothing with the fp32 codec (--algorithm diloco)"),
     (["--algorithm", "diloco", "--error-decay", "0.5"], "--error-decay does nothing with --algorithm diloco"),
     (["--checkpoint-every", "0"], "--checkpoint-every must be at least 1, got 0"),  # not checkpoint.keep
+    (["--topk", "0"], "--topk must be at least 1, got 0"),  # ran silently with the default, 64
+    (["--timeout", "0"], "--timeout must be a finite number of seconds > 0, got 0.0"),
 ])
 def test_simulate_refuses_flags_that_could_never_take_effect(tmp_path, nothing_starts, args, words):
     res = CliRunner().invoke(app, ["simulate", *args, "--out", str(tmp_path / "sim")])

@@ -203,3 +203,110 @@ def test_a_process_that_ended_on_a_downloaded_state_ended_where_its_round_left_t
     _write(tmp_path, "peer-0", [_round(1.0, 0, "P"), {"t": 3.5, "kind": "sync", "round": 3, "hash": "h2", "peer": "P"}])
     report = build_report(tmp_path, SimulateOptions(peers=1, rounds=3), [], wall_s=4.0, t0=0.0)
     assert report["final_round_by_process"] == {"coordinator": [2, "h2"], "peer-0": [2, "h2"]}
+
+
+def _ev(t: float, kind: str, r: int, peer: str, **extra) -> dict:
+    return {"t": t, "kind": kind, "round": r, "peer": peer, "bytes_sent": 10, **extra}
+
+
+def test_contributions_settled_without_their_commit_count_as_lost_or_applied_twice(tmp_path):
+    # Commits: round 0 counted P, Q, R; round 1 P alone; round 2 P, Q, S.
+    _write(tmp_path, "coordinator", [_ev(1.0, "round", 0, "C", hash="h0", contributors=["P", "Q", "R"]),
+                                     _ev(2.0, "round", 1, "C", hash="h1", contributors=["P"]),
+                                     _ev(3.0, "round", 2, "C", hash="h2", contributors=["P", "Q", "S"])])
+    _write(tmp_path, "peer-0", [_round(1.0, 0, "P"), _round(2.0, 1, "P"), _round(3.0, 2, "P")])
+    # Q took later states and settled its contributions without their commits: round 0's work kept
+    # though counted (applied twice; logged again by its restart, still one), round 1's taken out
+    # though not counted (never applied), round 2's taken out and counted (right).
+    _write(tmp_path, "peer-1", [_ev(3.5, "outcome-unknown", 0, "Q"), _ev(3.6, "outcome-unknown", 0, "Q"),
+                                _ev(3.7, "presumed-counted", 1, "Q"), _ev(3.8, "presumed-counted", 2, "Q"),
+                                _ev(3.9, "outcome-unknown", 9, "Q")])  # round 9's commit is in no log: unknown
+    # R: round 0 counted what its crashed process sent (superseded: not lost); round 1's work kept,
+    # and not counted (right)
+    _write(tmp_path, "peer-2", [_ev(1.0, "round", 0, "R", hash="h0", contributors=["P", "Q", "R"], included=False,
+                                    superseded=True), _ev(3.5, "outcome-unknown", 1, "R")])
+    # S: counted in round 2, and thought not (applied twice), as counted before
+    _write(tmp_path, "peer-3", [_ev(3.1, "round", 2, "S", hash="h2", contributors=["P", "Q", "S"], included=False)])
+    report = build_report(tmp_path, SimulateOptions(peers=4, rounds=3), [], wall_s=4.0, t0=0.0)
+    assert report["lost_contributions"] == 3  # Q's rounds 0 and 1, S's round 2
+    assert report["double_counted_contributions"] == 2  # Q's round 0, S's round 2
+    report["events"].append({"t": 2.0, "kind": "kill", "peer": "peer-1"})
+    assert "lost contributions 3 (2 applied twice)" in fault_summary(report)
+
+
+def test_hash_checked_rounds_count_rounds_two_processes_reported(tmp_path):
+    # rounds 0 and 1: the coordinator and peer-0; round 2: the coordinator alone; round 3: peer-1
+    # alone, twice (a round, then a catch-up of its restart): one process, nothing compared
+    _write(tmp_path, "coordinator", [_round(1.0, 0, "C"), _round(2.0, 1, "C"), _round(3.0, 2, "C")])
+    _write(tmp_path, "peer-0", [_round(1.0, 0, "P"), _round(2.0, 1, "P")])
+    _write(tmp_path, "peer-1", [_round(4.0, 3, "Q"), {"t": 4.5, "kind": "follow", "round": 3, "hash": "h3"}])
+    report = build_report(tmp_path, SimulateOptions(peers=2, rounds=4), [], wall_s=5.0, t0=0.0)
+    assert report["param_hash_agreement"] is True and report["hash_checked_rounds"] == 2
+
+
+def test_rejoin_waits_for_the_restarted_process_own_counted_round(tmp_path):
+    # peer-1 (Q) killed at 2 s, restarted at 4 s: round 1's commit (5 s) names Q for what its killed
+    # process sent (superseded); its restart's own work is first counted in round 2 (7 s).
+    _write(tmp_path, "coordinator", [_round(1.0, 0, "C"), _round(5.0, 1, "C"), _round(7.0, 2, "C")])
+    _write(tmp_path, "peer-1", [_round(1.0, 0, "Q"), dict(_round(5.0, 1, "Q"), included=False, superseded=True),
+                                _round(7.0, 2, "Q")])
+    driver = [{"t": 2.0, "kind": "kill", "peer": "peer-1"}, {"t": 4.0, "kind": "restart", "peer": "peer-1"}]
+    report = build_report(tmp_path, SimulateOptions(peers=2, rounds=3), driver, wall_s=8.0, t0=0.0)
+    assert report["rejoin_s"] == [3.0]
+
+
+def test_recovery_takes_the_earliest_round_end_after_the_fault(tmp_path):
+    # Killed at 2 s; round 2 ended at 3 s, round 1 is known only from peer-0's catch-up at 6 s
+    _write(tmp_path, "coordinator", [_round(1.0, 0, "C"), _round(3.0, 2, "C")])
+    _write(tmp_path, "peer-0", [_round(1.0, 0, "P"), {"t": 6.0, "kind": "follow", "round": 1, "hash": "h1"}])
+    _write(tmp_path, "peer-1", [{"t": 0.5, "kind": "network", "peer": "R"}])
+    driver = [{"t": 2.0, "kind": "kill", "peer": "peer-1"}]
+    report = build_report(tmp_path, SimulateOptions(peers=2, rounds=3), driver, wall_s=7.0, t0=0.0)
+    assert report["recovery_s"] == [1.0] and report["recovery_excluding_s"] == [1.0]
+
+
+def test_timed_out_says_whether_the_driver_timeout_stopped_the_run(tmp_path):
+    _write(tmp_path, "coordinator", [_round(1.0, 0, "C")])
+    opts = SimulateOptions(peers=1, rounds=2)
+    assert build_report(tmp_path, opts, [], 2.0, t0=0.0)["timed_out"] is False
+    driver = [{"t": 1.5, "kind": "timed-out", "peer": "driver"}]
+    assert build_report(tmp_path, opts, driver, 2.0, t0=0.0)["timed_out"] is True
+
+
+def test_a_killed_driver_takes_a_frozen_child_with_it(tmp_path):
+    # The churn froze a peer (SIGSTOP, its p2pd too) when the driver died without its cleanup: a
+    # parent-death SIGTERM would stay pending, and the peer stopped, for good; SIGKILL is not held.
+    script = (
+        "import sys, time\n"
+        "from pathlib import Path\n"
+        "from groundswell.peer.sim_procs import Simulation\n"
+        "sim = Simulation(Path(sys.argv[1]), None)\n"
+        "proc = sim.spawn('peer-0', [], prefix=('sh', '-c', 'exec sleep 300', 'sh'))  # as a peer is spawned\n"
+        "print(proc.popen.pid, flush=True)\n"
+        "time.sleep(300)\n"
+    )
+    driver = subprocess.Popen([sys.executable, "-c", script, str(tmp_path)], stdout=subprocess.PIPE, text=True)
+    try:
+        child = int(driver.stdout.readline())
+        os.kill(child, signal.SIGSTOP)
+        while _state(child) != "T":  # stopped
+            time.sleep(0.05)
+        driver.kill()
+        driver.wait(timeout=30)
+        deadline = time.time() + 10
+        while time.time() < deadline and _state(child) not in ("Z", None):  # a zombie waits for init: gone
+            time.sleep(0.1)
+        if _state(child) not in ("Z", None):
+            os.kill(child, signal.SIGKILL)
+            pytest.fail("the frozen child outlived the driver")
+    finally:
+        driver.kill()
+
+
+def _state(pid: int) -> str | None:
+    """A process's state letter in /proc (None: gone)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().split(") ", 1)[1][0]
+    except (FileNotFoundError, ProcessLookupError):
+        return None

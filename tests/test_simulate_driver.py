@@ -77,9 +77,11 @@ class _FakeSimulation(Simulation):
     later (not reaped at once, like a real one); with `die_after`, volunteers end on their own."""
 
     die_after: float | None = None
+    dying: tuple[str, ...] | None = None  # the volunteers that end on their own (None: all of them)
 
     def spawn(self, name: str, args: list[str], kind: str = "spawn", prefix: tuple[str, ...] = ()) -> Proc:
-        popen = _Ending(time.time() + self.die_after if self.die_after and name != "coordinator" else None)
+        dies = self.die_after and name != "coordinator" and (self.dying is None or name in self.dying)
+        popen = _Ending(time.time() + self.die_after if dies else None)
         self.procs[name] = proc = Proc(name, args, self.out / name, popen=popen)
         self.signalled.pop(name, None)
         self.event(kind, name)
@@ -99,7 +101,7 @@ class _FakeSimulation(Simulation):
 
 
 def _fake_run(tmp_path: Path, monkeypatch, opts: SimulateOptions, rounds_done: int | None = None,
-              die_after: float | None = None) -> tuple[list[dict], float]:
+              die_after: float | None = None, dying: tuple[str, ...] | None = None) -> tuple[list[dict], float]:
     """run_simulation's loop over stand-in processes: the driver's events, and its wall time."""
     from groundswell.peer import plots, simulate
 
@@ -107,6 +109,7 @@ def _fake_run(tmp_path: Path, monkeypatch, opts: SimulateOptions, rounds_done: i
     monkeypatch.setattr(sim_procs.os, "killpg", lambda pid, sig: None)
     monkeypatch.setattr(simulate, "Simulation", lambda out, o: _FakeSimulation(out, o))
     monkeypatch.setattr(_FakeSimulation, "die_after", die_after)
+    monkeypatch.setattr(_FakeSimulation, "dying", dying)
     monkeypatch.setattr(simulate, "_rounds_done", lambda out, seen=None: rounds_done)
     monkeypatch.setattr(simulate, "build_report", lambda out, opts, events, wall, t0, rss: {"events": events})
     monkeypatch.setattr(plots, "plot_loss", lambda report, path: None)
@@ -127,6 +130,44 @@ def test_the_run_ends_when_every_volunteer_is_gone_before_late_joiners_could_sta
     opts = SimulateOptions(peers=2, rounds=10, late_joiners=2, timeout_s=20.0)
     events, wall = _fake_run(tmp_path, monkeypatch, opts, rounds_done=1, die_after=0.3)
     assert any(e["kind"] == "all-volunteers-gone" for e in events) and wall < 10, events
+
+
+def test_a_process_that_ends_is_stamped_when_the_driver_first_sees_it_gone(tmp_path, monkeypatch):
+    # peer-0 fails at 0.3 s; the run goes on until its timeout (2 s), then waits for the coordinator
+    opts = SimulateOptions(peers=3, rounds=10, timeout_s=2.0)
+    events, _ = _fake_run(tmp_path, monkeypatch, opts, rounds_done=0, die_after=0.3, dying=("peer-0",))
+    ended = {e["kind"]: e["t"] for e in events if e["peer"] == "peer-0" and e["kind"] in ("exit", "crash")}
+    assert set(ended) == {"exit", "crash"} and max(ended.values()) < 1.0, events
+    assert sum(e["kind"] == "exit" for e in events) == 1, events  # the others were running at the end
+
+
+def test_a_run_the_timeout_stops_says_so(tmp_path, monkeypatch):
+    opts = SimulateOptions(peers=3, rounds=10, timeout_s=1.0)
+    events, _ = _fake_run(tmp_path, monkeypatch, opts, rounds_done=0)
+    assert [e["peer"] for e in events if e["kind"] == "timed-out"] == ["driver"], events
+    assert sorted(e["peer"] for e in events if e["kind"] == "timeout") == ["peer-0", "peer-1", "peer-2"]
+    # a run that ends by itself does not
+    events, _ = _fake_run(tmp_path, monkeypatch, SimulateOptions(peers=2, rounds=10, late_joiners=2, timeout_s=20.0),
+                          rounds_done=1, die_after=0.3)
+    assert not any(e["kind"] in ("timed-out", "timeout") for e in events), events
+
+
+def test_the_timeout_is_a_flag_and_the_summary_says_when_it_stopped_the_run(tmp_path, monkeypatch):
+    from groundswell.peer import simulate
+
+    seen = []
+
+    def run(opts, out, progress):
+        seen.append(opts.timeout_s)
+        return dict(_BASE, rounds_completed=2, eval_loss_by_round=[5.0, 4.0], timed_out=True, hash_checked_rounds=2)
+
+    monkeypatch.setattr(simulate, "run_simulation", run)
+    res = CliRunner().invoke(app, ["simulate", "--peers", "2", "--rounds", "3", "--timeout", "60",
+                                   "--out", str(tmp_path / "s")])
+    said = " ".join(res.output.split())
+    assert seen == [60.0] and res.exit_code == 1, res.output  # 2 of 3 rounds: failed, as before
+    assert "stopped by the timeout: the run was still going after 60 s (--timeout)" in said, res.output
+    assert "hashes agree: True (compared in 2 rounds)" in said, res.output
 
 
 def test_no_volunteer_left_ends_the_run_unless_one_can_still_come():

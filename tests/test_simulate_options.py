@@ -18,6 +18,9 @@ from typer.testing import CliRunner
     ({"error_decay": -0.5}, "--error-decay must be in [0, 1], got -0.5"),
     ({"error_decay": math.nan}, "--error-decay must be a finite number, got nan"),
     ({"warmup_steps": -7}, "--warmup must be >= 0, got -7"),
+    ({"topk": 0}, "--topk must be at least 1, got 0"),  # ran silently with 64
+    ({"topk": -3}, "--topk must be at least 1, got -3"),
+    ({"timeout_s": 0.0}, "--timeout must be a finite number of seconds > 0, got 0.0"),
 ])
 def test_an_out_of_range_option_is_refused_not_replaced_by_the_default(options, words):
     # a value below zero used to mean "the default": -0.5, nan or -7 ran silently with 0.95 or min(50, 2 H)
@@ -32,9 +35,10 @@ def test_none_is_the_default_and_a_given_value_is_kept(inner_steps, warmup):
     check_manifest(opts)
     manifest = manifest_from_mapping(tomllib.loads(manifest_toml(opts)))
     assert manifest.outer.error_decay == 0.95 and manifest.inner.warmup_steps == warmup
-    given = SimulateOptions(inner_steps=inner_steps, error_decay=0.0, warmup_steps=0)
+    assert manifest.outer.topk == 64
+    given = SimulateOptions(inner_steps=inner_steps, error_decay=0.0, warmup_steps=0, topk=32)
     manifest = manifest_from_mapping(tomllib.loads(manifest_toml(given)))
-    assert manifest.outer.error_decay == 0.0 and manifest.inner.warmup_steps == 0
+    assert manifest.outer.error_decay == 0.0 and manifest.inner.warmup_steps == 0 and manifest.outer.topk == 32
 
 
 @pytest.mark.parametrize("args, words", [
