@@ -139,7 +139,7 @@ class Participant:
         self._preloaded: tuple[dict[str, Any] | None] | None = None  # see preload_checkpoint
         self.hash_history: dict[int, str] = {}  # round -> hash of the global parameters it started from
         self.node.state_provider = lambda: self._snapshot
-        self.scorer = ContributionScorer(manifest, self.corpus) if manifest.defences.scoring else None
+        self.scorer = ContributionScorer(manifest, self.corpus, device) if manifest.defences.scoring else None
 
     # --- network --------------------------------------------------------------------------------
     def start_network(self) -> None:

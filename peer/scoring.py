@@ -7,6 +7,8 @@ than `score_threshold`. It runs on a scratch copy of the model, so training goes
 
 from __future__ import annotations
 
+import threading
+
 import torch
 from groundswell.optim import copy_into_parameters
 
@@ -20,9 +22,14 @@ _PROBE_SEED = 0x5C0BE  # probe windows are drawn apart from any volunteer's data
 class ContributionScorer:
     """Loss after applying one update alone (outer step without momentum) minus the loss before."""
 
-    def __init__(self, manifest: RunManifest, corpus: Corpus) -> None:
+    def __init__(self, manifest: RunManifest, corpus: Corpus, device: str = "cpu") -> None:
         workload = build_workload(manifest.model.spec, corpus.vocab_size, manifest.run.seed)
-        self.model, self.loss_fn = workload.model, workload.loss_fn
+        self.device = torch.device(device)
+        self.model, self.loss_fn = workload.model.to(self.device), workload.loss_fn
+        # One scoring at a time: a leader's scoring that ran past its round's timeout goes on in
+        # its thread (a thread cannot be cancelled), and a second one would write its weights
+        # into the same scratch model mid-evaluation, so both would score garbage.
+        self._busy = threading.Lock()
         self.params = list(self.model.parameters())
         self.sampler = ShardSampler(corpus, workload.block_size, manifest.data.batch_size,
                                     seed=manifest.run.seed ^ _PROBE_SEED)
@@ -31,11 +38,13 @@ class ContributionScorer:
 
     def __call__(self, global_params: torch.Tensor, updates: dict[str, torch.Tensor]) -> dict[str, float]:
         """Score each update on fresh probe batches (the same batches for every update)."""
-        batches = [self.sampler.next_batch() for _ in range(self.batches)]
-        copy_into_parameters(global_params, self.params)
-        before = evaluate(self.model, self.loss_fn, batches)
-        scores = {}
-        for who, update in updates.items():
-            copy_into_parameters(global_params - self.lr * update, self.params)
-            scores[who] = evaluate(self.model, self.loss_fn, batches) - before
-        return scores
+        with self._busy:
+            batches = [self.sampler.next_batch() for _ in range(self.batches)]
+            global_params = global_params.to(self.device)
+            copy_into_parameters(global_params, self.params)
+            before = evaluate(self.model, self.loss_fn, batches)
+            scores = {}
+            for who, update in updates.items():
+                copy_into_parameters(global_params - self.lr * update.to(self.device), self.params)
+                scores[who] = evaluate(self.model, self.loss_fn, batches) - before
+            return scores

@@ -46,6 +46,39 @@ def test_a_descent_step_scores_below_zero_and_its_reverse_or_noise_above():
     assert scores["random"] > 0
 
 
+def test_a_scoring_still_running_past_its_timeout_does_not_garble_the_next_one(monkeypatch):
+    # asyncio's timeout cannot stop the worker thread of a leader's scoring: the next round's
+    # scoring then shares the scratch model with it, and each wrote its weights under the other.
+    import threading
+
+    from groundswell.peer import scoring
+
+    corpus = load_corpus("stdlib")
+    g = torch.nn.utils.parameters_to_vector(build_workload("tiny", corpus.vocab_size, 0).model.parameters())
+    g = g.detach().clone()
+    ups = {f"u{i}": torch.randn(g.shape, generator=torch.Generator().manual_seed(i)) * 1e-2 for i in range(3)}
+
+    one_by_one = ContributionScorer(_manifest(), corpus)  # each scoring draws the next probe batches
+    want_a, want_b = one_by_one(g, ups), one_by_one(g * 0.5, ups)
+    scorer = ContributionScorer(_manifest(), corpus)
+    real_evaluate, entered = scoring.evaluate, threading.Event()
+
+    def slow_evaluate(model, loss_fn, batches):  # the first scoring pauses mid-way, weights loaded
+        if threading.current_thread().name == "first" and not entered.is_set():
+            entered.set()
+            threading.Event().wait(0.5)  # while the second one runs (or waits for it)
+        return real_evaluate(model, loss_fn, batches)
+
+    monkeypatch.setattr(scoring, "evaluate", slow_evaluate)
+    got: dict = {}
+    first = threading.Thread(target=lambda: got.update(a=scorer(g, ups)), name="first")
+    first.start()
+    entered.wait(10)
+    got["b"] = scorer(g * 0.5, ups)
+    first.join(30)
+    assert got["a"] == pytest.approx(want_a, abs=1e-6) and got["b"] == pytest.approx(want_b, abs=1e-6)
+
+
 @pytest.mark.slow
 @pytest.mark.timeout(240)
 def test_the_leader_drops_a_harmful_contribution_and_commits_the_rest():
