@@ -122,6 +122,14 @@ def _build_custom(spec: str, vocab_size: int) -> Workload:
         raise WorkloadError(f"{spec!r} returned a model with no trainable parameters")
     if not callable(loss_fn):
         raise WorkloadError(f"{spec!r} returned a loss_fn of type {type(loss_fn).__name__}, not a callable")
+    # Only parameters are exchanged: running statistics that training updates (BatchNorm's and the
+    # like) would stay at their start values on the coordinator and every joiner, and drift apart
+    # on each volunteer, so every evaluation in eval mode would be of another model.
+    tracking = [name for name, m in model.named_modules()
+                if isinstance(m, nn.modules.batchnorm._NormBase) and m.track_running_stats]
+    if tracking:
+        raise WorkloadError(f"{spec!r} has layers that keep running statistics ({', '.join(tracking[:3])}), which "
+                            "peers do not exchange: use LayerNorm/GroupNorm, or track_running_stats=False")
     if isinstance(block_size, bool) or not isinstance(block_size, int) or block_size < 1:
         raise WorkloadError(f"{spec!r} gave block_size {block_size!r}; expected a positive int")
     return Workload(model=model, loss_fn=loss_fn, block_size=block_size, name=spec)

@@ -57,4 +57,11 @@ def raises(vocab_size: int) -> None:
     raise RuntimeError("boom")
 
 
+def with_batch_norm(vocab_size: int) -> tuple[nn.Module, object]:
+    # its running statistics are buffers peers never exchange
+    model = TinyMLPLanguageModel(vocab_size)
+    model.norm = nn.BatchNorm1d(8)
+    return model, next_token_loss
+
+
 NOT_CALLABLE = 42
