@@ -221,6 +221,8 @@ def launch(
     threads: int = typer.Option(0, help="torch threads (0 = default)."),
     checkpoint_every: int = typer.Option(0, help="Rounds between this coordinator's checkpoints.",
                                          show_default="the manifest's checkpoint.every_rounds"),
+    device: str = typer.Option("cpu", help="cpu or cuda: where the coordinator applies rounds and evaluates "
+                               "the held-out loss (every eval.every_rounds rounds)."),
 ) -> None:
     """Coordinate a run: bootstrap/relay peer, signed manifest, state for joiners, checkpoints."""
     from .bootstrap import check_maddr_flag, format_bootstrap
@@ -231,6 +233,7 @@ def launch(
 
     _logging(verbose)
     _set_threads(threads)
+    check_device(device)
     for flag, maddrs in (("--listen", listen), ("--announce", announce), ("--peer", peer)):
         check_maddr_flag(flag, maddrs, peer_id=flag == "--peer")  # before the disk: see `_record_run`
     if checkpoint_every < 0:
@@ -248,7 +251,7 @@ def launch(
     signed = sign_manifest(manifest, ident).to_bytes()
     opts = NodeOptions(host_maddrs=listen, announce_maddrs=announce, initial_peers=peer, role="coordinator",
                        trains=False, serves=True, direct_state=state_port >= 0, direct_port=max(state_port, 0))
-    p = Participant(manifest, signed, ident, str(ident_path), opts, state_dir)
+    p = Participant(manifest, signed, ident, str(ident_path), opts, state_dir, device=device)
     p.preload_checkpoint()  # a state dir of another run is refused before we write anything to it
     _same_run_as_before(state_dir, signed)
     stop = _stop_on_signals("stopping: saving a checkpoint")

@@ -299,6 +299,15 @@ def test_a_bad_device_is_one_error_line_before_anything_is_written(tmp_path, dev
     assert not (tmp_path / "peer").exists()
 
 
+@pytest.mark.parametrize("device,words", [("gpu", "--device must be cpu, cuda or cuda:N"),
+                                          ("cuda:99", "--device cuda")])
+def test_a_coordinators_bad_device_is_one_error_line_before_anything_is_written(tmp_path, device, words):
+    manifest = Path(__file__).resolve().parents[1] / "scripts" / "example_run.toml"
+    res = CliRunner().invoke(app, ["launch", str(manifest), "--device", device, "--state-dir", str(tmp_path / "run")])
+    _one_error_line(res, 2, words)
+    assert not (tmp_path / "run").exists()
+
+
 @pytest.mark.parametrize("command", [["train-local", "--steps", "1"], ["bench", "codecs", "--params", "1000"]])
 @pytest.mark.parametrize("device,words", [("gpu", "--device must be cpu, cuda or cuda:N"),
                                           ("cuda:99", "--device cuda")])
