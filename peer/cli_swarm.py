@@ -240,8 +240,7 @@ def launch(
         raise ConfigError(f"--checkpoint-every must be at least 1 (or 0: the manifest's), not {checkpoint_every}")
     if not -1 <= state_port <= 65535:
         raise ConfigError(f"--state-port must be -1 (off), 0 (any free port) or a port number, not {state_port}")
-    manifest = load_manifest_toml(manifest_path)
-    _check_model_and_data(manifest, manifest_path)
+    manifest, corpus = _check_model_and_data(load_manifest_toml(manifest_path), manifest_path)
     if identity is None and (state_dir / "manifest.signed").exists() and not (state_dir / "identity.key").exists():
         # launched before with --identity elsewhere: a new key made here would only be refused
         # (it is not the run's), and left behind to be refused again next time
@@ -251,7 +250,7 @@ def launch(
     signed = sign_manifest(manifest, ident).to_bytes()
     opts = NodeOptions(host_maddrs=listen, announce_maddrs=announce, initial_peers=peer, role="coordinator",
                        trains=False, serves=True, direct_state=state_port >= 0, direct_port=max(state_port, 0))
-    p = Participant(manifest, signed, ident, str(ident_path), opts, state_dir, device=device)
+    p = Participant(manifest, signed, ident, str(ident_path), opts, state_dir, device=device, corpus=corpus)
     p.preload_checkpoint()  # a state dir of another run is refused before we write anything to it
     _same_run_as_before(state_dir, signed)
     stop = _stop_on_signals("stopping: saving a checkpoint")
@@ -282,9 +281,12 @@ def launch(
         p.node.close()
 
 
-def _check_model_and_data(manifest, path: Path) -> None:
+def _check_model_and_data(manifest, path: Path):
     """The manifest's model and corpus must exist here before anything is written: one error line
-    naming the file and the key."""
+    naming the file and the key. Returns the manifest with its corpus's fingerprint (which
+    volunteers' copies must match) and the corpus, loaded once."""
+    import dataclasses
+
     from .data import DataError, load_corpus
     from .workload import WorkloadError, check_workload_spec
 
@@ -292,12 +294,16 @@ def _check_model_and_data(manifest, path: Path) -> None:
         check_workload_spec(manifest.model.spec)
     except WorkloadError as exc:
         raise ConfigError(f"{path}: model.spec: {exc}") from None
-    source = manifest.data.source
-    if source != "stdlib" and not Path(source).expanduser().exists():
-        try:
-            load_corpus(source)  # says what it expects
-        except DataError as exc:
-            raise ConfigError(f"{path}: data.source: {exc}") from None
+    try:
+        corpus = load_corpus(manifest.data.source)  # says what it expects
+    except DataError as exc:
+        raise ConfigError(f"{path}: data.source: {exc}") from None
+    given = manifest.data.fingerprint
+    if given and given != corpus.fingerprint:
+        raise ConfigError(f"{path}: data.fingerprint is {given}, but {manifest.data.source} here has "
+                          f"{corpus.fingerprint}: its files or sizes changed (leave the key out to take them)")
+    data = dataclasses.replace(manifest.data, fingerprint=corpus.fingerprint)
+    return dataclasses.replace(manifest, data=data), corpus
 
 
 @app.command()

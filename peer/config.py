@@ -39,9 +39,15 @@ class DataSection:
 
     source: str = "stdlib"  # "stdlib", a folder of text files, or a folder with train.bin/val.bin
     batch_size: int = 16
+    # The coordinator's copy's fingerprint (files and sizes; `launch` fills it in): a volunteer's
+    # --data must match it. "" where unknown (a manifest made by hand, with nothing checked).
+    fingerprint: str = ""
 
     def __post_init__(self) -> None:
         _positive(self, "batch_size", "data")
+        if self.fingerprint and not (len(self.fingerprint) <= 64 and all(c in "0123456789abcdef"
+                                                                          for c in self.fingerprint)):
+            raise ConfigError(f"data.fingerprint must be lowercase hex (at most 64 digits), got {self.fingerprint!r}")
 
 
 @dataclass(frozen=True)

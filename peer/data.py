@@ -64,7 +64,7 @@ class Corpus:
     train: TokenArray
     heldout: TokenArray
     vocab_size: int
-    fingerprint: str  # short hex; peers compare it to check they train on the same data
+    fingerprint: str  # short hex of the files and their sizes; a volunteer's must match the manifest's
     train_files: tuple[str, ...] = ()  # relative paths (text corpora only)
     heldout_files: tuple[str, ...] = ()
 

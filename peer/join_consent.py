@@ -3,9 +3,12 @@ instead: a signature vouches for the run, not for paths on the volunteer's disk 
 
 from __future__ import annotations
 
+import logging
 from pathlib import Path
 
 from .config import ConfigError
+
+log = logging.getLogger(__name__)
 
 
 def volunteer_corpus(manifest, data: Path | None, allow_model_code: bool):
@@ -19,15 +22,24 @@ def volunteer_corpus(manifest, data: Path | None, allow_model_code: bool):
     if ":" in manifest.model.spec and not allow_model_code:
         raise ConfigError(f"this run's model is {manifest.model.spec!r}, code it would import and run here: "
                           "join with --allow-model-code if you trust it (the module must be installed here)")
-    source = manifest.data.source
+    source, want = manifest.data.source, manifest.data.fingerprint
     if source == "stdlib":
         if data is not None:
             raise ConfigError("this run trains on the Python standard library's sources: leave --data out")
-        return load_corpus("stdlib")
+        corpus = load_corpus("stdlib")
+        if want and corpus.fingerprint != want:  # another Python's: other files, but still its sources
+            log.warning("this Python's standard library is not the coordinator's (its files differ): this peer "
+                        "trains on other files, and the held-out losses it publishes are not comparable")
+        return corpus
     if data is None:
         raise ConfigError(f"this run trains on its own dataset ({source!r} on the coordinator's machine): get a "
                           "copy from the coordinator and pass its folder with --data")
     try:
-        return load_corpus(str(data))
+        corpus = load_corpus(str(data))
     except DataError as exc:
         raise ConfigError(f"--data {data}: {exc}") from None
+    if want and corpus.fingerprint != want:
+        raise ConfigError(f"--data {data} is not the run's dataset: its files or sizes differ from the "
+                          f"coordinator's copy (fingerprint {corpus.fingerprint}, the run's {want}); a partial, "
+                          "newer or other copy would train this peer on other data")
+    return corpus

@@ -37,6 +37,39 @@ def test_a_run_on_its_own_dataset_trains_on_the_copy_the_volunteer_names(tmp_pat
         volunteer_corpus(_manifest(str(private)), tmp_path / "missing", False)
 
 
+def test_a_copy_of_the_dataset_that_is_not_the_coordinators_is_refused(tmp_path, caplog):
+    # launch puts its copy's fingerprint (files and sizes) in the signed manifest: a partial, newer
+    # or other copy would train the volunteer on other data, silently (text corpora all have the
+    # same vocabulary, so the model checks could never tell)
+    from groundswell.peer.cli_swarm import _check_model_and_data
+
+    theirs = _folder(tmp_path / "theirs", "the run's published text ")
+    filled, corpus = _check_model_and_data(_manifest(str(theirs)), tmp_path / "run.toml")
+    assert filled.data.fingerprint == corpus.fingerprint
+    same = _folder(tmp_path / "same", "the run's published text ")
+    assert volunteer_corpus(filled, same, False).fingerprint == corpus.fingerprint
+    partial = _folder(tmp_path / "partial", "the run's published text ")
+    (partial / "b.txt").unlink()
+    with pytest.raises(ConfigError, match="--data .*partial is not the run's dataset"):
+        volunteer_corpus(filled, partial, False)
+    (theirs / "c.txt").write_text("a file added since the manifest said which")
+    with pytest.raises(ConfigError, match="data.fingerprint is .* changed"):
+        _check_model_and_data(filled, tmp_path / "run.toml")
+    # another Python's standard library: other files, still its sources; said, not refused
+    stdlib, _ = _check_model_and_data(_manifest(), tmp_path / "run.toml")
+    import dataclasses
+
+    other = dataclasses.replace(stdlib, data=dataclasses.replace(stdlib.data, fingerprint="0" * 16))
+    assert volunteer_corpus(stdlib, None, False).fingerprint == stdlib.data.fingerprint
+    assert volunteer_corpus(other, None, False).name and "not the coordinator's" in caplog.text
+    with pytest.raises(ConfigError, match="lowercase hex"):
+        _manifest_with_fingerprint("not hex!")
+
+
+def _manifest_with_fingerprint(fingerprint: str):
+    return manifest_from_mapping({"run": {"id": "consent", "open": True}, "data": {"fingerprint": fingerprint}})
+
+
 def test_a_stdlib_run_needs_no_data_and_refuses_other_data(tmp_path):
     assert volunteer_corpus(_manifest(), None, False).name
     with pytest.raises(ConfigError, match="leave --data out"):
