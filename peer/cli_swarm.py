@@ -98,8 +98,11 @@ def _stop_on_signals(first: str = "stopping after this round"):
         presses["n"] += 1
         if presses["n"] > 1:
             raise KeyboardInterrupt
-        console.print(f"[yellow]{first} (Ctrl+C again to leave at once)[/]")
-        stop.set_from_signal()
+        stop.set_from_signal()  # first: the print below may fail (see there) or block on a full pipe
+        try:
+            console.print(f"[yellow]{first} (Ctrl+C again to leave at once)[/]")
+        except (RuntimeError, OSError):  # the main thread was inside a write to the same stream ("reentrant call")
+            pass  # the stop is what matters; the interrupted write goes on
 
     signal.signal(signal.SIGINT, handler)
     signal.signal(signal.SIGTERM, handler)

@@ -135,6 +135,24 @@ def test_ctrl_c_while_the_main_thread_holds_the_stop_flags_lock_does_not_hang(mo
     assert stop.event.wait(5)  # and the waits wake once the lock is free
 
 
+def test_ctrl_c_landing_inside_a_write_to_the_console_still_stops_the_peer(monkeypatch):
+    # The handler runs on the main thread, maybe inside its own print to the same stream (stdout
+    # piped to a slow reader): its message then fails with "reentrant call", which used to skip
+    # setting the flag and reach the round as a traceback, with no final checkpoint.
+    from groundswell.peer import cli_swarm
+
+    handlers = []
+    monkeypatch.setattr(cli_swarm.signal, "signal", lambda sig, h: handlers.append(h))
+
+    def reentrant(*args, **kwargs):
+        raise RuntimeError("reentrant call inside <_io.BufferedWriter name='<stdout>'>")
+
+    monkeypatch.setattr(cli_swarm.console, "print", reentrant)
+    stop = cli_swarm._stop_on_signals()
+    handlers[0](signal.SIGINT, None)  # raises nothing
+    assert stop and stop.event.wait(5)
+
+
 def test_a_peer_back_after_leaving_is_waited_for_again_at_every_attempt_its_leave_reached(make_cluster):
     # Leaders differ per attempt with more servers than leaders: the restarted peer's announce
     # must reach each leader its leave reached, or a retried attempt's leader would close
