@@ -142,7 +142,10 @@ class RoundClient(AggregateFetcher):
                 self.contributed[round_id] = max(attempt, self.contributed.get(round_id, -1))
                 for old in [r for r in self.contributed if r < round_id - 2]:
                     del self.contributed[old]
-                if self.on_contribute is not None and not self.on_contribute(round_id, self.contributed[round_id]):
+                # in a worker thread: the record is fsynced before anything is sent, which on a slow
+                # disk would stall every handler and heartbeat of this node for as long
+                if self.on_contribute is not None and not await asyncio.to_thread(
+                        self.on_contribute, round_id, self.contributed[round_id]):
                     log.warning("round %d: our contribution could not be recorded, so it is not sent; the work "
                                 "stays ours", round_id)
                 else:

@@ -6,6 +6,7 @@ aggregation, 5 stragglers catch up. Each test ends by comparing what the peers h
 
 from __future__ import annotations
 
+import asyncio
 import sys
 import time
 from pathlib import Path
@@ -78,6 +79,26 @@ def test_a_contribution_that_could_not_be_recorded_is_not_sent(make_cluster):
     means = [c.fetch(i, out[i].signed) for i in range(3)]
     assert torch.allclose(means[2], (xs[0] + xs[1]) / 2, atol=1e-6)
     assert all(torch.equal(m, means[0]) for m in means)  # every peer applies the same aggregate
+
+
+def test_the_contribution_record_is_written_off_the_network_loop(make_cluster):
+    # It is fsynced before anything is sent: on the loop, a slow disk stalled every handler and
+    # heartbeat of the node for as long.
+    c = make_cluster(n=2, codec_name="fp32", min_peers=2)
+    on_loop: list[bool] = []
+
+    def record(r, a):
+        try:
+            asyncio.get_running_loop()
+            on_loop.append(True)
+        except RuntimeError:  # no loop runs in this thread
+            on_loop.append(False)
+        return True
+
+    for node in c.nodes:
+        node.client.on_contribute = record
+    out = c.attempt(0, _inputs(2, c.numel, seed=3))
+    assert out[0].decision.status == "commit" and on_loop == [False, False]
 
 
 def test_a_dead_peer_cannot_hold_the_round_past_its_deadline(make_cluster):
