@@ -238,6 +238,17 @@ def test_a_clock_off_by_more_than_the_dht_allows_is_named_with_its_skew():
     assert _clock_skew("failed to connect to bootstrap peers") is None
 
 
+def test_bootstrap_peers_whose_dht_does_not_answer_in_time_are_named_so():
+    # seen in a churn run: the restarted peer's bootstrap peers were up but too busy to answer
+    # the DHT's 3 s ping, and the error only quoted hivemind ("set ensure_bootstrap_success=False")
+    from groundswell.peer.net_errors import explain_start_failure
+
+    err = RuntimeError("DHTNode bootstrap failed: none of the initial_peers responded to a ping. "
+                       "(set ensure_bootstrap_success=False to ignore)")
+    words = str(explain_start_failure(err, ["/ip4/192.0.2.1/tcp/1/p2p/QmX"]))
+    assert "did not answer within 3 s" in words and "start again" in words and "ensure_" not in words
+
+
 def test_launch_on_a_state_dir_of_another_run_refuses_before_writing_anything(tmp_path, corpus):
     from groundswell.peer.manifest import manifest_from_mapping, sign_manifest
     from groundswell.peer.participant import Participant, genesis_decision
