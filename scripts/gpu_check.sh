@@ -4,18 +4,21 @@
 #      see below), decodes and aggregates;
 #   2. the codec bench on CUDA and on the CPU (JSON per size and device);
 #   3. a short train-local run on CUDA, whose workers must end with identical parameters;
-#   4. a 3-round swarm on 127.0.0.1 (coordinator, one CPU volunteer, one CUDA volunteer), with
+#   4. a 3-round swarm on 127.0.0.1 (coordinator on CUDA, one CPU volunteer, one CUDA volunteer), with
 #      SparseLoCo and then DiLoCo, whose per-round parameter hashes must agree across all three,
 #      with the CUDA volunteer's contribution included in every round after its first, and its
 #      model shown to have lived on the GPU (its process's CUDA allocator peak, below).
-# Usage: bash scripts/gpu_check.sh [OUT_DIR] [DEVICE] [BENCH_SIZES]
+# Usage: bash scripts/gpu_check.sh [OUT_DIR] [DEVICE] [BENCH_SIZES] [MODEL]
 #   DEVICE defaults to cuda; `cpu` dry-runs the whole script on a machine without a GPU (the
-#   "GPU" side then runs on the CPU too). BENCH_SIZES defaults to "25000000 100000000".
+#   "GPU" side then runs on the CPU too). BENCH_SIZES defaults to "25000000 100000000"; MODEL
+#   (the preset of train-local and the swarm) to small (tests/test_gpu_check_script.py's CPU dry
+#   run takes tiny: the same steps, in 40 s instead of 97-142 s on a 2-core machine).
 # Needs the package installed (or on PYTHONPATH). Exits non-zero on any mismatch.
 set -euo pipefail
 OUT=${1:-gpu-check}
 DEVICE=${2:-cuda}
 SIZES=${3:-25000000 100000000}
+MODEL=${4:-small}
 mkdir -p "$OUT"
 export OMP_WAIT_POLICY=PASSIVE PYTHONUNBUFFERED=1
 # the three swarm processes share the machine's cores: 4 torch threads each where there are 12 cores or more
@@ -65,7 +68,7 @@ if mismatches:
     sys.exit(f"CPU and {dev} results differ for: {', '.join(mismatches)}")
 PY
 
-groundswell train-local --workers 2 --steps 40 -H 10 --model small --device "$DEVICE" --algorithm sparseloco \
+groundswell train-local --workers 2 --steps 40 -H 10 --model "$MODEL" --device "$DEVICE" --algorithm sparseloco \
   --out "$OUT/train-local-$DEVICE.json" 2>&1 | tail -3
 # train-local exits 0 whatever its workers hold at the end: the check is its JSON's params_identical
 python3 - "$OUT/train-local-$DEVICE.json" <<'PY'
@@ -117,7 +120,7 @@ id = "gpu-check-$algo"
 open = true
 min_peers = 2
 [model]
-spec = "small"
+spec = "$MODEL"
 [data]
 batch_size = 8
 [outer]
@@ -128,7 +131,7 @@ deadline_s = 60.0
 [eval]
 batches = 2
 TOML
-  groundswell launch "$dir/run.toml" --threads $THREADS --listen /ip4/127.0.0.1/tcp/0 \
+  groundswell launch "$dir/run.toml" --threads $THREADS --listen /ip4/127.0.0.1/tcp/0 --device "$DEVICE" \
     --state-dir "$dir/coord" --quiet > "$dir/coord.log" 2>&1 &
   local coord=$!
   PIDS+=($coord)
@@ -144,9 +147,9 @@ TOML
   wait $cpu
   kill $coord 2>/dev/null || true
   wait $coord 2>/dev/null || true
-  python3 - "$dir" "$algo" "$DEVICE" <<'PY'
+  python3 - "$dir" "$algo" "$DEVICE" "$MODEL" <<'PY'
 import json, sys, pathlib, statistics
-root, algo, device = pathlib.Path(sys.argv[1]), sys.argv[2], sys.argv[3]
+root, algo, device, model = pathlib.Path(sys.argv[1]), sys.argv[2], sys.argv[3], sys.argv[4]
 hashes, included, compute = {}, {}, {}
 for name in ("cpu", "gpu", "coord"):
     for line in (root / name / "events.jsonl").read_text().splitlines():
@@ -171,7 +174,7 @@ on_cuda = True
 if device.startswith("cuda"):
     from groundswell.peer.model import GPT, preset_config
 
-    param_bytes = 4 * sum(p.numel() for p in GPT(preset_config("small")).parameters())  # run.toml's model
+    param_bytes = 4 * sum(p.numel() for p in GPT(preset_config(model)).parameters())  # run.toml's model
     on_cuda = cuda["cuda_initialized"] and cuda["max_memory_allocated"] >= param_bytes
     print(f"{algo} swarm: GPU volunteer's CUDA allocator peak {cuda['max_memory_allocated'] / 1e6:.1f} MB on "
           f"{cuda['device_name']} (the model's parameters: {param_bytes / 1e6:.1f} MB): ran on CUDA {on_cuda}")

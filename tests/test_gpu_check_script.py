@@ -21,7 +21,7 @@ ROOT = Path(__file__).resolve().parents[1]
 def test_the_gpu_check_script_runs_end_to_end_on_the_cpu(tmp_path: Path) -> None:
     out = tmp_path / "gc"
     env = {**os.environ, "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}"}
-    proc = subprocess.Popen(["bash", str(ROOT / "scripts" / "gpu_check.sh"), str(out), "cpu", "100000"],
+    proc = subprocess.Popen(["bash", str(ROOT / "scripts" / "gpu_check.sh"), str(out), "cpu", "100000", "tiny"],
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env,
                             start_new_session=True)
     try:

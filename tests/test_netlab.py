@@ -81,7 +81,7 @@ def test_a_peer_whose_link_went_down_for_a_while_is_back(tmp_path, victim):
     if shutil.which("ping") is None:
         pytest.skip("netlab's round-trip check needs ping (apt-get install iputils-ping)")
     try:
-        res = netlab_outage.run(down_at=25, down_for=20, after=60, out=tmp_path / "run", victim=victim)
+        res = netlab_outage.run(down_at=25, down_for=20, after=45, out=tmp_path / "run", victim=victim)
     except netlab.NetlabUnavailable as exc:
         pytest.skip(f"network namespaces unavailable here: {exc}")
     assert netlab.existing_namespaces() == [], "the lab was not torn down"
