@@ -353,53 +353,47 @@ def test_direct_downloads_go_only_to_a_plain_tcp_address():
         assert direct_host(relayed_or_other) is None
 
 
-def test_a_direct_blob_that_does_not_open_is_fetched_again_over_the_stream():
-    # the direct connection is not authenticated: bytes that do not open under the signed reply's
-    # key (someone else's port, or altered on the way) are nobody's fault, the stream decides
+def _fetch_through_a_direct_server(blob: bytes, asked: list, wrong_key: bool = False):
+    """fetch_state from a fake node whose state reply offers a real DirectServer's ticket for
+    `blob` (with a key that does not open it, if asked); fetch_state's result, the node and the
+    (closed) server."""
     from groundswell.peer.state_fetch import fetch_state
-
-    blob = os.urandom(5000)
-    asked: list[StateRequest] = []
-
-    async def go():
-        server = DirectServer()
-        port = await server.start("127.0.0.1")
-        try:
-            token, _ = server.offer(blob, "A")
-            node = _fake_node(blob, port, "/ip4/127.0.0.1/tcp/4001", asked, token, os.urandom(32))
-            return await fetch_state(node, "peer", 0, lambda r: r.size, timeout_s=10)
-        finally:
-            await server.close()
-
-    _reply, got, _got_digest, via = _run(go())
-    assert (bytes(got), via) == (blob, "stream") and [m.direct for m in asked] == [True, False]
-
-
-def test_state_sent_and_received_directly_counts_in_the_nodes_traffic():
-    # simulate's bytes per peer per round is every byte a peer sends: state downloads over the
-    # direct port, the largest thing a run sends, were missing from it
-    from groundswell.peer.state_fetch import fetch_state
-    from groundswell.peer.swarm import NodeOptions, SwarmNode
-
-    blob = os.urandom(5000)
-    asked: list[StateRequest] = []
 
     async def go():
         server = DirectServer()
         port = await server.start("127.0.0.1")
         try:
             token, key = server.offer(blob, "A")
-            node = _fake_node(blob, port, "/ip4/127.0.0.1/tcp/4001", asked, token, key)
-            _reply, got, _digest, via = await fetch_state(node, "peer", 0, lambda r: r.size, timeout_s=10)
-            assert (bytes(got), via) == (blob, "direct")
-            return node.direct_received
+            node = _fake_node(blob, port, "/ip4/127.0.0.1/tcp/4001", asked, token,
+                              os.urandom(32) if wrong_key else key)
+            return await fetch_state(node, "peer", 0, lambda r: r.size, timeout_s=10), node, server
         finally:
             await server.close()
-            serving = SwarmNode(Identity.generate(), None, NodeOptions())
-            serving.direct = server
-            assert serving.traffic() == (direct.wire_size(len(blob)), 0)
 
-    assert _run(go()) == direct.wire_size(len(blob)) == 8 + len(blob) + 16
+    return _run(go())
+
+
+def test_a_direct_blob_that_does_not_open_is_fetched_again_over_the_stream():
+    # the direct connection is not authenticated: bytes that do not open under the signed reply's
+    # key (someone else's port, or altered on the way) are nobody's fault, the stream decides
+    blob = os.urandom(5000)
+    asked: list[StateRequest] = []
+    (_reply, got, _got_digest, via), _, _ = _fetch_through_a_direct_server(blob, asked, wrong_key=True)
+    assert (bytes(got), via) == (blob, "stream") and [m.direct for m in asked] == [True, False]
+
+
+def test_state_sent_and_received_directly_counts_in_the_nodes_traffic():
+    # simulate's bytes per peer per round is every byte a peer sends: state downloads over the
+    # direct port, the largest thing a run sends, were missing from it
+    from groundswell.peer.swarm import NodeOptions, SwarmNode
+
+    blob = os.urandom(5000)
+    (_reply, got, _digest, via), node, server = _fetch_through_a_direct_server(blob, [])
+    assert (bytes(got), via) == (blob, "direct")
+    assert node.direct_received == direct.wire_size(len(blob)) == 8 + len(blob) + 16
+    serving = SwarmNode(Identity.generate(), None, NodeOptions())
+    serving.direct = server
+    assert serving.traffic() == (direct.wire_size(len(blob)), 0)
 
 
 def test_unused_tickets_are_dropped_on_a_timer():
