@@ -425,6 +425,11 @@ class SwarmNode(PeerRecords, StateServing, NetLoop):
         self._check_up(coro)
         return super().submit(coro)
 
+    @property
+    def down(self) -> str | None:
+        """Why the running node stopped by itself (None: it runs, or was closed as asked)."""
+        return self._down
+
     def _check_up(self, coro: Coroutine[Any, Any, Any]) -> None:
         if self._down is not None:
             coro.close()  # never to run: no "never awaited" warning

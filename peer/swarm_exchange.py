@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from collections.abc import Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass
@@ -23,6 +24,7 @@ from groundswell.protocol.client import LEAVE_ATTEMPTS, AttemptResult, RoundBehi
 from groundswell.protocol.schema import Decision
 from groundswell.protocol.transport import PeerUnavailable
 
+from .net_errors import NetworkError
 from .swarm import SwarmNode
 
 log = logging.getLogger(__name__)
@@ -247,12 +249,29 @@ class SwarmExchange:
         finally:
             self._segments = []  # a whole contribution: not kept past its outcome (unless unsettled)
 
+    def _result_unless_down(self, future: Future, round_id: int, limit: float) -> Any:
+        """The attempt's result within `limit` seconds; NetworkError as soon as the node stopped by
+        itself (its daemon died, say): the attempt would otherwise go on asking deaf peers until its
+        bounds, a minute or two, while training went on for a peer nobody can reach."""
+        end = time.monotonic() + limit
+        while True:
+            try:
+                return future.result(timeout=max(0.0, min(1.0, end - time.monotonic())))
+            except TimeoutError:
+                down = getattr(self.node, "down", None)
+                if down is not None:
+                    future.cancel()
+                    self._unsettled(round_id, None)  # whether it counted is for a restart to settle
+                    raise NetworkError(down) from None
+                if time.monotonic() >= end:
+                    raise
+
     def _outcome(self, future: Future, round_id: int) -> RoundResult:
         ctx = self.node.ctx
         assert ctx is not None and self.node.client is not None and self.node.transport is not None
         limit = 6 * ctx.deadline_s + 6 * ctx.slack_s + 120
         try:  # the attempt, then the aggregate's fetch (each bounded inside)
-            outcome, mean = future.result(timeout=limit)
+            outcome, mean = self._result_unless_down(future, round_id, limit)
         except RoundBehind as exc:  # raised before anything is sent
             self.last_outcome = (False, False)
             raise NeedResync(str(exc)) from None

@@ -3,6 +3,8 @@ instead of standing still; the extra steps count toward its next contribution.""
 
 from __future__ import annotations
 
+import time
+
 from groundswell.peer.roles import StopFlag, _merged, _train_while_waiting
 from groundswell.peer.worker import InnerStats
 
@@ -92,3 +94,35 @@ def test_a_retried_round_says_why_in_words():
     # neither outcome is final yet: a later attempt may adopt a commit the retry took back, and
     # with no leader's answer, whether a commit counted us is not known (both settle by digest)
     assert [(u.round_id, u.included, u.retried) for u in ex.unsettled] == [(4, None, True), (4, None, False)]
+
+
+def test_a_node_that_went_down_ends_the_wait_for_its_attempt_at_once():
+    # Its daemon died mid-attempt: the attempt would go on asking deaf peers until its own bounds
+    # (a minute or two), training on meanwhile as a peer nobody can reach.
+    import threading
+    from concurrent.futures import Future
+    from types import SimpleNamespace
+
+    from groundswell.peer.net_errors import NetworkError
+    from groundswell.peer.swarm_exchange import SwarmExchange
+
+    node = SimpleNamespace(identity=SimpleNamespace(peer_id="me"), client=object(), transport=object(), down=None,
+                           ctx=SimpleNamespace(deadline_s=10.0, slack_s=1.0, min_peers=2))
+    ex = SwarmExchange(node)
+    ex._round, ex._future = 4, Future()
+    raised: list[BaseException] = []
+
+    def collect():
+        try:
+            ex.collect(4)
+        except BaseException as exc:  # noqa: BLE001
+            raised.append(exc)
+
+    waiter = threading.Thread(target=collect, daemon=True)
+    waiter.start()
+    time.sleep(0.3)
+    node.down = "the network stopped (daemon died); start again to rejoin the run"
+    waiter.join(5)
+    assert not waiter.is_alive(), "still waiting for an attempt of a node that is down"
+    assert isinstance(raised[0], NetworkError) and "daemon died" in str(raised[0])
+    assert [(u.round_id, u.included) for u in ex.unsettled] == [(4, None)]  # a restart settles it
