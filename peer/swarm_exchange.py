@@ -265,6 +265,9 @@ class SwarmExchange:
                     raise NetworkError(down) from None
                 if time.monotonic() >= end:
                     raise
+            except BaseException:  # a second Ctrl+C: the attempt must not run on, unowned, through the teardown
+                future.cancel()
+                raise
 
     def _outcome(self, future: Future, round_id: int) -> RoundResult:
         ctx = self.node.ctx

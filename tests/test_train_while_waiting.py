@@ -126,3 +126,27 @@ def test_a_node_that_went_down_ends_the_wait_for_its_attempt_at_once():
     assert not waiter.is_alive(), "still waiting for an attempt of a node that is down"
     assert isinstance(raised[0], NetworkError) and "daemon died" in str(raised[0])
     assert [(u.round_id, u.included) for u in ex.unsettled] == [(4, None)]  # a restart settles it
+
+
+def test_a_second_ctrl_c_while_waiting_for_an_attempt_cancels_it():
+    # It would otherwise run on, owned by nobody, through the node's teardown: still sending
+    # shards after our "left" record went out.
+    from concurrent.futures import Future
+    from types import SimpleNamespace
+
+    import pytest
+    from groundswell.peer.swarm_exchange import SwarmExchange
+
+    node = SimpleNamespace(identity=SimpleNamespace(peer_id="me"), client=object(), transport=object(), down=None,
+                           ctx=SimpleNamespace(deadline_s=10.0, slack_s=1.0, min_peers=2))
+    ex = SwarmExchange(node)
+
+    class _Pressed(Future):
+        def result(self, timeout=None):
+            raise KeyboardInterrupt
+
+    ex._round, ex._future = 4, _Pressed()
+    future = ex._future
+    with pytest.raises(KeyboardInterrupt):
+        ex.collect(4)
+    assert future.cancelled()
