@@ -57,13 +57,8 @@ class InnerTrainer:
         self.device = torch.device(device)
         self.block_size = workload.block_size
         self.inner = inner
-        # Weight decay on matrices and embeddings only, as nanoGPT does: decaying LayerNorm gains
-        # and biases toward 0 only pulls the model off what training found.
-        params = list(self.model.parameters())
-        groups = [{"params": [p for p in params if p.dim() >= 2], "weight_decay": inner.weight_decay},
-                  {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0}]
         self.optimizer = torch.optim.AdamW(
-            [g for g in groups if g["params"]],
+            self.model.parameters(),
             lr=inner.lr,
             betas=(inner.beta1, inner.beta2),
             weight_decay=inner.weight_decay,
