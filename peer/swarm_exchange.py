@@ -13,7 +13,7 @@ import asyncio
 import logging
 import time
 from collections.abc import Sequence
-from concurrent.futures import Future
+from concurrent.futures import Future, wait
 from dataclasses import dataclass
 from typing import Any
 
@@ -254,20 +254,21 @@ class SwarmExchange:
         itself (its daemon died, say): the attempt would otherwise go on asking deaf peers until its
         bounds, a minute or two, while training went on for a peer nobody can reach."""
         end = time.monotonic() + limit
-        while True:
-            try:
-                return future.result(timeout=max(0.0, min(1.0, end - time.monotonic())))
-            except TimeoutError:
+        try:
+            # wait(), not result(timeout): a TimeoutError the attempt itself raised is its outcome,
+            # not this wait's slice running out
+            while not wait([future], timeout=max(0.0, min(1.0, end - time.monotonic()))).done:
                 down = getattr(self.node, "down", None)
                 if down is not None:
                     future.cancel()
                     self._unsettled(round_id, None)  # whether it counted is for a restart to settle
-                    raise NetworkError(down) from None
+                    raise NetworkError(down)
                 if time.monotonic() >= end:
-                    raise
-            except BaseException:  # a second Ctrl+C: the attempt must not run on, unowned, through the teardown
-                future.cancel()
-                raise
+                    raise TimeoutError(f"no outcome within {limit:.0f} s")
+        except BaseException:  # a second Ctrl+C: the attempt must not run on, unowned, through the teardown
+            future.cancel()
+            raise
+        return future.result()
 
     def _outcome(self, future: Future, round_id: int) -> RoundResult:
         ctx = self.node.ctx

@@ -128,25 +128,55 @@ def test_a_node_that_went_down_ends_the_wait_for_its_attempt_at_once():
     assert [(u.round_id, u.included) for u in ex.unsettled] == [(4, None)]  # a restart settles it
 
 
-def test_a_second_ctrl_c_while_waiting_for_an_attempt_cancels_it():
+def test_a_second_ctrl_c_while_waiting_for_an_attempt_cancels_it(monkeypatch):
     # It would otherwise run on, owned by nobody, through the node's teardown: still sending
     # shards after our "left" record went out.
     from concurrent.futures import Future
     from types import SimpleNamespace
 
     import pytest
+    from groundswell.peer import swarm_exchange
     from groundswell.peer.swarm_exchange import SwarmExchange
 
     node = SimpleNamespace(identity=SimpleNamespace(peer_id="me"), client=object(), transport=object(), down=None,
                            ctx=SimpleNamespace(deadline_s=10.0, slack_s=1.0, min_peers=2))
     ex = SwarmExchange(node)
 
-    class _Pressed(Future):
-        def result(self, timeout=None):
-            raise KeyboardInterrupt
+    def pressed(futures, timeout=None):
+        raise KeyboardInterrupt
 
-    ex._round, ex._future = 4, _Pressed()
+    monkeypatch.setattr(swarm_exchange, "wait", pressed)
+    ex._round, ex._future = 4, Future()
     future = ex._future
     with pytest.raises(KeyboardInterrupt):
         ex.collect(4)
     assert future.cancelled()
+
+
+def test_an_attempt_that_timed_out_itself_is_its_outcome_at_once():
+    # A TimeoutError the attempt raised is not the wait's slice running out: taken for one, the
+    # wait spun on it until its whole limit (minutes)
+    import threading
+    from concurrent.futures import Future
+    from types import SimpleNamespace
+
+    from groundswell.peer.swarm_exchange import NeedResync, SwarmExchange
+
+    node = SimpleNamespace(identity=SimpleNamespace(peer_id="me"), client=object(), transport=object(), down=None,
+                           ctx=SimpleNamespace(deadline_s=10.0, slack_s=1.0, min_peers=2))
+    ex = SwarmExchange(node)
+    ex._round, ex._future = 4, Future()
+    ex._future.set_exception(TimeoutError("the attempt's own bound"))
+    raised: list[BaseException] = []
+
+    def collect():
+        try:
+            ex.collect(4)
+        except BaseException as exc:  # noqa: BLE001
+            raised.append(exc)
+
+    waiter = threading.Thread(target=collect, daemon=True)
+    waiter.start()
+    waiter.join(5)
+    assert not waiter.is_alive(), "still waiting on an attempt that has its outcome"
+    assert isinstance(raised[0], NeedResync) and "no outcome" in str(raised[0])
