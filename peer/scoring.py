@@ -19,6 +19,10 @@ from .workload import build_workload
 _PROBE_SEED = 0x5C0BE  # probe windows are drawn apart from any volunteer's data order
 
 
+class ScoringBusy(RuntimeError):
+    """A scoring was asked for while the one before still runs."""
+
+
 class ContributionScorer:
     """Loss after applying one update alone (outer step without momentum) minus the loss before."""
 
@@ -38,7 +42,11 @@ class ContributionScorer:
 
     def __call__(self, global_params: torch.Tensor, updates: dict[str, torch.Tensor]) -> dict[str, float]:
         """Score each update on fresh probe batches (the same batches for every update)."""
-        with self._busy:
+        # Not waited for: a scoring blocked here would hold an executor thread that the node's other
+        # work (the contribution record, state packing) needs; the leader commits unscored instead.
+        if not self._busy.acquire(blocking=False):
+            raise ScoringBusy("the previous round's scoring still runs (slower than a round)")
+        try:
             batches = [self.sampler.next_batch() for _ in range(self.batches)]
             global_params = global_params.to(self.device)
             copy_into_parameters(global_params, self.params)
@@ -48,3 +56,5 @@ class ContributionScorer:
                 copy_into_parameters(global_params - self.lr * update.to(self.device), self.params)
                 scores[who] = evaluate(self.model, self.loss_fn, batches) - before
             return scores
+        finally:
+            self._busy.release()
