@@ -76,8 +76,25 @@ def _same_run_as_before(state_dir: Path, signed: bytes) -> None:
             raise ConfigError(f"{path} is not a signed manifest ({exc}); move it away to launch here") from None
         if old.digest != new.digest:
             what = "coordinator key (--identity)" if old.manifest_bytes == new.manifest_bytes else "manifest"
+            if _same_but_fingerprint(old, new):
+                what = "copy of its dataset (data.source's files or sizes changed since; volunteers train on the first)"
             raise ConfigError(f"{state_dir} holds a run launched with another {what}: resume it with the same "
                               "manifest and --identity, or start a new run (a new run.id and --state-dir)")
+
+
+def _same_but_fingerprint(old, new) -> bool:
+    """Do two signed manifests differ only in data.fingerprint?"""
+    import dataclasses
+
+    from .manifest import ManifestError
+
+    try:
+        a, b = old.verify(old.coordinator), new.verify(new.coordinator)
+    except ManifestError:  # an older version's manifest: not comparable key by key
+        return False
+    blank = dataclasses.replace(a.data, fingerprint="")
+    return a.data.fingerprint != b.data.fingerprint and dataclasses.replace(a, data=blank) == dataclasses.replace(
+        b, data=dataclasses.replace(b.data, fingerprint=""))
 
 
 def _record_run(state_dir: Path, signed: bytes) -> None:
@@ -305,6 +322,8 @@ def _check_model_and_data(manifest, path: Path):
     if given and given != corpus.fingerprint:
         raise ConfigError(f"{path}: data.fingerprint is {given}, but {manifest.data.source} here has "
                           f"{corpus.fingerprint}: its files or sizes changed (leave the key out to take them)")
+    if manifest.data.source == "stdlib":  # differs with every Python build: a patch upgrade would
+        return manifest, corpus           # refuse the run's own resume; volunteers' may differ anyway
     data = dataclasses.replace(manifest.data, fingerprint=corpus.fingerprint)
     return dataclasses.replace(manifest, data=data), corpus
 

@@ -468,6 +468,9 @@ def test_a_state_dir_launched_with_another_manifest_or_key_is_refused(tmp_path):
         _same_run_as_before(state, sign_manifest(edited, key).to_bytes())
     with pytest.raises(ConfigError, match=r"another coordinator key \(--identity\)"):
         _same_run_as_before(state, sign_manifest(manifest, Identity.generate()).to_bytes())
+    moved = dataclasses.replace(manifest, data=dataclasses.replace(manifest.data, fingerprint="ab" * 8))
+    with pytest.raises(ConfigError, match=r"another copy of its dataset \(data.source's files or sizes changed"):
+        _same_run_as_before(state, sign_manifest(moved, key).to_bytes())
     assert (state / "manifest.signed").read_bytes() == first  # what was refused left nothing behind
 
 
