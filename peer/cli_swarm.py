@@ -356,7 +356,7 @@ def join(
     from .participant import Participant
     from .roles import run_volunteer
     from .swarm import NodeOptions, SwarmNode
-    from .volunteer_dir import same_volunteer_as_before
+    from .volunteer_dir import bind_volunteer_dir, check_volunteer_dir
 
     _logging(verbose)
     _set_threads(threads)
@@ -382,7 +382,7 @@ def join(
         peers = [m.rsplit("/p2p/", 1)[1] for m in boot.maddrs]
         signed, manifest = _fetch_manifest(node, boot.maddrs, boot.coordinator_id)
         manifest.check_may_train(ident.peer_id)  # before any download: its contributions would be refused
-        same_volunteer_as_before(state_dir, ident.peer_id, boot.coordinator_id, manifest.run.id)  # before it is read
+        unbound = check_volunteer_dir(state_dir, ident.peer_id, boot.coordinator_id, manifest.run.id)  # before it is read
         corpus = volunteer_corpus(manifest, data, allow_model_code)
         console.print(f"joined run [bold]{manifest.run.id}[/] as {ident.peer_id} (manifest verified)")
         relays = ", ".join(pid[-8:] for pid in peers[:3])  # trusted relays: the bootstrap peers
@@ -394,6 +394,9 @@ def join(
             f"reachable: also directly by {peer[-8:]} (behind a NAT too), after hole punching", highlight=False)
         p = Participant(manifest, signed, ident, str(ident_path), opts, state_dir, device=device, node=node,
                         corpus=corpus)
+        if unbound:
+            p.preload_checkpoint()  # another run's checkpoint is refused before the folder is bound to this run
+            bind_volunteer_dir(state_dir, ident.peer_id, boot.coordinator_id, manifest.run.id)
         stop = _stop_on_signals()
         h = manifest.outer.inner_steps
         tokens_per_step = manifest.data.batch_size * p.workload.block_size

@@ -20,17 +20,17 @@ from .state_files import write_atomically
 VOLUNTEER_FILE = "volunteer.json"
 
 
-def same_volunteer_as_before(state_dir: Path, peer_id: str, coordinator_id: str, run_id: str) -> None:
-    """Bind `state_dir` to this peer, coordinator and run on first use; ConfigError if it is bound
-    to others (or its binding is unreadable), naming what differs and what to do."""
+def check_volunteer_dir(state_dir: Path, peer_id: str, coordinator_id: str, run_id: str) -> bool:
+    """ConfigError if `state_dir` is bound to another peer, coordinator or run (or its binding is
+    unreadable), naming what differs and what to do; True if it is bound to none yet (then
+    `bind_volunteer_dir` once its checkpoint is accepted)."""
     path = state_dir / VOLUNTEER_FILE
-    want = {"peer_id": peer_id, "coordinator": coordinator_id, "run_id": run_id}
     if not path.exists():
-        write_atomically(path, lambda f: f.write((json.dumps(want) + "\n").encode()))
-        return
+        _check_unbound(state_dir, peer_id)
+        return True
     try:
         have = json.loads(path.read_bytes()[:4096])
-        if not isinstance(have, dict) or not all(isinstance(have.get(k), str) for k in want):
+        if not isinstance(have, dict) or not all(isinstance(have.get(k), str) for k in _KEYS):
             raise ValueError("not a volunteer binding")
     except ValueError as exc:  # JSONDecodeError and UnicodeDecodeError are ValueErrors
         raise ConfigError(f"{path} is unreadable ({exc}): move it away if this state dir is yours") from None
@@ -40,3 +40,32 @@ def same_volunteer_as_before(state_dir: Path, peer_id: str, coordinator_id: str,
     if (have["coordinator"], have["run_id"]) != (coordinator_id, run_id):
         raise ConfigError(f"{state_dir} holds run {have['run_id']!r} of coordinator {have['coordinator']}, not run "
                           f"{run_id!r} of {coordinator_id}: use another --state-dir for this run")
+    return False
+
+
+def bind_volunteer_dir(state_dir: Path, peer_id: str, coordinator_id: str, run_id: str) -> None:
+    """Write the binding (after the state dir's checkpoint was accepted for this run: a join
+    refused for another run's checkpoint must not bind the folder to itself)."""
+    binding = dict(zip(_KEYS, (peer_id, coordinator_id, run_id)))
+    write_atomically(state_dir / VOLUNTEER_FILE, lambda f: f.write((json.dumps(binding) + "\n").encode()))
+
+
+_KEYS = ("peer_id", "coordinator", "run_id")
+
+
+def _check_unbound(state_dir: Path, peer_id: str) -> None:
+    """A folder an older version left unbound: its unsent work is its own identity's, if it holds any."""
+    from groundswell.protocol.identity import Identity, IdentityError
+
+    from .work_file import CONTRIBUTED_FILE, WORK_FILE
+
+    own = state_dir / "identity.key"
+    if not own.exists() or not any((state_dir / name).exists() for name in (WORK_FILE, CONTRIBUTED_FILE)):
+        return
+    try:
+        theirs = Identity.load(own).peer_id
+    except (IdentityError, OSError, ValueError):
+        return  # not readable: nothing to compare with (the join itself says what is wrong with it)
+    if theirs != peer_id:
+        raise ConfigError(f"{state_dir} holds the work of peer {theirs} (its identity.key), not of this identity "
+                          f"({peer_id}): join without --identity, or use another --state-dir")

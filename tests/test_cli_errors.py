@@ -529,20 +529,36 @@ def test_a_volunteers_state_dir_is_refused_to_another_identity_or_run(tmp_path):
     # contribution the round counted looks uncounted and its work would be sent (applied) twice;
     # a checkpoint of another coordinator's run with the same id would be taken for this run's.
     from groundswell.peer.config import ConfigError
-    from groundswell.peer.volunteer_dir import VOLUNTEER_FILE, same_volunteer_as_before
+    from groundswell.peer.volunteer_dir import VOLUNTEER_FILE, bind_volunteer_dir, check_volunteer_dir
 
     state = tmp_path / "peer"
     state.mkdir()
-    same_volunteer_as_before(state, "peerA", "coordC", "run-1")
+    assert check_volunteer_dir(state, "peerA", "coordC", "run-1")  # unbound: bound once its checkpoint is accepted
+    bind_volunteer_dir(state, "peerA", "coordC", "run-1")
     bound = (state / VOLUNTEER_FILE).read_bytes()
-    same_volunteer_as_before(state, "peerA", "coordC", "run-1")  # a restart as it was: fine
+    assert not check_volunteer_dir(state, "peerA", "coordC", "run-1")  # a restart as it was: fine
     with pytest.raises(ConfigError, match="holds the work of peer peerA, not of this identity .peerB."):
-        same_volunteer_as_before(state, "peerB", "coordC", "run-1")
+        check_volunteer_dir(state, "peerB", "coordC", "run-1")
     with pytest.raises(ConfigError, match="holds run 'run-1' of coordinator coordC, not run 'run-1' of coordD"):
-        same_volunteer_as_before(state, "peerA", "coordD", "run-1")
+        check_volunteer_dir(state, "peerA", "coordD", "run-1")
     with pytest.raises(ConfigError, match="not run 'run-2'"):
-        same_volunteer_as_before(state, "peerA", "coordC", "run-2")
+        check_volunteer_dir(state, "peerA", "coordC", "run-2")
     assert (state / VOLUNTEER_FILE).read_bytes() == bound  # what was refused changed nothing
     (state / VOLUNTEER_FILE).write_bytes(b"\xff{garbled")
     with pytest.raises(ConfigError, match="is unreadable"):
-        same_volunteer_as_before(state, "peerA", "coordC", "run-1")
+        check_volunteer_dir(state, "peerA", "coordC", "run-1")
+
+
+def test_a_folder_an_older_version_left_unbound_keeps_its_work_for_its_own_identity(tmp_path):
+    from groundswell.peer.config import ConfigError
+    from groundswell.peer.volunteer_dir import check_volunteer_dir
+
+    old = tmp_path / "old"
+    old.mkdir()
+    own = Identity.generate()
+    own.save(old / "identity.key")
+    assert check_volunteer_dir(old, "someone-else", "coordC", "run-1")  # no unsent work in it: any identity
+    (old / "work.pt").write_bytes(b"unsent work")
+    with pytest.raises(ConfigError, match=f"holds the work of peer {own.peer_id} .its identity.key."):
+        check_volunteer_dir(old, "someone-else", "coordC", "run-1")
+    assert check_volunteer_dir(old, own.peer_id, "coordC", "run-1")
