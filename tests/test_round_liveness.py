@@ -267,22 +267,14 @@ def test_a_restarted_peer_never_sends_a_second_contribution_to_an_attempt_and_kn
     assert all(torch.equal(c.fetch(i, out[0].signed), mean) for i in range(1, 4))
 
 
-def test_a_source_that_freezes_at_the_seal_does_not_hold_the_commit_until_it_thaws(make_cluster):
-    # Each shard's replicas are sealed with its source. A source that froze just then never
-    # answers; once its shard's replica has sealed, it gets only a short grace before the leader
-    # replaces it by that replica. (If the replica's report has not reached the leader yet, the
-    # source gets the full seal timeout, about a slack.) The old code sealed the replicas only
-    # after replacing the source, the frozen one among them, and so waited until it thawed.
+def _freeze_first_sealer(c, leader, pick, seconds: float) -> list[str]:
+    """Patch every aggregator but `leader`: the first asked to seal (build) a decision `d` with
+    `pick(its id, d)` true blocks its event loop `seconds` first. The list names it once it has."""
     import threading
 
-    from groundswell.protocol.decision import seal_grace
     from groundswell.protocol.envelope import unseal
-    from groundswell.protocol.plan import make_plan
     from groundswell.protocol.schema import Decision
 
-    c = make_cluster(n=4, codec_name="fp32", min_peers=2, deadline_s=10.0, slack_s=4.0)
-    plan = make_plan(c.ctx.run_id, 0, 0, c.ids, c.ids, len(c.ctx.segment_numels), c.max_shards)
-    leader = c.nodes[c.ids.index(plan.leaders[0])]
     frozen: list[str] = []
     lock = threading.Lock()
     for node in c.nodes:
@@ -295,17 +287,35 @@ def test_a_source_that_freezes_at_the_seal_does_not_hold_the_commit_until_it_tha
             _, d = unseal(signed, c.ctx.run_id, Decision)
             me = server.identity.peer_id
             with lock:
-                freeze = not frozen and me in d.sources
+                freeze = not frozen and pick(me, d)
                 if freeze:
                     frozen.append(me)
             if freeze:
-                time.sleep(8.0)  # blocks this node's event loop: the lid closes as it seals
+                time.sleep(seconds)
             return real_build(signed, shard, held, first, sq_norms)
 
         async def patch(server=server, build=build) -> None:
             server._build = build
 
         node.call(patch(), timeout_s=10)
+    return frozen
+
+
+def test_a_source_that_freezes_at_the_seal_does_not_hold_the_commit_until_it_thaws(make_cluster):
+    # Each shard's replicas are sealed with its source. A source that froze just then never
+    # answers; once its shard's replica has sealed, it gets only a short grace before the leader
+    # replaces it by that replica. (If the replica's report has not reached the leader yet, the
+    # source gets the full seal timeout, about a slack.) The old code sealed the replicas only
+    # after replacing the source, the frozen one among them, and so waited until it thawed.
+
+    from groundswell.protocol.decision import seal_grace
+    from groundswell.protocol.plan import make_plan
+
+    c = make_cluster(n=4, codec_name="fp32", min_peers=2, deadline_s=10.0, slack_s=4.0)
+    plan = make_plan(c.ctx.run_id, 0, 0, c.ids, c.ids, len(c.ctx.segment_numels), c.max_shards)
+    leader = c.nodes[c.ids.index(plan.leaders[0])]
+    # blocks the node's event loop for 8 s: the lid closes as it seals
+    frozen = _freeze_first_sealer(c, leader, lambda me, d: me in d.sources, 8.0)
     timeline: dict[str, float] = {}
     real_seal_all, real_learn = leader.server._seal_all, leader.server._learn
 
@@ -347,37 +357,14 @@ def test_the_only_holder_of_a_shard_frozen_at_the_seal_is_waited_for_within_the_
     # retried, and a churn run lost 70 s of one round waiting for the next attempts, although
     # the source was back (holding every contribution) 20 ms later, well within the attempt's
     # deadline. The leader now waits for it until the attempt's deadline.
-    import threading
 
-    from groundswell.protocol.envelope import unseal
     from groundswell.protocol.plan import make_plan
-    from groundswell.protocol.schema import Decision
 
     c = make_cluster(n=3, codec_name="fp32", min_peers=2, deadline_s=16.0, slack_s=2.0, replicas=0)
     plan = make_plan(c.ctx.run_id, 0, 0, c.ids, c.ids, len(c.ctx.segment_numels), c.max_shards)
     leader = c.nodes[c.ids.index(plan.leaders[0])]
-    frozen: list[str] = []
-    lock = threading.Lock()
-    for node in c.nodes:
-        if node is leader:
-            continue
-        server = node.server
-        real_build = server._build
-
-        def build(signed, shard, held, first, sq_norms=None, server=server, real_build=real_build):
-            _, d = unseal(signed, c.ctx.run_id, Decision)
-            with lock:
-                freeze = not frozen and d.status == "commit"
-                if freeze:
-                    frozen.append(server.identity.peer_id)
-            if freeze:
-                time.sleep(3 * c.slack_s)  # blocks this node's event loop: longer than a seal's timeout
-            return real_build(signed, shard, held, first, sq_norms)
-
-        async def patch(server=server, build=build) -> None:
-            server._build = build
-
-        node.call(patch(), timeout_s=10)
+    # blocks the node's event loop for longer than a seal's timeout
+    frozen = _freeze_first_sealer(c, leader, lambda me, d: d.status == "commit", 3 * c.slack_s)
     out = c.attempt(0, _inputs(3, c.numel, 23))
     d = out[c.ids.index(plan.leaders[0])].decision
     assert frozen, "no aggregator other than the leader was asked to seal"

@@ -96,20 +96,24 @@ def test_a_retried_round_says_why_in_words():
     assert [(u.round_id, u.included, u.retried) for u in ex.unsettled] == [(4, None, True), (4, None, False)]
 
 
-def test_a_node_that_went_down_ends_the_wait_for_its_attempt_at_once():
-    # Its daemon died mid-attempt: the attempt would go on asking deaf peers until its own bounds
-    # (a minute or two), training on meanwhile as a peer nobody can reach.
-    import threading
+def _waiting_exchange():
+    """A SwarmExchange of a fake node (`down` None) with round 4's attempt in flight (a bare Future)."""
     from concurrent.futures import Future
     from types import SimpleNamespace
 
-    from groundswell.peer.net_errors import NetworkError
     from groundswell.peer.swarm_exchange import SwarmExchange
 
     node = SimpleNamespace(identity=SimpleNamespace(peer_id="me"), client=object(), transport=object(), down=None,
                            ctx=SimpleNamespace(deadline_s=10.0, slack_s=1.0, min_peers=2))
     ex = SwarmExchange(node)
     ex._round, ex._future = 4, Future()
+    return node, ex
+
+
+def _collect_in_a_thread(ex):
+    """Start `ex.collect(4)` in a thread; (the thread, the list its exception lands in)."""
+    import threading
+
     raised: list[BaseException] = []
 
     def collect():
@@ -120,6 +124,16 @@ def test_a_node_that_went_down_ends_the_wait_for_its_attempt_at_once():
 
     waiter = threading.Thread(target=collect, daemon=True)
     waiter.start()
+    return waiter, raised
+
+
+def test_a_node_that_went_down_ends_the_wait_for_its_attempt_at_once():
+    # Its daemon died mid-attempt: the attempt would go on asking deaf peers until its own bounds
+    # (a minute or two), training on meanwhile as a peer nobody can reach.
+    from groundswell.peer.net_errors import NetworkError
+
+    node, ex = _waiting_exchange()
+    waiter, raised = _collect_in_a_thread(ex)
     time.sleep(0.3)
     node.down = "the network stopped (daemon died); start again to rejoin the run"
     waiter.join(5)
@@ -131,22 +145,14 @@ def test_a_node_that_went_down_ends_the_wait_for_its_attempt_at_once():
 def test_a_second_ctrl_c_while_waiting_for_an_attempt_cancels_it(monkeypatch):
     # It would otherwise run on, owned by nobody, through the node's teardown: still sending
     # shards after our "left" record went out.
-    from concurrent.futures import Future
-    from types import SimpleNamespace
-
     import pytest
     from groundswell.peer import swarm_exchange
-    from groundswell.peer.swarm_exchange import SwarmExchange
-
-    node = SimpleNamespace(identity=SimpleNamespace(peer_id="me"), client=object(), transport=object(), down=None,
-                           ctx=SimpleNamespace(deadline_s=10.0, slack_s=1.0, min_peers=2))
-    ex = SwarmExchange(node)
 
     def pressed(futures, timeout=None):
         raise KeyboardInterrupt
 
     monkeypatch.setattr(swarm_exchange, "wait", pressed)
-    ex._round, ex._future = 4, Future()
+    _, ex = _waiting_exchange()
     future = ex._future
     with pytest.raises(KeyboardInterrupt):
         ex.collect(4)
@@ -156,27 +162,11 @@ def test_a_second_ctrl_c_while_waiting_for_an_attempt_cancels_it(monkeypatch):
 def test_an_attempt_that_timed_out_itself_is_its_outcome_at_once():
     # A TimeoutError the attempt raised is not the wait's slice running out: taken for one, the
     # wait spun on it until its whole limit (minutes)
-    import threading
-    from concurrent.futures import Future
-    from types import SimpleNamespace
+    from groundswell.peer.swarm_exchange import NeedResync
 
-    from groundswell.peer.swarm_exchange import NeedResync, SwarmExchange
-
-    node = SimpleNamespace(identity=SimpleNamespace(peer_id="me"), client=object(), transport=object(), down=None,
-                           ctx=SimpleNamespace(deadline_s=10.0, slack_s=1.0, min_peers=2))
-    ex = SwarmExchange(node)
-    ex._round, ex._future = 4, Future()
+    _, ex = _waiting_exchange()
     ex._future.set_exception(TimeoutError("the attempt's own bound"))
-    raised: list[BaseException] = []
-
-    def collect():
-        try:
-            ex.collect(4)
-        except BaseException as exc:  # noqa: BLE001
-            raised.append(exc)
-
-    waiter = threading.Thread(target=collect, daemon=True)
-    waiter.start()
+    waiter, raised = _collect_in_a_thread(ex)
     waiter.join(5)
     assert not waiter.is_alive(), "still waiting on an attempt that has its outcome"
     assert isinstance(raised[0], NeedResync) and "no outcome" in str(raised[0])
