@@ -19,6 +19,7 @@ from rich.table import Table
 from .cli import _set_threads, _user_errors, app, console
 from .config import ConfigError, check_device
 from .join_consent import volunteer_corpus
+from .launch_checks import prepare_manifest, record_run, same_run_as_before
 from .state_files import write_atomically
 from .status_view import print_status
 
@@ -59,49 +60,6 @@ def _make_state_dir(state_dir: Path) -> None:
         above = next((p for p in state_dir.parents if p.exists() and not p.is_dir()), None)
         why = f"{above} is a file, not a folder" if above is not None else exc.strerror or str(exc)
         raise ConfigError(f"--state-dir {state_dir} cannot be created: {why}") from None
-
-
-def _same_run_as_before(state_dir: Path, signed: bytes) -> None:
-    """Refuse a state dir launched before with another manifest or coordinator key (`_record_run`
-    records one once its network is up). Volunteers keep the manifest they verified when they
-    joined: a coordinator back with other settings (deadline, learning rate, allowlist) under the
-    same run id would split the swarm, and one back under another key is a stranger to them."""
-    from .manifest import ManifestError, SignedManifest
-
-    path, new = state_dir / "manifest.signed", SignedManifest.from_bytes(signed)
-    if path.exists():
-        try:
-            old = SignedManifest.from_bytes(path.read_bytes())
-        except ManifestError as exc:
-            raise ConfigError(f"{path} is not a signed manifest ({exc}); move it away to launch here") from None
-        if old.digest != new.digest:
-            what = "coordinator key (--identity)" if old.manifest_bytes == new.manifest_bytes else "manifest"
-            if _same_but_fingerprint(old, new):
-                what = "copy of its dataset (data.source's files or sizes changed since; volunteers train on the first)"
-            raise ConfigError(f"{state_dir} holds a run launched with another {what}: resume it with the same "
-                              "manifest and --identity, or start a new run (a new run.id and --state-dir)")
-
-
-def _same_but_fingerprint(old, new) -> bool:
-    """Do two signed manifests differ only in data.fingerprint?"""
-    import dataclasses
-
-    from .manifest import ManifestError
-
-    try:
-        a, b = old.verify(old.coordinator), new.verify(new.coordinator)
-    except ManifestError:  # an older version's manifest: not comparable key by key
-        return False
-    blank = dataclasses.replace(a.data, fingerprint="")
-    return a.data.fingerprint != b.data.fingerprint and dataclasses.replace(a, data=blank) == dataclasses.replace(
-        b, data=dataclasses.replace(b.data, fingerprint=""))
-
-
-def _record_run(state_dir: Path, signed: bytes) -> None:
-    """Bind the state dir to this signed manifest: only once the network is up, since no peer can
-    have seen a run whose network never started (recorded then, a typo in --listen would have
-    bound the state dir to a manifest the user still meant to correct)."""
-    write_atomically(state_dir / "manifest.signed", lambda f: f.write(signed))
 
 
 def _stop_on_signals(first: str = "stopping after this round"):
@@ -255,12 +213,12 @@ def launch(
     _set_threads(threads)
     check_device(device)
     for flag, maddrs in (("--listen", listen), ("--announce", announce), ("--peer", peer)):
-        check_maddr_flag(flag, maddrs, peer_id=flag == "--peer")  # before the disk: see `_record_run`
+        check_maddr_flag(flag, maddrs, peer_id=flag == "--peer")  # before the disk: see `record_run`
     if checkpoint_every < 0:
         raise ConfigError(f"--checkpoint-every must be at least 1 (or 0: the manifest's), not {checkpoint_every}")
     if not -1 <= state_port <= 65535:
         raise ConfigError(f"--state-port must be -1 (off), 0 (any free port) or a port number, not {state_port}")
-    manifest, corpus = _check_model_and_data(load_manifest_toml(manifest_path), manifest_path)
+    manifest, corpus = prepare_manifest(load_manifest_toml(manifest_path), manifest_path)
     if identity is None and (state_dir / "manifest.signed").exists() and not (state_dir / "identity.key").exists():
         # launched before with --identity elsewhere: a new key made here would only be refused
         # (it is not the run's), and left behind to be refused again next time
@@ -272,12 +230,12 @@ def launch(
                        trains=False, serves=True, direct_state=state_port >= 0, direct_port=max(state_port, 0))
     p = Participant(manifest, signed, ident, str(ident_path), opts, state_dir, device=device, corpus=corpus)
     p.preload_checkpoint()  # a state dir of another run is refused before we write anything to it
-    _same_run_as_before(state_dir, signed)
+    same_run_as_before(state_dir, signed)
     stop = _stop_on_signals("stopping: saving a checkpoint")
     rows: list = []
     try:  # from here on the node is closed whatever happens (an attach timeout, a full disk, Ctrl+C)
         p.start_network()
-        _record_run(state_dir, signed)
+        record_run(state_dir, signed)
         boot = format_bootstrap(ident.peer_id, p.node.maddrs)
         write_atomically(state_dir / "bootstrap.txt", lambda f: f.write(f"{boot}\n".encode()))  # read by scripts
         console.print(f"[bold]run {manifest.run.id}[/] coordinated by {ident.peer_id}")
@@ -299,33 +257,6 @@ def launch(
                 run_coordinator(p, stop=stop, on_round=on_round, checkpoint_every=checkpoint_every)
     finally:
         p.node.close()
-
-
-def _check_model_and_data(manifest, path: Path):
-    """The manifest's model and corpus must exist here before anything is written: one error line
-    naming the file and the key. Returns the manifest with its corpus's fingerprint (which
-    volunteers' copies must match) and the corpus, loaded once."""
-    import dataclasses
-
-    from .data import DataError, load_corpus
-    from .workload import WorkloadError, check_workload_spec
-
-    try:
-        check_workload_spec(manifest.model.spec)
-    except WorkloadError as exc:
-        raise ConfigError(f"{path}: model.spec: {exc}") from None
-    try:
-        corpus = load_corpus(manifest.data.source)  # says what it expects
-    except DataError as exc:
-        raise ConfigError(f"{path}: data.source: {exc}") from None
-    given = manifest.data.fingerprint
-    if given and given != corpus.fingerprint:
-        raise ConfigError(f"{path}: data.fingerprint is {given}, but {manifest.data.source} here has "
-                          f"{corpus.fingerprint}: its files or sizes changed (leave the key out to take them)")
-    if manifest.data.source == "stdlib":  # differs with every Python build: a patch upgrade would
-        return manifest, corpus           # refuse the run's own resume; volunteers' may differ anyway
-    data = dataclasses.replace(manifest.data, fingerprint=corpus.fingerprint)
-    return dataclasses.replace(manifest, data=data), corpus
 
 
 @app.command()

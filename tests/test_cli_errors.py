@@ -449,8 +449,9 @@ def test_a_state_dir_launched_with_another_manifest_or_key_is_refused(tmp_path):
     # with other settings under the same run id (or under another key) would split the swarm.
     import dataclasses
 
-    from groundswell.peer.cli_swarm import _record_run, _same_run_as_before
     from groundswell.peer.config import ConfigError
+    from groundswell.peer.launch_checks import record_run as _record_run
+    from groundswell.peer.launch_checks import same_run_as_before as _same_run_as_before
     from groundswell.peer.manifest import load_manifest_toml, sign_manifest
 
     manifest = load_manifest_toml(Path(__file__).resolve().parents[1] / "scripts" / "example_run.toml")

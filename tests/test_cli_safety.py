@@ -41,7 +41,7 @@ def test_a_copy_of_the_dataset_that_is_not_the_coordinators_is_refused(tmp_path,
     # launch puts its copy's fingerprint (files and sizes) in the signed manifest: a partial, newer
     # or other copy would train the volunteer on other data, silently (text corpora all have the
     # same vocabulary, so the model checks could never tell)
-    from groundswell.peer.cli_swarm import _check_model_and_data
+    from groundswell.peer.launch_checks import prepare_manifest as _check_model_and_data
 
     theirs = _folder(tmp_path / "theirs", "the run's published text ")
     filled, corpus = _check_model_and_data(_manifest(str(theirs)), tmp_path / "run.toml")

@@ -1,0 +1,81 @@
+"""What `launch` checks and records of its run before it serves it: the manifest's model and
+dataset are here (the dataset's fingerprint signed into the manifest, for volunteers' copies to
+match), and the state dir holds this run or none (same manifest and key as when it was first
+launched, recorded once the network is up)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from .config import ConfigError
+from .state_files import write_atomically
+
+
+def prepare_manifest(manifest, path: Path):
+    """The manifest's model and corpus must exist here before anything is written: one error line
+    naming the file and the key. Returns the manifest with its corpus's fingerprint (which
+    volunteers' copies must match) and the corpus, loaded once."""
+    import dataclasses
+
+    from .data import DataError, load_corpus
+    from .workload import WorkloadError, check_workload_spec
+
+    try:
+        check_workload_spec(manifest.model.spec)
+    except WorkloadError as exc:
+        raise ConfigError(f"{path}: model.spec: {exc}") from None
+    try:
+        corpus = load_corpus(manifest.data.source)  # says what it expects
+    except DataError as exc:
+        raise ConfigError(f"{path}: data.source: {exc}") from None
+    given = manifest.data.fingerprint
+    if given and given != corpus.fingerprint:
+        raise ConfigError(f"{path}: data.fingerprint is {given}, but {manifest.data.source} here has "
+                          f"{corpus.fingerprint}: its files or sizes changed (leave the key out to take them)")
+    if manifest.data.source == "stdlib":  # differs with every Python build: a patch upgrade would
+        return manifest, corpus           # refuse the run's own resume; volunteers' may differ anyway
+    data = dataclasses.replace(manifest.data, fingerprint=corpus.fingerprint)
+    return dataclasses.replace(manifest, data=data), corpus
+
+
+def same_run_as_before(state_dir: Path, signed: bytes) -> None:
+    """Refuse a state dir launched before with another manifest or coordinator key (`record_run`
+    records one once its network is up). Volunteers keep the manifest they verified when they
+    joined: a coordinator back with other settings (deadline, learning rate, allowlist) under the
+    same run id would split the swarm, and one back under another key is a stranger to them."""
+    from .manifest import ManifestError, SignedManifest
+
+    path, new = state_dir / "manifest.signed", SignedManifest.from_bytes(signed)
+    if path.exists():
+        try:
+            old = SignedManifest.from_bytes(path.read_bytes())
+        except ManifestError as exc:
+            raise ConfigError(f"{path} is not a signed manifest ({exc}); move it away to launch here") from None
+        if old.digest != new.digest:
+            what = "coordinator key (--identity)" if old.manifest_bytes == new.manifest_bytes else "manifest"
+            if _same_but_fingerprint(old, new):
+                what = "copy of its dataset (data.source's files or sizes changed since; volunteers train on the first)"
+            raise ConfigError(f"{state_dir} holds a run launched with another {what}: resume it with the same "
+                              "manifest and --identity, or start a new run (a new run.id and --state-dir)")
+
+
+def _same_but_fingerprint(old, new) -> bool:
+    """Do two signed manifests differ only in data.fingerprint?"""
+    import dataclasses
+
+    from .manifest import ManifestError
+
+    try:
+        a, b = old.verify(old.coordinator), new.verify(new.coordinator)
+    except ManifestError:  # an older version's manifest: not comparable key by key
+        return False
+    blank = dataclasses.replace(a.data, fingerprint="")
+    return a.data.fingerprint != b.data.fingerprint and dataclasses.replace(a, data=blank) == dataclasses.replace(
+        b, data=dataclasses.replace(b.data, fingerprint=""))
+
+
+def record_run(state_dir: Path, signed: bytes) -> None:
+    """Bind the state dir to this signed manifest: only once the network is up, since no peer can
+    have seen a run whose network never started (recorded then, a typo in --listen would have
+    bound the state dir to a manifest the user still meant to correct)."""
+    write_atomically(state_dir / "manifest.signed", lambda f: f.write(signed))
