@@ -5,8 +5,9 @@ its contributions whose outcome was still open, and checkpoints of one run's glo
 restart under another identity would read a contribution the round counted under the old peer id
 as "not counted" and send that work again, so the swarm would apply it twice; a run of another
 coordinator that happens to share the run id would take the old run's checkpoint for its own. So
-the first `join` writes `volunteer.json` (peer id, coordinator, run id) into the state dir, and a
-later one that differs in any of them is refused before anything there is read.
+the first `join` writes `volunteer.json` (peer id, coordinator, run id) into the state dir, once
+the checkpoint there (if any) is accepted for the run, and a later one that differs in any of them
+is refused before anything there is read.
 """
 
 from __future__ import annotations
