@@ -8,7 +8,8 @@ contribution is in an aggregate), `lost_contributions` (a contribution whose wor
 counted in a committed round while its owner kept its work, so applied twice, or taken out of
 its owner's work while the commit left it out, so never applied; one that a crashed process sent
 and its restart cannot count as its own is not lost), `double_counted_contributions` (those of
-them applied twice), the per-round parameter-hash agreement over every process (and in how many
+them applied twice), `presumed_lost_contributions` (those of them a restarted process took out of
+its work as counted, by design, because it could not check the commit, which had not counted them), the per-round parameter-hash agreement over every process (and in how many
 rounds two or more processes reported a hash to compare: `hash_checked_rounds`), whether the
 driver's timeout stopped the run (`timed_out`), and where each process ended (`final_round_by_process`).
 """
@@ -82,7 +83,7 @@ def build_report(out: Path, opts: "SimulateOptions", driver_events: list[dict], 
             r, _, digest = max(applied)
             final[name] = [r, digest]
     volunteer_rounds = [e for e in rounds if e["who"] != "coordinator"]
-    lost, twice = _misapplied(logs, volunteer_rounds, contributors)
+    lost, twice, presumed = _misapplied(logs, volunteer_rounds, contributors)
     order = sorted(end_t)
     # Rounds are numbered from 0 in a simulation; one no process logged (e.g. every holder of its
     # aggregate died, so the others re-synced past it) still happened, and keeps its place as None.
@@ -176,6 +177,8 @@ def build_report(out: Path, opts: "SimulateOptions", driver_events: list[dict], 
         "rejoin_s": rejoin,
         "lost_contributions": lost,
         "double_counted_contributions": twice,  # of `lost_contributions`, those applied twice
+        # of `lost_contributions`, those a restart presumed counted (it could not check the commit)
+        "presumed_lost_contributions": presumed,
         "timed_out": any(e["kind"] == "timed-out" for e in driver_events),  # stopped by the driver's timeout
         "crashed": sorted({e["peer"] for e in driver_events if e["kind"] == "crash"}),  # ended with an error
         "compute_utilization": round(sum(utilization) / len(utilization), 4) if utilization else None,
@@ -193,10 +196,11 @@ def build_report(out: Path, opts: "SimulateOptions", driver_events: list[dict], 
 
 
 def _misapplied(logs: dict[str, list[dict]], volunteer_rounds: list[dict],
-                contributors: dict[int, set[str]]) -> tuple[int, int]:
-    """Contributions whose work went wrong, as (all of them, those applied twice): each owner's
+                contributors: dict[int, set[str]]) -> tuple[int, int, int]:
+    """Contributions whose work went wrong, as (all of them, those applied twice, those presumed
+    counted by a restart that could not check the commit, which had not): each owner's
     reading of a commit against the commit's contributors."""
-    lost = twice = 0
+    lost = twice = presumed = 0
     for e in volunteer_rounds:
         # A commit that names a peer but counts what its crashed process sent (`superseded`) loses
         # nothing: that contribution was applied, and the restarted process keeps its own work.
@@ -221,8 +225,8 @@ def _misapplied(logs: dict[str, list[dict]], volunteer_rounds: list[dict],
         if kind == "outcome-unknown" and counted:
             lost, twice = lost + 1, twice + 1
         elif kind == "presumed-counted" and not counted:
-            lost += 1
-    return lost, twice
+            lost, presumed = lost + 1, presumed + 1
+    return lost, twice, presumed
 
 
 def report_json(report: dict) -> str:
@@ -293,4 +297,6 @@ def fault_summary(report: dict) -> str | None:
             + f"; rejoin mean/max {mean_max(report['rejoin_s'])}; longest round {max(times):.1f} s"
             + f"; lost contributions {report['lost_contributions']}"
             + (f" ({report['double_counted_contributions']} applied twice)"
-               if report.get("double_counted_contributions") else ""))
+               if report.get("double_counted_contributions") else "")
+            + (f" ({report['presumed_lost_contributions']} presumed counted by a restart that could not check "
+               "the commit)" if report.get("presumed_lost_contributions") else ""))

@@ -230,8 +230,9 @@ def test_contributions_settled_without_their_commit_count_as_lost_or_applied_twi
     report = build_report(tmp_path, SimulateOptions(peers=4, rounds=3), [], wall_s=4.0, t0=0.0)
     assert report["lost_contributions"] == 3  # Q's rounds 0 and 1, S's round 2
     assert report["double_counted_contributions"] == 2  # Q's round 0, S's round 2
+    assert report["presumed_lost_contributions"] == 1  # Q's round 1: presumed counted, by design
     report["events"].append({"t": 2.0, "kind": "kill", "peer": "peer-1"})
-    assert "lost contributions 3 (2 applied twice)" in fault_summary(report)
+    assert "lost contributions 3 (2 applied twice) (1 presumed counted by a restart" in fault_summary(report)
 
 
 def test_hash_checked_rounds_count_rounds_two_processes_reported(tmp_path):
