@@ -131,7 +131,7 @@ def run_volunteer(p: Participant, bootstrap_peers: list[str], *, max_rounds: int
                 # unrecorded work is not sent (`_remember_contribution`): a crash would drop it
                 p.work_recorded = p.work_token is None or journal.record(
                     r, p.outer.error, [x.to_bytes() for x in sent], loop.exchange.unsettled_work(),
-                    trainer.progress_state())
+                    trainer.progress_state(), basis=loop.exchange.basis_for(r))
             loop.exchange.contribute(r, sent)
             in_flight = (r, stats, t0, time.perf_counter())
             if not m.outer.overlap:
@@ -332,7 +332,8 @@ class _VolunteerLoop:
         included = item.included
         if included is None:
             try:
-                included = p.node.call(self.exchange.counts_ours(item.round_id, item.segments), timeout_s=30)
+                included = p.node.call(self.exchange.counts_ours(item.round_id, item.segments, item.basis),
+                                       timeout_s=30)
             except (PeerUnavailable, TimeoutError, ProtocolError) as exc:
                 # a failure on the way, not an answer: the commit may well have counted it, and
                 # then its work must come out

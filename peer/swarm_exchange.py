@@ -21,7 +21,8 @@ import torch
 from groundswell.compression import Payload
 from groundswell.optim import RoundFailed, RoundResult
 from groundswell.protocol.client import LEAVE_ATTEMPTS, AttemptResult, RoundBehind
-from groundswell.protocol.schema import Decision
+from groundswell.protocol.envelope import unseal
+from groundswell.protocol.schema import Decision, ProtocolError
 from groundswell.protocol.transport import PeerUnavailable
 
 from .net_errors import NetworkError
@@ -48,15 +49,22 @@ class Unsettled:
     # crashed process sent, outcome unknown (see work_file): it most likely counted, and taking it
     # out loses at most its sent part, where keeping it would send that work a second time.
     if_unknown: bool = False
+    # The signed commit of the round before, which this round was planned from (b"": not known):
+    # checking the round's commit needs it, and a restart that took a later state lacks it.
+    basis: bytes = b""
 
 
 def unsettled_item(round_id: int, segments: list[bytes], decayed: int, included: bool | None = None,
-                   retried: bool = False, presume: bool = False) -> dict[str, Any]:
+                   retried: bool = False, presume: bool = False, basis: bytes = b"") -> dict[str, Any]:
     """An unsettled contribution as a checkpoint or work.pt stores it (`decayed`: contributions
     prepared after it, each of which decayed SparseLoCo's error feedback; `presume`: its
-    `Unsettled.if_unknown`)."""
+    `Unsettled.if_unknown`; `basis`: its `Unsettled.basis`)."""
+    # (None, not b"": torch.load with weights_only refuses an empty bytes object)
     return {"round": round_id, "segments": list(segments), "decayed": decayed, "included": included,
-            "retried": retried, "presume": presume}
+            "retried": retried, "presume": presume, "basis": basis or None}
+
+
+_ITEM_KEYS = {"round", "segments", "decayed", "included", "retried", "presume"}
 
 
 def parse_unsettled(items: Any) -> list[dict[str, Any]]:
@@ -65,15 +73,16 @@ def parse_unsettled(items: Any) -> list[dict[str, Any]]:
         raise ValueError("the list of unsettled contributions is not a list")  # noqa: TRY004 (one error type for callers)
     parsed = []
     for i in items:
-        ok = isinstance(i, dict) and set(i) == {"round", "segments", "decayed", "included", "retried", "presume"} \
-            and all(type(i[k]) is int and i[k] >= 0 for k in ("round", "decayed")) \
+        # (files of versions before `basis` lack it: their contributions are checked as before)
+        ok = isinstance(i, dict) and set(i) in (_ITEM_KEYS, _ITEM_KEYS | {"basis"}) \
+            and type(i.get("basis")) in (type(None), bytes) and all(type(i[k]) is int and i[k] >= 0 for k in ("round", "decayed")) \
             and isinstance(i["segments"], list) and all(type(s) is bytes for s in i["segments"]) \
             and type(i["included"]) in (type(None), bool) \
             and type(i["retried"]) is bool and type(i["presume"]) is bool
         if not ok:
             raise ValueError("malformed list of unsettled contributions")
         parsed.append(unsettled_item(i["round"], i["segments"], i["decayed"], i["included"], i["retried"],
-                                     i["presume"]))
+                                     i["presume"], i.get("basis") or b""))
     return parsed
 
 
@@ -150,8 +159,16 @@ class SwarmExchange:
         if retried:  # a later attempt adopts the commit of the one before it, or (rarely) of the one before that
             for old in [u for u in self.unsettled if u.retried and u.round_id == round_id][:-1]:
                 self.unsettled.remove(old)
-        self.unsettled.append(Unsettled(round_id, self._segments, included, self.prepared, retried))
+        self.unsettled.append(Unsettled(round_id, self._segments, included, self.prepared, retried,
+                                        basis=self.basis_for(round_id)))
         self._keep_newest()
+
+    def basis_for(self, round_id: int) -> bytes:
+        """The signed commit round `round_id` was planned from (`Unsettled.basis`), b"" if not held.
+        (Read from the training thread: one dict lookup, which the network loop's writes cannot tear.)"""
+        book = self.node.book
+        entry = None if book is None else book.committed.get(round_id - 1)
+        return b"" if entry is None else entry[0]
 
     def _keep_newest(self, limit: int = 4) -> None:
         """A peer failing round after round keeps the newest few, forgetting retried ones first
@@ -170,7 +187,7 @@ class SwarmExchange:
     def unsettled_work(self) -> list[dict[str, Any]]:
         """Each unsettled contribution as a checkpoint stores it (`unsettled_item`)."""
         return [unsettled_item(u.round_id, u.segments, self.prepared - u.prepared, u.included, u.retried,
-                               u.if_unknown) for u in self.unsettled]
+                               u.if_unknown, u.basis) for u in self.unsettled]
 
     def restore_unsettled(self, items: Sequence[dict[str, Any]]) -> None:
         """Take over an earlier process's unsettled contributions (`unsettled_item`s, oldest first):
@@ -178,7 +195,7 @@ class SwarmExchange:
         caller settles them at once, and one forgotten unsettled could be sent twice (a record
         lists its own contribution besides the few before it, even when its outcome is known)."""
         self.unsettled.extend(Unsettled(i["round"], list(i["segments"]), i["included"], self.prepared - i["decayed"],
-                                        i["retried"], if_unknown=i["presume"]) for i in items)
+                                        i["retried"], if_unknown=i["presume"], basis=i["basis"] or b"") for i in items)
 
     def take_unsettled(self, applied_below: int) -> list[Unsettled]:
         """The unsettled contributions of rounds the global parameters have taken (those below
@@ -187,24 +204,40 @@ class SwarmExchange:
         self.unsettled = [u for u in self.unsettled if u.round_id >= applied_below]
         return done
 
-    async def counts_ours(self, round_id: int, segments: list[bytes]) -> bool | None:
+    async def counts_ours(self, round_id: int, segments: list[bytes], basis: bytes = b"") -> bool | None:
         """Did round `round_id`'s commit count these segments? The commit is asked of a few peers
         that applied the round if this peer does not hold it (it took a later state meanwhile).
-        Bounded by one request timeout (ask_decision answers b"" on any failure).
-        None: not known here (no holder had it)."""
+        Bounded by one request timeout (ask_decision answers b"" on any failure). `basis`: the
+        contribution's `Unsettled.basis`. None: not known here (no holder had it, or it could
+        not be checked)."""
         book, client = self.node.book, self.node.client
         if book is None or client is None:
             return None
-        # Asked of a few peers that applied the round, at once; a commit is checked against its
-        # signatures (which needs the round before's commit, still in the book unless the peer
-        # jumped far ahead) and goes into the book (ask_decision).
+        # Asked of a few peers that applied the round, at once; a commit is checked against the
+        # plan the round before's commit gives (still in the book unless the peer took a later
+        # state: then the one our contribution was planned from, which we checked back then) and
+        # goes into the book (ask_decision).
         if round_id not in book.committed:
+            if basis and book.membership(round_id) is None:
+                self._add_basis(round_id, basis)
             await asyncio.gather(*(client.ask_decision(peer, round_id, 0, 0.0)
                                    for peer in self.node.holders(round_id)[:ASK_HOLDERS]))
         committed = book.committed.get(round_id)
         if committed is None:
             return None
         return await client.counts_ours(committed[1], segments)
+
+    def _add_basis(self, round_id: int, basis: bytes) -> None:
+        """Put the commit round `round_id` was planned from back into the book (on the network loop)."""
+        book = self.node.book
+        assert book is not None
+        try:  # (ours, from our own file: its signature and round are checked all the same)
+            _, decision = unseal(basis, book.run_id, Decision)
+            if decision.round != round_id - 1:
+                raise ProtocolError(f"it is round {decision.round}'s")
+            book.add(basis)
+        except ProtocolError as exc:
+            log.warning("round %d: the stored commit it was planned from is not usable: %s", round_id, exc)
 
     async def own_scaled(self, round_id: int) -> tuple[tuple[int, int, float], ...] | None:
         """Where round `round_id`'s mean took our contribution clipped (`RoundResult.scaled`), for

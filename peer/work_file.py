@@ -202,16 +202,18 @@ class WorkJournal:
         return self._token
 
     def record(self, round_id: int, error: torch.Tensor, segments: list[bytes], earlier: list[dict[str, Any]],
-               progress: dict[str, Any] | None = None) -> bool:
+               progress: dict[str, Any] | None = None, basis: bytes = b"") -> bool:
         """Write the record of the contribution `segments` (as it will be sent), before it is
         handed to the exchange: if it is written later, a crash in between leaves contributed.json
         naming a contribution with no record, and the work is dropped. `error` has it encoded;
         `earlier` lists each earlier contribution whose outcome is unknown (`unsettled_item`s, their
         `decayed` not counting this one); `progress`: where training is (the batches trained are in
-        `error`: a restart must not train them again). False if nothing was written."""
+        `error`: a restart must not train them again); `basis`: the signed commit round `round_id`
+        was planned from (a restart that took a later state checks the round's commit with it).
+        False if nothing was written."""
         if self.state_dir is None or self._token is None:
             return False
-        own = unsettled_item(round_id, segments, 0)
+        own = unsettled_item(round_id, segments, 0, basis=basis)
         # this contribution's encoding decayed the error feedback once more
         # the newest few, and every one counted or presumed counted (SwarmExchange keeps those)
         cut = len(earlier) - KEEP_UNSETTLED

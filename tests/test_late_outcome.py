@@ -130,7 +130,7 @@ def _loop(counted, scaled=()):
         def take_unsettled(self, below):
             return [Unsettled(0, [p.to_bytes() for p in payloads], counted if isinstance(counted, bool) else None, 2)]
 
-        async def counts_ours(self, round_id, segments):
+        async def counts_ours(self, round_id, segments, basis=b""):
             if isinstance(counted, Exception):
                 raise counted
             return counted

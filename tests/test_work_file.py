@@ -275,6 +275,30 @@ def test_a_restart_takes_all_restored_contributions_and_the_cap_later_keeps_the_
     assert [i["presume"] for i in exchange.unsettled_work()] == [False, False, False, True]
 
 
+def test_a_contribution_keeps_the_commit_its_round_was_planned_from_through_a_restart(tmp_path):
+    """A restart that took a later state checks the round's commit with it (see
+    tests/test_late_outcome_restart.py): the record, a checkpoint's list and the exchange carry it;
+    a record of an older version, without it, still reads."""
+    from groundswell.peer.swarm_exchange import parse_unsettled
+
+    journal = WorkJournal(tmp_path, enabled=True)
+    journal.start()
+    earlier = [unsettled_item(2, [b"older"], 0, basis=b"commit-1")]
+    assert journal.record(3, torch.zeros(10), [b"own"], earlier, basis=b"commit-2")
+    record = read_work(tmp_path, 10)
+    assert record is not None and record.own["basis"] == b"commit-2" and record.earlier[0]["basis"] == b"commit-1"
+    exchange = SwarmExchange(SimpleNamespace(identity=SimpleNamespace(peer_id="me"), book=None))  # type: ignore[arg-type]
+    exchange.restore_unsettled([*record.earlier, record.own])
+    assert [u.basis for u in exchange.unsettled] == [b"commit-1", b"commit-2"]
+    assert [i["basis"] for i in exchange.unsettled_work()] == [b"commit-1", b"commit-2"]
+    legacy = {k: v for k, v in unsettled_item(4, [b"x"], 0).items() if k != "basis"}
+    assert parse_unsettled([legacy]) == [unsettled_item(4, [b"x"], 0)]
+    exchange.restore_unsettled(parse_unsettled([legacy]))
+    assert exchange.unsettled[-1].basis == b""
+    with pytest.raises(ValueError):
+        parse_unsettled([dict(legacy, basis="text")])
+
+
 def test_a_second_restart_takes_the_checkpoint_the_first_one_wrote_after_restoring_the_record(tmp_path, corpus):
     """The record's contribution never went out. The first restart takes its error feedback,
     trains, and stops with a checkpoint before contributing: that checkpoint is newer than the
