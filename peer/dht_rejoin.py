@@ -172,6 +172,43 @@ class DhtRejoiner:
         log.info("routing table was empty: %d of %d known peers answered", answered, len(targets))
 
 
+BOOTSTRAP_S = 25.0  # how long a start pings its bootstrap peers before it gives up
+
+
+async def enter_dht(dht: Any, initial_peers: Sequence[str], within_s: float = BOOTSTRAP_S,
+                    pause_s: float = 2.0) -> None:
+    """Ping the bootstrap peers into `dht`'s routing table (validated: hivemind's checks of the
+    clock and of our reachability raise as in its own bootstrap) and look up our neighbours.
+    hivemind pings once, for 3 s: a bootstrap peer busy for a moment (applying a round on a small
+    machine) failed our start. Here the pings are repeated for `within_s`; RuntimeError with
+    hivemind's words if none ever answers."""
+    from hivemind.p2p import PeerID
+    from hivemind.utils.multiaddr import Multiaddr
+
+    protocol = dht.protocol
+    peers = list({PeerID.from_base58(Multiaddr(m)["p2p"]) for m in initial_peers})
+    give_up = time.monotonic() + within_s
+    while True:
+        # each ping is bounded by the DHT's own request timeout (3 s); gathered, none is left behind
+        answers = await asyncio.gather(*(protocol.call_ping(p, validate=True, strict=True) for p in peers),
+                                       return_exceptions=True)
+        refused = [a for a in answers if isinstance(a, BaseException)]
+        if refused:  # a clock too far off, or a peer that cannot reach us back: no retry mends it
+            raise refused[0]
+        if any(a is not None for a in answers):
+            break
+        if time.monotonic() + pause_s >= give_up:
+            raise RuntimeError(f"DHTNode bootstrap failed: none of the initial_peers responded to a ping "
+                               f"in {within_s:g} s")
+        log.warning("the bootstrap peers' DHT did not answer; asking again")
+        await asyncio.sleep(pause_s)
+    try:  # (hivemind bounds this step by its bootstrap timeout too)
+        async with asyncio.timeout(within_s):
+            await dht.find_nearest_nodes([dht.node_id])
+    except TimeoutError:
+        log.info("looking up our DHT neighbours took over %g s; going on", within_s)
+
+
 @dataclass(frozen=True)
 class KnownPeers:
     """Where the run's peers were: (peer id, multiaddrs) pairs, oldest first, in two tiers."""

@@ -29,9 +29,11 @@ def explain_start_failure(err: BaseException, initial_peers: Sequence[str]) -> N
     if "can't access this node" in text:  # hivemind's DHT: the bootstrap peer could not dial us back
         return NetworkError("the bootstrap peer could not connect back to this node (a firewall? then "
                             "--reachability private; or another process with the same identity)")
-    if "none of the initial_peers responded to a ping" in text:  # hivemind's DHT: connected, but no answer in 3 s
+    if "none of the initial_peers responded to a ping" in text:  # connected, but no DHT answer (dht_rejoin.enter_dht)
+        within = re.search(r"in ([0-9.]+) s", text)
         return NetworkError(f"the bootstrap peers ({', '.join(initial_peers)}) took the connection but their DHT "
-                            "did not answer within 3 s (overloaded, or frozen?): start again in a moment")
+                            f"did not answer within {within.group(1) if within else 3} s (overloaded, or frozen?): "
+                            "start again in a moment")
     if "failed to connect to bootstrap peers" in text:  # p2pd's words
         return NetworkError(f"none of the bootstrap peers answered ({', '.join(initial_peers)}): is the run up, "
                             "and is the address right?")

@@ -44,7 +44,7 @@ from .daemon import (
     watch_daemon,
     with_private_sockets,
 )
-from .dht_rejoin import DhtRejoiner, dialable_scopes
+from .dht_rejoin import DhtRejoiner, dialable_scopes, enter_dht
 from .holepunch import Rendezvous, serve_punch_invites
 from .net_errors import NetworkError, explain_start_failure
 from .net_loop import NetLoop
@@ -201,9 +201,12 @@ class SwarmNode(PeerRecords, StateServing, NetLoop):
                     # any free port failing is rare: joiners then get the state over libp2p
                     log.warning("direct state downloads are off: cannot listen on %s: %s", host, exc)
             t3 = time.monotonic()
-            dht = await DHTNode.create(p2p=p2p, initial_peers=list(self.options.initial_peers) or None,
-                                       client_mode=self.reachability == "private", record_validator=self.record_validator)
+            # (bootstrapped by `enter_dht`, which retries where hivemind's own bootstrap gives up in 3 s)
+            dht = await DHTNode.create(p2p=p2p, initial_peers=None, client_mode=self.reachability == "private",
+                                       record_validator=self.record_validator)
             self.dht = dht
+            if self.options.initial_peers:
+                await enter_dht(dht, self.options.initial_peers)
             self.startup_s = {"p2pd": t1 - t0, "probe": t2 - t1, "dht": time.monotonic() - t3}
             async with asyncio.TaskGroup() as tasks:
                 self._tasks = tasks

@@ -180,3 +180,59 @@ def test_a_node_started_without_bootstrap_peers_gets_into_the_dht_through_the_pe
         if node is not None:
             node.close()
         cluster.close()
+
+
+def test_a_start_waits_out_a_bootstrap_peer_whose_dht_is_busy_for_a_few_seconds(tmp_path):
+    """hivemind's own bootstrap pings once, for 3 s: a restarted peer of a churn run failed to
+    start when the coordinator was busy applying a round. The busy spell here: the bootstrap
+    node's event loop blocked for 6 s (its daemon still takes the connection)."""
+    from groundswell.peer.swarm import NodeOptions, SwarmNode
+    from groundswell.protocol.identity import Identity
+
+    cluster = Cluster(1)
+    try:
+        boot = cluster.nodes[0]
+        ident = Identity.generate()
+        ident.save(tmp_path / "id.key")
+        node = SwarmNode(ident, str(tmp_path / "id.key"), NodeOptions(initial_peers=boot.maddrs[:1],
+                                                                    reachability="public"))
+        cluster.nodes.append(node)  # closed with the cluster
+        boot._loop.call_soon_threadsafe(time.sleep, 6)
+        started = time.monotonic()
+        node.start()
+        assert time.monotonic() - started > 3  # (it did meet the busy spell)
+        assert node.call(_table_size(node), 10) == 1
+    finally:
+        cluster.close()
+
+
+def test_a_bootstrap_peer_that_never_answers_fails_the_start_after_a_while_and_a_refusal_at_once():
+    import asyncio
+    from types import SimpleNamespace
+
+    from groundswell.peer.dht_rejoin import enter_dht
+    from groundswell.peer.net_errors import explain_start_failure
+
+    boot = "/ip4/127.0.0.1/tcp/1/p2p/QmcgpsyWgH8Y8ajJz1Cu72KnS5uo2Aa2LpzU7kinSupMKb"
+    pings: list[float] = []
+
+    async def silent(peer, validate, strict):
+        assert validate and strict  # hivemind's checks of clock and reachability stay on
+        pings.append(time.monotonic())
+        return None
+
+    dht = SimpleNamespace(protocol=SimpleNamespace(call_ping=silent))
+    with pytest.raises(RuntimeError) as failed:
+        asyncio.run(enter_dht(dht, [boot], within_s=0.5, pause_s=0.1))
+    assert len(pings) >= 3
+    assert "did not answer within 0.5 s" in str(explain_start_failure(failed.value, [boot]))
+
+    async def refuses(peer, validate, strict):
+        pings.append(time.monotonic())
+        raise RuntimeError("Peer X can't access this node. Probably, libp2p has failed to bypass the firewall")
+
+    pings.clear()
+    dht.protocol.call_ping = refuses
+    with pytest.raises(RuntimeError, match="can't access this node"):
+        asyncio.run(enter_dht(dht, [boot], within_s=5, pause_s=0.1))
+    assert len(pings) == 1
