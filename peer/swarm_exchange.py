@@ -111,9 +111,7 @@ class SwarmExchange:
         """Start this peer's attempt at `round_id` with its segment payloads."""
         if self._future is not None:
             raise RuntimeError("contribute() twice without collect()")
-        announced, self._announced = self._announced, None
-        if announced is not None and announced.done() and announced.exception() is not None:
-            log.warning("announcing round %d failed: %s", round_id, announced.exception())
+        self._drop_announce(round_id)
         client = self.node.client
         assert client is not None and self.node.transport is not None
         self._sent_before = self.node.transport.bytes_sent
@@ -263,8 +261,20 @@ class SwarmExchange:
         first round after start, at every attempt an earlier process's `leave` reached."""
         client = self.node.client
         assert client is not None
+        self._drop_announce(round_id)  # (a retried first round announces again)
         self._announced = self.node.submit(client.announce(round_id, trains=True, serves=self.serves,
                                                            attempts=LEAVE_ATTEMPTS))
+
+    def _drop_announce(self, round_id: int) -> None:
+        """Let go of the announcement in flight: its failure, if it failed, is logged; one still
+        running is cancelled (superseded: a contribution or a newer announcement is on its way)."""
+        announced, self._announced = self._announced, None
+        if announced is None:
+            return
+        if not announced.done():
+            announced.cancel()
+        elif not announced.cancelled() and announced.exception() is not None:
+            log.warning("announcing round %d failed: %s", round_id, announced.exception())
 
     def ready(self) -> bool:
         """Whether the attempt in flight has an outcome (and, on a commit, its aggregate): `collect`

@@ -382,3 +382,31 @@ def test_a_stored_contribution_that_does_not_decode_drops_our_unsent_work_not_th
     loop.settle_late()
     assert torch.equal(outer.error, torch.zeros_like(outer.error))
     assert events == ["unsettled-corrupt"] and loop.exchange.unsettled == []
+
+
+def test_an_announcement_superseded_is_cancelled_and_one_that_failed_is_reported(caplog):
+    """A retried first round announces again: the announcement before it was overwritten, still
+    running (nobody owned it) or failed (its error never seen)."""
+    submitted: list[Future] = []
+
+    class Node(_Node):
+        def submit(self, coro) -> Future:
+            coro.close()
+            fut: Future = Future()
+            submitted.append(fut)
+            return fut
+
+    node = Node(None)
+    node.client = SimpleNamespace(announce=lambda *a, **kw: asyncio.sleep(0))
+    ex = SwarmExchange(node)
+    ex.announce(0)
+    ex.announce(0)
+    assert submitted[0].cancelled() and not submitted[1].cancelled()
+    submitted[1].set_running_or_notify_cancel()
+    submitted[1].set_exception(PeerUnavailable("no leader answered"))
+    caplog.set_level("WARNING", logger="groundswell.peer.swarm_exchange")
+    ex.announce(0)
+    assert "announcing round 0 failed: no leader answered" in caplog.text
+    node.outcome = (AttemptResult(None, b"", 0, True, False), None)
+    ex.contribute(0, _payloads())  # the contribution supersedes the announcement still out
+    assert submitted[2].cancelled()
