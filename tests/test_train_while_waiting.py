@@ -83,6 +83,7 @@ def test_a_retried_round_says_why_in_words():
     from groundswell.protocol.schema import Decision
 
     ex = SwarmExchange(SimpleNamespace(identity=SimpleNamespace(peer_id="me"), client=object(), transport=object(),
+                                       book=None,
                                        ctx=SimpleNamespace(deadline_s=1.0, slack_s=0.1, min_peers=3)))
     retry = Decision(4, 1, "retry", [], ["a"], ["a"], "a", [], 1, 0.0)
     for decision, words in ((retry, "fewer than 3 complete contributions (the run's min_peers)"),
@@ -103,7 +104,7 @@ def _waiting_exchange():
 
     from groundswell.peer.swarm_exchange import SwarmExchange
 
-    node = SimpleNamespace(identity=SimpleNamespace(peer_id="me"), client=object(), transport=object(), down=None,
+    node = SimpleNamespace(identity=SimpleNamespace(peer_id="me"), client=object(), transport=object(), down=None, book=None,
                            ctx=SimpleNamespace(deadline_s=10.0, slack_s=1.0, min_peers=2))
     ex = SwarmExchange(node)
     ex._round, ex._future = 4, Future()
