@@ -30,7 +30,7 @@ def _identity(path: Optional[Path], state_dir: Optional[Path]):
     mistyped one would silently make this node someone else (a coordinator, a new run key)."""
     from groundswell.protocol.identity import Identity, IdentityError
 
-    from .locks import hold_exclusively, identity_lock_path
+    from .locks import hold_exclusively, hold_key_file, identity_lock_path
 
     if path is not None and not path.exists():
         raise IdentityError(f"no identity at {path}: create one with `groundswell keygen {path}`, or leave "
@@ -47,6 +47,7 @@ def _identity(path: Optional[Path], state_dir: Optional[Path]):
     # stream would reach either at random. Locked by peer id (a key copied to two paths is one
     # identity) in a per-user folder (the key's own folder may be read-only).
     hold_exclusively(identity_lock_path(ident.peer_id), "identity", path, "give this one its own --identity")
+    hold_key_file(path)
     return ident, path
 
 

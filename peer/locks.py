@@ -73,6 +73,34 @@ def hold_exclusively(lock_path: Path, what: str, subject: Path, hint: str = "giv
     _HELD[key] = fd
 
 
+def hold_key_file(path: Path) -> None:
+    """Also lock the identity's key file itself (read-only, best effort): the lock by peer id lives
+    in the temp directory, which a cleaner may empty or a service may have a private copy of; the
+    key file is the same file for every process that loads it. ConfigError if another process
+    holds it; nothing where the filesystem has no locks (the lock by peer id still holds)."""
+    try:
+        import fcntl
+    except ImportError:  # pragma: no cover - not on POSIX
+        return
+    key = f"key:{path.resolve()}"
+    if key in _HELD:
+        return
+    try:
+        fd = os.open(path, os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0))
+    except OSError:  # (a link: it was read through it already; the lock by peer id covers it)
+        return
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        os.close(fd)
+        raise ConfigError(f"the identity {path} is in use by another groundswell process; stop it, or give "
+                          "this one its own --identity") from None
+    except OSError:  # no locks on this filesystem
+        os.close(fd)
+        return
+    _HELD[key] = fd
+
+
 def _no_lock_message(lock_path: Path, what: str, subject: Path, exc: OSError) -> str:
     """The one line for a lock `flock` refused with `exc`: the file, and a folder to use instead."""
     if exc.errno not in _NO_LOCKS:

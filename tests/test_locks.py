@@ -74,3 +74,35 @@ def test_a_filesystem_without_locks_is_named_in_one_line_and_the_lock_file_close
     assert len(os.listdir("/proc/self/fd")) == before, "the lock file's descriptor leaked"
     with pytest.raises(ConfigError, match="TMPDIR"):  # the identity locks live in the temp directory
         hold_exclusively(identity_lock_path("12D3KooWNoLocks"), "identity", private_tmp / "id.key")
+
+
+def test_an_identity_is_also_locked_at_its_key_file_whatever_the_temp_folder(tmp_path, private_tmp):
+    """The lock by peer id lives in the temp folder: a service with a private /tmp, or a cleaner
+    that emptied it, let a second process run under the identity. The key file is locked too."""
+    import subprocess
+    import sys
+    import textwrap
+
+    from groundswell.peer.locks import hold_key_file
+    from groundswell.protocol.identity import Identity
+
+    key = tmp_path / "id.key"
+    Identity.generate().save(key)
+    holder = subprocess.Popen([sys.executable, "-c", textwrap.dedent(f"""
+        import time
+        from pathlib import Path
+        from groundswell.peer.locks import hold_key_file
+        hold_key_file(Path({str(key)!r}))
+        print("held", flush=True)
+        time.sleep(60)
+        """)], stdout=subprocess.PIPE, text=True)
+    try:
+        assert holder.stdout.readline().strip() == "held"
+        with pytest.raises(ConfigError, match="is in use by another groundswell process"):
+            hold_key_file(key)
+    finally:
+        holder.kill()
+        holder.wait()
+    hold_key_file(key)  # its holder gone, the lock went with it
+    hold_key_file(key)  # (taken twice by one process: held once)
+    assert key.read_bytes()  # read-only: the key is untouched
