@@ -55,11 +55,27 @@ def _user_errors(fn: Callable[..., Any]) -> Callable[..., Any]:
             console.print(f"[bold red]error:[/] {escape(str(exc) or type(exc).__name__)}", highlight=False,
                           soft_wrap=True)
             raise typer.Exit(2) from None
+        except (MemoryError, RuntimeError) as exc:
+            # out of memory (torch's CPU allocator raises a RuntimeError, CUDA an OutOfMemoryError):
+            # a size to lower, not a bug to report
+            if not (isinstance(exc, MemoryError) or _out_of_memory(exc)):
+                raise
+            what = str(exc).splitlines()[0][:200] if str(exc) else type(exc).__name__
+            console.print(f"[bold red]error:[/] out of memory ({escape(what)}); lower data.batch_size or "
+                          "eval.batch_size, or use a smaller model", highlight=False, soft_wrap=True)
+            raise typer.Exit(2) from None
         except KeyboardInterrupt:  # Ctrl+C before a command's own handler, or pressed twice
             console.print("[yellow]interrupted[/]")
             raise typer.Exit(130) from None
 
     return wrapper
+
+
+def _out_of_memory(exc: BaseException) -> bool:
+    """Is this torch's out-of-memory error (CUDA's OutOfMemoryError, or the CPU allocator's)?"""
+    import torch
+
+    return isinstance(exc, torch.OutOfMemoryError) or "can't allocate memory" in str(exc)
 
 
 def _set_threads(threads: int) -> None:
@@ -83,7 +99,7 @@ def _load_config(config: Optional[Path], overrides: dict[str, Any], sets: list[s
         import tomllib
 
         if not config.is_file():
-            raise ConfigError(f"--config {config}: no such file")
+            raise ConfigError(f"--config {config}: {'a folder, not a file' if config.is_dir() else 'no such file'}")
         try:
             data = tomllib.loads(config.read_text())
         except (tomllib.TOMLDecodeError, UnicodeDecodeError) as exc:

@@ -45,6 +45,9 @@ class DataSection:
 
     def __post_init__(self) -> None:
         _positive(self, "batch_size", "data")
+        _at_most(self, "batch_size", MAX_BATCH, "data")
+        if not self.source.strip():  # Path("") is the current folder: a run's own files would be its data
+            raise ConfigError('data.source must name "stdlib" or a folder, got an empty string')
         if self.fingerprint and not (len(self.fingerprint) <= 64 and all(c in "0123456789abcdef"
                                                                           for c in self.fingerprint)):
             raise ConfigError(f"data.fingerprint must be lowercase hex (at most 64 digits), got {self.fingerprint!r}")
@@ -141,6 +144,10 @@ class EvalSection:
     def __post_init__(self) -> None:
         for name in ("batches", "batch_size", "every_rounds"):
             _positive(self, name, "eval")
+        _at_most(self, "batch_size", MAX_BATCH, "eval")
+        if self.batches * self.batch_size > MAX_EVAL_WINDOWS:  # every held-out window is built up front
+            raise ConfigError(f"eval.batches x eval.batch_size must be at most {MAX_EVAL_WINDOWS} windows, got "
+                              f"{self.batches} x {self.batch_size}")
 
 
 @dataclass(frozen=True)
@@ -161,8 +168,20 @@ class TrainLocalConfig:
     def __post_init__(self) -> None:
         _positive(self, "workers")
         _positive(self, "steps")
+        if not 0 <= self.seed < 2**63:  # (torch's seed is a 64-bit integer; the manifest's run.seed alike)
+            raise ConfigError(f"seed must be in [0, 2**63), got {self.seed}")
         if self.outer.algorithm == "single" and self.workers != 1:
             raise ConfigError("outer.algorithm 'single' trains one worker; set workers = 1")
+
+
+MAX_BATCH = 1 << 14  # sequences per batch: far past any device's memory, short of hanging the data loader
+MAX_EVAL_WINDOWS = 1 << 16  # held-out windows, all built at start by every peer (the default is 128)
+
+
+def _at_most(obj: object, name: str, limit: int, section: str = "") -> None:
+    value = getattr(obj, name)
+    if value > limit:
+        raise ConfigError(f"{_join(section, name)} must be at most {limit}, got {value!r}")
 
 
 def _positive(obj: object, name: str, section: str = "") -> None:

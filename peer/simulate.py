@@ -141,8 +141,15 @@ def manifest_toml(opts: SimulateOptions) -> str:
         f"[checkpoint]\nevery_rounds = {opts.checkpoint_every}\nkeep = {opts.checkpoint_keep}\n"
         f"[eval]\nbatches = 4\nbatch_size = 16\nevery_rounds = {opts.eval_every}\n"
         + ("[defences]\nclip = 0.0\ntrim = 0.0\n" if not opts.defences else
-           "[defences]\nscoring = true\n" if opts.scoring else "")
+           "[defences]\nscoring = true\n" + _verified(opts) if opts.scoring else "")
     )
+
+
+def _verified(opts: SimulateOptions) -> str:
+    """A dense codec's aggregates carry every signed contribution when leaders score: otherwise
+    nobody but an aggregator holds one to score (the manifest refuses scoring without it)."""
+    codec = opts.codec or ("sparseloco" if opts.algorithm == "sparseloco" else "fp32")
+    return "" if codec == "sparseloco" else "verify_aggregates = true\n"
 
 
 # Late joiners start once this round is applied (so that they join a run under way).

@@ -44,6 +44,14 @@ def test_simulate_options_and_manifest_for_attacks():
     assert opts.byzantine_peers() == ["peer-6", "peer-7"]
     assert "clip = 0.0" in manifest_toml(opts)
     assert "scoring = true" in manifest_toml(SimulateOptions(scoring=True))
+    # review: scoring with a dense codec was refused for a key simulate has no flag for
+    import tomllib
+
+    from groundswell.peer.manifest import manifest_from_mapping
+    for algorithm, codec in [("diloco", ""), ("sparseloco", "int8"), ("sparseloco", "")]:
+        text = manifest_toml(SimulateOptions(scoring=True, algorithm=algorithm, codec=codec))
+        assert manifest_from_mapping(tomllib.loads(text)).defences.scoring
+        assert ("verify_aggregates = true" in text) is (codec != "" or algorithm == "diloco")
     with pytest.raises(ValueError):
         SimulateOptions(peers=2, byzantine=3)
     with pytest.raises(ValueError):

@@ -177,6 +177,10 @@ def test_keygen_below_a_file_or_where_it_cannot_write_says_so_about_the_path_ask
     (["--jobs", "1"], "--jobs goes with --table only"),  # given, even as its default
     (["--quick"], "--quick goes with --table only"),
     (["--threads", "-5"], "--threads must be 0 (torch's default) or more, not -5"),
+    (["--seed", "99999999999999999999"], "seed must be in [0, 2**63)"),  # review: a traceback from torch
+    (["--seed", "-1"], "seed must be in [0, 2**63)"),
+    (["--config", "."], "--config .: a folder, not a file"),
+    (["--data", ""], "data.source must name"),
 ])
 def test_train_local_refuses_table_flags_without_table_before_training(nothing_starts, args, words):
     _one_error_line(CliRunner().invoke(app, ["train-local", *args]), words)
@@ -199,3 +203,24 @@ def test_a_manifest_signed_by_another_key_is_not_a_warning_the_cli_repeats(caplo
         asyncio.run(node.fetch_manifest(["peer"], accept=lambda signed: "signed by someone else"))
     assert any("is not taken" in r.getMessage() for r in caplog.records)  # kept for --verbose
     assert not [r for r in caplog.records if r.levelno >= logging.WARNING], caplog.records
+
+
+@pytest.mark.parametrize("error,one_line", [
+    (MemoryError(), True),
+    (RuntimeError("[enforce fail at alloc_cpu.cpp:127] data. DefaultCPUAllocator: can't allocate memory: you "
+                  "tried to allocate 128000077304 bytes."), True),
+    (RuntimeError("a real bug"), False),  # not a user's error: its traceback stays
+])
+def test_running_out_of_memory_is_one_line_that_names_the_sizes_to_lower(monkeypatch, error, one_line):
+    from groundswell.peer import train_local
+
+    def fails(*args, **kwargs):
+        raise error
+
+    monkeypatch.setattr(train_local, "run_train_local", fails)
+    res = CliRunner().invoke(app, ["train-local", "--steps", "1"])
+    if one_line:
+        _one_error_line(res, "out of memory")
+        assert "lower data.batch_size" in res.output
+    else:
+        assert res.exit_code == 1 and isinstance(res.exception, RuntimeError)

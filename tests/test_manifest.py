@@ -105,6 +105,13 @@ def test_allowlist(tmp_path):
         (MINIMAL + '[outer]\nalgorithm = "data-parallel"\n', "'data-parallel' cannot run in a swarm"),
         (MINIMAL + "[inner]\nweight_decay = inf\n", "inner.weight_decay"),
         (MINIMAL + "[data]\nbatch_size = 0\n", "batch_size"),
+        # review: a huge batch hung every peer's data loader, or crashed it with a traceback
+        (MINIMAL + "[data]\nbatch_size = 9223372036854775807\n", "data.batch_size must be at most"),
+        (MINIMAL + "[eval]\nbatches = 1000000000\n", "eval.batches x eval.batch_size"),
+        (MINIMAL + "[eval]\nbatch_size = 100000\n", "eval.batch_size must be at most"),
+        # review: "" is Path(""), the current folder: the run's own state dir became its data
+        (MINIMAL + '[data]\nsource = ""\n', "data.source"),
+        (MINIMAL + '[data]\nsource = "  "\n', "data.source"),
         (MINIMAL + "[eval]\nbatches = true\n", "eval.batches"),
         (MINIMAL + "min_peers = 0\n", "run.min_peers"),
         (MINIMAL + "seed = -1\n", "run.seed"),
