@@ -9,7 +9,7 @@ import signal
 import sys
 import time
 from pathlib import Path
-from typing import Optional
+from typing import Any, Optional
 
 import typer
 from rich.live import Live
@@ -161,6 +161,11 @@ def _loss_text(loss: float) -> str:
     return "-" if math.isnan(loss) else f"{loss:.4f}"
 
 
+def _of_round(info: Any) -> str:
+    """The text " (round N)" when the loss shown was measured after another round than the one reported."""
+    return "" if info.eval_round is None or math.isnan(info.eval_loss) else f" (round {info.eval_round})"
+
+
 def _round_table(rows: list, header: str) -> Table:
     table = Table(title=header, expand=False)
     for col in ("round", "peers online", "contributors", "held-out loss", "kB/round/peer", "round s"):
@@ -178,8 +183,12 @@ def _round_line(info) -> str:
         return f"round {info.round}: runs again ({info.reason})"
     loss = "" if math.isnan(info.eval_loss) else f", held-out loss {info.eval_loss:.4f}"
     sent = f", {info.bytes_sent / 1e3:,.1f} kB/round/peer" if info.bytes_sent else ""
-    return (f"round {info.round}: applied, {info.contributors} contributors, {info.peers_online} peers online"
-            f"{loss}{sent}, {info.round_s:.1f} s")
+    return (f"round {info.round}: applied, {_count(info.contributors, 'contributor')}, "
+            f"{_count(info.peers_online, 'peer')} online{loss}{sent}, {info.round_s:.1f} s")
+
+
+def _count(n: int, what: str) -> str:
+    return f"{n} {what}{'' if n == 1 else 's'}"
 
 
 @app.command()
@@ -354,7 +363,7 @@ def join(
             if not quiet:
                 console.print(f"round {info.round}: {info.status}"
                               + (f", {'in' if info.included else 'NOT in'} aggregate of {info.contributors}, "
-                                 f"eval {_loss_text(info.eval_loss)}, {info.bytes_sent / 1e6:.2f} MB, {info.round_s:.1f} s, "
+                                 f"eval {_loss_text(info.eval_loss)}{_of_round(info)}, {info.bytes_sent / 1e6:.2f} MB, {info.round_s:.1f} s, "
                                  f"{info.tokens_per_s:,.0f} tok/s" if info.status == "applied" else
                                  f" ({info.reason})" if info.reason else ""),
                               highlight=False)

@@ -39,7 +39,7 @@ class EventLog:
         line = json.dumps({"t": time.time(), "kind": kind, **fields}) + "\n"
         self._rotate_if_full()
         try:
-            with open(self.path, "ab+") as f:
+            with open(self.path, "ab+", opener=_private) as f:
                 if not self._tail_whole and f.seek(0, 2) > 0:
                     f.seek(-1, 2)
                     if f.read(1) != b"\n":
@@ -64,3 +64,8 @@ class EventLog:
         except OSError:  # not there yet (FileNotFoundError), or a folder that refuses the rename
             return
         self._tail_whole = True  # the next event starts a new, empty file
+
+
+def _private(path: str, flags: int) -> int:
+    """Open (create) as 0600, like the state dir's other files: events name the peers of a run."""
+    return os.open(path, flags, 0o600)

@@ -48,6 +48,7 @@ class RoundInfo:
     train_loss: float = float("nan")
     eval_loss: float = float("nan")
     bytes_sent: int = 0
+    eval_round: int | None = None  # the round `eval_loss` was measured after, when not `round` (a peer's record)
     round_s: float = 0.0
     tokens_per_s: float = 0.0
     params_hash: str = ""
@@ -273,10 +274,12 @@ class _VolunteerLoop:
         self.failures = 0
         evaluate = m.eval.volunteers and (r + 1) % m.eval.every_rounds == 0
         eval_loss = p.eval_global() if evaluate else float("nan")
+        shown_round, shown = (r, eval_loss) if evaluate else _swarm_eval_loss(p)
         info = RoundInfo(r, "applied", result.included, len(result.contributors), stats.mean_loss,
-                         eval_loss if evaluate else _swarm_eval_loss(p), result.bytes_sent,
+                         shown, result.bytes_sent,
                          time.perf_counter() - t0, stats.tokens / max(stats.compute_s, 1e-9),
-                         p.hash_history.get(p.outer.round_id) or p.outer_hash())
+                         p.hash_history.get(p.outer.round_id) or p.outer_hash(),
+                         eval_round=shown_round if shown_round != r else None)
         if evaluate:
             p.node.update_record(loss=eval_loss)
         d = self.exchange.last_decision
@@ -400,15 +403,17 @@ class _UndecodableWork(Exception):
         self.round_id, self.cause = round_id, cause
 
 
-def _swarm_eval_loss(p: Participant) -> float:
+def _swarm_eval_loss(p: Participant) -> tuple[int | None, float]:
     """The held-out loss the coordinator published, for display (in an open run any other peer's
-    record could show a made-up one); else the newest one a peer published (volunteers evaluate too)."""
+    record could show a made-up one); else the newest one a peer published (volunteers evaluate
+    too). With the round it was measured after (a record names the round its peer runs next):
+    records are read every few seconds, so it is often a round or more old."""
     records = p.node.cached_records
     coordinator = records.get(p.coordinator_id)
     if coordinator is not None and coordinator.loss == coordinator.loss and coordinator.loss > 0:
-        return coordinator.loss
+        return coordinator.round - 1, coordinator.loss
     losses = [(r.round, r.loss) for r in records.values() if r.loss == r.loss and r.loss > 0]
-    return max(losses)[1] if losses else float("nan")
+    return (max(losses)[0] - 1, max(losses)[1]) if losses else (None, float("nan"))
 
 
 def _catch_up_or_resync(p: Participant, bootstrap_peers: list[str], fresh: bool = True) -> None:

@@ -4,9 +4,12 @@ in a record is its peer's own word (in an open run, anyone's): shown as text, ne
 from __future__ import annotations
 
 from rich import box
+from rich.console import Console
 from rich.table import Table
 
-from .cli import console
+# The command's output (as `--json`'s is): on stdout, so that `status ... > file` keeps it. The
+# CLI's own console (stderr) carries progress and errors.
+console = Console()
 
 
 def print_status(run_id: str, rows: list[dict]) -> None:

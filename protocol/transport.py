@@ -317,7 +317,10 @@ class Transport:
         # must not turn into a flood of log lines
         n = self.guard.rejected[f"{reason}:{handler}"]
         if n == 1 or n % 100 == 0:
-            log.warning("rejected %s request from %s (%s, %d so far): %s", handler, remote[-8:], reason, n, detail)
+            # a request for a round ahead of ours is what a peer still catching up (a joiner) gets
+            # as a matter of course: said, but not as a warning
+            (log.info if reason == "future-round" else log.warning)(
+                "rejected %s request from %s (%s, %d so far): %s", handler, remote[-8:], reason, n, detail)
 
     async def request(self, peer_id: str, handler: str, msg: Message, expect: Any, *, timeout_s: float,
                       max_reply: int = MAX_SMALL, unary: bool = True) -> Any:

@@ -93,8 +93,7 @@ def test_status_shows_what_peers_publish_as_text_not_markup(capsys):
                "serves": True, "reachability": "[/]", "hole_punched": [], "loss": None, "bytes_sent": 0,
                "refused_messages": 0, "banning": ["[/red]"], "scores": ["[/y]=+0.1"], "age_s": 1.0}
     print_status("run[/z]", [hostile])
-    captured = capsys.readouterr()
-    out = captured.out + captured.err
+    out = capsys.readouterr().out  # on stdout, as --json's is: `status ... > file` keeps it (README check)
     assert "[/x]" in out and "[/red]" in out and "[bold]abc"[:8] in out
 
 

@@ -3,6 +3,8 @@ short run (under the cap) keeps every event in the one file its readers open."""
 
 from __future__ import annotations
 
+import os
+
 from groundswell.peer import event_log
 from groundswell.peer.event_log import EventLog
 from groundswell.peer.sim_report import read_events
@@ -31,3 +33,14 @@ def test_a_short_run_keeps_every_event_in_one_file(tmp_path):
         log.write("round", round=r)
     assert [e["round"] for e in read_events(path)] == list(range(50))
     assert not (tmp_path / "events.jsonl.1").exists()
+
+
+def test_the_event_log_is_private_like_the_state_dirs_other_files(tmp_path):
+    # (a README check found it 0644 under umask 022: the only file of the state dir that was)
+    old = os.umask(0o022)
+    try:
+        path = tmp_path / "events.jsonl"
+        EventLog(path).write("start")
+        assert path.stat().st_mode & 0o777 == 0o600
+    finally:
+        os.umask(old)

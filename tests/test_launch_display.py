@@ -93,3 +93,25 @@ def test_a_round_line_says_what_the_tables_row_says():
     assert _round_line(info) == ("round 3: applied, 4 contributors, 5 peers online, held-out loss 2.5000, "
                                  "48.6 kB/round/peer, 3.2 s")
     assert "loss" not in _round_line(SimpleNamespace(**{**vars(info), "eval_loss": float("nan")}))
+    assert "1 contributor, 1 peer online" in _round_line(SimpleNamespace(**{**vars(info), "contributors": 1,
+                                                                           "peers_online": 1}))
+
+
+def test_a_volunteers_round_line_names_the_round_a_published_loss_was_measured_after():
+    """A volunteer shows the coordinator's loss from its record, read every few seconds: often a
+    round or more old (a README check saw 3.5356 repeated for rounds 5-7)."""
+    from types import SimpleNamespace
+
+    from groundswell.peer.cli_swarm import _of_round
+    from groundswell.peer.roles import _swarm_eval_loss
+
+    records = {"coord": SimpleNamespace(round=6, loss=3.5), "v": SimpleNamespace(round=9, loss=2.0)}
+    p = SimpleNamespace(node=SimpleNamespace(cached_records=records), coordinator_id="coord")
+    assert _swarm_eval_loss(p) == (5, 3.5)  # the coordinator's, measured after round 5 (it runs 6 next)
+    p.coordinator_id = "gone"
+    assert _swarm_eval_loss(p) == (8, 2.0)  # else the newest a peer published
+    p.node.cached_records = {}
+    assert _swarm_eval_loss(p)[0] is None
+    assert _of_round(SimpleNamespace(eval_round=5, eval_loss=3.5)) == " (round 5)"
+    assert _of_round(SimpleNamespace(eval_round=None, eval_loss=3.5)) == ""
+    assert _of_round(SimpleNamespace(eval_round=5, eval_loss=float("nan"))) == ""

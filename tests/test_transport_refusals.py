@@ -176,3 +176,20 @@ def test_a_replayed_or_stale_request_is_dropped_and_counted(net):
     assert net.run(send(old)) == b""
     assert net.ta.rejected["stale-message:once"] == 1 and len(calls) == 1
     assert net.run(net.tb.request(net.id_a.peer_id, "once", Join(6, True, True), Ack, timeout_s=30)).ok
+
+
+def test_a_request_for_a_round_ahead_of_ours_is_logged_as_information_not_a_warning(caplog):
+    """A joiner still catching up refuses its peers' requests for the current round as a matter of
+    course (a README check saw one as a WARN line in a plain `join`); other refusals stay warnings."""
+    from collections import Counter
+    from types import SimpleNamespace
+
+    from groundswell.protocol.transport import Transport
+
+    t = object.__new__(Transport)
+    t.guard = SimpleNamespace(rejected=Counter({"future-round:get-decision": 1, "bad-payload:contribute": 1}))
+    caplog.set_level("INFO", logger="groundswell.protocol.transport")
+    t._log_rejection("get-decision", "future-round", "12D3KooWpeer", "round 5 is too far ahead")
+    t._log_rejection("contribute", "bad-payload", "12D3KooWpeer", "garbled")
+    levels = {r.getMessage().split()[1]: r.levelname for r in caplog.records}
+    assert levels == {"get-decision": "INFO", "contribute": "WARNING"}
