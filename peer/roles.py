@@ -48,12 +48,12 @@ class RoundInfo:
     train_loss: float = float("nan")
     eval_loss: float = float("nan")
     bytes_sent: int = 0
-    eval_round: int | None = None  # the round `eval_loss` was measured after, when not `round` (a peer's record)
     round_s: float = 0.0
     tokens_per_s: float = 0.0
     params_hash: str = ""
     peers_online: int = 0
     reason: str = ""  # why a round was retried or re-synced, in words
+    eval_round: int | None = None  # the round `eval_loss` was measured after, when not `round` (a peer's record)
 
 
 def run_volunteer(p: Participant, bootstrap_peers: list[str], *, max_rounds: int | None, stop: StopFlag,
