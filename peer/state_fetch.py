@@ -10,22 +10,37 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from groundswell.protocol.direct import fetch_direct, wire_size
+from groundswell.protocol.direct import TOKEN_BYTES, fetch_direct, wire_size
 from groundswell.protocol.schema import ProtocolError, StateReply, StateRequest
 from groundswell.protocol.transport import PeerUnavailable
+
+from .dht_rejoin import LOOPBACK
+from .holepunch import punchable
 
 log = logging.getLogger(__name__)
 
 
-def direct_host(maddr: str) -> str | None:
-    """The IP of a stream's remote multiaddr if it is a direct TCP one (None: relayed, or not TCP)."""
+def direct_host(maddr: str, loopback_run: bool = True) -> str | None:
+    """The IP of a stream's remote multiaddr if it is a direct TCP one to another machine (None:
+    relayed, not TCP, or one we must not dial). A loopback address is taken only in a run on
+    127.0.0.1 (`loopback_run`): elsewhere it is a connection our hole punch forwarded to our own
+    daemon, and a hostile peer's reply would have us send its token bytes to any port of this
+    machine (a Redis, say)."""
     parts = maddr.split("/")
     if len(parts) < 5 or parts[1] not in ("ip4", "ip6") or parts[3] != "tcp" or "p2p-circuit" in parts:
         return None
     try:
-        return str(ipaddress.ip_address(parts[2]))
+        ip = ipaddress.ip_address(parts[2])
     except ValueError:
         return None
+    if not (punchable(str(ip)) or (loopback_run and ip.is_loopback)):
+        return None
+    return str(ip)
+
+
+def _loopback_run(node: Any) -> bool:
+    """Whether the run's peers are dialled on 127.0.0.1 (a simulation; see `dialable_scopes`)."""
+    return LOOPBACK in getattr(getattr(node, "rejoiner", None), "scopes", ())
 
 
 async def fetch_state(node: Any, peer: str, min_round: int, size: Callable[[StateReply], int], timeout_s: float,
@@ -68,8 +83,8 @@ async def fetch_state(node: Any, peer: str, min_round: int, size: Callable[[Stat
                                                trailer_timeout_s=blob_within)
     if not reply.direct_port or not reply.size:
         return reply, blob, digest, "stream"
-    host = direct_host(remote.get("addr", ""))
-    if host is not None:
+    host = direct_host(remote.get("addr", ""), _loopback_run(node))
+    if host is not None and len(reply.direct_token) == TOKEN_BYTES:  # (any shorter is no token of ours to send)
         try:
             blob = await fetch_direct(host, reply.direct_port, reply.direct_token, reply.direct_key, reply.size,
                                       timeout_s=left())

@@ -284,7 +284,9 @@ def _fake_node(blob: bytes, port: int, addr: str, asked: list, token: bytes = b"
             assert trailer_size(reply) == len(blob)
             return reply, bytearray(blob), digest
 
-    return SimpleNamespace(transport=_Transport(), direct_received=0)
+    # a run on 127.0.0.1, as these tests are: a loopback address is dialled (see direct_host)
+    return SimpleNamespace(transport=_Transport(), direct_received=0,
+                           rejoiner=SimpleNamespace(scopes=frozenset({"public", "loopback"})))
 
 
 @pytest.mark.parametrize("tamper, error", [("swap pieces 0 and 1", "piece 0 .* failed authentication"),
@@ -347,7 +349,12 @@ def test_direct_downloads_go_only_to_a_plain_tcp_address():
     from groundswell.peer.state_fetch import direct_host
 
     assert direct_host("/ip4/192.0.2.7/tcp/4001") == "192.0.2.7"
-    assert direct_host("/ip6/::1/tcp/4001") == "::1"
+    assert direct_host("/ip4/192.168.1.7/tcp/4001", loopback_run=False) == "192.168.1.7"  # a LAN peer
+    assert direct_host("/ip6/::1/tcp/4001") == "::1"  # a run on 127.0.0.1
+    # elsewhere, never this machine, nor an address that is no one peer's
+    for own_or_none in ("/ip4/127.0.0.1/tcp/4001", "/ip6/::1/tcp/4001", "/ip4/0.0.0.0/tcp/1",
+                        "/ip4/169.254.1.1/tcp/1", "/ip4/224.0.0.1/tcp/1", "/ip6/::ffff:127.0.0.1/tcp/1"):
+        assert direct_host(own_or_none, loopback_run=False) is None, own_or_none
     for relayed_or_other in ("/ip4/192.0.2.7/tcp/4001/p2p/QmR/p2p-circuit", "/ip4/192.0.2.7/udp/4001/quic", "",
                              "/dns4/example.org/tcp/4001", "/ip4/999.1.1.1/tcp/1"):
         assert direct_host(relayed_or_other) is None
@@ -649,3 +656,31 @@ def test_no_download_outlasts_the_joiners_own_wait():
 
     for numel in (1, 10_000, 25_000_000, 1_000_000_000, 2_000_000_000):
         assert direct.serve_timeout_s(4 * numel + 4096) <= state_timeout_s(numel)
+
+
+@pytest.mark.parametrize("case", ["punched-from-loopback", "short-token"])
+def test_a_reply_cannot_make_a_joiner_send_bytes_to_a_port_of_its_own_machine(case):
+    """A NAT'ed joiner's punched connections reach its daemon from loopback: a hostile peer's reply
+    naming any port (6379, say) and a "token" of its choosing (b"FLUSHALL\\r\\n") had the joiner
+    connect to that port of its own machine and send those bytes (found by a review). Outside a
+    run on 127.0.0.1 a loopback remote gets no direct connection; nor does a token of another size."""
+    import socket
+    from types import SimpleNamespace
+
+    from groundswell.peer.state_fetch import fetch_state
+
+    with socket.socket() as listener:
+        listener.bind(("127.0.0.1", 0))
+        listener.listen()
+        listener.settimeout(0.5)
+        blob = os.urandom(1000)
+        asked: list[StateRequest] = []
+        token = b"FLUSHALL\r\n" + (b" " * 22 if case == "punched-from-loopback" else b"")
+        node = _fake_node(blob, listener.getsockname()[1], "/ip4/127.0.0.1/tcp/4001", asked, token)
+        if case == "punched-from-loopback":
+            node.rejoiner = SimpleNamespace(scopes=frozenset({"public", "private"}))  # a LAN or internet run
+        _reply, got, _digest, via = _run(fetch_state(node, "peer", 0, lambda r: r.size, timeout_s=10))
+        assert (bytes(got), via) == (blob, "stream") and [m.direct for m in asked] == [True, False]
+        with pytest.raises(TimeoutError):
+            listener.accept()  # nobody connected
+
