@@ -118,6 +118,11 @@ class InProcessHub:
             )
             slot = self._rounds.get(round_id)
             if not ready or slot is None:
+                # The round is void for everyone: kept, its payloads would go into the aggregate a
+                # late worker builds while their owners retry them (counted twice), and a retry
+                # would be refused as a second contribution.
+                self._rounds.pop(round_id, None)
+                self._cond.notify_all()
                 raise RoundFailed(f"round {round_id}: not every worker contributed within {self.timeout_s}s")
             if slot.result is None:
                 try:

@@ -2,8 +2,10 @@
 
 Per worker: e <- beta*e + delta; payload = encode(e); once the round is known, e <- e - decode(payload)
 if the payload made it into the aggregate (scaled by the factor the mean took it with, where norm
-clipping scaled it down: `RoundResult.scaled`). A payload the round left out therefore stays whole
-in e and goes out again with the next round, and so does the part clipping took off. The outer step is plain SGD (no momentum) on the mean of
+clipping scaled it down: `RoundResult.scaled`). A payload the round left out therefore stays in e
+and goes out again with the next round, and so does the part clipping took off; like all of e, it
+decays by beta at each later prepare, a retried attempt's included (a known limit: a peer failing
+attempt after attempt loses part of that work). The outer step is plain SGD (no momentum) on the mean of
 the decoded payloads: theta -= lr * mean.
 
 Eager start (`eager=True`, for overlapped rounds): once a contribution is prepared, the local

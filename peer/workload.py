@@ -130,6 +130,12 @@ def _build_custom(spec: str, vocab_size: int) -> Workload:
     if tracking:
         raise WorkloadError(f"{spec!r} has layers that keep running statistics ({', '.join(tracking[:3])}), which "
                             "peers do not exchange: use LayerNorm/GroupNorm, or track_running_stats=False")
+    # The outer optimizers keep the global parameters in fp32: a bf16 or fp16 copy of them would
+    # round every round, and that rounding would come back as a pseudo-gradient nobody trained.
+    low = sorted({str(p.dtype).removeprefix("torch.") for p in model.parameters() if p.dtype != torch.float32})
+    if low:
+        raise WorkloadError(f"{spec!r} has {', '.join(low)} parameters: keep them float32 (train in lower "
+                            "precision with torch.autocast inside the model or loss_fn)")
     if isinstance(block_size, bool) or not isinstance(block_size, int) or block_size < 1:
         raise WorkloadError(f"{spec!r} gave block_size {block_size!r}; expected a positive int")
     return Workload(model=model, loss_fn=loss_fn, block_size=block_size, name=spec)

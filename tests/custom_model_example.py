@@ -64,4 +64,9 @@ def with_batch_norm(vocab_size: int) -> tuple[nn.Module, object]:
     return model, next_token_loss
 
 
+def in_bfloat16(vocab_size: int) -> tuple[nn.Module, object]:
+    # the outer optimizers' fp32 global parameters would round into it every round
+    return TinyMLPLanguageModel(vocab_size).to(torch.bfloat16), next_token_loss
+
+
 NOT_CALLABLE = 42

@@ -138,6 +138,7 @@ def test_custom_module_callable_workload() -> None:
         ("custom_model_example:returns_non_module", "torch.nn.Module"),
         ("custom_model_example:raises", "boom"),
         ("custom_model_example:with_batch_norm", "running statistics .norm.*track_running_stats=False"),
+        ("custom_model_example:in_bfloat16", "bfloat16 parameters: keep them float32"),
         ("custom_model_example:", "module:callable"),
     ],
 )

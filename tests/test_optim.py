@@ -503,3 +503,19 @@ def test_sync_whose_contribution_comes_too_late_fails_the_round_and_keeps_the_wo
     assert outer.pending is None and outer.round_id == 0
     assert _weights(model) == [0.5, 2.5] and outer.global_params.tolist() == [1.0, 2.0]
     outer.prepare()  # not "still pending"
+
+
+def test_a_round_that_timed_out_on_the_in_process_hub_is_void_for_every_worker():
+    """Found by a review: the hub kept a timed-out round's payloads, so the worker's retry was
+    refused as a second contribution, and a late worker aggregated the stale one (counted twice
+    once its owner retried it)."""
+    codec = make_codec("fp32")
+    hub = InProcessHub(codec, ["a", "b"], timeout_s=0.05)
+    a, b = hub.endpoint("a"), hub.endpoint("b")
+    payloads = [codec.encode(torch.ones(4))]
+    a.contribute(0, payloads)
+    with pytest.raises(RoundFailed):
+        a.collect(0)  # b never came in time
+    a.contribute(0, payloads)  # the retry: not a second contribution
+    b.contribute(0, [codec.encode(torch.zeros(4))])
+    assert a.collect(0).contributors == b.collect(0).contributors == ("a", "b")
