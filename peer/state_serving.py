@@ -6,11 +6,13 @@ open run anyone may ask for it, under as many identities as they like, and read 
 node uploads to at most `MAX_UPLOADS` peers at a time over streams, one upload per requester;
 the others are told it is busy (a `StateReply` with `busy`), which a joiner takes as "ask again
 later, or ask another peer", never as "this peer has nothing newer". Downloads over the direct
-TCP port have their own bound (`protocol/direct.py`).
+TCP port have their own bound (`protocol/direct.py`); a request for one is answered busy too
+when every ticket open to its requester is out.
 
 One slot is kept for peers that did real work: contributors named in the commits this node
 holds (a volunteer coming back after a restart or an outage, usually). Sybils can take the other
-slots by asking under fresh identities and reading slowly, but not that one.
+slots by asking under fresh identities and reading slowly, but not that one; likewise a share of
+the direct port's tickets.
 """
 
 from __future__ import annotations
@@ -85,7 +87,8 @@ class StateServing:
         if state is None or state.round < msg.min_round:
             return StateReply(-1, "", b"", 0)
         direct = msg.direct and self.direct is not None  # the direct port bounds its own downloads
-        release = None if direct else self.uploads.take(sender, vouched=self._contributed(sender))
+        vouched = self._contributed(sender)
+        release = None if direct else self.uploads.take(sender, vouched=vouched)
         if not direct and release is None:
             self.guard.count(sender, "get-state", "busy", strike=False)
             return StateReply(-1, "", b"", 0, busy=True)
@@ -103,7 +106,11 @@ class StateServing:
         # TCP connection (the key is in this reply, which only the requester can read: a closed
         # run's state stays among its readers).
         if direct:
-            token, key = self.direct.offer(blob, sender)
+            offered = self.direct.offer(blob, sender, vouched=vouched)
+            if offered is None:  # its tickets are all out: pushing one out would flush a joiner's
+                self.guard.count(sender, "get-state", "busy", strike=False)
+                return StateReply(-1, "", b"", 0, busy=True)
+            token, key = offered
             return WithTrailer(StateReply(state.round, digest, state.decision, len(blob), self.direct.port, token,
                                           key, params_hash=params_hash), b"")
         return WithTrailer(StateReply(state.round, digest, state.decision, len(blob), params_hash=params_hash),

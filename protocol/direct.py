@@ -20,11 +20,15 @@ close. An unknown, expired or already used token gets the connection closed with
 
 Bounds (a ticket needs no stream upload slot, so the port bounds its own downloads): each
 requester holds at most one ticket (a new one replaces it) and one download (redeeming a new
-ticket ends the one before); at most `MAX_CONNECTIONS` downloads run at once; a download whose
-reader takes no piece for `STALL_S` seconds is ended, and none runs longer than the longest a
-joiner waits for a blob of its size (`serve_timeout_s`), so a reader that stalls neither holds a
-slot for long nor keeps an old state in memory; and one source address holds at most
-`MAX_SILENT_PER_SOURCE` connections that have not sent their token yet.
+ticket ends the one before); at most `MAX_TICKETS` tickets are out at once (past that a request
+is answered busy; `TICKETS_KEPT_FOR_CONTRIBUTORS` of them go only to contributors); at most
+`MAX_CONNECTIONS` downloads run at once; a download whose reader takes no piece for `STALL_S`
+seconds is ended, and none runs longer than the longest a joiner waits for a blob of its size
+(`serve_timeout_s`), so a reader that stalls neither holds a slot for long nor keeps an old state
+in memory. Connections that have not sent their token yet
+hold no download slot: at most `MAX_SILENT` of them are kept (the oldest goes to make room), and
+one source address holds at most `MAX_SILENT_PER_SOURCE` of those. The joiner ends a download whose
+server sends nothing for `STALL_S` seconds, and falls back to the stream.
 """
 
 from __future__ import annotations
@@ -38,8 +42,9 @@ import socket
 import struct
 import time
 from collections import Counter, OrderedDict
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
+from typing import TypeVar
 
 import numpy as np
 from cryptography.exceptions import InvalidTag
@@ -48,15 +53,25 @@ from cryptography.hazmat.primitives.ciphers.aead import AESGCM
 from .schema import ProtocolError
 
 log = logging.getLogger(__name__)
+T = TypeVar("T")
 TOKEN_BYTES = 32
 TOKEN_WAIT_S = 5.0  # a connection that has not sent its token by then is closed
-SILENT_S = 1.0  # a connection without a token for this long makes room for a new one when all slots are taken
-MAX_TICKETS = 64  # outstanding tickets, one per requester at most; the oldest is dropped beyond this
-MAX_CONNECTIONS = 16  # concurrent downloads
+# Outstanding tickets, one per requester at most. Past this a request is answered busy rather than
+# pushing out the oldest: a ticket needs no upload slot, so requests under fresh identities would
+# otherwise flush an honest joiner's ticket between its offer and its redemption.
+MAX_TICKETS = 64
+TICKETS_KEPT_FOR_CONTRIBUTORS = 16  # of those, tickets only requesters the node vouches for may take
+MAX_CONNECTIONS = 16  # concurrent downloads: connections that sent a valid token
+# Connections that have not sent their token yet, kept apart from the downloads: anyone can open
+# them (no ticket needed), so they take no download slot, and past this many the oldest is
+# dropped whatever its age. A joiner sends its token within a round trip of connecting, so it is
+# rarely the oldest of so many.
+MAX_SILENT = 64
 # No piece may wait longer than this for the reader to take it (nor the end for the reader to
 # close): a piece is 1 MiB, about a second on an honest 1 MB/s link, so this leaves room for TCP
 # retransmission backoff and a busy joiner; a reader that stops reading frees its slot (and the
-# state it pins) this soon, not after the whole download's time.
+# state it pins) this soon, not after the whole download's time. The joiner holds the server to
+# the same bound: a server that stops sending costs it this, not its whole budget for that server.
 STALL_S = 20.0
 # Connections that have not sent their token yet, per source address (an IPv6 /64 counts as one):
 # a joiner sends its token at once, so this is only reached by connections opened to hold slots,
@@ -127,6 +142,7 @@ class _Ticket:
     key: bytes
     expires: float
     requester: str
+    vouched: bool
 
 
 class DirectServer:
@@ -139,9 +155,9 @@ class DirectServer:
         self._listener: socket.socket | None = None
         self._accepting: asyncio.Task | None = None  # owned here: cancelled and awaited by close()
         self._connections: set[asyncio.Task] = set()  # likewise
-        # connections that have not sent their token yet, oldest first, with when they were
-        # accepted and their source: those silent for a while are the ones a full server drops
-        self._waiting: OrderedDict[asyncio.Task, tuple[float, str | None]] = OrderedDict()
+        # connections that have not sent their token yet, oldest first (the one a full pool
+        # drops), with their source
+        self._waiting: OrderedDict[asyncio.Task, str | None] = OrderedDict()
         self._silent: Counter[str] = Counter()  # of those, how many per source (`source_of`)
         self._serving: dict[str, asyncio.Task] = {}  # the download under way per requester
         self._expiry: asyncio.TimerHandle | None = None  # drops expired tickets (and their blobs)
@@ -175,17 +191,21 @@ class DirectServer:
             self._listener.close()
             self._listener = None
 
-    def offer(self, blob: bytes | bytearray | memoryview, requester: str) -> tuple[bytes, bytes]:
+    def offer(self, blob: bytes | bytearray | memoryview, requester: str,
+              vouched: bool = False) -> tuple[bytes, bytes] | None:
         """A fresh one-time token for `blob`, valid for `ttl_s` seconds, and the fresh key it will
-        be sealed under. It replaces `requester`'s (a peer id) earlier ticket if it holds one: a
+        be sealed under; None (busy) if every ticket open to `requester` (a peer id; `vouched`:
+        the kept ones too) is out. It replaces `requester`'s earlier ticket if it holds one: a
         requester asking again and again holds one ticket, and pushes no one else's out."""
         self._expire()
         for token in [t for t, ticket in self._tickets.items() if ticket.requester == requester]:
             del self._tickets[token]
-        while len(self._tickets) >= MAX_TICKETS:
-            self._tickets.popitem(last=False)
+        strangers = sum(not ticket.vouched for ticket in self._tickets.values())
+        if len(self._tickets) >= MAX_TICKETS or (
+                not vouched and strangers >= MAX_TICKETS - TICKETS_KEPT_FOR_CONTRIBUTORS):
+            return None
         token, key = secrets.token_bytes(TOKEN_BYTES), secrets.token_bytes(KEY_BYTES)
-        self._tickets[token] = _Ticket(blob, key, self._clock() + self.ttl_s, requester)
+        self._tickets[token] = _Ticket(blob, key, self._clock() + self.ttl_s, requester, vouched)
         if self._expiry is None and self._listener is not None:
             # an unused ticket (a joiner that cannot reach us) must not keep an old state alive
             self._expiry = asyncio.get_running_loop().call_later(self.ttl_s + 1, self._expire_on_timer)
@@ -219,22 +239,17 @@ class DirectServer:
                 self.refused += 1
                 conn.close()
                 continue
-            if sum(1 for t in self._connections if not t.cancelling()) >= MAX_CONNECTIONS:
-                oldest = next(iter(self._waiting.items()), None)
-                if oldest is None or time.monotonic() - oldest[1][0] < SILENT_S:
-                    # every slot is a download under way, or a connection that may be sending its
-                    # token right now (a burst of joiners): this one waits for a free slot elsewhere
-                    self.refused += 1
-                    conn.close()
-                    continue
-                # Connections that send no token (anyone can open them, no ticket needed) must not
-                # fill the slots: the one silent longest makes room. A joiner sends its token at
-                # once. (It stays in `_connections`, owned, until its cancellation has closed it.)
-                self._heard(oldest[0])
-                oldest[0].cancel()
+            if len(self._waiting) >= MAX_SILENT:
+                # Connections that send no token (anyone can open them, from many addresses) must
+                # not keep joiners out: the one silent longest makes room, however young. A joiner
+                # sends its token at once. (It stays in `_connections`, owned, until its
+                # cancellation has closed it.)
+                oldest = next(iter(self._waiting))
+                self._heard(oldest)
+                oldest.cancel()
             task = loop.create_task(self._serve(conn))
             self._connections.add(task)
-            self._waiting[task] = (time.monotonic(), source)
+            self._waiting[task] = source
             if source is not None:
                 self._silent[source] += 1
             task.add_done_callback(self._connections.discard)
@@ -244,11 +259,13 @@ class DirectServer:
 
     def _heard(self, task: asyncio.Task | None) -> None:
         """`task`'s connection is no longer one without a token (it sent it, or it ends)."""
-        entry = self._waiting.pop(task, None)  # type: ignore[arg-type]
-        if entry is not None and entry[1] is not None:
-            self._silent[entry[1]] -= 1
-            if not self._silent[entry[1]]:
-                del self._silent[entry[1]]
+        if task not in self._waiting:
+            return
+        source = self._waiting.pop(task)  # type: ignore[arg-type]
+        if source is not None:
+            self._silent[source] -= 1
+            if not self._silent[source]:
+                del self._silent[source]
 
     async def _serve(self, conn: socket.socket) -> None:
         loop = asyncio.get_running_loop()
@@ -269,6 +286,11 @@ class DirectServer:
                 return
             requester = ticket.requester
             earlier = self._serving.get(requester)
+            if earlier is None and len(self._serving) >= MAX_CONNECTIONS:
+                # every download slot is taken (only connections with a valid token hold one): the
+                # joiner falls back to the stream
+                self.refused += 1
+                return
             if earlier is not None and earlier is not me:
                 earlier.cancel()  # one download per requester: its newer ticket ends the one before
             self._serving[requester] = me
@@ -321,8 +343,9 @@ async def fetch_direct(host: str, port: int, token: bytes, key: bytes, size: int
                        connect_timeout_s: float = 2.0, timeout_s: float = 600.0) -> memoryview:
     """Download and open one ticket's sealed blob (returned as a writable byte view), which must
     be exactly `size` bytes. Raises ConnectionError (or TimeoutError) when the server cannot be
-    reached, sends another size or bytes that fail authentication, ProtocolError (oversized)
-    when it announces more than `size` allows."""
+    reached, sends another size or bytes that fail authentication, or sends nothing for `STALL_S`
+    seconds (the length, or a piece), ProtocolError (oversized) when it announces more than `size`
+    allows."""
     if len(key) != KEY_BYTES:
         raise ProtocolError(f"a direct download key has {len(key)} bytes, not {KEY_BYTES}", reason="bad-key")
     loop = asyncio.get_running_loop()
@@ -334,7 +357,7 @@ async def fetch_direct(host: str, port: int, token: bytes, key: bytes, size: int
             await loop.sock_connect(sock, (host, port))
         async with asyncio.timeout(timeout_s):
             await loop.sock_sendall(sock, token)
-            (announced,) = _LEN.unpack(await _recv_exactly(loop, sock, _LEN.size))
+            (announced,) = _LEN.unpack(await _unstalled(_recv_exactly(loop, sock, _LEN.size)))
             wire = sealed_size(size)
             if announced > wire:
                 raise ProtocolError(f"a direct download of {announced} bytes exceeds the limit of {wire}",
@@ -348,7 +371,7 @@ async def fetch_direct(host: str, port: int, token: bytes, key: bytes, size: int
             for i, start in enumerate(range(0, size, SEAL_PIECE)):
                 piece = out[start:start + SEAL_PIECE]
                 sealed = slot[:len(piece) + SEAL_TAG]
-                await _recv_into(loop, sock, sealed, start + i * SEAL_TAG, wire)
+                await _unstalled(_recv_into(loop, sock, sealed, start + i * SEAL_TAG, wire))
                 try:
                     aead.decrypt_into(_nonce(i), sealed, None, piece)
                 except InvalidTag:
@@ -357,3 +380,16 @@ async def fetch_direct(host: str, port: int, token: bytes, key: bytes, size: int
     finally:
         with contextlib.suppress(OSError):
             sock.close()
+
+
+async def _unstalled(read: Awaitable[T]) -> T:
+    """`read`, which must finish within `STALL_S` (ConnectionError if not): a server that sends its
+    length, or some pieces, then nothing costs the joiner that long, not its whole budget for it."""
+    bound = asyncio.timeout(STALL_S)
+    try:
+        async with bound:
+            return await read
+    except TimeoutError:
+        if not bound.expired():  # the connection's own (TCP gave up): not a stall of ours
+            raise
+        raise ConnectionError(f"the direct download stalled for {STALL_S:g}s") from None

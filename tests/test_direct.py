@@ -59,9 +59,12 @@ def test_a_ticket_serves_its_blob_once_whole(monkeypatch):
     assert _run(go()) == (1, 2)
 
 
-def test_expired_and_evicted_tickets_are_refused(monkeypatch):
+def test_expired_tickets_are_refused_and_a_full_table_answers_busy(monkeypatch):
+    # Past the table, a request is answered busy (None) instead of pushing out the oldest ticket:
+    # requests under fresh identities used to flush a joiner's between its offer and redemption.
     clock = _Clock()
     monkeypatch.setattr(direct, "MAX_TICKETS", 3)
+    monkeypatch.setattr(direct, "TICKETS_KEPT_FOR_CONTRIBUTORS", 1)
 
     async def go():
         server = DirectServer(ttl_s=30, clock=clock)
@@ -71,14 +74,39 @@ def test_expired_and_evicted_tickets_are_refused(monkeypatch):
             clock.now += 31
             with pytest.raises(ConnectionError):
                 await fetch_direct("127.0.0.1", port, late, key, 4)
-            offers = [server.offer(bytes([i]), f"peer{i}") for i in range(4)]  # one more than fit: the oldest goes
-            with pytest.raises(ConnectionError):
-                await fetch_direct("127.0.0.1", port, *offers[0], 1)
-            assert bytes(await fetch_direct("127.0.0.1", port, *offers[3], 1)) == b"\x03"
+            offers = [server.offer(bytes([i]), f"peer{i}") for i in range(3)]
+            assert offers[2] is None  # strangers hold all but the kept ticket
+            vet = server.offer(b"v", "vet", vouched=True)
+            assert vet is not None and server.offer(b"w", "vet2", vouched=True) is None  # all out
+            assert server.offer(b"again", "peer1") is not None  # a holder's new ticket replaces its own
+            assert bytes(await fetch_direct("127.0.0.1", port, *offers[0], 1)) == b"\x00"
+            assert bytes(await fetch_direct("127.0.0.1", port, *vet, 1)) == b"v"
+            clock.now += 31  # expired tickets still make room
+            assert bytes(await fetch_direct("127.0.0.1", port, *server.offer(b"n", "new"), 1)) == b"n"
         finally:
             await server.close()
 
     _run(go())
+
+
+def test_requests_under_fresh_identities_cannot_flush_a_joiners_ticket():
+    # a direct get-state needs no upload slot: 64 of them between a joiner's offer and its
+    # redemption used to push its ticket out of the table
+    blob = os.urandom(1000)
+
+    async def go():
+        server = DirectServer()
+        port = await server.start("127.0.0.1")
+        try:
+            ticket = server.offer(blob, "honest")
+            flood = [server.offer(blob, f"sybil{i}") for i in range(direct.MAX_TICKETS)]
+            got = await fetch_direct("127.0.0.1", port, *ticket, len(blob))
+            return bytes(got), sum(offered is None for offered in flood)
+        finally:
+            await server.close()
+
+    got, busy = _run(go())
+    assert got == blob and busy > 0
 
 
 def test_a_blob_of_another_size_than_announced_is_refused():
@@ -117,9 +145,9 @@ def test_a_connection_without_a_token_is_closed(monkeypatch):
 
 def test_connections_that_send_no_token_cannot_keep_a_joiner_out(monkeypatch):
     # Anyone can open TCP connections to the port without a ticket: filling every slot with silent
-    # ones used to refuse each joiner until they timed out, one batch after another.
-    monkeypatch.setattr(direct, "MAX_CONNECTIONS", 4)
-    monkeypatch.setattr(direct, "SILENT_S", 0.05)  # silent this long: may make room
+    # ones used to refuse each joiner until they timed out, one batch after another. However young,
+    # the oldest silent one makes room.
+    monkeypatch.setattr(direct, "MAX_SILENT", 4)
     blob = os.urandom(100_000)
 
     async def go():
@@ -127,9 +155,9 @@ def test_connections_that_send_no_token_cannot_keep_a_joiner_out(monkeypatch):
         port = await server.start("127.0.0.1")
         silent = []
         try:
-            for _ in range(direct.MAX_CONNECTIONS):
+            for _ in range(direct.MAX_SILENT):
                 silent.append(await asyncio.open_connection("127.0.0.1", port))
-            await asyncio.sleep(0.2)  # all accepted, all waiting for a token, silent past SILENT_S
+            await asyncio.sleep(0.05)  # all accepted, all waiting for a token
             token, key = server.offer(blob, "A")
             got = await fetch_direct("127.0.0.1", port, token, key, len(blob))
             first_silent = await asyncio.wait_for(silent[0][0].read(), 5)  # the oldest made room
@@ -143,10 +171,12 @@ def test_connections_that_send_no_token_cannot_keep_a_joiner_out(monkeypatch):
     assert got == blob and first_silent == b""
 
 
-def test_a_full_direct_server_does_not_drop_connections_that_may_be_sending_their_token(monkeypatch):
-    # A burst of joiners: a connection accepted a moment ago is not dropped for a newer one.
+def test_only_connections_with_a_valid_token_hold_download_slots(monkeypatch):
+    # Silent connections (a burst of joiners, or anyone's) take no download slot; downloads do,
+    # and one past them is refused (the joiner falls back to the stream) until one ends.
     monkeypatch.setattr(direct, "MAX_CONNECTIONS", 2)
     blob = os.urandom(50_000)
+    whole = 8 + direct.sealed_size(len(blob))
 
     async def go():
         server = DirectServer()
@@ -154,22 +184,52 @@ def test_a_full_direct_server_does_not_drop_connections_that_may_be_sending_thei
         try:
             tokens = [server.offer(blob, f"joiner{i}") for i in range(2)]
             first = [await asyncio.open_connection("127.0.0.1", port) for _ in range(2)]
-            await asyncio.sleep(0.05)  # accepted, tokens not sent yet: well under SILENT_S
-            with pytest.raises(ConnectionError):  # the third is the one refused
-                await fetch_direct("127.0.0.1", port, *server.offer(blob, "late"), len(blob))
-            got = []
+            await asyncio.sleep(0.05)  # accepted, tokens not sent yet
+            got = [bytes(await fetch_direct("127.0.0.1", port, *server.offer(blob, "early"), len(blob)))]
+            await asyncio.sleep(0.05)  # its download ends on the server's side too
             for (reader, writer), (token, key) in zip(first, tokens):
                 writer.write(token)
                 await writer.drain()
                 # served whole: its length, then the sealed pieces (the server waits for us to close)
-                got.append(await asyncio.wait_for(reader.readexactly(8 + direct.sealed_size(len(blob))), 10))
-                writer.close()
+                assert len(await asyncio.wait_for(reader.readexactly(whole), 10)) == whole
+            with pytest.raises(ConnectionError):  # both slots are downloads not yet closed
+                await fetch_direct("127.0.0.1", port, *server.offer(blob, "late"), len(blob))
+            first[0][1].close()
+            await asyncio.sleep(0.05)
+            got.append(bytes(await fetch_direct("127.0.0.1", port, *server.offer(blob, "late"), len(blob))))
+            first[1][1].close()
             return got
         finally:
             await server.close()
 
-    got = _run(go())
-    assert [int.from_bytes(g[:8], "big") for g in got] == [direct.sealed_size(len(blob))] * 2
+    assert _run(go()) == [blob, blob]
+
+
+def test_silent_connections_from_many_addresses_cannot_keep_a_joiner_out(monkeypatch):
+    # Two silent connections from each of 40 addresses (within the per-address share): they used
+    # to hold all 16 slots, and a joiner was refused whenever the oldest was under a second old.
+    monkeypatch.setattr(direct, "CAP_LOOPBACK", True)  # each 127.0.0.x counts as an address
+    blob = os.urandom(10_000)
+
+    async def go():
+        server = DirectServer()
+        port = await server.start("127.0.0.1")
+        opened = []
+        try:
+            for i in range(40 * direct.MAX_SILENT_PER_SOURCE):
+                ip = f"127.0.0.{10 + i % 40}"
+                opened.append(await asyncio.open_connection("127.0.0.1", port, local_addr=(ip, 0)))
+            await asyncio.sleep(0.05)  # all accepted: the pool past its bound dropped the oldest
+            got = [bytes(await fetch_direct("127.0.0.1", port, *server.offer(blob, f"joiner{k}"), len(blob)))
+                   for k in range(3)]
+            return got, len(server._waiting)
+        finally:
+            for _, writer in opened:
+                writer.close()
+            await server.close()
+
+    got, waiting = _run(go())
+    assert got == [blob] * 3 and waiting <= direct.MAX_SILENT
 
 
 @pytest.fixture
@@ -343,6 +403,45 @@ def test_a_joiner_that_cannot_reach_the_port_falls_back_to_the_stream(addr):
     _reply, got, got_digest, via = _run(fetch_state(node, "peer", 0, lambda r: r.size, timeout_s=10))
     assert (bytes(got), got_digest, via) == (blob, blake3(blob).hexdigest(), "stream")
     assert [m.direct for m in asked] == [True, False]
+
+
+@pytest.mark.parametrize("sent", ["the length", "the length and half a piece"])
+def test_a_server_that_stalls_costs_the_joiner_the_stall_bound_not_its_budget(monkeypatch, sent):
+    # a server that sends the length (or part of the blob) and then nothing used to hold the
+    # joiner for its whole budget for that server, and leave none for the stream
+    import time
+
+    from groundswell.peer.state_fetch import fetch_state
+
+    monkeypatch.setattr(direct, "STALL_S", 0.3)
+    monkeypatch.setattr(direct, "SEAL_PIECE", 1024)
+    blob = os.urandom(3000)
+
+    async def stall(reader, writer):
+        await reader.readexactly(32)
+        writer.write(direct.sealed_size(len(blob)).to_bytes(8, "big"))
+        if sent != "the length":
+            writer.write(os.urandom(512))
+        await writer.drain()
+        await reader.read()  # and nothing more until the joiner gives up
+        writer.close()
+
+    async def go():
+        server = await asyncio.start_server(stall, "127.0.0.1", 0)
+        port = server.sockets[0].getsockname()[1]
+        try:
+            with pytest.raises(ConnectionError, match="stalled"):
+                await fetch_direct("127.0.0.1", port, b"t" * 32, b"k" * 32, len(blob), timeout_s=5)
+            start, asked = time.monotonic(), []
+            node = _fake_node(blob, port, "/ip4/127.0.0.1/tcp/4001", asked)
+            _reply, got, _digest, via = await fetch_state(node, "peer", 0, lambda r: r.size, timeout_s=5,
+                                                          reply_timeout_s=1)
+            return bytes(got), via, time.monotonic() - start
+        finally:
+            server.close()
+
+    got, via, took = _run(go())
+    assert got == blob and via == "stream" and took < 2.5
 
 
 def test_direct_downloads_go_only_to_a_plain_tcp_address():
@@ -575,8 +674,7 @@ def test_a_source_holds_few_silent_connections_and_makes_no_room_at_others_expen
     # rather than pushing out another address's. (Every 127.x.y.z is this machine; the bound is
     # off for loopback outside this test, see test_loopback_joiners_are_not_bounded_per_source.)
     monkeypatch.setattr(direct, "CAP_LOOPBACK", True)
-    monkeypatch.setattr(direct, "MAX_CONNECTIONS", 4)
-    monkeypatch.setattr(direct, "SILENT_S", 0.05)  # silent this long: may make room
+    monkeypatch.setattr(direct, "MAX_SILENT", 3)
     blob = os.urandom(10_000)
 
     async def go():
@@ -590,10 +688,9 @@ def test_a_source_holds_few_silent_connections_and_makes_no_room_at_others_expen
 
         try:
             other = await connect("127.0.0.2")
-            await asyncio.sleep(0.2)  # silent past SILENT_S: a full server could drop it
             share = [await connect("127.0.0.3") for _ in range(direct.MAX_SILENT_PER_SOURCE)]
-            await asyncio.sleep(0.2)
-            beyond = [await connect("127.0.0.3") for _ in range(3)]  # would fill the last slot, then evict
+            await asyncio.sleep(0.2)  # the pool of silent connections is full
+            beyond = [await connect("127.0.0.3") for _ in range(3)]  # would push out the other's
             refused = [(await _closed_within(r, 2))[0] for r, _ in beyond]
             share_open = [not (await _closed_within(r, 0.1))[0] for r, _ in share]
             token, _key = server.offer(blob, "other")  # the other address's connection still stands

@@ -93,8 +93,8 @@ def test_a_node_serving_as_many_uploads_as_it_takes_answers_busy_and_frees_slots
         assert node.uploads.in_use == MAX_UPLOADS
         # the direct port bounds its own downloads: a ticket needs no stream upload slot
         offered_to: list[str] = []
-        node.direct = SimpleNamespace(port=4242, offer=lambda blob, requester: offered_to.append(requester) or (
-            b"t" * 32, b"k" * 32))
+        node.direct = SimpleNamespace(port=4242, offer=lambda blob, requester, vouched: offered_to.append(
+            requester) or (b"t" * 32, b"k" * 32))
         ticket = await ask("late", direct=True)
         assert isinstance(ticket, WithTrailer) and ticket.trailer == b"" and ticket.reply.direct_port == 4242
         assert offered_to == ["late"]  # the ticket is the requester's: a newer one replaces it
@@ -109,6 +109,30 @@ def test_a_node_serving_as_many_uploads_as_it_takes_answers_busy_and_frees_slots
 
     asyncio.run(scenario())
     assert node.uploads.in_use == MAX_UPLOADS
+
+
+def test_a_direct_request_past_the_tickets_open_to_it_is_answered_busy(node, monkeypatch):
+    # a direct get-state takes no upload slot, and a full ticket table used to push out its oldest
+    # ticket (a joiner's, not yet redeemed): now the request is told busy, and contributors keep a share
+    from groundswell.protocol import direct
+    from groundswell.protocol.direct import DirectServer
+
+    monkeypatch.setattr(direct, "MAX_TICKETS", 3)
+    monkeypatch.setattr(direct, "TICKETS_KEPT_FOR_CONTRIBUTORS", 1)
+
+    async def ask(sender: str):
+        return await node._on_state(sender, StateRequest(0, direct=True))
+
+    async def scenario() -> list:
+        node.direct = DirectServer()  # never started: its tickets are all this needs
+        return [await ask(sender) for sender in ("joiner0", "joiner1", "late", VET, "late")]
+
+    replies = asyncio.run(scenario())
+    tickets = [isinstance(r, WithTrailer) and len(r.reply.direct_token) == 32 for r in replies]
+    assert tickets == [True, True, False, True, False]
+    assert all(isinstance(r, StateReply) and r.busy and r.size == 0 for r in (replies[2], replies[4]))
+    assert node.guard.rejected["busy:get-state"] == 2
+    assert node.uploads.in_use == 0  # none of this took an upload slot
 
 
 @pytest.mark.parametrize("step", ["blob_and_digest", "state_digest"])
