@@ -36,6 +36,7 @@ from collections.abc import Awaitable, Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
+from groundswell.peer.dht_rejoin import address_scope
 from groundswell.peer.reachability import connection_paths, listen_host, tcp_targets
 from groundswell.protocol.schema import PunchInvite, PunchInviteReply, PunchReply, PunchRequest
 from groundswell.protocol.transport import PeerUnavailable
@@ -47,6 +48,7 @@ INVITE_TIMEOUT_S = 5.0  # rendezvous -> target
 DIAL_TIMEOUT_S = 8.0  # the dialer's daemon dialling the punched address
 MAX_PENDING = 8  # punches an invited peer keeps waiting for their dialer at once (one per dialer)
 MAX_FORWARDED = 64  # punched connections it forwards at once
+MAX_INVITES_PER_WINDOW = 16  # invites an invited peer takes from one rendezvous per PUNCH_WAIT_S
 KEEPALIVE_S = 30  # a forwarded connection whose dialer vanished is closed within ~KEEPALIVE_S + 30 s
 REQUEST_EVERY_S = 5.0  # a rendezvous serves one punch per (requester, target) per this many seconds
 PUMP_CHUNK = 1 << 16
@@ -63,6 +65,15 @@ def punchable(host: str) -> bool:
     if ip.version == 6 and ip.ipv4_mapped is not None:
         ip = ip.ipv4_mapped
     return not (ip.is_loopback or ip.is_unspecified or ip.is_multicast or ip.is_link_local or ip.is_reserved)
+
+
+def may_dial(maddr: str, host: str, scopes: frozenset[str] | None, own_hosts: Iterable[str] = ()) -> bool:
+    """Whether a punch (or the dial after one) may go to `host` (of `maddr`): `punchable`, in one of
+    the run's dialable `scopes` (None: any), and not one of our own addresses. A rendezvous names
+    the address; trusted or not, it must not turn us into a scanner of our LAN or machine."""
+    if not punchable(host) or host in set(own_hosts):
+        return False
+    return scopes is None or address_scope(maddr) in scopes
 
 
 class PunchFailed(Exception):
@@ -124,15 +135,17 @@ class Rendezvous:
         now, key = time.monotonic(), (sender, msg.target)
         if now - self._last.get(key, -REQUEST_EVERY_S) < REQUEST_EVERY_S:
             return PunchReply(False, "rate limited", "")
-        self._last[key] = now
-        if len(self._last) > 4096:  # forget the oldest half (clearing all would lift every limit at once)
-            for old in sorted(self._last, key=self._last.__getitem__)[:2048]:
-                del self._last[old]
         if msg.target == sender:
             return PunchReply(False, "target is the requester", "")
         if self.members is not None and not await self.members((sender, msg.target)):
             return PunchReply(False, "requester and target must both be NAT'ed peers of this run", "")
-        peers = await self.p2p.list_peers()
+        # Noted only for members: refused requests from anyone else would push real pairs' times out.
+        self._last[key] = now
+        if len(self._last) > 4096:  # forget the oldest half (clearing all would lift every limit at once)
+            for old in sorted(self._last, key=self._last.__getitem__)[:2048]:
+                del self._last[old]
+        async with asyncio.timeout(INVITE_TIMEOUT_S):  # a hung daemon must not hold the request
+            peers = await self.p2p.list_peers()
         dialer_at, target_at = observed_address(peers, sender), observed_address(peers, msg.target)
         if dialer_at is None or target_at is None:
             who = "requester" if dialer_at is None else "target"
@@ -158,23 +171,30 @@ class PunchTarget:
     local_host: str  # where our daemon accepts the forwarded connection (loopback)
     trusted: frozenset[str]  # peer ids allowed to invite us (our bootstrap peers)
     tasks: asyncio.TaskGroup  # owns every punch and forward
+    # Where an invite may make us send a SYN: the run's dialable scopes (`dialable_scopes`: public,
+    # private only in a LAN run; None: any unicast address) and never one of our own addresses.
+    scopes: frozenset[str] | None = None
+    own_hosts: frozenset[str] = frozenset()
     pending: set[str] = field(default_factory=set)  # dialers whose punch waits for them to come through
     live: set[str] = field(default_factory=set)  # dialers whose punched connection we forward now
     _forwards: dict[str, tuple[asyncio.Task, socket.socket]] = field(default_factory=dict)  # dialer -> its forward
     forwarded: int = 0  # connections that came through a punch and were forwarded
     forwarded_bytes: int = 0
+    _invites: dict[str, list[float]] = field(default_factory=dict)  # inviter -> its invites within PUNCH_WAIT_S
 
     async def handle(self, sender: str, msg: PunchInvite) -> PunchInviteReply:
         """Send the punch now (before answering), wait for the dialer in the background."""
         if sender not in self.trusted:
             return PunchInviteReply(False, "only a bootstrap peer may ask for a punch")
+        if not self._invite_allowed(sender):
+            return PunchInviteReply(False, "busy: too many invites")
         if msg.dialer in self.pending:
             return PunchInviteReply(False, "a punch for this dialer is under way")
         replacing = msg.dialer in self.live
         if len(self.pending) >= MAX_PENDING or (len(self.live) >= MAX_FORWARDED and not replacing):
             return PunchInviteReply(False, "busy")
         targets = tcp_targets([msg.address])
-        if not targets or not punchable(targets[0][0]):
+        if not targets or not may_dial(msg.address, targets[0][0], self.scopes, self.own_hosts):
             return PunchInviteReply(False, "not a TCP address one may punch to")
         host, port = targets[0]
         family = socket.AF_INET6 if ipaddress.ip_address(host).version == 6 else socket.AF_INET
@@ -215,6 +235,18 @@ class PunchTarget:
             if not started:
                 self.pending.discard(msg.dialer)
                 sock.close()
+
+    def _invite_allowed(self, sender: str) -> bool:
+        """At most MAX_INVITES_PER_WINDOW invites per inviter per PUNCH_WAIT_S: a punch to a closed
+        port frees its slot at once, so the pending cap alone let one inviter have us send
+        hundreds of SYNs a second."""
+        now = time.monotonic()
+        recent = [t for t in self._invites.get(sender, []) if now - t < PUNCH_WAIT_S]
+        if len(recent) >= MAX_INVITES_PER_WINDOW:
+            self._invites[sender] = recent
+            return False
+        self._invites[sender] = [*recent, now]
+        return True
 
     async def _complete(self, sock: socket.socket, dialer: str) -> None:
         try:
@@ -260,7 +292,8 @@ class PunchTarget:
     async def _forward(self, sock: socket.socket) -> None:
         outer_r, outer_w = await asyncio.open_connection(sock=sock)
         try:
-            inner_r, inner_w = await asyncio.open_connection(self.local_host, self.listen_port)
+            async with asyncio.timeout(INVITE_TIMEOUT_S):  # our own daemon: it answers at once, or is stuck
+                inner_r, inner_w = await asyncio.open_connection(self.local_host, self.listen_port)
             try:
                 self.forwarded += 1
                 async with asyncio.TaskGroup() as pumps:
@@ -317,9 +350,11 @@ async def _connected(sock: socket.socket, timeout_s: float) -> bool:
     return sock.getsockopt(socket.SOL_SOCKET, socket.SO_ERROR) == 0
 
 
-async def punch_through(p2p: Any, transport: Any, rendezvous: str, target: str) -> str:
-    """Ask `rendezvous` to have `target` punch towards us, then dial it; the address dialled.
-    Raises PunchFailed (the libp2p connection is not there) with the step that failed."""
+async def punch_through(p2p: Any, transport: Any, rendezvous: str, target: str,
+                        scopes: frozenset[str] | None = None) -> str:
+    """Ask `rendezvous` to have `target` punch towards us, then dial it; the address dialled (only
+    one `may_dial` allows, in `scopes`). Raises PunchFailed (the libp2p connection is not there)
+    with the step that failed."""
     from hivemind.p2p import PeerID
     from hivemind.utils.multiaddr import Multiaddr
 
@@ -330,8 +365,11 @@ async def punch_through(p2p: Any, transport: Any, rendezvous: str, target: str) 
         raise PunchFailed(f"rendezvous: {exc}") from exc
     if not reply.ok:
         raise PunchFailed(reply.reason)
-    if not tcp_targets([reply.address]):
+    targets = tcp_targets([reply.address])
+    if not targets:
         raise PunchFailed(f"rendezvous gave no TCP address: {reply.address!r}")
+    if not may_dial(reply.address, targets[0][0], scopes):
+        raise PunchFailed(f"rendezvous gave an address we do not dial: {reply.address!r}")
     try:
         async with asyncio.timeout(DIAL_TIMEOUT_S):
             await p2p._client.connect(PeerID.from_base58(target), [Multiaddr(reply.address)])
@@ -340,20 +378,28 @@ async def punch_through(p2p: Any, transport: Any, rendezvous: str, target: str) 
     except Exception as exc:  # the daemon's ControlFailure: its words, one line
         raise DialFailed(f"dialling {reply.address}: {(str(exc).splitlines() or [''])[0][:200]}") from exc
     # The daemon's connect also "succeeds" when the peer is already connected, relayed included.
-    if connection_paths(await p2p.list_peers()).get(target) != "direct":
+    try:
+        async with asyncio.timeout(DIAL_TIMEOUT_S):  # a hung daemon must not hold the scheduler's slot
+            paths = connection_paths(await p2p.list_peers())
+    except TimeoutError as exc:
+        raise DialFailed("our daemon did not list its connections") from exc
+    if paths.get(target) != "direct":
         raise DialFailed("no direct connection came of it (connected through a relay only)")
     return reply.address
 
 
 async def serve_punch_invites(transport: Any, maddrs: list[str], host_maddrs: Iterable[str],
-                              trusted: list[str], tasks: asyncio.TaskGroup) -> PunchTarget | None:
+                              trusted: list[str], tasks: asyncio.TaskGroup,
+                              scopes: frozenset[str] | None = None) -> PunchTarget | None:
     """Behind a NAT: let our bootstrap peers (`trusted`) ask us to punch towards a peer about to
-    dial us; None if the daemon has no plain TCP listen address to punch from."""
+    dial us, at an address in `scopes` (the run's dialable scopes); None if the daemon has no
+    plain TCP listen address to punch from."""
     port, host = listen_port(maddrs), listen_host(list(host_maddrs))
     if port is None or host is None:
         return None
     local = {"0.0.0.0": "127.0.0.1", "::": "::1"}.get(host, host)  # our daemon, as seen from here
-    target = PunchTarget(port, local, frozenset(trusted), tasks)
+    own = frozenset(h for h, _ in tcp_targets(list(maddrs)))  # our interfaces' addresses
+    target = PunchTarget(port, local, frozenset(trusted), tasks, scopes, own)
     await transport.serve("punch-invite", PunchInvite, target.handle)
     return target
 

@@ -345,3 +345,72 @@ def test_a_target_takes_a_bounded_number_of_invites_and_strangers_only_half_of_t
     assert len(t.calls) == holepunch.MAX_PENDING
     rdv._invited["target"] = [time.monotonic() - holepunch.PUNCH_WAIT_S - 1] * 8  # the window passed
     assert asyncio.run(ask("fresh")).ok
+
+
+# --- what a rendezvous can make us dial (found by a review of NAT traversal) ---------------------
+
+
+@pytest.mark.parametrize("address,scopes,own,ok", [
+    ("/ip4/1.2.3.4/tcp/4001", frozenset({"public"}), (), True),  # (a function of the address: nothing is sent)
+    ("/ip4/192.168.1.20/tcp/6379", frozenset({"public"}), (), False),  # our LAN, in an internet run
+    ("/ip4/100.64.0.9/tcp/22", frozenset({"public"}), (), False),  # the carrier's NAT (CGNAT)
+    ("/ip4/192.168.1.20/tcp/4001", frozenset({"public", "private"}), (), True),  # a LAN run
+    ("/ip4/192.168.1.5/tcp/6379", frozenset({"public", "private"}), ("192.168.1.5",), False),  # our own interface
+    ("/ip4/127.0.0.1/tcp/6379", frozenset({"public", "loopback"}), (), False),  # never this machine by loopback
+    ("/ip4/192.168.1.20/tcp/4001", None, (), True),  # no scopes given: any unicast address (as before)
+])
+def test_an_invite_makes_a_peer_punch_only_within_the_runs_scopes_and_never_to_itself(address, scopes, own, ok):
+    from groundswell.peer.holepunch import PunchTarget, may_dial
+    from groundswell.peer.reachability import tcp_targets
+
+    assert may_dial(address, tcp_targets([address])[0][0], scopes, own) is ok
+    if ok:
+        return  # (a punch that goes out is not sent from a test: it would leave this machine)
+
+    async def go():
+        async with asyncio.TaskGroup() as tasks:
+            target = PunchTarget(1, "127.0.0.1", frozenset({"boot"}), tasks, scopes, frozenset(own))
+            return await target.handle("boot", PunchInvite("dialer", address))
+
+    assert asyncio.run(go()) == PunchInviteReply(False, "not a TCP address one may punch to")
+
+
+def test_one_inviter_gets_a_bounded_number_of_punches_per_window():
+    # a punch to a closed port freed its slot at once: one inviter had us send 500 SYNs in 0.03 s
+    # (refused addresses here, so that nothing leaves this machine: each invite still counts)
+    from groundswell.peer.holepunch import MAX_INVITES_PER_WINDOW, PunchTarget
+
+    async def go():
+        async with asyncio.TaskGroup() as tasks:
+            target = PunchTarget(1, "127.0.0.1", frozenset({"boot", "boot2"}), tasks)
+            return ([await target.handle("boot", PunchInvite(f"d{i}", "/ip4/127.0.0.1/tcp/1"))
+                     for i in range(MAX_INVITES_PER_WINDOW + 3)],
+                    await target.handle("boot2", PunchInvite("other", "/ip4/127.0.0.1/tcp/1")))
+
+    replies, other = asyncio.run(go())
+    assert [r.reason for r in replies[MAX_INVITES_PER_WINDOW:]] == ["busy: too many invites"] * 3
+    assert all(r.reason != "busy: too many invites" for r in replies[:MAX_INVITES_PER_WINDOW])
+    assert other.reason != "busy: too many invites"  # per inviter
+
+
+@pytest.mark.parametrize("address", ["/ip4/127.0.0.1/tcp/6379", "/ip4/192.168.1.20/tcp/6379"])
+def test_a_dialer_does_not_dial_an_address_outside_the_runs_scopes_whatever_the_rendezvous_says(address):
+    p2p = FakeP2P([])
+    p2p._client = FakeClient()
+    transport = FakeTransport(PunchReply(True, "", address))
+    with pytest.raises(holepunch.PunchFailed, match="an address we do not dial"):
+        asyncio.run(holepunch.punch_through(p2p, transport, "rdv", "target", scopes=frozenset({"public"})))
+    assert p2p._client.dialled == []
+
+
+def test_requests_the_rendezvous_refuses_do_not_push_out_the_pairs_it_limits():
+    async def members(ids):
+        return "stranger" not in ids
+
+    t = FakeTransport(PunchInviteReply(True, ""))
+    rdv = Rendezvous(FakeP2P([Info("dialer", [D_AT]), Info("target", [T_AT])]), t, members)
+    assert asyncio.run(rdv.handle("dialer", PunchRequest("target"))).ok
+    for i in range(5000):  # refused: not members
+        asyncio.run(rdv.handle("stranger", PunchRequest(f"t{i}")))
+    assert list(rdv._last) == [("dialer", "target")]
+    assert asyncio.run(rdv.handle("dialer", PunchRequest("target"))) == PunchReply(False, "rate limited", "")
