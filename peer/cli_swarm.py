@@ -313,8 +313,8 @@ def join(
     ident, ident_path = _identity(identity, state_dir)
     if ident.peer_id == boot.coordinator_id:
         raise ConfigError(f"{ident_path} is the coordinator's identity: a volunteer needs its own --identity")
-    opts = NodeOptions(host_maddrs=listen, initial_peers=boot.maddrs, role="volunteer", trains=True, serves=True,
-                       reachability=reachability)
+    opts = NodeOptions(host_maddrs=listen, initial_peers=boot.maddrs, coordinator=boot.coordinator_id,
+                       role="volunteer", trains=True, serves=True, reachability=reachability)
     node = SwarmNode(ident, str(ident_path), opts)
     node.start()
     try:
@@ -402,7 +402,8 @@ def status(
     with tempfile.TemporaryDirectory() as tmp:
         path = Path(tmp) / "id.key"
         ident.save(path)
-        node = SwarmNode(ident, str(path), NodeOptions(initial_peers=boot.maddrs, trains=False, serves=False))
+        node = SwarmNode(ident, str(path), NodeOptions(initial_peers=boot.maddrs, coordinator=boot.coordinator_id,
+                                                       trains=False, serves=False))
         node.start()
         try:
             _, manifest = _fetch_manifest(node, boot.maddrs, boot.coordinator_id)

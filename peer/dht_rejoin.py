@@ -113,6 +113,10 @@ class DhtRejoiner:
             del self._vouched[next(iter(self._vouched))]
         self._trim()
 
+    def is_proven(self, pid: str) -> bool:
+        """Was `pid` vouched for (the coordinator, a peer named in a commit we hold)?"""
+        return pid in self._vouched
+
     def _trim(self) -> None:
         for tier in (self._addrs, self._proven):
             while len(tier) > MAX_REMEMBERED:

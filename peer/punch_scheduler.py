@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import random
 import time
 from collections import deque
+from collections.abc import Callable
 from typing import Any
 
 from groundswell.peer import holepunch
@@ -26,6 +28,7 @@ class PunchScheduler:
     RETRY_S = 150.0
     MAX_RETRY_S = 1800.0
     PER_PASS = 4  # attempts running at once, at most (each can take ~20 s)
+    PER_PASS_UNPROVEN = 2  # of them, to peers no commit we hold names: records are free to publish
 
     def __init__(self, me: str, rendezvous: list[str], p2p: Any, transport: Any,
                  records: Any, target: PunchTarget | None = None) -> None:
@@ -38,6 +41,9 @@ class PunchScheduler:
         self.attempts: deque[dict[str, Any]] = deque(maxlen=256)  # {peer, ok, s, address | reason}
         self.direct: set[str] = set()  # peers we punched to whose connection is still direct
         self.announce: Any = None  # (peer, address) -> None, called at the first punch that works
+        self.proven: Callable[[str], bool] = lambda peer: False  # did it do the run's work? (DhtRejoiner)
+        self.rng = random.Random()  # the order unproven peers are tried in (seeded by tests)
+        self.scopes: frozenset[str] | None = None  # where a rendezvous may have us dial (`dialable_scopes`)
         self._fails: dict[str, int] = {}
         self._next: dict[str, float] = {}
         self._trying: set[str] = set()  # peers an attempt is running to
@@ -77,7 +83,13 @@ class PunchScheduler:
         due = [peer for peer, rec in sorted(records.items())
                if peer > self.me and rec.reachability == "private" and paths.get(peer) != "direct"
                and now >= self._next.get(peer, 0.0) and peer not in self._trying]
-        for peer in due[:max(0, self.PER_PASS - len(self._trying))]:
+        # Proven peers first, then a random few of the others: taken in id order, sybil records
+        # with ids just above ours had every slot, every pass (found by a review).
+        unproven = [peer for peer in due if not self.proven(peer)]
+        room = max(0, self.PER_PASS_UNPROVEN - sum(not self.proven(peer) for peer in self._trying))
+        picked = sorted(self.rng.sample(unproven, min(room, len(unproven))))
+        chosen = [peer for peer in due if self.proven(peer)] + picked
+        for peer in chosen[:max(0, self.PER_PASS - len(self._trying))]:
             self._trying.add(peer)
             attempts.create_task(self._attempt_once(peer))
 
@@ -96,7 +108,7 @@ class PunchScheduler:
         reasons = []
         for rdv in self.rendezvous:
             try:
-                address = await holepunch.punch_through(self.p2p, self.transport, rdv, peer)
+                address = await holepunch.punch_through(self.p2p, self.transport, rdv, peer, scopes=self.scopes)
             except DialFailed as exc:  # the target punched for us and we missed it: wait for the retry
                 reasons.append(str(exc))
                 break

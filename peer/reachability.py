@@ -20,9 +20,10 @@ from typing import Any
 
 from groundswell.protocol.schema import ProbeReply, ProbeRequest
 
-PROBE_TIMEOUT_S = 3.0
+PROBE_TIMEOUT_S = 3.0  # for a whole probe, all its addresses together
 PROBE_EVERY_S = 10.0  # one probe per sender per this many seconds: a prober is not a port scanner
 MAX_TARGETS = 4
+MAX_PROBES = 16  # probes under way at once, whoever asks: fresh identities are free, sockets are not
 
 
 def tcp_targets(maddrs: list[str], allowed: set[str] | None = None) -> list[tuple[str, int]]:
@@ -100,29 +101,45 @@ class DialBack:
 
     def __init__(self) -> None:
         self._last: dict[str, float] = {}
+        self._running = 0  # probes under way
 
     async def handle(self, sender: str, msg: ProbeRequest, observed: set[str] | None = None) -> ProbeReply:
-        """Try each TCP address in turn; the first that accepts a connection is the answer.
-        `observed`: the IPs the requester is connected from; only those are dialed, so a probe
-        cannot make this peer connect to a third party (behind a NAT none match: "private")."""
+        """Dial the TCP addresses at once, for PROBE_TIMEOUT_S in all; the first that accepts a
+        connection is the answer. `observed`: the IPs the requester is connected from; only those
+        are dialed, so a probe cannot make this peer connect to a third party (behind a NAT none
+        match: "private"). "rate limited" (ask another peer) when this sender asked within
+        PROBE_EVERY_S or MAX_PROBES are under way."""
         now = time.monotonic()
         if now - self._last.get(sender, -PROBE_EVERY_S) < PROBE_EVERY_S:
+            return ProbeReply(False, "rate limited")
+        if self._running >= MAX_PROBES:  # not charged to the sender: it may ask again at once
             return ProbeReply(False, "rate limited")
         self._last[sender] = now
         if len(self._last) > 4096:  # forget the oldest senders
             for key in sorted(self._last, key=self._last.get)[:2048]:  # type: ignore[arg-type]
                 del self._last[key]
+        reached: list[str] = []
+
+        async def dial(host: str, port: int) -> None:
+            try:
+                _, writer = await asyncio.open_connection(host, port)
+            except OSError:
+                return
+            writer.close()
+            reached.append(f"{host}:{port}")
+
         # Filter before choosing: a volunteer on the coordinator's machine (connected from
         # 127.0.0.1) also lists its LAN address, which must not push its loopback one out.
-        for host, port in tcp_targets(msg.maddrs, observed):
-            try:
-                async with asyncio.timeout(PROBE_TIMEOUT_S):
-                    _, writer = await asyncio.open_connection(host, port)
-            except (OSError, TimeoutError):
-                continue
-            writer.close()
-            return ProbeReply(True, f"{host}:{port}")
-        return ProbeReply(False, "")
+        # All at once, one budget: in turn, ports that drop SYNs held a socket 3 s each (12 s).
+        self._running += 1
+        try:
+            async with asyncio.timeout(PROBE_TIMEOUT_S):
+                await asyncio.gather(*(dial(host, port) for host, port in tcp_targets(msg.maddrs, observed)))
+        except TimeoutError:
+            pass
+        finally:
+            self._running -= 1
+        return ProbeReply(True, reached[0]) if reached else ProbeReply(False, "")
 
 
 def observed_ips(peer_infos: list[Any], peer_id: str) -> set[str]:

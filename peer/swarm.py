@@ -75,6 +75,7 @@ class NodeOptions:
     host_maddrs: Sequence[str] = ("/ip4/127.0.0.1/tcp/0",)
     announce_maddrs: Sequence[str] = ()
     initial_peers: Sequence[str] = ()
+    coordinator: str = ""  # the run's coordinator's peer id, if known: its dial-back probe is trusted first
     role: str = "volunteer"
     trains: bool = True
     serves: bool = True  # offer to aggregate and lead; dropped if the peer turns out to be unreachable
@@ -212,7 +213,7 @@ class SwarmNode(PeerRecords, StateServing, NetLoop):
                 self._tasks = tasks
                 if self.reachability == "private" and self.options.hole_punch:  # see peer/holepunch.py
                     self.punch_target = await serve_punch_invites(self.bootstrap_transport, self.maddrs, self.options.host_maddrs,
-                                              self._bootstrap_ids(), tasks)
+                                              self._bootstrap_ids(), tasks, self.rejoiner.scopes)
                 tasks.create_task(watch_daemon(p2p))  # a daemon that died (out of memory, say) stops the node
                 self._ready.set()
                 await self._stop.wait()
@@ -263,6 +264,8 @@ class SwarmNode(PeerRecords, StateServing, NetLoop):
             self.puncher = PunchScheduler(self.identity.peer_id, self._bootstrap_ids(), self.p2p,
                                           self.bootstrap_transport, lambda: self._cached_records, self.punch_target)
             self.puncher.announce = self.announce_punch
+            self.puncher.proven = self.rejoiner.is_proven
+            self.puncher.scopes = self.rejoiner.scopes
             self._tasks.create_task(self.puncher.run())
 
     def traffic(self) -> tuple[int, int]:
@@ -337,19 +340,42 @@ class SwarmNode(PeerRecords, StateServing, NetLoop):
         return list(seen.values())
 
     async def _find_reachability(self) -> str:
-        """"public" or "private" as a bootstrap peer's dial-back finds us ("public" if nobody answers)."""
+        """"public" or "private" as our bootstrap peers' dial-backs find us ("public" if nobody answers)."""
         if self.options.reachability != "auto":
             return self.options.reachability
-        for maddr in list(self.options.initial_peers)[:3]:
-            peer = maddr.rsplit("/p2p/", 1)[-1]
+        # Any libp2p identity can be a bootstrap peer, and a lying one makes a public peer stop
+        # serving ("private") or a NAT'ed one take roles nobody reaches ("public"). So the
+        # coordinator, asked first, decides. Without its answer a "public" decides (one more
+        # probe would lengthen every public peer's start) and a "private" is checked with one
+        # more peer: it stands unless that peer finds us reachable (or none other answers).
+        coordinator = self.options.coordinator
+        peers = sorted(self._bootstrap_ids(), key=lambda peer: peer != coordinator)  # (stable: else as given)
+        privates: set[str] = set()
+        tries = 0
+        for peer in peers:
+            if peer in privates:  # listed at several addresses: asked again only after a failure
+                continue
+            if tries == 3:
+                break
+            tries += 1
             try:
                 reply = await self.bootstrap_transport.request(  # type: ignore[union-attr]
                     peer, "probe", ProbeRequest(self.maddrs[:8]), ProbeReply, timeout_s=4 * PROBE_TIMEOUT_S + 5)
             except PeerUnavailable as exc:
                 log.info("reachability probe by %s: %s", peer[-8:], exc)
                 continue
-            if reply.address != "rate limited":
+            if reply.address == "rate limited":  # busy, or asked by us a moment ago: ask the next one
+                continue
+            if reply.reachable or peer == coordinator:
                 return "public" if reply.reachable else "private"
+            privates.add(peer)
+            if len(privates) == 2:
+                break
+        if privates:
+            return "private"
+        if peers:
+            log.warning("reachability unknown: no bootstrap peer answered our dial-back probe; assuming "
+                        "we are reachable (start with --reachability private if we are not)")
         return "public"  # nobody to ask (the first peer of a run) or nobody answered: assume so
 
     async def _nated_members(self, ids: tuple[str, ...]) -> bool:

@@ -150,7 +150,8 @@ def test_a_volunteer_punches_to_nated_peers_with_larger_ids_and_backs_off_after_
     tried: list[tuple[str, str]] = []
     outcome = {"m-later": holepunch.PunchFailed("timed out")}
 
-    async def fake_punch(p2p, transport, rdv, target):
+    async def fake_punch(p2p, transport, rdv, target, scopes=None):
+        assert scopes == frozenset({"public"})  # the run's, for the address the rendezvous gives
         tried.append((rdv, target))
         if target in outcome:
             raise outcome[target]
@@ -161,6 +162,7 @@ def test_a_volunteer_punches_to_nated_peers_with_larger_ids_and_backs_off_after_
                "o-public": _rec("public"), "p-ok": _rec("private")}
     p2p = FakeP2P([Info("n-direct", ["/ip4/10.99.0.23/tcp/1"])])
     sched = PunchScheduler("m", ["rdv1", "rdv2"], p2p, None, lambda: records)
+    sched.scopes = frozenset({"public"})
     told: list[tuple[str, str]] = []
     sched.announce = lambda peer, address: told.append((peer, address))
 
@@ -187,7 +189,7 @@ def test_a_slow_punch_holds_up_neither_the_next_pass_nor_a_peer_that_shows_up_la
     tried: list[str] = []
     slow_started = asyncio.Event()
 
-    async def fake_punch(p2p, transport, rdv, target):
+    async def fake_punch(p2p, transport, rdv, target, scopes=None):
         tried.append(target)
         if target == "m-symmetric":
             slow_started.set()
@@ -223,7 +225,7 @@ def test_a_punch_that_works_while_the_next_pass_lists_connections_stays_known(mo
     read (the list from before its connection) must not be dropped from `direct` by that pass."""
     punch_may_end = asyncio.Event()
 
-    async def fake_punch(p2p, transport, rdv, target):
+    async def fake_punch(p2p, transport, rdv, target, scopes=None):
         await punch_may_end.wait()
         return "/ip4/10.99.0.22/tcp/4002"
 
@@ -282,7 +284,7 @@ def test_the_rendezvous_forgets_its_oldest_requests_not_all_of_them():
 def test_a_scheduler_attempt_turns_any_error_into_a_backed_off_failure_and_stops_after_a_missed_dial(monkeypatch):
     tried: list[str] = []
 
-    async def broken(p2p, transport, rdv, target):
+    async def broken(p2p, transport, rdv, target, scopes=None):
         tried.append(rdv)
         if rdv == "rdv1":
             raise RuntimeError("the daemon's control socket broke")

@@ -4,12 +4,13 @@ from __future__ import annotations
 
 import asyncio
 import socket
+import time
 from types import SimpleNamespace
 
 import pytest
 from groundswell.peer.reachability import DialBack, connection_paths, tcp_targets
 from groundswell.protocol.identity import Identity
-from groundswell.protocol.schema import ProbeRequest
+from groundswell.protocol.schema import ProbeReply, ProbeRequest
 
 
 def test_targets_are_plain_tcp_and_prefer_non_loopback_addresses():
@@ -136,3 +137,113 @@ def test_a_nated_peers_daemon_takes_its_bootstrap_peers_as_its_only_relays():
         assert not any("relayDiscovery" in x for x in cls._make_process_args("p2pd", autoRelay=True))
     finally:
         release_private_sockets()
+
+
+def _black_hole() -> tuple[socket.socket, list[socket.socket]]:
+    """A listener whose accept queue is full: the kernel drops further SYNs, so a connect hangs."""
+    s = socket.socket()
+    s.bind(("127.0.0.1", 0))
+    s.listen(0)
+    fill = []
+    for _ in range(3):
+        c = socket.socket()
+        c.setblocking(False)
+        c.connect_ex(s.getsockname())
+        fill.append(c)
+    return s, fill
+
+
+def test_probes_are_bounded_in_number_and_each_in_time(monkeypatch):
+    # Identities are free: 300 probes to ports that drop SYNs held 300 sockets for 4 x 3 s each
+    # (found by a review). Now MAX_PROBES run at once, each for PROBE_TIMEOUT_S in all.
+    from groundswell.peer import reachability
+
+    monkeypatch.setattr(reachability, "PROBE_TIMEOUT_S", 0.5)
+    holes = [_black_hole() for _ in range(4)]
+    hanging = [f"/ip4/127.0.0.1/tcp/{s.getsockname()[1]}" for s, _ in holes]
+
+    async def main() -> tuple:
+        server = await asyncio.start_server(lambda r, w: w.close(), "127.0.0.1", 0)
+        listening = [f"/ip4/127.0.0.1/tcp/{server.sockets[0].getsockname()[1]}"]
+        prober = DialBack()
+        t0 = time.monotonic()
+        probes = [asyncio.create_task(prober.handle(f"sybil{i}", ProbeRequest(hanging), {"127.0.0.1"}))
+                  for i in range(reachability.MAX_PROBES)]
+        await asyncio.sleep(0.1)
+        full = await prober.handle("honest", ProbeRequest(listening), {"127.0.0.1"})
+        replies = await asyncio.gather(*probes)
+        took = time.monotonic() - t0
+        later = await prober.handle("honest", ProbeRequest(listening), {"127.0.0.1"})  # not charged for `full`
+        server.close()
+        await server.wait_closed()
+        return full, replies, took, later
+
+    try:
+        full, replies, took, later = asyncio.run(main())
+    finally:
+        for s, fill in holes:
+            for c in fill:
+                c.close()
+            s.close()
+    assert full == ProbeReply(False, "rate limited")  # what a requester takes as "ask the next peer"
+    assert not any(r.reachable for r in replies)
+    assert took < 1.5  # one budget per probe, not one per port (4 x 0.5 s)
+    assert later.reachable
+
+
+class _Probers:
+    """Bootstrap peers' answers to our probe: a ProbeReply, or PeerUnavailable if absent."""
+
+    def __init__(self, verdicts: dict[str, bool]) -> None:
+        self.verdicts = verdicts
+        self.asked: list[str] = []
+
+    async def request(self, peer, kind, msg, reply_type, timeout_s):
+        from groundswell.protocol.transport import PeerUnavailable
+
+        self.asked.append(peer)
+        if peer not in self.verdicts:
+            raise PeerUnavailable(f"{peer} did not answer")
+        return ProbeReply(self.verdicts[peer], "127.0.0.1:1" if self.verdicts[peer] else "")
+
+
+@pytest.mark.parametrize("order,coordinator,verdicts,expected,asked", [
+    # a lying bootstrap peer listed first: the coordinator, asked first, decides
+    ("LC", "C", {"L": False, "C": True}, "public", ["C"]),
+    ("LC", "C", {"L": True, "C": False}, "private", ["C"]),
+    # without the coordinator's answer one "private" is checked with a second peer
+    ("LH", "", {"L": False, "H": True}, "public", ["L", "H"]),
+    ("LHX", "C", {"L": False, "H": False, "X": True}, "private", ["L", "H"]),
+    ("LC", "C", {"L": False}, "private", ["C", "L"]),  # nobody else answers: it stands, as before
+    ("LH", "", {"L": True, "H": False}, "public", ["L"]),
+    ("CCH", "C", {"H": True}, "public", ["C", "C", "H"]),  # the coordinator is asked at each address
+])
+def test_the_coordinators_probe_decides_and_another_peers_private_verdict_is_checked(order, coordinator, verdicts,
+                                                                                      expected, asked):
+    from groundswell.peer.swarm import NodeOptions, SwarmNode
+
+    ids = {c: f"12D3Koo{c}" for c in "LHXC"}
+    boot = [f"/ip4/127.0.0.1/tcp/{4000 + i}/p2p/{ids[c]}" for i, c in enumerate(order)]
+    node = SwarmNode(Identity.generate(), None,
+                     NodeOptions(initial_peers=boot, coordinator=ids.get(coordinator, "")))
+    try:
+        node.bootstrap_transport = probers = _Probers({ids[c]: v for c, v in verdicts.items()})
+        assert asyncio.run(node._find_reachability()) == expected
+        assert probers.asked == [ids[c] for c in asked]
+    finally:
+        node._loop.close()
+
+
+def test_a_peer_whose_bootstrap_peers_all_stay_silent_says_its_reachability_is_unknown(caplog):
+    import logging
+
+    from groundswell.peer.swarm import NodeOptions, SwarmNode
+
+    node = SwarmNode(Identity.generate(), None, NodeOptions(initial_peers=["/ip4/127.0.0.1/tcp/4001/p2p/12D3KooA"]))
+    try:
+        node.bootstrap_transport = _Probers({})
+        with caplog.at_level(logging.WARNING, logger="groundswell.peer.swarm"):
+            assert asyncio.run(node._find_reachability()) == "public"  # as before
+        assert "reachability unknown" in caplog.text
+    finally:
+        node._loop.close()

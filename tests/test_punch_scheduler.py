@@ -1,0 +1,60 @@
+"""Which NAT'ed peers a volunteer's punch scheduler tries first (peer/punch_scheduler.py)."""
+
+from __future__ import annotations
+
+import asyncio
+import random
+
+from groundswell.peer.dht_rejoin import DhtRejoiner
+from groundswell.peer.punch_scheduler import PunchScheduler
+from groundswell.protocol.schema import PeerRecord
+
+ME = "12D3KooWM"
+
+
+def _private() -> PeerRecord:
+    return PeerRecord(0, "", "volunteer", True, False, [], "private", 0.0, 0, 0.0)
+
+
+class _NoConnections:
+    async def list_peers(self) -> list:
+        return []
+
+
+class _Started:
+    """Stands for the scheduler's TaskGroup: notes whom each attempt is for, runs none."""
+
+    def __init__(self) -> None:
+        self.peers: list[str] = []
+
+    def create_task(self, coro) -> None:
+        self.peers.append(coro.cr_frame.f_locals["peer"])
+        coro.close()
+
+
+def test_proven_peers_are_punched_to_first_and_sybil_records_get_two_slots_in_random_order():
+    # 100 records with ids sorting just above ours took all 4 slots, every pass, in id order:
+    # an honest peer above them never got a punch (found by a review)
+    records = {f"{ME}{i:04d}": _private() for i in range(100)}
+    records["12D3KooWz-proven"] = records["12D3KooWz-honest"] = _private()
+    rejoiner = DhtRejoiner(ME, [])
+    rejoiner.vouch(["12D3KooWz-proven"])  # named in a commit we hold
+    sched = PunchScheduler(ME, ["rdv"], _NoConnections(), None, lambda: records)
+    sched.proven = rejoiner.is_proven
+    sched.rng = random.Random(7)
+    started = _Started()
+
+    asyncio.run(sched.start_due(started))
+    assert started.peers[0] == "12D3KooWz-proven" and len(started.peers) == 3  # 1 proven + 2 others
+    asyncio.run(sched.start_due(started))
+    assert len(started.peers) == 3  # slots for unproven peers full: the fourth stays free for proven ones
+    honest_at = None
+    for n in range(200):  # each pass with every slot freed (attempts ended)
+        sched._trying.clear()
+        started.peers.clear()
+        asyncio.run(sched.start_due(started))
+        assert len(started.peers) == 3 and started.peers[0] == "12D3KooWz-proven"
+        if "12D3KooWz-honest" in started.peers:
+            honest_at = n
+            break
+    assert honest_at is not None  # the others are tried in random order: the honest one's turn comes
