@@ -247,3 +247,34 @@ def test_a_peer_whose_bootstrap_peers_all_stay_silent_says_its_reachability_is_u
         assert "reachability unknown" in caplog.text
     finally:
         node._loop.close()
+
+
+def test_a_probe_answers_as_soon_as_one_address_accepts_whatever_the_others_do(monkeypatch):
+    # dialled all at once (one budget for the probe): the first to accept answers, and the dial
+    # to an address that drops SYNs is cancelled, not waited out
+    real = asyncio.open_connection
+    cancelled: list[int] = []
+
+    async def open_connection(host, port):
+        if port == 9:  # drops SYNs
+            try:
+                await asyncio.sleep(30)
+            except asyncio.CancelledError:
+                cancelled.append(port)
+                raise
+        return await real(host, port)
+
+    async def go():
+        server = await asyncio.start_server(lambda r, w: w.close(), "127.0.0.1", 0)
+        port = server.sockets[0].getsockname()[1]
+        monkeypatch.setattr(asyncio, "open_connection", open_connection)
+        try:
+            started = time.monotonic()
+            reply = await DialBack().handle("peer", ProbeRequest(["/ip4/127.0.0.1/tcp/9", f"/ip4/127.0.0.1/tcp/{port}"]),
+                                            {"127.0.0.1"})
+            return reply, time.monotonic() - started, port
+        finally:
+            server.close()
+
+    reply, took, port = asyncio.run(go())
+    assert reply == ProbeReply(True, f"127.0.0.1:{port}") and took < 1.5 and cancelled == [9]
