@@ -88,7 +88,8 @@ class InProcessHub:
         self.timeout_s = timeout_s
         self.device = device
         self.drop: set[tuple[int, str]] = set()
-        self._rounds: dict[int, _RoundSlot] = {}
+        self._rounds: dict[int, _RoundSlot] = {}  # the open attempt of each round
+        self._mine: dict[tuple[str, int], _RoundSlot] = {}  # (worker, round) -> the attempt it contributed to
         self._cond = threading.Condition()
 
     def endpoint(self, worker_id: str) -> "InProcessExchange":
@@ -106,24 +107,30 @@ class InProcessHub:
             if worker_id in slot.payloads:
                 raise ValueError(f"worker {worker_id} contributed twice to round {round_id}")
             slot.payloads[worker_id] = data
+            self._mine[(worker_id, round_id)] = slot
             self._cond.notify_all()
         return sum(len(b) for b in data)
 
     def _collect(self, worker_id: str, round_id: int) -> tuple[torch.Tensor, tuple[str, ...], int]:
         with self._cond:
+            slot = self._mine.pop((worker_id, round_id), None)
+            if slot is None:
+                raise RoundFailed(f"round {round_id}: worker {worker_id} did not contribute to it")
             ready = self._cond.wait_for(
-                lambda: round_id in self._rounds
-                and len(self._rounds[round_id].payloads) == len(self.worker_ids),
+                lambda: slot.result is not None or len(slot.payloads) == len(self.worker_ids),
                 timeout=self.timeout_s,
             )
-            slot = self._rounds.get(round_id)
-            if not ready or slot is None:
-                # The round is void for everyone: kept, its payloads would go into the aggregate a
-                # late worker builds while their owners retry them (counted twice), and a retry
-                # would be refused as a second contribution.
-                self._rounds.pop(round_id, None)
+            if not ready:
+                # The attempt is void for everyone in it: kept, its payloads would go into the
+                # aggregate a late worker builds while their owners retry them (counted twice), and
+                # a retry would be refused as a second contribution. Its other waiters fail now
+                # too (else each would void the next attempt in turn when its own wait ran out);
+                # a contribution from now on opens a new attempt.
+                slot.result = RoundFailed(f"round {round_id}: not every worker contributed within {self.timeout_s}s")
+                slot.payloads.clear()
+                if self._rounds.get(round_id) is slot:
+                    del self._rounds[round_id]
                 self._cond.notify_all()
-                raise RoundFailed(f"round {round_id}: not every worker contributed within {self.timeout_s}s")
             if slot.result is None:
                 try:
                     slot.result = self._aggregate(round_id, slot.payloads)
@@ -132,7 +139,7 @@ class InProcessHub:
             received = sum(len(b) for w, parts in slot.payloads.items() if w != worker_id for b in parts)
             slot.collected += 1
             result = slot.result
-            if slot.collected == len(self.worker_ids):
+            if slot.collected == len(self.worker_ids) and self._rounds.get(round_id) is slot:
                 del self._rounds[round_id]  # every worker has its copy; free the payload bytes
         if isinstance(result, RoundFailed):
             raise RoundFailed(str(result))

@@ -14,6 +14,7 @@ from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Optional
 
+import click
 import typer
 from rich.console import Console
 from rich.markup import escape
@@ -57,8 +58,8 @@ def _user_errors(fn: Callable[..., Any]) -> Callable[..., Any]:
             raise typer.Exit(2) from None
         except (MemoryError, RuntimeError) as exc:
             # out of memory (torch's CPU allocator raises a RuntimeError, CUDA an OutOfMemoryError):
-            # a size to lower, not a bug to report
-            if not (isinstance(exc, MemoryError) or _out_of_memory(exc)):
+            # a size to lower, not a bug to report. (typer's Exit is a RuntimeError too: it goes on.)
+            if isinstance(exc, click.exceptions.Exit) or not (isinstance(exc, MemoryError) or _out_of_memory(exc)):
                 raise
             what = str(exc).splitlines()[0][:200] if str(exc) else type(exc).__name__
             console.print(f"[bold red]error:[/] out of memory ({escape(what)}); lower data.batch_size or "
@@ -75,7 +76,9 @@ def _out_of_memory(exc: BaseException) -> bool:
     """Is this torch's out-of-memory error (CUDA's OutOfMemoryError, or the CPU allocator's)?"""
     import torch
 
-    return isinstance(exc, torch.OutOfMemoryError) or "can't allocate memory" in str(exc)
+    # (torch.OutOfMemoryError is new in torch 2.5; older ones have torch.cuda's)
+    cuda_oom = getattr(torch, "OutOfMemoryError", None) or getattr(torch.cuda, "OutOfMemoryError", MemoryError)
+    return isinstance(exc, cuda_oom) or "can't allocate memory" in str(exc)
 
 
 def _set_threads(threads: int) -> None:

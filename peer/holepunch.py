@@ -398,7 +398,7 @@ async def serve_punch_invites(transport: Any, maddrs: list[str], host_maddrs: It
     if port is None or host is None:
         return None
     local = {"0.0.0.0": "127.0.0.1", "::": "::1"}.get(host, host)  # our daemon, as seen from here
-    own = frozenset(h for h, _ in tcp_targets(list(maddrs)))  # our interfaces' addresses
+    own = frozenset(part.split("/")[2] for part in maddrs if part.count("/") >= 2)  # every address of ours
     target = PunchTarget(port, local, frozenset(trusted), tasks, scopes, own)
     await transport.serve("punch-invite", PunchInvite, target.handle)
     return target

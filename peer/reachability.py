@@ -140,10 +140,10 @@ class DialBack:
         except TimeoutError:
             pass
         finally:
+            self._running -= 1  # first: a second cancellation in the await below must not leak it
             for task in dials:
                 task.cancel()
             await asyncio.gather(*dials, return_exceptions=True)
-            self._running -= 1
         return ProbeReply(False, "")
 
 

@@ -107,12 +107,16 @@ class StateServing:
         # run's state stays among its readers).
         if direct:
             offered = self.direct.offer(blob, sender, vouched=vouched)
-            if offered is None:  # its tickets are all out: pushing one out would flush a joiner's
+            if offered is not None:
+                token, key = offered
+                return WithTrailer(StateReply(state.round, digest, state.decision, len(blob), self.direct.port,
+                                              token, key, params_hash=params_hash), b"")
+            # Its tickets are all out (pushing one out would flush a joiner's): over the stream
+            # then, if an upload slot is free (the joiner takes a trailer as readily), else busy.
+            release = self.uploads.take(sender, vouched=vouched)
+            if release is None:
                 self.guard.count(sender, "get-state", "busy", strike=False)
                 return StateReply(-1, "", b"", 0, busy=True)
-            token, key = offered
-            return WithTrailer(StateReply(state.round, digest, state.decision, len(blob), self.direct.port, token,
-                                          key, params_hash=params_hash), b"")
         return WithTrailer(StateReply(state.round, digest, state.decision, len(blob), params_hash=params_hash),
                            blob, release)
 

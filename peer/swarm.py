@@ -349,22 +349,12 @@ class SwarmNode(PeerRecords, StateServing, NetLoop):
         # probe would lengthen every public peer's start) and a "private" is checked with one
         # more peer: it stands unless that peer finds us reachable (or none other answers).
         coordinator = self.options.coordinator
-        peers = sorted(self._bootstrap_ids(), key=lambda peer: peer != coordinator)  # (stable: else as given)
+        # each peer once (a bootstrap line lists one at several addresses; a request goes by id)
+        peers = sorted(dict.fromkeys(self._bootstrap_ids()), key=lambda peer: peer != coordinator)
         privates: set[str] = set()
-        tries = 0
-        for peer in peers:
-            if peer in privates:  # listed at several addresses: asked again only after a failure
-                continue
-            if tries == 3:
-                break
-            tries += 1
-            try:
-                reply = await self.bootstrap_transport.request(  # type: ignore[union-attr]
-                    peer, "probe", ProbeRequest(self.maddrs[:8]), ProbeReply, timeout_s=4 * PROBE_TIMEOUT_S + 5)
-            except PeerUnavailable as exc:
-                log.info("reachability probe by %s: %s", peer[-8:], exc)
-                continue
-            if reply.address == "rate limited":  # busy, or asked by us a moment ago: ask the next one
+        for peer in peers[:3]:
+            reply = await self._probe_by(peer)
+            if reply is None:
                 continue
             if reply.reachable or peer == coordinator:
                 return "public" if reply.reachable else "private"
@@ -377,6 +367,22 @@ class SwarmNode(PeerRecords, StateServing, NetLoop):
             log.warning("reachability unknown: no bootstrap peer answered our dial-back probe; assuming "
                         "we are reachable (start with --reachability private if we are not)")
         return "public"  # nobody to ask (the first peer of a run) or nobody answered: assume so
+
+    async def _probe_by(self, peer: str) -> ProbeReply | None:
+        """`peer`'s dial-back verdict; asked once more, a probe's time later, if it was busy
+        ("rate limited"); None if it gave none."""
+        for ask in range(2):
+            try:
+                reply = await self.bootstrap_transport.request(  # type: ignore[union-attr]
+                    peer, "probe", ProbeRequest(self.maddrs[:8]), ProbeReply, timeout_s=4 * PROBE_TIMEOUT_S + 5)
+            except PeerUnavailable as exc:
+                log.info("reachability probe by %s: %s", peer[-8:], exc)
+                return None
+            if reply.address != "rate limited":
+                return reply
+            if ask == 0:
+                await asyncio.sleep(PROBE_TIMEOUT_S)  # its probes under way end within this
+        return None
 
     async def _nated_members(self, ids: tuple[str, ...]) -> bool:
         """Are all `ids` NAT'ed peers of our run? Our cached records, refreshed (at most every

@@ -100,6 +100,7 @@ class SwarmExchange:
         self.last_decision: Decision | None = None
         self.last_signed: bytes = b""
         self._announced: Future | None = None
+        self._announced_round = -1
         self.announce_next = False  # announce round r+1 as soon as round r is decided
         self.prepared = 0  # contributions handed to `contribute` so far
         self._segments: list[bytes] = []  # the contribution in flight, until `collect` has its outcome
@@ -111,7 +112,12 @@ class SwarmExchange:
         """Start this peer's attempt at `round_id` with its segment payloads."""
         if self._future is not None:
             raise RuntimeError("contribute() twice without collect()")
-        self._drop_announce(round_id)
+        # (an announcement still out is left to finish: it also asks the leaders of the round's
+        # next attempts, which this contribution does not reach until they begin)
+        announced, self._announced = self._announced, None
+        if announced is not None and announced.done() and not announced.cancelled() \
+                and announced.exception() is not None:
+            log.warning("announcing our first round failed: %s", announced.exception())
         client = self.node.client
         assert client is not None and self.node.transport is not None
         self._sent_before = self.node.transport.bytes_sent
@@ -261,11 +267,12 @@ class SwarmExchange:
         first round after start, at every attempt an earlier process's `leave` reached."""
         client = self.node.client
         assert client is not None
-        self._drop_announce(round_id)  # (a retried first round announces again)
+        self._drop_announce()  # (a retried first round announces again)
+        self._announced_round = round_id
         self._announced = self.node.submit(client.announce(round_id, trains=True, serves=self.serves,
                                                            attempts=LEAVE_ATTEMPTS))
 
-    def _drop_announce(self, round_id: int) -> None:
+    def _drop_announce(self) -> None:
         """Let go of the announcement in flight: its failure, if it failed, is logged; one still
         running is cancelled (superseded: a contribution or a newer announcement is on its way)."""
         announced, self._announced = self._announced, None
@@ -274,7 +281,7 @@ class SwarmExchange:
         if not announced.done():
             announced.cancel()
         elif not announced.cancelled() and announced.exception() is not None:
-            log.warning("announcing round %d failed: %s", round_id, announced.exception())
+            log.warning("announcing round %d failed: %s", self._announced_round, announced.exception())
 
     def ready(self) -> bool:
         """Whether the attempt in flight has an outcome (and, on a commit, its aggregate): `collect`

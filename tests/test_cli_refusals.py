@@ -224,3 +224,19 @@ def test_running_out_of_memory_is_one_line_that_names_the_sizes_to_lower(monkeyp
         assert "lower data.batch_size" in res.output
     else:
         assert res.exit_code == 1 and isinstance(res.exception, RuntimeError)
+
+
+def test_a_deliberate_exit_passes_the_out_of_memory_check_on_any_torch(monkeypatch):
+    # typer's Exit is a RuntimeError; torch.OutOfMemoryError is new in torch 2.5 (review)
+    import torch
+    import typer
+    from groundswell.peer import train_local
+
+    def exits(*args, **kwargs):
+        raise typer.Exit(3)
+
+    monkeypatch.delattr(torch, "OutOfMemoryError", raising=False)
+    monkeypatch.setattr(train_local, "run_train_local", exits)
+    res = CliRunner().invoke(app, ["train-local", "--steps", "1"])
+    assert res.exit_code == 3 and "out of memory" not in res.output and res.exception is None or \
+        isinstance(res.exception, SystemExit)

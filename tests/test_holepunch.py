@@ -416,3 +416,22 @@ def test_requests_the_rendezvous_refuses_do_not_push_out_the_pairs_it_limits():
         asyncio.run(rdv.handle("stranger", PunchRequest(f"t{i}")))
     assert list(rdv._last) == [("dialer", "target")]
     assert asyncio.run(rdv.handle("dialer", PunchRequest("target"))) == PunchReply(False, "rate limited", "")
+
+
+def test_a_punch_target_knows_every_address_of_its_own():
+    # tcp_targets keeps at most 4 (and no loopback): a host with many interfaces (Docker bridges)
+    # could have been made to punch to one of its own (review)
+    from groundswell.peer.holepunch import serve_punch_invites
+
+    class Serving:
+        async def serve(self, kind, msg_type, handler):
+            pass
+
+    maddrs = [f"/ip4/172.17.0.{i}/tcp/4001" for i in range(1, 7)] + ["/ip6/fd00::5/tcp/4001", "/ip4/127.0.0.1/tcp/4001"]
+
+    async def go():
+        async with asyncio.TaskGroup() as tasks:
+            return await serve_punch_invites(Serving(), maddrs, ["/ip4/0.0.0.0/tcp/4001"], ["boot"], tasks)
+
+    target = asyncio.run(go())
+    assert target is not None and target.own_hosts == {m.split("/")[2] for m in maddrs}

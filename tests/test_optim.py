@@ -519,3 +519,32 @@ def test_a_round_that_timed_out_on_the_in_process_hub_is_void_for_every_worker()
     a.contribute(0, payloads)  # the retry: not a second contribution
     b.contribute(0, [codec.encode(torch.zeros(4))])
     assert a.collect(0).contributors == b.collect(0).contributors == ("a", "b")
+
+
+def test_workers_that_time_out_at_different_moments_still_complete_the_round_on_a_retry():
+    """Review of the fix above: each waiter voided the round when its own wait ran out, taking the
+    others' retries with it; with staggered workers round 0 never completed."""
+    import threading
+    import time
+
+    codec = make_codec("fp32")
+    hub = InProcessHub(codec, ["a", "b", "c"], timeout_s=0.3)
+    results: dict[str, object] = {}
+
+    def worker(name: str, delay: float) -> None:
+        time.sleep(delay)
+        ep = hub.endpoint(name)
+        for _ in range(8):
+            ep.contribute(0, [codec.encode(torch.ones(4))])
+            try:
+                results[name] = ep.collect(0).contributors
+                return
+            except RoundFailed:
+                continue
+
+    threads = [threading.Thread(target=worker, args=(n, d)) for n, d in (("a", 0.0), ("b", 0.1), ("c", 0.35))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=30)
+    assert results == {w: ("a", "b", "c") for w in "abc"}

@@ -111,28 +111,34 @@ def test_a_node_serving_as_many_uploads_as_it_takes_answers_busy_and_frees_slots
     assert node.uploads.in_use == MAX_UPLOADS
 
 
-def test_a_direct_request_past_the_tickets_open_to_it_is_answered_busy(node, monkeypatch):
+def test_a_direct_request_past_the_tickets_open_to_it_goes_over_the_stream_or_is_answered_busy(node, monkeypatch):
     # a direct get-state takes no upload slot, and a full ticket table used to push out its oldest
-    # ticket (a joiner's, not yet redeemed): now the request is told busy, and contributors keep a share
+    # ticket (a joiner's, not yet redeemed): now the state goes over the stream if an upload slot
+    # is free (a review of that fix: "busy" alone refused joiners a free stream), else busy; and
+    # contributors keep a share of the tickets
+    from groundswell.peer.state_serving import UploadSlots
     from groundswell.protocol import direct
     from groundswell.protocol.direct import DirectServer
 
     monkeypatch.setattr(direct, "MAX_TICKETS", 3)
     monkeypatch.setattr(direct, "TICKETS_KEPT_FOR_CONTRIBUTORS", 1)
+    node.uploads = UploadSlots(total=2, kept=1)  # one stream upload for strangers
 
     async def ask(sender: str):
         return await node._on_state(sender, StateRequest(0, direct=True))
 
     async def scenario() -> list:
         node.direct = DirectServer()  # never started: its tickets are all this needs
-        return [await ask(sender) for sender in ("joiner0", "joiner1", "late", VET, "late")]
+        return [await ask(sender) for sender in ("joiner0", "joiner1", "late", VET, "late2")]
 
     replies = asyncio.run(scenario())
     tickets = [isinstance(r, WithTrailer) and len(r.reply.direct_token) == 32 for r in replies]
     assert tickets == [True, True, False, True, False]
-    assert all(isinstance(r, StateReply) and r.busy and r.size == 0 for r in (replies[2], replies[4]))
-    assert node.guard.rejected["busy:get-state"] == 2
-    assert node.uploads.in_use == 0  # none of this took an upload slot
+    streamed = replies[2]
+    assert isinstance(streamed, WithTrailer) and streamed.reply.direct_port == 0 and len(streamed.trailer) > 0
+    assert isinstance(replies[4], StateReply) and replies[4].busy and replies[4].size == 0
+    assert node.guard.rejected["busy:get-state"] == 1
+    assert node.uploads.in_use == 1  # the streamed one, until its trailer is written
 
 
 @pytest.mark.parametrize("step", ["blob_and_digest", "state_digest"])
