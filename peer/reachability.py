@@ -13,12 +13,15 @@ from __future__ import annotations
 import asyncio
 import errno
 import ipaddress
+import logging
 import socket
 import time
 from collections.abc import Sequence
 from typing import Any
 
 from groundswell.protocol.schema import ProbeReply, ProbeRequest
+
+log = logging.getLogger(__name__)
 
 PROBE_TIMEOUT_S = 3.0  # for a whole probe, all its addresses together
 PROBE_EVERY_S = 10.0  # one probe per sender per this many seconds: a prober is not a port scanner
@@ -219,3 +222,49 @@ async def connect_via_relay(p2p: Any, target: str, relay_maddr: str) -> None:
     from hivemind.p2p import PeerID
 
     await p2p._client.connect(PeerID.from_base58(target), [_RawMaddr(circuit_maddr_bytes(relay_maddr, target))])
+
+
+async def find_reachability(transport: Any, maddrs: list[str], bootstrap_ids: list[str], coordinator: str) -> str:
+    """"public" or "private" as the bootstrap peers' dial-backs find us at `maddrs` ("public" if
+    nobody answers). Any libp2p identity can be a bootstrap peer, and a lying one makes a public
+    peer stop serving ("private") or a NAT'ed one take roles nobody reaches ("public"). So the
+    coordinator, asked first, decides. Without its answer a "public" decides (one more probe
+    would lengthen every public peer's start) and a "private" is checked with one more peer: it
+    stands unless that peer finds us reachable (or none other answers)."""
+    # each peer once (a bootstrap line lists one at several addresses; a request goes by id)
+    peers = sorted(dict.fromkeys(bootstrap_ids), key=lambda peer: peer != coordinator)
+    privates: set[str] = set()
+    for peer in peers[:3]:
+        reply = await _probe_by(transport, peer, maddrs)
+        if reply is None:
+            continue
+        if reply.reachable or peer == coordinator:
+            return "public" if reply.reachable else "private"
+        privates.add(peer)
+        if len(privates) == 2:
+            break
+    if privates:
+        return "private"
+    if peers:
+        log.warning("reachability unknown: no bootstrap peer answered our dial-back probe; assuming "
+                    "we are reachable (start with --reachability private if we are not)")
+    return "public"  # nobody to ask (the first peer of a run) or nobody answered: assume so
+
+
+async def _probe_by(transport: Any, peer: str, maddrs: list[str]) -> ProbeReply | None:
+    """`peer`'s dial-back verdict; asked once more, a probe's time later, if it was busy
+    ("rate limited"); None if it gave none."""
+    from groundswell.protocol.transport import PeerUnavailable
+
+    for ask in range(2):
+        try:
+            reply = await transport.request(peer, "probe", ProbeRequest(maddrs), ProbeReply,
+                                            timeout_s=4 * PROBE_TIMEOUT_S + 5)
+        except PeerUnavailable as exc:
+            log.info("reachability probe by %s: %s", peer[-8:], exc)
+            return None
+        if reply.address != "rate limited":
+            return reply
+        if ask == 0:
+            await asyncio.sleep(PROBE_TIMEOUT_S)  # its probes under way end within this
+    return None

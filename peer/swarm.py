@@ -50,11 +50,11 @@ from .net_errors import NetworkError, explain_start_failure
 from .net_loop import NetLoop
 from .punch_scheduler import PunchScheduler
 from .reachability import (
-    PROBE_TIMEOUT_S,
     DialBack,
     busy_listen_address,
     connect_via_relay,
     connection_paths,
+    find_reachability,
     listen_host,
     observed_ips,
 )
@@ -340,49 +340,11 @@ class SwarmNode(PeerRecords, StateServing, NetLoop):
         return list(seen.values())
 
     async def _find_reachability(self) -> str:
-        """"public" or "private" as our bootstrap peers' dial-backs find us ("public" if nobody answers)."""
+        """"public" or "private" as our bootstrap peers' dial-backs find us (`find_reachability`)."""
         if self.options.reachability != "auto":
             return self.options.reachability
-        # Any libp2p identity can be a bootstrap peer, and a lying one makes a public peer stop
-        # serving ("private") or a NAT'ed one take roles nobody reaches ("public"). So the
-        # coordinator, asked first, decides. Without its answer a "public" decides (one more
-        # probe would lengthen every public peer's start) and a "private" is checked with one
-        # more peer: it stands unless that peer finds us reachable (or none other answers).
-        coordinator = self.options.coordinator
-        # each peer once (a bootstrap line lists one at several addresses; a request goes by id)
-        peers = sorted(dict.fromkeys(self._bootstrap_ids()), key=lambda peer: peer != coordinator)
-        privates: set[str] = set()
-        for peer in peers[:3]:
-            reply = await self._probe_by(peer)
-            if reply is None:
-                continue
-            if reply.reachable or peer == coordinator:
-                return "public" if reply.reachable else "private"
-            privates.add(peer)
-            if len(privates) == 2:
-                break
-        if privates:
-            return "private"
-        if peers:
-            log.warning("reachability unknown: no bootstrap peer answered our dial-back probe; assuming "
-                        "we are reachable (start with --reachability private if we are not)")
-        return "public"  # nobody to ask (the first peer of a run) or nobody answered: assume so
-
-    async def _probe_by(self, peer: str) -> ProbeReply | None:
-        """`peer`'s dial-back verdict; asked once more, a probe's time later, if it was busy
-        ("rate limited"); None if it gave none."""
-        for ask in range(2):
-            try:
-                reply = await self.bootstrap_transport.request(  # type: ignore[union-attr]
-                    peer, "probe", ProbeRequest(self.maddrs[:8]), ProbeReply, timeout_s=4 * PROBE_TIMEOUT_S + 5)
-            except PeerUnavailable as exc:
-                log.info("reachability probe by %s: %s", peer[-8:], exc)
-                return None
-            if reply.address != "rate limited":
-                return reply
-            if ask == 0:
-                await asyncio.sleep(PROBE_TIMEOUT_S)  # its probes under way end within this
-        return None
+        return await find_reachability(self.bootstrap_transport, self.maddrs[:8], self._bootstrap_ids(),
+                                       self.options.coordinator)
 
     async def _nated_members(self, ids: tuple[str, ...]) -> bool:
         """Are all `ids` NAT'ed peers of our run? Our cached records, refreshed (at most every

@@ -225,10 +225,10 @@ class _Probers:
 ])
 def test_the_coordinators_probe_decides_and_another_peers_private_verdict_is_checked(order, coordinator, verdicts,
                                                                                       expected, asked, monkeypatch):
-    from groundswell.peer import swarm
+    from groundswell.peer import reachability
     from groundswell.peer.swarm import NodeOptions, SwarmNode
 
-    monkeypatch.setattr(swarm, "PROBE_TIMEOUT_S", 0.01)
+    monkeypatch.setattr(reachability, "PROBE_TIMEOUT_S", 0.01)
 
     ids = {c: f"12D3Koo{c}" for c in "LHXC"}
     boot = [f"/ip4/127.0.0.1/tcp/{4000 + i}/p2p/{ids[c]}" for i, c in enumerate(order)]
@@ -250,7 +250,7 @@ def test_a_peer_whose_bootstrap_peers_all_stay_silent_says_its_reachability_is_u
     node = SwarmNode(Identity.generate(), None, NodeOptions(initial_peers=["/ip4/127.0.0.1/tcp/4001/p2p/12D3KooA"]))
     try:
         node.bootstrap_transport = _Probers({})
-        with caplog.at_level(logging.WARNING, logger="groundswell.peer.swarm"):
+        with caplog.at_level(logging.WARNING, logger="groundswell.peer.reachability"):
             assert asyncio.run(node._find_reachability()) == "public"  # as before
         assert "reachability unknown" in caplog.text
     finally:
