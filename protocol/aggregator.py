@@ -121,24 +121,32 @@ class Aggregator(HaveReporter):
                 or self.identity.peer_id not in plan.candidates(msg.shard)[:REPORTING_CANDIDATES]):
             raise ProtocolError(f"shard {msg.shard} does not span segments {msg.first_segment}.."
                                 f"{msg.first_segment + len(msg.segments)} in this round", reason="bad-payload")
-        try:
-            rows = validate_segments(self.ctx, msg.first_segment, msg.segments)
+        try:  # parsed and checked in a worker thread: a dense shard of a large model takes a while
+            rows, sq_norm = await asyncio.to_thread(self._checked_contribution, msg)
         except ProtocolError:  # counted and dropped by the transport; the leaders hear of it
             slot.refused.add(sender)
             self._report(msg.round, msg.attempt)
             raise
+        if (early := settled()) is not None:  # sealed, or another copy from the sender landed, meanwhile
+            return early
         slot.contributions[msg.shard][sender] = (msg.first_segment, msg.segments, envelope,
                                                  contribution_digest(msg.first_segment, msg.segments))
         self._free_old_attempts(msg.round, msg.attempt)
         if self.ctx.codec.name not in DENSE_MEAN_CODECS:  # small: kept, so our fetch of the commit parses none again
             slot.parsed[(msg.shard, sender)] = rows
-        if self._clips_dense():  # worked out now, while the network is the bottleneck, not at the seal
-            slot.sq_norms[(msg.shard, sender)] = contribution_sq_norm(self.ctx.codec, rows)
+        if sq_norm is not None:
+            slot.sq_norms[(msg.shard, sender)] = sq_norm
         self._report(msg.round, msg.attempt)
         if not slot.refresh:
             slot.refresh = True
             self._spawn(self._refresh_have(msg.round, msg.attempt))
         return Ack(True, "")
+
+    def _checked_contribution(self, msg: ShardContribution) -> tuple[list[Payload], float | None]:
+        """A contribution's parsed segments and, where the mean clips dense contributions, its
+        squared norm: worked out on arrival, while the network is the bottleneck, not at the seal."""
+        rows = validate_segments(self.ctx, msg.first_segment, msg.segments)
+        return rows, contribution_sq_norm(self.ctx.codec, rows) if self._clips_dense() else None
 
     def _free_old_attempts(self, round_id: int, attempt: int) -> None:
         """Drop the contributions held for attempts of the round more than `KEEP_ATTEMPTS` before
@@ -167,59 +175,78 @@ class Aggregator(HaveReporter):
         slot = self.attempts[(decision.round, decision.attempt)]
         if decision.status == "retry":
             return self._void(decision, slot)
-        if self.later_claims.get(decision.round, -1) > decision.attempt and slot.sealed != msg.decision:
+        async with slot.sealing:  # one seal of an attempt at a time: a retransmission waits for the first's build
+            if (refusal := self._seal_refusal(decision, msg.decision, slot)) is not None:
+                return refusal
+            if slot.sealed == msg.decision:
+                return Ack(True, "")  # the same seal again (a retransmission): built already, not rebuilt
+            # The commit's shape (digests per contribution and shard, sources among the candidates,
+            # contributors) as any peer checks it when it is announced: a leader's seal is held to it
+            # first, or a short digest list would let contributions we do not hold through.
+            await self.verify_commit(msg.decision)
+            mine = [s for s, src in enumerate(decision.sources) if src == self.identity.peer_id]
+            # A replica builds its copy too, so the commit outlives its source and its leader.
+            spare = [s for s in sorted(slot.contributions) if s < plan.num_shards and s not in mine]
+            jobs, complete = [], []
+            for shard in mine + spare:
+                first, stop = plan.shard_segments[shard]
+                held = slot.contributions.get(shard, {})
+                pinned = decision_digests(decision, shard)
+                missing = [c for c, dg in zip(decision.contributors, pinned, strict=True)
+                           if c not in held or held[c][0] != first or len(held[c][1]) != stop - first
+                           or held[c][3] != dg]
+                if missing and shard in mine:
+                    return Ack(False, f"shard {shard}: missing contributions from {len(missing)} peers")
+                if not missing and shard in mine:
+                    jobs.append(self._held_job(decision, slot, shard, first))
+                elif not missing:
+                    complete.append(shard)
+            # Built off the network loop (a dense shard of a large model takes seconds), so this
+            # peer's handlers and heartbeat go on meanwhile; what they changed is checked again after.
+            built = await asyncio.to_thread(self._build_jobs, msg.decision, jobs)
+            if (refusal := self._seal_refusal(decision, msg.decision, slot)) is not None:
+                return refusal
+            if slot.voided_by == decision.leader:  # checked after the last await: nothing runs between it and the seal
+                # Its retry overtook this seal (sent before it, answered late): the commit was taken
+                # back, and its contributors were told "retry"; sealed now, a later leader could adopt it.
+                return Ack(False, "this leader took its commits of the attempt back")
+            slot.sealed = msg.decision  # not in the book yet: the leader announces it once it holds every shard
+            for shard, agg in built.items():
+                self.archive(decision.round, shard, agg)
+        if complete:  # the replica's copies: after the ack, so the leader does not wait for them
+            self._spawn(self._build_spares(msg.decision, decision, slot, complete, plan))
+        return Ack(True, "")
+
+    def _seal_refusal(self, decision: Decision, signed: bytes, slot: Any) -> Ack | None:
+        """Why this peer must not seal `signed` now (None: it may): checked before a seal's build
+        and again after it, since claims, commits and other seals land while it builds."""
+        committed = self.book.committed.get(decision.round)
+        if committed is not None and committed[0] != signed:
+            return Ack(False, f"round {decision.round} is already committed")
+        if self.later_claims.get(decision.round, -1) > decision.attempt and slot.sealed != signed:
             # We let a later attempt's leader decide, having seen no seal of this one: a leader
             # that froze or stalled while deciding this attempt must not commit the round too.
             return Ack(False, LATER_ATTEMPT_CLAIMED)
-        if slot.sealed is not None and slot.sealed != msg.decision:
+        if slot.sealed is not None and slot.sealed != signed:
             # The same leader may re-seal (it replaced a failed source before announcing anything);
             # another leader may not: that is how two leaders of one attempt are kept apart.
             _, earlier = unseal(slot.sealed, self.ctx.run_id, Decision)
             if earlier.leader != decision.leader:
                 return Ack(False, SEALED_BY_ANOTHER)
-        if slot.sealed == msg.decision:
-            return Ack(True, "")  # the same seal again (a retransmission): built already, not rebuilt
-        # The commit's shape (digests per contribution and shard, sources among the candidates,
-        # contributors) as any peer checks it when it is announced: a leader's seal is held to it
-        # first, or a short digest list would let contributions we do not hold through.
-        await self.verify_commit(msg.decision)
-        if slot.voided_by == decision.leader:  # checked after the last await: nothing runs between it and the seal
-            # Its retry overtook this seal (sent before it, answered late): the commit was taken
-            # back, and its contributors were told "retry"; sealed now, a later leader could adopt it.
-            return Ack(False, "this leader took its commits of the attempt back")
-        mine = [s for s, src in enumerate(decision.sources) if src == self.identity.peer_id]
-        # A replica builds its copy too, so the commit outlives its source and its leader.
-        spare = [s for s in sorted(slot.contributions) if s < plan.num_shards and s not in mine]
-        built, complete = {}, []
-        for shard in mine + spare:
-            first, stop = plan.shard_segments[shard]
-            held = slot.contributions.get(shard, {})
-            pinned = decision_digests(decision, shard)
-            missing = [c for c, dg in zip(decision.contributors, pinned, strict=True)
-                       if c not in held or held[c][0] != first or len(held[c][1]) != stop - first or held[c][3] != dg]
-            if missing and shard in mine:
-                return Ack(False, f"shard {shard}: missing contributions from {len(missing)} peers")
-            if not missing and shard in mine:
-                built[shard] = self._build_held(msg.decision, decision, slot, shard, first)
-            elif not missing:
-                complete.append(shard)
-        slot.sealed = msg.decision  # not in the book yet: the leader announces it once it holds every shard
-        for shard, agg in built.items():
-            self.archive(decision.round, shard, agg)
-        if complete:  # the replica's copies: after the ack, so the leader does not wait for them
-            self._spawn(self._build_spares(msg.decision, decision, slot, complete, plan))
-        return Ack(True, "")
+        return None
 
     async def _build_spares(self, signed: bytes, decision: Decision, slot: Any, shards: list[int], plan: Any) -> None:
         """Build a replica's copies of sealed shards, one at a time, while the seal still stands
         (a retry from the same leader voids it) and nobody handed us the shard meanwhile."""
         try:
             for shard in shards:
-                await asyncio.sleep(0)  # the ack goes out first; the loop serves others between shards
                 if slot.sealed != signed or not self._may_replace(decision, signed, shard):
                     continue
                 first, _ = plan.shard_segments[shard]
-                self.archive(decision.round, shard, self._build_held(signed, decision, slot, shard, first))
+                job = self._held_job(decision, slot, shard, first)
+                built = await asyncio.to_thread(self._build_jobs, signed, [job])  # off the loop, as a seal's
+                if slot.sealed == signed and self._may_replace(decision, signed, shard):  # still, after the build
+                    self.archive(decision.round, shard, built[shard])
         except Exception as exc:  # a background task must never take the node down
             log.error("replica copy of round %d not built: %r", decision.round, exc, exc_info=exc)
 
@@ -243,11 +270,16 @@ class Aggregator(HaveReporter):
         norm is needed at the seal)?"""
         return not ships_contributions(self.ctx) and self.ctx.robust.clip > 0
 
-    def _build_held(self, signed: bytes, decision: Decision, slot: Any, shard: int, first: int) -> AggregateShard:
+    def _held_job(self, decision: Decision, slot: Any, shard: int, first: int) -> tuple:
+        """What `_build_jobs` needs for a shard, taken from the slot on the network loop (its
+        dicts change there while the build runs in a thread)."""
         held = slot.contributions[shard]
         norms = [slot.sq_norms.get((shard, c)) for c in decision.contributors]
-        return self._build(signed, shard, [held[c] for c in decision.contributors], first,
-                           None if None in norms else norms)
+        return shard, [held[c] for c in decision.contributors], first, None if None in norms else norms
+
+    def _build_jobs(self, signed: bytes, jobs: list[tuple]) -> dict[int, AggregateShard]:
+        """The aggregate of each job's shard (run in a worker thread: pure tensor work)."""
+        return {shard: self._build(signed, shard, held, first, norms) for shard, held, first, norms in jobs}
 
     def _void(self, retry: Decision, slot: Any) -> Ack:
         """A leader that sealed a commit here and then decided retry takes the commit back: it was

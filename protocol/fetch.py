@@ -103,6 +103,24 @@ class AggregateFetcher:
 
     async def _fetch_aggregate(self, signed: bytes, device: torch.device | str) -> torch.Tensor:
         decision, plan, shards = await self._hold(signed)
+        # Checked (signatures, digests) here, where the parse cache lives; summed in a worker thread.
+        rows = {shard: self._checked_rows(decision, signed, shard, *plan.shard_segments[shard], agg)
+                for shard, agg in enumerate(shards) if agg.mode != "mean"}
+        # Decoding and summing every shard takes seconds for a large dense model: off the network
+        # loop, so this peer's handlers and heartbeat go on meanwhile.
+        out, clipped, scaled = await asyncio.to_thread(self._assemble, decision, plan, shards, rows)
+        self.clipped[decision.round] = clipped
+        self.own_scaled[decision.round] = tuple(scaled)
+        for book in (self.clipped, self.own_scaled):
+            for old in [r for r in book if r < decision.round - 16]:
+                del book[old]
+        return out.to(device)
+
+    def _assemble(self, decision: Decision, plan: RoundPlan, shards: list[AggregateShard],
+                  rows_by_shard: dict[int, list[list[Payload]]]
+                  ) -> tuple[torch.Tensor, dict[str, int], list[tuple[int, int, float]]]:
+        """The commit's mean as one flat fp32 vector, who was clipped in how many shards, and
+        where our contribution entered the mean scaled (pure tensor work: run in a worker thread)."""
         out = torch.empty(sum(self.ctx.segment_numels), dtype=torch.float32)
         offsets = _offsets(self.ctx.segment_numels)
         codec = self.ctx.codec
@@ -120,21 +138,15 @@ class AggregateFetcher:
                 for seg, value in zip(range(first, stop), values):
                     out[offsets[seg]:offsets[seg + 1]] = value
             else:  # every contributor's signed request: rows[c][i] is contributor c's segment first + i
-                rows = self._checked_rows(decision, signed, shard, first, stop, agg)
                 stats = RobustStats()
                 # written straight into `out`: a second copy of the whole vector costs more than the sum
-                robust_mean(codec, rows, self.ctx.robust, stats,
+                robust_mean(codec, rows_by_shard[shard], self.ctx.robust, stats,
                             out=[out[offsets[seg]:offsets[seg + 1]] for seg in range(first, stop)])
                 for c in stats.clipped:
                     clipped[decision.contributors[c]] = clipped.get(decision.contributors[c], 0) + 1
                 if mine in stats.weights:
                     scaled.append((offsets[first], offsets[stop], stats.weights[mine]))
-        self.clipped[decision.round] = clipped
-        self.own_scaled[decision.round] = tuple(scaled)
-        for book in (self.clipped, self.own_scaled):
-            for old in [r for r in book if r < decision.round - 16]:
-                del book[old]
-        return out.to(device)
+        return out, clipped, scaled
 
     async def gather_contributions(self, plan: RoundPlan, sources: list[str], contributors: list[str],
                                    digests: list[bytes]) -> dict[str, torch.Tensor]:
@@ -157,9 +169,14 @@ class AggregateFetcher:
                     timeout_s=2 * self.ctx.slack_s + budget / 20e6, max_reply=budget)
             if agg.mode != "signed":
                 raise PeerUnavailable(f"the source of shard {shard} did not hand over its contributions")
-            for contributor, row in zip(contributors, self._contributions(probe, shard, first, stop, agg)):
-                for i, payload in enumerate(row):
-                    out[contributor][offsets[first + i]:offsets[first + i + 1]] = self.ctx.codec.decode(payload)
+            rows = self._contributions(probe, shard, first, stop, agg)
+
+            def decode() -> None:  # in a worker thread: N contributions of a shard are a lot of tensor work
+                for contributor, row in zip(contributors, rows):
+                    for i, payload in enumerate(row):
+                        out[contributor][offsets[first + i]:offsets[first + i + 1]] = self.ctx.codec.decode(payload)
+
+            await asyncio.to_thread(decode)
 
         # One shard failing fails them all: the others' downloads (N contributions each) are
         # cancelled, not left running against the leader's downlink while it commits.

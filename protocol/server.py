@@ -80,6 +80,7 @@ class _Attempt:
     sealed: bytes | None = None  # the commit this peer sealed as an aggregator
     confirmed: bytes | None = None  # ... the one its leader confirmed before announcing it: final for later claimers
     voided_by: str | None = None  # as an aggregator: the leader that took its commits of this attempt back
+    sealing: asyncio.Lock = field(default_factory=asyncio.Lock)  # as an aggregator: one seal is built at a time
     changed: asyncio.Event = field(default_factory=asyncio.Event)
     leading: bool = False
     granted_to: str | None = None  # the one leader this peer lets decide the attempt (itself included)
