@@ -69,6 +69,9 @@ class DiLoCo(OuterOptimizer):
         direction = mean + cfg.momentum * self.momentum_buffer if cfg.nesterov else self.momentum_buffer.clone()
         return direction.mul_(-cfg.lr)
 
+    def _forget_state_at(self, where: torch.Tensor) -> None:
+        self.momentum_buffer.masked_fill_(where | ~torch.isfinite(self.momentum_buffer), 0.0)
+
     def _extra_state(self) -> dict[str, Any]:
         return {"algorithm": "diloco", "momentum_buffer": self.momentum_buffer.cpu().clone()}
 

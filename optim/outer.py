@@ -18,16 +18,19 @@ start), and the progress is then measured from there.
 
 from __future__ import annotations
 
+import logging
 from abc import ABC, abstractmethod
 from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any
 
 import torch
-from groundswell.compression import Codec, Payload, decode_segments, encode_segments, segment_size
+from groundswell.compression import Codec, Payload, all_finite, decode_segments, encode_segments, segment_size
 from torch.nn.utils import parameters_to_vector
 
 from .exchange import Exchange, RoundFailed, RoundResult
+
+log = logging.getLogger(__name__)
 
 
 def copy_into_parameters(vector: torch.Tensor, params: list[torch.nn.Parameter]) -> None:
@@ -109,8 +112,7 @@ class OuterOptimizer(ABC):
                 return  # nothing moved and the local progress stays where it is
             new_global = old_global
         else:
-            mean = result.mean.to(old_global.device, torch.float32)
-            new_global = old_global + self._outer_step(mean)
+            new_global = self._stepped(old_global, result.mean.to(old_global.device, torch.float32))
             self.round_id += 1
         # Local work not yet in anyone's hands rides on top of the new global parameters. In a
         # blocking round that is exactly zero, so every worker ends bit-identical to theta_global.
@@ -126,7 +128,7 @@ class OuterOptimizer(ABC):
         if round_id != self.round_id:
             raise ValueError(f"cannot apply round {round_id}: the next round here is {self.round_id}")
         old_global = self.global_params
-        new_global = old_global + self._outer_step(mean.to(old_global.device, torch.float32))
+        new_global = self._stepped(old_global, mean.to(old_global.device, torch.float32))
         progress = self.local_vector() - old_global
         copy_into_parameters(new_global + progress, self.params)
         self.global_params = new_global
@@ -196,6 +198,23 @@ class OuterOptimizer(ABC):
     @abstractmethod
     def _outer_step(self, mean: torch.Tensor) -> torch.Tensor:
         """The change to theta_global for an aggregated mean pseudo-gradient."""
+
+    def _stepped(self, old_global: torch.Tensor, mean: torch.Tensor) -> torch.Tensor:
+        """theta_global after the outer step for `mean`. A coordinate the step would take past
+        fp32's range (a finite mean near its limit: one hostile contribution with clipping off)
+        keeps its old value and loses its optimizer state: every worker computes the same bits,
+        so all of them do so alike, and the parameters stay finite."""
+        new_global = old_global + self._outer_step(mean)
+        if all_finite(new_global):
+            return new_global
+        overflowed = ~torch.isfinite(new_global)
+        log.warning("round %d: the outer step overflowed %d parameters; they keep their values",
+                    self.round_id, int(overflowed.sum()))
+        self._forget_state_at(overflowed)
+        return torch.where(overflowed, old_global, new_global)
+
+    def _forget_state_at(self, where: torch.Tensor) -> None:
+        """Reset the optimizer's own state (momentum) at the coordinates `where` is True."""
 
     # --- state -------------------------------------------------------------------------------
     def state_dict(self) -> dict[str, Any]:

@@ -548,3 +548,23 @@ def test_workers_that_time_out_at_different_moments_still_complete_the_round_on_
     for t in threads:
         t.join(timeout=30)
     assert results == {w: ("a", "b", "c") for w in "abc"}
+
+
+@pytest.mark.parametrize("algo", ["diloco", "sparseloco"])
+def test_an_outer_step_past_fp32s_range_leaves_those_parameters_as_they_were(algo):
+    # Found by a review of the wire boundary: a finite mean near fp32's limit (one hostile
+    # contribution, clipping off) took Nesterov's step, and then the parameters, to -inf on every
+    # peer alike, for good. Those coordinates now keep their values, and their momentum restarts.
+    from groundswell.optim import RoundResult
+
+    m = _model([1.0, 2.0, 3.0])
+    o = (DiLoCo(m.parameters(), make_codec("fp32"), DiLoCoConfig(lr=0.7, momentum=0.9)) if algo == "diloco"
+         else SparseLoCo(m.parameters(), make_codec("fp32"), SparseLoCoConfig(lr=1.0, eager=False)))
+    huge = 3.3e38
+    for round_id in range(3):
+        o.follow(round_id, torch.tensor([huge, -huge, 0.5]))
+        assert bool(torch.isfinite(o.global_params).all()), f"round {round_id}: parameters left fp32's range"
+        assert _weights(m) == o.global_params.tolist()
+    assert o.global_params[2].item() != 3.0, "the coordinate that did not overflow must still move"
+    if algo == "diloco":
+        assert bool(torch.isfinite(o.momentum_buffer).all())
