@@ -61,9 +61,12 @@ def _public_key_from_peer_id(peer_id: str) -> Ed25519PublicKey:
     from hivemind.p2p import PeerID
 
     try:
-        raw = PeerID.from_base58(peer_id).to_bytes()
+        parsed = PeerID.from_base58(peer_id)
     except ValueError:
         raise IdentityError(f"peer id {peer_id!r} is not valid base58") from None
+    if parsed.to_base58() != peer_id:  # the decoder strips whitespace: "id " would be a second id
+        raise IdentityError(f"peer id {peer_id!r} is not canonically spelled")
+    raw = parsed.to_bytes()
     if len(raw) >= 2 and raw[0] == _SHA256_MULTIHASH:
         raise IdentityError(
             f"peer id {peer_id!r} is a hash of its key (an RSA-style 'Qm...' id), so its public key "

@@ -214,3 +214,16 @@ def test_a_peer_id_whose_key_spells_y_at_or_over_p_is_refused(key_hex):
 
     with pytest.raises(IdentityError):
         public_key_from_peer_id(peer_id_from_public_bytes(bytes.fromhex(key_hex)))
+
+
+@pytest.mark.parametrize("tail", [" ", "\n", "\t", " \n"])
+def test_a_peer_id_spelled_with_whitespace_is_not_a_second_id_of_its_key(ident, tail):
+    # Found by a review of the wire boundary: the base58 decoder strips whitespace, so "id " named
+    # the same key as "id" and verified its signatures: one key, several peer records (voters).
+    from groundswell.protocol.identity import IdentityError, public_key_from_peer_id, verify
+
+    sig = ident.sign(b"m")
+    assert verify(ident.peer_id, b"m", sig)
+    with pytest.raises(IdentityError, match="canonically spelled"):
+        public_key_from_peer_id(ident.peer_id + tail)
+    assert not verify(ident.peer_id + tail, b"m", sig)
