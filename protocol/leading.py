@@ -23,7 +23,13 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 CATCH_UP_S = 0.5  # the most a leader waits for a shard's primary to catch up with its replica
-MAX_JOINS = 2048  # members one round may have (Decision lists hold at most 4096)
+MAX_JOINS = 2048  # members one round may have (Decision lists hold at most 4096), with up to 16 shards
+
+
+def max_members(max_shards: int) -> int:
+    """Members one round may have: its commit pins a digest per contributor and shard, and must
+    stay a control message (1 MiB): 2048 with up to 16 shards, fewer with more."""
+    return MAX_JOINS * 16 // max(16, max_shards)
 
 
 class Leading:
@@ -92,9 +98,10 @@ class Leading:
             raise ProtocolError(f"join for round {msg.round} is too far ahead", reason="future-round", strike=False)
         if msg.round <= self.book.latest():  # moot (a late one, honestly): kept, joins of old rounds would pile up
             return Ack(False, f"round {msg.round} is already committed")
-        if sender not in self.joins[msg.round] and len(self.joins[msg.round]) >= MAX_JOINS:
+        cap = max_members(self.ctx.max_shards)
+        if sender not in self.joins[msg.round] and len(self.joins[msg.round]) >= cap:
             # a decision lists every member: it must stay within the schema's bounds
-            raise ProtocolError(f"round {msg.round} already has {MAX_JOINS} members", reason="full", strike=False)
+            raise ProtocolError(f"round {msg.round} already has {cap} members", reason="full", strike=False)
         self.joins[msg.round][sender] = (msg.trains, msg.serves)
         for r in [r for r in self.joins if r < msg.round - 2]:
             del self.joins[r]

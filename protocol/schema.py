@@ -203,7 +203,7 @@ class AggregateShard(Message):
     decision: bytes = _f(max_len=MAX_SMALL)
     shard: int = _f(lo=0, hi=MAX_LIST)
     mode: str = _f(max_len=16)
-    parts: list[bytes] = _f(max_len=1 << 34, max_items=1 << 20)
+    parts: list[bytes] = _f(max_len=1 << 34)  # contributors or segments: MAX_LIST at most either way
     clipped: list[str] = field(default_factory=list, metadata={"max_len": MAX_ID, "max_items": MAX_LIST,
                                                                "lo": None, "hi": None})  # "mean": whose norm was clipped
     # "mean": the factor each of those entered the mean with (their error feedback keeps the rest)

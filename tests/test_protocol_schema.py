@@ -321,3 +321,24 @@ def test_fuzz_structured_values():
     print(f"fuzz inputs tried: {len(tried)}")
     assert len(tried) >= MIN_FUZZ
 
+
+
+@pytest.mark.parametrize("max_shards", [1, 16, 17, 32, 64, 4096])
+def test_a_commit_of_a_full_round_fits_a_control_message(max_shards):
+    # Found by a review of the wire boundary: 2400 contributors at 16 shards made a commit of
+    # 1.08 MB, which every receiver refused: a round over ~2200 members could never commit. A
+    # round's members are capped so that its biggest commit (every member a contributor and a
+    # server, a digest per contributor and shard) stays within MAX_SMALL, envelope included.
+    from groundswell.protocol.envelope import seal, unseal
+    from groundswell.protocol.identity import Identity
+    from groundswell.protocol.leading import max_members
+    from groundswell.protocol.schema import MAX_SMALL, Decision
+
+    leader = Identity.generate()
+    members = sorted(Identity.generate().peer_id for _ in range(max_members(max_shards)))
+    shards = min(max_shards, len(members))
+    decision = Decision(7, 3, "commit", members, members, members, leader.peer_id, members[:shards], shards,
+                        1.7e9, [bytes(range(16))] * (len(members) * shards))
+    signed = seal(leader, "a-run-id-of-some-length", decision)
+    assert len(signed) <= MAX_SMALL - 4096, f"{len(members)} members x {shards} shards: {len(signed)} bytes"
+    assert unseal(signed, "a-run-id-of-some-length", Decision)[1] == decision
