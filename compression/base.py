@@ -88,6 +88,7 @@ class Payload:
                 max_array_len=64,
                 max_map_len=_MAX_FIELDS,
                 max_ext_len=0,
+                object_pairs_hook=_map_without_repeats,
             )
         except MemoryError:  # ours, not the payload's fault: not to be taken for a bad payload
             raise
@@ -111,11 +112,19 @@ def _brief(value: object) -> str:
     return text if len(text) <= 80 else text[:77] + "..."
 
 
+def _map_without_repeats(pairs: list[tuple[object, object]]) -> dict:
+    """A msgpack map as a dict; ValueError if a key repeats (a later one would hide an earlier)."""
+    out = dict(pairs)
+    if len(out) != len(pairs):
+        raise ValueError("a map repeats a key")
+    return out
+
+
 def _envelope_to_payload(obj: object, max_numel: int) -> Payload:
     if not isinstance(obj, list) or len(obj) != 5:
         raise CodecError("payload envelope must be a 5-element array")
     version, codec, shape, params, buffers = obj
-    if version != WIRE_VERSION or isinstance(version, bool):
+    if type(version) is not int or version != WIRE_VERSION:  # neither True nor 2.0 for 2
         raise CodecError(f"unsupported payload wire version {_brief(version)} (this peer speaks {WIRE_VERSION})")
     if not isinstance(codec, str) or not 0 < len(codec) <= _MAX_NAME:
         raise CodecError("codec name must be a short string")

@@ -154,6 +154,7 @@ def test_trailing_garbage_is_rejected() -> None:
         _envelope(params=[1]),
         _envelope(buffers={"idx": "text, not bytes"}),
         _envelope(buffers={1: b""}),
+        _envelope(version=float(WIRE_VERSION)),  # 2.0 for 2: another spelling of the same payload
     ],
 )
 def test_bad_envelopes(data: bytes) -> None:
@@ -596,3 +597,18 @@ def test_running_out_of_memory_while_parsing_is_not_taken_for_a_bad_payload(monk
 
     with pytest.raises(MemoryError):
         decode_message(encode_message(Ack(True, "")), Ack)
+
+
+def test_a_map_that_repeats_a_key_is_refused() -> None:
+    # Found by a review of the wire boundary: msgpack keeps the last of repeated keys, so a payload
+    # could carry junk under a key said again later and decode like the short one.
+    good = msgpack.unpackb(VALID["fp32"], raw=False)
+    assert Payload.from_bytes(VALID["fp32"]).codec == "fp32"
+    buffers = good[4]
+    key = next(iter(buffers))
+    junk = bytes([0x80 | (len(buffers) + 1)]) + msgpack.packb(key) + msgpack.packb(b"\x00" * 800) + b"".join(
+        msgpack.packb(k) + msgpack.packb(v) for k, v in buffers.items())
+    raw = b"\x95" + b"".join(msgpack.packb(x) for x in good[:4]) + junk
+    assert msgpack.unpackb(raw, raw=False)[4] == buffers  # what msgpack alone makes of it: the short one
+    with pytest.raises(CodecError, match="repeats a key"):
+        Payload.from_bytes(raw)
