@@ -19,7 +19,14 @@ from .participant import Participant
 from .run_state import GlobalState
 from .state_trust import ModelMismatch, NoNewerState
 from .swarm_exchange import parse_unsettled
-from .work_file import WORK_FILE, read_work, resumable_work
+from .work_file import (
+    CONTRIBUTED_FILE,
+    WORK_FILE,
+    contribution_unknown,
+    read_contributed,
+    read_work,
+    resumable_work,
+)
 
 log = logging.getLogger(__name__)
 
@@ -88,6 +95,13 @@ def _unsent_work_is_ours(p: Participant, resumed: dict) -> bool:
     would count it twice. Dropping it loses only what had not been sent."""
     holds_work = "local_progress" in resumed or resumed["outer"].get("algorithm") == "sparseloco" \
         or bool(resumed.get("unsettled"))
+    if holds_work and p.state_dir is not None and contribution_unknown(read_contributed(p.state_dir)):
+        # contributed.json is damaged: whatever went out since the checkpoint cannot be told apart
+        # from what did not, so none of it is sent again (sent twice, it would count twice).
+        p.events.write("unsent-work-dropped", round=resumed["round"], contributed=None, peer=p.identity.peer_id)
+        log.warning("the unsent work of the round-%d checkpoint is dropped: %s cannot be read, so it may "
+                    "have gone out already", resumed["round"], CONTRIBUTED_FILE)
+        return False
     contributed = p._contributed_before()
     sent_since = [r for r in contributed if r >= resumed["round"]]
     if not sent_since or not holds_work:

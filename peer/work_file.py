@@ -64,8 +64,13 @@ def new_token() -> str:
     return os.urandom(8).hex()
 
 
+# contributed.json is there but cannot be read (torn, damaged, foreign): it may name a contribution
+# that went out, so the work a restart holds is not sent again on its word (`contribution_unknown`).
+UNREADABLE: dict[str, Any] = {"unreadable": True}
+
+
 def read_contributed(state_dir: Path) -> dict[str, Any] | None:
-    """contributed.json as it is now (None: absent, or unreadable: a torn or foreign file)."""
+    """contributed.json as it is now: None if absent, `UNREADABLE` if it cannot be read."""
     path = state_dir / CONTRIBUTED_FILE
     if not path.exists():
         return None
@@ -73,28 +78,31 @@ def read_contributed(state_dir: Path) -> dict[str, Any] | None:
         data = json.loads(path.read_text())
     except (OSError, ValueError) as exc:
         data = exc
-    if not isinstance(data, dict):
-        log.warning("%s is unreadable (%s); ignoring it", path.name, data if isinstance(data, Exception) else "not an object")
-        return None
+    if not isinstance(data, dict) or _marker(data) is None:
+        log.warning("%s is unreadable (%s): a contribution may have gone out since the last checkpoint",
+                    path.name, data if isinstance(data, Exception) else "not what this program writes")
+        return UNREADABLE
     return data
 
 
 def contributed_marker(data: dict[str, Any] | None) -> dict[int, int]:
-    """{round: attempt} of the contribution contributed.json names ({} if none, or malformed):
+    """{round: attempt} of the contribution contributed.json names ({} if none, or unreadable):
     what a settled checkpoint records as the last outcome it holds."""
-    if data is None:
-        return {}
-    try:
-        round_id, attempt = data["round"], data["attempt"]
-    except (KeyError, TypeError) as exc:
-        log.warning("%s is unreadable (%r); ignoring it", CONTRIBUTED_FILE, exc)
-        return {}
+    return {} if data is None or data is UNREADABLE else _marker(data) or {}
+
+
+def contribution_unknown(data: dict[str, Any] | None) -> bool:
+    """Is it unknown whether (and when) a contribution went out? (contributed.json is there but
+    unreadable: then the unsent work a restart holds may be in the swarm already.)"""
+    return data is UNREADABLE
+
+
+def _marker(data: dict[str, Any]) -> dict[int, int] | None:
     # Exactly what we write: JSON ints. int() took true as 1, "7" as 7, and raised OverflowError
     # out of start-up for 1e999 (JSON reads it as inf).
+    round_id, attempt = data.get("round"), data.get("attempt")
     if type(round_id) is not int or type(attempt) is not int:
-        log.warning("%s is unreadable (round %r, attempt %r); ignoring it", CONTRIBUTED_FILE, round_id,
-                    attempt)
-        return {}
+        return None
     return {round_id: attempt}
 
 
@@ -153,6 +161,8 @@ def resumable_work(record: WorkRecord, state_dir: Path, checkpoint_settled: Any,
     checkpoint was written after it (`checkpoint_settled`, `checkpoint_work`: that checkpoint's
     marker of the last contribution whose outcome it holds, and the newest record's token then)."""
     now = read_contributed(state_dir)
+    if contribution_unknown(now):
+        return None  # the record cannot be matched: the checkpoint's unsent work is dropped (see resume)
     marker = contributed_marker(now)
     # A checkpoint that holds the outcome of every contribution up to now, written since the record:
     # newer, and exact. (When the record's contribution went out, a checkpoint settled on it is

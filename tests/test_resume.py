@@ -60,11 +60,15 @@ def test_cleanup_never_deletes_the_checkpoint_just_written(tmp_path, corpus):
     assert p.load_checkpoint()["round"] == 3  # the garbled ones are skipped
 
 
-@pytest.mark.parametrize("contributed_round,kept", [(3, False), (5, False), (2, True)])
+@pytest.mark.parametrize("contributed_round,kept,damage", [(3, False, None), (5, False, None), (2, True, None),
+                                                           (3, False, "flip"), (2, False, "flip"),
+                                                           (3, False, "truncate"), (3, False, "not-ours")])
 def test_a_resumed_error_feedback_is_dropped_if_the_process_before_contributed_after_the_checkpoint(
-        tmp_path, corpus, contributed_round, kept):
+        tmp_path, corpus, contributed_round, kept, damage):
     """SparseLoCo's error feedback in a checkpoint holds what the crashed process sent in later
-    rounds; restoring it would send that work a second time."""
+    rounds; restoring it would send that work a second time. A damaged contributed.json (found by
+    a review of the state files: it read as "never contributed", and the work went out twice)
+    cannot tell, so the work is dropped then too."""
     from groundswell.peer.participant import genesis_decision
     from groundswell.peer.resume import resume_and_sync
 
@@ -76,6 +80,15 @@ def test_a_resumed_error_feedback_is_dropped_if_the_process_before_contributed_a
                               genesis_decision(p.identity, "unit"))
     assert p.save_checkpoint() is not None
     p._remember_contribution(contributed_round, 0)
+    marker = p.state_dir / "contributed.json"
+    raw = bytearray(marker.read_bytes())
+    if damage == "flip":
+        raw[1] ^= 0x40  # '{"round"' -> '{bround"'
+    elif damage == "truncate":
+        raw = raw[:len(raw) // 2]
+    elif damage == "not-ours":
+        raw = bytearray(json.dumps({"round": "3", "attempt": 0}).encode())
+    marker.write_bytes(bytes(raw))
 
     p.outer.error = torch.zeros_like(p.outer.global_params)  # a new process
     _offline(p)
