@@ -290,6 +290,10 @@ class Aggregator(HaveReporter):
         _, sealed = unseal(slot.sealed, self.ctx.run_id, Decision)
         if sealed.leader != retry.leader:
             return Ack(False, SEALED_BY_ANOTHER)
+        if self.later_claims.get(retry.round, -1) > retry.attempt:
+            # A later attempt's leader fenced this attempt off here and was handed our seal: it may
+            # have adopted the commit (it holds its aggregate then), so the copies stay here.
+            return Ack(False, LATER_ATTEMPT_CLAIMED)
         for key in [k for k, agg in self.aggregates.items() if k[0] == retry.round and agg.decision == slot.sealed]:
             del self.aggregates[key]
         slot.sealed, slot.voided_by = None, retry.leader

@@ -86,6 +86,7 @@ class Claims:
         leaders = [*plan.leaders, *(x for old in earlier for x in old.leaders)]
         holders = [x for old in earlier for s in range(old.num_shards)
                    for x in old.candidates(s)[:REPORTING_CANDIDATES]]
+        ours: list[tuple[bytes, bool]] = []
         for fence, group in ((False, leaders), (True, [*leaders, *holders])):
             if fence:
                 if not earlier:
@@ -93,21 +94,21 @@ class Claims:
                 if self._deciding_before(plan.round, plan.attempt):
                     return False  # we began deciding an earlier attempt ourselves meanwhile
                 # We may be one of those aggregators too: fenced off here from now on (no await
-                # in between), and a commit we sealed before is tried as a witness's would be.
+                # in between), and a commit we sealed before is tried as a witness's would be,
+                # once the others are fenced too (its leader may re-seal at those until then).
                 self.later_claims[plan.round] = max(self.later_claims.get(plan.round, -1), plan.attempt)
-                for signed, final in self._seals_before(plan.round, plan.attempt):
-                    if await self._adopt(plan, signed, final):
-                        return False
+                ours = self._seals_before(plan.round, plan.attempt)
             others = [x for x in dict.fromkeys(group) if x != me][:32]
             replies = await asyncio.gather(*(self._ask_claim(x, plan, fence) for x in others))
             objected = any(r is not None and not r.ok and not r.decision for r in replies)
             # that leader let another one decide, or is deciding an earlier attempt
-            witnessed: dict[bytes, bool] = {}  # several holders usually return the same commit: try it once
+            witnessed: dict[bytes, bool] = dict(ours) if fence else {}  # each commit tried once
             for r in replies:
                 if r is not None and not r.ok and r.decision:
                     witnessed[r.decision] = witnessed.get(r.decision, False) or r.final
-            for signed, final in witnessed.items():
-                if await self._adopt(plan, signed, final):
+            # Final ones first: a holder that missed its leader's re-seal still hands the older seal.
+            for signed, final in sorted(witnessed.items(), key=lambda w: not w[1]):
+                if await self._adopt(plan, signed, final, fenced=fence):
                     return False
             if objected:
                 return False
@@ -155,13 +156,15 @@ class Claims:
             log.info("claim of round %d attempt %d at %s: %s", plan.round, plan.attempt, peer[-8:], exc)
             return None
 
-    async def _adopt(self, plan: RoundPlan, signed: bytes, final: bool = False) -> bool:
+    async def _adopt(self, plan: RoundPlan, signed: bytes, final: bool = False, fenced: bool = True) -> bool:
         """Take a decision a witness returned; True: stand back. A commit is taken only once its
         whole aggregate is in hand; an earlier attempt's that cannot be had stops nobody. One
         that is `final` (announced, or confirmed by its leader) gets the whole window to gather:
         its leader holds the aggregate. (Standing back for good over one that cannot be had was
         weighed and left out: `final` is the replier's word, and a hostile replier could then
-        hold every later attempt back.)"""
+        hold every later attempt back.) An earlier attempt's commit that is not final is taken
+        only once its holders are `fenced` (the claim's second step): until then its leader may
+        still re-seal the attempt otherwise (a failed source replaced) and announce that."""
         try:
             signer, decision = unseal(signed, self.ctx.run_id, Decision)
             if decision.round != plan.round:
@@ -176,6 +179,8 @@ class Claims:
                 log.warning("claim reply carried a commit that does not check out: %s", exc)
                 return False
             earlier = decision.attempt < plan.attempt
+            if earlier and not final and not fenced:
+                return False  # the fenced step hands it over again, once its leader can no longer re-seal
             whole = not earlier or final
             tried = self.unobtainable.get(signed)
             if tried is not None and (tried[1] or not whole):

@@ -60,6 +60,11 @@ class Decider:
         budget_end = float("inf")
         sealers: set[str] = set()  # the peers that sealed our latest commit (asked to confirm it)
         for _ in range(4):  # a source that will not seal is replaced by a replica holding the same shard
+            if self.book.decided(plan.round):
+                # A later attempt's leader adopted a commit of ours (or decided otherwise), and we
+                # learned it meanwhile: a re-seal now would be a second commit of the round.
+                log.warning("round %d attempt %d: decided meanwhile; standing back", plan.round, plan.attempt)
+                return
             if (left := budget_end - time.monotonic()) <= 0:
                 log.warning("round %d attempt %d: no whole aggregate within the decision's budget", plan.round,
                             plan.attempt)
@@ -134,9 +139,16 @@ class Decider:
             decision = Decision(plan.round, plan.attempt, "retry", [], trainers, servers, self.identity.peer_id, [],
                                 plan.num_shards, time.time())
             signed = seal(self.identity, self.ctx.run_id, decision)
+            unvoided: set[str] = set()
             if accepted:  # take back the commits we sealed: a later claimer must not try to adopt them
-                await self._seal_all(signed, sorted(accepted), timeout_s=self.ctx.slack_s)
-            if late := asked - accepted - {self.identity.peer_id}:
+                unvoided, fenced_off = await self._seal_all(signed, sorted(accepted), timeout_s=self.ctx.slack_s)
+                if fenced_off:
+                    # A later attempt's leader fenced this attempt off and was handed our commit:
+                    # it may have adopted it. Its holders keep it; we announce nothing.
+                    log.warning("round %d attempt %d: a later attempt's leader fenced our commit off; standing back",
+                                plan.round, plan.attempt)
+                    return
+            if late := (asked - accepted - {self.identity.peer_id}) | (unvoided - {self.identity.peer_id}):
                 # Those that did not answer in time may still seal (a busy or paused aggregator):
                 # told too, in the background (a frozen one must not hold up the retry), they
                 # refuse our commit when it lands, or drop it if it landed meanwhile.
@@ -147,8 +159,8 @@ class Decider:
                      plan.num_shards, "".join(f"; none from shard {s}'s " + ",".join(
                          p[-8:] for p in plan.candidates(s)[:REPORTING_CANDIDATES]) for s in unreported[:2]),
                      len(self._sources(plan, slot)[1]), len(failed), len(dropped))
-        elif not await self._confirmed(plan, signed, sealers):
-            return  # a later attempt's leader fenced it off: it may commit the round otherwise
+        elif self.book.decided(plan.round) or not await self._confirmed(plan, signed, sealers):
+            return  # a later attempt's leader fenced it off (or decided the round): it may commit it otherwise
         log.info("round %d attempt %d: %s with %d contributors", plan.round, plan.attempt, decision.status,
                  len(decision.contributors))
         await self._learn(plan, signed)
