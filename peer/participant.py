@@ -137,6 +137,7 @@ class Participant:
             self.node.rejoiner.vouch([coordinator])  # dialled first (after bootstrap peers) to get back into the DHT
         self._snapshot: GlobalState | None = None
         self._preloaded: tuple[dict[str, Any] | None] | None = None  # see preload_checkpoint
+        self._damaged: set[Path] = set()  # checkpoints the loader found damaged: never kept in their place
         self.hash_history: dict[int, str] = {}  # round -> hash of the global parameters it started from
         self.node.state_provider = lambda: self._snapshot
         self.scorer = ContributionScorer(manifest, self.corpus, device) if manifest.defences.scoring else None
@@ -202,17 +203,11 @@ class Participant:
 
     def snapshot(self) -> None:
         """Publish the current global state for joiners and refresh this peer's DHT record."""
-        book = self.node.book
-        assert book is not None
-        r = self.outer.round_id
-        entry = book.committed.get(r - 1)
-        if entry is None:
+        state = self._global_state()
+        if state is None:
             return
-        tensors = {"global_params": self.outer.global_params.detach().cpu().clone()}
-        if isinstance(self.outer, DiLoCo):
-            tensors["momentum_buffer"] = self.outer.momentum_buffer.detach().cpu().clone()
-        digest = state_hash(entry[0], tensors["global_params"], tensors.get("momentum_buffer"))
-        self._snapshot = GlobalState(r, tensors, entry[0], _state_hash=digest)
+        r, digest = state.round, state.state_digest()
+        self._snapshot = state
         self.hash_history[r] = digest
         for old in [k for k in self.hash_history if k < r - 32]:
             del self.hash_history[old]
@@ -223,6 +218,21 @@ class Participant:
             before = sorted(k for k in self.hash_history if k < r)[-EARLIER_HASHES:]
             earlier = [f"{k}:{self.hash_history[k]}" for k in before]
         self.node.update_record(round=r, params_hash=digest, earlier_hashes=earlier)
+
+    def _global_state(self) -> GlobalState | None:
+        """The shared outer state as it is now, with the commit it follows (None if this book
+        does not hold that commit)."""
+        book = self.node.book
+        assert book is not None
+        r = self.outer.round_id
+        entry = book.committed.get(r - 1)
+        if entry is None:
+            return None
+        tensors = {"global_params": self.outer.global_params.detach().cpu().clone()}
+        if isinstance(self.outer, DiLoCo):
+            tensors["momentum_buffer"] = self.outer.momentum_buffer.detach().cpu().clone()
+        digest = state_hash(entry[0], tensors["global_params"], tensors.get("momentum_buffer"))
+        return GlobalState(r, tensors, entry[0], _state_hash=digest)
 
     def outer_hash(self) -> str:
         """`state_hash` of this peer's shared outer state now (what its record publishes); "" if
@@ -356,8 +366,17 @@ class Participant:
         one, and a restart keeps the work it holds)."""
         if self.state_dir is None or self._snapshot is None:
             return None
+        snap = self._snapshot
+        if snap.round != self.outer.round_id and self.outer.pending is None:
+            # A round applied since the last snapshot (the network failed in between, or a second
+            # Ctrl+C): its parameters with the optimizer state of the round after would be a file
+            # of two rounds, so the state is taken as it is now.
+            snap = self._global_state()
+            if snap is None or snap.round != self.outer.round_id:
+                log.error("checkpoint not written: the state in hand is not of round %d", self.outer.round_id)
+                return None
         path = checkpoint_path(self.state_dir, self.outer.round_id)
-        state = {"round": self._snapshot.round, "tensors": self._snapshot.tensors, "decision": self._snapshot.decision,
+        state = {"round": snap.round, "tensors": snap.tensors, "decision": snap.decision,
                  "outer": self.outer.state_dict() if self.outer.pending is None else None, **(extra or {})}
         if settled and self.outer.pending is None:
             state["settled"] = self._contributed_before()  # what contributed.json says now
@@ -376,7 +395,7 @@ class Participant:
             log.error("checkpoint not written (%s); training continues from memory", why)
             self.events.write("checkpoint-failed", error=why, peer=self.identity.peer_id)
             return None
-        prune_checkpoints(path, self.manifest.checkpoint.keep)
+        prune_checkpoints(path, self.manifest.checkpoint.keep, damaged=self._damaged)
         save_known_peers(self.state_dir / KNOWN_PEERS_FILE, getattr(self.node, "rejoiner", None))
         return path
 
@@ -406,6 +425,7 @@ class Participant:
                 problem = checkpoint_damage(state, self.outer.global_params.numel())
             if problem is not None:
                 log.error("checkpoint %s is damaged (%s); trying an older one or the swarm", path.name, problem)
+                self._damaged.add(path)
                 self.events.write("checkpoint-corrupt", path=str(path), error=problem, peer=self.identity.peer_id)
                 continue
             return state

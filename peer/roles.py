@@ -268,8 +268,8 @@ class _VolunteerLoop:
             return
         blocked_s = time.perf_counter() - t_collect  # training stood still this long for the network
         p.outer.apply(result)
+        p.snapshot()  # first: a network failure in settle_late saves this round's state, not the last one's
         self.settle_late()  # e.g. an earlier attempt of this round that a commit counted after all
-        p.snapshot()
         self.applied += 1
         self.failures = 0
         evaluate = m.eval.volunteers and (r + 1) % m.eval.every_rounds == 0

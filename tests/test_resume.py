@@ -5,6 +5,7 @@ before it may have sent that work already."""
 from __future__ import annotations
 
 import json
+from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
@@ -44,13 +45,13 @@ def test_cleanup_never_deletes_the_checkpoint_just_written(tmp_path, corpus):
     from groundswell.peer.participant import genesis_decision
 
     p = _factory(tmp_path, corpus, checkpoint={"every_rounds": 1, "keep": 2})()
-    p._snapshot = GlobalState(3, {"global_params": p.outer.global_params.clone()},
-                              genesis_decision(p.identity, "unit"))
     p.state_dir.mkdir(parents=True, exist_ok=True)
     for r in (50, 51):
         (p.state_dir / f"checkpoint-{r:08d}.pt").write_bytes(b"garbled")
     for r in (1, 2, 3):
         p.outer.round_id = r
+        p._snapshot = GlobalState(r, {"global_params": p.outer.global_params.clone()},
+                                  genesis_decision(p.identity, "unit"))
         written = p.save_checkpoint()
         assert written is not None and written.exists()
     names = sorted(f.name for f in p.state_dir.glob("checkpoint-*.pt"))
@@ -208,3 +209,61 @@ def test_a_coordinator_whose_checkpoints_are_all_unreadable_refuses_a_new_genesi
     with pytest.raises(ConfigError, match="none of the checkpoints .* can be read"):
         run_coordinator(p, stop=StopFlag())
     assert sorted(f.name for f in p.state_dir.glob("checkpoint-*.pt")) == ["checkpoint-00000050.pt"]
+
+
+@pytest.mark.parametrize("book_has_the_commit", [True, False])
+def test_a_checkpoint_written_between_a_rounds_apply_and_its_snapshot_is_of_one_round(tmp_path, corpus,
+                                                                                    book_has_the_commit):
+    """Found by a review of the state files: a network failure between applying a round and
+    taking its snapshot saved the last round's parameters beside this round's optimizer state,
+    under this round's name; a restart from it came back one outer step off."""
+    from groundswell.peer.participant import genesis_decision
+
+    p = _factory(tmp_path, corpus, outer={"algorithm": "diloco", "codec": "fp32"})()
+    p.state_dir.mkdir(parents=True, exist_ok=True)
+    signed = genesis_decision(p.identity, "unit")
+    p.outer.round_id = 3
+    p._snapshot = GlobalState(3, {"global_params": p.outer.global_params.clone(),
+                                  "momentum_buffer": p.outer.momentum_buffer.clone()}, signed)
+    p.outer.follow(3, torch.full_like(p.outer.global_params, 0.01))  # round 3 applied; no snapshot yet
+    p.node = SimpleNamespace(book=SimpleNamespace(committed={3: (signed, None)} if book_has_the_commit else {}))
+    written = p.save_checkpoint()
+    if not book_has_the_commit:  # nothing to say which commit the state follows: no file rather than a mixed one
+        assert written is None and not list(p.state_dir.glob("checkpoint-*.pt"))
+        return
+    state = torch.load(written, weights_only=True)
+    assert written.name == "checkpoint-00000004.pt" and state["round"] == 4 and state["outer"]["round_id"] == 4
+    assert torch.equal(state["tensors"]["global_params"], p.outer.global_params)
+    assert torch.equal(state["tensors"]["momentum_buffer"], p.outer.momentum_buffer)
+    assert torch.equal(state["outer"]["global_params"], state["tensors"]["global_params"])
+
+
+@pytest.mark.parametrize("damage", ["flipped-value", "renamed-digest"])
+def test_a_damaged_checkpoint_is_skipped_and_never_kept_in_place_of_a_good_one(tmp_path, corpus, damage):
+    """Found by a review of the state files: a flipped bit in the digest's key name switched the
+    digest off (torch.load does not check the archive's CRCs), and a checkpoint damaged inside
+    counted towards `keep`, so the cleanup deleted the good one the run had resumed from."""
+    from groundswell.peer.participant import genesis_decision
+
+    p = _factory(tmp_path, corpus, checkpoint={"every_rounds": 1, "keep": 2})()
+    p.state_dir.mkdir(parents=True, exist_ok=True)
+    signed = genesis_decision(p.identity, "unit")
+
+    def save(r: int) -> Path:
+        p.outer.round_id = r
+        p._snapshot = GlobalState(r, {"global_params": p.outer.global_params.clone()}, signed)
+        written = p.save_checkpoint()
+        assert written is not None
+        return written
+
+    save(8)
+    state = torch.load(save(9), weights_only=True)
+    if damage == "flipped-value":
+        state["tensors"]["global_params"][0] += 1.0
+    else:
+        state["digesu"] = state.pop("digest")
+    torch.save(state, p.state_dir / "checkpoint-00000009.pt")
+    assert p.load_checkpoint()["round"] == 8  # the damaged 9 is skipped
+    save(12)  # the run went on from 8
+    names = sorted(f.name for f in p.state_dir.glob("checkpoint-*.pt"))
+    assert names == ["checkpoint-00000008.pt", "checkpoint-00000012.pt"]
