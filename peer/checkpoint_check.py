@@ -50,12 +50,22 @@ def _feed(h: Any, obj: Any) -> None:
         h.update(f"S{len(text)};{text}".encode())
 
 
+# Every key a checkpoint of this program has held: one written before checkpoints carried a digest
+# holds no other, so a file with none and another key is a digest whose name a flipped bit changed.
+CHECKPOINT_KEYS = frozenset({"round", "tensors", "decision", "outer", "inner", "unsettled", "settled", "work",
+                             "local_progress", DIGEST_KEY})
+
+
 def digest_mismatch(state: Any) -> str | None:
-    """Why a loaded checkpoint is damaged by its own digest (None: it matches, or there is none)."""
+    """Why a loaded checkpoint is damaged by its own digest (None: it matches, or it is of a
+    version that wrote none)."""
     if not isinstance(state, dict):
         return "not a checkpoint"
     digest = state.get(DIGEST_KEY)
-    if digest is not None and digest != checkpoint_digest(state):
+    if digest is None:
+        strange = sorted(str(k) for k in state if k not in CHECKPOINT_KEYS)
+        return f"it has no digest, and keys no checkpoint has ({', '.join(strange)[:80]})" if strange else None
+    if digest != checkpoint_digest(state):
         return "its contents do not match its digest"
     return None
 

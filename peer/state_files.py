@@ -7,7 +7,7 @@ from __future__ import annotations
 import logging
 import os
 import zipfile
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from pathlib import Path
 from typing import IO
 
@@ -83,16 +83,17 @@ def checkpoints_newest_first(state_dir: Path) -> list[Path]:
     return sorted(state_dir.glob("checkpoint-*.pt"), reverse=True)
 
 
-def prune_checkpoints(just_written: Path, keep: int) -> None:
+def prune_checkpoints(just_written: Path, keep: int, damaged: Collection[Path] = ()) -> None:
     """Keep `just_written` and the newest keep-1 readable ones before it. A file that sorts after
     it (an unreadable newer checkpoint this run resumed past) never counts towards `keep`:
-    counting it deleted the checkpoint just written. An older one that is not whole is deleted
-    and does not count either: counting it deleted the last good one (the one resumed from)."""
+    counting it deleted the checkpoint just written. An older one that is not whole, or that the
+    loader found `damaged` (its digest), is deleted and does not count either: counting it
+    deleted the last good one (the one resumed from)."""
     older = sorted((p for p in just_written.parent.glob("checkpoint-*.pt") if p.name < just_written.name),
                    reverse=True)
     kept = 1
     for old in older:
-        if kept < keep and not _not_whole(old):  # checked only while there is room to keep it
+        if kept < keep and old not in damaged and not _not_whole(old):  # checked only while there is room
             kept += 1
             continue
         old.unlink(missing_ok=True)
