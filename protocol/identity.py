@@ -9,6 +9,7 @@ multihash), so anyone can check a signature from the peer id alone, with no key 
 from __future__ import annotations
 
 import functools
+import logging
 import os
 import tempfile
 from pathlib import Path
@@ -19,6 +20,7 @@ from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey,
 
 PathLike = Union[str, "os.PathLike[str]"]
 
+log = logging.getLogger(__name__)
 SIGNATURE_BYTES = 64
 _KEY_BYTES = 32
 _MAX_IDENTITY_FILE = 4096  # a real one is 68 bytes; anything much larger is not an identity file
@@ -182,6 +184,10 @@ class Identity:
         """Read an identity file (libp2p protobuf private key)."""
         with open(path, "rb") as f:
             data = f.read(_MAX_IDENTITY_FILE + 1)
+            mode = os.fstat(f.fileno()).st_mode
+        if os.name == "posix" and mode & 0o077:  # as ssh does: said, not refused (a container's volume, say)
+            log.warning("%s can be read by other users (mode %o): anyone who can read it can sign as this peer; "
+                        "chmod 600 it", os.fspath(path), mode & 0o777)
         if len(data) > _MAX_IDENTITY_FILE:
             raise IdentityError(f"{os.fspath(path)} is too large to be an identity file")
         try:

@@ -227,3 +227,19 @@ def test_a_peer_id_spelled_with_whitespace_is_not_a_second_id_of_its_key(ident, 
     with pytest.raises(IdentityError, match="canonically spelled"):
         public_key_from_peer_id(ident.peer_id + tail)
     assert not verify(ident.peer_id + tail, b"m", sig)
+
+
+def test_an_identity_file_other_users_can_read_is_loaded_with_a_warning(tmp_path, ident, caplog):
+    # Found by a review of the state files: a 0644 key loaded silently (ssh says so, and so do we).
+    import logging
+    import os
+
+    path = tmp_path / "id.key"
+    ident.save(path)
+    with caplog.at_level(logging.WARNING, logger="groundswell.protocol.identity"):
+        assert Identity.load(path).peer_id == ident.peer_id
+    assert not [r for r in caplog.records if r.levelno >= logging.WARNING]
+    os.chmod(path, 0o644)
+    with caplog.at_level(logging.WARNING, logger="groundswell.protocol.identity"):
+        assert Identity.load(path).peer_id == ident.peer_id
+    assert any(r.levelno >= logging.WARNING and "chmod 600" in r.getMessage() for r in caplog.records)
