@@ -56,18 +56,20 @@ class PeerRecordValidator:
     priority = 0
 
     def __init__(self) -> None:
-        self._runs: dict[bytes, str] = {}  # DHT key id of a run's records -> run id
+        self._runs: dict[bytes, tuple[str, float]] = {}  # DHT key id of a run's records -> (run id, clock skew)
 
-    def watch(self, run_id: str, dht: Any = None) -> None:
+    def watch(self, run_id: str, dht: Any = None, max_clock_skew_s: float = 120.0) -> None:
         """Check the records of `run_id` from now on, and drop the ones `dht` (a DHTNode) took in
         before: hivemind refuses a whole answer for a key if one of its entries fails, so an entry
-        stored while we were not yet checking would hide every record this node serves."""
+        stored while we were not yet checking would hide every record this node serves. A record
+        signed further ahead of our clock than `max_clock_skew_s` is refused: it would never
+        expire, and would shadow its signer's later records."""
         from hivemind.dht.routing import DHTID
         from hivemind.dht.storage import DictionaryDHTValue
         from hivemind.utils.serializer import MSGPackSerializer
 
         key = DHTID.generate(source=PeerRecords.records_key(run_id)).to_bytes()
-        self._runs[key] = run_id
+        self._runs[key] = (run_id, max_clock_skew_s)
         protocol = getattr(dht, "protocol", None)
         key_id = DHTID.from_bytes(key)
         for storage in (getattr(protocol, "storage", None), getattr(protocol, "cache", None)):
@@ -85,15 +87,16 @@ class PeerRecordValidator:
         """Is this DHT record (key, subkey, value, expiration) acceptable?"""
         from hivemind.utils.serializer import MSGPackSerializer
 
-        run_id = self._runs.get(record.key)
-        if run_id is None:
+        watched = self._runs.get(record.key)
+        if watched is None:
             return True  # not a peer record of a run we are in
+        run_id, skew = watched
         try:
             subkey = MSGPackSerializer.loads(record.subkey)
             sender, rec = unseal(MSGPackSerializer.loads(record.value), run_id, PeerRecord)
         except Exception:  # (msgpack's errors, ProtocolError, TypeError): not a record at all
             return False
-        return sender == subkey and lives_as_signed(rec, record.expiration_time)
+        return sender == subkey and lives_as_signed(rec, record.expiration_time) and rec.updated <= time.time() + skew
 
     def sign_value(self, record: Any) -> bytes:
         """The value as stored (nothing added)."""
@@ -192,11 +195,14 @@ class PeerRecords:
         out: dict[str, PeerRecord] = {}
         if found is None or not isinstance(found.value, dict):
             return out
+        skew = self.ctx.limits.max_clock_skew_s if self.ctx is not None else 120.0
         for subkey, item in found.value.items():
             try:
                 sender, rec = unseal(item.value, run_id, PeerRecord)
                 if sender != subkey or not lives_as_signed(rec, item.expiration_time):
                     raise ProtocolError("a record stored under another peer's name, or to outlive its time")
+                if rec.updated > time.time() + skew:  # it would never expire, and shadow the signer's later ones
+                    raise ProtocolError(f"a record signed {rec.updated - time.time():.0f} s ahead of our clock")
                 if rec.role != LEFT:
                     out[sender] = rec
             except (ProtocolError, TypeError) as exc:

@@ -77,6 +77,11 @@ def test_a_record_expiring_past_its_signed_time_is_refused_by_the_validator_and_
     assert not validator.validate(record(me.peer_id, seal(me, "other-run", rec), expires_at(rec)))
     other_key = SimpleNamespace(key=DHTID.generate(source="x").to_bytes(), subkey=b"", value=b"", expiration_time=0)
     assert validator.validate(other_key)  # not a run this node is in: not ours to judge
+    # Signed with a time years ahead (found by a review of the state trust: such a record never
+    # expired, and shadowed its signer's later ones): refused; a clock a minute ahead is not.
+    for ahead, ok in ((60.0, True), (3600.0, False), (3650 * 86400.0, False)):
+        later = PeerRecord(3, "h", "volunteer", True, True, [], "public", 1.0, 0, time.time() + ahead)
+        assert validator.validate(record(me.peer_id, seal(me, "run", later), expires_at(later))) is ok, ahead
 
 
 async def _stored_subkeys(node, key: str) -> dict:
