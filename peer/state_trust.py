@@ -255,6 +255,14 @@ class StateCheck:
         # of a made-up far-off round, and we would sit at that round for good (re-syncs ask for
         # newer states only). (A coordinator catching up after a restart holds joiners back until
         # it has: they are refused without a strike, and re-syncs try again after the next round.)
+        if not agree and signer is not None and round_id > signer.round + 1:
+            # Nobody confirms it and the coordinator, online (its record is live), has not got
+            # there: one peer's word alone for a round ahead of the run's signer. A state of its
+            # own making (its own commit before it, itself our next round's only leader) would
+            # park us up to UNCONFIRMED_LEAD rounds ahead, where no record could contradict it.
+            # An honest peer alone ahead is asked again after the coordinator catches up.
+            raise ProtocolError(f"state of round {round_id}, which no other peer confirms, is past the round "
+                                f"after the coordinator's record ({signer.round})", reason="unconfirmed", strike=False)
         if signer is not None and self.ctx.allowlist is None and round_id > signer.round + UNCONFIRMED_LEAD:
             raise ProtocolError(f"state of round {round_id} is more than {UNCONFIRMED_LEAD} rounds past the "
                                 f"coordinator's record ({signer.round})", strike=False)
@@ -337,11 +345,15 @@ async def download_state(node: Any, check: StateCheck, peers: list[str], min_rou
     def size_check(server: str) -> Callable[[StateReply], int]:
         def size(reply: StateReply) -> int:  # runs before a byte of the blob is read
             if reply.size > budget:
-                if check.vouched(reply, server, node.cached_records):  # the run's own: our model is too small
+                # The run's own state, its hash says; only the coordinator's say-so tells us our
+                # model is wrong (anyone can copy the hash it publishes into a reply that is all size).
+                vouched = check.vouched(reply, server, node.cached_records)
+                if vouched and server == check.coordinator:
                     other_model[server] = (f"the run's state is {reply.size} bytes, more than a model of ours can "
                                            f"have ({budget}): is our dataset (its vocabulary) the run's?")
                     raise ProtocolError(other_model[server], reason="other-model", strike=False)
-                raise ProtocolError(f"a state of {reply.size} bytes exceeds the limit of {budget}", reason="oversized")
+                raise ProtocolError(f"a state of {reply.size} bytes exceeds the limit of {budget}", reason="oversized",
+                                    strike=not vouched)
             if reply.size and reply.round < min_round:  # an honest server answers size 0 instead
                 raise ProtocolError(f"a state of round {reply.round}, older than the {min_round} asked for")
             if reply.size:  # both are in the signed reply: a state they refuse costs no download

@@ -254,7 +254,8 @@ def test_the_runs_own_state_of_another_model_size_says_it_is_ours_not_theirs(par
     async def fake_fetch(node, peer, min_round, size, timeout_s, reply_timeout_s):
         try:
             size(reply)
-        except ProtocolError as exc:  # as the transport reports a reply refused by its size
+        except ProtocolError as exc:  # as the transport reports (and counts) a reply refused by its size
+            struck[peer] = exc.strike
             raise state_trust.PeerUnavailable(str(exc)) from None
         return reply, bytearray(blob), digest, "stream"
 
@@ -268,8 +269,17 @@ def test_the_runs_own_state_of_another_model_size_says_it_is_ours_not_theirs(par
                            guard=SimpleNamespace(count=lambda peer, *a, strike, **k: struck.update({peer: strike})))
     numel = participant.outer.global_params.numel()
     check = replace(participant.state_check(), numel=numel + 7 if ours == "larger" else numel // 4)
-    with pytest.raises(state_trust.ModelMismatch, match="is our dataset"):
-        asyncio.run(state_trust.download_state(node, check, ["a"], 0))
+    if ours == "smaller":  # a larger state than ours can be: refused by its announced size, unread
+        # Only the coordinator's say-so (found by a review of the state trust: anyone can copy its
+        # published hash into a reply that is all size, and the joiner quit blaming its dataset).
+        with pytest.raises(state_trust.PeerUnavailable) as err:
+            asyncio.run(state_trust.download_state(node, check, ["a"], 0))
+        assert not isinstance(err.value, state_trust.ModelMismatch) and struck == {"a": False}  # no strike either
+        with pytest.raises(state_trust.ModelMismatch, match="is our dataset"):
+            asyncio.run(state_trust.download_state(node, check, [coord], 0))
+    else:  # a smaller one is downloaded, and its tensors have the hash the coordinator published
+        with pytest.raises(state_trust.ModelMismatch, match="is our dataset"):
+            asyncio.run(state_trust.download_state(node, check, ["a"], 0))
     assert not any(struck.values())
     # nobody vouches for it: a bad state, struck, and the sync fails as any other does
     records.clear()

@@ -567,3 +567,53 @@ def test_the_swarms_tensors_with_a_commit_of_the_servers_making_are_refused(part
     with pytest.raises(ProtocolError, match="disagrees with the swarm's published hash"):
         asyncio.run(p.state_check().verify(fake, bytearray(blob), digest, "server", records))
     assert asyncio.run(p.state_check().verify(reply, bytearray(blob), digest, "server", records)).round == 5
+
+
+def test_a_state_nobody_confirms_past_the_round_after_the_live_coordinators_is_refused(participant, monkeypatch):
+    """Found by a review of the state trust: one identity that copied the coordinator's (round,
+    hash) into its record was asked first, and served a state of its own making for a round up to
+    8 past the coordinator's, which nothing could contradict (no record covers a round the run has
+    not reached): the joiner took it, and its commit, which names the hostile peer as the next
+    round's only leader. With the coordinator's record live, an unconfirmed state may be at most
+    one round past it (a server that applied the round a heartbeat before the coordinator)."""
+    from groundswell.peer import state_trust
+
+    monkeypatch.setattr(state_trust, "COORDINATOR_WAIT_S", 0.05)
+    monkeypatch.setattr(state_trust, "COORDINATOR_POLL_S", 0.01)
+    p, coord = participant, participant.coordinator_id
+    swarm = {coord: (10, "h10"), "a": (10, "h10"), "b": (10, "h10"), "server": (10, "h10")}
+    for lead in (2, 3, 8):
+        with pytest.raises(ProtocolError, match="past the round after the coordinator's record"):
+            _check(p, swarm, "server", round_id=10 + lead)
+    assert _check(p, swarm, "server", round_id=11).round == 11
+    assert _check(p, swarm, coord, round_id=13).round == 13  # the coordinator's own: its word
+    # confirmed by another peer's record, or with no coordinator record (offline): the rules before
+    assert _check(p, {**swarm, "c": (12, "good")}, "server", round_id=12).round == 12
+    assert _check(p, {k: v for k, v in swarm.items() if k != coord}, "server", round_id=12).round == 12
+
+
+@pytest.mark.parametrize("sybils", [1, 3, 5])
+def test_records_far_past_the_coordinators_neither_hold_up_nor_resync_a_volunteer(participant, sybils):
+    """Found by a review of the state trust: after every round a volunteer asked each peer whose
+    record claimed a far-off round for the decision of its own (a silent one costs a slack each),
+    and once such records were half of the others, it re-synced the whole state after every
+    round. The coordinator's record says where the run is: records far past it are left out."""
+    from groundswell.peer.records import PeerRecords
+
+    p, me, coord = participant, participant.identity.peer_id, participant.coordinator_id
+    p.outer.round_id = 10
+    recs = {me: SimpleNamespace(round=10), coord: SimpleNamespace(round=10), "honest1": SimpleNamespace(round=10),
+            "honest2": SimpleNamespace(round=10), **{f"sybil{i}": SimpleNamespace(round=1 << 40) for i in range(sybils)}}
+    asked: list[str] = []
+
+    async def ask_decision(peer, r, attempt, wait_s):
+        asked.append(peer)
+        return b""  # silent
+
+    node = SimpleNamespace(cached_records=recs, refresh_in_background=lambda: None, identity=p.identity,
+                           _cached_records=recs, client=SimpleNamespace(ask_decision=ask_decision),
+                           server=SimpleNamespace(keep_rounds=8), call=lambda coro, timeout_s=None: asyncio.run(coro))
+    node.holders = lambda r: PeerRecords.holders(node, r)
+    p.node = node
+    assert p.catch_up(fresh=False) == 0  # no RoundBehind: nothing says the run is past us
+    assert asked == []
