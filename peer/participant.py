@@ -38,7 +38,9 @@ from .run_state import GlobalState, RunContext, state_hash
 from .scoring import ContributionScorer
 from .state_files import checkpoint_path, checkpoints_newest_first, prune_checkpoints, write_atomically
 from .state_trust import (
+    COORDINATOR_LAG_ROUNDS,
     EARLIER_HASHES,
+    UNCONFIRMED_LEAD,
     StateCheck,
     coordinator_hashes,
     download_state,
@@ -303,18 +305,25 @@ class Participant:
         else:
             records = self.node.cached_records
             self.node.refresh_in_background()
+        # Records are self-signed: where the coordinator's says where the run is, one far past it
+        # (sybils, in an open run) is nobody to ask for a round, nor a sign that we are behind.
+        signer = records.get(self.coordinator_id) if self.coordinator_id != self.identity.peer_id else None
+        ceiling = signer.round + UNCONFIRMED_LEAD if signer is not None else float("inf")
+        records = {pid: r for pid, r in records.items() if r.round <= ceiling}
         target = max((r.round for r in records.values()), default=0)
         # The round at least half of the other peers have reached: one record (they are only
         # self-signed) claiming a far-off round must not send everyone re-syncing.
         others = sorted((r.round for pid, r in records.items() if pid != self.identity.peer_id), reverse=True)
         swarm_round = others[(len(others) - 1) // 2] if others else 0
+        if signer is not None:  # nor may half of them, made up: the coordinator lags by a heartbeat or two
+            swarm_round = min(swarm_round, signer.round + COORDINATOR_LAG_ROUNDS)
         client = self.node.client
         assert client is not None and self.node.server is not None
         keep = self.node.server.keep_rounds
         while self.outer.round_id < target:
             r = self.outer.round_id
             signed = b""
-            for peer in self.node.holders(r):
+            for peer in [p for p in self.node.holders(r) if p in records]:
                 signed = self.node.call(client.ask_decision(peer, r, 0, 0.0), timeout_s=30)
                 if signed:
                     break
