@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING
 from .daemon import die_with_us
 
 if TYPE_CHECKING:
-    from .simulate import SimulateOptions
+    from .sim_options import SimulateOptions
 
 
 @dataclass

@@ -23,7 +23,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from .simulate import SimulateOptions
+    from .sim_options import SimulateOptions
 
 def read_events(path: Path) -> list[dict]:
     """A process's events.jsonl (missing file: none; a line cut short by a kill is skipped)."""

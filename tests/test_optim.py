@@ -555,7 +555,6 @@ def test_an_outer_step_past_fp32s_range_leaves_those_parameters_as_they_were(alg
     # Found by a review of the wire boundary: a finite mean near fp32's limit (one hostile
     # contribution, clipping off) took Nesterov's step, and then the parameters, to -inf on every
     # peer alike, for good. Those coordinates now keep their values, and their momentum restarts.
-    from groundswell.optim import RoundResult
 
     m = _model([1.0, 2.0, 3.0])
     o = (DiLoCo(m.parameters(), make_codec("fp32"), DiLoCoConfig(lr=0.7, momentum=0.9)) if algo == "diloco"
