@@ -20,6 +20,7 @@ from typing import Any
 import torch
 from groundswell.compression import Payload
 from groundswell.optim import RoundFailed, RoundResult
+from groundswell.protocol.claims import EARLIER_ATTEMPTS_CLAIMED
 from groundswell.protocol.client import LEAVE_ATTEMPTS, AttemptResult, RoundBehind
 from groundswell.protocol.envelope import unseal
 from groundswell.protocol.schema import Decision, ProtocolError
@@ -29,6 +30,9 @@ from .net_errors import NetworkError
 from .swarm import SwarmNode
 
 log = logging.getLogger(__name__)
+# Contributions of unknown outcome kept open at most: a round's retried attempts a later claim may
+# still adopt, and a couple of earlier rounds' (a checkpoint and a work record list as many).
+KEEP_UNSETTLED = EARLIER_ATTEMPTS_CLAIMED + 2
 ASK_HOLDERS = 3  # peers asked for a round's commit when checking a contribution's outcome late
 
 
@@ -160,9 +164,13 @@ class SwarmExchange:
     def _unsettled(self, round_id: int, included: bool | None, retried: bool = False) -> None:
         if included is False:  # known to be in nothing: its work simply stays ours, nothing to settle
             return
-        if retried:  # a later attempt adopts the commit of the one before it, or (rarely) of the one before that
-            for old in [u for u in self.unsettled if u.retried and u.round_id == round_id][:-1]:
+        if retried:
+            # A later attempt's leader may adopt the commit of any of the attempts its claim looks
+            # back on (a retry's take-back that missed a fenced holder): each of those stays open.
+            for old in [u for u in self.unsettled if u.retried and u.round_id == round_id][:1 - EARLIER_ATTEMPTS_CLAIMED]:
                 self.unsettled.remove(old)
+                log.info("round %d: a retried contribution no later attempt can adopt any more is forgotten; its "
+                         "work stays ours", round_id)
         self.unsettled.append(Unsettled(round_id, self._segments, included, self.prepared, retried,
                                         basis=self.basis_for(round_id)))
         self._keep_newest()
@@ -174,7 +182,7 @@ class SwarmExchange:
         entry = None if book is None else book.committed.get(round_id - 1)
         return b"" if entry is None else entry[0]
 
-    def _keep_newest(self, limit: int = 4) -> None:
+    def _keep_newest(self, limit: int = KEEP_UNSETTLED) -> None:
         """A peer failing round after round keeps the newest few, forgetting retried ones first
         (a retry is its leader's word that the contribution is in nothing), then the oldest of
         unknown outcome; never one a commit is known (or, for a crashed process's last one,

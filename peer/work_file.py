@@ -36,14 +36,13 @@ from groundswell.compression import all_finite
 
 from .checkpoint_check import DIGEST_KEY, checkpoint_digest
 from .state_files import write_atomically
-from .swarm_exchange import parse_unsettled, unsettled_item
+from .swarm_exchange import KEEP_UNSETTLED, parse_unsettled, unsettled_item
 
 log = logging.getLogger(__name__)
 
 WORK_FILE = "work.pt"
 CONTRIBUTED_FILE = "contributed.json"
 OUTCOME_FILE = "outcome.json"  # what the process learned of the record's contribution (see WorkJournal.outcome)
-KEEP_UNSETTLED = 4  # earlier contributions listed at most (SwarmExchange keeps as many)
 
 
 @dataclass

@@ -24,6 +24,8 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
+# A claim fences off (and may adopt a commit of) this many attempts of the round before its own.
+EARLIER_ATTEMPTS_CLAIMED = 4
 # At most this long (and half a slack, so a claimer waiting on our answer is not timed out) to
 # find out whether a grant's holder is dead; a refused dial is quick.
 PROBE_S = 2.0
@@ -81,7 +83,7 @@ class Claims:
         # leader that committed an earlier attempt and died or froze before anyone asked left its
         # commit with them (we adopt it); otherwise each fences that attempt off (see `_on_claim`).
         # Newest first: the group is capped, and the attempt just before ours matters most.
-        earlier = [p for a in range(plan.attempt - 1, max(0, plan.attempt - 4) - 1, -1)
+        earlier = [p for a in range(plan.attempt - 1, max(0, plan.attempt - EARLIER_ATTEMPTS_CLAIMED) - 1, -1)
                    if (p := await self.plan(plan.round, a, 0)) is not None]
         leaders = [*plan.leaders, *(x for old in earlier for x in old.leaders)]
         holders = [x for old in earlier for s in range(old.num_shards)

@@ -89,23 +89,28 @@ def test_a_contribution_a_commit_counted_is_never_forgotten_for_newer_ones_it_di
 def test_a_retried_contribution_stays_open_until_its_round_commits():
     """A leader's retry takes back the commit it sealed, but a take-back that misses an
     aggregator lets a later attempt adopt that commit: the contribution's outcome is open until
-    the round's commit is known (then it is settled by digest). Two retried attempts of a round
-    are kept, the newest."""
+    the round's commit is known (then it is settled by digest). As many retried attempts of a
+    round are kept as a later claim looks back on (a review found only the newest two kept, while
+    a claim may adopt the commit of any of the four before it: the work went out twice)."""
+    from groundswell.protocol.claims import EARLIER_ATTEMPTS_CLAIMED
+
     retry = SimpleNamespace(status="retry", round=0, contributors=[])
     ex = SwarmExchange(_Node((AttemptResult(retry, b"", 0, True, False), None)))
     sent = []
-    for _ in range(3):
+    tries = EARLIER_ATTEMPTS_CLAIMED + 2
+    for _ in range(tries):
         payloads = _payloads()
         sent.append([p.to_bytes() for p in payloads])
         ex.contribute(0, payloads)
         with pytest.raises(RoundFailed):
             ex.collect(0)
-    assert [(u.round_id, u.included, u.retried, u.prepared) for u in ex.unsettled] == [(0, None, True, 2),
-                                                                                         (0, None, True, 3)]
-    assert [u.segments for u in ex.unsettled] == sent[1:]
+    kept = EARLIER_ATTEMPTS_CLAIMED
+    assert [(u.round_id, u.included, u.retried, u.prepared) for u in ex.unsettled] == [
+        (0, None, True, n) for n in range(tries - kept + 1, tries + 1)]
+    assert [u.segments for u in ex.unsettled] == sent[-kept:]
     assert ex.last_outcome == (None, True)
     assert [(i["round"], i["segments"], i["decayed"], i["retried"]) for i in ex.unsettled_work()] == [
-        (0, sent[1], 1, True), (0, sent[2], 0, True)]
+        (0, sent[tries - kept + n], kept - 1 - n, True) for n in range(kept)]
     assert ex.take_unsettled(0) == []  # the round is still open
 
 
@@ -361,13 +366,15 @@ def test_contributions_still_open_when_the_network_fails_mid_settle_are_kept_in_
 def test_a_crashed_processs_last_contribution_presumed_counted_is_never_forgotten():
     """The last contribution a crashed process sent is taken out of our work when its commit
     cannot be checked (it most likely counted): the cap must not drop it as if it had not."""
-    from groundswell.peer.swarm_exchange import unsettled_item
+    from groundswell.peer.swarm_exchange import KEEP_UNSETTLED, unsettled_item
 
     ex = SwarmExchange(_Node(None))
+    last = KEEP_UNSETTLED + 3  # more than the cap after the presumed one
     ex.restore_unsettled([unsettled_item(1, [b"last"], 5, presume=True)]
-                         + [unsettled_item(r, [bytes([r])], 5 - r) for r in range(2, 7)])
+                         + [unsettled_item(r, [bytes([r])], last - r) for r in range(2, last + 1)])
     ex._keep_newest()
-    assert [(u.round_id, u.if_unknown) for u in ex.unsettled] == [(1, True), (4, False), (5, False), (6, False)]
+    assert [(u.round_id, u.if_unknown) for u in ex.unsettled] == [(1, True)] + [
+        (r, False) for r in range(last - KEEP_UNSETTLED + 2, last + 1)]
 
 
 @pytest.mark.parametrize("counted", [True, None])  # None: presumed counted (a crashed process's last)

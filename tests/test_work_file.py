@@ -93,15 +93,16 @@ def test_a_torn_or_foreign_work_record_is_ignored(tmp_path):
 
 def test_a_work_record_keeps_every_earlier_contribution_known_to_be_counted(tmp_path):
     # as SwarmExchange keeps them: a counted one forgotten would have its work sent a second time
-    from groundswell.peer.swarm_exchange import unsettled_item
+    from groundswell.peer.swarm_exchange import KEEP_UNSETTLED, unsettled_item
 
     journal = WorkJournal(tmp_path, enabled=True)
     journal.start()
-    earlier = [unsettled_item(0, [b"counted"], 6, included=True)] + [unsettled_item(r, [bytes([r])], 6 - r)
-                                                                     for r in range(1, 6)]
-    assert journal.record(6, torch.zeros(10), [b"own"], earlier)
+    last = KEEP_UNSETTLED + 2  # one more of open outcome than the record lists
+    earlier = [unsettled_item(0, [b"counted"], last, included=True)] + [
+        unsettled_item(r, [bytes([r])], last - r) for r in range(1, last)]
+    assert journal.record(last, torch.zeros(10), [b"own"], earlier)
     kept = [(i["round"], i["included"]) for i in read_work(tmp_path, 10).earlier]
-    assert kept == [(0, True), (2, None), (3, None), (4, None), (5, None)]
+    assert kept == [(0, True)] + [(r, None) for r in range(last - KEEP_UNSETTLED, last)]
 
 
 @pytest.mark.parametrize("found", [True, False])
@@ -260,19 +261,23 @@ def test_a_checkpoint_lists_the_contributions_whose_outcome_is_open_and_a_restar
 
 
 def test_a_restart_takes_all_restored_contributions_and_the_cap_later_keeps_the_newest():
-    """Four earlier contributions of open outcome and the last one sent: all five are restored (to
-    be settled at once: test_every_restored_contribution_is_settled_even_past_the_few_a_live_process_keeps);
-    what is still open when the cap of four next applies
-    loses the oldest, never the last one sent (the one most likely counted)."""
+    """The cap's worth of earlier contributions of open outcome and the last one sent: all are
+    restored (to be settled at once: test_every_restored_contribution_is_settled_even_past_the_few_a_live_process_keeps);
+    what is still open when the cap next applies loses the oldest, never the last one sent (the
+    one most likely counted)."""
+    from groundswell.peer.swarm_exchange import KEEP_UNSETTLED
+
     node = SimpleNamespace(identity=SimpleNamespace(peer_id="me"))
     exchange = SwarmExchange(node)  # type: ignore[arg-type]
-    items = [unsettled_item(r, [bytes([r])], 5 - r) for r in range(1, 5)] + [unsettled_item(5, [b"own"], 0, presume=True)]
+    last = KEEP_UNSETTLED + 1  # the cap's worth of open ones, and the last one sent
+    items = [unsettled_item(r, [bytes([r])], last - r) for r in range(1, last)] + [
+        unsettled_item(last, [b"own"], 0, presume=True)]
     exchange.restore_unsettled(items)
-    assert [(u.round_id, u.if_unknown) for u in exchange.unsettled] == [(r, r == 5) for r in range(1, 6)]
+    assert [(u.round_id, u.if_unknown) for u in exchange.unsettled] == [(r, r == last) for r in range(1, last + 1)]
     exchange._keep_newest()
-    assert [(u.round_id, u.if_unknown) for u in exchange.unsettled] == [(2, False), (3, False), (4, False), (5, True)]
+    assert [(u.round_id, u.if_unknown) for u in exchange.unsettled] == [(r, r == last) for r in range(2, last + 1)]
     # and a checkpoint or the next record keeps the presumption
-    assert [i["presume"] for i in exchange.unsettled_work()] == [False, False, False, True]
+    assert [i["presume"] for i in exchange.unsettled_work()] == [False] * (KEEP_UNSETTLED - 1) + [True]
 
 
 def test_a_contribution_keeps_the_commit_its_round_was_planned_from_through_a_restart(tmp_path):
