@@ -13,7 +13,6 @@ or dropped C's copies at every holder while K applied C."""
 from __future__ import annotations
 
 import asyncio
-import concurrent.futures
 import time
 
 import pytest
@@ -47,8 +46,9 @@ def test_an_adopted_commit_is_neither_resealed_otherwise_nor_taken_back(then):
             else set(range(plan0.num_shards))
         idle = next(i for i in range(4) if i not in (l0, k))
         xs = inputs(4, c.numel, 11)
-        runs = [c.nodes[i].submit(c.nodes[i].client.run_attempt(0, 0, None if i == idle else c.segments(xs[i]),
-                                                                 trains=True, serves=True)) for i in range(4)]
+        for i in range(4):  # every node in attempt 0 (three contribute)
+            c.nodes[i].submit(c.nodes[i].client.run_attempt(0, 0, None if i == idle else c.segments(xs[i]),
+                                                            trains=True, serves=True))
         deadline = time.monotonic() + 30
         while len(s0._sources(plan0, s0.attempts[(0, 0)])[1]) < 3:
             assert time.monotonic() < deadline, "the contributions never reached the aggregators"
@@ -89,8 +89,7 @@ def test_an_adopted_commit_is_neither_resealed_otherwise_nor_taken_back(then):
         passed = c.nodes[k].call(sk._claim(plan1, sk.attempts[(0, 1)]), timeout_s=60)
         assert not passed and sk.book.committed.get(0, (None,))[0] == first, "K did not adopt L0's commit"
         c.nodes[l0]._loop.call_soon_threadsafe(wake[0].set)
-        deciding.result(timeout=90)
-        concurrent.futures.wait(runs, timeout=90)
+        deciding.result(timeout=90)  # (the contributors' attempts are not waited for: closing ends them)
         announced = s0.attempts[(0, 0)].decision
         assert announced in (None, first), f"L0 announced another decision of round 0 after K adopted its commit ({then})"
         books = {i: n.book.committed[0][0] for i, n in enumerate(c.nodes) if 0 in n.book.committed}
