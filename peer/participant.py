@@ -40,7 +40,6 @@ from .state_files import checkpoint_path, checkpoints_newest_first, prune_checkp
 from .state_trust import (
     COORDINATOR_LAG_ROUNDS,
     EARLIER_HASHES,
-    UNCONFIRMED_LEAD,
     StateCheck,
     coordinator_hashes,
     download_state,
@@ -55,6 +54,7 @@ from .workload import Workload, build_workload
 log = logging.getLogger(__name__)
 _OUR_TEMP_FILES = ("checkpoint-*.tmp", "work.tmp", "contributed.tmp", "outcome.tmp", "manifest.tmp",
                    "bootstrap.tmp", "address.tmp", "known_peers.tmp", ".*.key.*.tmp")
+CATCH_UP_ASKS = 3  # peers asked at once for the decision of a round this peer catches up on
 KNOWN_PEERS_FILE = "known_peers.json"  # where the run's peers were, kept with each checkpoint (see dht_rejoin)
 
 
@@ -225,9 +225,8 @@ class Participant:
         """The shared outer state as it is now, with the commit it follows (None if this book
         does not hold that commit)."""
         book = self.node.book
-        assert book is not None
         r = self.outer.round_id
-        entry = book.committed.get(r - 1)
+        entry = book.committed.get(r - 1) if book is not None else None
         if entry is None:
             return None
         tensors = {"global_params": self.outer.global_params.detach().cpu().clone()}
@@ -305,28 +304,35 @@ class Participant:
         else:
             records = self.node.cached_records
             self.node.refresh_in_background()
-        # Records are self-signed: where the coordinator's says where the run is, one far past it
-        # (sybils, in an open run) is nobody to ask for a round, nor a sign that we are behind.
+        # Records are self-signed: where the coordinator's says where the run is, one past it by
+        # more than its lag (sybils, in an open run) is nobody to ask for a round, nor a sign that
+        # we are behind (each silent one asked cost a slack after every round).
         signer = records.get(self.coordinator_id) if self.coordinator_id != self.identity.peer_id else None
-        ceiling = signer.round + UNCONFIRMED_LEAD if signer is not None else float("inf")
+        ceiling = signer.round + COORDINATOR_LAG_ROUNDS if signer is not None else float("inf")
         records = {pid: r for pid, r in records.items() if r.round <= ceiling}
         target = max((r.round for r in records.values()), default=0)
         # The round at least half of the other peers have reached: one record (they are only
         # self-signed) claiming a far-off round must not send everyone re-syncing.
         others = sorted((r.round for pid, r in records.items() if pid != self.identity.peer_id), reverse=True)
         swarm_round = others[(len(others) - 1) // 2] if others else 0
-        if signer is not None:  # nor may half of them, made up: the coordinator lags by a heartbeat or two
-            swarm_round = min(swarm_round, signer.round + COORDINATOR_LAG_ROUNDS)
+        vouched = set(coordinator_hashes(signer).items()) if signer is not None else set()
         client = self.node.client
         assert client is not None and self.node.server is not None
         keep = self.node.server.keep_rounds
         while self.outer.round_id < target:
             r = self.outer.round_id
             signed = b""
-            for peer in [p for p in self.node.holders(r) if p in records]:
-                signed = self.node.call(client.ask_decision(peer, r, 0, 0.0), timeout_s=30)
-                if signed:
-                    break
+            # The coordinator, then the peers whose state it vouches for, then the rest: a few at
+            # most, asked at once (a silent one costs one request's timeout, not one each).
+            holders = sorted((p for p in self.node.holders(r) if p in records),
+                             key=lambda p: (p != self.coordinator_id,
+                                            (records[p].round, records[p].params_hash) not in vouched))
+
+            async def ask_all(peers: list[str], r: int = r) -> list[bytes]:
+                return await asyncio.gather(*(client.ask_decision(peer, r, 0, 0.0) for peer in peers))
+
+            answers = self.node.call(ask_all(holders[:CATCH_UP_ASKS]), timeout_s=30) if holders else []
+            signed = next((a for a in answers if a), b"")
             if not signed:
                 if swarm_round - r > keep:
                     # Peers forget a round's decision and aggregate after `keep` rounds: this peer

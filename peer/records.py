@@ -56,20 +56,18 @@ class PeerRecordValidator:
     priority = 0
 
     def __init__(self) -> None:
-        self._runs: dict[bytes, tuple[str, float]] = {}  # DHT key id of a run's records -> (run id, clock skew)
+        self._runs: dict[bytes, str] = {}  # DHT key id of a run's records -> run id
 
-    def watch(self, run_id: str, dht: Any = None, max_clock_skew_s: float = 120.0) -> None:
+    def watch(self, run_id: str, dht: Any = None) -> None:
         """Check the records of `run_id` from now on, and drop the ones `dht` (a DHTNode) took in
         before: hivemind refuses a whole answer for a key if one of its entries fails, so an entry
-        stored while we were not yet checking would hide every record this node serves. A record
-        signed further ahead of our clock than `max_clock_skew_s` is refused: it would never
-        expire, and would shadow its signer's later records."""
+        stored while we were not yet checking would hide every record this node serves."""
         from hivemind.dht.routing import DHTID
         from hivemind.dht.storage import DictionaryDHTValue
         from hivemind.utils.serializer import MSGPackSerializer
 
         key = DHTID.generate(source=PeerRecords.records_key(run_id)).to_bytes()
-        self._runs[key] = (run_id, max_clock_skew_s)
+        self._runs[key] = run_id
         protocol = getattr(dht, "protocol", None)
         key_id = DHTID.from_bytes(key)
         for storage in (getattr(protocol, "storage", None), getattr(protocol, "cache", None)):
@@ -87,16 +85,18 @@ class PeerRecordValidator:
         """Is this DHT record (key, subkey, value, expiration) acceptable?"""
         from hivemind.utils.serializer import MSGPackSerializer
 
-        watched = self._runs.get(record.key)
-        if watched is None:
+        run_id = self._runs.get(record.key)
+        if run_id is None:
             return True  # not a peer record of a run we are in
-        run_id, skew = watched
         try:
             subkey = MSGPackSerializer.loads(record.subkey)
             sender, rec = unseal(MSGPackSerializer.loads(record.value), run_id, PeerRecord)
         except Exception:  # (msgpack's errors, ProtocolError, TypeError): not a record at all
             return False
-        return sender == subkey and lives_as_signed(rec, record.expiration_time) and rec.updated <= time.time() + skew
+        # (No rule of our clock here: hivemind refuses a lookup's whole answer for one entry this
+        # refuses, so a record dated just within a storer's skew would hide every record from a
+        # reader whose clock is a little behind. Readers drop far-future records one by one.)
+        return sender == subkey and lives_as_signed(rec, record.expiration_time)
 
     def sign_value(self, record: Any) -> bytes:
         """The value as stored (nothing added)."""

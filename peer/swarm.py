@@ -248,7 +248,7 @@ class SwarmNode(PeerRecords, StateServing, NetLoop):
 
     async def _attach(self, ctx: RunContext) -> None:
         self.ctx = ctx
-        self.record_validator.watch(ctx.run_id, self.dht, ctx.limits.max_clock_skew_s)
+        self.record_validator.watch(ctx.run_id, self.dht)
         self.guard.limits = ctx.limits
         self.transport = Transport(self.p2p, self.identity, ctx.run_id, self.guard)
         self.book = DecisionBook(ctx.run_id)

@@ -107,6 +107,9 @@ class Aggregator(HaveReporter):
                 if known[3] == contribution_digest(msg.first_segment, msg.segments):
                     return Ack(True, "")
                 raise ProtocolError(f"a second, different contribution to shard {msg.shard}", reason="equivocation")
+            if len(slot.contributions.get(msg.shard, {})) >= room:  # again after each await: others landed meanwhile
+                raise ProtocolError(f"shard {msg.shard} already holds {room} contributions", reason="slot-full",
+                                    strike=False)
             return None
 
         if (early := settled()) is not None:
@@ -262,8 +265,10 @@ class Aggregator(HaveReporter):
             return True
         if held.decision == signed:
             return False
+        # A copy of an earlier seal of this attempt, or of an earlier attempt's commit that this
+        # peer kept (fenced, its take-back refused) and that the round did not commit.
         _, earlier = unseal(held.decision, self.ctx.run_id, Decision)
-        return earlier.attempt == decision.attempt
+        return earlier.attempt <= decision.attempt
 
     def _clips_dense(self) -> bool:
         """Does this run's aggregate clip dense contributions to the median norm (so each one's

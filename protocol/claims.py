@@ -181,6 +181,10 @@ class Claims:
                 log.warning("claim reply carried a commit that does not check out: %s", exc)
                 return False
             earlier = decision.attempt < plan.attempt
+            if decision.attempt < plan.attempt - EARLIER_ATTEMPTS_CLAIMED:
+                # Older than any attempt a claim fences: its contributors no longer keep that work
+                # open (they settle it by digest only that far back), so it would count twice.
+                return False
             if earlier and not final and not fenced:
                 return False  # the fenced step hands it over again, once its leader can no longer re-seal
             whole = not earlier or final

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import threading
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -82,6 +83,7 @@ class RoundClient(AggregateFetcher):
         self.own_scaled: dict[int, tuple[tuple[int, int, float], ...]] = {}
         # (round, shard) -> (commit, shard, its checked contributions): each is parsed once
         self._rows: dict[tuple[int, int], tuple[bytes, AggregateShard, list[list[Payload]]]] = {}
+        self._rows_lock = threading.Lock()
 
     def current_attempt(self, round_id: int) -> int | None:
         """The attempt of `round_id` a contribution made now belongs to (None: round unknown)."""

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import threading
 from collections.abc import Awaitable, Callable, Sequence
 from typing import Any, TypeVar
 
@@ -35,7 +36,7 @@ T = TypeVar("T")
 
 class AggregateFetcher:
     """The fetching half of the client; needs the client's server, ctx, transport, me, holders,
-    clipped, own_scaled and _rows."""
+    clipped, own_scaled, _rows and _rows_lock."""
 
     server: Any
     ctx: Any
@@ -45,6 +46,7 @@ class AggregateFetcher:
     clipped: dict[int, dict[str, int]]
     own_scaled: dict[int, tuple[tuple[int, int, float], ...]]
     _rows: dict[tuple[int, int], tuple[bytes, AggregateShard, list[list[Payload]]]]
+    _rows_lock: threading.Lock
 
     async def fetch_aggregate(self, signed: bytes, device: torch.device | str = "cpu") -> torch.Tensor:
         """The committed mean of a round as one flat fp32 vector; raises PeerUnavailable if some
@@ -68,6 +70,11 @@ class AggregateFetcher:
 
     async def _own_scaled(self, signed: bytes) -> dict[int, tuple[tuple[int, int, float], ...]]:
         decision, plan, shards = await self._hold(signed)
+        return await asyncio.to_thread(self._scaled_in, decision, signed, plan, shards)  # parses every contribution
+
+    def _scaled_in(self, decision: Decision, signed: bytes, plan: RoundPlan, shards: list[AggregateShard]
+                   ) -> dict[int, tuple[tuple[int, int, float], ...]]:
+        """`_own_scaled`'s answer from the commit's shards in hand (run in a worker thread)."""
         offsets = _offsets(self.ctx.segment_numels)
         mine = decision.contributors.index(self.me) if self.me in decision.contributors else -1
         scaled: list[tuple[int, int, float]] = []
@@ -103,12 +110,9 @@ class AggregateFetcher:
 
     async def _fetch_aggregate(self, signed: bytes, device: torch.device | str) -> torch.Tensor:
         decision, plan, shards = await self._hold(signed)
-        # Checked (signatures, digests) here, where the parse cache lives; summed in a worker thread.
-        rows = {shard: self._checked_rows(decision, signed, shard, *plan.shard_segments[shard], agg)
-                for shard, agg in enumerate(shards) if agg.mode != "mean"}
-        # Decoding and summing every shard takes seconds for a large dense model: off the network
-        # loop, so this peer's handlers and heartbeat go on meanwhile.
-        out, clipped, scaled = await asyncio.to_thread(self._assemble, decision, plan, shards, rows)
+        # Checking, decoding and summing every shard takes seconds for a large dense model: off
+        # the network loop, so this peer's handlers and heartbeat go on meanwhile.
+        out, clipped, scaled = await asyncio.to_thread(self._assemble, decision, signed, plan, shards)
         self.clipped[decision.round] = clipped
         self.own_scaled[decision.round] = tuple(scaled)
         for book in (self.clipped, self.own_scaled):
@@ -116,8 +120,7 @@ class AggregateFetcher:
                 del book[old]
         return out.to(device)
 
-    def _assemble(self, decision: Decision, plan: RoundPlan, shards: list[AggregateShard],
-                  rows_by_shard: dict[int, list[list[Payload]]]
+    def _assemble(self, decision: Decision, signed: bytes, plan: RoundPlan, shards: list[AggregateShard]
                   ) -> tuple[torch.Tensor, dict[str, int], list[tuple[int, int, float]]]:
         """The commit's mean as one flat fp32 vector, who was clipped in how many shards, and
         where our contribution entered the mean scaled (pure tensor work: run in a worker thread)."""
@@ -140,7 +143,7 @@ class AggregateFetcher:
             else:  # every contributor's signed request: rows[c][i] is contributor c's segment first + i
                 stats = RobustStats()
                 # written straight into `out`: a second copy of the whole vector costs more than the sum
-                robust_mean(codec, rows_by_shard[shard], self.ctx.robust, stats,
+                robust_mean(codec, self._checked_rows(decision, signed, shard, first, stop, agg), self.ctx.robust, stats,
                             out=[out[offsets[seg]:offsets[seg + 1]] for seg in range(first, stop)])
                 for c in stats.clipped:
                     clipped[decision.contributors[c]] = clipped.get(decision.contributors[c], 0) + 1
@@ -169,9 +172,8 @@ class AggregateFetcher:
                     timeout_s=2 * self.ctx.slack_s + budget / 20e6, max_reply=budget)
             if agg.mode != "signed":
                 raise PeerUnavailable(f"the source of shard {shard} did not hand over its contributions")
-            rows = self._contributions(probe, shard, first, stop, agg)
-
             def decode() -> None:  # in a worker thread: N contributions of a shard are a lot of tensor work
+                rows = self._contributions(probe, shard, first, stop, agg)
                 for contributor, row in zip(contributors, rows):
                     for i, payload in enumerate(row):
                         out[contributor][offsets[first + i]:offsets[first + i + 1]] = self.ctx.codec.decode(payload)
@@ -193,13 +195,15 @@ class AggregateFetcher:
                       agg: AggregateShard) -> list[list[Payload]]:
         """`_contributions` of a shard of a commit, checked and parsed once per shard object."""
         key = (decision.round, shard)
-        hit = self._rows.get(key)
+        with self._rows_lock:  # worker threads check shards while the network loop fetches others
+            hit = self._rows.get(key)
         if hit is not None and hit[0] == signed and hit[1] is agg:
             return hit[2]
         rows = self._contributions(decision, shard, first, stop, agg)
-        self._rows[key] = (signed, agg, rows)
-        for old in [k for k in self._rows if k[0] < decision.round - 1]:
-            del self._rows[old]
+        with self._rows_lock:
+            self._rows[key] = (signed, agg, rows)
+            for old in [k for k in self._rows if k[0] < decision.round - 1]:
+                del self._rows[old]
         return rows
 
     def _contributions(self, decision: Decision, shard: int, first: int, stop: int, agg: AggregateShard
@@ -266,10 +270,10 @@ class AggregateFetcher:
             try:  # a holder that forged or altered a contribution is caught here, and the next one asked
                 if agg.mode != ("signed" if ships_contributions(self.ctx) else "mean"):
                     raise ProtocolError(f"aggregate mode {agg.mode!r} is not this run's")
-                if agg.mode == "signed":
-                    self._checked_rows(decision, signed, shard, first, stop, agg)
+                if agg.mode == "signed":  # (parsing a shard's payloads: in a worker thread)
+                    await asyncio.to_thread(self._checked_rows, decision, signed, shard, first, stop, agg)
                 else:
-                    validate_segments(self.ctx, first, agg.parts)
+                    await asyncio.to_thread(validate_segments, self.ctx, first, agg.parts)
                     if len(agg.weights) != len(agg.clipped) or len(set(agg.clipped)) != len(agg.clipped) \
                             or not set(agg.clipped) <= set(decision.contributors):
                         raise ProtocolError("a mean's clipped contributors and their factors do not match")

@@ -73,14 +73,23 @@ def participant(tmp_path, corpus):
     from groundswell.peer.participant import genesis_decision
     from groundswell.peer.run_state import GlobalState
 
+    p.outer.round_id = 3  # a checkpoint holds one round: the optimizer's and the snapshot's
     p._snapshot = GlobalState(3, {"global_params": p.outer.global_params.clone()}, genesis_decision(ident, "unit"))
     return p
+
+
+def _at_round(p, round_id: int) -> None:
+    """The participant after applying rounds up to `round_id` (its snapshot taken: a checkpoint is of one round)."""
+    from groundswell.peer.run_state import GlobalState
+
+    p.outer.round_id = round_id
+    p._snapshot = GlobalState(round_id, {"global_params": p.outer.global_params.clone()}, p._snapshot.decision)
 
 
 def test_corrupt_or_truncated_checkpoint_is_reported_and_skipped(participant):
     good = participant.save_checkpoint()
     assert good is not None and participant.load_checkpoint()["round"] == 3
-    participant.outer.round_id = 4
+    _at_round(participant, 4)
     newer = participant.save_checkpoint()
     newer.write_bytes(newer.read_bytes()[:100])  # truncated by a crash or a full disk
     loaded = participant.load_checkpoint()
@@ -95,7 +104,7 @@ def test_a_checkpoint_with_a_flipped_byte_or_a_nan_is_reported_and_skipped(parti
     # torch.load reads a checkpoint with one byte of a tensor flipped (it checks the file's shape,
     # not its data): its own digest catches that, and a NaN in one that predates the digest
     good = participant.save_checkpoint()
-    participant.outer.round_id = 4
+    _at_round(participant, 4)
     newer = participant.save_checkpoint()
     raw = bytearray(newer.read_bytes())
     needle = participant.outer.global_params[1000:1004].numpy().tobytes()
@@ -128,12 +137,12 @@ def test_a_checkpoint_of_another_run_or_model_is_refused_in_words_and_left_alone
 
     path = participant.save_checkpoint()
     before = path.read_bytes()
-    participant._snapshot = GlobalState(3, {"global_params": torch.zeros(7)}, participant._snapshot.decision)
+    participant._snapshot = GlobalState(4, {"global_params": torch.zeros(7)}, participant._snapshot.decision)
     participant.outer.round_id = 4
     participant.save_checkpoint()  # the manifest's model changed since: a checkpoint of 7 parameters
     with pytest.raises(CheckpointMismatch, match=r"with 7 parameters; this run's model has [\d,]+ "):
         participant.load_checkpoint()
-    participant._snapshot = GlobalState(3, {"global_params": participant.outer.global_params.clone()},
+    participant._snapshot = GlobalState(5, {"global_params": participant.outer.global_params.clone()},
                                         genesis_decision(Identity.generate(), "another-run"))
     participant.outer.round_id = 5
     participant.save_checkpoint()
@@ -173,7 +182,7 @@ def test_a_peer_further_behind_than_peers_keep_aggregates_takes_the_state(partic
 def test_a_full_disk_keeps_training_and_damages_nothing(participant, monkeypatch, error):
     saved = participant.save_checkpoint()
     before = saved.read_bytes()
-    participant.outer.round_id = 5
+    _at_round(participant, 5)
 
     def no_space(state, f):
         f.write(b"part of a checkpoint")

@@ -42,6 +42,7 @@ def test_a_rounds_tensor_work_runs_off_the_network_loop(monkeypatch, codec_name)
     monkeypatch.setattr(aggregator, "robust_mean", spy("build shard", aggregator.robust_mean))
     monkeypatch.setattr(fetch, "robust_mean", spy("mean of signed contributions", fetch.robust_mean))
     monkeypatch.setattr(fetch, "_dense_weight", spy("decode dense mean", fetch._dense_weight))
+    monkeypatch.setattr(fetch, "validate_segments", spy("check fetched shard", fetch.validate_segments))
     c = Cluster(n=3, codec_name=codec_name, numel=6 * 4096, min_peers=3)
     try:
         g = torch.Generator().manual_seed(5)
@@ -58,7 +59,43 @@ def test_a_rounds_tensor_work_runs_off_the_network_loop(monkeypatch, codec_name)
     finally:
         c.close()
     kinds = {name for name, _ in calls}
-    wanted = {"check contribution"} | ({"build shard", "decode dense mean"} if codec_name == "fp32"
-                                       else {"mean of signed contributions"})
+    # (sparse contributions a node took as an aggregator are parsed once: a fetch reuses them)
+    wanted = {"check contribution"} | ({"build shard", "decode dense mean", "check fetched shard"}
+                                       if codec_name == "fp32" else {"mean of signed contributions"})
     assert wanted <= kinds, f"the round exercised only {kinds}"
     assert not [name for name, on_loop in calls if on_loop], "tensor work ran on the network loop"
+
+
+def test_contributions_arriving_together_still_fill_a_shard_only_up_to_its_room():
+    """Found by a review of this change: checking a contribution in a worker thread lets others
+    land meanwhile, and all of them had passed the room check before any was stored."""
+    import torch
+    from groundswell.compression.segments import encode_segments
+    from groundswell.protocol.aggregator import MIN_ROOM
+    from groundswell.protocol.envelope import seal
+    from groundswell.protocol.identity import Identity
+    from groundswell.protocol.schema import ProtocolError, ShardContribution
+    from inproc_harness import RUN, make_target
+
+    gen = make_target()
+    t = next(gen)
+    try:
+        plan = t.loop.run_until_complete(t.server.plan(0, 0, 0.0))
+        shard = next(s for s in range(plan.num_shards) if t.me.peer_id in plan.candidates(s)[:4])
+        first, stop = plan.shard_segments[shard]
+        segments = [p.to_bytes() for p in encode_segments(t.ctx.codec, torch.randn(sum(t.ctx.segment_numels)),
+                                                           4096)][first:stop]
+        msg = ShardContribution(0, 0, shard, first, segments)
+        senders = [Identity.generate() for _ in range(3 * MIN_ROOM)]
+
+        async def all_at_once() -> list:
+            return await asyncio.gather(*(t.server._on_contribute(s.peer_id, msg, seal(s, RUN, msg)) for s in senders),
+                                        return_exceptions=True)
+
+        answers = t.loop.run_until_complete(all_at_once())
+        held = t.server.attempts[(0, 0)].contributions[shard]
+        assert len(held) == MIN_ROOM, f"{len(held)} contributions held, room for {MIN_ROOM}"
+        full = [a for a in answers if isinstance(a, ProtocolError) and a.reason == "slot-full"]
+        assert len(full) == len(senders) - MIN_ROOM
+    finally:
+        next(gen, None)

@@ -593,17 +593,24 @@ def test_a_state_nobody_confirms_past_the_round_after_the_live_coordinators_is_r
 
 
 @pytest.mark.parametrize("sybils", [1, 3, 5])
-def test_records_far_past_the_coordinators_neither_hold_up_nor_resync_a_volunteer(participant, sybils):
-    """Found by a review of the state trust: after every round a volunteer asked each peer whose
-    record claimed a far-off round for the decision of its own (a silent one costs a slack each),
-    and once such records were half of the others, it re-synced the whole state after every
-    round. The coordinator's record says where the run is: records far past it are left out."""
+@pytest.mark.parametrize("claim", [1 << 40, 18, 12])
+def test_records_far_past_the_coordinators_neither_hold_up_nor_resync_a_volunteer(participant, sybils, claim):
+    """Found by reviews: after every round a volunteer asked each peer whose record claimed a
+    later round for the decision of its own, one after the other (a silent one costs a slack), and
+    once such records were half of the others, it re-synced the whole state after every round.
+    The coordinator's record says where the run is: records more than two rounds past it are left
+    out, and a few holders at most are asked, at once."""
+    from groundswell.peer.participant import CATCH_UP_ASKS
     from groundswell.peer.records import PeerRecords
 
     p, me, coord = participant, participant.identity.peer_id, participant.coordinator_id
     p.outer.round_id = 10
-    recs = {me: SimpleNamespace(round=10), coord: SimpleNamespace(round=10), "honest1": SimpleNamespace(round=10),
-            "honest2": SimpleNamespace(round=10), **{f"sybil{i}": SimpleNamespace(round=1 << 40) for i in range(sybils)}}
+
+    def rec(r: int, h: str = "h10") -> SimpleNamespace:
+        return SimpleNamespace(round=r, params_hash=h, earlier_hashes=[])
+
+    recs = {me: rec(10), coord: rec(10), "honest1": rec(10), "honest2": rec(10),
+            **{f"sybil{i}": rec(claim, "made-up") for i in range(sybils)}}
     asked: list[str] = []
 
     async def ask_decision(peer, r, attempt, wait_s):
@@ -615,5 +622,5 @@ def test_records_far_past_the_coordinators_neither_hold_up_nor_resync_a_voluntee
                            server=SimpleNamespace(keep_rounds=8), call=lambda coro, timeout_s=None: asyncio.run(coro))
     node.holders = lambda r: PeerRecords.holders(node, r)
     p.node = node
-    assert p.catch_up(fresh=False) == 0  # no RoundBehind: nothing says the run is past us
-    assert asked == []
+    assert p.catch_up(fresh=False) == 0  # no RoundBehind: nothing says the run is far past us
+    assert asked == ([] if claim > 12 else [f"sybil{i}" for i in range(min(sybils, CATCH_UP_ASKS))])
