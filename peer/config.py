@@ -60,7 +60,7 @@ class InnerSection:
     the peak learning rate after warmup, and `min_lr_ratio` does not apply there."""
 
     lr: float = 3e-3
-    weight_decay: float = 0.1
+    weight_decay: float = 0.1  # on matrices and embeddings; gains and biases (1-D) are not decayed
     beta1: float = 0.9
     beta2: float = 0.95
     warmup_steps: int = 50

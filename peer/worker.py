@@ -58,10 +58,9 @@ class InnerTrainer:
         self.block_size = workload.block_size
         self.inner = inner
         self.optimizer = torch.optim.AdamW(
-            self.model.parameters(),
+            decay_groups(self.model, inner.weight_decay),
             lr=inner.lr,
             betas=(inner.beta1, inner.beta2),
-            weight_decay=inner.weight_decay,
         )
         self.scheduler = warmup_cosine_scheduler(self.optimizer, total_steps, inner.warmup_steps, inner.min_lr_ratio)
         self.sampler = ShardSampler(
@@ -133,7 +132,7 @@ class InnerTrainer:
         """Restore a `progress_state()` (after `load_state_dict`, which it moves forward)."""
         step = int(state["step"])
         self.sampler.load_state_dict(state["sampler"])  # checked against this corpus and seed before it moves
-        self.scheduler.load_state_dict(state["scheduler"])
+        self.scheduler.load_state_dict(self._fitted_schedule(state["scheduler"]))
         # (the schedule's rate reaches the optimizer at its next step only: the next step is now)
         for group, lr in zip(self.optimizer.param_groups, self.scheduler.get_last_lr()):
             group["lr"] = lr
@@ -142,7 +141,51 @@ class InnerTrainer:
     def load_state_dict(self, state: dict) -> None:
         """Restore a `state_dict()`."""
         self.model.load_state_dict(state["model"])
-        self.optimizer.load_state_dict(state["optimizer"])
-        self.scheduler.load_state_dict(state["scheduler"])
+        self.optimizer.load_state_dict(self._fitted_optimizer(state["optimizer"]))
+        self.scheduler.load_state_dict(self._fitted_schedule(state["scheduler"]))
         self.sampler.load_state_dict(state["sampler"])
         self.step = int(state["step"])
+
+    def _fitted_optimizer(self, saved: dict) -> dict:
+        """An AdamW state as this trainer's groups hold it. A version before the decay split
+        saved one group of every parameter (in `parameters()` order): its moments are moved to
+        the parameters' places in the groups now, each group keeping its own weight decay."""
+        groups = self.optimizer.param_groups
+        if len(saved["param_groups"]) == len(groups):
+            return saved
+        params = list(self.model.parameters())
+        if len(saved["param_groups"]) != 1 or len(saved["param_groups"][0]["params"]) != len(params):
+            raise ValueError(f"a saved inner optimizer of {len(saved['param_groups'])} parameter groups does not fit")
+        old = saved["param_groups"][0]
+        position = {id(p): k for k, p in enumerate(params)}
+        state, fitted, n = {}, [], 0
+        for group in groups:
+            ids = []
+            for p in group["params"]:
+                before = old["params"][position[id(p)]]
+                if before in saved["state"]:
+                    state[n] = saved["state"][before]
+                ids.append(n)
+                n += 1
+            fitted.append({**old, "weight_decay": group["weight_decay"], "params": ids})
+        return {"state": state, "param_groups": fitted}
+
+    def _fitted_schedule(self, saved: dict) -> dict:
+        """A schedule's state with a base rate per parameter group (a version before the decay
+        split had one group: LambdaLR would then move only the first group's rate)."""
+        groups = len(self.optimizer.param_groups)
+        fitted = dict(saved)
+        for key in ("base_lrs", "_last_lr"):
+            rates = saved.get(key)
+            if isinstance(rates, list) and rates and len(rates) != groups:
+                fitted[key] = [rates[0]] * groups  # every group shares the peak rate
+        return fitted
+
+
+def decay_groups(model: torch.nn.Module, weight_decay: float) -> list[dict]:
+    """AdamW's parameter groups: matrices (and embeddings) decay; gains and biases (1-D) do not,
+    as in nanoGPT's recipe (decaying them pulled LayerNorm gains towards 0: 2% worse loss)."""
+    params = list(model.parameters())
+    groups = [{"params": [p for p in params if p.dim() >= 2], "weight_decay": weight_decay},
+              {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0}]
+    return [g for g in groups if g["params"]]
