@@ -417,3 +417,34 @@ def test_a_file_of_a_bin_corpus_is_refused_not_read_as_text(tmp_path: Path) -> N
     (folder / "train.bin").unlink()  # val.bin alone is not a text folder either
     with pytest.raises(DataError, match="train.bin' is missing"):
         load_corpus(str(folder))
+
+
+def test_each_epoch_after_the_first_cuts_the_stream_elsewhere_and_shards_stay_apart(tmp_path: Path) -> None:
+    # Found by a review of the training workload: window k was always tokens[k*(T+1):(k+1)*(T+1)],
+    # so each epoch repeated the same sequences and one token in T+1 was never a target.
+    block = 7
+    stream = torch.randint(0, 256, (4099,), generator=torch.Generator().manual_seed(0))  # windows are unique
+    where = {tuple(stream[s:s + block + 1].tolist()): s for s in range(len(stream) - block)}
+    corpus = Corpus(name="t", train=stream.to(torch.uint8), heldout=stream[:64].to(torch.uint8), vocab_size=256,
+                    fingerprint="t")
+    samplers = [ShardSampler(corpus, block, 4, seed=3, shard_index=i, num_shards=2) for i in range(2)]
+    span, n = block + 1, len(samplers[0])
+    starts_by_epoch: list[list[set[int]]] = [[set(), set()] for _ in range(3)]
+    for i, sampler in enumerate(samplers):
+        for _ in range(3 * n // 4):
+            epoch_before = sampler.epoch if sampler.position < len(sampler._order) else sampler.epoch + 1
+            x, y = sampler.next_batch()
+            assert torch.equal(x[:, 1:], y[:, :-1])
+            for row in torch.cat([x, y[:, -1:]], dim=1):
+                start = where.get(tuple(row.tolist()))
+                assert start is not None, "a window is not a contiguous piece of the stream"
+                starts_by_epoch[min(epoch_before, 2)][i].add(start)
+    from collections import Counter
+
+    cuts = [Counter(s % span for shard in epoch for s in shard) for epoch in starts_by_epoch[:2]]
+    assert set(cuts[0]) == {0}
+    (offset, count), = cuts[1].most_common(1)  # one cut for the epoch, a new one (a window at the end wraps)
+    assert offset != 0 and count >= sum(cuts[1].values()) - 1
+    for epoch in starts_by_epoch[:2]:
+        assert not epoch[0] & epoch[1], "two shards read the same window in one epoch"
+
