@@ -265,11 +265,11 @@ def _gather_windows(tokens: TokenArray, window_ids: Tensor, block_size: int, voc
                     offsets: Tensor | None = None) -> Batch:
     """Inputs and next-token targets (int64, shape (len(window_ids), block_size)); window k starts
     at k * (block_size + 1), moved on by its `offsets` entry (one that would then run past the
-    end wraps to the start)."""
+    end is the stream's last window instead)."""
     span = block_size + 1
     starts = window_ids.view(-1, 1) * span
     if offsets is not None and bool(offsets.any()):
-        starts = (starts + offsets.view(-1, 1)) % (len(tokens) - block_size)  # (len >= span: whole windows)
+        starts = torch.clamp(starts + offsets.view(-1, 1), max=len(tokens) - span)  # (len >= span: whole windows)
     index = starts + torch.arange(span)
     if isinstance(tokens, Tensor):
         windows = tokens[index].long()

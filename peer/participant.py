@@ -40,6 +40,7 @@ from .state_files import checkpoint_path, checkpoints_newest_first, prune_checkp
 from .state_trust import (
     COORDINATOR_LAG_ROUNDS,
     EARLIER_HASHES,
+    UNCONFIRMED_LEAD,
     StateCheck,
     coordinator_hashes,
     download_state,
@@ -91,6 +92,21 @@ def run_context(manifest: RunManifest, outer: OuterOptimizer, coordinator: str =
                       Limits(requests_per_s=d.requests_per_s, max_streams=d.max_streams, ban_s=d.ban_s,
                              strikes=d.strikes, max_clock_skew_s=d.max_clock_skew_s), readers, d.verify_aggregates,
                       manifest.round.replicas, coordinator)
+
+
+async def _first_decision(client: Any, peers: list[str], round_id: int) -> bytes:
+    """The first signed decision of `round_id` any of `peers` hands over (asked at once; the
+    others are cancelled then), b"" if none does."""
+    tasks = [asyncio.ensure_future(client.ask_decision(peer, round_id, 0, 0.0)) for peer in peers]
+    try:
+        for answer in asyncio.as_completed(tasks):
+            if signed := await answer:
+                return signed
+        return b""
+    finally:
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
 
 
 def genesis_decision(identity: Identity, run_id: str) -> bytes:
@@ -304,17 +320,20 @@ class Participant:
         else:
             records = self.node.cached_records
             self.node.refresh_in_background()
-        # Records are self-signed: where the coordinator's says where the run is, one past it by
-        # more than its lag (sybils, in an open run) is nobody to ask for a round, nor a sign that
-        # we are behind (each silent one asked cost a slack after every round).
+        # Records are self-signed: where the coordinator's says where the run is, one far past it
+        # (sybils, in an open run) is nobody to ask for a round.
         signer = records.get(self.coordinator_id) if self.coordinator_id != self.identity.peer_id else None
-        ceiling = signer.round + COORDINATOR_LAG_ROUNDS if signer is not None else float("inf")
+        ceiling = signer.round + UNCONFIRMED_LEAD if signer is not None else float("inf")
         records = {pid: r for pid, r in records.items() if r.round <= ceiling}
-        target = max((r.round for r in records.values()), default=0)
-        # The round at least half of the other peers have reached: one record (they are only
-        # self-signed) claiming a far-off round must not send everyone re-syncing.
+        # The round at least half of the other peers have reached: one record claiming a far-off
+        # round must not send everyone re-syncing, nor a few make everyone ask them after each round.
         others = sorted((r.round for pid, r in records.items() if pid != self.identity.peer_id), reverse=True)
         swarm_round = others[(len(others) - 1) // 2] if others else 0
+        # With the coordinator's word: up to where it is, or where most peers are (it may lag).
+        target = max(signer.round, swarm_round) if signer is not None else max(
+            (r.round for r in records.values()), default=0)
+        if signer is not None:  # nor may half of them, made up, send us re-syncing: it lags by a heartbeat or two
+            swarm_round = min(swarm_round, signer.round + COORDINATOR_LAG_ROUNDS)
         vouched = set(coordinator_hashes(signer).items()) if signer is not None else set()
         client = self.node.client
         assert client is not None and self.node.server is not None
@@ -328,11 +347,8 @@ class Participant:
                              key=lambda p: (p != self.coordinator_id,
                                             (records[p].round, records[p].params_hash) not in vouched))
 
-            async def ask_all(peers: list[str], r: int = r) -> list[bytes]:
-                return await asyncio.gather(*(client.ask_decision(peer, r, 0, 0.0) for peer in peers))
-
-            answers = self.node.call(ask_all(holders[:CATCH_UP_ASKS]), timeout_s=30) if holders else []
-            signed = next((a for a in answers if a), b"")
+            signed = self.node.call(_first_decision(client, holders[:CATCH_UP_ASKS], r), timeout_s=30) \
+                if holders else b""
             if not signed:
                 if swarm_round - r > keep:
                     # Peers forget a round's decision and aggregate after `keep` rounds: this peer

@@ -151,8 +151,9 @@ class InnerTrainer:
         saved one group of every parameter (in `parameters()` order): its moments are moved to
         the parameters' places in the groups now, each group keeping its own weight decay."""
         groups = self.optimizer.param_groups
-        if len(saved["param_groups"]) == len(groups):
-            return saved
+        if len(saved["param_groups"]) == len(groups):  # each group's decay is this version's (a 1-D-only model
+            return {**saved, "param_groups": [{**old, "weight_decay": group["weight_decay"]}  # had one group too)
+                                              for old, group in zip(saved["param_groups"], groups)]}
         params = list(self.model.parameters())
         if len(saved["param_groups"]) != 1 or len(saved["param_groups"][0]["params"]) != len(params):
             raise ValueError(f"a saved inner optimizer of {len(saved['param_groups'])} parameter groups does not fit")

@@ -201,7 +201,8 @@ class AggregateFetcher:
             return hit[2]
         rows = self._contributions(decision, shard, first, stop, agg)
         with self._rows_lock:
-            self._rows[key] = (signed, agg, rows)
+            if key not in self._rows or self._rows[key][0] != signed:  # a hedged holder's parse lands late: kept first
+                self._rows[key] = (signed, agg, rows)
             for old in [k for k in self._rows if k[0] < decision.round - 1]:
                 del self._rows[old]
         return rows

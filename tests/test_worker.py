@@ -140,3 +140,11 @@ def test_an_inner_state_saved_with_one_parameter_group_loads_into_the_decay_grou
     assert len({g["lr"] for g in new.optimizer.param_groups}) == 1
     assert new.optimizer.param_groups[1]["lr"] == pytest.approx(new.scheduler.get_last_lr()[0])
     assert len(new.scheduler.base_lrs) == 2
+
+
+def test_a_model_of_gains_only_loads_an_old_state_without_its_weight_decay() -> None:
+    # (found by a review: one group before and after, so the old state's decay of 0.1 came back)
+    trainer = _trainer(_InfGradient(), _inf_gradient_loss)
+    saved = torch.optim.AdamW(trainer.model.parameters(), lr=0.5, weight_decay=0.1).state_dict()
+    trainer.optimizer.load_state_dict(trainer._fitted_optimizer(saved))
+    assert [g["weight_decay"] for g in trainer.optimizer.param_groups] == [0.0]
