@@ -28,6 +28,7 @@ from groundswell.protocol.guard import Limits
 from groundswell.protocol.identity import Identity
 from groundswell.protocol.schema import Decision, ProtocolError
 
+from .catch_up import catch_up_view, first_decision, holders_to_ask
 from .checkpoint_check import DIGEST_KEY, checkpoint_damage, checkpoint_digest, digest_mismatch
 from .config import ConfigError
 from .data import Corpus, evaluate, heldout_batches, load_corpus
@@ -38,9 +39,7 @@ from .run_state import GlobalState, RunContext, state_hash
 from .scoring import ContributionScorer
 from .state_files import checkpoint_path, checkpoints_newest_first, prune_checkpoints, write_atomically
 from .state_trust import (
-    COORDINATOR_LAG_ROUNDS,
     EARLIER_HASHES,
-    UNCONFIRMED_LEAD,
     StateCheck,
     coordinator_hashes,
     download_state,
@@ -55,7 +54,6 @@ from .workload import Workload, build_workload
 log = logging.getLogger(__name__)
 _OUR_TEMP_FILES = ("checkpoint-*.tmp", "work.tmp", "contributed.tmp", "outcome.tmp", "manifest.tmp",
                    "bootstrap.tmp", "address.tmp", "known_peers.tmp", ".*.key.*.tmp")
-CATCH_UP_ASKS = 3  # peers asked at once for the decision of a round this peer catches up on
 KNOWN_PEERS_FILE = "known_peers.json"  # where the run's peers were, kept with each checkpoint (see dht_rejoin)
 
 
@@ -92,21 +90,6 @@ def run_context(manifest: RunManifest, outer: OuterOptimizer, coordinator: str =
                       Limits(requests_per_s=d.requests_per_s, max_streams=d.max_streams, ban_s=d.ban_s,
                              strikes=d.strikes, max_clock_skew_s=d.max_clock_skew_s), readers, d.verify_aggregates,
                       manifest.round.replicas, coordinator)
-
-
-async def _first_decision(client: Any, peers: list[str], round_id: int) -> bytes:
-    """The first signed decision of `round_id` any of `peers` hands over (asked at once; the
-    others are cancelled then), b"" if none does."""
-    tasks = [asyncio.ensure_future(client.ask_decision(peer, round_id, 0, 0.0)) for peer in peers]
-    try:
-        for answer in asyncio.as_completed(tasks):
-            if signed := await answer:
-                return signed
-        return b""
-    finally:
-        for task in tasks:
-            task.cancel()
-        await asyncio.gather(*tasks, return_exceptions=True)
 
 
 def genesis_decision(identity: Identity, run_id: str) -> bytes:
@@ -320,35 +303,14 @@ class Participant:
         else:
             records = self.node.cached_records
             self.node.refresh_in_background()
-        # Records are self-signed: where the coordinator's says where the run is, one far past it
-        # (sybils, in an open run) is nobody to ask for a round.
-        signer = records.get(self.coordinator_id) if self.coordinator_id != self.identity.peer_id else None
-        ceiling = signer.round + UNCONFIRMED_LEAD if signer is not None else float("inf")
-        records = {pid: r for pid, r in records.items() if r.round <= ceiling}
-        # The round at least half of the other peers have reached: one record claiming a far-off
-        # round must not send everyone re-syncing, nor a few make everyone ask them after each round.
-        others = sorted((r.round for pid, r in records.items() if pid != self.identity.peer_id), reverse=True)
-        swarm_round = others[(len(others) - 1) // 2] if others else 0
-        # With the coordinator's word: up to where it is, or where most peers are (it may lag).
-        target = max(signer.round, swarm_round) if signer is not None else max(
-            (r.round for r in records.values()), default=0)
-        if signer is not None:  # nor may half of them, made up, send us re-syncing: it lags by a heartbeat or two
-            swarm_round = min(swarm_round, signer.round + COORDINATOR_LAG_ROUNDS)
-        vouched = set(coordinator_hashes(signer).items()) if signer is not None else set()
+        view = catch_up_view(records, self.identity.peer_id, self.coordinator_id)
         client = self.node.client
         assert client is not None and self.node.server is not None
-        keep = self.node.server.keep_rounds
-        while self.outer.round_id < target:
+        keep, swarm_round = self.node.server.keep_rounds, view.swarm_round
+        while self.outer.round_id < view.target:
             r = self.outer.round_id
-            signed = b""
-            # The coordinator, then the peers whose state it vouches for, then the rest: a few at
-            # most, asked at once (a silent one costs one request's timeout, not one each).
-            holders = sorted((p for p in self.node.holders(r) if p in records),
-                             key=lambda p: (p != self.coordinator_id,
-                                            (records[p].round, records[p].params_hash) not in vouched))
-
-            signed = self.node.call(_first_decision(client, holders[:CATCH_UP_ASKS], r), timeout_s=30) \
-                if holders else b""
+            ask = holders_to_ask(view, self.node.holders(r), self.coordinator_id)
+            signed = self.node.call(first_decision(client, ask, r), timeout_s=30) if ask else b""
             if not signed:
                 if swarm_round - r > keep:
                     # Peers forget a round's decision and aggregate after `keep` rounds: this peer

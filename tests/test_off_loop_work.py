@@ -23,8 +23,7 @@ def _on_loop() -> bool:
 
 @pytest.mark.parametrize("codec_name", ["fp32", "sparseloco"])
 def test_a_rounds_tensor_work_runs_off_the_network_loop(monkeypatch, codec_name):
-    import groundswell.protocol.aggregator as aggregator
-    import groundswell.protocol.fetch as fetch
+    from groundswell.protocol import aggregator, fetch
     from swarm_harness import Cluster
 
     calls: list[tuple[str, bool]] = []

@@ -600,7 +600,7 @@ def test_records_far_past_the_coordinators_neither_hold_up_nor_resync_a_voluntee
     once such records were half of the others, it re-synced the whole state after every round.
     The coordinator's record says where the run is: records more than two rounds past it are left
     out, and a few holders at most are asked, at once."""
-    from groundswell.peer.participant import CATCH_UP_ASKS
+    from groundswell.peer.catch_up import CATCH_UP_ASKS
     from groundswell.peer.records import PeerRecords
 
     p, me, coord = participant, participant.identity.peer_id, participant.coordinator_id
