@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # before torch spins up its thread pool
@@ -38,16 +39,14 @@ def make_cluster():
     sys.path.insert(0, str(Path(__file__).parent))
     from swarm_harness import Cluster
 
-    made: list[Cluster] = []
+    with contextlib.ExitStack() as made:  # every cluster closed, even when an earlier close fails
 
-    def make(**kw) -> Cluster:
-        c = Cluster(**kw)
-        made.append(c)
-        return c
+        def make(*args, **kw) -> Cluster:
+            c = Cluster(*args, **kw)
+            made.callback(c.close)
+            return c
 
-    yield make
-    for c in made:
-        c.close()
+        yield make
 
 
 @pytest.fixture(scope="module")

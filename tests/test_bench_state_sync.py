@@ -26,4 +26,4 @@ def test_bench_state_sync_closed_run_small(capsys: pytest.CaptureFixture[str],
     assert result["state_bytes"] > 8 * params
     assert result["p2p_s"] > 0 and result["tcp_s"] > 0 and result["stream_s"] > 0
     assert result["ratio"] == pytest.approx(result["p2p_s"] / result["tcp_s"])
-    assert isinstance(result["goal_within_2x_of_tcp"], bool)
+    assert result["goal_within_2x_of_tcp"] is (result["ratio"] <= 2)

@@ -128,13 +128,19 @@ def test_reap_daemons_ends_and_waits_for_what_the_thread_started(tmp_path, progr
     got: list = []
     thread = threading.Thread(target=lambda: got.append(asyncio.run(start_and_reap())))
     thread.start()
-    thread.join(30)
-    # None: the loop closed before the exit was delivered. (asyncio reports 255 when another
-    # waiter in this test process reaped the child first: still reaped, still delivered.)
-    assert len(got) == 1 and got[0] is not None, got
-    assert not _alive(pids[0])
-    if program == "sleep":
-        assert got[0] in (-signal.SIGTERM, 255), got
+    try:
+        thread.join(30)
+        assert not thread.is_alive(), "reap_daemons did not return"
+        # None: the loop closed before the exit was delivered. (asyncio reports 255 when another
+        # waiter in this test process reaped the child first: still reaped, still delivered.)
+        assert len(got) == 1 and got[0] is not None, got
+        assert not _alive(pids[0])
+        if program == "sleep":
+            assert got[0] in (-signal.SIGTERM, 255), got
+    finally:
+        for pid in pids:  # a regression must not leave the stand-in running
+            if _alive(pid):
+                os.kill(pid, signal.SIGKILL)
 
 
 def _events(path: Path) -> list[dict]:

@@ -20,22 +20,9 @@ from groundswell.peer.swarm import NodeOptions, SwarmNode
 from groundswell.protocol.identity import Identity
 
 sys.path.insert(0, str(Path(__file__).parent))
-from swarm_harness import Cluster, inputs
+from swarm_harness import inputs
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(240)]
-
-
-@pytest.fixture
-def make_cluster():
-    made: list[Cluster] = []
-
-    def make(*args, **kwargs) -> Cluster:
-        made.append(Cluster(*args, **kwargs))
-        return made[-1]
-
-    yield make
-    for c in made:
-        c.close()
 
 
 def test_the_next_rounds_leaders_do_not_wait_for_a_trainer_that_left(make_cluster):

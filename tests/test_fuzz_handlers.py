@@ -236,7 +236,6 @@ def test_the_peer_survives_answers_and_stays_bounded(target, caplog):
     _check_alive(target)
     total = sum(TRIED.values())
     print(f"\nfuzz: {total} inputs tried ({dict(TRIED)}); refusals by class: {dict(target.node.guard.rejected)}")
-    assert TRIED["memory-burst"] >= 2000
     fuzzed = total - TRIED["memory-burst"]
     if fuzzed:  # the fuzz tests above ran in this session (not when this one runs alone or under -k)
         assert fuzzed >= 2 * EXAMPLES * 0.9, f"only {fuzzed} fuzz inputs were fed, of {2 * EXAMPLES}"

@@ -82,7 +82,7 @@ def test_room_is_given_first_come_first_served_and_a_peer_over_its_share_is_refu
         assert order == []
         t0 = asyncio.get_running_loop().time()
         assert await g.room_for("a", 2 * MIB, HALF, 5.0) == "inbound-per-peer"  # over its share: no wait,
-        assert asyncio.get_running_loop().time() - t0 < 0.1  # though others are in line
+        assert asyncio.get_running_loop().time() - t0 < 2.5  # though others are in line (a wait is 5 s)
         g.release_bytes("a", MIB)  # room for the large one, then the small one
         await asyncio.gather(first, second)
         assert await g.room_for("d", MIB, HALF, 0.2) == "inbound-full"  # full again, and it stays so

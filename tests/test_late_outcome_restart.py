@@ -49,6 +49,8 @@ def test_a_restart_that_took_a_later_state_checks_an_older_commit_with_the_one_i
                    for res in results.values()), results
     commits = {r: c.nodes[0].book.committed[r][0] for r in range(3)}  # type: ignore[union-attr]
     assert basis[1] == commits[0] and basis[2] == commits[1] and basis[0]  # (round 0's: the genesis)
+    means = [c.fetch(i, commits[2]) for i in range(3)]
+    assert all(torch.equal(m, means[0]) for m in means)
 
     node = _restarted(c, 2, commits[2])  # it took the state after round 2
     ex = SwarmExchange(node)

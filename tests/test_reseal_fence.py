@@ -16,6 +16,7 @@ import asyncio
 import time
 
 import pytest
+import torch
 
 pytestmark = [pytest.mark.timeout(300)]
 
@@ -96,5 +97,7 @@ def test_an_adopted_commit_is_neither_resealed_otherwise_nor_taken_back(then):
         assert set(books.values()) <= {first}, "two commits of round 0"
         held = {s for n in c.nodes for (r, s), agg in n.server.aggregates.items() if r == 0 and agg.decision == first}
         assert held == set(range(plan0.num_shards)), f"shards of the adopted commit held nowhere: {held}"
+        means = [c.fetch(i, first) for i in range(4)]  # every peer gets the adopted commit's one mean
+        assert all(torch.equal(m, means[0]) for m in means)
     finally:
         c.close()

@@ -99,6 +99,8 @@ def test_the_contribution_record_is_written_off_the_network_loop(make_cluster):
         node.client.on_contribute = record
     out = c.attempt(0, _inputs(2, c.numel, seed=3))
     assert out[0].decision.status == "commit" and on_loop == [False, False]
+    means = [c.fetch(i, out[i].signed) for i in range(2)]
+    assert torch.equal(means[0], means[1])
 
 
 def test_a_dead_peer_cannot_hold_the_round_past_its_deadline(make_cluster):

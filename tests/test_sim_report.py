@@ -145,6 +145,7 @@ def test_a_killed_driver_takes_its_children_with_it(tmp_path):
         "time.sleep(300)\n"
     )
     driver = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, text=True)
+    child = None
     try:
         child = int(driver.stdout.readline())
         os.kill(child, 0)  # running
@@ -164,10 +165,9 @@ def test_a_killed_driver_takes_its_children_with_it(tmp_path):
                 break
             time.sleep(0.1)
         else:
-            os.kill(child, signal.SIGKILL)
             pytest.fail("the child outlived the driver")
     finally:
-        driver.kill()
+        _end(driver, child)
 
 
 def test_a_round_applied_in_catching_up_counts_in_the_hash_agreement(tmp_path):
@@ -287,10 +287,13 @@ def test_a_killed_driver_takes_a_frozen_child_with_it(tmp_path):
         "time.sleep(300)\n"
     )
     driver = subprocess.Popen([sys.executable, "-c", script, str(tmp_path)], stdout=subprocess.PIPE, text=True)
+    child = None
     try:
         child = int(driver.stdout.readline())
         os.kill(child, signal.SIGSTOP)
+        deadline = time.time() + 30
         while _state(child) != "T":  # stopped
+            assert time.time() < deadline, "the child never stopped"
             time.sleep(0.05)
         driver.kill()
         driver.wait(timeout=30)
@@ -298,10 +301,17 @@ def test_a_killed_driver_takes_a_frozen_child_with_it(tmp_path):
         while time.time() < deadline and _state(child) not in ("Z", None):  # a zombie waits for init: gone
             time.sleep(0.1)
         if _state(child) not in ("Z", None):
-            os.kill(child, signal.SIGKILL)
             pytest.fail("the frozen child outlived the driver")
     finally:
-        driver.kill()
+        _end(driver, child)
+
+
+def _end(driver: subprocess.Popen, child: int | None) -> None:
+    """Kill and reap the driver, and kill its child if it is still there (even when the test failed)."""
+    driver.kill()
+    driver.wait(timeout=30)
+    if child is not None and _state(child) not in ("Z", None):
+        os.kill(child, signal.SIGKILL)  # SIGKILL ends a stopped process too
 
 
 def _state(pid: int) -> str | None:

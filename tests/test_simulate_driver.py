@@ -199,7 +199,7 @@ def test_a_process_that_cannot_start_leaves_no_open_log(tmp_path, monkeypatch):
     monkeypatch.setattr(sim_procs, "open", recording_open, raising=False)
     monkeypatch.setattr(sim_procs.subprocess, "Popen", no_popen)
     sim = Simulation(tmp_path, SimulateOptions())
-    with pytest.raises(OSError):
+    with pytest.raises(OSError, match="no such interpreter"):
         sim.spawn("peer-0", ["join"])
     assert len(opened) == 1 and opened[0].closed and "peer-0" not in sim.procs
 

@@ -149,7 +149,7 @@ def test_a_slot_is_freed_when_building_the_reply_fails(node, step):
     state = node.state_provider()
     setattr(state, step, broken)
     node.state_provider = lambda: state
-    with pytest.raises(RuntimeError):
+    with pytest.raises(RuntimeError, match="disk gone"):
         asyncio.run(node._on_state("joiner", StateRequest(0)))
     assert node.uploads.in_use == 0
 

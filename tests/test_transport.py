@@ -86,7 +86,7 @@ def test_silent_handler_times_out(net):
 
 def test_unknown_handler_fails_fast(net):
     t0 = time.monotonic()
-    with pytest.raises(PeerUnavailable):
+    with pytest.raises(PeerUnavailable, match="protocols not supported"):
         net.run(net.tb.request(net.id_a.peer_id, "no-such-handler", Join(0, True, True), Ack, timeout_s=30))
     assert time.monotonic() - t0 < 10.0  # refused by the remote daemon, not left to time out
 

@@ -143,7 +143,7 @@ def test_other_run_cannot_talk(net):
     other = Transport(net.b, net.id_b, "run-y")
     assert other._name("run-check") != net.tb._name("run-check")
     t0 = time.monotonic()
-    with pytest.raises(PeerUnavailable):
+    with pytest.raises(PeerUnavailable, match="protocols not supported"):
         net.run(other.request(net.id_a.peer_id, "run-check", Join(0, True, True), Ack, timeout_s=30))
     assert time.monotonic() - t0 < 10.0
     assert net.run(net.tb.request(net.id_a.peer_id, "run-check", Join(0, True, True), Ack, timeout_s=30)).ok
