@@ -26,7 +26,7 @@ if TYPE_CHECKING:
 app = typer.Typer(add_completion=False, no_args_is_help=True, help="groundswell: decentralized training peer.")
 bench_app = typer.Typer(no_args_is_help=True, help="Benchmarks that compare against a baseline measured in the same run.")
 app.add_typer(bench_app, name="bench")
-console = Console(stderr=True)
+console = Console(stderr=True, emoji=False)  # ":ab:" in an IPv6 address is an emoji code to rich
 
 
 def _user_errors(fn: Callable[..., Any]) -> Callable[..., Any]:

@@ -19,7 +19,7 @@ from rich.table import Table
 from .cli import _set_threads, _user_errors, app, console
 from .config import ConfigError, check_device
 from .join_consent import volunteer_corpus
-from .launch_checks import prepare_manifest, record_run, same_run_as_before
+from .launch_checks import not_a_volunteer_dir, prepare_manifest, record_run, resumable, same_run_as_before
 from .state_files import write_atomically
 from .status_view import print_status
 
@@ -234,12 +234,14 @@ def launch(
         # (it is not the run's), and left behind to be refused again next time
         raise ConfigError(f"{state_dir} holds a run launched with --identity elsewhere: resume it with the same "
                           "--identity, or start a new run (a new run.id and --state-dir)")
+    not_a_volunteer_dir(state_dir)  # before its identity.key is read as the coordinator's
     ident, ident_path = _identity(identity, state_dir)
     signed = sign_manifest(manifest, ident).to_bytes()
     opts = NodeOptions(host_maddrs=listen, announce_maddrs=announce, initial_peers=peer, role="coordinator",
                        trains=False, serves=True, direct_state=state_port >= 0, direct_port=max(state_port, 0))
     p = Participant(manifest, signed, ident, str(ident_path), opts, state_dir, device=device, corpus=corpus)
-    p.preload_checkpoint()  # a state dir of another run is refused before we write anything to it
+    # a state dir of another run, or with no readable checkpoint left, is refused before we write to it
+    resumable(state_dir, p.preload_checkpoint())
     same_run_as_before(state_dir, signed)
     stop = _stop_on_signals("stopping: saving a checkpoint")
     rows: list = []

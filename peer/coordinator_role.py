@@ -11,12 +11,11 @@ from groundswell.protocol.client import RoundBehind
 from groundswell.protocol.schema import ProtocolError
 from groundswell.protocol.transport import PeerUnavailable
 
-from .config import ConfigError
+from .launch_checks import resumable
 from .net_loop import Stopped
 from .participant import Participant, genesis_decision
 from .roles import RoundInfo, StopFlag, write_defence_counts
 from .run_state import GlobalState
-from .state_files import checkpoints_newest_first
 
 log = logging.getLogger(__name__)
 
@@ -27,12 +26,8 @@ def run_coordinator(p: Participant, *, stop: StopFlag, on_round: Callable[[Round
     `checkpoint_every`: rounds between the coordinator's checkpoints (0: the manifest's cadence)."""
     m = p.manifest
     resumed = p.load_checkpoint()
-    if resumed is None and p.state_dir is not None and checkpoints_newest_first(p.state_dir):
-        # A new genesis would sign a round 0 of another state under the volunteers of this run,
-        # all past it: refused, as when the first checkpoint cannot be written (below).
-        raise ConfigError(f"none of the checkpoints in {p.state_dir} can be read (see the log lines above): "
-                          "copy in a good one (a volunteer's --state-dir of this run holds some), or start a "
-                          "new run (a new run.id and --state-dir)")
+    if p.state_dir is not None:
+        resumable(p.state_dir, resumed)  # (`launch` checked already, before it started anything)
     p.start_network()
     p.events.write("network", peer=p.identity.peer_id, **{f"{k}_s": round(v, 3) for k, v in p.node.startup_s.items()})
     if resumed is not None:

@@ -79,3 +79,25 @@ def record_run(state_dir: Path, signed: bytes) -> None:
     have seen a run whose network never started (recorded then, a typo in --listen would have
     bound the state dir to a manifest the user still meant to correct)."""
     write_atomically(state_dir / "manifest.signed", lambda f: f.write(signed))
+
+
+def not_a_volunteer_dir(state_dir: Path) -> None:
+    """Refuse a volunteer's state dir: its identity would become the coordinator's key, and the
+    coordinator's exit checkpoint would replace the volunteer's of the same round (which holds its
+    unsent work) with one that holds none."""
+    from .volunteer_dir import VOLUNTEER_FILE
+
+    if (state_dir / VOLUNTEER_FILE).exists():
+        raise ConfigError(f"{state_dir} is a volunteer's state dir ({VOLUNTEER_FILE}): launch with another --state-dir")
+
+
+def resumable(state_dir: Path, found: object) -> None:
+    """Refuse a state dir whose checkpoints are all unreadable (`found`: what the newest readable
+    one held, None if none): a new genesis would sign a round 0 of another state under the run's
+    volunteers, all past it."""
+    from .state_files import checkpoints_newest_first
+
+    if found is None and checkpoints_newest_first(state_dir):
+        raise ConfigError(f"none of the checkpoints in {state_dir} can be read (see the log lines above): "
+                          "copy in a good one (a volunteer's --state-dir of this run holds some), or start a "
+                          "new run (a new run.id and --state-dir)")

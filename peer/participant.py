@@ -392,10 +392,11 @@ class Participant:
         save_known_peers(self.state_dir / KNOWN_PEERS_FILE, getattr(self.node, "rejoiner", None))
         return path
 
-    def preload_checkpoint(self) -> None:
+    def preload_checkpoint(self) -> dict[str, Any] | None:
         """`load_checkpoint` now (before anything is written to the state dir: a checkpoint of
-        another run is refused first); the next `load_checkpoint` returns what it found."""
+        another run is refused first); the next `load_checkpoint` returns what it found, as does this."""
         self._preloaded = (self.load_checkpoint(),)
+        return self._preloaded[0]
 
     def load_checkpoint(self) -> dict[str, Any] | None:
         """The newest readable checkpoint in the state dir (corrupt ones are reported, skipped);

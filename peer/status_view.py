@@ -9,7 +9,7 @@ from rich.table import Table
 
 # The command's output (as `--json`'s is): on stdout, so that `status ... > file` keeps it. The
 # CLI's own console (stderr) carries progress and errors.
-console = Console()
+console = Console(emoji=False)  # ":ab:" in an IPv6 address is an emoji code to rich
 
 
 def print_status(run_id: str, rows: list[dict]) -> None:

@@ -240,3 +240,45 @@ def test_a_deliberate_exit_passes_the_out_of_memory_check_on_any_torch(monkeypat
     res = CliRunner().invoke(app, ["train-local", "--steps", "1"])
     assert res.exit_code == 3 and "out of memory" not in res.output and res.exception is None or \
         isinstance(res.exception, SystemExit)
+
+
+def test_launch_refuses_a_volunteers_state_dir_before_reading_its_identity(tmp_path, nothing_starts):
+    # Its identity.key would have become the coordinator's key, and the coordinator's exit
+    # checkpoint would have replaced the volunteer's of the same round, unsent work and all.
+    sd = tmp_path / "volunteer"
+    sd.mkdir()
+    (sd / "volunteer.json").write_text('{"peer_id": "x", "coordinator": "y", "run_id": "z"}\n')
+    before = sorted(p.name for p in sd.iterdir())
+    res = CliRunner().invoke(app, ["launch", str(EXAMPLE), "--state-dir", str(sd), "--quiet"])
+    _one_error_line(res, "is a volunteer's state dir")
+    assert sorted(p.name for p in sd.iterdir()) == before  # no identity.key, manifest or bootstrap line made
+
+
+def test_launch_refuses_a_state_dir_with_no_readable_checkpoint_before_starting(tmp_path, nothing_starts):
+    # It used to start the network, write the manifest and print the line volunteers paste, and
+    # only then refuse (a new genesis would sign another round 0 under the run's volunteers).
+    sd = tmp_path / "run"
+    sd.mkdir()
+    (sd / "checkpoint-00000003.pt").write_bytes(b"not a checkpoint")
+    res = CliRunner().invoke(app, ["launch", str(EXAMPLE), "--state-dir", str(sd), "--quiet"])
+    _one_error_line(res, "none of the checkpoints in")
+    assert "volunteers join with" not in res.output
+    assert not (sd / "manifest.signed").exists() and not (sd / "bootstrap.txt").exists()
+
+
+def test_the_cli_prints_ipv6_addresses_as_they_are():
+    # rich reads ":ab:", ":cd:" or ":100:" in an IPv6 address as an emoji code: the line a
+    # volunteer pastes came out as "2001:db8💯5::1" and was refused.
+    import io
+
+    from groundswell.peer import cli, status_view
+
+    line = "groundswell join 'gs1:X@/ip6/2001:db8:100:5::1/tcp/4001' /ip6/fd00:ab:cd::7"
+    for console in (cli.console, status_view.console):
+        saved = console.file
+        console.file = io.StringIO()
+        try:
+            console.print(line, highlight=False, soft_wrap=True)
+            assert console.file.getvalue().strip() == line
+        finally:
+            console.file = saved
