@@ -21,6 +21,7 @@ from groundswell.protocol.transport import PeerUnavailable
 from .byzantine import Attack
 from .config import DataSection
 from .net_errors import NetworkError
+from .net_loop import Stopped
 from .participant import Participant
 from .resume import (
     restore_local_progress,
@@ -67,12 +68,20 @@ def run_volunteer(p: Participant, bootstrap_peers: list[str], *, max_rounds: int
     # on a busy machine): done while the network starts and the state downloads, not after.
     warm = threading.Thread(target=_import_optimizer_machinery, name="warm-imports", daemon=True)
     warm.start()
+    # Until we hold the state there is no round to finish: Ctrl+C ends a download (up to many
+    # minutes for a large model) at once, and we leave with what is on disk.
+    p.node.interrupt_calls_on(stop.event)
     try:
         p.start_network()
         p.events.write("network", peer=p.identity.peer_id,
                        **{f"{k}_s": round(v, 3) for k, v in p.node.startup_s.items()})
         resumed = resume_and_sync(p, bootstrap_peers)
+    except Stopped:
+        log.info("stopped before the state was in: leaving with nothing to finish")
+        p.events.write("stopped", before="sync", peer=p.identity.peer_id)
+        return
     finally:
+        p.node.interrupt_calls_on(None)
         warm.join()
     trainer = volunteer_trainer(p)
     if resumed is not None and resumed.get("inner") is not None:
@@ -308,7 +317,11 @@ class _VolunteerLoop:
     def settle_late(self) -> None:
         """Our contributions whose outcome we did not know when their round was settled (kept as
         our work) are, once the global parameters are past their round, checked against that
-        round's commit: one it counted is taken out of our work, or it would be sent again."""
+        round's commit: one it counted is taken out of our work, or it would be sent again.
+        Not once we are stopping (each check may take a request timeout): the checkpoint written
+        on the way out keeps them open, and the next start settles them."""
+        if self.stop:
+            return
         check_again: list = []
         items = self.exchange.take_unsettled(self.p.outer.round_id)
         settled = 0

@@ -420,3 +420,57 @@ def test_an_announcement_superseded_is_cancelled_and_one_that_failed_is_reported
     # round's later attempts, which the contribution does not reach until they begin (review)
     ex.contribute(0, _payloads())
     assert not submitted[2].cancelled() and ex._announced is None
+
+
+def test_no_late_contribution_is_checked_once_stopping():
+    # Each check may wait out a request timeout; the checkpoint written on the way out keeps
+    # them open, and the next start settles them.
+    from groundswell.peer.stop_flag import StopFlag
+
+    loop, outer, _, events = _loop(True)
+    loop.stop = StopFlag()
+    loop.stop.set()
+    before = outer.error.clone()
+    loop.settle_late()
+    assert torch.equal(outer.error, before) and events == []
+
+
+def test_ctrl_c_ends_the_state_download_at_once(monkeypatch):
+    # Until the state is in there is no round to finish; the first Ctrl+C used to wait out the
+    # download (its timeout is many minutes for a large model).
+    import threading
+    import time
+
+    from groundswell.peer import roles
+    from groundswell.peer.net_loop import NetLoop
+    from groundswell.peer.stop_flag import StopFlag
+
+    node = NetLoop()
+    node._thread.start()
+    events: list[str] = []
+    p = SimpleNamespace(node=node, start_network=lambda: None, identity=SimpleNamespace(peer_id="me"), manifest=None,
+                        events=SimpleNamespace(write=lambda kind, **kw: events.append(kind)))
+    node.startup_s = {}
+    monkeypatch.setattr(roles, "resume_and_sync", lambda p, peers: p.node.call(asyncio.sleep(30), timeout_s=60))
+    stop = StopFlag()
+    done, failed = threading.Event(), []
+
+    def run() -> None:
+        try:
+            roles.run_volunteer(p, [], max_rounds=None, stop=stop)
+        except BaseException as exc:  # noqa: BLE001 (shown by the assert below)
+            failed.append(exc)
+        done.set()
+
+    thread = threading.Thread(target=run, daemon=True)
+    try:
+        thread.start()
+        time.sleep(0.5)
+        stop.set()
+        assert done.wait(10), "Ctrl+C waited for the download"
+        assert failed == []
+        assert events == ["network", "stopped"]
+        assert node._interrupt is None  # later calls (the checkpoint, the departure) are not cut short
+    finally:
+        thread.join(40)
+        node.stop_loop()
