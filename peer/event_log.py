@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -31,12 +32,20 @@ class EventLog:
     # Whether the file is known to end with a newline. A kill or a full disk can leave a last line
     # cut short; the next event would be glued to it and lost with it, so it starts a line of its own.
     _tail_whole: bool = field(default=False, repr=False)
+    # The trainer, the network loop and worker threads all write events: two crossing the cap at
+    # once would both rotate, the second replacing the first's rotated file.
+    _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
 
     def write(self, kind: str, **fields: Any) -> None:
         """Append one event with a wall-clock timestamp; a failed write is logged (once) and counted."""
         if self.path is None:
             return
         line = json.dumps({"t": time.time(), "kind": kind, **fields}) + "\n"
+        with self._lock:
+            self._append(line)
+
+    def _append(self, line: str) -> None:
+        assert self.path is not None
         self._rotate_if_full()
         try:
             with open(self.path, "ab+", opener=_private) as f:

@@ -44,3 +44,28 @@ def test_the_event_log_is_private_like_the_state_dirs_other_files(tmp_path):
         assert path.stat().st_mode & 0o777 == 0o600
     finally:
         os.umask(old)
+
+
+def test_threads_writing_at_once_rotate_only_full_files(tmp_path, monkeypatch):
+    # The trainer, the network loop and worker threads all write; two crossing the cap at once
+    # both rotated, the second replacing the first's rotated file with a nearly empty one.
+    import threading
+    import time
+
+    monkeypatch.setattr(event_log, "ROTATE_BYTES", 2000)
+    rotated: list[int] = []
+    real_replace = os.replace
+
+    def replace(src, dst):
+        time.sleep(0.002)  # widens the window another thread could slip into
+        rotated.append(os.stat(src).st_size)
+        real_replace(src, dst)
+
+    monkeypatch.setattr(event_log.os, "replace", replace)
+    log = EventLog(tmp_path / "events.jsonl")
+    threads = [threading.Thread(target=lambda n=n: [log.write("e", n=n, i=i) for i in range(300)]) for n in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    assert rotated and min(rotated) >= 2000, rotated
