@@ -8,6 +8,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -195,9 +196,14 @@ class Participant:
         assert scorer is not None
 
         def score() -> dict[str, float]:  # (the copy too: 100 MB at 25M parameters would stall the loop)
-            return scorer(self.outer.global_params.detach().cpu().clone(), updates)
+            return scorer(self.outer.global_params.detach().cpu().clone(), updates, cancelled)
 
-        scores = await asyncio.to_thread(score)
+        cancelled = threading.Event()
+        try:
+            scores = await asyncio.to_thread(score)
+        except asyncio.CancelledError:  # past the deadline, or closing: the thread stops at the next update
+            cancelled.set()
+            raise
         self.events.write("scores", round=round_id, scores=scores, threshold=self.manifest.defences.score_threshold,
                           peer=self.identity.peer_id)
         return scores

@@ -23,6 +23,10 @@ class ScoringBusy(RuntimeError):
     """A scoring was asked for while the one before still runs."""
 
 
+class ScoringCancelled(RuntimeError):
+    """The scoring's caller gave up on it (its round's deadline, or the node closing)."""
+
+
 class ContributionScorer:
     """Loss after applying one update alone (outer step without momentum) minus the loss before."""
 
@@ -40,8 +44,11 @@ class ContributionScorer:
         self.batches = manifest.defences.score_batches
         self.lr = manifest.outer.lr_value
 
-    def __call__(self, global_params: torch.Tensor, updates: dict[str, torch.Tensor]) -> dict[str, float]:
-        """Score each update on fresh probe batches (the same batches for every update)."""
+    def __call__(self, global_params: torch.Tensor, updates: dict[str, torch.Tensor],
+                 cancelled: threading.Event | None = None) -> dict[str, float]:
+        """Score each update on fresh probe batches (the same batches for every update);
+        ScoringCancelled once `cancelled` is set (checked between updates: a thread cannot be
+        interrupted, and one left scoring held up the process's exit for as long)."""
         # Not waited for: a scoring blocked here would hold an executor thread that the node's other
         # work (the contribution record, state packing) needs; the leader commits unscored instead.
         if not self._busy.acquire(blocking=False):
@@ -53,6 +60,8 @@ class ContributionScorer:
             before = evaluate(self.model, self.loss_fn, batches)
             scores = {}
             for who, update in updates.items():
+                if cancelled is not None and cancelled.is_set():
+                    raise ScoringCancelled("scoring given up on")
                 copy_into_parameters(global_params - self.lr * update.to(self.device), self.params)
                 scores[who] = evaluate(self.model, self.loss_fn, batches) - before
             return scores

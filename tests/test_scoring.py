@@ -83,6 +83,42 @@ def test_a_scoring_still_running_past_its_timeout_does_not_garble_the_next_one(m
     assert got["a"] == pytest.approx(want_a, abs=1e-6) and got["b"] == pytest.approx(want_b, abs=1e-6)
 
 
+def test_a_scoring_given_up_on_stops_at_the_next_update(monkeypatch):
+    # Its round's deadline passed (or the node closed): the thread used to score every update
+    # anyway, holding up the process's exit for as long.
+    import asyncio
+    import threading
+    from types import SimpleNamespace
+
+    from groundswell.peer import scoring
+    from groundswell.peer.participant import Participant
+
+    corpus = load_corpus("stdlib")
+    scorer = ContributionScorer(_manifest(), corpus)
+    g = torch.nn.utils.parameters_to_vector(scorer.params).detach().clone()
+    ups = {f"u{i}": torch.zeros_like(g) for i in range(6)}
+    calls: list[int] = []
+    real_evaluate = scoring.evaluate
+
+    def slow_evaluate(model, loss_fn, batches):
+        calls.append(1)
+        threading.Event().wait(0.3)
+        return real_evaluate(model, loss_fn, batches)
+
+    monkeypatch.setattr(scoring, "evaluate", slow_evaluate)
+    me = SimpleNamespace(scorer=scorer, outer=SimpleNamespace(global_params=g))
+
+    async def give_up_soon() -> None:
+        async with asyncio.timeout(0.45):
+            await Participant._score(me, 0, ups)
+
+    with pytest.raises(TimeoutError):
+        asyncio.run(give_up_soon())
+    assert scorer._busy.acquire(timeout=30)  # the thread let go of the scratch model
+    scorer._busy.release()
+    assert len(calls) <= 3, f"{len(calls)} of 7 evaluations ran after the scoring was given up on"
+
+
 @pytest.mark.slow
 @pytest.mark.timeout(240)
 def test_the_leader_drops_a_harmful_contribution_and_commits_the_rest():
