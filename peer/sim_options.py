@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import re
 import tomllib
+import unicodedata
 from collections.abc import Collection
 from dataclasses import InitVar, dataclass, fields
 
@@ -102,6 +103,15 @@ class SimulateOptions:
             if getattr(self, name) and self.peers <= self.min_peers:  # see `fault_victims`
                 raise ConfigError(f"--{name.replace('_', '-')} needs more peers than --min-peers ({self.min_peers}): "
                                   f"with --peers {self.peers} it would never {what} one")
+            if getattr(self, name) >= self.timeout_s:  # the first is due that long after the start
+                raise ConfigError(f"--{name.replace('_', '-')} must be shorter than --timeout ({self.timeout_s:g} s): "
+                                  f"with {getattr(self, name):g} s it would never {what} one")
+        if self.kill_coordinator_at >= self.timeout_s:
+            raise ConfigError(f"--kill-coordinator-at must be before --timeout ({self.timeout_s:g} s): with "
+                              f"{self.kill_coordinator_at:g} s it would never kill the coordinator")
+        if self.freeze_every and not self.freeze_for:
+            raise ConfigError(f"--freeze-for must be more than 0 seconds, got {self.freeze_for:g}: "
+                              "a freeze of 0 s freezes no peer")
 
     def byzantine_peers(self) -> list[str]:
         """Names of the volunteers that misbehave."""
@@ -164,7 +174,12 @@ def check_manifest(opts: SimulateOptions) -> None:
     """Validate the manifest `opts` would launch; a ConfigError names the flag, not the manifest key."""
     from .manifest import manifest_from_mapping
 
+    for flag, value in (("--preset", opts.preset), ("--algorithm", opts.algorithm), ("--codec", opts.codec)):
+        if bad := [c for c in value if unicodedata.category(c) in ("Cc", "Cs")]:  # TOML refuses DEL, for one
+            raise ConfigError(f"{flag} must not hold control characters, got {value!r} (with {bad[0]!r})")
     try:
         manifest_from_mapping(tomllib.loads(manifest_toml(opts)))
     except ConfigError as exc:
         raise ConfigError(in_flag_terms(str(exc))) from None
+    except tomllib.TOMLDecodeError as exc:  # a character the check above missed: still one line, not a traceback
+        raise ConfigError(f"--preset, --algorithm or --codec holds what a manifest cannot: {exc}") from None

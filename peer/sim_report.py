@@ -25,6 +25,11 @@ from typing import TYPE_CHECKING
 if TYPE_CHECKING:
     from .sim_options import SimulateOptions
 
+# the options that schedule faults, as report.json's `faults` gives them
+FAULT_OPTIONS = ("kill_every", "restart_after", "freeze_every", "freeze_for", "leave_every", "late_joiners",
+                 "kill_coordinator_at")
+
+
 def read_events(path: Path) -> list[dict]:
     """A process's events.jsonl (missing file: none; a line cut short by a kill is skipped)."""
     if not path.exists():
@@ -57,8 +62,9 @@ def build_report(out: Path, opts: "SimulateOptions", driver_events: list[dict], 
     contributors: dict[int, set[str]] = {}
     for e in sorted(rounds, key=lambda e: e["t"]):
         r = e["round"]
-        hashes.setdefault(r, set()).add(e["hash"])
-        reporters.setdefault(r, set()).add(e["who"])
+        if e.get("hash"):  # an empty hash is none reported, as in `follow` events: not a distinct one
+            hashes.setdefault(r, set()).add(e["hash"])
+            reporters.setdefault(r, set()).add(e["who"])
         end_t.setdefault(r, e["t"] - t0)
         if _finite(e.get("eval_loss")):
             loss.setdefault(r, e["eval_loss"])
@@ -148,6 +154,8 @@ def build_report(out: Path, opts: "SimulateOptions", driver_events: list[dict], 
     return {
         "peers": n,
         "rounds_target": opts.rounds,
+        "seed": opts.seed,  # every fault's victim is drawn from it (simulate.py `fault_pick`)
+        "faults": {name: getattr(opts, name) for name in FAULT_OPTIONS},
         "rounds_completed": completed,
         "codec": opts.codec or ("sparseloco" if opts.algorithm == "sparseloco" else "fp32"),
         "algorithm": opts.algorithm,
@@ -262,9 +270,9 @@ def _sent_total(evs: list[dict]) -> int | None:
 
 def _sent_per_round(logs: dict[str, list[dict]], volunteer_rounds: list[dict]) -> float:
     """What volunteers sent in all over the rounds they applied (the coordinator's bytes are not
-    in it, see `_coordinator_sent_per_round`). Frames on libp2p streams only: the DHT's own traffic
-    and state served over the direct TCP port are not counted. Logs without totals: the mean of
-    the round windows."""
+    in it, see `_coordinator_sent_per_round`). Frames on libp2p streams and state served over the
+    direct TCP port (`traffic()` in swarm.py); the DHT's own traffic is not counted. Logs without
+    totals: the mean of the round windows."""
     if not volunteer_rounds:
         return 0.0
     totals = [_sent_total(evs) for name, evs in logs.items() if name != "coordinator"]

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import random
 import re
 import shutil
 import signal
@@ -30,6 +31,13 @@ def fault_victims(live: Sequence[str], frozen: Collection[str], going: Collectio
     nor several in one pass of the driver, leaves fewer than `min_peers` able to make a round."""
     pool = [v for v in live if v not in frozen and v not in going]
     return pool if len(pool) > min_peers else []
+
+
+def fault_pick(seed: int, kind: str, k: int, pool: Sequence[str]) -> str:
+    """The victim of the `k`-th fault of `kind` (counted whether or not it fired) among `pool`."""
+    # A generator per kind and fault: another kind of fault, or a pass with too few peers to pick
+    # from, never changes whom a given fault takes (one generator for all of them did).
+    return random.Random(f"{seed}:{kind}:{k}").choice(pool)
 
 
 def nobody_left(done: int, late_started: bool, any_alive: bool, restart_pending: bool) -> bool:
@@ -138,14 +146,11 @@ def _first_error(log_path: Path) -> str:
 
 def run_simulation(opts: SimulateOptions, out: Path, progress: Callable[[str], None] = print) -> dict:
     """Run a coordinator and volunteers (with the scheduled faults) until round `opts.rounds`."""
-    import random
-
     # A bad option is one ConfigError (or WorkloadError) line here, before any process starts.
     check_manifest(opts)
     check_workload_spec(opts.preset)
     clear_output(out)
     start = time.time()
-    rng = random.Random(opts.seed)
     with Simulation(out, opts) as sim:
         (out / "run.toml").write_text(manifest_toml(opts))
         common = ["--quiet", "--verbose", "--threads", "1"]  # protocol log in NAME.log, for post-mortems
@@ -196,6 +201,12 @@ def run_simulation(opts: SimulateOptions, out: Path, progress: Callable[[str], N
             live = [v for v in volunteers if sim.alive(v)]
             return fault_victims(live, frozen, {v for v in live if sim.going(v)}, opts.min_peers)
 
+        drawn = {"kill": 0, "freeze": 0, "leave": 0}  # faults of each kind due so far
+
+        def pick(kind: str) -> str | None:
+            k, drawn[kind] = drawn[kind], drawn[kind] + 1  # counted though none fires: see `fault_pick`
+            return fault_pick(opts.seed, kind, k, pool) if (pool := victims()) else None
+
         def note_ended(names: Sequence[str], exits: bool = True) -> None:
             for name in names:  # stamped when first seen gone, not when the run ends
                 if (code := sim.note_end(name, exit_event=exits and name != "coordinator")) is not None:
@@ -232,28 +243,31 @@ def run_simulation(opts: SimulateOptions, out: Path, progress: Callable[[str], N
                     frozen.pop(name, None)
                     sim.event("thaw", name)
                 elif action == "restart" and done + 1 < opts.rounds:
+                    note_ended([name])  # the old process's end, stamped before its name is reused
+                    if sim.alive(name):  # killed, not reaped yet: it may hold its locks and port
+                        pending.append((now + 0.25, "restart", name))
+                        continue
+                    # the old process's address (its port) must not be handed out as the new one's
+                    (out / name / "address.txt").unlink(missing_ok=True)
                     sim.spawn(name, coord_args if name == "coordinator" else join_args(name), kind="restart")
             if done + 1 < opts.rounds and done >= 0:
                 if now >= next_kill:
                     next_kill = now + opts.kill_every  # no burst of catch-up faults after a stall
-                    if pool := victims():
-                        name = rng.choice(pool)
+                    if (name := pick("kill")) is not None:
                         sim.signal(name, signal.SIGKILL)
                         sim.event("kill", name)
                         if opts.restart_after:
                             pending.append((now + opts.restart_after, "restart", name))
                 if now >= next_freeze:
                     next_freeze = now + opts.freeze_every
-                    if pool := victims():
-                        name = rng.choice(pool)
+                    if (name := pick("freeze")) is not None:
                         sim.signal(name, signal.SIGSTOP)
                         frozen[name] = now + opts.freeze_for
                         sim.event("freeze", name)
                         pending.append((now + opts.freeze_for, "thaw", name))
                 if now >= next_leave:
                     next_leave = now + opts.leave_every
-                    if pool := victims():
-                        name = rng.choice(pool)
+                    if (name := pick("leave")) is not None:
                         sim.signal(name, signal.SIGINT)
                         sim.event("leave", name)
                 if not late_done and done >= LATE_JOIN_ROUND:

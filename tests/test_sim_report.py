@@ -245,6 +245,25 @@ def test_hash_checked_rounds_count_rounds_two_processes_reported(tmp_path):
     assert report["param_hash_agreement"] is True and report["hash_checked_rounds"] == 2
 
 
+def test_an_empty_hash_is_none_reported_in_a_round_as_in_a_catch_up(tmp_path):
+    # peer-0 logged round 1 with no hash (""), as a catch-up may: not a second hash, no divergence
+    _write(tmp_path, "coordinator", [_round(1.0, 0, "C"), _round(2.0, 1, "C")])
+    _write(tmp_path, "peer-0", [_round(1.0, 0, "P"), dict(_round(2.0, 1, "P"), hash=""),
+                                {"t": 2.5, "kind": "follow", "round": 1, "hash": ""}])
+    report = build_report(tmp_path, SimulateOptions(peers=1, rounds=2), [], wall_s=3.0, t0=0.0)
+    assert report["divergent_rounds"] == [] and report["param_hash_agreement"] is True
+    assert report["hash_checked_rounds"] == 1  # round 1: only the coordinator reported one
+
+
+def test_the_report_gives_the_seed_and_the_faults(tmp_path):
+    _write(tmp_path, "coordinator", [_round(1.0, 0, "C")])
+    opts = SimulateOptions(peers=3, rounds=1, seed=7, kill_every=30, restart_after=5)
+    report = build_report(tmp_path, opts, [], 2.0, t0=0.0)
+    assert report["seed"] == 7
+    assert report["faults"] == {"kill_every": 30, "restart_after": 5, "freeze_every": 0.0, "freeze_for": 10.0,
+                                "leave_every": 0.0, "late_joiners": 0, "kill_coordinator_at": 0.0}
+
+
 def test_rejoin_waits_for_the_restarted_process_own_counted_round(tmp_path):
     # peer-1 (Q) killed at 2 s, restarted at 4 s: round 1's commit (5 s) names Q for what its killed
     # process sent (superseded); its restart's own work is first counted in round 2 (7 s).

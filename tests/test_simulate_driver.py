@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 import signal
 import tempfile
 import time
@@ -80,6 +81,8 @@ class _FakeSimulation(Simulation):
     dying: tuple[str, ...] | None = None  # the volunteers that end on their own (None: all of them)
 
     def spawn(self, name: str, args: list[str], kind: str = "spawn", prefix: tuple[str, ...] = ()) -> Proc:
+        if kind == "restart" and (self.out / name / "address.txt").exists():
+            self.event("stale-address", name)  # the old process's: the driver could hand it out as the new one's
         dies = self.die_after and name != "coordinator" and (self.dying is None or name in self.dying)
         popen = _Ending(time.time() + self.die_after if dies else None)
         self.procs[name] = proc = Proc(name, args, self.out / name, popen=popen)
@@ -88,6 +91,8 @@ class _FakeSimulation(Simulation):
         proc.state_dir.mkdir(exist_ok=True)
         if name == "coordinator":
             (proc.state_dir / "bootstrap.txt").write_text("gs1:C@/ip4/127.0.0.1/tcp/1/p2p/C\n")
+        elif kind != "restart":  # a restarted stand-in has not written its own yet
+            (proc.state_dir / "address.txt").write_text(f"/ip4/127.0.0.1/tcp/{len(self.events)}/p2p/{name}\n")
         return proc
 
     def signal(self, name: str, sig: int) -> None:
@@ -124,6 +129,70 @@ def test_faults_due_in_one_pass_never_stall_the_run(tmp_path, monkeypatch):
     events, _ = _fake_run(tmp_path, monkeypatch, opts, rounds_done=0)
     faults = [e for e in events if e["kind"] in ("kill", "freeze", "leave")]
     assert [e["kind"] for e in faults] == ["kill"], events
+
+
+def test_adding_another_kind_of_fault_does_not_change_whom_the_kills_take(tmp_path, monkeypatch):
+    # Kills and freezes due in the same passes; a freeze ends before the next kill, so each kill
+    # picks among the same peers with or without freezes. One generator for all faults made the
+    # freezes' draws shift every later kill's.
+    def kills(**more: float) -> list[str]:
+        opts = SimulateOptions(peers=8, rounds=10, seed=3, kill_every=0.5, timeout_s=2.2, **more)
+        events, _ = _fake_run(tmp_path, monkeypatch, opts, rounds_done=0)
+        return [e["peer"] for e in events if e["kind"] == "kill"]
+
+    alone, frozen_too = kills(), kills(freeze_every=0.5, freeze_for=0.1)
+    n = min(len(alone), len(frozen_too))  # a slow pass may leave the last kill out of one run
+    assert n >= 3 and alone[:n] == frozen_too[:n], (alone, frozen_too)
+
+
+def test_a_killed_peer_restarts_only_once_its_old_process_ended(tmp_path, monkeypatch):
+    # restart due 0.1 s after the kill; a killed stand-in ends a second later. Restarted earlier,
+    # the new process could find the old one's locks held, and the old one's exit went unrecorded.
+    opts = SimulateOptions(peers=3, rounds=10, kill_every=0.5, restart_after=0.1, timeout_s=2.5)
+    events, _ = _fake_run(tmp_path, monkeypatch, opts, rounds_done=0)
+    restarts = [i for i, e in enumerate(events) if e["kind"] == "restart"]
+    assert restarts, events
+    for i in restarts:
+        name = events[i]["peer"]
+        killed = max(j for j in range(i) if events[j]["peer"] == name and events[j]["kind"] == "kill")
+        assert any(e["peer"] == name and e["kind"] == "exit" for e in events[killed:i]), events
+        assert events[i]["t"] - events[killed]["t"] >= 0.9, events
+
+
+def test_a_restarted_peer_is_not_handed_its_dead_process_address(tmp_path, monkeypatch):
+    # the old process's address.txt (its port) would be read as the new one's until it writes its own
+    opts = SimulateOptions(peers=3, rounds=10, kill_every=0.5, restart_after=0.1, timeout_s=2.5)
+    events, _ = _fake_run(tmp_path, monkeypatch, opts, rounds_done=0)
+    assert any(e["kind"] == "restart" for e in events), events
+    assert not any(e["kind"] == "stale-address" for e in events), events
+
+
+@pytest.mark.parametrize(("opts", "said"), [
+    ({"kill_every": 60, "timeout_s": 60}, "--kill-every must be shorter than --timeout (60 s): with 60 s it would "
+                                          "never kill one"),
+    ({"freeze_every": 90, "timeout_s": 60}, "--freeze-every must be shorter than --timeout (60 s)"),
+    ({"leave_every": 61, "timeout_s": 60}, "--leave-every must be shorter than --timeout (60 s)"),
+    ({"kill_coordinator_at": 60, "timeout_s": 60}, "--kill-coordinator-at must be before --timeout (60 s): with 60 s "
+                                                   "it would never kill the coordinator"),
+    ({"freeze_every": 10, "freeze_for": 0}, "--freeze-for must be more than 0 seconds, got 0"),
+])
+def test_faults_that_could_never_fire_are_refused(opts, said):
+    from groundswell.peer.config import ConfigError
+
+    with pytest.raises(ConfigError, match=re.escape(said)):
+        SimulateOptions(peers=3, **opts)
+    SimulateOptions(peers=3, kill_every=59, freeze_every=59, leave_every=59, kill_coordinator_at=59, timeout_s=60)
+
+
+def test_a_control_character_in_an_option_is_one_line_not_a_traceback(tmp_path):
+    from groundswell.peer.config import ConfigError
+    from groundswell.peer.sim_options import check_manifest
+
+    with pytest.raises(ConfigError, match=r"--preset must not hold control characters"):
+        check_manifest(SimulateOptions(preset="a\x7fb"))
+    res = CliRunner().invoke(app, ["simulate", "--codec", "fp\x7f32", "--out", str(tmp_path / "s")])
+    assert res.exit_code != 0 and "--codec must not hold control characters" in res.output, res.output
+    assert res.exception is None or isinstance(res.exception, SystemExit), res.exception
 
 
 def test_the_run_ends_when_every_volunteer_is_gone_before_late_joiners_could_start(tmp_path, monkeypatch):
