@@ -20,6 +20,7 @@ HEARTBEAT_S = 2.0
 RECORD_TTL_S = 3 * HEARTBEAT_S  # a record outlives two missed heartbeats
 STORE_CUTOFF_S = RECORD_TTL_S - HEARTBEAT_S  # a heartbeat's store is given up after this (from its start)
 EXPIRY_SLACK_S = 1.0  # (a record's expiration is its own time plus RECORD_TTL_S, exactly)
+LOOKUP_S = 30.0  # a lookup of the run's records is given up after this (a hung one blocked every later refresh)
 REJOIN_S = 30.0  # re-entering the DHT: dials (5 s each), pings and a lookup; it only runs when stores reach nobody
 LEFT = "left"  # the role of a record a peer leaves behind when it leaves cleanly
 
@@ -220,8 +221,10 @@ class PeerRecords:
         return self._cached_records
 
     async def refresh_records(self) -> dict[str, PeerRecord]:
-        """Refresh the cached view of peer records."""
-        self._cached_records = await self.peer_records()
+        """Refresh the cached view of peer records (TimeoutError past LOOKUP_S: the cache stays)."""
+        async with asyncio.timeout(LOOKUP_S):
+            records = await self.peer_records()
+        self._cached_records = records
         book = getattr(self, "book", None)
         if book is not None:  # peers named in the commits we hold did the run's work (see DhtRejoiner)
             self.rejoiner.vouch({p for _, d in list(book.committed.values()) for p in (*d.contributors, d.leader)})

@@ -71,3 +71,27 @@ def test_every_record_is_replaced_before_it_expires(monkeypatch, store_s):
     # start to start, not end to start: a store that took 0.3 s did not add its time to the spacing
     gaps = [b - a for a, b in itertools.pairwise(starts)]
     assert max(gaps) < 0.45, gaps
+
+
+def test_a_hung_records_lookup_is_given_up_so_later_refreshes_run(monkeypatch):
+    # One lookup that never returned left the background refresh "under way" for good: the
+    # cached records (holders, catch-up, punches) went stale for the rest of the run.
+    monkeypatch.setattr(records, "LOOKUP_S", 0.2)
+    node = _node(_SlowDht(0.0))
+    lookups: list[int] = []
+    cached = {"x": "rec"}
+    node._cached_records = cached
+
+    async def peer_records():
+        lookups.append(1)
+        await asyncio.sleep(3600)  # hung
+
+    node.peer_records = peer_records
+
+    async def main() -> None:
+        with pytest.raises(TimeoutError):
+            await node.refresh_records()
+        await node._refresh_quietly()  # gives up too, quietly
+
+    asyncio.run(main())
+    assert len(lookups) == 2 and node._cached_records is cached  # the cache stays as it was
