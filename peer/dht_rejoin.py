@@ -19,6 +19,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from groundswell.protocol.tasks import gather_owned
+
 log = logging.getLogger(__name__)
 
 MAX_REMEMBERED = 64  # peers whose addresses are kept, in each tier
@@ -170,7 +172,7 @@ class DhtRejoiner:
                 pass
             return await protocol.call_ping(peer) is not None  # adds it to the table when it answers
 
-        answered = sum(await asyncio.gather(*(ping(pid, addrs) for pid, addrs in targets)))
+        answered = sum(await gather_owned(ping(pid, addrs) for pid, addrs in targets))
         if answered:
             await dht.find_nearest_nodes([dht.node_id])
         log.info("routing table was empty: %d of %d known peers answered", answered, len(targets))

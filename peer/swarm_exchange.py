@@ -9,7 +9,6 @@ the state before it contributes again).
 
 from __future__ import annotations
 
-import asyncio
 import logging
 import time
 from collections.abc import Sequence
@@ -24,6 +23,7 @@ from groundswell.protocol.claims import EARLIER_ATTEMPTS_CLAIMED
 from groundswell.protocol.client import LEAVE_ATTEMPTS, AttemptResult, RoundBehind
 from groundswell.protocol.envelope import unseal
 from groundswell.protocol.schema import Decision, ProtocolError
+from groundswell.protocol.tasks import gather_owned
 from groundswell.protocol.transport import PeerUnavailable
 
 from .net_errors import NetworkError
@@ -158,7 +158,7 @@ class SwarmExchange:
 
         if not self.announce_next:
             return outcome, await fetch()
-        mean, _ = await asyncio.gather(fetch(), announce())
+        mean, _ = await gather_owned([fetch(), announce()])
         return outcome, mean
 
     def _unsettled(self, round_id: int, included: bool | None, retried: bool = False) -> None:
@@ -232,8 +232,8 @@ class SwarmExchange:
         if round_id not in book.committed:
             if basis and book.membership(round_id) is None:
                 self._add_basis(round_id, basis)
-            await asyncio.gather(*(client.ask_decision(peer, round_id, 0, 0.0)
-                                   for peer in self.node.holders(round_id)[:ASK_HOLDERS]))
+            await gather_owned(client.ask_decision(peer, round_id, 0, 0.0)
+                               for peer in self.node.holders(round_id)[:ASK_HOLDERS])
         committed = book.committed.get(round_id)
         if committed is None:
             return None

@@ -7,7 +7,6 @@ and why two leaders cannot both pass; `RoundServer` mixes this in.
 
 from __future__ import annotations
 
-import asyncio
 import logging
 from collections.abc import Awaitable, Callable
 from typing import TYPE_CHECKING, Any
@@ -17,6 +16,7 @@ from .envelope import unseal
 from .plan import RoundPlan
 from .schema import Ack, Claim, ClaimReply, Decision, DecisionReply, DecisionRequest, ProtocolError
 from .shards import REPORTING_CANDIDATES
+from .tasks import gather_owned
 from .transport import PeerDead, PeerUnavailable
 
 if TYPE_CHECKING:
@@ -101,7 +101,7 @@ class Claims:
                 self.later_claims[plan.round] = max(self.later_claims.get(plan.round, -1), plan.attempt)
                 ours = self._seals_before(plan.round, plan.attempt)
             others = [x for x in dict.fromkeys(group) if x != me][:32]
-            replies = await asyncio.gather(*(self._ask_claim(x, plan, fence) for x in others))
+            replies = await gather_owned(self._ask_claim(x, plan, fence) for x in others)
             objected = any(r is not None and not r.ok and not r.decision for r in replies)
             # that leader let another one decide, or is deciding an earlier attempt
             witnessed: dict[bytes, bool] = dict(ours) if fence else {}  # each commit tried once

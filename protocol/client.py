@@ -33,6 +33,7 @@ from .schema import (
 )
 from .server import RoundServer
 from .shards import REPORTING_CANDIDATES, decision_digests, replica_count
+from .tasks import gather_owned
 from .transport import PeerGone, PeerUnavailable
 
 log = logging.getLogger(__name__)
@@ -99,14 +100,14 @@ class RoundClient(AggregateFetcher):
         round. A peer starting up covers `LEAVE_ATTEMPTS`: a `leave` of its earlier process may
         still stand at any of them."""
         join = Join(round_id, trains, serves)
-        await asyncio.gather(*(self._tell(p, "join", join) for p in await self._leaders(round_id, attempts)))
+        await gather_owned(self._tell(p, "join", join) for p in await self._leaders(round_id, attempts))
 
     async def leave(self, round_id: int) -> None:
         """Tell the leaders of `round_id`'s open attempt, and of the next few, that we will not
         contribute to it (we are leaving the run): they then close it once the others are in,
         instead of waiting for us up to the close."""
         leave = Join(round_id, trains=False, serves=False)
-        await asyncio.gather(*(self._tell(p, "join", leave) for p in await self._leaders(round_id, LEAVE_ATTEMPTS)))
+        await gather_owned(self._tell(p, "join", leave) for p in await self._leaders(round_id, LEAVE_ATTEMPTS))
 
     async def _leaders(self, round_id: int, attempts: int) -> list[str]:
         """The leaders of `round_id`'s open attempt and the `attempts - 1` after it (none if the
@@ -151,8 +152,7 @@ class RoundClient(AggregateFetcher):
                     log.warning("round %d: our contribution could not be recorded, so it is not sent; the work "
                                 "stays ours", round_id)
                 else:
-                    sent = await asyncio.gather(*(self._send_shard(plan, s, segments)
-                                                  for s in range(plan.num_shards)))
+                    sent = await gather_owned(self._send_shard(plan, s, segments) for s in range(plan.num_shards))
                     delivered = all(sent)
             decision, signed = await self._await_decision(plan)
         finally:  # a join still out once the attempt is decided is moot

@@ -16,6 +16,7 @@ from .envelope import unseal
 from .plan import RoundPlan, close_time
 from .schema import Ack, Decision, DecisionReply, DecisionRequest, HaveReport, Join, ProtocolError
 from .shards import REPORTING_CANDIDATES
+from .tasks import gather_owned
 from .transport import PeerGone, PeerUnavailable
 
 if TYPE_CHECKING:
@@ -173,7 +174,7 @@ class Leading:
             now = time.monotonic()
             others = [p for j, p in enumerate(plan.leaders) if p != me and (
                 (j < rank and not ahead_gone) or (j > rank and now >= close_at + j * self.ctx.slack_s))]
-            replies = await asyncio.gather(*(self._ask(p, plan) for p in others))
+            replies = await gather_owned(self._ask(p, plan) for p in others)
             for signed in replies:
                 if signed and await self._learn_from_fellow(plan, signed):
                     return
@@ -260,7 +261,7 @@ class Leading:
 
         try:
             async with asyncio.timeout(max(0.0, until - time.monotonic())):
-                return sum(not g for g in await asyncio.gather(*(gone(p) for p in plan.leaders[:rank])))
+                return sum(not g for g in await gather_owned(gone(p) for p in plan.leaders[:rank]))
         except TimeoutError:
             return rank
 
