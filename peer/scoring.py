@@ -7,6 +7,7 @@ than `score_threshold`. It runs on a scratch copy of the model, so training goes
 
 from __future__ import annotations
 
+import os
 import threading
 
 import torch
@@ -16,7 +17,6 @@ from .data import Corpus, ShardSampler, evaluate
 from .manifest import RunManifest
 from .workload import build_workload
 
-_PROBE_SEED = 0x5C0BE  # probe windows are drawn apart from any volunteer's data order
 
 
 class ScoringBusy(RuntimeError):
@@ -30,7 +30,7 @@ class ScoringCancelled(RuntimeError):
 class ContributionScorer:
     """Loss after applying one update alone (outer step without momentum) minus the loss before."""
 
-    def __init__(self, manifest: RunManifest, corpus: Corpus, device: str = "cpu") -> None:
+    def __init__(self, manifest: RunManifest, corpus: Corpus, device: str = "cpu", seed: int | None = None) -> None:
         workload = build_workload(manifest.model.spec, corpus.vocab_size, manifest.run.seed)
         self.device = torch.device(device)
         self.model, self.loss_fn = workload.model.to(self.device), workload.loss_fn
@@ -39,8 +39,10 @@ class ContributionScorer:
         # into the same scratch model mid-evaluation, so both would score garbage.
         self._busy = threading.Lock()
         self.params = list(self.model.parameters())
-        self.sampler = ShardSampler(corpus, workload.block_size, manifest.data.batch_size,
-                                    seed=manifest.run.seed ^ _PROBE_SEED)
+        # Probe windows from a seed of this process's own (`seed`: tests only): drawn from the
+        # manifest's public seed, anyone could replay them and tune an update to pass the probe.
+        probe_seed = seed if seed is not None else int.from_bytes(os.urandom(8), "little")
+        self.sampler = ShardSampler(corpus, workload.block_size, manifest.data.batch_size, seed=probe_seed)
         self.batches = manifest.defences.score_batches
         self.lr = manifest.outer.lr_value
 

@@ -58,9 +58,9 @@ def test_a_scoring_still_running_past_its_timeout_does_not_garble_the_next_one(m
     g = g.detach().clone()
     ups = {f"u{i}": torch.randn(g.shape, generator=torch.Generator().manual_seed(i)) * 1e-2 for i in range(3)}
 
-    one_by_one = ContributionScorer(_manifest(), corpus)  # each scoring draws the next probe batches
+    one_by_one = ContributionScorer(_manifest(), corpus, seed=5)  # each scoring draws the next probe batches
     want_a, want_b = one_by_one(g, ups), one_by_one(g * 0.5, ups)
-    scorer = ContributionScorer(_manifest(), corpus)
+    scorer = ContributionScorer(_manifest(), corpus, seed=5)
     real_evaluate, entered = scoring.evaluate, threading.Event()
 
     def slow_evaluate(model, loss_fn, batches):  # the first scoring pauses mid-way, weights loaded
@@ -186,3 +186,17 @@ def test_one_shard_failing_to_hand_over_its_contributions_cancels_the_other_down
         return sorted(cancelled)
 
     assert asyncio.run(asyncio.wait_for(go(), 10)) == ["slow1", "slow2"]
+
+
+def test_nobody_can_replay_the_probe_batches_from_the_manifest():
+    # They were drawn from the manifest's public seed: anyone could rebuild the sampler and tune an
+    # update to pass the probe while doing harm elsewhere.
+    m = _manifest()
+    corpus = load_corpus("stdlib")
+    block = build_workload("tiny", corpus.vocab_size, 0).block_size
+    public = [ShardSampler(corpus, block, m.data.batch_size, seed=m.run.seed ^ x) for x in (0, 0x5C0BE)]
+    a, b = ContributionScorer(m, corpus), ContributionScorer(m, corpus)
+    first = a.sampler.next_batch()
+    assert not torch.equal(first[0], b.sampler.next_batch()[0])  # each leader draws its own
+    for sampler in public:
+        assert not torch.equal(first[0], sampler.next_batch()[0])
