@@ -9,12 +9,13 @@ import logging
 import threading
 import time
 from collections.abc import Coroutine
-from concurrent.futures import Future
+from concurrent.futures import Future, ThreadPoolExecutor
 from concurrent.futures import wait as futures_wait
 from typing import Any, TypeVar
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
+UNWIND_S = 2.0  # how long `call` waits for a coroutine it gave up on to run its `finally` blocks
 
 
 class Stopped(Exception):
@@ -27,6 +28,10 @@ class NetLoop:
     def __init__(self) -> None:
         self._loop = asyncio.new_event_loop()
         self._loop.set_exception_handler(_quiet_cancelled)
+        # Our own executor for `asyncio.to_thread`: closing cancels the jobs still queued in it
+        # (the loop's default one ran them all first, holding up the process's exit).
+        self._executor = ThreadPoolExecutor(thread_name_prefix="groundswell-work")
+        self._loop.set_default_executor(self._executor)
         self._thread = threading.Thread(target=self._loop.run_forever, name="groundswell-net", daemon=True)
         self._interrupt: threading.Event | None = None  # see interrupt_calls_on
 
@@ -39,7 +44,15 @@ class NetLoop:
         If the wait ends first (a timeout, `Stopped` once the `interrupt_calls_on` event is set,
         Ctrl+C) the coroutine is cancelled: nothing given up on runs on unowned."""
         stop = self._interrupt
-        fut = asyncio.run_coroutine_threadsafe(coro, self._loop)
+        unwound = threading.Event()
+
+        async def owned() -> T:
+            try:
+                return await coro
+            finally:
+                unwound.set()
+
+        fut = asyncio.run_coroutine_threadsafe(owned(), self._loop)
         try:
             if stop is None:
                 return fut.result(timeout_s)
@@ -53,7 +66,10 @@ class NetLoop:
                 futures_wait([fut], timeout=left)
             return fut.result()
         except BaseException:
-            fut.cancel()
+            # The cancellation reaches the coroutine on the loop's thread: wait (bounded) until its
+            # `finally` blocks ran, so the caller never goes on beside them (a record being written).
+            if fut.cancel() and self._loop.is_running():
+                unwound.wait(UNWIND_S)
             raise
 
     def submit(self, coro: Coroutine[Any, Any, T]) -> Future:
@@ -72,6 +88,7 @@ class NetLoop:
             self._loop.call_soon_threadsafe(self._loop.stop)
         if self._thread.ident is not None:  # started (closing a node that never started is fine)
             self._thread.join(timeout=10)
+        self._executor.shutdown(wait=False, cancel_futures=True)  # a job running now still ends on its own
         if not self._loop.is_running():
             self._loop.close()
 
