@@ -420,7 +420,8 @@ def status(
     # A record's loss is 0 until its peer has evaluated (only the coordinator does, by default).
     rows = [{"peer": pid, "role": r.role, "round": r.round, "params_hash": r.params_hash, "trains": r.trains,
              "serves": r.serves, "reachability": r.reachability, "hole_punched": r.punched,
-             "loss": r.loss if 0 < r.loss < float("inf") else None, "bytes_sent": r.bytes_sent,
+             "loss": r.loss if 0 < r.loss < float("inf") else None,
+             "loss_round": r.loss_round if 0 < r.loss < float("inf") else None, "bytes_sent": r.bytes_sent,
              "refused_messages": r.rejected, "banning": r.banned, "scores": r.scores,
              "age_s": round(time.time() - r.updated, 1)} for pid, r in sorted(records.items())]
     if as_json:

@@ -136,7 +136,7 @@ def _follow_rounds(p: Participant, stop: StopFlag, on_round: Callable[[RoundInfo
                          bytes_sent=int(sum(deltas) / len(deltas)) if deltas else 0)
         t0 = time.perf_counter()
         if loss == loss:
-            p.node.update_record(loss=loss)
+            p.node.update_record(loss=loss, loss_round=r)
         p.events.write("round", round=r, contributors=list(d.contributors), attempt=d.attempt, leader=d.leader,
                        hash=info.params_hash, eval_loss=loss, clipped=client.clipped.get(r, {}), shards=d.num_shards,
                        round_s=info.round_s, peer=p.identity.peer_id, role="coordinator",

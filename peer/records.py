@@ -136,6 +136,7 @@ class PeerRecords:
         """Change fields of the record the heartbeat publishes."""
         if "loss" in changes and not math.isfinite(changes["loss"]):
             del changes["loss"]  # records refuse non-finite floats: a diverged loss would hide the whole record
+            changes.pop("loss_round", None)  # (the loss shown stays the one of its own round)
         self.record = dataclasses.replace(self.record, **changes)
 
     @staticmethod
@@ -161,7 +162,8 @@ class PeerRecords:
             rec = PeerRecord(rec.round, rec.params_hash, rec.role, rec.trains, rec.serves, self.maddrs[:8],
                              rec.reachability, rec.loss, self.transport.bytes_sent if self.transport else 0, time.time(),
                              sorted(self.guard.bans())[:32], sum(self.guard.rejected.values()), self._latest_scores(),
-                             self.puncher.punched()[:64] if self.puncher is not None else [], rec.earlier_hashes[:16])
+                             self.puncher.punched()[:64] if self.puncher is not None else [], rec.earlier_hashes[:16],
+                             rec.loss_round)
             signed = seal(self.identity, self.ctx.run_id, rec)
             try:
                 async with asyncio.timeout(max(0.1, STORE_CUTOFF_S - (loop.time() - stored_from))):

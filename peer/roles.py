@@ -290,7 +290,7 @@ class _VolunteerLoop:
                          p.hash_history.get(p.outer.round_id) or p.outer_hash(),
                          eval_round=shown_round if shown_round != r else None)
         if evaluate:
-            p.node.update_record(loss=eval_loss)
+            p.node.update_record(loss=eval_loss, loss_round=r)
         d = self.exchange.last_decision
         # superseded: the commit counts what a crashed process of ours sent; this one's work is kept
         superseded = p.identity.peer_id in result.contributors and not result.included
@@ -419,14 +419,14 @@ class _UndecodableWork(Exception):
 def _swarm_eval_loss(p: Participant) -> tuple[int | None, float]:
     """The held-out loss the coordinator published, for display (in an open run any other peer's
     record could show a made-up one); else the newest one a peer published (volunteers evaluate
-    too). With the round it was measured after (a record names the round its peer runs next):
-    records are read every few seconds, so it is often a round or more old."""
+    too). With the round it was measured after (`loss_round`: evaluations may be rounds apart,
+    and records are read every few seconds)."""
     records = p.node.cached_records
     coordinator = records.get(p.coordinator_id)
     if coordinator is not None and coordinator.loss == coordinator.loss and coordinator.loss > 0:
-        return coordinator.round - 1, coordinator.loss
-    losses = [(r.round, r.loss) for r in records.values() if r.loss == r.loss and r.loss > 0]
-    return (max(losses)[0] - 1, max(losses)[1]) if losses else (None, float("nan"))
+        return coordinator.loss_round, coordinator.loss
+    losses = [(r.loss_round, r.loss) for r in records.values() if r.loss == r.loss and r.loss > 0]
+    return max(losses) if losses else (None, float("nan"))
 
 
 def _catch_up_or_resync(p: Participant, bootstrap_peers: list[str], fresh: bool = True) -> None:

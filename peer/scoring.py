@@ -18,7 +18,6 @@ from .manifest import RunManifest
 from .workload import build_workload
 
 
-
 class ScoringBusy(RuntimeError):
     """A scoring was asked for while the one before still runs."""
 

@@ -18,7 +18,7 @@ from typing import Any, ClassVar
 import msgpack
 from groundswell.compression.wire_bounds import count_objects
 
-PROTOCOL_VERSION = 15  # 2: claims carry `fence`; the state follows its reply as a raw trailer; 3: envelopes sign the
+PROTOCOL_VERSION = 16  # 2: claims carry `fence`; the state follows its reply as a raw trailer; 3: envelopes sign the
 # body's sha256; 4: payload wire version 2 (sparseloco's Elias-Fano indices), so mixed peers refuse each other up front,
 # and BLAKE3 instead of SHA-256 for bulk hashes (envelope bodies, contribution digests, the state blob); 5: state
 # requests and replies may move the blob over a direct TCP connection; 6: that blob is sealed (AES-256-GCM, the key in the
@@ -31,7 +31,8 @@ PROTOCOL_VERSION = 15  # 2: claims carry `fence`; the state follows its reply as
 # leader confirms its commit at the peers that sealed it before announcing it (`Seal.confirm`), and a claim reply
 # says whether the commit it carries is final (`ClaimReply.final`); 14: the published state hash also covers the commit
 # before the state, and a dense mean's shard says by how much it clipped each contributor it names (`weights`); 15:
-# clipping's reference is the median of the non-zero norms, and a peer record expires at its signed time plus its TTL
+# clipping's reference is the median of the non-zero norms, and a peer record expires at its signed time plus its TTL;
+# 16: a peer record names the round its loss was measured after (`loss_round`)
 MAX_ID = 128  # peer ids, run ids, reasons and other short strings
 MAX_LIST = 4096  # peer lists, shard lists
 MAX_SMALL = 1 << 20  # a control message never needs more than this
@@ -358,6 +359,8 @@ class PeerRecord(Message):
     # "round:hash" of the rounds before `round` (the coordinator's: joiners check states against it)
     earlier_hashes: list[str] = field(default_factory=list, metadata={"max_len": 96, "max_items": 16, "lo": None,
                                                                        "hi": None})
+    # the round `loss` was measured after (-1: no loss yet); `round` runs ahead of it between evaluations
+    loss_round: int = field(default=-1, metadata={"max_len": 0, "max_items": 0, "lo": -1, "hi": 1 << 40})
 
 
 MESSAGES: dict[str, type[Message]] = {

@@ -83,7 +83,7 @@ EXAMPLES: dict[str, Message] = {
         PeerRecord(round=12, params_hash="f" * 64, role="volunteer", trains=True, serves=True,
                    maddrs=["/ip4/127.0.0.1/tcp/4001", "/ip6/::1/tcp/4002"], reachability="public", loss=-1.5e-3,
                    bytes_sent=(1 << 62), updated=1.7e9, banned=PEERS[:1], rejected=3, scores=[f"{PEERS[0]}=+0.1"],
-                   punched=PEERS[1:2], earlier_hashes=["11:" + "e" * 64]),
+                   punched=PEERS[1:2], earlier_hashes=["11:" + "e" * 64], loss_round=11),
         PunchRequest(target=PEERS[0]),
         PunchReply(ok=True, reason="", address="/ip4/192.0.2.1/tcp/4001"),
         PunchInvite(dialer=PEERS[1], address="/ip4/192.0.2.2/tcp/4002"),

@@ -95,3 +95,10 @@ def test_a_hung_records_lookup_is_given_up_so_later_refreshes_run(monkeypatch):
 
     asyncio.run(main())
     assert len(lookups) == 2 and node._cached_records is cached  # the cache stays as it was
+
+
+def test_a_loss_that_cannot_be_published_leaves_its_round_as_it_was():
+    node = _node(_SlowDht(0.0))
+    node.update_record(loss=2.5, loss_round=4)
+    node.update_record(loss=float("nan"), loss_round=9)  # diverged: records refuse non-finite floats
+    assert (node.record.loss, node.record.loss_round) == (2.5, 4)

@@ -105,11 +105,14 @@ def test_a_volunteers_round_line_names_the_round_a_published_loss_was_measured_a
     from groundswell.peer.cli_swarm import _of_round
     from groundswell.peer.roles import _swarm_eval_loss
 
-    records = {"coord": SimpleNamespace(round=6, loss=3.5), "v": SimpleNamespace(round=9, loss=2.0)}
+    # The record names the round its loss was measured after: with eval.every_rounds = 5 the
+    # coordinator runs round 9 with the loss of round 4 (it was shown as "(round 8)").
+    records = {"coord": SimpleNamespace(round=9, loss=3.5, loss_round=4),
+               "v": SimpleNamespace(round=9, loss=2.0, loss_round=8), "w": SimpleNamespace(round=10, loss=2.2, loss_round=7)}
     p = SimpleNamespace(node=SimpleNamespace(cached_records=records), coordinator_id="coord")
-    assert _swarm_eval_loss(p) == (5, 3.5)  # the coordinator's, measured after round 5 (it runs 6 next)
+    assert _swarm_eval_loss(p) == (4, 3.5)  # the coordinator's
     p.coordinator_id = "gone"
-    assert _swarm_eval_loss(p) == (8, 2.0)  # else the newest a peer published
+    assert _swarm_eval_loss(p) == (8, 2.0)  # else the one measured after the newest round
     p.node.cached_records = {}
     assert _swarm_eval_loss(p)[0] is None
     assert _of_round(SimpleNamespace(eval_round=5, eval_loss=3.5)) == " (round 5)"

@@ -184,7 +184,7 @@ def test_specific_type_confusions():
     with pytest.raises(ProtocolError, match="get-decision.wait_s"):
         decode_message(_raw("get-decision", [1, 0, math.nan]), DecisionRequest)
     with pytest.raises(ProtocolError, match="peer.loss"):
-        decode_message(_raw("peer", _values(EXAMPLES["peer"])[:7] + [math.nan, 0, 0.0, [], 0, [], [], []]), PeerRecord)
+        decode_message(_raw("peer", _values(EXAMPLES["peer"])[:7] + [math.nan, 0, 0.0, [], 0, [], [], [], -1]), PeerRecord)
     # an int where a float is expected is fine, and comes back as a float
     got = decode_message(_raw("get-decision", [1, 0, 3]), DecisionRequest)
     assert got.wait_s == 3.0 and type(got.wait_s) is float
