@@ -237,8 +237,11 @@ def launch(
     not_a_volunteer_dir(state_dir)  # before its identity.key is read as the coordinator's
     ident, ident_path = _identity(identity, state_dir)
     signed = sign_manifest(manifest, ident).to_bytes()
+    # public: it is the run's bootstrap and relay (volunteers dial it at the line it prints). Left
+    # to a dial-back probe after a restart with --peer, a "private" answer (a firewall, a lying
+    # peer) turned its DHT into a client and its daemon private while its joins still said it serves.
     opts = NodeOptions(host_maddrs=listen, announce_maddrs=announce, initial_peers=peer, role="coordinator",
-                       trains=False, serves=True, direct_state=state_port >= 0, direct_port=max(state_port, 0))
+                       reachability="public", trains=False, serves=True, direct_state=state_port >= 0, direct_port=max(state_port, 0))
     p = Participant(manifest, signed, ident, str(ident_path), opts, state_dir, device=device, corpus=corpus)
     # a state dir of another run, or with no readable checkpoint left, is refused before we write to it
     resumable(state_dir, p.preload_checkpoint())

@@ -282,3 +282,20 @@ def test_the_cli_prints_ipv6_addresses_as_they_are():
             assert console.file.getvalue().strip() == line
         finally:
             console.file = saved
+
+
+def test_the_coordinator_is_public_whatever_a_probe_would_say(tmp_path, nothing_starts, monkeypatch):
+    # After a restart with --peer, volunteers ran the dial-back probe on it; a "private" answer made
+    # its DHT a client and its daemon private while it still took aggregator and leader roles.
+    from groundswell.peer.participant import Participant
+
+    seen = []
+
+    def capture(self, manifest, signed, ident, ident_path, opts, *args, **kwargs):
+        seen.append(opts)
+        raise KeyboardInterrupt  # enough: nothing else of the launch is under test
+
+    monkeypatch.setattr(Participant, "__init__", capture)
+    peer = _bootstrap().split("@", 1)[1]
+    CliRunner().invoke(app, ["launch", str(EXAMPLE), "--state-dir", str(tmp_path / "sd"), "--quiet", "--peer", peer])
+    assert len(seen) == 1 and seen[0].reachability == "public" and seen[0].serves
