@@ -10,6 +10,7 @@ full budget. The sweep is part of the result, so the tuning is visible.
 from __future__ import annotations
 
 import dataclasses
+import math
 import os
 from collections.abc import Callable
 from concurrent.futures import ProcessPoolExecutor
@@ -75,9 +76,11 @@ _CORPUS = None
 
 
 def _init_worker(threads: int) -> None:
+    """One process of the table's pool: `threads` torch threads (0: torch's default)."""
     import torch
 
-    torch.set_num_threads(threads)
+    if threads > 0:  # set_num_threads(0) raises: with --jobs 1 the pool broke before the first row
+        torch.set_num_threads(threads)
 
 
 def _run(cfg: TrainLocalConfig) -> dict:
@@ -92,6 +95,22 @@ def _run(cfg: TrainLocalConfig) -> dict:
     return result
 
 
+def _sweep_run(cfg: TrainLocalConfig) -> dict:
+    """`_run` for one sweep point: a learning rate that diverges (the sweep tries up to 3x) is
+    ranked last, with no loss, and the sweep goes on (it used to end the whole table)."""
+    try:
+        return _run(cfg)
+    except FloatingPointError as exc:
+        return {"name": cfg.name, "swept_lr": swept_lr(cfg), "eval_loss": None, "steps": cfg.steps,
+                "diverged": str(exc)}
+
+
+def _rank(res: dict) -> float:
+    """A sweep point's loss for ranking: a diverged or non-finite one comes last."""
+    loss = res["eval_loss"]
+    return loss if loss is not None and math.isfinite(loss) else math.inf
+
+
 def run_mini_table(
     *, jobs: int = 1, quick: bool = False, budget: Budget | None = None, progress: Callable[[str], None] = print
 ) -> dict:
@@ -101,13 +120,14 @@ def run_mini_table(
     sweep_cfgs = [row_config(n, budget, budget.sweep_steps, m) for n in ROW_NAMES for m in LR_MULTIPLIERS]
     with ProcessPoolExecutor(max_workers=jobs, initializer=_init_worker, initargs=(1 if jobs > 1 else 0,)) as pool:
         sweep = []
-        for res in pool.map(_run, sweep_cfgs):
-            progress(f"sweep {res['name']:<16} lr {res['swept_lr']:<8.4g} eval {res['eval_loss']:.4f}")
+        for res in pool.map(_sweep_run, sweep_cfgs):
+            got = "diverged" if res["eval_loss"] is None else f"{res['eval_loss']:.4f}"
+            progress(f"sweep {res['name']:<16} lr {res['swept_lr']:<8.4g} eval {got}")
             sweep.append(res)
         best = {}
         for name in ROW_NAMES:
             runs = [r for r in sweep if r["name"] == name]
-            best[name] = min(range(len(runs)), key=lambda i: runs[i]["eval_loss"])
+            best[name] = min(range(len(runs)), key=lambda i: _rank(runs[i]))
         finals = [row_config(n, budget, budget.steps, LR_MULTIPLIERS[best[n]]) for n in ROW_NAMES]
         results = []
         for res in pool.map(_run, finals):

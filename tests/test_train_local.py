@@ -186,3 +186,28 @@ def test_cli_train_local_checks_out_before_training(tmp_path, monkeypatch, where
     assert res.exit_code == 2, res.output
     assert f"--out {out}" in " ".join(res.output.split()) and words in res.output, res.output
     assert "Traceback" not in res.output
+
+
+def _fake_table_run(cfg):
+    """A table row's run without training: the learning rate at 3x (and 1-worker's at 0.5x)
+    diverges; the others score best at 2x."""
+    base = mini_table.swept_lr(mini_table.row_config(cfg.name, mini_table.QUICK, cfg.steps))
+    mult = round(mini_table.swept_lr(cfg) / base, 3)
+    if mult == 3.0 or (cfg.name == "1-worker" and mult == 0.5):
+        raise FloatingPointError("training diverged at step 7: loss is nan")
+    return {"name": cfg.name, "swept_lr": mini_table.swept_lr(cfg), "eval_loss": 2.0 + abs(mult - 2.0),
+            "steps": cfg.steps, "bytes_per_worker": 1 if cfg.name != "1-worker" else 0, "tokens_per_worker": 1,
+            "params_identical": True, "wall_s": 0.0, "params": 10}
+
+
+def test_a_sweep_point_that_diverges_is_ranked_last_not_the_end_of_the_table(monkeypatch):
+    # The sweep tries up to 3x each row's learning rate; one that blew up (FloatingPointError from
+    # the worker) ended the whole table, every other result lost. (With --jobs 1, the default, the
+    # pool broke before any row: its processes were given 0 torch threads.)
+    monkeypatch.setattr(mini_table, "_run", _fake_table_run)  # the pool's processes are forks: patched too
+    result = mini_table.run_mini_table(jobs=1, quick=True, progress=lambda msg: None)
+    diverged = [s for s in result["sweep"] if s["eval_loss"] is None]
+    assert len(diverged) == len(mini_table.ROW_NAMES) + 1
+    base = {r["name"]: mini_table.swept_lr(mini_table.row_config(r["name"], mini_table.QUICK, 1)) for r in result["rows"]}
+    assert all(r["lr"] == pytest.approx(2 * base[r["name"]]) for r in result["rows"])  # the best that did not diverge
+    json.dumps(result, allow_nan=False)  # strict JSON: a diverged point has no loss, not NaN
