@@ -269,19 +269,13 @@ def test_launch_refuses_a_state_dir_with_no_readable_checkpoint_before_starting(
 def test_the_cli_prints_ipv6_addresses_as_they_are():
     # rich reads ":ab:", ":cd:" or ":100:" in an IPv6 address as an emoji code: the line a
     # volunteer pastes came out as "2001:db8💯5::1" and was refused.
-    import io
-
     from groundswell.peer import cli, status_view
 
     line = "groundswell join 'gs1:X@/ip6/2001:db8:100:5::1/tcp/4001' /ip6/fd00:ab:cd::7"
     for console in (cli.console, status_view.console):
-        saved = console.file
-        console.file = io.StringIO()
-        try:
+        with console.capture() as captured:  # (the console's own stream is left alone)
             console.print(line, highlight=False, soft_wrap=True)
-            assert console.file.getvalue().strip() == line
-        finally:
-            console.file = saved
+        assert captured.get().strip() == line
 
 
 def test_the_coordinator_is_public_whatever_a_probe_would_say(tmp_path, nothing_starts, monkeypatch):
