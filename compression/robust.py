@@ -177,8 +177,11 @@ def _checked_out(out: Sequence[torch.Tensor] | None, numels: list[int]) -> list[
     if out is None:
         return None
     if len(out) != len(numels) or any(
-            b.dtype != torch.float32 or not b.is_contiguous() or b.numel() != n for b, n in zip(out, numels)):
-        raise CodecError("output buffers must be contiguous fp32, one per segment, of the segments' sizes")
+            b.dtype != torch.float32 or not b.is_contiguous() or b.numel() != n or b.device.type != "cpu"
+            for b, n in zip(out, numels)):
+        # (on the CPU: the entries are parsed there, and a mean every peer must get bit for bit
+        # is summed there, whatever device a peer trains on)
+        raise CodecError("output buffers must be contiguous fp32 on the CPU, one per segment, of the segments' sizes")
     return [b.view(-1) for b in out]
 
 

@@ -47,7 +47,10 @@ def build_workload(spec: str, vocab_size: int, seed: int) -> Workload:
         raise WorkloadError(f"vocab_size must be a positive int, got {vocab_size!r}")
     spec = spec.strip()
     with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(seed)
+        # The CPU generator only (models are built on the CPU): torch.manual_seed also seeds every
+        # CUDA device, which fork_rng(devices=[]) does not put back, so building a scorer or a
+        # scratch model reset a CUDA peer's dropout stream.
+        torch.default_generator.manual_seed(seed)
         if ":" in spec:
             return _build_custom(spec, vocab_size)
         return _build_preset(spec, vocab_size)

@@ -94,6 +94,21 @@ def test_preset_workload_is_deterministic_from_seed() -> None:
     assert build_workload("small", vocab_size=512, seed=0).model.config.vocab_size == 512
 
 
+def test_building_a_workload_leaves_the_cuda_generators_alone(monkeypatch) -> None:
+    # torch.manual_seed also seeds every CUDA device (queued until CUDA starts, where it has not),
+    # which fork_rng(devices=[]) does not put back: a scorer or scratch model built on a CUDA peer
+    # reset its dropout stream. The parameters are still those of the seed.
+    seeded: list[int] = []
+    monkeypatch.setattr(torch.cuda, "manual_seed_all", seeded.append)
+    a = build_workload("tiny", vocab_size=256, seed=5)
+    assert seeded == []
+    torch.manual_seed(5)  # what the seed alone gives on the CPU
+    from groundswell.peer.model import GPT
+
+    b = GPT(preset_config("tiny", vocab_size=256))
+    assert all(torch.equal(pa, pb) for pa, pb in zip(a.model.parameters(), b.parameters()))
+
+
 def test_adamw_steps_reduce_loss_on_a_repeated_batch() -> None:
     workload = build_workload("tiny", vocab_size=256, seed=0)
     generator = torch.Generator().manual_seed(0)

@@ -138,7 +138,8 @@ def test_means_written_into_the_callers_buffers_are_the_same_bits(codec_name, op
     from groundswell.compression import CodecError
 
     for bad in ([whole[:4096]], [whole[:4096], whole[4096:5095]], [whole[:4096], torch.zeros(1000, dtype=torch.float64)],
-                [whole[:4096], whole.view(2, -1)[:, :500]]):  # too few, too short, not fp32, not contiguous
+                [whole[:4096], whole.view(2, -1)[:, :500]],  # too few, too short, not fp32, not contiguous
+                [whole[:4096], torch.empty(1000, device="meta")]):  # not on the CPU (a CUDA buffer, say)
         with pytest.raises(CodecError, match="output buffers"):
             robust_mean(codec, rows, options, out=bad)
 
