@@ -48,6 +48,7 @@ def simulate(
                                   help="Robust aggregation (norm clipping) on or off; input validation stays on."),
     scoring: bool = typer.Option(False, help="Leaders score each contribution on a probe batch, drop harmful ones."),
     timeout: float = typer.Option(1800.0, help="Stop the run after S seconds, finished or not (the summary says so)."),
+    cuda_peers: int = typer.Option(0, help="The first K volunteers train and encode on the GPU (join --device cuda)."),
 ) -> None:
     """A coordinator and N volunteers on 127.0.0.1 (real libp2p), R rounds; writes OUT/report.json."""
     from .sim_report import fault_summary
@@ -76,7 +77,7 @@ def simulate(
                            kill_every=kill_every, freeze_every=freeze_every, late_joiners=late_joiners,
                            leave_every=leave_every, kill_coordinator_at=kill_coordinator_at,
                            checkpoint_every=checkpoint_every, byzantine=byzantine, defences=defences,
-                           scoring=scoring, timeout_s=timeout, **given, given=set(given))
+                           scoring=scoring, timeout_s=timeout, cuda_peers=cuda_peers, **given, given=set(given))
     report = run_simulation(opts, out, progress=lambda m: console.print(m, highlight=False))
     console.print(
         f"[bold]{report['rounds_completed']}/{report['rounds_target']} rounds[/], {report['peers']} peers, "

@@ -51,6 +51,7 @@ class SimulateOptions:
     attack: str = "scale"  # see peer/byzantine.py
     defences: bool = True  # False: no norm clipping or scoring (input validation always stays on)
     scoring: bool = False  # leaders score each contribution on a probe batch and drop harmful ones
+    cuda_peers: int = 0  # the first K volunteers train and encode on the GPU (`join --device cuda`)
     # The options the caller set (the CLI's flags given), for `_check_unused`; None: those whose
     # value is not the default (a flag given its default value is only seen by the CLI).
     given: InitVar[Collection[str] | None] = None
@@ -74,6 +75,8 @@ class SimulateOptions:
             raise ConfigError(f"--late-joiners must be >= 0, got {self.late_joiners}")
         if not 0 <= self.byzantine <= self.peers:
             raise ConfigError(f"--byzantine must be between 0 and --peers ({self.peers}), got {self.byzantine}")
+        if not 0 <= self.cuda_peers <= self.peers:
+            raise ConfigError(f"--cuda-peers must be between 0 and --peers ({self.peers}), got {self.cuda_peers}")
         if self.attack not in ATTACKS:
             raise ConfigError(f"--attack must be one of {', '.join(ATTACKS)}, not {self.attack!r}")
         self._check_faults()

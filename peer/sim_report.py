@@ -156,6 +156,7 @@ def build_report(out: Path, opts: "SimulateOptions", driver_events: list[dict], 
         "rounds_target": opts.rounds,
         "seed": opts.seed,  # every fault's victim is drawn from it (simulate.py `fault_pick`)
         "faults": {name: getattr(opts, name) for name in FAULT_OPTIONS},
+        "cuda_peers": opts.cuda_peers,  # peer-0 .. peer-(K-1) trained on the GPU
         "rounds_completed": completed,
         "codec": opts.codec or ("sparseloco" if opts.algorithm == "sparseloco" else "fp32"),
         "algorithm": opts.algorithm,

@@ -19,6 +19,7 @@ import time
 from collections.abc import Callable, Collection, Iterable, Sequence
 from pathlib import Path
 
+from .config import ConfigError, check_device
 from .sim_options import LATE_JOIN_ROUND, SimulateOptions, check_manifest, manifest_toml
 from .sim_procs import Simulation
 from .sim_report import build_report, report_json
@@ -148,6 +149,11 @@ def run_simulation(opts: SimulateOptions, out: Path, progress: Callable[[str], N
     """Run a coordinator and volunteers (with the scheduled faults) until round `opts.rounds`."""
     # A bad option is one ConfigError (or WorkloadError) line here, before any process starts.
     check_manifest(opts)
+    if opts.cuda_peers:  # its volunteers would each fail alike once started
+        try:
+            check_device("cuda")
+        except ConfigError:
+            raise ConfigError(f"--cuda-peers {opts.cuda_peers} needs a CUDA device, and torch sees none") from None
     check_workload_spec(opts.preset)
     clear_output(out)
     start = time.time()
@@ -177,6 +183,8 @@ def run_simulation(opts: SimulateOptions, out: Path, progress: Callable[[str], N
             head, _, maddrs = boot.partition("@")
             line = f"{head}@{','.join(dict.fromkeys([*maddrs.split(','), *extra[:3]]))}"
             attack = ["--attack", opts.attack] if name in opts.byzantine_peers() else []
+            if name in [f"peer-{i}" for i in range(opts.cuda_peers)]:
+                attack += ["--device", "cuda"]
             if ":" in opts.preset:  # the researcher named the model code: the volunteers may run it
                 attack.append("--allow-model-code")
             return ["join", line, "--state-dir", str(out / name), "--until-round", str(opts.rounds),

@@ -3,7 +3,8 @@
 #   1. every codec on CUDA and on the CPU: identical wire bytes (sparseloco: identical selection,
 #      see below), decodes and aggregates;
 #   2. the codec bench on CUDA and on the CPU (JSON per size and device);
-#   3. a short train-local run on CUDA, whose workers must end with identical parameters;
+#   3. a short train-local run on CUDA, whose workers must end with identical parameters, and a
+#      2-peer simulate with one volunteer on CUDA (`--cuda-peers 1`), whose hashes must agree;
 #   4. a 3-round swarm on 127.0.0.1 (coordinator on CUDA, one CPU volunteer, one CUDA volunteer), with
 #      SparseLoCo and then DiLoCo, whose per-round parameter hashes must agree across all three,
 #      with the CUDA volunteer's contribution included in every round after its first, and its
@@ -79,6 +80,21 @@ if identical is not True:
     sys.exit("train-local check FAILED: the workers' parameters differ")
 PY
 
+# A 2-peer simulate with one volunteer on the GPU (`--cuda-peers 1`; none in a CPU dry run): it
+# exits non-zero unless every round completed with every peer's parameter hash agreeing.
+CUDA_PEERS=$([ "$DEVICE" = cpu ] && echo 0 || echo 1)
+timeout 600 groundswell simulate --peers 2 --rounds 3 --preset "$MODEL" -H 10 --batch-size 8 --deadline 60 \
+  --cuda-peers "$CUDA_PEERS" --out "$OUT/simulate" 2>&1 | tail -2
+python3 - "$OUT/simulate/report.json" "$CUDA_PEERS" <<'PY'
+import json, sys
+r = json.load(open(sys.argv[1]))
+ok = r["rounds_completed"] == 3 and r["param_hash_agreement"] and r["cuda_peers"] == int(sys.argv[2])
+print(f"simulate, {r['cuda_peers']} CUDA peer(s): {r['rounds_completed']}/3 rounds, hashes agree "
+      f"{r['param_hash_agreement']}")
+if not ok:
+    sys.exit("simulate check FAILED")
+PY
+
 # The "GPU" volunteer runs the `groundswell` CLI under this wrapper, which writes on exit what its
 # process's torch CUDA allocator handed out. Nothing on the CPU path allocates CUDA memory, so a
 # peak of at least the model's fp32 parameter bytes shows that the model itself lived on the GPU
@@ -131,19 +147,23 @@ deadline_s = 60.0
 [eval]
 batches = 2
 TOML
-  groundswell launch "$dir/run.toml" --threads $THREADS --listen /ip4/127.0.0.1/tcp/0 --device "$DEVICE" \
-    --state-dir "$dir/coord" --quiet > "$dir/coord.log" 2>&1 &
+  # (the coordinator under the allocator report too: it applies rounds and evaluates on DEVICE)
+  python3 "$OUT/join_cuda_report.py" "$dir/coord-cuda.json" launch "$dir/run.toml" --threads $THREADS \
+    --listen /ip4/127.0.0.1/tcp/0 --device "$DEVICE" --state-dir "$dir/coord" --quiet > "$dir/coord.log" 2>&1 &
   local coord=$!
   PIDS+=($coord)
   for _ in $(seq 60); do [ -f "$dir/coord/bootstrap.txt" ] && break; sleep 1; done
   local boot
   boot=$(cat "$dir/coord/bootstrap.txt")
-  groundswell join "$boot" --threads $THREADS --listen /ip4/127.0.0.1/tcp/0 \
-    --state-dir "$dir/cpu" --max-rounds 3 --quiet > "$dir/cpu.log" 2>&1 &
+  # --until-round, not --max-rounds: a round one of them took by catching up would not count
+  # towards its own 3, and it would wait for good for a round nobody else trains. Bounded: a
+  # hang must not eat a lent machine's minutes (timeout exits 124, which fails the script).
+  timeout 600 groundswell join "$boot" --threads $THREADS --listen /ip4/127.0.0.1/tcp/0 \
+    --state-dir "$dir/cpu" --until-round 3 --quiet > "$dir/cpu.log" 2>&1 &
   local cpu=$!
   PIDS+=($cpu)
-  python3 "$OUT/join_cuda_report.py" "$dir/gpu-cuda.json" join "$boot" --threads $THREADS --listen /ip4/127.0.0.1/tcp/0 \
-    --state-dir "$dir/gpu" --max-rounds 3 --device "$DEVICE" --quiet > "$dir/gpu.log" 2>&1
+  timeout 600 python3 "$OUT/join_cuda_report.py" "$dir/gpu-cuda.json" join "$boot" --threads $THREADS \
+    --listen /ip4/127.0.0.1/tcp/0 --state-dir "$dir/gpu" --until-round 3 --device "$DEVICE" --quiet > "$dir/gpu.log" 2>&1
   wait $cpu
   kill $coord 2>/dev/null || true
   wait $coord 2>/dev/null || true
@@ -159,8 +179,11 @@ for name in ("cpu", "gpu", "coord"):
             if name != "coord":
                 included.setdefault(name, {})[e["round"]] = e["included"]
                 compute.setdefault(name, []).append(e["compute_s"])
-agree = all(len(set(h.values())) == 1 for h in hashes.values())
 both = [r for r, h in hashes.items() if {"cpu", "gpu"} <= set(h)]
+# every round both volunteers finished, with the coordinator's hash beside theirs (a round it only
+# caught up on logs no "round" event) and no empty one (a hash not known yet agrees with nothing)
+agree = bool(both) and all({"cpu", "gpu", "coord"} <= set(hashes[r]) and "" not in hashes[r].values()
+                           and len(set(hashes[r].values())) == 1 for r in both)
 # its first round may start while the round is already under way; every later one must count it
 gpu_rounds = sorted(included.get("gpu", {}))
 gpu_later_included = len(gpu_rounds) >= 2 and all(included["gpu"][r] for r in gpu_rounds[1:])
@@ -169,17 +192,24 @@ print(f"{algo} swarm: rounds seen {sorted(hashes)}; rounds both volunteers finis
       f"contributions included {included}; GPU volunteer included in every round after its first: "
       f"{gpu_later_included}; median compute s per round "
       f"{ {k: round(statistics.median(v), 2) for k, v in compute.items()} }")
-cuda = json.loads((root / "gpu-cuda.json").read_text())
 on_cuda = True
-if device.startswith("cuda"):
-    from groundswell.peer.model import GPT, preset_config
+for who, report in (("GPU volunteer", "gpu-cuda.json"), ("coordinator", "coord-cuda.json")):
+    path = root / report
+    if not path.exists():  # the coordinator is killed at the end: its report is written on the way out
+        print(f"{algo} swarm: no CUDA report from the {who}")
+        on_cuda = on_cuda and not device.startswith("cuda")
+        continue
+    cuda = json.loads(path.read_text())
+    if device.startswith("cuda"):
+        from groundswell.peer.model import GPT, preset_config
 
-    param_bytes = 4 * sum(p.numel() for p in GPT(preset_config(model)).parameters())  # run.toml's model
-    on_cuda = cuda["cuda_initialized"] and cuda["max_memory_allocated"] >= param_bytes
-    print(f"{algo} swarm: GPU volunteer's CUDA allocator peak {cuda['max_memory_allocated'] / 1e6:.1f} MB on "
-          f"{cuda['device_name']} (the model's parameters: {param_bytes / 1e6:.1f} MB): ran on CUDA {on_cuda}")
-else:
-    print(f"{algo} swarm: the \"GPU\" volunteer ran on {device} (dry run): CUDA report {cuda}")
+        param_bytes = 4 * sum(p.numel() for p in GPT(preset_config(model)).parameters())  # run.toml's model
+        ran = cuda["cuda_initialized"] and cuda["max_memory_allocated"] >= param_bytes
+        on_cuda = on_cuda and ran
+        print(f"{algo} swarm: {who}'s CUDA allocator peak {cuda['max_memory_allocated'] / 1e6:.1f} MB on "
+              f"{cuda['device_name']} (the model's parameters: {param_bytes / 1e6:.1f} MB): ran on CUDA {ran}")
+    else:
+        print(f"{algo} swarm: the {who} ran on {device} (dry run): CUDA report {cuda}")
 if not agree or len(both) < 3 or not gpu_later_included or not on_cuda:
     sys.exit(f"{algo} swarm check FAILED")
 print(f"{algo} swarm check passed")

@@ -389,3 +389,34 @@ def test_leftover_processes_match_the_folder_not_a_sibling(tmp_path, monkeypatch
              P("python", "--state-dir", f"{out}2/peer-0"), P("python", f"{out}-old"), P("bash"), P()]
     monkeypatch.setattr(psutil, "process_iter", lambda attrs: iter(procs))
     assert leftover_processes(out) == procs[:2]
+
+
+def test_cuda_peers_run_the_first_volunteers_on_the_gpu(tmp_path, monkeypatch):
+    # The GPU check: a simulate whose first K volunteers train and encode on CUDA.
+    from groundswell.peer import simulate
+
+    spawned: dict[str, list[str]] = {}
+    real_spawn = _FakeSimulation.spawn
+
+    def spawn(self, name, args, kind="spawn", prefix=()):
+        spawned.setdefault(name, args)
+        return real_spawn(self, name, args, kind, prefix)
+
+    monkeypatch.setattr(_FakeSimulation, "spawn", spawn)
+    monkeypatch.setattr(simulate, "check_device", lambda device: None)  # as on a GPU machine
+    _fake_run(tmp_path, monkeypatch, SimulateOptions(peers=3, rounds=2, cuda_peers=2, timeout_s=0.5), rounds_done=2)
+    on_gpu = {name for name, args in spawned.items() if "--device" in args and args[args.index("--device") + 1] == "cuda"}
+    assert on_gpu == {"peer-0", "peer-1"}
+
+
+def test_cuda_peers_without_a_gpu_is_one_line_before_anything_starts(tmp_path, monkeypatch):
+    import torch
+    from groundswell.peer.config import ConfigError
+    from groundswell.peer.simulate import run_simulation
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    with pytest.raises(ConfigError, match="--cuda-peers 1 needs a CUDA device"):
+        run_simulation(SimulateOptions(peers=2, rounds=2, cuda_peers=1), tmp_path / "sim", progress=lambda m: None)
+    assert not (tmp_path / "sim").exists()
+    with pytest.raises(ConfigError, match="--cuda-peers must be between 0 and --peers"):
+        SimulateOptions(peers=2, cuda_peers=3)
