@@ -54,3 +54,27 @@ def test_results_come_in_order_and_a_cancelled_caller_leaves_nothing_running():
         assert sorted(ended) == [7, 8]
 
     asyncio.run(main())
+
+
+def test_an_error_making_the_awaitables_still_ends_those_already_made():
+    ended: list[str] = []
+
+    async def slow() -> None:
+        try:
+            await asyncio.sleep(3600)
+        finally:
+            ended.append("slow")
+
+    def made():
+        yield slow()
+        raise ValueError("no plan for shard 2")
+
+    async def main() -> None:
+        await asyncio.sleep(0)
+        with pytest.raises(ValueError, match="shard 2"):
+            await gather_owned(made())
+        await asyncio.sleep(0)
+        assert [t for t in asyncio.all_tasks() if t is not asyncio.current_task()] == []
+
+    asyncio.run(main())
+    assert ended in ([], ["slow"])  # cancelled before or after it started: either way not left running
