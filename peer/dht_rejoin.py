@@ -164,13 +164,22 @@ class DhtRejoiner:
             return
 
         async def ping(pid: str, addrs: list[str]) -> bool:
-            peer = PeerID.from_base58(pid)
+            """One target, best effort: whatever it (or its file entry) does wrong costs only itself."""
+            try:
+                peer = PeerID.from_base58(pid)
+            except Exception as exc:  # noqa: BLE001 (hivemind raises several types for a bad id)
+                log.info("known peer %r: not a peer id (%r)", pid[:64], exc)
+                return False
             try:
                 async with asyncio.timeout(5):
                     await p2p._client.connect(peer, [Multiaddr(a) for a in addrs])
             except Exception:  # not reachable now, or known only through a relay: the ping may still work
                 pass
-            return await protocol.call_ping(peer) is not None  # adds it to the table when it answers
+            try:  # (a hostile answer makes hivemind raise, an AssertionError among others)
+                return await protocol.call_ping(peer) is not None  # adds it to the table when it answers
+            except Exception as exc:  # noqa: BLE001
+                log.info("pinging %s failed: %r", pid[-8:], exc)
+                return False
 
         answered = sum(await gather_owned(ping(pid, addrs) for pid, addrs in targets))
         if answered:

@@ -235,3 +235,37 @@ def test_a_bootstrap_peer_that_never_answers_fails_the_start_after_a_while_and_a
     with pytest.raises(RuntimeError, match="can't access this node"):
         asyncio.run(enter_dht(dht, [boot], within_s=5, pause_s=0.1))
     assert len(pings) == 1
+
+
+def test_one_bad_target_does_not_stop_the_others_from_refilling_the_routing_table():
+    # A peer that answers the ping with a malformed node id (hivemind raises AssertionError), or a
+    # known-peers entry that is not a peer id, ended the whole rejoin: the table stayed empty.
+    import asyncio
+    from types import SimpleNamespace
+
+    from groundswell.peer.dht_rejoin import DhtRejoiner
+    from groundswell.protocol.identity import Identity
+
+    good, hostile = Identity.generate().peer_id, Identity.generate().peer_id
+    r = DhtRejoiner("me", [f"/ip4/10.0.0.1/tcp/1/p2p/{hostile}", f"/ip4/10.0.0.2/tcp/2/p2p/{good}",
+                           "/ip4/10.0.0.3/tcp/3/p2p/not-a-peer-id"])
+    r.every_s = 0.0
+    table: dict = {}
+
+    async def call_ping(peer, **kw):
+        await asyncio.sleep(0.01)
+        if peer.to_base58() == hostile:
+            raise AssertionError("node id of 21 bytes")
+        table[peer.to_base58()] = True
+        return object()
+
+    async def connect(peer, addrs):
+        return None
+
+    async def find_nearest_nodes(ids):
+        return {}
+
+    protocol = SimpleNamespace(routing_table=SimpleNamespace(uid_to_peer_id=table), call_ping=call_ping)
+    dht = SimpleNamespace(protocol=protocol, node_id=b"x", find_nearest_nodes=find_nearest_nodes)
+    asyncio.run(r.maybe_rejoin(SimpleNamespace(_client=SimpleNamespace(connect=connect)), dht))
+    assert set(table) == {good}
