@@ -425,7 +425,9 @@ def _swarm_eval_loss(p: Participant) -> tuple[int | None, float]:
     coordinator = records.get(p.coordinator_id)
     if coordinator is not None and coordinator.loss == coordinator.loss and coordinator.loss > 0:
         return coordinator.loss_round, coordinator.loss
-    losses = [(r.loss_round, r.loss) for r in records.values() if r.loss == r.loss and r.loss > 0]
+    # (a loss of a round past the record's own is made up: it would always show, being the newest)
+    losses = [(r.loss_round, r.loss) for r in records.values() if r.loss == r.loss and r.loss > 0
+              and r.loss_round < r.round]
     return max(losses) if losses else (None, float("nan"))
 
 

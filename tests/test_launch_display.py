@@ -108,7 +108,8 @@ def test_a_volunteers_round_line_names_the_round_a_published_loss_was_measured_a
     # The record names the round its loss was measured after: with eval.every_rounds = 5 the
     # coordinator runs round 9 with the loss of round 4 (it was shown as "(round 8)").
     records = {"coord": SimpleNamespace(round=9, loss=3.5, loss_round=4),
-               "v": SimpleNamespace(round=9, loss=2.0, loss_round=8), "w": SimpleNamespace(round=10, loss=2.2, loss_round=7)}
+               "v": SimpleNamespace(round=9, loss=2.0, loss_round=8), "w": SimpleNamespace(round=10, loss=2.2, loss_round=7),
+               "liar": SimpleNamespace(round=9, loss=0.1, loss_round=1 << 40)}
     p = SimpleNamespace(node=SimpleNamespace(cached_records=records), coordinator_id="coord")
     assert _swarm_eval_loss(p) == (4, 3.5)  # the coordinator's
     p.coordinator_id = "gone"
