@@ -318,16 +318,16 @@ class _VolunteerLoop:
         """Our contributions whose outcome we did not know when their round was settled (kept as
         our work) are, once the global parameters are past their round, checked against that
         round's commit: one it counted is taken out of our work, or it would be sent again.
-        Not once we are stopping (each check may take a request timeout): the checkpoint written
-        on the way out keeps them open, and the next start settles them."""
-        if self.stop:
-            return
+        Once we are stopping, only with what this peer holds (each request may take its timeout):
+        one whose commit is not in our book stays open in the checkpoint written on the way out,
+        for the next start; one whose clipping is not known here is taken out whole."""
+        local = bool(self.stop)
         check_again: list = []
         items = self.exchange.take_unsettled(self.p.outer.round_id)
         settled = 0
         try:
             for item in items:
-                if not self._settle_one(item):
+                if not self._settle_one(item, local):
                     check_again.append(item)
                 settled += 1
         except _UndecodableWork as exc:
@@ -341,11 +341,14 @@ class _VolunteerLoop:
         if check_again:
             self.exchange.unsettled[:0] = check_again  # oldest first, as they were
 
-    def _settle_one(self, item: Any) -> bool:
+    def _settle_one(self, item: Any, local: bool = False) -> bool:
         """Settle one contribution of a round the global parameters have taken (see `settle_late`);
-        False if its check failed on the way (it is asked again at the next settle)."""
+        False if its check failed on the way, or needs the network and `local` (it is asked again
+        at the next settle)."""
         p = self.p
         included = item.included
+        if included is None and local and not self.exchange.holds_commit(item.round_id):
+            return False
         if included is None:
             try:
                 included = p.node.call(self.exchange.counts_ours(item.round_id, item.segments, item.basis),
@@ -361,7 +364,8 @@ class _VolunteerLoop:
             p.events.write("outcome-unknown", round=item.round_id, peer=p.identity.peer_id)
         elif included is None or included:
             # (DiLoCo takes a counted contribution's progress back whole: no need to fetch where it was clipped)
-            scaled = self._own_scaled(item.round_id) if included and isinstance(p.outer, SparseLoCo) else ()
+            scaled = (self._own_scaled(item.round_id, local) if included and isinstance(p.outer, SparseLoCo)
+                      else ())
             try:  # segments read back from work.pt or a checkpoint, damaged past their digest's check
                 payloads = [Payload.from_bytes(seg, expect=p.outer.codec) for seg in item.segments]
                 p.outer.settle_late(payloads, self.exchange.prepared - item.prepared, scaled)
@@ -391,10 +395,13 @@ class _VolunteerLoop:
             copy_into_parameters(p.outer.global_params, p.outer.params)
         self.exchange.unsettled.clear()  # settled later against zero work, each would be taken out again
 
-    def _own_scaled(self, round_id: int) -> tuple[tuple[int, int, float], ...]:
+    def _own_scaled(self, round_id: int, local: bool = False) -> tuple[tuple[int, int, float], ...]:
         """Where the round's mean took our late-settled contribution clipped; that part stays in
         our work, as on time. Not known (its aggregate is out of reach): taken out whole, which
-        never sends anything twice (it loses the clipped-off part)."""
+        never sends anything twice (it loses the clipped-off part). `local`: as this peer knows it,
+        nothing fetched."""
+        if local:
+            return self.exchange.known_own_scaled(round_id) or ()
         try:
             scaled = self.p.node.call(self.exchange.own_scaled(round_id), timeout_s=60)
         except (PeerUnavailable, TimeoutError, ProtocolError) as exc:

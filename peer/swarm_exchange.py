@@ -251,6 +251,16 @@ class SwarmExchange:
         except ProtocolError as exc:
             log.warning("round %d: the stored commit it was planned from is not usable: %s", round_id, exc)
 
+    def holds_commit(self, round_id: int) -> bool:
+        """Is round `round_id`'s commit in our book (so `counts_ours` needs no request)?"""
+        book = self.node.book
+        return book is not None and round_id in book.committed
+
+    def known_own_scaled(self, round_id: int) -> tuple[tuple[int, int, float], ...] | None:
+        """`own_scaled` as far as this peer knows it without fetching (None: not known here)."""
+        client = self.node.client
+        return None if client is None else client.own_scaled.get(round_id)
+
     async def own_scaled(self, round_id: int) -> tuple[tuple[int, int, float], ...] | None:
         """Where round `round_id`'s mean took our contribution clipped (`RoundResult.scaled`), for
         one whose outcome was learned late. Known if this peer fetched the round's aggregate (on

@@ -422,17 +422,34 @@ def test_an_announcement_superseded_is_cancelled_and_one_that_failed_is_reported
     assert not submitted[2].cancelled() and ex._announced is None
 
 
-def test_no_late_contribution_is_checked_once_stopping():
-    # Each check may wait out a request timeout; the checkpoint written on the way out keeps
-    # them open, and the next start settles them.
+@pytest.mark.parametrize("counted", [True, None])
+def test_once_stopping_late_contributions_are_settled_with_what_the_peer_holds(counted):
+    # A check may wait out a request timeout, so none is made on the way out; but one the book can
+    # answer is settled (left open, a commit counted and dropped from the books before the next
+    # start would make its work go out twice). One that needs the network stays open for the
+    # next start; clipping not known here takes the contribution out whole.
     from groundswell.peer.stop_flag import StopFlag
 
-    loop, outer, _, events = _loop(True)
+    loop, outer, sent, events = _loop(counted, PeerUnavailable("must not be asked"))
+    asked: list[str] = []
+    real_counts = loop.exchange.counts_ours
+
+    async def counts_ours(round_id, segments, basis=b""):
+        asked.append("counts_ours")
+        return await real_counts(round_id, segments, basis)
+
+    loop.exchange.counts_ours = counts_ours
+    loop.exchange.holds_commit = lambda round_id: False  # a later state was taken: not in our book
+    loop.exchange.known_own_scaled = lambda round_id: None
     loop.stop = StopFlag()
     loop.stop.set()
-    before = outer.error.clone()
     loop.settle_late()
-    assert torch.equal(outer.error, before) and events == []
+    assert asked == []
+    if counted:  # known: taken out of the error feedback (whole: clipping unknown here)
+        assert torch.allclose(outer.error, 1 - 0.5 * sent) and events == ["included-late"]
+    else:  # needs the network: still open, the work untouched
+        assert torch.equal(outer.error, torch.ones_like(outer.error)) and events == []
+        assert len(loop.exchange.unsettled) == 1
 
 
 def test_ctrl_c_ends_the_state_download_at_once(monkeypatch):
