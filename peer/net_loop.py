@@ -65,10 +65,11 @@ class NetLoop:
                     raise TimeoutError()
                 futures_wait([fut], timeout=left)
             return fut.result()
-        except BaseException:
+        except BaseException as exc:
             # The cancellation reaches the coroutine on the loop's thread: wait (bounded) until its
             # `finally` blocks ran, so the caller never goes on beside them (a record being written).
-            if fut.cancel() and self._loop.is_running():
+            # Not for a second Ctrl+C (KeyboardInterrupt): that one means leave now.
+            if fut.cancel() and self._loop.is_running() and not isinstance(exc, KeyboardInterrupt):
                 unwound.wait(UNWIND_S)
             raise
 
@@ -88,8 +89,8 @@ class NetLoop:
             self._loop.call_soon_threadsafe(self._loop.stop)
         if self._thread.ident is not None:  # started (closing a node that never started is fine)
             self._thread.join(timeout=10)
-        self._executor.shutdown(wait=False, cancel_futures=True)  # a job running now still ends on its own
         if not self._loop.is_running():
+            self._executor.shutdown(wait=False, cancel_futures=True)  # a job running now still ends on its own
             self._loop.close()
 
 

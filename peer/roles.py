@@ -121,8 +121,9 @@ def run_volunteer(p: Participant, bootstrap_peers: list[str], *, max_rounds: int
             if in_flight is None and loop.applied == 0:
                 loop.exchange.announce(p.outer.round_id)  # later rounds are announced as soon as the previous one is decided
             stats = trainer.run(m.outer.inner_steps, on_step)
+            # t is the end; the block ran over [t - compute_s, t]; device: where the model's weights live
             p.events.write("train", round=p.outer.round_id, steps=stats.steps, compute_s=stats.compute_s,
-                           peer=p.identity.peer_id)  # t is the end; the block ran over [t - compute_s, t]
+                           device=str(p.outer.params[0].device), peer=p.identity.peer_id)
             if in_flight is not None:
                 extra = _train_while_waiting(trainer, loop.exchange, m.outer.inner_steps, stop, on_step)
                 if extra is not None:

@@ -7,8 +7,8 @@ is invoked as ``callable(vocab_size=...)`` and returns ``(model, loss_fn)``,
 ``block_size`` attributes (such as a ``Workload``).
 
 Every worker of a run must start from identical parameters, so construction happens
-under ``torch.manual_seed(seed)`` inside a forked RNG scope: same seed, same weights,
-and the caller's global RNG state is left untouched.
+with the CPU generator seeded by ``seed`` inside a forked RNG scope: same seed, same
+weights, and the caller's RNG state (CPU and CUDA) is left untouched.
 """
 
 from __future__ import annotations

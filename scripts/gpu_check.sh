@@ -85,12 +85,17 @@ PY
 CUDA_PEERS=$([ "$DEVICE" = cpu ] && echo 0 || echo 1)
 timeout 600 groundswell simulate --peers 2 --rounds 3 --preset "$MODEL" -H 10 --batch-size 8 --deadline 60 \
   --cuda-peers "$CUDA_PEERS" --out "$OUT/simulate" 2>&1 | tail -2
-python3 - "$OUT/simulate/report.json" "$CUDA_PEERS" <<'PY'
-import json, sys
-r = json.load(open(sys.argv[1]))
-ok = r["rounds_completed"] == 3 and r["param_hash_agreement"] and r["cuda_peers"] == int(sys.argv[2])
-print(f"simulate, {r['cuda_peers']} CUDA peer(s): {r['rounds_completed']}/3 rounds, hashes agree "
-      f"{r['param_hash_agreement']}")
+python3 - "$OUT/simulate" "$CUDA_PEERS" <<'PY'
+import json, pathlib, sys
+root, cuda_peers = pathlib.Path(sys.argv[1]), int(sys.argv[2])
+r = json.loads((root / "report.json").read_text())
+# where each volunteer's model lived while it trained (its "train" events say)
+devices = {name: sorted({e["device"].split(":")[0] for e in map(json.loads, (root / name / "events.jsonl").read_text().splitlines())
+                         if e.get("kind") == "train"}) for name in ("peer-0", "peer-1")}
+want = {"peer-0": ["cuda"] if cuda_peers else ["cpu"], "peer-1": ["cpu"]}
+ok = r["rounds_completed"] == 3 and r["param_hash_agreement"] and devices == want
+print(f"simulate, {cuda_peers} CUDA peer(s): {r['rounds_completed']}/3 rounds, hashes agree "
+      f"{r['param_hash_agreement']}, volunteers trained on {devices}")
 if not ok:
     sys.exit("simulate check FAILED")
 PY

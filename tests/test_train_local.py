@@ -204,7 +204,12 @@ def test_a_sweep_point_that_diverges_is_ranked_last_not_the_end_of_the_table(mon
     # The sweep tries up to 3x each row's learning rate; one that blew up (FloatingPointError from
     # the worker) ended the whole table, every other result lost. (With --jobs 1, the default, the
     # pool broke before any row: its processes were given 0 torch threads.)
-    monkeypatch.setattr(mini_table, "_run", _fake_table_run)  # the pool's processes are forks: patched too
+    from concurrent.futures import ThreadPoolExecutor
+
+    monkeypatch.setattr(mini_table, "_run", _fake_table_run)
+    # threads stand in for the pool's processes (a forkserver or spawn child would not see the
+    # patch); its initializer runs as in a process, where --jobs 1's broke the pool
+    monkeypatch.setattr(mini_table, "ProcessPoolExecutor", ThreadPoolExecutor)
     result = mini_table.run_mini_table(jobs=1, quick=True, progress=lambda msg: None)
     diverged = [s for s in result["sweep"] if s["eval_loss"] is None]
     assert len(diverged) == len(mini_table.ROW_NAMES) + 1
