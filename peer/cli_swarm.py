@@ -302,7 +302,12 @@ def join(
     from .participant import Participant
     from .roles import run_volunteer
     from .swarm import NodeOptions, SwarmNode
-    from .volunteer_dir import bind_volunteer_dir, check_volunteer_dir
+    from .volunteer_dir import (
+        bind_volunteer_dir,
+        check_volunteer_dir,
+        check_volunteer_identity,
+        check_volunteer_peer,
+    )
 
     _logging(verbose)
     _set_threads(threads)
@@ -315,9 +320,12 @@ def join(
         raise ConfigError(f"--until-round must be at least 1 (the run starts at round 0), not {until_round}")
     check_maddr_flag("--listen", listen)
     boot = parse_bootstrap(bootstrap)
+    if state_dir.is_dir():  # (before the identity is made there, and before the network starts)
+        check_volunteer_identity(state_dir, identity is not None)
     ident, ident_path = _identity(identity, state_dir)
     if ident.peer_id == boot.coordinator_id:
         raise ConfigError(f"{ident_path} is the coordinator's identity: a volunteer needs its own --identity")
+    check_volunteer_peer(state_dir, ident.peer_id)
     opts = NodeOptions(host_maddrs=listen, initial_peers=boot.maddrs, coordinator=boot.coordinator_id,
                        role="volunteer", trains=True, serves=True, reachability=reachability)
     node = SwarmNode(ident, str(ident_path), opts)

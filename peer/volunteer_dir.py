@@ -25,19 +25,11 @@ def check_volunteer_dir(state_dir: Path, peer_id: str, coordinator_id: str, run_
     """ConfigError if `state_dir` is bound to another peer, coordinator or run (or its binding is
     unreadable), naming what differs and what to do; True if it is bound to none yet (then
     `bind_volunteer_dir` once its checkpoint is accepted)."""
-    path = state_dir / VOLUNTEER_FILE
-    if not path.exists():
+    have = _binding(state_dir)
+    if have is None:
         _check_unbound(state_dir, peer_id)
         return True
-    try:
-        have = json.loads(path.read_bytes()[:4096])
-        if not isinstance(have, dict) or not all(isinstance(have.get(k), str) for k in _KEYS):
-            raise ValueError("not a volunteer binding")
-    except ValueError as exc:  # JSONDecodeError and UnicodeDecodeError are ValueErrors
-        raise ConfigError(f"{path} is unreadable ({exc}): move it away if this state dir is yours") from None
-    if have["peer_id"] != peer_id:
-        raise ConfigError(f"{state_dir} holds the work of peer {have['peer_id']}, not of this identity "
-                          f"({peer_id}): join with that peer's --identity, or use another --state-dir")
+    _check_peer(state_dir, have, peer_id)
     if (have["coordinator"], have["run_id"]) != (coordinator_id, run_id):
         raise ConfigError(f"{state_dir} holds run {have['run_id']!r} of coordinator {have['coordinator']}, not run "
                           f"{run_id!r} of {coordinator_id}: use another --state-dir for this run")
@@ -49,6 +41,43 @@ def bind_volunteer_dir(state_dir: Path, peer_id: str, coordinator_id: str, run_i
     refused for another run's checkpoint must not bind the folder to itself)."""
     binding = dict(zip(_KEYS, (peer_id, coordinator_id, run_id)))
     write_atomically(state_dir / VOLUNTEER_FILE, lambda f: f.write((json.dumps(binding) + "\n").encode()))
+
+
+def check_volunteer_identity(state_dir: Path, identity_given: bool) -> None:
+    """Before the identity is read (or made): a dir bound to a peer whose identity.key is gone is
+    refused unless --identity names one, rather than making a new key there and starting the
+    network only to refuse it afterwards."""
+    have = _binding(state_dir)
+    if have is not None and not identity_given and not (state_dir / "identity.key").exists():
+        raise ConfigError(f"{state_dir} holds the work of peer {have['peer_id']}, but its identity.key is gone: "
+                          "join with that peer's --identity, or use another --state-dir")
+
+
+def check_volunteer_peer(state_dir: Path, peer_id: str) -> None:
+    """The peer half of `check_volunteer_dir`, before the network starts."""
+    have = _binding(state_dir)
+    if have is not None:
+        _check_peer(state_dir, have, peer_id)
+
+
+def _binding(state_dir: Path) -> dict[str, str] | None:
+    """The dir's binding (None: unbound); ConfigError if it is unreadable."""
+    path = state_dir / VOLUNTEER_FILE
+    if not path.exists():
+        return None
+    try:
+        have = json.loads(path.read_bytes()[:4096])
+        if not isinstance(have, dict) or not all(isinstance(have.get(k), str) for k in _KEYS):
+            raise ValueError("not a volunteer binding")
+    except ValueError as exc:  # JSONDecodeError and UnicodeDecodeError are ValueErrors
+        raise ConfigError(f"{path} is unreadable ({exc}): move it away if this state dir is yours") from None
+    return have
+
+
+def _check_peer(state_dir: Path, have: dict[str, str], peer_id: str) -> None:
+    if have["peer_id"] != peer_id:
+        raise ConfigError(f"{state_dir} holds the work of peer {have['peer_id']}, not of this identity "
+                          f"({peer_id}): join with that peer's --identity, or use another --state-dir")
 
 
 _KEYS = ("peer_id", "coordinator", "run_id")

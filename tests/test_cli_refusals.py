@@ -293,3 +293,17 @@ def test_the_coordinator_is_public_whatever_a_probe_would_say(tmp_path, nothing_
     peer = _bootstrap().split("@", 1)[1]
     CliRunner().invoke(app, ["launch", str(EXAMPLE), "--state-dir", str(tmp_path / "sd"), "--quiet", "--peer", peer])
     assert len(seen) == 1 and seen[0].reachability == "public" and seen[0].serves
+
+
+def test_join_refuses_a_dir_bound_to_another_peer_before_making_a_key_or_starting(tmp_path, nothing_starts):
+    # It made a new identity.key there, started the network and fetched the manifest, and only
+    # then refused the dir (bound to the peer whose key had been moved away).
+    sd = tmp_path / "peer"
+    sd.mkdir()
+    (sd / "volunteer.json").write_text('{"peer_id": "12D3KooWX", "coordinator": "C", "run_id": "r"}\n')
+    res = CliRunner().invoke(app, ["join", _bootstrap(), "--state-dir", str(sd)])
+    _one_error_line(res, "holds the work of peer 12D3KooWX, but its identity.key is gone")
+    assert not (sd / "identity.key").exists()
+    Identity.generate().save(sd / "identity.key")  # another peer's key in its place
+    res = CliRunner().invoke(app, ["join", _bootstrap(), "--state-dir", str(sd)])
+    _one_error_line(res, "holds the work of peer 12D3KooWX, not of this identity")  # before the network starts
