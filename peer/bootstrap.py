@@ -106,4 +106,11 @@ def _check_maddr(text: str) -> str:
     # libp2p dials bootstrap peers by id, so every address must say whose it is
     if len(protocols) < 2 or protocols[-1] != "p2p":
         raise BootstrapError(f"multiaddr {text!r} must end in /p2p/<peer id>")
+    # One peer's id, or a relay's then the peer's around /p2p-circuit (the peer's is the last)
+    circuit = protocols.count("p2p-circuit")
+    if circuit > 1 or protocols.count("p2p") != 1 + circuit or (circuit and protocols[-2] != "p2p-circuit"):
+        raise BootstrapError(f"multiaddr {text!r} must name one peer: .../p2p/<id>, or a relay's "
+                             ".../p2p/<relay id>/p2p-circuit/p2p/<id>")
+    if not {"tcp", "quic", "quic-v1"} & set(protocols):
+        raise BootstrapError(f"multiaddr {text!r} names no transport to dial (tcp, or udp with quic)")
     return str(maddr)

@@ -198,10 +198,10 @@ async def enter_dht(dht: Any, initial_peers: Sequence[str], within_s: float = BO
     machine) failed our start. Here the pings are repeated for `within_s`; RuntimeError with
     hivemind's words if none ever answers."""
     from hivemind.p2p import PeerID
-    from hivemind.utils.multiaddr import Multiaddr
 
     protocol = dht.protocol
-    peers = list({PeerID.from_base58(Multiaddr(m)["p2p"]) for m in initial_peers})
+    # the peer's id is the last /p2p/ of its address (a relayed one names the relay's first)
+    peers = list({PeerID.from_base58(m.rsplit("/p2p/", 1)[1]) for m in initial_peers})
     give_up = time.monotonic() + within_s
     while True:
         # each ping is bounded by the DHT's own request timeout (3 s); gathered, none is left behind

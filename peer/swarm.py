@@ -335,7 +335,7 @@ class SwarmNode(PeerRecords, StateServing, NetLoop):
         It waits for as many candidates as it is given, and counts them by peer, not address."""
         seen: dict[str, str] = {}
         for maddr in self.options.initial_peers:
-            if "/p2p/" in maddr:
+            if "/p2p/" in maddr and "/p2p-circuit" not in maddr:  # a peer behind a relay is no relay itself
                 seen.setdefault(maddr.rsplit("/p2p/", 1)[-1], maddr)
         return list(seen.values())
 

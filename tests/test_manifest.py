@@ -408,6 +408,12 @@ def test_bootstrap_plain_multiaddr():
         ),
         ("/ip4/127.0.0.1/tcp/31337", "/p2p/"),
         (f"/ip4/127.0.0.1/tcp/31337/p2p/{RSA_PEER_ID}", "coordinator"),
+        # accepted before, though none can be dialled or they name two peers (parts of the code
+        # took the first id of such an address and others the last)
+        (f"gs1:{COORD.peer_id}@/ip4/1.2.3.4/p2p/{COORD.peer_id}", "no transport"),
+        (f"gs1:{COORD.peer_id}@/ip4/1.2.3.4/udp/1/p2p/{COORD.peer_id}", "no transport"),
+        (f"gs1:{COORD.peer_id}@/p2p-circuit/p2p/{COORD.peer_id}", "one peer"),
+        (f"gs1:{COORD.peer_id}@/ip4/1.2.3.4/tcp/1/p2p/{OTHER.peer_id}/p2p/{COORD.peer_id}", "one peer"),
         ("/", "/p2p/"),
     ],
 )
@@ -456,3 +462,29 @@ def test_fuzz_signed_near_valid_body(slot, value):
     except ManifestError:
         return
     assert getattr(getattr(manifest, section), key) == value
+
+
+def test_a_relayed_bootstrap_address_is_dialled_and_pinged_as_its_peer_not_its_relay():
+    import asyncio
+    from types import SimpleNamespace
+
+    from groundswell.peer.dht_rejoin import enter_dht
+    from groundswell.peer.swarm import NodeOptions, SwarmNode
+
+    relayed = f"/ip4/1.2.3.4/tcp/9/p2p/{RSA_PEER_ID}/p2p-circuit/p2p/{OTHER.peer_id}"
+    pinged: list[str] = []
+
+    async def call_ping(peer, **kw):
+        pinged.append(peer.to_base58())
+        return object()
+
+    async def find_nearest_nodes(ids):
+        return {}
+
+    dht = SimpleNamespace(protocol=SimpleNamespace(call_ping=call_ping), node_id=b"x",
+                          find_nearest_nodes=find_nearest_nodes)
+    asyncio.run(enter_dht(dht, [relayed], within_s=1.0))
+    assert pinged == [OTHER.peer_id]
+    node = SwarmNode.__new__(SwarmNode)
+    node.options = NodeOptions(initial_peers=[relayed, MADDR_COORD])
+    assert node._relay_candidates() == [MADDR_COORD]  # a peer behind a relay is no relay for us
