@@ -17,8 +17,9 @@ def clock_skew(message: str) -> float | None:
     return float(found.group(1)) - float(found.group(2)) if found else None
 
 
-def explain_start_failure(err: BaseException, initial_peers: Sequence[str]) -> NetworkError:
-    """The NetworkError to raise for a failed start of the daemon or the DHT."""
+def explain_start_failure(err: BaseException, initial_peers: Sequence[str], role: str = "volunteer") -> NetworkError:
+    """The NetworkError to raise for a failed start of the daemon or the DHT (`role`: the node's,
+    for advice that names flags its command has)."""
     if isinstance(err, NetworkError):
         return err
     text = str(err)
@@ -27,8 +28,10 @@ def explain_start_failure(err: BaseException, initial_peers: Sequence[str]) -> N
                             "the bootstrap peer's, and the DHT allows 3 s: set the clock (turn on "
                             "network time, e.g. `timedatectl set-ntp true`) and start again")
     if "can't access this node" in text:  # hivemind's DHT: the bootstrap peer could not dial us back
-        return NetworkError("the bootstrap peer could not connect back to this node (a firewall? then "
-                            "--reachability private; or another process with the same identity)")
+        fix = ("forward the --listen port, and name the address others reach with --announce" if role == "coordinator"
+               else "then --reachability private")
+        return NetworkError(f"the bootstrap peer could not connect back to this node (a firewall? {fix}; or "
+                            "another process with the same identity)")
     if "none of the initial_peers responded to a ping" in text:  # connected, but no DHT answer (dht_rejoin.enter_dht)
         within = re.search(r"in ([0-9.]+) s", text)
         return NetworkError(f"the bootstrap peers ({', '.join(initial_peers)}) took the connection but their DHT "

@@ -145,7 +145,7 @@ class SwarmNode(PeerRecords, StateServing, NetLoop):
         if not ready or self._error is not None:
             err = self._error or TimeoutError("network start-up timed out")
             self.close()
-            raise explain_start_failure(err, self.options.initial_peers) from err
+            raise explain_start_failure(err, self.options.initial_peers, self.options.role) from err
 
     async def _run(self) -> None:
         from hivemind.dht.node import DHTNode

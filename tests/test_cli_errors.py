@@ -249,6 +249,17 @@ def test_bootstrap_peers_whose_dht_does_not_answer_in_time_are_named_so():
     assert "did not answer within 3 s" in words and "start again" in words and "ensure_" not in words
 
 
+def test_a_node_the_bootstrap_peer_cannot_dial_back_is_told_a_fix_its_command_has():
+    # A coordinator restarted with --peer behind a closed port was told "--reachability private",
+    # a flag `launch` does not have.
+    from groundswell.peer.net_errors import explain_start_failure
+
+    err = RuntimeError("Peer X can't access this node. Probably, libp2p has failed to bypass the firewall")
+    assert "--reachability private" in str(explain_start_failure(err, []))
+    coordinator = str(explain_start_failure(err, [], role="coordinator"))
+    assert "--reachability" not in coordinator and "--announce" in coordinator
+
+
 def test_launch_on_a_state_dir_of_another_run_refuses_before_writing_anything(tmp_path, corpus):
     from groundswell.peer.manifest import manifest_from_mapping, sign_manifest
     from groundswell.peer.participant import Participant, genesis_decision
