@@ -298,7 +298,11 @@ class SwarmNode(PeerRecords, StateServing, NetLoop):
 
     def attach(self, ctx: RunContext) -> None:
         """Join the run: register the round protocol and state handlers, start heartbeats."""
-        self.call(self._attach(ctx), timeout_s=30)
+        try:
+            self.call(self._attach(ctx), timeout_s=30)
+        except TimeoutError:  # (a TimeoutError reaches the user as a traceback: it means a bug elsewhere)
+            raise NetworkError("the libp2p daemon did not take this run's handlers within 30 s (is the machine "
+                               "overloaded, or the daemon stopped?): start again") from None
 
     async def _check_listen_addresses(self, wait_s: float = 5.0) -> None:
         """NetworkError if a fixed listen port is taken for longer than `wait_s` (a daemon of

@@ -59,3 +59,18 @@ def test_closing_cancels_thread_jobs_still_queued(loop):
     gate.set()
     time.sleep(0.5)
     assert len(ran) < 64, "every queued job ran after the loop closed"
+
+
+def test_a_daemon_that_does_not_take_the_runs_handlers_is_one_line_not_a_traceback(monkeypatch):
+    from groundswell.peer.net_errors import NetworkError
+    from groundswell.peer.swarm import SwarmNode
+
+    node = SwarmNode.__new__(SwarmNode)
+
+    async def stuck(ctx):
+        await asyncio.sleep(3600)
+
+    node._attach = stuck
+    node.call = lambda coro, timeout_s=None: (coro.close(), (_ for _ in ()).throw(TimeoutError()))[1]
+    with pytest.raises(NetworkError, match="did not take this run's handlers within 30 s"):
+        node.attach(object())
