@@ -68,8 +68,12 @@ def hold_exclusively(lock_path: Path, what: str, subject: Path, hint: str = "giv
     except OSError as exc:  # Lustre (noflock), some NFS and FUSE mounts: ENOLCK, ENOSYS, EOPNOTSUPP
         os.close(fd)
         raise ConfigError(_no_lock_message(lock_path, what, subject, exc)) from None
-    os.ftruncate(fd, 0)
-    os.write(fd, f"{os.getpid()}\n".encode())
+    try:  # our pid, for the message another process gets
+        os.ftruncate(fd, 0)
+        os.write(fd, f"{os.getpid()}\n".encode())
+    except OSError as exc:  # a full disk: the lock is released and the file named (no fd left locked)
+        os.close(fd)
+        raise ConfigError(f"cannot lock the {what} {subject} ({lock_path}: {exc.strerror or exc})") from None
     _HELD[key] = fd
 
 

@@ -574,3 +574,27 @@ def test_a_folder_an_older_version_left_unbound_keeps_its_work_for_its_own_ident
     with pytest.raises(ConfigError, match=f"holds the work of peer {own.peer_id} .its identity.key."):
         check_volunteer_dir(old, "someone-else", "coordC", "run-1")
     assert check_volunteer_dir(old, own.peer_id, "coordC", "run-1")
+
+
+def test_a_lock_whose_pid_cannot_be_written_is_released_and_named(tmp_path, monkeypatch):
+    # A full disk at the pid write left the file locked by a descriptor nobody held, so a second
+    # try in this process was refused as "in use by another process", and the error named no file.
+    import errno
+    import os
+
+    from groundswell.peer import locks
+    from groundswell.peer.config import ConfigError
+
+    lock = tmp_path / ".lock"
+    real_write = os.write
+
+    def full(fd, data):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(locks.os, "write", full)
+    with pytest.raises(ConfigError, match=r"\.lock: No space left on device"):
+        locks.hold_exclusively(lock, "state dir", tmp_path)
+    monkeypatch.setattr(locks.os, "write", real_write)
+    locks.hold_exclusively(lock, "state dir", tmp_path)  # free again, taken now
+    assert str(lock.resolve()) in locks._HELD
+    os.close(locks._HELD.pop(str(lock.resolve())))
