@@ -112,8 +112,8 @@ def adopt_p2pd_daemons() -> None:
 async def reap_daemons(timeout_s: float = 2.0) -> None:
     """End and wait for every daemon this thread adopted; call once its node has shut its daemon
     down (hivemind waits for that one, not for one that failed to start)."""
-    procs, _local.started = getattr(_local, "started", []), []
-    for proc in procs:
+    procs = getattr(_local, "started", [])
+    for proc in list(procs):
         for end in (proc.terminate, proc.kill):
             if proc.returncode is not None:
                 break
@@ -121,6 +121,10 @@ async def reap_daemons(timeout_s: float = 2.0) -> None:
                 end()
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(proc.wait(), timeout_s)
+        # forgotten only once reaped (or past help): a teardown cut short (a second Ctrl+C, a
+        # close's time limit) leaves the rest listed, for the next reap to end
+        with contextlib.suppress(ValueError):
+            procs.remove(proc)
 
 
 SOCKET_DIR_PREFIX = "groundswell-p2p-"

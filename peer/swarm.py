@@ -242,9 +242,11 @@ class SwarmNode(PeerRecords, StateServing, NetLoop):
                 if p2p is not None:
                     await bounded(p2p.shutdown, "libp2p daemon")
             finally:
-                await reap_daemons()  # one that failed to start, or did not stop in time
-                if p2p_class is not None:
-                    release_private_sockets()
+                try:
+                    await reap_daemons()  # one that failed to start, or did not stop in time
+                finally:  # (even when the reap is cut short: the socket dir's count must not leak)
+                    if p2p_class is not None:
+                        release_private_sockets()
 
     async def _attach(self, ctx: RunContext) -> None:
         self.ctx = ctx

@@ -244,3 +244,40 @@ def test_socket_folders_of_processes_that_are_gone_are_swept(tmp_path):
     finally:
         alive.kill()
         alive.wait()
+
+
+def test_a_reap_cut_short_leaves_the_daemon_for_the_next_one(tmp_path):
+    # A teardown cut short (a second Ctrl+C, a close's time limit) forgot every daemon at once: one
+    # that ignored SIGTERM was never killed.
+    stand_in = tmp_path / "bin" / "p2pd"
+    stand_in.parent.mkdir()
+    stand_in.write_text(f"#!{sys.executable}\nimport signal, time\nsignal.signal(signal.SIGTERM, signal.SIG_IGN)\n"
+                        "print('up', flush=True)\ntime.sleep(60)\n")
+    stand_in.chmod(0o755)
+    pids: list[int] = []
+
+    async def start_cut_short_then_reap() -> int | None:
+        adopt_p2pd_daemons()
+        proc = await asyncio.subprocess.create_subprocess_exec(str(stand_in), stdout=asyncio.subprocess.PIPE)
+        pids.append(proc.pid)
+        await proc.stdout.readline()  # its SIGTERM handler is in place
+        try:
+            async with asyncio.timeout(0.5):
+                await reap_daemons(timeout_s=5.0)  # SIGTERM is ignored: cut short while it waits
+        except TimeoutError:
+            pass
+        await reap_daemons(timeout_s=1.0)  # the next one ends it (SIGKILL)
+        return proc.returncode
+
+    got: list = []
+    thread = threading.Thread(target=lambda: got.append(asyncio.run(start_cut_short_then_reap())))
+    thread.start()
+    try:
+        thread.join(30)
+        assert not thread.is_alive()
+        alive = _alive(pids[0])
+        assert not alive, f"the daemon outlived both reaps (returncode {got})"
+    finally:
+        for pid in pids:
+            if _alive(pid):
+                os.kill(pid, signal.SIGKILL)
