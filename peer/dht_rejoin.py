@@ -208,10 +208,12 @@ async def enter_dht(dht: Any, initial_peers: Sequence[str], within_s: float = BO
         answers = await asyncio.gather(*(protocol.call_ping(p, validate=True, strict=True) for p in peers),
                                        return_exceptions=True)
         refused = [a for a in answers if isinstance(a, BaseException)]
-        if refused:  # a clock too far off, or a peer that cannot reach us back: no retry mends it
-            raise refused[0]
-        if any(a is not None for a in answers):
+        if any(a is not None and not isinstance(a, BaseException) for a in answers):
+            if refused:  # one peer's word (its own clock may be off): the others let us in
+                log.warning("a bootstrap peer refused us (%s); the others answered", refused[0])
             break
+        if refused:  # every peer that answered refused: our clock is off, or none can reach us back
+            raise refused[0]
         if time.monotonic() + pause_s >= give_up:
             raise RuntimeError(f"DHTNode bootstrap failed: none of the initial_peers responded to a ping "
                                f"in {within_s:g} s")

@@ -269,3 +269,32 @@ def test_one_bad_target_does_not_stop_the_others_from_refilling_the_routing_tabl
     dht = SimpleNamespace(protocol=protocol, node_id=b"x", find_nearest_nodes=find_nearest_nodes)
     asyncio.run(r.maybe_rejoin(SimpleNamespace(_client=SimpleNamespace(connect=connect)), dht))
     assert set(table) == {good}
+
+
+def test_one_bootstrap_peer_refusing_us_does_not_fail_the_start_when_another_answers():
+    # A bootstrap line may list live volunteers beside the coordinator; one with its clock off
+    # refused our ping, and that alone failed the start. All refusing still does (our clock is off).
+    import asyncio
+    from types import SimpleNamespace
+
+    from groundswell.peer.dht_rejoin import enter_dht
+    from groundswell.protocol.identity import Identity
+
+    good, skewed = Identity.generate().peer_id, Identity.generate().peer_id
+
+    def dht_where(refusing: set[str]) -> SimpleNamespace:
+        async def call_ping(peer, **kw):
+            if peer.to_base58() in refusing:
+                raise ValueError("local time must be within 3 seconds  of others(local: 100.0, peer: 40.0)")
+            return object()
+
+        async def find_nearest_nodes(ids):
+            return {}
+
+        return SimpleNamespace(protocol=SimpleNamespace(call_ping=call_ping), node_id=b"x",
+                               find_nearest_nodes=find_nearest_nodes)
+
+    boot = [f"/ip4/127.0.0.1/tcp/1/p2p/{skewed}", f"/ip4/127.0.0.1/tcp/2/p2p/{good}"]
+    asyncio.run(enter_dht(dht_where({skewed}), boot, within_s=1.0))
+    with pytest.raises(ValueError, match="local time"):
+        asyncio.run(enter_dht(dht_where({skewed, good}), boot, within_s=1.0))
