@@ -14,8 +14,9 @@ from groundswell.protocol.transport import PeerUnavailable
 from .launch_checks import resumable
 from .net_loop import Stopped
 from .participant import Participant, genesis_decision
-from .roles import RoundInfo, StopFlag, write_defence_counts
+from .roles import StopFlag, write_defence_counts
 from .run_state import GlobalState
+from .volunteer_loop import RoundInfo
 
 log = logging.getLogger(__name__)
 

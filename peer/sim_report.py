@@ -217,7 +217,7 @@ def _misapplied(logs: dict[str, list[dict]], volunteer_rounds: list[dict],
         if bool(e.get("included")) != counted and not e.get("superseded"):
             lost += 1
             twice += counted  # counted, and its work kept
-    # Contributions settled after their round (roles.py `_settle_one`) without knowing the commit:
+    # Contributions settled after their round (volunteer_loop.py `_settle_one`) without knowing the commit:
     # `outcome-unknown` kept the work, `presumed-counted` took it out. Only the commit says which
     # was right. A peer's settlings of one round are read as one (a commit names a peer once, and
     # an earlier process's settling died with it): the latest.

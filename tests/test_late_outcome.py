@@ -12,8 +12,8 @@ import pytest
 import torch
 from groundswell.compression import make_codec
 from groundswell.optim import RoundFailed, SparseLoCo, SparseLoCoConfig
-from groundswell.peer.roles import _VolunteerLoop
 from groundswell.peer.swarm_exchange import NeedResync, SwarmExchange, Unsettled
+from groundswell.peer.volunteer_loop import VolunteerLoop as _VolunteerLoop
 from groundswell.protocol.client import AttemptResult
 from groundswell.protocol.transport import PeerUnavailable
 
@@ -299,13 +299,13 @@ def test_a_stopping_volunteer_does_not_download_the_state_before_it_saves(monkey
     """Ctrl+C during a round that then failed: the volunteer saves what it holds and leaves, instead
     of first catching up or re-syncing (a state download may take minutes; a second Ctrl+C would
     then skip the final checkpoint)."""
-    from groundswell.peer import roles
+    from groundswell.peer import volunteer_loop
     from groundswell.peer.roles import StopFlag
     from groundswell.peer.swarm_exchange import NeedResync
 
     synced: list[str] = []
-    monkeypatch.setattr(roles, "_catch_up_or_resync", lambda p, peers, fresh=True: synced.append("catch-up"))
-    monkeypatch.setattr(roles, "_resync", lambda p, peers: synced.append("resync"))
+    monkeypatch.setattr(volunteer_loop, "catch_up_or_resync", lambda p, peers, fresh=True: synced.append("catch-up"))
+    monkeypatch.setattr(volunteer_loop, "resync", lambda p, peers: synced.append("resync"))
 
     class Exchange:
         last_outcome = (None, False)
@@ -327,7 +327,7 @@ def test_a_stopping_volunteer_does_not_download_the_state_before_it_saves(monkey
         stop = StopFlag()
         if stopping:
             stop.set()
-        loop = roles._VolunteerLoop(p, Exchange(), None, [], stop, lambda info: None)  # type: ignore[arg-type]
+        loop = _VolunteerLoop(p, Exchange(), None, [], stop, lambda info: None)  # type: ignore[arg-type]
         synced.clear()
         loop.settle(0, stats, 0.0, 0.0)
         assert synced == ([] if stopping else ["catch-up" if failure == "retry" else "resync"])

@@ -103,7 +103,7 @@ def test_a_volunteers_round_line_names_the_round_a_published_loss_was_measured_a
     from types import SimpleNamespace
 
     from groundswell.peer.cli_swarm import _of_round
-    from groundswell.peer.roles import _swarm_eval_loss
+    from groundswell.peer.volunteer_loop import swarm_eval_loss as _swarm_eval_loss
 
     # The record names the round its loss was measured after: with eval.every_rounds = 5 the
     # coordinator runs round 9 with the loss of round 4 (it was shown as "(round 8)").

@@ -12,9 +12,9 @@ import pytest
 import torch
 from groundswell.compression import Payload, make_codec
 from groundswell.optim import SparseLoCo, SparseLoCoConfig
-from groundswell.peer.roles import _VolunteerLoop
 from groundswell.peer.run_state import GlobalState
 from groundswell.peer.swarm_exchange import SwarmExchange, unsettled_item
+from groundswell.peer.volunteer_loop import VolunteerLoop as _VolunteerLoop
 from groundswell.peer.work_file import WorkJournal, read_work
 from test_resume import _factory, _offline
 
