@@ -133,18 +133,26 @@ class _Worker:
                 "segments": len(numels)}
 
     def rounds(self, warmup: int, repeats: int) -> dict:
-        from groundswell.compression import encode_segments
+        import torch
+        from groundswell.compression import decode_segments, encode_segments
 
         node, codec = self.node, self.codec
         assert node is not None
         timeout = 2 * self.deadline_s + 6 * self.slack_s + 60
         out = []
+        # SparseLoCo's round includes its error feedback, as the optimizer does it: the update is
+        # folded into the buffer (decay 0.95) before the top-k, and what was sent is decoded and
+        # taken out of it once the mean is in (optim/sparseloco.py).
+        error = torch.zeros_like(self.x) if codec.name == "sparseloco" else None
         time.sleep(0.2)
         sent0, recv0 = node.transport.bytes_sent, node.transport.bytes_received
         for r in range(warmup + repeats):
             self.wait()
             t0 = time.perf_counter()
-            segments = [p.to_bytes() for p in encode_segments(codec, self.x, self.segment)]
+            if error is not None:
+                error.mul_(0.95).add_(self.x)
+            payloads = encode_segments(codec, self.x if error is None else error, self.segment)
+            segments = [p.to_bytes() for p in payloads]
             t1 = time.perf_counter()
             outcome = node.call(node.client.run_attempt(r, None, segments, trains=True, serves=True), timeout)
             t2 = time.perf_counter()
@@ -153,8 +161,10 @@ class _Worker:
                 raise RuntimeError(f"round {r}: no full commit on peer {self.rank}: "
                                    f"{'no decision' if d is None else (d.status, len(d.contributors))}")
             mean = node.call(node.client.fetch_aggregate(outcome.signed), timeout)
+            if error is not None:
+                error.sub_(decode_segments(codec, payloads, self.params, self.segment))
             t3 = time.perf_counter()
-            del segments
+            del segments, payloads
             self.wait()  # everyone holds the mean: the checks below must not slow a peer still fetching
             sha = tensor_sha256(mean)
             err = rel_error(mean, self.true_mean) if self.rank == 0 else None
