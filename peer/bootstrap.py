@@ -80,8 +80,17 @@ def _checked(coordinator_id: str, maddrs: Sequence[str]) -> Bootstrap:
     return Bootstrap(coordinator_id, checked)
 
 
+def peer_id_of(maddr: str) -> str:
+    """The peer id a checked multiaddr names: its last /p2p/ (a relay circuit's first is the
+    relay's), also where it is spelled /ipfs/."""
+    from hivemind.utils.multiaddr import Multiaddr
+
+    return str(Multiaddr(maddr)).rsplit("/p2p/", 1)[1]
+
+
 def check_maddr_flag(flag: str, texts: Sequence[str], peer_id: bool = False) -> None:
-    """Refuse a malformed multiaddr given with `flag` (--listen, --announce, --peer) in one line."""
+    """Refuse a malformed multiaddr given with `flag` (--listen, --announce, --peer) in one line;
+    one for --peer (`peer_id`) must be a peer address as a bootstrap string's are."""
     from hivemind.utils.multiaddr import Multiaddr
 
     for text in texts:
@@ -91,6 +100,15 @@ def check_maddr_flag(flag: str, texts: Sequence[str], peer_id: bool = False) -> 
             raise BootstrapError(f"{flag}: {exc}") from None
         if peer_id and (len(protocols) < 2 or protocols[-1] != "p2p"):  # peers are dialled by id
             raise BootstrapError(f"{flag} {text!r} must end in /p2p/<peer id>")
+        if peer_id:
+            try:
+                _check_maddr(text)
+            except BootstrapError as exc:
+                raise BootstrapError(f"{flag}: {exc}") from None
+        elif flag == "--announce" and ("p2p" in protocols or not _TRANSPORTS & set(protocols)):
+            # (it goes into the line volunteers paste, with our id appended)
+            raise BootstrapError(f"{flag} {text!r} must be an address others dial, with a transport (tcp, or "
+                                 "udp with quic) and no /p2p/")
 
 
 def _check_maddr(text: str) -> str:
@@ -111,6 +129,9 @@ def _check_maddr(text: str) -> str:
     if circuit > 1 or protocols.count("p2p") != 1 + circuit or (circuit and protocols[-2] != "p2p-circuit"):
         raise BootstrapError(f"multiaddr {text!r} must name one peer: .../p2p/<id>, or a relay's "
                              ".../p2p/<relay id>/p2p-circuit/p2p/<id>")
-    if not {"tcp", "quic", "quic-v1"} & set(protocols):
+    if not _TRANSPORTS & set(protocols) and protocols[0] != "dnsaddr":  # (p2pd resolves a dnsaddr)
         raise BootstrapError(f"multiaddr {text!r} names no transport to dial (tcp, or udp with quic)")
     return str(maddr)
+
+
+_TRANSPORTS = {"tcp", "quic", "quic-v1"}

@@ -191,30 +191,44 @@ BOOTSTRAP_S = 25.0  # how long a start pings its bootstrap peers before it gives
 
 
 async def enter_dht(dht: Any, initial_peers: Sequence[str], within_s: float = BOOTSTRAP_S,
-                    pause_s: float = 2.0) -> None:
+                    pause_s: float = 2.0, coordinator: str = "") -> None:
     """Ping the bootstrap peers into `dht`'s routing table (validated: hivemind's checks of the
     clock and of our reachability raise as in its own bootstrap) and look up our neighbours.
     hivemind pings once, for 3 s: a bootstrap peer busy for a moment (applying a round on a small
     machine) failed our start. Here the pings are repeated for `within_s`; RuntimeError with
-    hivemind's words if none ever answers."""
+    hivemind's words if none ever answers. A refusal (our clock too far off, or we cannot be
+    reached back) ends the start if `coordinator` refused, or if no more peers let us in than
+    refused us; otherwise it is one peer's word (its own clock may be off) and the others decide."""
     from hivemind.p2p import PeerID
 
+    from .bootstrap import peer_id_of
+
     protocol = dht.protocol
-    # the peer's id is the last /p2p/ of its address (a relayed one names the relay's first)
-    peers = list({PeerID.from_base58(m.rsplit("/p2p/", 1)[1]) for m in initial_peers})
+    peers = {peer_id_of(m): PeerID.from_base58(peer_id_of(m)) for m in initial_peers}
+    refused: dict[str, BaseException] = {}
+    answered: set[str] = set()
     give_up = time.monotonic() + within_s
     while True:
+        asking = [pid for pid in peers if pid not in refused and pid not in answered]
         # each ping is bounded by the DHT's own request timeout (3 s); gathered, none is left behind
-        answers = await asyncio.gather(*(protocol.call_ping(p, validate=True, strict=True) for p in peers),
+        answers = await asyncio.gather(*(protocol.call_ping(peers[pid], validate=True, strict=True) for pid in asking),
                                        return_exceptions=True)
-        refused = [a for a in answers if isinstance(a, BaseException)]
-        if any(a is not None and not isinstance(a, BaseException) for a in answers):
-            if refused:  # one peer's word (its own clock may be off): the others let us in
-                log.warning("a bootstrap peer refused us (%s); the others answered", refused[0])
+        for pid, answer in zip(asking, answers):
+            if isinstance(answer, BaseException):
+                refused[pid] = answer
+            elif answer is not None:
+                answered.add(pid)
+        if coordinator in refused:
+            raise refused[coordinator]
+        if answered and len(answered) > len(refused):
+            if refused:
+                log.warning("a bootstrap peer refused us (%s); more of them let us in", next(iter(refused.values())))
             break
-        if refused:  # every peer that answered refused: our clock is off, or none can reach us back
-            raise refused[0]
+        if refused and len(refused) + len(answered) == len(peers):  # all have spoken: no majority lets us in
+            raise next(iter(refused.values()))
         if time.monotonic() + pause_s >= give_up:
+            if refused:
+                raise next(iter(refused.values()))
             raise RuntimeError(f"DHTNode bootstrap failed: none of the initial_peers responded to a ping "
                                f"in {within_s:g} s")
         log.warning("the bootstrap peers' DHT did not answer; asking again")

@@ -207,7 +207,7 @@ class SwarmNode(PeerRecords, StateServing, NetLoop):
                                        record_validator=self.record_validator)
             self.dht = dht
             if self.options.initial_peers:
-                await enter_dht(dht, self.options.initial_peers)
+                await enter_dht(dht, self.options.initial_peers, coordinator=self.options.coordinator or "")
             self.startup_s = {"p2pd": t1 - t0, "probe": t2 - t1, "dht": time.monotonic() - t3}
             async with asyncio.TaskGroup() as tasks:
                 self._tasks = tasks

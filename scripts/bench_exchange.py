@@ -36,7 +36,8 @@ round protocol's framed request/reply bytes (`Transport.bytes_sent/received`, li
 encryption and multiplexing overhead not included), averaged over peers. Each peer hashes its
 mean (sha256): `identical` says every peer held bit-identical means in every round (null for
 the floor, which computes no mean). `rel_error` is ||mean - true mean|| / ||true mean||, the true
-mean taken in fp64 over the N inputs. A goal counts as met only if the method's and its gloo
+mean taken in fp64 over the N inputs (for sparseloco, whose peers send their error feedback
+buffers, not the inputs themselves, it only says how far one round's mean is from the inputs'). A goal counts as met only if the method's and its gloo
 measurement's means were identical on every peer.
 
 The JSON also records how it was made (`run`: command line, git commit, CPU count, torch and

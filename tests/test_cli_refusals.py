@@ -52,6 +52,10 @@ def _one_error_line(res, words: str) -> None:
     (["--listen", "garbage"], "--listen: Invalid MultiAddr 'garbage'"),
     (["--announce", "/ip4/1.2.3.4/tcp/99999"], "--announce: Invalid MultiAddr"),
     (["--peer", "/ip4/127.0.0.1/tcp/9"], "--peer '/ip4/127.0.0.1/tcp/9' must end in /p2p/<peer id>"),
+    # held to a bootstrap address's rules (it was not, and an /ipfs/ spelling crashed the DHT's start)
+    (["--peer", f"/ip4/127.0.0.1/p2p/{Identity.generate().peer_id}"], "names no transport"),
+    (["--announce", "/ip4/1.2.3.4/udp/9"], "--announce '/ip4/1.2.3.4/udp/9' must be an address others dial"),
+    (["--announce", f"/ip4/1.2.3.4/tcp/9/p2p/{Identity.generate().peer_id}"], "and no /p2p/"),
 ])
 def test_launch_refuses_a_malformed_multiaddr_before_writing_anything(tmp_path, nothing_starts, args, words):
     res = CliRunner().invoke(app, ["launch", str(EXAMPLE), "--state-dir", str(tmp_path / "sd"), "--quiet", *args])

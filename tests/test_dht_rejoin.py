@@ -271,21 +271,28 @@ def test_one_bad_target_does_not_stop_the_others_from_refilling_the_routing_tabl
     assert set(table) == {good}
 
 
-def test_one_bootstrap_peer_refusing_us_does_not_fail_the_start_when_another_answers():
+def test_one_bootstrap_peer_refusing_us_does_not_fail_the_start_when_more_let_us_in():
     # A bootstrap line may list live volunteers beside the coordinator; one with its clock off
-    # refused our ping, and that alone failed the start. All refusing still does (our clock is off).
+    # refused our ping, and that alone failed the start, even while a busy peer had not answered
+    # yet. A refusal by the coordinator, or by as many as let us in, still ends it (our clock is
+    # off, or we cannot be reached back).
     import asyncio
     from types import SimpleNamespace
 
     from groundswell.peer.dht_rejoin import enter_dht
     from groundswell.protocol.identity import Identity
 
-    good, skewed = Identity.generate().peer_id, Identity.generate().peer_id
+    coord, good, skewed = (Identity.generate().peer_id for _ in range(3))
+    busy_until = {"pings": 0}
 
-    def dht_where(refusing: set[str]) -> SimpleNamespace:
+    def dht_where(refusing: set[str], busy: str = "") -> SimpleNamespace:
         async def call_ping(peer, **kw):
-            if peer.to_base58() in refusing:
+            pid = peer.to_base58()
+            if pid in refusing:
                 raise ValueError("local time must be within 3 seconds  of others(local: 100.0, peer: 40.0)")
+            if pid == busy and busy_until["pings"] < 1:  # applying a round: no answer the first time
+                busy_until["pings"] += 1
+                return None
             return object()
 
         async def find_nearest_nodes(ids):
@@ -294,7 +301,9 @@ def test_one_bootstrap_peer_refusing_us_does_not_fail_the_start_when_another_ans
         return SimpleNamespace(protocol=SimpleNamespace(call_ping=call_ping), node_id=b"x",
                                find_nearest_nodes=find_nearest_nodes)
 
-    boot = [f"/ip4/127.0.0.1/tcp/1/p2p/{skewed}", f"/ip4/127.0.0.1/tcp/2/p2p/{good}"]
-    asyncio.run(enter_dht(dht_where({skewed}), boot, within_s=1.0))
-    with pytest.raises(ValueError, match="local time"):
-        asyncio.run(enter_dht(dht_where({skewed, good}), boot, within_s=1.0))
+    boot = [f"/ip4/127.0.0.1/tcp/1/p2p/{skewed}", f"/ip4/127.0.0.1/tcp/2/ipfs/{good}",
+            f"/ip4/127.0.0.1/tcp/3/p2p/{coord}"]
+    asyncio.run(enter_dht(dht_where({skewed}, busy=coord), boot, within_s=5.0, pause_s=0.01, coordinator=coord))
+    for refusing in ({coord}, {skewed, good}, {skewed, good, coord}):
+        with pytest.raises(ValueError, match="local time"):
+            asyncio.run(enter_dht(dht_where(refusing), boot, within_s=1.0, pause_s=0.01, coordinator=coord))

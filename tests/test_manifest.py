@@ -376,6 +376,10 @@ def test_bootstrap_round_trip():
     # relayed and QUIC addresses, and RSA ids of relays, are fine in multiaddrs
     relayed = f"/ip4/1.2.3.4/udp/9/quic-v1/p2p/{RSA_PEER_ID}/p2p-circuit/p2p/{OTHER.peer_id}"
     assert parse_bootstrap(format_bootstrap(COORD.peer_id, [relayed])).maddrs == (relayed,)
+    # so are names: a dnsaddr (p2pd resolves it to addresses), dns4 and dns6 ones
+    for named in (f"/dnsaddr/boot.example.org/p2p/{OTHER.peer_id}", f"/dns4/boot.example.org/tcp/4001/p2p/{OTHER.peer_id}",
+                  f"/dns6/boot.example.org/udp/4001/quic-v1/p2p/{OTHER.peer_id}"):
+        assert parse_bootstrap(format_bootstrap(COORD.peer_id, [named])).maddrs == (named,)
 
 
 def test_bootstrap_plain_multiaddr():
