@@ -1,7 +1,10 @@
 """An aggregator's reports to an attempt's leaders: which contributors' whole shard it holds.
 
 One report task per leader at a time, only what changed since that leader's last ok, and
-everything again one slack before the attempt closes. `Aggregator` mixes this in.
+everything again one slack before the attempt closes. A leader that answered but refused a report
+(it is catching up and cannot place the round yet, say) is asked again every `RETRY_S` while the
+attempt is open: it decides on what it was told, and nothing else would tell it before the
+refresh. `Aggregator` mixes this in.
 """
 
 from __future__ import annotations
@@ -13,9 +16,10 @@ from typing import Any
 
 from .plan import close_time
 from .schema import Ack, HaveReport, ProtocolError
-from .transport import PeerUnavailable
+from .transport import PeerDead, PeerGone, PeerUnavailable
 
 log = logging.getLogger(__name__)
+RETRY_S = 1.0  # the most a leader that refused a report waits to hear it again (half a slack if less)
 
 
 class HaveReporter:
@@ -84,7 +88,12 @@ class HaveReporter:
                 slot.report_again.discard(leader)
                 everything = leader in slot.report_everything
                 slot.report_everything.discard(leader)
-                await self._send_have(round_id, attempt, plan, leader, everything)
+                if not await self._send_have(round_id, attempt, plan, leader, everything) and self._may_retry(plan):
+                    retry_at = time.monotonic() + min(RETRY_S, self.ctx.slack_s / 2)
+                    while time.monotonic() < retry_at and leader not in slot.report_again:
+                        await asyncio.sleep(0.1)  # a change meanwhile is sent at once, as ever
+                    if self._may_retry(plan):
+                        continue  # what it refused is not in `told`: it is sent again
                 if leader not in slot.report_again:
                     break
         except ProtocolError as exc:  # e.g. a conflicting decision: this report is moot; say so
@@ -94,8 +103,21 @@ class HaveReporter:
         finally:
             slot.reporting.discard(leader)
 
-    async def _send_have(self, round_id: int, attempt: int, plan: Any, leader: str, everything: bool) -> None:
-        """Tell one leader what we hold of each shard (what changed since its last ok, or everything)."""
+    def _may_retry(self, plan: Any) -> bool:
+        """Is the plan's attempt still open to reports: undecided here and, for all we know,
+        at every leader (the last stand-in decides a slack per leader after the close)?"""
+        slot = self.attempts.get((plan.round, plan.attempt))
+        opened = self.book.opened_at(plan.round)
+        if slot is None or slot.sealed is not None or slot.decision is not None or self.book.decided(plan.round) \
+                or opened is None:
+            return False
+        last = close_time(opened, plan.attempt, self.ctx.deadline_s, self.ctx.slack_s) + \
+            len(plan.leaders) * self.ctx.slack_s
+        return time.time() < last
+
+    async def _send_have(self, round_id: int, attempt: int, plan: Any, leader: str, everything: bool) -> bool:
+        """Tell one leader what we hold of each shard (what changed since its last ok, or
+        everything). False: the leader answered but refused a report, and may take it later."""
         slot = self.attempts[(round_id, attempt)]
         reports = []
         for shard, held in list(slot.contributions.items()):
@@ -106,25 +128,34 @@ class HaveReporter:
             reports.append(HaveReport(round_id, attempt, shard, ids, [held[c][3] for c in ids],
                                       sorted(slot.refused)[:64]))
 
-        async def tell(report: HaveReport) -> None:
+        async def tell(report: HaveReport) -> bool:
             key = (leader, report.shard)
             content = (tuple(report.contributors), tuple(report.refused))
             if not everything and slot.told.get(key) == content:
-                return
+                return True
             if leader == self.identity.peer_id:
-                if not (await self._on_have(leader, report)).ok:
-                    return
+                try:
+                    ack = await self._on_have(leader, report)
+                except ProtocolError:  # we are behind ourselves (see `_check_open`): not recorded
+                    ack = Ack(False, "")
             else:
                 try:
                     ack = await self.transport.request(leader, "have", report, Ack, timeout_s=self.ctx.slack_s)
                 except PeerUnavailable as exc:
                     log.info("have report to leader failed: %s", exc)
-                    return  # told again with the next change or at the refresh
-                if not ack.ok:  # e.g. it cannot plan the round yet: not recorded there
-                    return
+                    if isinstance(exc, PeerDead) or not isinstance(exc, PeerGone):
+                        return True  # dead or silent: told again with the next change or at the refresh
+                    ack = Ack(False, "")  # refused unanswered (a leader behind us does that)
+            if not ack.ok:  # e.g. it cannot plan the round yet: not recorded there, so asked again
+                slot.told.pop(key, None)  # (a refused refresh too: that leader may have lost it all)
+                return False
             slot.told[key] = content
+            return True
 
+        told = True
         # every report finishes (none left running unowned) before the first failure is raised
-        for failure in await asyncio.gather(*(tell(report) for report in reports), return_exceptions=True):
-            if isinstance(failure, BaseException):
-                raise failure
+        for outcome in await asyncio.gather(*(tell(report) for report in reports), return_exceptions=True):
+            if isinstance(outcome, BaseException):
+                raise outcome
+            told = told and outcome
+        return told

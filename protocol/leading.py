@@ -1,7 +1,9 @@
 """The leader's side of an attempt, up to its decision: take joins and aggregators' reports,
 wait for every expected trainer or the close, claim the attempt (`claims.py`), then decide
 (`decision.py`). A stand-in decides only if the leaders ahead of it stay silent past the close
-plus a slack each. `RoundServer` mixes this in.
+plus a slack each. A leader that refused some of the attempt's reports (it was behind: restarted
+and still catching up, say) and so lacks contributions its fellow leaders may know of, lets them
+decide first: it goes last. `RoundServer` mixes this in.
 """
 
 from __future__ import annotations
@@ -25,6 +27,8 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 CATCH_UP_S = 0.5  # the most a leader waits for a shard's primary to catch up with its replica
 MAX_JOINS = 2048  # members one round may have (Decision lists hold at most 4096), with up to 16 shards
+MISSED_ATTEMPTS = 16  # attempts whose refused reports a leader remembers (the nearest rounds are kept)
+MISSED_PER_ATTEMPT = 256  # (aggregator, shard) pairs remembered per attempt
 
 
 def max_members(max_shards: int) -> int:
@@ -43,6 +47,7 @@ class Leading:
     identity: Any
     attempts: Any
     joins: Any
+    missed_reports: dict[tuple[int, int], set[tuple[str, int]]]  # (round, attempt) -> refused (aggregator, shard)
     plan: Any
     _spawn: Any
     _check_open: Any
@@ -55,9 +60,14 @@ class Leading:
     async def _on_have(self, sender: str, msg: HaveReport) -> Ack:
         if self.book.decided(msg.round):  # nothing left to lead: no slot, no leading task for it
             return Ack(False, f"round {msg.round} is already decided")
-        self._check_open(msg.round, msg.attempt)
+        try:
+            self._check_open(msg.round, msg.attempt)
+        except ProtocolError:
+            self._note_missed(sender, msg)
+            raise
         plan = await self.plan(msg.round, msg.attempt, self.ctx.slack_s, ask=sender)
         if plan is None:
+            self._note_missed(sender, msg)
             return Ack(False, f"round {msg.round} is not planned here yet")
         # Only the aggregators contributors send a shard to may report on it: anyone else could
         # make itself the source of a shard and then build that shard's aggregate.
@@ -87,6 +97,36 @@ class Leading:
         # Not ok: the aggregator reports this shard again with its next change, by when their
         # joins may have arrived (it repeats only what changed since an ok).
         return Ack(not unexpected, f"{unexpected} contributors not expected here (yet)" if unexpected else "")
+
+    def _note_missed(self, sender: str, msg: HaveReport) -> None:
+        """Remember a report we refused: unless its sender reports the shard again, we may lack
+        what it holds when we lead the attempt (see `_reports_missed`). Bounded: the attempts of
+        the nearest rounds are kept (anyone may send reports for far-off rounds)."""
+        latest = self.book.latest()
+        for key in [k for k in self.missed_reports if k[0] <= latest]:
+            del self.missed_reports[key]
+        missed = self.missed_reports.setdefault((msg.round, msg.attempt), set())
+        if len(missed) < MISSED_PER_ATTEMPT:
+            missed.add((sender, msg.shard))
+        while len(self.missed_reports) > MISSED_ATTEMPTS:
+            del self.missed_reports[max(self.missed_reports)]
+
+    def _reports_missed(self, plan: RoundPlan, slot: _Attempt) -> bool:
+        """Did we refuse a report of this attempt that its aggregator has not sent again since,
+        while some expected contributor is not complete here? Then a fellow leader may know of
+        contributions we do not, and deciding first would leave them out."""
+        missed = self.missed_reports.get((plan.round, plan.attempt), set())
+        lost = any(shard < plan.num_shards and who in plan.candidates(shard)[:REPORTING_CANDIDATES]
+                   and who not in slot.have.get(shard, {}) for who, shard in missed)  # only named aggregators count
+        return lost and not self._expected(plan, slot) <= self._sources(plan, slot)[1]
+
+    def _expected(self, plan: RoundPlan, slot: _Attempt) -> set[str]:
+        """The contributors the attempt waits for: the plan's trainers and those that joined to
+        train, less those that said they will not and those an aggregator found invalid."""
+        joins = self.joins[plan.round]
+        expected = set(plan.trainers) | {p for p, (trains, _) in joins.items() if trains}
+        expected -= {p for p, (trains, _) in joins.items() if not trains}  # it left, or will not train this round
+        return expected - slot.refused_reported  # an invalid contribution will not become valid: not waited for
 
     async def _on_join(self, sender: str, msg: Join) -> Ack:
         if msg.trains and not self.ctx.authorized(sender):
@@ -152,18 +192,24 @@ class Leading:
             await self._await_close(plan, slot, close_at)
             if early is not None and not started.is_set():
                 early.cancel()  # closed early: claim below, as stand-ins do
-        if early is not None and not early.cancelled():
+        if early is not None and not early.cancelled() and early.result() is not None:
             if early.result():
                 await self._decide_claimed(plan, slot)
             else:
                 await self._claim_again(plan, slot, close_at)
             return
+        order = list(plan.leaders)  # who decides first
+        if self._reports_missed(plan, slot):
+            order = [p for p in order if p != me] + [me]
+            rank = len(order) - 1
+            log.info("round %d attempt %d: we refused reports while behind and lack contributions; our fellow "
+                     "leaders decide first", round_id, attempt)
         if rank > 0 or time.monotonic() > close_at + self.ctx.slack_s:
             # Leader k decides only if leaders 0..k-1 stayed silent past the close + k * slack (or
             # are gone: not there at all, rather than slow); a leader that was frozen past its
             # window defers the same way.
             wake = close_at + rank * self.ctx.slack_s
-            ahead = await self._leaders_ahead(plan, rank, wake, time.monotonic() >= close_at) if rank > 0 else rank
+            ahead = await self._leaders_ahead(plan, order[:rank], wake, time.monotonic() >= close_at) if rank > 0 else 0
             ahead_gone = rank > 0 and ahead == 0
             await asyncio.sleep(max(0.0, close_at + ahead * self.ctx.slack_s - time.monotonic()))
             if slot.decision is not None or self.book.decided(round_id):
@@ -172,7 +218,7 @@ class Leading:
             # us whose turn has come too (only if we were late ourselves): the others wait longer
             # than we do, and a long poll at one of them would only hold us back.
             now = time.monotonic()
-            others = [p for j, p in enumerate(plan.leaders) if p != me and (
+            others = [p for j, p in enumerate(order) if p != me and (
                 (j < rank and not ahead_gone) or (j > rank and now >= close_at + j * self.ctx.slack_s))]
             replies = await gather_owned(self._ask(p, plan) for p in others)
             for signed in replies:
@@ -198,10 +244,7 @@ class Leading:
     async def _await_close(self, plan: RoundPlan, slot: _Attempt, close_at: float) -> None:
         """Wait until every expected trainer is complete (and they are enough to commit), or the close."""
         while time.monotonic() < close_at:
-            joins = self.joins[plan.round]
-            expected = set(plan.trainers) | {p for p, (trains, _) in joins.items() if trains}
-            expected -= {p for p, (trains, _) in joins.items() if not trains}  # it left, or will not train this round
-            expected -= slot.refused_reported  # an invalid contribution will not become valid: do not wait for it
+            expected = self._expected(plan, slot)
             _, complete = self._sources(plan, slot)
             if expected <= complete and len(complete) >= self.ctx.min_peers:
                 await self._first_holders_catch_up(plan, slot, complete, min(close_at, time.monotonic() + CATCH_UP_S))
@@ -227,10 +270,13 @@ class Leading:
         while lagging() and await slot.wait_changed(until):
             pass
 
-    async def _claim_at(self, plan: RoundPlan, slot: _Attempt, at: float, started: asyncio.Event) -> bool:
-        """Claim the attempt at monotonic time `at` (cancelled only before `started` is set)."""
+    async def _claim_at(self, plan: RoundPlan, slot: _Attempt, at: float, started: asyncio.Event) -> bool | None:
+        """Claim the attempt at monotonic time `at` (cancelled only before `started` is set).
+        None: not claimed, as we lack reports we refused (see `_reports_missed`)."""
         await asyncio.sleep(max(0.0, at - time.monotonic()))
         started.set()
+        if self._reports_missed(plan, slot):
+            return None
         return slot.decision is None and not self.book.decided(plan.round) and await self._claim(plan, slot)
 
     async def decide_exclusively(self, plan: RoundPlan, slot: _Attempt) -> None:
@@ -244,9 +290,9 @@ class Leading:
         finally:
             slot.deciding = slot.decision is not None  # stood back: no longer objects to later claims
 
-    async def _leaders_ahead(self, plan: RoundPlan, rank: int, until: float, closed: bool) -> int:
-        """How many of leaders 0..rank-1 are not gone (dial refused, protocol not served), as far
-        as can be told before monotonic time `until`? A silent or slow one may still decide.
+    async def _leaders_ahead(self, plan: RoundPlan, ahead: list[str], until: float, closed: bool) -> int:
+        """How many of the leaders `ahead` of us are not gone (dial refused, protocol not served),
+        as far as can be told before monotonic time `until`? A silent or slow one may still decide.
 
         `closed`: asked at the close, not at an early one. Then the first leader, which claims the
         attempt from its fellow leaders a slack before the close, counts as gone if its claim has
@@ -261,9 +307,9 @@ class Leading:
 
         try:
             async with asyncio.timeout(max(0.0, until - time.monotonic())):
-                return sum(not g for g in await gather_owned(gone(p) for p in plan.leaders[:rank]))
+                return sum(not g for g in await gather_owned(gone(p) for p in ahead))
         except TimeoutError:
-            return rank
+            return len(ahead)
 
     async def _learn_from_fellow(self, plan: RoundPlan, signed: bytes) -> bool:
         """Take a fellow leader's answer: this attempt's decision, or the round's commit from
