@@ -406,7 +406,7 @@ def status(
 
     from .bootstrap import parse_bootstrap
     from .net_errors import NetworkError
-    from .swarm import NodeOptions, SwarmNode
+    from .swarm import SwarmNode, reader_options
 
     boot = parse_bootstrap(bootstrap)
     ident = Identity.generate()
@@ -415,8 +415,7 @@ def status(
     with tempfile.TemporaryDirectory() as tmp:
         path = Path(tmp) / "id.key"
         ident.save(path)
-        node = SwarmNode(ident, str(path), NodeOptions(initial_peers=boot.maddrs, coordinator=boot.coordinator_id,
-                                                       trains=False, serves=False))
+        node = SwarmNode(ident, str(path), reader_options(boot.maddrs, boot.coordinator_id))
         node.start()
         try:
             _, manifest = _fetch_manifest(node, boot.maddrs, boot.coordinator_id)

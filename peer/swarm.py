@@ -15,7 +15,6 @@ import threading
 import time
 from collections.abc import Callable, Coroutine, Sequence
 from concurrent.futures import CancelledError, Future
-from dataclasses import dataclass
 from typing import Any, TypeVar
 
 from groundswell.protocol.client import RoundClient
@@ -48,6 +47,7 @@ from .dht_rejoin import DhtRejoiner, dialable_scopes, enter_dht
 from .holepunch import Rendezvous, serve_punch_invites
 from .net_errors import NetworkError, explain_start_failure
 from .net_loop import NetLoop
+from .node_options import NodeOptions, reader_options  # noqa: F401 - imported from here too
 from .punch_scheduler import PunchScheduler
 from .reachability import (
     DialBack,
@@ -66,23 +66,6 @@ from .state_trust import state_timeout_s
 log = logging.getLogger(__name__)
 T = TypeVar("T")
 MEMBERS_REFRESH_S = 5.0  # a rendezvous re-reads the run's records for an unknown punch requester at most this often
-
-
-@dataclass
-class NodeOptions:
-    """How the node listens and whom it asks first."""
-
-    host_maddrs: Sequence[str] = ("/ip4/127.0.0.1/tcp/0",)
-    announce_maddrs: Sequence[str] = ()
-    initial_peers: Sequence[str] = ()
-    coordinator: str = ""  # the run's coordinator's peer id, if known: its dial-back probe is trusted first
-    role: str = "volunteer"
-    trains: bool = True
-    serves: bool = True  # offer to aggregate and lead; dropped if the peer turns out to be unreachable
-    reachability: str = "auto"  # "auto" (dial-back probe by a bootstrap peer), "public" or "private"
-    direct_state: bool = True  # also serve the state sealed over plain TCP (see protocol/direct.py)
-    direct_port: int = 0  # its TCP port (0: any free one), on the first listen address's IP
-    hole_punch: bool = True  # behind a NAT: punch holes to other NAT'ed peers (see peer/holepunch.py)
 
 
 class SwarmNode(PeerRecords, StateServing, NetLoop):
@@ -320,6 +303,7 @@ class SwarmNode(PeerRecords, StateServing, NetLoop):
         is what AutoNAT is told. Behind a NAT the node holds a relay reservation (its bootstrap
         peers are the trusted relays) so that others can still open a stream to it."""
         adopt_p2pd_daemons()  # Ctrl+C reaches us, not the daemon; it still ends with us (Linux)
+        relayed = reachability != "public" and self.options.relay_slot
         p2p = await p2p_class.create(
             initial_peers=list(self.options.initial_peers) or None,
             host_maddrs=list(self.options.host_maddrs),
@@ -327,8 +311,8 @@ class SwarmNode(PeerRecords, StateServing, NetLoop):
             identity_path=self.identity_path,
             check_if_identity_free=False,  # hivemind's check assumes RSA identity files
             nat_port_map=False,  # UPnP probes the LAN; never on by default
-            use_auto_relay=reachability != "public",
-            trusted_relays=self._relay_candidates() if reachability != "public" else None,
+            use_auto_relay=relayed,
+            trusted_relays=self._relay_candidates() if relayed else None,
             force_reachability=reachability,
         )
         self.p2p = p2p
