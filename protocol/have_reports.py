@@ -1,10 +1,10 @@
 """An aggregator's reports to an attempt's leaders: which contributors' whole shard it holds.
 
 One report task per leader at a time, only what changed since that leader's last ok, and
-everything again one slack before the attempt closes. A leader that answered but refused a report
-(it is catching up and cannot place the round yet, say) is asked again every `RETRY_S` while the
-attempt is open: it decides on what it was told, and nothing else would tell it before the
-refresh. `Aggregator` mixes this in.
+everything again one slack before the attempt closes. A leader that answers it is behind (it is
+catching up and cannot place the round yet) is told again every `RETRY_S` while the attempt is
+open: it decides on what it was told, and nothing else would tell it before the refresh.
+`Aggregator` mixes this in.
 """
 
 from __future__ import annotations
@@ -16,10 +16,11 @@ from typing import Any
 
 from .plan import close_time
 from .schema import Ack, HaveReport, ProtocolError
-from .transport import PeerDead, PeerGone, PeerUnavailable
+from .transport import PeerUnavailable
 
 log = logging.getLogger(__name__)
-RETRY_S = 1.0  # the most a leader that refused a report waits to hear it again (half a slack if less)
+RETRY_S = 1.0  # the most a leader that is behind waits to hear a report again (half a slack if less)
+BEHIND = "behind: this attempt cannot be placed here yet"  # a leader's answer that asks for the report again
 
 
 class HaveReporter:
@@ -93,7 +94,7 @@ class HaveReporter:
                     while time.monotonic() < retry_at and leader not in slot.report_again:
                         await asyncio.sleep(0.1)  # a change meanwhile is sent at once, as ever
                     if self._may_retry(plan):
-                        continue  # what it refused is not in `told`: it is sent again
+                        continue  # what it could not take is not in `told`: it is sent again
                 if leader not in slot.report_again:
                     break
         except ProtocolError as exc:  # e.g. a conflicting decision: this report is moot; say so
@@ -117,7 +118,7 @@ class HaveReporter:
 
     async def _send_have(self, round_id: int, attempt: int, plan: Any, leader: str, everything: bool) -> bool:
         """Tell one leader what we hold of each shard (what changed since its last ok, or
-        everything). False: the leader answered but refused a report, and may take it later."""
+        everything). False: the leader is behind, and may take a report later."""
         slot = self.attempts[(round_id, attempt)]
         reports = []
         for shard, held in list(slot.contributions.items()):
@@ -134,21 +135,16 @@ class HaveReporter:
             if not everything and slot.told.get(key) == content:
                 return True
             if leader == self.identity.peer_id:
-                try:
-                    ack = await self._on_have(leader, report)
-                except ProtocolError:  # we are behind ourselves (see `_check_open`): not recorded
-                    ack = Ack(False, "")
+                ack = await self._on_have(leader, report)
             else:
                 try:
                     ack = await self.transport.request(leader, "have", report, Ack, timeout_s=self.ctx.slack_s)
                 except PeerUnavailable as exc:
                     log.info("have report to leader failed: %s", exc)
-                    if isinstance(exc, PeerDead) or not isinstance(exc, PeerGone):
-                        return True  # dead or silent: told again with the next change or at the refresh
-                    ack = Ack(False, "")  # refused unanswered (a leader behind us does that)
-            if not ack.ok:  # e.g. it cannot plan the round yet: not recorded there, so asked again
-                slot.told.pop(key, None)  # (a refused refresh too: that leader may have lost it all)
-                return False
+                    return True  # told again with the next change or at the refresh
+            if not ack.ok:  # not recorded there: told again (a refused refresh too: it may have lost it all)
+                slot.told.pop(key, None)
+                return ack.reason != BEHIND  # behind: soon; else with the next change or at the refresh
             slot.told[key] = content
             return True
 

@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING, Any
 
 from .aggregator import FUTURE_ROUNDS
 from .envelope import unseal
+from .have_reports import BEHIND
 from .plan import RoundPlan, close_time
 from .schema import Ack, Decision, DecisionReply, DecisionRequest, HaveReport, Join, ProtocolError
 from .shards import REPORTING_CANDIDATES
@@ -60,15 +61,17 @@ class Leading:
     async def _on_have(self, sender: str, msg: HaveReport) -> Ack:
         if self.book.decided(msg.round):  # nothing left to lead: no slot, no leading task for it
             return Ack(False, f"round {msg.round} is already decided")
-        try:
-            self._check_open(msg.round, msg.attempt)
-        except ProtocolError:
+        if msg.round > self.book.latest() + FUTURE_ROUNDS:  # we are behind (or it is far off): say so
+            self.transport.guard.count(sender, "have", "future-round", strike=False)
             self._note_missed(sender, msg)
-            raise
-        plan = await self.plan(msg.round, msg.attempt, self.ctx.slack_s, ask=sender)
+            return Ack(False, BEHIND)
+        self._check_open(msg.round, msg.attempt)  # an attempt that has not begun here: nothing of it missed yet
+        if self.book.membership(msg.round) is None:  # noted before the wait: the sender may give up first
+            self._note_missed(sender, msg)
+        # Within half a slack, so that the aggregator hears our answer before its request times out.
+        plan = await self.plan(msg.round, msg.attempt, self.ctx.slack_s / 2, ask=sender)
         if plan is None:
-            self._note_missed(sender, msg)
-            return Ack(False, f"round {msg.round} is not planned here yet")
+            return Ack(False, BEHIND)
         # Only the aggregators contributors send a shard to may report on it: anyone else could
         # make itself the source of a shard and then build that shard's aggregate.
         if msg.shard >= plan.num_shards or sender not in plan.candidates(msg.shard)[:REPORTING_CANDIDATES]:
@@ -102,6 +105,8 @@ class Leading:
         """Remember a report we refused: unless its sender reports the shard again, we may lack
         what it holds when we lead the attempt (see `_reports_missed`). Bounded: the attempts of
         the nearest rounds are kept (anyone may send reports for far-off rounds)."""
+        if msg.shard >= self.ctx.max_shards or not self.ctx.may_serve(sender):
+            return  # no aggregator of any attempt
         latest = self.book.latest()
         for key in [k for k in self.missed_reports if k[0] <= latest]:
             del self.missed_reports[key]
@@ -188,10 +193,11 @@ class Leading:
         # contributions: a fellow leader that is frozen then costs no time after the close.
         started = asyncio.Event()
         async with asyncio.TaskGroup() as tg:
-            early = tg.create_task(self._claim_at(plan, slot, close_at - self.ctx.slack_s, started)) if rank == 0 else None
-            await self._await_close(plan, slot, close_at)
+            early = tg.create_task(self._claim_at(plan, slot, close_at - self.ctx.slack_s, started, close_at)) \
+                if rank == 0 else None
+            closed_early = await self._await_close(plan, slot, close_at)
             if early is not None and not started.is_set():
-                early.cancel()  # closed early: claim below, as stand-ins do
+                early.cancel()  # closed early, or still lacking reports: claim below, as stand-ins do
         if early is not None and not early.cancelled() and early.result() is not None:
             if early.result():
                 await self._decide_claimed(plan, slot)
@@ -199,7 +205,8 @@ class Leading:
                 await self._claim_again(plan, slot, close_at)
             return
         order = list(plan.leaders)  # who decides first
-        if self._reports_missed(plan, slot):
+        last = not closed_early and len(order) > 1 and self._reports_missed(plan, slot)
+        if last:
             order = [p for p in order if p != me] + [me]
             rank = len(order) - 1
             log.info("round %d attempt %d: we refused reports while behind and lack contributions; our fellow "
@@ -211,6 +218,8 @@ class Leading:
             wake = close_at + rank * self.ctx.slack_s
             ahead = await self._leaders_ahead(plan, order[:rank], wake, time.monotonic() >= close_at) if rank > 0 else 0
             ahead_gone = rank > 0 and ahead == 0
+            if last and not ahead_gone:
+                ahead = rank  # our turn comes after every fellow's, not after the live ones' only
             await asyncio.sleep(max(0.0, close_at + ahead * self.ctx.slack_s - time.monotonic()))
             if slot.decision is not None or self.book.decided(round_id):
                 return
@@ -241,16 +250,18 @@ class Leading:
                 return
             at = time.monotonic() + self.ctx.slack_s
 
-    async def _await_close(self, plan: RoundPlan, slot: _Attempt, close_at: float) -> None:
-        """Wait until every expected trainer is complete (and they are enough to commit), or the close."""
+    async def _await_close(self, plan: RoundPlan, slot: _Attempt, close_at: float) -> bool:
+        """Wait until every expected trainer is complete (and they are enough to commit: True), or
+        the close (False)."""
         while time.monotonic() < close_at:
             expected = self._expected(plan, slot)
             _, complete = self._sources(plan, slot)
             if expected <= complete and len(complete) >= self.ctx.min_peers:
                 await self._first_holders_catch_up(plan, slot, complete, min(close_at, time.monotonic() + CATCH_UP_S))
-                return
+                return True
             if not await slot.wait_changed(close_at):
-                return
+                return False
+        return False
 
     async def _first_holders_catch_up(self, plan: RoundPlan, slot: _Attempt, complete: set[str],
                                       until: float) -> None:
@@ -270,13 +281,16 @@ class Leading:
         while lagging() and await slot.wait_changed(until):
             pass
 
-    async def _claim_at(self, plan: RoundPlan, slot: _Attempt, at: float, started: asyncio.Event) -> bool | None:
-        """Claim the attempt at monotonic time `at` (cancelled only before `started` is set).
-        None: not claimed, as we lack reports we refused (see `_reports_missed`)."""
+    async def _claim_at(self, plan: RoundPlan, slot: _Attempt, at: float, started: asyncio.Event,
+                        until: float = 0.0) -> bool | None:
+        """Claim the attempt at monotonic time `at` (cancelled only before `started` is set), or,
+        while we lack reports we refused (see `_reports_missed`), once they are in, before
+        `until`. None: not claimed by then."""
         await asyncio.sleep(max(0.0, at - time.monotonic()))
+        while self._reports_missed(plan, slot):
+            if not await slot.wait_changed(until):
+                return None
         started.set()
-        if self._reports_missed(plan, slot):
-            return None
         return slot.decision is None and not self.book.decided(plan.round) and await self._claim(plan, slot)
 
     async def decide_exclusively(self, plan: RoundPlan, slot: _Attempt) -> None:
