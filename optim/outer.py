@@ -3,7 +3,11 @@ two-phase round (`prepare` a contribution, later `apply` the round's aggregate).
 
 The parameters of the model are the *local* parameters theta_local; the outer optimizer keeps
 theta_global, the parameters every worker agreed on at the end of the last applied round. All
-vectors are flat fp32 over the model's parameters in `parameters()` order.
+vectors are flat fp32 over the model's parameters in `parameters()` order. Parameters that do not
+require gradients when the optimizer is made are frozen: they are in the vectors (and the state
+every peer agrees on), but no outer step or error feedback ever moves them. A codec may still
+send their (zero) pseudo-gradient as a small nonzero value (SparseLoCo's 2-bit values have no
+zero), and with many peers a frozen tensor would otherwise drift.
 
 The rebase rule, shared by both algorithms, keeps every bit of local work. After a round the
 local parameters become the new theta_global plus the local progress that is not yet in anyone's
@@ -64,6 +68,9 @@ class OuterOptimizer(ABC):
             raise ValueError("the outer optimizer needs at least one parameter")
         self.codec = codec
         self.global_params = parameters_to_vector(self.params).detach().float().clone()
+        # True at the coordinates of frozen parameters; None when every parameter trains (the usual case)
+        frozen = torch.cat([torch.full((p.numel(),), not p.requires_grad, dtype=torch.bool) for p in self.params])
+        self.frozen: torch.Tensor | None = frozen.to(self.global_params.device) if bool(frozen.any()) else None
         # Contributions are encoded segment by segment so the swarm can shard them (see
         # groundswell.compression.segments); 16 segments unless the caller says otherwise.
         self.segment = segment or segment_size(self.global_params.numel())
@@ -85,7 +92,7 @@ class OuterOptimizer(ABC):
         # as it was, or a caller that carries on would count the pseudo-gradient twice (once in
         # the optimizer's state, once in the local parameters it keeps training).
         try:
-            payloads = self._encode_contribution(self.global_params - local)
+            payloads = self._encode_contribution(self._trainable(self.global_params - local))
             start = self._train_on_from(payloads)
         except BaseException:
             self._discard_contribution()
@@ -176,8 +183,12 @@ class OuterOptimizer(ABC):
 
     def decode(self, payloads: list[Payload]) -> torch.Tensor:
         """Decode a contribution (all segments) into a flat fp32 vector."""
-        return decode_segments(self.codec, payloads, self.global_params.numel(), self.segment,
-                               device=self.global_params.device)
+        return self._trainable(decode_segments(self.codec, payloads, self.global_params.numel(), self.segment,
+                                               device=self.global_params.device))
+
+    def _trainable(self, vector: torch.Tensor) -> torch.Tensor:
+        """`vector` (ours to change) with the frozen parameters' coordinates set to zero."""
+        return vector if self.frozen is None else vector.masked_fill_(self.frozen, 0.0)
 
     def _train_on_from(self, payloads: list[Payload]) -> torch.Tensor | None:
         """Where the local parameters go once a contribution is prepared (None: they stay put).
@@ -204,6 +215,8 @@ class OuterOptimizer(ABC):
         fp32's range (a finite mean near its limit: one hostile contribution with clipping off)
         keeps its old value and loses its optimizer state: every worker computes the same bits,
         so all of them do so alike, and the parameters stay finite."""
+        if self.frozen is not None:  # the mean may be shared (a fetched aggregate): not ours to change
+            mean = mean.masked_fill(self.frozen, 0.0)
         new_global = old_global + self._outer_step(mean)
         if all_finite(new_global):
             return new_global

@@ -568,3 +568,45 @@ def test_an_outer_step_past_fp32s_range_leaves_those_parameters_as_they_were(alg
     assert o.global_params[2].item() != 3.0, "the coordinate that did not overflow must still move"
     if algo == "diloco":
         assert bool(torch.isfinite(o.momentum_buffer).all())
+
+
+class _PartlyFrozen(torch.nn.Module):
+    """A small trainable tensor in the same 4096-value codec chunk as a frozen one."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a = torch.nn.Parameter(torch.zeros(16))
+        self.b = torch.nn.Parameter(torch.ones(4080), requires_grad=False)
+
+
+@pytest.mark.parametrize("algorithm, codec_name", [("sparseloco", "sparseloco"), ("diloco", "int8"),
+                                                   ("diloco", "fp32")])
+def test_no_outer_step_moves_a_frozen_parameter(algorithm, codec_name):
+    # SparseLoCo's 2-bit values have no zero: a chunk with fewer nonzeros than its top-k sent
+    # the frozen tensor's zero pseudo-gradient as +L0*scale, and every round moved 48 of its
+    # 4080 values (and put the opposite into the error feedback, to be sent again).
+    codec = make_codec(codec_name)
+    models = [_PartlyFrozen() for _ in range(3)]
+    make = (lambda m: SparseLoCo(m.parameters(), codec, SparseLoCoConfig())) if algorithm == "sparseloco" else \
+        (lambda m: DiLoCo(m.parameters(), codec, DiLoCoConfig()))
+    outers = [make(m) for m in models]
+    follower_model = _PartlyFrozen()
+    follower = make(follower_model)
+    hub = InProcessHub(codec, ["w0", "w1", "w2"])
+    gen = torch.Generator().manual_seed(5)
+    for _ in range(4):
+        for m in models:
+            with torch.no_grad():  # inner steps touch only the trainable tensor
+                m.a.add_(torch.randn(16, generator=gen) * 0.01)
+        eps = [hub.endpoint(f"w{i}") for i in range(3)]
+        for ep, o in zip(eps, outers):
+            ep.contribute(o.round_id, o.prepare())
+        results = [o_ep[1].collect(o_ep[0].round_id) for o_ep in zip(outers, eps)]
+        for o, result in zip(outers, results):
+            o.apply(result)
+        follower.follow(results[0].round_id, results[0].mean)
+    for m in [*models, follower_model]:
+        assert torch.equal(m.b.detach(), torch.ones(4080))
+        assert torch.equal(m.a.detach(), models[0].a.detach()) and m.a.abs().sum() > 0  # it trained, all agree
+    if algorithm == "sparseloco":
+        assert all(not o.error[16:].any() for o in outers)  # nothing of the frozen tensor waits to be sent
