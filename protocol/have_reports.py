@@ -20,6 +20,7 @@ from .transport import PeerUnavailable
 
 log = logging.getLogger(__name__)
 RETRY_S = 1.0  # the most a leader that is behind waits to hear a report again (half a slack if less)
+RETRY_MIN_S = 0.25  # ... and the least (a tiny slack must not make the retries a flood)
 BEHIND = "behind: this attempt cannot be placed here yet"  # a leader's answer that asks for the report again
 
 
@@ -90,7 +91,7 @@ class HaveReporter:
                 everything = leader in slot.report_everything
                 slot.report_everything.discard(leader)
                 if not await self._send_have(round_id, attempt, plan, leader, everything) and self._may_retry(plan):
-                    retry_at = time.monotonic() + min(RETRY_S, self.ctx.slack_s / 2)
+                    retry_at = time.monotonic() + max(RETRY_MIN_S, min(RETRY_S, self.ctx.slack_s / 2))
                     while time.monotonic() < retry_at and leader not in slot.report_again:
                         await asyncio.sleep(0.1)  # a change meanwhile is sent at once, as ever
                     if self._may_retry(plan):

@@ -65,10 +65,14 @@ class Leading:
             self.transport.guard.count(sender, "have", "future-round", strike=False)
             self._note_missed(sender, msg)
             return Ack(False, BEHIND)
+        if self.book.opened_at(msg.round) is None:  # the previous commit is not known here: we are behind
+            self._note_missed(sender, msg)  # (noted before the wait: the sender may give up first)
+            # The sender can hand us that commit if it is the only one we lack (see `plan`), within
+            # half a slack, so that it hears our answer before its request times out.
+            if msg.round > self.book.latest() + 2 or \
+                    await self.plan(msg.round, msg.attempt, self.ctx.slack_s / 2, ask=sender) is None:
+                return Ack(False, BEHIND)
         self._check_open(msg.round, msg.attempt)  # an attempt that has not begun here: nothing of it missed yet
-        if self.book.membership(msg.round) is None:  # noted before the wait: the sender may give up first
-            self._note_missed(sender, msg)
-        # Within half a slack, so that the aggregator hears our answer before its request times out.
         plan = await self.plan(msg.round, msg.attempt, self.ctx.slack_s / 2, ask=sender)
         if plan is None:
             return Ack(False, BEHIND)
@@ -110,6 +114,9 @@ class Leading:
         latest = self.book.latest()
         for key in [k for k in self.missed_reports if k[0] <= latest]:
             del self.missed_reports[key]
+        if (msg.round, msg.attempt) not in self.missed_reports:
+            log.info("round %d attempt %d: we are behind (we know round %d): reports refused until we catch up",
+                     msg.round, msg.attempt, latest)
         missed = self.missed_reports.setdefault((msg.round, msg.attempt), set())
         if len(missed) < MISSED_PER_ATTEMPT:
             missed.add((sender, msg.shard))

@@ -29,7 +29,8 @@ def _behind_for_reports(server, refuse, far: bool = True) -> list[tuple[str, int
     else, one behind, it cannot plan the round (the previous commit is unknown, and learning it
     takes longer than the wait). Only reports: contributions still land. Returns the (sender,
     shard) pairs that met a leader that was behind."""
-    book, real_latest, real_membership, real_plan = server.book, server.book.latest, server.book.membership, server.plan
+    book, real_plan = server.book, server.plan
+    real_latest, real_membership, real_opened_at = book.latest, book.membership, book.opened_at
     met: list[tuple[str, int]] = []
 
     def behind_for() -> tuple[str, int] | None:
@@ -52,6 +53,9 @@ def _behind_for_reports(server, refuse, far: bool = True) -> list[tuple[str, int
     def membership(round_id: int):
         return None if not far and behind_for() is not None else real_membership(round_id)
 
+    def opened_at(round_id: int):
+        return None if not far and behind_for() is not None else real_opened_at(round_id)
+
     async def plan(round_id, attempt, wait_s=0.0, ask=None):
         caller = sys._getframe(1)
         if not far and caller.f_code.co_name == "_on_have" and round_id == 0 and refuse(caller.f_locals["sender"]):
@@ -60,7 +64,7 @@ def _behind_for_reports(server, refuse, far: bool = True) -> list[tuple[str, int
             return None
         return await real_plan(round_id, attempt, wait_s, ask)
 
-    book.latest, book.membership, server.plan = latest, membership, plan
+    book.latest, book.membership, book.opened_at, server.plan = latest, membership, opened_at, plan
     return met
 
 
@@ -219,3 +223,25 @@ def test_the_first_leaders_early_claim_waits_for_reports_it_refused_until_the_cl
     missing["now"] = True
     result, started, took = target.loop.run_until_complete(run(None, 0.5))
     assert result is None and not started and len(claims) == 1 and took >= 0.5
+
+
+def test_a_leader_a_round_or_two_behind_answers_behind_for_any_attempt_and_notes_it(target):
+    # A leader lacking the previous commit bounded attempts by "not begun" (it cannot know when
+    # the round opened) and refused attempt 3 or later unanswered: unnoted and never told again,
+    # the original bug for a round retried three times. Now it answers "behind" for any attempt.
+    from groundswell.protocol.have_reports import BEHIND
+    from groundswell.protocol.schema import HaveReport, ProtocolError
+
+    server, sender = target.server, target.peers[0].peer_id
+    assert server.book.latest() == -1  # genesis only: round 0 is open here, rounds 1 and 2 are not known
+
+    def have(round_id: int, attempt: int):
+        return target.loop.run_until_complete(server._on_have(sender, HaveReport(round_id, attempt, 0, [], [], [])))
+
+    for round_id, attempt in [(1, 5), (2, 3), (2, 0)]:
+        ack = have(round_id, attempt)
+        assert not ack.ok and ack.reason == BEHIND, (round_id, attempt, ack)
+        assert (sender, 0) in server.missed_reports[(round_id, attempt)]
+    with pytest.raises(ProtocolError, match="has not begun"):  # round 0's opening is known: bounded as ever
+        have(0, 50)
+    assert (0, 50) not in server.missed_reports
