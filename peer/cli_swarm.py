@@ -307,6 +307,7 @@ def join(
         check_volunteer_dir,
         check_volunteer_identity,
         check_volunteer_peer,
+        not_a_coordinator_dir,
     )
 
     _logging(verbose)
@@ -321,6 +322,7 @@ def join(
     check_maddr_flag("--listen", listen)
     boot = parse_bootstrap(bootstrap)
     if state_dir.is_dir():  # (before the identity is made there, and before the network starts)
+        not_a_coordinator_dir(state_dir)
         check_volunteer_identity(state_dir, identity is not None)
     ident, ident_path = _identity(identity, state_dir)
     if ident.peer_id == boot.coordinator_id:

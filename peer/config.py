@@ -69,9 +69,11 @@ class InnerSection:
 
     def __post_init__(self) -> None:
         _positive(self, "lr", "inner")
-        for name in ("beta1", "beta2", "min_lr_ratio"):
-            if not 0 <= getattr(self, name) <= 1:
-                raise ConfigError(f"inner.{name} must be in [0, 1], got {getattr(self, name)}")
+        for name in ("beta1", "beta2"):  # AdamW refuses 1 (every volunteer would fail as it builds it)
+            if not 0 <= getattr(self, name) < 1:
+                raise ConfigError(f"inner.{name} must be in [0, 1), got {getattr(self, name)}")
+        if not 0 <= self.min_lr_ratio <= 1:
+            raise ConfigError(f"inner.min_lr_ratio must be in [0, 1], got {self.min_lr_ratio}")
         for name in ("warmup_steps", "weight_decay", "grad_clip"):  # one key per message: the one that is wrong
             if getattr(self, name) < 0:
                 raise ConfigError(f"inner.{name} must be >= 0, got {getattr(self, name)}")

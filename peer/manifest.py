@@ -43,6 +43,8 @@ MANIFEST_VERSION = 1
 MAX_MANIFEST_BYTES = 1 << 20
 MAX_ALLOWLIST = 10_000
 MAX_REPLICAS = 3  # a shard goes to the first of its 4 reporting candidates that take it
+MIN_SLACK_S = 0.1  # round.slack_s bounds requests (a claim, a report): below this, none is answered in time
+MAX_DEADLINE_S = 86400.0  # round.deadline_s: a day; timers far beyond it overflow
 # signatures are domain-separated: the same identity also signs round messages
 _SIGNING_DOMAIN = b"groundswell/manifest/v1\x00"
 _RUN_ID = re.compile(r"[a-z0-9-]{1,48}")
@@ -109,8 +111,10 @@ class RoundSection:
     def __post_init__(self) -> None:
         if not self.deadline_s > 0:
             raise ConfigError(f"round.deadline_s must be positive, got {self.deadline_s}")
-        if not self.slack_s >= 0:
-            raise ConfigError(f"round.slack_s must be >= 0, got {self.slack_s}")
+        if not self.deadline_s <= MAX_DEADLINE_S:
+            raise ConfigError(f"round.deadline_s must be at most {MAX_DEADLINE_S:g} s (a day), got {self.deadline_s}")
+        if not self.slack_s >= MIN_SLACK_S:  # it bounds every request: with 0 none could ever be answered
+            raise ConfigError(f"round.slack_s must be at least {MIN_SLACK_S:g} s, got {self.slack_s}")
         if not self.deadline_s > 2 * self.slack_s:
             raise ConfigError(f"round.deadline_s ({self.deadline_s}) must exceed 2 x round.slack_s ({self.slack_s}): "
                               "contributions close two slacks before the deadline")

@@ -43,6 +43,14 @@ def bind_volunteer_dir(state_dir: Path, peer_id: str, coordinator_id: str, run_i
     write_atomically(state_dir / VOLUNTEER_FILE, lambda f: f.write((json.dumps(binding) + "\n").encode()))
 
 
+def not_a_coordinator_dir(state_dir: Path) -> None:
+    """Refuse a coordinator's state dir (it holds the run's signed manifest): the volunteer's
+    checkpoints would be pruned in among the coordinator's, and the coordinator could no longer
+    resume there (a volunteer's dir is refused to `launch`)."""
+    if (state_dir / "manifest.signed").exists():
+        raise ConfigError(f"{state_dir} is a coordinator's state dir (manifest.signed): join with another --state-dir")
+
+
 def check_volunteer_identity(state_dir: Path, identity_given: bool) -> None:
     """Before the identity is read (or made): a dir bound to a peer whose identity.key is gone is
     refused unless --identity names one, rather than making a new key there and starting the

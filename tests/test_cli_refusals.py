@@ -311,3 +311,41 @@ def test_join_refuses_a_dir_bound_to_another_peer_before_making_a_key_or_startin
     Identity.generate().save(sd / "identity.key")  # another peer's key in its place
     res = CliRunner().invoke(app, ["join", _bootstrap(), "--state-dir", str(sd)])
     _one_error_line(res, "holds the work of peer 12D3KooWX, not of this identity")  # before the network starts
+
+
+def test_join_refuses_a_coordinators_state_dir_before_reading_its_identity(tmp_path, nothing_starts):
+    # The mirror of the test above: a join there trained, wrote its checkpoints among the
+    # coordinator's (pruning them in time) and volunteer.json, and the coordinator could no
+    # longer resume from its own dir.
+    sd = tmp_path / "coordinator"
+    sd.mkdir()
+    (sd / "manifest.signed").write_bytes(b"signed manifest")
+    before = sorted(p.name for p in sd.iterdir())
+    res = CliRunner().invoke(app, ["join", _bootstrap(), "--state-dir", str(sd), "--quiet"])
+    _one_error_line(res, "is a coordinator's state dir")
+    assert sorted(p.name for p in sd.iterdir()) == before  # no identity.key or volunteer.json made
+
+
+@pytest.mark.parametrize("section, key, value, words", [
+    ("inner", "beta1", "1.0", "inner.beta1 must be in [0, 1)"),
+    ("inner", "beta2", "1.0", "inner.beta2 must be in [0, 1)"),
+    ("round", "slack_s", "0.0", "round.slack_s must be at least 0.1 s"),
+    ("round", "deadline_s", "1e12", "round.deadline_s must be at most 86400 s"),
+])
+def test_launch_refuses_round_and_optimizer_values_that_could_never_work(tmp_path, nothing_starts, section, key,
+                                                                          value, words):
+    # Each passed validation: beta = 1 then failed every volunteer as it built AdamW (a traceback),
+    # a zero slack timed out every request at once (no round could commit), a huge deadline
+    # overflowed a timer.
+    import tomllib
+
+    text = EXAMPLE.read_text()
+    assert f"[{section}]" in text
+    lines = [line for line in text.splitlines() if not line.strip().startswith(f"{key} ")]
+    at = lines.index(f"[{section}]")
+    lines.insert(at + 1, f"{key} = {value}")
+    bad = tmp_path / "run.toml"
+    bad.write_text("\n".join(lines) + "\n")
+    assert tomllib.loads(bad.read_text())[section][key] == float(value)  # the value reached the manifest
+    res = CliRunner().invoke(app, ["launch", str(bad), "--state-dir", str(tmp_path / "sd"), "--quiet"])
+    _one_error_line(res, words)
