@@ -112,6 +112,13 @@ def _fetch_manifest(node, maddrs: list[str], coordinator_id: str):
     return signed, SignedManifest.from_bytes(signed).verify(coordinator_id)
 
 
+def _manifest_digest(signed: bytes) -> str:
+    """The signed manifest's digest: names one launch of a run (a resumed one signs it again alike)."""
+    from .manifest import SignedManifest
+
+    return SignedManifest.from_bytes(signed).digest
+
+
 def _logging(verbose: bool) -> None:
     logging.basicConfig(level=logging.INFO if verbose else logging.WARNING, stream=sys.stderr,
                         format="%(asctime)s %(name)s %(levelname)s %(message)s")
@@ -338,7 +345,9 @@ def join(
         peers = [m.rsplit("/p2p/", 1)[1] for m in boot.maddrs]
         signed, manifest = _fetch_manifest(node, boot.maddrs, boot.coordinator_id)
         manifest.check_may_train(ident.peer_id)  # before any download: its contributions would be refused
-        unbound = check_volunteer_dir(state_dir, ident.peer_id, boot.coordinator_id, manifest.run.id)  # before it is read
+        launch = _manifest_digest(signed)
+        unbound = check_volunteer_dir(state_dir, ident.peer_id, boot.coordinator_id, manifest.run.id,
+                                      launch)  # before it is read
         corpus = volunteer_corpus(manifest, data, allow_model_code)
         console.print(f"joined run [bold]{manifest.run.id}[/] as {ident.peer_id} (manifest verified)")
         relays = ", ".join(pid[-8:] for pid in peers[:3])  # trusted relays: the bootstrap peers
@@ -352,7 +361,7 @@ def join(
                         corpus=corpus)
         if unbound:
             p.preload_checkpoint()  # another run's checkpoint is refused before the folder is bound to this run
-            bind_volunteer_dir(state_dir, ident.peer_id, boot.coordinator_id, manifest.run.id)
+            bind_volunteer_dir(state_dir, ident.peer_id, boot.coordinator_id, manifest.run.id, launch)
         stop = _stop_on_signals()
         h = manifest.outer.inner_steps
         tokens_per_step = manifest.data.batch_size * p.workload.block_size

@@ -21,10 +21,12 @@ from .state_files import write_atomically
 VOLUNTEER_FILE = "volunteer.json"
 
 
-def check_volunteer_dir(state_dir: Path, peer_id: str, coordinator_id: str, run_id: str) -> bool:
-    """ConfigError if `state_dir` is bound to another peer, coordinator or run (or its binding is
-    unreadable), naming what differs and what to do; True if it is bound to none yet (then
-    `bind_volunteer_dir` once its checkpoint is accepted)."""
+def check_volunteer_dir(state_dir: Path, peer_id: str, coordinator_id: str, run_id: str,
+                        manifest: str = "") -> bool:
+    """ConfigError if `state_dir` is bound to another peer, coordinator, run or launch of the run
+    (`manifest`: the signed manifest's digest; or its binding is unreadable), naming what differs
+    and what to do; True if it is bound to none yet, or bound by an older version that recorded
+    no manifest (then `bind_volunteer_dir` once its checkpoint is accepted)."""
     have = _binding(state_dir)
     if have is None:
         _check_unbound(state_dir, peer_id)
@@ -33,13 +35,18 @@ def check_volunteer_dir(state_dir: Path, peer_id: str, coordinator_id: str, run_
     if (have["coordinator"], have["run_id"]) != (coordinator_id, run_id):
         raise ConfigError(f"{state_dir} holds run {have['run_id']!r} of coordinator {have['coordinator']}, not run "
                           f"{run_id!r} of {coordinator_id}: use another --state-dir for this run")
-    return False
+    if manifest and have.get("manifest", manifest) != manifest:
+        # A coordinator resuming its run signs the same manifest again; another one under the same
+        # run id and key is a new launch (a new genesis, other settings): our checkpoint is not of it.
+        raise ConfigError(f"{state_dir} holds the work of another launch of run {run_id!r} (its coordinator's "
+                          "manifest changed since: started anew, or with other settings): use another --state-dir")
+    return bool(manifest) and not isinstance(have.get("manifest"), str)
 
 
-def bind_volunteer_dir(state_dir: Path, peer_id: str, coordinator_id: str, run_id: str) -> None:
+def bind_volunteer_dir(state_dir: Path, peer_id: str, coordinator_id: str, run_id: str, manifest: str = "") -> None:
     """Write the binding (after the state dir's checkpoint was accepted for this run: a join
     refused for another run's checkpoint must not bind the folder to itself)."""
-    binding = dict(zip(_KEYS, (peer_id, coordinator_id, run_id)))
+    binding = {**dict(zip(_KEYS, (peer_id, coordinator_id, run_id))), **({"manifest": manifest} if manifest else {})}
     write_atomically(state_dir / VOLUNTEER_FILE, lambda f: f.write((json.dumps(binding) + "\n").encode()))
 
 

@@ -598,3 +598,27 @@ def test_a_lock_whose_pid_cannot_be_written_is_released_and_named(tmp_path, monk
     locks.hold_exclusively(lock, "state dir", tmp_path)  # free again, taken now
     assert str(lock.resolve()) in locks._HELD
     os.close(locks._HELD.pop(str(lock.resolve())))
+
+
+def test_a_volunteer_dir_of_another_launch_of_the_run_is_refused(tmp_path):
+    # A coordinator that launched its run anew (a fresh state dir, other settings) under the same
+    # run id and key: a volunteer resumed its old checkpoint into it, and the coordinator took
+    # that state as the majority's word; the new genesis was lost without a word.
+    import json
+
+    from groundswell.peer.config import ConfigError
+    from groundswell.peer.volunteer_dir import VOLUNTEER_FILE, bind_volunteer_dir, check_volunteer_dir
+
+    state = tmp_path / "state"
+    state.mkdir()
+    assert check_volunteer_dir(state, "peerA", "coordC", "run-1", "m1")
+    bind_volunteer_dir(state, "peerA", "coordC", "run-1", "m1")
+    assert not check_volunteer_dir(state, "peerA", "coordC", "run-1", "m1")  # the coordinator resumed: same manifest
+    with pytest.raises(ConfigError, match="another launch of run 'run-1'"):
+        check_volunteer_dir(state, "peerA", "coordC", "run-1", "m2")
+    # A binding an older version wrote (no manifest) is taken, and asked to be bound again with it.
+    (state / VOLUNTEER_FILE).write_text(json.dumps({"peer_id": "peerA", "coordinator": "coordC", "run_id": "run-1"}))
+    assert check_volunteer_dir(state, "peerA", "coordC", "run-1", "m2")
+    bind_volunteer_dir(state, "peerA", "coordC", "run-1", "m2")
+    assert json.loads((state / VOLUNTEER_FILE).read_text())["manifest"] == "m2"
+    assert not check_volunteer_dir(state, "peerA", "coordC", "run-1", "m2")
