@@ -78,4 +78,4 @@ class DiLoCo(OuterOptimizer):
     def _load_extra_state(self, state: dict[str, Any]) -> None:
         if state.get("algorithm") != "diloco":
             raise ValueError(f"not a DiLoCo state (algorithm={state.get('algorithm')!r})")
-        self.momentum_buffer = self._like_params(state, "momentum_buffer")
+        self.momentum_buffer = self._trainable(self._like_params(state, "momentum_buffer"))

@@ -110,7 +110,7 @@ class SparseLoCo(OuterOptimizer):
     def _load_extra_state(self, state: dict[str, Any]) -> None:
         if state.get("algorithm") != "sparseloco":
             raise ValueError(f"not a SparseLoCo state (algorithm={state.get('algorithm')!r})")
-        self.error = self._like_params(state, "error")
+        self.error = self._trainable(self._like_params(state, "error"))  # (an older state's, at frozen ones)
         self._sent = None
         self._discard_contribution()
 

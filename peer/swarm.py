@@ -301,7 +301,8 @@ class SwarmNode(PeerRecords, StateServing, NetLoop):
     async def _create_p2p(self, p2p_class: Any, reachability: str | None) -> Any:
         """Start the libp2p daemon; `reachability` ("public"/"private", None: let AutoNAT guess)
         is what AutoNAT is told. Behind a NAT the node holds a relay reservation (its bootstrap
-        peers are the trusted relays) so that others can still open a stream to it."""
+        peers are the trusted relays) so that others can still open a stream to it, unless its
+        options say it needs none (`relay_slot`: a passing reader's node)."""
         adopt_p2pd_daemons()  # Ctrl+C reaches us, not the daemon; it still ends with us (Linux)
         relayed = reachability != "public" and self.options.relay_slot
         p2p = await p2p_class.create(

@@ -39,7 +39,8 @@ def check_volunteer_dir(state_dir: Path, peer_id: str, coordinator_id: str, run_
         # A coordinator resuming its run signs the same manifest again; another one under the same
         # run id and key is a new launch (a new genesis, other settings): our checkpoint is not of it.
         raise ConfigError(f"{state_dir} holds the work of another launch of run {run_id!r} (its coordinator's "
-                          "manifest changed since: started anew, or with other settings): use another --state-dir")
+                          "manifest changed since: started anew, or with other settings): use another --state-dir "
+                          f"(keeping this peer's key with --identity {state_dir / 'identity.key'})")
     return bool(manifest) and not isinstance(have.get("manifest"), str)
 
 

@@ -49,6 +49,7 @@ class Leading:
     attempts: Any
     joins: Any
     missed_reports: dict[tuple[int, int], set[tuple[str, int]]]  # (round, attempt) -> refused (aggregator, shard)
+    behind_said: set[tuple[int, int]]  # attempts whose "behind" answer was logged
     plan: Any
     _spawn: Any
     _check_open: Any
@@ -64,18 +65,18 @@ class Leading:
         if msg.round > self.book.latest() + FUTURE_ROUNDS:  # we are behind (or it is far off): say so
             self.transport.guard.count(sender, "have", "future-round", strike=False)
             self._note_missed(sender, msg)
-            return Ack(False, BEHIND)
+            return self._behind(msg)
         if self.book.opened_at(msg.round) is None:  # the previous commit is not known here: we are behind
             self._note_missed(sender, msg)  # (noted before the wait: the sender may give up first)
             # The sender can hand us that commit if it is the only one we lack (see `plan`), within
             # half a slack, so that it hears our answer before its request times out.
             if msg.round > self.book.latest() + 2 or \
                     await self.plan(msg.round, msg.attempt, self.ctx.slack_s / 2, ask=sender) is None:
-                return Ack(False, BEHIND)
+                return self._behind(msg)
         self._check_open(msg.round, msg.attempt)  # an attempt that has not begun here: nothing of it missed yet
         plan = await self.plan(msg.round, msg.attempt, self.ctx.slack_s / 2, ask=sender)
         if plan is None:
-            return Ack(False, BEHIND)
+            return self._behind(msg)
         # Only the aggregators contributors send a shard to may report on it: anyone else could
         # make itself the source of a shard and then build that shard's aggregate.
         if msg.shard >= plan.num_shards or sender not in plan.candidates(msg.shard)[:REPORTING_CANDIDATES]:
@@ -105,6 +106,17 @@ class Leading:
         # joins may have arrived (it repeats only what changed since an ok).
         return Ack(not unexpected, f"{unexpected} contributors not expected here (yet)" if unexpected else "")
 
+    def _behind(self, msg: HaveReport) -> Ack:
+        """Our answer to a report we cannot take yet; said in the log once per attempt."""
+        key = (msg.round, msg.attempt)
+        if key not in self.behind_said:
+            self.behind_said = {k for k in self.behind_said if k[0] > self.book.latest()}
+            if len(self.behind_said) < MISSED_ATTEMPTS:  # bounded: anyone may send reports for far-off rounds
+                self.behind_said.add(key)
+                log.info("round %d attempt %d: we are behind (we know round %d): its reports are refused until we "
+                         "catch up", msg.round, msg.attempt, self.book.latest())
+        return Ack(False, BEHIND)
+
     def _note_missed(self, sender: str, msg: HaveReport) -> None:
         """Remember a report we refused: unless its sender reports the shard again, we may lack
         what it holds when we lead the attempt (see `_reports_missed`). Bounded: the attempts of
@@ -114,9 +126,6 @@ class Leading:
         latest = self.book.latest()
         for key in [k for k in self.missed_reports if k[0] <= latest]:
             del self.missed_reports[key]
-        if (msg.round, msg.attempt) not in self.missed_reports:
-            log.info("round %d attempt %d: we are behind (we know round %d): reports refused until we catch up",
-                     msg.round, msg.attempt, latest)
         missed = self.missed_reports.setdefault((msg.round, msg.attempt), set())
         if len(missed) < MISSED_PER_ATTEMPT:
             missed.add((sender, msg.shard))
@@ -198,6 +207,7 @@ class Leading:
         close_at = time.monotonic() + (close_wall - time.time())  # the slot's deadline, on our clock
         # The leader claims the attempt one slack before it closes, while it still waits for
         # contributions: a fellow leader that is frozen then costs no time after the close.
+        # (Unless it lacks reports it could not take while behind: then once they are in.)
         started = asyncio.Event()
         async with asyncio.TaskGroup() as tg:
             early = tg.create_task(self._claim_at(plan, slot, close_at - self.ctx.slack_s, started, close_at)) \

@@ -117,6 +117,7 @@ class RoundServer(Aggregator, Leading, Claims, Decider):
         self.attempts: dict[tuple[int, int], _Attempt] = defaultdict(_Attempt)
         self.joins: dict[int, dict[str, tuple[bool, bool]]] = defaultdict(dict)
         self.missed_reports: dict[tuple[int, int], set[tuple[str, int]]] = {}  # see `Leading._note_missed`
+        self.behind_said: set[tuple[int, int]] = set()  # see `Leading._behind`
         self.aggregates: dict[tuple[int, int], AggregateShard] = {}
         self._sealed: dict[tuple[int, int], tuple[AggregateShard, bytes]] = {}  # see `_sealed_aggregate`
         self.later_claims: dict[int, int] = {}  # round -> newest attempt whose claim we let pass (a fence)
