@@ -29,7 +29,7 @@ async def _knows(node: SwarmNode, peer_id: str) -> bool:
 
 
 def test_the_status_reader_is_a_dht_client_that_is_not_probed_and_takes_no_relay_slot(tmp_path, monkeypatch):
-    import groundswell.peer.reachability as reachability
+    from groundswell.peer import reachability
 
     boot = _node(tmp_path, "boot", NodeOptions(reachability="public", direct_state=False))
     boot.start()
