@@ -19,7 +19,8 @@ from rich.table import Table
 from .cli import _set_threads, _user_errors, app, console
 from .config import ConfigError, check_device
 from .join_consent import volunteer_corpus
-from .launch_checks import not_a_volunteer_dir, prepare_manifest, record_run, resumable, same_run_as_before
+from .launch_checks import (checkpoints_not_gone, not_a_volunteer_dir, prepare_manifest, record_run, resumable,
+                            same_run_as_before)
 from .state_files import write_atomically
 from .status_view import print_status
 
@@ -253,6 +254,7 @@ def launch(
     # a state dir of another run, or with no readable checkpoint left, is refused before we write to it
     resumable(state_dir, p.preload_checkpoint())
     same_run_as_before(state_dir, signed)
+    checkpoints_not_gone(state_dir)  # (after the above: a dir of another run is told so first)
     stop = _stop_on_signals("stopping: saving a checkpoint")
     rows: list = []
     try:  # from here on the node is closed whatever happens (an attach timeout, a full disk, Ctrl+C)

@@ -11,7 +11,7 @@ from groundswell.protocol.client import RoundBehind
 from groundswell.protocol.schema import ProtocolError
 from groundswell.protocol.transport import PeerUnavailable
 
-from .launch_checks import resumable
+from .launch_checks import forget_run, resumable
 from .net_loop import Stopped
 from .participant import Participant, genesis_decision
 from .roles import StopFlag, write_defence_counts
@@ -42,6 +42,7 @@ def run_coordinator(p: Participant, *, stop: StopFlag, on_round: Callable[[Round
         if p.save_checkpoint() is None:
             # A restart without it would sign another genesis (its own time): a round 0 of another
             # state than the one the volunteers who joined meanwhile hold. Refused before anyone joins.
+            forget_run(p.state_dir)
             raise OSError(f"the run's first checkpoint could not be written to {p.state_dir} (see the log "
                                "line above); free space or choose another --state-dir, then launch again")
     # Ctrl+C cuts any wait on the network short: the coordinator contributes nothing, so it leaves at

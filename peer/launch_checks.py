@@ -81,6 +81,12 @@ def record_run(state_dir: Path, signed: bytes) -> None:
     write_atomically(state_dir / "manifest.signed", lambda f: f.write(signed))
 
 
+def forget_run(state_dir: Path) -> None:
+    """Undo `record_run` when the genesis checkpoint could not be written: nobody can hold a state of
+    the run yet, and a launch after freeing space must not be refused by `checkpoints_not_gone`."""
+    (state_dir / "manifest.signed").unlink(missing_ok=True)
+
+
 def not_a_volunteer_dir(state_dir: Path) -> None:
     """Refuse a volunteer's state dir: its identity would become the coordinator's key, and the
     coordinator's exit checkpoint would replace the volunteer's of the same round (which holds its
@@ -99,5 +105,17 @@ def resumable(state_dir: Path, found: object) -> None:
 
     if found is None and checkpoints_newest_first(state_dir):
         raise ConfigError(f"none of the checkpoints in {state_dir} can be read (see the log lines above): "
+                          "copy in a good one (a volunteer's --state-dir of this run holds some), or start a "
+                          "new run (a new run.id and --state-dir)")
+
+
+def checkpoints_not_gone(state_dir: Path) -> None:
+    """Refuse a state dir that launched its run before (`record_run` wrote manifest.signed once the
+    network was up, and the genesis checkpoint right after) but holds no checkpoint now: a launch
+    would sign a new genesis, a round 0 of another state, under the run's volunteers, all past it."""
+    from .state_files import checkpoints_newest_first
+
+    if (state_dir / "manifest.signed").exists() and not checkpoints_newest_first(state_dir):
+        raise ConfigError(f"{state_dir} launched this run before (manifest.signed) but holds no checkpoint now: "
                           "copy in a good one (a volunteer's --state-dir of this run holds some), or start a "
                           "new run (a new run.id and --state-dir)")

@@ -4,8 +4,10 @@ the one just written."""
 
 from __future__ import annotations
 
+import errno
 import logging
 import os
+import shutil
 import zipfile
 from collections.abc import Callable, Collection
 from pathlib import Path
@@ -39,7 +41,10 @@ def write_atomically(path: Path, write: Callable[[IO[bytes]], None]) -> None:
             os.fsync(f.fileno())
         os.replace(tmp, path)
     except RuntimeError as exc:
+        full = _nearly_full(path.parent)  # measured before the partial file is discarded
         _discard(tmp)
+        if full:  # torch's own words for it are "unexpected pos 704 vs 598"
+            raise OSError(errno.ENOSPC, f"no space left on the disk of {path.parent} (writing {path.name})") from exc
         raise OSError(f"writing {path.name} failed: {exc}") from exc
     except BaseException:  # a second Ctrl+C, a MemoryError or a pickling error mid-write too
         _discard(tmp)
@@ -50,6 +55,14 @@ def write_atomically(path: Path, write: Callable[[IO[bytes]], None]) -> None:
         fsync_dir(path.parent)  # the rename itself survives a power loss
     except OSError as exc:  # some filesystems refuse fsync on a directory (EINVAL), or a one-off EIO
         _warn_not_durable(path, exc)
+
+
+def _nearly_full(folder: Path) -> bool:
+    """Has the filesystem holding `folder` less than 1 MiB free (unknown: no)?"""
+    try:
+        return shutil.disk_usage(folder).free < 1 << 20
+    except OSError:
+        return False
 
 
 def _discard(tmp: Path) -> None:

@@ -270,6 +270,23 @@ def test_launch_refuses_a_state_dir_with_no_readable_checkpoint_before_starting(
     assert not (sd / "manifest.signed").exists() and not (sd / "bootstrap.txt").exists()
 
 
+def test_launch_refuses_a_state_dir_whose_run_started_but_whose_checkpoints_are_gone(tmp_path, nothing_starts):
+    # It used to sign a new genesis without a word: a round 0 of another state under the run's
+    # volunteers, who are all past it.
+    from groundswell.peer.manifest import load_manifest_toml, sign_manifest
+
+    sd = tmp_path / "run"
+    sd.mkdir()
+    first = CliRunner().invoke(app, ["keygen", str(sd / "identity.key")])
+    assert first.exit_code == 0, first.output
+    ident = Identity.load(sd / "identity.key")
+    signed = sign_manifest(load_manifest_toml(EXAMPLE), ident).to_bytes()
+    (sd / "manifest.signed").write_bytes(signed)  # what `record_run` left; the checkpoints deleted since
+    res = CliRunner().invoke(app, ["launch", str(EXAMPLE), "--state-dir", str(sd), "--quiet"])
+    _one_error_line(res, "launched this run before (manifest.signed) but holds no checkpoint now")
+    assert (sd / "manifest.signed").read_bytes() == signed and not (sd / "bootstrap.txt").exists()
+
+
 def test_the_cli_prints_ipv6_addresses_as_they_are():
     # rich reads ":ab:", ":cd:" or ":100:" in an IPv6 address as an emoji code: the line a
     # volunteer pastes came out as "2001:db8💯5::1" and was refused.

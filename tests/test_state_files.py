@@ -81,6 +81,30 @@ def test_an_interrupted_write_leaves_no_temp_file_and_the_old_file_whole(tmp_pat
     assert not list(tmp_path.glob("*.tmp"))
 
 
+@pytest.mark.parametrize("free, words", [(4096, "no space left on the disk of"),
+                                         (10 << 30, "writing work.pt failed: unexpected pos 704 vs 598")])
+def test_torch_running_out_of_disk_is_said_in_plain_words(tmp_path, monkeypatch, free, words):
+    # torch.save's zip writer says a full disk as "[enforce fail at inline_container.cc:672] .
+    # unexpected pos 704 vs 598"; that was the whole message a coordinator saw.
+    import errno
+    import shutil
+    from collections import namedtuple
+
+    usage = namedtuple("usage", "total used free")
+    monkeypatch.setattr(shutil, "disk_usage", lambda folder: usage(1 << 40, (1 << 40) - free, free))
+    path = tmp_path / "work.pt"
+    path.write_bytes(b"old")
+
+    def torch_save(f) -> None:
+        f.write(b"part of it")
+        raise RuntimeError("unexpected pos 704 vs 598")
+
+    with pytest.raises(OSError, match=words) as caught:
+        write_atomically(path, torch_save)
+    assert (caught.value.errno == errno.ENOSPC) == (free < 1 << 20)
+    assert path.read_bytes() == b"old" and not list(tmp_path.glob("*.tmp"))
+
+
 def test_a_checkpoint_that_runs_out_of_memory_is_reported_and_training_goes_on(tmp_path, corpus, monkeypatch):
     p = _at_round(_factory(tmp_path, corpus)(), 3)
     saved = p.save_checkpoint()
