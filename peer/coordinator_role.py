@@ -11,7 +11,7 @@ from groundswell.protocol.client import RoundBehind
 from groundswell.protocol.schema import ProtocolError
 from groundswell.protocol.transport import PeerUnavailable
 
-from .launch_checks import forget_run, resumable
+from .launch_checks import mark_genesis_saved, resumable
 from .net_loop import Stopped
 from .participant import Participant, genesis_decision
 from .roles import StopFlag, write_defence_counts
@@ -42,9 +42,10 @@ def run_coordinator(p: Participant, *, stop: StopFlag, on_round: Callable[[Round
         if p.save_checkpoint() is None:
             # A restart without it would sign another genesis (its own time): a round 0 of another
             # state than the one the volunteers who joined meanwhile hold. Refused before anyone joins.
-            forget_run(p.state_dir)
             raise OSError(f"the run's first checkpoint could not be written to {p.state_dir} (see the log "
                                "line above); free space or choose another --state-dir, then launch again")
+    if p.state_dir is not None:
+        mark_genesis_saved(p.state_dir)  # (also on a resume: state dirs of older versions have no mark)
     # Ctrl+C cuts any wait on the network short: the coordinator contributes nothing, so it leaves at
     # once, even mid-attempt (the volunteers re-pick any role it held, as when a peer dies).
     p.node.interrupt_calls_on(stop.event)

@@ -5,10 +5,13 @@ launched, recorded once the network is up)."""
 
 from __future__ import annotations
 
+import logging
 from pathlib import Path
 
 from .config import ConfigError
 from .state_files import write_atomically
+
+log = logging.getLogger(__name__)
 
 
 def prepare_manifest(manifest, path: Path):
@@ -81,12 +84,6 @@ def record_run(state_dir: Path, signed: bytes) -> None:
     write_atomically(state_dir / "manifest.signed", lambda f: f.write(signed))
 
 
-def forget_run(state_dir: Path) -> None:
-    """Undo `record_run` when the genesis checkpoint could not be written: nobody can hold a state of
-    the run yet, and a launch after freeing space must not be refused by `checkpoints_not_gone`."""
-    (state_dir / "manifest.signed").unlink(missing_ok=True)
-
-
 def not_a_volunteer_dir(state_dir: Path) -> None:
     """Refuse a volunteer's state dir: its identity would become the coordinator's key, and the
     coordinator's exit checkpoint would replace the volunteer's of the same round (which holds its
@@ -109,13 +106,27 @@ def resumable(state_dir: Path, found: object) -> None:
                           "new run (a new run.id and --state-dir)")
 
 
+GENESIS_MARK = "genesis.done"  # written once the run's first checkpoint is: from then on a state dir holds some
+
+
+def mark_genesis_saved(state_dir: Path) -> None:
+    """Note that this state dir has held a checkpoint of its run (see `checkpoints_not_gone`)."""
+    if (state_dir / GENESIS_MARK).exists():
+        return
+    try:
+        write_atomically(state_dir / GENESIS_MARK, lambda f: f.write(b"the run's first checkpoint was written here\n"))
+    except OSError as exc:  # the checkpoints are what matter: the run goes on, unguarded against their loss
+        log.warning("could not write %s in %s (%s): a launch here after its checkpoints are lost would not "
+                    "be refused", GENESIS_MARK, state_dir, exc)
+
+
 def checkpoints_not_gone(state_dir: Path) -> None:
-    """Refuse a state dir that launched its run before (`record_run` wrote manifest.signed once the
-    network was up, and the genesis checkpoint right after) but holds no checkpoint now: a launch
-    would sign a new genesis, a round 0 of another state, under the run's volunteers, all past it."""
+    """Refuse a state dir that has held a checkpoint of its run (`mark_genesis_saved`) but holds none
+    now: a launch would sign a new genesis, a round 0 of another state, under the run's volunteers,
+    all past it. (A launch stopped before its first checkpoint leaves no mark: nobody holds a state.)"""
     from .state_files import checkpoints_newest_first
 
-    if (state_dir / "manifest.signed").exists() and not checkpoints_newest_first(state_dir):
-        raise ConfigError(f"{state_dir} launched this run before (manifest.signed) but holds no checkpoint now: "
-                          "copy in a good one (a volunteer's --state-dir of this run holds some), or start a "
-                          "new run (a new run.id and --state-dir)")
+    if (state_dir / GENESIS_MARK).exists() and not checkpoints_newest_first(state_dir):
+        raise ConfigError(f"{state_dir} held checkpoints of this run ({GENESIS_MARK}) but holds none now: copy in "
+                          "a good one (a volunteer's --state-dir of this run holds some), or start a new run (a "
+                          "new run.id and --state-dir)")

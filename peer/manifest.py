@@ -141,14 +141,14 @@ class DefencesSection:
     score_batches: int = 2  # probe batches (of data.batch_size windows)
 
     def __post_init__(self) -> None:
-        if not self.clip >= 0 or not 0 <= self.trim < 0.5:
-            raise ConfigError("defences.clip must be >= 0 and defences.trim in [0, 0.5)")
-        if not (self.requests_per_s > 0 and self.max_streams >= 1 and self.strikes >= 1 and self.ban_s >= 0
-                and self.max_clock_skew_s > 0):
-            raise ConfigError("defences.requests_per_s, max_streams, strikes and max_clock_skew_s must be "
-                              "positive and ban_s >= 0")
-        if self.score_batches < 1 or not self.score_threshold == self.score_threshold:
-            raise ConfigError("defences.score_batches must be >= 1 and defences.score_threshold a number")
+        checks = (("clip", self.clip >= 0, "must be >= 0"), ("trim", 0 <= self.trim < 0.5, "must be in [0, 0.5)"),
+                  ("requests_per_s", self.requests_per_s > 0, "must be positive"),
+                  ("max_streams", self.max_streams >= 1, "must be >= 1"), ("strikes", self.strikes >= 1, "must be >= 1"),
+                  ("ban_s", self.ban_s >= 0, "must be >= 0"),
+                  ("max_clock_skew_s", self.max_clock_skew_s > 0, "must be positive"),
+                  ("score_batches", self.score_batches >= 1, "must be >= 1"),
+                  ("score_threshold", self.score_threshold == self.score_threshold, "must be a number"))
+        _first_failed("defences", self, checks)
 
 
 @dataclass(frozen=True)
@@ -159,8 +159,15 @@ class CheckpointSection:
     keep: int = 3
 
     def __post_init__(self) -> None:
-        if self.every_rounds < 1 or self.keep < 1:
-            raise ConfigError("checkpoint.every_rounds and checkpoint.keep must be >= 1")
+        _first_failed("checkpoint", self, (("every_rounds", self.every_rounds >= 1, "must be >= 1"),
+                                           ("keep", self.keep >= 1, "must be >= 1")))
+
+
+def _first_failed(section: str, values: object, checks: tuple[tuple[str, bool, str], ...]) -> None:
+    """Refuse the first key whose check failed, naming that key alone and its value."""
+    for name, ok, rule in checks:
+        if not ok:
+            raise ConfigError(f"{section}.{name} {rule}, got {getattr(values, name)!r}")
 
 
 SWARM_ALGORITHMS = ("diloco", "sparseloco")  # the outer algorithms a run can use

@@ -270,21 +270,17 @@ def test_launch_refuses_a_state_dir_with_no_readable_checkpoint_before_starting(
     assert not (sd / "manifest.signed").exists() and not (sd / "bootstrap.txt").exists()
 
 
-def test_launch_refuses_a_state_dir_whose_run_started_but_whose_checkpoints_are_gone(tmp_path, nothing_starts):
+def test_launch_refuses_a_state_dir_that_held_checkpoints_of_its_run_but_holds_none_now(tmp_path, nothing_starts):
     # It used to sign a new genesis without a word: a round 0 of another state under the run's
     # volunteers, who are all past it.
-    from groundswell.peer.manifest import load_manifest_toml, sign_manifest
+    from groundswell.peer.launch_checks import mark_genesis_saved
 
     sd = tmp_path / "run"
     sd.mkdir()
-    first = CliRunner().invoke(app, ["keygen", str(sd / "identity.key")])
-    assert first.exit_code == 0, first.output
-    ident = Identity.load(sd / "identity.key")
-    signed = sign_manifest(load_manifest_toml(EXAMPLE), ident).to_bytes()
-    (sd / "manifest.signed").write_bytes(signed)  # what `record_run` left; the checkpoints deleted since
+    mark_genesis_saved(sd)  # what the first launch left with its first checkpoint, deleted since
     res = CliRunner().invoke(app, ["launch", str(EXAMPLE), "--state-dir", str(sd), "--quiet"])
-    _one_error_line(res, "launched this run before (manifest.signed) but holds no checkpoint now")
-    assert (sd / "manifest.signed").read_bytes() == signed and not (sd / "bootstrap.txt").exists()
+    _one_error_line(res, f"{sd} held checkpoints of this run (genesis.done) but holds none now")
+    assert not (sd / "manifest.signed").exists() and not (sd / "bootstrap.txt").exists()
 
 
 def test_the_cli_prints_ipv6_addresses_as_they_are():

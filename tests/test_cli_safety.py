@@ -144,9 +144,8 @@ def test_a_coordinator_whose_first_checkpoint_cannot_be_written_does_not_start_t
         node=SimpleNamespace(startup_s={}, record_decision=lambda d: None,
                              interrupt_calls_on=lambda e: followed.append("followed")),
         load_checkpoint=lambda: None, snapshot=lambda: None, save_checkpoint=lambda *a, **k: None)
-    (tmp_path / "manifest.signed").write_bytes(b"recorded once the network was up")
     with pytest.raises(OSError, match="first checkpoint could not be written"):
         run_coordinator(p, stop=StopFlag())
     assert followed == []  # no round was followed
-    # unbound again: the launch after freeing space is not refused as a run whose checkpoints are gone
-    assert not (tmp_path / "manifest.signed").exists()
+    # unmarked: the launch after freeing space is not refused as a run whose checkpoints are gone
+    assert not (tmp_path / "genesis.done").exists()

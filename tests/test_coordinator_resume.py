@@ -30,6 +30,7 @@ def test_coordinator_resumes_from_its_checkpoint(tmp_path):
     last = [e for e in rounds if e["kind"] == "round"][-1]
     kept = {p.name for p in (out / "coordinator").glob("checkpoint-*.pt")}
     assert len(followed) >= 2 and {f"checkpoint-{r + 1:08d}.pt" for r in followed} <= kept, (followed, kept)
+    assert (out / "coordinator" / "genesis.done").exists()  # were its checkpoints lost, a launch is refused
     with Simulation(out / "again", opts) as sim:
         sim.spawn("coordinator", ["launch", str(out / "run.toml"), "--state-dir", str(out / "coordinator"),
                                   "--listen", "/ip4/127.0.0.1/tcp/0", "--quiet", "--threads", "1"])

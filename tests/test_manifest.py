@@ -157,6 +157,27 @@ def test_bad_manifest_names_the_key(tmp_path, text, key):
     assert key in str(info.value)
 
 
+@pytest.mark.parametrize("section, key, value", [
+    ("defences", "clip", "-1.0"), ("defences", "trim", "0.5"), ("defences", "requests_per_s", "0.0"),
+    ("defences", "max_streams", "0"), ("defences", "strikes", "0"), ("defences", "ban_s", "-1.0"),
+    ("defences", "max_clock_skew_s", "0.0"), ("defences", "score_batches", "0"),
+    ("checkpoint", "every_rounds", "0"), ("checkpoint", "keep", "0"),
+])
+def test_a_bad_value_is_named_alone_with_what_was_given(tmp_path, section, key, value):
+    # The messages named two to five keys at once ("defences.clip must be >= 0 and defences.trim in
+    # [0, 0.5)"), and not the value: a user had to guess which one was wrong.
+    import dataclasses
+
+    from groundswell.peer.manifest import CheckpointSection, DefencesSection
+
+    with pytest.raises(ConfigError) as info:
+        load_manifest_toml(_toml(tmp_path, MINIMAL + f"[{section}]\n{key} = {value}\n"))
+    said = str(info.value).split(": ", 1)[1]  # after the file's name
+    assert said.startswith(f"{section}.{key} ") and said.endswith(f"got {value}"), said
+    others = {f.name for f in dataclasses.fields(DefencesSection if section == "defences" else CheckpointSection)}
+    assert not [other for other in others - {key} if other in said.replace(key, "")], said
+
+
 def test_missing_file(tmp_path):
     with pytest.raises(ConfigError, match="cannot read"):
         load_manifest_toml(tmp_path / "nope.toml")
