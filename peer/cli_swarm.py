@@ -19,8 +19,14 @@ from rich.table import Table
 from .cli import _set_threads, _user_errors, app, console
 from .config import ConfigError, check_device
 from .join_consent import volunteer_corpus
-from .launch_checks import (checkpoints_not_gone, not_a_volunteer_dir, prepare_manifest, record_run, resumable,
-                            same_run_as_before)
+from .launch_checks import (
+    checkpoints_not_gone,
+    not_a_volunteer_dir,
+    prepare_manifest,
+    record_run,
+    resumable,
+    same_run_as_before,
+)
 from .state_files import write_atomically
 from .status_view import print_status
 

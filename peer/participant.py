@@ -54,7 +54,7 @@ from .workload import Workload, build_workload
 
 log = logging.getLogger(__name__)
 _OUR_TEMP_FILES = ("checkpoint-*.tmp", "work.tmp", "contributed.tmp", "outcome.tmp", "manifest.tmp",
-                   "bootstrap.tmp", "address.tmp", "known_peers.tmp", ".*.key.*.tmp")
+                   "bootstrap.tmp", "address.tmp", "known_peers.tmp", "volunteer.tmp", "genesis.tmp", ".*.key.*.tmp")
 KNOWN_PEERS_FILE = "known_peers.json"  # where the run's peers were, kept with each checkpoint (see dht_rejoin)
 
 

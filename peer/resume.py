@@ -36,13 +36,12 @@ def resume_and_sync(p: Participant, bootstrap_peers: list[str]) -> dict | None:
     returns the checkpoint (None: a fresh start)."""
     resumed = p.load_checkpoint()
     loaded = resumed is not None and resumed.get("outer") is not None
+    if resumed is None:  # no checkpoint, or none readable: work.pt may still hold work not sent yet
+        resumed = _work_without_a_checkpoint(p)
     if loaded:
         p.load_global(GlobalState(resumed["round"], resumed["tensors"], resumed["decision"]))
-        record = unsettled = None
-        if isinstance(p.outer, SparseLoCo) and p.state_dir is not None:
-            work_path = str(p.state_dir / WORK_FILE)
-            record = read_work(p.state_dir, p.outer.global_params.numel(), lambda why: p.events.write(
-                "work-corrupt", path=work_path, error=why, peer=p.identity.peer_id))
+        record = _work_record(p)
+        unsettled = None
         if record is not None:
             # the newest record, whichever state we take: our checkpoints name it, so that a
             # later restart knows they are newer than it (see work_file.resumable_work)
@@ -62,7 +61,7 @@ def resume_and_sync(p: Participant, bootstrap_peers: list[str]) -> dict | None:
             p.outer.error = resumed["outer"]["error"].to(p.outer.global_params.device)
         p.events.write("resume", round=p.outer.round_id, peer=p.identity.peer_id)
     try:
-        p.sync_state(bootstrap_peers, min_round=p.outer.round_id if resumed else -1)
+        p.sync_state(bootstrap_peers, min_round=p.outer.round_id if loaded else -1)
     except NoNewerState as exc:
         if not loaded:
             raise NetworkError(f"no peer has the run's state yet ({exc}); start again in a moment") from None
@@ -76,6 +75,35 @@ def resume_and_sync(p: Participant, bootstrap_peers: list[str]) -> dict | None:
         raise NetworkError(f"could not download the run's state from any peer ({exc or 'timed out'}); "
                            "is the run still up? Start again to retry") from None
     return resumed
+
+
+def _work_record(p: Participant):
+    """work.pt's record of our newest contribution (SparseLoCo with a state dir; None if none, or
+    unusable: reported)."""
+    if not isinstance(p.outer, SparseLoCo) or p.state_dir is None:
+        return None
+    work_path = str(p.state_dir / WORK_FILE)
+    return read_work(p.state_dir, p.outer.global_params.numel(), lambda why: p.events.write(
+        "work-corrupt", path=work_path, error=why, peer=p.identity.peer_id))
+
+
+def _work_without_a_checkpoint(p: Participant) -> dict | None:
+    """With no readable checkpoint, the work a record holds that matches contributed.json: its error
+    feedback (put back now: a state download keeps it), where training was, and the contributions to
+    settle late, as a `resumed` dict with no state of its own (`work_only`); None if there is none.
+    Without this, a volunteer whose checkpoints were all damaged lost its unsent work and trained
+    its batches again, which counted them twice."""
+    record = _work_record(p)
+    if record is None:
+        return None
+    unsettled = resumable_work(record, p.state_dir, None, None)
+    if unsettled is None:
+        return None
+    p.work_token = record.token
+    p.outer.error = record.error.to(p.outer.global_params.device)
+    p.events.write("work-restored", round=record.round_id, unsettled=[i["round"] for i in unsettled],
+                   checkpoint=None, peer=p.identity.peer_id)
+    return {"work_only": True, "round": record.round_id, "inner_progress": record.progress, "unsettled": unsettled}
 
 
 def unsettled_from(resumed: dict) -> list[dict[str, Any]]:

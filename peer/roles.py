@@ -73,7 +73,8 @@ def run_volunteer(p: Participant, bootstrap_peers: list[str], *, max_rounds: int
         restore_progress(p, trainer, resumed["inner_progress"])
     if resumed is not None:
         restore_local_progress(p, resumed)
-    if resumed is None:  # so a crash before the first scheduled checkpoint resumes from disk, not a download
+    if resumed is None or resumed.get("work_only"):  # so a crash before the first scheduled checkpoint
+        # resumes from disk, not a download
         p.save_checkpoint({"inner": trainer.state_dict()})
     journal = WorkJournal(p.state_dir, enabled=isinstance(p.outer, SparseLoCo))
     loop = VolunteerLoop(p, SwarmExchange(p.node, serves=p.node.options.serves), trainer, bootstrap_peers, stop,

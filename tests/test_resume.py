@@ -267,3 +267,57 @@ def test_a_damaged_checkpoint_is_skipped_and_never_kept_in_place_of_a_good_one(t
     save(12)  # the run went on from 8
     names = sorted(f.name for f in p.state_dir.glob("checkpoint-*.pt"))
     assert names == ["checkpoint-00000008.pt", "checkpoint-00000012.pt"]
+
+
+@pytest.mark.parametrize("went_out", [False, True])
+def test_work_pt_is_taken_back_when_every_checkpoint_is_damaged(tmp_path, corpus, went_out):
+    """Found by a review: with its only checkpoint damaged, a restarted volunteer ignored work.pt,
+    so it lost the error feedback it had not sent and trained its batches again (counting them
+    twice). The record's work does not depend on any checkpoint."""
+    from groundswell.peer.participant import genesis_decision
+    from groundswell.peer.resume import resume_and_sync
+    from groundswell.peer.work_file import WorkJournal
+
+    new_process = _factory(tmp_path, corpus, outer={"algorithm": "sparseloco"})
+    p = new_process()
+    p.state_dir.mkdir(parents=True, exist_ok=True)
+    p.outer.round_id = 3
+    p._snapshot = GlobalState(3, {"global_params": p.outer.global_params.clone()},
+                              genesis_decision(p.identity, "unit"))
+    checkpoint = p.save_checkpoint()
+    journal = WorkJournal(p.state_dir, True)
+    token = journal.start()
+    assert journal.record(3, torch.full_like(p.outer.global_params, 2.0), [b"segment"], [], {"step": 123})
+    if went_out:
+        p.work_token = token
+        assert p._remember_contribution(3, 0)
+    checkpoint.write_bytes(checkpoint.read_bytes()[:100])  # the only checkpoint, cut short
+
+    q = new_process()
+    _offline(q)
+    resumed = resume_and_sync(q, [])
+    assert resumed is not None and resumed["work_only"] and resumed["inner_progress"] == {"step": 123}
+    assert bool((q.outer.error == 2.0).all())
+    assert [item["round"] for item in resumed["unsettled"]] == ([3] if went_out else [])
+    assert q.work_token == token
+
+
+def test_work_pt_of_a_contribution_contributed_json_does_not_name_is_not_taken_without_a_checkpoint(
+        tmp_path, corpus):
+    """The record cannot be matched (contributed.json names a later contribution): its work may have
+    gone out, and is not sent again."""
+    from groundswell.peer.resume import resume_and_sync
+    from groundswell.peer.work_file import WorkJournal
+
+    new_process = _factory(tmp_path, corpus, outer={"algorithm": "sparseloco"})
+    p = new_process()
+    p.state_dir.mkdir(parents=True, exist_ok=True)
+    journal = WorkJournal(p.state_dir, True)
+    journal.start()
+    assert journal.record(3, torch.full_like(p.outer.global_params, 2.0), [b"segment"], [], {"step": 123})
+    p.work_token = "another"
+    assert p._remember_contribution(4, 0)
+    q = new_process()
+    _offline(q)
+    assert resume_and_sync(q, []) is None
+    assert bool((q.outer.error == 0).all())

@@ -125,7 +125,8 @@ def test_a_restart_removes_every_half_written_file_a_killed_process_left(tmp_pat
     participant = _factory(tmp_path, corpus)
     state = participant().state_dir
     stale = ["manifest.tmp", "bootstrap.tmp", "address.tmp", "contributed.tmp", "work.tmp", "outcome.tmp",
-             "checkpoint-00000009.tmp", ".identity.key.x1y2.tmp"]  # the last: Identity.save's
+             "checkpoint-00000009.tmp", "volunteer.tmp", "genesis.tmp", "known_peers.tmp",
+             ".identity.key.x1y2.tmp"]  # the last: Identity.save's
     for name in stale:
         (state / name).write_bytes(b"half")
     (state / "manifest.signed").write_bytes(b"kept")
