@@ -4,17 +4,15 @@ from __future__ import annotations
 
 import json
 import logging
-import math
 import signal
 import sys
 import time
 from pathlib import Path
-from typing import Any, Optional
+from typing import Optional
 
 import typer
 from rich.live import Live
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn
-from rich.table import Table
 
 from .cli import _set_threads, _user_errors, app, console
 from .config import ConfigError, check_device
@@ -27,6 +25,7 @@ from .launch_checks import (
     resumable,
     same_run_as_before,
 )
+from .round_view import loss_text, of_round, round_line, round_table
 from .state_files import write_atomically
 from .status_view import print_status
 
@@ -170,41 +169,6 @@ def keygen(path: Path = typer.Argument(..., help="Where to write the identity (E
     print(ident.peer_id)
 
 
-def _loss_text(loss: float) -> str:
-    """A held-out loss for people: "-" until one is known (no evaluation published yet)."""
-    return "-" if math.isnan(loss) else f"{loss:.4f}"
-
-
-def _of_round(info: Any) -> str:
-    """The text " (round N)" when the loss shown was measured after another round than the one reported."""
-    return "" if info.eval_round is None or math.isnan(info.eval_loss) else f" (round {info.eval_round})"
-
-
-def _round_table(rows: list, header: str) -> Table:
-    table = Table(title=header, expand=False)
-    for col in ("round", "peers online", "contributors", "held-out loss", "kB/round/peer", "round s"):
-        table.add_column(col, justify="right")
-    for info in rows[-12:]:
-        table.add_row(str(info.round), str(info.peers_online), str(info.contributors),
-                      "" if math.isnan(info.eval_loss) else f"{info.eval_loss:.4f}",
-                      f"{info.bytes_sent / 1e3:,.1f}" if info.bytes_sent else "", f"{info.round_s:.1f}")
-    return table
-
-
-def _round_line(info) -> str:
-    """One round as a line of text: the live table's row where there is no terminal."""
-    if info.status != "applied":
-        return f"round {info.round}: runs again ({info.reason})"
-    loss = "" if math.isnan(info.eval_loss) else f", held-out loss {info.eval_loss:.4f}"
-    sent = f", {info.bytes_sent / 1e3:,.1f} kB/round/peer" if info.bytes_sent else ""
-    return (f"round {info.round}: applied, {_count(info.contributors, 'contributor')}, "
-            f"{_count(info.peers_online, 'peer')} online{loss}{sent}, {info.round_s:.1f} s")
-
-
-def _count(n: int, what: str) -> str:
-    return f"{n} {what}{'' if n == 1 else 's'}"
-
-
 @app.command()
 @_user_errors
 def launch(
@@ -274,15 +238,15 @@ def launch(
             run_coordinator(p, stop=stop, checkpoint_every=checkpoint_every)
         elif not console.is_terminal:  # a log file or a pipe: a live table would show nothing there until the end
             run_coordinator(p, stop=stop, checkpoint_every=checkpoint_every,
-                            on_round=lambda info: console.print(_round_line(info), highlight=False))
+                            on_round=lambda info: console.print(round_line(info), highlight=False))
         else:
-            with Live(_round_table(rows, manifest.run.id), console=console, refresh_per_second=2) as live:
+            with Live(round_table(rows, manifest.run.id), console=console, refresh_per_second=2) as live:
                 def on_round(info):
                     if info.status != "applied":  # no row: the round runs again
-                        live.update(_round_table(rows, f"{manifest.run.id}: round {info.round} again: {info.reason}"))
+                        live.update(round_table(rows, f"{manifest.run.id}: round {info.round} again: {info.reason}"))
                         return
                     rows.append(info)
-                    live.update(_round_table(rows, f"{manifest.run.id}: round {info.round + 1}"))
+                    live.update(round_table(rows, f"{manifest.run.id}: round {info.round + 1}"))
 
                 run_coordinator(p, stop=stop, on_round=on_round, checkpoint_every=checkpoint_every)
     finally:
@@ -395,7 +359,7 @@ def join(
             if not quiet:
                 console.print(f"round {info.round}: {info.status}"
                               + (f", {'in' if info.included else 'NOT in'} aggregate of {info.contributors}, "
-                                 f"eval {_loss_text(info.eval_loss)}{_of_round(info)}, {info.bytes_sent / 1e6:.2f} MB, {info.round_s:.1f} s, "
+                                 f"eval {loss_text(info.eval_loss)}{of_round(info)}, {info.bytes_sent / 1e6:.2f} MB, {info.round_s:.1f} s, "
                                  f"{info.tokens_per_s:,.0f} tok/s" if info.status == "applied" else
                                  f" ({info.reason})" if info.reason else ""),
                               highlight=False)

@@ -57,10 +57,10 @@ def test_the_live_table_says_a_round_waits_for_volunteers(tmp_path):
 
 
 def test_a_held_out_loss_not_published_yet_reads_as_a_dash_not_nan():
-    from groundswell.peer.cli_swarm import _loss_text
+    from groundswell.peer.round_view import loss_text
 
-    assert _loss_text(float("nan")) == "-"
-    assert _loss_text(4.53781) == "4.5378"
+    assert loss_text(float("nan")) == "-"
+    assert loss_text(4.53781) == "4.5378"
 
 
 def test_without_a_terminal_each_round_is_a_line_as_it_happens(tmp_path):
@@ -83,26 +83,26 @@ def test_without_a_terminal_each_round_is_a_line_as_it_happens(tmp_path):
     assert "round 0: runs again (0 volunteers online, 2 needed)" in text, text[-2000:]
 
 
-def test_a_round_line_says_what_the_tables_row_says():
+def test_around_line_says_what_the_tables_row_says():
     from types import SimpleNamespace
 
-    from groundswell.peer.cli_swarm import _round_line
+    from groundswell.peer.round_view import round_line
 
     info = SimpleNamespace(round=3, status="applied", contributors=4, peers_online=5, eval_loss=2.5,
                            bytes_sent=48_600, round_s=3.21, reason="")
-    assert _round_line(info) == ("round 3: applied, 4 contributors, 5 peers online, held-out loss 2.5000, "
+    assert round_line(info) == ("round 3: applied, 4 contributors, 5 peers online, held-out loss 2.5000, "
                                  "48.6 kB/round/peer, 3.2 s")
-    assert "loss" not in _round_line(SimpleNamespace(**{**vars(info), "eval_loss": float("nan")}))
-    assert "1 contributor, 1 peer online" in _round_line(SimpleNamespace(**{**vars(info), "contributors": 1,
+    assert "loss" not in round_line(SimpleNamespace(**{**vars(info), "eval_loss": float("nan")}))
+    assert "1 contributor, 1 peer online" in round_line(SimpleNamespace(**{**vars(info), "contributors": 1,
                                                                            "peers_online": 1}))
 
 
-def test_a_volunteers_round_line_names_the_round_a_published_loss_was_measured_after():
+def test_a_volunteersround_line_names_the_round_a_published_loss_was_measured_after():
     """A volunteer shows the coordinator's loss from its record, read every few seconds: often a
     round or more old (a README check saw 3.5356 repeated for rounds 5-7)."""
     from types import SimpleNamespace
 
-    from groundswell.peer.cli_swarm import _of_round
+    from groundswell.peer.round_view import of_round
     from groundswell.peer.volunteer_loop import swarm_eval_loss as _swarm_eval_loss
 
     # The record names the round its loss was measured after: with eval.every_rounds = 5 the
@@ -116,6 +116,6 @@ def test_a_volunteers_round_line_names_the_round_a_published_loss_was_measured_a
     assert _swarm_eval_loss(p) == (8, 2.0)  # else the one measured after the newest round
     p.node.cached_records = {}
     assert _swarm_eval_loss(p)[0] is None
-    assert _of_round(SimpleNamespace(eval_round=5, eval_loss=3.5)) == " (round 5)"
-    assert _of_round(SimpleNamespace(eval_round=None, eval_loss=3.5)) == ""
-    assert _of_round(SimpleNamespace(eval_round=5, eval_loss=float("nan"))) == ""
+    assert of_round(SimpleNamespace(eval_round=5, eval_loss=3.5)) == " (round 5)"
+    assert of_round(SimpleNamespace(eval_round=None, eval_loss=3.5)) == ""
+    assert of_round(SimpleNamespace(eval_round=5, eval_loss=float("nan"))) == ""
