@@ -232,14 +232,24 @@ class RoundClient(AggregateFetcher):
                 stalled = not done
                 for task in done:
                     verdict = task.result()
-                    if verdict == "closed":
+                    if verdict == "closed" and self._attempt_over(plan):
                         return held > 0
-                    held += verdict == "ok"
+                    held += verdict == "ok"  # a "closed" we cannot confirm is one candidate's failure
         finally:
             for task in asking:
                 task.cancel()
             await asyncio.gather(*asking, return_exceptions=True)
         return held > 0
+
+    def _attempt_over(self, plan: RoundPlan) -> bool:
+        """Does our own book say the attempt is over (its round decided, or its close passed by our
+        clock)? An aggregator's "closed" is its own words: a hostile first candidate said it to
+        every contributor, which then sent the shard to nobody else, and no attempt could commit."""
+        if plan.round in self.book.committed or plan.round <= self.book.latest():
+            return True
+        opened = self.book.opened_at(plan.round)
+        return opened is not None and time.time() >= close_time(opened, plan.attempt, self.ctx.deadline_s,
+                                                                self.ctx.slack_s)
 
     async def _pinged_offer(self, peer: str, msg: ShardContribution, timeout: float) -> str:
         """`_offer`, after a ping: a frozen aggregator's daemon still takes the bytes, so the
@@ -262,7 +272,7 @@ class RoundClient(AggregateFetcher):
         return failure is None or isinstance(failure, PeerGone)
 
     async def _offer(self, peer: str, msg: ShardContribution, timeout: float) -> str:
-        """Send one shard to one aggregator: "ok", "closed" (the attempt is over: stop), or "failed"."""
+        """Send one shard to one aggregator: "ok", "closed" (it says the attempt is over), or "failed"."""
         try:
             if peer == self.me:
                 ack = await self.server._on_contribute(peer, msg)

@@ -266,6 +266,16 @@ class RoundServer(Aggregator, Leading, Claims, Decider):
         if not (opened is None or opened - skew <= d.time) or d.time > time.time() + skew:
             raise ProtocolError(f"a commit's time must lie between its round's opening and now (within "
                                 f"{skew:g} s)", reason="forged-decision", strike=opened is not None)
+        # The next round's membership is this commit's word alone (every later plan is drawn from it):
+        # a leader may add joiners and drop the silent, but never its own contributors (trainers),
+        # itself or the sources it sealed with (servers). Before, `servers = trainers = [itself]`
+        # passed, and one hostile leader held every role of every later round.
+        if (d.trainers != sorted(set(d.trainers)) or d.servers != sorted(set(d.servers))
+                or not set(d.contributors) <= set(d.trainers) or leader not in d.servers
+                or not set(d.sources) <= set(d.servers) or not all(self.ctx.authorized(t) for t in d.trainers)
+                or not all(self.ctx.may_serve(s) for s in d.servers)):
+            raise ProtocolError("a commit's next membership must list, sorted and allowed, its contributors as "
+                                "trainers and its leader and sources as servers", reason="forged-decision")
         if len(d.digests) != plan.num_shards * len(d.contributors) or any(len(x) != 16 for x in d.digests):
             raise ProtocolError("a commit pins one 16-byte digest per contribution and shard", reason="forged-decision")
         if d.num_shards != plan.num_shards or len(d.sources) != plan.num_shards or any(

@@ -411,7 +411,7 @@ def test_a_commit_whose_time_is_far_from_its_rounds_opening_and_now_is_refused(m
     plan = make_plan(c.ctx.run_id, 0, 0, c.ids, c.ids, numels, c.max_shards)
     leader = c.ids.index(plan.leaders[0])
     contributors = sorted(c.ids[:2])
-    honest = Decision(0, 0, "commit", contributors, list(c.ids), list(c.ids), plan.leaders[0],
+    honest = Decision(0, 0, "commit", contributors, sorted(c.ids), sorted(c.ids), plan.leaders[0],
                       [plan.candidates(s)[0] for s in range(plan.num_shards)], plan.num_shards, time.time(),
                       [os.urandom(16) for _ in range(plan.num_shards * len(contributors))])
     node = c.nodes[(leader + 1) % 4]
