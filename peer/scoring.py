@@ -38,6 +38,11 @@ class ContributionScorer:
         # into the same scratch model mid-evaluation, so both would score garbage.
         self._busy = threading.Lock()
         self.params = list(self.model.parameters())
+        # Frozen parameters (requires_grad=False) never move in an outer step (optim/outer.py):
+        # scored with the update's values there, a contribution would be judged on noise that
+        # SparseLoCo's 2-bit codec puts at frozen coordinates and nobody ever applies.
+        frozen = torch.cat([torch.full((p.numel(),), not p.requires_grad, dtype=torch.bool) for p in self.params])
+        self.frozen = frozen.to(self.device) if bool(frozen.any()) else None
         # Probe windows from a seed of this process's own (`seed`: tests only): drawn from the
         # manifest's public seed, anyone could replay them and tune an update to pass the probe.
         probe_seed = seed if seed is not None else int.from_bytes(os.urandom(8), "little")
@@ -63,7 +68,10 @@ class ContributionScorer:
             for who, update in updates.items():
                 if cancelled is not None and cancelled.is_set():
                     raise ScoringCancelled("scoring given up on")
-                copy_into_parameters(global_params - self.lr * update.to(self.device), self.params)
+                step = self.lr * update.to(self.device)
+                if self.frozen is not None:
+                    step = step.masked_fill(self.frozen, 0.0)
+                copy_into_parameters(global_params - step, self.params)
                 scores[who] = evaluate(self.model, self.loss_fn, batches) - before
             return scores
         finally:

@@ -200,3 +200,27 @@ def test_nobody_can_replay_the_probe_batches_from_the_manifest():
     assert not torch.equal(first[0], b.sampler.next_batch()[0])  # each leader draws its own
     for sampler in public:
         assert not torch.equal(first[0], sampler.next_batch()[0])
+
+
+def test_an_update_at_frozen_parameters_only_scores_zero(monkeypatch):
+    # No outer step moves a frozen parameter (optim/outer.py); the scorer applied the update there
+    # too, so it judged a contribution on values (SparseLoCo's 2-bit codec puts some at frozen
+    # coordinates) that are never applied.
+    from groundswell.peer import scoring
+
+    def with_first_frozen(*args, **kwargs):
+        workload = build_workload(*args, **kwargs)
+        next(workload.model.parameters()).requires_grad_(False)
+        return workload
+
+    monkeypatch.setattr(scoring, "build_workload", with_first_frozen)
+    corpus = load_corpus("stdlib")
+    scorer = ContributionScorer(_manifest(), corpus, seed=1)
+    g = torch.nn.utils.parameters_to_vector(build_workload("tiny", corpus.vocab_size, 0).model.parameters())
+    first = next(build_workload("tiny", corpus.vocab_size, 0).model.parameters()).numel()
+    at_frozen = torch.zeros_like(g)
+    at_frozen[:first] = torch.randn(first, generator=torch.Generator().manual_seed(0))
+    elsewhere = torch.zeros_like(g)
+    elsewhere[first:] = torch.randn(g.numel() - first, generator=torch.Generator().manual_seed(1))
+    scores = scorer(g.detach().clone(), {"frozen-only": at_frozen, "trainable": elsewhere})
+    assert scores["frozen-only"] == 0.0 and scores["trainable"] != 0.0
