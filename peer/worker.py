@@ -131,8 +131,16 @@ class InnerTrainer:
     def load_progress_state(self, state: dict) -> None:
         """Restore a `progress_state()` (after `load_state_dict`, which it moves forward)."""
         step = int(state["step"])
-        self.sampler.load_state_dict(state["sampler"])  # checked against this corpus and seed before it moves
-        self.scheduler.load_state_dict(self._fitted_schedule(state["scheduler"]))
+        # All or nothing: a sampler moved on with the schedule left behind (a damaged record whose
+        # schedule does not load) would pair the record's data position with the checkpoint's rate.
+        sampler_before, schedule_before = self.sampler.state_dict(), self.scheduler.state_dict()
+        try:
+            self.sampler.load_state_dict(state["sampler"])  # checked against this corpus and seed before it moves
+            self.scheduler.load_state_dict(self._fitted_schedule(state["scheduler"]))
+        except BaseException:
+            self.sampler.load_state_dict(sampler_before)
+            self.scheduler.load_state_dict(schedule_before)
+            raise
         # (the schedule's rate reaches the optimizer at its next step only: the next step is now)
         for group, lr in zip(self.optimizer.param_groups, self.scheduler.get_last_lr()):
             group["lr"] = lr

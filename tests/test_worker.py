@@ -148,3 +148,28 @@ def test_a_model_of_gains_only_loads_an_old_state_without_its_weight_decay() -> 
     saved = torch.optim.AdamW(trainer.model.parameters(), lr=0.5, weight_decay=0.1).state_dict()
     trainer.optimizer.load_state_dict(trainer._fitted_optimizer(saved))
     assert [g["weight_decay"] for g in trainer.optimizer.param_groups] == [0.0]
+
+
+def test_a_training_position_that_does_not_load_moves_nothing() -> None:
+    # The sampler moved first: a record whose schedule did not load left the record's data
+    # position with the checkpoint's learning rate (found by a review).
+    import copy
+
+    from groundswell.peer.workload import build_workload
+
+    corpus = Corpus("x", torch.randint(1, 256, (60000,), dtype=torch.uint8),
+                    torch.randint(1, 256, (3000,), dtype=torch.uint8), 256, "fp")
+
+    def trainer() -> InnerTrainer:
+        return InnerTrainer(build_workload("tiny", 256, 1), corpus, DataSection("x", 4), InnerSection(),
+                            total_steps=30, seed=5, shard_index=0, num_shards=1)
+
+    ahead = trainer()
+    ahead.run(5)
+    damaged = copy.deepcopy(ahead.progress_state())
+    del damaged["scheduler"]["lr_lambdas"]
+    fresh = trainer()
+    before = (fresh.sampler.state_dict(), fresh.scheduler.state_dict(), fresh.step)
+    with pytest.raises(KeyError):
+        fresh.load_progress_state(damaged)
+    assert (fresh.sampler.state_dict(), fresh.scheduler.state_dict(), fresh.step) == before
