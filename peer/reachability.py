@@ -14,6 +14,7 @@ import asyncio
 import errno
 import ipaddress
 import logging
+import math
 import socket
 import time
 from collections.abc import Sequence
@@ -252,11 +253,14 @@ async def find_reachability(transport: Any, maddrs: list[str], bootstrap_ids: li
 
 
 async def _probe_by(transport: Any, peer: str, maddrs: list[str]) -> ProbeReply | None:
-    """`peer`'s dial-back verdict; asked once more, a probe's time later, if it was busy
-    ("rate limited"); None if it gave none."""
+    """`peer`'s dial-back verdict; asked again, a probe's time apart, while it is busy ("rate
+    limited"), until its per-sender window has passed; None if it gave none. (Asked once more
+    only, a volunteer restarted within PROBE_EVERY_S of its last probe got no verdict, and took
+    itself for public: behind a NAT, too.)"""
     from groundswell.protocol.transport import PeerUnavailable
 
-    for ask in range(2):
+    asks = 2 + math.ceil(PROBE_EVERY_S / PROBE_TIMEOUT_S)
+    for ask in range(asks):
         try:
             reply = await transport.request(peer, "probe", ProbeRequest(maddrs), ProbeReply,
                                             timeout_s=4 * PROBE_TIMEOUT_S + 5)
@@ -265,6 +269,6 @@ async def _probe_by(transport: Any, peer: str, maddrs: list[str]) -> ProbeReply 
             return None
         if reply.address != "rate limited":
             return reply
-        if ask == 0:
+        if ask < asks - 1:
             await asyncio.sleep(PROBE_TIMEOUT_S)  # its probes under way end within this
     return None

@@ -245,11 +245,14 @@ class RoundClient(AggregateFetcher):
         """Does our own book say the attempt is over (its round decided, or its close passed by our
         clock)? An aggregator's "closed" is its own words: a hostile first candidate said it to
         every contributor, which then sent the shard to nobody else, and no attempt could commit."""
-        if plan.round in self.book.committed or plan.round <= self.book.latest():
+        if self._round_decided(plan.round):
             return True
         opened = self.book.opened_at(plan.round)
         return opened is not None and time.time() >= close_time(opened, plan.attempt, self.ctx.deadline_s,
                                                                 self.ctx.slack_s)
+
+    def _round_decided(self, round_id: int) -> bool:
+        return round_id in self.book.committed or round_id <= self.book.latest()
 
     async def _pinged_offer(self, peer: str, msg: ShardContribution, timeout: float) -> str:
         """`_offer`, after a ping: a frozen aggregator's daemon still takes the bytes, so the
@@ -284,7 +287,14 @@ class RoundClient(AggregateFetcher):
         if ack.ok:
             return "ok"
         log.info("shard %d refused by %s: %s", msg.shard, peer[-8:], ack.reason)
-        return "closed" if "closed" in ack.reason or "sealed" in ack.reason else "failed"
+        if "closed" not in ack.reason and "sealed" not in ack.reason:
+            return "failed"
+        if peer != self.me and not self._round_decided(msg.round):
+            # Its word alone (see `_attempt_over`): the commit it speaks of, if it holds one, is
+            # checked and lands in our book; without one, a lagging book of ours would send a big
+            # shard to every candidate after an honest close.
+            await self.ask_decision(peer, msg.round, msg.attempt, 0.0)
+        return "closed"
 
     async def _await_decision(self, plan: RoundPlan) -> tuple[Decision | None, bytes]:
         # Ask the leader and the backup at once: the backup answers only if it had to decide

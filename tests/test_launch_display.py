@@ -83,7 +83,7 @@ def test_without_a_terminal_each_round_is_a_line_as_it_happens(tmp_path):
     assert "round 0: runs again (0 volunteers online, 2 needed)" in text, text[-2000:]
 
 
-def test_around_line_says_what_the_tables_row_says():
+def test_a_round_line_says_what_the_tables_row_says():
     from types import SimpleNamespace
 
     from groundswell.peer.round_view import round_line
@@ -97,7 +97,7 @@ def test_around_line_says_what_the_tables_row_says():
                                                                            "peers_online": 1}))
 
 
-def test_a_volunteersround_line_names_the_round_a_published_loss_was_measured_after():
+def test_a_volunteers_round_line_names_the_round_a_published_loss_was_measured_after():
     """A volunteer shows the coordinator's loss from its record, read every few seconds: often a
     round or more old (a README check saw 3.5356 repeated for rounds 5-7)."""
     from types import SimpleNamespace

@@ -60,6 +60,24 @@ def test_a_closed_attempt_by_our_own_clock_is_not_offered_to_every_candidate():
     assert not delivered and transport.asked == [transport.hostile]
 
 
+def test_an_honest_closed_that_names_a_commit_stops_a_big_shard_at_once():
+    # The other side of the change above: our book lagging, an honest aggregator's "closed" is
+    # checked by asking it for the commit; once that lands in our book, no other candidate gets
+    # the whole shard (a review measured four full uploads of it without this).
+    client, plan, transport = _client("fp32", opened_at=time.time())
+    committed = client.book.committed
+    asked = []
+
+    async def ask_decision(peer, round_id, attempt, wait_s, plan=None):
+        asked.append(peer)
+        committed[round_id] = (b"a signed commit", None)  # what a verified answer adds to our book
+        return b"a signed commit"
+
+    client.ask_decision = ask_decision
+    delivered = asyncio.run(client._send_shard(plan, 0, [b"x" * (PARALLEL_COPIES_BYTES // 4 + 1)] * 4))
+    assert not delivered and transport.asked == [transport.hostile] and asked == [transport.hostile]
+
+
 def _commit_of(next_trainers, next_servers):
     """A server's book at round 0 and a commit of round 0 by one of its leaders (hostile), naming
     `next_trainers` / `next_servers` ("self": the leader; "sources"; "contributors"; "others": all

@@ -204,9 +204,12 @@ class _Probers:
         self.asked.append(peer)
         if peer not in self.verdicts:
             raise PeerUnavailable(f"{peer} did not answer")
-        if self.verdicts[peer] is None:  # its probes are all under way
+        verdict = self.verdicts[peer]
+        if isinstance(verdict, list):  # one answer per ask, the last one for good
+            verdict = verdict.pop(0) if len(verdict) > 1 else verdict[0]
+        if verdict is None:  # its probes are all under way, or we asked within its window
             return ProbeReply(False, "rate limited")
-        return ProbeReply(self.verdicts[peer], "127.0.0.1:1" if self.verdicts[peer] else "")
+        return ProbeReply(verdict, "127.0.0.1:1" if verdict else "")
 
 
 @pytest.mark.parametrize("order,coordinator,verdicts,expected,asked", [
@@ -219,9 +222,13 @@ class _Probers:
     ("LC", "C", {"L": False}, "private", ["C", "L"]),  # nobody else answers: it stands, as before
     ("LH", "", {"L": True, "H": False}, "public", ["L"]),
     ("CCH", "C", {"H": True}, "public", ["C", "H"]),  # a peer at several addresses is asked once
-    # a busy prober ("rate limited") is asked once more, a probe's time later, and is no try of
-    # three: a coordinator listed three times used them all up in microseconds (review)
-    ("CCCH", "C", {"C": None, "H": False}, "private", ["C", "C", "H"]),
+    # a busy prober ("rate limited") is asked again, a probe's time apart, until its per-sender
+    # window has passed (6 asks), and is no try of three: a coordinator listed three times used
+    # them all up in microseconds (review)
+    ("CCCH", "C", {"C": None, "H": False}, "private", ["C"] * 6 + ["H"]),
+    # a volunteer restarted within the coordinator's window (10 s) gets the coordinator's verdict
+    # once the window has passed; asked once more only, it took itself for public (review)
+    ("C", "C", {"C": [None, None, None, None, False]}, "private", ["C"] * 5),
 ])
 def test_the_coordinators_probe_decides_and_another_peers_private_verdict_is_checked(order, coordinator, verdicts,
                                                                                       expected, asked, monkeypatch):
@@ -229,6 +236,7 @@ def test_the_coordinators_probe_decides_and_another_peers_private_verdict_is_che
     from groundswell.peer.swarm import NodeOptions, SwarmNode
 
     monkeypatch.setattr(reachability, "PROBE_TIMEOUT_S", 0.01)
+    monkeypatch.setattr(reachability, "PROBE_EVERY_S", 0.04)  # as 3 s and 10 s: asked 6 times in a window
 
     ids = {c: f"12D3Koo{c}" for c in "LHXC"}
     boot = [f"/ip4/127.0.0.1/tcp/{4000 + i}/p2p/{ids[c]}" for i, c in enumerate(order)]
