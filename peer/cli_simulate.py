@@ -106,9 +106,15 @@ def simulate(
 
 
 def hash_checks(report: dict) -> str:
-    """" (compared in N rounds)": the rounds whose hash two or more processes reported ("": not in the report)."""
+    """" (compared in N rounds)": the rounds whose hash two or more processes reported, and those no
+    two did ("": not in the report)."""
     n = report.get("hash_checked_rounds")
-    return "" if n is None else f" (compared in {n} round{'s' if n != 1 else ''})"
+    if n is None:
+        return ""
+    unchecked = report.get("unchecked_rounds") or []
+    return (f" (compared in {n} round{'s' if n != 1 else ''}"
+            + (f"; not in round{'s' if len(unchecked) != 1 else ''} {', '.join(map(str, unchecked))}, which fewer "
+               "than two processes reported" if unchecked else "") + ")")
 
 
 def loss_summary(report: dict) -> str:

@@ -98,7 +98,7 @@ def build_report(out: Path, opts: "SimulateOptions", driver_events: list[dict], 
         {"t": round(e["t"] - t0, 3), "kind": e["kind"], "peer": name}
         for name, evs in logs.items() for e in evs if e["kind"] not in ("round", "train", "follow")
     ]
-    recovery, excluding, rejoin = [], [], []
+    recovery, excluding, rejoin, never_rejoined = [], [], [], 0
     for ev in driver_events:
         pid = ids.get(ev["peer"])
         # The earliest end after the fault, not the next round's: a round known only from a late
@@ -112,11 +112,17 @@ def build_report(out: Path, opts: "SimulateOptions", driver_events: list[dict], 
                 excluding.append(round(min(after) - ev["t"], 2))
         elif ev["kind"] in ("restart", "join"):
             # The (re)started process's own word that a commit counted its work: a commit naming the
-            # peer may count what its killed process sent before it died (`superseded`).
+            # peer may count what its killed process sent before it died (`superseded`). Only within
+            # that process's life: a restart killed again before it was counted never rejoined (it
+            # was credited with its successor's first counted round, found by a review).
+            ended = min((d["t"] for d in driver_events if d["peer"] == ev["peer"] and d["t"] > ev["t"]
+                         and d["kind"] in ("kill", "restart", "leave")), default=math.inf)
             after = [e["t"] - t0 for e in logs.get(ev["peer"], [])
-                     if e["kind"] == "round" and e.get("included") is True and e["t"] - t0 > ev["t"]]
+                     if e["kind"] == "round" and e.get("included") is True and ev["t"] < e["t"] - t0 <= ended]
             if after:
                 rejoin.append(round(min(after) - ev["t"], 2))
+            else:
+                never_rejoined += 1
     n = opts.peers
     # Compute utilization: time in forward/backward/inner optimizer over each volunteer's wall time
     # from its first sync to the end of its last block of inner steps.
@@ -184,6 +190,9 @@ def build_report(out: Path, opts: "SimulateOptions", driver_events: list[dict], 
         "recovery_s": recovery,
         "recovery_excluding_s": excluding,
         "rejoin_s": rejoin,
+        "never_rejoined": never_rejoined,  # restarts and late joins whose process was never counted
+        # rounds fewer than two processes reported a hash for: nothing compared them
+        "unchecked_rounds": [r for r in range(completed) if len(reporters.get(r, ())) < 2],
         "lost_contributions": lost,
         "double_counted_contributions": twice,  # of `lost_contributions`, those applied twice
         # of `lost_contributions`, those a restart presumed counted (it could not check the commit)
@@ -303,7 +312,9 @@ def fault_summary(report: dict) -> str | None:
     return (", ".join(f"{n} {k}{'s' if n != 1 else ''}" for k, n in faults.items())
             + f"; recovery mean/max {mean_max(report['recovery_s'])}"
             + f" (until a round leaves the peer out: {mean_max(report['recovery_excluding_s'])})"
-            + f"; rejoin mean/max {mean_max(report['rejoin_s'])}; longest round {max(times):.1f} s"
+            + f"; rejoin mean/max {mean_max(report['rejoin_s'])}"
+            + (f" ({report['never_rejoined']} never rejoined)" if report.get("never_rejoined") else "")
+            + f"; longest round {max(times):.1f} s"
             + f"; lost contributions {report['lost_contributions']}"
             + (f" ({report['double_counted_contributions']} applied twice)"
                if report.get("double_counted_contributions") else "")

@@ -243,6 +243,12 @@ def test_hash_checked_rounds_count_rounds_two_processes_reported(tmp_path):
     _write(tmp_path, "peer-1", [_round(4.0, 3, "Q"), {"t": 4.5, "kind": "follow", "round": 3, "hash": "h3"}])
     report = build_report(tmp_path, SimulateOptions(peers=2, rounds=4), [], wall_s=5.0, t0=0.0)
     assert report["param_hash_agreement"] is True and report["hash_checked_rounds"] == 2
+    # which rounds nothing compared is said, in the report and in the line a researcher reads
+    assert report["unchecked_rounds"] == [2, 3]
+    from groundswell.peer.cli_simulate import hash_checks
+
+    assert hash_checks(report) == (" (compared in 2 rounds; not in rounds 2, 3, which fewer than two processes "
+                                   "reported)")
 
 
 def test_an_empty_hash_is_none_reported_in_a_round_as_in_a_catch_up(tmp_path):
@@ -340,3 +346,16 @@ def _state(pid: int) -> str | None:
             return f.read().split(") ", 1)[1][0]
     except (FileNotFoundError, ProcessLookupError):
         return None
+
+
+def test_a_restart_killed_again_before_it_was_counted_never_rejoined(tmp_path):
+    # Found by a review: peer-1 restarted at 4 s, killed again at 6 s before any commit counted
+    # it, restarted at 8 s and counted at 11 s. The first restart was credited with the second's
+    # round (7 s); it never rejoined, and says so.
+    _write(tmp_path, "coordinator", [_round(1.0, 0, "C"), _round(5.0, 1, "C"), _round(11.0, 2, "C")])
+    _write(tmp_path, "peer-1", [_round(1.0, 0, "Q"), _round(11.0, 2, "Q")])
+    driver = [{"t": 2.0, "kind": "kill", "peer": "peer-1"}, {"t": 4.0, "kind": "restart", "peer": "peer-1"},
+              {"t": 6.0, "kind": "kill", "peer": "peer-1"}, {"t": 8.0, "kind": "restart", "peer": "peer-1"}]
+    report = build_report(tmp_path, SimulateOptions(peers=2, rounds=3), driver, wall_s=12.0, t0=0.0)
+    assert report["rejoin_s"] == [3.0] and report["never_rejoined"] == 1
+    assert "rejoin mean/max 3.0 / 3.0 s (1 never rejoined)" in fault_summary(report)
