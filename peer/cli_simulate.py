@@ -39,7 +39,8 @@ def simulate(
     freeze_for: Optional[float] = typer.Option(None, help="...and SIGCONT it S seconds later.", show_default="10.0"),
     late_joiners: int = typer.Option(0, help="Start K extra peers after round 2."),
     leave_every: float = typer.Option(0.0, help="A random peer leaves cleanly (SIGINT) every S seconds."),
-    kill_coordinator_at: float = typer.Option(0.0, help="SIGKILL the coordinator at S s; restart it from its state."),
+    kill_coordinator_at: float = typer.Option(0.0, help="SIGKILL the coordinator at S s (or once round 0 is "
+                                              "applied, if later; never in the last round); restart it from its state."),
     checkpoint_every: int = typer.Option(5, help="Rounds between checkpoints."),
     byzantine: int = typer.Option(0, help="K of the volunteers misbehave (see --attack)."),
     attack: Optional[str] = typer.Option(None, help="What byzantine peers do: scale, random, signflip, nan or stale.",
@@ -51,7 +52,7 @@ def simulate(
     cuda_peers: int = typer.Option(0, help="The first K volunteers train and encode on the GPU (join --device cuda)."),
 ) -> None:
     """A coordinator and N volunteers on 127.0.0.1 (real libp2p), R rounds; writes OUT/report.json."""
-    from .sim_report import fault_summary
+    from .sim_report import fault_summary, faults_missed
     from .simulate import SimulateOptions, run_simulation
 
     if scoring and not defences:
@@ -95,6 +96,9 @@ def simulate(
     faults = fault_summary(report)
     if faults:
         console.print(faults, highlight=False)
+    if missed := faults_missed(report):  # the run is not what was asked for: said, though not a failure
+        console.print(f"[bold yellow]never happened:[/] {', '.join(missed)} (faults start once round 0 is applied "
+                      "and stop before the last round: the run ended first)", highlight=False)
     failed = [what for what, bad in (
         (f"only {report['rounds_completed']} of {report['rounds_target']} rounds completed",
          report["rounds_completed"] < report["rounds_target"]),

@@ -161,7 +161,8 @@ def build_report(out: Path, opts: "SimulateOptions", driver_events: list[dict], 
         "peers": n,
         "rounds_target": opts.rounds,
         "seed": opts.seed,  # every fault's victim is drawn from it (simulate.py `fault_pick`)
-        "faults": {name: getattr(opts, name) for name in FAULT_OPTIONS},
+        "faults": {name: getattr(opts, name) for name in FAULT_OPTIONS},  # as asked for
+        "faults_fired": {kind: sum(1 for e in driver_events if e["kind"] == kind) for kind in FAULT_KINDS.values()},
         "cuda_peers": opts.cuda_peers,  # peer-0 .. peer-(K-1) trained on the GPU
         "rounds_completed": completed,
         "codec": opts.codec or ("sparseloco" if opts.algorithm == "sparseloco" else "fp32"),
@@ -296,6 +297,19 @@ def _coordinator_sent_per_round(evs: list[dict], completed: int) -> float | None
     over the rounds completed; counted as in `_sent_per_round` (None: no total logged, or no round)."""
     total = _sent_total(evs)
     return total / completed if total is not None and completed else None
+
+
+# the driver event each fault option makes (report.json's `faults_fired` counts them)
+FAULT_KINDS = {"kill_every": "kill", "freeze_every": "freeze", "leave_every": "leave", "late_joiners": "join",
+               "kill_coordinator_at": "kill-coordinator"}
+
+
+def faults_missed(report: dict) -> list[str]:
+    """The fault options asked for whose fault never happened (faults wait for round 0 to be applied
+    and stop before the last round, so a short run can end first)."""
+    fired, asked = report.get("faults_fired") or {}, report.get("faults") or {}
+    return [f"--{name.replace('_', '-')}" for name, kind in FAULT_KINDS.items()
+            if asked.get(name) and kind in fired and not fired[kind]]
 
 
 def fault_summary(report: dict) -> str | None:

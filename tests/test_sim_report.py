@@ -359,3 +359,16 @@ def test_a_restart_killed_again_before_it_was_counted_never_rejoined(tmp_path):
     report = build_report(tmp_path, SimulateOptions(peers=2, rounds=3), driver, wall_s=12.0, t0=0.0)
     assert report["rejoin_s"] == [3.0] and report["never_rejoined"] == 1
     assert "rejoin mean/max 3.0 / 3.0 s (1 never rejoined)" in fault_summary(report)
+
+
+def test_a_fault_asked_for_that_never_happened_is_counted_and_said(tmp_path):
+    # Found by a review: faults wait for round 0 and stop before the last round, so a short run
+    # could end before `--kill-coordinator-at` fired, and the report still read as if it had.
+    from groundswell.peer.sim_report import faults_missed
+
+    _write(tmp_path, "coordinator", [_round(1.0, 0, "C"), _round(2.0, 1, "C")])
+    driver = [{"t": 1.5, "kind": "kill", "peer": "peer-0"}]
+    opts = SimulateOptions(peers=3, rounds=2, kill_every=1.0, kill_coordinator_at=30.0, timeout_s=60)
+    report = build_report(tmp_path, opts, driver, wall_s=3.0, t0=0.0)
+    assert report["faults_fired"] == {"kill": 1, "freeze": 0, "leave": 0, "join": 0, "kill-coordinator": 0}
+    assert faults_missed(report) == ["--kill-coordinator-at"]
