@@ -124,7 +124,7 @@ def report() -> None:
 
 atexit.register(report)  # also when the CLI ends with SystemExit, as click does
 sys.argv = ["groundswell", *sys.argv[2:]]
-from groundswell.peer.cli import main
+from groundswell.peer.entry import main
 
 main()
 PY
