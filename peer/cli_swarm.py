@@ -25,7 +25,7 @@ from .launch_checks import (
     resumable,
     same_run_as_before,
 )
-from .round_view import loss_text, of_round, round_line, round_table
+from .round_view import in_aggregate, loss_text, of_round, round_line, round_table
 from .state_files import write_atomically
 from .status_view import print_status
 
@@ -358,7 +358,7 @@ def join(
             bar.update(task, completed=0, round=p.outer.round_id)
             if not quiet:
                 console.print(f"round {info.round}: {info.status}"
-                              + (f", {'in' if info.included else 'NOT in'} aggregate of {info.contributors}, "
+                              + (f", {in_aggregate(info)} of {info.contributors}, "
                                  f"eval {loss_text(info.eval_loss)}{of_round(info)}, {info.bytes_sent / 1e6:.2f} MB, {info.round_s:.1f} s, "
                                  f"{info.tokens_per_s:,.0f} tok/s" if info.status == "applied" else
                                  f" ({info.reason})" if info.reason else ""),

@@ -44,3 +44,11 @@ def round_line(info) -> str:
 def count_of(n: int, what: str) -> str:
     """"1 peer", "2 peers"."""
     return f"{n} {what}{'' if n == 1 else 's'}"
+
+
+def in_aggregate(info: Any) -> str:
+    """Whether a volunteer's work is in the round's aggregate, in words."""
+    if info.included:
+        return "in aggregate"
+    # the commit names us for what the process before this one sent (it was restarted mid-round)
+    return "our previous process's work in aggregate" if getattr(info, "superseded", False) else "NOT in aggregate"

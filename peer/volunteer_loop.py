@@ -43,6 +43,7 @@ class RoundInfo:
     peers_online: int = 0
     reason: str = ""  # why a round was retried or re-synced, in words
     eval_round: int | None = None  # the round `eval_loss` was measured after, when not `round` (a peer's record)
+    superseded: bool = False  # the commit counts what a crashed process of ours sent; our own work is kept
 
 
 @dataclass
@@ -103,13 +104,12 @@ class VolunteerLoop:
                          shown, result.bytes_sent,
                          time.perf_counter() - t0, stats.tokens / max(stats.compute_s, 1e-9),
                          p.hash_history.get(p.outer.round_id) or p.outer_hash(),
-                         eval_round=shown_round if shown_round != r else None)
+                         eval_round=shown_round if shown_round != r else None,
+                         superseded=p.identity.peer_id in result.contributors and not result.included)
         if evaluate:
             p.node.update_record(loss=eval_loss, loss_round=r)
         d = self.exchange.last_decision
-        # superseded: the commit counts what a crashed process of ours sent; this one's work is kept
-        superseded = p.identity.peer_id in result.contributors and not result.included
-        p.events.write("round", round=r, included=result.included, superseded=superseded,
+        p.events.write("round", round=r, included=result.included, superseded=info.superseded,
                        contributors=list(result.contributors),
                        attempt=d.attempt if d else None, leader=d.leader if d else None, hash=info.params_hash,
                        bytes_sent=result.bytes_sent, bytes_received=result.bytes_received,

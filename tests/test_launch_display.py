@@ -119,3 +119,15 @@ def test_a_volunteers_round_line_names_the_round_a_published_loss_was_measured_a
     assert of_round(SimpleNamespace(eval_round=5, eval_loss=3.5)) == " (round 5)"
     assert of_round(SimpleNamespace(eval_round=None, eval_loss=3.5)) == ""
     assert of_round(SimpleNamespace(eval_round=5, eval_loss=float("nan"))) == ""
+
+
+def test_a_restarted_volunteer_is_not_told_its_work_was_left_out_when_its_previous_process_counted():
+    # Found by a review: after a restart mid-round the commit named us for what our killed process
+    # sent, and the line said "NOT in aggregate" (this process's own work is kept for later).
+    from types import SimpleNamespace
+
+    from groundswell.peer.round_view import in_aggregate
+
+    assert in_aggregate(SimpleNamespace(included=True, superseded=False)) == "in aggregate"
+    assert in_aggregate(SimpleNamespace(included=False, superseded=True)) == "our previous process's work in aggregate"
+    assert in_aggregate(SimpleNamespace(included=False, superseded=False)) == "NOT in aggregate"
