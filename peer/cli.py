@@ -29,6 +29,10 @@ app.add_typer(bench_app, name="bench")
 console = Console(stderr=True, emoji=False)  # ":ab:" in an IPv6 address is an emoji code to rich
 
 
+# what to lower when a command runs out of memory, where it is not the manifest's sizes
+_OUT_OF_MEMORY_ADVICE = {"bench_codecs": "lower --params"}
+
+
 def _user_errors(fn: Callable[..., Any]) -> Callable[..., Any]:
     """Turn the library's typed user-facing errors into one line and exit code 2 (Ctrl+C: 130)."""
 
@@ -62,8 +66,10 @@ def _user_errors(fn: Callable[..., Any]) -> Callable[..., Any]:
             if isinstance(exc, click.exceptions.Exit) or not (isinstance(exc, MemoryError) or _out_of_memory(exc)):
                 raise
             what = str(exc).splitlines()[0][:200] if str(exc) else type(exc).__name__
-            console.print(f"[bold red]error:[/] out of memory ({escape(what)}); lower data.batch_size or "
-                          "eval.batch_size, or use a smaller model", highlight=False, soft_wrap=True)
+            lower = _OUT_OF_MEMORY_ADVICE.get(fn.__name__, "lower data.batch_size or eval.batch_size, or use a "
+                                              "smaller model")
+            console.print(f"[bold red]error:[/] out of memory ({escape(what)}); {lower}", highlight=False,
+                          soft_wrap=True)
             raise typer.Exit(2) from None
         except KeyboardInterrupt:  # Ctrl+C before a command's own handler, or pressed twice
             console.print("[yellow]interrupted[/]")

@@ -309,6 +309,6 @@ def check_device(device: str) -> None:
         raise ConfigError(f"--device must be cpu, cuda or cuda:N, not {device!r}")
     if dev.type == "cuda":
         if not torch.cuda.is_available():
-            raise ConfigError("--device cuda was asked for, but torch sees no CUDA device")
+            raise ConfigError(f"--device {device} was asked for, but torch sees no CUDA device")
         if dev.index is not None and dev.index >= torch.cuda.device_count():
             raise ConfigError(f"--device {device}: torch sees only {torch.cuda.device_count()} CUDA device(s)")

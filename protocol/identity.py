@@ -185,15 +185,17 @@ class Identity:
         with open(path, "rb") as f:
             data = f.read(_MAX_IDENTITY_FILE + 1)
             mode = os.fstat(f.fileno()).st_mode
-        if os.name == "posix" and mode & 0o077:  # as ssh does: said, not refused (a container's volume, say)
-            log.warning("%s can be read by other users (mode %o): anyone who can read it can sign as this peer; "
-                        "chmod 600 it", os.fspath(path), mode & 0o777)
         if len(data) > _MAX_IDENTITY_FILE:
             raise IdentityError(f"{os.fspath(path)} is too large to be an identity file")
         try:
-            return cls.from_libp2p_bytes(data)
+            identity = cls.from_libp2p_bytes(data)
         except IdentityError as exc:
             raise IdentityError(f"{os.fspath(path)}: {exc}") from None
+        # only of a key: a file that is none (a README passed by mistake) is told so alone
+        if os.name == "posix" and mode & 0o077:  # as ssh does: said, not refused (a container's volume, say)
+            log.warning("%s can be read by other users (mode %o): anyone who can read it can sign as this peer; "
+                        "chmod 600 it", os.fspath(path), mode & 0o777)
+        return identity
 
     def save(self, path: PathLike, overwrite: bool = False) -> None:
         """Write the identity file atomically with mode 0600; FileExistsError unless `overwrite`."""

@@ -230,6 +230,19 @@ def test_running_out_of_memory_is_one_line_that_names_the_sizes_to_lower(monkeyp
         assert res.exit_code == 1 and isinstance(res.exception, RuntimeError)
 
 
+def test_the_codec_bench_out_of_memory_names_its_own_size_to_lower(monkeypatch):
+    # Found by a review: `bench codecs --params 10**14` was told to lower data.batch_size.
+    from groundswell.peer import bench_codecs
+
+    def fails(*args, **kwargs):
+        raise MemoryError()
+
+    monkeypatch.setattr(bench_codecs, "run_codec_bench", fails)
+    res = CliRunner().invoke(app, ["bench", "codecs", "--params", "1000"])
+    _one_error_line(res, "out of memory (MemoryError); lower --params")
+    assert "batch_size" not in res.output
+
+
 def test_a_deliberate_exit_passes_the_out_of_memory_check_on_any_torch(monkeypatch):
     # typer's Exit is a RuntimeError; torch.OutOfMemoryError is new in torch 2.5 (review)
     import torch
@@ -362,3 +375,13 @@ def test_launch_refuses_round_and_optimizer_values_that_could_never_work(tmp_pat
     assert tomllib.loads(bad.read_text())[section][key] == float(value)  # the value reached the manifest
     res = CliRunner().invoke(app, ["launch", str(bad), "--state-dir", str(tmp_path / "sd"), "--quiet"])
     _one_error_line(res, words)
+
+
+@pytest.mark.parametrize("device", ["cuda", "cuda:0"])
+def test_a_cuda_device_on_a_machine_without_one_is_named_as_given(monkeypatch, device):
+    import torch
+    from groundswell.peer.config import ConfigError, check_device
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    with pytest.raises(ConfigError, match=f"^--device {device} was asked for, but torch sees no CUDA device$"):
+        check_device(device)

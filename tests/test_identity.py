@@ -243,3 +243,17 @@ def test_an_identity_file_other_users_can_read_is_loaded_with_a_warning(tmp_path
     with caplog.at_level(logging.WARNING, logger="groundswell.protocol.identity"):
         assert Identity.load(path).peer_id == ident.peer_id
     assert any(r.levelno >= logging.WARNING and "chmod 600" in r.getMessage() for r in caplog.records)
+
+
+def test_a_readable_file_that_is_no_key_is_refused_without_the_chmod_warning(tmp_path, caplog):
+    # Found by a review: `--identity README.md` warned "chmod 600 it" before saying it is no key.
+    import logging
+    import os
+
+    path = tmp_path / "notes.txt"
+    path.write_text("not a key\n")
+    os.chmod(path, 0o644)
+    with caplog.at_level(logging.WARNING, logger="groundswell.protocol.identity"):
+        with pytest.raises(IdentityError, match="notes.txt"):
+            Identity.load(path)
+    assert not [r for r in caplog.records if "chmod 600" in r.getMessage()]
