@@ -100,8 +100,10 @@ def run_volunteer(p: Participant, bootstrap_peers: list[str], *, max_rounds: int
                 loop.exchange.announce(p.outer.round_id)  # later rounds are announced as soon as the previous one is decided
             stats = trainer.run(m.outer.inner_steps, on_step)
             # t is the end; the block ran over [t - compute_s, t]; device: where the model's weights live
+            # sent_total here too: a process killed before it applies a round still counts what it sent
             p.events.write("train", round=p.outer.round_id, steps=stats.steps, compute_s=stats.compute_s,
-                           device=str(p.outer.params[0].device), peer=p.identity.peer_id)
+                           device=str(p.outer.params[0].device), sent_total=p.node.traffic()[0],
+                           peer=p.identity.peer_id)
             if in_flight is not None:
                 extra = _train_while_waiting(trainer, loop.exchange, m.outer.inner_steps, stop, on_step)
                 if extra is not None:
