@@ -97,8 +97,9 @@ def simulate(
     if faults:
         console.print(faults, highlight=False)
     if missed := faults_missed(report):  # the run is not what was asked for: said, though not a failure
-        console.print(f"[bold yellow]never happened:[/] {', '.join(missed)} (faults start once round 0 is applied "
-                      "and stop before the last round: the run ended first)", highlight=False)
+        console.print(f"[bold yellow]never happened:[/] {', '.join(missed)} (faults start once round 0 is applied, "
+                      "late joiners once round 2 is, and none comes in the last round or without a peer to "
+                      "take: the run ended, or no peer could be taken, first)", highlight=False)
     failed = [what for what, bad in (
         (f"only {report['rounds_completed']} of {report['rounds_target']} rounds completed",
          report["rounds_completed"] < report["rounds_target"]),

@@ -13,6 +13,7 @@ from __future__ import annotations
 import asyncio
 import errno
 import ipaddress
+import itertools
 import logging
 import math
 import socket
@@ -235,8 +236,11 @@ async def find_reachability(transport: Any, maddrs: list[str], bootstrap_ids: li
     # each peer once (a bootstrap line lists one at several addresses; a request goes by id)
     peers = sorted(dict.fromkeys(bootstrap_ids), key=lambda peer: peer != coordinator)
     privates: set[str] = set()
+    # Asking a busy prober again is bounded for the whole step: the node's start (60 s in all, the
+    # DHT's entry alone up to 25 s) must not wait out every bootstrap peer's window in turn.
+    extra = [math.ceil(PROBE_EVERY_S / PROBE_TIMEOUT_S)]  # asks past each peer's second, for all of them
     for peer in peers[:3]:
-        reply = await _probe_by(transport, peer, maddrs)
+        reply = await _probe_by(transport, peer, maddrs, extra)
         if reply is None:
             continue
         if reply.reachable or peer == coordinator:
@@ -252,15 +256,15 @@ async def find_reachability(transport: Any, maddrs: list[str], bootstrap_ids: li
     return "public"  # nobody to ask (the first peer of a run) or nobody answered: assume so
 
 
-async def _probe_by(transport: Any, peer: str, maddrs: list[str]) -> ProbeReply | None:
+async def _probe_by(transport: Any, peer: str, maddrs: list[str], extra: list[int]) -> ProbeReply | None:
     """`peer`'s dial-back verdict; asked again, a probe's time apart, while it is busy ("rate
-    limited"), until its per-sender window has passed; None if it gave none. (Asked once more
-    only, a volunteer restarted within PROBE_EVERY_S of its last probe got no verdict, and took
-    itself for public: behind a NAT, too.)"""
+    limited"): once, and then while `extra[0]` (shared by the step's peers, taken from here) lasts,
+    enough to outwait one peer's per-sender window; None if it gave none. (Asked once more only,
+    a volunteer restarted within PROBE_EVERY_S of its last probe got no verdict, and took itself
+    for public: behind a NAT, too.)"""
     from groundswell.protocol.transport import PeerUnavailable
 
-    asks = 2 + math.ceil(PROBE_EVERY_S / PROBE_TIMEOUT_S)
-    for ask in range(asks):
+    for ask in itertools.count():
         try:
             reply = await transport.request(peer, "probe", ProbeRequest(maddrs), ProbeReply,
                                             timeout_s=4 * PROBE_TIMEOUT_S + 5)
@@ -269,6 +273,9 @@ async def _probe_by(transport: Any, peer: str, maddrs: list[str]) -> ProbeReply 
             return None
         if reply.address != "rate limited":
             return reply
-        if ask < asks - 1:
-            await asyncio.sleep(PROBE_TIMEOUT_S)  # its probes under way end within this
+        if ask >= 1:
+            if extra[0] <= 0:
+                break
+            extra[0] -= 1
+        await asyncio.sleep(PROBE_TIMEOUT_S)  # its probes under way end within this
     return None

@@ -50,5 +50,6 @@ def in_aggregate(info: Any) -> str:
     """Whether a volunteer's work is in the round's aggregate, in words."""
     if info.included:
         return "in aggregate"
-    # the commit names us for what the process before this one sent (it was restarted mid-round)
-    return "our previous process's work in aggregate" if getattr(info, "superseded", False) else "NOT in aggregate"
+    # the commit names us for other work of ours: what the process before this one sent (restarted
+    # mid-round), or an earlier attempt's contribution a later leader adopted
+    return "earlier work of ours in aggregate" if getattr(info, "superseded", False) else "NOT in aggregate"

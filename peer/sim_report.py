@@ -110,7 +110,7 @@ def build_report(out: Path, opts: "SimulateOptions", driver_events: list[dict], 
             after = [end_t[r] for r in order if end_t[r] > ev["t"] and r in contributors and pid not in contributors[r]]
             if after:
                 excluding.append(round(min(after) - ev["t"], 2))
-        elif ev["kind"] in ("restart", "join"):
+        elif ev["kind"] in ("restart", "join") and ev["peer"] != "coordinator":  # (it contributes nothing)
             # The (re)started process's own word that a commit counted its work: a commit naming the
             # peer may count what its killed process sent before it died (`superseded`). Only within
             # that process's life: a restart killed again before it was counted never rejoined (it

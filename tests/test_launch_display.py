@@ -129,5 +129,5 @@ def test_a_restarted_volunteer_is_not_told_its_work_was_left_out_when_its_previo
     from groundswell.peer.round_view import in_aggregate
 
     assert in_aggregate(SimpleNamespace(included=True, superseded=False)) == "in aggregate"
-    assert in_aggregate(SimpleNamespace(included=False, superseded=True)) == "our previous process's work in aggregate"
+    assert in_aggregate(SimpleNamespace(included=False, superseded=True)) == "earlier work of ours in aggregate"
     assert in_aggregate(SimpleNamespace(included=False, superseded=False)) == "NOT in aggregate"

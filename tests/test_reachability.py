@@ -229,6 +229,10 @@ class _Probers:
     # a volunteer restarted within the coordinator's window (10 s) gets the coordinator's verdict
     # once the window has passed; asked once more only, it took itself for public (review)
     ("C", "C", {"C": [None, None, None, None, False]}, "private", ["C"] * 5),
+    # busy everywhere: the asks past each peer's second share one budget (a window's worth: 4),
+    # so each later peer is asked twice, as before (review: three busy bootstrap peers cost a
+    # joiner ~45 s of its 60 s start)
+    ("CHX", "C", {"C": None, "H": None, "X": None}, "public", ["C"] * 6 + ["H"] * 2 + ["X"] * 2),
 ])
 def test_the_coordinators_probe_decides_and_another_peers_private_verdict_is_checked(order, coordinator, verdicts,
                                                                                       expected, asked, monkeypatch):

@@ -372,3 +372,13 @@ def test_a_fault_asked_for_that_never_happened_is_counted_and_said(tmp_path):
     report = build_report(tmp_path, opts, driver, wall_s=3.0, t0=0.0)
     assert report["faults_fired"] == {"kill": 1, "freeze": 0, "leave": 0, "join": 0, "kill-coordinator": 0}
     assert faults_missed(report) == ["--kill-coordinator-at"]
+
+
+def test_a_restarted_coordinator_is_no_rejoin_that_never_happened(tmp_path):
+    # The coordinator contributes nothing, so its rounds never say "included": its restart after
+    # --kill-coordinator-at was counted as a peer that never rejoined (review).
+    _write(tmp_path, "coordinator", [_round(1.0, 0, "C"), _round(6.0, 1, "C")])
+    driver = [{"t": 2.0, "kind": "kill-coordinator", "peer": "coordinator"},
+              {"t": 4.0, "kind": "restart", "peer": "coordinator"}]
+    report = build_report(tmp_path, SimulateOptions(peers=2, rounds=2), driver, wall_s=7.0, t0=0.0)
+    assert report["rejoin_s"] == [] and report["never_rejoined"] == 0
