@@ -112,9 +112,8 @@ def robust_mean(codec: Codec, rows: Sequence[Sequence[Payload]], options: Robust
     vector, say: no second copy of it); the returned means are then views of them."""
     if not rows:
         raise CodecError("cannot aggregate zero contributions")
+    _check_alike(rows)
     num_segments = len(rows[0])
-    if any(len(r) != num_segments for r in rows):
-        raise CodecError("contributions cover different segments")
     buffers = _checked_out(out, [p.numel for p in rows[0]])
     if not options.active:
         means = [codec.aggregate([r[i] for r in rows]) for i in range(num_segments)]
@@ -155,12 +154,23 @@ def robust_weights(codec: Codec, rows: Sequence[Sequence[Payload]], options: Rob
     without computing the mean: a sparse contribution's norm comes from its kept entries alone."""
     if options.clip <= 0:
         return [1.0] * len(rows)
+    _check_alike(rows)
     entries = getattr(codec, "entries", None)
     if entries is not None and not options.trim:  # as `_sparse_clipped_mean` sums them
         sq = [_row_sq_norm(v for _, v in (entries(p) for p in row)) for row in rows]
     else:
         sq = [contribution_sq_norm(codec, row) for row in rows]
     return [1.0 if w >= 1.0 else float(torch.tensor(w, dtype=torch.float32)) for w in clip_weights(sq, options.clip)]
+
+
+def _check_alike(rows: Sequence[Sequence[Payload]]) -> None:
+    """CodecError unless every contribution has segments of the same shapes (a shorter one would
+    broadcast into a dense sum, or scatter into the wrong places of a sparse one)."""
+    if not rows:
+        raise CodecError("cannot aggregate zero contributions")
+    shapes = [tuple(p.shape) for p in rows[0]]
+    if any([tuple(p.shape) for p in r] != shapes for r in rows[1:]):
+        raise CodecError("contributions cover different segments or shapes")
 
 
 def _note_clipped(stats: RobustStats, weights: list[float]) -> None:

@@ -136,6 +136,8 @@ class InProcessHub:
                     slot.result = self._aggregate(round_id, slot.payloads)
                 except RoundFailed as exc:
                     slot.result = exc  # every worker of this round must see the same failure
+                except ValueError as exc:  # (CodecError too) contributions that do not add up: none applied
+                    slot.result = RoundFailed(f"round {round_id}: the contributions do not aggregate: {exc}")
             received = sum(len(b) for w, parts in slot.payloads.items() if w != worker_id for b in parts)
             slot.collected += 1
             result = slot.result

@@ -66,6 +66,9 @@ class OuterOptimizer(ABC):
         self.params = [p for p in params]
         if not self.params:
             raise ValueError("the outer optimizer needs at least one parameter")
+        odd = sorted({str(p.dtype) for p in self.params if p.dtype != torch.float32})
+        if odd:  # rounding theta_global into them would be sent as a pseudo-gradient every round
+            raise ValueError(f"the outer optimizer needs float32 parameters, not {', '.join(odd)}")
         self.codec = codec
         self.global_params = parameters_to_vector(self.params).detach().float().clone()
         # True at the coordinates of frozen parameters; None when every parameter trains (the usual case)
@@ -111,6 +114,7 @@ class OuterOptimizer(ABC):
             raise RuntimeError("apply() without a prepared round")
         if result is not None and result.round_id != pending.round_id:
             raise ValueError(f"result is for round {result.round_id}, pending round is {pending.round_id}")
+        mean = None if result is None else self._checked_mean(result.mean)  # before anything changes
         self.pending = None
         absorbed = self._settle_contribution(pending, result)
         old_global = self.global_params
@@ -119,7 +123,7 @@ class OuterOptimizer(ABC):
                 return  # nothing moved and the local progress stays where it is
             new_global = old_global
         else:
-            new_global = self._stepped(old_global, result.mean.to(old_global.device, torch.float32))
+            new_global = self._stepped(old_global, mean)
             self.round_id += 1
         # Local work not yet in anyone's hands rides on top of the new global parameters. In a
         # blocking round that is exactly zero, so every worker ends bit-identical to theta_global.
@@ -135,7 +139,7 @@ class OuterOptimizer(ABC):
         if round_id != self.round_id:
             raise ValueError(f"cannot apply round {round_id}: the next round here is {self.round_id}")
         old_global = self.global_params
-        new_global = self._stepped(old_global, mean.to(old_global.device, torch.float32))
+        new_global = self._stepped(old_global, self._checked_mean(mean))
         progress = self.local_vector() - old_global
         copy_into_parameters(new_global + progress, self.params)
         self.global_params = new_global
@@ -210,6 +214,14 @@ class OuterOptimizer(ABC):
     def _outer_step(self, mean: torch.Tensor) -> torch.Tensor:
         """The change to theta_global for an aggregated mean pseudo-gradient."""
 
+    def _checked_mean(self, mean: torch.Tensor) -> torch.Tensor:
+        """`mean` as a flat fp32 vector on the parameters' device; a ValueError, before any state
+        changes, if it does not hold one value per parameter (it would broadcast silently)."""
+        if mean.numel() != self.global_params.numel() or not mean.is_floating_point():
+            raise ValueError(f"the mean has {mean.numel()} {mean.dtype} values, the model "
+                             f"{self.global_params.numel()} parameters")
+        return mean.reshape(-1).to(self.global_params.device, torch.float32)
+
     def _stepped(self, old_global: torch.Tensor, mean: torch.Tensor) -> torch.Tensor:
         """theta_global after the outer step for `mean`. A coordinate the step would take past
         fp32's range (a finite mean near its limit: one hostile contribution with clipping off)
@@ -237,23 +249,27 @@ class OuterOptimizer(ABC):
         return {"round_id": self.round_id, "global_params": self.global_params.cpu().clone(), **self._extra_state()}
 
     def _like_params(self, state: dict[str, Any], name: str) -> torch.Tensor:
-        """`state[name]` as a float32 tensor shaped like the parameters, on their device; a
+        """`state[name]` as a finite float32 tensor shaped like the parameters, on their device; a
         ValueError if it is not one (a buffer too long or short would fail a round later, or be
         cut silently)."""
         t = state.get(name)
         if not isinstance(t, torch.Tensor) or t.shape != self.global_params.shape or not t.is_floating_point():
             what = f"shape {tuple(t.shape)}" if isinstance(t, torch.Tensor) else type(t).__name__
             raise ValueError(f"state's {name} is {what}, not {tuple(self.global_params.shape)} floats")
-        return t.to(self.global_params.device, torch.float32).clone()
+        out = t.to(self.global_params.device, torch.float32).clone()
+        if not all_finite(out):  # a NaN here would fail every later round, or spread into the model
+            raise ValueError(f"state's {name} is not all finite")
+        return out
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Restore a `state_dict()`; the model's parameters are not touched."""
-        g = state["global_params"]
-        if g.shape != self.global_params.shape:
-            raise ValueError(f"state has {g.numel()} parameters, the model has {self.global_params.numel()}")
+        g = self._like_params(state, "global_params")
+        round_id = state.get("round_id")
+        if not isinstance(round_id, int) or isinstance(round_id, bool) or round_id < 0:
+            raise ValueError(f"state's round_id is {round_id!r}, not a round")
         self._load_extra_state(state)  # first: a bad extra state leaves this one as it was
-        self.global_params = g.to(self.global_params.device, torch.float32).clone()
-        self.round_id = int(state["round_id"])
+        self.global_params = g
+        self.round_id = round_id
         self.pending = None
 
     def _extra_state(self) -> dict[str, Any]:

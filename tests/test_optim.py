@@ -616,3 +616,80 @@ def test_no_outer_step_moves_a_frozen_parameter(algorithm, codec_name):
     state[name][16:] = 1.0
     outers[0].load_state_dict(state)
     assert not getattr(outers[0], name)[16:].any() and torch.equal(getattr(outers[0], name)[:16], state[name][:16])
+
+
+@pytest.mark.parametrize("algo", ["diloco", "sparseloco"])
+def test_a_mean_that_does_not_fit_the_model_is_refused_before_anything_changes(algo):
+    """Found by a review: a one-value mean broadcast over every parameter (every one moved by
+    it), and one of shape (n, 1) failed only after the momentum had decayed."""
+    codec = make_codec("sparseloco", chunk=64, k=4) if algo == "sparseloco" else make_codec("fp32")
+    make = (lambda ps: SparseLoCo(ps, codec)) if algo == "sparseloco" else (lambda ps: DiLoCo(ps, codec))
+    model = torch.nn.Linear(32, 8)
+    outer = make(model.parameters())
+    hub = InProcessHub(codec, ["w0"])
+    with torch.no_grad():
+        model.weight.add_(0.1)
+    outer.sync(hub.endpoint("w0"))  # some momentum / error feedback to keep
+    n = outer.global_params.numel()
+    name = "error" if algo == "sparseloco" else "momentum_buffer"
+
+    def snapshot():
+        return [outer.global_params.clone(), getattr(outer, name).clone(), outer.round_id,
+                *(p.detach().clone() for p in model.parameters())]
+
+    def same(a, b):
+        return all(torch.equal(x, y) if isinstance(x, torch.Tensor) else x == y for x, y in zip(a, b))
+
+    for bad in (torch.ones(1), torch.ones(n + 1), torch.ones(n, 2), torch.ones(n, dtype=torch.int64)):
+        before = snapshot()
+        with pytest.raises(ValueError, match="mean"):
+            outer.follow(outer.round_id, bad)
+        assert same(snapshot(), before)
+        outer.prepare()
+        before = snapshot()
+        with pytest.raises(ValueError, match="mean"):
+            outer.apply(_outcome(outer.round_id, bad, True))
+        assert same(snapshot(), before)
+        assert outer.pending is not None  # still pending: the caller may apply(None) and keep its work
+        outer.apply(None)
+    mean = torch.full((n, 1), 0.5)  # one value per parameter, whatever its shape: taken
+    outer.follow(outer.round_id, mean)
+    assert outer.round_id == 2
+
+
+def test_parameters_that_are_not_float32_are_refused():
+    """Found by a review: with bf16 parameters, rounding theta_global into them was sent as a
+    pseudo-gradient every round, and idle peers drifted the model."""
+    for dtype in (torch.bfloat16, torch.float16, torch.float64):
+        with pytest.raises(ValueError, match="float32 parameters"):
+            DiLoCo(torch.nn.Linear(4, 2).to(dtype).parameters(), make_codec("fp32"))
+
+
+@pytest.mark.parametrize("bad", ["int64", "nan", "no-round", "negative-round"])
+def test_a_state_that_is_no_state_of_ours_is_refused_whole(bad):
+    codec = make_codec("sparseloco", chunk=64, k=4)
+    outer = SparseLoCo(torch.nn.Linear(32, 8).parameters(), codec)
+    state = outer.state_dict()
+    if bad == "int64":
+        state["global_params"] = state["global_params"].long()
+    elif bad == "nan":
+        state["error"] = state["error"].clone()
+        state["error"][3] = float("nan")
+    elif bad == "no-round":
+        del state["round_id"]
+    else:
+        state["round_id"] = -1
+    before = outer.global_params.clone()
+    with pytest.raises(ValueError):
+        outer.load_state_dict(state)
+    assert torch.equal(outer.global_params, before) and outer.round_id == 0
+
+
+def test_contributions_that_do_not_aggregate_fail_the_round_for_every_worker():
+    """A CodecError while aggregating left the workers with a round pending for good."""
+    codec = make_codec("fp32")
+    small, big = _model([1.0, 2.0]), _model([1.0, 2.0, 3.0])
+    outers = [DiLoCo(small.parameters(), codec), DiLoCo(big.parameters(), codec)]
+    results = _round(outers, InProcessHub(codec, ["w0", "w1"]))
+    assert results == [None, None]
+    assert all(o.pending is None and o.round_id == 0 for o in outers)

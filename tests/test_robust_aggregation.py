@@ -17,6 +17,7 @@ from groundswell.compression import (
     robust_weights,
     tree_sum_of_squares,
 )
+from groundswell.compression.base import CodecError
 from groundswell.compression.robust import clip_weights
 
 sys.path.insert(0, str(Path(__file__).parent))
@@ -313,3 +314,18 @@ def test_verified_aggregates_ship_signed_dense_contributions():
         assert float((means[0] - sum(xs.values()) / 3).norm()) < 0.2 * float(means[0].norm())  # int8 + clipping
     finally:
         c.close()
+
+
+@pytest.mark.parametrize("codec_name", ["fp32", "sparseloco"])
+def test_contributions_of_other_shapes_are_refused_not_broadcast(codec_name):
+    """Found by a review: a one-value dense contribution broadcast over every element of the
+    clipped sum, and a shorter sparse one scattered into the wrong places (or raised IndexError)."""
+    codec = make_codec(codec_name, chunk=64, k=4) if codec_name == "sparseloco" else make_codec(codec_name)
+    good = [codec.encode(torch.zeros(256)), codec.encode(torch.zeros(256))]
+    other = codec.encode(torch.full((128,), 5.0) if codec_name == "sparseloco" else torch.full((1,), 5.0))
+    rows = [[good[0]], [good[1]], [other]]
+    options = RobustOptions(clip=2.0)
+    with pytest.raises(CodecError, match="shapes"):
+        robust_mean(codec, rows, options)
+    with pytest.raises(CodecError, match="shapes"):
+        robust_weights(codec, rows, options)
