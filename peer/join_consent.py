@@ -5,13 +5,18 @@ from __future__ import annotations
 
 import logging
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from .config import ConfigError
+
+if TYPE_CHECKING:
+    from .data import Corpus
+    from .manifest import RunManifest
 
 log = logging.getLogger(__name__)
 
 
-def volunteer_corpus(manifest, data: Path | None, allow_model_code: bool):
+def volunteer_corpus(manifest: RunManifest, data: Path | None, allow_model_code: bool) -> Corpus:
     """The corpus a volunteer trains on, and its consent to what the coordinator's manifest asks
     of its machine: a coordinator's signature vouches for the run, not for paths on our disk (it
     could name a folder of private files to train on, and its gradients would carry them out) or

@@ -7,14 +7,19 @@ from __future__ import annotations
 
 import logging
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from .config import ConfigError
 from .state_files import write_atomically
 
+if TYPE_CHECKING:
+    from .data import Corpus
+    from .manifest import RunManifest
+
 log = logging.getLogger(__name__)
 
 
-def prepare_manifest(manifest, path: Path):
+def prepare_manifest(manifest: RunManifest, path: Path) -> tuple[RunManifest, Corpus]:
     """The manifest's model and corpus must exist here before anything is written: one error line
     naming the file and the key. Returns the manifest with its corpus's fingerprint (which
     volunteers' copies must match) and the corpus, loaded once."""

@@ -31,7 +31,7 @@ def round_table(rows: list, header: str) -> Table:
     return table
 
 
-def round_line(info) -> str:
+def round_line(info: Any) -> str:
     """One round as a line of text: the live table's row where there is no terminal."""
     if info.status != "applied":
         return f"round {info.round}: runs again ({info.reason})"

@@ -267,6 +267,7 @@ def catch_up_or_resync(p: Participant, bootstrap_peers: list[str], fresh: bool =
 
 
 def resync(p: Participant, bootstrap_peers: list[str]) -> None:
+    """Fetch the run's state again after a failed catch-up; a failure here waits for the next round."""
     try:
         p.sync_state(bootstrap_peers, min_round=p.outer.round_id)
     except (PeerUnavailable, TimeoutError, ProtocolError) as exc:  # a bad state: try again later
