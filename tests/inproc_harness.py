@@ -4,6 +4,7 @@ to the registered stream handlers, so tests can feed thousands of raw frames in 
 from __future__ import annotations
 
 import asyncio
+import logging
 import struct
 import time
 from dataclasses import dataclass, field
@@ -71,6 +72,18 @@ class FakeP2P:
         raise ConnectionError("no other peers in this test")
 
 
+class _CrashRecords(logging.Handler):
+    """Collects the transport's "handler failed" records (a request that raised an unexpected error)."""
+
+    def __init__(self) -> None:
+        super().__init__(level=logging.ERROR)
+        self.seen: list[str] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        if record.exc_info is not None:
+            self.seen.append(f"{record.getMessage()}: {record.exc_info[1]!r}")
+
+
 @dataclass
 class Target:
     loop: asyncio.AbstractEventLoop
@@ -83,14 +96,29 @@ class Target:
     genesis: bytes
     stop: asyncio.Event
 
-    def feed(self, handler: str, sender: str, frame: bytes, timeout: float = 10.0) -> bytes:
-        """Hand one raw frame to a handler as `sender`'s stream; returns what it wrote back."""
+    def feed(self, handler: str, sender: str, frame: bytes, timeout: float = 10.0, eof: bool = True) -> bytes:
+        """Hand one raw frame to a handler as `sender`'s stream; returns what it wrote back.
+        Raises AssertionError if the handler crashed: the transport logs a crash and closes the
+        stream (a peer must not die of one request), so the log is where a crash shows.
+        `eof=False`: the caller never hangs up its end of the stream."""
         name = next(n for n in self.p2p.handlers if n.split("/")[-2] == handler)
+        crashes = _CrashRecords()
+        transport_log = logging.getLogger("groundswell.protocol.transport")
+        transport_log.addHandler(crashes)
+        try:
+            out = self._feed(name, sender, frame, timeout, eof)
+        finally:
+            transport_log.removeHandler(crashes)
+        assert not crashes.seen, f"{handler} handler crashed on a frame from {sender[-8:]}: {crashes.seen[0]}"
+        return out
+
+    def _feed(self, name: str, sender: str, frame: bytes, timeout: float, eof: bool) -> bytes:
 
         async def go() -> bytes:
             reader = asyncio.StreamReader()
             reader.feed_data(frame)
-            reader.feed_eof()
+            if eof:
+                reader.feed_eof()
             writer = _Writer()
             await asyncio.wait_for(self.p2p.handlers[name](_Info(_PeerID(sender)), reader, writer), timeout)
             assert writer.closed  # every stream is closed, answered or not

@@ -22,7 +22,17 @@ def test_coordinator_resumes_from_its_checkpoint(tmp_path):
     # --checkpoint-every 1` makes the coordinator checkpoint every round anyway
     opts = SimulateOptions(peers=2, rounds=3, inner_steps=5, batch_size=4, deadline_s=20, slack_s=2, min_peers=2,
                            checkpoint_every=10**6, checkpoint_keep=4, coordinator_checkpoint_every=1, timeout_s=300)
-    report = run_simulation(opts, out, progress=lambda m: None)
+    try:
+        report = run_simulation(opts, out, progress=lambda m: None)
+        _resumes_from_its_checkpoint(report, out, opts)
+    finally:
+        left = leftover_processes(out)
+        for p in left:
+            p.kill()
+    assert not left
+
+
+def _resumes_from_its_checkpoint(report: dict, out: Path, opts: SimulateOptions) -> None:
     assert report["rounds_completed"] == 3 and report["param_hash_agreement"]
     assert {"peer-0", "peer-1"} <= set(ended_together(report, 3))  # the volunteers ended on one hash
     rounds = [json.loads(line) for line in (out / "coordinator" / "events.jsonl").read_text().splitlines()]
@@ -77,5 +87,6 @@ def test_rounds_go_on_without_the_coordinator_and_a_joiner_bootstraps_from_a_vol
     assert after and max(e["round"] for e in after) > coordinator[resumed[0]]["round"] + 5, \
         "the restarted coordinator did not catch up with the volunteers"
     assert report["param_hash_agreement"] and report["divergent_rounds"] == []
-    ended_together(report, report["rounds_completed"])
+    assert report["rounds_completed"] == opts.rounds
+    ended_together(report, opts.rounds)
     assert report["lost_contributions"] == 0

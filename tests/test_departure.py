@@ -140,7 +140,7 @@ def test_ctrl_c_landing_inside_a_write_to_the_console_still_stops_the_peer(monke
     assert stop and stop.event.wait(5)
 
 
-def test_a_peer_back_after_leaving_is_waited_for_again_at_every_attempt_its_leave_reached(make_cluster):
+def test_a_peer_back_after_leaving_is_a_member_again_at_every_leader_its_leave_reached(make_cluster):
     # Leaders differ per attempt with more servers than leaders: the restarted peer's announce
     # must reach each leader its leave reached, or a retried attempt's leader would close
     # without it while it still trains.

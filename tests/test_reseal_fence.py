@@ -27,8 +27,12 @@ def _scene():
 
     for _ in range(8):  # roles are drawn from the ids: K must lead attempt 1 and not attempt 0
         c = Cluster(n=4, codec_name="fp32", min_peers=2, deadline_s=31.0, slack_s=1.0)
-        plans = [make_plan(c.ctx.run_id, 0, a, c.ids, c.ids, len(c.ctx.segment_numels), c.max_shards)
-                 for a in (0, 1)]
+        try:
+            plans = [make_plan(c.ctx.run_id, 0, a, c.ids, c.ids, len(c.ctx.segment_numels), c.max_shards)
+                     for a in (0, 1)]
+        except BaseException:
+            c.close()
+            raise
         ks = [c.ids.index(p) for p in plans[1].leaders if p not in plans[0].leaders]
         if ks:
             return c, plans, c.ids.index(plans[0].leaders[0]), ks[0]

@@ -391,7 +391,7 @@ def test_leftover_processes_match_the_folder_not_a_sibling(tmp_path, monkeypatch
     assert leftover_processes(out) == procs[:2]
 
 
-def test_cuda_peers_run_the_first_volunteers_on_the_gpu(tmp_path, monkeypatch):
+def test_cuda_peers_start_the_first_volunteers_with_device_cuda(tmp_path, monkeypatch):
     # The GPU check: a simulate whose first K volunteers train and encode on CUDA.
     from groundswell.peer import simulate
 

@@ -32,23 +32,28 @@ def test_round_trip_is_exact_and_a_bytearray_is_mapped_not_copied():
     assert torch.equal(frozen["global_params"], tensors["global_params"])
 
 
-@pytest.mark.parametrize("blob", [
-    b"",
-    b"\x00" * 7,
-    struct.pack(">Q", 1 << 40) + b"x",  # header length far past the blob
-    struct.pack(">Q", 3) + b"\xc1\xc1\xc1",  # not msgpack
-    _blob([["g", "float32", 2]], b"\x00" * 4),  # shorter than the header says
-    _blob([["g", "float32", 1]], b"\x00" * 8),  # bytes after the tensors
-    _blob([["g", "float64", 1]], b"\x00" * 8),  # not fp32
-    _blob([["g", "float32", 1], ["g", "float32", 1]], b"\x00" * 8),  # a name twice
-    _blob([["g", "float32", -1]], b""),
-    _blob([["g", "float32", True]], b"\x00" * 4),  # a bool is not a count
-    _blob([["x" * 65, "float32", 0]], b""),
-    _blob([["g", "float32", 0]] * 17, b""),  # too many tensors
-    struct.pack(">Q", 6) + msgpack.packb([2, []]) + b"\x00" * 2,  # another format version
-], ids=lambda b: str(len(b)))
-def test_malformed_blobs_are_refused(blob):
-    with pytest.raises(ProtocolError):
+def _header(header: bytes, body: bytes = b"") -> bytes:
+    return struct.pack(">Q", len(header)) + header + body
+
+
+@pytest.mark.parametrize("blob, why", [
+    (b"", "too short"),
+    (b"\x00" * 7, "too short"),
+    (struct.pack(">Q", 1 << 40) + b"x", "header is malformed"),  # header length far past the blob
+    (_header(b"\xc1\xc1\xc1"), "does not decode"),  # not msgpack
+    (_blob([["g", "float32", 2]], b"\x00" * 4), "shorter than its header says"),
+    (_blob([["g", "float32", 1]], b"\x00" * 8), "bytes after its tensors"),
+    (_blob([["g", "float64", 1]], b"\x00" * 8), "non-fp32"),
+    (_blob([["g", "float32", 1], ["g", "float32", 1]], b"\x00" * 8), "duplicate"),
+    (_blob([["g", "float32", -1]], b""), "malformed"),
+    (_blob([["g", "float32", True]], b"\x00" * 4), "malformed"),  # a bool is not a count
+    (_blob([["x" * 65, "float32", 0]], b""), "malformed"),
+    (_blob([["g", "float32", 0]] * 17, b""), "not a version-1 tensor list"),  # too many tensors
+    (_header(msgpack.packb([2, []])), "not a version-1 tensor list"),  # another format version
+    (_header(msgpack.packb({"v": 1})), "not a version-1 tensor list"),
+], ids=lambda b: str(len(b)) if isinstance(b, bytes) else None)
+def test_malformed_blobs_are_refused(blob, why):
+    with pytest.raises(ProtocolError, match=why):
         unpack_tensors(blob)
 
 

@@ -45,9 +45,9 @@ def test_the_status_reader_is_a_dht_client_that_is_not_probed_and_takes_no_relay
         volunteer = _node(tmp_path, "volunteer", NodeOptions(initial_peers=boot.maddrs[:1], trains=False,
                                                               serves=False))
         reader = _node(tmp_path, "reader", reader_options(boot.maddrs[:1], boot.identity.peer_id))
-        for node in (volunteer, reader):
-            node.start()
         try:
+            for node in (volunteer, reader):  # (inside: a start that fails still closes the other)
+                node.start()
             assert len(probed) == 1  # the volunteer's: the reader is not dialled back
             assert reader.dht.protocol.client_mode and not volunteer.dht.protocol.client_mode
             assert reader.direct is None and reader.record.serves is False
