@@ -40,6 +40,29 @@ from .net_errors import NetworkError
 
 log = logging.getLogger(__name__)
 
+
+OPEN_FILES_WANTED = 1 << 16
+
+
+def raise_open_file_limit(wanted: int = OPEN_FILES_WANTED) -> int:
+    """Raise this process's soft limit on open files towards its hard limit (at most `wanted`),
+    before the daemon starts (it inherits it); returns the soft limit now in force. Every inbound
+    stream holds a file descriptor here and one in p2pd: the usual soft limit of 1024 would run out
+    long before the guard's cap on streams (and then checkpoint writes fail too)."""
+    try:
+        import resource
+    except ImportError:  # not a Unix
+        return -1
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    target = wanted if hard == resource.RLIM_INFINITY else min(hard, wanted)
+    if soft != resource.RLIM_INFINITY and soft < target:
+        try:
+            resource.setrlimit(resource.RLIMIT_NOFILE, (target, hard))
+            soft = target
+        except (ValueError, OSError) as exc:
+            log.warning("could not raise the open-file limit from %d to %d: %s", soft, target, exc)
+    return soft
+
 _PR_SET_PDEATHSIG = 1
 _patched = False
 _socket_users = 0  # live nodes of this process using socket_dir()

@@ -108,6 +108,13 @@ class DialBack:
         self._last: dict[str, float] = {}
         self._running = 0  # probes under way
 
+    def busy(self, sender: str) -> bool:
+        """Would a probe for `sender` be refused as "rate limited" now? It asked within
+        PROBE_EVERY_S, or MAX_PROBES are under way (not charged to it: it may ask again at once).
+        Cheap: checked before anything else is done for a request."""
+        return (time.monotonic() - self._last.get(sender, -PROBE_EVERY_S) < PROBE_EVERY_S
+                or self._running >= MAX_PROBES)
+
     async def handle(self, sender: str, msg: ProbeRequest, observed: set[str] | None = None) -> ProbeReply:
         """Dial the TCP addresses at once, for PROBE_TIMEOUT_S in all; the first that accepts a
         connection is the answer. `observed`: the IPs the requester is connected from; only those
@@ -115,9 +122,7 @@ class DialBack:
         match: "private"). "rate limited" (ask another peer) when this sender asked within
         PROBE_EVERY_S or MAX_PROBES are under way."""
         now = time.monotonic()
-        if now - self._last.get(sender, -PROBE_EVERY_S) < PROBE_EVERY_S:
-            return ProbeReply(False, "rate limited")
-        if self._running >= MAX_PROBES:  # not charged to the sender: it may ask again at once
+        if self.busy(sender):
             return ProbeReply(False, "rate limited")
         self._last[sender] = now
         if len(self._last) > 4096:  # forget the oldest senders

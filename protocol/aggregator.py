@@ -94,11 +94,20 @@ class Aggregator(HaveReporter):
             raise ProtocolError(f"shard {msg.shard} does not exist", reason="bad-payload")
         slot = self.attempts[(msg.round, msg.attempt)]
         membership = self.book.membership(msg.round)
-        room = max(MIN_ROOM, 4 * len(membership.trainers) if membership else 0)
-        if sender not in slot.contributions.get(msg.shard, {}) and len(slot.contributions.get(msg.shard, {})) >= room:
-            # many fresh identities must not fill our memory: a shard holds a bounded number of senders
-            raise ProtocolError(f"shard {msg.shard} already holds {room} contributions", reason="slot-full",
-                                strike=False)
+        trainers = frozenset(membership.trainers) if membership else frozenset()
+        room = max(MIN_ROOM, 4 * len(trainers))
+
+        def full() -> bool:
+            """Many fresh identities must not fill our memory: a shard holds a bounded number of
+            senders that are not the round's planned trainers, and those, bounded by their own
+            number, always find a place (fresh identities cannot crowd the round's own peers out)."""
+            held = slot.contributions.get(msg.shard, {})
+            return sender not in held and sender not in trainers and sum(s not in trainers for s in held) >= room
+
+        if full():
+            raise ProtocolError(f"shard {msg.shard} already holds {room} contributions of newcomers",
+                                reason="slot-full", strike=False)
+
         def settled() -> Ack | None:
             if slot.sealed is not None:
                 return Ack(False, f"round {msg.round} attempt {msg.attempt} is sealed")
@@ -107,9 +116,9 @@ class Aggregator(HaveReporter):
                 if known[3] == contribution_digest(msg.first_segment, msg.segments):
                     return Ack(True, "")
                 raise ProtocolError(f"a second, different contribution to shard {msg.shard}", reason="equivocation")
-            if len(slot.contributions.get(msg.shard, {})) >= room:  # again after each await: others landed meanwhile
-                raise ProtocolError(f"shard {msg.shard} already holds {room} contributions", reason="slot-full",
-                                    strike=False)
+            if full():  # again after each await: others landed meanwhile
+                raise ProtocolError(f"shard {msg.shard} already holds {room} contributions of newcomers",
+                                    reason="slot-full", strike=False)
             return None
 
         if (early := settled()) is not None:
@@ -356,17 +365,30 @@ class Aggregator(HaveReporter):
                     await waiter.wait()
             except TimeoutError:
                 pass
-        return self._sealed_aggregate((msg.round, msg.shard), agg)
+        return await self._sealed_aggregate((msg.round, msg.shard), agg)
 
-    def _sealed_aggregate(self, key: tuple[int, int], agg: AggregateShard) -> Presealed:
+    async def _sealed_aggregate(self, key: tuple[int, int], agg: AggregateShard) -> Presealed:
         """The aggregate shard sealed once, however many peers ask for it (each of the others
         does, right after the commit; sealing a dense shard copies and hashes all of it). Kept for
-        the newest two rounds asked for: a straggler's request for an older one seals it again."""
-        hit = self._sealed.get(key)
-        if hit is None or hit[0] is not agg:  # (an aggregate replaced since, after a retry)
-            hit = (agg, seal(self.identity, self.ctx.run_id, agg))
+        the newest two rounds asked for; an older round's sealing is shared while any reply of it
+        is being sent. Sealed one at a time, off the event loop: anyone may ask for any kept
+        round, and a flood of asks for old ones would otherwise seal a copy per ask, on the loop."""
+        hit = self._cached_seal(key, agg)
+        if hit is not None:
+            return hit
+        async with self._sealing:
+            hit = self._cached_seal(key, agg)  # (sealed while we waited our turn)
+            if hit is not None:
+                return hit
+            hit = Presealed(await asyncio.to_thread(seal, self.identity, self.ctx.run_id, agg), of=agg)
+        self._sealed_shared[key] = hit
+        newest = max((r for r, _ in self._sealed), default=key[0])
+        if key[0] >= newest - 1:
             self._sealed[key] = hit
-            newest = max(r for r, _ in self._sealed)
-            for old in [k for k in self._sealed if k[0] < newest - 1]:
+            for old in [k for k in self._sealed if k[0] < max(newest, key[0]) - 1]:
                 del self._sealed[old]
-        return Presealed(hit[1])
+        return hit
+
+    def _cached_seal(self, key: tuple[int, int], agg: AggregateShard) -> Presealed | None:
+        hit = self._sealed.get(key) or self._sealed_shared.get(key)
+        return hit if hit is not None and hit.of is agg else None  # (an aggregate replaced since, after a retry)

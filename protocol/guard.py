@@ -26,6 +26,9 @@ class Limits:
 
     requests_per_s: float = 50.0  # sustained; bursts of 2 s worth are fine
     max_streams: int = 32  # concurrent inbound streams
+    # all peers together: each open stream holds one of our file descriptors (and identities are
+    # free, so `max_streams` alone does not bound them)
+    max_streams_total: int = 1024
     ban_s: float = 60.0
     strikes: int = 20
     max_clock_skew_s: float = 120.0  # a message stamped further from our clock is dropped
@@ -38,7 +41,7 @@ class Limits:
     max_inbound_bytes_per_peer: int = 1 << 27
 
     def __post_init__(self) -> None:
-        if not (self.requests_per_s > 0 and self.max_streams >= 1 and self.ban_s >= 0 and self.strikes >= 1
+        if not (self.requests_per_s > 0 and self.max_streams >= 1 and self.max_streams_total >= 1 and self.ban_s >= 0 and self.strikes >= 1
                 and self.max_clock_skew_s > 0 and self.max_nonces >= 1 and self.max_inbound_bytes >= 1
                 and self.max_inbound_bytes_per_peer >= 1):
             raise ValueError(f"invalid limits: {self}")
@@ -76,6 +79,7 @@ class Guard:
         self.inbound = 0  # bytes of large request bodies booked now, all peers together
         self._queue: deque[_Waiter] = deque()  # `room_for` callers waiting, in their order of arrival
         self.bans_total = 0
+        self.streams = 0  # inbound streams admitted and not yet released, all peers together
 
     def _peer(self, peer: str) -> _PeerState:
         state = self._peers.get(peer)
@@ -110,6 +114,8 @@ class Guard:
             reason = "banned"
         elif state.streams >= lim.max_streams:
             reason = "too-many-streams"
+        elif self.streams >= lim.max_streams_total:
+            reason = "busy"  # (no strike: it need not be this peer's doing)
         else:
             state.tokens = min(2 * lim.requests_per_s, state.tokens + (now - state.refilled) * lim.requests_per_s)
             state.refilled = now
@@ -118,9 +124,10 @@ class Guard:
             else:
                 state.tokens -= 1
                 state.streams += 1
+                self.streams += 1
                 return None
         self.rejected[f"{reason}:{handler}"] += 1
-        if reason != "banned":
+        if reason not in ("banned", "busy"):
             self.strike(peer)
         return reason
 
@@ -199,6 +206,7 @@ class Guard:
         state = self._peers.get(peer)
         if state is not None and state.streams > 0:
             state.streams -= 1
+            self.streams -= 1
 
     def strike(self, peer: str) -> None:
         """Record one violation; enough of them within `ban_s` ban the peer for `ban_s`."""

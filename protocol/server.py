@@ -19,6 +19,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+import weakref
 from collections import defaultdict
 from collections.abc import Awaitable, Callable, Coroutine
 from dataclasses import dataclass, field
@@ -50,7 +51,7 @@ from .schema import (
     ShardContribution,
 )
 from .shards import REPORTING_CANDIDATES
-from .transport import PeerUnavailable, Transport
+from .transport import PeerUnavailable, Presealed, Transport
 
 log = logging.getLogger(__name__)
 
@@ -119,7 +120,9 @@ class RoundServer(Aggregator, Leading, Claims, Decider):
         self.missed_reports: dict[tuple[int, int], set[tuple[str, int]]] = {}  # see `Leading._note_missed`
         self.behind_said: set[tuple[int, int]] = set()  # see `Leading._behind`
         self.aggregates: dict[tuple[int, int], AggregateShard] = {}
-        self._sealed: dict[tuple[int, int], tuple[AggregateShard, bytes]] = {}  # see `_sealed_aggregate`
+        self._sealed: dict[tuple[int, int], Presealed] = {}  # see `_sealed_aggregate`
+        self._sealed_shared: weakref.WeakValueDictionary[tuple[int, int], Presealed] = weakref.WeakValueDictionary()
+        self._sealing = asyncio.Lock()
         self.later_claims: dict[int, int] = {}  # round -> newest attempt whose claim we let pass (a fence)
         self.unobtainable: dict[bytes, tuple[int, bool]] = {}  # earlier attempts' commits a claim of ours could not gather
         self._learning: set[int] = set()  # rounds whose commit we are asking a peer for (`_learn_previous`)

@@ -16,11 +16,12 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import logging
 import time
 from collections import Counter
 from collections.abc import Awaitable, Callable, Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from .digests import bulk_hasher
@@ -40,6 +41,10 @@ REQUEST_START_S = 30.0
 MIN_BODY_RATE = 128 << 10  # bytes/s a booked request body must keep up (1 Mbit/s), after a grace of BODY_STALL_S
 ROOM_WAIT_S = 10.0  # how long a request body waits for room in the node's inbound budget
 BODY_STALL_S = 10.0  # a request body with no new piece for this long is cut off
+# How long an answered stream stays open for its caller to read the reply's tail (at most the
+# daemon's stream window, ~16 MiB: 32 s at 0.5 MB/s). Not the handler's whole timeout: a caller
+# that never hangs up would hold one of our file descriptors that long for free.
+LINGER_S = 60.0
 UNARY_MAX_REQUEST = 32 << 10
 # Largest allowed reply for a unary call: a control message's budget. Bulk replies (aggregates,
 # contributions) are budgeted from the model size plus MAX_SMALL, so they always take a stream.
@@ -129,6 +134,11 @@ class Presealed:
     fine as replies, unlike requests, are not checked for freshness (the request they answer is)."""
 
     data: bytes
+    of: Any = field(default=None, compare=False)  # what was sealed (a cache checks it is still current)
+
+
+def _hold(_: object) -> None:
+    """A no-op whose partial keeps its argument alive until the partial is dropped."""
 
 
 class _LivePendingCalls(dict):
@@ -202,6 +212,10 @@ class Transport:
             bulk, release = b"", None
             if isinstance(reply, WithTrailer):
                 reply, bulk, release = reply.reply, reply.trailer, reply.release
+            elif isinstance(reply, Presealed):
+                # Held until written (the caller drops `release` then): a handler may share one
+                # sealing between the streams sending it through a weak reference to it.
+                release = functools.partial(_hold, reply)
             try:
                 out = reply.data if isinstance(reply, Presealed) else seal(self.identity, self.run_id, reply)
             except BaseException:
@@ -249,7 +263,8 @@ class Transport:
                     # Keep our end open until the caller closes its own: p2pd resets a stream whose
                     # handler hangs up first, and the reset drops the reply's tail still buffered
                     # in the caller's daemon (a slow reader then sees a truncated reply).
-                    await read_until_eof(reader)
+                    async with asyncio.timeout(LINGER_S):
+                        await read_until_eof(reader)
             except ProtocolError as exc:
                 self.guard.reject(remote, handler, exc)
                 self._log_rejection(handler, exc.reason, remote, str(exc))

@@ -427,3 +427,70 @@ def test_a_commit_sealed_while_a_claim_waits_for_its_plan_is_handed_to_the_claim
         _check_alive(t)
     finally:
         next(gen, None)
+
+
+def test_a_caller_that_never_hangs_up_holds_its_stream_only_a_bounded_while(monkeypatch):
+    """Found by a review: an answered stream stayed open for the handler's whole timeout (600 s)
+    while the caller kept its end open, one of our file descriptors held for free."""
+    from groundswell.protocol import transport
+    from groundswell.protocol.schema import DecisionReply, DecisionRequest
+
+    monkeypatch.setattr(transport, "LINGER_S", 0.3)
+    gen = make_target()
+    t = next(gen)
+    try:
+        asker = t.peers[4]
+        start = time.monotonic()
+        reply = t.feed("get-decision", asker.peer_id, framed(_sealed(asker, DecisionRequest(0, 0, 0.0))),
+                       timeout=5.0, eof=False)
+        assert time.monotonic() - start < 5.0
+        unseal(reply[8:], RUN, DecisionReply, sender=t.me.peer_id)  # answered first, then let go
+        assert t.node.guard.streams == 0
+    finally:
+        next(gen, None)
+
+
+def test_asks_for_an_old_rounds_aggregate_share_one_sealing_made_off_the_event_loop(monkeypatch):
+    """Found by a review: anyone may ask for any kept round's aggregate, and a round older than the
+    newest two asked for was sealed again for every ask, on the event loop: each of 32 streams of
+    one identity held its own copy of a large shard, and the loop stalled for every sealing."""
+    import asyncio
+    import threading
+
+    from groundswell.protocol import aggregator
+    from groundswell.protocol.schema import AggregateShard
+
+    sealings: list[int] = []
+    real_seal = aggregator.seal
+
+    def counted(*args, **kwargs):
+        sealings.append(threading.get_ident())
+        return real_seal(*args, **kwargs)
+
+    monkeypatch.setattr(aggregator, "seal", counted)
+    gen = make_target()
+    t = next(gen)
+    try:
+        aggs = {r: AggregateShard(b"decision", 0, "mean", [bytes([r]) * 4096]) for r in range(4)}
+
+        async def ask(r: int, n: int):
+            return await asyncio.gather(*(t.server._sealed_aggregate((r, 0), aggs[r]) for _ in range(n)))
+
+        for r in (2, 3):  # the newest two rounds asked for: kept
+            t.loop.run_until_complete(ask(r, 3))
+        assert len(sealings) == 2
+        old = t.loop.run_until_complete(ask(0, 8))  # an old round: sealed once for all eight asks...
+        assert len(sealings) == 3 and all(x is old[0] for x in old)
+        again = t.loop.run_until_complete(ask(0, 1))[0]  # ...and for later asks while a reply is held
+        assert again is old[0] and len(sealings) == 3
+        del old, again
+        t.loop.run_until_complete(ask(0, 1))  # none held: sealed anew (memory is not kept for it)
+        assert len(sealings) == 4
+        t.loop.run_until_complete(ask(3, 5))  # still kept
+        assert len(sealings) == 4
+        assert threading.get_ident() not in sealings  # never on the event loop's thread (this one)
+        replaced = AggregateShard(b"decision", 0, "mean", [b"retry" * 100])  # a retry replaced round 3's
+        aggs[3] = replaced
+        assert t.loop.run_until_complete(ask(3, 1))[0].of is replaced and len(sealings) == 5
+    finally:
+        next(gen, None)

@@ -56,6 +56,19 @@ def test_concurrent_streams_are_capped_per_peer():
     assert g.admit("q", "contribute") is None
 
 
+def test_streams_of_all_peers_together_are_capped_without_striking_anyone():
+    """Found by a review: identities are free, and 32 streams each held one of our file
+    descriptors apiece: ~32 identities ran a process with the usual 1024 out of them."""
+    g, _, _ = _guard(max_streams=2, max_streams_total=5, strikes=1)
+    assert [g.admit(f"sybil{i // 2}", "get-decision") for i in range(5)] == [None] * 5
+    assert g.admit("honest", "contribute") == "busy" and g.rejected["busy:contribute"] == 1
+    assert not g.bans() and g.streams == 5  # nobody was struck for the node being full
+    g.release("sybil0")
+    assert g.streams == 4 and g.admit("honest", "contribute") is None
+    g.release("nobody")  # a stream never admitted does not free a place
+    assert g.streams == 5
+
+
 def test_replayed_and_badly_timed_messages_are_refused():
     g, _, wall = _guard(max_clock_skew_s=60)
     nonce = os.urandom(16)
