@@ -98,6 +98,15 @@ class GlobalState:
                 self._blob = (blob, bulk_hasher().update(blob).hexdigest())
             return self._blob
 
+    def build(self) -> None:
+        """Compute the blob, its digest and the state hash now (a server does so off its loop)."""
+        self.blob_and_digest()
+        self.state_digest()
+
+    def built(self) -> bool:
+        """Are the blob and the state hash computed already (`build` would return at once)?"""
+        return self._blob is not None and bool(self._state_hash)
+
     def state_digest(self) -> str:
         """`state_hash` of the state (parameters, momentum if any, decision), computed once per snapshot."""
         if not self._state_hash:

@@ -73,6 +73,7 @@ class StateServing:
     book: Any
     direct: Any
     uploads: UploadSlots
+    state_building: asyncio.Lock
     signed_manifest: bytes
     state_provider: Callable[[], Any]
 
@@ -94,8 +95,13 @@ class StateServing:
             return StateReply(-1, "", b"", 0, busy=True)
         try:
             # once per round, shared by every joiner; off the loop: packing and hashing a big model's
-            # state takes seconds, which heartbeats and round messages must not wait for
-            blob, digest = await asyncio.to_thread(state.blob_and_digest)
+            # state takes seconds, which heartbeats and round messages must not wait for. One build
+            # at a time, the other requesters waiting on the loop: each waiting in a worker thread
+            # of its own (a joiner's each, anyone's in an open run) held up the round's work there.
+            if not state.built():
+                async with self.state_building:
+                    await asyncio.to_thread(state.build)
+            blob, digest = state.blob_and_digest()
             params_hash = state.state_digest()
         except BaseException:
             if release is not None:

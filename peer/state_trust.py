@@ -132,13 +132,16 @@ class StateCheck:
                 # vocabulary (our --data is not the run's dataset)
                 raise ProtocolError(f"the run's model has {t.numel()} parameters, ours {self.numel}: is our "
                                     "dataset (its vocabulary) the run's?", reason="other-model", strike=False)
-            if t.dtype != torch.float32 or t.shape != (self.numel,) or not all_finite(t):
+            if t.dtype != torch.float32 or t.shape != (self.numel,) or not await asyncio.to_thread(all_finite, t):
+                # (off the event loop, as the hash below: seconds for a large model, and the node
+                # keeps its heartbeats and round duties meanwhile)
                 raise ProtocolError(f"state tensor {name} is not {self.numel} finite fp32 values", reason="bad-payload")
         self.check_decision(reply)
         if self.needs_momentum != ("momentum_buffer" in tensors):
             raise ProtocolError("a DiLoCo state needs its momentum buffer" if self.needs_momentum
                                 else "a SparseLoCo state has no momentum buffer")
-        digest_of_state = state_hash(reply.decision, tensors["global_params"], tensors.get("momentum_buffer"))
+        digest_of_state = await asyncio.to_thread(state_hash, reply.decision, tensors["global_params"],
+                                                  tensors.get("momentum_buffer"))
         if digest_of_state != reply.params_hash:  # its signed reply named another hash (see `refuse_early`)
             raise ProtocolError("state's parameters (momentum, decision) do not have the hash its signed reply names",
                                 reason="bad-payload")
@@ -171,7 +174,8 @@ class StateCheck:
     async def _vouched_whole(self, reply: StateReply, tensors: dict[str, torch.Tensor], server: str,
                              records: Callable[[], Awaitable[dict[str, Any]]]) -> bool:
         """`vouched`, and the tensors that came have the hash the reply names (of whatever size)."""
-        digest = state_hash(reply.decision, tensors["global_params"], tensors.get("momentum_buffer"))
+        digest = await asyncio.to_thread(state_hash, reply.decision, tensors["global_params"],
+                                         tensors.get("momentum_buffer"))
         if digest != reply.params_hash:
             return False
         try:

@@ -38,6 +38,7 @@ from groundswell.protocol.transport import PeerUnavailable, Transport
 from .daemon import (
     adopt_p2pd_daemons,
     bounded,
+    raise_open_file_limit,
     reap_daemons,
     release_private_sockets,
     watch_daemon,
@@ -102,6 +103,7 @@ class SwarmNode(PeerRecords, StateServing, NetLoop):
         self.direct: DirectServer | None = None  # direct state downloads, when offered
         self.direct_received = 0  # bytes of state downloaded over other peers' direct ports
         self.uploads = UploadSlots()  # state uploads over streams
+        self.state_building = asyncio.Lock()  # see `_on_state`
         self.puncher: PunchScheduler | None = None  # behind a NAT: direct connections to NAT'ed peers
         self.punch_target: Any = None  # behind a NAT: our side of the punches others dial
         self.announce_punch: Callable[[str, str], None] | None = None  # told of the first punch that works
@@ -118,6 +120,7 @@ class SwarmNode(PeerRecords, StateServing, NetLoop):
     # --- lifecycle ------------------------------------------------------------------------------
     def start(self, timeout_s: float = 60.0) -> None:
         """Start the loop thread, the libp2p host, the DHT and the protocol handlers."""
+        raise_open_file_limit()  # (before the daemon starts: it inherits the limit)
         self._thread.start()
         self._main = asyncio.run_coroutine_threadsafe(self._run(), self._loop)
         try:
@@ -363,6 +366,8 @@ class SwarmNode(PeerRecords, StateServing, NetLoop):
 
     async def _on_probe(self, sender: str, msg: ProbeRequest) -> ProbeReply:
         """Dial the requester back, at the IPs it is connected to us from and nowhere else."""
+        if self._dial_back.busy(sender):  # before asking the daemon for its connections
+            return ProbeReply(False, "rate limited")
         return await self._dial_back.handle(sender, msg, observed_ips(await self.p2p.list_peers(), sender))
 
     async def connect_via_relay(self, target: str, relay_maddr: str) -> None:

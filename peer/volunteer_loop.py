@@ -17,6 +17,7 @@ from groundswell.protocol.client import RoundBehind
 from groundswell.protocol.schema import ProtocolError
 from groundswell.protocol.transport import PeerUnavailable
 
+from .net_loop import Stopped
 from .participant import Participant
 from .stop_flag import StopFlag
 from .swarm_exchange import NeedResync, SwarmExchange
@@ -78,16 +79,15 @@ class VolunteerLoop:
             # away: back off, doubling up to a deadline, instead of spinning.
             backoff = min(m.round.deadline_s, m.round.slack_s * 2 ** min(self.failures - 1, 8))
             self.stop.event.wait(max(0.0, backoff - (time.perf_counter() - t_exchange)))
-            if not self.stop:  # stopping: save what we hold now, not after a state download
-                catch_up_or_resync(p, self.bootstrap_peers)  # the swarm may have gone on without us
+            # the swarm may have gone on without us (stopping: save what we hold now instead)
+            self._unless_stopped("catch-up", catch_up_or_resync, p, self.bootstrap_peers)
             self.settle_late()
             return
         except NeedResync as exc:
             p.outer.apply(None)
             p.events.write("resync", round=r, reason=str(exc), peer=p.identity.peer_id)
             self.stop.event.wait(m.round.slack_s)  # do not hammer peers while the swarm sorts itself out
-            if not self.stop:
-                resync(p, self.bootstrap_peers)
+            self._unless_stopped("re-sync", resync, p, self.bootstrap_peers)
             self.settle_late()
             self.on_round(RoundInfo(r, "resync", train_loss=stats.mean_loss, reason=str(exc)))
             return
@@ -119,8 +119,24 @@ class VolunteerLoop:
         self.on_round(info)
         if (r + 1) % m.checkpoint.every_rounds == 0:
             self.checkpoint()
-        if not self.stop:
-            catch_up_or_resync(p, self.bootstrap_peers, fresh=False)  # we just applied a round: rarely behind
+        # we just applied a round: rarely behind
+        self._unless_stopped("catch-up", catch_up_or_resync, p, self.bootstrap_peers, fresh=False)
+
+    def _unless_stopped(self, what: str, fn: Callable[..., None], *args: Any, **kwargs: Any) -> None:
+        """Run a catch-up or re-sync unless we are stopping, and give it up (its network calls end
+        with `Stopped`) once we are: a state download may take many minutes, and a Ctrl+C then
+        waited for it, or a second press skipped the checkpoint and the departure. Nothing is
+        half-applied: each round or state is taken whole once fetched, and the rest is left to
+        the next start."""
+        if self.stop:
+            return
+        self.p.node.interrupt_calls_on(self.stop.event)
+        try:
+            fn(*args, **kwargs)
+        except Stopped:
+            log.info("stopping: the %s is left for the next start", what)
+        finally:
+            self.p.node.interrupt_calls_on(None)
 
 
     def checkpoint(self) -> None:
@@ -140,6 +156,8 @@ class VolunteerLoop:
         check_again: list = []
         items = self.exchange.take_unsettled(self.p.outer.round_id)
         settled = 0
+        if not local:  # a stop pressed meanwhile ends the requests (each may take its timeout)
+            self.p.node.interrupt_calls_on(self.stop.event)
         try:
             for item in items:
                 if not self._settle_one(item, local):
@@ -148,11 +166,16 @@ class VolunteerLoop:
         except UndecodableWork as exc:
             self._drop_unsent_work(exc)
             return
-        except BaseException:
+        except BaseException as exc:
             # (the node went down, say) what was not settled yet is still open: kept, in order,
             # or a checkpoint written on the way out would forget it, counted or not
             self.exchange.unsettled[:0] = check_again + items[settled:]
+            if isinstance(exc, Stopped):
+                log.info("stopping: %d contributions stay open for the next start", len(self.exchange.unsettled))
+                return
             raise
+        finally:
+            self.p.node.interrupt_calls_on(None)
         if check_again:
             self.exchange.unsettled[:0] = check_again  # oldest first, as they were
 

@@ -229,3 +229,39 @@ def test_joiners_past_the_upload_slots_are_told_busy_and_all_get_the_state(tmp_p
     finally:
         for node in reversed(nodes):
             node.close()
+
+
+def test_requesters_of_a_state_wait_for_its_one_build_on_the_loop_not_in_worker_threads(node, monkeypatch):
+    """Found by a review: each requester of a new snapshot waited for its build in a worker thread
+    of its own, and with a few joiners at once the node's pool (the one round work runs in) was
+    full of threads waiting on a lock. The state hash was computed on the event loop too."""
+    import threading
+    import time
+
+    from groundswell.peer.run_state import GlobalState
+
+    state = node.state_provider()
+    node.state_provider = lambda: state
+    entered: list[int] = []
+    real = GlobalState.blob_and_digest
+
+    def slow_blob_and_digest(self):
+        entered.append(threading.get_ident())
+        if self._blob is None:
+            time.sleep(0.3)  # packing and hashing a large model
+        return real(self)
+
+    monkeypatch.setattr(GlobalState, "blob_and_digest", slow_blob_and_digest)
+
+    async def scenario() -> list:
+        loop_thread = threading.get_ident()
+        replies = await asyncio.gather(*(node._on_state(f"joiner{i}", StateRequest(0)) for i in range(3)))
+        workers = {t for t in entered if t != loop_thread}
+        assert len(workers) == 1, f"{len(workers)} worker threads took part in one build"
+        return replies
+
+    replies = node._loop.run_until_complete(scenario())
+    assert all(isinstance(r, WithTrailer) and r.trailer == replies[0].trailer for r in replies)
+    assert state.built()
+    for r in replies:
+        r.release()
