@@ -72,11 +72,12 @@ def digest_mismatch(state: Any) -> str | None:
 
 def checkpoint_damage(state: dict[str, Any], numel: int) -> str | None:
     """Why a checkpoint of this run and model must not be used (None: it may): parameters, error
-    feedback or local progress that are not finite fp32 vectors of the model's size."""
+    feedback, momentum or local progress that are not finite fp32 vectors of the model's size."""
     tensors = state.get("tensors")
     outer = state.get("outer")
     vectors = {"global parameters": tensors.get("global_params") if isinstance(tensors, dict) else None,
                "error feedback": outer.get("error") if isinstance(outer, dict) else None,
+               "momentum": tensors.get("momentum_buffer") if isinstance(tensors, dict) else None,
                "local progress": state.get("local_progress")}
     for name, value in vectors.items():
         if value is None and name != "global parameters":

@@ -55,12 +55,17 @@ def raise_open_file_limit(wanted: int = OPEN_FILES_WANTED) -> int:
         return -1
     soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
     target = wanted if hard == resource.RLIM_INFINITY else min(hard, wanted)
-    if soft != resource.RLIM_INFINITY and soft < target:
+    if soft == resource.RLIM_INFINITY or soft >= target:
+        return soft
+    # (macOS reports an unlimited hard limit but refuses more than its kernel's per-process
+    # maximum, 10240 by default: then that)
+    for ask in dict.fromkeys((target, min(target, 10240))):
         try:
-            resource.setrlimit(resource.RLIMIT_NOFILE, (target, hard))
-            soft = target
+            resource.setrlimit(resource.RLIMIT_NOFILE, (ask, hard))
+            return ask
         except (ValueError, OSError) as exc:
-            log.warning("could not raise the open-file limit from %d to %d: %s", soft, target, exc)
+            why = exc
+    log.warning("could not raise the open-file limit from %d: %s", soft, why)
     return soft
 
 _PR_SET_PDEATHSIG = 1

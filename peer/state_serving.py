@@ -100,7 +100,8 @@ class StateServing:
             # of its own (a joiner's each, anyone's in an open run) held up the round's work there.
             if not state.built():
                 async with self.state_building:
-                    await asyncio.to_thread(state.build)
+                    if not state.built():  # (built while we waited our turn)
+                        await asyncio.to_thread(state.build)
             blob, digest = state.blob_and_digest()
             params_hash = state.state_digest()
         except BaseException:

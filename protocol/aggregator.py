@@ -126,6 +126,7 @@ class Aggregator(HaveReporter):
         plan = await self.plan(msg.round, msg.attempt, min(1.0, self.ctx.slack_s), ask=sender)
         if plan is None:  # behind (catching up): we could not report it, so do not hold it
             return Ack(False, f"round {msg.round - 1} is not known here yet")
+        trainers = frozenset(plan.trainers)  # (the round's membership may have come in while we waited)
         if (early := settled()) is not None:  # sealed, or another copy from the sender landed, while we waited
             return early
         if (msg.shard >= plan.num_shards or (

@@ -107,14 +107,16 @@ class Guard:
                 return
             self._peers.move_to_end(key)
 
-    def admit(self, peer: str, handler: str) -> str | None:
-        """Take one request slot for `peer`; returns why not (and counts it), or None."""
+    def admit(self, peer: str, handler: str, stream: bool = True) -> str | None:
+        """Take one request slot for `peer`; returns why not (and counts it), or None. `stream`:
+        on a stream of its own (a unary call shares the daemon's control connection, so it holds
+        no file descriptor of ours and is not counted against `max_streams_total`)."""
         state, now, lim = self._peer(peer), self._clock(), self.limits
         if state.banned_until > now:
             reason = "banned"
         elif state.streams >= lim.max_streams:
             reason = "too-many-streams"
-        elif self.streams >= lim.max_streams_total:
+        elif stream and self.streams >= lim.max_streams_total:
             reason = "busy"  # (no strike: it need not be this peer's doing)
         else:
             state.tokens = min(2 * lim.requests_per_s, state.tokens + (now - state.refilled) * lim.requests_per_s)
@@ -124,7 +126,7 @@ class Guard:
             else:
                 state.tokens -= 1
                 state.streams += 1
-                self.streams += 1
+                self.streams += stream
                 return None
         self.rejected[f"{reason}:{handler}"] += 1
         if reason not in ("banned", "busy"):
@@ -201,12 +203,12 @@ class Guard:
             state.inbound = max(0, state.inbound - size)
         self._wake_head()
 
-    def release(self, peer: str) -> None:
-        """A stream admitted by `admit` has ended."""
+    def release(self, peer: str, stream: bool = True) -> None:
+        """A request admitted by `admit` (with the same `stream`) has ended."""
         state = self._peers.get(peer)
         if state is not None and state.streams > 0:
             state.streams -= 1
-            self.streams -= 1
+            self.streams -= stream
 
     def strike(self, peer: str) -> None:
         """Record one violation; enough of them within `ban_s` ban the peer for `ban_s`."""

@@ -41,10 +41,11 @@ REQUEST_START_S = 30.0
 MIN_BODY_RATE = 128 << 10  # bytes/s a booked request body must keep up (1 Mbit/s), after a grace of BODY_STALL_S
 ROOM_WAIT_S = 10.0  # how long a request body waits for room in the node's inbound budget
 BODY_STALL_S = 10.0  # a request body with no new piece for this long is cut off
-# How long an answered stream stays open for its caller to read the reply's tail (at most the
-# daemon's stream window, ~16 MiB: 32 s at 0.5 MB/s). Not the handler's whole timeout: a caller
-# that never hangs up would hold one of our file descriptors that long for free.
-LINGER_S = 60.0
+# How long an answered stream stays open for its caller to read the reply's tail: at most the
+# daemon's stream window, ~16 MiB, 128 s at the slowest rate a request body may keep
+# (MIN_BODY_RATE, 1 Mbit/s), and some. Not the handler's whole timeout (600 s): a caller that
+# never hangs up would hold one of our file descriptors that long for free.
+LINGER_S = 160.0
 UNARY_MAX_REQUEST = 32 << 10
 # Largest allowed reply for a unary call: a control message's budget. Bulk replies (aggregates,
 # contributions) are budgeted from the model size plus MAX_SMALL, so they always take a stream.
@@ -195,10 +196,10 @@ class Transport:
         one raw frame: `WithTrailer.trailer`, or empty. `admit(remote)`: why a peer may not send
         this request at all (checked before a byte of it is read), or None."""
 
-        def refusal(remote: str) -> str | None:
-            refused = self.guard.admit(remote, handler)  # bans, floods, stream count
+        def refusal(remote: str, stream: bool = True) -> str | None:
+            refused = self.guard.admit(remote, handler, stream)  # bans, floods, stream count
             if refused is None and admit is not None and (refused := admit(remote)) is not None:
-                self.guard.release(remote)
+                self.guard.release(remote, stream)
                 self.guard.count(remote, handler, refused, strike=True)
             return refused
 
@@ -260,6 +261,7 @@ class Transport:
                     if release is not None:  # written: the slot is free, whenever the caller hangs up
                         release()
                         release = None
+                    out = bulk = b""  # (a shared sealing is freed once every stream has written it)
                     # Keep our end open until the caller closes its own: p2pd resets a stream whose
                     # handler hangs up first, and the reset drops the reply's tail still buffered
                     # in the caller's daemon (a slow reader then sees a truncated reply).
@@ -285,7 +287,7 @@ class Transport:
             # ends cancelled, because its caller gave up, would stay in its table for good).
             remote = remote_id.to_base58()
             opened = time.time()
-            refused = refusal(remote)
+            refused = refusal(remote, stream=False)
             if refused is not None:
                 self._log_rejection(handler, refused, remote, "")
                 raise Refused(refused)
@@ -315,7 +317,7 @@ class Transport:
                 log.exception("%s handler failed on a request from %s", handler, remote[-8:])
                 raise Refused("internal error") from None
             finally:
-                self.guard.release(remote)
+                self.guard.release(remote, stream=False)
 
         await self.p2p.add_binary_stream_handler(self._name(handler), on_stream)
         client = getattr(self.p2p, "_client", None)  # hivemind's daemon client; absent in in-process fakes

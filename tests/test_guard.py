@@ -67,6 +67,10 @@ def test_streams_of_all_peers_together_are_capped_without_striking_anyone():
     assert g.streams == 4 and g.admit("honest", "contribute") is None
     g.release("nobody")  # a stream never admitted does not free a place
     assert g.streams == 5
+    # a unary call holds no descriptor of ours (the daemon's control connection carries it)
+    assert g.admit("poller", "get-decision", stream=False) is None and g.streams == 5
+    g.release("poller", stream=False)
+    assert g.streams == 5
 
 
 def test_replayed_and_badly_timed_messages_are_refused():

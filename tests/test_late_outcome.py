@@ -12,6 +12,7 @@ import pytest
 import torch
 from groundswell.compression import make_codec
 from groundswell.optim import RoundFailed, SparseLoCo, SparseLoCoConfig
+from groundswell.peer.stop_flag import StopFlag
 from groundswell.peer.swarm_exchange import NeedResync, SwarmExchange, Unsettled
 from groundswell.peer.volunteer_loop import VolunteerLoop as _VolunteerLoop
 from groundswell.protocol.client import AttemptResult
@@ -147,9 +148,10 @@ def _loop(counted, scaled=()):
             return scaled
 
     p = SimpleNamespace(outer=outer, identity=SimpleNamespace(peer_id="me"),
-                        node=SimpleNamespace(call=lambda coro, timeout_s: asyncio.run(coro)),
+                        node=SimpleNamespace(call=lambda coro, timeout_s: asyncio.run(coro),
+                                             interrupt_calls_on=lambda stop: None),
                         events=SimpleNamespace(write=lambda kind, **kw: events.append(kind)))
-    loop = _VolunteerLoop(p, Exchange(), None, [], None, None)  # type: ignore[arg-type]
+    loop = _VolunteerLoop(p, Exchange(), None, [], StopFlag(), None)  # type: ignore[arg-type]
     return loop, outer, outer.decode(payloads), events
 
 
@@ -321,7 +323,8 @@ def test_a_stopping_volunteer_does_not_download_the_state_before_it_saves(monkey
 
     manifest = SimpleNamespace(round=SimpleNamespace(deadline_s=0.01, slack_s=0.01))
     p = SimpleNamespace(manifest=manifest, outer=SimpleNamespace(apply=lambda r: None, round_id=0),
-                        identity=SimpleNamespace(peer_id="me"), events=SimpleNamespace(write=lambda *a, **k: None))
+                        identity=SimpleNamespace(peer_id="me"), events=SimpleNamespace(write=lambda *a, **k: None),
+                        node=SimpleNamespace(interrupt_calls_on=lambda stop: None))
     stats = SimpleNamespace(mean_loss=1.0)
     for stopping in (True, False):
         stop = StopFlag()

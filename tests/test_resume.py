@@ -321,3 +321,24 @@ def test_work_pt_of_a_contribution_contributed_json_does_not_name_is_not_taken_w
     _offline(q)
     assert resume_and_sync(q, []) is None
     assert bool((q.outer.error == 0).all())
+
+
+def test_a_checkpoint_whose_momentum_is_not_finite_is_skipped_for_an_older_one(tmp_path, corpus):
+    """Found by a review: the optimizer now refuses a state that is not finite, and a DiLoCo
+    checkpoint saved with a NaN momentum (its digest intact) made the start fail with that
+    ValueError instead of being skipped as damaged."""
+    from groundswell.peer.participant import genesis_decision
+
+    p = _factory(tmp_path, corpus, outer={"algorithm": "diloco", "codec": "fp32"},
+                 checkpoint={"every_rounds": 1, "keep": 3})()
+    p.state_dir.mkdir(parents=True, exist_ok=True)
+    signed = genesis_decision(p.identity, "unit")
+    for r in (8, 9):
+        momentum = p.outer.momentum_buffer.clone()
+        if r == 9:
+            momentum[5] = float("nan")
+        p.outer.round_id = r
+        p._snapshot = GlobalState(r, {"global_params": p.outer.global_params.clone(), "momentum_buffer": momentum},
+                                  signed)
+        assert p.save_checkpoint() is not None
+    assert p.load_checkpoint()["round"] == 8

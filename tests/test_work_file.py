@@ -13,6 +13,7 @@ import torch
 from groundswell.compression import Payload, make_codec
 from groundswell.optim import SparseLoCo, SparseLoCoConfig
 from groundswell.peer.run_state import GlobalState
+from groundswell.peer.stop_flag import StopFlag
 from groundswell.peer.swarm_exchange import SwarmExchange, unsettled_item
 from groundswell.peer.volunteer_loop import VolunteerLoop as _VolunteerLoop
 from groundswell.peer.work_file import WorkJournal, read_work
@@ -134,9 +135,10 @@ def test_restored_contributions_are_settled_late_and_a_counted_one_leaves_the_er
                                 unsettled_item(3, as_bytes[0], 0, presume=True)])
     events: list[str] = []
     p = SimpleNamespace(outer=outer, identity=SimpleNamespace(peer_id="me"),
-                        node=SimpleNamespace(call=lambda coro, timeout_s: asyncio.run(coro)),
+                        node=SimpleNamespace(call=lambda coro, timeout_s: asyncio.run(coro),
+                                             interrupt_calls_on=lambda stop: None),
                         events=SimpleNamespace(write=lambda kind, **kw: events.append(kind)))
-    _VolunteerLoop(p, exchange, None, [], None, None).settle_late()  # type: ignore[arg-type]
+    _VolunteerLoop(p, exchange, None, [], StopFlag(), None).settle_late()  # type: ignore[arg-type]
     if found:
         assert torch.allclose(outer.error, 2 - 0.5 * outer.decode(older))
         assert events == ["included-late"]
@@ -167,9 +169,10 @@ def test_every_restored_contribution_is_settled_even_past_the_few_a_live_process
                                 unsettled_item(5, sent[4], 0, included=False)])
     events: list[tuple[str, int]] = []
     p = SimpleNamespace(outer=outer, identity=SimpleNamespace(peer_id="me"),
-                        node=SimpleNamespace(call=lambda coro, timeout_s: asyncio.run(coro)),
+                        node=SimpleNamespace(call=lambda coro, timeout_s: asyncio.run(coro),
+                                             interrupt_calls_on=lambda stop: None),
                         events=SimpleNamespace(write=lambda kind, **kw: events.append((kind, kw["round"]))))
-    _VolunteerLoop(p, exchange, None, [], None, None).settle_late()  # type: ignore[arg-type]
+    _VolunteerLoop(p, exchange, None, [], StopFlag(), None).settle_late()  # type: ignore[arg-type]
     assert events == [("included-late", 1)]
     assert torch.allclose(outer.error, -(0.5 ** 4) * outer.decode([Payload.from_bytes(b) for b in sent[0]]))
     assert exchange.unsettled == []
@@ -225,10 +228,11 @@ def test_a_commit_of_a_retried_attempt_adopted_later_takes_that_contribution_out
     exchange.restore_unsettled([unsettled_item(0, first_bytes, 1, retried=True)])  # as `_outcome` leaves it
     events: list[str] = []
     p = SimpleNamespace(outer=outer, identity=SimpleNamespace(peer_id="me"),
-                        node=SimpleNamespace(call=lambda coro, timeout_s: asyncio.run(coro)),
+                        node=SimpleNamespace(call=lambda coro, timeout_s: asyncio.run(coro),
+                                             interrupt_calls_on=lambda stop: None),
                         events=SimpleNamespace(write=lambda kind, **kw: events.append(kind)))
     assert not torch.allclose(outer.error, on_time.error)
-    _VolunteerLoop(p, exchange, None, [], None, None).settle_late()  # type: ignore[arg-type]
+    _VolunteerLoop(p, exchange, None, [], StopFlag(), None).settle_late()  # type: ignore[arg-type]
     assert events == ["included-late"]
     assert torch.allclose(outer.error, on_time.error, atol=1e-6)
 
