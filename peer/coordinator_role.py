@@ -120,7 +120,8 @@ def _follow_rounds(p: Participant, stop: StopFlag, on_round: Callable[[RoundInfo
             continue
         p.outer.follow(r, mean)
         p.snapshot()
-        loss = p.eval_global() if (r + 1) % m.eval.every_rounds == 0 else float("nan")
+        evaluated = (r + 1) % m.eval.every_rounds == 0
+        loss = p.eval_global() if evaluated else float("nan")
         try:
             records = p.node.call(p.node.refresh_records(), timeout_s=30)
         except (PeerUnavailable, TimeoutError) as exc:  # a DHT hiccup: no figure this round (not a stale one)
@@ -141,7 +142,7 @@ def _follow_rounds(p: Participant, stop: StopFlag, on_round: Callable[[RoundInfo
         if loss == loss:
             p.node.update_record(loss=loss, loss_round=r)
         p.events.write("round", round=r, contributors=list(d.contributors), attempt=d.attempt, leader=d.leader,
-                       hash=info.params_hash, eval_loss=loss, clipped=client.clipped.get(r, {}), shards=d.num_shards,
+                       hash=info.params_hash, eval_loss=loss if evaluated else None, clipped=client.clipped.get(r, {}), shards=d.num_shards,
                        round_s=info.round_s, peer=p.identity.peer_id, role="coordinator",
                        sent_total=p.node.traffic()[0])  # a killed coordinator logs no total at exit
         on_round(info)

@@ -4,12 +4,17 @@
 Past ROTATE_BYTES it is renamed events.jsonl.1 (replacing the one before) and a new file starts,
 so a long run keeps at most about two caps of it; a short run (every simulation, every test)
 never reaches the cap and keeps all its events in events.jsonl. Older events: events.jsonl.1.
+
+Every line is strict JSON (other tools' parsers refuse a bare NaN): a float that is NaN or
+infinite (a diverged loss) is written as the string "NaN", "Infinity" or "-Infinity"; a value
+that was not measured (a round not evaluated) is null.
 """
 
 from __future__ import annotations
 
 import json
 import logging
+import math
 import os
 import threading
 import time
@@ -40,7 +45,7 @@ class EventLog:
         """Append one event with a wall-clock timestamp; a failed write is logged (once) and counted."""
         if self.path is None:
             return
-        line = json.dumps({"t": time.time(), "kind": kind, **fields}) + "\n"
+        line = json.dumps(_strict({"t": time.time(), "kind": kind, **fields}), allow_nan=False) + "\n"
         with self._lock:
             self._append(line)
 
@@ -73,6 +78,20 @@ class EventLog:
         except OSError:  # not there yet (FileNotFoundError), or a folder that refuses the rename
             return
         self._tail_whole = True  # the next event starts a new, empty file
+
+
+NONFINITE = {"NaN": math.nan, "Infinity": math.inf, "-Infinity": -math.inf}  # as written, and back
+
+
+def _strict(value: Any) -> Any:
+    """`value` with every non-finite float replaced by its name in NONFINITE (dicts, lists, tuples)."""
+    if isinstance(value, float) and not math.isfinite(value):
+        return "NaN" if value != value else ("Infinity" if value > 0 else "-Infinity")
+    if isinstance(value, dict):
+        return {k: _strict(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_strict(v) for v in value]
+    return value
 
 
 def _private(path: str, flags: int) -> int:

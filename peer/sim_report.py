@@ -22,6 +22,8 @@ import math
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from .event_log import NONFINITE
+
 if TYPE_CHECKING:
     from .sim_options import SimulateOptions
 
@@ -259,9 +261,13 @@ def _finite(x: object) -> bool:
 
 
 def _diverged(e: dict, eval_every: int) -> bool:
-    """Was this round event's held-out loss evaluated and NaN or infinite? NaN also stands for
-    "not evaluated": only the coordinator's evaluation rounds tell the two apart."""
+    """Was this round event's held-out loss evaluated and NaN or infinite? Logs write such a loss
+    as "NaN", "Infinity" or "-Infinity" and a round not evaluated as null (`event_log.py`); in
+    older logs a bare NaN also stood for "not evaluated", and only the coordinator's evaluation
+    rounds tell the two apart."""
     x = e.get("eval_loss")
+    if isinstance(x, str):
+        return x in NONFINITE
     if not isinstance(x, float) or math.isfinite(x):
         return False
     return math.isinf(x) or (e["who"] == "coordinator" and (e["round"] + 1) % eval_every == 0)

@@ -3,8 +3,11 @@ short run (under the cap) keeps every event in the one file its readers open."""
 
 from __future__ import annotations
 
+import json
+import math
 import os
 
+import pytest
 from groundswell.peer import event_log
 from groundswell.peer.event_log import EventLog
 from groundswell.peer.sim_report import read_events
@@ -69,3 +72,16 @@ def test_threads_writing_at_once_rotate_only_full_files(tmp_path, monkeypatch):
     for t in threads:
         t.join(60)
     assert rotated and min(rotated) >= 2000, rotated
+
+
+def test_every_line_is_strict_json_and_a_nonfinite_value_keeps_its_name(tmp_path):
+    # other tools' parsers (JavaScript's, jq's) refuse a bare NaN or Infinity
+    log = EventLog(tmp_path / "events.jsonl")
+    log.write("round", round=3, eval_loss=None, train_loss=float("nan"),
+              clipped={"a": float("inf")}, losses=[1.5, float("-inf")], shape=(2, 3))
+    line = (tmp_path / "events.jsonl").read_text()
+    strict = json.loads(line, parse_constant=lambda name: pytest.fail(f"bare {name} in {line}"))
+    assert strict["eval_loss"] is None and strict["train_loss"] == "NaN"
+    assert strict["clipped"] == {"a": "Infinity"} and strict["losses"] == [1.5, "-Infinity"]
+    assert strict["shape"] == [2, 3] and strict["round"] == 3 and strict["kind"] == "round"
+    assert math.isinf(event_log.NONFINITE[strict["losses"][1]]) and log.failed == 0

@@ -15,6 +15,7 @@ from pathlib import Path
 import pytest
 from groundswell.peer import sim_procs
 from groundswell.peer.cli import app
+from groundswell.peer.event_log import EventLog
 from groundswell.peer.sim_procs import Proc, Simulation
 from groundswell.peer.sim_report import build_report, report_json
 from groundswell.peer.simulate import SimulateOptions, fault_victims, live_addresses, nobody_left
@@ -274,23 +275,34 @@ def test_a_process_that_cannot_start_leaves_no_open_log(tmp_path, monkeypatch):
 
 
 def _write(out: Path, name: str, events: list[dict]) -> None:
+    """Log the events as the peers do (`EventLog`: strict JSON, a non-finite loss by name)."""
+    (out / name).mkdir(parents=True, exist_ok=True)
+    log = EventLog(out / name / "events.jsonl")
+    for e in events:
+        fields = dict(e)
+        log.write(fields.pop("kind"), **fields)  # the event's own "t" replaces the log's clock
+
+
+def _write_old(out: Path, name: str, events: list[dict]) -> None:
+    """Log the events as earlier versions did: bare NaN and Infinity, NaN also for "not evaluated"."""
     (out / name).mkdir(parents=True, exist_ok=True)
     with open(out / name / "events.jsonl", "a") as f:
-        f.writelines(json.dumps(e) + "\n" for e in events)  # NaN and Infinity, as the peers write them
+        f.writelines(json.dumps(e) + "\n" for e in events)
 
 
-def _round(t: float, r: int, peer: str, loss: float = math.nan, sent_total: int | None = None) -> dict:
+def _round(t: float, r: int, peer: str, loss: float | None = None, sent_total: int | None = None) -> dict:
     e = {"t": t, "kind": "round", "round": r, "hash": f"h{r}", "contributors": ["P"], "included": True,
          "peer": peer, "bytes_sent": 10, "eval_loss": loss}
     return e if sent_total is None else dict(e, sent_total=sent_total)
 
 
-def test_a_diverged_loss_is_reported_as_such_and_the_report_is_strict_json(tmp_path):
+@pytest.mark.parametrize("write", [_write, _write_old])
+def test_a_diverged_loss_is_reported_as_such_and_the_report_is_strict_json(tmp_path, write):
     # The coordinator evaluates every round: 5.0, 4.0, then NaN and inf (diverged). The volunteer
-    # evaluates none (NaN: not evaluated, not diverged).
-    _write(tmp_path, "coordinator", [_round(1.0, 0, "C", 5.0), _round(2.0, 1, "C", 4.0),
-                                     _round(3.0, 2, "C", math.nan), _round(4.0, 3, "C", math.inf)])
-    _write(tmp_path, "peer-0", [_round(1.0 + r, r, "P") for r in range(4)])
+    # evaluates none (not evaluated, not diverged: null, or NaN in an older log).
+    write(tmp_path, "coordinator", [_round(1.0, 0, "C", 5.0), _round(2.0, 1, "C", 4.0),
+                                    _round(3.0, 2, "C", math.nan), _round(4.0, 3, "C", math.inf)])
+    write(tmp_path, "peer-0", [_round(1.0 + r, r, "P", None if write is _write else math.nan) for r in range(4)])
     report = build_report(tmp_path, SimulateOptions(peers=1, rounds=4), [], wall_s=5.0, t0=0.0)
     assert report["final_eval_loss"] == 4.0 and report["final_eval_round"] == 1
     assert report["eval_nonfinite_rounds"] == [2, 3]
@@ -298,6 +310,15 @@ def test_a_diverged_loss_is_reported_as_such_and_the_report_is_strict_json(tmp_p
     assert json.loads(report_json(report))["eval_nonfinite_rounds"] == [2, 3]  # no Infinity in the file
     with pytest.raises(ValueError):
         report_json({"final_eval_loss": math.inf})
+
+
+def test_a_diverged_volunteer_loss_counts_whatever_the_round(tmp_path):
+    # A volunteer that evaluates (an [eval] volunteers run) and finds inf off the coordinator's
+    # evaluation rounds: diverged all the same (the log names it; null would be "not evaluated").
+    _write(tmp_path, "coordinator", [_round(1.0, 0, "C"), _round(2.0, 1, "C", 3.5)])
+    _write(tmp_path, "peer-0", [_round(1.0, 0, "P", math.inf), _round(2.0, 1, "P", 3.5)])
+    report = build_report(tmp_path, SimulateOptions(peers=1, rounds=2, eval_every=2), [], wall_s=3.0, t0=0.0)
+    assert report["eval_nonfinite_rounds"] == [0] and report["eval_loss_by_round"] == [None, 3.5]
 
 
 def test_the_final_loss_names_its_round_and_a_round_not_evaluated_is_not_diverged(tmp_path):
