@@ -27,7 +27,6 @@ from groundswell.protocol.schema import (
     ManifestReply,
     ManifestRequest,
     PeerRecord,
-    ProbeReply,
     ProbeRequest,
     PunchRequest,
     StateRequest,
@@ -48,16 +47,13 @@ from .dht_rejoin import DhtRejoiner, dialable_scopes, enter_dht
 from .holepunch import Rendezvous, serve_punch_invites
 from .net_errors import NetworkError, explain_start_failure
 from .net_loop import NetLoop
+from .node_nat import MEMBERS_REFRESH_S, NatTraversal
 from .node_options import NodeOptions, reader_options  # noqa: F401 - imported from here too
 from .punch_scheduler import PunchScheduler
 from .reachability import (
     DialBack,
     busy_listen_address,
-    connect_via_relay,
-    connection_paths,
-    find_reachability,
     listen_host,
-    observed_ips,
 )
 from .records import HEARTBEAT_S, PeerRecords, PeerRecordValidator
 from .run_state import GlobalState, RunContext
@@ -66,10 +62,9 @@ from .state_trust import state_timeout_s
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
-MEMBERS_REFRESH_S = 5.0  # a rendezvous re-reads the run's records for an unknown punch requester at most this often
 
 
-class SwarmNode(PeerRecords, StateServing, NetLoop):
+class SwarmNode(PeerRecords, StateServing, NatTraversal, NetLoop):
     """A peer's network presence; owns the loop thread, the libp2p daemon and the DHT node."""
 
     def __init__(self, identity: Identity, identity_path: str, options: NodeOptions) -> None:
@@ -323,61 +318,6 @@ class SwarmNode(PeerRecords, StateServing, NetLoop):
         self.maddrs = [str(m) for m in await p2p.get_visible_maddrs()]
         self.bootstrap_transport = Transport(p2p, self.identity, "", self.guard)
         return p2p
-
-    def _relay_candidates(self) -> list[str]:
-        """One address per bootstrap peer: autorelay's static relays (see `static_relay_args`).
-        It waits for as many candidates as it is given, and counts them by peer, not address."""
-        seen: dict[str, str] = {}
-        for maddr in self.options.initial_peers:
-            if "/p2p/" in maddr and "/p2p-circuit" not in maddr:  # a peer behind a relay is no relay itself
-                seen.setdefault(maddr.rsplit("/p2p/", 1)[-1], maddr)
-        return list(seen.values())
-
-    async def _find_reachability(self) -> str:
-        """"public" or "private" as our bootstrap peers' dial-backs find us (`find_reachability`)."""
-        if self.options.reachability != "auto":
-            return self.options.reachability
-        return await find_reachability(self.bootstrap_transport, self.maddrs[:8], self._bootstrap_ids(),
-                                       self.options.coordinator)
-
-    async def _nated_members(self, ids: tuple[str, ...]) -> bool:
-        """Are all `ids` NAT'ed peers of our run? Our cached records, refreshed (at most every
-        MEMBERS_REFRESH_S) when they do not know one of them yet."""
-        def known() -> bool:
-            records = self._cached_records
-            return all(i in records and records[i].reachability == "private" for i in ids)
-
-        if self.ctx is None:  # not in a run (yet)
-            return False
-        if known():
-            return True
-        async with self._members_lock:  # requests arriving together wait for one refresh, then look again
-            if known():
-                return True
-            if time.monotonic() - self._members_refreshed < MEMBERS_REFRESH_S:
-                return False
-            self._members_refreshed = time.monotonic()
-            try:
-                await self.refresh_records()
-            except Exception as exc:  # a DHT hiccup: refuse now, the punch is retried later
-                log.info("refreshing peer records for a punch request failed: %r", exc)
-                return False
-            return known()
-
-    async def _on_probe(self, sender: str, msg: ProbeRequest) -> ProbeReply:
-        """Dial the requester back, at the IPs it is connected to us from and nowhere else."""
-        if self._dial_back.busy(sender):  # before asking the daemon for its connections
-            return ProbeReply(False, "rate limited")
-        return await self._dial_back.handle(sender, msg, observed_ips(await self.p2p.list_peers(), sender))
-
-    async def connect_via_relay(self, target: str, relay_maddr: str) -> None:
-        """Open a libp2p connection to `target` through the relay at `relay_maddr` (…/p2p/<relay>);
-        raises if the relay holds no reservation for it yet (see `reachability.connect_via_relay`)."""
-        await connect_via_relay(self.p2p, target, relay_maddr)
-
-    async def connections(self) -> dict[str, str]:
-        """Peers this node has open libp2p connections to, and whether "direct" or via "relay"."""
-        return connection_paths(await self.p2p.list_peers())
 
     async def fetch_manifest(self, peers: Sequence[str], timeout_s: float = 15.0, tries: int = 3,
                              accept: Callable[[bytes], str | None] = lambda signed: None) -> bytes:

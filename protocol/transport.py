@@ -26,10 +26,21 @@ from typing import Any
 
 from .digests import bulk_hasher
 from .envelope import seal, unseal
+from .failures import (  # noqa: F401  (re-exported: callers name these from the transport)
+    PeerDead,
+    PeerGone,
+    PeerUnavailable,
+    Refused,
+    ShardsUnavailable,
+    dial_failed,
+    remote_failure,
+    target_peer_id,
+)
 from .framing import _LEN, read_frame, read_frame_into, read_frame_paced, read_until_eof, write_frame
 from .guard import SMALL_BODY, Guard
 from .identity import Identity
 from .schema import MAX_SMALL, PROTOCOL_VERSION, Message, ProtocolError
+from .unary_calls import harden_unary_calls  # noqa: F401  (re-exported)
 
 log = logging.getLogger(__name__)
 # Sealed request size up to which a request is a unary call: measured between two local
@@ -50,70 +61,7 @@ UNARY_MAX_REQUEST = 32 << 10
 # Largest allowed reply for a unary call: a control message's budget. Bulk replies (aggregates,
 # contributions) are budgeted from the model size plus MAX_SMALL, so they always take a stream.
 UNARY_MAX_REPLY = MAX_SMALL
-# Daemon errors that mean no stream could be opened at all (see `PeerDead`), on either path;
-# others ("stream reset") come from a stream that was open.
-_DIAL_FAILURES = ("failed to dial", "failed to negotiate protocol", "routing: not found", "no addresses",
-                  "protocols not supported", "failed to find any peer in table", "failed to open stream",
-                  "connection failed")
-
-
-def _dial_failed(exc: BaseException) -> bool:
-    """Whether the daemon said no stream to the peer could be opened (a failed dial, an unserved
-    protocol): the peer's process is gone. Not our own daemon's socket failing, nor a bug of ours."""
-    from hivemind.p2p.p2p_daemon_bindings.utils import P2PDaemonError
-
-    return isinstance(exc, P2PDaemonError) and any(m in str(exc) for m in _DIAL_FAILURES)
-
-
-def _target(peer_id: str, handler: str) -> Any:
-    """hivemind's PeerID for `peer_id`; `PeerDead` if it is not one (nothing could be dialled)."""
-    from hivemind.p2p import PeerID
-
-    try:
-        return PeerID.from_base58(peer_id)
-    except ValueError as exc:
-        raise PeerDead(f"{peer_id[-8:]} unavailable for {handler}: {exc!r}") from None
-
-
-def _remote_failure(exc: BaseException) -> bool:
-    """Whether a failed request's error is one the other side (or the path to it) explains: a
-    daemon error (a refusal, a reset), a connection reset, an early end of the stream. Not a
-    refused connection: every request goes through our own daemon's socket, so that one is ours
-    (the daemon died), and it must not take a grant from the peer."""
-    from hivemind.p2p.p2p_daemon_bindings.utils import P2PDaemonError, P2PHandlerError
-
-    if isinstance(exc, ConnectionRefusedError):
-        return False
-    return isinstance(exc, (P2PDaemonError, P2PHandlerError, ConnectionError, EOFError))
-
 Handler = Callable[[str, Any], Awaitable[Message]]
-
-
-class PeerUnavailable(ConnectionError):
-    """A request could not be completed: the peer is gone, frozen, or broke the protocol."""
-
-
-class ShardsUnavailable(PeerUnavailable):
-    """Some shards of a committed round could be had from no peer: `shards` says which."""
-
-    def __init__(self, round_id: int, shards: list[int]) -> None:
-        super().__init__(f"no peer could provide shard(s) {', '.join(map(str, shards))} of round {round_id}")
-        self.shards = shards
-
-
-class PeerGone(PeerUnavailable):
-    """The peer is not there: the dial failed, it does not serve the protocol (yet), or it closed
-    the stream unanswered; unlike a timeout, not a peer that may merely be slow or frozen."""
-
-
-class PeerDead(PeerGone):
-    """No stream could be opened at all: the dial failed or the peer's daemon does not serve the
-    protocol. Its process is gone, or is a new one starting without the old one's memory. (A
-    stream closed unanswered is only `PeerGone`: a live peer's flood limits do that too.)"""
-
-
-class Refused(Exception):
-    """An inbound unary request we do not answer; the caller sees it end unanswered (`PeerGone`)."""
 
 
 @dataclass(frozen=True)
@@ -140,30 +88,6 @@ class Presealed:
 
 def _hold(_: object) -> None:
     """A no-op whose partial keeps its argument alive until the partial is dropped."""
-
-
-class _LivePendingCalls(dict):
-    """hivemind's table of a daemon client's pending unary calls, in which a call whose future is
-    already done counts as absent.
-
-    A call that times out has its future cancelled at once, but leaves the table only when its
-    task runs again. hivemind's reader checks `call_id in table` before setting the result; a reply
-    that lands in that window (a reply and a timeout in the same loop turn: after a freeze, under
-    load) made it set the result of a cancelled future, which raised and ended the reader for
-    good, and every later unary call of the node, ours and the DHT's, went unanswered. A churn
-    test reproduced it: a peer thawed from an 8 s freeze never heard another reply."""
-
-    def __contains__(self, call_id: object) -> bool:
-        fut = self.get(call_id)
-        return fut is not None and not fut.done()
-
-
-def harden_unary_calls(p2p: Any) -> None:
-    """Install `_LivePendingCalls` in a `hivemind.P2P`'s daemon client (once; pending calls kept)."""
-    control = getattr(getattr(p2p, "_client", None), "control", None)
-    calls = getattr(control, "_pending_calls", None)
-    if isinstance(calls, dict) and not isinstance(calls, _LivePendingCalls):
-        control._pending_calls = _LivePendingCalls(calls)
 
 
 class Transport:
@@ -384,8 +308,8 @@ class Transport:
     async def _request_unary(self, client: Any, peer_id: str, handler: str, data: bytes, expect: Any,
                              timeout_s: float, max_reply: int) -> Any:
         """One request as a unary call; failures map to the same errors as on a stream."""
-        target = _target(peer_id, handler)
-        with self._failures(peer_id, handler, timeout_s, _dial_failed):
+        target = target_peer_id(peer_id, handler)
+        with self._failures(peer_id, handler, timeout_s, dial_failed):
             async with asyncio.timeout(timeout_s):
                 self.bytes_sent += len(data) + _LEN.size
                 reply = await client.call_unary_handler(target, self._unary_name(handler), data)
@@ -417,7 +341,7 @@ class Transport:
             # the text may come from the other side: keep it short
             if dead(exc):
                 raise PeerDead(f"{peer_id[-8:]} unavailable for {handler}: {exc!r:.200}") from None
-            if _remote_failure(exc):  # resets, EOF, refusals
+            if remote_failure(exc):  # resets, EOF, refusals
                 raise PeerGone(f"{peer_id[-8:]} unavailable for {handler}: {exc!r:.200}") from None
             kind = type(exc).__qualname__
             if kind not in self.local_failures:  # its traceback once (every request may fail alike)
@@ -430,11 +354,11 @@ class Transport:
                               hasher: Any = None, remote: dict[str, str] | None = None,
                               trailer_timeout_s: Callable[[int], float] | None = None) -> tuple[Any, bytearray]:
         """One request on its own stream (`sealed`: the request already sealed, else sealed here)."""
-        target = _target(peer_id, handler)
+        target = target_peer_id(peer_id, handler)
         writer = None
         opened = False
         try:
-            with self._failures(peer_id, handler, timeout_s, lambda exc: not opened and _dial_failed(exc)):
+            with self._failures(peer_id, handler, timeout_s, lambda exc: not opened and dial_failed(exc)):
                 async with asyncio.timeout(timeout_s) as scope:
                     info, reader, writer = await self.p2p.call_binary_stream_handler(
                         target, self._name(handler)

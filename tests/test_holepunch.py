@@ -305,7 +305,8 @@ def test_punch_requests_arriving_together_wait_for_one_refresh_of_the_records():
     the records, after which all of them are judged (not refused because a refresh was running)."""
     from types import SimpleNamespace
 
-    from groundswell.peer.swarm import MEMBERS_REFRESH_S, SwarmNode
+    from groundswell.peer.node_nat import MEMBERS_REFRESH_S
+    from groundswell.peer.swarm import SwarmNode
 
     refreshes = []
 

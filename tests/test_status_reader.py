@@ -40,7 +40,7 @@ def test_the_status_reader_is_a_dht_client_that_is_not_probed_and_takes_no_relay
         probed.append(args)
         return await real_probe(*args, **kwargs)
 
-    monkeypatch.setattr("groundswell.peer.swarm.find_reachability", probe)
+    monkeypatch.setattr("groundswell.peer.node_nat.find_reachability", probe)
     try:
         volunteer = _node(tmp_path, "volunteer", NodeOptions(initial_peers=boot.maddrs[:1], trains=False,
                                                               serves=False))
