@@ -26,6 +26,7 @@ import contextlib
 import ctypes
 import logging
 import os
+import secrets
 import shutil
 import signal
 import sys
@@ -160,24 +161,82 @@ SOCKET_DIR_PREFIX = "groundswell-p2p-"
 
 def socket_dir(root: Path | None = None) -> Path:
     """This process's folder for its daemons' unix sockets (made here, private to the user); the
-    folders of processes that are gone are removed first."""
+    folders of processes that are gone are removed first.
+
+    The folder holds a `.lock` this process keeps locked (`flock`, released by the kernel even on
+    `kill -9`): a folder whose lock can be taken is stale, whatever its pid says. A pid alone
+    misleads both ways: a stale folder's pid reused by another program kept it forever, and a live
+    folder of a process in another pid namespace (a container sharing /tmp) looked stale and was
+    removed under its daemon. Its name adds a random part to the pid for the same reason."""
     root = Path(tempfile.gettempdir()) if root is None else root
+    own = _own_dirs.get(root)
+    if own is not None and own[0].is_dir():
+        make_private_dir(own[0])  # still ours, and still private
+        return own[0]
     sweep_socket_dirs(root)
-    path = root / f"{SOCKET_DIR_PREFIX}{os.getpid()}"
+    path = root / f"{SOCKET_DIR_PREFIX}{os.getpid()}-{secrets.token_hex(4)}"
     make_private_dir(path)  # the daemons' control sockets: nobody else's folder
+    _own_dirs[root] = (path, _lock_folder(path))
     return path
+
+
+_own_dirs: dict[Path, tuple[Path, int | None]] = {}  # temp root -> our socket folder there, its lock's fd
+
+
+def _lock_folder(path: Path) -> int | None:
+    """Lock `path/.lock` for this process's lifetime; None where the filesystem has no locks.
+    Locked under a temporary name first: a sweeper never sees an unlocked `.lock` in a live folder."""
+    try:
+        import fcntl
+    except ImportError:  # pragma: no cover - not on POSIX: judged by pid alone
+        return None
+    tmp = path / f".lock-{secrets.token_hex(4)}"
+    fd = os.open(tmp, os.O_RDWR | os.O_CREAT | os.O_EXCL | getattr(os, "O_NOFOLLOW", 0), 0o600)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        os.rename(tmp, path / ".lock")
+    except OSError:  # no locks on this filesystem: judged by pid alone
+        os.close(fd)
+        with contextlib.suppress(OSError):
+            tmp.unlink()
+        return None
+    return fd
 
 
 def sweep_socket_dirs(root: Path) -> list[Path]:
     """Remove the socket folders of processes that no longer run; returns what was removed."""
+    mine = {own for own, _ in _own_dirs.values()}
     removed = []
     for path in root.glob(f"{SOCKET_DIR_PREFIX}*"):
-        pid = path.name[len(SOCKET_DIR_PREFIX):]
-        if not pid.isdigit() or int(pid) == os.getpid() or _pid_exists(int(pid)):
+        if path in mine or not _stale(path):
             continue
         shutil.rmtree(path, ignore_errors=True)
         removed.append(path)
     return removed
+
+
+def _stale(path: Path) -> bool:
+    """Is this socket folder a gone process's? By its lock where it has one, else by its pid."""
+    try:
+        st = os.lstat(path)
+    except OSError:
+        return False
+    if not path.is_dir() or (hasattr(os, "getuid") and st.st_uid != os.getuid()):
+        return False  # not ours to judge (another user's folder cannot be removed anyway)
+    try:
+        import fcntl
+
+        fd = os.open(path / ".lock", os.O_RDWR | getattr(os, "O_NOFOLLOW", 0))
+    except (ImportError, OSError):  # no lock (an older version's folder, or one being made): by pid
+        pid = path.name[len(SOCKET_DIR_PREFIX):].split("-")[0]
+        return pid.isdigit() and int(pid) != os.getpid() and not _pid_exists(int(pid))
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        return True  # nobody holds it: its process is gone (the lock is dropped with the fd below)
+    except OSError:  # held (BlockingIOError), or no locks here: leave it
+        return False
+    finally:
+        os.close(fd)
 
 
 def _pid_exists(pid: int) -> bool:
@@ -228,8 +287,27 @@ def release_private_sockets() -> None:
         _socket_users -= 1
         if _socket_users <= 0:
             _socket_users = 0
-            with contextlib.suppress(OSError):  # not empty (a daemon still shutting down): swept later
-                (Path(tempfile.gettempdir()) / f"{SOCKET_DIR_PREFIX}{os.getpid()}").rmdir()
+            _remove_own_dir(Path(tempfile.gettempdir()))
+
+
+def _remove_own_dir(root: Path) -> None:
+    """Remove our socket folder in `root` if nothing but its lock is left in it; otherwise (a
+    daemon still shutting down) it stays locked, and is swept once this process is gone."""
+    own = _own_dirs.get(root)
+    if own is None:
+        return
+    path, fd = own
+    try:
+        if {p.name for p in path.iterdir()} - {".lock"}:
+            return
+        with contextlib.suppress(FileNotFoundError):
+            (path / ".lock").unlink()
+        path.rmdir()
+    except OSError:
+        return
+    del _own_dirs[root]
+    if fd is not None:
+        os.close(fd)
 
 
 TEARDOWN_S = 4.0  # one shutdown step (the DHT, the daemon) of a node; a frozen daemon answers never

@@ -219,14 +219,15 @@ def test_ctrl_c_lets_a_volunteer_finish_its_round_and_the_coordinator_checkpoint
             for name in ("coordinator", "peer-0"):  # they ended their daemons themselves
                 assert not [p for p in leftover_processes(out / name) if p.is_running()], name
                 pid = sim.procs[name].popen.pid  # type: ignore[union-attr]
-                sockets = Path(tempfile.gettempdir()) / f"{SOCKET_DIR_PREFIX}{pid}"
-                assert not sockets.exists(), f"{name} left {list(sockets.iterdir())}"
+                left = list(Path(tempfile.gettempdir()).glob(f"{SOCKET_DIR_PREFIX}{pid}-*"))
+                assert not left, f"{name} left {[list(p.iterdir()) for p in left]}"
     finally:
         for p in leftover_processes(out):
             p.kill()
 
 
 def test_socket_folders_of_processes_that_are_gone_are_swept(tmp_path):
+    # Folders of older versions (no lock in them) are judged by their pid.
     gone = subprocess.Popen(["true"])
     gone.wait()
     alive = subprocess.Popen(["sleep", "30"])
@@ -236,7 +237,8 @@ def test_socket_folders_of_processes_that_are_gone_are_swept(tmp_path):
             (tmp_path / f"{SOCKET_DIR_PREFIX}{pid}" / "hivemind-p2pclient-x.sock").write_bytes(b"")
         (tmp_path / f"{SOCKET_DIR_PREFIX}notapid").mkdir()
         mine = socket_dir(tmp_path)  # sweeps, then makes this process's own
-        assert mine == tmp_path / f"{SOCKET_DIR_PREFIX}{os.getpid()}" and mine.is_dir()
+        assert mine.parent == tmp_path and mine.name.startswith(f"{SOCKET_DIR_PREFIX}{os.getpid()}-")
+        assert mine.is_dir() and socket_dir(tmp_path) == mine  # one folder per process
         assert not (tmp_path / f"{SOCKET_DIR_PREFIX}{gone.pid}").exists()
         assert (tmp_path / f"{SOCKET_DIR_PREFIX}{alive.pid}").exists()
         assert (tmp_path / f"{SOCKET_DIR_PREFIX}notapid").exists()
@@ -244,6 +246,63 @@ def test_socket_folders_of_processes_that_are_gone_are_swept(tmp_path):
     finally:
         alive.kill()
         alive.wait()
+
+
+_MAKE_SOCKET_DIR = """
+import sys, time
+from pathlib import Path
+from groundswell.peer.daemon import socket_dir
+print(socket_dir(Path(sys.argv[1])), flush=True)
+time.sleep(60)
+"""
+
+
+def test_a_socket_folder_is_judged_by_its_lock_not_its_pid(tmp_path):
+    # A live process's folder is kept even where its pid means nothing here (another pid
+    # namespace sharing /tmp: named here as a pid that is gone), and a gone process's folder is
+    # swept even where its pid now belongs to another program (named here as a live pid).
+    holder = subprocess.Popen([sys.executable, "-c", _MAKE_SOCKET_DIR, str(tmp_path)], stdout=subprocess.PIPE,
+                              text=True)
+    gone = subprocess.Popen([sys.executable, "-c", _MAKE_SOCKET_DIR, str(tmp_path)], stdout=subprocess.PIPE,
+                            text=True)
+    alive = subprocess.Popen(["sleep", "30"])
+    dead = subprocess.Popen(["true"])
+    dead.wait()
+    try:
+        live_dir = Path(holder.stdout.readline().strip())
+        stale_dir = Path(gone.stdout.readline().strip())
+        assert (live_dir / ".lock").is_file() and (stale_dir / ".lock").is_file()
+        gone.kill()
+        gone.wait()
+        # rename them so that their pids lie: the live one's names a gone process, the stale one's a live one
+        live_named_dead = live_dir.rename(tmp_path / f"{SOCKET_DIR_PREFIX}{dead.pid}-aaaa")
+        stale_named_alive = stale_dir.rename(tmp_path / f"{SOCKET_DIR_PREFIX}{alive.pid}-bbbb")
+        assert sweep_socket_dirs(tmp_path) == [stale_named_alive]
+        assert live_named_dead.is_dir() and not stale_named_alive.exists()
+        holder.kill()
+        holder.wait()
+        assert sweep_socket_dirs(tmp_path) == [live_named_dead]  # gone now: its lock is free
+    finally:
+        for p in (holder, gone, alive):
+            p.kill()
+            p.wait()
+
+
+def test_the_last_node_removes_the_socket_folder_and_lets_go_of_its_lock(tmp_path, monkeypatch):
+    from groundswell.peer import daemon
+
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+    mine = socket_dir()
+    assert mine.parent == tmp_path and (mine / ".lock").is_file()
+    daemon._socket_users += 1  # as `with_private_sockets` counts a node
+    daemon.release_private_sockets()
+    assert not mine.exists() and tmp_path not in daemon._own_dirs
+    again = socket_dir()  # a later node makes a new one
+    assert again.is_dir() and again != mine
+    (again / "p2pd-left-behind.sock").write_bytes(b"")  # a daemon still shutting down
+    daemon._socket_users += 1
+    daemon.release_private_sockets()
+    assert again.is_dir() and sweep_socket_dirs(tmp_path) == []  # still ours: locked, not swept
 
 
 def test_a_reap_cut_short_leaves_the_daemon_for_the_next_one(tmp_path):

@@ -48,8 +48,9 @@ def test_an_identity_lock_folder_others_can_write_to_is_refused(private_tmp):
 def test_the_daemons_socket_folder_must_be_ours_and_private(tmp_path):
     from groundswell.peer.daemon import SOCKET_DIR_PREFIX, socket_dir
 
-    assert socket_dir(tmp_path) == tmp_path / f"{SOCKET_DIR_PREFIX}{os.getpid()}"
-    os.chmod(tmp_path / f"{SOCKET_DIR_PREFIX}{os.getpid()}", 0o777)  # made, or opened up, by someone else
+    mine = socket_dir(tmp_path)
+    assert mine.parent == tmp_path and mine.name.startswith(f"{SOCKET_DIR_PREFIX}{os.getpid()}-")
+    os.chmod(mine, 0o777)  # made, or opened up, by someone else
     with pytest.raises(ConfigError, match="not a private folder"):
         socket_dir(tmp_path)
 
