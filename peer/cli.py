@@ -26,7 +26,8 @@ if TYPE_CHECKING:
 app = typer.Typer(add_completion=False, no_args_is_help=True, help="groundswell: decentralized training peer.")
 bench_app = typer.Typer(no_args_is_help=True, help="Benchmarks that compare against a baseline measured in the same run.")
 app.add_typer(bench_app, name="bench")
-console = Console(stderr=True, emoji=False)  # ":ab:" in an IPv6 address is an emoji code to rich
+# soft_wrap: a line is never broken by rich (to a file or a pipe it takes 80 columns), so a round stays one line for grep
+console = Console(stderr=True, emoji=False, soft_wrap=True)  # emoji off: ":ab:" in an IPv6 address is an emoji code to rich
 
 
 # what to lower when a command runs out of memory, where it is not the manifest's sizes

@@ -81,6 +81,8 @@ def test_without_a_terminal_each_round_is_a_line_as_it_happens(tmp_path):
     finally:
         _stop(proc)
     assert "round 0: runs again (0 volunteers online, 2 needed)" in text, text[-2000:]
+    # and a line is never broken at 80 columns (rich's width without a terminal): scripts grep them
+    assert re.search(r"^run \S+ coordinated by 12D3KooW\w{40,}$", text, re.MULTILINE), text[:2000]
 
 
 def test_a_round_line_says_what_the_tables_row_says():
