@@ -140,6 +140,7 @@ class Participant:
         self._snapshot: GlobalState | None = None
         self._preloaded: tuple[dict[str, Any] | None] | None = None  # see preload_checkpoint
         self._damaged: set[Path] = set()  # checkpoints the loader found damaged: never kept in their place
+        self._unreadable: set[Path] = set()  # checkpoints it could not read (EIO, EACCES): kept, never counted
         self.hash_history: dict[int, str] = {}  # round -> hash of the global parameters it started from
         self.node.state_provider = lambda: self._snapshot
         self.scorer = ContributionScorer(manifest, self.corpus, device) if manifest.defences.scoring else None
@@ -394,7 +395,9 @@ class Participant:
             log.error("checkpoint not written (%s); training continues from memory", why)
             self.events.write("checkpoint-failed", error=why, peer=self.identity.peer_id)
             return None
-        prune_checkpoints(path, self.manifest.checkpoint.keep, damaged=self._damaged)
+        self._damaged.discard(path)  # written anew, whole: a damaged file of that name is gone
+        self._unreadable.discard(path)
+        prune_checkpoints(path, self.manifest.checkpoint.keep, damaged=self._damaged, unreadable=self._unreadable)
         save_known_peers(self.state_dir / KNOWN_PEERS_FILE, getattr(self.node, "rejoiner", None))
         return path
 
@@ -417,6 +420,9 @@ class Participant:
                 state = torch.load(path, weights_only=True, map_location="cpu")
             except Exception as exc:  # noqa: BLE001 (torch raises many types for a truncated or garbled file)
                 log.error("checkpoint %s is unreadable (%s); trying an older one or the swarm", path.name, exc)
+                # A read error (EIO, EACCES) may pass: the file is kept. Anything else is a file
+                # torch cannot load, as good as damaged. Neither counts as a checkpoint kept.
+                (self._unreadable if isinstance(exc, OSError) else self._damaged).add(path)
                 self.events.write("checkpoint-corrupt", path=str(path), peer=self.identity.peer_id)
                 continue
             problem = digest_mismatch(state)

@@ -96,31 +96,38 @@ def checkpoints_newest_first(state_dir: Path) -> list[Path]:
     return sorted(state_dir.glob("checkpoint-*.pt"), reverse=True)
 
 
-def prune_checkpoints(just_written: Path, keep: int, damaged: Collection[Path] = ()) -> None:
+def prune_checkpoints(just_written: Path, keep: int, damaged: Collection[Path] = (),
+                      unreadable: Collection[Path] = ()) -> None:
     """Keep `just_written` and the newest keep-1 readable ones before it. A file that sorts after
     it (an unreadable newer checkpoint this run resumed past) never counts towards `keep`:
     counting it deleted the checkpoint just written. An older one that is not whole, or that the
-    loader found `damaged` (its digest), is deleted and does not count either: counting it
-    deleted the last good one (the one resumed from)."""
+    loader found `damaged` (its digest, or a torch.load that failed), is deleted and does not count
+    either: counting it deleted the last good one (the one resumed from). One that could not be
+    read (the loader's `unreadable`, or a read error here: EIO, EACCES) is no proof of damage: it
+    is kept, but not counted."""
     older = sorted((p for p in just_written.parent.glob("checkpoint-*.pt") if p.name < just_written.name),
                    reverse=True)
     kept = 1
     for old in older:
-        if kept < keep and old not in damaged and not _not_whole(old):  # checked only while there is room
-            kept += 1
+        if kept >= keep:  # enough good ones newer than it
+            old.unlink(missing_ok=True)
             continue
-        old.unlink(missing_ok=True)
+        whole = False if old in damaged else None if old in unreadable else _whole(old)
+        if whole:
+            kept += 1
+        elif whole is False:
+            old.unlink(missing_ok=True)
 
 
-def _not_whole(path: Path) -> bool:
-    """True if `path` is no archive torch.load can open (cut short or garbled by a crash or a full
-    disk; torch.save writes zip archives). Reads only the zip directory at its end, not the
-    tensors: a flipped byte inside them is for the loader's digest to find. A read error (EIO,
-    EACCES) is no proof: the file is kept."""
+def _whole(path: Path) -> bool | None:
+    """Is `path` an archive torch.load can open? False if cut short or garbled by a crash or a
+    full disk (torch.save writes zip archives); None on a read error (EIO, EACCES: no proof either
+    way). Reads only the zip directory at its end, not the tensors: a flipped byte inside them is
+    for the loader's digest to find."""
     try:
         with zipfile.ZipFile(path) as archive:
-            return not any(name.endswith("data.pkl") for name in archive.namelist())
+            return any(name.endswith("data.pkl") for name in archive.namelist())
     except (zipfile.BadZipFile, EOFError, ValueError):
-        return True
-    except OSError:
         return False
+    except OSError:
+        return None

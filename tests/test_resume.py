@@ -238,11 +238,12 @@ def test_a_checkpoint_written_between_a_rounds_apply_and_its_snapshot_is_of_one_
     assert torch.equal(state["outer"]["global_params"], state["tensors"]["global_params"])
 
 
-@pytest.mark.parametrize("damage", ["flipped-value", "renamed-digest"])
+@pytest.mark.parametrize("damage", ["flipped-value", "renamed-digest", "garbled-pickle"])
 def test_a_damaged_checkpoint_is_skipped_and_never_kept_in_place_of_a_good_one(tmp_path, corpus, damage):
     """Found by a review of the state files: a flipped bit in the digest's key name switched the
     digest off (torch.load does not check the archive's CRCs), and a checkpoint damaged inside
-    counted towards `keep`, so the cleanup deleted the good one the run had resumed from."""
+    counted towards `keep`, so the cleanup deleted the good one the run had resumed from. So did
+    one whose archive is whole but whose pickle torch.load cannot read (a later review)."""
     from groundswell.peer.participant import genesis_decision
 
     p = _factory(tmp_path, corpus, checkpoint={"every_rounds": 1, "keep": 2})()
@@ -260,13 +261,81 @@ def test_a_damaged_checkpoint_is_skipped_and_never_kept_in_place_of_a_good_one(t
     state = torch.load(save(9), weights_only=True)
     if damage == "flipped-value":
         state["tensors"]["global_params"][0] += 1.0
-    else:
+    elif damage == "renamed-digest":
         state["digesu"] = state.pop("digest")
-    torch.save(state, p.state_dir / "checkpoint-00000009.pt")
+    if damage == "garbled-pickle":  # a whole zip archive (as the pruner checks), its pickle garbage
+        import zipfile
+
+        (p.state_dir / "checkpoint-00000009.pt").unlink()
+        with zipfile.ZipFile(p.state_dir / "checkpoint-00000009.pt", "w") as archive:
+            archive.writestr("checkpoint-00000009/data.pkl", b"\x80\x02garbage")
+            archive.writestr("checkpoint-00000009/version", b"3\n")
+    else:
+        torch.save(state, p.state_dir / "checkpoint-00000009.pt")
     assert p.load_checkpoint()["round"] == 8  # the damaged 9 is skipped
     save(12)  # the run went on from 8
     names = sorted(f.name for f in p.state_dir.glob("checkpoint-*.pt"))
     assert names == ["checkpoint-00000008.pt", "checkpoint-00000012.pt"]
+
+
+def test_a_checkpoint_written_anew_where_a_damaged_one_was_counts_again(tmp_path, corpus):
+    # Resumed past a damaged 9, the run came back to round 9 (a coordinator restarted from an
+    # older state, say) and wrote a good 9: the pruner still took it for the damaged one and
+    # deleted it, keeping the older 8 in its place.
+    from groundswell.peer.participant import genesis_decision
+
+    p = _factory(tmp_path, corpus, checkpoint={"every_rounds": 1, "keep": 2})()
+    p.state_dir.mkdir(parents=True, exist_ok=True)
+    signed = genesis_decision(p.identity, "unit")
+
+    def save(r: int) -> Path:
+        p.outer.round_id = r
+        p._snapshot = GlobalState(r, {"global_params": p.outer.global_params.clone()}, signed)
+        written = p.save_checkpoint()
+        assert written is not None
+        return written
+
+    save(8)
+    state = torch.load(save(9), weights_only=True)
+    state["tensors"]["global_params"][0] += 1.0  # its digest no longer matches
+    torch.save(state, p.state_dir / "checkpoint-00000009.pt")
+    assert p.load_checkpoint()["round"] == 8
+    save(9)
+    save(10)
+    assert sorted(f.name for f in p.state_dir.glob("checkpoint-*.pt")) == ["checkpoint-00000009.pt",
+                                                                           "checkpoint-00000010.pt"]
+
+
+def test_a_checkpoint_that_could_not_be_read_is_kept_but_not_counted(tmp_path, corpus, monkeypatch):
+    # A read error (EIO, EACCES) is no proof of damage: the file stays. But it is no checkpoint
+    # in hand either: counting it towards keep=2 deleted 8, the one the run resumed from.
+    from groundswell.peer.participant import genesis_decision
+
+    p = _factory(tmp_path, corpus, checkpoint={"every_rounds": 1, "keep": 2})()
+    p.state_dir.mkdir(parents=True, exist_ok=True)
+    signed = genesis_decision(p.identity, "unit")
+
+    def save(r: int) -> Path:
+        p.outer.round_id = r
+        p._snapshot = GlobalState(r, {"global_params": p.outer.global_params.clone()}, signed)
+        written = p.save_checkpoint()
+        assert written is not None
+        return written
+
+    save(8)
+    unreadable = save(9)
+    real_load = torch.load
+
+    def load(path, *args, **kwargs):
+        if Path(path) == unreadable:
+            raise PermissionError(13, "Permission denied", str(path))
+        return real_load(path, *args, **kwargs)
+
+    monkeypatch.setattr(torch, "load", load)
+    assert p.load_checkpoint()["round"] == 8
+    save(12)
+    assert sorted(f.name for f in p.state_dir.glob("checkpoint-*.pt")) == [
+        "checkpoint-00000008.pt", "checkpoint-00000009.pt", "checkpoint-00000012.pt"]
 
 
 @pytest.mark.parametrize("went_out", [False, True])
