@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import signal
 import sys
 import time
@@ -67,6 +68,21 @@ def _make_state_dir(state_dir: Path) -> None:
         above = next((p for p in state_dir.parents if p.exists() and not p.is_dir()), None)
         why = f"{above} is a file, not a folder" if above is not None else exc.strerror or str(exc)
         raise ConfigError(f"--state-dir {state_dir} cannot be created: {why}") from None
+    _refuse_shared_state_dir(state_dir)
+
+
+def _refuse_shared_state_dir(state_dir: Path) -> None:
+    """ConfigError unless `state_dir` (an existing one too) is this user's and no one else may
+    write in it: another local user who can plants links where our files go, or a checkpoint of
+    their choosing that a coordinator would resume from and serve (the default --state-dir is
+    relative: started from /tmp, it is a folder anyone may have made first)."""
+    if not hasattr(os, "getuid"):  # pragma: no cover - not on POSIX
+        return
+    st = state_dir.stat()
+    if st.st_uid != os.getuid() or st.st_mode & 0o022:
+        whose = "another user's" if st.st_uid != os.getuid() else f"writable by others (mode {st.st_mode & 0o777:o})"
+        raise ConfigError(f"--state-dir {state_dir} is {whose}: use a folder of your own that only you can write "
+                          f"to (chmod go-w {state_dir}, if it is yours)")
 
 
 def _stop_on_signals(first: str = "stopping after this round"):

@@ -622,3 +622,25 @@ def test_a_volunteer_dir_of_another_launch_of_the_run_is_refused(tmp_path):
     bind_volunteer_dir(state, "peerA", "coordC", "run-1", "m2")
     assert json.loads((state / VOLUNTEER_FILE).read_text())["manifest"] == "m2"
     assert not check_volunteer_dir(state, "peerA", "coordC", "run-1", "m2")
+
+
+@pytest.mark.parametrize("command", ["join", "launch"])
+def test_a_state_dir_others_can_write_to_is_refused_before_anything_is_written(tmp_path, command):
+    # Another local user who may write there can plant links where our files go, or a checkpoint
+    # of their choosing for a coordinator to resume from and serve (found by a review).
+    import os
+
+    shared = tmp_path / "shared"
+    shared.mkdir()
+    os.chmod(shared, 0o777)
+    manifest = Path(__file__).resolve().parents[1] / "scripts" / "example_run.toml"
+    first = _bootstrap(_unused_port()) if command == "join" else str(manifest)
+    res = CliRunner().invoke(app, [command, first, "--state-dir", str(shared)])
+    _one_error_line(res, 2, f"--state-dir {shared} is writable by others (mode 777)")
+    assert list(shared.iterdir()) == []
+    if os.getuid() == 0:  # root can give a folder away: one of another user's is refused too
+        os.chmod(shared, 0o700)
+        os.chown(shared, 65534, 65534)
+        res = CliRunner().invoke(app, [command, first, "--state-dir", str(shared)])
+        _one_error_line(res, 2, f"--state-dir {shared} is another user's")
+        assert list(shared.iterdir()) == []
