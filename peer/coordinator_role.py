@@ -38,12 +38,12 @@ def run_coordinator(p: Participant, *, stop: StopFlag, on_round: Callable[[Round
                        peer=p.identity.peer_id)
     else:
         p.node.record_decision(genesis_decision(p.identity, m.run.id))
-        p.snapshot()
-        if p.save_checkpoint() is None:
-            # A restart without it would sign another genesis (its own time): a round 0 of another
-            # state than the one the volunteers who joined meanwhile hold. Refused before anyone joins.
+        # On disk before it is served: a restart without it would sign another genesis (its own
+        # time), a round 0 of another state than the one volunteers who took it meanwhile hold.
+        if p.save_checkpoint(unpublished=True) is None:
             raise OSError(f"the run's first checkpoint could not be written to {p.state_dir} (see the log "
                                "line above); free space or choose another --state-dir, then launch again")
+        p.snapshot()
     if p.state_dir is not None:
         mark_genesis_saved(p.state_dir)  # (also on a resume: state dirs of older versions have no mark)
     # Ctrl+C cuts any wait on the network short: the coordinator contributes nothing, so it leaves at

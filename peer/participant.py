@@ -358,15 +358,19 @@ class Participant:
         finally:
             copy_into_parameters(saved, list(model.parameters()))
 
-    def save_checkpoint(self, extra: dict[str, Any] | None = None, settled: bool = False) -> Path | None:
+    def save_checkpoint(self, extra: dict[str, Any] | None = None, settled: bool = False,
+                        unpublished: bool = False) -> Path | None:
         """Atomically write the state (write to a temp file, fsync, rename); keep the newest few.
         A failure (disk full, read-only dir) is reported and training goes on from memory.
         `settled`: every contribution made so far has a known outcome taken into this state, or is
         listed in `extra["unsettled"]` to be settled late (the checkpoint then records the last
-        one, and a restart keeps the work it holds)."""
-        if self.state_dir is None or self._snapshot is None:
+        one, and a restart keeps the work it holds). `unpublished`: the state as it is now, before
+        any `snapshot` served it (a run's genesis must be on disk before anyone can take it)."""
+        if self.state_dir is None or (self._snapshot is None and not unpublished):
             return None
-        snap = self._snapshot
+        snap = self._global_state() if unpublished else self._snapshot
+        if snap is None:
+            return None
         if snap.round != self.outer.round_id and self.outer.pending is None:
             # A round applied since the last snapshot (the network failed in between, or a second
             # Ctrl+C): its parameters with the optimizer state of the round after would be a file

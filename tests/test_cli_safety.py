@@ -143,9 +143,10 @@ def test_a_coordinator_whose_first_checkpoint_cannot_be_written_does_not_start_t
         start_network=lambda: None, events=SimpleNamespace(write=lambda *a, **k: None),
         node=SimpleNamespace(startup_s={}, record_decision=lambda d: None,
                              interrupt_calls_on=lambda e: followed.append("followed")),
-        load_checkpoint=lambda: None, snapshot=lambda: None, save_checkpoint=lambda *a, **k: None)
+        load_checkpoint=lambda: None, snapshot=lambda: followed.append("published"),
+        save_checkpoint=lambda *a, **k: None)
     with pytest.raises(OSError, match="first checkpoint could not be written"):
         run_coordinator(p, stop=StopFlag())
-    assert followed == []  # no round was followed
+    assert followed == []  # no round was followed, and the genesis it could not save was never served
     # unmarked: the launch after freeing space is not refused as a run whose checkpoints are gone
     assert not (tmp_path / "genesis.done").exists()
