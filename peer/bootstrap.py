@@ -119,6 +119,7 @@ def _check_maddr(text: str) -> str:
     try:
         maddr = Multiaddr(text)
         protocols = [p.name for p in maddr.protocols()]
+        canonical = str(maddr)  # (it parses some texts it cannot print: a NUL in a name, a bad peer id length)
     except Exception as exc:
         raise BootstrapError(f"invalid multiaddr {text!r}: {exc}") from None
     # libp2p dials bootstrap peers by id, so every address must say whose it is
@@ -131,7 +132,7 @@ def _check_maddr(text: str) -> str:
                              ".../p2p/<relay id>/p2p-circuit/p2p/<id>")
     if not _TRANSPORTS & set(protocols) and protocols[0] != "dnsaddr":  # (p2pd resolves a dnsaddr)
         raise BootstrapError(f"multiaddr {text!r} names no transport to dial (tcp, or udp with quic)")
-    return str(maddr)
+    return canonical
 
 
 _TRANSPORTS = {"tcp", "quic", "quic-v1"}

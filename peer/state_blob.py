@@ -45,7 +45,7 @@ def unpack_tensors(blob: bytes | bytearray | memoryview) -> dict[str, torch.Tens
         header = msgpack.unpackb(view[_LEN.size:_LEN.size + hlen], raw=False, strict_map_key=True)
     except Exception as exc:  # msgpack raises several types on garbage
         raise ProtocolError(f"state blob header does not decode: {type(exc).__name__}") from None
-    if (not isinstance(header, list) or len(header) != 2 or header[0] != FORMAT_VERSION
+    if (not isinstance(header, list) or len(header) != 2 or type(header[0]) is not int or header[0] != FORMAT_VERSION
             or not isinstance(header[1], list) or len(header[1]) > MAX_TENSORS):
         raise ProtocolError("state blob header is not a version-1 tensor list")
     offset, out = _LEN.size + hlen, {}

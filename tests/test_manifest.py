@@ -440,6 +440,9 @@ def test_bootstrap_plain_multiaddr():
         (f"gs1:{COORD.peer_id}@/p2p-circuit/p2p/{COORD.peer_id}", "one peer"),
         (f"gs1:{COORD.peer_id}@/ip4/1.2.3.4/tcp/1/p2p/{OTHER.peer_id}/p2p/{COORD.peer_id}", "one peer"),
         ("/", "/p2p/"),
+        # parsed by hivemind's Multiaddr, which then cannot print them (found by fuzzing: a traceback)
+        (f"/dns4/a\x00b/tcp/1/p2p/{COORD.peer_id}", "invalid multiaddr"),
+        (f"gs1:{COORD.peer_id}@/ip4/1.2.3.4/tcp/1/p2p/{COORD.peer_id[:40]}{COORD.peer_id[36:]}", "invalid multiaddr"),
     ],
 )
 def test_bootstrap_errors(text, match):

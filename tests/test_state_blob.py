@@ -50,6 +50,8 @@ def _header(header: bytes, body: bytes = b"") -> bytes:
     (_blob([["x" * 65, "float32", 0]], b""), "malformed"),
     (_blob([["g", "float32", 0]] * 17, b""), "not a version-1 tensor list"),  # too many tensors
     (_header(msgpack.packb([2, []])), "not a version-1 tensor list"),  # another format version
+    (_header(msgpack.packb([True, []])), "not a version-1 tensor list"),  # a version of another type (True == 1)
+    (_header(msgpack.packb([1.0, []])), "not a version-1 tensor list"),
     (_header(msgpack.packb({"v": 1})), "not a version-1 tensor list"),
 ], ids=lambda b: str(len(b)) if isinstance(b, bytes) else None)
 def test_malformed_blobs_are_refused(blob, why):
