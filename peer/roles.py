@@ -60,6 +60,9 @@ def run_volunteer(p: Participant, bootstrap_peers: list[str], *, max_rounds: int
     finally:
         p.node.interrupt_calls_on(None)
         warm.join()
+    if until_round is not None and p.outer.round_id >= until_round:  # said, not left to a silent exit
+        log.warning("the run is at round %d already, past --until-round %d: leaving without training",
+                    p.outer.round_id, until_round)
     trainer = volunteer_trainer(p)
     if resumed is not None and resumed.get("inner") is not None:
         try:
@@ -128,8 +131,8 @@ def run_volunteer(p: Participant, bootstrap_peers: list[str], *, max_rounds: int
             if not m.outer.overlap:
                 loop.settle(*in_flight)
                 in_flight = None
-    if in_flight is not None:  # stopping: the last contribution lands in an aggregate or is kept
-        loop.settle(*in_flight)
+        if in_flight is not None:  # stopping: the last contribution lands in an aggregate or is kept
+            loop.settle(*in_flight)
     loop.checkpoint()  # first: a second Ctrl+C during the reports below must not cost the work
     _announce_departure(p)
     try:  # which peers we reached directly and which through a relay, for the run's report

@@ -494,3 +494,36 @@ def test_ctrl_c_ends_the_state_download_at_once(monkeypatch):
     finally:
         thread.join(40)
         node.stop_loop()
+
+
+def test_a_run_already_past_until_round_is_said_before_anything_trains(monkeypatch, caplog):
+    # It downloaded the state, then left with "left the run cleanly" and nothing else (a CLI audit).
+    import threading
+
+    from groundswell.peer import roles
+    from groundswell.peer.net_loop import NetLoop
+    from groundswell.peer.stop_flag import StopFlag
+
+    node = NetLoop()
+    node.startup_s = {}
+    p = SimpleNamespace(node=node, start_network=lambda: None, identity=SimpleNamespace(peer_id="me"), manifest=None,
+                        events=SimpleNamespace(write=lambda kind, **kw: None), outer=SimpleNamespace(round_id=104))
+    monkeypatch.setattr(roles, "resume_and_sync", lambda p, peers: None)
+    monkeypatch.setattr(threading.Thread, "start", lambda self: None)  # (no optimizer imports to warm)
+    monkeypatch.setattr(threading.Thread, "join", lambda self, timeout=None: None)
+
+    class Trained(Exception):
+        pass
+
+    def trainer(p):
+        raise Trained
+
+    monkeypatch.setattr(roles, "volunteer_trainer", trainer)
+    with pytest.raises(Trained):
+        roles.run_volunteer(p, [], max_rounds=None, stop=StopFlag(), until_round=5)
+    assert "the run is at round 104 already, past --until-round 5" in caplog.text
+    caplog.clear()
+    p.outer.round_id = 4
+    with pytest.raises(Trained):
+        roles.run_volunteer(p, [], max_rounds=None, stop=StopFlag(), until_round=5)
+    assert "until-round" not in caplog.text
