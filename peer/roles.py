@@ -76,16 +76,22 @@ def run_volunteer(p: Participant, bootstrap_peers: list[str], *, max_rounds: int
         restore_progress(p, trainer, resumed["inner_progress"])
     if resumed is not None:
         restore_local_progress(p, resumed)
-    if resumed is None or resumed.get("work_only"):  # so a crash before the first scheduled checkpoint
-        # resumes from disk, not a download
+    if resumed is None:  # so a crash before the first scheduled checkpoint resumes from disk, not a download
         p.save_checkpoint({"inner": trainer.state_dict()})
     journal = WorkJournal(p.state_dir, enabled=isinstance(p.outer, SparseLoCo))
     loop = VolunteerLoop(p, SwarmExchange(p.node, serves=p.node.options.serves), trainer, bootstrap_peers, stop,
                           on_round, journal)
-    if resumed is not None and (unsettled := unsettled_from(resumed)):
+    unsettled = unsettled_from(resumed) if resumed is not None else []
+    if unsettled:
+        loop.exchange.restore_unsettled(unsettled)
+    if resumed is not None and resumed.get("work_only"):
+        # Restored from work.pt alone: on disk as a checkpoint too, with the contributions still
+        # open (its error feedback holds them). Written without them, a restart from it after a
+        # crash in the settlement below, its work.pt damaged, sent counted work a second time.
+        loop.checkpoint()
+    if unsettled:
         # the process before us sent these and stopped before their outcome: settled now, before
         # our first contribution, so that work a commit counted is not in it a second time
-        loop.exchange.restore_unsettled(unsettled)
         loop.settle_late()
 
     def more() -> bool:

@@ -527,3 +527,66 @@ def test_a_run_already_past_until_round_is_said_before_anything_trains(monkeypat
     with pytest.raises(Trained):
         roles.run_volunteer(p, [], max_rounds=None, stop=StopFlag(), until_round=5)
     assert "until-round" not in caplog.text
+
+
+@pytest.mark.parametrize("work_only", [True, False])
+def test_a_state_restored_from_work_pt_alone_is_checkpointed_with_its_open_contributions(monkeypatch, work_only):
+    # Found by a review of the state files: restored from work.pt alone (every checkpoint
+    # damaged), the volunteer wrote its first checkpoint without the contributions still open,
+    # which its error feedback holds; a restart from it after a crash during their settlement
+    # (work.pt damaged meanwhile) sent counted work a second time. Now they are restored first
+    # and the checkpoint lists them, before the settlement begins.
+    import threading
+
+    from groundswell.peer import roles
+    from groundswell.peer.net_loop import NetLoop
+    from groundswell.peer.stop_flag import StopFlag
+    from groundswell.peer.swarm_exchange import unsettled_item
+
+    calls: list[str] = []
+    node = NetLoop()
+    node.startup_s, node.client, node.options = {}, None, SimpleNamespace(serves=True)
+    node.call = lambda coro, timeout_s=None: (coro.close(), (_ for _ in ()).throw(RuntimeError("offline")))
+    p = SimpleNamespace(node=node, start_network=lambda: None, identity=SimpleNamespace(peer_id="me"),
+                        manifest=SimpleNamespace(outer=SimpleNamespace(overlap=0)), state_dir=None,
+                        events=SimpleNamespace(write=lambda kind, **kw: None), outer=SimpleNamespace(round_id=4),
+                        save_checkpoint=lambda extra=None, **kw: calls.append("checkpoint without the open ones"))
+    item = unsettled_item(3, [b"segment"], 0)
+    resumed = {"work_only": True, "round": 3, "inner_progress": None, "unsettled": [item]} if work_only else \
+        {"round": 3, "outer": {}, "unsettled": [item]}
+    monkeypatch.setattr(roles, "resume_and_sync", lambda p, peers: resumed)
+    monkeypatch.setattr(roles, "restore_local_progress", lambda p, resumed: None)
+    monkeypatch.setattr(roles, "write_defence_counts", lambda p: None)
+    monkeypatch.setattr(roles, "volunteer_trainer", lambda p: SimpleNamespace(state_dict=lambda: {}))
+    monkeypatch.setattr(threading.Thread, "start", lambda self: None)
+    monkeypatch.setattr(threading.Thread, "join", lambda self, timeout=None: None)
+
+    class Exchange:
+        announce_next = False
+
+        def __init__(self, node, serves):
+            pass
+
+        def restore_unsettled(self, items):
+            calls.append(f"restored {[i['round'] for i in items]}")
+
+    class Loop:
+        def __init__(self, p, exchange, *args):
+            self.exchange, self.applied = exchange, 0
+
+        def checkpoint(self):
+            calls.append("checkpoint with the open ones")
+
+        def settle_late(self):
+            calls.append("settled")
+
+    monkeypatch.setattr(roles, "SwarmExchange", Exchange)
+    monkeypatch.setattr(roles, "VolunteerLoop", Loop)
+    stop = StopFlag()
+    stop.set()  # no round: what happens between the restore and the first round is the point
+    roles.run_volunteer(p, [], max_rounds=None, stop=stop)
+    if work_only:
+        assert calls[:3] == ["restored [3]", "checkpoint with the open ones", "settled"], calls
+    else:  # a checkpoint was loaded: it is on disk already, and lists them itself
+        assert calls[:2] == ["restored [3]", "settled"], calls
+    assert "checkpoint without the open ones" not in calls
