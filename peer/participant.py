@@ -181,10 +181,12 @@ class Participant:
         try:
             # Durable before anything is sent: after a power loss, a second contribution to the
             # same attempt would cost us an equivocation strike at every aggregator, and a restart
-            # from an older checkpoint must know this work went out (or it sends it again).
+            # from an older checkpoint must know this work went out (or it sends it again). So a
+            # failed directory sync is a failed record here (the file, in place, names an attempt
+            # never sent: a restart takes it as counted, which loses work rather than doubling it).
             write_atomically(self.state_dir / CONTRIBUTED_FILE,
                              lambda f: f.write(json.dumps({"round": round_id, "attempt": attempt,
-                                                           "work": self.work_token}).encode()))
+                                                           "work": self.work_token}).encode()), durable=True)
         except OSError as exc:
             log.error("could not record the contribution (%s): not sending it; training goes on", exc)
             self.events.write("contribution-not-recorded", round=round_id, error=str(exc), peer=self.identity.peer_id)

@@ -25,10 +25,16 @@ def fsync_dir(path: Path) -> None:
         os.close(fd)
 
 
-def write_atomically(path: Path, write: Callable[[IO[bytes]], None]) -> None:
+# A directory fsync refused with these means the filesystem never does it (not a one-off failure).
+_NO_DIR_FSYNC = {errno.EINVAL, errno.ENOTSUP, errno.EOPNOTSUPP, errno.ENOSYS}
+
+
+def write_atomically(path: Path, write: Callable[[IO[bytes]], None], durable: bool = False) -> None:
     """Write `path` through `write(file)` so that it holds either its old or its whole new content,
     even after a power loss; a failed or interrupted write leaves no temp file behind.
-    torch.save reports a full disk as a RuntimeError from its zip writer: that is an OSError here."""
+    torch.save reports a full disk as a RuntimeError from its zip writer: that is an OSError here.
+    `durable`: an OSError also when the rename may not survive a power loss (its directory's fsync
+    failed, EIO say; not on a filesystem that never syncs directories): the new file is in place."""
     tmp = path.with_suffix(".tmp")
     try:
         # 0600 from the start (before the rename): a closed run's weights are not for other local
@@ -54,6 +60,9 @@ def write_atomically(path: Path, write: Callable[[IO[bytes]], None]) -> None:
     try:
         fsync_dir(path.parent)  # the rename itself survives a power loss
     except OSError as exc:  # some filesystems refuse fsync on a directory (EINVAL), or a one-off EIO
+        if durable and exc.errno not in _NO_DIR_FSYNC:
+            raise OSError(exc.errno, f"{path.name} was written, but its directory could not be synced "
+                                     f"({exc.strerror or exc}): it may not survive a power loss") from exc
         _warn_not_durable(path, exc)
 
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import errno
 import json
+import os
 import sys
 from pathlib import Path
 
@@ -201,7 +202,7 @@ def test_a_contribution_the_disk_cannot_record_is_reported_and_not_sent(particip
 
     assert participant._remember_contribution(6, 0) is True
 
-    def full(path, write):
+    def full(path, write, durable=False):
         raise OSError(errno.ENOSPC, "No space left on device")
 
     monkeypatch.setattr(participant_module, "write_atomically", full)
@@ -209,6 +210,28 @@ def test_a_contribution_the_disk_cannot_record_is_reported_and_not_sent(particip
     assert participant._contributed_before() == {6: 0}  # the old record is intact
     events = [json.loads(line) for line in (participant.state_dir / "events.jsonl").read_text().splitlines()]
     assert any(e["kind"] == "contribution-not-recorded" and e["round"] == 7 for e in events)
+
+
+@pytest.mark.parametrize("code, sent", [(errno.EIO, False), (errno.EINVAL, True)])
+def test_a_contribution_record_whose_directory_sync_failed_is_not_sent(participant, monkeypatch, code, sent):
+    # Found by a review: a failed directory fsync (EIO) only warned, and the contribution went
+    # out; after a power loss the rename was gone, the restart took the work for never sent, and
+    # sent it again. A filesystem that never syncs directories (EINVAL) is no such failure.
+    import stat
+
+    real_fsync = os.fsync
+
+    def fsync(fd: int) -> None:
+        if stat.S_ISDIR(os.fstat(fd).st_mode):
+            raise OSError(code, os.strerror(code))
+        real_fsync(fd)
+
+    monkeypatch.setattr(os, "fsync", fsync)
+    assert participant._remember_contribution(7, 0) is sent
+    assert participant._contributed_before() == {7: 0}  # in place either way: not sent, it reads as counted
+    log = participant.state_dir / "events.jsonl"
+    events = [json.loads(line) for line in log.read_text().splitlines()] if log.exists() else []
+    assert any(e["kind"] == "contribution-not-recorded" for e in events) is not sent
 
 
 def test_a_contribution_whose_work_record_failed_is_not_sent(participant):
