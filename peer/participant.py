@@ -53,8 +53,10 @@ from .work_file import CONTRIBUTED_FILE, contributed_marker, read_contributed
 from .workload import Workload, build_workload
 
 log = logging.getLogger(__name__)
-_OUR_TEMP_FILES = ("checkpoint-*.tmp", "work.tmp", "contributed.tmp", "outcome.tmp", "manifest.tmp",
-                   "bootstrap.tmp", "address.tmp", "known_peers.tmp", "volunteer.tmp", "genesis.tmp", ".*.key.*.tmp")
+_WRITTEN_HERE = ("checkpoint-*", "work", "contributed", "outcome", "manifest", "bootstrap", "address", "known_peers",
+                 "volunteer", "genesis")
+# write_atomically's X.RANDOM.tmp (X.tmp before), Identity.save's .identity.key.RANDOM.tmp
+_OUR_TEMP_FILES = (*(f"{x}.tmp" for x in _WRITTEN_HERE), *(f"{x}.*.tmp" for x in _WRITTEN_HERE), ".*.key.*.tmp")
 KNOWN_PEERS_FILE = "known_peers.json"  # where the run's peers were, kept with each checkpoint (see dht_rejoin)
 
 
@@ -113,7 +115,7 @@ class Participant:
         self.work_recorded = True  # False: work.pt could not be written for it (then it is not sent)
         if state_dir is not None:
             state_dir.mkdir(mode=0o700, parents=True, exist_ok=True)  # private: a closed run's weights
-            # Half-written files of a process killed mid-write (write_atomically's X.tmp for each file
+            # Half-written files of a process killed mid-write (write_atomically's temp file for each file
             # we write here, Identity.save's .identity.key.*.tmp); no other groundswell process writes
             # here (the CLI holds the state dir's lock, locks.py). Only our own names: a state dir
             # may be a folder other programs write their *.tmp files in too.

@@ -7,6 +7,7 @@ from __future__ import annotations
 import errno
 import logging
 import os
+import secrets
 import shutil
 import zipfile
 from collections.abc import Callable, Collection
@@ -35,12 +36,14 @@ def write_atomically(path: Path, write: Callable[[IO[bytes]], None], durable: bo
     torch.save reports a full disk as a RuntimeError from its zip writer: that is an OSError here.
     `durable`: an OSError also when the rename may not survive a power loss (its directory's fsync
     failed, EIO say; not on a filesystem that never syncs directories): the new file is in place."""
-    tmp = path.with_suffix(".tmp")
+    # A name of its own: a worker thread still writing the same file (a contribution's record
+    # whose attempt was given up on, its fsync slow) must not have its temp file taken over.
+    tmp = path.with_name(f"{path.stem}.{secrets.token_hex(4)}.tmp")
     try:
         # 0600 from the start (before the rename): a closed run's weights are not for other local
-        # users. A temp file a killed process left would keep its mode under O_CREAT: gone first.
-        _discard(tmp)
-        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | getattr(os, "O_BINARY", 0), 0o600)
+        # users. Never through a link, never over an existing file.
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_NOFOLLOW", 0)
+                     | getattr(os, "O_BINARY", 0), 0o600)
         with open(fd, "wb") as f:
             write(f)
             f.flush()

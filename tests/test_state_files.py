@@ -126,7 +126,8 @@ def test_a_restart_removes_every_half_written_file_a_killed_process_left(tmp_pat
     state = participant().state_dir
     stale = ["manifest.tmp", "bootstrap.tmp", "address.tmp", "contributed.tmp", "work.tmp", "outcome.tmp",
              "checkpoint-00000009.tmp", "volunteer.tmp", "genesis.tmp", "known_peers.tmp",
-             ".identity.key.x1y2.tmp"]  # the last: Identity.save's
+             ".identity.key.x1y2.tmp",  # Identity.save's
+             "work.1a2b3c4d.tmp", "contributed.00ff00ff.tmp", "checkpoint-00000009.1a2b3c4d.tmp"]  # named as now
     for name in stale:
         (state / name).write_bytes(b"half")
     (state / "manifest.signed").write_bytes(b"kept")
@@ -192,3 +193,18 @@ def test_state_files_and_a_new_state_dir_are_private_to_their_user(tmp_path, cor
         assert stat.S_IMODE(mine.stat().st_mode) == 0o755
     finally:
         os.umask(old)
+
+
+def test_two_writers_of_one_file_do_not_share_a_temp_file(tmp_path):
+    # Found by a review: a contribution's record written by a worker thread whose attempt was given
+    # up on (its fsync slow) and the next one's shared contributed.tmp: the second removed the
+    # first's temp file mid-write, and the first's rename then failed or installed the wrong record.
+    path = tmp_path / "contributed.json"
+
+    def outer(f) -> None:
+        f.write(b"first")
+        write_atomically(path, lambda g: g.write(b"second"))  # another thread, meanwhile
+
+    write_atomically(path, outer)
+    assert path.read_bytes() == b"first"  # each rename whole; the last one wins
+    assert not list(tmp_path.glob("*.tmp"))
