@@ -238,9 +238,13 @@ def launch(
                        reachability="public", trains=False, serves=True, direct_state=state_port >= 0, direct_port=max(state_port, 0))
     p = Participant(manifest, signed, ident, str(ident_path), opts, state_dir, device=device, corpus=corpus)
     # a state dir of another run, or with no readable checkpoint left, is refused before we write to it
-    resumable(state_dir, p.preload_checkpoint())
+    resumed = p.preload_checkpoint()
+    resumable(state_dir, resumed)
     same_run_as_before(state_dir, signed)
     checkpoints_not_gone(state_dir)  # (after the above: a dir of another run is told so first)
+    if resumed is not None:
+        console.print(f"resuming run {manifest.run.id} from its checkpoint of round {resumed['round']} in {state_dir}",
+                      highlight=False)
     stop = _stop_on_signals("stopping: saving a checkpoint")
     rows: list = []
     try:  # from here on the node is closed whatever happens (an attach timeout, a full disk, Ctrl+C)
@@ -265,6 +269,9 @@ def launch(
                     live.update(round_table(rows, f"{manifest.run.id}: round {info.round + 1}"))
 
                 run_coordinator(p, stop=stop, on_round=on_round, checkpoint_every=checkpoint_every)
+        if p.last_checkpoint is not None:  # (a failed save was said in its own line)
+            console.print(f"stopped; the run's state is in {p.last_checkpoint} (launch again with this "
+                          f"--state-dir to resume)", highlight=False)
     finally:
         p.node.close()
 
@@ -389,7 +396,8 @@ def join(
         with bar:
             run_volunteer(p, peers, max_rounds=max_rounds, until_round=until_round, stop=stop, on_round=on_round,
                           on_step=on_step, attack=tamper)
-        console.print("left the run cleanly")
+        saved = f"; checkpoint: {p.last_checkpoint}" if p.last_checkpoint is not None else ""
+        console.print(f"left the run cleanly{saved}", highlight=False)
     finally:
         node.close()
 

@@ -143,6 +143,7 @@ class Participant:
         self._preloaded: tuple[dict[str, Any] | None] | None = None  # see preload_checkpoint
         self._damaged: set[Path] = set()  # checkpoints the loader found damaged: never kept in their place
         self._unreadable: set[Path] = set()  # checkpoints it could not read (EIO, EACCES): kept, never counted
+        self.last_checkpoint: Path | None = None  # the newest this process wrote (told to the user on leaving)
         self.hash_history: dict[int, str] = {}  # round -> hash of the global parameters it started from
         self.node.state_provider = lambda: self._snapshot
         self.scorer = ContributionScorer(manifest, self.corpus, device) if manifest.defences.scoring else None
@@ -407,6 +408,7 @@ class Participant:
         self._unreadable.discard(path)
         prune_checkpoints(path, self.manifest.checkpoint.keep, damaged=self._damaged, unreadable=self._unreadable)
         save_known_peers(self.state_dir / KNOWN_PEERS_FILE, getattr(self.node, "rejoiner", None))
+        self.last_checkpoint = path
         return path
 
     def preload_checkpoint(self) -> dict[str, Any] | None:

@@ -83,6 +83,21 @@ def test_without_a_terminal_each_round_is_a_line_as_it_happens(tmp_path):
     assert "round 0: runs again (0 volunteers online, 2 needed)" in text, text[-2000:]
     # and a line is never broken at 80 columns (rich's width without a terminal): scripts grep them
     assert re.search(r"^run \S+ coordinated by 12D3KooW\w{40,}$", text, re.MULTILINE), text[:2000]
+    # on the way out it says where the run's state is, and a launch on it says it resumes from there
+    saved = tmp_path / "c" / "checkpoint-00000000.pt"
+    assert f"stopped; the run's state is in {saved}" in log.read_text(errors="replace"), log.read_text()[-2000:]
+    with open(log, "wb") as out:
+        proc = subprocess.Popen([sys.executable, "-m", "groundswell.peer", "launch", str(tmp_path / "run.toml"),
+                                 "--state-dir", str(tmp_path / "c"), "--listen", "/ip4/127.0.0.1/tcp/0"],
+                                stdin=subprocess.DEVNULL, stdout=out, stderr=out, start_new_session=True)
+    try:
+        deadline = time.monotonic() + 100
+        while time.monotonic() < deadline and b"coordinated by" not in log.read_bytes():
+            time.sleep(0.5)
+    finally:
+        _stop(proc)
+    assert f"resuming run example-tiny from its checkpoint of round 0 in {tmp_path / 'c'}" in log.read_text(), \
+        log.read_text()[-2000:]
 
 
 def test_a_round_line_says_what_the_tables_row_says():
