@@ -22,6 +22,7 @@ from typing import Any
 import msgpack
 from groundswell.compression.wire_bounds import count_objects
 from groundswell.peer.config import (
+    ALGORITHMS,
     ConfigError,
     DataSection,
     EvalSection,
@@ -252,6 +253,10 @@ def manifest_from_mapping(data: Mapping[str, Any]) -> RunManifest:
         raise ConfigError(f"unknown key {unknown[0]!r}; known sections: {', '.join(sorted(known))}")
     if "run" not in data:
         raise ConfigError("the manifest needs a [run] section")
+    outer = data.get("outer")
+    if isinstance(outer, Mapping) and outer.get("algorithm", "sparseloco") not in (*SWARM_ALGORITHMS, *ALGORITHMS):
+        # before the shared [outer] check, which would list train-local's baselines as choices too
+        raise ConfigError(f"outer.algorithm must be {' or '.join(SWARM_ALGORITHMS)} in a run, got {outer['algorithm']!r}")
     hints = typing.get_type_hints(RunManifest)
     sections: dict[str, Any] = {"run": _run_from_mapping(data["run"])}
     for name, value in data.items():

@@ -124,7 +124,12 @@ def clear_output(out: Path) -> None:
             shutil.rmtree(entry)
         else:
             entry.unlink()
-    out.mkdir(parents=True, exist_ok=True)
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:  # a file above it, no permission, a read-only disk: said naming the flag
+        above = next((p for p in out.parents if p.exists() and not p.is_dir()), None)
+        why = f"{above} is a file, not a folder" if above is not None else exc.strerror or str(exc)
+        raise SimulationError(f"--out {out} cannot be created: {why}") from None
     (out / MARKER).write_text("made by groundswell simulate; it empties this folder when run into it again\n")
 
 

@@ -373,6 +373,10 @@ def test_simulate_clears_an_earlier_simulations_output_and_refuses_a_folder_of_o
     with pytest.raises(SimulationError, match="no mark of an earlier simulation"):
         clear_output(real)
     assert (real / "coordinator" / "identity.key").exists()
+    # a folder under a file: the flag and the file named (it was a bare "[Errno 20] Not a directory")
+    (tmp_path / "afile").write_text("x")
+    res = CliRunner().invoke(app, ["simulate", "--peers", "1", "--rounds", "1", "--out", str(tmp_path / "afile" / "sub")])
+    _one_error_line(res, 2, f"--out {tmp_path / 'afile' / 'sub'} cannot be created: {tmp_path / 'afile'} is a file")
 
 
 def test_options_are_checked_before_the_state_dir_is_written(tmp_path):

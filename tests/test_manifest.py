@@ -100,7 +100,7 @@ def test_allowlist(tmp_path):
         (MINIMAL + "[round]\nreplicas = -1\n", "round.replicas"),
         (MINIMAL + "[round]\nreplicas = 1.0\n", "round.replicas"),
         (MINIMAL + "[checkpoint]\nkeep = 0\n", "checkpoint.keep"),
-        (MINIMAL + '[outer]\nalgorithm = "adam"\n', "outer.algorithm"),
+        (MINIMAL + '[outer]\nalgorithm = "adam"\n', "outer.algorithm must be diloco or sparseloco in a run, got 'adam'"),
         (MINIMAL + '[outer]\nalgorithm = "single"\n', "single"),
         (MINIMAL + '[outer]\nalgorithm = "data-parallel"\n', "'data-parallel' cannot run in a swarm"),
         (MINIMAL + "[inner]\nweight_decay = inf\n", "inner.weight_decay"),
