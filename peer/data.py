@@ -113,7 +113,18 @@ def _list_files(root: Path, skip_dir: Callable[[str], bool], suffix: str | None)
         for filename in filenames:
             if filename.startswith(".") or (suffix is not None and not filename.endswith(suffix)):
                 continue
-            relpaths.append(Path(dirpath, filename).relative_to(root).as_posix())
+            relpath = Path(dirpath, filename).relative_to(root).as_posix()
+            try:  # names go into the fingerprint and the split as UTF-8, the same on every machine
+                relpath.encode("utf-8")
+            except UnicodeEncodeError:
+                raise DataError(f"the file name {os.fsencode(relpath)!r} under {str(root)!r} is not UTF-8: rename "
+                                "it, or move it out of the corpus") from None
+            if suffix is None and filename in ("train.bin", "val.bin"):
+                # read as text, the token arrays would be trained on as bytes (vocab 256), val.bin
+                # among the training files (and an 18 GB train.bin read whole into memory)
+                raise DataError(f"{str(root)!r} holds a train.bin/val.bin corpus in {str(Path(dirpath))!r}: give "
+                                "that folder")
+            relpaths.append(relpath)
     return sorted(relpaths)
 
 

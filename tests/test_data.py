@@ -419,6 +419,31 @@ def test_a_file_of_a_bin_corpus_is_refused_not_read_as_text(tmp_path: Path) -> N
         load_corpus(str(folder))
 
 
+def test_the_folder_above_a_bin_corpus_is_refused_not_read_as_text(tmp_path: Path) -> None:
+    # nanoGPT keeps data/<name>/{train,val}.bin: naming data/ read the token arrays as text,
+    # val.bin among the training files (found by a review of the data path)
+    (tmp_path / "data").mkdir()
+    folder = _bin_folder(tmp_path / "data" / "shk", np.arange(1000) % 300, np.arange(200) % 100, 300)
+    (folder / "prepare.py").write_text("print('tokenize')\n" * 50)
+    with pytest.raises(DataError, match=f"holds a train.bin/val.bin corpus in '{folder}': give that folder"):
+        load_corpus(str(tmp_path / "data"))
+    assert load_corpus(str(folder)).vocab_size == 300
+
+
+def test_a_file_name_that_is_not_utf8_is_named_in_a_data_error(tmp_path: Path) -> None:
+    import os
+
+    folder = tmp_path / "texts"
+    folder.mkdir()
+    (folder / "a.txt").write_text("hello world " * 200)
+    try:
+        (folder / os.fsdecode(b"caf\xe9.txt")).write_text("bonjour " * 200)
+    except (OSError, UnicodeEncodeError):
+        pytest.skip("this filesystem refuses file names that are not UTF-8")
+    with pytest.raises(DataError, match=r"the file name b'caf\\xe9.txt' .* is not UTF-8"):
+        load_corpus(str(folder))
+
+
 def test_each_epoch_after_the_first_cuts_the_stream_elsewhere_and_shards_stay_apart(tmp_path: Path) -> None:
     # Found by a review of the training workload: window k was always tokens[k*(T+1):(k+1)*(T+1)],
     # so each epoch repeated the same sequences and one token in T+1 was never a target.
