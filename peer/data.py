@@ -386,17 +386,30 @@ class ShardSampler:
             "fingerprint": self.corpus.fingerprint,
         }
 
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        """Resume at a saved epoch/position; refuses state from a differently built sampler."""
+    def load_state_dict(self, state: dict[str, Any], data_may_differ: bool = False) -> bool:
+        """Resume at a saved epoch/position; refuses state from a differently built sampler.
+
+        `data_may_differ`: a state of this sampler over other data (the corpus's fingerprint
+        differs: a Python upgrade changed the standard library's files, say) is taken too, as
+        the start of the epoch after the saved one: its position means nothing in this data, and
+        starting the saved epoch again would train the batches already trained (mostly the
+        same windows) in the same order. Returns False in that case."""
+        same_data = True
         for key in ("seed", "shard_index", "num_shards", "block_size", "fingerprint"):
             mine = getattr(self, key) if key != "fingerprint" else self.corpus.fingerprint
             if key in state and state[key] != mine:
+                if key == "fingerprint" and data_may_differ:
+                    same_data = False
+                    continue
                 raise ValueError(f"sampler state has {key}={state[key]!r} but this sampler has {mine!r}")
         epoch, position = int(state["epoch"]), int(state["position"])
-        if epoch < 0 or not 0 <= position <= len(self.windows):
+        if epoch < 0 or not 0 <= position <= (len(self.windows) if same_data else position):
             raise ValueError(f"sampler state out of range: epoch={epoch}, position={position}")
+        if not same_data:
+            epoch, position = epoch + 1, 0
         self.epoch, self.position = epoch, position
         self._order = self._epoch_order(epoch)
+        return same_data
 
 
 # --- held-out evaluation ------------------------------------------------------------------------

@@ -70,6 +70,10 @@ def run_volunteer(p: Participant, bootstrap_peers: list[str], *, max_rounds: int
         except (KeyError, ValueError, RuntimeError) as exc:
             log.warning("inner state in the checkpoint does not fit (%s); starting the inner optimizer afresh", exc)
             trainer = volunteer_trainer(p)  # afresh indeed: not what of the old state loaded before it failed
+            try:  # but where the data was: afresh, it would train its first batches again
+                trainer.load_data_position(resumed["inner"])
+            except (KeyError, ValueError, TypeError) as why:
+                log.warning("nor does its data position (%s): training starts the data afresh", why)
         finally:  # the model's weights are the global state's, whatever of the inner state loaded before it failed
             torch_load_params(p)
     if resumed is not None and resumed.get("inner_progress") is not None:

@@ -6,6 +6,7 @@ around it by the driver (`train_local` here, the swarm peer later).
 
 from __future__ import annotations
 
+import logging
 import math
 import time
 from collections.abc import Callable
@@ -17,6 +18,8 @@ from groundswell.optim import warmup_cosine_scheduler
 from .config import DataSection, InnerSection
 from .data import Corpus, ShardSampler
 from .workload import Workload
+
+log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -135,7 +138,8 @@ class InnerTrainer:
         # schedule does not load) would pair the record's data position with the checkpoint's rate.
         sampler_before, schedule_before = self.sampler.state_dict(), self.scheduler.state_dict()
         try:
-            self.sampler.load_state_dict(state["sampler"])  # checked against this corpus and seed before it moves
+            # checked against this corpus and seed before it moves
+            same_data = self.sampler.load_state_dict(state["sampler"], data_may_differ=True)
             self.scheduler.load_state_dict(self._fitted_schedule(state["scheduler"]))
         except BaseException:
             self.sampler.load_state_dict(sampler_before)
@@ -145,14 +149,21 @@ class InnerTrainer:
         for group, lr in zip(self.optimizer.param_groups, self.scheduler.get_last_lr()):
             group["lr"] = lr
         self.step = step
+        _say_if_data_changed(same_data, self.sampler.epoch)
 
     def load_state_dict(self, state: dict) -> None:
-        """Restore a `state_dict()`."""
+        """Restore a `state_dict()`. Over data that changed since (its fingerprint), the optimizer
+        and schedule are kept and the data order starts the epoch after the saved one."""
         self.model.load_state_dict(state["model"])
         self.optimizer.load_state_dict(self._fitted_optimizer(state["optimizer"]))
         self.scheduler.load_state_dict(self._fitted_schedule(state["scheduler"]))
-        self.sampler.load_state_dict(state["sampler"])
+        _say_if_data_changed(self.sampler.load_state_dict(state["sampler"], data_may_differ=True), self.sampler.epoch)
         self.step = int(state["step"])
+
+    def load_data_position(self, state: dict) -> None:
+        """Restore only the data position of a `state_dict()` (whose model or optimizer did not
+        fit): a trainer started afresh would otherwise train its first batches again."""
+        _say_if_data_changed(self.sampler.load_state_dict(state["sampler"], data_may_differ=True), self.sampler.epoch)
 
     def _fitted_optimizer(self, saved: dict) -> dict:
         """An AdamW state as this trainer's groups hold it. A version before the decay split
@@ -198,3 +209,9 @@ def decay_groups(model: torch.nn.Module, weight_decay: float) -> list[dict]:
     groups = [{"params": [p for p in params if p.dim() >= 2], "weight_decay": weight_decay},
               {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0}]
     return [g for g in groups if g["params"]]
+
+
+def _say_if_data_changed(same_data: bool, epoch: int) -> None:
+    if not same_data:
+        log.warning("the training data differs from the checkpoint's (its files changed: a Python upgrade, say); "
+                    "going on from the start of data epoch %d", epoch)

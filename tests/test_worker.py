@@ -173,3 +173,41 @@ def test_a_training_position_that_does_not_load_moves_nothing() -> None:
     with pytest.raises(KeyError):
         fresh.load_progress_state(damaged)
     assert (fresh.sampler.state_dict(), fresh.scheduler.state_dict(), fresh.step) == before
+
+
+def test_a_state_saved_over_other_data_keeps_the_optimizer_and_starts_the_next_data_epoch(caplog) -> None:
+    # A Python upgrade changes the standard library's files, so the corpus's fingerprint: the
+    # whole inner state was thrown away (AdamW's moments, the schedule: warm-up again) and the
+    # data order started at epoch 0 of the same seeded order, training its first batches again
+    # (found by a review of the data path). A seed or shard of another sampler is still refused.
+    from groundswell.peer.workload import build_workload
+
+    def trainer(fingerprint: str, seed: int = 5) -> InnerTrainer:
+        corpus = Corpus("x", torch.randint(1, 256, (60000,), dtype=torch.uint8, generator=torch.Generator().manual_seed(1)),
+                        torch.randint(1, 256, (3000,), dtype=torch.uint8), 256, fingerprint)
+        return InnerTrainer(build_workload("tiny", 256, 1), corpus, DataSection("x", 4), InnerSection(),
+                            total_steps=30, seed=seed, shard_index=0, num_shards=1)
+
+    before = trainer("old")
+    before.run(5)
+    saved = before.state_dict()
+    assert saved["sampler"]["epoch"] == 0 and saved["sampler"]["position"] > 0
+    after = trainer("new")
+    after.load_state_dict(saved)
+    assert after.step == 5 and after.scheduler.state_dict()["last_epoch"] == before.scheduler.state_dict()["last_epoch"]
+    moments = [s["exp_avg"] for s in after.optimizer.state.values()]
+    assert moments and all(torch.equal(a, b["exp_avg"]) for a, b in zip(moments, before.optimizer.state.values()))
+    assert (after.sampler.epoch, after.sampler.position) == (1, 0)
+    assert "going on from the start of data epoch 1" in caplog.text
+    afresh = trainer("new")  # a trainer whose model or optimizer did not fit keeps the position alone
+    afresh.load_data_position(saved)
+    assert (afresh.sampler.epoch, afresh.sampler.position) == (1, 0)
+    same = trainer("old")
+    same.load_data_position(saved)
+    assert same.sampler.state_dict() == before.sampler.state_dict()
+    with pytest.raises(ValueError, match="seed"):
+        trainer("new", seed=6).load_state_dict(saved)
+    progress = before.progress_state()  # a work record's position, over other data
+    moved = trainer("new")
+    moved.load_progress_state(progress)
+    assert (moved.sampler.epoch, moved.sampler.position, moved.step) == (1, 0, 5)
