@@ -319,11 +319,23 @@ async def _refusing_peer_faults(work: Awaitable[T], failed: str) -> T:
         return await work
     except PeerUnavailable:
         raise
-    except (MemoryError, torch.OutOfMemoryError):  # ours to report, not the peers' doing
-        raise
     except Exception as exc:  # ProtocolError, CodecError, or a bug a hostile input found: not used
+        if _out_of_memory(exc):  # ours to report, not the peers' doing
+            raise
         log.warning("%s: %r", failed, exc, exc_info=_unexpected(exc))
         raise PeerUnavailable(f"{failed}: {exc}") from None
+
+
+# (torch.OutOfMemoryError is new in torch 2.5; named in an except clause, an older torch turned
+# every refused shard into an AttributeError)
+_DEVICE_OOM = getattr(torch, "OutOfMemoryError", None) or torch.cuda.OutOfMemoryError
+
+
+def _out_of_memory(exc: BaseException) -> bool:
+    """Is `exc` memory running out here: Python's, a device's, or torch's CPU allocator's (a
+    RuntimeError)?"""
+    return isinstance(exc, (MemoryError, _DEVICE_OOM)) or (
+        isinstance(exc, RuntimeError) and "can't allocate memory" in str(exc))
 
 
 def _unexpected(exc: Exception) -> Exception | None:

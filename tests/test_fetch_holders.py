@@ -64,3 +64,26 @@ def test_a_fetched_shard_is_kept_only_by_peers_that_would_be_asked_for_it(codec,
     for me in ["source", "leader", "cand1", "cand4", "cand5", "a", "other"]:
         fetcher.me = me
         assert fetcher._serves_shard(decision, plan, 0) == (kept_by is None or me in kept_by), me
+
+
+@pytest.mark.parametrize("error, ours", [
+    (RuntimeError("[enforce fail at alloc_cpu.cpp:117] DefaultCPUAllocator: can't allocate memory: you tried "
+                  "to allocate 4000000000 bytes"), True),
+    (MemoryError(), True),
+    (ValueError("a bad shard"), False),
+])
+def test_memory_running_out_here_is_not_blamed_on_the_peers(monkeypatch, error, ours):
+    # Found by a review of the device path: torch's CPU allocator raises a RuntimeError, which was
+    # taken for a peer's bad bytes (retried elsewhere, not reported); and naming
+    # torch.OutOfMemoryError (torch >= 2.5) in the except clause made an older torch turn every
+    # refused shard into an AttributeError.
+    import torch
+    from groundswell.protocol import fetch
+
+    monkeypatch.delattr(torch, "OutOfMemoryError", raising=False)  # as on torch 2.2 to 2.4
+
+    async def work():
+        raise error
+
+    with pytest.raises(type(error) if ours else PeerUnavailable):
+        asyncio.run(fetch._refusing_peer_faults(work(), "shard 3 of round 7"))
