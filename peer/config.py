@@ -312,3 +312,9 @@ def check_device(device: str) -> None:
             raise ConfigError(f"--device {device} was asked for, but torch sees no CUDA device")
         if dev.index is not None and dev.index >= torch.cuda.device_count():
             raise ConfigError(f"--device {device}: torch sees only {torch.cuda.device_count()} CUDA device(s)")
+        try:  # a GPU this torch build has no kernels for, or one held in exclusive-process mode
+            torch.ones(1, device=dev).add_(1).cpu()
+        except RuntimeError as exc:
+            first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+            raise ConfigError(f"--device {device}: torch cannot run on it ({first}); a torch build for this GPU, "
+                              "or another device, is needed") from None

@@ -385,3 +385,39 @@ def test_a_cuda_device_on_a_machine_without_one_is_named_as_given(monkeypatch, d
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     with pytest.raises(ConfigError, match=f"^--device {device} was asked for, but torch sees no CUDA device$"):
         check_device(device)
+
+
+def test_a_volunteer_out_of_memory_is_not_told_to_change_the_runs_sizes(monkeypatch, tmp_path):
+    # The manifest fixes the batch sizes and the model: a volunteer can only change its device
+    # (found by a review of the device path).
+    from groundswell.peer import cli_swarm
+
+    def fails(*args, **kwargs):
+        raise MemoryError()
+
+    monkeypatch.setattr(cli_swarm, "check_device", fails)
+    res = CliRunner().invoke(app, ["join", "gs1:x@/ip4/127.0.0.1/tcp/1/p2p/x", "--state-dir", str(tmp_path / "v")])
+    _one_error_line(res, "out of memory (MemoryError); this run's model and batches need more memory")
+    assert "batch_size" not in res.output and "--device cpu" in res.output
+
+
+def test_a_gpu_torch_cannot_run_on_is_one_error_line(monkeypatch):
+    # is_available() is true on a GPU the installed torch has no kernels for ("no kernel image is
+    # available"), or one held by another process in exclusive mode: the first kernel failed
+    # later, as a traceback (found by a review of the device path).
+    import torch
+    from groundswell.peer.config import ConfigError, check_device
+
+    real_ones = torch.ones
+
+    def ones(*args, device=None, **kwargs):
+        if device is not None and torch.device(device).type == "cuda":
+            raise RuntimeError("CUDA error: no kernel image is available for execution on the device\nmore")
+        return real_ones(*args, device=device, **kwargs)
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    monkeypatch.setattr(torch, "ones", ones)
+    with pytest.raises(ConfigError, match=r"^--device cuda: torch cannot run on it \(CUDA error: no kernel image is "
+                                          r"available for execution on the device\); a torch build for this GPU"):
+        check_device("cuda")
