@@ -473,3 +473,23 @@ def test_each_epoch_after_the_first_cuts_the_stream_elsewhere_and_shards_stay_ap
     for epoch in starts_by_epoch[:2]:
         assert not epoch[0] & epoch[1], "two shards read the same window in one epoch"
 
+
+
+def test_window_ids_are_held_as_int32_and_batches_are_those_of_int64_ids(tmp_path: Path) -> None:
+    # Two arrays of one id per window (the shard's ids, the epoch's order): ~1 GB each in int64
+    # for a 9B-token train.bin at block size 128 (found by a review of the data path). The order,
+    # and so every batch and a resumed position, must stay what it was with int64 ids.
+    corpus = Corpus("x", torch.randint(0, 256, (50_000,), dtype=torch.uint8,
+                                       generator=torch.Generator().manual_seed(3)), torch.zeros(300, dtype=torch.uint8),
+                    256, "fp")
+    sampler = ShardSampler(corpus, 16, 7, seed=4, shard_index=1, num_shards=3)
+    assert sampler.windows.dtype == torch.int32 and sampler._order.dtype == torch.int32
+    ids64 = torch.randperm(50_000 // 17, generator=torch.Generator().manual_seed(4))[1::3]
+    assert torch.equal(sampler.windows.long(), ids64)
+    ids = torch.cat([sampler.next_window_ids() for _ in range(200)])  # past an epoch of 980 windows
+    assert ids.dtype == torch.int64 and sampler.epoch >= 1
+    expected_first = ids64[torch.randperm(len(ids64), generator=torch.Generator().manual_seed(
+        __import__("groundswell.peer.data", fromlist=["_derived_seed"])._derived_seed(4, 1, 0)))]
+    assert torch.equal(ids[:len(ids64)], expected_first)
+    x, y = sampler.next_batch()
+    assert x.dtype == y.dtype == torch.int64 and x.shape == (7, 16)
