@@ -519,14 +519,17 @@ def test_a_run_already_past_until_round_is_said_before_anything_trains(monkeypat
         raise Trained
 
     monkeypatch.setattr(roles, "volunteer_trainer", trainer)
-    with pytest.raises(Trained):
-        roles.run_volunteer(p, [], max_rounds=None, stop=StopFlag(), until_round=5)
-    assert "the run is at round 104 already, past --until-round 5" in caplog.text
-    caplog.clear()
-    p.outer.round_id = 4
-    with pytest.raises(Trained):
-        roles.run_volunteer(p, [], max_rounds=None, stop=StopFlag(), until_round=5)
-    assert "until-round" not in caplog.text
+    try:
+        with pytest.raises(Trained):
+            roles.run_volunteer(p, [], max_rounds=None, stop=StopFlag(), until_round=5)
+        assert "the run is at round 104 already, past --until-round 5" in caplog.text
+        caplog.clear()
+        p.outer.round_id = 4
+        with pytest.raises(Trained):
+            roles.run_volunteer(p, [], max_rounds=None, stop=StopFlag(), until_round=5)
+        assert "until-round" not in caplog.text
+    finally:
+        node.stop_loop()  # (its descriptors, closed now rather than by the collector in another test)
 
 
 @pytest.mark.parametrize("work_only", [True, False])
@@ -584,7 +587,10 @@ def test_a_state_restored_from_work_pt_alone_is_checkpointed_with_its_open_contr
     monkeypatch.setattr(roles, "VolunteerLoop", Loop)
     stop = StopFlag()
     stop.set()  # no round: what happens between the restore and the first round is the point
-    roles.run_volunteer(p, [], max_rounds=None, stop=stop)
+    try:
+        roles.run_volunteer(p, [], max_rounds=None, stop=stop)
+    finally:
+        node.stop_loop()
     if work_only:
         assert calls[:3] == ["restored [3]", "checkpoint with the open ones", "settled"], calls
     else:  # a checkpoint was loaded: it is on disk already, and lists them itself
