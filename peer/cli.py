@@ -33,8 +33,8 @@ console = Console(stderr=True, emoji=False, soft_wrap=True)  # emoji off: ":ab:"
 # what to lower when a command runs out of memory, where it is not the manifest's sizes
 # (a volunteer cannot change the run's batch sizes or model: they are the manifest's)
 _OUT_OF_MEMORY_ADVICE = {"bench_codecs": "lower --params",
-                         "join": "this run's model and batches need more memory than this device has: try "
-                                 "--device cpu, or a machine with more memory"}
+                         "join": "this run's model and batches need more memory than this device has (with "
+                                 "--device cuda: try --device cpu), or a machine with more"}
 
 
 def _user_errors(fn: Callable[..., Any]) -> Callable[..., Any]:

@@ -13,6 +13,7 @@ from typing import Optional
 
 import typer
 from rich.live import Live
+from rich.markup import escape
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn
 
 from .cli import _set_threads, _user_errors, app, console
@@ -72,17 +73,24 @@ def _make_state_dir(state_dir: Path) -> None:
 
 
 def _refuse_shared_state_dir(state_dir: Path) -> None:
-    """ConfigError unless `state_dir` (an existing one too) is this user's and no one else may
-    write in it: another local user who can plants links where our files go, or a checkpoint of
-    their choosing that a coordinator would resume from and serve (the default --state-dir is
-    relative: started from /tmp, it is a folder anyone may have made first)."""
-    if not hasattr(os, "getuid"):  # pragma: no cover - not on POSIX
+    """ConfigError if another local user may write in `state_dir` (an existing one too): such a
+    user plants links where our files go, or a checkpoint of their choosing that a coordinator
+    would resume from and serve (the default --state-dir is relative: started from /tmp, it is a
+    folder anyone may have made first). That is a folder every user may write to, or another
+    user's (its owner may). A group-writable one passes: umask 002 makes them so, for a group of
+    the user alone on most systems. Root may use any folder (a container's, mounted from its host)."""
+    if not hasattr(os, "getuid") or os.getuid() == 0:  # (not on POSIX; root is trusted with its folders)
         return
     st = state_dir.stat()
-    if st.st_uid != os.getuid() or st.st_mode & 0o022:
-        whose = "another user's" if st.st_uid != os.getuid() else f"writable by others (mode {st.st_mode & 0o777:o})"
-        raise ConfigError(f"--state-dir {state_dir} is {whose}: use a folder of your own that only you can write "
-                          f"to (chmod go-w {state_dir}, if it is yours)")
+    if st.st_uid != os.getuid():
+        raise ConfigError(f"--state-dir {state_dir} is another user's: use a folder of your own")
+    if st.st_mode & 0o002 and not st.st_mode & 0o1000:  # (a sticky one protects only existing names)
+        raise ConfigError(f"--state-dir {state_dir} is writable by every user (mode {st.st_mode & 0o777:o}): "
+                          f"use a folder only you can write to (chmod o-w {state_dir}; on a filesystem without "
+                          "permissions, such as vfat, a folder on another disk)")
+    if st.st_mode & 0o002:
+        raise ConfigError(f"--state-dir {state_dir} is a shared folder (mode {st.st_mode & 0o7777:o}): use a folder "
+                          "of your own in it")
 
 
 def _stop_on_signals(first: str = "stopping after this round"):
@@ -243,8 +251,8 @@ def launch(
     same_run_as_before(state_dir, signed)
     checkpoints_not_gone(state_dir)  # (after the above: a dir of another run is told so first)
     if resumed is not None:
-        console.print(f"resuming run {manifest.run.id} from its checkpoint of round {resumed['round']} in {state_dir}",
-                      highlight=False)
+        console.print(f"resuming run {manifest.run.id} from its checkpoint of round {resumed['round']} in "
+                      f"{escape(str(state_dir))}", highlight=False)
     stop = _stop_on_signals("stopping: saving a checkpoint")
     rows: list = []
     try:  # from here on the node is closed whatever happens (an attach timeout, a full disk, Ctrl+C)
@@ -270,8 +278,8 @@ def launch(
 
                 run_coordinator(p, stop=stop, on_round=on_round, checkpoint_every=checkpoint_every)
         if p.last_checkpoint is not None:  # (a failed save was said in its own line)
-            console.print(f"stopped; the run's state is in {p.last_checkpoint} (launch again with this "
-                          f"--state-dir to resume)", highlight=False)
+            console.print(f"stopped; the run's state is in {escape(str(p.last_checkpoint))} (launch again with "
+                          "this --state-dir to resume)", highlight=False)
     finally:
         p.node.close()
 
@@ -396,7 +404,7 @@ def join(
         with bar:
             run_volunteer(p, peers, max_rounds=max_rounds, until_round=until_round, stop=stop, on_round=on_round,
                           on_step=on_step, attack=tamper)
-        saved = f"; checkpoint: {p.last_checkpoint}" if p.last_checkpoint is not None else ""
+        saved = f"; checkpoint: {escape(str(p.last_checkpoint))}" if p.last_checkpoint is not None else ""
         console.print(f"left the run cleanly{saved}", highlight=False)
     finally:
         node.close()

@@ -297,8 +297,10 @@ def _coerce(hint: Any, value: Any, where: str) -> Any:
     raise ConfigError(f"{where}: unsupported config type {hint!r}")  # a bug in this module, not the user's
 
 
-def check_device(device: str) -> None:
-    """A device torch knows and this machine has (cpu, cuda, cuda:N), checked before anything starts."""
+def check_device(device: str, probe: bool = True) -> None:
+    """A device torch knows and this machine has (cpu, cuda, cuda:N), checked before anything starts.
+    `probe`: run one kernel on it (not in a process that only starts others: it would hold a CUDA
+    context, and the device itself in exclusive-process mode, for its whole life)."""
     import torch
 
     try:
@@ -313,8 +315,9 @@ def check_device(device: str) -> None:
         if dev.index is not None and dev.index >= torch.cuda.device_count():
             raise ConfigError(f"--device {device}: torch sees only {torch.cuda.device_count()} CUDA device(s)")
         try:  # a GPU this torch build has no kernels for, or one held in exclusive-process mode
-            torch.ones(1, device=dev).add_(1).cpu()
+            if probe:
+                torch.ones(1, device=dev).add_(1).cpu()
         except RuntimeError as exc:
             first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
-            raise ConfigError(f"--device {device}: torch cannot run on it ({first}); a torch build for this GPU, "
-                              "or another device, is needed") from None
+            raise ConfigError(f"--device {device}: torch cannot run on it ({first}); is it busy, or is this torch "
+                              "built for it? (another --device works too)") from None

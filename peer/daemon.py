@@ -173,6 +173,8 @@ def socket_dir(root: Path | None = None) -> Path:
     if own is not None and own[0].is_dir():
         make_private_dir(own[0])  # still ours, and still private
         return own[0]
+    if own is not None and own[1] is not None:  # our folder went (a cleaner emptied /tmp): its lock with it
+        os.close(own[1])
     sweep_socket_dirs(root)
     path = root / f"{SOCKET_DIR_PREFIX}{os.getpid()}-{secrets.token_hex(4)}"
     make_private_dir(path)  # the daemons' control sockets: nobody else's folder
@@ -227,8 +229,8 @@ def _stale(path: Path) -> bool:
         import fcntl
 
         fd = os.open(path / ".lock", os.O_RDWR | getattr(os, "O_NOFOLLOW", 0))
-    except (ImportError, OSError):  # no lock (an older version's folder, or one being made): by pid
-        pid = path.name[len(SOCKET_DIR_PREFIX):].split("-")[0]
+    except (ImportError, OSError):  # no lock: an older version's folder (by its pid), or one being made
+        pid = path.name[len(SOCKET_DIR_PREFIX):]  # (made now: PID-RANDOM, never judged by a pid)
         return pid.isdigit() and int(pid) != os.getpid() and not _pid_exists(int(pid))
     try:
         fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)

@@ -8,6 +8,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import re
 import threading
 import time
 from pathlib import Path
@@ -55,8 +56,11 @@ from .workload import Workload, build_workload
 log = logging.getLogger(__name__)
 _WRITTEN_HERE = ("checkpoint-*", "work", "contributed", "outcome", "manifest", "bootstrap", "address", "known_peers",
                  "volunteer", "genesis")
-# write_atomically's X.RANDOM.tmp (X.tmp before), Identity.save's .identity.key.RANDOM.tmp
+# write_atomically's X.tmp (before) and X.RANDOM.tmp (8 hex digits, as `_OURS` checks: not another
+# program's manifest.json.tmp), Identity.save's .identity.key.RANDOM.tmp
 _OUR_TEMP_FILES = (*(f"{x}.tmp" for x in _WRITTEN_HERE), *(f"{x}.*.tmp" for x in _WRITTEN_HERE), ".*.key.*.tmp")
+_OURS = re.compile(r"(checkpoint-\d+|work|contributed|outcome|manifest|bootstrap|address|known_peers|volunteer|genesis)"
+                   r"(\.[0-9a-f]{8})?\.tmp|\..+\.key\..+\.tmp")
 KNOWN_PEERS_FILE = "known_peers.json"  # where the run's peers were, kept with each checkpoint (see dht_rejoin)
 
 
@@ -119,7 +123,7 @@ class Participant:
             # we write here, Identity.save's .identity.key.*.tmp); no other groundswell process writes
             # here (the CLI holds the state dir's lock, locks.py). Only our own names: a state dir
             # may be a folder other programs write their *.tmp files in too.
-            for stale in [p for pattern in _OUR_TEMP_FILES for p in state_dir.glob(pattern)]:
+            for stale in [p for pattern in _OUR_TEMP_FILES for p in state_dir.glob(pattern) if _OURS.fullmatch(p.name)]:
                 try:
                     stale.unlink(missing_ok=True)
                 except OSError:  # an unwritable state dir is reported when we first write to it
@@ -430,9 +434,10 @@ class Participant:
                 state = torch.load(path, weights_only=True, map_location="cpu")
             except Exception as exc:  # noqa: BLE001 (torch raises many types for a truncated or garbled file)
                 log.error("checkpoint %s is unreadable (%s); trying an older one or the swarm", path.name, exc)
-                # A read error (EIO, EACCES) may pass: the file is kept. Anything else is a file
-                # torch cannot load, as good as damaged. Neither counts as a checkpoint kept.
-                (self._unreadable if isinstance(exc, OSError) else self._damaged).add(path)
+                # Not counted as a checkpoint kept, but not deleted either: a read error (EIO,
+                # EACCES), memory running out or a torch too old for it may pass. (One whose
+                # archive is cut short or garbled is deleted when pruning: that is no passing error.)
+                self._unreadable.add(path)
                 self.events.write("checkpoint-corrupt", path=str(path), peer=self.identity.peer_id)
                 continue
             problem = digest_mismatch(state)

@@ -155,6 +155,7 @@ def build_report(out: Path, opts: "SimulateOptions", driver_events: list[dict], 
         for e in evs:
             if e["kind"] == "scores":
                 for pid, score in e["scores"].items():
+                    score = NONFINITE.get(score, score) if isinstance(score, str) else score  # (NaN: dropped too)
                     if not score <= e.get("threshold", 0.0):
                         dropped.setdefault(names.get(pid, pid), set()).add(e["round"])
     starts = [e["t"] - t0 for evs in logs.values() for e in evs if e["kind"] == "sync"]

@@ -156,7 +156,7 @@ def run_simulation(opts: SimulateOptions, out: Path, progress: Callable[[str], N
     check_manifest(opts)
     if opts.cuda_peers:  # its volunteers would each fail alike once started
         try:
-            check_device("cuda")
+            check_device("cuda", probe=False)  # (each CUDA peer probes its own)
         except ConfigError:
             raise ConfigError(f"--cuda-peers {opts.cuda_peers} needs a CUDA device, and torch sees none") from None
     check_workload_spec(opts.preset)

@@ -26,16 +26,13 @@ def fsync_dir(path: Path) -> None:
         os.close(fd)
 
 
-# A directory fsync refused with these means the filesystem never does it (not a one-off failure).
-_NO_DIR_FSYNC = {errno.EINVAL, errno.ENOTSUP, errno.EOPNOTSUPP, errno.ENOSYS}
-
-
 def write_atomically(path: Path, write: Callable[[IO[bytes]], None], durable: bool = False) -> None:
     """Write `path` through `write(file)` so that it holds either its old or its whole new content,
     even after a power loss; a failed or interrupted write leaves no temp file behind.
     torch.save reports a full disk as a RuntimeError from its zip writer: that is an OSError here.
     `durable`: an OSError also when the rename may not survive a power loss (its directory's fsync
-    failed, EIO say; not on a filesystem that never syncs directories): the new file is in place."""
+    failed with EIO; other errors, EINVAL, EPERM..., are filesystems that never sync directories,
+    each time alike): the new file is in place."""
     # A name of its own: a worker thread still writing the same file (a contribution's record
     # whose attempt was given up on, its fsync slow) must not have its temp file taken over.
     tmp = path.with_name(f"{path.stem}.{secrets.token_hex(4)}.tmp")
@@ -63,7 +60,7 @@ def write_atomically(path: Path, write: Callable[[IO[bytes]], None], durable: bo
     try:
         fsync_dir(path.parent)  # the rename itself survives a power loss
     except OSError as exc:  # some filesystems refuse fsync on a directory (EINVAL), or a one-off EIO
-        if durable and exc.errno not in _NO_DIR_FSYNC:
+        if durable and exc.errno == errno.EIO:
             raise OSError(exc.errno, f"{path.name} was written, but its directory could not be synced "
                                      f"({exc.strerror or exc}): it may not survive a power loss") from exc
         _warn_not_durable(path, exc)
@@ -113,10 +110,10 @@ def prune_checkpoints(just_written: Path, keep: int, damaged: Collection[Path] =
     """Keep `just_written` and the newest keep-1 readable ones before it. A file that sorts after
     it (an unreadable newer checkpoint this run resumed past) never counts towards `keep`:
     counting it deleted the checkpoint just written. An older one that is not whole, or that the
-    loader found `damaged` (its digest, or a torch.load that failed), is deleted and does not count
-    either: counting it deleted the last good one (the one resumed from). One that could not be
-    read (the loader's `unreadable`, or a read error here: EIO, EACCES) is no proof of damage: it
-    is kept, but not counted."""
+    loader found `damaged` (its digest), is deleted and does not count either: counting it deleted
+    the last good one (the one resumed from). One that could not be read (the loader's
+    `unreadable`: torch.load failed on a whole archive, or a read error here: EIO, EACCES) is no
+    proof of damage: it is kept, but not counted."""
     older = sorted((p for p in just_written.parent.glob("checkpoint-*.pt") if p.name < just_written.name),
                    reverse=True)
     kept = 1
@@ -124,7 +121,9 @@ def prune_checkpoints(just_written: Path, keep: int, damaged: Collection[Path] =
         if kept >= keep:  # enough good ones newer than it
             old.unlink(missing_ok=True)
             continue
-        whole = False if old in damaged else None if old in unreadable else _whole(old)
+        whole = False if old in damaged else _whole(old)
+        if whole and old in unreadable:
+            whole = None  # an archive torch.load could not read now: kept, not counted
         if whole:
             kept += 1
         elif whole is False:

@@ -629,22 +629,49 @@ def test_a_volunteer_dir_of_another_launch_of_the_run_is_refused(tmp_path):
 
 
 @pytest.mark.parametrize("command", ["join", "launch"])
-def test_a_state_dir_others_can_write_to_is_refused_before_anything_is_written(tmp_path, command):
+def test_a_state_dir_others_can_write_to_is_refused_before_anything_is_written(tmp_path, monkeypatch, command):
     # Another local user who may write there can plant links where our files go, or a checkpoint
-    # of their choosing for a coordinator to resume from and serve (found by a review).
+    # of their choosing for a coordinator to resume from and serve (found by a review). Run as a
+    # user (root may use any folder: a container's, mounted from its host).
     import os
 
+    user = os.getuid() or 1000
+    if os.getuid() == 0:
+        monkeypatch.setattr(os, "getuid", lambda: user)
     shared = tmp_path / "shared"
     shared.mkdir()
+    if hasattr(os, "chown") and os.geteuid() == 0:
+        os.chown(shared, user, user)
     os.chmod(shared, 0o777)
     manifest = Path(__file__).resolve().parents[1] / "scripts" / "example_run.toml"
     first = _bootstrap(_unused_port()) if command == "join" else str(manifest)
     res = CliRunner().invoke(app, [command, first, "--state-dir", str(shared)])
-    _one_error_line(res, 2, f"--state-dir {shared} is writable by others (mode 777)")
+    _one_error_line(res, 2, f"--state-dir {shared} is writable by every user (mode 777)")
     assert list(shared.iterdir()) == []
-    if os.getuid() == 0:  # root can give a folder away: one of another user's is refused too
+    os.chmod(shared, 0o1777)  # sticky, as /tmp
+    res = CliRunner().invoke(app, [command, first, "--state-dir", str(shared)])
+    _one_error_line(res, 2, f"--state-dir {shared} is a shared folder (mode 1777)")
+    if os.geteuid() == 0:  # root can give a folder away: one of another user's is refused too
         os.chmod(shared, 0o700)
         os.chown(shared, 65534, 65534)
         res = CliRunner().invoke(app, [command, first, "--state-dir", str(shared)])
         _one_error_line(res, 2, f"--state-dir {shared} is another user's")
-        assert list(shared.iterdir()) == []
+    assert list(shared.iterdir()) == []
+
+
+def test_a_group_writable_state_dir_of_ones_own_passes(tmp_path, monkeypatch):
+    # umask 002 (Ubuntu's and Fedora's default for users) makes folders 0775: their group is the
+    # user's own, so refusing them refused most folders users had made themselves.
+    import os
+
+    from groundswell.peer.cli_swarm import _refuse_shared_state_dir
+
+    user = os.getuid() or 1000
+    if os.getuid() == 0:
+        monkeypatch.setattr(os, "getuid", lambda: user)
+        os.chown(tmp_path, user, user)
+    os.chmod(tmp_path, 0o775)
+    _refuse_shared_state_dir(tmp_path)
+    monkeypatch.setattr(os, "getuid", lambda: 0)  # root: any folder
+    os.chmod(tmp_path, 0o777)
+    _refuse_shared_state_dir(tmp_path)

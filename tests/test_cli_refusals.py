@@ -419,5 +419,6 @@ def test_a_gpu_torch_cannot_run_on_is_one_error_line(monkeypatch):
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
     monkeypatch.setattr(torch, "ones", ones)
     with pytest.raises(ConfigError, match=r"^--device cuda: torch cannot run on it \(CUDA error: no kernel image is "
-                                          r"available for execution on the device\); a torch build for this GPU"):
+                                          r"available for execution on the device\); is it busy, or is this torch"):
         check_device("cuda")
+    check_device("cuda", probe=False)  # a driver that only starts the peers: each of them probes its own

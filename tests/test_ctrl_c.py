@@ -282,6 +282,9 @@ def test_a_socket_folder_is_judged_by_its_lock_not_its_pid(tmp_path):
         holder.kill()
         holder.wait()
         assert sweep_socket_dirs(tmp_path) == [live_named_dead]  # gone now: its lock is free
+        # a folder being made (no lock in it yet) is never judged by the pid in its name
+        (tmp_path / f"{SOCKET_DIR_PREFIX}{dead.pid}-cccc").mkdir()
+        assert sweep_socket_dirs(tmp_path) == []
     finally:
         for p in (holder, gone, alive):
             p.kill()

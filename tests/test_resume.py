@@ -243,7 +243,8 @@ def test_a_damaged_checkpoint_is_skipped_and_never_kept_in_place_of_a_good_one(t
     """Found by a review of the state files: a flipped bit in the digest's key name switched the
     digest off (torch.load does not check the archive's CRCs), and a checkpoint damaged inside
     counted towards `keep`, so the cleanup deleted the good one the run had resumed from. So did
-    one whose archive is whole but whose pickle torch.load cannot read (a later review)."""
+    one whose archive is whole but whose pickle torch.load cannot read (a later review): that one
+    is kept (torch.load may fail for a passing reason: memory, an older torch), but not counted."""
     from groundswell.peer.participant import genesis_decision
 
     p = _factory(tmp_path, corpus, checkpoint={"every_rounds": 1, "keep": 2})()
@@ -275,7 +276,9 @@ def test_a_damaged_checkpoint_is_skipped_and_never_kept_in_place_of_a_good_one(t
     assert p.load_checkpoint()["round"] == 8  # the damaged 9 is skipped
     save(12)  # the run went on from 8
     names = sorted(f.name for f in p.state_dir.glob("checkpoint-*.pt"))
-    assert names == ["checkpoint-00000008.pt", "checkpoint-00000012.pt"]
+    # (one torch cannot load is kept, not counted: memory running out, or an older torch, may pass)
+    kept = ["checkpoint-00000009.pt"] if damage == "garbled-pickle" else []
+    assert names == sorted(["checkpoint-00000008.pt", "checkpoint-00000012.pt", *kept])
 
 
 def test_a_checkpoint_written_anew_where_a_damaged_one_was_counts_again(tmp_path, corpus):

@@ -424,7 +424,7 @@ def test_cuda_peers_start_the_first_volunteers_with_device_cuda(tmp_path, monkey
         return real_spawn(self, name, args, kind, prefix)
 
     monkeypatch.setattr(_FakeSimulation, "spawn", spawn)
-    monkeypatch.setattr(simulate, "check_device", lambda device: None)  # as on a GPU machine
+    monkeypatch.setattr(simulate, "check_device", lambda device, probe=True: None)  # as on a GPU machine
     _fake_run(tmp_path, monkeypatch, SimulateOptions(peers=3, rounds=2, cuda_peers=2, timeout_s=0.5), rounds_done=2)
     on_gpu = {name for name, args in spawned.items() if "--device" in args and args[args.index("--device") + 1] == "cuda"}
     assert on_gpu == {"peer-0", "peer-1"}
@@ -441,3 +441,15 @@ def test_cuda_peers_without_a_gpu_is_one_line_before_anything_starts(tmp_path, m
     assert not (tmp_path / "sim").exists()
     with pytest.raises(ConfigError, match="--cuda-peers must be between 0 and --peers"):
         SimulateOptions(peers=2, cuda_peers=3)
+
+
+def test_a_score_that_is_not_finite_counts_as_dropped_in_the_report(tmp_path):
+    # A leader's scoring gives NaN for a contribution that broke the probe loss: harmful, dropped.
+    # The event log now writes it as "NaN", which the report compared with a float and crashed
+    # (found by a review of that change).
+    _write(tmp_path, "coordinator", [_round(1.0, 0, "C", 5.0),
+                                     {"t": 1.5, "kind": "scores", "round": 0, "threshold": 0.05,
+                                      "scores": {"P": math.nan, "Q": 0.01, "R": math.inf}, "peer": "C"}])
+    _write(tmp_path, "peer-0", [_round(1.0, 0, "P")])
+    report = build_report(tmp_path, SimulateOptions(peers=1, rounds=1), [], wall_s=2.0, t0=0.0)
+    assert report["dropped_by_scoring"] == {"R": 1, "peer-0": 1}
