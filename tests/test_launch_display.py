@@ -63,39 +63,36 @@ def test_a_held_out_loss_not_published_yet_reads_as_a_dash_not_nan():
     assert loss_text(4.53781) == "4.5378"
 
 
-def test_without_a_terminal_each_round_is_a_line_as_it_happens(tmp_path):
-    # Under nohup, systemd or `2>log`, a live table draws nothing until the process ends.
+def _launch_into_a_file(tmp_path: Path, log: Path, until: bytes) -> str:
+    """Launch the example run (short rounds) with its output going to `log`, wait until it
+    prints `until`, and return what it had printed then (then Ctrl+C it)."""
     manifest = (ROOT / "scripts" / "example_run.toml").read_text()
     manifest = manifest.replace("deadline_s = 30.0", "deadline_s = 8.0").replace("slack_s = 5.0", "slack_s = 2.0")
     (tmp_path / "run.toml").write_text(manifest)
-    log = tmp_path / "launch.log"
     with open(log, "wb") as out:
         proc = subprocess.Popen([sys.executable, "-m", "groundswell.peer", "launch", str(tmp_path / "run.toml"),
                                  "--state-dir", str(tmp_path / "c"), "--listen", "/ip4/127.0.0.1/tcp/0"],
                                 stdin=subprocess.DEVNULL, stdout=out, stderr=out, start_new_session=True)
     try:
         deadline = time.monotonic() + 100
-        while time.monotonic() < deadline and b"round 0: runs again" not in log.read_bytes():
+        while time.monotonic() < deadline and until not in log.read_bytes():
             time.sleep(0.5)
-        text = log.read_text(errors="replace")  # read while it runs, not what it prints on the way out
+        return log.read_text(errors="replace")  # read while it runs, not what it prints on the way out
     finally:
         _stop(proc)
+
+
+def test_without_a_terminal_each_round_is_a_line_as_it_happens(tmp_path):
+    # Under nohup, systemd or `2>log`, a live table draws nothing until the process ends.
+    log = tmp_path / "launch.log"
+    text = _launch_into_a_file(tmp_path, log, b"round 0: runs again")
     assert "round 0: runs again (0 volunteers online, 2 needed)" in text, text[-2000:]
     # and a line is never broken at 80 columns (rich's width without a terminal): scripts grep them
     assert re.search(r"^run \S+ coordinated by 12D3KooW\w{40,}$", text, re.MULTILINE), text[:2000]
     # on the way out it says where the run's state is, and a launch on it says it resumes from there
     saved = tmp_path / "c" / "checkpoint-00000000.pt"
     assert f"stopped; the run's state is in {saved}" in log.read_text(errors="replace"), log.read_text()[-2000:]
-    with open(log, "wb") as out:
-        proc = subprocess.Popen([sys.executable, "-m", "groundswell.peer", "launch", str(tmp_path / "run.toml"),
-                                 "--state-dir", str(tmp_path / "c"), "--listen", "/ip4/127.0.0.1/tcp/0"],
-                                stdin=subprocess.DEVNULL, stdout=out, stderr=out, start_new_session=True)
-    try:
-        deadline = time.monotonic() + 100
-        while time.monotonic() < deadline and b"coordinated by" not in log.read_bytes():
-            time.sleep(0.5)
-    finally:
-        _stop(proc)
+    _launch_into_a_file(tmp_path, log, b"coordinated by")
     assert f"resuming run example-tiny from its checkpoint of round 0 in {tmp_path / 'c'}" in log.read_text(), \
         log.read_text()[-2000:]
 

@@ -238,13 +238,8 @@ def test_a_checkpoint_written_between_a_rounds_apply_and_its_snapshot_is_of_one_
     assert torch.equal(state["outer"]["global_params"], state["tensors"]["global_params"])
 
 
-@pytest.mark.parametrize("damage", ["flipped-value", "renamed-digest", "garbled-pickle"])
-def test_a_damaged_checkpoint_is_skipped_and_never_kept_in_place_of_a_good_one(tmp_path, corpus, damage):
-    """Found by a review of the state files: a flipped bit in the digest's key name switched the
-    digest off (torch.load does not check the archive's CRCs), and a checkpoint damaged inside
-    counted towards `keep`, so the cleanup deleted the good one the run had resumed from. So did
-    one whose archive is whole but whose pickle torch.load cannot read (a later review): that one
-    is kept (torch.load may fail for a passing reason: memory, an older torch), but not counted."""
+def _keeping_two(tmp_path, corpus):
+    """A volunteer that keeps 2 checkpoints, and save(r): its checkpoint of round r (asserted written)."""
     from groundswell.peer.participant import genesis_decision
 
     p = _factory(tmp_path, corpus, checkpoint={"every_rounds": 1, "keep": 2})()
@@ -257,6 +252,18 @@ def test_a_damaged_checkpoint_is_skipped_and_never_kept_in_place_of_a_good_one(t
         written = p.save_checkpoint()
         assert written is not None
         return written
+
+    return p, save
+
+
+@pytest.mark.parametrize("damage", ["flipped-value", "renamed-digest", "garbled-pickle"])
+def test_a_damaged_checkpoint_is_skipped_and_never_kept_in_place_of_a_good_one(tmp_path, corpus, damage):
+    """Found by a review of the state files: a flipped bit in the digest's key name switched the
+    digest off (torch.load does not check the archive's CRCs), and a checkpoint damaged inside
+    counted towards `keep`, so the cleanup deleted the good one the run had resumed from. So did
+    one whose archive is whole but whose pickle torch.load cannot read (a later review): that one
+    is kept (torch.load may fail for a passing reason: memory, an older torch), but not counted."""
+    p, save = _keeping_two(tmp_path, corpus)
 
     save(8)
     state = torch.load(save(9), weights_only=True)
@@ -285,18 +292,7 @@ def test_a_checkpoint_written_anew_where_a_damaged_one_was_counts_again(tmp_path
     # Resumed past a damaged 9, the run came back to round 9 (a coordinator restarted from an
     # older state, say) and wrote a good 9: the pruner still took it for the damaged one and
     # deleted it, keeping the older 8 in its place.
-    from groundswell.peer.participant import genesis_decision
-
-    p = _factory(tmp_path, corpus, checkpoint={"every_rounds": 1, "keep": 2})()
-    p.state_dir.mkdir(parents=True, exist_ok=True)
-    signed = genesis_decision(p.identity, "unit")
-
-    def save(r: int) -> Path:
-        p.outer.round_id = r
-        p._snapshot = GlobalState(r, {"global_params": p.outer.global_params.clone()}, signed)
-        written = p.save_checkpoint()
-        assert written is not None
-        return written
+    p, save = _keeping_two(tmp_path, corpus)
 
     save(8)
     state = torch.load(save(9), weights_only=True)
@@ -312,18 +308,7 @@ def test_a_checkpoint_written_anew_where_a_damaged_one_was_counts_again(tmp_path
 def test_a_checkpoint_that_could_not_be_read_is_kept_but_not_counted(tmp_path, corpus, monkeypatch):
     # A read error (EIO, EACCES) is no proof of damage: the file stays. But it is no checkpoint
     # in hand either: counting it towards keep=2 deleted 8, the one the run resumed from.
-    from groundswell.peer.participant import genesis_decision
-
-    p = _factory(tmp_path, corpus, checkpoint={"every_rounds": 1, "keep": 2})()
-    p.state_dir.mkdir(parents=True, exist_ok=True)
-    signed = genesis_decision(p.identity, "unit")
-
-    def save(r: int) -> Path:
-        p.outer.round_id = r
-        p._snapshot = GlobalState(r, {"global_params": p.outer.global_params.clone()}, signed)
-        written = p.save_checkpoint()
-        assert written is not None
-        return written
+    p, save = _keeping_two(tmp_path, corpus)
 
     save(8)
     unreadable = save(9)
