@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import json
 import logging
-import os
 import signal
 import sys
 import time
@@ -28,7 +27,7 @@ from .launch_checks import (
     same_run_as_before,
 )
 from .round_view import in_aggregate, loss_text, of_round, round_line, round_table
-from .state_files import write_atomically
+from .state_files import make_state_dir, write_atomically
 from .status_view import print_status
 
 
@@ -46,7 +45,7 @@ def _identity(path: Optional[Path], state_dir: Optional[Path]):
     if path is not None and path.is_dir():
         raise IdentityError(f"--identity {path} is a folder, not an identity file (from `groundswell keygen`)")
     if state_dir is not None:  # first: the default identity lives in it
-        _make_state_dir(state_dir)
+        make_state_dir(state_dir)
         hold_exclusively(state_dir / ".lock", "state dir", state_dir)
     path = path or ((state_dir or Path.home() / ".groundswell") / "identity.key")
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -57,40 +56,6 @@ def _identity(path: Optional[Path], state_dir: Optional[Path]):
     hold_exclusively(identity_lock_path(ident.peer_id), "identity", path, "give this one its own --identity")
     hold_key_file(path)
     return ident, path
-
-
-def _make_state_dir(state_dir: Path) -> None:
-    """Create --state-dir, or say in one line, naming the flag, why it cannot be."""
-    if state_dir.exists() and not state_dir.is_dir():
-        raise ConfigError(f"--state-dir {state_dir} is a file, not a folder")
-    try:
-        state_dir.mkdir(mode=0o700, parents=True, exist_ok=True)  # private: a closed run's weights
-    except OSError as exc:  # a file above it, no permission, a read-only disk
-        above = next((p for p in state_dir.parents if p.exists() and not p.is_dir()), None)
-        why = f"{above} is a file, not a folder" if above is not None else exc.strerror or str(exc)
-        raise ConfigError(f"--state-dir {state_dir} cannot be created: {why}") from None
-    _refuse_shared_state_dir(state_dir)
-
-
-def _refuse_shared_state_dir(state_dir: Path) -> None:
-    """ConfigError if another local user may write in `state_dir` (an existing one too): such a
-    user plants links where our files go, or a checkpoint of their choosing that a coordinator
-    would resume from and serve (the default --state-dir is relative: started from /tmp, it is a
-    folder anyone may have made first). That is a folder every user may write to, or another
-    user's (its owner may). A group-writable one passes: umask 002 makes them so, for a group of
-    the user alone on most systems. Root may use any folder (a container's, mounted from its host)."""
-    if not hasattr(os, "getuid") or os.getuid() == 0:  # (not on POSIX; root is trusted with its folders)
-        return
-    st = state_dir.stat()
-    if st.st_uid != os.getuid():
-        raise ConfigError(f"--state-dir {state_dir} is another user's: use a folder of your own")
-    if st.st_mode & 0o002 and not st.st_mode & 0o1000:  # (a sticky one protects only existing names)
-        raise ConfigError(f"--state-dir {state_dir} is writable by every user (mode {st.st_mode & 0o777:o}): "
-                          f"use a folder only you can write to (chmod o-w {state_dir}; on a filesystem without "
-                          "permissions, such as vfat, a folder on another disk)")
-    if st.st_mode & 0o002:
-        raise ConfigError(f"--state-dir {state_dir} is a shared folder (mode {st.st_mode & 0o7777:o}): use a folder "
-                          "of your own in it")
 
 
 def _stop_on_signals(first: str = "stopping after this round"):

@@ -8,7 +8,6 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
-import re
 import threading
 import time
 from pathlib import Path
@@ -39,7 +38,13 @@ from .event_log import EventLog
 from .manifest import RunManifest, SignedManifest
 from .run_state import GlobalState, RunContext, state_hash
 from .scoring import ContributionScorer
-from .state_files import checkpoint_path, checkpoints_newest_first, prune_checkpoints, write_atomically
+from .state_files import (
+    checkpoint_path,
+    checkpoints_newest_first,
+    prune_checkpoints,
+    remove_half_written,
+    write_atomically,
+)
 from .state_trust import (
     EARLIER_HASHES,
     StateCheck,
@@ -54,13 +59,6 @@ from .work_file import CONTRIBUTED_FILE, contributed_marker, read_contributed
 from .workload import Workload, build_workload
 
 log = logging.getLogger(__name__)
-_WRITTEN_HERE = ("checkpoint-*", "work", "contributed", "outcome", "manifest", "bootstrap", "address", "known_peers",
-                 "volunteer", "genesis")
-# write_atomically's X.tmp (before) and X.RANDOM.tmp (8 hex digits, as `_OURS` checks: not another
-# program's manifest.json.tmp), Identity.save's .identity.key.RANDOM.tmp
-_OUR_TEMP_FILES = (*(f"{x}.tmp" for x in _WRITTEN_HERE), *(f"{x}.*.tmp" for x in _WRITTEN_HERE), ".*.key.*.tmp")
-_OURS = re.compile(r"(checkpoint-\d+|work|contributed|outcome|manifest|bootstrap|address|known_peers|volunteer|genesis)"
-                   r"(\.[0-9a-f]{8})?\.tmp|\..+\.key\..+\.tmp")
 KNOWN_PEERS_FILE = "known_peers.json"  # where the run's peers were, kept with each checkpoint (see dht_rejoin)
 
 
@@ -119,15 +117,7 @@ class Participant:
         self.work_recorded = True  # False: work.pt could not be written for it (then it is not sent)
         if state_dir is not None:
             state_dir.mkdir(mode=0o700, parents=True, exist_ok=True)  # private: a closed run's weights
-            # Half-written files of a process killed mid-write (write_atomically's temp file for each file
-            # we write here, Identity.save's .identity.key.*.tmp); no other groundswell process writes
-            # here (the CLI holds the state dir's lock, locks.py). Only our own names: a state dir
-            # may be a folder other programs write their *.tmp files in too.
-            for stale in [p for pattern in _OUR_TEMP_FILES for p in state_dir.glob(pattern) if _OURS.fullmatch(p.name)]:
-                try:
-                    stale.unlink(missing_ok=True)
-                except OSError:  # an unwritable state dir is reported when we first write to it
-                    pass
+            remove_half_written(state_dir)
         self.events = EventLog(state_dir / "events.jsonl" if state_dir else None)
         self.corpus = corpus or load_corpus(manifest.data.source)
         self.workload: Workload = build_workload(manifest.model.spec, self.corpus.vocab_size, manifest.run.seed)

@@ -1,18 +1,22 @@
-"""Files in a peer's --state-dir that must survive a crash or a power loss: written atomically
-(temp file, fsync, rename, fsync of the directory), old checkpoints pruned without ever touching
-the one just written."""
+"""A peer's --state-dir and the files in it that must survive a crash or a power loss: written
+atomically (temp file, fsync, rename, fsync of the directory), old checkpoints pruned without
+ever touching the one just written, half-written files of a killed process removed at start;
+the folder itself made private, and refused when another user may write in it."""
 
 from __future__ import annotations
 
 import errno
 import logging
 import os
+import re
 import secrets
 import shutil
 import zipfile
 from collections.abc import Callable, Collection
 from pathlib import Path
 from typing import IO
+
+from .config import ConfigError
 
 log = logging.getLogger(__name__)
 
@@ -142,3 +146,59 @@ def _whole(path: Path) -> bool | None:
         return False
     except OSError:
         return None
+
+
+_WRITTEN_HERE = ("checkpoint-*", "work", "contributed", "outcome", "manifest", "bootstrap", "address", "known_peers",
+                 "volunteer", "genesis")
+# write_atomically's X.tmp (before) and X.RANDOM.tmp (8 hex digits, as `_OURS` checks: not another
+# program's manifest.json.tmp), Identity.save's .identity.key.RANDOM.tmp
+_OUR_TEMP_FILES = (*(f"{x}.tmp" for x in _WRITTEN_HERE), *(f"{x}.*.tmp" for x in _WRITTEN_HERE), ".*.key.*.tmp")
+_OURS = re.compile(r"(checkpoint-\d+|work|contributed|outcome|manifest|bootstrap|address|known_peers|volunteer|genesis)"
+                   r"(\.[0-9a-f]{8})?\.tmp|\..+\.key\..+\.tmp")
+
+
+def remove_half_written(state_dir: Path) -> None:
+    """Remove the half-written files a process killed mid-write left in `state_dir`
+    (write_atomically's temp file for each file written there, Identity.save's
+    .identity.key.*.tmp). No other groundswell process writes there (the CLI holds the state
+    dir's lock, locks.py). Only our own names: a state dir may be a folder other programs write
+    their *.tmp files in too."""
+    for stale in [p for pattern in _OUR_TEMP_FILES for p in state_dir.glob(pattern) if _OURS.fullmatch(p.name)]:
+        try:
+            stale.unlink(missing_ok=True)
+        except OSError:  # an unwritable state dir is reported when we first write to it
+            pass
+
+
+def make_state_dir(state_dir: Path) -> None:
+    """Create --state-dir, or say in one line, naming the flag, why it cannot be."""
+    if state_dir.exists() and not state_dir.is_dir():
+        raise ConfigError(f"--state-dir {state_dir} is a file, not a folder")
+    try:
+        state_dir.mkdir(mode=0o700, parents=True, exist_ok=True)  # private: a closed run's weights
+    except OSError as exc:  # a file above it, no permission, a read-only disk
+        above = next((p for p in state_dir.parents if p.exists() and not p.is_dir()), None)
+        why = f"{above} is a file, not a folder" if above is not None else exc.strerror or str(exc)
+        raise ConfigError(f"--state-dir {state_dir} cannot be created: {why}") from None
+    refuse_shared_state_dir(state_dir)
+
+
+def refuse_shared_state_dir(state_dir: Path) -> None:
+    """ConfigError if another local user may write in `state_dir` (an existing one too): such a
+    user plants links where our files go, or a checkpoint of their choosing that a coordinator
+    would resume from and serve (the default --state-dir is relative: started from /tmp, it is a
+    folder anyone may have made first). That is a folder every user may write to, or another
+    user's (its owner may). A group-writable one passes: umask 002 makes them so, for a group of
+    the user alone on most systems. Root may use any folder (a container's, mounted from its host)."""
+    if not hasattr(os, "getuid") or os.getuid() == 0:  # (not on POSIX; root is trusted with its folders)
+        return
+    st = state_dir.stat()
+    if st.st_uid != os.getuid():
+        raise ConfigError(f"--state-dir {state_dir} is another user's: use a folder of your own")
+    if st.st_mode & 0o002 and not st.st_mode & 0o1000:  # (a sticky one protects only existing names)
+        raise ConfigError(f"--state-dir {state_dir} is writable by every user (mode {st.st_mode & 0o777:o}): "
+                          f"use a folder only you can write to (chmod o-w {state_dir}; on a filesystem without "
+                          "permissions, such as vfat, a folder on another disk)")
+    if st.st_mode & 0o002:
+        raise ConfigError(f"--state-dir {state_dir} is a shared folder (mode {st.st_mode & 0o7777:o}): use a folder "
+                          "of your own in it")

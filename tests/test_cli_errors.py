@@ -664,14 +664,14 @@ def test_a_group_writable_state_dir_of_ones_own_passes(tmp_path, monkeypatch):
     # user's own, so refusing them refused most folders users had made themselves.
     import os
 
-    from groundswell.peer.cli_swarm import _refuse_shared_state_dir
+    from groundswell.peer.state_files import refuse_shared_state_dir
 
     user = os.getuid() or 1000
     if os.getuid() == 0:
         monkeypatch.setattr(os, "getuid", lambda: user)
         os.chown(tmp_path, user, user)
     os.chmod(tmp_path, 0o775)
-    _refuse_shared_state_dir(tmp_path)
+    refuse_shared_state_dir(tmp_path)
     monkeypatch.setattr(os, "getuid", lambda: 0)  # root: any folder
     os.chmod(tmp_path, 0o777)
-    _refuse_shared_state_dir(tmp_path)
+    refuse_shared_state_dir(tmp_path)

@@ -178,7 +178,7 @@ def test_a_work_record_that_runs_out_of_memory_is_reported_not_raised(tmp_path, 
 
 def test_state_files_and_a_new_state_dir_are_private_to_their_user(tmp_path, corpus):
     # A closed run's weights were world-readable (0644 files, 0755 state dir under umask 022).
-    from groundswell.peer.cli_swarm import _make_state_dir
+    from groundswell.peer.state_files import make_state_dir
 
     old = os.umask(0o022)
     try:
@@ -187,11 +187,11 @@ def test_state_files_and_a_new_state_dir_are_private_to_their_user(tmp_path, cor
         assert stat.S_IMODE(path.stat().st_mode) & 0o077 == 0
         p = _factory(tmp_path, corpus)()
         assert stat.S_IMODE(p.state_dir.stat().st_mode) == 0o700
-        _make_state_dir(tmp_path / "cli" / "state")
+        make_state_dir(tmp_path / "cli" / "state")
         assert stat.S_IMODE((tmp_path / "cli" / "state").stat().st_mode) == 0o700
         mine = tmp_path / "mine"
         mine.mkdir(mode=0o755)  # a folder the user made and opened up: left as it is
-        _make_state_dir(mine)
+        make_state_dir(mine)
         assert stat.S_IMODE(mine.stat().st_mode) == 0o755
     finally:
         os.umask(old)
