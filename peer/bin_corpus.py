@@ -2,7 +2,7 @@
 and an optional ``meta.json`` with ``{"vocab_size": N}``. Without it the largest token sets the
 vocabulary, remembered in a small hidden file next to train.bin (a full scan of a large corpus
 on every start is too slow). With it, val.bin and a sample of train.bin are checked against it
-(every batch is checked too, see `data._gather_windows`)."""
+(every batch is checked too, see `batches._gather_windows`)."""
 
 from __future__ import annotations
 

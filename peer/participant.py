@@ -29,10 +29,11 @@ from groundswell.protocol.guard import Limits
 from groundswell.protocol.identity import Identity
 from groundswell.protocol.schema import Decision, ProtocolError
 
+from .batches import evaluate, heldout_batches
 from .catch_up import catch_up_view, first_decision, holders_to_ask
 from .checkpoint_check import DIGEST_KEY, checkpoint_damage, checkpoint_digest, digest_mismatch
 from .config import ConfigError
-from .data import Corpus, evaluate, heldout_batches, load_corpus
+from .data import Corpus, load_corpus
 from .dht_rejoin import load_known_peers, save_known_peers
 from .event_log import EventLog
 from .manifest import RunManifest, SignedManifest

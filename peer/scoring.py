@@ -13,7 +13,8 @@ import threading
 import torch
 from groundswell.optim import copy_into_parameters
 
-from .data import Corpus, ShardSampler, evaluate
+from .batches import ShardSampler, evaluate
+from .data import Corpus
 from .manifest import RunManifest
 from .workload import build_workload
 

@@ -26,8 +26,9 @@ from groundswell.optim import (
     copy_into_parameters,
 )
 
+from .batches import ShardSampler, evaluate, heldout_batches
 from .config import TrainLocalConfig
-from .data import Corpus, ShardSampler, evaluate, heldout_batches, load_corpus
+from .data import Corpus, load_corpus
 from .worker import InnerTrainer
 from .workload import build_workload
 

@@ -15,8 +15,9 @@ from dataclasses import dataclass
 import torch
 from groundswell.optim import warmup_cosine_scheduler
 
+from .batches import ShardSampler
 from .config import DataSection, InnerSection
-from .data import Corpus, ShardSampler
+from .data import Corpus
 from .workload import Workload
 
 log = logging.getLogger(__name__)

@@ -178,7 +178,8 @@ def _eval_checkpoint(state_dir: Path, last_round: dict, preset: str) -> float:
     a share that grows with the number of rounds)."""
     import torch
     from groundswell.optim import copy_into_parameters
-    from groundswell.peer.data import evaluate, heldout_batches, load_corpus
+    from groundswell.peer.batches import evaluate, heldout_batches
+    from groundswell.peer.data import load_corpus
     from groundswell.peer.run_state import state_hash
     from groundswell.peer.workload import build_workload
 
@@ -201,8 +202,9 @@ def ddp_worker(rank: int, world: int, master: str, wall: float, preset: str, out
     import torch
     import torch.distributed as dist
     from groundswell.optim.schedule import warmup_cosine_scheduler
+    from groundswell.peer.batches import ShardSampler, evaluate, heldout_batches
     from groundswell.peer.config import InnerSection
-    from groundswell.peer.data import ShardSampler, evaluate, heldout_batches, load_corpus
+    from groundswell.peer.data import load_corpus
     from groundswell.peer.workload import build_workload
 
     torch.set_num_threads(1)

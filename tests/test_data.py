@@ -10,13 +10,11 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+from groundswell.peer.batches import ShardSampler, evaluate, heldout_batches
 from groundswell.peer.data import (
     FILE_SEPARATOR,
     Corpus,
     DataError,
-    ShardSampler,
-    evaluate,
-    heldout_batches,
     load_corpus,
 )
 from torch import nn
@@ -489,7 +487,7 @@ def test_window_ids_are_held_as_int32_and_batches_are_those_of_int64_ids(tmp_pat
     ids = torch.cat([sampler.next_window_ids() for _ in range(200)])  # past an epoch of 980 windows
     assert ids.dtype == torch.int64 and sampler.epoch >= 1
     expected_first = ids64[torch.randperm(len(ids64), generator=torch.Generator().manual_seed(
-        __import__("groundswell.peer.data", fromlist=["_derived_seed"])._derived_seed(4, 1, 0)))]
+        __import__("groundswell.peer.batches", fromlist=["_derived_seed"])._derived_seed(4, 1, 0)))]
     assert torch.equal(ids[:len(ids64)], expected_first)
     x, y = sampler.next_batch()
     assert x.dtype == y.dtype == torch.int64 and x.shape == (7, 16)

@@ -8,8 +8,9 @@ from pathlib import Path
 
 import pytest
 import torch
+from groundswell.peer.batches import ShardSampler
 from groundswell.peer.config import ConfigError
-from groundswell.peer.data import ShardSampler, load_corpus
+from groundswell.peer.data import load_corpus
 from groundswell.peer.manifest import manifest_from_mapping
 from groundswell.peer.scoring import ContributionScorer
 from groundswell.peer.workload import build_workload
