@@ -231,7 +231,7 @@ def launch(
             run_coordinator(p, stop=stop, checkpoint_every=checkpoint_every)
         elif not console.is_terminal:  # a log file or a pipe: a live table would show nothing there until the end
             run_coordinator(p, stop=stop, checkpoint_every=checkpoint_every,
-                            on_round=lambda info: console.print(round_line(info), highlight=False))
+                            on_round=lambda info: console.print(round_line(info), highlight=False, markup=False))
         else:
             with Live(round_table(rows, manifest.run.id), console=console, refresh_per_second=2) as live:
                 def on_round(info):
@@ -358,7 +358,7 @@ def join(
                                  f"eval {loss_text(info.eval_loss)}{of_round(info)}, {info.bytes_sent / 1e6:.2f} MB, {info.round_s:.1f} s, "
                                  f"{info.tokens_per_s:,.0f} tok/s" if info.status == "applied" else
                                  f" ({info.reason})" if info.reason else ""),
-                              highlight=False)
+                              highlight=False, markup=False)  # (a reason may quote a peer's words)
 
         tamper = None
         if attack:
@@ -399,12 +399,14 @@ def status(
         node.start()
         try:
             _, manifest = _fetch_manifest(node, boot.maddrs, boot.coordinator_id)
+            node.call(node.watch_records(manifest.run.id), timeout_s=10)
             time.sleep(0.5)
             try:
                 records = node.call(node.peer_records(manifest.run.id), timeout_s=30)
             except TimeoutError:
                 raise NetworkError("the run's peer records could not be read from the DHT within 30 s; "
                                    "try again") from None
+            now = time.time()  # (not after the node's shutdown, which may take seconds)
         finally:
             node.close()
     # A record's loss is 0 until its peer has evaluated (only the coordinator does, by default).
@@ -413,8 +415,8 @@ def status(
              "loss": r.loss if 0 < r.loss < float("inf") else None,
              "loss_round": r.loss_round if 0 < r.loss < float("inf") else None, "bytes_sent": r.bytes_sent,
              "refused_messages": r.rejected, "banning": r.banned, "scores": r.scores,
-             "age_s": round(time.time() - r.updated, 1)} for pid, r in sorted(records.items())]
+             "age_s": round(max(0.0, now - r.updated), 1)} for pid, r in sorted(records.items())]
     if as_json:
         print(json.dumps({"run": manifest.run.id, "peers": rows}, indent=2))
         return
-    print_status(manifest.run.id, rows)
+    print_status(manifest.run.id, rows, boot.coordinator_id)

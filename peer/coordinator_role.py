@@ -4,6 +4,7 @@ every committed round (serving, never training), evaluate, checkpoint and serve 
 from __future__ import annotations
 
 import logging
+import statistics
 import time
 from collections.abc import Callable
 
@@ -137,7 +138,8 @@ def _follow_rounds(p: Participant, stop: StopFlag, on_round: Callable[[RoundInfo
             last_sent, sent_round = sent, r + 1
         info = RoundInfo(r, "applied", False, len(d.contributors), eval_loss=loss, round_s=time.perf_counter() - t0,
                          params_hash=p.outer_hash(), peers_online=len(sent if records is not None else last_sent),
-                         bytes_sent=int(sum(deltas) / len(deltas)) if deltas else 0)
+                         # the median: each figure is a peer's own word, and one can be any number
+                         bytes_sent=int(statistics.median(deltas)) if deltas else 0)
         t0 = time.perf_counter()
         if loss == loss:
             p.node.update_record(loss=loss, loss_round=r)

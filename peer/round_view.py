@@ -6,6 +6,7 @@ from __future__ import annotations
 import math
 from typing import Any
 
+from rich.markup import escape
 from rich.table import Table
 
 
@@ -21,7 +22,7 @@ def of_round(info: Any) -> str:
 
 def round_table(rows: list, header: str) -> Table:
     """The launch's live table: the newest 12 rounds."""
-    table = Table(title=header, expand=False)
+    table = Table(title=escape(header), expand=False)  # (a retry's reason may quote a peer's words)
     for col in ("round", "peers online", "contributors", "held-out loss", "kB/round/peer", "round s"):
         table.add_column(col, justify="right")
     for info in rows[-12:]:

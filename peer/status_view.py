@@ -12,32 +12,57 @@ from rich.table import Table
 console = Console(emoji=False)  # ":ab:" in an IPv6 address is an emoji code to rich
 
 
-def print_status(run_id: str, rows: list[dict]) -> None:
-    """`status`'s table and lines, from the peers' published records (`rows`)."""
+MAX_ROWS = 50  # an open run's records are anyone's: a thousand fake ones must not flood the terminal
+MAX_BANNED = 20
+
+
+def _text(value: object) -> str:
+    """A peer's own word, safe to print: no rich markup, and no control characters (an escape
+    sequence in a record would clear or rewrite the user's terminal)."""
     from rich.markup import escape
 
+    return escape("".join(c if c.isprintable() else "?" for c in str(value)))
+
+
+def print_status(run_id: str, rows: list[dict], coordinator_id: str = "") -> None:
+    """`status`'s table and lines, from the peers' published records (`rows`). Only the peer
+    whose id is `coordinator_id` (the bootstrap line's) is shown as the coordinator; another
+    that claims it is marked "coord?". The coordinator comes first."""
+    rows = sorted(rows, key=lambda r: r["peer"] != coordinator_id)
     online = f"{len(rows)} peer{'' if len(rows) == 1 else 's'} online"
-    table = Table(title=escape(f"run {run_id}: {online}"), box=box.SIMPLE_HEAD,
+    table = Table(title=_text(f"run {run_id}: {online}"), box=box.SIMPLE_HEAD,
                   collapse_padding=True, pad_edge=False, show_edge=False)
-    for col in ("peer", "role", "reach", "round", "params", "loss", "sent", "refused", "bans", "age"):
-        # fits an 80-column terminal without cutting ids or hashes (they are what one compares)
-        table.add_column(col, no_wrap=True, justify="left" if col in ("peer", "role") else "right")
-    for row in rows:
-        loss = "-" if row["loss"] is None else f"{row['loss']:.4f}"
+    # fits an 80-column terminal without cutting ids or hashes (they are what one compares): those
+    # keep their width, the others give way first
+    widths = {"peer": 10, "params": 8, "loss@round": 6}
+    # (loss@round: the held-out loss and the round it was measured after, up to eval.every_rounds
+    # - 1 before the record's; ref: messages this peer refused)
+    for col in ("peer", "role", "reach", "round", "params", "loss@round", "sent", "ref", "bans", "age"):
+        table.add_column(col, no_wrap=True, justify="left" if col in ("peer", "role") else "right",
+                         min_width=widths.get(col))
+    for row in rows[:MAX_ROWS]:
+        loss = "-" if row["loss"] is None else f"{row['loss']:.4f}@{row.get('loss_round')}"
         role = {"coordinator": "coord", "volunteer": "vol"}.get(row["role"], row["role"])
+        if role == "coord" and row["peer"] != coordinator_id:
+            role = "coord?"  # a claim: not the key the bootstrap line names
+        role = role if len(role) <= 6 else role[:5] + "…"  # (a record's role may be any 16 characters)
         # public; behind a NAT ("nat"), with N peers reached directly by a hole punch ("nat+N")
         reach = {"public": "pub", "private": "nat"}.get(row["reachability"], "?")  # "?": not probed yet
         reach += f"+{len(row['hole_punched'])}" if row["hole_punched"] else ""
-        # every string here is a peer's own word (in an open run, anyone's): text, never rich markup
-        table.add_row(*map(escape, (row["peer"][-10:], role, reach, str(row["round"]), row["params_hash"][:8], loss,
-                                    f"{row['bytes_sent'] / 1e6:.1f}MB", str(row["refused_messages"]),
-                                    ", ".join(b[-8:] for b in row["banning"]) or "-", f"{row['age_s']:.0f}s")))
+        # every string here is a peer's own word (in an open run, anyone's): text, never markup;
+        # the peers it bans are counted here and listed below (a list squeezed every column)
+        table.add_row(*map(_text, (row["peer"][-10:], role, reach, str(row["round"]), row["params_hash"][:8], loss,
+                                   f"{row['bytes_sent'] / 1e6:.1f}MB", str(row["refused_messages"]),
+                                   str(len(row["banning"])) if row["banning"] else "-", f"{row['age_s']:.0f}s")))
     console.print(table)
-    for row in rows:  # leaders that score contributions publish the scores of their latest scored round
+    if len(rows) > MAX_ROWS:
+        console.print(f"... and {len(rows) - MAX_ROWS} more peers (--json lists them all)", highlight=False)
+    for row in rows[:MAX_ROWS]:  # leaders that score contributions publish the scores of their latest scored round
         if row["scores"]:
             shown = ", ".join(f"{who[-8:]} {v}" for who, _, v in (s.partition("=") for s in row["scores"]))
-            console.print(escape(f"scores by {row['peer'][-10:]} (probe loss change; > threshold is dropped): "
-                                 f"{shown}"), highlight=False)
+            console.print(_text(f"scores by {row['peer'][-10:]} (probe loss change; > threshold is dropped): "
+                                f"{shown}"), highlight=False)
     banned = sorted({b for row in rows for b in row["banning"]})
     if banned:
-        console.print(escape(f"banned by some peer now: {', '.join(banned)}"), highlight=False)
+        more = f" and {len(banned) - MAX_BANNED} more" if len(banned) > MAX_BANNED else ""
+        console.print(_text(f"banned by some peer now: {', '.join(banned[:MAX_BANNED])}{more}"), highlight=False)

@@ -229,9 +229,15 @@ class SwarmNode(PeerRecords, StateServing, NatTraversal, NetLoop):
                     if p2p_class is not None:
                         release_private_sockets()
 
+    async def watch_records(self, run_id: str) -> None:
+        """Check the peer records of `run_id` this node reads or keeps (signed by the peer they
+        name, ...: `PeerRecordValidator`); a reader that never attaches to the run needs it too,
+        or any DHT node could hide a peer's record, or fail the whole lookup, with junk."""
+        self.record_validator.watch(run_id, self.dht)
+
     async def _attach(self, ctx: RunContext) -> None:
         self.ctx = ctx
-        self.record_validator.watch(ctx.run_id, self.dht)
+        await self.watch_records(ctx.run_id)
         self.guard.limits = ctx.limits
         self.transport = Transport(self.p2p, self.identity, ctx.run_id, self.guard)
         self.book = DecisionBook(ctx.run_id)

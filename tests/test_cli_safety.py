@@ -97,6 +97,34 @@ def test_status_shows_what_peers_publish_as_text_not_markup(capsys):
     assert "[/x]" in out and "[/red]" in out and "[bold]abc"[:8] in out
 
 
+def test_status_shows_no_control_characters_no_false_coordinator_and_bounded_output(capsys):
+    # Found by a review: an escape sequence in a record reached the terminal (a role of
+    # "\x1b[2J" clears it), any peer claiming the coordinator's role was shown as "coord", a list
+    # of bans squeezed every column, and a thousand fake records printed a thousand rows.
+    from groundswell.peer import status_view
+
+    coordinator = "12D3KooW" + "x" * 30 + "TheCoord01"
+
+    def row(peer: str, role: str, **kw) -> dict:
+        return {"peer": peer, "role": role, "round": 7, "params_hash": "abcdef0123", "trains": True, "serves": True,
+                "reachability": "public", "hole_punched": [], "loss": None, "loss_round": None, "bytes_sent": 0,
+                "refused_messages": 0, "banning": [], "scores": [], "age_s": 1.0, **kw}
+
+    rows = [row("12D3KooWimpostor", "coordinator", params_hash="\x1b[2J\x1b[H0")]
+    rows += [row(f"12D3KooWfake{i:04d}", "volunteer") for i in range(status_view.MAX_ROWS + 5)]
+    rows += [row(coordinator, "coordinator", loss=2.5, loss_round=6, banning=["12D3KooWa" * 4, "12D3KooWb" * 4])]
+    status_view.print_status("r", rows, coordinator)
+    out = capsys.readouterr().out
+    assert "\x1b" not in out and "?[2J" in out
+    lines = out.splitlines()
+    first = next(i for i, line in enumerate(lines) if "TheCoord01" in line)
+    assert first == min(i for i, line in enumerate(lines) if "fake" in line or "TheCoord01" in line)  # first
+    assert " coord " in lines[first] and "2.5000@6" in lines[first] and " 2 " in lines[first]
+    assert "... and 7 more peers (--json lists them all)" in out
+    status_view.print_status("r", [rows[0]], coordinator)
+    assert "coord?" in capsys.readouterr().out
+
+
 def test_a_bootstrap_peer_serving_a_manifest_that_does_not_verify_does_not_stop_the_others():
     """A bootstrap line may list several peers; one of them serving another run's manifest (a
     stale address) or a forged one used to end the join there."""

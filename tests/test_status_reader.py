@@ -64,3 +64,37 @@ def test_the_status_reader_is_a_dht_client_that_is_not_probed_and_takes_no_relay
             volunteer.close()
     finally:
         boot.close()
+
+
+def test_the_status_reader_checks_the_runs_records_before_it_reads_them(monkeypatch):
+    # Found by a review: only a node attached to the run switched its record check on, so for
+    # `status` any DHT node could replace a peer's record by junk (hiding that peer, the
+    # coordinator too) or fail the whole lookup with bytes that are not msgpack.
+    import asyncio
+    from types import SimpleNamespace
+
+    from groundswell.peer import cli_swarm
+    from groundswell.peer.cli import app
+    from typer.testing import CliRunner
+
+    calls: list[str] = []
+
+    async def watch_records(self, run_id):
+        calls.append(f"watch {run_id}")
+
+    async def peer_records(self, run_id):
+        calls.append(f"read {run_id}")
+        return {}
+
+    monkeypatch.setattr(SwarmNode, "start", lambda self, timeout_s=60.0: None)
+    monkeypatch.setattr(SwarmNode, "close", lambda self: None)
+    monkeypatch.setattr(SwarmNode, "call", lambda self, coro, timeout_s=None: asyncio.run(coro))
+    monkeypatch.setattr(SwarmNode, "watch_records", watch_records)
+    monkeypatch.setattr(SwarmNode, "peer_records", peer_records)
+    monkeypatch.setattr(cli_swarm, "_fetch_manifest", lambda node, maddrs, coordinator: (
+        b"", SimpleNamespace(run=SimpleNamespace(id="the-run"))))
+    monkeypatch.setattr(time, "sleep", lambda s: None)
+    pid = Identity.generate().peer_id
+    res = CliRunner().invoke(app, ["status", f"gs1:{pid}@/ip4/127.0.0.1/tcp/1/p2p/{pid}", "--json"])
+    assert res.exit_code == 0, res.output
+    assert calls == ["watch the-run", "read the-run"]
