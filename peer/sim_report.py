@@ -55,6 +55,9 @@ def build_report(out: Path, opts: "SimulateOptions", driver_events: list[dict], 
             if d.is_dir() and (d / "events.jsonl").exists()}
     if t0 is None:
         t0 = min((e["t"] for evs in logs.values() for e in evs), default=0.0)
+    timed_out = [e["t"] for e in driver_events if e["kind"] == "timed-out"]
+    if timed_out:  # what the run did by its timeout: volunteers still running may go on a while
+        logs = {name: [e for e in evs if e["t"] - t0 <= timed_out[0]] for name, evs in logs.items()}
     ids = {name: next((e["peer"] for e in evs if "peer" in e), name) for name, evs in logs.items()}
     rounds = [dict(e, who=name) for name, evs in logs.items() for e in evs if e["kind"] == "round"]
     hashes: dict[int, set[str]] = {}

@@ -34,11 +34,14 @@ def fault_victims(live: Sequence[str], frozen: Collection[str], going: Collectio
     return pool if len(pool) > min_peers else []
 
 
-def fault_pick(seed: int, kind: str, k: int, pool: Sequence[str]) -> str:
-    """The victim of the `k`-th fault of `kind` (counted whether or not it fired) among `pool`."""
-    # A generator per kind and fault: another kind of fault, or a pass with too few peers to pick
-    # from, never changes whom a given fault takes (one generator for all of them did).
-    return random.Random(f"{seed}:{kind}:{k}").choice(pool)
+def fault_pick(seed: int, kind: str, k: int, pool: Sequence[str], roster: Sequence[str]) -> str:
+    """The victim of the `k`-th fault of `kind` (counted whether or not it fired): the first peer
+    of `pool` in an order of the whole `roster` (every volunteer the run can have) drawn for that
+    fault alone. Another kind of fault, or a pass with too few peers to pick from, changes whom
+    a fault takes only when the peer it would take is frozen, down or gone then (a choice among
+    the pool, as before, moved with every change of the pool)."""
+    order = random.Random(f"{seed}:{kind}:{k}").sample(list(roster), len(roster))
+    return next(v for v in order if v in pool)
 
 
 def nobody_left(done: int, late_started: bool, any_alive: bool, restart_pending: bool) -> bool:
@@ -196,6 +199,7 @@ def run_simulation(opts: SimulateOptions, out: Path, progress: Callable[[str], N
                     "--listen", "/ip4/127.0.0.1/tcp/0", *attack, *common]
 
         volunteers = [f"peer-{i}" for i in range(opts.peers)]
+        roster = [*volunteers, *(f"late-{i}" for i in range(opts.late_joiners))]  # (fault_pick's order)
         for name in volunteers:
             sim.spawn(name, join_args(name))
         frozen: dict[str, float] = {}  # name -> thaw time
@@ -218,7 +222,7 @@ def run_simulation(opts: SimulateOptions, out: Path, progress: Callable[[str], N
 
         def pick(kind: str) -> str | None:
             k, drawn[kind] = drawn[kind], drawn[kind] + 1  # counted though none fires: see `fault_pick`
-            return fault_pick(opts.seed, kind, k, pool) if (pool := victims()) else None
+            return fault_pick(opts.seed, kind, k, pool, roster) if (pool := victims()) else None
 
         def note_ended(names: Sequence[str], exits: bool = True) -> None:
             for name in names:  # stamped when first seen gone, not when the run ends

@@ -453,3 +453,34 @@ def test_a_score_that_is_not_finite_counts_as_dropped_in_the_report(tmp_path):
     _write(tmp_path, "peer-0", [_round(1.0, 0, "P")])
     report = build_report(tmp_path, SimulateOptions(peers=1, rounds=1), [], wall_s=2.0, t0=0.0)
     assert report["dropped_by_scoring"] == {"R": 1, "peer-0": 1}
+
+
+def test_a_faults_victim_depends_on_the_pool_only_when_its_peer_is_out_of_it():
+    # Found by a review: a choice among the pool moved with every change of the pool, so a run
+    # with freezes added killed other peers than the same seed without them (one kill took late-0
+    # instead of peer-0 because peer-2 was frozen), against what the README said.
+    from groundswell.peer.simulate import fault_pick
+
+    roster = [f"peer-{i}" for i in range(6)] + ["late-0", "late-1"]
+    for k in range(20):
+        alone = fault_pick(3, "kill", k, roster, roster)
+        others = [v for v in roster if v != alone]
+        # another peer frozen or down: the same victim
+        for missing in others:
+            assert fault_pick(3, "kill", k, [v for v in roster if v != missing], roster) == alone
+        # the victim itself out of the pool: another, and still one of the pool
+        assert fault_pick(3, "kill", k, others, roster) in others
+    assert len({fault_pick(3, "kill", k, roster, roster) for k in range(20)}) > 3  # (not one peer always)
+
+
+def test_rounds_logged_after_the_timeout_are_not_in_the_report(tmp_path):
+    # Found by a review: at the timeout the driver stops the coordinator, but volunteers still
+    # running are ended only after the report is built; a run that timed out at round 1 of 3
+    # could then report 3 rounds completed (and exit 0).
+    _write(tmp_path, "coordinator", [_round(1.0, 0, "C", 5.0)])
+    _write(tmp_path, "peer-0", [_round(1.0, 0, "P"), _round(7.0, 1, "P"), _round(9.0, 2, "P")])
+    timed_out = [{"t": 5.0, "kind": "timed-out", "peer": "driver"}]
+    report = build_report(tmp_path, SimulateOptions(peers=1, rounds=3), timed_out, wall_s=10.0, t0=0.0)
+    assert report["timed_out"] and report["rounds_completed"] == 1
+    report = build_report(tmp_path, SimulateOptions(peers=1, rounds=3), [], wall_s=10.0, t0=0.0)
+    assert report["rounds_completed"] == 3
