@@ -17,6 +17,7 @@ import msgpack
 import torch
 
 from .wire_bounds import count_objects
+from .wire_pack import pack
 
 WIRE_VERSION = 2  # 2: sparseloco indices are Elias-Fano coded (8 bits per kept entry instead of 12)
 # A payload carries one flat parameter vector (or a shard of one). 2**34 elements is 64 GiB of
@@ -57,9 +58,7 @@ class Payload:
 
     def to_bytes(self) -> bytes:
         """Serialize as a versioned msgpack envelope."""
-        return msgpack.packb(
-            [WIRE_VERSION, self.codec, list(self.shape), self.params, self.buffers], use_bin_type=True
-        )
+        return pack([WIRE_VERSION, self.codec, list(self.shape), self.params, self.buffers])
 
     @classmethod
     def from_bytes(

@@ -49,38 +49,46 @@ class RobustStats:
 def tree_sum_of_squares(x: torch.Tensor) -> float:
     """sum(x**2) in float64 by a fixed pairwise tree: the same bits on every CPU and thread count.
 
-    Level by level, element 2i is added to element 2i+1 (elementwise: no order is left to the
-    library); an odd element out at the end of a level passes up unchanged. That is the tree of
-    the input zero-padded to a power of two (x + 0 is exact), without building the padding."""
+    Level by level, the last half of the values is added elementwise onto the first half (one
+    correctly rounded addition per element: no order is left to the library); of an odd count the
+    middle value passes up unchanged. Contiguous halves, added in place, cost a fraction of
+    strided pairs; any fixed tree is as exact, but every peer of a run must use this one."""
     v = x.detach().reshape(-1).to(device="cpu", dtype=torch.float64)
     n = v.numel()
     if n == 0:
         return 0.0
-    v = v * v  # an fp32 value's square is exact in fp64
+    if v.data_ptr() == x.data_ptr():
+        v = v.clone()  # the caller's fp64 tensor is not ours to fold
+    v.mul_(v)  # an fp32 value's square is exact in fp64
     while n > 1:
-        half = n // 2
-        pairs = v[0:2 * half:2] + v[1:2 * half:2]
-        v = torch.cat([pairs, v[n - 1:n]]) if n % 2 else pairs
-        n = v.numel()
+        half, keep = n // 2, n - n // 2
+        v[:half] += v[keep:n]
+        n = keep
     return float(v[0])
 
 
 def _nonzeros(t: torch.Tensor) -> torch.Tensor:
-    """`t[t != 0]`, without the copy when nothing is zero (a dense update, usually)."""
+    """`t[t != 0]`, without the copy when nothing is zero."""
     return t if int(torch.count_nonzero(t)) == t.numel() else t[t != 0]
 
 
-def _row_sq_norm(segments: Iterable[torch.Tensor]) -> float:
-    """One contribution's squared norm: its segments' tree sums, added in segment order."""
-    # zeros add nothing: summing only the nonzeros (a sparse update has ~1/64 of them) is as exact
-    # and as deterministic, and much cheaper
-    return _sum_in_order(tree_sum_of_squares(_nonzeros(t)) for t in segments)
+def _row_sq_norm(segments: Iterable[torch.Tensor], sparse: bool) -> float:
+    """One contribution's squared norm: its segments' tree sums, added in segment order. Of a
+    sparse codec's, over the nonzeros alone: its kept entries give the same tree as its dense
+    decoding (a sparse update has ~1/64 of them, so that is also much cheaper); a dense codec's
+    zeros stay in (taking them out is a masked copy of every value, for nothing)."""
+    return _sum_in_order(tree_sum_of_squares(_nonzeros(t) if sparse else t) for t in segments)
+
+
+def _is_sparse(codec: Codec) -> bool:
+    """Does the codec carry kept entries (positions and values), whose mean is taken from them?"""
+    return getattr(codec, "entries", None) is not None
 
 
 def contribution_sq_norm(codec: Codec, row: Sequence[Payload]) -> float:
     """A contribution's squared norm over its segments, as `robust_mean` computes it for clipping:
     an aggregator can work it out when the contribution arrives, and pass it in at the seal."""
-    return _row_sq_norm(codec.decode(p, device="cpu") for p in row)
+    return _row_sq_norm((codec.decode(p, device="cpu") for p in row), _is_sparse(codec))
 
 
 def clip_weights(sq_norms: Sequence[float], clip: float) -> list[float]:
@@ -125,7 +133,7 @@ def robust_mean(codec: Codec, rows: Sequence[Sequence[Payload]], options: Robust
     if sq_norms is not None and len(sq_norms) != len(rows):
         raise CodecError(f"{len(sq_norms)} norms for {len(rows)} contributions")
     if sq_norms is None:
-        sq_norms = [_row_sq_norm(row) for row in decoded]
+        sq_norms = [_row_sq_norm(row, _is_sparse(codec)) for row in decoded]
     weights = clip_weights(list(sq_norms), options.clip)
     if stats is not None:
         _note_clipped(stats, weights)
@@ -157,7 +165,7 @@ def robust_weights(codec: Codec, rows: Sequence[Sequence[Payload]], options: Rob
     _check_alike(rows)
     entries = getattr(codec, "entries", None)
     if entries is not None and not options.trim:  # as `_sparse_clipped_mean` sums them
-        sq = [_row_sq_norm(v for _, v in (entries(p) for p in row)) for row in rows]
+        sq = [_row_sq_norm((v for _, v in (entries(p) for p in row)), True) for row in rows]
     else:
         sq = [contribution_sq_norm(codec, row) for row in rows]
     return [1.0 if w >= 1.0 else float(torch.tensor(w, dtype=torch.float32)) for w in clip_weights(sq, options.clip)]
@@ -204,7 +212,7 @@ def _sparse_clipped_mean(entries: Callable[[Payload], tuple[torch.Tensor, torch.
     0 + w0 v0 + w1 v1 + ... in contribution order (one scatter-add per contribution, whose
     positions are unique)."""
     parsed = [[entries(p) for p in row] for row in rows]
-    sq = [_row_sq_norm(v for _, v in row) for row in parsed]
+    sq = [_row_sq_norm((v for _, v in row), True) for row in parsed]
     weights = clip_weights(sq, clip)
     if stats is not None:
         _note_clipped(stats, weights)

@@ -13,6 +13,7 @@ from typing import Any
 
 import msgpack
 from groundswell.compression.wire_bounds import count_objects
+from groundswell.compression.wire_pack import bin_header, pack
 
 from .digests import bulk_digest
 from .identity import Identity, verify
@@ -24,7 +25,6 @@ from .schema import (
     brief,
     decode_message,
     encode_message,
-    packb,
 )
 
 
@@ -54,7 +54,7 @@ def seal(identity: Identity, run_id: str, msg: Message) -> bytes:
     """Sign a message for a run and serialize the envelope."""
     env = Envelope(run_id, identity.peer_id, os.urandom(16), time.time(), encode_message(msg), b"")
     sig = identity.sign(env.signed_part())
-    return packb([PROTOCOL_VERSION, run_id, env.sender, env.nonce, env.timestamp, env.body, sig], len(env.body))
+    return pack([PROTOCOL_VERSION, run_id, env.sender, env.nonce, env.timestamp, env.body, sig])
 
 
 def unseal(data: bytes, run_id: str, expect: Any, max_bytes: int = MAX_SMALL, sender: str | None = None,
@@ -85,8 +85,9 @@ def unseal(data: bytes, run_id: str, expect: Any, max_bytes: int = MAX_SMALL, se
     # Only the one encoding `seal` writes is accepted: the signature covers the decoded fields, and
     # peers use a signed commit's bytes as its identity, so a relay must not be able to re-spell it.
     head = b"\x97" + b"".join(msgpack.packb(v, use_bin_type=True) for v in (version, env_run, env_sender, nonce, ts))
-    body_at = len(head) + _bin_header_bytes(len(body))
-    if (not data.startswith(head) or data[len(head):body_at] != _bin_header(len(body))
+    body_head = bin_header(len(body))
+    body_at = len(head) + len(body_head)
+    if (not data.startswith(head) or data[len(head):body_at] != body_head
             or data[body_at + len(body):] != msgpack.packb(sig, use_bin_type=True)):
         raise ProtocolError("envelope is not canonically encoded")
     if env_run != run_id:
@@ -115,14 +116,3 @@ def sealed_message(data: bytes, expect: Any) -> bytes:
     if not (isinstance(obj, list) and len(obj) == 7 and isinstance(obj[5], bytes)):
         raise ProtocolError("an envelope has 7 fields")
     return encode_message(decode_message(obj[5], expect))
-
-
-def _bin_header_bytes(length: int) -> int:
-    """Bytes of the shortest msgpack bin header for `length` bytes (bin8, bin16 or bin32)."""
-    return 2 if length < 1 << 8 else 3 if length < 1 << 16 else 5
-
-
-def _bin_header(length: int) -> bytes:
-    """The shortest msgpack bin header for `length` bytes: the one `seal` writes."""
-    width = _bin_header_bytes(length) - 1
-    return bytes([{1: 0xC4, 2: 0xC5, 4: 0xC6}[width]]) + length.to_bytes(width, "big")

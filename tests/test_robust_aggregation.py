@@ -12,6 +12,7 @@ import torch
 from groundswell.compression import (
     RobustOptions,
     RobustStats,
+    contribution_sq_norm,
     make_codec,
     robust_mean,
     robust_weights,
@@ -41,6 +42,45 @@ def test_tree_sum_of_squares_is_exact_enough_and_thread_independent():
         torch.set_num_threads(before)
     assert one == many  # the same bits, whatever the thread count
     assert tree_sum_of_squares(torch.zeros(0)) == 0.0
+
+
+def _reference_tree(values: list[float]) -> float:
+    """The documented tree, in plain Python floats: the last half added onto the first half."""
+    v = [x * x for x in values]
+    while len(v) > 1:
+        half, keep = len(v) // 2, len(v) - len(v) // 2
+        v = [v[i] + v[keep + i] for i in range(half)] + v[half:keep]
+    return v[0] if v else 0.0
+
+
+def test_tree_sum_of_squares_is_the_documented_tree_and_leaves_its_input_alone():
+    # every peer of a run must sum in this one order: a different tree differs in the last bits,
+    # which can move a clipping factor and so the aggregate's bytes
+    g = torch.Generator().manual_seed(3)
+    for n in (1, 2, 3, 5, 7, 8, 31, 100, 257, 1000):
+        x = torch.randn(n, generator=g) * torch.logspace(-8, 8, n).float()
+        assert tree_sum_of_squares(x) == _reference_tree([float(v) for v in x.tolist()])
+    x64 = torch.randn(1001, generator=g, dtype=torch.float64)
+    before = x64.clone()
+    tree_sum_of_squares(x64)
+    assert torch.equal(x64, before)
+
+
+def test_a_dense_codecs_norm_counts_its_zeros_and_a_sparse_codecs_only_its_kept_entries():
+    x = torch.randn(4096, generator=torch.Generator().manual_seed(4)) * torch.logspace(-3, 3, 4096).float()
+    x[::3] = 0.0
+    dense = make_codec("fp32")
+    row = [dense.encode(x[:2048]), dense.encode(x[2048:])]
+    decoded = [dense.decode(p) for p in row]
+    with_zeros = tree_sum_of_squares(decoded[0]) + tree_sum_of_squares(decoded[1])
+    assert with_zeros != (tree_sum_of_squares(decoded[0][decoded[0] != 0])
+                          + tree_sum_of_squares(decoded[1][decoded[1] != 0]))  # (the two trees differ here)
+    assert contribution_sq_norm(dense, row) == with_zeros
+    sparse = make_codec("sparseloco")
+    row = [sparse.encode(x[:2048]), sparse.encode(x[2048:])]
+    kept = [sparse.decode(p) for p in row]
+    assert contribution_sq_norm(sparse, row) == (tree_sum_of_squares(kept[0][kept[0] != 0])
+                                                 + tree_sum_of_squares(kept[1][kept[1] != 0]))
 
 
 def test_clip_weights_bound_every_norm_by_the_median():

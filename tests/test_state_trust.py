@@ -209,7 +209,7 @@ def _respelled(identity, signed: bytes) -> bytes:
 
     import msgpack
     from groundswell.protocol.envelope import Envelope
-    from groundswell.protocol.schema import PROTOCOL_VERSION, encode_message, packb
+    from groundswell.protocol.schema import PROTOCOL_VERSION, encode_message
 
     _, decision = unseal(signed, "unit", Decision)
     body = encode_message(decision)
@@ -219,7 +219,8 @@ def _respelled(identity, signed: bytes) -> bytes:
     body = body[:at] + b"\xd0\xff" + body[at + 1:]
     env = Envelope("unit", identity.peer_id, os.urandom(16), _time.time(), body, b"")
     sig = identity.sign(env.signed_part())
-    respelled = packb([PROTOCOL_VERSION, "unit", env.sender, env.nonce, env.timestamp, body, sig], len(body))
+    respelled = msgpack.packb([PROTOCOL_VERSION, "unit", env.sender, env.nonce, env.timestamp, body, sig],
+                              use_bin_type=True)
     assert unseal(respelled, "unit", Decision)[1] == decision and respelled != signed
     return respelled
 
