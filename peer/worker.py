@@ -40,6 +40,18 @@ def _grad_norm(params: list[torch.nn.Parameter]) -> torch.Tensor:
     return torch.nn.utils.clip_grad_norm_(params, float("inf"))  # older torch: scales each gradient by 1
 
 
+def allow_tf32_matmuls(device: torch.device) -> bool:
+    """On a CUDA device, let fp32 matmuls and convolutions use TF32 tensor cores (several times
+    faster on Ampere and later; torch turns it off by default). Only the inner steps run them, and
+    those are each peer's own: what peers must agree on bit for bit (the mean, the outer step,
+    the hashes) is elementwise or summed on the CPU. Returns whether it was turned on."""
+    if device.type != "cuda":
+        return False
+    torch.backends.cuda.matmul.allow_tf32 = True
+    torch.backends.cudnn.allow_tf32 = True
+    return True
+
+
 class InnerTrainer:
     """Runs inner AdamW steps on one model replica over one data shard."""
 
@@ -59,6 +71,7 @@ class InnerTrainer:
         self.model = workload.model.to(device)
         self.loss_fn = workload.loss_fn
         self.device = torch.device(device)
+        allow_tf32_matmuls(self.device)
         self.block_size = workload.block_size
         self.inner = inner
         self.optimizer = torch.optim.AdamW(

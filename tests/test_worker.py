@@ -6,7 +6,7 @@ import pytest
 import torch
 from groundswell.peer.config import DataSection, InnerSection
 from groundswell.peer.data import Corpus
-from groundswell.peer.worker import InnerTrainer
+from groundswell.peer.worker import InnerTrainer, allow_tf32_matmuls
 from groundswell.peer.workload import Workload
 from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
@@ -211,3 +211,13 @@ def test_a_state_saved_over_other_data_keeps_the_optimizer_and_starts_the_next_d
     moved = trainer("new")
     moved.load_progress_state(progress)
     assert (moved.sampler.epoch, moved.sampler.position, moved.step) == (1, 0, 5)
+
+
+def test_tf32_matmuls_are_allowed_on_cuda_devices_only(monkeypatch) -> None:
+    # (setting the flags needs no GPU; monkeypatch puts them back)
+    monkeypatch.setattr(torch.backends.cuda.matmul, "allow_tf32", False)
+    monkeypatch.setattr(torch.backends.cudnn, "allow_tf32", False)
+    assert not allow_tf32_matmuls(torch.device("cpu"))
+    assert not torch.backends.cuda.matmul.allow_tf32 and not torch.backends.cudnn.allow_tf32
+    assert allow_tf32_matmuls(torch.device("cuda:0"))
+    assert torch.backends.cuda.matmul.allow_tf32 and torch.backends.cudnn.allow_tf32
