@@ -21,6 +21,7 @@ import torch
 from groundswell.compression import all_finite
 from groundswell.protocol.envelope import unseal
 from groundswell.protocol.schema import Decision, ProtocolError, StateReply
+from groundswell.protocol.server import check_commit_members
 from groundswell.protocol.transport import PeerDead, PeerUnavailable
 
 from .records import HEARTBEAT_S
@@ -159,6 +160,11 @@ class StateCheck:
             raise ProtocolError("state's decision is not a commit signed by its leader")
         if decision.round == -1 and signer != self.coordinator:
             raise ProtocolError("a state of round 0 must carry the coordinator's genesis decision")
+        if decision.round >= 0:
+            # what a commit's own round's plan is not needed to check: in a closed run, an outsider
+            # can sign no commit a state may carry (its leader, contributors and next roles are the
+            # run's); in an open run it names at least min_peers contributors
+            check_commit_members(self.ctx, signer, decision)
         known = self.known_commit(decision.round)
         if known is not None and known[0] != reply.decision and known[1] != decision:
             raise ProtocolError(f"state's decision of round {decision.round} conflicts with the commit we hold",
@@ -259,14 +265,17 @@ class StateCheck:
         # of a made-up far-off round, and we would sit at that round for good (re-syncs ask for
         # newer states only). (A coordinator catching up after a restart holds joiners back until
         # it has: they are refused without a strike, and re-syncs try again after the next round.)
-        if not agree and signer is not None and round_id > signer.round + 1:
+        if not agree and signer is not None and round_id > signer.round:
             # Nobody confirms it and the coordinator, online (its record is live), has not got
-            # there: one peer's word alone for a round ahead of the run's signer. A state of its
-            # own making (its own commit before it, itself our next round's only leader) would
-            # park us up to UNCONFIRMED_LEAD rounds ahead, where no record could contradict it.
-            # An honest peer alone ahead is asked again after the coordinator catches up.
-            raise ProtocolError(f"state of round {round_id}, which no other peer confirms, is past the round "
-                                f"after the coordinator's record ({signer.round})", reason="unconfirmed", strike=False)
+            # there, though we waited for its record: one peer's word alone for a round ahead of
+            # the run's signer. A state of its own making (its own commit before it, itself our
+            # next round's leader) would be taken, and again at every re-sync, one round ahead of
+            # the coordinator each time, where no record could contradict it (found by a review:
+            # one round ahead was allowed). An honest server alone ahead costs a joiner little: the
+            # peers the coordinator vouches for serve the round before, and the round's aggregate
+            # then catches it up.
+            raise ProtocolError(f"state of round {round_id}, which no other peer confirms, is past the "
+                                f"coordinator's record ({signer.round})", reason="unconfirmed", strike=False)
         if signer is not None and self.ctx.allowlist is None and round_id > signer.round + UNCONFIRMED_LEAD:
             raise ProtocolError(f"state of round {round_id} is more than {UNCONFIRMED_LEAD} rounds past the "
                                 f"coordinator's record ({signer.round})", strike=False)

@@ -56,6 +56,30 @@ from .transport import PeerUnavailable, Presealed, Transport
 log = logging.getLogger(__name__)
 
 
+def check_commit_members(ctx: RoundContext, leader: str, d: Decision) -> None:
+    """The checks on a commit that need no plan of its round: at least `min_peers` distinct,
+    allowed, sorted contributors; a next membership that keeps them (trainers), its leader and
+    sources (servers), all allowed; one 16-byte digest per contribution and shard. ProtocolError
+    ("forged-decision") otherwise. Also for a commit that comes with a state, whose round's plan
+    a joiner cannot know."""
+    if (d.contributors != sorted(set(d.contributors)) or len(d.contributors) < ctx.min_peers
+            or not all(ctx.authorized(c) for c in d.contributors)):
+        raise ProtocolError("a commit needs min_peers distinct, allowed, sorted contributors",
+                            reason="forged-decision")
+    # The next round's membership is this commit's word alone (every later plan is drawn from it):
+    # a leader may add joiners and drop the silent, but never its own contributors (trainers),
+    # itself or the sources it sealed with (servers). Before, `servers = trainers = [itself]`
+    # passed, and one hostile leader held every role of every later round.
+    if (d.trainers != sorted(set(d.trainers)) or d.servers != sorted(set(d.servers))
+            or not set(d.contributors) <= set(d.trainers) or leader not in d.servers
+            or not set(d.sources) <= set(d.servers) or not all(ctx.authorized(t) for t in d.trainers)
+            or not all(ctx.may_serve(x) for x in d.servers)):
+        raise ProtocolError("a commit's next membership must list, sorted and allowed, its contributors as "
+                            "trainers and its leader and sources as servers", reason="forged-decision")
+    if len(d.digests) != d.num_shards * len(d.contributors) or any(len(x) != 16 for x in d.digests):
+        raise ProtocolError("a commit pins one 16-byte digest per contribution and shard", reason="forged-decision")
+
+
 @dataclass
 class _Attempt:
     """Everything this peer holds for one attempt of one round."""
@@ -259,28 +283,13 @@ class RoundServer(Aggregator, Leading, Claims, Decider):
             # reshuffle each attempt, so anyone leads one) must not commit the round in advance.
             raise ProtocolError(f"round {d.round} attempt {d.attempt} has not begun", reason="forged-decision",
                                 strike=False)  # or our clock is behind
-        if (d.contributors != sorted(set(d.contributors)) or len(d.contributors) < self.ctx.min_peers
-                or not all(self.ctx.authorized(c) for c in d.contributors)):
-            raise ProtocolError("a commit needs min_peers distinct, allowed, sorted contributors",
-                                reason="forged-decision")
+        check_commit_members(self.ctx, leader, d)
         # Its time opens the next round: every later attempt number is counted from it. Leaders'
         # clocks may differ by the allowed skew, no more: a time far off would stall the run.
         skew = self.ctx.limits.max_clock_skew_s
         if not (opened is None or opened - skew <= d.time) or d.time > time.time() + skew:
             raise ProtocolError(f"a commit's time must lie between its round's opening and now (within "
                                 f"{skew:g} s)", reason="forged-decision", strike=opened is not None)
-        # The next round's membership is this commit's word alone (every later plan is drawn from it):
-        # a leader may add joiners and drop the silent, but never its own contributors (trainers),
-        # itself or the sources it sealed with (servers). Before, `servers = trainers = [itself]`
-        # passed, and one hostile leader held every role of every later round.
-        if (d.trainers != sorted(set(d.trainers)) or d.servers != sorted(set(d.servers))
-                or not set(d.contributors) <= set(d.trainers) or leader not in d.servers
-                or not set(d.sources) <= set(d.servers) or not all(self.ctx.authorized(t) for t in d.trainers)
-                or not all(self.ctx.may_serve(s) for s in d.servers)):
-            raise ProtocolError("a commit's next membership must list, sorted and allowed, its contributors as "
-                                "trainers and its leader and sources as servers", reason="forged-decision")
-        if len(d.digests) != plan.num_shards * len(d.contributors) or any(len(x) != 16 for x in d.digests):
-            raise ProtocolError("a commit pins one 16-byte digest per contribution and shard", reason="forged-decision")
         if d.num_shards != plan.num_shards or len(d.sources) != plan.num_shards or any(
                 src not in plan.candidates(s)[:REPORTING_CANDIDATES] for s, src in enumerate(d.sources)):
             raise ProtocolError("a commit's sources must be its shards' aggregators", reason="forged-decision")

@@ -55,11 +55,15 @@ def _served_state(p, momentum: bool | torch.Tensor = True, round_id: int = 0):
     elif isinstance(momentum, torch.Tensor):
         tensors["momentum_buffer"] = momentum
     blob, digest = GlobalState(round_id, tensors, b"").blob_and_digest()
-    leader = COORDINATORS.get(p.coordinator_id) if round_id == 0 else Identity.generate()
+    closed = p.ctx.allowlist is not None  # (there only the run's peers sign and fill commits)
+    leader = COORDINATORS.get(p.coordinator_id) if round_id == 0 or closed else Identity.generate()
     leader = leader or Identity.generate()
-    decision = seal(leader, "unit", Decision(round=round_id - 1, attempt=0, status="commit", contributors=[],
-                                             trainers=[], servers=[leader.peer_id], leader=leader.peer_id, sources=[],
-                                             num_shards=0, time=time.time()))
+    # a commit as a leader signs one (genesis: no contributors), of the run's min_peers contributors
+    contributors = [] if round_id == 0 else sorted(p.ctx.allowlist)[:p.ctx.min_peers] if closed else sorted(
+        f"contributor-{i}" for i in range(p.ctx.min_peers))
+    decision = seal(leader, "unit", Decision(round=round_id - 1, attempt=0, status="commit", contributors=contributors,
+                                             trainers=contributors, servers=[leader.peer_id], leader=leader.peer_id,
+                                             sources=[], num_shards=0, time=time.time()))
     good = state_hash(decision, tensors["global_params"], tensors.get("momentum_buffer"))
     reply = StateReply(round_id, digest, decision, len(blob), params_hash=good)
     return reply, bytearray(blob), bulk_hasher().update(blob).hexdigest(), good
@@ -570,27 +574,67 @@ def test_the_swarms_tensors_with_a_commit_of_the_servers_making_are_refused(part
     assert asyncio.run(p.state_check().verify(reply, bytearray(blob), digest, "server", records)).round == 5
 
 
-def test_a_state_nobody_confirms_past_the_round_after_the_live_coordinators_is_refused(participant, monkeypatch):
+def test_a_state_nobody_confirms_past_the_live_coordinators_record_is_refused(participant, monkeypatch):
     """Found by a review of the state trust: one identity that copied the coordinator's (round,
     hash) into its record was asked first, and served a state of its own making for a round up to
     8 past the coordinator's, which nothing could contradict (no record covers a round the run has
     not reached): the joiner took it, and its commit, which names the hostile peer as the next
-    round's only leader. With the coordinator's record live, an unconfirmed state may be at most
-    one round past it (a server that applied the round a heartbeat before the coordinator)."""
+    round's leader. Then one round ahead stayed allowed (a server that applied the round a
+    heartbeat before the coordinator published it), and a later review took a forged state one
+    round ahead at every re-sync. Now, with the coordinator's record live (and waited for), an
+    unconfirmed state may not be past it at all."""
     from groundswell.peer import state_trust
 
     monkeypatch.setattr(state_trust, "COORDINATOR_WAIT_S", 0.05)
     monkeypatch.setattr(state_trust, "COORDINATOR_POLL_S", 0.01)
     p, coord = participant, participant.coordinator_id
     swarm = {coord: (10, "h10"), "a": (10, "h10"), "b": (10, "h10"), "server": (10, "h10")}
-    for lead in (2, 3, 8):
-        with pytest.raises(ProtocolError, match="past the round after the coordinator's record"):
+    for lead in (1, 2, 3, 8):
+        with pytest.raises(ProtocolError, match="past the coordinator's record"):
             _check(p, swarm, "server", round_id=10 + lead)
-    assert _check(p, swarm, "server", round_id=11).round == 11
+    assert _check(p, {**swarm, coord: (11, "good")}, "server", round_id=11).round == 11  # its word
     assert _check(p, swarm, coord, round_id=13).round == 13  # the coordinator's own: its word
     # confirmed by another peer's record, or with no coordinator record (offline): the rules before
     assert _check(p, {**swarm, "c": (12, "good")}, "server", round_id=12).round == 12
     assert _check(p, {k: v for k, v in swarm.items() if k != coord}, "server", round_id=12).round == 12
+
+
+def test_a_states_commit_must_be_one_the_run_could_have_made(participant):
+    """Found by a review of the state trust: a state's commit was checked only for its leader's
+    signature, so in a closed run an outsider could sign the commit a state carries (naming
+    itself leader, only contributor and only server). Now the checks a commit's round plan is not
+    needed for apply: min_peers distinct allowed contributors, allowed roles, a digest each."""
+    import time
+
+    from groundswell.peer.state_trust import StateReply
+    from groundswell.protocol.envelope import seal
+    from groundswell.protocol.identity import Identity
+    from groundswell.protocol.schema import Decision
+
+    p = participant
+    check = p.state_check()
+    outsider = Identity.generate()
+    members = sorted(f"member-{i}" for i in range(max(2, p.ctx.min_peers)))
+
+    def reply(signer, contributors, servers=None):
+        d = Decision(round=4, attempt=0, status="commit", contributors=contributors, trainers=contributors,
+                     servers=servers or [signer.peer_id], leader=signer.peer_id, sources=[], num_shards=0,
+                     time=time.time())
+        return StateReply(5, "0" * 64, seal(signer, "unit", d), 1, params_hash="h")
+
+    check.check_decision(reply(outsider, members))  # an open run: anyone may lead and contribute
+    with pytest.raises(ProtocolError, match="min_peers distinct"):
+        check.check_decision(reply(outsider, members[:1] * p.ctx.min_peers if p.ctx.min_peers > 1 else []))
+    with pytest.raises(ProtocolError, match="sorted contributors"):
+        check.check_decision(reply(outsider, list(reversed(members))))
+    p.ctx = dataclasses.replace(p.ctx, allowlist=frozenset(members))
+    check = p.state_check()
+    with pytest.raises(ProtocolError, match="next membership"):
+        check.check_decision(reply(outsider, members))  # a closed run: an outsider signs no commit
+    leader = COORDINATORS[p.coordinator_id]  # the coordinator may serve in its closed run
+    check.check_decision(reply(leader, members))
+    with pytest.raises(ProtocolError, match="allowed"):
+        check.check_decision(reply(leader, sorted(members[:-1] + [outsider.peer_id])))
 
 
 @pytest.mark.parametrize("sybils", [1, 3, 5])
