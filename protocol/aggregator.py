@@ -43,6 +43,7 @@ FUTURE_ROUNDS = 3  # contributions and joins further ahead of our newest commit 
 # Contributions held for this many attempts of a round before the newest: claims look 4 back, and a
 # stand-in that scores contributions and replaces a failed source may still be deciding one 5 back.
 KEEP_ATTEMPTS = 6
+MAX_SEALS_PER_LEADER = 8  # distinct commits of one attempt one leader may have us build (an honest one: <= 4)
 SEALED_BY_ANOTHER = "this attempt is already sealed under another leader's decision"
 LATER_ATTEMPT_CLAIMED = "a later attempt of this round was claimed here"
 COMMITTED_OTHERWISE = "the round is already committed otherwise"
@@ -193,6 +194,12 @@ class Aggregator(HaveReporter):
                 return refusal
             if slot.sealed == msg.decision:
                 return Ack(True, "")  # the same seal again (a retransmission): built already, not rebuilt
+            if slot.seals_built.get(decision.leader, 0) >= MAX_SEALS_PER_LEADER:
+                # An honest leader re-seals only to replace a failed source, a few times at most;
+                # each seal rebuilds every shard we source (seconds of a dense model's means), so
+                # one leader's endless variants (another `time` each) would keep us building.
+                return Ack(False, f"more than {MAX_SEALS_PER_LEADER} commits of this attempt from one leader")
+            slot.seals_built[decision.leader] = slot.seals_built.get(decision.leader, 0) + 1
             # The commit's shape (digests per contribution and shard, sources among the candidates,
             # contributors) as any peer checks it when it is announced: a leader's seal is held to it
             # first, or a short digest list would let contributions we do not hold through.
@@ -219,10 +226,6 @@ class Aggregator(HaveReporter):
             built = await asyncio.to_thread(self._build_jobs, msg.decision, jobs)
             if (refusal := self._seal_refusal(decision, msg.decision, slot)) is not None:
                 return refusal
-            if slot.voided_by == decision.leader:  # checked after the last await: nothing runs between it and the seal
-                # Its retry overtook this seal (sent before it, answered late): the commit was taken
-                # back, and its contributors were told "retry"; sealed now, a later leader could adopt it.
-                return Ack(False, "this leader took its commits of the attempt back")
             slot.sealed = msg.decision  # not in the book yet: the leader announces it once it holds every shard
             for shard, agg in built.items():
                 self.archive(decision.round, shard, agg)
@@ -236,6 +239,11 @@ class Aggregator(HaveReporter):
         committed = self.book.committed.get(decision.round)
         if committed is not None and committed[0] != signed:
             return Ack(False, f"round {decision.round} is already committed")
+        if decision.leader in slot.voided_by:  # (checked after a build too: nothing runs between that and the seal)
+            # Its retry overtook this seal (sent before it, answered late): the commit was taken
+            # back, and its contributors were told "retry"; sealed now, a later leader could adopt
+            # it. A set: a fellow leader's retry once replaced the name, and the seal went through.
+            return Ack(False, "this leader took its commits of the attempt back")
         if self.later_claims.get(decision.round, -1) > decision.attempt and slot.sealed != signed:
             # We let a later attempt's leader decide, having seen no seal of this one: a leader
             # that froze or stalled while deciding this attempt must not commit the round too.
@@ -300,7 +308,7 @@ class Aggregator(HaveReporter):
         """A leader that sealed a commit here and then decided retry takes the commit back: it was
         never announced (the leader could not gather it), so later claimers must not be handed it."""
         if slot.sealed is None:
-            slot.voided_by = retry.leader  # a seal of its still on the way is refused when it lands
+            slot.voided_by.add(retry.leader)  # a seal of its still on the way is refused when it lands
             return Ack(True, "")
         _, sealed = unseal(slot.sealed, self.ctx.run_id, Decision)
         if sealed.leader != retry.leader:
@@ -311,7 +319,8 @@ class Aggregator(HaveReporter):
             return Ack(False, LATER_ATTEMPT_CLAIMED)
         for key in [k for k, agg in self.aggregates.items() if k[0] == retry.round and agg.decision == slot.sealed]:
             del self.aggregates[key]
-        slot.sealed, slot.voided_by = None, retry.leader
+        slot.sealed = None
+        slot.voided_by.add(retry.leader)
         return Ack(True, "")
 
     def _build(self, signed: bytes, shard: int, held: list[tuple[int, list[bytes], bytes]], first: int,

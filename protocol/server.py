@@ -104,7 +104,8 @@ class _Attempt:
     decision: bytes | None = None  # signed decision of this attempt (as leader, or learned)
     sealed: bytes | None = None  # the commit this peer sealed as an aggregator
     confirmed: bytes | None = None  # ... the one its leader confirmed before announcing it: final for later claimers
-    voided_by: str | None = None  # as an aggregator: the leader that took its commits of this attempt back
+    voided_by: set[str] = field(default_factory=set)  # as an aggregator: leaders that took their commits back
+    seals_built: dict[str, int] = field(default_factory=dict)  # as an aggregator: leader -> distinct seals built
     sealing: asyncio.Lock = field(default_factory=asyncio.Lock)  # as an aggregator: one seal is built at a time
     changed: asyncio.Event = field(default_factory=asyncio.Event)
     leading: bool = False

@@ -215,7 +215,7 @@ def test_a_seal_that_lands_after_its_leader_retried_is_refused(make_cluster):
     assert lost, "the slow aggregator was never sent a seal"
     server = c.nodes[slow].server
     deadline = time.monotonic() + 10  # the retry reaches it in the background
-    while server.attempts[(0, 0)].voided_by is None and time.monotonic() < deadline:
+    while not server.attempts[(0, 0)].voided_by and time.monotonic() < deadline:
         time.sleep(0.1)
     for leader, commit in lost:  # ... and now the seals land
         ack = c.nodes[slow].call(server._on_seal(leader, Seal(commit)), timeout_s=10)
