@@ -60,7 +60,10 @@ class DiLoCo(OuterOptimizer):
         # (`scaled` does not matter here: as on time, a counted contribution's progress is taken
         # whole, clipped or not.) Left out, the rebase kept all progress since the old global parameters, the sent
         # pseudo-gradient (global - local, so minus that progress) included; absorbed, it keeps
-        # only what came after. The difference is `sent`.
+        # only what came after. The difference is `sent`, as decoded: with a lossy codec (int8)
+        # the encoding's rounding error stays in the local progress and goes out again next round,
+        # where on time the reset to the new global parameters drops it (a review measured
+        # 1.5e-4 against a largest delta of 3.9e-2; nothing is counted twice, fp32 has none).
         copy_into_parameters(self.local_vector() + sent, self.params)
 
     def _outer_step(self, mean: torch.Tensor) -> torch.Tensor:

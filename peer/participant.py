@@ -192,12 +192,22 @@ class Participant:
         return True
 
     async def _score(self, round_id: int, updates: dict[str, torch.Tensor]) -> dict[str, float]:
-        """Score contributions as the round's leader (in a worker thread: the loop keeps serving)."""
+        """Score contributions as the round's leader (in a worker thread: the loop keeps serving)
+        against the parameters they were made from: the published state of their round."""
         scorer = self.scorer
         assert scorer is not None
+        # Not `outer.global_params`: the training thread moves those on, and a leader that applies
+        # rounds late (overlap), or is still fetching the round before, would score this round's
+        # updates from the wrong parameters (found by a review). Without them, no scores: the
+        # decision commits unscored, and says why.
+        snap = self._snapshot
+        if snap is None or snap.round != round_id:
+            raise RuntimeError(f"the parameters of round {round_id} are not at hand here (published: "
+                               f"{'none' if snap is None else f'round {snap.round}'})")
+        params = snap.tensors["global_params"]
 
         def score() -> dict[str, float]:  # (the copy too: 100 MB at 25M parameters would stall the loop)
-            return scorer(self.outer.global_params.detach().cpu().clone(), updates, cancelled)
+            return scorer(params.detach().cpu().clone(), updates, cancelled)
 
         cancelled = threading.Event()
         try:

@@ -107,7 +107,7 @@ def test_a_scoring_given_up_on_stops_at_the_next_update(monkeypatch):
         return real_evaluate(model, loss_fn, batches)
 
     monkeypatch.setattr(scoring, "evaluate", slow_evaluate)
-    me = SimpleNamespace(scorer=scorer, outer=SimpleNamespace(global_params=g))
+    me = SimpleNamespace(scorer=scorer, _snapshot=SimpleNamespace(round=0, tensors={"global_params": g}), events=None)
 
     async def give_up_soon() -> None:
         async with asyncio.timeout(0.45):
@@ -118,6 +118,38 @@ def test_a_scoring_given_up_on_stops_at_the_next_update(monkeypatch):
     assert scorer._busy.acquire(timeout=30)  # the thread let go of the scratch model
     scorer._busy.release()
     assert len(calls) <= 3, f"{len(calls)} of 7 evaluations ran after the scoring was given up on"
+
+
+def test_a_leader_scores_only_against_the_parameters_of_the_updates_round():
+    # Found by a review: the leader scored with whatever parameters its training thread held,
+    # those of the round before when it applies rounds late (overlap) or still fetched one.
+    import asyncio
+    from types import SimpleNamespace
+
+    from groundswell.peer.participant import Participant
+
+    corpus = load_corpus("stdlib")
+    scorer = ContributionScorer(_manifest(), corpus)
+    g = torch.nn.utils.parameters_to_vector(scorer.params).detach().clone()
+    ups = {"a": torch.zeros_like(g)}
+    seen = []
+    events = SimpleNamespace(write=lambda *a, **kw: None)
+
+    def scoring(params, updates, cancelled):
+        seen.append(params)
+        return {who: 0.0 for who in updates}
+
+    for published in (None, 4, 6):
+        me = SimpleNamespace(scorer=scoring, events=events, identity=SimpleNamespace(peer_id="me"),
+                             manifest=SimpleNamespace(defences=SimpleNamespace(score_threshold=0.0)),
+                             _snapshot=None if published is None else SimpleNamespace(
+                                 round=published, tensors={"global_params": g + published}),
+                             outer=SimpleNamespace(global_params=g + 100, round_id=5))
+        with pytest.raises(RuntimeError, match="parameters of round 5 are not at hand"):
+            asyncio.run(Participant._score(me, 5, ups))
+    me._snapshot = SimpleNamespace(round=5, tensors={"global_params": g + 5})
+    assert asyncio.run(Participant._score(me, 5, ups)) == {"a": 0.0}
+    assert len(seen) == 1 and torch.equal(seen[0], g + 5)
 
 
 @pytest.mark.slow
