@@ -238,6 +238,10 @@ class DirectServer:
                 # and makes no room at others' expense
                 self.refused += 1
                 conn.close()
+                # `sock_accept` returns at once while the backlog holds more: without a yield here,
+                # one source connecting faster than it is refused held the whole event loop
+                # (heartbeats, rounds), found by a review
+                await asyncio.sleep(0)
                 continue
             if len(self._waiting) >= MAX_SILENT:
                 # Connections that send no token (anyone can open them, from many addresses) must

@@ -708,6 +708,46 @@ def test_a_source_holds_few_silent_connections_and_makes_no_room_at_others_expen
     assert size == direct.sealed_size(len(blob))
 
 
+def test_refusing_a_burst_from_one_source_lets_the_event_loop_run_between_refusals(monkeypatch):
+    # Found by a review: `sock_accept` returns at once while the backlog holds more connections,
+    # and the refusal path did not yield, so a source connecting faster than it was refused held
+    # the whole event loop (60 refusals in one turn here).
+    import socket
+    import time
+
+    monkeypatch.setattr(direct, "CAP_LOOPBACK", True)
+
+    async def go():
+        server = DirectServer()
+        port = await server.start("127.0.0.1")
+        silent = [socket.create_connection(("127.0.0.1", port)) for _ in range(direct.MAX_SILENT_PER_SOURCE)]
+        burst = []
+        try:
+            await asyncio.sleep(0.2)  # the source's share of silent connections is taken
+            for _ in range(60):  # arriving between two turns of the loop: all in the backlog
+                sock = socket.socket()
+                sock.setblocking(False)
+                try:
+                    sock.connect(("127.0.0.1", port))
+                except BlockingIOError:
+                    pass
+                burst.append(sock)
+            time.sleep(0.05)
+            seen = [server.refused]
+            while seen[-1] < 60 and len(seen) < 5000:
+                await asyncio.sleep(0)
+                seen.append(server.refused)
+            return seen
+        finally:
+            for sock in burst + silent:
+                sock.close()
+            await server.close()
+
+    seen = _run(go())
+    jumps = [b - a for a, b in zip(seen, seen[1:])]
+    assert seen and max(jumps, default=0) <= 2, f"refusals per loop turn: {sorted(set(jumps))}"
+
+
 def test_loopback_joiners_are_not_bounded_per_source():
     # `groundswell simulate` runs every peer on 127.0.0.1 and its joiners sync at once: a burst of
     # connections that have not sent their token yet, all from one address, is served whole
