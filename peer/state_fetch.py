@@ -17,6 +17,12 @@ from groundswell.protocol.transport import PeerUnavailable
 from .dht_rejoin import LOOPBACK
 from .holepunch import punchable
 
+# What the direct attempt leaves of the per-server time for the stream, should it fail: the
+# blob at this rate plus a margin. (A server that trickles a piece just inside the stall bound
+# was never "stalled", and used to spend the whole budget: the fallback never ran.)
+FALLBACK_RATE = 20e6
+FALLBACK_MARGIN_S = 10.0
+
 log = logging.getLogger(__name__)
 
 
@@ -87,7 +93,7 @@ async def fetch_state(node: Any, peer: str, min_round: int, size: Callable[[Stat
     if host is not None and len(reply.direct_token) == TOKEN_BYTES:  # (any shorter is no token of ours to send)
         try:
             blob = await fetch_direct(host, reply.direct_port, reply.direct_token, reply.direct_key, reply.size,
-                                      timeout_s=left())
+                                      timeout_s=direct_time(left(), reply.size))
             node.direct_received += wire_size(reply.size)
             # Opened under a key only `peer` and we hold: these are the bytes `peer` sealed for us,
             # so its signed digest stands for them (a second pass to hash them would prove nothing
@@ -98,3 +104,10 @@ async def fetch_state(node: Any, peer: str, min_round: int, size: Callable[[Stat
     reply, blob, digest = await t.request_bulk(peer, "get-state", StateRequest(min_round), StateReply,
                                                timeout_s=reply_within(), trailer_size=size, trailer_timeout_s=blob_within)
     return reply, blob, digest, "stream"
+
+
+def direct_time(left_s: float, size: int) -> float:
+    """Seconds the direct download of a `size`-byte blob may take, of `left_s`: what the stream
+    would need after it, were it to fail, stays unspent (at least a tenth of what is left goes
+    to the direct try)."""
+    return max(left_s / 10, left_s - (size / FALLBACK_RATE + FALLBACK_MARGIN_S))

@@ -444,6 +444,50 @@ def test_a_server_that_stalls_costs_the_joiner_the_stall_bound_not_its_budget(mo
     assert got == blob and via == "stream" and took < 2.5
 
 
+def test_a_server_that_trickles_leaves_the_stream_time_to_fetch_the_state(monkeypatch):
+    # Found by a review: a piece just inside the stall bound each time is never "stalled", and the
+    # direct try took the joiner's whole budget for that server: the stream fallback never ran.
+    import time
+
+    from groundswell.peer import state_fetch
+
+    monkeypatch.setattr(direct, "STALL_S", 0.5)
+    monkeypatch.setattr(direct, "SEAL_PIECE", 1024)
+    monkeypatch.setattr(state_fetch, "FALLBACK_MARGIN_S", 2.0)
+    blob = os.urandom(100_000)  # ~100 pieces at one per 0.2 s: 20 s, far past the budget
+
+    async def trickle(reader, writer):  # a sealed piece each 0.2 s, well inside the stall bound
+        from cryptography.hazmat.primitives.ciphers.aead import AESGCM
+
+        aead = AESGCM(b"k" * 32)  # the fake node's reply's key
+        await reader.readexactly(32)
+        writer.write(direct.sealed_size(len(blob)).to_bytes(8, "big"))
+        try:
+            for i, start in enumerate(range(0, len(blob), 1024)):
+                writer.write(aead.encrypt(direct._nonce(i), blob[start:start + 1024], None))
+                await writer.drain()
+                await asyncio.sleep(0.2)
+        except (ConnectionError, asyncio.CancelledError):
+            pass
+        finally:
+            writer.close()
+
+    async def go():
+        server = await asyncio.start_server(trickle, "127.0.0.1", 0)
+        port = server.sockets[0].getsockname()[1]
+        try:
+            start = time.monotonic()
+            node = _fake_node(blob, port, "/ip4/127.0.0.1/tcp/4001", [])
+            _reply, got, _digest, via = await state_fetch.fetch_state(node, "peer", 0, lambda r: r.size, timeout_s=5,
+                                                                      reply_timeout_s=1)
+            return bytes(got), via, time.monotonic() - start
+        finally:
+            server.close()
+
+    got, via, took = _run(go())
+    assert got == blob and via == "stream" and took < 4.5
+
+
 def test_direct_downloads_go_only_to_a_plain_tcp_address():
     from groundswell.peer.state_fetch import direct_host
 
