@@ -19,7 +19,7 @@ import msgpack
 from groundswell.compression.wire_bounds import count_objects
 from groundswell.compression.wire_pack import pack
 
-PROTOCOL_VERSION = 17  # 2: claims carry `fence`; the state follows its reply as a raw trailer; 3: envelopes sign the
+PROTOCOL_VERSION = 18  # 2: claims carry `fence`; the state follows its reply as a raw trailer; 3: envelopes sign the
 # body's sha256; 4: payload wire version 2 (sparseloco's Elias-Fano indices), so mixed peers refuse each other up front,
 # and BLAKE3 instead of SHA-256 for bulk hashes (envelope bodies, contribution digests, the state blob); 5: state
 # requests and replies may move the blob over a direct TCP connection; 6: that blob is sealed (AES-256-GCM, the key in the
@@ -34,7 +34,8 @@ PROTOCOL_VERSION = 17  # 2: claims carry `fence`; the state follows its reply as
 # before the state, and a dense mean's shard says by how much it clipped each contributor it names (`weights`); 15:
 # clipping's reference is the median of the non-zero norms, and a peer record expires at its signed time plus its TTL;
 # 16: a peer record names the round its loss was measured after (`loss_round`); 17: a contribution's norm for clipping
-# is summed by another fixed tree (contiguous halves), and a dense codec's zeros are in it
+# is summed by another fixed tree (contiguous halves), and a dense codec's zeros are in it; 18: the published state hash
+# has all 256 bits (64 hex digits), not 64
 MAX_ID = 128  # peer ids, run ids, reasons and other short strings
 MAX_LIST = 4096  # peer lists, shard lists
 MAX_SMALL = 1 << 20  # a control message never needs more than this
