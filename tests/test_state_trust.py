@@ -697,3 +697,11 @@ def test_a_volunteer_catches_up_with_most_peers_while_the_coordinators_record_la
     node.holders = lambda r: PeerRecords.holders(node, r)
     p.node = node
     assert p.catch_up(fresh=False) == 4 and p.outer.round_id == 15
+
+
+def test_the_published_state_hash_keeps_all_256_bits(participant):
+    # Found by a review: 64 bits, with the commit hashed after the parameters, let a leader try
+    # commit times over one hashed copy of the parameters and find two states of one hash.
+    reply, _blob, _digest, good = _served_state(participant, round_id=3)
+    assert len(good) == 64 and int(good, 16) >= 0 and reply.params_hash == good
+    assert participant.outer_hash() == "" or len(participant.outer_hash()) == 64
