@@ -23,7 +23,8 @@ requester holds at most one ticket (a new one replaces it) and one download (red
 ticket ends the one before); at most `MAX_TICKETS` tickets are out at once (past that a request
 is answered busy; `TICKETS_KEPT_FOR_CONTRIBUTORS` of them go only to contributors); at most
 `MAX_CONNECTIONS` downloads run at once; a download whose reader takes no piece for `STALL_S`
-seconds is ended, and none runs longer than the longest a joiner waits for a blob of its size
+seconds is ended, as is one that, past its first `RATE_GRACE_S`, has read less than half of
+what it would by now at the rate that finishes in time; and none runs longer than the longest a joiner waits for a blob of its size
 (`serve_timeout_s`), so a reader that stalls neither holds a slot for long nor keeps an old state
 in memory. Connections that have not sent their token yet
 hold no download slot: at most `MAX_SILENT` of them are kept (the oldest goes to make room), and
@@ -73,6 +74,8 @@ MAX_SILENT = 64
 # state it pins) this soon, not after the whole download's time. The joiner holds the server to
 # the same bound: a server that stops sending costs it this, not its whole budget for that server.
 STALL_S = 20.0
+RATE_GRACE_S = 20.0  # a download's first seconds, before its rate is held to RATE_SHARE of what finishes in time
+RATE_SHARE = 0.5
 # Connections that have not sent their token yet, per source address (an IPv6 /64 counts as one):
 # a joiner sends its token at once, so this is only reached by connections opened to hold slots,
 # and the source's next ones are refused instead of making other sources' connections room.
@@ -306,7 +309,14 @@ class DirectServer:
             async with asyncio.timeout(serve_timeout_s(len(src))), asyncio.timeout(STALL_S) as stall:
                 await loop.sock_sendall(conn, _LEN.pack(sealed_size(len(src))))
                 self.bytes_sent += _LEN.size
+                began, needed = loop.time(), len(src) / serve_timeout_s(len(src))  # bytes/s to finish in time
                 for i, start in enumerate(range(0, len(src), SEAL_PIECE)):
+                    if (took := loop.time() - began) > RATE_GRACE_S and start < RATE_SHARE * needed * took:
+                        # A reader that takes a piece just inside the stall bound never stalls, and
+                        # held its slot and this (perhaps superseded) state for the whole serve time:
+                        # 16 of them kept old multi-GB states alive for ~50 KB/s each (a review). At
+                        # under half the rate that finishes in time, it would not finish anyway.
+                        raise TimeoutError(f"reader too slow: {start} bytes in {took:.0f} s")
                     stall.reschedule(loop.time() + STALL_S)
                     piece = src[start:start + SEAL_PIECE]
                     sealed = slot[:len(piece) + SEAL_TAG]

@@ -667,6 +667,59 @@ def test_readers_that_stop_reading_free_their_slots_and_the_state(monkeypatch):
     assert fetched and blob_left is None and refused >= direct.MAX_CONNECTIONS
 
 
+def test_a_reader_too_slow_to_finish_in_time_is_cut_off_and_frees_the_state(monkeypatch):
+    # Found by a review: a reader taking a piece just inside the stall bound never stalled, and
+    # held its slot and the state (perhaps one several rounds old) for the whole serve time.
+    import gc
+    import threading
+    import weakref
+
+    monkeypatch.setattr(direct, "STALL_S", 5.0)  # (TCP's window updates to a slow reader take up to ~1 s here)
+    monkeypatch.setattr(direct, "SEAL_PIECE", 16 << 10)  # a piece goes out with each read: never stalled
+    monkeypatch.setattr(direct, "RATE_GRACE_S", 0.5)
+    monkeypatch.setattr(direct, "RATE_SHARE", 20.0)  # (loopback buffers hold MBs: a high bar shows it in a second)
+
+    class _Blob(bytearray):
+        pass
+
+    stop = threading.Event()
+
+    def trickle_reader(sock: socket.socket) -> None:  # 256 KiB each 0.2 s: never stalled
+        while not stop.is_set():
+            try:
+                if not sock.recv(256 << 10):
+                    return
+            except OSError:
+                return
+            stop.wait(0.2)
+
+    async def go():
+        server = DirectServer()
+        port = await server.start("127.0.0.1")
+        sock = socket.create_connection(("127.0.0.1", port))
+        reader = threading.Thread(target=trickle_reader, args=(sock,), daemon=True)
+        try:
+            blob = _Blob(64 << 20)
+            alive = weakref.ref(blob)
+            token, _ = server.offer(blob, "slow")
+            del blob
+            sock.sendall(token)
+            reader.start()
+            await asyncio.sleep(3.0)
+            gc.collect()
+            fresh = os.urandom(8 << 20)  # an honest reader on the same port is served meanwhile
+            got = await fetch_direct("127.0.0.1", port, *server.offer(fresh, "joiner"), len(fresh))
+            return alive(), server.refused, bytes(got) == fresh
+        finally:
+            stop.set()
+            sock.close()
+            reader.join(5)
+            await server.close()
+
+    blob_left, refused, fetched = _run(go())
+    assert blob_left is None and refused >= 1 and fetched
+
+
 def test_a_requester_holds_one_ticket_and_cannot_push_out_anothers():
     # one peer asking again and again used to push every other peer's ticket out (oldest first)
     blob_a, blob_b = os.urandom(5000), os.urandom(6000)
