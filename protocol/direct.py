@@ -22,7 +22,8 @@ Bounds (a ticket needs no stream upload slot, so the port bounds its own downloa
 requester holds at most one ticket (a new one replaces it) and one download (redeeming a new
 ticket ends the one before); at most `MAX_TICKETS` tickets are out at once (past that a request
 is answered busy; `TICKETS_KEPT_FOR_CONTRIBUTORS` of them go only to contributors); at most
-`MAX_CONNECTIONS` downloads run at once; a download whose reader takes no piece for `STALL_S`
+`MAX_CONNECTIONS` downloads run at once (`DOWNLOADS_KEPT_FOR_CONTRIBUTORS` of them only on
+contributors' tickets); a download whose reader takes no piece for `STALL_S`
 seconds is ended, as is one that, past its first `RATE_GRACE_S`, has read less than half of
 what it would by now at the rate that finishes in time; and none runs longer than the longest a joiner waits for a blob of its size
 (`serve_timeout_s`), so a reader that stalls neither holds a slot for long nor keeps an old state
@@ -63,6 +64,7 @@ TOKEN_WAIT_S = 5.0  # a connection that has not sent its token by then is closed
 MAX_TICKETS = 64
 TICKETS_KEPT_FOR_CONTRIBUTORS = 16  # of those, tickets only requesters the node vouches for may take
 MAX_CONNECTIONS = 16  # concurrent downloads: connections that sent a valid token
+DOWNLOADS_KEPT_FOR_CONTRIBUTORS = 4  # of those, downloads only requesters the node vouches for may hold
 # Connections that have not sent their token yet, kept apart from the downloads: anyone can open
 # them (no ticket needed), so they take no download slot, and past this many the oldest is
 # dropped whatever its age. A joiner sends its token within a round trip of connecting, so it is
@@ -163,6 +165,7 @@ class DirectServer:
         self._waiting: OrderedDict[asyncio.Task, str | None] = OrderedDict()
         self._silent: Counter[str] = Counter()  # of those, how many per source (`source_of`)
         self._serving: dict[str, asyncio.Task] = {}  # the download under way per requester
+        self._vouched: set[str] = set()  # those of `_serving`'s requesters whose ticket was a vouched one
         self._expiry: asyncio.TimerHandle | None = None  # drops expired tickets (and their blobs)
         self.port = 0
         self.served = 0  # blobs sent whole
@@ -183,6 +186,7 @@ class DirectServer:
         """Stop listening, end every download in progress, forget every ticket."""
         self._tickets.clear()
         self._serving.clear()
+        self._vouched.clear()
         if self._expiry is not None:
             self._expiry.cancel()
             self._expiry = None
@@ -293,14 +297,22 @@ class DirectServer:
                 return
             requester = ticket.requester
             earlier = self._serving.get(requester)
-            if earlier is None and len(self._serving) >= MAX_CONNECTIONS:
-                # every download slot is taken (only connections with a valid token hold one): the
-                # joiner falls back to the stream
+            strangers = sum(1 for r in self._serving if r not in self._vouched)
+            if earlier is None and (len(self._serving) >= MAX_CONNECTIONS or (
+                    not ticket.vouched and strangers >= MAX_CONNECTIONS - DOWNLOADS_KEPT_FOR_CONTRIBUTORS)):
+                # every download slot open to this requester is taken (only connections with a
+                # valid token hold one): the joiner falls back to the stream. Some are kept for
+                # the peers we vouch for: tickets kept for them were of no use while slow readers
+                # under fresh identities held every slot (a review).
                 self.refused += 1
                 return
             if earlier is not None and earlier is not me:
                 earlier.cancel()  # one download per requester: its newer ticket ends the one before
             self._serving[requester] = me
+            if ticket.vouched:
+                self._vouched.add(requester)
+            else:
+                self._vouched.discard(requester)
             src, aead = memoryview(ticket.blob).cast("B"), AESGCM(ticket.key)
             ticket = None
             slot = memoryview(bytearray(min(SEAL_PIECE, len(src)) + SEAL_TAG))
@@ -340,6 +352,7 @@ class DirectServer:
             self._heard(me)
             if requester is not None and self._serving.get(requester) is me:
                 del self._serving[requester]
+                self._vouched.discard(requester)
             conn.close()
 
 

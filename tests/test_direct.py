@@ -175,6 +175,7 @@ def test_only_connections_with_a_valid_token_hold_download_slots(monkeypatch):
     # Silent connections (a burst of joiners, or anyone's) take no download slot; downloads do,
     # and one past them is refused (the joiner falls back to the stream) until one ends.
     monkeypatch.setattr(direct, "MAX_CONNECTIONS", 2)
+    monkeypatch.setattr(direct, "DOWNLOADS_KEPT_FOR_CONTRIBUTORS", 0)  # (strangers all)
     blob = os.urandom(50_000)
     whole = 8 + direct.sealed_size(len(blob))
 
@@ -718,6 +719,43 @@ def test_a_reader_too_slow_to_finish_in_time_is_cut_off_and_frees_the_state(monk
 
     blob_left, refused, fetched = _run(go())
     assert blob_left is None and refused >= 1 and fetched
+
+
+def test_strangers_cannot_hold_the_download_slots_kept_for_contributors(monkeypatch):
+    # Found by a review: tickets were kept for the peers a node vouches for, but every download
+    # slot was open to anyone, so slow readers under fresh identities held them all.
+    monkeypatch.setattr(direct, "STALL_S", 10.0)
+    monkeypatch.setattr(direct, "RATE_GRACE_S", 30.0)
+    open_to_strangers = direct.MAX_CONNECTIONS - direct.DOWNLOADS_KEPT_FOR_CONTRIBUTORS
+
+    async def go():
+        server = DirectServer()
+        port = await server.start("127.0.0.1")
+        held = []
+        try:
+            blob = bytearray(64 << 20)  # more than the sockets buffer: each download waits on its reader
+            for i in range(open_to_strangers):
+                token, _ = server.offer(blob, f"sybil{i}")
+                s = socket.create_connection(("127.0.0.1", port))
+                s.sendall(token)  # and never read
+                held.append(s)
+            await asyncio.sleep(0.5)
+            refused_before = server.refused
+            token, key = server.offer(blob, "one-more-stranger")
+            with pytest.raises(ConnectionError):
+                await fetch_direct("127.0.0.1", port, token, key, len(blob), timeout_s=5)
+            stranger_refused = server.refused > refused_before
+            fresh = os.urandom(1 << 20)
+            got = await fetch_direct("127.0.0.1", port, *server.offer(fresh, "contributor", vouched=True), len(fresh),
+                                     timeout_s=5)
+            return stranger_refused, bytes(got) == fresh
+        finally:
+            for s in held:
+                s.close()
+            await server.close()
+
+    stranger_refused, contributor_served = _run(go())
+    assert stranger_refused and contributor_served
 
 
 def test_a_requester_holds_one_ticket_and_cannot_push_out_anothers():
