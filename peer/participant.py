@@ -340,7 +340,7 @@ class Participant:
             self.snapshot()
             # the hash of a round applied in catching up counts in the run's agreement like any other
             self.events.write("follow", round=r, hash=self.hash_history.get(self.outer.round_id),
-                              peer=self.identity.peer_id)
+                              eval_loss=self._eval_if_due(r), peer=self.identity.peer_id)
             applied += 1
         return applied
 
@@ -358,6 +358,17 @@ class Participant:
         return not comparable or sum(comparable) * 2 >= len(comparable)
 
     # --- evaluation and checkpoints ---------------------------------------------------------------
+    def _eval_if_due(self, r: int) -> float | None:
+        """The coordinator's held-out loss after round `r` where the run evaluates that round
+        (as after a round it took part in: a round caught up on used to go unevaluated, and the
+        run's loss curve had holes where the coordinator had fallen behind); else None."""
+        if self.identity.peer_id != self.coordinator_id or (r + 1) % self.manifest.eval.every_rounds:
+            return None
+        loss = self.eval_global()
+        if loss == loss:
+            self.node.update_record(loss=loss, loss_round=r)
+        return loss
+
     def eval_global(self) -> float:
         """Held-out loss of the global parameters (evaluated on a scratch copy of the model)."""
         model = self.workload.model

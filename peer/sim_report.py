@@ -77,6 +77,8 @@ def build_report(out: Path, opts: "SimulateOptions", driver_events: list[dict], 
     nonfinite = sorted({e["round"] for e in rounds if _diverged(e, opts.eval_every)} - set(loss))
     for name, evs in logs.items():  # rounds a process applied while catching up finished there too
         for e in evs:
+            if e["kind"] == "follow" and _finite(e.get("eval_loss")):  # the coordinator's, caught up
+                loss.setdefault(e["round"], e["eval_loss"])
             if e["kind"] == "follow" and e.get("hash"):
                 hashes.setdefault(e["round"], set()).add(e["hash"])
                 reporters.setdefault(e["round"], set()).add(name)

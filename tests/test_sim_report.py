@@ -183,6 +183,17 @@ def test_a_round_applied_in_catching_up_counts_in_the_hash_agreement(tmp_path):
     assert not any(e["kind"] == "follow" for e in report["events"])
 
 
+def test_the_coordinators_loss_of_a_round_it_caught_up_on_is_in_the_loss_curve(tmp_path):
+    # The coordinator applied round 1 while catching up and evaluated it there (it used to skip
+    # such rounds): the report's loss curve has no hole at round 1.
+    _write(tmp_path, "coordinator", [dict(_round(1.0, 0, "C"), eval_loss=3.0),
+                                     {"t": 2.5, "kind": "follow", "round": 1, "hash": "h1", "eval_loss": 2.75,
+                                      "peer": "C"}])
+    _write(tmp_path, "peer-0", [_round(1.0, 0, "P"), _round(2.0, 1, "P")])
+    report = build_report(tmp_path, SimulateOptions(peers=1, rounds=2), [], wall_s=3.0, t0=0.0)
+    assert report["eval_loss_by_round"] == [3.0, 2.75] and report["final_eval_loss"] == 2.75
+
+
 def test_a_round_known_only_from_catching_up_counts_as_completed(tmp_path):
     # Round 2 was applied by the volunteers in the exchange but logged, before they left, only by
     # a peer that caught up on it: the run reached its target (it used to read as 2 of 3 rounds).

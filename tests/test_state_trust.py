@@ -705,3 +705,42 @@ def test_the_published_state_hash_keeps_all_256_bits(participant):
     reply, _blob, _digest, good = _served_state(participant, round_id=3)
     assert len(good) == 64 and int(good, 16) >= 0 and reply.params_hash == good
     assert participant.outer_hash() == "" or len(participant.outer_hash()) == 64
+
+
+def test_the_coordinator_evaluates_the_rounds_it_catches_up_on(participant, monkeypatch):
+    """Found by a review: rounds the coordinator applied in catching up went unevaluated, so the
+    run's loss curve (and report.json's eval_loss_by_round) had holes where it had fallen behind."""
+    import dataclasses as dc
+
+    from groundswell.peer.records import PeerRecords
+
+    p = participant
+    p.manifest = dc.replace(p.manifest, eval=dc.replace(p.manifest.eval, every_rounds=2))
+    me = p.identity.peer_id
+    p.coordinator_id = me  # this participant is the run's coordinator
+    p.outer.round_id = 11
+    recs = {me: SimpleNamespace(round=11, params_hash="x", earlier_hashes=[]),
+            **{f"peer{i}": SimpleNamespace(round=15, params_hash="h") for i in range(5)}}
+
+    async def ask_decision(peer, r, attempt, wait_s):
+        return b"commit of round %d" % r
+
+    async def fetch_aggregate(signed):
+        return torch.zeros_like(p.outer.global_params)
+
+    published = []
+    node = SimpleNamespace(cached_records=recs, refresh_in_background=lambda: None, identity=p.identity,
+                           _cached_records=recs, book=None, update_record=lambda **k: published.append(k),
+                           client=SimpleNamespace(ask_decision=ask_decision, fetch_aggregate=fetch_aggregate),
+                           server=SimpleNamespace(keep_rounds=8), call=lambda coro, timeout_s=None: asyncio.run(coro))
+    node.holders = lambda r: PeerRecords.holders(node, r)
+    p.node = node
+    evaluated = []
+    monkeypatch.setattr(p, "eval_global", lambda: evaluated.append(p.outer.round_id - 1) or 2.5)
+    written = []
+    monkeypatch.setattr(p.events, "write", lambda kind, **kw: written.append((kind, kw)))
+    assert p.catch_up(fresh=False) == 4 and p.outer.round_id == 15
+    assert evaluated == [11, 13]  # rounds 11..14 applied; every second round is evaluated, as on time
+    follows = {kw["round"]: kw.get("eval_loss") for kind, kw in written if kind == "follow"}
+    assert follows == {11: 2.5, 12: None, 13: 2.5, 14: None}
+    assert {"loss": 2.5, "loss_round": 13} in published
