@@ -32,7 +32,7 @@ class Limits:
     ban_s: float = 60.0
     strikes: int = 20
     max_clock_skew_s: float = 120.0  # a message stamped further from our clock is dropped
-    max_nonces: int = 200_000  # replay cache entries (24 bytes of nonce + time each, ~10 MB at most)
+    max_nonces: int = 200_000  # replay cache entries (a nonce, its expiry, the dict's slot: ~34 MiB at most, measured)
     # Bytes of large request bodies received and not yet handled, all peers together and one peer
     # alone (at least four and one of the largest request a handler takes, see
     # `Guard.take_bytes`): a body is buffered whole before it is checked, so without this a few
@@ -98,14 +98,22 @@ class Guard:
         idle), so a table full of them costs each newcomer a bounded scan, not one over every
         peer. If none of those is idle the table grows by one; peers with open streams are bounded
         by the daemon's connections and `max_streams` each."""
+        # A peer with a history (strikes, a ban) is forgotten only if none without one is idle:
+        # else a banned peer fell quiet while throwaway identities made one request each, and its
+        # ban was washed out of the table (a review). Of those, the one whose ban ends first goes.
+        now, kept = self._clock(), []
         for _ in range(min(IDLE_SCAN, len(self._peers) - 1)):
             key, old = next(iter(self._peers.items()))
             if key == newcomer:
                 break
             if old.streams == 0 and old.inbound == 0:
-                del self._peers[key]
-                return
+                if old.banned_until <= now and not old.strikes:
+                    del self._peers[key]
+                    return
+                kept.append((old.banned_until > now, old.banned_until, len(old.strikes), key))
             self._peers.move_to_end(key)
+        if kept:
+            del self._peers[min(kept)[3]]
 
     def admit(self, peer: str, handler: str, stream: bool = True) -> str | None:
         """Take one request slot for `peer`; returns why not (and counts it), or None. `stream`:
@@ -237,8 +245,9 @@ class Guard:
         now, skew = self._wall(), self.limits.max_clock_skew_s
         earliest = (now if opened is None else min(now, opened)) - skew
         if not earliest <= timestamp <= now + skew:
+            # no strike: whose clock is off cannot be told (ours, off, would have every honest peer banned)
             raise ProtocolError(f"message stamped {timestamp - now:+.0f} s from our clock (limit {skew:.0f} s)",
-                                reason="stale-message")
+                                reason="stale-message", strike=False)
         if len(nonce) != 16:
             raise ProtocolError("a message nonce is 16 bytes", reason="malformed")
         while self._nonces:

@@ -19,7 +19,7 @@ import contextlib
 import functools
 import logging
 import time
-from collections import Counter
+from collections import Counter, OrderedDict
 from collections.abc import Awaitable, Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
@@ -57,6 +57,12 @@ BODY_STALL_S = 10.0  # a request body with no new piece for this long is cut off
 # (MIN_BODY_RATE, 1 Mbit/s), and some. Not the handler's whole timeout (600 s): a caller that
 # never hangs up would hold one of our file descriptors that long for free.
 LINGER_S = 160.0
+# Answered streams lingering at once, all peers together and one peer alone. A lingering stream
+# no longer holds a request slot (32 throwaway identities used to take all 1,024 of the node's
+# with tiny requests, and every honest stream was refused "busy" for LINGER_S: a review); past
+# these, the oldest of the peer, else of the peer lingering most, is closed: its reply is out.
+MAX_LINGERING = 512
+MAX_LINGERING_PER_PEER = 8
 UNARY_MAX_REQUEST = 32 << 10
 # Largest allowed reply for a unary call: a control message's budget. Bulk replies (aggregates,
 # contributions) are budgeted from the model size plus MAX_SMALL, so they always take a stream.
@@ -99,6 +105,7 @@ class Transport:
         self.identity = identity
         self.run_id = run_id
         self.guard = guard or Guard()  # shared by a node's transports: limits and bans are per peer
+        self._lingering: OrderedDict[Any, str] = OrderedDict()  # answered streams' writers -> their peer
         self.rejected_replies: Counter[str] = Counter()  # bad replies to our requests, by reason
         self.local_failures: Counter[str] = Counter()  # requests that failed on our side, by exception type
         self.bytes_sent = 0
@@ -106,6 +113,22 @@ class Transport:
 
     def _name(self, handler: str) -> str:
         return f"groundswell/{self.run_id}/{handler}/{PROTOCOL_VERSION}"
+
+    def _linger(self, writer: Any, remote: str) -> None:
+        """Count an answered stream as lingering; close the lingering streams past the bounds
+        (`MAX_LINGERING_PER_PEER`: the peer's oldest; `MAX_LINGERING`: the oldest of the peer
+        lingering most). Closing one ends its wait for the caller's EOF."""
+        self._lingering[writer] = remote
+        mine = [w for w, peer in self._lingering.items() if peer == remote]
+        if len(mine) > MAX_LINGERING_PER_PEER:
+            self._end_lingering(mine[0])
+        if len(self._lingering) > MAX_LINGERING:
+            most = Counter(self._lingering.values()).most_common(1)[0][0]
+            self._end_lingering(next(w for w, peer in self._lingering.items() if peer == most))
+
+    def _end_lingering(self, writer: Any) -> None:
+        self._lingering.pop(writer, None)
+        writer.close()
 
     def _unary_name(self, handler: str) -> str:
         # its own protocol id: the daemon keeps one handler per id, and the stream one stays
@@ -158,7 +181,7 @@ class Transport:
                 writer.close()
                 self._log_rejection(handler, refused, remote, "")
                 return
-            release, reserved = None, 0
+            release, reserved, admitted = None, 0, True
 
             async def admit_body(size: int) -> None:
                 """Book a `size`-byte body in the node's inbound budget (see `read_frame_paced`)."""
@@ -186,9 +209,12 @@ class Transport:
                         release()
                         release = None
                     out = bulk = b""  # (a shared sealing is freed once every stream has written it)
+                    self.guard.release(remote)  # answered: its request slot is free (see MAX_LINGERING)
+                    admitted = False
                     # Keep our end open until the caller closes its own: p2pd resets a stream whose
                     # handler hangs up first, and the reset drops the reply's tail still buffered
                     # in the caller's daemon (a slow reader then sees a truncated reply).
+                    self._linger(writer, remote)
                     async with asyncio.timeout(LINGER_S):
                         await read_until_eof(reader)
             except ProtocolError as exc:
@@ -201,7 +227,9 @@ class Transport:
             finally:
                 if release is not None:
                     release()
-                self.guard.release(remote)
+                if admitted:
+                    self.guard.release(remote)
+                self._lingering.pop(writer, None)
                 writer.close()  # without this the caller's read never sees EOF
 
         async def on_unary(data: bytes, remote_id: Any) -> bytes:
@@ -217,8 +245,11 @@ class Transport:
                 raise Refused(refused)
             try:
                 async with asyncio.timeout(timeout_s):
-                    if len(data) > max_request + 512:  # the daemon capped it at 4 MiB before we saw it
-                        raise ProtocolError(f"request of {len(data)} bytes exceeds the limit", reason="oversized")
+                    if len(data) > min(max_request + 512, UNARY_MAX_REQUEST):
+                        # An honest caller sends a bigger request on a stream, where its bytes are
+                        # booked against the inbound budget; a unary call's are not (the daemon
+                        # caps them at 4 MiB), so a review held 256 MiB of them from 4 identities.
+                        raise ProtocolError(f"a unary request of {len(data)} bytes exceeds the limit", reason="oversized")
                     out, _, release = await answer(remote, data, opened)
                     if release is not None:  # no trailer goes with a unary reply
                         release()

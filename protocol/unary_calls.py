@@ -21,9 +21,30 @@ class _LivePendingCalls(dict):
         return fut is not None and not fut.done()
 
 
+class _SelfCleaningTasks(dict):
+    """hivemind's table of a daemon client's running unary handlers, from which a task leaves
+    once it is done, however it ended.
+
+    hivemind removes a call's task only at the end of its handler. A caller that sends a request
+    and closes its stream at once has the daemon forward the request and its cancel back to back;
+    read in one go, the task is cancelled before its first step, the handler never runs (so our
+    guard never sees the call: no rate limit, no strike) and the entry stays for good. A review
+    leaked 2,000 of them (2.7 MiB) in one read; any peer could repeat it without end."""
+
+    def __setitem__(self, call_id: Any, task: Any) -> None:
+        super().__setitem__(call_id, task)
+        task.add_done_callback(lambda done, key=call_id: self.pop(key) if self.get(key) is done else None)
+
+
 def harden_unary_calls(p2p: Any) -> None:
-    """Install `_LivePendingCalls` in a `hivemind.P2P`'s daemon client (once; pending calls kept)."""
+    """Install `_LivePendingCalls` and `_SelfCleaningTasks` in a `hivemind.P2P`'s daemon client
+    (once; what they hold kept)."""
     control = getattr(getattr(p2p, "_client", None), "control", None)
     calls = getattr(control, "_pending_calls", None)
     if isinstance(calls, dict) and not isinstance(calls, _LivePendingCalls):
         control._pending_calls = _LivePendingCalls(calls)
+    tasks = getattr(control, "_handler_tasks", None)
+    if isinstance(tasks, dict) and not isinstance(tasks, _SelfCleaningTasks):
+        control._handler_tasks = _SelfCleaningTasks()
+        for call_id, task in tasks.items():
+            control._handler_tasks[call_id] = task

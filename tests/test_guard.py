@@ -82,10 +82,10 @@ def test_replayed_and_badly_timed_messages_are_refused():
     assert err.value.reason == "replayed"
     with pytest.raises(ProtocolError) as err:
         g.check_fresh(os.urandom(16), wall.t - 61)
-    assert err.value.reason == "stale-message"
+    assert err.value.reason == "stale-message" and not err.value.strike  # (whose clock is off, we cannot tell)
     with pytest.raises(ProtocolError) as err:
         g.check_fresh(os.urandom(16), wall.t + 61)
-    assert err.value.reason == "stale-message"
+    assert err.value.reason == "stale-message" and not err.value.strike
     with pytest.raises(ProtocolError):
         g.check_fresh(os.urandom(16), float("nan"))
     g.check_fresh(os.urandom(16), wall.t + 59)  # within the skew: fine
@@ -174,3 +174,22 @@ def test_the_peer_table_forgets_idle_peers_with_a_bounded_scan_past_busy_ones(mo
         g.admit(f"late{i}", "join")
     assert len(g._peers) == 55 and all(f"p{i}" not in g._peers for i in range(40, 50))  # idle ones, oldest first
     assert all(f"p{i}" in g._peers for i in range(40))  # the busy ones stay, however old
+
+
+def test_a_banned_peer_is_not_washed_out_of_the_table_by_throwaway_identities(monkeypatch):
+    # Found by a review: past MAX_PEERS the longest-idle peer was forgotten, bans included, so a
+    # banned peer fell quiet while fresh identities made one request each, and came back clean.
+    from groundswell.protocol import guard as guard_mod
+
+    monkeypatch.setattr(guard_mod, "MAX_PEERS", 50)
+    monkeypatch.setattr(guard_mod, "IDLE_SCAN", 8)
+    g, _, _ = _guard(strikes=3, ban_s=600)
+    for _ in range(3):
+        g.strike("banned")
+    g.strike("struck")
+    assert "banned" in g.bans()
+    for i in range(500):  # ten times the table, one request each
+        if g.admit(f"throwaway{i}", "join") is None:
+            g.release(f"throwaway{i}")
+    assert "banned" in g.bans() and g.admit("banned", "join") is not None
+    assert "struck" in g._peers and len(g._peers) <= 51

@@ -372,3 +372,45 @@ def test_a_large_frame_is_written_a_piece_at_a_time_with_a_drain_after_each():
         assert writes[0] == 8 and sum(writes[1:]) == size and max(writes[1:], default=0) <= WRITE_PIECE
         # every piece is drained before the next is written; an empty frame is drained too
         assert w.log[-1] == "drain" and all(w.log[i + 1] == "drain" for i in range(1, len(w.log) - 1, 2))
+
+
+def test_an_answered_stream_frees_its_request_slot_and_few_linger_per_peer(net, monkeypatch):
+    # Found by a review: an answered stream kept its request slot while it waited (up to 160 s)
+    # for its caller to hang up, so 32 throwaway identities holding 32 streams each took the
+    # node's 1,024 and every honest stream was refused "busy". Now the slot is freed once the
+    # reply is out, and a peer keeps at most MAX_LINGERING_PER_PEER streams lingering.
+    from groundswell.protocol import transport
+    from groundswell.protocol.envelope import seal
+    from groundswell.protocol.framing import read_frame, write_frame
+    from hivemind.p2p import PeerID
+
+    monkeypatch.setattr(transport, "MAX_LINGERING_PER_PEER", 3)
+
+    async def fine(sender: str, req: Join) -> Ack:
+        return Ack(True, "")
+
+    _serve(net, net.ta, "lingered", Join, fine)
+
+    async def answered_and_left_open() -> tuple[list[int], list[bytes]]:
+        streams, slots = [], []
+        for i in range(5):
+            _, reader, writer = await net.b.call_binary_stream_handler(
+                PeerID.from_base58(net.id_a.peer_id), net.ta._name("lingered"))
+            await write_frame(writer, seal(net.id_b, net.ta.run_id, Join(i, True, True)))
+            await read_frame(reader, 1 << 20)  # the reply; the stream stays open on our side
+            streams.append((reader, writer))
+            await asyncio.sleep(0.1)
+            slots.append(net.ta.guard._peers[net.id_b.peer_id].streams)
+        ends = []
+        for reader, _ in streams:  # the two oldest were closed by the server; the rest still linger
+            try:
+                ends.append(await asyncio.wait_for(reader.read(), 0.5))
+            except TimeoutError:
+                ends.append(None)
+        for _, writer in streams:
+            writer.close()
+        return slots, ends
+
+    slots, ends = net.run(answered_and_left_open(), timeout=30)
+    assert slots == [0] * 5
+    assert ends == [b"", b"", None, None, None]
