@@ -14,6 +14,7 @@ from typing import Any
 
 from groundswell.protocol.schema import PeerRecord, ProbeReply, ProbeRequest
 
+from .dht_rejoin import address_scope
 from .node_options import NodeOptions
 from .reachability import DialBack, connect_via_relay, connection_paths, find_reachability, observed_ips
 
@@ -82,7 +83,15 @@ class NatTraversal:
         """Dial the requester back, at the IPs it is connected to us from and nowhere else."""
         if self._dial_back.busy(sender):  # before asking the daemon for its connections
             return ProbeReply(False, "rate limited")
-        return await self._dial_back.handle(sender, msg, observed_ips(await self.p2p.list_peers(), sender))
+        observed = observed_ips(await self.p2p.list_peers(), sender)
+        scopes = getattr(getattr(self, "rejoiner", None), "scopes", None)
+        if scopes is not None:
+            # Only where the run's peers may dial (a review): a volunteer on our machine or in our
+            # VPC, connected from 127.0.0.1 or 10.x, was judged public in a public run whose peers
+            # cannot reach it there, and took roles; and behind a tunnel every requester comes from
+            # 127.0.0.1, so probes scanned this machine's own ports.
+            observed = {ip for ip in observed if ip_scope(ip) in scopes}
+        return await self._dial_back.handle(sender, msg, observed)
 
     async def connect_via_relay(self, target: str, relay_maddr: str) -> None:
         """Open a libp2p connection to `target` through the relay at `relay_maddr` (…/p2p/<relay>);
@@ -92,3 +101,8 @@ class NatTraversal:
     async def connections(self) -> dict[str, str]:
         """Peers this node has open libp2p connections to, and whether "direct" or via "relay"."""
         return connection_paths(await self.p2p.list_peers())
+
+
+def ip_scope(ip: str) -> str | None:
+    """`address_scope` of a bare IP address (as `observed_ips` gives them)."""
+    return address_scope(f"/ip{6 if ':' in ip else 4}/{ip}/tcp/1")

@@ -232,8 +232,8 @@ async def connect_via_relay(p2p: Any, target: str, relay_maddr: str) -> None:
 
 
 async def find_reachability(transport: Any, maddrs: list[str], bootstrap_ids: list[str], coordinator: str) -> str:
-    """"public" or "private" as the bootstrap peers' dial-backs find us at `maddrs` ("public" if
-    nobody answers). Any libp2p identity can be a bootstrap peer, and a lying one makes a public
+    """"public" or "private" as the bootstrap peers' dial-backs find us at `maddrs` ("private" if
+    none answers; "public" with no bootstrap peer to ask). Any libp2p identity can be a bootstrap peer, and a lying one makes a public
     peer stop serving ("private") or a NAT'ed one take roles nobody reaches ("public"). So the
     coordinator, asked first, decides. Without its answer a "public" decides (one more probe
     would lengthen every public peer's start) and a "private" is checked with one more peer: it
@@ -256,9 +256,15 @@ async def find_reachability(transport: Any, maddrs: list[str], bootstrap_ids: li
     if privates:
         return "private"
     if peers:
-        log.warning("reachability unknown: no bootstrap peer answered our dial-back probe; assuming "
-                    "we are reachable (start with --reachability private if we are not)")
-    return "public"  # nobody to ask (the first peer of a run) or nobody answered: assume so
+        # No verdict: "private", the safe side. A peer that is private contributes and receives
+        # every aggregate all the same, but one that wrongly takes itself for public takes roles
+        # nobody can reach it in; and a verdict can be withheld on purpose ("rate limited": a
+        # review kept a prober's slots busy with throwaway identities and every NAT'ed joiner
+        # came out "public").
+        log.warning("reachability unknown: no bootstrap peer answered our dial-back probe; taking "
+                    "ourselves for private (start with --reachability public if others can connect to us)")
+        return "private"
+    return "public"  # nobody to ask: the first peer of a run
 
 
 async def _probe_by(transport: Any, peer: str, maddrs: list[str], extra: list[int]) -> ProbeReply | None:

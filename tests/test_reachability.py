@@ -232,7 +232,7 @@ class _Probers:
     # busy everywhere: the asks past each peer's second share one budget (a window's worth: 4),
     # so each later peer is asked twice, as before (review: three busy bootstrap peers cost a
     # joiner ~45 s of its 60 s start)
-    ("CHX", "C", {"C": None, "H": None, "X": None}, "public", ["C"] * 6 + ["H"] * 2 + ["X"] * 2),
+    ("CHX", "C", {"C": None, "H": None, "X": None}, "private", ["C"] * 6 + ["H"] * 2 + ["X"] * 2),
 ])
 def test_the_coordinators_probe_decides_and_another_peers_private_verdict_is_checked(order, coordinator, verdicts,
                                                                                       expected, asked, monkeypatch):
@@ -263,7 +263,9 @@ def test_a_peer_whose_bootstrap_peers_all_stay_silent_says_its_reachability_is_u
     try:
         node.bootstrap_transport = _Probers({})
         with caplog.at_level(logging.WARNING, logger="groundswell.peer.reachability"):
-            assert asyncio.run(node._find_reachability()) == "public"  # as before
+            # the safe side: a verdict can be withheld on purpose (a review had "rate limited"
+            # everywhere make every NAT'ed joiner take itself for public)
+            assert asyncio.run(node._find_reachability()) == "private"
         assert "reachability unknown" in caplog.text
     finally:
         node._loop.close()
@@ -317,3 +319,29 @@ def test_a_node_refuses_a_busy_probe_before_asking_its_daemon_for_connections():
     assert not first.reachable and asked == [1]  # (no IP of the requester is known: nothing dialled)
     again = asyncio.run(SwarmNode._on_probe(node, "peer", ProbeRequest(["/ip4/127.0.0.1/tcp/9"])))
     assert again == ProbeReply(False, "rate limited") and asked == [1]
+
+
+@pytest.mark.parametrize("scopes, reachable", [(frozenset({"public"}), False),
+                                               (frozenset({"public", "private", "loopback"}), True),
+                                               (None, True)])
+def test_a_probe_is_dialled_back_only_where_the_runs_peers_may_dial(scopes, reachable):
+    """Found by a review: a requester connected from 127.0.0.1 (a volunteer on the coordinator's
+    machine, or every requester behind a tunnel) was dialled back there and judged public in a
+    public run, whose peers cannot reach it at that address (and probes scanned local ports)."""
+    from groundswell.peer.swarm import SwarmNode
+
+    async def go() -> ProbeReply:
+        server = await asyncio.start_server(lambda r, w: w.close(), "127.0.0.1", 0)
+        port = server.sockets[0].getsockname()[1]
+
+        async def list_peers():
+            return [SimpleNamespace(peer_id="peer", addrs=[f"/ip4/127.0.0.1/tcp/{port}"])]
+
+        node = SimpleNamespace(_dial_back=DialBack(), p2p=SimpleNamespace(list_peers=list_peers),
+                               rejoiner=None if scopes is None else SimpleNamespace(scopes=scopes))
+        try:
+            return await SwarmNode._on_probe(node, "peer", ProbeRequest([f"/ip4/127.0.0.1/tcp/{port}"]))
+        finally:
+            server.close()
+
+    assert asyncio.run(go()).reachable == reachable
