@@ -24,28 +24,21 @@ from groundswell.optim import (
     copy_into_parameters,
 )
 from groundswell.protocol.client import RoundBehind
-from groundswell.protocol.envelope import seal, unseal
+from groundswell.protocol.envelope import seal
 from groundswell.protocol.guard import Limits
 from groundswell.protocol.identity import Identity
 from groundswell.protocol.schema import Decision, ProtocolError
 
 from .batches import evaluate, heldout_batches
 from .catch_up import catch_up_view, first_decision, holders_to_ask
-from .checkpoint_check import DIGEST_KEY, checkpoint_damage, checkpoint_digest, digest_mismatch
-from .config import ConfigError
 from .data import Corpus, load_corpus
-from .dht_rejoin import load_known_peers, save_known_peers
+from .dht_rejoin import load_known_peers
 from .event_log import EventLog
 from .manifest import RunManifest, SignedManifest
+from .participant_checkpoints import KNOWN_PEERS_FILE, Checkpoints
 from .run_state import GlobalState, RunContext, state_hash
 from .scoring import ContributionScorer
-from .state_files import (
-    checkpoint_path,
-    checkpoints_newest_first,
-    prune_checkpoints,
-    remove_half_written,
-    write_atomically,
-)
+from .state_files import remove_half_written, write_atomically
 from .state_trust import (
     EARLIER_HASHES,
     StateCheck,
@@ -60,11 +53,6 @@ from .work_file import CONTRIBUTED_FILE, contributed_marker, read_contributed
 from .workload import Workload, build_workload
 
 log = logging.getLogger(__name__)
-KNOWN_PEERS_FILE = "known_peers.json"  # where the run's peers were, kept with each checkpoint (see dht_rejoin)
-
-
-class CheckpointMismatch(ConfigError):
-    """The state dir holds a checkpoint of another run or model: a message for the user."""
 
 
 def make_outer(manifest: RunManifest, params: Any, numel: int) -> OuterOptimizer:
@@ -104,7 +92,7 @@ def genesis_decision(identity: Identity, run_id: str) -> bytes:
     return seal(identity, run_id, d)
 
 
-class Participant:
+class Participant(Checkpoints):
     """Model + outer optimizer + node + checkpoints for one process in a run."""
 
     def __init__(self, manifest: RunManifest, signed_manifest: bytes, identity: Identity, identity_path: str,
@@ -378,105 +366,3 @@ class Participant:
             return evaluate(model, self.workload.loss_fn, self.evalset, device=self.device)
         finally:
             copy_into_parameters(saved, list(model.parameters()))
-
-    def save_checkpoint(self, extra: dict[str, Any] | None = None, settled: bool = False,
-                        unpublished: bool = False) -> Path | None:
-        """Atomically write the state (write to a temp file, fsync, rename); keep the newest few.
-        A failure (disk full, read-only dir) is reported and training goes on from memory.
-        `settled`: every contribution made so far has a known outcome taken into this state, or is
-        listed in `extra["unsettled"]` to be settled late (the checkpoint then records the last
-        one, and a restart keeps the work it holds). `unpublished`: the state as it is now, before
-        any `snapshot` served it (a run's genesis must be on disk before anyone can take it)."""
-        if self.state_dir is None or (self._snapshot is None and not unpublished):
-            return None
-        snap = self._global_state() if unpublished else self._snapshot
-        if snap is None:
-            return None
-        if snap.round != self.outer.round_id and self.outer.pending is None:
-            # A round applied since the last snapshot (the network failed in between, or a second
-            # Ctrl+C): its parameters with the optimizer state of the round after would be a file
-            # of two rounds, so the state is taken as it is now.
-            snap = self._global_state()
-            if snap is None or snap.round != self.outer.round_id:
-                log.error("checkpoint not written: the state in hand is not of round %d", self.outer.round_id)
-                return None
-        path = checkpoint_path(self.state_dir, self.outer.round_id)
-        state = {"round": snap.round, "tensors": snap.tensors, "decision": snap.decision,
-                 "outer": self.outer.state_dict() if self.outer.pending is None else None, **(extra or {})}
-        if settled and self.outer.pending is None:
-            state["settled"] = self._contributed_before()  # what contributed.json says now
-            state["work"] = self.work_token  # the newest work.pt written before it (see work_file)
-        if self.outer.pending is None:
-            # Local work not yet in anyone's hands (a left-out DiLoCo contribution, rebased; what
-            # was trained while a round was exchanged): a restart resumes it instead of losing it.
-            progress = (self.outer.local_vector() - self.outer.global_params).cpu()
-            if bool(progress.any()):
-                state["local_progress"] = progress
-        state[DIGEST_KEY] = checkpoint_digest(state)  # a flipped byte loads; this does not match then
-        try:
-            write_atomically(path, lambda f: torch.save(state, f))
-        except (OSError, MemoryError) as exc:  # MemoryError (torch.save's pickler): training goes on too
-            why = str(exc) or type(exc).__name__  # a bare MemoryError() says nothing
-            log.error("checkpoint not written (%s); training continues from memory", why)
-            self.events.write("checkpoint-failed", error=why, peer=self.identity.peer_id)
-            return None
-        self._damaged.discard(path)  # written anew, whole: a damaged file of that name is gone
-        self._unreadable.discard(path)
-        prune_checkpoints(path, self.manifest.checkpoint.keep, damaged=self._damaged, unreadable=self._unreadable)
-        save_known_peers(self.state_dir / KNOWN_PEERS_FILE, getattr(self.node, "rejoiner", None))
-        self.last_checkpoint = path
-        return path
-
-    def preload_checkpoint(self) -> dict[str, Any] | None:
-        """`load_checkpoint` now (before anything is written to the state dir: a checkpoint of
-        another run is refused first); the next `load_checkpoint` returns what it found, as does this."""
-        self._preloaded = (self.load_checkpoint(),)
-        return self._preloaded[0]
-
-    def load_checkpoint(self) -> dict[str, Any] | None:
-        """The newest readable checkpoint in the state dir (corrupt ones are reported, skipped);
-        CheckpointMismatch if it belongs to another run or model (nothing is overwritten then)."""
-        if self._preloaded is not None:
-            found, self._preloaded = self._preloaded[0], None
-            return found
-        if self.state_dir is None:
-            return None
-        for path in checkpoints_newest_first(self.state_dir):
-            try:
-                state = torch.load(path, weights_only=True, map_location="cpu")
-            except Exception as exc:  # noqa: BLE001 (torch raises many types for a truncated or garbled file)
-                log.error("checkpoint %s is unreadable (%s); trying an older one or the swarm", path.name, exc)
-                # Not counted as a checkpoint kept, but not deleted either: a read error (EIO,
-                # EACCES), memory running out or a torch too old for it may pass. (One whose
-                # archive is cut short or garbled is deleted when pruning: that is no passing error.)
-                self._unreadable.add(path)
-                self.events.write("checkpoint-corrupt", path=str(path), peer=self.identity.peer_id)
-                continue
-            problem = digest_mismatch(state)
-            if problem is None:
-                self._check_fits(state, path)  # another run's or model's: refused, not skipped
-                problem = checkpoint_damage(state, self.outer.global_params.numel())
-            if problem is not None:
-                log.error("checkpoint %s is damaged (%s); trying an older one or the swarm", path.name, problem)
-                self._damaged.add(path)
-                self.events.write("checkpoint-corrupt", path=str(path), error=problem, peer=self.identity.peer_id)
-                continue
-            return state
-        return None
-
-    def _check_fits(self, state: dict[str, Any], path: Path) -> None:
-        """CheckpointMismatch unless a checkpoint is of this run (its decision's envelope) and model."""
-        where = f"{path.parent} holds a checkpoint ({path.name})"
-        try:
-            unseal(state["decision"], self.manifest.run.id, Decision)
-        except ProtocolError as exc:
-            raise CheckpointMismatch(f"{where} of another run or protocol version ({exc}): use another "
-                                     "--state-dir for this one") from None
-        except (KeyError, TypeError) as exc:
-            raise CheckpointMismatch(f"{where} this version cannot read ({exc!r})") from None
-        params = state.get("tensors", {}).get("global_params")
-        want = self.outer.global_params.numel()
-        if not isinstance(params, torch.Tensor) or params.numel() != want:
-            have = f"{params.numel():,}" if isinstance(params, torch.Tensor) else "no"
-            raise CheckpointMismatch(f"{where} with {have} parameters; this run's model has {want:,} (the "
-                                     "manifest's model changed?): use another --state-dir")

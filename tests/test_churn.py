@@ -132,7 +132,8 @@ def test_a_checkpoint_with_a_flipped_byte_or_a_nan_is_reported_and_skipped(parti
 
 
 def test_a_checkpoint_of_another_run_or_model_is_refused_in_words_and_left_alone(participant):
-    from groundswell.peer.participant import CheckpointMismatch, genesis_decision
+    from groundswell.peer.participant import genesis_decision
+    from groundswell.peer.participant_checkpoints import CheckpointMismatch
     from groundswell.peer.run_state import GlobalState
     from groundswell.protocol.identity import Identity
 
