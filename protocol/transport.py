@@ -60,9 +60,11 @@ LINGER_S = 160.0
 # Answered streams lingering at once, all peers together and one peer alone. A lingering stream
 # no longer holds a request slot (32 throwaway identities used to take all 1,024 of the node's
 # with tiny requests, and every honest stream was refused "busy" for LINGER_S: a review); past
-# these, the oldest of the peer, else of the peer lingering most, is closed: its reply is out.
+# these, the oldest of the peer, else of the peer lingering most, is closed: its reply is out,
+# though a slow reader may still lose its tail. Per peer, as many as `Limits.max_streams` (32):
+# a fetcher reading many large shards of ours loses nothing it had before.
 MAX_LINGERING = 512
-MAX_LINGERING_PER_PEER = 8
+MAX_LINGERING_PER_PEER = 32
 UNARY_MAX_REQUEST = 32 << 10
 # Largest allowed reply for a unary call: a control message's budget. Bulk replies (aggregates,
 # contributions) are budgeted from the model size plus MAX_SMALL, so they always take a stream.
