@@ -3,8 +3,10 @@
 Fault metrics: `recovery_s` (per kill or freeze: seconds until the swarm next completes a round:
 without that peer, or with it once it is back), `recovery_excluding_s` (the stricter reading:
 seconds until a round completes that leaves that peer out; a peer that restarts in time for the
-round it died in is in the next rounds too, so this grows the faster peers come back), `rejoin_s` (per restart or late join: seconds until that peer's first
-contribution is in an aggregate), `lost_contributions` (a contribution whose work went wrong:
+round it died in is in the next rounds too, so this grows the faster peers come back;
+`recovery_unmeasured` counts the faults either list leaves out, no such round having ended after
+them), `rejoin_s` (per restart or late join: seconds until that peer's first contribution is
+in an aggregate), `lost_contributions` (a contribution whose work went wrong:
 counted in a committed round while its owner kept its work, so applied twice, or taken out of
 its owner's work while the commit left it out, so never applied; one that a crashed process sent
 and its restart cannot count as its own is not lost), `double_counted_contributions` (those of
@@ -30,6 +32,19 @@ if TYPE_CHECKING:
 # the options that schedule faults, as report.json's `faults` gives them
 FAULT_OPTIONS = ("kill_every", "restart_after", "freeze_every", "freeze_for", "leave_every", "late_joiners",
                  "kill_coordinator_at")
+
+
+def _down_spans(driver_events: list[dict]) -> dict[str, list[tuple[float, float]]]:
+    """Per process name, the driver-time spans it was frozen (freeze to thaw) or gone (kill or
+    leave to its restart); a span the run never closed ends at infinity."""
+    ends = {"freeze": ("thaw",), "kill": ("restart",), "leave": ("restart",)}
+    spans: dict[str, list[tuple[float, float]]] = {}
+    for i, ev in enumerate(driver_events):
+        if ev["kind"] in ends:
+            end = next((d["t"] for d in driver_events[i + 1:]
+                        if d["peer"] == ev["peer"] and d["kind"] in ends[ev["kind"]]), math.inf)
+            spans.setdefault(ev["peer"], []).append((ev["t"], end))
+    return spans
 
 
 def read_events(path: Path) -> list[dict]:
@@ -106,6 +121,7 @@ def build_report(out: Path, opts: "SimulateOptions", driver_events: list[dict], 
         for name, evs in logs.items() for e in evs if e["kind"] not in ("round", "train", "follow")
     ]
     recovery, excluding, rejoin, never_rejoined = [], [], [], 0
+    unmeasured = {"recovery": 0, "recovery_excluding": 0}  # faults no later round measured (said, not hidden)
     for ev in driver_events:
         pid = ids.get(ev["peer"])
         # The earliest end after the fault, not the next round's: a round known only from a late
@@ -114,9 +130,13 @@ def build_report(out: Path, opts: "SimulateOptions", driver_events: list[dict], 
             after = [end_t[r] for r in order if end_t[r] > ev["t"]]
             if after:
                 recovery.append(round(min(after) - ev["t"], 2))
+            else:
+                unmeasured["recovery"] += 1
             after = [end_t[r] for r in order if end_t[r] > ev["t"] and r in contributors and pid not in contributors[r]]
             if after:
                 excluding.append(round(min(after) - ev["t"], 2))
+            else:
+                unmeasured["recovery_excluding"] += 1
         elif ev["kind"] in ("restart", "join") and ev["peer"] != "coordinator":  # (it contributes nothing)
             # The (re)started process's own word that a commit counted its work: a commit naming the
             # peer may count what its killed process sent before it died (`superseded`). Only within
@@ -132,13 +152,18 @@ def build_report(out: Path, opts: "SimulateOptions", driver_events: list[dict], 
                 never_rejoined += 1
     n = opts.peers
     # Compute utilization: time in forward/backward/inner optimizer over each volunteer's wall time
-    # from its first sync to the end of its last block of inner steps.
+    # from its first sync to the end of its last block of inner steps, less the time the driver
+    # held it frozen or dead (a fault is not the swarm's overhead; rejoining after one is).
     utilization = []
+    down = _down_spans(driver_events)
     for name, evs in logs.items():
         blocks = [e for e in evs if e["kind"] == "train"]
         first = min((e["t"] for e in evs if e["kind"] == "sync"), default=None)
         if name != "coordinator" and blocks and first is not None and blocks[-1]["t"] > first:
-            utilization.append(min(1.0, sum(e["compute_s"] for e in blocks) / (blocks[-1]["t"] - first)))
+            last = blocks[-1]["t"]
+            held = sum(max(0.0, min(b + t0, last) - max(a + t0, first)) for a, b in down.get(name, ()))
+            if last - first - held > 0:
+                utilization.append(min(1.0, sum(e["compute_s"] for e in blocks) / (last - first - held)))
     rejected: dict[str, int] = {}  # contributions refused by aggregators, by reason
     for evs in logs.values():
         for e in evs:
@@ -198,6 +223,8 @@ def build_report(out: Path, opts: "SimulateOptions", driver_events: list[dict], 
         "wall_s": round(wall_s, 2),
         "recovery_s": recovery,
         "recovery_excluding_s": excluding,
+        # kills and freezes left out of the two lists above: no round of that kind ended after them
+        "recovery_unmeasured": unmeasured,
         "rejoin_s": rejoin,
         "never_rejoined": never_rejoined,  # restarts and late joins whose process was never counted
         # rounds fewer than two processes reported a hash for: nothing compared them
@@ -335,9 +362,14 @@ def fault_summary(report: dict) -> str | None:
         return f"{sum(xs) / len(xs):.1f} / {max(xs):.1f} s" if xs else "-"
 
     times = [t for t in report.get("round_times_s") or [] if t is not None] or [0.0]
+    unmeasured = report.get("recovery_unmeasured") or {}
+    unmeasured_text = " and ".join(f"{n} {text}" for n, text in (
+        (unmeasured.get("recovery", 0), "with no round after"),
+        (unmeasured.get("recovery_excluding", 0), "with no round without the peer after")) if n)
     return (", ".join(f"{n} {k}{'s' if n != 1 else ''}" for k, n in faults.items())
             + f"; recovery mean/max {mean_max(report['recovery_s'])}"
             + f" (until a round leaves the peer out: {mean_max(report['recovery_excluding_s'])})"
+            + (f" (faults left out: {unmeasured_text})" if unmeasured_text else "")
             + f"; rejoin mean/max {mean_max(report['rejoin_s'])}"
             + (f" ({report['never_rejoined']} never rejoined)" if report.get("never_rejoined") else "")
             + f"; longest round {max(times):.1f} s"

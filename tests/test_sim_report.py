@@ -393,3 +393,28 @@ def test_a_restarted_coordinator_is_no_rejoin_that_never_happened(tmp_path):
               {"t": 4.0, "kind": "restart", "peer": "coordinator"}]
     report = build_report(tmp_path, SimulateOptions(peers=2, rounds=2), driver, wall_s=7.0, t0=0.0)
     assert report["rejoin_s"] == [] and report["never_rejoined"] == 0
+
+
+def test_faults_no_round_measured_are_counted_not_dropped(tmp_path):
+    # Killed at 2 s and at 6 s; the last round ended at 3 s and left peer-1 (R) in: the second
+    # kill has no recovery at all, neither has a round without R after the first.
+    _write(tmp_path, "coordinator", [_round(1.0, 0, "C"), dict(_round(3.0, 1, "C"), contributors=["P", "R"])])
+    _write(tmp_path, "peer-1", [{"t": 0.5, "kind": "network", "peer": "R"}])
+    driver = [{"t": 2.0, "kind": "kill", "peer": "peer-1"}, {"t": 6.0, "kind": "kill", "peer": "peer-1"}]
+    report = build_report(tmp_path, SimulateOptions(peers=2, rounds=3), driver, wall_s=7.0, t0=0.0)
+    assert report["recovery_s"] == [1.0] and report["recovery_excluding_s"] == []
+    assert report["recovery_unmeasured"] == {"recovery": 1, "recovery_excluding": 2}
+    assert "faults left out: 1 with no round after and 2 with no round without the peer after" in fault_summary(report)
+
+
+def test_compute_utilization_leaves_out_time_frozen_or_dead(tmp_path):
+    # peer-0 synced at 0 s, trained 2 s of compute by 10 s, frozen from 2 to 6 s by the driver:
+    # 2 s over the 6 s it could run, not over 10 s. A kill at 7 s restarted at 8 s takes 1 s more.
+    train = [{"t": t, "kind": "train", "compute_s": 0.5} for t in (1.0, 7.0, 9.0, 10.0)]
+    _write(tmp_path, "peer-0", [{"t": 0.0, "kind": "sync", "round": 0, "hash": "h0"}, *train])
+    driver = [{"t": 2.0, "kind": "freeze", "peer": "peer-0"}, {"t": 6.0, "kind": "thaw", "peer": "peer-0"},
+              {"t": 7.0, "kind": "kill", "peer": "peer-0"}, {"t": 8.0, "kind": "restart", "peer": "peer-0"}]
+    report = build_report(tmp_path, SimulateOptions(peers=1, rounds=1), driver, wall_s=11.0, t0=0.0)
+    assert report["compute_utilization"] == round(2.0 / 5.0, 4)
+    assert build_report(tmp_path, SimulateOptions(peers=1, rounds=1), [], 11.0, t0=0.0)[
+        "compute_utilization"] == round(2.0 / 10.0, 4)
