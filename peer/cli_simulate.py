@@ -83,7 +83,7 @@ def simulate(
     console.print(
         f"[bold]{report['rounds_completed']}/{report['rounds_target']} rounds[/], {report['peers']} peers, "
         f"{report['codec']}: {loss_summary(report)}; "
-        f"{report['bytes_sent_per_peer_per_round'] / 1e3:,.1f} kB/peer/round "
+        f"{report['bytes_sent_per_peer_per_round'] / 1e3:,.1f} kB/peer/round{state_share(report)} "
         f"(dense ring: {report['dense_fp32_ring_bytes_per_peer_per_round'] / 1e3:,.0f} kB); "
         f"hashes agree: {report['param_hash_agreement']}{hash_checks(report)}; {report['wall_s']:.0f} s; "
         f"report: {out / 'report.json'}"
@@ -120,6 +120,12 @@ def hash_checks(report: dict) -> str:
     return (f" (compared in {n} round{'s' if n != 1 else ''}"
             + (f"; not in round{'s' if len(unchecked) != 1 else ''} {', '.join(map(str, unchecked))}, which fewer "
                "than two processes reported" if unchecked else "") + ")")
+
+
+def state_share(report: dict) -> str:
+    """What of the bytes per round were states served to joiners, where any were (churn)."""
+    state = report.get("state_bytes_sent_per_peer_per_round")
+    return f" (of which {state / 1e3:,.1f} kB states served to joiners)" if state else ""
 
 
 def loss_summary(report: dict) -> str:

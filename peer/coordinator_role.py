@@ -146,7 +146,8 @@ def _follow_rounds(p: Participant, stop: StopFlag, on_round: Callable[[RoundInfo
         p.events.write("round", round=r, contributors=list(d.contributors), attempt=d.attempt, leader=d.leader,
                        hash=info.params_hash, eval_loss=loss if evaluated else None, clipped=client.clipped.get(r, {}), shards=d.num_shards,
                        round_s=info.round_s, peer=p.identity.peer_id, role="coordinator",
-                       sent_total=p.node.traffic()[0])  # a killed coordinator logs no total at exit
+                       sent_total=p.node.traffic()[0],  # a killed coordinator logs no total at exit
+                       state_sent_total=p.node.state_sent())
         on_round(info)
         if p.outer.round_id // checkpoint_every > saved // checkpoint_every and p.save_checkpoint() is not None:
             saved = p.outer.round_id

@@ -111,7 +111,7 @@ def die_with_us(sig: int = signal.SIGTERM) -> Callable[[], None] | None:
 
 def adopt_p2pd_daemons() -> None:
     """From now on, p2pd daemons hivemind starts *on this thread* run in their own process group
-    and get SIGTERM when this thread ends (a no-op where prctl is missing). Call it on a thread
+    and get SIGKILL when this thread ends (a no-op where prctl is missing). Call it on a thread
     that outlives its daemons, and `reap_daemons` on it once they are shut down."""
     global _patched
     if _PRCTL is None:
@@ -129,7 +129,9 @@ def adopt_p2pd_daemons() -> None:
                     or "preexec_fn" in kwargs):
                 return await original(program, *args, **kwargs)
             kwargs.setdefault("process_group", 0)
-            kwargs["preexec_fn"] = _die_with_parent(os.getpid())
+            # SIGKILL: a stop (a frozen peer's whole group) holds a SIGTERM back, and a daemon whose
+            # peer is gone has nothing to close gracefully (its socket folder is swept by lock).
+            kwargs["preexec_fn"] = _die_with_parent(os.getpid(), signal.SIGKILL)
             proc = await original(program, *args, **kwargs)
             _local.started.append(proc)
             return proc

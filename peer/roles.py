@@ -116,7 +116,7 @@ def run_volunteer(p: Participant, bootstrap_peers: list[str], *, max_rounds: int
             # sent_total here too: a process killed before it applies a round still counts what it sent
             p.events.write("train", round=p.outer.round_id, steps=stats.steps, compute_s=stats.compute_s,
                            device=str(p.outer.params[0].device), sent_total=p.node.traffic()[0],
-                           peer=p.identity.peer_id)
+                           state_sent_total=p.node.state_sent(), peer=p.identity.peer_id)
             if in_flight is not None:
                 extra = _train_while_waiting(trainer, loop.exchange, m.outer.inner_steps, stop, on_step)
                 if extra is not None:
@@ -221,7 +221,7 @@ def write_defence_counts(p: Participant) -> None:
     guard, (sent, received) = p.node.guard, p.node.traffic()
     # with this process's traffic in all (the round events' windows miss what it serves after them)
     p.events.write("defences", rejected=dict(guard.rejected), bans=guard.bans_total, peer=p.identity.peer_id,
-                   sent_total=sent, received_total=received)
+                   sent_total=sent, received_total=received, state_sent_total=p.node.state_sent())
 
 
 def volunteer_trainer(p: Participant) -> InnerTrainer:

@@ -9,13 +9,14 @@ import os
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from .daemon import die_with_us
+from .daemon import die_with_us, sweep_socket_dirs
 
 if TYPE_CHECKING:
     from .sim_options import SimulateOptions
@@ -52,7 +53,9 @@ class Simulation:
         # A SIGTERM (e.g. from `timeout`) or SIGHUP (the terminal closed) must still reach
         # __exit__ and kill every process. Were the driver killed outright, its children get
         # SIGKILL from the kernel (parent-death signal, see `die_with_driver`).
-        self._old = {sig: signal.signal(sig, _raise_interrupt) for sig in (signal.SIGTERM, signal.SIGHUP)}
+        # A signal already ignored stays so: under `nohup` the terminal's hangup must not end the run.
+        self._old = {sig: signal.signal(sig, _raise_interrupt) for sig in (signal.SIGTERM, signal.SIGHUP)
+                     if signal.getsignal(sig) is not signal.SIG_IGN}
         return self
 
     def __exit__(self, *exc: object) -> None:
@@ -69,6 +72,9 @@ class Simulation:
                 signal.signal(sig, old)
             for sig, old in self._old.items():
                 signal.signal(sig, old)
+        # The socket folders of the processes killed here (and by faults): each process removes
+        # its own on a clean exit only, and a later one's start-up would sweep them much later.
+        sweep_socket_dirs(Path(tempfile.gettempdir()))
 
     def event(self, kind: str, peer: str) -> None:
         """Record a driver-side event (spawn, exit, fault)."""

@@ -209,6 +209,9 @@ def build_report(out: Path, opts: "SimulateOptions", driver_events: list[dict], 
         "eval_loss_by_round": [loss.get(r) for r in range(completed)],
         "round_end_t": [round(end_t[r], 3) if r in end_t else None for r in range(completed)],
         "bytes_sent_per_peer_per_round": _sent_per_round(logs, volunteer_rounds),
+        # of those, the states volunteers served to (re)joining peers: in a churn run they can
+        # outweigh the rounds' own exchange (None: logs of a version that did not count them)
+        "state_bytes_sent_per_peer_per_round": _sent_per_round(logs, volunteer_rounds, "state_sent_total"),
         "coordinator_bytes_sent_per_round": _coordinator_sent_per_round(logs.get("coordinator", []), completed),
         "dense_fp32_ring_bytes_per_peer_per_round": 2 * (n - 1) / n * 4 * params,
         "param_hash_agreement": bool(hashes) and not divergent,
@@ -306,27 +309,31 @@ def _diverged(e: dict, eval_every: int) -> bool:
     return math.isinf(x) or (e["who"] == "coordinator" and (e["round"] + 1) % eval_every == 0)
 
 
-def _sent_total(evs: list[dict]) -> int | None:
+def _sent_total(evs: list[dict], key: str = "sent_total") -> int | None:
     """What one state dir's processes sent in all: each process's last `sent_total` (what it served
-    after its last round included), summed over its restarts (None: no totals logged)."""
+    after its last round included), summed over its restarts (None: no totals logged). `key`
+    "state_sent_total": of that, the states it served to joiners."""
     total, last, seen = 0, 0, False
     for e in evs:
         if e["kind"] == "network":  # a (re)started process: its counters start again from 0
             total, last = total + last, 0
-        elif isinstance(e.get("sent_total"), int):
-            last, seen = max(last, e["sent_total"]), True
+        elif isinstance(e.get(key), int):
+            last, seen = max(last, e[key]), True
     return total + last if seen else None
 
 
-def _sent_per_round(logs: dict[str, list[dict]], volunteer_rounds: list[dict]) -> float:
+def _sent_per_round(logs: dict[str, list[dict]], volunteer_rounds: list[dict], key: str = "sent_total"
+                    ) -> float | None:
     """What volunteers sent in all over the rounds they applied (the coordinator's bytes are not
     in it, see `_coordinator_sent_per_round`). Frames on libp2p streams and state served over the
     direct TCP port (`traffic()` in swarm.py); the DHT's own traffic is not counted. Logs without
-    totals: the mean of the round windows."""
+    totals: the mean of the round windows (None for `key` "state_sent_total": not logged)."""
     if not volunteer_rounds:
         return 0.0
-    totals = [_sent_total(evs) for name, evs in logs.items() if name != "coordinator"]
+    totals = [_sent_total(evs, key) for name, evs in logs.items() if name != "coordinator"]
     if all(t is None for t in totals):
+        if key != "sent_total":
+            return None
         return sum(e["bytes_sent"] for e in volunteer_rounds) / len(volunteer_rounds)
     return sum(t or 0 for t in totals) / len(volunteer_rounds)
 

@@ -44,6 +44,13 @@ def fault_pick(seed: int, kind: str, k: int, pool: Sequence[str], roster: Sequen
     return next(v for v in order if v in pool)
 
 
+def faults_due(done: int, rounds: int) -> bool:
+    """May faults (kills, freezes, leaves, late joins, the coordinator's kill) happen now? From
+    once round 0 is applied (`done`: the newest round applied) until the last round is under way:
+    a fault in the last round would leave it, and the coordinator's final evaluation, to chance."""
+    return 0 <= done and done + 2 < rounds
+
+
 def nobody_left(done: int, late_started: bool, any_alive: bool, restart_pending: bool) -> bool:
     """No volunteer runs and none can come: no restart is due, and late joiners are not about to
     start (were they yet to, they never could: only volunteers make round LATE_JOIN_ROUND happen)."""
@@ -238,7 +245,8 @@ def run_simulation(opts: SimulateOptions, out: Path, progress: Callable[[str], N
             done = _rounds_done(out, seen)
             if done + 1 >= opts.rounds and not any(sim.alive(v) for v in volunteers):
                 break
-            if nobody_left(done, late_done, any(sim.alive(v) for v in volunteers),
+            late_over = late_done or not faults_due(done, opts.rounds)  # started, or never will
+            if nobody_left(done, late_over, any(sim.alive(v) for v in volunteers),
                            any(action == "restart" and name != "coordinator" for _, action, name in pending)):
                 sim.event("all-volunteers-gone", "driver")  # nobody left to finish the run: do not wait it out
                 break
@@ -253,6 +261,9 @@ def run_simulation(opts: SimulateOptions, out: Path, progress: Callable[[str], N
                             sim.signal(v, signal.SIGCONT)
                             sim.signal(v, signal.SIGINT)
                             sim.event("straggler-stopped", v)
+                            if frozen.pop(v, None) is not None:  # thawed here: no thaw to come
+                                pending[:] = [p for p in pending if p[1:] != ("thaw", v)]
+                                sim.event("thaw", v)
             for when, action, name in [p for p in pending if p[0] <= now]:
                 pending.remove((when, action, name))
                 if action == "thaw":
@@ -267,7 +278,7 @@ def run_simulation(opts: SimulateOptions, out: Path, progress: Callable[[str], N
                     # the old process's address (its port) must not be handed out as the new one's
                     (out / name / "address.txt").unlink(missing_ok=True)
                     sim.spawn(name, coord_args if name == "coordinator" else join_args(name), kind="restart")
-            if done + 1 < opts.rounds and done >= 0:
+            if faults_due(done, opts.rounds):
                 if now >= next_kill:
                     next_kill = now + opts.kill_every  # no burst of catch-up faults after a stall
                     if (name := pick("kill")) is not None:

@@ -265,6 +265,12 @@ class SwarmNode(PeerRecords, StateServing, NatTraversal, NetLoop):
         sent = sum(t.bytes_sent for t in both) + (self.direct.bytes_sent if self.direct is not None else 0)
         return sent, sum(t.bytes_received for t in both) + self.direct_received
 
+    def state_sent(self) -> int:
+        """Of `traffic()`'s bytes sent, those of states served to joiners (stream trailers and the
+        direct TCP path): a churn run's figure, apart from the rounds' own exchange."""
+        both = [t for t in (self.transport, self.bootstrap_transport) if t is not None]
+        return sum(t.trailer_bytes_sent for t in both) + (self.direct.bytes_sent if self.direct is not None else 0)
+
     def _bootstrap_ids(self) -> list[str]:
         return [m.rsplit("/p2p/", 1)[-1] for m in self.options.initial_peers if "/p2p/" in m]
 

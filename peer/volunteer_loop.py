@@ -114,6 +114,7 @@ class VolunteerLoop:
                        attempt=d.attempt if d else None, leader=d.leader if d else None, hash=info.params_hash,
                        bytes_sent=result.bytes_sent, bytes_received=result.bytes_received,
                        sent_total=p.node.traffic()[0], received_total=p.node.traffic()[1],
+                       state_sent_total=p.node.state_sent(),
                        train_loss=stats.mean_loss, eval_loss=eval_loss if evaluate else None, round_s=info.round_s,
                        compute_s=stats.compute_s, blocked_s=blocked_s, peer=p.identity.peer_id)
         self.on_round(info)

@@ -111,6 +111,7 @@ class Transport:
         self.rejected_replies: Counter[str] = Counter()  # bad replies to our requests, by reason
         self.local_failures: Counter[str] = Counter()  # requests that failed on our side, by exception type
         self.bytes_sent = 0
+        self.trailer_bytes_sent = 0  # of `bytes_sent`: raw trailers (the state a joiner downloads)
         self.bytes_received = 0
 
     def _name(self, handler: str) -> str:
@@ -207,6 +208,7 @@ class Transport:
                     if trailer:
                         await write_frame(writer, bulk)
                         self.bytes_sent += len(bulk) + _LEN.size
+                        self.trailer_bytes_sent += len(bulk) + _LEN.size
                     if release is not None:  # written: the slot is free, whenever the caller hangs up
                         release()
                         release = None

@@ -46,6 +46,8 @@ def test_a_bulk_trailer_arrives_whole_and_its_announced_size_is_enforced(net):
     _serve(net, net.ta, "bulk", StateRequest, state, trailer=True)
     reply, got, digest = _fetch(net, "bulk")
     assert reply.size == len(got) and bytes(got) == blob and digest == blake3(blob).hexdigest()
+    # the trailer is counted apart too (a churn run's state uploads, next to its exchange)
+    assert net.ta.trailer_bytes_sent == len(blob) + 8 and net.ta.bytes_sent > len(blob) + 8  # (8: its length)
     with pytest.raises(PeerUnavailable, match="too large"):
         _fetch(net, "bulk", limit=len(blob) - 1)
     for wrong in (len(blob) - 1, len(blob) + 1):  # a trailer longer or shorter than announced

@@ -545,6 +545,7 @@ def test_state_sent_and_received_directly_counts_in_the_nodes_traffic():
     serving = SwarmNode(Identity.generate(), None, NodeOptions())
     serving.direct = server
     assert serving.traffic() == (direct.wire_size(len(blob)), 0)
+    assert serving.state_sent() == direct.wire_size(len(blob))  # counted apart too, as state served
 
 
 def test_unused_tickets_are_dropped_on_a_timer():

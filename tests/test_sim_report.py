@@ -42,17 +42,22 @@ def test_bytes_per_round_count_what_a_peer_sends_after_its_last_round_and_before
     # round windows alone (10 each) miss what is served after them.
     _write(tmp_path, "peer-0", [{"t": 0.0, "kind": "network", "peer": "P"}, _round(1.0, 0, "P", 100),
                                 _round(2.0, 1, "P", 250),
-                                {"t": 3.0, "kind": "defences", "rejected": {}, "peer": "P", "sent_total": 400}])
+                                {"t": 3.0, "kind": "defences", "rejected": {}, "peer": "P", "sent_total": 400,
+                                 "state_sent_total": 120}])
     _write(tmp_path, "peer-1", [{"t": 0.0, "kind": "network", "peer": "Q"}, _round(1.0, 0, "Q", 80),
                                 {"t": 1.5, "kind": "network", "peer": "Q"}, _round(2.5, 1, "Q", 60)])
     _write(tmp_path, "coordinator", [_round(1.0, 0, "C", 10**9), _round(2.0, 1, "C", 10**9)])
     report = build_report(tmp_path, SimulateOptions(peers=2, rounds=2), [], wall_s=3.0, t0=0.0)
     assert report["bytes_sent_per_peer_per_round"] == 135.0
+    assert report["state_bytes_sent_per_peer_per_round"] == 30.0  # of which states served (120 over 4 rounds)
     # logs of an older version (no totals): the windows' mean, as before
     old = tmp_path / "old"
     _write(old, "peer-0", [_round(1.0, 0, "P", window=30), _round(2.0, 1, "P", window=50)])
-    assert build_report(old, SimulateOptions(peers=1, rounds=2), [], 3.0, t0=0.0)[
-        "bytes_sent_per_peer_per_round"] == 40.0
+    older = build_report(old, SimulateOptions(peers=1, rounds=2), [], 3.0, t0=0.0)
+    assert older["bytes_sent_per_peer_per_round"] == 40.0 and older["state_bytes_sent_per_peer_per_round"] is None
+    from groundswell.peer.cli_simulate import state_share
+
+    assert state_share(report) == " (of which 0.0 kB states served to joiners)" and state_share(older) == ""
 
 
 def test_a_round_nobody_logged_keeps_its_place(tmp_path):
@@ -418,3 +423,67 @@ def test_compute_utilization_leaves_out_time_frozen_or_dead(tmp_path):
     assert report["compute_utilization"] == round(2.0 / 5.0, 4)
     assert build_report(tmp_path, SimulateOptions(peers=1, rounds=1), [], 11.0, t0=0.0)[
         "compute_utilization"] == round(2.0 / 10.0, 4)
+
+
+def test_the_driver_keeps_an_ignored_hangup_ignored(tmp_path):
+    # Under `nohup` SIGHUP is ignored: closing the terminal must not tear the run down. SIGTERM
+    # (not ignored) still reaches the driver's cleanup.
+    old = signal.signal(signal.SIGHUP, signal.SIG_IGN)
+    try:
+        with Simulation(tmp_path, None):
+            assert signal.getsignal(signal.SIGHUP) is signal.SIG_IGN
+            assert signal.getsignal(signal.SIGTERM) not in (signal.SIG_IGN, signal.SIG_DFL)
+        assert signal.getsignal(signal.SIGHUP) is signal.SIG_IGN
+    finally:
+        signal.signal(signal.SIGHUP, old)
+
+
+def test_the_driver_sweeps_the_socket_folders_of_the_processes_it_killed(tmp_path, monkeypatch):
+    import tempfile
+
+    from groundswell.peer.daemon import SOCKET_DIR_PREFIX
+
+    root = tmp_path / "tmp"
+    root.mkdir()
+    monkeypatch.setattr(tempfile, "tempdir", str(root))
+    stale = root / f"{SOCKET_DIR_PREFIX}4194303-0badcafe"  # a killed process's: its lock held by nobody
+    stale.mkdir(mode=0o700)
+    (stale / ".lock").touch()
+    with Simulation(tmp_path / "sim", None):
+        pass
+    assert not stale.exists()
+
+
+def test_a_peer_killed_outright_takes_its_daemon_with_it_even_one_deaf_to_sigterm(tmp_path):
+    # A peer's p2pd gets SIGKILL when the peer dies without shutting it down: a SIGTERM is held
+    # back by a stop (a frozen peer's group) and can be ignored; this stand-in daemon ignores it.
+    daemon = tmp_path / "p2pd"
+    daemon.write_text(f"#!{sys.executable}\nimport signal, time\nsignal.signal(signal.SIGTERM, signal.SIG_IGN)\n"
+                      "print('ready', flush=True)\ntime.sleep(300)\n")
+    daemon.chmod(0o755)
+    script = (
+        "import asyncio, sys\n"
+        "from groundswell.peer.daemon import adopt_p2pd_daemons\n"
+        "adopt_p2pd_daemons()\n"
+        "async def main():\n"
+        # (called as hivemind calls it: asyncio.create_subprocess_exec is another name, not patched)
+        "    proc = await asyncio.subprocess.create_subprocess_exec(sys.argv[1], stdout=asyncio.subprocess.PIPE)\n"
+        "    await proc.stdout.readline()\n"
+        "    print(proc.pid, flush=True)\n"
+        "    await asyncio.sleep(300)\n"
+        "asyncio.run(main())\n"
+    )
+    peer = subprocess.Popen([sys.executable, "-c", script, str(daemon)], stdout=subprocess.PIPE, text=True)
+    child = None
+    try:
+        child = int(peer.stdout.readline())
+        assert _state(child) not in ("Z", None)
+        peer.kill()
+        peer.wait(timeout=30)
+        deadline = time.time() + 10
+        while time.time() < deadline and _state(child) not in ("Z", None):
+            time.sleep(0.1)
+        if _state(child) not in ("Z", None):
+            pytest.fail("the daemon outlived its peer")
+    finally:
+        _end(peer, child)

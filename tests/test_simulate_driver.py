@@ -18,7 +18,7 @@ from groundswell.peer.cli import app
 from groundswell.peer.event_log import EventLog
 from groundswell.peer.sim_procs import Proc, Simulation
 from groundswell.peer.sim_report import build_report, report_json
-from groundswell.peer.simulate import SimulateOptions, fault_victims, live_addresses, nobody_left
+from groundswell.peer.simulate import SimulateOptions, fault_victims, faults_due, live_addresses, nobody_left
 from swarm_harness import Cluster, leftover_processes
 from typer.testing import CliRunner
 
@@ -484,3 +484,12 @@ def test_rounds_logged_after_the_timeout_are_not_in_the_report(tmp_path):
     assert report["timed_out"] and report["rounds_completed"] == 1
     report = build_report(tmp_path, SimulateOptions(peers=1, rounds=3), [], wall_s=10.0, t0=0.0)
     assert report["rounds_completed"] == 3
+
+
+def test_faults_start_after_round_0_and_stop_before_the_last_round_is_under_way():
+    # A review found a coordinator killed while the last round was under way: its restart came
+    # after the run ended, and the run had no final held-out loss. As the help says: never then.
+    assert not faults_due(done=-1, rounds=5)  # round 0 not applied yet
+    assert faults_due(done=0, rounds=5) and faults_due(done=2, rounds=5)
+    assert not faults_due(done=3, rounds=5)  # round 4, the last, is under way
+    assert not faults_due(done=4, rounds=5)
