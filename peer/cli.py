@@ -26,8 +26,20 @@ if TYPE_CHECKING:
 app = typer.Typer(add_completion=False, no_args_is_help=True, help="groundswell: decentralized training peer.")
 bench_app = typer.Typer(no_args_is_help=True, help="Benchmarks that compare against a baseline measured in the same run.")
 app.add_typer(bench_app, name="bench")
+
+
+class _Console(Console):
+    """rich's Console, but a stream closed under it (`join ... 2>&1 | tee log`: Ctrl+C ends the tee
+    too) silences it: rich's default raised SystemExit from whatever print hit the closed pipe,
+    the first Ctrl+C's notice included, so the peer left at once without its last round or
+    checkpoint."""
+
+    def on_broken_pipe(self) -> None:
+        self.quiet = True  # nothing more to print; the peer goes on (its events.jsonl is a file)
+
+
 # soft_wrap: a line is never broken by rich (to a file or a pipe it takes 80 columns), so a round stays one line for grep
-console = Console(stderr=True, emoji=False, soft_wrap=True)  # emoji off: ":ab:" in an IPv6 address is an emoji code to rich
+console = _Console(stderr=True, emoji=False, soft_wrap=True)  # emoji off: ":ab:" in an IPv6 address is an emoji code to rich
 
 
 # what to lower when a command runs out of memory, where it is not the manifest's sizes

@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import os
 import signal
+import subprocess
 import sys
 import tempfile
 import threading
@@ -138,6 +139,30 @@ def test_ctrl_c_landing_inside_a_write_to_the_console_still_stops_the_peer(monke
     stop = cli_swarm._stop_on_signals()
     handlers[0](signal.SIGINT, None)  # raises nothing
     assert stop and stop.event.wait(5)
+
+
+def test_ctrl_c_with_the_console_piped_to_a_reader_that_died_still_stops_the_peer_cleanly():
+    # `join ... 2>&1 | tee log`: Ctrl+C ends tee too, and the first press's notice hits a closed
+    # pipe. rich's default then raised SystemExit on the main thread (and pointed stdout at
+    # /dev/null): the peer left at once, its last round and checkpoint skipped. In a child
+    # process, since the old behaviour rewires the process's stdout.
+    script = (
+        "import signal\n"
+        "from groundswell.peer import cli_swarm\n"
+        "class Closed:\n"
+        "    def write(self, text): raise BrokenPipeError(32, 'Broken pipe')\n"
+        "    def flush(self): raise BrokenPipeError(32, 'Broken pipe')\n"
+        "    def isatty(self): return False\n"
+        "cli_swarm.console.file = Closed()\n"
+        "handlers = []\n"
+        "cli_swarm.signal.signal = lambda sig, h: handlers.append(h)\n"
+        "stop = cli_swarm._stop_on_signals()\n"
+        "handlers[0](signal.SIGINT, None)\n"
+        "cli_swarm.console.print('a round line, later')\n"
+        "print('stopping cleanly' if stop else 'not stopped', flush=True)\n"
+    )
+    res = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=60)
+    assert res.returncode == 0 and res.stdout.strip() == "stopping cleanly", (res.returncode, res.stdout, res.stderr)
 
 
 def test_a_peer_back_after_leaving_is_a_member_again_at_every_leader_its_leave_reached(make_cluster):
