@@ -304,7 +304,13 @@ class Participant(Checkpoints):
         the background (after a normal round: training does not wait for a DHT lookup)."""
         applied = 0
         if fresh:
-            records = self.node.call(self.node.refresh_records(), timeout_s=30)
+            try:
+                records = self.node.call(self.node.refresh_records(), timeout_s=30)
+            except TimeoutError:
+                # A slow DHT says nothing of whether we are behind (taking it for that downloaded
+                # the whole state of our own round): judge from the records we have.
+                log.info("the records lookup timed out; catching up from the records cached")
+                records = self.node.cached_records
         else:
             records = self.node.cached_records
             self.node.refresh_in_background()

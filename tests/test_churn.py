@@ -177,6 +177,34 @@ def test_a_peer_further_behind_than_peers_keep_aggregates_takes_the_state(partic
     assert participant.catch_up(fresh=False) == 0
 
 
+def test_a_records_lookup_that_times_out_is_no_reason_to_download_the_state(participant):
+    # Found by a review: the TimeoutError of a slow DHT lookup reached `catch_up_or_resync`, which
+    # took it for being behind and downloaded the whole state of the peer's own round.
+    from types import SimpleNamespace
+
+    from groundswell.peer.volunteer_loop import catch_up_or_resync
+
+    participant.outer.round_id = 20
+
+    def call(coro, timeout_s):
+        coro.close()
+        raise TimeoutError
+
+    synced = []
+    participant.node = SimpleNamespace(
+        cached_records={"other": SimpleNamespace(round=20)}, call=call, refresh_records=lambda: _nothing(),
+        client=SimpleNamespace(), server=SimpleNamespace(keep_rounds=8), holders=lambda r: [])
+    participant.agrees_with_swarm = lambda: True
+    participant.sync_state = lambda *a, **k: synced.append(k)
+    assert participant.catch_up(fresh=True) == 0
+    catch_up_or_resync(participant, [])
+    assert synced == []
+
+
+async def _nothing() -> None:
+    return None
+
+
 @pytest.mark.parametrize("error", [OSError(errno.ENOSPC, "No space left on device"),
                                    # what torch.save's zip writer raises when the disk fills mid-file
                                    RuntimeError("[enforce fail at inline_container.cc:664] . unexpected pos "
