@@ -171,12 +171,23 @@ def _announce_departure(p: Participant) -> None:
 @contextlib.contextmanager
 def _saved_if_the_network_fails(p: Participant, loop: VolunteerLoop) -> Iterator[None]:
     """If the network fails (the node went down), keep the rounds applied since the last
-    checkpoint before the error goes up: our state is fine. Not while a contribution is out (a
-    checkpoint cannot say yet what became of it), and not on any other error, which may be our
-    state's own (a NaN loss): nothing is saved over the last good checkpoint then."""
+    checkpoint before the error goes up: our state is fine. Not on any other error, which may be
+    our state's own (a NaN loss): nothing is saved over the last good checkpoint then.
+
+    A contribution still out is settled as one whose outcome we never learned: its work stays
+    ours, and the checkpoint lists it open, presumed counted should its commit not be found after
+    the restart (as work.pt does for a crashed process's last one: counted twice would be worse
+    than its part lost). Without that, a DiLoCo peer wrote no checkpoint here, and its restart
+    dropped every round of work since the last one, its data position rewound. (SparseLoCo's
+    work.pt holds that contribution already, and its journal is the restart's word on it.)"""
     try:
         yield
     except NetworkError:
+        if p.outer.pending is not None and not isinstance(p.outer, SparseLoCo):
+            r = p.outer.pending.round_id
+            if r in p._contributed_before():  # it went out, or may have: settled after the restart
+                loop.exchange.presume_counted(r)
+            p.outer.apply(None)  # kept: whether a commit counted it is settled after the restart
         if p.outer.pending is None:
             loop.checkpoint()
         raise

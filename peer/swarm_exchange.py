@@ -175,6 +175,18 @@ class SwarmExchange:
                                         basis=self.basis_for(round_id)))
         self._keep_newest()
 
+    def presume_counted(self, round_id: int) -> None:
+        """The contribution of `round_id` in flight when the node went down is open (listed if its
+        outcome was not awaited yet) and `if_unknown`: taken out of our work should its commit not
+        be found after a restart."""
+        open_ = [u for u in self.unsettled if u.round_id == round_id and u.included is None and not u.retried]
+        if not open_ and self._round == round_id and self._segments:
+            self.unsettled.append(Unsettled(round_id, self._segments, None, self.prepared,
+                                            basis=self.basis_for(round_id)))
+            open_ = self.unsettled[-1:]
+        for u in open_:
+            u.if_unknown = True
+
     def basis_for(self, round_id: int) -> bytes:
         """The signed commit round `round_id` was planned from (`Unsettled.basis`), b"" if not held.
         (Read from the training thread: one dict lookup, which the network loop's writes cannot tear.)"""

@@ -338,7 +338,6 @@ def test_a_stopping_volunteer_does_not_download_the_state_before_it_saves(monkey
 
 @pytest.mark.parametrize("error,pending,saved", [
     ("network", None, True),  # the node went down: the rounds applied since the last checkpoint are kept
-    ("network", object(), False),  # a contribution is out: a checkpoint could not say what became of it
     ("other", None, False),  # maybe our state's own fault (a NaN loss): the last good checkpoint stays
 ])
 def test_a_volunteer_whose_network_fails_saves_what_it_holds_first(error, pending, saved):
@@ -596,3 +595,49 @@ def test_a_state_restored_from_work_pt_alone_is_checkpointed_with_its_open_contr
     else:  # a checkpoint was loaded: it is on disk already, and lists them itself
         assert calls[:2] == ["restored [3]", "settled"], calls
     assert "checkpoint without the open ones" not in calls
+
+
+@pytest.mark.parametrize("where", ["collect", "elsewhere", "before-sending"])
+def test_a_diloco_volunteer_whose_node_dies_with_a_contribution_out_keeps_its_work_and_saves(where):
+    # Found by a review: the guard wrote no checkpoint while a contribution was out, and the
+    # restart, from an older checkpoint, dropped every round of work since (contributed.json
+    # named a later round). Now the contribution is settled as unknown (its work kept), listed
+    # open and presumed counted should its commit not be found, and the checkpoint is written.
+    from concurrent.futures import Future
+
+    from groundswell.compression import make_codec
+    from groundswell.optim import DiLoCo, DiLoCoConfig
+    from groundswell.peer.net_errors import NetworkError
+    from groundswell.peer.roles import _saved_if_the_network_fails
+
+    class Node(_Node):
+        down = None
+
+        def submit(self, coro):
+            coro.close()
+            return Future()  # never answered: the daemon died
+
+    node = Node(None)
+    ex = SwarmExchange(node)
+    w = torch.nn.Parameter(torch.zeros(64))
+    outer = DiLoCo([w], make_codec("fp32"), DiLoCoConfig())
+    outer.round_id = 15
+    with torch.no_grad():
+        w.add_(0.01)  # H inner steps of local work
+    ex.contribute(15, outer.prepare())
+    contributed = {} if where == "before-sending" else {15: 0}
+    saved: list[int] = []
+    p = SimpleNamespace(outer=outer, _contributed_before=lambda: contributed)
+    loop = SimpleNamespace(checkpoint=lambda: saved.append(outer.round_id), exchange=ex)
+    node.down = "the network stopped"
+    with pytest.raises(NetworkError), _saved_if_the_network_fails(p, loop):
+        if where == "collect":
+            ex.collect(15)
+        raise NetworkError("the network stopped")
+    assert saved == [15] and outer.pending is None
+    assert torch.allclose(w.detach(), torch.full((64,), 0.01))  # the work is still ours
+    if where == "before-sending":
+        assert ex.unsettled == []  # nothing went out: nothing to settle
+    else:
+        assert [(u.round_id, u.included, u.if_unknown) for u in ex.unsettled] == [(15, None, True)]
+        assert ex.unsettled[0].segments  # what was sent, to be checked against the commit's digests
