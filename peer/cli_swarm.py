@@ -80,6 +80,15 @@ def _stop_on_signals(first: str = "stopping after this round"):
     return stop
 
 
+def saved_before(p) -> str:
+    """What is on disk when the final save failed: the newest checkpoint this process wrote (its
+    round, older than the peer's), or none."""
+    if p.last_checkpoint is None:
+        return "no checkpoint of this process is on disk (see the error above)"
+    return (f"the newest on disk is {escape(str(p.last_checkpoint))}, older than round {p.outer.round_id} "
+            "(see the error above)")
+
+
 def _fetch_manifest(node, maddrs: list[str], coordinator_id: str):
     """The run manifest from the bootstrap peers, signed by `coordinator_id` (the first one that
     verifies: the others are asked when one serves another's); NetworkError if none does."""
@@ -242,7 +251,9 @@ def launch(
                     live.update(round_table(rows, f"{manifest.run.id}: round {info.round + 1}"))
 
                 run_coordinator(p, stop=stop, on_round=on_round, checkpoint_every=checkpoint_every)
-        if p.last_checkpoint is not None:  # (a failed save was said in its own line)
+        if p.last_save_failed:  # the error was said in its own line, maybe far above
+            console.print(f"[red]stopped; the final state could not be saved[/]: {saved_before(p)}", highlight=False)
+        elif p.last_checkpoint is not None:
             console.print(f"stopped; the run's state is in {escape(str(p.last_checkpoint))} (launch again with "
                           "this --state-dir to resume)", highlight=False)
     finally:
@@ -369,8 +380,12 @@ def join(
         with bar:
             run_volunteer(p, peers, max_rounds=max_rounds, until_round=until_round, stop=stop, on_round=on_round,
                           on_step=on_step, attack=tamper)
-        saved = f"; checkpoint: {escape(str(p.last_checkpoint))}" if p.last_checkpoint is not None else ""
-        console.print(f"left the run cleanly{saved}", highlight=False)
+        if p.last_save_failed:  # "cleanly" and an older checkpoint's name would hide the lost rounds
+            console.print(f"[red]left the run, but the final state could not be saved[/]: {saved_before(p)}",
+                          highlight=False)
+        else:
+            saved = f"; checkpoint: {escape(str(p.last_checkpoint))}" if p.last_checkpoint is not None else ""
+            console.print(f"left the run cleanly{saved}", highlight=False)
     finally:
         node.close()
 

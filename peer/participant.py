@@ -127,6 +127,7 @@ class Participant(Checkpoints):
         self._damaged: set[Path] = set()  # checkpoints the loader found damaged: never kept in their place
         self._unreadable: set[Path] = set()  # checkpoints it could not read (EIO, EACCES): kept, never counted
         self.last_checkpoint: Path | None = None  # the newest this process wrote (told to the user on leaving)
+        self.last_save_failed = False  # the latest try to write one failed (last_checkpoint is older)
         self.hash_history: dict[int, str] = {}  # round -> hash of the global parameters it started from
         self.node.state_provider = lambda: self._snapshot
         self.scorer = ContributionScorer(manifest, self.corpus, device) if manifest.defences.scoring else None

@@ -36,6 +36,7 @@ class Checkpoints:
     identity: Any
     work_token: str
     last_checkpoint: Path | None
+    last_save_failed: bool
     _snapshot: Any
     _preloaded: tuple[dict[str, Any] | None] | None
     _damaged: set[Path]
@@ -83,12 +84,14 @@ class Checkpoints:
             why = str(exc) or type(exc).__name__  # a bare MemoryError() says nothing
             log.error("checkpoint not written (%s); training continues from memory", why)
             self.events.write("checkpoint-failed", error=why, peer=self.identity.peer_id)
+            self.last_save_failed = True
             return None
         self._damaged.discard(path)  # written anew, whole: a damaged file of that name is gone
         self._unreadable.discard(path)
         prune_checkpoints(path, self.manifest.checkpoint.keep, damaged=self._damaged, unreadable=self._unreadable)
         save_known_peers(self.state_dir / KNOWN_PEERS_FILE, getattr(self.node, "rejoiner", None))
         self.last_checkpoint = path
+        self.last_save_failed = False
         return path
 
     def preload_checkpoint(self) -> dict[str, Any] | None:
