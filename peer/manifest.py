@@ -32,6 +32,7 @@ from groundswell.peer.config import (
     from_mapping,
     to_mapping,
 )
+from groundswell.peer.manifest_rules import check_limits, refuse_unused
 from groundswell.protocol.identity import (
     SIGNATURE_BYTES,
     Identity,
@@ -44,7 +45,10 @@ MANIFEST_VERSION = 1
 MAX_MANIFEST_BYTES = 1 << 20
 MAX_ALLOWLIST = 10_000
 MAX_REPLICAS = 3  # a shard goes to the first of its 4 reporting candidates that take it
-MIN_SLACK_S = 0.1  # round.slack_s bounds requests (a claim, a report): below this, none is answered in time
+# round.slack_s bounds requests (a claim, a report): below this, too few are answered in time over
+# the internet (0.1 s was allowed: with a 0.25 s deadline a live run retried round 1 113 times)
+MIN_SLACK_S = 0.5
+MIN_DEADLINE_S = 2.0  # round.deadline_s: below this the trainers' jitter alone outlasts an attempt
 MAX_DEADLINE_S = 86400.0  # round.deadline_s: a day; timers far beyond it overflow
 # signatures are domain-separated: the same identity also signs round messages
 _SIGNING_DOMAIN = b"groundswell/manifest/v1\x00"
@@ -110,8 +114,8 @@ class RoundSection:
     replicas: int | None = None
 
     def __post_init__(self) -> None:
-        if not self.deadline_s > 0:
-            raise ConfigError(f"round.deadline_s must be positive, got {self.deadline_s}")
+        if not self.deadline_s >= MIN_DEADLINE_S:
+            raise ConfigError(f"round.deadline_s must be at least {MIN_DEADLINE_S:g} s, got {self.deadline_s}")
         if not self.deadline_s <= MAX_DEADLINE_S:
             raise ConfigError(f"round.deadline_s must be at most {MAX_DEADLINE_S:g} s (a day), got {self.deadline_s}")
         if not self.slack_s >= MIN_SLACK_S:  # it bounds every request: with 0 none could ever be answered
@@ -203,6 +207,7 @@ class RunManifest:
             # a dense codec's aggregator ships only the mean: nobody else holds a single contribution
             raise ConfigError(f"defences.scoring with the {self.outer.codec_name!r} codec needs "
                               "defences.verify_aggregates = true (or the sparseloco codec)")
+        check_limits(self)  # (across sections: see manifest_rules)
         # the manifest is signed as msgpack: numbers must be representable and unambiguous
         _check_numbers(to_mapping(self), "")
 
@@ -305,9 +310,11 @@ def load_manifest_toml(path: str | os.PathLike[str]) -> RunManifest:
     except (UnicodeDecodeError, tomllib.TOMLDecodeError) as exc:
         raise ConfigError(f"{os.fspath(path)}: invalid TOML: {exc}") from None
     try:
-        return manifest_from_mapping(data)
+        manifest = manifest_from_mapping(data)
+        refuse_unused(data, manifest)
     except ConfigError as exc:
         raise ConfigError(f"{os.fspath(path)}: {exc}") from None
+    return manifest
 
 
 @dataclass(frozen=True)

@@ -57,14 +57,14 @@ def test_defences_reach_the_round_protocol(tmp_path):
     from groundswell.peer.workload import build_workload
 
     text = (f'[run]\nid = "closed"\nallowlist = ["{OTHER.peer_id}"]\nopen_state = false\n'
-            "[defences]\nclip = 2.0\ntrim = 0.25\nrequests_per_s = 5.0\nmax_streams = 4\nban_s = 9.0\n")
+            "[defences]\nclip = 2.0\ntrim = 0.25\nrequests_per_s = 25.0\nmax_streams = 4\nban_s = 9.0\n")
     m = load_manifest_toml(_toml(tmp_path, text))
     assert m.defences.clip == 2.0 and m.run.open_state is False
     model = build_workload("tiny", 256, 0).model
     outer = make_outer(m, model.parameters(), sum(p.numel() for p in model.parameters()))
     ctx = run_context(m, outer, COORD.peer_id)
     assert (ctx.robust.clip, ctx.robust.trim) == (2.0, 0.25)
-    assert (ctx.limits.requests_per_s, ctx.limits.max_streams, ctx.limits.ban_s) == (5.0, 4, 9.0)
+    assert (ctx.limits.requests_per_s, ctx.limits.max_streams, ctx.limits.ban_s) == (25.0, 4, 9.0)
     assert ctx.authorized(OTHER.peer_id) and not ctx.authorized(COORD.peer_id)
     assert ctx.may_read_state(COORD.peer_id) and ctx.may_read_state(OTHER.peer_id)  # the coordinator always may
     assert not ctx.may_read_state(Identity.generate().peer_id)
@@ -95,6 +95,24 @@ def test_allowlist(tmp_path):
         (MINIMAL + "[round]\ndeadline_s = inf\n", "deadline_s"),
         (MINIMAL + '[round]\ndeadline_s = "30"\n', "round.deadline_s"),
         (MINIMAL + "[round]\ndeadline_s = 10\nslack_s = 5\n", "2 x round.slack_s"),  # no time left to train
+        # A review launched each of these and watched the run stall (values in range, per section):
+        (MINIMAL + "[round]\ndeadline_s = 0.25\nslack_s = 0.1\n", "round.deadline_s must be at least 2"),
+        (MINIMAL + "[round]\ndeadline_s = 10\nslack_s = 0.1\n", "round.slack_s must be at least 0.5"),
+        (MINIMAL + "[defences]\nrequests_per_s = 2.0\n", "defences.requests_per_s must be at least 20"),
+        (MINIMAL + "[defences]\nmax_clock_skew_s = 0.001\n", "defences.max_clock_skew_s must be in [5, 3600]"),
+        (MINIMAL + "[defences]\nmax_clock_skew_s = 1e6\n", "defences.max_clock_skew_s"),
+        (MINIMAL + "[defences]\nscoring = true\nverify_aggregates = true\nscore_batches = 100000000\n",
+         "score_batches must be at most 64"),
+        (MINIMAL + "[round]\nmax_shards = 40000\n", "lets a round have 0 members"),
+        (MINIMAL + "min_peers = 40\n[round]\nmax_shards = 1024\n", "lets a round have 32 members"),
+        (f'[run]\nid = "r"\nmin_peers = 2\nallowlist = ["{OTHER.peer_id}"]\n', "names only 1 peer that may"),
+        # settings the others keep from doing anything (simulate refuses them too)
+        (MINIMAL + '[outer]\nalgorithm = "diloco"\ntopk = 32\n', "outer.topk does nothing with the fp32 codec"),
+        (MINIMAL + '[outer]\nalgorithm = "diloco"\nchunk = 1024\n', "outer.chunk does nothing"),
+        (MINIMAL + '[outer]\nalgorithm = "diloco"\nerror_decay = 0.9\n', "outer.error_decay does nothing"),
+        (MINIMAL + '[outer]\nalgorithm = "sparseloco"\nmomentum = 0.5\n', "outer.momentum does nothing"),
+        (MINIMAL + '[outer]\nalgorithm = "sparseloco"\neager = false\n', "outer.eager does nothing"),
+        (MINIMAL + "[defences]\nscore_threshold = 0.1\n", "defences.score_threshold does nothing"),
         (MINIMAL + "[round]\nmax_shards = 1.5\n", "round.max_shards"),
         (MINIMAL + "[round]\nreplicas = 4\n", "round.replicas"),
         (MINIMAL + "[round]\nreplicas = -1\n", "round.replicas"),
@@ -227,9 +245,10 @@ def test_canonical_bytes_ignore_key_order():
 
 def test_allowlist_survives_signing():
     data = load_manifest_toml(EXAMPLE).to_mapping()
-    data["run"].update(open=False, allowlist=[OTHER.peer_id])
+    third = Identity.generate().peer_id
+    data["run"].update(open=False, allowlist=[OTHER.peer_id, third])  # (as many as the example's min_peers)
     m = manifest_from_mapping(data)
-    assert sign_manifest(m, COORD).verify(COORD.peer_id).run.allowlist == (OTHER.peer_id,)
+    assert sign_manifest(m, COORD).verify(COORD.peer_id).run.allowlist == (OTHER.peer_id, third)
 
 
 def test_tampered_bytes_rejected():
