@@ -122,6 +122,7 @@ class _Worker:
         child = getattr(getattr(self.node, "p2p", None), "_child", None)
         self.conn.send(("p2pd", child.pid if child is not None else None))  # so the parent can always end it
         self.node.attach(ctx)
+        self.ctx = ctx
         if self.rank == 0:
             decision = Decision(round=-1, attempt=0, status="commit", contributors=[], trainers=list(ids),
                                 servers=list(ids), leader=identity.peer_id, sources=[], num_shards=0,
@@ -164,11 +165,12 @@ class _Worker:
             if error is not None:
                 error.sub_(decode_segments(codec, payloads, self.params, self.segment))
             t3 = time.perf_counter()
-            del segments, payloads
+            del payloads
             self.wait()  # everyone holds the mean: the checks below must not slow a peer still fetching
             sha = tensor_sha256(mean)
             err = rel_error(mean, self.true_mean) if self.rank == 0 else None
-            del mean
+            exact = self._is_reference_mean(d, segments, mean)
+            del mean, segments
             self.wait()
             time.sleep(0.2)  # let the last replies' counters land
             sent, recv = node.transport.bytes_sent, node.transport.bytes_received
@@ -176,9 +178,36 @@ class _Worker:
             # parent takes a round from the first peer's start to the last peer's end
             out.append({"warmup": r < warmup, "t0": t0, "t3": t3, "encode_s": t1 - t0, "exchange_s": t2 - t1,
                         "fetch_decode_s": t3 - t2, "sent": sent - sent0, "received": recv - recv0, "sha": sha,
-                        "rel_error": err, "delivered": outcome.delivered})
+                        "rel_error": err, "exact": exact, "delivered": outcome.delivered})
             sent0, recv0 = sent, recv
         return {"rounds": out}
+
+    def _is_reference_mean(self, decision: Any, segments: list[bytes], mean: Any) -> bool | None:
+        """Is `mean` bit for bit the protocol's robust mean of what every peer sent? Answered on
+        rank 0 (None elsewhere), which gathers every peer's segments over gloo and recomputes the
+        mean shard by shard with the run's own aggregation (clipping included) and, where
+        aggregators ship a mean rather than the contributions, its re-encoding. Every peer holding
+        the same mean (`sha`) says nothing of whether that mean is right. Outside the timed round."""
+        import torch
+        import torch.distributed as dist
+        from groundswell.compression import robust_mean
+        from groundswell.protocol.context import validate_segments
+        from groundswell.protocol.plan import shard_bounds
+        from groundswell.protocol.shards import ships_contributions
+
+        gathered: list[Any] | None = [None] * self.n if self.rank == 0 else None
+        dist.gather_object(segments, gathered, dst=0)
+        if gathered is None:
+            return None
+        sent = dict(zip(self.ids, gathered))
+        parts = []
+        for first, stop in shard_bounds(len(segments), decision.num_shards):
+            rows = [validate_segments(self.ctx, first, sent[c][first:stop]) for c in decision.contributors]
+            means = robust_mean(self.codec, rows, self.ctx.robust)
+            if not ships_contributions(self.ctx):
+                means = [self.codec.decode(self.codec.encode(m), device="cpu") for m in means]
+            parts += [m.reshape(-1) for m in means]
+        return bool(torch.equal(torch.cat(parts), mean.reshape(-1).cpu()))
 
     def floor(self, warmup: int, repeats: int) -> dict:
         """Rounds of bare fp32 bytes over the started node's p2pd streams (see `_p2p_floor`)."""

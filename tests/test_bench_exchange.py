@@ -32,6 +32,7 @@ def test_bench_exchange_sparseloco_two_peers(capsys: pytest.CaptureFixture[str],
                 "rel_error"):
         assert key in sl, key
     assert sl["identical"] is True
+    assert sl["exact"] is True  # the protocol's robust mean of what both peers sent, recomputed by peer 0
     assert sl["round_s"] > 0
     # each method's ratio is to the gloo rounds timed right before it, not to one run-wide figure
     assert sl["ratio_vs_gloo"] == pytest.approx(sl["round_s"] / sl["gloo_round_s"])
@@ -106,3 +107,42 @@ def test_a_round_spans_from_the_first_start_to_the_last_end(monkeypatch: pytest.
         for r in p["rounds"]:
             r["sha"] = None  # nothing hashed (the floor): nothing to call identical
     assert bench_exchange._summarize(per_peer, 2)["identical"] is None
+
+
+def test_the_reference_check_tells_a_wrong_mean_from_the_right_one(monkeypatch: pytest.MonkeyPatch) -> None:
+    # Found by a review: every peer holding the same mean was the only check, and the peers agree
+    # by construction (they fetch the same sealed shards) even on a wrong mean. One fp32 peer:
+    # the protocol's mean of its own contribution is its tensor, bit for bit.
+    monkeypatch.syspath_prepend(str(SCRIPTS))
+    from types import SimpleNamespace
+
+    import torch
+    import torch.distributed as dist
+    from _exchange_worker import _Worker, free_port
+    from groundswell.compression import encode_segments, make_codec, segment_bounds, segment_size
+    from groundswell.peer.run_state import RunContext
+
+    params = 4 * 8192
+    worker = object.__new__(_Worker)
+    worker.rank, worker.n, worker.ids, worker.codec = 0, 1, ["A"], make_codec("fp32")
+    segment = segment_size(params, 4)
+    numels = tuple(b - a for a, b in segment_bounds(params, segment))
+    worker.ctx = RunContext(run_id="r", min_peers=1, deadline_s=30.0, slack_s=5.0, max_shards=4, segment_numels=numels,
+                            codec=worker.codec, max_payload_bytes=4 * params + 4096, allowlist=None)
+    x = torch.randn(params, generator=torch.Generator().manual_seed(0))
+    segments = [p.to_bytes() for p in encode_segments(worker.codec, x, segment)]
+    decision = SimpleNamespace(num_shards=2, contributors=["A"])
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1)
+    try:
+        assert worker._is_reference_mean(decision, segments, x.clone()) is True
+        wrong = x.clone()
+        wrong[12345] = torch.nextafter(wrong[12345], torch.tensor(float("inf")))  # one ulp off, one value
+        assert worker._is_reference_mean(decision, segments, wrong) is False
+    finally:
+        dist.destroy_process_group()
+    # and a method whose mean was not exact meets no goal
+    import bench_exchange
+
+    gloo = {"identical": True}
+    assert bench_exchange._goal_ok({"identical": True, "exact": True}, gloo)
+    assert not bench_exchange._goal_ok({"identical": True, "exact": False}, gloo)
