@@ -55,10 +55,17 @@ def _maxreply(params: int) -> int:
 
 
 # --- server process ----------------------------------------------------------------------------
+
+def _both_hashes(tensors: dict) -> str:
+    """The parameters' and the momentum buffer's hashes: a download must bring both whole."""
+    from groundswell.peer.run_state import params_hash
+
+    return f"{params_hash(tensors['global_params'])}:{params_hash(tensors['momentum_buffer'])}"
+
 class _Server:
     def __init__(self, conn: Any, tmp: str, params: int, seed: int, verbose: bool) -> None:
         import torch
-        from groundswell.peer.run_state import GlobalState, params_hash
+        from groundswell.peer.run_state import GlobalState
         from groundswell.protocol.envelope import seal
         from groundswell.protocol.identity import Identity
         from groundswell.protocol.schema import Decision
@@ -74,7 +81,7 @@ class _Server:
         decision = seal(self.identity, RUN_ID, Decision(0, 0, "commit", [], [], [me], me, [], 0))
         self.state = GlobalState(round=1, tensors=tensors, decision=decision)  # cached: one object for all requests
         self.blob, self.digest = self.state.blob_and_digest()  # what _on_state serves (cached)
-        self.expected_hash = params_hash(tensors["global_params"])
+        self.expected_hash = _both_hashes(tensors)  # every tensor of the state, not the parameters alone
         self.node = None
         self._tcp: socket.socket | None = None
         self._tcp_thread: threading.Thread | None = None
@@ -219,7 +226,7 @@ class _Client:
         """What a joiner does: `fetch_state` (the signed reply over libp2p, the sealed blob over a
         direct TCP connection), BLAKE3 check, map the tensors; timed as a whole and in parts. With
         `direct=False`, what a joiner that cannot reach the port does: the blob as the reply's trailer."""
-        from groundswell.peer.run_state import GlobalState, params_hash
+        from groundswell.peer.run_state import GlobalState
         from groundswell.peer.state_fetch import fetch_state
         from groundswell.protocol.schema import ProtocolError, StateReply, StateRequest
 
@@ -251,7 +258,7 @@ class _Client:
 
         def check(result: Any) -> None:  # not timed
             got_digest, tensors = result
-            if got_digest != digest or params_hash(tensors["global_params"]) != params_hash_expected:
+            if got_digest != digest or _both_hashes(tensors) != params_hash_expected:
                 raise RuntimeError("downloaded state differs from the served one")
 
         times, first = _median_times(once, warmup, repeats, check)
