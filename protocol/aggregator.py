@@ -367,7 +367,10 @@ class Aggregator(HaveReporter):
         deadline = time.monotonic() + min(msg.wait_s, self.ctx.deadline_s + self.ctx.slack_s)
         while (agg := self.aggregates.get((msg.round, msg.shard))) is None:
             remaining = deadline - time.monotonic()
-            if remaining <= 0:
+            # A round older than our newest commit that we do not hold will not come (evicted, or
+            # never ours): "none" at once. A peer catching up asks holder after holder, and a
+            # slack's wait at each made it crawl for minutes before it took the state instead.
+            if remaining <= 0 or msg.round < self.book.latest():
                 return AggregateShard(b"", msg.shard, "none", [])
             waiter = self._archived
             try:

@@ -127,6 +127,13 @@ def contribution_digest(first_segment: int, segments: list[bytes]) -> bytes:
     return h.digest()[:16]
 
 
+def shard_payload_bound(ctx: RoundContext, first: int, stop: int) -> int:
+    """The most bytes one contribution's (or one mean's) payloads of segments [first, stop) can
+    take: their share of `max_payload_bytes`, plus each segment's envelope."""
+    share, total = sum(ctx.segment_numels[first:stop]), max(1, sum(ctx.segment_numels))
+    return -(-ctx.max_payload_bytes * share // total) + 64 * (stop - first) + 4096
+
+
 def validate_segments(ctx: RoundContext, first: int, segments: list[bytes]) -> list[Payload]:
     """Strictly parse a run of segment payloads against the run's codec and segment shapes."""
     if first + len(segments) > len(ctx.segment_numels) or not segments:

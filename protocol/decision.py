@@ -272,7 +272,10 @@ class Decider:
             return set(exc.shards)
         except (PeerUnavailable, ProtocolError, TimeoutError) as exc:
             log.warning("could not gather the commit's aggregate (%s)", exc)
-            return set(range(decision.num_shards))
+            # those we did gather (archived as we serve them: a leader serves every shard) are not
+            # failed sources: re-sourcing all of them over one slow shard cost the whole attempt
+            return {s for s in range(decision.num_shards)
+                    if (held := self.aggregates.get((decision.round, s))) is None or held.decision != signed}
 
     def _attempt_deadline(self, plan: RoundPlan) -> float:
         """The attempt's deadline (its close plus a slack), on our monotonic clock: as long as a

@@ -15,7 +15,7 @@ from typing import Any, TypeVar
 import torch
 from groundswell.compression import CodecError, Payload, RobustStats, robust_mean, robust_weights
 
-from .context import contribution_digest, validate_segments
+from .context import contribution_digest, shard_payload_bound, validate_segments
 from .envelope import unseal
 from .plan import RoundPlan
 from .schema import (
@@ -240,7 +240,11 @@ class AggregateFetcher:
             return self.server.aggregates[key]
         first, stop = plan.shard_segments[shard]
         expected_parts = len(decision.contributors) if ships_contributions(self.ctx) else stop - first
-        budget = self.ctx.max_payload_bytes * max(1, len(decision.contributors)) + MAX_SMALL
+        # What an honest reply of this shard can be: one mean of its segments, or each
+        # contributor's share of them (sized as a whole contribution per shard, a 16-shard run's
+        # hedge before asking the next holder was 16x too long: 83 s at 16 peers on 25M values).
+        per_shard = shard_payload_bound(self.ctx, first, stop)
+        budget = per_shard * (max(1, len(decision.contributors)) if ships_contributions(self.ctx) else 1) + MAX_SMALL
         timeout = 2 * self.ctx.slack_s + budget / 20e6
         # The shard's source first, then the leader (it gathered every shard before announcing),
         # then the shard's replicas (sealed too), then anyone who has applied the round. A holder
@@ -252,7 +256,7 @@ class AggregateFetcher:
         # leader and the shard's candidates (its replicas are among them), never from a peer
         # that merely says it applied the round (in an open run, anyone).
         if ships_contributions(self.ctx):
-            holders = [*plan.candidates(shard)[:3], *self.holders(decision.round)]
+            holders = [*plan.candidates(shard)[:REPORTING_CANDIDATES], *self.holders(decision.round)]
         else:
             holders = plan.candidates(shard)[:REPORTING_CANDIDATES]
         queue = [p for p in dict.fromkeys([decision.sources[shard], decision.leader, *holders]) if p != self.me]

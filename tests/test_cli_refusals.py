@@ -355,7 +355,7 @@ def test_join_refuses_a_coordinators_state_dir_before_reading_its_identity(tmp_p
 @pytest.mark.parametrize("section, key, value, words", [
     ("inner", "beta1", "1.0", "inner.beta1 must be in [0, 1)"),
     ("inner", "beta2", "1.0", "inner.beta2 must be in [0, 1)"),
-    ("round", "slack_s", "0.0", "round.slack_s must be at least 0.1 s"),
+    ("round", "slack_s", "0.0", "round.slack_s must be at least 0.5 s"),
     ("round", "deadline_s", "1e12", "round.deadline_s must be at most 86400 s"),
 ])
 def test_launch_refuses_round_and_optimizer_values_that_could_never_work(tmp_path, nothing_starts, section, key,

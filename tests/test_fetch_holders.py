@@ -26,7 +26,7 @@ def _asked(codec: str, verify_aggregates: bool = False) -> list[str]:
     fetcher.server = SimpleNamespace(aggregates={})
     fetcher.holders = lambda round_id: ["applied1", "applied2", "cand1"]
     fetcher.ctx = SimpleNamespace(codec=SimpleNamespace(name=codec), verify_aggregates=verify_aggregates,
-                                  max_payload_bytes=1000, slack_s=0.01)
+                                  max_payload_bytes=1000, slack_s=0.01, segment_numels=(250,))
     plan = SimpleNamespace(shard_segments=[(0, 1)], candidates=lambda shard: ["cand1", "cand2", "cand3", "cand4",
                                                                               "cand5"])
     decision = Decision(round=7, attempt=0, status="commit", contributors=["a", "b"], trainers=[], servers=[],
@@ -42,7 +42,8 @@ def test_a_dense_mean_is_asked_only_of_the_source_the_leader_and_the_shards_cand
 
 
 def test_signed_contributions_are_asked_of_any_peer_that_applied_the_round_too():
-    expected = ["source", "leader", "cand1", "cand2", "cand3", "applied1", "applied2"]
+    # (all four reporting candidates: a review found a replica placed at the fourth never asked)
+    expected = ["source", "leader", "cand1", "cand2", "cand3", "cand4", "applied1", "applied2"]
     assert _asked("sparseloco") == expected
     assert _asked("fp32", verify_aggregates=True) == expected
 
@@ -87,3 +88,79 @@ def test_memory_running_out_here_is_not_blamed_on_the_peers(monkeypatch, error, 
 
     with pytest.raises(type(error) if ours else PeerUnavailable):
         asyncio.run(fetch._refusing_peer_faults(work(), "shard 3 of round 7"))
+
+
+@pytest.mark.parametrize("codec,contributors,expected", [
+    ("fp32", 16, 1),  # one mean of the shard's segments, whoever contributed
+    ("sparseloco", 16, 16),  # each contributor's share of them
+])
+def test_a_shards_reply_is_bounded_by_that_shard_not_by_the_whole_model(codec, contributors, expected):
+    # Found by a review: the bound (and with it the wait before asking the next holder, and the
+    # timeout) was the whole model's fp32 size times the contributors, for each of 16 shards: a
+    # frozen source held every fetcher 83 s at 16 peers on 25M values.
+    from groundswell.protocol.schema import MAX_SMALL
+
+    limits: list[int] = []
+
+    class _Transport:
+        async def request(self, peer, handler, msg, expect, **kw):
+            limits.append(kw["max_reply"])
+            raise PeerUnavailable(f"{peer} is gone")
+
+    numels = (4096,) * 16  # 16 segments, 16 shards of one each
+    fetcher = AggregateFetcher()
+    fetcher.me, fetcher.transport = "me", _Transport()
+    fetcher.server = SimpleNamespace(aggregates={})
+    fetcher.holders = lambda round_id: []
+    fetcher.ctx = SimpleNamespace(codec=SimpleNamespace(name=codec), verify_aggregates=False, slack_s=0.01,
+                                  max_payload_bytes=4 * sum(numels) + 64 * 16 + 4096, segment_numels=numels)
+    plan = SimpleNamespace(shard_segments=[(i, i + 1) for i in range(16)], candidates=lambda shard: ["c1"])
+    decision = Decision(round=7, attempt=0, status="commit", contributors=[f"p{i:02d}" for i in range(contributors)],
+                        trainers=[], servers=[], leader="leader", sources=["source"] * 16, num_shards=16)
+    with pytest.raises(PeerUnavailable):
+        asyncio.run(fetcher._fetch_shard(decision, b"signed", plan, 3))
+    one_shard = 4 * 4096 + 64 + 4096 + -(-(64 * 16 + 4096) // 16)  # its values in fp32, its envelopes
+    assert limits and all(limit <= expected * one_shard + MAX_SMALL for limit in limits)
+    assert all(limit >= expected * 4 * 4096 for limit in limits)
+
+
+def test_a_round_older_than_our_newest_commit_that_we_do_not_hold_gets_none_at_once():
+    # Found by a review: a holder waited the asker's whole wait (a slack) before saying it had
+    # nothing, even for a round it had let go of long ago; a peer catching up 9-16 rounds behind
+    # asked holder after holder and crawled for minutes before it took the state instead.
+    import time
+
+    from groundswell.protocol.aggregator import Aggregator
+    from groundswell.protocol.schema import AggregateRequest
+
+    server = SimpleNamespace(ctx=SimpleNamespace(deadline_s=30.0, slack_s=5.0), aggregates={},
+                             _archived=asyncio.Event(), book=SimpleNamespace(latest=lambda: 100))
+    start = time.monotonic()
+    reply = asyncio.run(Aggregator._on_get_aggregate(server, "asker", AggregateRequest(88, 0, 5.0)))
+    assert reply.mode == "none" and time.monotonic() - start < 1.0
+    # the newest round still gets the wait: its aggregate may be archived any moment
+    start = time.monotonic()
+    reply = asyncio.run(Aggregator._on_get_aggregate(server, "asker", AggregateRequest(101, 0, 0.3)))
+    assert reply.mode == "none" and time.monotonic() - start >= 0.3
+
+
+def test_a_leader_that_gathered_some_shards_in_time_fails_only_the_others_sources():
+    # Found by a review: a gather that timed out reported every shard unheld, so the leader took
+    # every source for failed (and re-sourced or retried) over one frozen shard.
+    from groundswell.protocol.decision import Decider
+    from groundswell.protocol.envelope import seal
+    from groundswell.protocol.identity import Identity
+
+    me = Identity.generate()
+    decision = Decision(round=7, attempt=0, status="commit", contributors=["a", "b"], trainers=[], servers=[],
+                        leader=me.peer_id, sources=["s0", "s1", "s2"], num_shards=3)
+    signed = seal(me, "run", decision)
+
+    async def slow_prefetch(signed_commit):
+        await asyncio.sleep(10)
+
+    held = SimpleNamespace(decision=signed)
+    leader = SimpleNamespace(prefetch=slow_prefetch, ctx=SimpleNamespace(run_id="run", deadline_s=1.0, slack_s=0.1),
+                             aggregates={(7, 0): held, (7, 2): held, (6, 1): held})
+    unheld = asyncio.run(Decider._unheld_shards(leader, signed, 0.2))
+    assert unheld == {1}
