@@ -73,6 +73,9 @@ def dialable_scopes(own: Sequence[str]) -> frozenset[str]:
     return frozenset({PUBLIC})
 
 
+MERGE_EVERY_S = 60.0  # a routing table lacking bootstrap or proven peers pings them this often
+MAX_MERGE_PINGS = 16  # ...that many at most
+
 class DhtRejoiner:
     """Peer addresses seen in records, and the re-entry into the DHT once its table is empty.
 
@@ -151,16 +154,27 @@ class DhtRejoiner:
 
     async def maybe_rejoin(self, p2p: Any, dht: Any) -> None:
         """If `dht`'s routing table is empty (and the last attempt is `every_s` old), dial the
-        known peers, ping them back into the table and look up our neighbours again."""
+        known peers, ping them back into the table and look up our neighbours again. If it is not
+        empty but lacks bootstrap or proven peers, ping those (every MERGE_EVERY_S): a DHT split
+        in two (a partition that healed, a coordinator restarted without its known peers) keeps
+        two tables that are not empty and never meet again, each side without the other's
+        records (the coordinator's among them)."""
         from hivemind.p2p import PeerID
         from hivemind.utils.multiaddr import Multiaddr
 
         protocol = dht.protocol
-        if len(protocol.routing_table.uid_to_peer_id) or time.monotonic() - self._tried_at < self.every_s:
+        table = protocol.routing_table.uid_to_peer_id
+        empty = not len(table)
+        if time.monotonic() - self._tried_at < (self.every_s if empty else max(self.every_s, MERGE_EVERY_S)):
             return
         self._tried_at = time.monotonic()
         targets = self.targets()
-        if not targets:  # the first peer of a run, alone so far: the others will find us
+        if not empty:
+            present = {p.to_base58() if hasattr(p, "to_base58") else str(p) for p in list(table.values())}
+            anchors = {str(m).rpartition("/p2p/")[2] for m in self.bootstrap} | set(self._proven)
+            targets = [(pid, addrs) for pid, addrs in targets if pid in anchors and pid not in present]
+            targets = targets[:MAX_MERGE_PINGS]
+        if not targets:  # the first peer of a run, alone so far (the others will find us), or none missing
             return
 
         async def ping(pid: str, addrs: list[str]) -> bool:
@@ -184,7 +198,8 @@ class DhtRejoiner:
         answered = sum(await gather_owned(ping(pid, addrs) for pid, addrs in targets))
         if answered:
             await dht.find_nearest_nodes([dht.node_id])
-        log.info("routing table was empty: %d of %d known peers answered", answered, len(targets))
+        log.info("routing table %s: %d of %d known peers answered",
+                 "was empty" if empty else "lacked bootstrap or proven peers", answered, len(targets))
 
 
 BOOTSTRAP_S = 25.0  # how long a start pings its bootstrap peers before it gives up

@@ -20,6 +20,9 @@ HEARTBEAT_S = 2.0
 RECORD_TTL_S = 3 * HEARTBEAT_S  # a record outlives two missed heartbeats
 STORE_CUTOFF_S = RECORD_TTL_S - HEARTBEAT_S  # a heartbeat's store is given up after this (from its start)
 EXPIRY_SLACK_S = 1.0  # (a record's expiration is its own time plus RECORD_TTL_S, exactly)
+# A stored record may expire at most this far ahead of a storer's clock: the manifest's largest
+# clock skew (an hour) plus a record's life. Honest records expire RECORD_TTL_S after they are signed.
+FUTURE_RECORD_S = 3600.0 + RECORD_TTL_S
 LOOKUP_S = 30.0  # a lookup of the run's records is given up after this (a hung one blocked every later refresh)
 REJOIN_S = 30.0  # re-entering the DHT: dials (5 s each), pings and a lookup; it only runs when stores reach nobody
 LEFT = "left"  # the role of a record a peer leaves behind when it leaves cleanly
@@ -94,10 +97,13 @@ class PeerRecordValidator:
             sender, rec = unseal(MSGPackSerializer.loads(record.value), run_id, PeerRecord)
         except Exception:  # (msgpack's errors, ProtocolError, TypeError): not a record at all
             return False
-        # (No rule of our clock here: hivemind refuses a lookup's whole answer for one entry this
-        # refuses, so a record dated just within a storer's skew would hide every record from a
-        # reader whose clock is a little behind. Readers drop far-future records one by one.)
-        return sender == subkey and lives_as_signed(rec, record.expiration_time)
+        # (Only a loose rule of our clock here: hivemind refuses a lookup's whole answer for one
+        # entry this refuses, so a record dated just within a storer's skew would hide every
+        # record from a reader whose clock is a little behind; readers drop far-future records one
+        # by one. But one dated hours ahead was kept by every storer for as long: a batch of them,
+        # stored once, pushed the key's answers past p2pd's 4 MiB reply cap for good.)
+        return (sender == subkey and lives_as_signed(rec, record.expiration_time)
+                and record.expiration_time <= time.time() + FUTURE_RECORD_S)
 
     def sign_value(self, record: Any) -> bytes:
         """The value as stored (nothing added)."""
@@ -131,6 +137,15 @@ class PeerRecords:
     _refreshing: Future | None
     rejected_records: int
     submit: Any
+    _last_signed: float = 0.0  # the time our newest record carries (see `_signed_time`)
+
+    def _signed_time(self) -> float:
+        """The time our next record carries: never before the last one's. hivemind keeps, per
+        peer, the value that expires last, so after our clock stepped back by D every storer
+        refused our newer records for D seconds (others saw a stale round and hash meanwhile)."""
+        now = max(time.time(), self._last_signed + 1e-3)
+        self._last_signed = now
+        return now
 
     def update_record(self, **changes: Any) -> None:
         """Change fields of the record the heartbeat publishes."""
@@ -160,7 +175,8 @@ class PeerRecords:
             stored_from = loop.time()  # (after a re-entry of several seconds the store still gets its time)
             rec = self.record
             rec = PeerRecord(rec.round, rec.params_hash, rec.role, rec.trains, rec.serves, self.maddrs[:8],
-                             rec.reachability, rec.loss, self.transport.bytes_sent if self.transport else 0, time.time(),
+                             rec.reachability, rec.loss, self.transport.bytes_sent if self.transport else 0,
+                             self._signed_time(),
                              sorted(self.guard.bans())[:32], sum(self.guard.rejected.values()), self._latest_scores(),
                              self.puncher.punched()[:64] if self.puncher is not None else [], rec.earlier_hashes[:16],
                              rec.loss_round)
@@ -179,7 +195,8 @@ class PeerRecords:
         """Replace our record with a "left" one (it lives as long as a heartbeat's would): others
         stop counting us among the run's peers, serving states or holding rounds at once, not
         only once our last record expires."""
-        gone = PeerRecord(self.record.round, "", LEFT, False, False, [], self.record.reachability, 0.0, 0, time.time())
+        gone = PeerRecord(self.record.round, "", LEFT, False, False, [], self.record.reachability, 0.0, 0,
+                          self._signed_time())
         await self.dht.store(self.records_key(self.ctx.run_id), seal(self.identity, self.ctx.run_id, gone),
                              expires_at(gone), subkey=self.identity.peer_id)
 

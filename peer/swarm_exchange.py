@@ -26,6 +26,7 @@ from groundswell.protocol.schema import Decision, ProtocolError
 from groundswell.protocol.tasks import gather_owned
 from groundswell.protocol.transport import PeerUnavailable
 
+from .catch_up import catch_up_view, holders_to_ask
 from .net_errors import NetworkError
 from .swarm import SwarmNode
 
@@ -244,8 +245,13 @@ class SwarmExchange:
         if round_id not in book.committed:
             if basis and book.membership(round_id) is None:
                 self._add_basis(round_id, basis)
-            await gather_owned(client.ask_decision(peer, round_id, 0, 0.0)
-                               for peer in self.node.holders(round_id)[:ASK_HOLDERS])
+            # ranked as catch-up ranks them (the coordinator, then peers it vouches for; none whose
+            # record claims a round far past the coordinator's): three made-up records first in the
+            # cache left the outcome unknown, and a counted contribution's work went out again
+            coordinator = self.node.options.coordinator or ""
+            view = catch_up_view(self.node.cached_records, self.node.identity.peer_id, coordinator)
+            ask = holders_to_ask(view, self.node.holders(round_id), coordinator)[:ASK_HOLDERS]
+            await gather_owned(client.ask_decision(peer, round_id, 0, 0.0) for peer in ask)
         committed = book.committed.get(round_id)
         if committed is None:
             return None

@@ -307,3 +307,61 @@ def test_one_bootstrap_peer_refusing_us_does_not_fail_the_start_when_more_let_us
     for refusing in ({coord}, {skewed, good}, {skewed, good, coord}):
         with pytest.raises(ValueError, match="local time"):
             asyncio.run(enter_dht(dht_where(refusing), boot, within_s=1.0, pause_s=0.01, coordinator=coord))
+
+
+def test_a_table_lacking_bootstrap_or_proven_peers_pings_them_back_in():
+    # Found by a review: a DHT split in two (a partition that healed) keeps two tables that are
+    # not empty and never meet again, each without the other side's records (the coordinator's
+    # among them); rejoining ran only when the table was empty. Now the anchors it lacks are
+    # pinged every MERGE_EVERY_S; seen-only peers are not, nor anyone when none is missing.
+    import asyncio
+    from types import SimpleNamespace
+
+    from groundswell.peer import dht_rejoin
+    from groundswell.peer.dht_rejoin import DhtRejoiner
+    from groundswell.protocol.identity import Identity
+
+    here, missing, proven, seen = (Identity.generate().peer_id for _ in range(4))
+    r = DhtRejoiner("me", [f"/ip4/10.0.0.1/tcp/1/p2p/{here}", f"/ip4/10.0.0.2/tcp/2/p2p/{missing}"])
+    r.vouch([proven])
+    r.remember([(proven, ["/ip4/10.0.0.3/tcp/3"]), (seen, ["/ip4/10.0.0.4/tcp/4"])])
+    r.every_s = 0.0
+    pinged: list[str] = []
+
+    class _Id:
+        def __init__(self, pid: str) -> None:
+            self.pid = pid
+
+        def to_base58(self) -> str:
+            return self.pid
+
+    table = {b"uid-here": _Id(here)}
+
+    async def call_ping(peer, **kw):
+        pinged.append(peer.to_base58())
+        return object()
+
+    async def connect(peer, addrs):
+        return None
+
+    async def find_nearest_nodes(ids):
+        return {}
+
+    protocol = SimpleNamespace(routing_table=SimpleNamespace(uid_to_peer_id=table), call_ping=call_ping)
+    dht = SimpleNamespace(protocol=protocol, node_id=b"x", find_nearest_nodes=find_nearest_nodes)
+    p2p = SimpleNamespace(_client=SimpleNamespace(connect=connect))
+    old = dht_rejoin.MERGE_EVERY_S
+    dht_rejoin.MERGE_EVERY_S = 0.0
+    try:
+        asyncio.run(r.maybe_rejoin(p2p, dht))
+        assert sorted(pinged) == sorted([missing, proven])
+        pinged.clear()
+        table.update({b"uid-missing": _Id(missing), b"uid-proven": _Id(proven)})
+        asyncio.run(r.maybe_rejoin(p2p, dht))
+        assert pinged == []  # nothing missing: nobody pinged
+        dht_rejoin.MERGE_EVERY_S = 3600.0
+        del table[b"uid-missing"]
+        asyncio.run(r.maybe_rejoin(p2p, dht))
+        assert pinged == []  # not due yet
+    finally:
+        dht_rejoin.MERGE_EVERY_S = old

@@ -77,11 +77,16 @@ def test_a_record_expiring_past_its_signed_time_is_refused_by_the_validator_and_
     assert not validator.validate(record(me.peer_id, seal(me, "other-run", rec), expires_at(rec)))
     other_key = SimpleNamespace(key=DHTID.generate(source="x").to_bytes(), subkey=b"", value=b"", expiration_time=0)
     assert validator.validate(other_key)  # not a run this node is in: not ours to judge
-    # The validator applies no rule of its own clock: hivemind drops a lookup's whole answer for
-    # one entry it refuses, and a record dated just inside a storer's skew would then hide every
-    # record from a reader whose clock is a little behind (found by a review). Readers drop it.
-    later = PeerRecord(3, "h", "volunteer", True, True, [], "public", 1.0, 0, time.time() + 3650 * 86400.0)
+    # The validator applies only a loose rule of its own clock: hivemind drops a lookup's whole
+    # answer for one entry it refuses, and a record dated just inside a storer's skew would then
+    # hide every record from a reader whose clock is a little behind (found by a review). Readers
+    # drop it. But one dated years ahead was kept by every storer for years: a batch of them,
+    # stored once, pushed the run key's answers past p2pd's 4 MiB reply cap for good (found by a
+    # later review). Past an hour (the largest clock skew a manifest allows) it is refused.
+    later = PeerRecord(3, "h", "volunteer", True, True, [], "public", 1.0, 0, time.time() + 600.0)
     assert validator.validate(record(me.peer_id, seal(me, "run", later), expires_at(later)))
+    far = PeerRecord(3, "h", "volunteer", True, True, [], "public", 1.0, 0, time.time() + 3650 * 86400.0)
+    assert not validator.validate(record(me.peer_id, seal(me, "run", far), expires_at(far)))
 
 
 def test_a_reader_drops_a_record_signed_far_ahead_of_its_clock_and_keeps_the_others():
@@ -163,3 +168,18 @@ async def _key_expiration(node, key: str) -> float:
     from hivemind.dht.routing import DHTID
 
     return node.dht.protocol.storage.get(DHTID.generate(source=key)).expiration_time
+
+
+def test_our_records_never_carry_an_earlier_time_than_the_last_one(monkeypatch):
+    # Found by a review: after our clock stepped back by D, every storer kept our record signed
+    # before the step (it expires last) and refused the newer ones for D seconds: others saw a
+    # stale round and hash meanwhile.
+    from groundswell.peer import records
+    from groundswell.peer.records import PeerRecords
+
+    node = PeerRecords.__new__(PeerRecords)
+    clock = iter([1000.0, 940.0, 1100.0])
+    monkeypatch.setattr(records.time, "time", lambda: next(clock))
+    assert node._signed_time() == 1000.0
+    assert node._signed_time() == pytest.approx(1000.001)  # the clock stepped back 60 s
+    assert node._signed_time() == 1100.0
