@@ -183,3 +183,25 @@ def test_our_records_never_carry_an_earlier_time_than_the_last_one(monkeypatch):
     assert node._signed_time() == 1000.0
     assert node._signed_time() == pytest.approx(1000.001)  # the clock stepped back 60 s
     assert node._signed_time() == 1100.0
+
+
+def test_a_records_signature_is_checked_once_per_run_however_often_it_is_read(monkeypatch):
+    # Found by a review: every lookup answer's records were signature-checked by the validator
+    # and again by the reader, on the node's one event loop (~1 s a refresh at 1,000 peers).
+    from groundswell.peer import records
+    from groundswell.protocol.envelope import seal
+    from groundswell.protocol.identity import Identity
+    from groundswell.protocol.schema import PeerRecord, ProtocolError
+
+    me = Identity.generate()
+    signed = seal(me, "run-a", PeerRecord(3, "h", "volunteer", True, True, [], "public", 1.0, 0, time.time()))
+    calls = []
+    real = records.unseal
+    monkeypatch.setattr(records, "unseal", lambda *a: calls.append(a[1]) or real(*a))
+    for _ in range(5):
+        assert records.unseal_record(signed, "run-a")[0] == me.peer_id
+    assert calls == ["run-a"]
+    with pytest.raises(ProtocolError):  # remembered for its own run only: another run checks it, and refuses it
+        records.unseal_record(signed, "run-b")
+    with pytest.raises(ProtocolError):  # a bad one is not remembered as good
+        records.unseal_record(signed[:-1] + bytes([signed[-1] ^ 1]), "run-a")
