@@ -129,7 +129,8 @@ def test_restored_contributions_are_settled_late_and_a_counted_one_leaves_the_er
                                                 if found else {}),
                            client=SimpleNamespace(counts_ours=counts_ours, ask_decision=None,
                                                   own_scaled={r: () for r in range(6)}),  # fetched, not clipped
-                           identity=SimpleNamespace(peer_id="me"), holders=lambda r: [])
+                           identity=SimpleNamespace(peer_id="me"), holders=lambda r: [],
+                           options=SimpleNamespace(coordinator=""), cached_records={})
     exchange = SwarmExchange(node)  # type: ignore[arg-type]
     exchange.restore_unsettled([unsettled_item(2, as_bytes[1], 1), unsettled_item(3, as_bytes[2], 2, retried=True),
                                 unsettled_item(3, as_bytes[0], 0, presume=True)])
@@ -163,7 +164,8 @@ def test_every_restored_contribution_is_settled_even_past_the_few_a_live_process
     node = SimpleNamespace(book=SimpleNamespace(committed={r: (b"s", SimpleNamespace(round=r)) for r in range(1, 6)}),
                            client=SimpleNamespace(counts_ours=counts_ours, ask_decision=None,
                                                   own_scaled={r: () for r in range(6)}),  # fetched, not clipped
-                           identity=SimpleNamespace(peer_id="me"), holders=lambda r: [])
+                           identity=SimpleNamespace(peer_id="me"), holders=lambda r: [],
+                           options=SimpleNamespace(coordinator=""), cached_records={})
     exchange = SwarmExchange(node)  # type: ignore[arg-type]
     exchange.restore_unsettled([*(unsettled_item(r, sent[r - 1], 5 - r) for r in range(1, 5)),
                                 unsettled_item(5, sent[4], 0, included=False)])
