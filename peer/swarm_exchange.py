@@ -129,9 +129,11 @@ class SwarmExchange:
         self._received_before = self.node.transport.bytes_received
         segments = [p.to_bytes() for p in payloads]
         self.prepared += 1
+        # (in flight only once submitted: a node already down sends nothing, and a contribution
+        # never sent must not be listed open and presumed counted, see `presume_counted`)
+        self._future = self.node.submit(self._attempt(round_id, segments))
         self._segments = segments
         self._round = round_id
-        self._future = self.node.submit(self._attempt(round_id, segments))
 
     async def _attempt(self, round_id: int, segments: list[bytes]
                        ) -> tuple[AttemptResult, torch.Tensor | PeerUnavailable | None]:
@@ -251,11 +253,26 @@ class SwarmExchange:
             coordinator = self.node.options.coordinator or ""
             view = catch_up_view(self.node.cached_records, self.node.identity.peer_id, coordinator)
             ask = holders_to_ask(view, self.node.holders(round_id), coordinator)[:ASK_HOLDERS]
-            await gather_owned(client.ask_decision(peer, round_id, 0, 0.0) for peer in ask)
+            answered = await gather_owned(self._asked(client, peer, round_id) for peer in ask)
+            if round_id not in book.committed and not any(answered):
+                # Nobody to ask, or every ask failed on the way: that is no answer ("none" is
+                # one), and the check is made again at the next settle. Taken for "not known
+                # here", a counted contribution's work was kept and sent a second time.
+                raise PeerUnavailable(f"no holder of round {round_id} could be asked for its commit "
+                                      f"({len(ask)} tried)")
         committed = book.committed.get(round_id)
         if committed is None:
             return None
         return await client.counts_ours(committed[1], segments)
+
+    @staticmethod
+    async def _asked(client: Any, peer: str, round_id: int) -> bool:
+        """Did `peer` answer (with the round's commit, or without one)?"""
+        try:
+            await client.ask_decision(peer, round_id, 0, 0.0, strict=True)
+            return True
+        except (PeerUnavailable, ProtocolError):
+            return False
 
     def _add_basis(self, round_id: int, basis: bytes) -> None:
         """Put the commit round `round_id` was planned from back into the book (on the network loop)."""

@@ -143,8 +143,9 @@ class RoundClient(AggregateFetcher):
                 if self.me not in plan.trainers:
                     await asyncio.wait(joins)
                 self.contributed[round_id] = max(attempt, self.contributed.get(round_id, -1))
-                for old in [r for r in self.contributed if r < round_id - 2]:
-                    del self.contributed[old]
+                for book in (self.contributed, self.retried):  # (never pruned, `retried` grew for good)
+                    for old in [r for r in book if r < round_id - 2]:
+                        del book[old]
                 # in a worker thread: the record is fsynced before anything is sent, which on a slow
                 # disk would stall every handler and heartbeat of this node for as long
                 if self.on_contribute is not None and not await asyncio.to_thread(
@@ -208,9 +209,13 @@ class RoundClient(AggregateFetcher):
         first, stop = plan.shard_segments[shard]
         msg = ShardContribution(plan.round, plan.attempt, shard, first, segments[first:stop])
         size = sum(len(s) for s in msg.segments)
-        timeout = 2 * self.ctx.slack_s + size / 5e6  # a live aggregator at a modest 5 MB/s
         copies = 1 + max(0, replica_count(self.ctx))
         small = size <= PARALLEL_COPIES_BYTES
+        # A live aggregator at a modest 5 MB/s; a big shard shares our uplink with every other
+        # shard of the contribution (all go at once), so it gets the time of all of them: sized
+        # for itself alone, each was cut off and sent again elsewhere on a 6 MB/s uplink that
+        # could have carried the whole contribution in time (a review's model: none delivered).
+        timeout = 2 * self.ctx.slack_s + (size if small else sum(len(s) for s in segments)) / 5e6
         at_once = copies if small else 1
         # A big shard is not hedged: every shard of a contribution goes at once, and each hedge
         # would add a copy of each to a slow uplink until none lands in time. A frozen aggregator
@@ -218,11 +223,15 @@ class RoundClient(AggregateFetcher):
         hedge = max(1.0, self.ctx.slack_s / 2) if small else timeout
         offer = self._offer if small else self._pinged_offer
         queue = list(plan.candidates(shard)[:REPORTING_CANDIDATES])
-        held, stalled = 0, False
+        held, stalled, launched = 0, False, 0
         asking: set[asyncio.Future[str]] = set()  # owned here: whatever still runs is cancelled below
         try:
             while held < copies and (queue or asking):
+                if queue and launched and self._attempt_over(plan):
+                    queue.clear()  # past the close by our clock: no candidate more, the decision is due
+                    continue
                 if queue and (stalled or len(asking) < min(at_once, copies - held)):
+                    launched += 1
                     asking.add(asyncio.ensure_future(offer(queue.pop(0), msg, timeout)))
                     stalled = False
                     continue
@@ -336,9 +345,10 @@ class RoundClient(AggregateFetcher):
         return signed
 
     async def ask_decision(self, peer: str, round_id: int, attempt: int, wait_s: float,
-                           plan: RoundPlan | None = None) -> bytes:
+                           plan: RoundPlan | None = None, strict: bool = False) -> bytes:
         """A signed decision for round/attempt from one peer, or b"" (and it is recorded if a commit).
-        A "retry" counts only with the attempt's `plan`, signed by one of its leaders."""
+        A "retry" counts only with the attempt's `plan`, signed by one of its leaders. `strict`: a
+        failure on the way (no answer, a bad one) raises rather than reads as "none"."""
         try:
             if peer == self.me:
                 reply = await self.server._on_get_decision(peer, DecisionRequest(round_id, attempt, wait_s))
@@ -358,4 +368,6 @@ class RoundClient(AggregateFetcher):
             return reply.decision
         except (PeerUnavailable, ProtocolError) as exc:
             log.info("decision of round %d from %s: %s", round_id, peer[-8:], exc)
+            if strict:
+                raise
             return b""

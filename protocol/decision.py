@@ -53,6 +53,7 @@ class Decider:
         asked: set[str] = set()  # peers sent one (a late answer may still seal it)
         dropped: set[str] = set()  # contributions scoring found harmful
         screened = False
+        scored: dict[tuple[int, str], bytes] | None = None  # (shard, contributor) -> digest scored, with scoring on
         # One budget for the whole decision (two gathers and their seals): each gather may take up
         # to a deadline plus two slacks, and while we decide we object to every later attempt's claim.
         # Counted from after the scoring screen, which has its own bound.
@@ -78,8 +79,24 @@ class Decider:
                 screened = True
                 dropped = await self._screen(plan, sources, contributors, self._digests(slot, sources, contributors))
                 contributors = [c for c in contributors if c not in dropped]
+                if self.score is not None:  # what each scored contribution was, shard by shard
+                    scored = {(s, c): d for s, src in enumerate(sources) for c in contributors
+                              if (d := slot.have[s][src].get(c)) is not None}
                 if len(contributors) < self.ctx.min_peers:
                     break
+            elif scored is not None:
+                # A source replaced since (it would not seal, or froze) pins its own copies: a
+                # contribution it holds in another version than the one scored (sent to one
+                # aggregator harmless, to the next harmful), or one never scored, is left out.
+                unscored = {c for c in contributors for s, src in enumerate(sources)
+                            if slot.have[s][src].get(c) != scored.get((s, c))}
+                if unscored:
+                    log.warning("round %d attempt %d: %d contributions differ from the versions scored at the "
+                                "replaced sources; left out", plan.round, plan.attempt, len(unscored))
+                    dropped |= unscored
+                    contributors = [c for c in contributors if c not in unscored]
+                    if len(contributors) < self.ctx.min_peers:
+                        break
                 budget_end = time.monotonic() + 2 * gather_s + 4 * self.ctx.slack_s
                 left = budget_end - time.monotonic()
             trainers = sorted(set(contributors) | {p for p, (t, _) in joins.items() if t})

@@ -65,8 +65,11 @@ class AggregateFetcher:
         """Work out where a commit's mean took our contribution clipped (into `own_scaled`, as a
         fetch notes it) from its shards (a dense mean's say; the signed contributions, without
         computing the mean): what a contribution settled late needs. Raises like `fetch_aggregate`."""
-        self.own_scaled.update(await _refusing_peer_faults(self._own_scaled(signed),
-                                                           "the round's contributions could not be gathered"))
+        found = await _refusing_peer_faults(self._own_scaled(signed), "the round's contributions could not be gathered")
+        self.own_scaled.update(found)
+        newest = max(self.own_scaled, default=0)
+        for old in [r for r in self.own_scaled if r < newest - 16]:  # (as a fetch prunes it)
+            del self.own_scaled[old]
 
     async def _own_scaled(self, signed: bytes) -> dict[int, tuple[tuple[int, int, float], ...]]:
         decision, plan, shards = await self._hold(signed)
@@ -159,10 +162,11 @@ class AggregateFetcher:
                          plan.num_shards, 0.0, list(digests))
         offsets = _offsets(self.ctx.segment_numels)
         out = {c: torch.empty(offsets[-1], dtype=torch.float32) for c in contributors}
-        budget = self.ctx.max_payload_bytes * max(1, len(contributors)) + MAX_SMALL
 
         async def one(shard: int) -> None:
             first, stop = plan.shard_segments[shard]
+            # each contributor's share of this shard, not the whole model per contributor
+            budget = shard_payload_bound(self.ctx, first, stop) * max(1, len(contributors)) + MAX_SMALL
             if sources[shard] == self.me:
                 agg = self.server.local_contributions(plan.round, plan.attempt, shard, list(contributors))
             else:

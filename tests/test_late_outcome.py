@@ -272,7 +272,7 @@ def test_a_commit_this_peer_does_not_hold_is_asked_of_the_peers_that_applied_the
     asked: list[str] = []
     book = SimpleNamespace(committed={})
 
-    async def ask_decision(peer, round_id, attempt, wait_s):
+    async def ask_decision(peer, round_id, attempt, wait_s, strict=False):
         asked.append((peer, round_id))
         if peer in holding:  # a checked commit goes into the book, as the real client does
             book.committed[round_id] = (b"signed", SimpleNamespace(round=round_id))
@@ -649,3 +649,59 @@ def test_a_diloco_volunteer_whose_node_dies_with_a_contribution_out_keeps_its_wo
     else:
         assert [(u.round_id, u.included, u.if_unknown) for u in ex.unsettled] == [(15, None, True)]
         assert ex.unsettled[0].segments  # what was sent, to be checked against the commit's digests
+
+
+def test_asks_that_all_failed_are_no_answer_and_the_check_is_made_again():
+    # Found by a review: a holder that could not be reached (a timeout, a refused dial) read as a
+    # holder saying "none": the outcome was taken for unknown, the contribution forgotten and its
+    # work kept, though its commit may have counted it (sent twice). Now that raises, and the
+    # settle asks again next time; nobody to ask at all is no answer either.
+    from groundswell.protocol.transport import PeerUnavailable
+
+    book = SimpleNamespace(committed={}, membership=lambda r: object())
+
+    async def ask_decision(peer, round_id, attempt, wait_s, strict=False):
+        assert strict
+        raise PeerUnavailable(f"{peer}: timed out")
+
+    node = _Node(None)
+    node.book = book
+    node.client = SimpleNamespace(ask_decision=ask_decision)
+    node.cached_records = {p: SimpleNamespace(round=6, params_hash="") for p in "abc"}
+    node.options = SimpleNamespace(coordinator="")
+    node.holders = lambda round_id: ["a", "b", "c"]
+    ex = SwarmExchange(node)  # type: ignore[arg-type]
+    with pytest.raises(PeerUnavailable, match="no holder of round 5 could be asked"):
+        asyncio.run(ex.counts_ours(5, [b"x"]))
+    node.holders = lambda round_id: []
+    with pytest.raises(PeerUnavailable):
+        asyncio.run(ex.counts_ours(5, [b"x"]))
+
+
+def test_a_contribution_the_node_was_down_to_send_is_never_presumed_counted():
+    # Found by a review: contribute() noted the contribution as in flight before handing it to a
+    # node that was already down; the network-failure guard then listed that never-sent work as
+    # open and presumed counted (contributed.json named its round, from an earlier attempt).
+    from groundswell.compression import make_codec
+    from groundswell.optim import DiLoCo, DiLoCoConfig
+    from groundswell.peer.net_errors import NetworkError
+    from groundswell.peer.roles import _saved_if_the_network_fails
+
+    class Down(_Node):
+        def submit(self, coro):
+            coro.close()
+            raise NetworkError("the network stopped")
+
+    ex = SwarmExchange(Down(None))
+    w = torch.nn.Parameter(torch.zeros(64))
+    outer = DiLoCo([w], make_codec("fp32"), DiLoCoConfig())
+    outer.round_id = 7
+    with torch.no_grad():
+        w.add_(0.01)
+    saved: list[int] = []
+    p = SimpleNamespace(outer=outer, _contributed_before=lambda: {7: 0})  # an earlier attempt of round 7 went out
+    loop = SimpleNamespace(checkpoint=lambda: saved.append(1), exchange=ex)
+    with pytest.raises(NetworkError), _saved_if_the_network_fails(p, loop):
+        ex.contribute(7, outer.prepare())
+    assert ex.unsettled == [] and saved == [1] and outer.pending is None
+    assert torch.allclose(w.detach(), torch.full((64,), 0.01))  # the work is still ours

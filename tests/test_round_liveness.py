@@ -7,6 +7,7 @@ Each test fails on the code before its fix and ends by comparing what the peers 
 
 from __future__ import annotations
 
+import asyncio
 import sys
 import time
 from pathlib import Path
@@ -453,3 +454,51 @@ def test_a_contributor_late_to_its_attempt_polls_a_silent_leader_only_until_the_
     plan = SimpleNamespace(round=3, attempt=1)
     signed = asyncio.run(RoundClient._poll_decision(client, "leader", plan, time.time() + 1.0, 20.0))
     assert signed == b"" and asked and asked[0] <= 1.0 and all(w <= 1.0 for w in asked)
+
+
+def _shard_sender(over: bool, verdict: str = "ok"):
+    """A RoundClient whose offers record their timeout and answer `verdict`; `over`: the attempt's
+    close has passed by our clock."""
+    from types import SimpleNamespace
+
+    from groundswell.protocol.client import RoundClient
+
+    client = object.__new__(RoundClient)
+    client.ctx = SimpleNamespace(slack_s=5.0, replicas=0, codec=SimpleNamespace(name="fp32"), verify_aggregates=False)
+    timeouts: list[float] = []
+
+    async def offer(peer, msg, timeout):
+        timeouts.append(timeout)
+        return verdict
+
+    client._offer = client._pinged_offer = offer
+    client._attempt_over = lambda plan: over
+    plan = SimpleNamespace(round=0, attempt=0, shard_segments=[(i, i + 1) for i in range(8)],
+                           candidates=lambda shard: ["a", "b", "c", "d"])
+    return client, plan, timeouts
+
+
+def test_a_big_shard_gets_the_time_of_the_whole_contribution_it_shares_the_uplink_with():
+    # Found by a review: each of a contribution's 8 big shards (all sent at once) got the time its
+    # own bytes need, so on a 6 MB/s uplink that could carry the whole contribution in time every
+    # request was cut off and sent again elsewhere, and none landed.
+    from groundswell.protocol.client import PARALLEL_COPIES_BYTES
+
+    client, plan, timeouts = _shard_sender(over=False)
+    segments = [b"x" * (PARALLEL_COPIES_BYTES + 1)] * 8
+    assert asyncio.run(client._send_shard(plan, 0, segments))
+    assert timeouts == [2 * 5.0 + 8 * len(segments[0]) / 5e6]
+    small = [b"x" * 1000] * 8  # a small shard's copies go at once, each with its own time
+    client, plan, timeouts = _shard_sender(over=False)
+    asyncio.run(client._send_shard(plan, 0, small))
+    assert timeouts == [2 * 5.0 + 1000 / 5e6]
+
+
+def test_past_the_close_a_shard_goes_to_no_candidate_more():
+    # ...and once the attempt's close had passed, a refused shard still went to candidate after
+    # candidate, past the close and the decision it should be waiting for.
+    from groundswell.protocol.client import PARALLEL_COPIES_BYTES
+
+    client, plan, timeouts = _shard_sender(over=True, verdict="busy")
+    assert not asyncio.run(client._send_shard(plan, 0, [b"x" * (PARALLEL_COPIES_BYTES + 1)] * 8))
+    assert len(timeouts) == 1  # the first candidate only

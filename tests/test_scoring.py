@@ -257,3 +257,68 @@ def test_an_update_at_frozen_parameters_only_scores_zero(monkeypatch):
     elsewhere[first:] = torch.randn(g.numel() - first, generator=torch.Generator().manual_seed(1))
     scores = scorer(g.detach().clone(), {"frozen-only": at_frozen, "trainable": elsewhere})
     assert scores["frozen-only"] == 0.0 and scores["trainable"] != 0.0
+
+
+def test_a_source_replaced_after_scoring_cannot_bring_in_a_version_nobody_scored():
+    # Found by a review: scoring ran once per decision; when a source then refused the seal (or
+    # froze), the replica that replaced it pinned its own copies, and a contributor that had sent
+    # its own aggregator a harmless version A and the replica a harmful M got M committed, scored
+    # clean. A contribution whose pinned version differs from the one scored is now left out.
+    import asyncio
+    import types
+
+    import torch
+    from groundswell.protocol.decision import Decider
+    from groundswell.protocol.envelope import unseal
+    from groundswell.protocol.identity import Identity
+    from groundswell.protocol.leading import Leading
+    from groundswell.protocol.plan import RoundPlan
+    from groundswell.protocol.schema import Decision
+
+    A, M, H = b"A" * 16, b"M" * 16, b"H" * 16
+    E, R, H1, H2 = "peerE", "peerR", "peerH1", "peerH2"
+    plan = RoundPlan(0, 0, "L", ("L",), (E, R, H1, H2), (E,), ((0, 1),), (E, H1, H2))
+
+    class Leader(Decider):
+        _sources = Leading._sources
+        _digests = Leading._digests
+
+        def __init__(self):
+            self.ctx = types.SimpleNamespace(deadline_s=5.0, slack_s=1.0, min_peers=2, run_id="r",
+                                             max_payload_bytes=1000)
+            self.identity = Identity.generate()
+            self.book = types.SimpleNamespace(decided=lambda r: False, opened_at=lambda r: 0.0,
+                                              membership=lambda r: types.SimpleNamespace(trainers=[E, H1, H2],
+                                                                                         servers=[E, R, H1, H2]))
+            self.joins = {0: {}}
+            self.scores, self.score_threshold, self.keep_rounds = {}, 0.0, 8
+            self.prefetch, self.seal_calls, self.committed = None, 0, None
+
+        async def individual(self, plan, sources, contributors, digests):  # what each source holds
+            return {c: torch.tensor([1.0 if d == M else -1.0]) for c, d in zip(contributors, digests)}
+
+        async def score(self, round_id, updates):  # the probe loss's stand-in: version M hurts
+            return {c: float(u[0]) for c, u in updates.items()}
+
+        async def _seal_all(self, signed, peers, groups=None, **kw):
+            self.seal_calls += 1
+            return ({E} if self.seal_calls == 1 else set()), False  # E (the source) refuses once
+
+        async def _witnesses(self, *a):
+            return {R}, set(), False
+
+        async def _confirmed(self, *a):
+            return True
+
+        async def _learn(self, plan, signed):
+            self.committed = unseal(signed, "r", Decision)[1]
+
+        def _spawn(self, coro):
+            coro.close()
+
+    leader = Leader()
+    slot = types.SimpleNamespace(have={0: {E: {E: A, H1: H, H2: H}, R: {E: M, H1: H, H2: H}}})
+    asyncio.run(leader._decide(plan, slot))
+    assert leader.scores[0][E] == -1.0  # A was scored, and is harmless
+    d = leader.committed
+    assert d.status == "commit" and d.sources == [R] and d.contributors == [H1, H2]  # M is not in it
