@@ -254,10 +254,11 @@ class SwarmExchange:
             view = catch_up_view(self.node.cached_records, self.node.identity.peer_id, coordinator)
             ask = holders_to_ask(view, self.node.holders(round_id), coordinator)[:ASK_HOLDERS]
             answered = await gather_owned(self._asked(client, peer, round_id) for peer in ask)
-            if round_id not in book.committed and not any(answered):
-                # Nobody to ask, or every ask failed on the way: that is no answer ("none" is
-                # one), and the check is made again at the next settle. Taken for "not known
-                # here", a counted contribution's work was kept and sent a second time.
+            if round_id not in book.committed and ask and not any(answered):
+                # Every ask failed on the way: that is no answer ("none" is one), and the check
+                # is made again at the next settle. Taken for "not known here", a counted
+                # contribution's work was kept and sent a second time. (Nobody to ask at all is
+                # "not known here": a restart that took a later state, with no holder left.)
                 raise PeerUnavailable(f"no holder of round {round_id} could be asked for its commit "
                                       f"({len(ask)} tried)")
         committed = book.committed.get(round_id)
