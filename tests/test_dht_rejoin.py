@@ -241,7 +241,6 @@ def test_one_bad_target_does_not_stop_the_others_from_refilling_the_routing_tabl
     # A peer that answers the ping with a malformed node id (hivemind raises AssertionError), or a
     # known-peers entry that is not a peer id, ended the whole rejoin: the table stayed empty.
     import asyncio
-    from types import SimpleNamespace
 
     from groundswell.peer.dht_rejoin import DhtRejoiner
     from groundswell.protocol.identity import Identity
@@ -259,6 +258,14 @@ def test_one_bad_target_does_not_stop_the_others_from_refilling_the_routing_tabl
         table[peer.to_base58()] = True
         return object()
 
+    asyncio.run(r.maybe_rejoin(*_fake_node(table, call_ping)))
+    assert set(table) == {good}
+
+
+def _fake_node(table: dict, call_ping):
+    """(p2p, dht) stand-ins for `maybe_rejoin`: a routing table, pings by `call_ping`, dials that succeed."""
+    from types import SimpleNamespace
+
     async def connect(peer, addrs):
         return None
 
@@ -267,8 +274,7 @@ def test_one_bad_target_does_not_stop_the_others_from_refilling_the_routing_tabl
 
     protocol = SimpleNamespace(routing_table=SimpleNamespace(uid_to_peer_id=table), call_ping=call_ping)
     dht = SimpleNamespace(protocol=protocol, node_id=b"x", find_nearest_nodes=find_nearest_nodes)
-    asyncio.run(r.maybe_rejoin(SimpleNamespace(_client=SimpleNamespace(connect=connect)), dht))
-    assert set(table) == {good}
+    return SimpleNamespace(_client=SimpleNamespace(connect=connect)), dht
 
 
 def test_one_bootstrap_peer_refusing_us_does_not_fail_the_start_when_more_let_us_in():
@@ -315,7 +321,6 @@ def test_a_table_lacking_bootstrap_or_proven_peers_pings_them_back_in():
     # among them); rejoining ran only when the table was empty. Now the anchors it lacks are
     # pinged every MERGE_EVERY_S; seen-only peers are not, nor anyone when none is missing.
     import asyncio
-    from types import SimpleNamespace
 
     from groundswell.peer import dht_rejoin
     from groundswell.peer.dht_rejoin import DhtRejoiner
@@ -341,15 +346,7 @@ def test_a_table_lacking_bootstrap_or_proven_peers_pings_them_back_in():
         pinged.append(peer.to_base58())
         return object()
 
-    async def connect(peer, addrs):
-        return None
-
-    async def find_nearest_nodes(ids):
-        return {}
-
-    protocol = SimpleNamespace(routing_table=SimpleNamespace(uid_to_peer_id=table), call_ping=call_ping)
-    dht = SimpleNamespace(protocol=protocol, node_id=b"x", find_nearest_nodes=find_nearest_nodes)
-    p2p = SimpleNamespace(_client=SimpleNamespace(connect=connect))
+    p2p, dht = _fake_node(table, call_ping)
     old = dht_rejoin.MERGE_EVERY_S
     dht_rejoin.MERGE_EVERY_S = 0.0
     try:
