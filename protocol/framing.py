@@ -27,6 +27,32 @@ async def write_frame(writer: asyncio.StreamWriter, data: bytes | bytearray | me
         await writer.drain()
 
 
+# A large frame's reader is held to half the rate that would finish it in its time, once past its
+# first seconds (as the direct state port holds its readers, `protocol/direct.py`).
+PACED_GRACE_S = 20.0
+PACED_SHARE = 0.5
+
+
+async def write_frame_paced(writer: asyncio.StreamWriter, data: bytes | bytearray | memoryview,
+                            within_s: float) -> None:
+    """`write_frame`, cut off (TimeoutError) once a reader past its first PACED_GRACE_S has taken
+    less than PACED_SHARE of what it would have at the rate that finishes within `within_s`. A
+    reader taking a piece now and then, just fast enough never to time out a piece, held a state
+    upload's slot (and that state, however old) for the whole of its time: a stranger's slow
+    reads under fresh identities could keep every slot."""
+    loop = asyncio.get_running_loop()
+    writer.write(_LEN.pack(len(data)))
+    view = memoryview(data).cast("B")
+    began, needed = loop.time(), len(view) / max(within_s, 1e-3)  # bytes/s to finish in time
+    for start in range(0, len(view), WRITE_PIECE):
+        if (took := loop.time() - began) > PACED_GRACE_S and start < PACED_SHARE * needed * took:
+            raise TimeoutError(f"reader too slow: {start} bytes in {took:.0f} s")
+        writer.write(view[start:start + WRITE_PIECE])
+        await writer.drain()
+    if not len(view):
+        await writer.drain()
+
+
 async def read_frame(reader: asyncio.StreamReader, max_bytes: int, start_s: float | None = None) -> bytes:
     """Read one length-prefixed frame, refusing lengths over `max_bytes` before reading them;
     `start_s`: TimeoutError unless its length has arrived within that many seconds."""

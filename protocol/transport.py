@@ -36,7 +36,15 @@ from .failures import (  # noqa: F401  (re-exported: callers name these from the
     remote_failure,
     target_peer_id,
 )
-from .framing import _LEN, read_frame, read_frame_into, read_frame_paced, read_until_eof, write_frame
+from .framing import (
+    _LEN,
+    read_frame,
+    read_frame_into,
+    read_frame_paced,
+    read_until_eof,
+    write_frame,
+    write_frame_paced,
+)
 from .guard import SMALL_BODY, Guard
 from .identity import Identity
 from .schema import MAX_SMALL, PROTOCOL_VERSION, Message, ProtocolError
@@ -197,6 +205,7 @@ class Transport:
                 reserved = size
 
             try:
+                ends = asyncio.get_running_loop().time() + timeout_s  # (the trailer's pace is held to it)
                 async with asyncio.timeout(timeout_s):
                     try:
                         request = await read_frame_paced(reader, max_request + 512, min(timeout_s, REQUEST_START_S),
@@ -206,7 +215,7 @@ class Transport:
                         self.guard.release_bytes(remote, reserved)
                     await write_frame(writer, out)
                     if trailer:
-                        await write_frame(writer, bulk)
+                        await write_frame_paced(writer, bulk, ends - asyncio.get_running_loop().time())
                         self.bytes_sent += len(bulk) + _LEN.size
                         self.trailer_bytes_sent += len(bulk) + _LEN.size
                     if release is not None:  # written: the slot is free, whenever the caller hangs up
