@@ -94,11 +94,31 @@ class PeerRecordValidator:
         before: hivemind refuses a whole answer for a key if one of its entries fails, so an entry
         stored while we were not yet checking would hide every record this node serves."""
         from hivemind.dht.routing import DHTID
-        from hivemind.dht.storage import DictionaryDHTValue
         from hivemind.utils.serializer import MSGPackSerializer
 
         key = DHTID.generate(source=PeerRecords.records_key(run_id)).to_bytes()
         self._runs[key] = run_id
+        self._keep_only(dht, key, lambda k, v, e: self.validate(_Record(key, MSGPackSerializer.dumps(k), v, e)))
+
+    def prune_far_future(self, dht: Any) -> None:
+        """Drop from `dht`'s storage the run records that expire more than FUTURE_RECORD_S past our
+        clock. Not a rule of `validate`: that one also judges lookup answers, and hivemind refuses
+        a whole answer for one entry it refuses, so a record dated just under a storer's limit would
+        hide every record from a reader whose clock is a little behind (readers drop such records
+        one by one). As a storer we keep none: a batch of records dated hours ahead, stored once,
+        pushed the run key's answers past p2pd's 4 MiB reply cap for as long (found by a review)."""
+        limit = time.time() + FUTURE_RECORD_S
+        for key in list(self._runs):
+            self._keep_only(dht, key, lambda k, v, e: e <= limit)
+
+    @staticmethod
+    def _keep_only(dht: Any, key: bytes, keep: Any) -> None:
+        """Store again, whole, a run key's entries in `dht`'s storage and cache that `keep(subkey,
+        value, expiration)` accepts, if it refuses any (the key's own expiration was the refused
+        entry's)."""
+        from hivemind.dht.routing import DHTID
+        from hivemind.dht.storage import DictionaryDHTValue
+
         protocol = getattr(dht, "protocol", None)
         key_id = DHTID.from_bytes(key)
         for storage in (getattr(protocol, "storage", None), getattr(protocol, "cache", None)):
@@ -106,8 +126,8 @@ class PeerRecordValidator:
             if found is None or not isinstance(found.value, DictionaryDHTValue):
                 continue
             entries = list(found.value.items())
-            good = [(k, v, e) for k, (v, e) in entries if self.validate(_Record(key, MSGPackSerializer.dumps(k), v, e))]
-            if len(good) < len(entries):  # stored again whole: the key's own expiration was the bad entry's
+            good = [(k, v, e) for k, (v, e) in entries if keep(k, v, e)]
+            if len(good) < len(entries):
                 del storage[key_id]
                 for subkey, value, expiration in good:
                     storage.store(key_id, value, expiration, subkey=subkey)
@@ -124,13 +144,11 @@ class PeerRecordValidator:
             sender, rec = unseal_record(MSGPackSerializer.loads(record.value), run_id)
         except Exception:  # (msgpack's errors, ProtocolError, TypeError): not a record at all
             return False
-        # (Only a loose rule of our clock here: hivemind refuses a lookup's whole answer for one
-        # entry this refuses, so a record dated just within a storer's skew would hide every
-        # record from a reader whose clock is a little behind; readers drop far-future records one
-        # by one. But one dated hours ahead was kept by every storer for as long: a batch of them,
-        # stored once, pushed the key's answers past p2pd's 4 MiB reply cap for good.)
-        return (sender == subkey and lives_as_signed(rec, record.expiration_time)
-                and record.expiration_time <= time.time() + FUTURE_RECORD_S)
+        # (No rule of our clock here: hivemind refuses a lookup's whole answer for one entry this
+        # refuses, so a record dated just within a storer's skew would hide every record from a
+        # reader whose clock is a little behind. Readers drop far-future records one by one, and
+        # storers drop them from their storage: `prune_far_future`.)
+        return sender == subkey and lives_as_signed(rec, record.expiration_time)
 
     def sign_value(self, record: Any) -> bytes:
         """The value as stored (nothing added)."""
@@ -163,6 +181,7 @@ class PeerRecords:
     _cached_records: dict[str, PeerRecord]
     _refreshing: Future | None
     rejected_records: int
+    record_validator: Any
     submit: Any
     _last_signed: float = 0.0  # the time our newest record carries (see `_signed_time`)
 
@@ -199,6 +218,10 @@ class PeerRecords:
                     await self.rejoiner.maybe_rejoin(self.p2p, self.dht)
             except Exception as exc:  # best effort (a TimeoutError too): the next heartbeat tries again
                 log.info("re-entering the DHT failed: %r", exc)
+            try:
+                self.record_validator.prune_far_future(self.dht)
+            except Exception as exc:  # noqa: BLE001 (hivemind's storage internals): the next heartbeat tries again
+                log.info("pruning far-future records failed: %r", exc)
             stored_from = loop.time()  # (after a re-entry of several seconds the store still gets its time)
             rec = self.record
             rec = PeerRecord(rec.round, rec.params_hash, rec.role, rec.trains, rec.serves, self.maddrs[:8],

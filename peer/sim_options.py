@@ -99,9 +99,10 @@ class SimulateOptions:
 
     def _check_faults(self) -> None:
         """Refuse faults that could never happen, rather than run without them and exit 0."""
-        if self.late_joiners and self.rounds < LATE_JOIN_ROUND + 2:  # they start while a round is still to go
-            raise ConfigError(f"--late-joiners start once round {LATE_JOIN_ROUND} is applied: they need --rounds "
-                              f"{LATE_JOIN_ROUND + 2} or more, got --rounds {self.rounds}")
+        # they start once round LATE_JOIN_ROUND is applied, as faults do before the last round is under way
+        if self.late_joiners and self.rounds < LATE_JOIN_ROUND + 3:
+            raise ConfigError(f"--late-joiners start once round {LATE_JOIN_ROUND} is applied, and not in the last "
+                              f"round: they need --rounds {LATE_JOIN_ROUND + 3} or more, got --rounds {self.rounds}")
         for name, what in (("kill_every", "kill"), ("freeze_every", "freeze"), ("leave_every", "send away")):
             if getattr(self, name) and self.peers <= self.min_peers:  # see `fault_victims`
                 raise ConfigError(f"--{name.replace('_', '-')} needs more peers than --min-peers ({self.min_peers}): "

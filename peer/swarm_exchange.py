@@ -268,12 +268,15 @@ class SwarmExchange:
 
     @staticmethod
     async def _asked(client: Any, peer: str, round_id: int) -> bool:
-        """Did `peer` answer (with the round's commit, or without one)?"""
+        """Did `peer` answer (with the round's commit, without one, or with one we cannot check
+        here: a later ask would get the same)?"""
         try:
             await client.ask_decision(peer, round_id, 0, 0.0, strict=True)
             return True
-        except (PeerUnavailable, ProtocolError):
+        except PeerUnavailable:
             return False
+        except ProtocolError:
+            return True
 
     def _add_basis(self, round_id: int, basis: bytes) -> None:
         """Put the commit round `round_id` was planned from back into the book (on the network loop)."""

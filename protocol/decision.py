@@ -84,6 +84,8 @@ class Decider:
                               if (d := slot.have[s][src].get(c)) is not None}
                 if len(contributors) < self.ctx.min_peers:
                     break
+                budget_end = time.monotonic() + 2 * gather_s + 4 * self.ctx.slack_s
+                left = budget_end - time.monotonic()
             elif scored is not None:
                 # A source replaced since (it would not seal, or froze) pins its own copies: a
                 # contribution it holds in another version than the one scored (sent to one
@@ -97,8 +99,6 @@ class Decider:
                     contributors = [c for c in contributors if c not in unscored]
                     if len(contributors) < self.ctx.min_peers:
                         break
-                budget_end = time.monotonic() + 2 * gather_s + 4 * self.ctx.slack_s
-                left = budget_end - time.monotonic()
             trainers = sorted(set(contributors) | {p for p, (t, _) in joins.items() if t})
             # Servers of the next round: those that joined as such, and every aggregator that
             # reported in this attempt (it serves, and is alive), so a leader that lost its join

@@ -249,7 +249,9 @@ class AggregateFetcher:
         # hedge before asking the next holder was 16x too long: 83 s at 16 peers on 25M values).
         per_shard = shard_payload_bound(self.ctx, first, stop)
         budget = per_shard * (max(1, len(decision.contributors)) if ships_contributions(self.ctx) else 1) + MAX_SMALL
-        timeout = 2 * self.ctx.slack_s + budget / 20e6
+        # The request's own bound: the holder serves this shard to every peer of the round at
+        # once, at a modest 5 MB/s (a frozen holder costs the hedge below, not this).
+        timeout = 2 * self.ctx.slack_s + budget * max(1, len(decision.contributors)) / 5e6
         # The shard's source first, then the leader (it gathered every shard before announcing),
         # then the shard's replicas (sealed too), then anyone who has applied the round. A holder
         # that has not answered within `hedge` (it may have frozen after the seal) gets company:

@@ -8,7 +8,7 @@ import types
 
 import pytest
 from groundswell.peer import records
-from groundswell.peer.records import PeerRecords
+from groundswell.peer.records import PeerRecords, PeerRecordValidator
 from groundswell.protocol.guard import Guard
 from groundswell.protocol.identity import Identity
 from groundswell.protocol.schema import PeerRecord
@@ -43,6 +43,7 @@ def _node(dht: _SlowDht) -> PeerRecords:
     node.ctx = types.SimpleNamespace(run_id="heartbeat-test")
     node.dht, node.p2p, node.transport, node.server, node.puncher = dht, None, None, None, None
     node.guard, node.rejoiner, node.maddrs = Guard(), _NoRejoin(), []
+    node.record_validator = PeerRecordValidator()
     node.record = PeerRecord(-1, "", "volunteer", True, True, [], "public", 0.0, 0, 0.0)
     return node
 

@@ -675,6 +675,16 @@ def test_asks_that_all_failed_are_no_answer_and_the_check_is_made_again():
         asyncio.run(ex.counts_ours(5, [b"x"]))
     node.holders = lambda round_id: []
     assert asyncio.run(ex.counts_ours(5, [b"x"])) is None
+    # a holder that answered with a commit we cannot check here ("unverifiable": no basis) did
+    # answer, and a later ask would get the same: "not known here", not asked again forever
+    from groundswell.protocol.schema import ProtocolError
+
+    async def unverifiable(peer, round_id, attempt, wait_s, strict=False):
+        raise ProtocolError("the commit of round 5 is unverifiable here")
+
+    node.client = SimpleNamespace(ask_decision=unverifiable)
+    node.holders = lambda round_id: ["a", "b", "c"]
+    assert asyncio.run(ex.counts_ours(5, [b"x"])) is None
 
 
 def test_a_contribution_the_node_was_down_to_send_is_never_presumed_counted():

@@ -77,16 +77,35 @@ def test_a_record_expiring_past_its_signed_time_is_refused_by_the_validator_and_
     assert not validator.validate(record(me.peer_id, seal(me, "other-run", rec), expires_at(rec)))
     other_key = SimpleNamespace(key=DHTID.generate(source="x").to_bytes(), subkey=b"", value=b"", expiration_time=0)
     assert validator.validate(other_key)  # not a run this node is in: not ours to judge
-    # The validator applies only a loose rule of its own clock: hivemind drops a lookup's whole
-    # answer for one entry it refuses, and a record dated just inside a storer's skew would then
-    # hide every record from a reader whose clock is a little behind (found by a review). Readers
-    # drop it. But one dated years ahead was kept by every storer for years: a batch of them,
-    # stored once, pushed the run key's answers past p2pd's 4 MiB reply cap for good (found by a
-    # later review). Past an hour (the largest clock skew a manifest allows) it is refused.
-    later = PeerRecord(3, "h", "volunteer", True, True, [], "public", 1.0, 0, time.time() + 600.0)
+    # The validator applies no rule of its own clock: hivemind drops a lookup's whole answer for
+    # one entry it refuses, and a record dated just inside a storer's limit would then hide every
+    # record from a reader whose clock is a little behind (found by two reviews). Readers drop it;
+    # storers prune it (below).
+    later = PeerRecord(3, "h", "volunteer", True, True, [], "public", 1.0, 0, time.time() + 3650 * 86400.0)
     assert validator.validate(record(me.peer_id, seal(me, "run", later), expires_at(later)))
-    far = PeerRecord(3, "h", "volunteer", True, True, [], "public", 1.0, 0, time.time() + 3650 * 86400.0)
-    assert not validator.validate(record(me.peer_id, seal(me, "run", far), expires_at(far)))
+
+
+def test_a_storer_drops_records_dated_far_ahead_from_its_storage():
+    # Found by a review: a record dated years ahead was kept by every storer for years; a batch of
+    # them, stored once, pushed the run key's answers past p2pd's 4 MiB reply cap for good. Each
+    # heartbeat now prunes, from the node's own storage and cache, records expiring more than an
+    # hour (the largest clock skew a manifest allows) plus a record's life past its clock.
+    from groundswell.peer.records import FUTURE_RECORD_S, PeerRecordValidator
+    from hivemind.dht.routing import DHTID
+    from hivemind.dht.storage import DHTLocalStorage
+
+    validator = PeerRecordValidator()
+    validator.watch("run")
+    key = DHTID.generate(source="groundswell/run/peers")
+    storage, cache = DHTLocalStorage(), DHTLocalStorage()
+    now = time.time()
+    for store in (storage, cache):
+        store.store(key, b"near", now + 60, subkey="near")
+        store.store(key, b"soon-ish", now + FUTURE_RECORD_S - 60, subkey="skewed")
+        store.store(key, b"far", now + 3650 * 86400.0, subkey="far")
+    validator.prune_far_future(SimpleNamespace(protocol=SimpleNamespace(storage=storage, cache=cache)))
+    for store in (storage, cache):
+        assert sorted(k for k, _ in store.get(key).value.items()) == ["near", "skewed"]
 
 
 def test_a_reader_drops_a_record_signed_far_ahead_of_its_clock_and_keeps_the_others():

@@ -322,3 +322,63 @@ def test_a_source_replaced_after_scoring_cannot_bring_in_a_version_nobody_scored
     assert leader.scores[0][E] == -1.0  # A was scored, and is harmless
     d = leader.committed
     assert d.status == "commit" and d.sources == [R] and d.contributors == [H1, H2]  # M is not in it
+
+
+def test_a_leader_whose_sources_keep_refusing_stops_at_the_decisions_budget():
+    # Found by a review of the re-screen above: it moved the line that starts the decision's
+    # budget (two gathers and four slacks) out of the first pass, so with scoring off a leader
+    # whose sources kept refusing went through every re-sourcing pass, objecting to later claims
+    # all the while. With a budget of 1.8 s and seals of 1 s each: two passes, then a retry.
+    import asyncio
+    import time
+    import types
+
+    from groundswell.protocol.decision import Decider
+    from groundswell.protocol.identity import Identity
+    from groundswell.protocol.leading import Leading
+    from groundswell.protocol.plan import RoundPlan
+
+    A, B, C, D = "aggA", "aggB", "aggC", "aggD"
+    H = b"H" * 16
+
+    class Leader(Decider):
+        _sources = Leading._sources
+        _digests = Leading._digests
+
+        def __init__(self):
+            self.ctx = types.SimpleNamespace(deadline_s=0.5, slack_s=0.1, min_peers=2, run_id="r",
+                                             max_payload_bytes=1000)
+            self.identity = Identity.generate()
+            self.book = types.SimpleNamespace(decided=lambda r: False, opened_at=lambda r: 0.0,
+                                              membership=lambda r: types.SimpleNamespace(trainers=["p1", "p2"],
+                                                                                         servers=[A, B, C, D]))
+            self.joins = {0: {}}
+            self.scores, self.score_threshold, self.keep_rounds = {}, 0.0, 8
+            self.score = self.individual = self.prefetch = None
+            self.seals = 0
+
+        async def _seal_all(self, signed, peers, groups=None, **kw):
+            if kw.get("timeout_s") is not None and not groups:  # the retry's take-back
+                return set(), False
+            self.seals += 1
+            await asyncio.sleep(1.0)  # a frozen source: the seal waits it out
+            return {groups[0][0]}, False  # and the source never seals
+
+        async def _witnesses(self, *a):
+            return {A}, set(), False
+
+        async def _confirmed(self, *a):
+            return True
+
+        async def _learn(self, plan, signed):
+            pass
+
+        def _spawn(self, coro):
+            coro.close()
+
+    plan = RoundPlan(0, 0, "L", ("L",), (A, B, C, D), (A,), ((0, 1),), ("p1", "p2"))
+    slot = types.SimpleNamespace(have={0: {x: {"p1": H, "p2": H} for x in (A, B, C, D)}})
+    leader = Leader()
+    began = time.monotonic()
+    asyncio.run(leader._decide(plan, slot))
+    assert leader.seals == 2 and time.monotonic() - began < 3.5

@@ -43,7 +43,9 @@ def test_none_is_the_default_and_a_given_value_is_kept(inner_steps, warmup):
 
 @pytest.mark.parametrize("args, words", [
     # late joiners start once round 2 is applied, while a round is still to go: never with 3 rounds
-    (["--late-joiners", "1", "--rounds", "3"], "--late-joiners start once round 2 is applied: they need --rounds 4"),
+    (["--late-joiners", "1", "--rounds", "3"], "--late-joiners start once round 2 is applied, and not in the last round: they need --rounds 5"),
+    # a review found 4 accepted, and its late joiners never started (not in the last round)
+    (["--late-joiners", "1", "--rounds", "4"], "they need --rounds 5 or more, got --rounds 4"),
     # with no more peers than min_peers no fault ever finds a victim: the run would exit 0 without any
     (["--peers", "2", "--kill-every", "10"], "--kill-every needs more peers than --min-peers (2): with --peers 2"),
     (["--peers", "3", "--min-peers", "3", "--freeze-every", "10"], "--freeze-every needs more peers than --min-peers (3)"),
@@ -54,8 +56,8 @@ def test_faults_that_could_never_happen_are_refused_before_any_process_starts(tm
         raise AssertionError("the simulation started")
 
     monkeypatch.setattr(simulate, "run_simulation", no_run)
-    # one more peer than --min-peers, and 4 rounds, are enough
-    SimulateOptions(peers=3, min_peers=2, kill_every=10, freeze_every=10, leave_every=10, late_joiners=1, rounds=4)
+    # one more peer than --min-peers, and 5 rounds, are enough
+    SimulateOptions(peers=3, min_peers=2, kill_every=10, freeze_every=10, leave_every=10, late_joiners=1, rounds=5)
     res = CliRunner().invoke(app, ["simulate", *args, "--out", str(tmp_path / "sim")])
     assert res.exit_code == 2 and "Traceback" not in res.output, res.output
     assert words in " ".join(res.output.split()), res.output
