@@ -250,9 +250,12 @@ class SwarmExchange:
             # ranked as catch-up ranks them (the coordinator, then peers it vouches for; none whose
             # record claims a round far past the coordinator's): three made-up records first in the
             # cache left the outcome unknown, and a counted contribution's work went out again
-            coordinator = self.node.options.coordinator or ""
-            view = catch_up_view(self.node.cached_records, self.node.identity.peer_id, coordinator)
-            ask = holders_to_ask(view, self.node.holders(round_id), coordinator)[:ASK_HOLDERS]
+            coordinator, records = self.node.options.coordinator or "", self.node.cached_records
+            view = catch_up_view(records, self.node.identity.peer_id, coordinator)
+            holders = self.node.holders(round_id)
+            # (a holder whose record we have not read, e.g. just after a restart, comes after those)
+            ask = [*holders_to_ask(view, holders, coordinator), *(p for p in holders if p not in records)]
+            ask = ask[:ASK_HOLDERS]
             answered = await gather_owned(self._asked(client, peer, round_id) for peer in ask)
             if round_id not in book.committed and ask and not any(answered):
                 # Every ask failed on the way: that is no answer ("none" is one), and the check
