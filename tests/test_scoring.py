@@ -259,6 +259,44 @@ def test_an_update_at_frozen_parameters_only_scores_zero(monkeypatch):
     assert scores["frozen-only"] == 0.0 and scores["trainable"] != 0.0
 
 
+def _stub_leader(deadline_s, slack_s, trainers, servers):
+    """A `Decider` with the parts of a `Leading` node its `_decide` uses stubbed out: each test
+    overrides the calls it is about (sealing, scoring, gathering)."""
+    import types
+
+    from groundswell.protocol.decision import Decider
+    from groundswell.protocol.identity import Identity
+    from groundswell.protocol.leading import Leading
+
+    class StubLeader(Decider):
+        _sources = Leading._sources
+        _digests = Leading._digests
+
+        def __init__(self):
+            self.ctx = types.SimpleNamespace(deadline_s=deadline_s, slack_s=slack_s, min_peers=2, run_id="r",
+                                             max_payload_bytes=1000)
+            self.identity = Identity.generate()
+            members = types.SimpleNamespace(trainers=list(trainers), servers=list(servers))
+            self.book = types.SimpleNamespace(decided=lambda r: False, opened_at=lambda r: 0.0,
+                                              membership=lambda r: members)
+            self.joins = {0: {}}
+            self.scores, self.score_threshold, self.keep_rounds = {}, 0.0, 8
+            self.prefetch = None
+
+        score = individual = None  # scoring off, unless a test's leader scores
+
+        async def _confirmed(self, *a):
+            return True
+
+        async def _learn(self, plan, signed):
+            pass
+
+        def _spawn(self, coro):
+            coro.close()
+
+    return StubLeader
+
+
 def test_a_source_replaced_after_scoring_cannot_bring_in_a_version_nobody_scored():
     # Found by a review: scoring ran once per decision; when a source then refused the seal (or
     # froze), the replica that replaced it pinned its own copies, and a contributor that had sent
@@ -268,10 +306,7 @@ def test_a_source_replaced_after_scoring_cannot_bring_in_a_version_nobody_scored
     import types
 
     import torch
-    from groundswell.protocol.decision import Decider
     from groundswell.protocol.envelope import unseal
-    from groundswell.protocol.identity import Identity
-    from groundswell.protocol.leading import Leading
     from groundswell.protocol.plan import RoundPlan
     from groundswell.protocol.schema import Decision
 
@@ -279,20 +314,10 @@ def test_a_source_replaced_after_scoring_cannot_bring_in_a_version_nobody_scored
     E, R, H1, H2 = "peerE", "peerR", "peerH1", "peerH2"
     plan = RoundPlan(0, 0, "L", ("L",), (E, R, H1, H2), (E,), ((0, 1),), (E, H1, H2))
 
-    class Leader(Decider):
-        _sources = Leading._sources
-        _digests = Leading._digests
-
+    class Leader(_stub_leader(5.0, 1.0, trainers=[E, H1, H2], servers=[E, R, H1, H2])):
         def __init__(self):
-            self.ctx = types.SimpleNamespace(deadline_s=5.0, slack_s=1.0, min_peers=2, run_id="r",
-                                             max_payload_bytes=1000)
-            self.identity = Identity.generate()
-            self.book = types.SimpleNamespace(decided=lambda r: False, opened_at=lambda r: 0.0,
-                                              membership=lambda r: types.SimpleNamespace(trainers=[E, H1, H2],
-                                                                                         servers=[E, R, H1, H2]))
-            self.joins = {0: {}}
-            self.scores, self.score_threshold, self.keep_rounds = {}, 0.0, 8
-            self.prefetch, self.seal_calls, self.committed = None, 0, None
+            super().__init__()
+            self.seal_calls, self.committed = 0, None
 
         async def individual(self, plan, sources, contributors, digests):  # what each source holds
             return {c: torch.tensor([1.0 if d == M else -1.0]) for c, d in zip(contributors, digests)}
@@ -307,14 +332,8 @@ def test_a_source_replaced_after_scoring_cannot_bring_in_a_version_nobody_scored
         async def _witnesses(self, *a):
             return {R}, set(), False
 
-        async def _confirmed(self, *a):
-            return True
-
         async def _learn(self, plan, signed):
             self.committed = unseal(signed, "r", Decision)[1]
-
-        def _spawn(self, coro):
-            coro.close()
 
     leader = Leader()
     slot = types.SimpleNamespace(have={0: {E: {E: A, H1: H, H2: H}, R: {E: M, H1: H, H2: H}}})
@@ -333,28 +352,14 @@ def test_a_leader_whose_sources_keep_refusing_stops_at_the_decisions_budget():
     import time
     import types
 
-    from groundswell.protocol.decision import Decider
-    from groundswell.protocol.identity import Identity
-    from groundswell.protocol.leading import Leading
     from groundswell.protocol.plan import RoundPlan
 
     A, B, C, D = "aggA", "aggB", "aggC", "aggD"
     H = b"H" * 16
 
-    class Leader(Decider):
-        _sources = Leading._sources
-        _digests = Leading._digests
-
+    class Leader(_stub_leader(0.5, 0.1, trainers=["p1", "p2"], servers=[A, B, C, D])):
         def __init__(self):
-            self.ctx = types.SimpleNamespace(deadline_s=0.5, slack_s=0.1, min_peers=2, run_id="r",
-                                             max_payload_bytes=1000)
-            self.identity = Identity.generate()
-            self.book = types.SimpleNamespace(decided=lambda r: False, opened_at=lambda r: 0.0,
-                                              membership=lambda r: types.SimpleNamespace(trainers=["p1", "p2"],
-                                                                                         servers=[A, B, C, D]))
-            self.joins = {0: {}}
-            self.scores, self.score_threshold, self.keep_rounds = {}, 0.0, 8
-            self.score = self.individual = self.prefetch = None
+            super().__init__()
             self.seals = 0
 
         async def _seal_all(self, signed, peers, groups=None, **kw):
@@ -366,15 +371,6 @@ def test_a_leader_whose_sources_keep_refusing_stops_at_the_decisions_budget():
 
         async def _witnesses(self, *a):
             return {A}, set(), False
-
-        async def _confirmed(self, *a):
-            return True
-
-        async def _learn(self, plan, signed):
-            pass
-
-        def _spawn(self, coro):
-            coro.close()
 
     plan = RoundPlan(0, 0, "L", ("L",), (A, B, C, D), (A,), ((0, 1),), ("p1", "p2"))
     slot = types.SimpleNamespace(have={0: {x: {"p1": H, "p2": H} for x in (A, B, C, D)}})
