@@ -43,6 +43,8 @@ class DenseCodec:
         if not x.is_floating_point():
             raise CodecError(f"{self.name} encodes floating-point tensors, got {x.dtype}")
         flat = x.detach().reshape(-1)
+        if flat.dtype == torch.float64:  # checked after the cast: an fp64 value past fp32's range saturates too
+            flat = flat.clamp(-torch.finfo(torch.float32).max, torch.finfo(torch.float32).max).to(torch.float32)
         if flat.numel():
             lo, hi = torch.aminmax(flat)
             if not bool(torch.isfinite(lo) & torch.isfinite(hi)):

@@ -7,7 +7,10 @@ Wire format (a `Payload` named "int8", params {"block": B}):
 Decoded value = q * scale, so each entry is within half a step (scale / 2) of the input.
 Default B = 128 with fp32 scales: the same 1/32 overhead as B = 64 with fp16 scales, but no fp16
 range trouble (overflow above 65504, precision loss for blocks of tiny pseudo-gradients).
-Decoding rejects negative, non-finite or overflowing scales; q = -128 decodes as is.
+Decoding rejects negative, non-finite or overflowing scales; q = -128 decodes as is. Encoding
+rejects non-finite input and saturates finite values beyond `SATURATE_AT` (whose scale times 128
+stays finite), so whatever a payload decodes to (an aggregator's mean of one such value
+included) encodes again.
 """
 
 from __future__ import annotations
@@ -32,6 +35,8 @@ DEFAULT_BLOCK = 128
 MIN_BLOCK = 8
 MAX_BLOCK = ALIGN  # a block must divide the segment alignment: no segment ends in a partial block
 _STREAM_ELEMS = 1 << 21  # elements per streamed step on CPU: temporaries stay small and cached
+# The largest magnitude encoded as is: its scale (/127) times 128, what `_parse` checks, is finite.
+SATURATE_AT = torch.finfo(torch.float32).max / 128 * 126
 
 
 class Int8Codec:
@@ -57,9 +62,12 @@ class Int8Codec:
         for lo, hi, rows in self._steps(n, flat.device):
             xb = flat[lo:hi].view(rows, -1)
             amax = torch.maximum(xb.amax(1), xb.amin(1).neg_())
+            if not bool((amax <= SATURATE_AT).all()):  # (NaN fails this too)
+                if not bool(torch.isfinite(amax).all()):
+                    raise CodecError("cannot encode non-finite values with int8")
+                xb = xb.clamp(-SATURATE_AT, SATURATE_AT)  # saturate (a decoded -128 * max scale, say)
+                amax = torch.maximum(xb.amax(1), xb.amin(1).neg_())
             s = amax.div_(torch.full_like(amax, 127.0))  # a true division on every device
-            if not bool(torch.isfinite(s.mul(128.0)).all()):  # what `_parse` demands of the scales
-                raise CodecError("cannot encode non-finite values, or values too large (over fp32 max * 127 / 128), with int8")
             scales[lo // self.block : lo // self.block + rows] = s
             safe = torch.where(s > 0, s, torch.ones_like(s)).unsqueeze(1)  # all-zero block: q = 0
             q[lo:hi].view(rows, -1).copy_(torch.div(xb, safe).round_().clamp_(-127, 127))

@@ -136,13 +136,37 @@ def test_int8_steps_cover_a_tensor_shorter_than_a_block_on_every_device() -> Non
         assert list(codec._steps(300, device))[-1] == (256, 300, 1)
 
 
-def test_int8_refuses_to_encode_what_its_decoder_would_refuse() -> None:
+def test_int8_saturates_what_its_decoder_would_refuse_and_refuses_non_finite() -> None:
     from groundswell.compression import CodecError
+    from groundswell.compression.int8 import SATURATE_AT
 
-    with pytest.raises(CodecError, match="too large"):
-        Int8Codec(128).encode(torch.full((128,), 3.39e38))
+    y = _round_trip(Int8Codec(128), torch.full((128,), 3.39e38))  # its scale * 128 would overflow
+    assert bool(torch.isfinite(y).all()) and float(y.max()) <= SATURATE_AT * 1.01
     big = torch.full((128,), 3.0e38)  # 128 * (3e38 / 127) is still finite: encodes and decodes
     assert bool(torch.isfinite(_round_trip(Int8Codec(128), big)).all())
+    for bad in (float("inf"), float("nan")):
+        with pytest.raises(CodecError, match="non-finite"):
+            Int8Codec(128).encode(torch.tensor([1.0] * 127 + [bad]))
+
+
+def test_int8_whatever_decodes_encodes_again() -> None:
+    # Found by a review: a payload may hold q = -128 at the largest scale `_parse` allows, which
+    # decodes to -fp32 max; an aggregator's mean of that one value (a single contributor, or a
+    # trimmed mean keeping one value) then failed to encode, and the seal went unanswered.
+    from groundswell.compression import Payload
+    from groundswell.compression.base import tensor_to_bytes
+
+    q = torch.full((128,), -128, dtype=torch.int8)
+    scale = torch.tensor([torch.finfo(torch.float32).max / 128])
+    payload = Payload("int8", (128,), {"block": 128}, {"q": tensor_to_bytes(q), "scale": tensor_to_bytes(scale)})
+    decoded = Int8Codec(128).decode(payload)
+    assert float(decoded.min()) == -torch.finfo(torch.float32).max
+    assert bool(torch.isfinite(_round_trip(Int8Codec(128), decoded)).all())
+
+
+def test_fp32_saturates_fp64_input_beyond_its_range() -> None:
+    y = _round_trip(make_codec("fp32"), torch.tensor([1e300, -1e300, 1.0], dtype=torch.float64))
+    assert y.tolist() == [torch.finfo(torch.float32).max, -torch.finfo(torch.float32).max, 1.0]
 
 
 def test_sparseloco_one_value_per_largest_chunk_round_trips() -> None:
