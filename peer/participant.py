@@ -6,7 +6,6 @@ the volunteer trains and contributes, the coordinator follows every round and se
 from __future__ import annotations
 
 import asyncio
-import json
 import logging
 import threading
 import time
@@ -49,7 +48,7 @@ from .state_trust import (
     vouchers_of,
 )
 from .swarm import NodeOptions, SwarmNode
-from .work_file import CONTRIBUTED_FILE, contributed_marker, read_contributed
+from .work_file import CONTRIBUTED_FILE, contributed_bytes, contributed_marker, read_contributed
 from .workload import Workload, build_workload
 
 log = logging.getLogger(__name__)
@@ -129,6 +128,8 @@ class Participant(Checkpoints):
         self.last_checkpoint: Path | None = None  # the newest this process wrote (told to the user on leaving)
         self.last_save_failed = False  # the latest try to write one failed (last_checkpoint is older)
         self.hash_history: dict[int, str] = {}  # round -> hash of the global parameters it started from
+        self._marker_lock = threading.Lock()  # contributed.json's writers (see _remember_contribution)
+        self._marker_written: tuple[int, int] | None = None  # the (round, attempt) it names, as this process wrote it
         self.node.state_provider = lambda: self._snapshot
         self.scorer = ContributionScorer(manifest, self.corpus, device) if manifest.defences.scoring else None
 
@@ -171,9 +172,14 @@ class Participant(Checkpoints):
             # from an older checkpoint must know this work went out (or it sends it again). So a
             # failed directory sync is a failed record here (the file, in place, names an attempt
             # never sent: a restart takes it as counted, which loses work rather than doubling it).
-            write_atomically(self.state_dir / CONTRIBUTED_FILE,
-                             lambda f: f.write(json.dumps({"round": round_id, "attempt": attempt,
-                                                           "work": self.work_token}).encode()), durable=True)
+            # One writer at a time, never going back: a worker thread still writing a given-up
+            # attempt's marker (its fsync slow) could otherwise rename last and name the older one.
+            with self._marker_lock:
+                if self._marker_written is not None and (round_id, attempt) <= self._marker_written:
+                    raise OSError(f"a newer contribution than round {round_id} attempt {attempt} is recorded")
+                content = contributed_bytes(round_id, attempt, self.work_token)
+                write_atomically(self.state_dir / CONTRIBUTED_FILE, lambda f: f.write(content), durable=True)
+                self._marker_written = (round_id, attempt)
         except OSError as exc:
             log.error("could not record the contribution (%s): not sending it; training goes on", exc)
             self.events.write("contribution-not-recorded", round=round_id, error=str(exc), peer=self.identity.peer_id)

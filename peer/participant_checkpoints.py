@@ -15,6 +15,7 @@ from .checkpoint_check import DIGEST_KEY, checkpoint_damage, checkpoint_digest, 
 from .config import ConfigError
 from .dht_rejoin import save_known_peers
 from .state_files import checkpoint_path, checkpoints_newest_first, prune_checkpoints, write_atomically
+from .work_file import unreadable_marker_digest
 
 log = logging.getLogger(__name__)
 KNOWN_PEERS_FILE = "known_peers.json"  # where the run's peers were, kept with each checkpoint (see dht_rejoin)
@@ -70,6 +71,9 @@ class Checkpoints:
                  "outer": self.outer.state_dict() if self.outer.pending is None else None, **(extra or {})}
         if settled and self.outer.pending is None:
             state["settled"] = self._contributed_before()  # what contributed.json says now
+            damaged = unreadable_marker_digest(self.state_dir)
+            if damaged is not None:  # seen damaged, and its work dropped, before this state was taken
+                state["settled_unreadable"] = damaged
             state["work"] = self.work_token  # the newest work.pt written before it (see work_file)
         if self.outer.pending is None:
             # Local work not yet in anyone's hands (a left-out DiLoCo contribution, rebased; what
@@ -79,7 +83,8 @@ class Checkpoints:
                 state["local_progress"] = progress
         state[DIGEST_KEY] = checkpoint_digest(state)  # a flipped byte loads; this does not match then
         try:
-            write_atomically(path, lambda f: torch.save(state, f))
+            # a genesis must survive a power loss before it is served (durable: else refused)
+            write_atomically(path, lambda f: torch.save(state, f), durable=unpublished)
         except (OSError, MemoryError) as exc:  # MemoryError (torch.save's pickler): training goes on too
             why = str(exc) or type(exc).__name__  # a bare MemoryError() says nothing
             log.error("checkpoint not written (%s); training continues from memory", why)

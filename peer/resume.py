@@ -26,6 +26,7 @@ from .work_file import (
     read_contributed,
     read_work,
     resumable_work,
+    unreadable_marker_digest,
 )
 
 log = logging.getLogger(__name__)
@@ -124,6 +125,12 @@ def _unsent_work_is_ours(p: Participant, resumed: dict) -> bool:
     holds_work = "local_progress" in resumed or resumed["outer"].get("algorithm") == "sparseloco" \
         or bool(resumed.get("unsettled"))
     if holds_work and p.state_dir is not None and contribution_unknown(read_contributed(p.state_dir)):
+        if resumed.get("settled_unreadable") == unreadable_marker_digest(p.state_dir):
+            # written after a restart saw this very file damaged and dropped the work before it:
+            # what it holds was made since, and nothing went out since (that rewrites the file)
+            log.info("%s is unreadable as the checkpoint of round %d found it: its work is kept",
+                     CONTRIBUTED_FILE, resumed["round"])
+            return True
         # contributed.json is damaged: whatever went out since the checkpoint cannot be told apart
         # from what did not, so none of it is sent again (sent twice, it would count twice).
         p.events.write("unsent-work-dropped", round=resumed["round"], contributed=None, peer=p.identity.peer_id)

@@ -23,6 +23,7 @@ and the record is not used.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import logging
 import os
@@ -68,6 +69,30 @@ def new_token() -> str:
 UNREADABLE: dict[str, Any] = {"unreadable": True}
 
 
+def contributed_bytes(round_id: int, attempt: int, work: str | None) -> bytes:
+    """contributed.json's content naming a contribution, with a check of its fields: a flipped
+    digit (round 13 read as 12, attempt 1 as 0) would otherwise read as another contribution, and
+    a restart would send work again or contribute twice to one attempt."""
+    return json.dumps({"round": round_id, "attempt": attempt, "work": work,
+                       "check": _marker_check(round_id, attempt, work)}).encode()
+
+
+def _marker_check(round_id: object, attempt: object, work: object) -> str:
+    return hashlib.blake2b(json.dumps([round_id, attempt, work]).encode(), digest_size=8).hexdigest()
+
+
+def unreadable_marker_digest(state_dir: Path) -> str | None:
+    """A digest of contributed.json's bytes if it is there but unreadable (else None): a checkpoint
+    written after a restart dropped its work for that file records it, so the next restart, finding
+    the same bytes, knows the checkpoint's work was made since and keeps it."""
+    if read_contributed(state_dir) is not UNREADABLE:
+        return None
+    try:
+        return hashlib.blake2b((state_dir / CONTRIBUTED_FILE).read_bytes(), digest_size=16).hexdigest()
+    except OSError:
+        return None
+
+
 def read_contributed(state_dir: Path) -> dict[str, Any] | None:
     """contributed.json as it is now: None if absent, `UNREADABLE` if it cannot be read."""
     path = state_dir / CONTRIBUTED_FILE
@@ -102,6 +127,8 @@ def _marker(data: dict[str, Any]) -> dict[int, int] | None:
     round_id, attempt = data.get("round"), data.get("attempt")
     if type(round_id) is not int or type(attempt) is not int:
         return None
+    if data.get("check") != _marker_check(round_id, attempt, data.get("work")):
+        return None  # a flipped bit, or a file of a version before the check (its work is dropped once)
     return {round_id: attempt}
 
 
@@ -229,7 +256,10 @@ class WorkJournal:
         older = [dict(item, decayed=item["decayed"] + 1) for n, item in enumerate(earlier)
                  if n >= cut or item.get("included") is True or item.get("presume")]
         record = WorkRecord(self._token, self._before, round_id, error, own, older, progress)
-        return write_work(self.state_dir, record)
+        if not write_work(self.state_dir, record):
+            self._token = None  # never sent: its outcome must not overwrite the one the last record's relies on
+            return False
+        return True
 
     def outcome(self, included: bool | None, retried: bool) -> None:
         """Note what `collect` learned of the recorded contribution (counted? None: unknown;

@@ -39,6 +39,59 @@ def _offline(p) -> None:
     p.sync_state = lambda peers, min_round=-1: None
 
 
+def test_work_made_after_a_damaged_contributed_json_was_seen_is_kept_by_the_next_restart(tmp_path, corpus):
+    """A restart drops the work of a checkpoint when contributed.json is unreadable; a checkpoint
+    it writes afterwards (nothing contributed meanwhile: the file is as it was) holds only its own
+    work, which the restart after it kept dropping, every time, until a contribution rewrote the
+    file (found by a review)."""
+    from groundswell.peer.participant import genesis_decision
+    from groundswell.peer.resume import resume_and_sync
+
+    participant = _factory(tmp_path, corpus, outer={"algorithm": "sparseloco"})
+    p = participant()
+    p.state_dir.mkdir(parents=True, exist_ok=True)
+    p.outer.round_id = 3
+    p.outer.error = torch.ones_like(p.outer.global_params)
+    p._snapshot = GlobalState(3, {"global_params": p.outer.global_params.clone()},
+                              genesis_decision(p.identity, "unit"))
+    assert p.save_checkpoint(settled=True) is not None
+    (p.state_dir / "contributed.json").write_bytes(b'{"round": 3, "att')  # torn
+
+    second = participant()
+    _offline(second)
+    resume_and_sync(second, [])
+    assert bool((second.outer.error == 0).all())  # dropped: it may have gone out
+    second.outer.error = 2 * torch.ones_like(second.outer.global_params)  # trained since, never sent
+    second._snapshot = GlobalState(3, {"global_params": second.outer.global_params.clone()},
+                                   genesis_decision(second.identity, "unit"))
+    assert second.save_checkpoint(settled=True) is not None
+
+    third = participant()
+    _offline(third)
+    resume_and_sync(third, [])
+    assert bool((third.outer.error == 2).all())  # the second process's own work is kept
+    (p.state_dir / "contributed.json").write_bytes(b'{"round": 4, "att')  # damaged otherwise since: dropped
+    fourth = participant()
+    _offline(fourth)
+    resume_and_sync(fourth, [])
+    assert bool((fourth.outer.error == 0).all())
+
+
+def test_a_stale_writer_never_puts_back_an_older_contributed_json(tmp_path, corpus):
+    # Found by a review: a worker thread still writing a given-up attempt's marker (its fsync slow)
+    # could rename after the next attempt's marker, and a restart then took the older attempt as
+    # the last one it sent (a second contribution to an attempt, or work sent twice).
+    from groundswell.peer.work_file import contributed_marker, read_contributed
+
+    p = _factory(tmp_path, corpus)()
+    p.state_dir.mkdir(parents=True, exist_ok=True)
+    assert p._remember_contribution(7, 2)
+    assert not p._remember_contribution(7, 1)  # the stale one, late
+    assert contributed_marker(read_contributed(p.state_dir)) == {7: 2}
+    assert p._remember_contribution(8, 0)
+    assert contributed_marker(read_contributed(p.state_dir)) == {8: 0}
+
+
 def test_cleanup_never_deletes_the_checkpoint_just_written(tmp_path, corpus):
     """A newer checkpoint that cannot be read (the run resumed past it) must not count towards
     `keep`: it made the cleanup delete the checkpoint just written, leaving nothing good."""
@@ -63,6 +116,7 @@ def test_cleanup_never_deletes_the_checkpoint_just_written(tmp_path, corpus):
 
 @pytest.mark.parametrize("contributed_round,kept,damage", [(3, False, None), (5, False, None), (2, True, None),
                                                            (3, False, "flip"), (2, False, "flip"),
+                                                           (3, False, "digit"),
                                                            (3, False, "truncate"), (3, False, "not-ours")])
 def test_a_resumed_error_feedback_is_dropped_if_the_process_before_contributed_after_the_checkpoint(
         tmp_path, corpus, contributed_round, kept, damage):
@@ -85,6 +139,8 @@ def test_a_resumed_error_feedback_is_dropped_if_the_process_before_contributed_a
     raw = bytearray(marker.read_bytes())
     if damage == "flip":
         raw[1] ^= 0x40  # '{"round"' -> '{bround"'
+    elif damage == "digit":  # one bit: round 3 reads as round 2, before the checkpoint (found by a review)
+        raw[raw.index(b"3")] ^= 0x01
     elif damage == "truncate":
         raw = raw[:len(raw) // 2]
     elif damage == "not-ours":

@@ -210,3 +210,27 @@ def test_two_writers_of_one_file_do_not_share_a_temp_file(tmp_path):
     write_atomically(path, outer)
     assert path.read_bytes() == b"first"  # each rename whole; the last one wins
     assert not list(tmp_path.glob("*.tmp"))
+
+
+def test_a_genesis_whose_directory_fsync_fails_is_not_taken_as_saved(tmp_path, corpus, monkeypatch):
+    # Found by a review: the run's first checkpoint must survive a power loss before it is served
+    # (a coordinator restarted without it signs another genesis); a directory fsync failing with
+    # EIO was only a warning, and the launch went on.
+    from groundswell.peer.participant import genesis_decision
+
+    p = _factory(tmp_path, corpus)()
+    p.state_dir.mkdir(parents=True, exist_ok=True)
+    from types import SimpleNamespace
+
+    p.node = SimpleNamespace(book=SimpleNamespace(committed={-1: (genesis_decision(p.identity, "unit"), None)}))
+    real = os.fsync
+
+    def fsync(fd: int) -> None:
+        if stat.S_ISDIR(os.fstat(fd).st_mode):
+            raise OSError(errno.EIO, "Input/output error")
+        real(fd)
+
+    monkeypatch.setattr(os, "fsync", fsync)
+    assert p.save_checkpoint(unpublished=True) is None
+    p._snapshot = p._global_state()
+    assert p.save_checkpoint() is not None  # any later one: a warning, as before

@@ -92,6 +92,25 @@ def test_a_torn_or_foreign_work_record_is_ignored(tmp_path):
     assert not (tmp_path / "work.pt").exists() and not (tmp_path / "outcome.json").exists()
 
 
+def test_a_contribution_whose_record_was_not_written_notes_no_outcome(tmp_path, monkeypatch):
+    # Found by a review: a record the disk refused left the journal's token set; that contribution
+    # is never sent, but its outcome overwrote the one the record on disk (the one before) relies on.
+    import json
+
+    import groundswell.peer.work_file as work_file
+
+    journal = WorkJournal(tmp_path, enabled=True)
+    first = journal.start()
+    assert journal.record(0, torch.zeros(10), [b"x"], [])
+    journal.outcome(False, False)
+    journal.start()
+    monkeypatch.setattr(work_file, "write_work", lambda *a: False)  # a full disk
+    assert not journal.record(1, torch.zeros(10), [b"y"], [])
+    journal.outcome(None, False)
+    assert json.loads((tmp_path / "outcome.json").read_text()) == {"work": first, "included": False,
+                                                                   "retried": False}
+
+
 def test_a_work_record_keeps_every_earlier_contribution_known_to_be_counted(tmp_path):
     # as SwarmExchange keeps them: a counted one forgotten would have its work sent a second time
     from groundswell.peer.swarm_exchange import KEEP_UNSETTLED, unsettled_item
