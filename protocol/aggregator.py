@@ -47,8 +47,12 @@ MAX_SEALS_PER_LEADER = 8  # distinct commits of one attempt one leader may have 
 SEALED_BY_ANOTHER = "this attempt is already sealed under another leader's decision"
 LATER_ATTEMPT_CLAIMED = "a later attempt of this round was claimed here"
 COMMITTED_OTHERWISE = "the round is already committed otherwise"
+ALREADY_COMMITTED = "the round is already committed"
 FENCED_OFF = (LATER_ATTEMPT_CLAIMED, COMMITTED_OTHERWISE)  # confirm refusals that make a leader stand back
-CONTESTED = (SEALED_BY_ANOTHER, LATER_ATTEMPT_CLAIMED)  # seal refusals that make a leader stand back
+# Seal refusals that make a leader stand back. ALREADY_COMMITTED too (found by a review): a leader
+# that passed its claim while another decided the attempt took it for one source failing, and
+# with every source refusing so, signed and announced a retry of an attempt that had committed.
+CONTESTED = (SEALED_BY_ANOTHER, LATER_ATTEMPT_CLAIMED, ALREADY_COMMITTED)
 
 
 class Aggregator(HaveReporter):
@@ -181,7 +185,7 @@ class Aggregator(HaveReporter):
             return self._confirm_seal(decision, msg.decision)  # type: ignore[attr-defined]
         committed = self.book.committed.get(decision.round)
         if committed is not None and committed[0] != msg.decision:
-            return Ack(False, f"round {decision.round} is already committed")
+            return Ack(False, ALREADY_COMMITTED)
         self._check_open(decision.round, decision.attempt)
         plan = await self.plan(decision.round, decision.attempt, self.ctx.slack_s, ask=sender)
         if plan is None or sender not in plan.leaders:
@@ -238,7 +242,7 @@ class Aggregator(HaveReporter):
         and again after it, since claims, commits and other seals land while it builds."""
         committed = self.book.committed.get(decision.round)
         if committed is not None and committed[0] != signed:
-            return Ack(False, f"round {decision.round} is already committed")
+            return Ack(False, ALREADY_COMMITTED)
         if decision.leader in slot.voided_by:  # (checked after a build too: nothing runs between that and the seal)
             # Its retry overtook this seal (sent before it, answered late): the commit was taken
             # back, and its contributors were told "retry"; sealed now, a later leader could adopt
