@@ -262,7 +262,7 @@ class Participant(Checkpoints):
         g = state.tensors["global_params"]
         if g.shape != self.outer.global_params.shape:
             raise ProtocolError(f"state has {g.numel()} parameters, the model has {self.outer.global_params.numel()}")
-        self.node.record_decision(state.decision)  # first: a conflicting one changes nothing
+        self.node.record_decision(state.decision, supersede=state.supersedes)  # first: a conflicting one changes nothing
         if self.outer.pending is not None:
             self.outer.apply(None)
         sd = {"round_id": state.round, "global_params": g, **self._extra_state(state)}

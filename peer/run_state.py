@@ -87,6 +87,9 @@ class GlobalState:
     decision: bytes  # signed decision of round - 1
     _blob: tuple[bytes, str] | None = None  # serialized once, on the first request of this round
     _state_hash: str = ""  # likewise
+    # Its decision conflicts with the commit our book holds, and the coordinator vouches for the
+    # state: taken, the book's commit (and what followed it) is replaced by this one.
+    supersedes: bool = False
     _lock: threading.Lock = field(default_factory=threading.Lock, repr=False, compare=False)
 
     def to_blob(self) -> bytes:

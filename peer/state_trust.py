@@ -137,7 +137,7 @@ class StateCheck:
                 # (off the event loop, as the hash below: seconds for a large model, and the node
                 # keeps its heartbeats and round duties meanwhile)
                 raise ProtocolError(f"state tensor {name} is not {self.numel} finite fp32 values", reason="bad-payload")
-        self.check_decision(reply)
+        self.check_decision(reply, vouched=True)  # (a conflict with our book: below, once the hash is known)
         if self.needs_momentum != ("momentum_buffer" in tensors):
             raise ProtocolError("a DiLoCo state needs its momentum buffer" if self.needs_momentum
                                 else "a SparseLoCo state has no momentum buffer")
@@ -146,13 +146,20 @@ class StateCheck:
         if digest_of_state != reply.params_hash:  # its signed reply named another hash (see `refuse_early`)
             raise ProtocolError("state's parameters (momentum, decision) do not have the hash its signed reply names",
                                 reason="bad-payload")
+        supersedes = self.conflicts(reply)
+        if supersedes and not self.vouched(reply, server, await records()):
+            # After a split, the coordinator's word decides which side's commit is the run's: a
+            # peer that cannot take the run's state keeps training on the other side's parameters.
+            raise ProtocolError(f"state's decision of round {reply.round - 1} conflicts with the commit we hold",
+                                reason="conflicting", strike=False)
         await self._check_with_swarm(reply.round, digest_of_state, server, records)
-        return GlobalState(reply.round, tensors, reply.decision, _state_hash=digest_of_state)
+        return GlobalState(reply.round, tensors, reply.decision, _state_hash=digest_of_state, supersedes=supersedes)
 
-    def check_decision(self, reply: StateReply) -> None:
+    def check_decision(self, reply: StateReply, vouched: bool = False) -> None:
         """The state's decision must be what our book would take: the commit of the round before
         the state, signed by its leader (round -1's by the coordinator), not conflicting with one
-        the book holds (after a split, ours may be the wrong one: not the server's fault)."""
+        the book holds (after a split, ours may be the wrong one: not the server's fault), unless
+        the coordinator `vouched` for the state (then ours is the wrong one: see `verify`)."""
         signer, decision = unseal(reply.decision, self.ctx.run_id, Decision)
         if decision.round != reply.round - 1:
             raise ProtocolError("state's decision is not of the round before it")
@@ -165,10 +172,15 @@ class StateCheck:
             # can sign no commit a state may carry (its leader, contributors and next roles are the
             # run's); in an open run it names at least min_peers contributors
             check_commit_members(self.ctx, signer, decision)
-        known = self.known_commit(decision.round)
-        if known is not None and known[0] != reply.decision and known[1] != decision:
+        if self.conflicts(reply) and not vouched:
             raise ProtocolError(f"state's decision of round {decision.round} conflicts with the commit we hold",
                                 reason="conflicting", strike=False)
+
+    def conflicts(self, reply: StateReply) -> bool:
+        """Does the state's decision differ from the commit of its round our book holds?"""
+        _, decision = unseal(reply.decision, self.ctx.run_id, Decision)
+        known = self.known_commit(decision.round)
+        return known is not None and known[0] != reply.decision and known[1] != decision
 
     def vouched(self, reply: StateReply, server: str, records: dict[str, Any]) -> bool:
         """Does the coordinator vouch for the state hash this signed reply names (it is the server,
@@ -371,7 +383,7 @@ async def download_state(node: Any, check: StateCheck, peers: list[str], min_rou
                 raise ProtocolError(f"a state of round {reply.round}, older than the {min_round} asked for")
             if reply.size:  # both are in the signed reply: a state they refuse costs no download
                 try:
-                    check.check_decision(reply)
+                    check.check_decision(reply, vouched=check.vouched(reply, server, node.cached_records))
                     check.refuse_early(reply, server, node.cached_records)
                 except ProtocolError as exc:  # counted as a refused state is (the transport only counts it)
                     node.guard.count(server, "state-reply", exc.reason, strike=exc.strike)

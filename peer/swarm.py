@@ -274,20 +274,21 @@ class SwarmNode(PeerRecords, StateServing, NatTraversal, NetLoop):
     def _bootstrap_ids(self) -> list[str]:
         return [m.rsplit("/p2p/", 1)[-1] for m in self.options.initial_peers if "/p2p/" in m]
 
-    def record_decision(self, signed: bytes) -> Decision:
+    def record_decision(self, signed: bytes, supersede: bool = False) -> Decision:
         """Add a committed decision to our book from another thread (the book wakes waiters on the
-        network loop, which only code on that loop may do)."""
+        network loop, which only code on that loop may do). `supersede`: in place of a conflicting
+        commit (see `DecisionBook.supersede`)."""
         assert self.book is not None
         try:
             on_loop = asyncio.get_running_loop() is self._loop
         except RuntimeError:  # no loop in this thread
             on_loop = False
         if on_loop:
-            return self.book.add(signed)
+            return self.book.supersede(signed) if supersede else self.book.add(signed)
 
         async def add() -> Decision:
             assert self.book is not None
-            return self.book.add(signed)
+            return self.book.supersede(signed) if supersede else self.book.add(signed)
 
         return self.call(add(), timeout_s=30)
 

@@ -67,11 +67,7 @@ class DecisionBook:
 
     def add(self, signed: bytes) -> Decision:
         """Verify (signature, run) and record a committed decision; returns it."""
-        leader, decision = unseal(signed, self.run_id, Decision)
-        if decision.status != "commit":
-            raise ProtocolError("only committed decisions are recorded")
-        if leader != decision.leader:
-            raise ProtocolError("decision is not signed by its leader")
+        decision = self._verified(signed)
         known = self.committed.get(decision.round)
         if known is not None and known[0] != signed and known[1] != decision:
             # Two different commits for one round: keep the first; the caller re-syncs if needed.
@@ -83,6 +79,24 @@ class DecisionBook:
         self._changed = asyncio.Event()
         if self.on_commit is not None:
             self.on_commit(decision.round)
+        return decision
+
+    def supersede(self, signed: bytes) -> Decision:
+        """Record a commit in place of a conflicting one (and drop every later commit, of the
+        trajectory left): only for a state the coordinator vouches for, taken after this peer
+        found its parameters differ from the run's (a split left it on the other side)."""
+        decision = self._verified(signed)  # (before anything is dropped)
+        for r in [r for r in self.committed if r >= decision.round]:
+            del self.committed[r]
+        return self.add(signed)
+
+    def _verified(self, signed: bytes) -> Decision:
+        """The commit `signed` holds, checked (signature, run, status, signed by its leader)."""
+        leader, decision = unseal(signed, self.run_id, Decision)
+        if decision.status != "commit":
+            raise ProtocolError("only committed decisions are recorded")
+        if leader != decision.leader:
+            raise ProtocolError("decision is not signed by its leader")
         return decision
 
     def membership(self, round_id: int) -> Membership | None:

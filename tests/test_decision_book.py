@@ -65,6 +65,24 @@ def test_decision_book_rejects_another_run_and_garbage():
     assert book.committed == {}
 
 
+def test_a_superseding_commit_replaces_the_conflicting_one_and_the_trajectory_after_it():
+    # Found by a review: after a split a peer's book held the other side's commit of round 4, and
+    # the run's state of round 5 (carrying the run's commit of round 4) could never go in: the
+    # peer kept re-syncing and failing. A state the coordinator vouches for now supersedes it.
+    book = DecisionBook(RUN)
+    book.add(seal(LEADER, RUN, _decision(3)))
+    book.add(seal(LEADER, RUN, _decision(4, contributors=PEERS[:1])))
+    book.add(seal(LEADER, RUN, _decision(5)))  # of the trajectory left
+    run_s = seal(OTHER, RUN, _decision(4, leader=OTHER.peer_id))
+    with pytest.raises(ProtocolError, match="conflicting"):
+        book.add(run_s)
+    assert book.supersede(run_s) == _decision(4, leader=OTHER.peer_id)
+    assert sorted(book.committed) == [3, 4] and book.committed[4][0] == run_s and book.latest() == 4
+    with pytest.raises(ProtocolError):
+        book.supersede(seal(LEADER, RUN, _decision(4, status="retry")))  # checked as `add` checks
+    assert book.committed[4][0] == run_s
+
+
 def test_decision_book_flags_conflicting_commit():
     book = DecisionBook(RUN)
     first = seal(LEADER, RUN, _decision(4))

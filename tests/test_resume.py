@@ -34,7 +34,7 @@ def _factory(tmp_path, corpus, **sections):
 
 def _offline(p) -> None:
     """No network: an empty decision book, and a swarm with nothing newer than our checkpoint."""
-    p.node = SimpleNamespace(book=SimpleNamespace(committed={}), record_decision=lambda d: None,
+    p.node = SimpleNamespace(book=SimpleNamespace(committed={}), record_decision=lambda d, supersede=False: None,
                              update_record=lambda **k: None)
     p.sync_state = lambda peers, min_round=-1: None
 

@@ -342,6 +342,13 @@ def test_a_states_decision_must_be_a_commit_its_leader_signed_that_our_book_coul
         verify(reply.decision, holding)
     assert not err.value.strike  # after a split ours may be the wrong one
     assert verify(reply.decision, replace(holding, known_commit={4: (reply.decision, decision)}.get)).round == 5
+    # ... unless the coordinator vouches for the state: then ours is the wrong one, and the state
+    # supersedes it (found by a review: a peer left on the other side of a split never got back)
+    taken = asyncio.run(holding.verify(reply, blob, digest, p.coordinator_id, refresh))
+    assert taken.round == 5 and taken.supersedes
+    records[p.coordinator_id] = SimpleNamespace(round=5, params_hash=good, role="coordinator", earlier_hashes=[])
+    assert asyncio.run(holding.verify(reply, blob, digest, "server", refresh)).supersedes
+    assert not verify(reply.decision).supersedes
 
 
 def test_the_coordinators_published_hash_outweighs_any_number_of_other_records(participant):
@@ -499,11 +506,28 @@ def test_a_state_taken_forgets_the_hashes_of_the_trajectory_it_replaced(particip
     p = participant
     p.hash_history = {1: "wrong", 2: "wrong"}
     p.node = SimpleNamespace(book=SimpleNamespace(committed={2: (genesis_decision(p.identity, "unit"), None)}),
-                             record_decision=lambda d: None,
+                             record_decision=lambda d, supersede=False: None,
                              update_record=lambda **k: None)
     tensors = {"global_params": p.outer.global_params.clone(), "momentum_buffer": torch.zeros_like(p.outer.global_params)}
     p.load_global(GlobalState(3, tensors, genesis_decision(p.identity, "unit")))
     assert list(p.hash_history) == [3]
+
+
+def test_a_superseding_state_replaces_the_commit_in_our_book(participant):
+    from groundswell.peer.participant import genesis_decision
+    from groundswell.protocol.context import DecisionBook
+
+    p = participant
+    book = DecisionBook("unit")
+    ours, runs = genesis_decision(p.identity, "unit"), genesis_decision(COORDINATORS[p.coordinator_id], "unit")
+    book.add(ours)
+    p.node = SimpleNamespace(book=book, update_record=lambda **k: None,
+                             record_decision=lambda d, supersede=False: book.supersede(d) if supersede else book.add(d))
+    tensors = {"global_params": p.outer.global_params.clone(), "momentum_buffer": torch.zeros_like(p.outer.global_params)}
+    with pytest.raises(ProtocolError, match="conflicting"):
+        p.load_global(GlobalState(0, tensors, runs))
+    p.load_global(GlobalState(0, tensors, runs, supersedes=True))
+    assert book.committed[-1][0] == runs
 
 
 def test_a_coordinator_in_an_open_run_takes_a_state_only_on_the_word_of_peers_its_commits_name(participant):
