@@ -325,10 +325,16 @@ class Participant(Checkpoints):
         client = self.node.client
         assert client is not None and self.node.server is not None
         keep, swarm_round = self.node.server.keep_rounds, view.swarm_round
-        while self.outer.round_id < view.target:
+        book = self.node.book
+        # A commit of our round already in our book (a leader or aggregator that said the round
+        # was over handed it over) says we are behind, whatever the records, which lag a heartbeat
+        # or more: a joiner whose records showed no newer round stayed a round behind for good.
+        while self.outer.round_id < view.target or (book is not None and self.outer.round_id in book.committed):
             r = self.outer.round_id
-            ask = holders_to_ask(view, self.node.holders(r), self.coordinator_id)
-            signed = self.node.call(first_decision(client, ask, r), timeout_s=30) if ask else b""
+            known = book.committed.get(r) if book is not None else None
+            ask = [] if known is not None else holders_to_ask(view, self.node.holders(r), self.coordinator_id)
+            signed = known[0] if known is not None else (
+                self.node.call(first_decision(client, ask, r), timeout_s=30) if ask else b"")
             if not signed:
                 if swarm_round - r > keep:
                     # Peers forget a round's decision and aggregate after `keep` rounds: this peer

@@ -38,6 +38,7 @@ from .transport import PeerGone, PeerUnavailable
 
 log = logging.getLogger(__name__)
 LEAVE_ATTEMPTS = 3  # a leave reaches the leaders of the open attempt and the two after it
+CATCH_UP_ANNOUNCES = 3  # rounds an announcement moves on by, each time a leader says the round is already committed
 REASK_S = 1.0  # how often a leader that failed to answer is asked again for the decision
 # A shard up to this size goes to all its copies' aggregators at once (sparse shards are ~1/200
 # of fp32); a bigger one to one at a time.
@@ -99,8 +100,28 @@ class RoundClient(AggregateFetcher):
         closing early without us, which would leave a peer slower than the others out of every
         round. A peer starting up covers `LEAVE_ATTEMPTS`: a `leave` of its earlier process may
         still stand at any of them."""
-        join = Join(round_id, trains, serves)
-        await gather_owned(self._tell(p, "join", join) for p in await self._leaders(round_id, attempts))
+        for _ in range(1 + CATCH_UP_ANNOUNCES):
+            join = Join(round_id, trains, serves)
+            leaders = await self._leaders(round_id, attempts)
+            refusals = await gather_owned(self._tell(p, "join", join) for p in leaders)
+            # A leader that says the round is already committed tells us we are behind (a joiner
+            # whose state download ended after the next commit): the commit it holds, checked,
+            # goes into our book, and the round after it is announced instead. Before (found by a
+            # review), nobody waited for such a joiner, its contributions came after each close,
+            # and it stayed a round behind, counted in nothing, for as long as rounds were quick.
+            committed = [p for p, why in zip(leaders, refusals) if why is not None and "already committed" in why]
+            if not committed or not await self._learn_commit(committed, round_id):
+                return
+            round_id += 1
+
+    async def _learn_commit(self, peers: list[str], round_id: int) -> bool:
+        """Ask `peers` (one at a time) for the commit of `round_id` until our book holds one."""
+        for peer in peers:
+            if self._round_decided(round_id):
+                break
+            attempt = self.current_attempt(round_id)
+            await self.ask_decision(peer, round_id, attempt if attempt is not None else 0, 0.0)
+        return round_id in self.book.committed
 
     async def leave(self, round_id: int) -> None:
         """Tell the leaders of `round_id`'s open attempt, and of the next few, that we will not
@@ -182,19 +203,25 @@ class RoundClient(AggregateFetcher):
                 return False
         return True
 
-    async def _tell(self, peer: str, handler: str, msg: Join) -> None:
+    async def _tell(self, peer: str, handler: str, msg: Join) -> str | None:
+        """Send a join (or a leave); the leader's reason if it refused it, else None."""
         if peer == self.me:
             try:
-                await self.server._on_join(peer, msg)
+                ack = await self.server._on_join(peer, msg)
             except ProtocolError as exc:  # e.g. the round is full: we are not a member of it
                 log.warning("%s refused by ourselves: %s", handler, exc)
-            return
+                return None
+            return None if ack.ok else ack.reason
         try:
             # on a stream: a join that reached the leader counts even if our wait ran out first
             # (a unary one would be dropped unhandled), and nothing retries it
-            await self.transport.request(peer, handler, msg, Ack, timeout_s=self.ctx.slack_s, unary=False)
+            ack = await self.transport.request(peer, handler, msg, Ack, timeout_s=self.ctx.slack_s, unary=False)
         except PeerUnavailable as exc:
             log.info("%s to %s failed: %s", handler, peer[-8:], exc)
+            return None
+        if not ack.ok:
+            log.info("%s for round %d refused by %s: %s", handler, msg.round, peer[-8:], ack.reason)
+        return None if ack.ok else ack.reason
 
     async def _send_shard(self, plan: RoundPlan, shard: int, segments: list[bytes]) -> bool:
         """Give the shard to its aggregator and `replica_count` replicas, the first of its reporting

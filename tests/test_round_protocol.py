@@ -201,6 +201,35 @@ def test_a_straggler_catches_up_from_peers_and_rejoins(make_cluster):
     assert all(torch.equal(m, means[0]) for m in means)
 
 
+def test_a_joiner_that_announces_a_round_already_committed_learns_it_and_announces_the_next(make_cluster):
+    # Found by a review: a volunteer whose state download ended after the next commit announced
+    # that round; its leaders answered "already committed", which was ignored, so nobody waited
+    # for it, each contribution came after the close, and it stayed a round behind, counted in
+    # nothing, for 15 rounds and more while rounds were quick.
+    c = make_cluster(n=3, codec_name="int8", min_peers=2)
+    xs = _inputs(3, c.numel, 4)
+    out = c.attempt(0, {0: xs[0], 1: xs[1]})
+    late = c.nodes[2]
+    late.call(_forget_commit(late, 0), timeout_s=5)  # it has not heard of the commit (as a late joiner)
+    late.call(late.client.announce(0, trains=True, serves=True), timeout_s=30)
+    assert late.book.committed[0][0] == out[0].signed  # told "already committed": it asked for the commit
+    plan = late.call(late.server.plan(1, late.client.current_attempt(1), wait_s=0), timeout_s=5)
+    by_id = dict(zip(c.ids, c.nodes))
+    assert set(plan.leaders) - {c.ids[2]}
+    for leader in plan.leaders:
+        if leader != c.ids[2]:
+            joins = by_id[leader].call(_joins(by_id[leader], 1), timeout_s=5)
+            assert joins.get(c.ids[2]) == (True, True)  # and the round after it is waiting for it
+
+
+async def _joins(node, round_id):
+    return dict(node.server.joins[round_id])
+
+
+async def _forget_commit(node, round_id):
+    node.book.committed.pop(round_id, None)
+
+
 def test_an_aggregator_that_dies_after_sealing_loses_nothing(make_cluster):
     c = make_cluster(n=4, codec_name="sparseloco", numel=8 * 4096, min_peers=3)
     out = c.attempt(0, _inputs(4, c.numel, 5))
