@@ -103,10 +103,19 @@ def read_contributed(state_dir: Path) -> dict[str, Any] | None:
     except (OSError, ValueError) as exc:
         data = exc
     if not isinstance(data, dict) or _marker(data) is None:
-        log.warning("%s is unreadable (%s): a contribution may have gone out since the last checkpoint",
-                    path.name, data if isinstance(data, Exception) else "not what this program writes")
+        older = isinstance(data, dict) and "check" not in data and _marker({**data, "check": _marker_check(
+            data.get("round"), data.get("attempt"), data.get("work"))}) is not None
+        why = str(data) if isinstance(data, Exception) else (
+            "written by an older version of groundswell" if older else "damaged, or not what this program writes")
+        if (path, why) not in _warned:  # (read several times at a start: said once)
+            _warned.add((path, why))
+            log.warning("%s is unreadable (%s): a contribution may have gone out since the last checkpoint",
+                        path.name, why)
         return UNREADABLE
     return data
+
+
+_warned: set[tuple[Path, str]] = set()
 
 
 def contributed_marker(data: dict[str, Any] | None) -> dict[int, int]:
