@@ -174,8 +174,11 @@ def make_state_dir(state_dir: Path) -> None:
     """Create --state-dir, or say in one line, naming the flag, why it cannot be."""
     if state_dir.exists() and not state_dir.is_dir():
         raise ConfigError(f"--state-dir {state_dir} is a file, not a folder")
+    parent = state_dir.absolute().parent
+    if not state_dir.exists() and not parent.exists():  # one folder is made, not a whole mistyped path
+        raise ConfigError(f"--state-dir {state_dir}: {parent} does not exist (a typo?): create it first")
     try:
-        state_dir.mkdir(mode=0o700, parents=True, exist_ok=True)  # private: a closed run's weights
+        state_dir.mkdir(mode=0o700, exist_ok=True)  # private: a closed run's weights
     except OSError as exc:  # a file above it, no permission, a read-only disk
         above = next((p for p in state_dir.parents if p.exists() and not p.is_dir()), None)
         why = f"{above} is a file, not a folder" if above is not None else exc.strerror or str(exc)

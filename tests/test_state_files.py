@@ -187,6 +187,7 @@ def test_state_files_and_a_new_state_dir_are_private_to_their_user(tmp_path, cor
         assert stat.S_IMODE(path.stat().st_mode) & 0o077 == 0
         p = _factory(tmp_path, corpus)()
         assert stat.S_IMODE(p.state_dir.stat().st_mode) == 0o700
+        (tmp_path / "cli").mkdir()
         make_state_dir(tmp_path / "cli" / "state")
         assert stat.S_IMODE((tmp_path / "cli" / "state").stat().st_mode) == 0o700
         mine = tmp_path / "mine"
@@ -234,3 +235,14 @@ def test_a_genesis_whose_directory_fsync_fails_is_not_taken_as_saved(tmp_path, c
     assert p.save_checkpoint(unpublished=True) is None
     p._snapshot = p._global_state()
     assert p.save_checkpoint() is not None  # any later one: a warning, as before
+
+
+def test_a_state_dir_whose_parent_is_missing_is_refused_not_made_whole(tmp_path):
+    # Found by a review: `--state-dir /nonexistent/dir/x` (a typo) built the whole tree and trained
+    # there, where `keygen nodir/x.key` says to create the folder first.
+    from groundswell.peer.config import ConfigError
+    from groundswell.peer.state_files import make_state_dir
+
+    with pytest.raises(ConfigError, match="does not exist .*create it first"):
+        make_state_dir(tmp_path / "typo" / "x")
+    assert not (tmp_path / "typo").exists()
