@@ -688,7 +688,7 @@ def test_records_far_past_the_coordinators_neither_hold_up_nor_resync_a_voluntee
 
     node = SimpleNamespace(cached_records=recs, refresh_in_background=lambda: None, identity=p.identity,
                            _cached_records=recs, client=SimpleNamespace(ask_decision=ask_decision),
-                           server=SimpleNamespace(keep_rounds=8), call=lambda coro, timeout_s=None: asyncio.run(coro))
+                           server=SimpleNamespace(keep_rounds=8), book=None, call=lambda coro, timeout_s=None: asyncio.run(coro))
     node.holders = lambda r: PeerRecords.holders(node, r)
     p.node = node
     assert p.catch_up(fresh=False) == 0  # no RoundBehind: nothing says the run is far past us
