@@ -137,7 +137,10 @@ def _follow_rounds(p: Participant, stop: StopFlag, on_round: Callable[[RoundInfo
                       if pid in last_sent and b >= last_sent[pid]]
             last_sent, sent_round = sent, r + 1
         info = RoundInfo(r, "applied", False, len(d.contributors), eval_loss=loss, round_s=time.perf_counter() - t0,
-                         params_hash=p.outer_hash(), peers_online=len(sent if records is not None else last_sent),
+                         params_hash=p.outer_hash(),
+                         # (this round's contributors were online too: a restarted one's record may lag)
+                         peers_online=len(set(sent if records is not None else last_sent)
+                                          | set(d.contributors) - {p.identity.peer_id}),
                          # the median: each figure is a peer's own word, and one can be any number
                          bytes_sent=int(statistics.median(deltas)) if deltas else 0)
         t0 = time.perf_counter()
