@@ -43,12 +43,12 @@ class DenseCodec:
         if not x.is_floating_point():
             raise CodecError(f"{self.name} encodes floating-point tensors, got {x.dtype}")
         flat = x.detach().reshape(-1)
-        if flat.dtype == torch.float64:  # checked after the cast: an fp64 value past fp32's range saturates too
-            flat = flat.clamp(-torch.finfo(torch.float32).max, torch.finfo(torch.float32).max).to(torch.float32)
         if flat.numel():
             lo, hi = torch.aminmax(flat)
             if not bool(torch.isfinite(lo) & torch.isfinite(hi)):
                 raise CodecError(f"cannot encode non-finite values with {self.name}")
+            if flat.dtype == torch.float64:  # an fp64 value past fp32's range saturates too (not inf)
+                flat = flat.clamp(-torch.finfo(torch.float32).max, torch.finfo(torch.float32).max).to(torch.float32)
             limit = torch.finfo(self.dtype).max
             if self.dtype != torch.float32 and max(-float(lo), float(hi)) > limit:
                 flat = flat.to(torch.float32).clamp(-limit, limit)  # saturate instead of producing inf

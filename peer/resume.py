@@ -125,7 +125,8 @@ def _unsent_work_is_ours(p: Participant, resumed: dict) -> bool:
     holds_work = "local_progress" in resumed or resumed["outer"].get("algorithm") == "sparseloco" \
         or bool(resumed.get("unsettled"))
     if holds_work and p.state_dir is not None and contribution_unknown(read_contributed(p.state_dir)):
-        if resumed.get("settled_unreadable") == unreadable_marker_digest(p.state_dir):
+        damaged = unreadable_marker_digest(p.state_dir)  # (None if its bytes cannot be read either)
+        if damaged is not None and resumed.get("settled_unreadable") == damaged:
             # written after a restart saw this very file damaged and dropped the work before it:
             # what it holds was made since, and nothing went out since (that rewrites the file)
             log.info("%s is unreadable as the checkpoint of round %d found it: its work is kept",

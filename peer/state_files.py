@@ -175,6 +175,9 @@ def make_state_dir(state_dir: Path) -> None:
     if state_dir.exists() and not state_dir.is_dir():
         raise ConfigError(f"--state-dir {state_dir} is a file, not a folder")
     parent = state_dir.absolute().parent
+    above = next((p for p in state_dir.absolute().parents if p.exists() and not p.is_dir()), None)
+    if above is not None:
+        raise ConfigError(f"--state-dir {state_dir} cannot be created: {above} is a file, not a folder")
     if not state_dir.exists() and not parent.exists():  # one folder is made, not a whole mistyped path
         raise ConfigError(f"--state-dir {state_dir}: {parent} does not exist (a typo?): create it first")
     try:

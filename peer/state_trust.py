@@ -147,7 +147,7 @@ class StateCheck:
             raise ProtocolError("state's parameters (momentum, decision) do not have the hash its signed reply names",
                                 reason="bad-payload")
         supersedes = self.conflicts(reply)
-        if supersedes and not self.vouched(reply, server, await records()):
+        if supersedes and not self.vouched(reply, server, await _records_or_none(records)):
             # After a split, the coordinator's word decides which side's commit is the run's: a
             # peer that cannot take the run's state keeps training on the other side's parameters.
             raise ProtocolError(f"state's decision of round {reply.round - 1} conflicts with the commit we hold",
@@ -322,6 +322,16 @@ class StateCheck:
                 break
             signer = published.get(self.coordinator)
         return signer, published
+
+
+async def _records_or_none(records: Callable[[], Awaitable[dict[str, Any]]]) -> dict[str, Any]:
+    """The swarm's records, or none if the DHT fails (then nothing is vouched for: the state is
+    refused as any unchecked one is, and the next server is asked)."""
+    try:
+        return await records()
+    except Exception as exc:  # noqa: BLE001 (the DHT failing, as in `_vouched_whole`)
+        log.info("peer records could not be read: %r", exc)
+        return {}
 
 
 def vouchers_of(committed: dict[int, tuple[bytes, Any]]) -> frozenset[str]:

@@ -67,6 +67,7 @@ def new_token() -> str:
 # contributed.json is there but cannot be read (torn, damaged, foreign): it may name a contribution
 # that went out, so the work a restart holds is not sent again on its word (`contribution_unknown`).
 UNREADABLE: dict[str, Any] = {"unreadable": True}
+LEGACY_MARKER_KEYS = {"round", "attempt", "work"}  # contributed.json of versions before its "check"
 
 
 def contributed_bytes(round_id: int, attempt: int, work: str | None) -> bytes:
@@ -103,10 +104,7 @@ def read_contributed(state_dir: Path) -> dict[str, Any] | None:
     except (OSError, ValueError) as exc:
         data = exc
     if not isinstance(data, dict) or _marker(data) is None:
-        older = isinstance(data, dict) and "check" not in data and _marker({**data, "check": _marker_check(
-            data.get("round"), data.get("attempt"), data.get("work"))}) is not None
-        why = str(data) if isinstance(data, Exception) else (
-            "written by an older version of groundswell" if older else "damaged, or not what this program writes")
+        why = str(data) if isinstance(data, Exception) else "damaged, or not what this program writes"
         if (path, why) not in _warned:  # (read several times at a start: said once)
             _warned.add((path, why))
             log.warning("%s is unreadable (%s): a contribution may have gone out since the last checkpoint",
@@ -136,8 +134,10 @@ def _marker(data: dict[str, Any]) -> dict[int, int] | None:
     round_id, attempt = data.get("round"), data.get("attempt")
     if type(round_id) is not int or type(attempt) is not int:
         return None
+    if set(data) == LEGACY_MARKER_KEYS:  # written before the check: as trustworthy as it was then
+        return {round_id: attempt}
     if data.get("check") != _marker_check(round_id, attempt, data.get("work")):
-        return None  # a flipped bit, or a file of a version before the check (its work is dropped once)
+        return None  # a flipped bit
     return {round_id: attempt}
 
 

@@ -115,12 +115,11 @@ class RoundClient(AggregateFetcher):
             round_id += 1
 
     async def _learn_commit(self, peers: list[str], round_id: int) -> bool:
-        """Ask `peers` (one at a time) for the commit of `round_id` until our book holds one."""
-        for peer in peers:
-            if self._round_decided(round_id):
-                break
-            attempt = self.current_attempt(round_id)
-            await self.ask_decision(peer, round_id, attempt if attempt is not None else 0, 0.0)
+        """Ask `peers` (all at once: one slow or hostile one must not hold the round up by a slack
+        each) for the commit of `round_id`; does our book hold it now? Each answer is checked
+        (`ask_decision`): none can plant a commit."""
+        attempt = self.current_attempt(round_id)
+        await gather_owned(self.ask_decision(p, round_id, attempt if attempt is not None else 0, 0.0) for p in peers)
         return round_id in self.book.committed
 
     async def leave(self, round_id: int) -> None:

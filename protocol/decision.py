@@ -162,8 +162,8 @@ class Decider:
                 if fenced_off:
                     # A later attempt's leader fenced this attempt off and was handed our commit:
                     # it may have adopted it. Its holders keep it; we announce nothing.
-                    log.warning("round %d attempt %d: a later attempt's leader fenced our commit off; standing back",
-                                plan.round, plan.attempt)
+                    log.warning("round %d attempt %d: a later attempt's leader fenced our commit off, or the round "
+                                "committed otherwise; standing back", plan.round, plan.attempt)
                     return
             if late := (asked - accepted - {self.identity.peer_id}) | (unvoided - {self.identity.peer_id}):
                 # Those that did not answer in time may still seal (a busy or paused aggregator):

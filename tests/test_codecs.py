@@ -165,8 +165,13 @@ def test_int8_whatever_decodes_encodes_again() -> None:
 
 
 def test_fp32_saturates_fp64_input_beyond_its_range() -> None:
+    from groundswell.compression import CodecError
+
     y = _round_trip(make_codec("fp32"), torch.tensor([1e300, -1e300, 1.0], dtype=torch.float64))
     assert y.tolist() == [torch.finfo(torch.float32).max, -torch.finfo(torch.float32).max, 1.0]
+    for name in ("fp32", "fp16", "bf16"):  # but an fp64 inf is refused, not saturated (found by a review)
+        with pytest.raises(CodecError, match="non-finite"):
+            make_codec(name).encode(torch.tensor([float("inf"), 1.0], dtype=torch.float64))
 
 
 def test_sparseloco_one_value_per_largest_chunk_round_trips() -> None:

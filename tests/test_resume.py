@@ -116,7 +116,7 @@ def test_cleanup_never_deletes_the_checkpoint_just_written(tmp_path, corpus):
 
 @pytest.mark.parametrize("contributed_round,kept,damage", [(3, False, None), (5, False, None), (2, True, None),
                                                            (3, False, "flip"), (2, False, "flip"),
-                                                           (3, False, "digit"),
+                                                           (3, False, "digit"), (3, False, "folder"),
                                                            (3, False, "truncate"), (3, False, "not-ours")])
 def test_a_resumed_error_feedback_is_dropped_if_the_process_before_contributed_after_the_checkpoint(
         tmp_path, corpus, contributed_round, kept, damage):
@@ -145,7 +145,11 @@ def test_a_resumed_error_feedback_is_dropped_if_the_process_before_contributed_a
         raw = raw[:len(raw) // 2]
     elif damage == "not-ours":
         raw = bytearray(json.dumps({"round": "3", "attempt": 0}).encode())
-    marker.write_bytes(bytes(raw))
+    if damage == "folder":  # unreadable at all (a review: as a bad sector's EIO, it read as "settled")
+        marker.unlink()
+        marker.mkdir()
+    else:
+        marker.write_bytes(bytes(raw))
 
     p.outer.error = torch.zeros_like(p.outer.global_params)  # a new process
     _offline(p)

@@ -350,6 +350,12 @@ def test_a_states_decision_must_be_a_commit_its_leader_signed_that_our_book_coul
     assert asyncio.run(holding.verify(reply, blob, digest, "server", refresh)).supersedes
     assert not verify(reply.decision).supersedes
 
+    async def dht_down():
+        raise TimeoutError
+
+    with pytest.raises(ProtocolError, match="conflicts with the commit we hold"):  # refused, not a crash of the sync
+        asyncio.run(holding.verify(reply, blob, digest, "server", dht_down))
+
 
 def test_the_coordinators_published_hash_outweighs_any_number_of_other_records(participant):
     """In an open run anyone can publish records under as many identities as they like: where
