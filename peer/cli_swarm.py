@@ -44,6 +44,8 @@ def _identity(path: Optional[Path], state_dir: Optional[Path]):
                             "--identity out to use the one in --state-dir")
     if path is not None and path.is_dir():
         raise IdentityError(f"--identity {path} is a folder, not an identity file (from `groundswell keygen`)")
+    if path is not None:
+        Identity.load(path)  # a bad key file is refused before the state dir is made (a review found one left behind)
     if state_dir is not None:  # first: the default identity lives in it
         make_state_dir(state_dir)
         hold_exclusively(state_dir / ".lock", "state dir", state_dir)

@@ -310,6 +310,7 @@ def test_a_bad_identity_file_is_one_error_line(tmp_path, make_identity, words):
     res = CliRunner().invoke(app, ["join", _bootstrap(_unused_port()), "--identity", str(key),
                                    "--state-dir", str(tmp_path / "peer")])
     _one_error_line(res, 2, words)
+    assert not (tmp_path / "peer").exists()  # refused before anything is made (a review found a .lock left)
 
 
 @pytest.mark.parametrize("device,words", [("gpu", "--device must be cpu, cuda or cuda:N"),
