@@ -27,6 +27,13 @@ def volunteer_corpus(manifest: RunManifest, data: Path | None, allow_model_code:
     if ":" in manifest.model.spec and not allow_model_code:
         raise ConfigError(f"this run's model is {manifest.model.spec!r}, code it would import and run here: "
                           "join with --allow-model-code if you trust it (the module must be installed here)")
+    if ":" in manifest.model.spec:
+        from .workload import WorkloadError, check_workload_spec
+
+        try:  # before "joined" is said and anything is downloaded (a review saw it refused only after)
+            check_workload_spec(manifest.model.spec)
+        except WorkloadError as exc:
+            raise ConfigError(f"this run's model: {exc}") from None
     source, want = manifest.data.source, manifest.data.fingerprint
     if source == "stdlib":
         if data is not None:

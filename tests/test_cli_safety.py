@@ -82,6 +82,9 @@ def test_a_model_the_manifest_names_as_code_runs_only_with_consent():
     with pytest.raises(ConfigError, match="--allow-model-code"):
         volunteer_corpus(manifest, None, False)
     assert volunteer_corpus(manifest, None, True).name
+    # a module not installed here is said before anything else happens (a review saw "joined" first)
+    with pytest.raises(ConfigError, match="cannot import module 'not_installed_here'"):
+        volunteer_corpus(_manifest(spec="not_installed_here:make_model"), None, True)
 
 
 def test_status_shows_what_peers_publish_as_text_not_markup(capsys):
