@@ -39,21 +39,27 @@ def _offline(p) -> None:
     p.sync_state = lambda peers, min_round=-1: None
 
 
+def _holding_error_at_round_3(p, value: float = 1.0) -> None:
+    """A SparseLoCo process at round 3 whose error feedback is all `value`, its state published."""
+    from groundswell.peer.participant import genesis_decision
+
+    p.state_dir.mkdir(parents=True, exist_ok=True)
+    p.outer.round_id = 3
+    p.outer.error = value * torch.ones_like(p.outer.global_params)
+    p._snapshot = GlobalState(3, {"global_params": p.outer.global_params.clone()},
+                              genesis_decision(p.identity, "unit"))
+
+
 def test_work_made_after_a_damaged_contributed_json_was_seen_is_kept_by_the_next_restart(tmp_path, corpus):
     """A restart drops the work of a checkpoint when contributed.json is unreadable; a checkpoint
     it writes afterwards (nothing contributed meanwhile: the file is as it was) holds only its own
     work, which the restart after it kept dropping, every time, until a contribution rewrote the
     file (found by a review)."""
-    from groundswell.peer.participant import genesis_decision
     from groundswell.peer.resume import resume_and_sync
 
     participant = _factory(tmp_path, corpus, outer={"algorithm": "sparseloco"})
     p = participant()
-    p.state_dir.mkdir(parents=True, exist_ok=True)
-    p.outer.round_id = 3
-    p.outer.error = torch.ones_like(p.outer.global_params)
-    p._snapshot = GlobalState(3, {"global_params": p.outer.global_params.clone()},
-                              genesis_decision(p.identity, "unit"))
+    _holding_error_at_round_3(p)
     assert p.save_checkpoint(settled=True) is not None
     (p.state_dir / "contributed.json").write_bytes(b'{"round": 3, "att')  # torn
 
@@ -61,9 +67,7 @@ def test_work_made_after_a_damaged_contributed_json_was_seen_is_kept_by_the_next
     _offline(second)
     resume_and_sync(second, [])
     assert bool((second.outer.error == 0).all())  # dropped: it may have gone out
-    second.outer.error = 2 * torch.ones_like(second.outer.global_params)  # trained since, never sent
-    second._snapshot = GlobalState(3, {"global_params": second.outer.global_params.clone()},
-                                   genesis_decision(second.identity, "unit"))
+    _holding_error_at_round_3(second, 2.0)  # trained since, never sent
     assert second.save_checkpoint(settled=True) is not None
 
     third = participant()
@@ -124,15 +128,10 @@ def test_a_resumed_error_feedback_is_dropped_if_the_process_before_contributed_a
     rounds; restoring it would send that work a second time. A damaged contributed.json (found by
     a review of the state files: it read as "never contributed", and the work went out twice)
     cannot tell, so the work is dropped then too."""
-    from groundswell.peer.participant import genesis_decision
     from groundswell.peer.resume import resume_and_sync
 
     p = _factory(tmp_path, corpus, outer={"algorithm": "sparseloco"})()
-    p.state_dir.mkdir(parents=True, exist_ok=True)
-    p.outer.round_id = 3
-    p.outer.error = torch.ones_like(p.outer.global_params)
-    p._snapshot = GlobalState(3, {"global_params": p.outer.global_params.clone()},
-                              genesis_decision(p.identity, "unit"))
+    _holding_error_at_round_3(p)
     assert p.save_checkpoint() is not None
     p._remember_contribution(contributed_round, 0)
     marker = p.state_dir / "contributed.json"
@@ -231,16 +230,11 @@ def test_work_a_checkpoint_holds_after_its_last_contributions_outcome_is_kept(tm
     """Ctrl+C in a round that ended in a retry: the final checkpoint, written once that outcome
     was known, still holds the work (a retry sends nothing anyone applied). A restart keeps it,
     unless the process contributed again after that checkpoint."""
-    from groundswell.peer.participant import genesis_decision
     from groundswell.peer.resume import resume_and_sync
 
     participant = _factory(tmp_path, corpus, outer={"algorithm": "sparseloco"})
     p = participant()
-    p.state_dir.mkdir(parents=True, exist_ok=True)
-    p.outer.round_id = 3
-    p.outer.error = torch.ones_like(p.outer.global_params)
-    p._snapshot = GlobalState(3, {"global_params": p.outer.global_params.clone()},
-                              genesis_decision(p.identity, "unit"))
+    _holding_error_at_round_3(p)
     p._remember_contribution(3, 0)  # round 3, attempt 0: retried, so the round stays 3
     assert p.save_checkpoint(settled=True) is not None
     if contributed_after_save:
