@@ -37,14 +37,13 @@ from .manifest import RunManifest, SignedManifest
 from .participant_checkpoints import KNOWN_PEERS_FILE, Checkpoints
 from .run_state import GlobalState, RunContext, state_hash
 from .scoring import ContributionScorer
+from .state_download import download_state, sync_timeout_s
 from .state_files import remove_half_written, write_atomically
 from .state_trust import (
     EARLIER_HASHES,
     StateCheck,
     coordinator_hashes,
-    download_state,
     state_servers,
-    sync_timeout_s,
     vouchers_of,
 )
 from .swarm import NodeOptions, SwarmNode

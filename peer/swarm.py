@@ -57,8 +57,8 @@ from .reachability import (
 )
 from .records import HEARTBEAT_S, PeerRecords, PeerRecordValidator
 from .run_state import GlobalState, RunContext
+from .state_download import state_timeout_s
 from .state_serving import StateServing, UploadSlots
-from .state_trust import state_timeout_s
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")

@@ -107,7 +107,7 @@ def _nonce(i: int) -> bytes:
 
 def serve_timeout_s(size: int) -> float:
     """The longest a download of a `size`-byte blob may run: what a joiner waits for it at most
-    (`peer.state_trust.state_timeout_s`: a minute plus 16 bytes per parameter at 20 MB/s; a state
+    (`peer.state_download.state_timeout_s`: a minute plus 16 bytes per parameter at 20 MB/s; a state
     blob holds at least 4 bytes per parameter), so a slow reader holds its slot no longer than an
     honest joiner would still be reading."""
     return 60 + size / 5e6

@@ -925,7 +925,7 @@ def test_sources_are_addresses_ipv6_prefixes_and_loopback_is_not_bounded(monkeyp
 def test_no_download_outlasts_the_joiners_own_wait():
     # a download's total bound is at most what a joiner waits for a state blob of that size (the
     # server cannot tell how many parameters it holds: 4 bytes each at the least, plus a header)
-    from groundswell.peer.state_trust import state_timeout_s
+    from groundswell.peer.state_download import state_timeout_s
 
     for numel in (1, 10_000, 25_000_000, 1_000_000_000, 2_000_000_000):
         assert direct.serve_timeout_s(4 * numel + 4096) <= state_timeout_s(numel)

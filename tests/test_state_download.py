@@ -24,7 +24,7 @@ def test_a_state_the_coordinator_contradicts_is_refused_before_its_blob_is_downl
     next server instead."""
     from dataclasses import replace
 
-    from groundswell.peer import state_trust
+    from groundswell.peer import state_download
 
     p, coord = participant, participant.coordinator_id
     reply, blob, digest, good = _served_state(p, round_id=5)
@@ -53,10 +53,10 @@ def test_a_state_the_coordinator_contradicts_is_refused_before_its_blob_is_downl
     async def refresh():
         return records
 
-    monkeypatch.setattr(state_trust, "fetch_state", fake_fetch)
+    monkeypatch.setattr(state_download, "fetch_state", fake_fetch)
     node = SimpleNamespace(cached_records=records, refresh_records=refresh,
                            guard=SimpleNamespace(count=lambda *a, **k: counted.append((*a, k["strike"]))))
-    state, _ = asyncio.run(state_trust.download_state(node, p.state_check(), ["liar", "retrier", "honest"], 0))
+    state, _ = asyncio.run(state_download.download_state(node, p.state_check(), ["liar", "retrier", "honest"], 0))
     assert state.round == 5 and downloaded == ["honest"]
     # counted, and only the decision it signed for nothing is held against its server
     assert counted == [("liar", "state-reply", "disputed", False), ("retrier", "state-reply", "malformed", True)]
@@ -72,7 +72,7 @@ def test_a_state_the_coordinator_contradicts_is_refused_before_its_blob_is_downl
 def test_after_two_servers_fail_the_coordinator_is_asked_next(participant, monkeypatch):
     """Anyone can copy the coordinator's (round, hash) into a record and be asked first, then
     stay silent: a joiner asks the coordinator once two servers failed."""
-    from groundswell.peer import state_trust
+    from groundswell.peer import state_download
     from groundswell.protocol.transport import PeerUnavailable
 
     p, coord = participant, participant.coordinator_id
@@ -90,19 +90,19 @@ def test_after_two_servers_fail_the_coordinator_is_asked_next(participant, monke
     async def refresh():
         return {}
 
-    monkeypatch.setattr(state_trust, "fetch_state", fake_fetch)
+    monkeypatch.setattr(state_download, "fetch_state", fake_fetch)
     node = SimpleNamespace(cached_records={}, refresh_records=refresh, guard=SimpleNamespace(count=lambda *a, **k: None))
     peers = ["silent1", "silent2", "silent3", coord, "b"]
-    state, _ = asyncio.run(state_trust.download_state(node, p.state_check(), peers, 0))
+    state, _ = asyncio.run(state_download.download_state(node, p.state_check(), peers, 0))
     assert state.round == 5 and asked == ["silent1", "silent2", coord]
     asked.clear()  # no coordinator among the servers: each is asked once, in order
     with pytest.raises(PeerUnavailable):
-        asyncio.run(state_trust.download_state(node, p.state_check(), ["silent0", "silent1", "silent2"], 0))
+        asyncio.run(state_download.download_state(node, p.state_check(), ["silent0", "silent1", "silent2"], 0))
     assert asked == ["silent0", "silent1", "silent2"]
 
 
 def test_a_big_models_state_sync_gets_time_in_proportion_to_its_size():
-    from groundswell.peer.state_trust import state_timeout_s, sync_timeout_s
+    from groundswell.peer.state_download import state_timeout_s, sync_timeout_s
 
     assert sync_timeout_s(25_000_000) == 600.0  # small states: the fixed ten minutes
     big = 1_000_000_000  # an 8 GB DiLoCo state: one peer alone may take longer than ten minutes
@@ -111,7 +111,7 @@ def test_a_big_models_state_sync_gets_time_in_proportion_to_its_size():
 
 def test_peers_that_answer_with_nothing_as_recent_tell_a_sync_apart_from_an_unreachable_swarm(participant,
                                                                                              monkeypatch):
-    from groundswell.peer import state_trust
+    from groundswell.peer import state_download, state_trust
     from groundswell.protocol.transport import PeerDead, PeerUnavailable
 
     async def fake_fetch(node, peer, min_round, size, timeout_s, reply_timeout_s):
@@ -121,11 +121,11 @@ def test_peers_that_answer_with_nothing_as_recent_tell_a_sync_apart_from_an_unre
             raise PeerUnavailable(f"{peer} did not answer get-state within 30s")
         return StateReply(-1, "", b"", 0), bytearray(), "", "stream"  # what a server behind answers
 
-    monkeypatch.setattr(state_trust, "fetch_state", fake_fetch)
+    monkeypatch.setattr(state_download, "fetch_state", fake_fetch)
     node = SimpleNamespace(cached_records={}, guard=SimpleNamespace(count=lambda *a, **k: None))
 
     def sync(peers):
-        return asyncio.run(state_trust.download_state(node, participant.state_check(), peers, 7))
+        return asyncio.run(state_download.download_state(node, participant.state_check(), peers, 7))
 
     with pytest.raises(state_trust.NoNewerState, match="1 answered"):
         sync(["gone1", "behind", "gone2"])
@@ -145,7 +145,7 @@ def test_peers_that_answer_with_nothing_as_recent_tell_a_sync_apart_from_an_unre
 def test_a_busy_server_is_asked_again_later_and_never_counts_as_having_nothing_newer(participant, monkeypatch):
     """A server whose upload slots are taken answers `busy`: a joiner asks the others, then it
     again, a little later each time, a bounded number of times; "busy" is not "nothing newer"."""
-    from groundswell.peer import state_trust
+    from groundswell.peer import state_download, state_trust
     from groundswell.protocol.transport import PeerUnavailable
 
     reply, blob, digest, _ = _served_state(participant, round_id=5)
@@ -168,15 +168,15 @@ def test_a_busy_server_is_asked_again_later_and_never_counts_as_having_nothing_n
     async def refresh():
         return {}
 
-    monkeypatch.setattr(state_trust, "fetch_state", fake_fetch)
-    monkeypatch.setattr(state_trust, "BUSY_WAIT_S", 0.01)
-    monkeypatch.setattr(state_trust, "BUSY_WAIT_MAX_S", 0.05)
+    monkeypatch.setattr(state_download, "fetch_state", fake_fetch)
+    monkeypatch.setattr(state_download, "BUSY_WAIT_S", 0.01)
+    monkeypatch.setattr(state_download, "BUSY_WAIT_MAX_S", 0.05)
     # the patience: what is left of a sync after one download's time
-    monkeypatch.setattr(state_trust, "sync_timeout_s", lambda numel: state_trust.state_timeout_s(numel) + 0.6)
+    monkeypatch.setattr(state_download, "sync_timeout_s", lambda numel: state_download.state_timeout_s(numel) + 0.6)
     node = SimpleNamespace(cached_records={}, refresh_records=refresh, guard=SimpleNamespace(count=lambda *a, **k: None))
 
     def sync(peers):
-        return asyncio.run(state_trust.download_state(node, participant.state_check(), peers, 0))
+        return asyncio.run(state_download.download_state(node, participant.state_check(), peers, 0))
 
     state, _ = sync([coord, "behind1"])
     assert state.round == 5 and asked == [coord, "behind1", coord, coord]
@@ -210,7 +210,7 @@ def test_a_state_announced_bigger_than_the_runs_state_is_refused_before_a_byte_i
     to hold a DiLoCo-sized (or any larger) buffer for a trickle of bytes."""
     from dataclasses import replace
 
-    from groundswell.peer import state_trust
+    from groundswell.peer import state_download
     from groundswell.protocol.transport import PeerUnavailable
 
     p = participant
@@ -218,7 +218,7 @@ def test_a_state_announced_bigger_than_the_runs_state_is_refused_before_a_byte_i
     reply, blob, _digest, _ = _served_state(p, momentum=momentum)
     numel = p.outer.global_params.numel()
     exact = 4 * numel * (2 if momentum else 1)
-    assert exact < len(blob) <= state_trust.state_budget(numel, momentum)  # the real state fits
+    assert exact < len(blob) <= state_download.state_budget(numel, momentum)  # the real state fits
     refused: list[str] = []
 
     async def fake_fetch(node, peer, min_round, size, timeout_s, reply_timeout_s):
@@ -230,10 +230,10 @@ def test_a_state_announced_bigger_than_the_runs_state_is_refused_before_a_byte_i
             raise PeerUnavailable(f"{peer}: {exc}") from None
         raise AssertionError("an oversized announcement was let through to the download")
 
-    monkeypatch.setattr(state_trust, "fetch_state", fake_fetch)
+    monkeypatch.setattr(state_download, "fetch_state", fake_fetch)
     node = SimpleNamespace(cached_records={}, guard=SimpleNamespace(count=lambda *a, **k: None))
     with pytest.raises(PeerUnavailable):
-        asyncio.run(state_trust.download_state(node, check, ["server"], 0))
+        asyncio.run(state_download.download_state(node, check, ["server"], 0))
     assert refused == ["oversized"]
 
 
@@ -245,7 +245,7 @@ def test_the_runs_own_state_of_another_model_size_says_it_is_ours_not_theirs(par
     bad state, struck as before: a hostile server must not make a joiner blame its own dataset."""
     from dataclasses import replace
 
-    from groundswell.peer import state_trust
+    from groundswell.peer import state_download, state_trust
 
     coord = participant.coordinator_id
     reply, blob, digest, good = _served_state(participant, round_id=5)
@@ -264,7 +264,7 @@ def test_the_runs_own_state_of_another_model_size_says_it_is_ours_not_theirs(par
     async def refresh():
         return records
 
-    monkeypatch.setattr(state_trust, "fetch_state", fake_fetch)
+    monkeypatch.setattr(state_download, "fetch_state", fake_fetch)
     node = SimpleNamespace(cached_records=records, refresh_records=refresh,
                            guard=SimpleNamespace(count=lambda peer, *a, strike, **k: struck.update({peer: strike})))
     numel = participant.outer.global_params.numel()
@@ -273,17 +273,17 @@ def test_the_runs_own_state_of_another_model_size_says_it_is_ours_not_theirs(par
         # Only the coordinator's say-so (found by a review of the state trust: anyone can copy its
         # published hash into a reply that is all size, and the joiner quit blaming its dataset).
         with pytest.raises(state_trust.PeerUnavailable) as err:
-            asyncio.run(state_trust.download_state(node, check, ["a"], 0))
+            asyncio.run(state_download.download_state(node, check, ["a"], 0))
         assert not isinstance(err.value, state_trust.ModelMismatch) and struck == {"a": False}  # no strike either
         with pytest.raises(state_trust.ModelMismatch, match="is our dataset"):
-            asyncio.run(state_trust.download_state(node, check, [coord], 0))
+            asyncio.run(state_download.download_state(node, check, [coord], 0))
     else:  # a smaller one is downloaded, and its tensors have the hash the coordinator published
         with pytest.raises(state_trust.ModelMismatch, match="is our dataset"):
-            asyncio.run(state_trust.download_state(node, check, ["a"], 0))
+            asyncio.run(state_download.download_state(node, check, ["a"], 0))
     assert not any(struck.values())
     # nobody vouches for it: a bad state, struck, and the sync fails as any other does
     records.clear()
     node.cached_records = {}
     with pytest.raises(state_trust.PeerUnavailable) as err:
-        asyncio.run(state_trust.download_state(node, check, ["a"], 0))
+        asyncio.run(state_download.download_state(node, check, ["a"], 0))
     assert not isinstance(err.value, state_trust.ModelMismatch)

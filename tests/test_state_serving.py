@@ -164,7 +164,7 @@ def test_joiners_past_the_upload_slots_are_told_busy_and_all_get_the_state(tmp_p
     import time
 
     from groundswell.compression import make_codec
-    from groundswell.peer import state_trust
+    from groundswell.peer import state_download, state_trust
     from groundswell.peer.run_state import GlobalState, RunContext
     from groundswell.peer.swarm import NodeOptions, SwarmNode
     from groundswell.protocol.envelope import seal
@@ -172,7 +172,7 @@ def test_joiners_past_the_upload_slots_are_told_busy_and_all_get_the_state(tmp_p
     from groundswell.protocol.schema import Decision
 
     numel = 1 << 20
-    monkeypatch.setattr(state_trust, "BUSY_WAIT_S", 0.2)
+    monkeypatch.setattr(state_download, "BUSY_WAIT_S", 0.2)
     ids = [Identity.generate() for _ in range(6)]
     for i, ident in enumerate(ids):
         ident.save(tmp_path / f"{i}.key")
@@ -210,7 +210,7 @@ def test_joiners_past_the_upload_slots_are_told_busy_and_all_get_the_state(tmp_p
         def sync(i: int, node: SwarmNode) -> None:
             check = state_trust.StateCheck(ctx, node.identity.peer_id, ids[0].peer_id, numel, needs_momentum=False)
             try:
-                got[i] = node.call(state_trust.download_state(node, check, [ids[0].peer_id], -1), timeout_s=120)[0]
+                got[i] = node.call(state_download.download_state(node, check, [ids[0].peer_id], -1), timeout_s=120)[0]
             except Exception as exc:  # noqa: BLE001 - reported by the assert below
                 got[i] = exc
 

@@ -1,0 +1,153 @@
+"""Downloading a global state: ask peers in order (the coordinator after a few failures, busy
+ones again later), check each reply's size and decision before its blob is read, and take the
+first state that passes `StateCheck` (see `state_trust`); and the sizes and time limits of a
+state download."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Callable
+from typing import Any
+
+from groundswell.protocol.schema import ProtocolError, StateReply
+from groundswell.protocol.transport import PeerDead, PeerUnavailable
+
+from .run_state import GlobalState
+from .state_fetch import fetch_state
+from .state_trust import ModelMismatch, NoNewerState, StateCheck
+
+log = logging.getLogger(__name__)
+COORDINATOR_AFTER_FAILURES = 2  # peers that failed to serve a state before the coordinator is asked next
+BUSY_WAIT_S = 2.0  # a peer whose upload slots are taken is asked again this long after, doubling each time,
+BUSY_WAIT_MAX_S = 30.0  # up to this, while a sync still has the time for one download after it
+
+
+def state_budget(numel: int, momentum: bool = True) -> int:
+    """The most bytes a state download may announce: the parameters (and DiLoCo's momentum) as
+    fp32, plus room for the blob's header. It is allocated as announced, before the bytes arrive:
+    a server must not make a joiner hold more than the state it needs anyway."""
+    return 4 * numel * (2 if momentum else 1) + (1 << 20)
+
+
+def _timed_bytes(numel: int) -> int:
+    # what the timeouts are sized for: twice a DiLoCo state, so a slow link still gets the time
+    return 16 * numel + (1 << 20)
+
+
+def state_timeout_s(numel: int) -> float:
+    """How long one peer may take to serve the state (twice a DiLoCo state at 20 MB/s, plus a minute)."""
+    return 60 + _timed_bytes(numel) / 20e6
+
+
+def state_reply_timeout_s(numel: int) -> float:
+    """How long a peer may take to answer a state request before its blob (it serializes and
+    hashes the state once per round, at 1 GB/s or better): a silent peer costs this, not the
+    whole `state_timeout_s`."""
+    return 30 + _timed_bytes(numel) / 1e9
+
+
+def sync_timeout_s(numel: int) -> float:
+    """How long a whole state sync may take: at least 10 minutes, and room for three peers' full
+    timeouts (a big model's state would otherwise never fit in a fixed budget)."""
+    return max(600.0, 3 * state_timeout_s(numel))
+
+
+async def download_state(node: Any, check: StateCheck, peers: list[str], min_round: int) -> tuple[GlobalState, str]:
+    """The first state of round >= `min_round` one of `peers` (asked in order) serves that passes
+    `check`, and how it came ("direct" or "stream"); a refused state is counted against its server."""
+    budget = state_budget(check.numel, check.needs_momentum)
+
+    def size_check(server: str) -> Callable[[StateReply], int]:
+        def size(reply: StateReply) -> int:  # runs before a byte of the blob is read
+            if reply.size > budget:
+                # The run's own state, its hash says; only the coordinator's say-so tells us our
+                # model is wrong (anyone can copy the hash it publishes into a reply that is all size).
+                vouched = check.vouched(reply, server, node.cached_records)
+                if vouched and server == check.coordinator:
+                    other_model[server] = (f"the run's state is {reply.size} bytes, more than a model of ours can "
+                                           f"have ({budget}): is our dataset (its vocabulary) the run's?")
+                    raise ProtocolError(other_model[server], reason="other-model", strike=False)
+                raise ProtocolError(f"a state of {reply.size} bytes exceeds the limit of {budget}", reason="oversized",
+                                    strike=not vouched)
+            if reply.size and reply.round < min_round:  # an honest server answers size 0 instead
+                raise ProtocolError(f"a state of round {reply.round}, older than the {min_round} asked for")
+            if reply.size:  # both are in the signed reply: a state they refuse costs no download
+                try:
+                    check.check_decision(reply, vouched=check.vouched(reply, server, node.cached_records))
+                    check.refuse_early(reply, server, node.cached_records)
+                except ProtocolError as exc:  # counted as a refused state is (the transport only counts it)
+                    node.guard.count(server, "state-reply", exc.reason, strike=exc.strike)
+                    raise
+            return reply.size
+        return size
+
+    queue, asked = list(dict.fromkeys(peers)), 0
+    other_model: dict[str, str] = {}  # server -> why its state, the run's own, is of a model not ours
+    behind: set[str] = set()  # answered: nothing of round >= min_round
+    silent: set[str] = set()  # alive, or not known to be gone, but served nothing: may hold a newer state
+    newer: set[str] = set()  # showed a state of round >= min_round (busy serving it, or one we refused)
+    busy: dict[str, int] = {}  # peer -> how often it said its upload slots were taken
+    retry_at: dict[str, float] = {}
+    # busy servers are asked again as long as one download would still fit in the sync's time
+    patience_end = time.monotonic() + max(0.0, sync_timeout_s(check.numel) - state_timeout_s(check.numel))
+    while queue:
+        if asked == COORDINATOR_AFTER_FAILURES and check.coordinator in queue and check.coordinator not in busy:
+            # (each peer asked so far failed, or we would have returned) Peers that copy the
+            # coordinator's (round, hash) into their records are asked before it and may be
+            # silent: after a few failures the coordinator itself is next.
+            queue.remove(check.coordinator)
+            queue.insert(0, check.coordinator)
+        peer = queue.pop(0)
+        if peer in retry_at and max(retry_at[peer], time.monotonic()) >= patience_end:
+            continue  # the peers asked since took the time left: a download would not fit any more
+        asked += 1
+        if (wait := retry_at.get(peer, 0.0) - time.monotonic()) > 0:  # every peer ahead of it was asked meanwhile
+            await asyncio.sleep(wait)
+        silent.discard(peer)
+        try:
+            reply, blob, digest, via = await fetch_state(node, peer, min_round, size_check(peer),
+                                                         timeout_s=state_timeout_s(check.numel),
+                                                         reply_timeout_s=state_reply_timeout_s(check.numel))
+        except PeerUnavailable as exc:
+            log.info("state from %s: %s", peer[-8:], exc)
+            if peer in other_model:
+                continue
+            if not isinstance(exc, PeerDead):  # a dead peer's record lingers a while: it holds nothing
+                silent.add(peer)
+            continue
+        if reply.busy and not blob:
+            newer.add(peer)  # (a server asked for more than it holds answers "nothing newer", not "busy")
+            busy[peer] = busy.get(peer, 0) + 1
+            wait = min(BUSY_WAIT_MAX_S, BUSY_WAIT_S * 2 ** (busy[peer] - 1))
+            if time.monotonic() + wait < patience_end:  # asked again once the others have been, later each time
+                log.info("state from %s: busy uploading to others; asking again in %.0fs", peer[-8:], wait)
+                retry_at[peer] = time.monotonic() + wait
+                queue.append(peer)
+            silent.add(peer)
+            continue
+        if not blob or reply.round < min_round:  # it answered: it has nothing that recent
+            behind.add(peer)
+            continue
+        try:
+            return await check.verify(reply, blob, digest, peer, node.refresh_records), via
+        except ProtocolError as exc:  # a broken or hostile server: count it, ask the next peer
+            node.guard.count(peer, "state-reply", exc.reason, strike=exc.strike)
+            log.warning("state from %s refused: %s", peer[-8:], exc)
+            newer.add(peer)
+            if exc.reason == "other-model":
+                other_model[peer] = str(exc)
+    # "Nothing newer" only when the answers say so, and no peer showed a newer state: the
+    # coordinator's answer, or more peers' than those that may have been silent only for now
+    # (slow, refusing a flood). Peers whose dial failed are gone: their records linger a while,
+    # and they must not keep a restarted volunteer that is ahead of everyone online from
+    # carrying on.
+    if other_model:  # the run's own state (the coordinator vouches for it) does not fit our model: ours is wrong
+        raise ModelMismatch(next(iter(other_model.values())))
+    if behind and not newer and (check.coordinator in behind or len(behind) > len(silent)):
+        raise NoNewerState(f"no peer holds a verifiable state of round {min_round} or later "
+                           f"({len(behind)} answered with an older one or none)")
+    raise PeerUnavailable("no peer served a verifiable state"
+                          + (f" ({len(silent)} did not answer, {len(newer)} had a newer one we could not "
+                             f"take, {len(behind)} had nothing newer)" if behind else ""))
