@@ -88,6 +88,7 @@ async def download_state(node: Any, check: StateCheck, peers: list[str], min_rou
     behind: set[str] = set()  # answered: nothing of round >= min_round
     silent: set[str] = set()  # alive, or not known to be gone, but served nothing: may hold a newer state
     newer: set[str] = set()  # showed a state of round >= min_round (busy serving it, or one we refused)
+    unconfirmed: set[str] = set()  # showed one past the coordinator's record that nobody confirms
     busy: dict[str, int] = {}  # peer -> how often it said its upload slots were taken
     retry_at: dict[str, float] = {}
     # busy servers are asked again as long as one download would still fit in the sync's time
@@ -135,6 +136,13 @@ async def download_state(node: Any, check: StateCheck, peers: list[str], min_rou
         except ProtocolError as exc:  # a broken or hostile server: count it, ask the next peer
             node.guard.count(peer, "state-reply", exc.reason, strike=exc.strike)
             log.warning("state from %s refused: %s", peer[-8:], exc)
+            if exc.reason == "unconfirmed":
+                # A state past the coordinator's record that nobody confirms (a coordinator
+                # restarted from an older checkpoint, the volunteers gone on without it) is not
+                # one we can take, nor a reason to give up ours: a restarted volunteer whose own
+                # checkpoint was as new quit here, and the run stalled (found by a review).
+                unconfirmed.add(peer)
+                continue
             newer.add(peer)
             if exc.reason == "other-model":
                 other_model[peer] = str(exc)
@@ -145,9 +153,12 @@ async def download_state(node: Any, check: StateCheck, peers: list[str], min_rou
     # carrying on.
     if other_model:  # the run's own state (the coordinator vouches for it) does not fit our model: ours is wrong
         raise ModelMismatch(next(iter(other_model.values())))
-    if behind and not newer and (check.coordinator in behind or len(behind) > len(silent)):
+    answered = behind | unconfirmed
+    if answered and not newer and (check.coordinator in behind or len(answered) > len(silent)):
         raise NoNewerState(f"no peer holds a verifiable state of round {min_round} or later "
-                           f"({len(behind)} answered with an older one or none)")
+                           f"({len(behind)} answered with an older one or none"
+                           + (f", {len(unconfirmed)} with one past the coordinator's record that no other peer "
+                              "confirms" if unconfirmed else "") + ")")
     raise PeerUnavailable("no peer served a verifiable state"
                           + (f" ({len(silent)} did not answer, {len(newer)} had a newer one we could not "
                              f"take, {len(behind)} had nothing newer)" if behind else ""))

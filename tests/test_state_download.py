@@ -142,6 +142,41 @@ def test_peers_that_answer_with_nothing_as_recent_tell_a_sync_apart_from_an_unre
         sync(["silent1", "silent2", participant.coordinator_id])
 
 
+def test_a_state_refused_only_as_unconfirmed_past_the_coordinator_is_no_reason_to_give_up_ours(participant,
+                                                                                                 monkeypatch):
+    # Found by a review: the coordinator relaunched from an older checkpoint (round 203) while the
+    # volunteers had gone on to 217; restarting, one carried on from its checkpoint, and the others
+    # refused its state (no other peer confirms it, past the coordinator's record), counted that as
+    # "a newer one we could not take", and quit: the run stalled with one volunteer.
+    from groundswell.peer import state_download, state_trust
+    from groundswell.protocol.transport import PeerUnavailable
+
+    async def fake_fetch(node, peer, min_round, size, timeout_s, reply_timeout_s):
+        if peer == "ahead":
+            return StateReply(217, "h", b"signed", 8), bytearray(8), "d", "direct"
+        return StateReply(-1, "", b"", 0), bytearray(), "", "stream"  # the coordinator, behind
+
+    async def verify(reply, blob, digest, server, records):
+        raise ProtocolError("state of round 217, which no other peer confirms, is past the coordinator's record "
+                            "(203)", reason="unconfirmed", strike=False)
+
+    monkeypatch.setattr(state_download, "fetch_state", fake_fetch)
+    node = SimpleNamespace(cached_records={}, guard=SimpleNamespace(count=lambda *a, **k: None),
+                           refresh_records=lambda: None)
+    check = participant.state_check()
+    object.__setattr__(check, "verify", verify)  # (a frozen dataclass: its check stood in for)
+    with pytest.raises(state_trust.NoNewerState, match="1 with one past the coordinator's record"):
+        asyncio.run(state_download.download_state(node, check, ["ahead", participant.coordinator_id], 217))
+
+    async def forged(reply, blob, digest, server, records):  # any other refusal still counts as newer
+        raise ProtocolError("state failed its hash check")
+
+    object.__setattr__(check, "verify", forged)
+    with pytest.raises(PeerUnavailable) as err:
+        asyncio.run(state_download.download_state(node, check, ["ahead", participant.coordinator_id], 217))
+    assert not isinstance(err.value, state_trust.NoNewerState)
+
+
 def test_a_busy_server_is_asked_again_later_and_never_counts_as_having_nothing_newer(participant, monkeypatch):
     """A server whose upload slots are taken answers `busy`: a joiner asks the others, then it
     again, a little later each time, a bounded number of times; "busy" is not "nothing newer"."""
