@@ -6,6 +6,7 @@ from __future__ import annotations
 import logging
 import statistics
 import time
+from collections import deque
 from collections.abc import Callable
 
 from groundswell.protocol.client import RoundBehind
@@ -64,6 +65,35 @@ def run_coordinator(p: Participant, *, stop: StopFlag, on_round: Callable[[Round
         p.save_checkpoint()
 
 
+SENT_WINDOW_ROUNDS = 8  # the per-round bytes figure spans this many rounds (records lag a heartbeat)
+
+
+class SentPerRound:
+    """The volunteers' bytes sent per round, from the cumulative counts their records publish:
+    over the last SENT_WINDOW_ROUNDS rounds, not the last one alone (records are republished
+    every heartbeat, so one round's difference aliased: 0.2 kB one round, 139 kB another, for a
+    steady 25-48 kB, a review found); the median over peers (each count is a peer's own word)."""
+
+    def __init__(self) -> None:
+        self._seen: deque[tuple[int, dict[str, int]]] = deque(maxlen=SENT_WINDOW_ROUNDS + 1)
+
+    @property
+    def latest(self) -> dict[str, int]:
+        """The counts read last (peer -> bytes)."""
+        return self._seen[-1][1] if self._seen else {}
+
+    def update(self, round_after: int, sent: dict[str, int]) -> int:
+        """Take the counts read once round `round_after - 1` was applied; the figure (0: none yet)."""
+        per_peer: list[float] = []
+        if self._seen:
+            start, then = self._seen[0]
+            rounds = max(1, round_after - start)
+            # (a restarted peer's count starts again from 0: left out until the window has passed it)
+            per_peer = [(b - then[pid]) / rounds for pid, b in sent.items() if pid in then and b >= then[pid]]
+        self._seen.append((round_after, sent))
+        return int(statistics.median(per_peer)) if per_peer else 0
+
+
 def _follow_rounds(p: Participant, stop: StopFlag, on_round: Callable[[RoundInfo], None], checkpoint_every: int,
                    saved: int) -> None:
     """The coordinator's rounds: take part in each attempt (it serves, never trains), apply every
@@ -71,15 +101,12 @@ def _follow_rounds(p: Participant, stop: StopFlag, on_round: Callable[[RoundInfo
     m = p.manifest
     client = p.node.client
     assert client is not None
-    last_sent: dict[str, int] = {}  # volunteers' cumulative bytes, for the per-round figure ...
-    sent_round = p.outer.round_id  # ... as of the start of this round
+    traffic = SentPerRound()  # the volunteers' bytes per round, from their records
     t0 = time.perf_counter()  # when the round in progress began: its retries count in its time
     while not stop:
         r = p.outer.round_id
         if r // checkpoint_every > saved // checkpoint_every and p.save_checkpoint() is not None:
             saved = r  # also after rounds we caught up on; a failed save is tried again next time
-        if r != sent_round and not last_sent:
-            sent_round = r  # nothing counted yet: count from here
         try:
             p.node.call(client.run_attempt(r, None, None, trains=False, serves=True),
                         timeout_s=2 * m.round.deadline_s + 6 * m.round.slack_s + 60)
@@ -128,21 +155,13 @@ def _follow_rounds(p: Participant, stop: StopFlag, on_round: Callable[[RoundInfo
         except (PeerUnavailable, TimeoutError) as exc:  # a DHT hiccup: no figure this round (not a stale one)
             log.info("peer records: %s", exc)
             records = None
-        sent = {pid: rec.bytes_sent for pid, rec in (records or {}).items() if rec.role != "coordinator"}
-        deltas: list[float] = []
-        if records is not None:
-            # per round: since our last view, which may be several rounds back (we caught up meanwhile)
-            rounds = max(1, r + 1 - sent_round)
-            deltas = [(b - last_sent[pid]) / rounds for pid, b in sent.items()
-                      if pid in last_sent and b >= last_sent[pid]]
-            last_sent, sent_round = sent, r + 1
+        per_round = traffic.update(r + 1, {pid: rec.bytes_sent for pid, rec in records.items()
+                                           if rec.role != "coordinator"}) if records is not None else 0
         info = RoundInfo(r, "applied", False, len(d.contributors), eval_loss=loss, round_s=time.perf_counter() - t0,
                          params_hash=p.outer_hash(),
                          # (this round's contributors were online too: a restarted one's record may lag)
-                         peers_online=len(set(sent if records is not None else last_sent)
-                                          | set(d.contributors) - {p.identity.peer_id}),
-                         # the median: each figure is a peer's own word, and one can be any number
-                         bytes_sent=int(statistics.median(deltas)) if deltas else 0)
+                         peers_online=len(set(traffic.latest) | set(d.contributors) - {p.identity.peer_id}),
+                         bytes_sent=per_round)
         t0 = time.perf_counter()
         if loss == loss:
             p.node.update_record(loss=loss, loss_round=r)

@@ -145,3 +145,19 @@ def test_a_restarted_volunteer_is_not_told_its_work_was_left_out_when_its_previo
     assert in_aggregate(SimpleNamespace(included=True, superseded=False)) == "in aggregate"
     assert in_aggregate(SimpleNamespace(included=False, superseded=True)) == "earlier work of ours in aggregate"
     assert in_aggregate(SimpleNamespace(included=False, superseded=False)) == "NOT in aggregate"
+
+
+def test_the_bytes_per_round_figure_spans_rounds_so_lagging_records_do_not_alias_it():
+    # Found by a review: records are republished every heartbeat, so one round's difference of a
+    # volunteer's cumulative count swung from 0.2 kB to 139 kB for a steady 25-48 kB per round.
+    from groundswell.peer.coordinator_role import SENT_WINDOW_ROUNDS, SentPerRound
+
+    traffic = SentPerRound()
+    figures = []
+    for r in range(1, 30):
+        lag = 29_000 if r % 2 else 0  # a record a heartbeat old every other round
+        figures.append(traffic.update(r, {"a": 30_000 * r - lag, "b": 30_000 * r - lag}))
+    assert figures[0] == 0  # nothing to compare with yet
+    assert all(abs(f - 30_000) < 29_000 / SENT_WINDOW_ROUNDS + 1 for f in figures[SENT_WINDOW_ROUNDS:])
+    restarted = traffic.update(30, {"a": 30_000 * 30, "b": 5_000})  # b restarted: its count began again
+    assert abs(restarted - 30_000) < 29_000 / SENT_WINDOW_ROUNDS + 1 and set(traffic.latest) == {"a", "b"}
