@@ -97,7 +97,7 @@ def test_a_contribution_whose_record_was_not_written_notes_no_outcome(tmp_path, 
     # is never sent, but its outcome overwrote the one the record on disk (the one before) relies on.
     import json
 
-    import groundswell.peer.work_file as work_file
+    from groundswell.peer import work_file
 
     journal = WorkJournal(tmp_path, enabled=True)
     first = journal.start()
