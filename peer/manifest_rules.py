@@ -10,7 +10,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
-from groundswell.protocol.leading import max_members
+from groundswell.protocol.shards import max_members
 
 from .config import ConfigError
 

@@ -18,7 +18,7 @@ from groundswell.compression import Payload, RobustStats, contribution_sq_norm, 
 from .context import contribution_digest, validate_segments
 from .envelope import seal, unseal
 from .have_reports import HaveReporter
-from .plan import attempt_for
+from .plan import attempt_for, slot_width
 from .schema import (
     Ack,
     AggregateRequest,
@@ -33,6 +33,7 @@ from .shards import (
     DENSE_MEAN_CODECS,
     REPORTING_CANDIDATES,
     decision_digests,
+    max_members,
     ships_contributions,
 )
 from .transport import Presealed
@@ -48,6 +49,7 @@ SEALED_BY_ANOTHER = "this attempt is already sealed under another leader's decis
 LATER_ATTEMPT_CLAIMED = "a later attempt of this round was claimed here"
 COMMITTED_OTHERWISE = "the round is already committed otherwise"
 ALREADY_COMMITTED = "the round is already committed"
+BEGAN_BEFORE_START = "this attempt began before this peer (re)started"
 FENCED_OFF = (LATER_ATTEMPT_CLAIMED, COMMITTED_OTHERWISE)  # confirm refusals that make a leader stand back
 # Seal refusals that make a leader stand back. ALREADY_COMMITTED too (found by a review): a leader
 # that passed its claim while another decided the attempt took it for one source failing, and
@@ -67,6 +69,7 @@ class Aggregator(HaveReporter):
     aggregates: Any
     _archived: Any
     later_claims: Any  # round -> newest attempt whose claim this peer let pass (see Claims)
+    started_at: float  # wall-clock time this server was made (see `_seal_refusal`)
 
     def _check_open(self, round_id: int, attempt: int) -> None:
         """Refuse (without holding anything) a round or attempt no honest peer could be at yet:
@@ -100,7 +103,8 @@ class Aggregator(HaveReporter):
         slot = self.attempts[(msg.round, msg.attempt)]
         membership = self.book.membership(msg.round)
         trainers = frozenset(membership.trainers) if membership else frozenset()
-        room = max(MIN_ROOM, 4 * len(trainers))
+        # (and no more than a commit can name: the round's members, `max_members`)
+        room = max(MIN_ROOM, min(4 * len(trainers), max_members(self.ctx.max_shards) - len(trainers)))
 
         def full() -> bool:
             """Many fresh identities must not fill our memory: a shard holds a bounded number of
@@ -189,6 +193,8 @@ class Aggregator(HaveReporter):
         self._check_open(decision.round, decision.attempt)
         plan = await self.plan(decision.round, decision.attempt, self.ctx.slack_s, ask=sender)
         if plan is None or sender not in plan.leaders:
+            if plan is not None:  # (we can tell: counted, as any refused message is)
+                self.transport.guard.count(sender, "seal", "not-leader", strike=False)
             return Ack(False, "sender does not lead this attempt")
         slot = self.attempts[(decision.round, decision.attempt)]
         if decision.status == "retry":
@@ -243,6 +249,14 @@ class Aggregator(HaveReporter):
         committed = self.book.committed.get(decision.round)
         if committed is not None and committed[0] != signed:
             return Ack(False, ALREADY_COMMITTED)
+        opened = self.book.opened_at(decision.round)
+        if opened is None or opened + decision.attempt * slot_width(self.ctx.deadline_s, self.ctx.slack_s) < self.started_at:
+            # A restarted peer has forgotten the fences later claims put on this attempt here and
+            # any seal it gave of it (both in memory): sealed now, a leader that a later attempt's
+            # claimer fenced off, or a second leader of the attempt, could commit the round too.
+            # A first process never serves such an attempt: the plan that names it was made from
+            # a commit that came after its join. (Its leader takes the shard's next candidate.)
+            return Ack(False, BEGAN_BEFORE_START)
         if decision.leader in slot.voided_by:  # (checked after a build too: nothing runs between that and the seal)
             # Its retry overtook this seal (sent before it, answered late): the commit was taken
             # back, and its contributors were told "retry"; sealed now, a later leader could adopt

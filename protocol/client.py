@@ -182,6 +182,8 @@ class RoundClient(AggregateFetcher):
             await asyncio.gather(*joins, return_exceptions=True)
         if decision is not None and decision.status == "retry":
             self.retried[round_id] = max(attempt, self.retried.get(round_id, -1))
+            for old in [r for r in self.retried if r < round_id - 2]:  # (also here: the coordinator sends
+                del self.retried[old]  # no segments, and its table grew by each retried round, a review found)
         included = await self.counts_ours(decision, segments)
         return AttemptResult(decision, signed, attempt, delivered, included)
 
@@ -394,6 +396,8 @@ class RoundClient(AggregateFetcher):
             return reply.decision
         except (PeerUnavailable, ProtocolError) as exc:
             log.info("decision of round %d from %s: %s", round_id, peer[-8:], exc)
+            if isinstance(exc, ProtocolError) and peer != self.me:  # a bad answer: counted, as `_learn_previous` does
+                self.transport.guard.count(peer, "decision-reply", exc.reason, strike=exc.strike)
             if strict:
                 raise
             return b""

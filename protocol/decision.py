@@ -14,7 +14,7 @@ from .aggregator import CONTESTED, FENCED_OFF
 from .envelope import seal, unseal
 from .plan import RoundPlan, close_time
 from .schema import Ack, Decision, ProtocolError, Seal
-from .shards import REPORTING_CANDIDATES
+from .shards import REPORTING_CANDIDATES, first_members, max_members
 from .transport import PeerUnavailable, ShardsUnavailable
 
 if TYPE_CHECKING:
@@ -60,6 +60,7 @@ class Decider:
         gather_s = self.ctx.deadline_s + 2 * self.ctx.slack_s
         budget_end = float("inf")
         sealers: set[str] = set()  # the peers that sealed our latest commit (asked to confirm it)
+        cap = max_members(self.ctx.max_shards)
         for _ in range(4):  # a source that will not seal is replaced by a replica holding the same shard
             if self.book.decided(plan.round):
                 # A later attempt's leader adopted a commit of ours (or decided otherwise), and we
@@ -72,7 +73,10 @@ class Decider:
                 contributors = []
                 break
             sources, complete = self._sources(plan, slot, frozenset(failed))
-            contributors = sorted(complete - dropped)
+            # At most a round's members (the commit must stay a control message): the plan's
+            # trainers first; newcomers left out are told so, and keep their work.
+            kept = complete - dropped
+            contributors = first_members(kept & set(plan.trainers), kept, cap)
             if len(contributors) < self.ctx.min_peers:
                 break
             if not screened:  # before anything is signed: a dropped contribution is never in any commit
@@ -99,12 +103,12 @@ class Decider:
                     contributors = [c for c in contributors if c not in unscored]
                     if len(contributors) < self.ctx.min_peers:
                         break
-            trainers = sorted(set(contributors) | {p for p, (t, _) in joins.items() if t})
+            trainers = first_members(set(contributors), {p for p, (t, _) in joins.items() if t}, cap)
             # Servers of the next round: those that joined as such, and every aggregator that
             # reported in this attempt (it serves, and is alive), so a leader that lost its join
             # records (a restart) does not shrink the next round to itself.
             reporters = {a for held in slot.have.values() for a in held}
-            servers = sorted({p for p, (_, s) in joins.items() if s} | reporters | {self.identity.peer_id})
+            servers = first_members(reporters | {self.identity.peer_id}, {p for p, (_, s) in joins.items() if s}, cap)
             pinned = self._digests(slot, sources, contributors)
             decision = Decision(plan.round, plan.attempt, "commit", contributors, trainers, servers,
                                 self.identity.peer_id, sources, plan.num_shards, time.time(), pinned)

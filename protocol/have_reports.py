@@ -15,7 +15,8 @@ import time
 from typing import Any
 
 from .plan import close_time
-from .schema import Ack, HaveReport, ProtocolError
+from .schema import MAX_LIST, Ack, HaveReport, ProtocolError
+from .shards import first_members
 from .transport import PeerUnavailable
 
 log = logging.getLogger(__name__)
@@ -127,6 +128,8 @@ class HaveReporter:
                 continue
             first, stop = plan.shard_segments[shard]
             ids = sorted(s for s, (f, segs, _, _) in held.items() if f == first and f + len(segs) == stop)
+            if len(ids) > MAX_LIST:  # (a report must stay a valid message: the plan's trainers first)
+                ids = first_members(set(ids) & set(plan.trainers), set(ids), MAX_LIST)
             reports.append(HaveReport(round_id, attempt, shard, ids, [held[c][3] for c in ids],
                                       sorted(slot.refused)[:64]))
 

@@ -18,24 +18,21 @@ from .envelope import unseal
 from .have_reports import BEHIND
 from .plan import RoundPlan, close_time
 from .schema import Ack, Decision, DecisionReply, DecisionRequest, HaveReport, Join, ProtocolError
-from .shards import REPORTING_CANDIDATES
+from .shards import REPORTING_CANDIDATES, max_members
 from .tasks import gather_owned
-from .transport import PeerGone, PeerUnavailable
+from .transport import PeerDead, PeerGone, PeerUnavailable
 
 if TYPE_CHECKING:
     from .server import _Attempt
 
 log = logging.getLogger(__name__)
 CATCH_UP_S = 0.5  # the most a leader waits for a shard's primary to catch up with its replica
-MAX_JOINS = 2048  # members one round may have (Decision lists hold at most 4096), with up to 16 shards
 MISSED_ATTEMPTS = 16  # attempts whose refused reports a leader remembers (the nearest rounds are kept)
 MISSED_PER_ATTEMPT = 256  # (aggregator, shard) pairs remembered per attempt
-
-
-def max_members(max_shards: int) -> int:
-    """Members one round may have: its commit pins a digest per contributor and shard, and must
-    stay a control message (1 MiB): 2048 with up to 16 shards, fewer with more."""
-    return MAX_JOINS * 16 // max(16, max_shards)
+# A leader probes the trainers it still waits for once enough others are in, if that many or fewer,
+# every slack; one that could not be reached at all this many times in a row is not waited for.
+PROBED_TRAINERS = 16
+DEAD_PROBES = 2
 
 
 class Leading:
@@ -147,6 +144,7 @@ class Leading:
         joins = self.joins[plan.round]
         expected = set(plan.trainers) | {p for p, (trains, _) in joins.items() if trains}
         expected -= {p for p, (trains, _) in joins.items() if not trains}  # it left, or will not train this round
+        expected -= slot.gone  # its process died (`_drop_dead_trainers`)
         return expected - slot.refused_reported  # an invalid contribution will not become valid: not waited for
 
     async def _on_join(self, sender: str, msg: Join) -> Ack:
@@ -237,7 +235,10 @@ class Leading:
             ahead_gone = rank > 0 and ahead == 0
             if last and not ahead_gone:
                 ahead = rank  # our turn comes after every fellow's, not after the live ones' only
-            await asyncio.sleep(max(0.0, close_at + ahead * self.ctx.slack_s - time.monotonic()))
+            if not (closed_early and ahead_gone):
+                await asyncio.sleep(max(0.0, close_at + ahead * self.ctx.slack_s - time.monotonic()))
+            # (else every trainer is in and every leader ahead of us is gone: nobody else decides
+            # before the close, so we do now; a stopped coordinator cost each round its deadline)
             if slot.decision is not None or self.book.decided(round_id):
                 return
             # Ask who may have decided: the leaders ahead of us that are not gone, and those behind
@@ -269,7 +270,43 @@ class Leading:
 
     async def _await_close(self, plan: RoundPlan, slot: _Attempt, close_at: float) -> bool:
         """Wait until every expected trainer is complete (and they are enough to commit: True), or
-        the close (False)."""
+        the close (False). Trainers whose process died meanwhile are not waited for."""
+        async with asyncio.TaskGroup() as tg:
+            prober = tg.create_task(self._drop_dead_trainers(plan, slot, close_at))
+            try:
+                return await self._await_complete(plan, slot, close_at)
+            finally:
+                prober.cancel()
+
+    async def _drop_dead_trainers(self, plan: RoundPlan, slot: _Attempt, close_at: float) -> None:
+        """Once enough trainers are complete, probe those still waited for that no aggregator holds
+        anything of, every slack; one that no stream could be opened to `DEAD_PROBES` times in a
+        row (its process and daemon are gone: a killed volunteer) is dropped from the expected.
+
+        Without this a volunteer killed while training held every round it was in to its close
+        (and a coordinator, a leader that trains nothing, to the same through its stand-ins). A
+        slow, frozen or flood-limited one still answers or times out, and is waited for; one that
+        merely failed to be dialled twice loses its place in this attempt only (it is told, and
+        keeps its work, as any contributor left out)."""
+        misses: dict[str, int] = {}
+        while time.monotonic() + self.ctx.slack_s < close_at:
+            await asyncio.sleep(self.ctx.slack_s)
+            _, complete = self._sources(plan, slot)
+            waiting = self._expected(plan, slot) - complete
+            if len(complete) < self.ctx.min_peers or not waiting or len(waiting) > PROBED_TRAINERS:
+                continue
+            started = {who for held in slot.have.values() for got in held.values() for who in got}
+            silent = sorted(waiting - started - {self.identity.peer_id})  # (we cannot dial ourselves)
+            answers = await gather_owned(self._probe(p, plan, self.ctx.slack_s) for p in silent)
+            for peer, answer in zip(silent, answers, strict=True):
+                misses[peer] = misses.get(peer, 0) + 1 if isinstance(answer, PeerDead) else 0
+                if misses[peer] >= DEAD_PROBES and peer not in slot.gone:
+                    log.info("round %d attempt %d: trainer %s cannot be reached (gone): not waited for",
+                             plan.round, plan.attempt, peer[-8:])
+                    slot.gone.add(peer)
+                    slot.poke()
+
+    async def _await_complete(self, plan: RoundPlan, slot: _Attempt, close_at: float) -> bool:
         while time.monotonic() < close_at:
             expected = self._expected(plan, slot)
             _, complete = self._sources(plan, slot)

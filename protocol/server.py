@@ -101,6 +101,7 @@ class _Attempt:
     # shard -> aggregator -> contributor -> digest of the contribution it holds
     have: dict[int, dict[str, dict[str, bytes]]] = field(default_factory=lambda: defaultdict(dict))
     first_report: float | None = None
+    gone: set[str] = field(default_factory=set)  # as a leader: expected trainers found dead, not waited for
     decision: bytes | None = None  # signed decision of this attempt (as leader, or learned)
     sealed: bytes | None = None  # the commit this peer sealed as an aggregator
     confirmed: bytes | None = None  # ... the one its leader confirmed before announcing it: final for later claimers
@@ -149,6 +150,9 @@ class RoundServer(Aggregator, Leading, Claims, Decider):
         self._sealed_shared: weakref.WeakValueDictionary[tuple[int, int], Presealed] = weakref.WeakValueDictionary()
         self._sealing = asyncio.Lock()
         self.later_claims: dict[int, int] = {}  # round -> newest attempt whose claim we let pass (a fence)
+        # Fences and seals live in memory: a restarted process has forgotten those its previous
+        # one held, so it seals nothing of an attempt that began before it (`_seal_refusal`).
+        self.started_at = time.time()
         self.unobtainable: dict[bytes, tuple[int, bool]] = {}  # earlier attempts' commits a claim of ours could not gather
         self._learning: set[int] = set()  # rounds whose commit we are asking a peer for (`_learn_previous`)
         self._archived = asyncio.Event()
@@ -176,7 +180,10 @@ class RoundServer(Aggregator, Leading, Claims, Decider):
         await t.serve("have", HaveReport, self._on_have)
         await t.serve("join", Join, self._on_join)
         await t.serve("get-decision", DecisionRequest, self._on_get_decision)
-        await t.serve("seal", Seal, self._on_seal)
+        # Only a peer that may lead attempts can seal: a stranger's seal in a closed run is refused
+        # before its body (up to a megabyte of commit to decode) is read.
+        await t.serve("seal", Seal, self._on_seal,
+                      admit=lambda remote: None if self.ctx.may_serve(remote) else "unauthorized")
         await t.serve("claim", Claim, self._on_claim)
         await t.serve("get-aggregate", AggregateRequest, self._on_get_aggregate)
         await t.serve("get-contributions", ContributionsRequest, self._on_get_contributions)

@@ -10,6 +10,21 @@ from .schema import Decision
 
 DENSE_MEAN_CODECS = ("fp32", "fp16", "bf16", "int8")  # the aggregate is the re-encoded mean
 REPORTING_CANDIDATES = 4  # a shard and its replicas go to the first of its candidates that take them
+MAX_JOINS = 2048  # members one round may have (Decision lists hold at most 4096), with up to 16 shards
+
+
+def max_members(max_shards: int) -> int:
+    """Members one round may have: its commit pins a digest per contributor and shard, and must
+    stay a control message (1 MiB): 2048 with up to 16 shards, fewer with more."""
+    return MAX_JOINS * 16 // max(16, max_shards)
+
+
+def first_members(preferred: set[str], others: set[str], cap: int) -> list[str]:
+    """At most `cap` peers, in id order: those of `preferred` first (as many as fit, lowest ids
+    first), then `others`. A commit's lists must stay within `max_members`: the previous commit's
+    trainers are expected without joining, so they and the round's joiners could be twice that."""
+    chosen = sorted(preferred)[:cap]
+    return sorted(chosen + sorted(others - preferred)[:cap - len(chosen)])
 
 
 def decision_digests(decision: Decision, shard: int) -> list[bytes]:

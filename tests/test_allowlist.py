@@ -91,3 +91,25 @@ def test_state_is_only_for_listed_peers_unless_the_manifest_opens_it(closed_run,
         reply, blob = _ask_with_trailer(run, "get-state", who, StateRequest(-1), StateReply)
         assert reply.round == 0 and reply.size == len(blob) > 0
         assert blake3(blob).hexdigest() == reply.digest  # the reply vouches for the blob by its BLAKE3 digest
+
+
+def test_a_strangers_seal_is_refused_unread_in_a_closed_run_and_counted_in_an_open_one(closed_run):
+    # Found by a review: any identity could make a peer decode a megabyte of commit per `seal`
+    # request, unrefused and uncounted, before it asked whether the sender leads anything.
+    import os
+
+    from groundswell.protocol.schema import Decision, Seal
+
+    stranger = Identity.generate()
+    commit = Decision(0, 0, "commit", [], [], [], stranger.peer_id, [], 16, 1.0, [os.urandom(16) for _ in range(5000)])
+    request = frame(seal(stranger, RUN, Seal(seal(stranger, RUN, commit))))
+    assert closed_run.feed("seal", stranger.peer_id, request) == b""  # closed unanswered, its body unread
+    assert closed_run.node.guard.rejected["unauthorized:seal"] == 1
+    gen = make_target()
+    open_run = next(gen)
+    try:
+        out = open_run.feed("seal", stranger.peer_id, request)
+        assert not unseal(out[8:], RUN, Ack)[1].ok
+        assert open_run.node.guard.rejected["not-leader:seal"] == 1
+    finally:
+        next(gen, None)

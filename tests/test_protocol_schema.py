@@ -331,8 +331,8 @@ def test_a_commit_of_a_full_round_fits_a_control_message(max_shards):
     # server, a digest per contributor and shard) stays within MAX_SMALL, envelope included.
     from groundswell.protocol.envelope import seal, unseal
     from groundswell.protocol.identity import Identity
-    from groundswell.protocol.leading import max_members
     from groundswell.protocol.schema import MAX_SMALL, Decision
+    from groundswell.protocol.shards import max_members
 
     leader = Identity.generate()
     members = sorted(Identity.generate().peer_id for _ in range(max_members(max_shards)))

@@ -274,7 +274,7 @@ def _stub_leader(deadline_s, slack_s, trainers, servers):
 
         def __init__(self):
             self.ctx = types.SimpleNamespace(deadline_s=deadline_s, slack_s=slack_s, min_peers=2, run_id="r",
-                                             max_payload_bytes=1000)
+                                             max_payload_bytes=1000, max_shards=16)
             self.identity = Identity.generate()
             members = types.SimpleNamespace(trainers=list(trainers), servers=list(servers))
             self.book = types.SimpleNamespace(decided=lambda r: False, opened_at=lambda r: 0.0,

@@ -32,8 +32,10 @@ def _server(codec_name: str, tg: asyncio.TaskGroup):
                      RobustOptions(), Limits())
     book = DecisionBook(RUN)
     servers, trainers = sorted([me.peer_id, l1.peer_id, h.peer_id]), sorted([c1.peer_id, c2.peer_id])
-    book.add(seal(me, RUN, Decision(-1, 0, "commit", [], trainers, servers, me.peer_id, [], 0, time.time())))
+    # (made before the round opens, as a peer's server is: a restarted one seals nothing of an attempt
+    # that began before it, see test_restarted_aggregator)
     server = RoundServer(ctx, Transport(FakeP2P(), me, RUN, Guard(ctx.limits)), book, me, tg)
+    book.add(seal(me, RUN, Decision(-1, 0, "commit", [], trainers, servers, me.peer_id, [], 0, time.time())))
     return server, me, l1, h, (c1, c2), servers, trainers, numels
 
 

@@ -1,0 +1,128 @@
+"""A round's commit names at most `max_members` peers in each list, however many contribute, so
+that it stays a control message every peer takes (found by a review of the wire boundary): the
+previous commit's trainers are expected without joining, and with as many fresh joiners the
+leader built a 1.7 MB commit that every peer refused, retry included, for as long as they came."""
+
+from __future__ import annotations
+
+import asyncio
+import sys
+import time
+import types
+from pathlib import Path
+
+import torch
+from groundswell.compression import RobustOptions, make_codec
+from groundswell.peer.run_state import RunContext
+from groundswell.protocol.context import DecisionBook
+from groundswell.protocol.envelope import seal, unseal
+from groundswell.protocol.guard import Guard, Limits
+from groundswell.protocol.identity import Identity
+from groundswell.protocol.plan import make_plan
+from groundswell.protocol.schema import (
+    MAX_LIST,
+    MAX_SMALL,
+    Ack,
+    Decision,
+    HaveReport,
+    ProtocolError,
+    ShardContribution,
+)
+from groundswell.protocol.server import RoundServer
+from groundswell.protocol.shards import first_members, max_members
+from groundswell.protocol.transport import Transport
+
+sys.path.insert(0, str(Path(__file__).parent))
+from inproc_harness import FakeP2P
+from test_scoring import _stub_leader
+
+SHARDS = 16
+
+
+def _ids(n: int) -> list[str]:
+    return sorted(Identity.generate().peer_id for _ in range(n))
+
+
+def test_first_members_prefers_the_preferred_and_caps():
+    assert first_members({"c", "a"}, {"b", "d", "a"}, 3) == ["a", "b", "c"]
+    assert first_members({"c", "a", "e"}, {"b"}, 2) == ["a", "c"]
+    assert first_members(set(), {"b", "a"}, 5) == ["a", "b"]
+
+
+def test_a_commit_names_at_most_a_rounds_members_however_many_contributed():
+    cap = max_members(SHARDS)
+    old, new, servers = _ids(cap), _ids(cap), _ids(SHARDS)
+    plan = make_plan("r", 1, 0, servers, old, SHARDS, SHARDS)
+
+    class Leader(_stub_leader(30.0, 1.0, trainers=old, servers=servers)):
+        signed = b""
+
+        async def _seal_all(self, signed, peers, groups=None, **kw):
+            return set(), False
+
+        async def _witnesses(self, *a):
+            return {servers[0]}, set(), False
+
+        async def _unheld_shards(self, *a):
+            return set()
+
+        async def _learn(self, plan, signed):
+            self.signed = signed
+
+    leader = Leader()
+    leader.joins = {1: {p: (True, True) for p in new}}  # as many newcomers as members, all complete
+    digest = b"D" * 16
+    slot = types.SimpleNamespace(have={s: {plan.candidates(s)[0]: {p: digest for p in old + new}}
+                                       for s in range(plan.num_shards)})
+    asyncio.run(leader._decide(plan, slot))
+    assert leader.signed, "no commit"
+    assert len(leader.signed) <= MAX_SMALL - 4096, len(leader.signed)
+    d = unseal(leader.signed, "r", Decision)[1]  # every peer takes it
+    assert d.status == "commit" and d.contributors == old  # the round's own trainers first
+    assert len(d.trainers) <= cap and len(d.servers) <= cap and set(d.trainers) == set(old)
+
+
+def test_an_aggregator_holds_no_more_than_a_commit_can_name_and_reports_a_valid_message():
+    max_shards = 256
+    cap = max_members(max_shards)  # 128
+
+    async def main() -> None:
+        me = Identity.generate()
+        trainers = _ids(cap - 100)
+        ctx = RunContext("r", 2, 60.0, 5.0, max_shards, (4096,) * 4, make_codec("fp32"), 1 << 24, None,
+                         RobustOptions(), Limits(requests_per_s=1e9, strikes=10**9))
+        async with asyncio.TaskGroup() as tg:
+            server = RoundServer(ctx, Transport(FakeP2P(), me, "r", Guard(ctx.limits)), DecisionBook("r"), me, tg)
+            server.book.add(seal(me, "r", Decision(0, 0, "commit", [], trainers, [me.peer_id], me.peer_id, [], 0,
+                                                   time.time(), [])))
+            server._report = lambda *a: None  # (no leader to tell here)
+            server.attempts[(1, 0)].refresh = True  # (nor a refresh of reports to wait for)
+            plan = await server.plan(1, 0, 0)
+            first, stop = plan.shard_segments[0]
+            segs = [ctx.codec.encode(torch.zeros(4096)).to_bytes() for _ in range(first, stop)]
+            taken, full = 0, 0
+            for _ in range(300):  # newcomers: room for the 100 members a commit can still name, not 4 x 28
+                ident = Identity.generate()
+                msg = ShardContribution(1, 0, 0, first, segs)
+                try:
+                    taken += (await server._on_contribute(ident.peer_id, msg, seal(ident, "r", msg))).ok
+                except ProtocolError as exc:
+                    assert exc.reason == "slot-full"
+                    full += 1
+            assert (taken, full) == (100, 200)
+            # However it came to hold more (a commit naming 4,096 trainers, say), a report stays valid
+            held = server.attempts[(1, 0)].contributions[0]
+            for who in _ids(MAX_LIST + 100):
+                held[who] = (first, segs, b"", b"D" * 16)
+            reports: list[HaveReport] = []
+
+            async def told(leader, report):
+                reports.append(report)
+                return Ack(True, "")
+
+            server._on_have = told
+            await server._send_have(1, 0, plan, me.peer_id, True)
+            assert len(reports) == 1 and len(reports[0].contributors) == MAX_LIST
+            assert set(trainers) & set(held) <= set(reports[0].contributors)  # the round's own first
+
+    asyncio.run(main())
