@@ -73,7 +73,8 @@ class PunchScheduler:
     async def start_due(self, attempts: asyncio.TaskGroup) -> None:
         """Start, in `attempts`, a punch to each pair that is due and not being tried already."""
         known = set(self.direct)  # an attempt may add a peer while we wait for the list: not dropped
-        paths = connection_paths(await self.p2p.list_peers())
+        async with asyncio.timeout(holepunch.DIAL_TIMEOUT_S):  # a hung daemon skips this pass, not every later one
+            paths = connection_paths(await self.p2p.list_peers())
         self.direct -= {p for p in known if paths.get(p) != "direct"}
         records = self.records()
         for book in (self._fails, self._next):  # forget peers that left

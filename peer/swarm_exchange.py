@@ -106,6 +106,8 @@ class SwarmExchange:
         self.last_signed: bytes = b""
         self._announced: Future | None = None
         self._announced_round = -1
+        self._announce_tail: Future | None = None  # the announcement a contribution left to finish
+        self._announce_tail_round = -1
         self.announce_next = False  # announce round r+1 as soon as round r is decided
         self.prepared = 0  # contributions handed to `contribute` so far
         self._segments: list[bytes] = []  # the contribution in flight, until `collect` has its outcome
@@ -117,12 +119,12 @@ class SwarmExchange:
         """Start this peer's attempt at `round_id` with its segment payloads."""
         if self._future is not None:
             raise RuntimeError("contribute() twice without collect()")
-        # (an announcement still out is left to finish: it also asks the leaders of the round's
-        # next attempts, which this contribution does not reach until they begin)
-        announced, self._announced = self._announced, None
-        if announced is not None and announced.done() and not announced.cancelled() \
-                and announced.exception() is not None:
-            log.warning("announcing our first round failed: %s", announced.exception())
+        # An announcement still out is left to finish (it also asks the leaders of the round's
+        # next attempts, which this contribution does not reach until they begin), kept until
+        # the next contribution, which lets it go (a round later: it is moot by then).
+        self._let_go(self._announce_tail, self._announce_tail_round)
+        self._announce_tail, self._announce_tail_round = self._announced, self._announced_round
+        self._announced = None
         client = self.node.client
         assert client is not None and self.node.transport is not None
         self._sent_before = self.node.transport.bytes_sent
@@ -136,16 +138,17 @@ class SwarmExchange:
         self._round = round_id
 
     async def _attempt(self, round_id: int, segments: list[bytes]
-                       ) -> tuple[AttemptResult, torch.Tensor | PeerUnavailable | None]:
+                       ) -> tuple[AttemptResult, torch.Tensor | PeerUnavailable | None, Future | None]:
         """The attempt and, once it commits, the aggregate too: fetched on the network loop as soon
         as the decision is known, so that with overlap training never waits for it. The next
-        round is announced meanwhile (if `announce_next`)."""
+        round is announced meanwhile (if `announce_next`): its future is returned, not awaited
+        (a next-round leader that never answers held every peer's mean back a slack, a review found)."""
         client = self.node.client
         assert client is not None
         outcome = await client.run_attempt(round_id, None, segments, trains=True, serves=self.serves)
         d = outcome.decision
         if d is None or d.status != "commit" or d.round != round_id:
-            return outcome, None
+            return outcome, None, None
 
         async def fetch() -> torch.Tensor | PeerUnavailable:
             try:
@@ -159,10 +162,14 @@ class SwarmExchange:
             except PeerUnavailable as exc:  # best effort: the next round's leaders simply do not wait for us
                 log.warning("announcing round %d failed: %s", round_id + 1, exc)
 
-        if not self.announce_next:
-            return outcome, await fetch()
-        mean, _ = await gather_owned([fetch(), announce()])
-        return outcome, mean
+        # (started before the fetch; `_outcome` keeps it, on the training thread: the caller's)
+        announcing = self.node.submit(announce()) if self.announce_next else None
+        try:
+            return outcome, await fetch(), announcing
+        except BaseException:  # cancelled (the node went down, a second Ctrl+C): nobody would keep it
+            if announcing is not None:
+                announcing.cancel()
+            raise
 
     def _unsettled(self, round_id: int, included: bool | None, retried: bool = False) -> None:
         if included is False:  # known to be in nothing: its work simply stays ours, nothing to settle
@@ -336,12 +343,17 @@ class SwarmExchange:
         """Let go of the announcement in flight: its failure, if it failed, is logged; one still
         running is cancelled (superseded: a contribution or a newer announcement is on its way)."""
         announced, self._announced = self._announced, None
+        self._let_go(announced, self._announced_round)
+
+    @staticmethod
+    def _let_go(announced: Future | None, round_id: int) -> None:
+        """Cancel an announcement if it still runs, else log its failure, if it failed."""
         if announced is None:
             return
         if not announced.done():
             announced.cancel()
         elif not announced.cancelled() and announced.exception() is not None:
-            log.warning("announcing round %d failed: %s", self._announced_round, announced.exception())
+            log.warning("announcing round %d failed: %s", round_id, announced.exception())
 
     def ready(self) -> bool:
         """Whether the attempt in flight has an outcome (and, on a commit, its aggregate): `collect`
@@ -385,7 +397,10 @@ class SwarmExchange:
         assert ctx is not None and self.node.client is not None and self.node.transport is not None
         limit = 6 * ctx.deadline_s + 6 * ctx.slack_s + 120
         try:  # the attempt, then the aggregate's fetch (each bounded inside)
-            outcome, mean = self._result_unless_down(future, round_id, limit)
+            outcome, mean, announcing = self._result_unless_down(future, round_id, limit)
+            if announcing is not None:
+                self._drop_announce()
+                self._announced, self._announced_round = announcing, round_id + 1
         except RoundBehind as exc:  # raised before anything is sent
             self.last_outcome = (False, False)
             raise NeedResync(str(exc)) from None

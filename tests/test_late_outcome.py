@@ -43,9 +43,9 @@ def _payloads(n: int = 8192):
 
 
 @pytest.mark.parametrize("outcome,raised,included", [
-    ((AttemptResult(None, b"", 0, True, False), None), RoundFailed, None),  # no leader answered
+    ((AttemptResult(None, b"", 0, True, False), None, None), RoundFailed, None),  # no leader answered
     ((AttemptResult(SimpleNamespace(status="commit", round=0, contributors=["me"]), b"s", 0, True, True),
-      PeerUnavailable("no holder")), NeedResync, True),  # committed with us, aggregate out of reach
+      PeerUnavailable("no holder"), None), NeedResync, True),  # committed with us, aggregate out of reach
 ])
 def test_a_round_settled_without_its_outcome_is_remembered(outcome, raised, included):
     ex = SwarmExchange(_Node(outcome))
@@ -67,13 +67,13 @@ def test_a_contribution_a_commit_counted_is_never_forgotten_for_newer_ones_it_di
     the first one) and its aggregate still out of reach. The counted one used to be dropped as the
     oldest after four such tries: its work then stayed ours and went out a second time."""
     commit = SimpleNamespace(status="commit", round=0, contributors=["me"])
-    node = _Node((AttemptResult(commit, b"s", 0, True, True), PeerUnavailable("no holder")))
+    node = _Node((AttemptResult(commit, b"s", 0, True, True), PeerUnavailable("no holder"), None))
     ex = SwarmExchange(node)
     counted = _payloads()
     ex.contribute(0, counted)
     with pytest.raises(NeedResync):
         ex.collect(0)
-    node.outcome = (AttemptResult(commit, b"s", 1, True, False), PeerUnavailable("no holder"))
+    node.outcome = (AttemptResult(commit, b"s", 1, True, False), PeerUnavailable("no holder"), None)
     for _ in range(6):
         ex.contribute(0, _payloads())
         with pytest.raises(NeedResync):
@@ -96,7 +96,7 @@ def test_a_retried_contribution_stays_open_until_its_round_commits():
     from groundswell.protocol.claims import EARLIER_ATTEMPTS_CLAIMED
 
     retry = SimpleNamespace(status="retry", round=0, contributors=[])
-    ex = SwarmExchange(_Node((AttemptResult(retry, b"", 0, True, False), None)))
+    ex = SwarmExchange(_Node((AttemptResult(retry, b"", 0, True, False), None, None)))
     sent = []
     tries = EARLIER_ATTEMPTS_CLAIMED + 2
     for _ in range(tries):

@@ -58,3 +58,33 @@ def test_proven_peers_are_punched_to_first_and_sybil_records_get_two_slots_in_ra
             honest_at = n
             break
     assert honest_at is not None  # the others are tried in random order: the honest one's turn comes
+
+
+def test_a_hung_daemon_skips_a_pass_and_does_not_stop_the_scheduler(monkeypatch):
+    # `list_peers` had no bound here (it has one everywhere else): a daemon that never answered
+    # it stopped every later pass for good (found by a review)
+    from groundswell.peer import holepunch
+
+    monkeypatch.setattr(holepunch, "DIAL_TIMEOUT_S", 0.2)
+
+    class _Hung:
+        calls = 0
+
+        async def list_peers(self) -> list:
+            _Hung.calls += 1
+            if _Hung.calls == 1:
+                await asyncio.sleep(3600)
+            return []
+
+    sched = PunchScheduler(ME, ["rdv"], _Hung(), None, lambda: {})
+
+    async def main() -> None:
+        async with asyncio.timeout(5):
+            task = asyncio.ensure_future(sched.run(every_s=0.05))
+            while _Hung.calls < 3:
+                await asyncio.sleep(0.05)
+            task.cancel()
+            await asyncio.gather(task, return_exceptions=True)
+
+    asyncio.run(main())
+    assert _Hung.calls >= 3

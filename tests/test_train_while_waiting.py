@@ -68,7 +68,7 @@ def test_the_exchange_is_ready_only_once_its_attempt_has_an_outcome():
     assert not ex.ready()  # nothing in flight
     ex._future = Future()
     assert not ex.ready()
-    ex._future.set_result(("outcome", None))
+    ex._future.set_result(("outcome", None, None))
     assert ex.ready()
 
 
@@ -89,7 +89,7 @@ def test_a_retried_round_says_why_in_words():
     for decision, words in ((retry, "fewer than 3 complete contributions (the run's min_peers)"),
                             (None, "no leader answered")):
         ex._round, ex._future = 4, Future()
-        ex._future.set_result((AttemptResult(decision, b"", 1, True), None))
+        ex._future.set_result((AttemptResult(decision, b"", 1, True), None, None))
         with pytest.raises(RoundFailed, match=r"round 4 attempt 1: .*" + words.replace("(", r"\(").replace(")", r"\)")):
             ex.collect(4)
     # neither outcome is final yet: a later attempt may adopt a commit the retry took back, and
