@@ -52,6 +52,7 @@ def simulate(
     cuda_peers: int = typer.Option(0, help="The first K volunteers train and encode on the GPU (join --device cuda)."),
 ) -> None:
     """A coordinator and N volunteers on 127.0.0.1 (real libp2p), R rounds; writes OUT/report.json."""
+    from .round_view import count_of
     from .sim_report import fault_summary, faults_missed
     from .simulate import SimulateOptions, run_simulation
 
@@ -81,7 +82,7 @@ def simulate(
                            scoring=scoring, timeout_s=timeout, cuda_peers=cuda_peers, **given, given=set(given))
     report = run_simulation(opts, out, progress=lambda m: console.print(m, highlight=False))
     console.print(
-        f"[bold]{report['rounds_completed']}/{report['rounds_target']} rounds[/], {report['peers']} peers, "
+        f"[bold]{report['rounds_completed']}/{report['rounds_target']} rounds[/], {count_of(report['peers'], 'peer')}, "
         f"{report['codec']}: {loss_summary(report)}; "
         f"{report['bytes_sent_per_peer_per_round'] / 1e3:,.1f} kB/peer/round{state_share(report)} "
         f"(dense ring: {report['dense_fp32_ring_bytes_per_peer_per_round'] / 1e3:,.0f} kB); "

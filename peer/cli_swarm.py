@@ -284,6 +284,9 @@ def join(
     allow_model_code: bool = typer.Option(False, help="Run a model the manifest names as 'module:callable' (it "
                                           "imports and runs that module, installed on this machine)."),
     attack: str = typer.Option("", hidden=True, help="Simulations only: tamper with contributions (peer/byzantine.py)."),
+    data_seed: Optional[int] = typer.Option(None, hidden=True, min=0, max=2**63 - 1,
+                                            help="Simulations only: the seed of this volunteer's data order "
+                                                 "(default: from the run's seed and our peer id)."),
 ) -> None:
     """Join a run as a volunteer: verify the manifest, download the state, train and exchange."""
     from .bootstrap import check_maddr_flag, parse_bootstrap
@@ -340,6 +343,7 @@ def join(
             f"reachable: also directly by {peer[-8:]} (behind a NAT too), after hole punching", highlight=False)
         p = Participant(manifest, signed, ident, str(ident_path), opts, state_dir, device=device, node=node,
                         corpus=corpus)
+        p.data_seed = data_seed
         if unbound:
             p.preload_checkpoint()  # another run's checkpoint is refused before the folder is bound to this run
             bind_volunteer_dir(state_dir, ident.peer_id, boot.coordinator_id, manifest.run.id, launch)

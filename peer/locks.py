@@ -22,11 +22,16 @@ _NO_LOCKS = {errno.ENOLCK, errno.ENOSYS, errno.EOPNOTSUPP, errno.ENOTSUP}  # flo
 
 def identity_lock_path(peer_id: str) -> Path:
     """Where the lock of an identity lives: a per-user folder in the temp directory."""
+    return private_lock_path(peer_id)
+
+
+def private_lock_path(name: str) -> Path:
+    """The lock file `name` in this user's private locks folder in the temp directory."""
     import tempfile
 
     folder = Path(tempfile.gettempdir()) / f"{_LOCKS_FOLDER}{os.getuid() if hasattr(os, 'getuid') else 0}"
     make_private_dir(folder)
-    return folder / f"{peer_id}.lock"
+    return folder / f"{name}.lock"
 
 
 def make_private_dir(folder: Path) -> None:

@@ -125,6 +125,7 @@ class Participant(Checkpoints):
         self._damaged: set[Path] = set()  # checkpoints the loader found damaged: never kept in their place
         self._unreadable: set[Path] = set()  # checkpoints it could not read (EIO, EACCES): kept, never counted
         self.last_checkpoint: Path | None = None  # the newest this process wrote (told to the user on leaving)
+        self.data_seed: int | None = None  # a volunteer's data order: None, from the run's seed and our id
         self.last_save_failed = False  # the latest try to write one failed (last_checkpoint is older)
         self.hash_history: dict[int, str] = {}  # round -> hash of the global parameters it started from
         self._marker_lock = threading.Lock()  # contributed.json's writers (see _remember_contribution)

@@ -239,7 +239,8 @@ def volunteer_trainer(p: Participant) -> InnerTrainer:
     """The inner trainer of a volunteer: its own seeded order of the whole training stream."""
     m = p.manifest
     return InnerTrainer(p.workload, p.corpus, DataSection(m.data.source, m.data.batch_size), m.inner,
-                        total_steps=10**7, seed=_data_seed(m.run.seed, p.identity.peer_id), shard_index=0,
+                        total_steps=10**7, shard_index=0,
+                        seed=_data_seed(m.run.seed, p.identity.peer_id) if p.data_seed is None else p.data_seed,
                         num_shards=1, device=p.device)
 
 

@@ -103,6 +103,11 @@ class SimulateOptions:
         if self.late_joiners and self.rounds < LATE_JOIN_ROUND + 3:
             raise ConfigError(f"--late-joiners start once round {LATE_JOIN_ROUND} is applied, and not in the last "
                               f"round: they need --rounds {LATE_JOIN_ROUND + 3} or more, got --rounds {self.rounds}")
+        for name in ("kill_every", "freeze_every", "leave_every", "kill_coordinator_at"):
+            # (see `faults_due`: from once round 0 is applied until the last round is under way)
+            if getattr(self, name) and self.rounds < 3:
+                raise ConfigError(f"--{name.replace('_', '-')} needs --rounds 3 or more (faults happen once round 0 "
+                                  f"is applied, and not in the last round), got --rounds {self.rounds}")
         for name, what in (("kill_every", "kill"), ("freeze_every", "freeze"), ("leave_every", "send away")):
             if getattr(self, name) and self.peers <= self.min_peers:  # see `fault_victims`
                 raise ConfigError(f"--{name.replace('_', '-')} needs more peers than --min-peers ({self.min_peers}): "

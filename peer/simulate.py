@@ -44,6 +44,32 @@ def fault_pick(seed: int, kind: str, k: int, pool: Sequence[str], roster: Sequen
     return next(v for v in order if v in pool)
 
 
+def sim_data_seed(seed: int, name: str) -> int:
+    """A simulated volunteer's data order seed, from the simulation's seed and the peer's name."""
+    import hashlib
+
+    return int.from_bytes(hashlib.sha256(f"sim-data:{seed}:{name}".encode()).digest()[:8], "big") >> 1
+
+
+PROCESS_FLOOR_BYTES = 400 << 20  # each simulated process before its model (a `tiny` volunteer: ~550 MB RSS)
+
+
+def check_memory(processes: int, available: int | None = None) -> None:
+    """Refuse a simulation whose processes cannot all fit in the memory this machine has free
+    (`--peers 100000` started volunteers until a review stopped it)."""
+    if available is None:
+        try:
+            with open("/proc/meminfo") as f:
+                available = next(int(line.split()[1]) * 1024 for line in f if line.startswith("MemAvailable:"))
+        except (OSError, StopIteration, ValueError, IndexError):
+            return  # not Linux, or not said: nothing to check against
+    needed = processes * PROCESS_FLOOR_BYTES
+    if needed > available:
+        raise ConfigError(f"{processes} processes need at least {needed / 2**30:.1f} GiB ({PROCESS_FLOOR_BYTES >> 20} MiB "
+                          f"each before their model), and {available / 2**30:.1f} GiB is available: fewer --peers "
+                          "or --late-joiners")
+
+
 def faults_due(done: int, rounds: int) -> bool:
     """May faults (kills, freezes, leaves, late joins, the coordinator's kill) happen now? From
     once round 0 is applied (`done`: the newest round applied) until the last round is under way:
@@ -115,6 +141,17 @@ MARKER = ".groundswell-simulation"
 _OUTPUT = re.compile(r"(coordinator|(peer|late)-\d+)(\.log)?|report\.json|loss\.png|run\.toml|\.groundswell-simulation")
 
 
+def hold_output(out: Path) -> None:
+    """One simulation per output folder, for this process's lifetime: a second one's clearing
+    deleted the first's files under it, and the first stalled (found by a review)."""
+    import hashlib
+
+    from .locks import hold_exclusively, private_lock_path
+
+    name = "simulation-" + hashlib.sha256(str(out.resolve()).encode()).hexdigest()[:24]
+    hold_exclusively(private_lock_path(name), "output folder", out, "give this one its own --out")
+
+
 def clear_output(out: Path) -> None:
     """Make `out` ready for a new simulation and mark it as one's: an earlier simulation's files
     are removed (its processes would read the old bootstrap address, and its event logs would
@@ -170,6 +207,8 @@ def run_simulation(opts: SimulateOptions, out: Path, progress: Callable[[str], N
         except ConfigError:
             raise ConfigError(f"--cuda-peers {opts.cuda_peers} needs a CUDA device, and torch sees none") from None
     check_workload_spec(opts.preset)
+    check_memory(opts.peers + opts.late_joiners + 1)
+    hold_output(out)
     clear_output(out)
     start = time.time()
     with Simulation(out, opts) as sim:
@@ -202,8 +241,11 @@ def run_simulation(opts: SimulateOptions, out: Path, progress: Callable[[str], N
                 attack += ["--device", "cuda"]
             if ":" in opts.preset:  # the researcher named the model code: the volunteers may run it
                 attack.append("--allow-model-code")
+            # Each volunteer's data order from the seed and its name, not its (fresh, random) peer
+            # id: the same --seed then replays the same batches (a review saw one peer's run differ).
+            order = ["--data-seed", str(sim_data_seed(opts.seed, name))]
             return ["join", line, "--state-dir", str(out / name), "--until-round", str(opts.rounds),
-                    "--listen", "/ip4/127.0.0.1/tcp/0", *attack, *common]
+                    "--listen", "/ip4/127.0.0.1/tcp/0", *order, *attack, *common]
 
         volunteers = [f"peer-{i}" for i in range(opts.peers)]
         roster = [*volunteers, *(f"late-{i}" for i in range(opts.late_joiners))]  # (fault_pick's order)
@@ -216,7 +258,7 @@ def run_simulation(opts: SimulateOptions, out: Path, progress: Callable[[str], N
         next_leave = opts.leave_every or float("inf")
         late_done = opts.late_joiners == 0
         coord_killed = opts.kill_coordinator_at <= 0
-        end = time.time() + opts.timeout_s
+        end = start + opts.timeout_s  # (from the start: the coordinator's own start-up counts too)
         last_sample = 0.0
         finished_at, stragglers_told = 0.0, False
         seen: dict[Path, tuple[int, int]] = {}

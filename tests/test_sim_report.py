@@ -279,7 +279,7 @@ def test_an_empty_hash_is_none_reported_in_a_round_as_in_a_catch_up(tmp_path):
 
 def test_the_report_gives_the_seed_and_the_faults(tmp_path):
     _write(tmp_path, "coordinator", [_round(1.0, 0, "C")])
-    opts = SimulateOptions(peers=3, rounds=1, seed=7, kill_every=30, restart_after=5)
+    opts = SimulateOptions(peers=3, rounds=3, seed=7, kill_every=30, restart_after=5)
     report = build_report(tmp_path, opts, [], 2.0, t0=0.0)
     assert report["seed"] == 7
     assert report["faults"] == {"kill_every": 30, "restart_after": 5, "freeze_every": 0.0, "freeze_for": 10.0,
@@ -384,7 +384,7 @@ def test_a_fault_asked_for_that_never_happened_is_counted_and_said(tmp_path):
 
     _write(tmp_path, "coordinator", [_round(1.0, 0, "C"), _round(2.0, 1, "C")])
     driver = [{"t": 1.5, "kind": "kill", "peer": "peer-0"}]
-    opts = SimulateOptions(peers=3, rounds=2, kill_every=1.0, kill_coordinator_at=30.0, timeout_s=60)
+    opts = SimulateOptions(peers=3, rounds=3, kill_every=1.0, kill_coordinator_at=30.0, timeout_s=60)
     report = build_report(tmp_path, opts, driver, wall_s=3.0, t0=0.0)
     assert report["faults_fired"] == {"kill": 1, "freeze": 0, "leave": 0, "join": 0, "kill-coordinator": 0}
     assert faults_missed(report) == ["--kill-coordinator-at"]

@@ -15,6 +15,7 @@ from pathlib import Path
 import pytest
 from groundswell.peer import sim_procs
 from groundswell.peer.cli import app
+from groundswell.peer.config import ConfigError
 from groundswell.peer.event_log import EventLog
 from groundswell.peer.sim_procs import Proc, Simulation
 from groundswell.peer.sim_report import build_report, report_json
@@ -493,3 +494,58 @@ def test_faults_start_after_round_0_and_stop_before_the_last_round_is_under_way(
     assert faults_due(done=0, rounds=5) and faults_due(done=2, rounds=5)
     assert not faults_due(done=3, rounds=5)  # round 4, the last, is under way
     assert not faults_due(done=4, rounds=5)
+
+
+def test_each_volunteer_walks_the_same_data_order_in_every_run_of_a_seed(tmp_path, monkeypatch):
+    # Found by a review: a volunteer's data order came from its peer id, fresh and random in each
+    # simulation, so one peer's fault-free run gave another loss with the same --seed.
+    seen: list[tuple[str, str]] = []
+    real = _FakeSimulation.spawn
+
+    def spawn(self, name, args, kind="spawn", prefix=()):
+        if name != "coordinator":
+            seen.append((name, args[args.index("--data-seed") + 1]))
+        return real(self, name, args, kind, prefix)
+
+    monkeypatch.setattr(_FakeSimulation, "spawn", spawn)
+
+    def orders(seed: int) -> dict[str, str]:
+        seen.clear()
+        _fake_run(tmp_path, monkeypatch, SimulateOptions(peers=3, rounds=3, seed=seed, timeout_s=0.5), rounds_done=3)
+        return dict(seen)
+
+    first = orders(5)
+    assert sorted(first) == ["peer-0", "peer-1", "peer-2"] and len(set(first.values())) == 3
+    assert orders(5) == first
+    assert set(orders(6).values()).isdisjoint(first.values())
+
+
+def test_a_simulation_that_cannot_fit_in_memory_is_refused_before_anything_starts(tmp_path):
+    from groundswell.peer.simulate import PROCESS_FLOOR_BYTES, check_memory
+
+    check_memory(5, available=5 * PROCESS_FLOOR_BYTES)
+    with pytest.raises(ConfigError, match=r"100001 processes need at least .* GiB is available: fewer --peers"):
+        check_memory(100_001, available=24 << 30)
+    res = CliRunner().invoke(app, ["simulate", "--peers", "100000", "--out", str(tmp_path / "sim")])
+    assert res.exit_code == 2 and "Traceback" not in res.output and "fewer --peers" in res.output, res.output
+    assert not (tmp_path / "sim").exists()
+
+
+def test_a_second_simulation_into_a_running_ones_folder_is_refused(tmp_path):
+    # Found by a review: the second one's clearing deleted the running one's files, which stalled
+    import subprocess
+    import sys
+
+    out = tmp_path / "sim"
+    holder = subprocess.Popen([sys.executable, "-c", "import sys, time; from pathlib import Path; "
+                               "from groundswell.peer.simulate import hold_output; hold_output(Path(sys.argv[1])); "
+                               "print('held', flush=True); time.sleep(60)", str(out)], stdout=subprocess.PIPE, text=True)
+    try:
+        assert holder.stdout.readline().strip() == "held"
+        res = CliRunner().invoke(app, ["simulate", "--peers", "2", "--rounds", "1", "--out", str(out)])
+        assert res.exit_code == 2 and "Traceback" not in res.output, res.output
+        assert f"in use by another groundswell process (pid {holder.pid})" in " ".join(res.output.split()), res.output
+        assert "its own --out" in " ".join(res.output.split())
+    finally:
+        holder.kill()
+        holder.wait()

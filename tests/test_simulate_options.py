@@ -50,6 +50,10 @@ def test_none_is_the_default_and_a_given_value_is_kept(inner_steps, warmup):
     (["--peers", "2", "--kill-every", "10"], "--kill-every needs more peers than --min-peers (2): with --peers 2"),
     (["--peers", "3", "--min-peers", "3", "--freeze-every", "10"], "--freeze-every needs more peers than --min-peers (3)"),
     (["--peers", "1", "--leave-every", "10"], "--leave-every needs more peers than --min-peers (1)"),
+    # a review found faults accepted with 1 or 2 rounds (a "never happened" warning, exit 0)
+    (["--peers", "3", "--rounds", "2", "--kill-every", "1"], "--kill-every needs --rounds 3 or more"),
+    (["--peers", "3", "--rounds", "1", "--freeze-every", "1"], "--freeze-every needs --rounds 3 or more"),
+    (["--peers", "3", "--rounds", "2", "--kill-coordinator-at", "5"], "--kill-coordinator-at needs --rounds 3 or more"),
 ])
 def test_faults_that_could_never_happen_are_refused_before_any_process_starts(tmp_path, monkeypatch, args, words):
     def no_run(*args, **kwargs):
