@@ -29,7 +29,10 @@ def print_status(run_id: str, rows: list[dict], coordinator_id: str = "") -> Non
     whose id is `coordinator_id` (the bootstrap line's) is shown as the coordinator; another
     that claims it is marked "coord?". The coordinator comes first."""
     rows = sorted(rows, key=lambda r: r["peer"] != coordinator_id)
-    online = f"{len(rows)} peer{'' if len(rows) == 1 else 's'} online"
+    # The volunteers apart, as the coordinator's live table counts them ("peers online" there is
+    # volunteers: a review saw the two figures differ by one and could not tell why).
+    volunteers = sum(1 for r in rows if r["peer"] != coordinator_id)
+    online = f"{len(rows)} peer{'' if len(rows) == 1 else 's'} online ({volunteers} besides the coordinator)"
     table = Table(title=_text(f"run {run_id}: {online}"), box=box.SIMPLE_HEAD,
                   collapse_padding=True, pad_edge=False, show_edge=False)
     # fits an 80-column terminal without cutting ids or hashes (they are what one compares): those

@@ -124,6 +124,8 @@ def test_status_shows_no_control_characters_no_false_coordinator_and_bounded_out
     assert first == min(i for i, line in enumerate(lines) if "fake" in line or "TheCoord01" in line)  # first
     assert " coord " in lines[first] and "2.5000@6" in lines[first] and " 2 " in lines[first]
     assert "... and 7 more peers (--json lists them all)" in out
+    # the impostor is no coordinator: counted with the volunteers, as the coordinator's table counts them
+    assert f"{len(rows)} peers online ({len(rows) - 1} besides the coordinator)" in out
     status_view.print_status("r", [rows[0]], coordinator)
     assert "coord?" in capsys.readouterr().out
 
