@@ -144,6 +144,7 @@ def run_volunteer(p: Participant, bootstrap_peers: list[str], *, max_rounds: int
         if in_flight is not None:  # stopping: the last contribution lands in an aggregate or is kept
             loop.settle(*in_flight)
     loop.checkpoint()  # first: a second Ctrl+C during the reports below must not cost the work
+    loop.exchange.drop_announcements()  # (a join of the next round landing after our leave undid it)
     _announce_departure(p)
     try:  # which peers we reached directly and which through a relay, for the run's report
         p.events.write("connections", **p.node.call(_connection_report(p.node), timeout_s=10),

@@ -339,6 +339,12 @@ class SwarmExchange:
         self._announced = self.node.submit(client.announce(round_id, trains=True, serves=self.serves,
                                                            attempts=LEAVE_ATTEMPTS))
 
+    def drop_announcements(self) -> None:
+        """Cancel every announcement still out: before a leave, which a late join must not undo."""
+        self._drop_announce()
+        self._let_go(self._announce_tail, self._announce_tail_round)
+        self._announce_tail = None
+
     def _drop_announce(self) -> None:
         """Let go of the announcement in flight: its failure, if it failed, is logged; one still
         running is cancelled (superseded: a contribution or a newer announcement is on its way)."""

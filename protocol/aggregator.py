@@ -18,7 +18,7 @@ from groundswell.compression import Payload, RobustStats, contribution_sq_norm, 
 from .context import contribution_digest, validate_segments
 from .envelope import seal, unseal
 from .have_reports import HaveReporter
-from .plan import attempt_for, slot_width
+from .plan import attempt_for
 from .schema import (
     Ack,
     AggregateRequest,
@@ -33,13 +33,12 @@ from .shards import (
     DENSE_MEAN_CODECS,
     REPORTING_CANDIDATES,
     decision_digests,
-    max_members,
+    newcomer_room,
     ships_contributions,
 )
 from .transport import Presealed
 
 log = logging.getLogger(__name__)
-MIN_ROOM = 64  # contributors a shard of one attempt holds at least (4x the expected trainers if more)
 FUTURE_ROUNDS = 3  # contributions and joins further ahead of our newest commit are dropped
 # Contributions held for this many attempts of a round before the newest: claims look 4 back, and a
 # stand-in that scores contributions and replaces a failed source may still be deciding one 5 back.
@@ -103,8 +102,7 @@ class Aggregator(HaveReporter):
         slot = self.attempts[(msg.round, msg.attempt)]
         membership = self.book.membership(msg.round)
         trainers = frozenset(membership.trainers) if membership else frozenset()
-        # (and no more than a commit can name: the round's members, `max_members`)
-        room = max(MIN_ROOM, min(4 * len(trainers), max_members(self.ctx.max_shards) - len(trainers)))
+        room = newcomer_room(len(trainers), self.ctx.max_shards)
 
         def full() -> bool:
             """Many fresh identities must not fill our memory: a shard holds a bounded number of
@@ -249,13 +247,11 @@ class Aggregator(HaveReporter):
         committed = self.book.committed.get(decision.round)
         if committed is not None and committed[0] != signed:
             return Ack(False, ALREADY_COMMITTED)
-        opened = self.book.opened_at(decision.round)
-        if opened is None or opened + decision.attempt * slot_width(self.ctx.deadline_s, self.ctx.slack_s) < self.started_at:
+        if self._before_our_start(decision.round, decision.attempt):
             # A restarted peer has forgotten the fences later claims put on this attempt here and
             # any seal it gave of it (both in memory): sealed now, a leader that a later attempt's
             # claimer fenced off, or a second leader of the attempt, could commit the round too.
-            # A first process never serves such an attempt: the plan that names it was made from
-            # a commit that came after its join. (Its leader takes the shard's next candidate.)
+            # (Its leader takes the shard's next candidate, as for a failed source.)
             return Ack(False, BEGAN_BEFORE_START)
         if decision.leader in slot.voided_by:  # (checked after a build too: nothing runs between that and the seal)
             # Its retry overtook this seal (sent before it, answered late): the commit was taken
@@ -273,6 +269,19 @@ class Aggregator(HaveReporter):
             if earlier.leader != decision.leader:
                 return Ack(False, SEALED_BY_ANOTHER)
         return None
+
+    def _before_our_start(self, round_id: int, attempt: int) -> bool:
+        """Could a previous process of ours have sealed, or been fenced in, this attempt? Only if the
+        round opened before this server was made (a first process is named in a round's plan only
+        by a commit that came after its join), and only for an attempt the previous process could
+        take by then (`_check_open`'s bound: early closes and retries run ahead of the clock)."""
+        opened = self.book.opened_at(round_id)
+        if opened is None:
+            return True  # (cannot happen once planned: refused, to be safe)
+        if opened >= self.started_at:
+            return False
+        ctx = self.ctx
+        return attempt <= attempt_for(self.started_at + 2 * ctx.slack_s, opened, ctx.deadline_s, ctx.slack_s) + 1
 
     async def _build_spares(self, signed: bytes, decision: Decision, slot: Any, shards: list[int], plan: Any) -> None:
         """Build a replica's copies of sealed shards, one at a time, while the seal still stands

@@ -396,8 +396,11 @@ class RoundClient(AggregateFetcher):
             return reply.decision
         except (PeerUnavailable, ProtocolError) as exc:
             log.info("decision of round %d from %s: %s", round_id, peer[-8:], exc)
-            if isinstance(exc, ProtocolError) and peer != self.me:  # a bad answer: counted, as `_learn_previous` does
-                self.transport.guard.count(peer, "decision-reply", exc.reason, strike=exc.strike)
+            if isinstance(exc, ProtocolError) and peer != self.me:
+                # A bad answer: counted, never struck: polls repeat every second, and a peer on the
+                # other side of a real split answers each with its side's commit (a review saw such
+                # a peer banned within 20 s, which would hinder the re-sync that heals the split).
+                self.transport.guard.count(peer, "decision-reply", exc.reason, strike=False)
             if strict:
                 raise
             return b""

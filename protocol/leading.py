@@ -18,7 +18,7 @@ from .envelope import unseal
 from .have_reports import BEHIND
 from .plan import RoundPlan, close_time
 from .schema import Ack, Decision, DecisionReply, DecisionRequest, HaveReport, Join, ProtocolError
-from .shards import REPORTING_CANDIDATES, max_members
+from .shards import REPORTING_CANDIDATES, max_members, newcomer_room
 from .tasks import gather_owned
 from .transport import PeerDead, PeerGone, PeerUnavailable
 
@@ -159,9 +159,17 @@ class Leading:
         if msg.round <= self.book.latest():  # moot (a late one, honestly): kept, joins of old rounds would pile up
             return Ack(False, f"round {msg.round} is already committed")
         cap = max_members(self.ctx.max_shards)
-        if sender not in self.joins[msg.round] and len(self.joins[msg.round]) >= cap:
+        joins = self.joins[msg.round]
+        if sender not in joins and len(joins) >= cap:
             # a decision lists every member: it must stay within the schema's bounds
             raise ProtocolError(f"round {msg.round} already has {cap} members", reason="full", strike=False)
+        if msg.trains and (m := self.book.membership(msg.round)) is not None and sender not in m.trainers \
+                and not joins.get(sender, (False, False))[0]:
+            # no more trainers waited for than the aggregators hold (`newcomer_room`)
+            planned = set(m.trainers)
+            room = newcomer_room(len(planned), self.ctx.max_shards)
+            if sum(trains and p not in planned for p, (trains, _) in joins.items()) >= room:
+                raise ProtocolError(f"round {msg.round} already has {room} new trainers", reason="full", strike=False)
         self.joins[msg.round][sender] = (msg.trains, msg.serves)
         for r in [r for r in self.joins if r < msg.round - 2]:
             del self.joins[r]
@@ -231,14 +239,16 @@ class Leading:
             # are gone: not there at all, rather than slow); a leader that was frozen past its
             # window defers the same way.
             wake = close_at + rank * self.ctx.slack_s
-            ahead = await self._leaders_ahead(plan, order[:rank], wake, time.monotonic() >= close_at) if rank > 0 else 0
+            ahead, alive = await self._leaders_ahead(plan, order[:rank], wake, time.monotonic() >= close_at) \
+                if rank > 0 else (0, 0)
             ahead_gone = rank > 0 and ahead == 0
             if last and not ahead_gone:
                 ahead = rank  # our turn comes after every fellow's, not after the live ones' only
-            if not (closed_early and ahead_gone):
+            if not (closed_early and rank > 0 and alive == 0):
                 await asyncio.sleep(max(0.0, close_at + ahead * self.ctx.slack_s - time.monotonic()))
-            # (else every trainer is in and every leader ahead of us is gone: nobody else decides
-            # before the close, so we do now; a stopped coordinator cost each round its deadline)
+            # (else every trainer is in and every leader ahead of us is dead: nobody else decides
+            # before the close, so we do now; a stopped coordinator cost each round its deadline.
+            # Dead, not merely gone: a live leader's flood limit also closes a probe unanswered.)
             if slot.decision is not None or self.book.decided(round_id):
                 return
             # Ask who may have decided: the leaders ahead of us that are not gone, and those behind
@@ -358,9 +368,11 @@ class Leading:
         finally:
             slot.deciding = slot.decision is not None  # stood back: no longer objects to later claims
 
-    async def _leaders_ahead(self, plan: RoundPlan, ahead: list[str], until: float, closed: bool) -> int:
+    async def _leaders_ahead(self, plan: RoundPlan, ahead: list[str], until: float, closed: bool
+                             ) -> tuple[int, int]:
         """How many of the leaders `ahead` of us are not gone (dial refused, protocol not served),
         as far as can be told before monotonic time `until`? A silent or slow one may still decide.
+        And how many are not dead (no stream could be opened at all: `PeerDead`).
 
         `closed`: asked at the close, not at an early one. Then the first leader, which claims the
         attempt from its fellow leaders a slack before the close, counts as gone if its claim has
@@ -368,16 +380,18 @@ class Leading:
         round). If it comes back and claims after all, the grants decide between us."""
         slot = self.attempts[(plan.round, plan.attempt)]
 
-        async def gone(peer: str) -> bool:
+        async def gone(peer: str) -> tuple[bool, bool]:
             if closed and peer == plan.leaders[0] and peer not in slot.claimed_by:
-                return True
-            return isinstance(await self._probe(peer, plan, self.ctx.slack_s), PeerGone)
+                return True, False
+            answer = await self._probe(peer, plan, self.ctx.slack_s)
+            return isinstance(answer, PeerGone), isinstance(answer, PeerDead)
 
         try:
             async with asyncio.timeout(max(0.0, until - time.monotonic())):
-                return sum(not g for g in await gather_owned(gone(p) for p in ahead))
+                found = await gather_owned(gone(p) for p in ahead)
+                return sum(not g for g, _ in found), sum(not d for _, d in found)
         except TimeoutError:
-            return len(ahead)
+            return len(ahead), len(ahead)
 
     async def _learn_from_fellow(self, plan: RoundPlan, signed: bytes) -> bool:
         """Take a fellow leader's answer: this attempt's decision, or the round's commit from

@@ -10,6 +10,7 @@ from .schema import Decision
 
 DENSE_MEAN_CODECS = ("fp32", "fp16", "bf16", "int8")  # the aggregate is the re-encoded mean
 REPORTING_CANDIDATES = 4  # a shard and its replicas go to the first of its candidates that take them
+MIN_ROOM = 64  # newcomers a shard of one attempt takes at least (see `newcomer_room`)
 MAX_JOINS = 2048  # members one round may have (Decision lists hold at most 4096), with up to 16 shards
 
 
@@ -17,6 +18,14 @@ def max_members(max_shards: int) -> int:
     """Members one round may have: its commit pins a digest per contributor and shard, and must
     stay a control message (1 MiB): 2048 with up to 16 shards, fewer with more."""
     return MAX_JOINS * 16 // max(16, max_shards)
+
+
+def newcomer_room(planned_trainers: int, max_shards: int) -> int:
+    """Contributors one attempt takes besides its planned trainers: 4x their number (64 at least),
+    and no more than a commit can still name (`max_members`). Aggregators hold that many per shard,
+    and leaders wait for that many joiners: a joiner no aggregator would hold was waited for until
+    the close (found by a review)."""
+    return max(MIN_ROOM, min(4 * planned_trainers, max_members(max_shards) - planned_trainers))
 
 
 def first_members(preferred: set[str], others: set[str], cap: int) -> list[str]:

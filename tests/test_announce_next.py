@@ -64,6 +64,10 @@ def test_a_next_round_leader_that_never_answers_does_not_hold_the_outcome_back()
         # round 2's contribution); round 3's still runs, owned by the exchange
         assert cancelled == [1], cancelled
         assert ex._announced is not None and not ex._announced.done()
+        # leaving: every announcement still out is cancelled first (a join after the leave undid it)
+        ex.drop_announcements()
+        time.sleep(0.2)
+        assert sorted(cancelled) == [1, 2, 3], cancelled
     finally:
         loop.call_soon_threadsafe(loop.stop)
         thread.join(timeout=5)

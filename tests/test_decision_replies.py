@@ -61,5 +61,9 @@ def test_a_forged_commit_answered_to_a_decision_poll_is_counted_and_struck():
             assert 0 not in book.committed
             counted = {k: v for k, v in guard.rejected.items() if k.endswith(":decision-reply")}
             assert sum(counted.values()) == 1, dict(guard.rejected)
+            # never struck: a peer across a real split answers every poll (once a second) with its side's commit
+            for _ in range(30):
+                await client.ask_decision(bad.peer_id, 0, 0, 0.0)
+            assert bad.peer_id not in guard.bans() and not guard._peer(bad.peer_id).strikes
 
     asyncio.run(main())

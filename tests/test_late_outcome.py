@@ -580,6 +580,9 @@ def test_a_state_restored_from_work_pt_alone_is_checkpointed_with_its_open_contr
         def restore_unsettled(self, items):
             calls.append(f"restored {[i['round'] for i in items]}")
 
+        def drop_announcements(self):
+            pass
+
     class Loop:
         def __init__(self, p, exchange, *args):
             self.exchange, self.applied = exchange, 0

@@ -126,3 +126,37 @@ def test_an_aggregator_holds_no_more_than_a_commit_can_name_and_reports_a_valid_
             assert set(trainers) & set(held) <= set(reports[0].contributors)  # the round's own first
 
     asyncio.run(main())
+
+
+def test_a_leader_waits_for_no_more_new_trainers_than_its_aggregators_hold():
+    # Found by a review of the caps above: joins were taken up to the round's member cap whatever
+    # the planned trainers, so the leader waited, to the close, for newcomers no aggregator held.
+    from groundswell.protocol.schema import Join
+    from groundswell.protocol.shards import newcomer_room
+
+    max_shards = 256
+    cap = max_members(max_shards)
+
+    async def main() -> None:
+        me = Identity.generate()
+        trainers = _ids(cap - 100)
+        ctx = RunContext("r", 2, 60.0, 5.0, max_shards, (4096,) * 4, make_codec("fp32"), 1 << 24, None,
+                         RobustOptions(), Limits())
+        async with asyncio.TaskGroup() as tg:
+            server = RoundServer(ctx, Transport(FakeP2P(), me, "r", Guard(ctx.limits)), DecisionBook("r"), me, tg)
+            server.book.add(seal(me, "r", Decision(0, 0, "commit", [], trainers, [me.peer_id], me.peer_id, [], 0,
+                                                   time.time(), [])))
+            assert newcomer_room(len(trainers), max_shards) == 100
+            taken = full = 0
+            for who in _ids(cap) + trainers[:5]:  # newcomers first, then some of the planned trainers
+                try:
+                    taken += (await server._on_join(who, Join(1, True, True))).ok
+                except ProtocolError as exc:
+                    assert exc.reason == "full"
+                    full += 1
+            assert (taken, full) == (105, cap - 100)  # the planned trainers always join
+            plan = await server.plan(1, 0, 0)
+            assert len(server._expected(plan, server.attempts[(1, 0)])) == len(trainers) + 100
+            assert (await server._on_join(_ids(1)[0], Join(1, False, True))).ok  # a mere server still may
+
+    asyncio.run(main())

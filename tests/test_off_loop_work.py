@@ -70,10 +70,10 @@ def test_contributions_arriving_together_still_fill_a_shard_only_up_to_its_room(
     land meanwhile, and all of them had passed the room check before any was stored."""
     import torch
     from groundswell.compression.segments import encode_segments
-    from groundswell.protocol.aggregator import MIN_ROOM
     from groundswell.protocol.envelope import seal
     from groundswell.protocol.identity import Identity
     from groundswell.protocol.schema import ProtocolError, ShardContribution
+    from groundswell.protocol.shards import MIN_ROOM
     from inproc_harness import RUN, make_target
 
     gen = make_target()

@@ -36,17 +36,27 @@ class Run:
                               None, RobustOptions(), Limits())
         self.servers = sorted([self.me.peer_id, self.l1.peer_id, self.h.peer_id])
         self.trainers = sorted(c.peer_id for c in contributors)
+        # round 0 opened 100 s ago: attempt 3 of its 33 s slots is under way
+        self.opened = time.time() - 100
         self.genesis = seal(self.me, RUN, Decision(-1, 0, "commit", [], self.trainers, self.servers, self.me.peer_id,
-                                                   [], 0, time.time()))
+                                                   [], 0, self.opened))
         self.payloads = {c.peer_id: [make_codec("fp32").encode(torch.randn(n)).to_bytes() for n in self.numels]
                          for c in contributors}
 
-    def process(self, tg: asyncio.TaskGroup) -> RoundServer:
-        """A process of `me` (a fresh one each call: a restart), holding the run's genesis."""
+    def process(self, tg: asyncio.TaskGroup, started_at: float | None = None) -> RoundServer:
+        """A process of `me` (a fresh one each call: a restart), holding the run's genesis, made at
+        `started_at` (default: now)."""
         server = RoundServer(self.ctx, Transport(FakeP2P(), self.me, RUN, Guard(self.ctx.limits)), DecisionBook(RUN),
                              self.me, tg)
+        if started_at is not None:
+            server.started_at = started_at
         server.book.add(self.genesis)
         return server
+
+    async def leader(self, server: RoundServer, attempt: int) -> Identity:
+        """A leader of `attempt` other than `me`."""
+        plan = await server.plan(0, attempt, 0)
+        return next(x for x in (self.l1, self.h) if x.peer_id in plan.leaders)
 
     async def deliver(self, server: RoundServer, attempt: int) -> tuple[int, list[bytes]]:
         """Every contributor's shards of `attempt` held by `server`; (shards, digests pinned)."""
@@ -74,40 +84,54 @@ def test_a_restarted_aggregator_seals_no_attempt_that_began_before_it():
     async def main() -> None:
         run = Run()
         async with asyncio.TaskGroup() as tg:
-            first = run.process(tg)
-            first.started_at = time.time() - 60  # this process was up before the round opened
-            plan = await first.plan(0, 0, 0)
+            first = run.process(tg, started_at=run.opened - 60)  # up before the round opened
+            plan = await first.plan(0, 3, 0)
             assert {run.l1.peer_id, run.h.peer_id} <= set(plan.leaders)
-            assert (await run.seal_by(first, run.l1, 0)).ok
+            assert (await run.seal_by(first, run.l1, 3)).ok
             # A second leader of the attempt is refused by the process that sealed the first's ...
-            refused = await run.seal_by(first, run.h, 0, stamp=1e-3)
+            refused = await run.seal_by(first, run.h, 3, stamp=1e-3)
             assert not refused.ok and refused.reason == SEALED_BY_ANOTHER
-            # ... and by a restarted one, which no longer knows of that seal.
+            # ... and by a restarted one, which no longer knows of that seal; so is the next attempt,
+            # which the first process could have sealed already (early closes run ahead of the clock)
             again = run.process(tg)
-            late = await run.seal_by(again, run.h, 0, stamp=1e-3)
+            late = await run.seal_by(again, run.h, 3, stamp=1e-3)
             assert not late.ok and late.reason == BEGAN_BEFORE_START
-            assert again.attempts[(0, 0)].sealed is None
-            # The round's next attempt began after the restart: that one it serves.
-            nxt = await again.plan(0, 1, 0)
-            assert (await run.seal_by(again, run.l1 if run.l1.peer_id in nxt.leaders else run.h, 1)).ok
+            assert again.attempts[(0, 3)].sealed is None
+            ahead = await run.seal_by(again, await run.leader(again, 4), 4)
+            assert not ahead.ok and ahead.reason == BEGAN_BEFORE_START
+            # A process restarted early in attempt 0 serves attempt 3, which began after it
+            earlier = run.process(tg, started_at=run.opened + 10)
+            assert (await run.seal_by(earlier, await run.leader(earlier, 3), 3)).ok
 
     asyncio.run(main())
 
 
 def test_a_restarted_aggregator_forgets_no_fence_that_matters():
-    """A later attempt's claim fenced attempt 0 off here; after a restart the fence is gone, and
-    the slow leader of attempt 0 must still not have its commit sealed here."""
+    """A later attempt's claim fenced attempt 3 off here; after a restart the fence is gone, and
+    the slow leader of attempt 3 must still not have its commit sealed here."""
     async def main() -> None:
         run = Run()
         async with asyncio.TaskGroup() as tg:
-            first = run.process(tg)
-            first.started_at = time.time() - 60
-            first.later_claims[0] = 1  # a leader of attempt 1 claimed it here (a fence on attempt 0)
-            fenced = await run.seal_by(first, run.l1, 0)
+            first = run.process(tg, started_at=run.opened - 60)
+            first.later_claims[0] = 4  # a leader of attempt 4 claimed it here (a fence on attempt 3)
+            fenced = await run.seal_by(first, run.l1, 3)
             assert not fenced.ok and "later attempt" in fenced.reason
             again = run.process(tg)
             assert again.later_claims == {}  # forgotten
-            late = await run.seal_by(again, run.l1, 0)
+            late = await run.seal_by(again, run.l1, 3)
             assert not late.ok and late.reason == BEGAN_BEFORE_START
+
+    asyncio.run(main())
+
+
+def test_a_first_process_serves_the_rounds_it_joined():
+    """A peer's first process is named in a round's plan only by a commit after its join: every
+    attempt of that round, early ones included, it seals."""
+    async def main() -> None:
+        run = Run()
+        async with asyncio.TaskGroup() as tg:
+            first = run.process(tg, started_at=run.opened - 5)
+            for attempt in (3, 4):
+                assert (await run.seal_by(first, await run.leader(first, attempt), attempt)).ok
 
     asyncio.run(main())
