@@ -69,9 +69,12 @@ async def download_state(node: Any, check: StateCheck, peers: list[str], min_rou
                     other_model[server] = (f"the run's state is {reply.size} bytes, more than a model of ours can "
                                            f"have ({budget}): is our dataset (its vocabulary) the run's?")
                     raise ProtocolError(other_model[server], reason="other-model", strike=False)
+                # (counted here, as a refused state is: the transport only counts the reply, strike dropped)
+                node.guard.count(server, "state-reply", "oversized", strike=not vouched)
                 raise ProtocolError(f"a state of {reply.size} bytes exceeds the limit of {budget}", reason="oversized",
                                     strike=not vouched)
             if reply.size and reply.round < min_round:  # an honest server answers size 0 instead
+                node.guard.count(server, "state-reply", "stale-round", strike=False)
                 raise ProtocolError(f"a state of round {reply.round}, older than the {min_round} asked for")
             if reply.size:  # both are in the signed reply: a state they refuse costs no download
                 try:

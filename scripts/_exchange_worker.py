@@ -98,13 +98,11 @@ class _Worker:
 
     # swarm ------------------------------------------------------------------------------------
     def start(self, codec_name: str, run_id: str, ids: list[str], initial_peers: list[str],
-              genesis: bytes | None, replicas: int | None = None) -> dict:
+              replicas: int | None = None) -> dict:
         from groundswell.compression import make_codec, segment_bounds, segment_size
         from groundswell.peer.run_state import RunContext
         from groundswell.peer.swarm import NodeOptions, SwarmNode
-        from groundswell.protocol.envelope import seal
         from groundswell.protocol.identity import Identity
-        from groundswell.protocol.schema import Decision
 
         identity = Identity.load(self.identity_path)
         assert identity.peer_id == ids[self.rank]
@@ -123,15 +121,23 @@ class _Worker:
         self.conn.send(("p2pd", child.pid if child is not None else None))  # so the parent can always end it
         self.node.attach(ctx)
         self.ctx = ctx
-        if self.rank == 0:
-            decision = Decision(round=-1, attempt=0, status="commit", contributors=[], trainers=list(ids),
-                                servers=list(ids), leader=identity.peer_id, sources=[], num_shards=0,
-                                time=time.time())
-            genesis = seal(identity, run_id, decision)
-        assert genesis is not None
+        self.identity, self.run_id = identity, run_id
+        return {"maddrs": [m for m in self.node.maddrs if "/ip4/127.0.0.1/" in m], "segments": len(numels)}
+
+    def sign_genesis(self) -> bytes:
+        """Round 0's plan, naming every peer: signed once every peer's node is up, as a real run's
+        commits come after its members' joins (a server seals nothing of a round opened before it)."""
+        from groundswell.protocol.envelope import seal
+        from groundswell.protocol.schema import Decision
+
+        decision = Decision(round=-1, attempt=0, status="commit", contributors=[], trainers=list(self.ids),
+                            servers=list(self.ids), leader=self.identity.peer_id, sources=[], num_shards=0,
+                            time=time.time())
+        return seal(self.identity, self.run_id, decision)
+
+    def begin(self, genesis: bytes) -> None:
+        """Take round 0's plan."""
         self.node.book.add(genesis)
-        return {"maddrs": [m for m in self.node.maddrs if "/ip4/127.0.0.1/" in m], "genesis": genesis,
-                "segments": len(numels)}
 
     def rounds(self, warmup: int, repeats: int) -> dict:
         import torch

@@ -237,11 +237,13 @@ def _start_nodes(pool: _Pool, codec_name: str, replicas: int | None, args: argpa
     ranks = list(range(len(pool.ids)))
     run_id = f"bench-{codec_name}-{uuid.uuid4().hex[:8]}"
     first = pool.call([0], "start", timeout_s=120, codec_name=codec_name, run_id=run_id, ids=pool.ids,
-                      initial_peers=[], genesis=None, replicas=replicas)[0]
+                      initial_peers=[], replicas=replicas)[0]
     if not first["maddrs"]:
         raise BenchError("peer 0 has no 127.0.0.1 address")
     pool.call(ranks[1:], "start", timeout_s=120, codec_name=codec_name, run_id=run_id, ids=pool.ids,
-              initial_peers=first["maddrs"][:1], genesis=first["genesis"], replicas=replicas)
+              initial_peers=first["maddrs"][:1], replicas=replicas)
+    genesis = pool.call([0], "sign_genesis", timeout_s=30)[0]  # once every node is up, as in a real run
+    pool.call(ranks, "begin", timeout_s=30, genesis=genesis)
     time.sleep(args.settle)  # let the DHT settle
     return first["segments"]
 

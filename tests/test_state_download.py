@@ -266,10 +266,13 @@ def test_a_state_announced_bigger_than_the_runs_state_is_refused_before_a_byte_i
         raise AssertionError("an oversized announcement was let through to the download")
 
     monkeypatch.setattr(state_download, "fetch_state", fake_fetch)
-    node = SimpleNamespace(cached_records={}, guard=SimpleNamespace(count=lambda *a, **k: None))
+    counted: list[tuple] = []
+    node = SimpleNamespace(cached_records={}, guard=SimpleNamespace(count=lambda *a, **k: counted.append((*a, k))))
     with pytest.raises(PeerUnavailable):
         asyncio.run(state_download.download_state(node, check, ["server"], 0))
     assert refused == ["oversized"]
+    # counted and struck against its server (a review found the transport dropped the strike)
+    assert counted == [("server", "state-reply", "oversized", {"strike": True})]
 
 
 @pytest.mark.parametrize("ours", ["larger", "smaller"])
