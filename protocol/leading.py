@@ -20,6 +20,7 @@ from .plan import RoundPlan, close_time
 from .schema import Ack, Decision, DecisionReply, DecisionRequest, HaveReport, Join, ProtocolError
 from .shards import REPORTING_CANDIDATES, max_members, newcomer_room
 from .tasks import gather_owned
+from .trainer_probes import drop_dead_trainers
 from .transport import PeerDead, PeerGone, PeerUnavailable
 
 if TYPE_CHECKING:
@@ -29,10 +30,6 @@ log = logging.getLogger(__name__)
 CATCH_UP_S = 0.5  # the most a leader waits for a shard's primary to catch up with its replica
 MISSED_ATTEMPTS = 16  # attempts whose refused reports a leader remembers (the nearest rounds are kept)
 MISSED_PER_ATTEMPT = 256  # (aggregator, shard) pairs remembered per attempt
-# A leader probes the trainers it still waits for once enough others are in, if that many or fewer,
-# every slack; one that could not be reached at all this many times in a row is not waited for.
-PROBED_TRAINERS = 16
-DEAD_PROBES = 2
 
 
 class Leading:
@@ -144,7 +141,7 @@ class Leading:
         joins = self.joins[plan.round]
         expected = set(plan.trainers) | {p for p, (trains, _) in joins.items() if trains}
         expected -= {p for p, (trains, _) in joins.items() if not trains}  # it left, or will not train this round
-        expected -= slot.gone  # its process died (`_drop_dead_trainers`)
+        expected -= slot.gone  # its process died (`trainer_probes.drop_dead_trainers`)
         return expected - slot.refused_reported  # an invalid contribution will not become valid: not waited for
 
     async def _on_join(self, sender: str, msg: Join) -> Ack:
@@ -282,39 +279,14 @@ class Leading:
         """Wait until every expected trainer is complete (and they are enough to commit: True), or
         the close (False). Trainers whose process died meanwhile are not waited for."""
         async with asyncio.TaskGroup() as tg:
-            prober = tg.create_task(self._drop_dead_trainers(plan, slot, close_at))
+            prober = tg.create_task(drop_dead_trainers(
+                plan, slot, close_at, self.ctx, self.identity.peer_id,
+                lambda: (self._expected(plan, slot), self._sources(plan, slot)[1]),
+                lambda peer: self._probe(peer, plan, self.ctx.slack_s)))
             try:
                 return await self._await_complete(plan, slot, close_at)
             finally:
                 prober.cancel()
-
-    async def _drop_dead_trainers(self, plan: RoundPlan, slot: _Attempt, close_at: float) -> None:
-        """Once enough trainers are complete, probe those still waited for that no aggregator holds
-        anything of, every slack; one that no stream could be opened to `DEAD_PROBES` times in a
-        row (its process and daemon are gone: a killed volunteer) is dropped from the expected.
-
-        Without this a volunteer killed while training held every round it was in to its close
-        (and a coordinator, a leader that trains nothing, to the same through its stand-ins). A
-        slow, frozen or flood-limited one still answers or times out, and is waited for; one that
-        merely failed to be dialled twice loses its place in this attempt only (it is told, and
-        keeps its work, as any contributor left out)."""
-        misses: dict[str, int] = {}
-        while time.monotonic() + self.ctx.slack_s < close_at:
-            await asyncio.sleep(self.ctx.slack_s)
-            _, complete = self._sources(plan, slot)
-            waiting = self._expected(plan, slot) - complete
-            if len(complete) < self.ctx.min_peers or not waiting or len(waiting) > PROBED_TRAINERS:
-                continue
-            started = {who for held in slot.have.values() for got in held.values() for who in got}
-            silent = sorted(waiting - started - {self.identity.peer_id})  # (we cannot dial ourselves)
-            answers = await gather_owned(self._probe(p, plan, self.ctx.slack_s) for p in silent)
-            for peer, answer in zip(silent, answers, strict=True):
-                misses[peer] = misses.get(peer, 0) + 1 if isinstance(answer, PeerDead) else 0
-                if misses[peer] >= DEAD_PROBES and peer not in slot.gone:
-                    log.info("round %d attempt %d: trainer %s cannot be reached (gone): not waited for",
-                             plan.round, plan.attempt, peer[-8:])
-                    slot.gone.add(peer)
-                    slot.poke()
 
     async def _await_complete(self, plan: RoundPlan, slot: _Attempt, close_at: float) -> bool:
         while time.monotonic() < close_at:

@@ -60,7 +60,7 @@ def test_a_slow_trainer_that_is_alive_is_waited_for(make_cluster):
 
 def test_a_trainer_that_cannot_be_reached_once_is_still_waited_for(make_cluster, monkeypatch):
     """One failed dial is no death (a NAT'ed peer's relay hiccup): `DEAD_PROBES` in a row are."""
-    from groundswell.protocol import claims, leading
+    from groundswell.protocol import claims, trainer_probes
     from groundswell.protocol.transport import PeerDead
 
     c = make_cluster(n=4, codec_name="sparseloco", numel=6 * 4096, min_peers=2, deadline_s=30.0, slack_s=1.0)
@@ -80,7 +80,7 @@ def test_a_trainer_that_cannot_be_reached_once_is_still_waited_for(make_cluster,
         return await real(transport, peer, round_id, attempt, timeout_s)
 
     monkeypatch.setattr(claims, "ping", ping_once_failing)
-    assert leading.DEAD_PROBES == 2  # (with 1, each leader would drop it at its first probe)
+    assert trainer_probes.DEAD_PROBES == 2  # (with 1, each leader would drop it at its first probe)
     runs = {i: c.nodes[i].submit(c.nodes[i].client.run_attempt(0, 0, c.segments(xs[i]), trains=True, serves=True))
             for i in range(4) if i != slow}
     time.sleep(6 * c.slack_s)
