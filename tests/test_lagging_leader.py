@@ -129,12 +129,17 @@ def test_a_leader_lacking_reports_it_refused_lets_a_fellow_leader_decide(make_cl
     assert all(torch.equal(m, means[0]) for m in means)
 
 
-def test_a_stand_in_lacking_reports_it_refused_waits_for_the_leader_behind_it(make_cluster):
+def test_a_stand_in_lacking_reports_it_refused_waits_for_the_leader_behind_it(make_cluster, monkeypatch):
     # Leader 0 is gone; stand-in 1 lacks what it refused. It went last, yet counted only the live
     # leaders ahead of it (stand-in 2), so both decided a slack after the close, and the claims'
     # tie-break (by rank) usually let stand-in 1 decide "retry". Now its turn is after stand-in 2's.
+    from groundswell.protocol import trainer_probes
     from groundswell.protocol.plan import make_plan
 
+    # Leader 0 trains too: the leaders would stop waiting for it once it is found dead, and a
+    # stand-in whose view is complete then decides early (tests/test_dead_trainer.py). This test is
+    # about the close, so the dead member is waited for until then, as any silent one is.
+    monkeypatch.setattr(trainer_probes, "DEAD_PROBES", 10**6)
     c = make_cluster(n=5, codec_name="sparseloco", numel=8 * 4096, min_peers=2, deadline_s=12.0, slack_s=2.0)
     plan = make_plan(c.ctx.run_id, 0, 0, c.ids, c.ids, len(c.ctx.segment_numels), c.max_shards)
     l0, l1, l2 = (c.ids.index(p) for p in plan.leaders)
