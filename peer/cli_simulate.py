@@ -94,6 +94,10 @@ def simulate(
     if report.get("timed_out"):  # whatever else the run reached, it did not end by itself
         console.print(f"[bold yellow]stopped by the timeout:[/] the run was still going after {timeout:g} s "
                       "(--timeout)", highlight=False)
+    if report.get("interrupted"):  # Ctrl+C: the report holds the run until then, and the run failed no check
+        console.print(f"[bold yellow]interrupted[/] after {report['wall_s']:.0f} s: {out / 'report.json'} covers "
+                      "the run until then", highlight=False)
+        raise typer.Exit(130)
     faults = fault_summary(report)
     if faults:
         console.print(faults, highlight=False)

@@ -13,7 +13,7 @@ and its restart cannot count as its own is not lost), `double_counted_contributi
 them applied twice), `presumed_lost_contributions` (those of them a restarted process took out of
 its work as counted, by design, because it could not check the commit, which had not counted them), the per-round parameter-hash agreement over every process (and in how many
 rounds two or more processes reported a hash to compare: `hash_checked_rounds`), whether the
-driver's timeout stopped the run (`timed_out`), and where each process ended (`final_round_by_process`).
+driver's timeout stopped the run (`timed_out`) or Ctrl+C or a signal did (`interrupted`), and where each process ended (`final_round_by_process`).
 """
 
 from __future__ import annotations
@@ -70,9 +70,9 @@ def build_report(out: Path, opts: "SimulateOptions", driver_events: list[dict], 
             if d.is_dir() and (d / "events.jsonl").exists()}
     if t0 is None:
         t0 = min((e["t"] for evs in logs.values() for e in evs), default=0.0)
-    timed_out = [e["t"] for e in driver_events if e["kind"] == "timed-out"]
-    if timed_out:  # what the run did by its timeout: volunteers still running may go on a while
-        logs = {name: [e for e in evs if e["t"] - t0 <= timed_out[0]] for name, evs in logs.items()}
+    cut = [e["t"] for e in driver_events if e["kind"] in ("timed-out", "interrupted")]
+    if cut:  # what the run did by its timeout or interruption: processes still running may go on a while
+        logs = {name: [e for e in evs if e["t"] - t0 <= cut[0]] for name, evs in logs.items()}
     ids = {name: next((e["peer"] for e in evs if "peer" in e), name) for name, evs in logs.items()}
     rounds = [dict(e, who=name) for name, evs in logs.items() for e in evs if e["kind"] == "round"]
     hashes: dict[int, set[str]] = {}
@@ -237,6 +237,7 @@ def build_report(out: Path, opts: "SimulateOptions", driver_events: list[dict], 
         # of `lost_contributions`, those a restart presumed counted (it could not check the commit)
         "presumed_lost_contributions": presumed,
         "timed_out": any(e["kind"] == "timed-out" for e in driver_events),  # stopped by the driver's timeout
+        "interrupted": any(e["kind"] == "interrupted" for e in driver_events),  # stopped by Ctrl+C or a signal
         "crashed": sorted({e["peer"] for e in driver_events if e["kind"] == "crash"}),  # ended with an error
         "compute_utilization": round(sum(utilization) / len(utilization), 4) if utilization else None,
         "overlap": opts.overlap,

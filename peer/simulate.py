@@ -278,91 +278,97 @@ def run_simulation(opts: SimulateOptions, out: Path, progress: Callable[[str], N
                 if (code := sim.note_end(name, exit_event=exits and name != "coordinator")) is not None:
                     progress(f"{name} exited with status {code}; see {out / (name + '.log')}")
 
-        while time.time() < end:
-            now = time.time() - sim.t0
-            note_ended(["coordinator", *volunteers])
-            if now - last_sample > 1.0:
-                sim.sample_rss()
-                last_sample = now
-            done = _rounds_done(out, seen)
-            if done + 1 >= opts.rounds and not any(sim.alive(v) for v in volunteers):
-                break
-            late_over = late_done or not faults_due(done, opts.rounds)  # started, or never will
-            if nobody_left(done, late_over, any(sim.alive(v) for v in volunteers),
-                           any(action == "restart" and name != "coordinator" for _, action, name in pending)):
-                sim.event("all-volunteers-gone", "driver")  # nobody left to finish the run: do not wait it out
-                break
-            if done + 1 >= opts.rounds:
-                # A straggler still short of the target once the others left cannot finish alone:
-                # after a grace period it is asked to leave (SIGINT), as a person would.
-                finished_at = finished_at or now
-                if now - finished_at > 2 * opts.deadline_s + 6 * opts.slack_s and not stragglers_told:
-                    stragglers_told = True
-                    for v in volunteers:
-                        if sim.alive(v):
-                            sim.signal(v, signal.SIGCONT)
-                            sim.signal(v, signal.SIGINT)
-                            sim.event("straggler-stopped", v)
-                            if frozen.pop(v, None) is not None:  # thawed here: no thaw to come
-                                pending[:] = [p for p in pending if p[1:] != ("thaw", v)]
-                                sim.event("thaw", v)
-            for when, action, name in [p for p in pending if p[0] <= now]:
-                pending.remove((when, action, name))
-                if action == "thaw":
-                    sim.signal(name, signal.SIGCONT)
-                    frozen.pop(name, None)
-                    sim.event("thaw", name)
-                elif action == "restart" and done + 1 < opts.rounds:
-                    note_ended([name])  # the old process's end, stamped before its name is reused
-                    if sim.alive(name):  # killed, not reaped yet: it may hold its locks and port
-                        pending.append((now + 0.25, "restart", name))
-                        continue
-                    # the old process's address (its port) must not be handed out as the new one's
-                    (out / name / "address.txt").unlink(missing_ok=True)
-                    sim.spawn(name, coord_args if name == "coordinator" else join_args(name), kind="restart")
-            if faults_due(done, opts.rounds):
-                if now >= next_kill:
-                    next_kill = now + opts.kill_every  # no burst of catch-up faults after a stall
-                    if (name := pick("kill")) is not None:
-                        sim.signal(name, signal.SIGKILL)
-                        sim.event("kill", name)
-                        if opts.restart_after:
-                            pending.append((now + opts.restart_after, "restart", name))
-                if now >= next_freeze:
-                    next_freeze = now + opts.freeze_every
-                    if (name := pick("freeze")) is not None:
-                        sim.signal(name, signal.SIGSTOP)
-                        frozen[name] = now + opts.freeze_for
-                        sim.event("freeze", name)
-                        pending.append((now + opts.freeze_for, "thaw", name))
-                if now >= next_leave:
-                    next_leave = now + opts.leave_every
-                    if (name := pick("leave")) is not None:
-                        sim.signal(name, signal.SIGINT)
-                        sim.event("leave", name)
-                if not late_done and done >= LATE_JOIN_ROUND:
-                    late_done = True
-                    for i in range(opts.late_joiners):
-                        name = f"late-{i}"
-                        volunteers.append(name)
-                        sim.spawn(name, join_args(name), kind="join")
-                if not coord_killed and now >= opts.kill_coordinator_at:
-                    coord_killed = True
-                    sim.signal("coordinator", signal.SIGKILL)
-                    sim.event("kill-coordinator", "coordinator")
-                    pending.append((now + (opts.restart_after or 5.0), "restart", "coordinator"))
-                    live = live_addresses(out, up)  # the volunteers up now (the coordinator writes none)
-                    coord_args = [*coord_args[:-len(common)], *[x for m in live[:3] for x in ("--peer", m)], *common]
-            time.sleep(0.25)
-        else:
-            sim.event("timed-out", "driver")  # report.json's `timed_out`, said in the CLI's summary
+        interrupted = False
+        try:
+            while time.time() < end:
+                now = time.time() - sim.t0
+                note_ended(["coordinator", *volunteers])
+                if now - last_sample > 1.0:
+                    sim.sample_rss()
+                    last_sample = now
+                done = _rounds_done(out, seen)
+                if done + 1 >= opts.rounds and not any(sim.alive(v) for v in volunteers):
+                    break
+                late_over = late_done or not faults_due(done, opts.rounds)  # started, or never will
+                if nobody_left(done, late_over, any(sim.alive(v) for v in volunteers),
+                               any(action == "restart" and name != "coordinator" for _, action, name in pending)):
+                    sim.event("all-volunteers-gone", "driver")  # nobody left to finish the run: do not wait it out
+                    break
+                if done + 1 >= opts.rounds:
+                    # A straggler still short of the target once the others left cannot finish alone:
+                    # after a grace period it is asked to leave (SIGINT), as a person would.
+                    finished_at = finished_at or now
+                    if now - finished_at > 2 * opts.deadline_s + 6 * opts.slack_s and not stragglers_told:
+                        stragglers_told = True
+                        for v in volunteers:
+                            if sim.alive(v):
+                                sim.signal(v, signal.SIGCONT)
+                                sim.signal(v, signal.SIGINT)
+                                sim.event("straggler-stopped", v)
+                                if frozen.pop(v, None) is not None:  # thawed here: no thaw to come
+                                    pending[:] = [p for p in pending if p[1:] != ("thaw", v)]
+                                    sim.event("thaw", v)
+                for when, action, name in [p for p in pending if p[0] <= now]:
+                    pending.remove((when, action, name))
+                    if action == "thaw":
+                        sim.signal(name, signal.SIGCONT)
+                        frozen.pop(name, None)
+                        sim.event("thaw", name)
+                    elif action == "restart" and done + 1 < opts.rounds:
+                        note_ended([name])  # the old process's end, stamped before its name is reused
+                        if sim.alive(name):  # killed, not reaped yet: it may hold its locks and port
+                            pending.append((now + 0.25, "restart", name))
+                            continue
+                        # the old process's address (its port) must not be handed out as the new one's
+                        (out / name / "address.txt").unlink(missing_ok=True)
+                        sim.spawn(name, coord_args if name == "coordinator" else join_args(name), kind="restart")
+                if faults_due(done, opts.rounds):
+                    if now >= next_kill:
+                        next_kill = now + opts.kill_every  # no burst of catch-up faults after a stall
+                        if (name := pick("kill")) is not None:
+                            sim.signal(name, signal.SIGKILL)
+                            sim.event("kill", name)
+                            if opts.restart_after:
+                                pending.append((now + opts.restart_after, "restart", name))
+                    if now >= next_freeze:
+                        next_freeze = now + opts.freeze_every
+                        if (name := pick("freeze")) is not None:
+                            sim.signal(name, signal.SIGSTOP)
+                            frozen[name] = now + opts.freeze_for
+                            sim.event("freeze", name)
+                            pending.append((now + opts.freeze_for, "thaw", name))
+                    if now >= next_leave:
+                        next_leave = now + opts.leave_every
+                        if (name := pick("leave")) is not None:
+                            sim.signal(name, signal.SIGINT)
+                            sim.event("leave", name)
+                    if not late_done and done >= LATE_JOIN_ROUND:
+                        late_done = True
+                        for i in range(opts.late_joiners):
+                            name = f"late-{i}"
+                            volunteers.append(name)
+                            sim.spawn(name, join_args(name), kind="join")
+                    if not coord_killed and now >= opts.kill_coordinator_at:
+                        coord_killed = True
+                        sim.signal("coordinator", signal.SIGKILL)
+                        sim.event("kill-coordinator", "coordinator")
+                        pending.append((now + (opts.restart_after or 5.0), "restart", "coordinator"))
+                        live = live_addresses(out, up)  # the volunteers up now (the coordinator writes none)
+                        coord_args = [*coord_args[:-len(common)], *[x for m in live[:3] for x in ("--peer", m)], *common]
+                time.sleep(0.25)
+            else:
+                sim.event("timed-out", "driver")  # report.json's `timed_out`, said in the CLI's summary
+        except KeyboardInterrupt:  # Ctrl+C, SIGTERM or SIGHUP: a report of the run so far, then out
+            interrupted = True
+            sim.event("interrupted", "driver")  # report.json's `interrupted`; logs after it are left out
+            progress("interrupted: writing the report of the run so far (press Ctrl+C again to stop at once)")
         note_ended(["coordinator", *volunteers])
         for name in list(frozen):
             sim.signal(name, signal.SIGCONT)
         for v in volunteers:
-            if sim.alive(v):
-                sim.event("timeout", v)
-        if sim.alive("coordinator"):
+            if sim.alive(v):  # still running when the run was stopped
+                sim.event("interrupted" if interrupted else "timeout", v)
+        if sim.alive("coordinator") and not interrupted:  # (interrupted: whoever pressed Ctrl+C waits for no one)
             sim.signal("coordinator", signal.SIGINT)
             try:
                 sim.procs["coordinator"].popen.wait(timeout=60)  # type: ignore[union-attr]

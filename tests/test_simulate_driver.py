@@ -10,6 +10,7 @@ import re
 import signal
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -107,7 +108,7 @@ class _FakeSimulation(Simulation):
         pass
 
 
-def _fake_run(tmp_path: Path, monkeypatch, opts: SimulateOptions, rounds_done: int | None = None,
+def _fake_run(tmp_path: Path, monkeypatch, opts: SimulateOptions, rounds_done: int | Callable | None = None,
               die_after: float | None = None, dying: tuple[str, ...] | None = None) -> tuple[list[dict], float]:
     """run_simulation's loop over stand-in processes: the driver's events, and its wall time."""
     from groundswell.peer import plots, simulate
@@ -117,7 +118,7 @@ def _fake_run(tmp_path: Path, monkeypatch, opts: SimulateOptions, rounds_done: i
     monkeypatch.setattr(simulate, "Simulation", lambda out, o: _FakeSimulation(out, o))
     monkeypatch.setattr(_FakeSimulation, "die_after", die_after)
     monkeypatch.setattr(_FakeSimulation, "dying", dying)
-    monkeypatch.setattr(simulate, "_rounds_done", lambda out, seen=None: rounds_done)
+    monkeypatch.setattr(simulate, "_rounds_done", rounds_done if callable(rounds_done) else lambda out, seen=None: rounds_done)
     monkeypatch.setattr(simulate, "build_report", lambda out, opts, events, wall, t0, rss: {"events": events})
     monkeypatch.setattr(plots, "plot_loss", lambda report, path: None)
     start = time.time()
@@ -485,6 +486,10 @@ def test_rounds_logged_after_the_timeout_are_not_in_the_report(tmp_path):
     assert report["timed_out"] and report["rounds_completed"] == 1
     report = build_report(tmp_path, SimulateOptions(peers=1, rounds=3), [], wall_s=10.0, t0=0.0)
     assert report["rounds_completed"] == 3
+    # and so with Ctrl+C: the report holds the run until it was pressed
+    interrupted = [{"t": 8.0, "kind": "interrupted", "peer": "driver"}]
+    report = build_report(tmp_path, SimulateOptions(peers=1, rounds=3), interrupted, wall_s=10.0, t0=0.0)
+    assert report["interrupted"] and not report["timed_out"] and report["rounds_completed"] == 2
 
 
 def test_faults_start_after_round_0_and_stop_before_the_last_round_is_under_way():
@@ -549,3 +554,42 @@ def test_a_second_simulation_into_a_running_ones_folder_is_refused(tmp_path):
     finally:
         holder.kill()
         holder.wait()
+
+
+def test_ctrl_c_writes_the_report_of_the_run_so_far_without_waiting_for_the_coordinator(tmp_path, monkeypatch):
+    # Found by a review: Ctrl+C ended `simulate` with no report.json at all, after minutes of a run.
+    calls = []
+
+    def rounds_done(out, seen=None):
+        calls.append(1)
+        if len(calls) == 3:
+            raise KeyboardInterrupt
+        return 1
+
+    told = []
+    signal_one = _FakeSimulation.signal
+    monkeypatch.setattr(_FakeSimulation, "signal", lambda self, name, sig: (told.append((name, sig)),
+                                                                            signal_one(self, name, sig)))
+    opts = SimulateOptions(peers=3, rounds=10, timeout_s=30.0)
+    try:
+        events, wall = _fake_run(tmp_path, monkeypatch, opts, rounds_done=rounds_done)
+    except KeyboardInterrupt:  # (raised on: pytest itself would stop on it)
+        pytest.fail("Ctrl+C went through run_simulation, with no report written")
+    assert ("coordinator", signal.SIGINT) not in told, told  # not asked to stop and waited for (up to 60 s)
+    assert [e["peer"] for e in events if e["kind"] == "interrupted"][0] == "driver", events
+    assert sorted(e["peer"] for e in events if e["kind"] == "interrupted")[1:] == ["peer-0", "peer-1", "peer-2"]
+    assert not any(e["kind"] in ("timed-out", "timeout") for e in events), events
+    assert wall < 10
+    assert (tmp_path / "sim" / "report.json").exists()
+
+
+def test_an_interrupted_run_says_so_and_exits_130(tmp_path, monkeypatch):
+    from groundswell.peer import simulate
+
+    monkeypatch.setattr(simulate, "run_simulation", lambda opts, out, progress: dict(
+        _BASE, rounds_completed=2, eval_loss_by_round=[5.0, 4.0], interrupted=True, hash_checked_rounds=2, wall_s=12.0))
+    res = CliRunner().invoke(app, ["simulate", "--peers", "2", "--rounds", "3", "--out", str(tmp_path / "s")])
+    said = " ".join(res.output.split())
+    assert res.exit_code == 130, res.output
+    assert "interrupted after 12 s:" in said and "covers the run until then" in said, res.output
+    assert "simulation failed" not in said, res.output
