@@ -3,7 +3,9 @@
 Two `join`s on one state dir would overwrite each other's checkpoints; two processes with one
 identity are one libp2p peer id at two addresses, which the DHT and the streams cannot tell
 apart. The lock is `flock` on a small file (released by the kernel when the process exits, even
-on `kill -9`), so a stale lock file from a crash never blocks a restart.
+on `kill -9`), so a stale lock file from a crash never blocks a restart. The files of the temp
+folder's (identities, simulation outputs) are removed at exit, and those a `kill -9` left by the
+next process to lock one there.
 """
 
 from __future__ import annotations
@@ -15,8 +17,16 @@ from pathlib import Path
 
 from .config import ConfigError
 
+try:
+    import fcntl
+except ImportError:  # pragma: no cover - not on POSIX (Windows): no locks are taken
+    fcntl = None  # type: ignore[assignment]
+
 _HELD: dict[str, int] = {}  # lock path -> open descriptor, kept open until the process exits
+_REMOVE_AT_EXIT: set[str] = set()  # the lock paths of `_HELD` in the temp folder, removed at exit
+_atexit_set = False
 _LOCKS_FOLDER = "groundswell-locks-"  # the identity locks' folder in the temp directory, then the uid
+SWEEP_LIMIT = 256  # stale lock files removed at most per start (each costs a few microseconds)
 _NO_LOCKS = {errno.ENOLCK, errno.ENOSYS, errno.EOPNOTSUPP, errno.ENOTSUP}  # flock's "no locks here"
 
 
@@ -31,7 +41,50 @@ def private_lock_path(name: str) -> Path:
 
     folder = Path(tempfile.gettempdir()) / f"{_LOCKS_FOLDER}{os.getuid() if hasattr(os, 'getuid') else 0}"
     make_private_dir(folder)
+    sweep_stale_locks(folder)
     return folder / f"{name}.lock"
+
+
+def sweep_stale_locks(folder: Path, limit: int = SWEEP_LIMIT) -> int:
+    """Remove up to `limit` lock files of `folder` that no process holds; how many went. Each
+    process removes its own at exit, but not after a `kill -9` (a simulation's churn leaves one per
+    killed process: thousands, in a long study). Taken before removal, like `hold_exclusively`'s,
+    which finds the file it locked gone then and takes a fresh one: never two holders."""
+    if fcntl is None:  # pragma: no cover - not on POSIX
+        return 0
+    removed = 0
+    try:
+        names = [e.name for e in os.scandir(folder) if e.name.endswith(".lock")][:limit]
+    except OSError:
+        return 0
+    for name in names:
+        path = folder / name
+        if str(path.resolve()) in _HELD:
+            continue
+        try:
+            fd = os.open(path, os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0))
+        except OSError:  # gone meanwhile, or a link (left for `hold_exclusively` to refuse)
+            continue
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            if _same_file(fd, path):
+                path.unlink()
+                removed += 1
+        except OSError:  # held: in use
+            pass
+        finally:
+            os.close(fd)
+    return removed
+
+
+def _same_file(fd: int, path: Path) -> bool:
+    """Is `path` still the file open as `fd` (not removed, nor replaced by a new one)?"""
+    try:
+        st = os.lstat(path)
+    except OSError:
+        return False
+    held = os.fstat(fd)
+    return (st.st_dev, st.st_ino) == (held.st_dev, held.st_ino)
 
 
 def make_private_dir(folder: Path) -> None:
@@ -48,14 +101,34 @@ def make_private_dir(folder: Path) -> None:
 def hold_exclusively(lock_path: Path, what: str, subject: Path, hint: str = "give this one its own --state-dir") -> None:
     """Take the lock at `lock_path` for this process (again: no-op); ConfigError naming the
     holder's pid if another process holds it. No-op where `fcntl` is missing (Windows)."""
-    try:
-        import fcntl
-    except ImportError:  # pragma: no cover - not on POSIX
+    if fcntl is None:  # pragma: no cover - not on POSIX
         return
     key = str(lock_path.resolve())
     if key in _HELD:
         return
-    try:  # never through a link: the file is emptied below
+    for _ in range(8):  # a lock file removed as stale (`sweep_stale_locks`) while we took it: again
+        fd = _lock(lock_path, what, subject, hint)
+        if _same_file(fd, lock_path):
+            break
+        os.close(fd)
+    else:
+        raise ConfigError(f"cannot lock the {what} {subject}: {lock_path} keeps being removed")
+    try:  # our pid, for the message another process gets
+        os.ftruncate(fd, 0)
+        os.write(fd, f"{os.getpid()}\n".encode())
+    except OSError as exc:  # a full disk: the lock is released and the file named (no fd left locked)
+        os.close(fd)
+        raise ConfigError(f"cannot lock the {what} {subject} ({lock_path}: {exc.strerror or exc})") from None
+    _HELD[key] = fd
+    if lock_path.parent.name.startswith(_LOCKS_FOLDER):  # the temp folder's: removed at exit
+        _REMOVE_AT_EXIT.add(key)
+        if not _atexit_set:
+            _remove_at_exit()
+
+
+def _lock(lock_path: Path, what: str, subject: Path, hint: str) -> int:
+    """Open `lock_path` and take its lock: the descriptor, or ConfigError saying why not."""
+    try:  # never through a link: the file is emptied once locked
         fd = os.open(lock_path, os.O_RDWR | os.O_CREAT | getattr(os, "O_NOFOLLOW", 0), 0o600)
     except OSError as exc:  # a read-only or foreign folder, a planted link: say so in one line
         raise ConfigError(f"cannot lock the {what} {subject} ({lock_path}: {exc.strerror or exc})") from None
@@ -73,13 +146,7 @@ def hold_exclusively(lock_path: Path, what: str, subject: Path, hint: str = "giv
     except OSError as exc:  # Lustre (noflock), some NFS and FUSE mounts: ENOLCK, ENOSYS, EOPNOTSUPP
         os.close(fd)
         raise ConfigError(_no_lock_message(lock_path, what, subject, exc)) from None
-    try:  # our pid, for the message another process gets
-        os.ftruncate(fd, 0)
-        os.write(fd, f"{os.getpid()}\n".encode())
-    except OSError as exc:  # a full disk: the lock is released and the file named (no fd left locked)
-        os.close(fd)
-        raise ConfigError(f"cannot lock the {what} {subject} ({lock_path}: {exc.strerror or exc})") from None
-    _HELD[key] = fd
+    return fd
 
 
 def hold_key_file(path: Path) -> None:
@@ -87,9 +154,7 @@ def hold_key_file(path: Path) -> None:
     in the temp directory, which a cleaner may empty or a service may have a private copy of; the
     key file is the same file for every process that loads it. ConfigError if another process
     holds it; nothing where the filesystem has no locks (the lock by peer id still holds)."""
-    try:
-        import fcntl
-    except ImportError:  # pragma: no cover - not on POSIX
+    if fcntl is None:  # pragma: no cover - not on POSIX
         return
     key = f"key:{path.resolve()}"
     if key in _HELD:
@@ -122,7 +187,22 @@ def _no_lock_message(lock_path: Path, what: str, subject: Path, exc: OSError) ->
 
 
 def release_all() -> None:
-    """Let go of every lock this process holds (tests; the kernel does it at exit)."""
-    for fd in _HELD.values():
+    """Let go of every lock this process holds, removing those of the temp folder (at exit; tests)."""
+    for key, fd in _HELD.items():
+        if key in _REMOVE_AT_EXIT:  # removed while still held: no other process holds it meanwhile
+            try:
+                os.unlink(key)
+            except OSError:
+                pass
         os.close(fd)
     _HELD.clear()
+    _REMOVE_AT_EXIT.clear()
+
+
+def _remove_at_exit() -> None:
+    """Have `release_all` run at this process's exit (once)."""
+    global _atexit_set
+    import atexit
+
+    atexit.register(release_all)
+    _atexit_set = True

@@ -116,3 +116,63 @@ def test_an_identity_is_also_locked_at_its_key_file_whatever_the_temp_folder(tmp
     hold_key_file(key)  # its holder gone, the lock went with it
     hold_key_file(key)  # (taken twice by one process: held once)
     assert key.read_bytes()  # read-only: the key is untouched
+
+
+def test_the_temp_folders_lock_files_are_removed_at_exit_or_by_the_next_start(private_tmp):
+    # Found by a review: every identity's and simulated process's lock file stayed in the temp
+    # folder for good (2,188 after a few days of tests and simulations here).
+    import subprocess
+    import sys
+
+    from groundswell.peer import locks
+
+    mine = identity_lock_path("12D3KooWMine")
+    hold_exclusively(mine, "identity", private_tmp / "id.key")
+    release_all()  # (as at exit)
+    assert not mine.exists()
+    # a process that exits normally removes its own; one killed leaves its file for the next start
+    code = ("import sys, tempfile, pathlib; tempfile.gettempdir = lambda: sys.argv[1]; "
+            "from groundswell.peer.locks import hold_exclusively, identity_lock_path; "
+            "hold_exclusively(identity_lock_path(sys.argv[2]), 'identity', pathlib.Path('id.key')); "
+            "print('held', flush=True); sys.stdin.readline()")
+    subprocess.run([sys.executable, "-c", code, str(private_tmp), "12D3KooWClean"], input=b"\n", check=True,
+                   capture_output=True)
+    assert not (mine.parent / "12D3KooWClean.lock").exists()
+    held = subprocess.Popen([sys.executable, "-c", code, str(private_tmp), "12D3KooWHeld"],
+                            stdin=subprocess.PIPE, stdout=subprocess.PIPE)
+    try:
+        assert held.stdout.readline() == b"held\n"
+        stale = [mine.parent / f"12D3KooWStale{i}.lock" for i in range(3)]
+        for path in stale:
+            path.write_text("123\n")
+        identity_lock_path("12D3KooWNext")  # the next start sweeps what nobody holds
+        assert not any(p.exists() for p in stale)
+        assert (mine.parent / "12D3KooWHeld.lock").exists()  # in use: kept, and still locked
+        with pytest.raises(ConfigError, match="in use by another groundswell process"):
+            hold_exclusively(mine.parent / "12D3KooWHeld.lock", "identity", private_tmp / "id.key")
+    finally:
+        held.kill()
+        held.wait()
+    assert locks.sweep_stale_locks(mine.parent) == 1  # the killed one's
+
+
+def test_a_lock_file_removed_as_stale_while_it_was_being_taken_is_taken_anew(private_tmp, monkeypatch):
+    # Between our open and our flock, another start's sweep may lock the file, find it free and
+    # remove it: the lock we then take is on a file nobody else can find. We must take a new one.
+    from groundswell.peer import locks
+
+    path = identity_lock_path("12D3KooWRace")
+    real, calls = locks._lock, []
+
+    def swept_once(lock_path, *args):
+        fd = real(lock_path, *args)
+        calls.append(1)
+        if len(calls) == 1:
+            lock_path.unlink()  # (as `sweep_stale_locks` of another process would)
+        return fd
+
+    monkeypatch.setattr(locks, "_lock", swept_once)
+    hold_exclusively(path, "identity", private_tmp / "id.key")
+    assert len(calls) == 2 and path.exists()
+    held = os.fstat(locks._HELD[str(path.resolve())])
+    assert (held.st_dev, held.st_ino) == (os.stat(path).st_dev, os.stat(path).st_ino)
