@@ -193,9 +193,12 @@ class StateCheck:
         if digest != reply.params_hash:
             return False
         try:
-            return self.vouched(reply, server, await records())
-        except Exception:  # noqa: BLE001 (the DHT failing: not vouched for, refused as any bad state is)
-            return False
+            published = await records()
+        except Exception as exc:  # the DHT failing (any error of hivemind's): cannot tell, not the server's fault
+            raise ProtocolError(f"its state is of another size than our model, and the swarm's published hashes "
+                                f"could not be read to tell whether it is the run's: {exc!r}",
+                                reason="unchecked", strike=False) from None
+        return self.vouched(reply, server, published)
 
     def refuse_early(self, reply: StateReply, server: str, records: dict[str, Any]) -> None:
         """Raise `ProtocolError` for a state whose signed reply names a parameter hash the

@@ -325,3 +325,32 @@ def test_the_runs_own_state_of_another_model_size_says_it_is_ours_not_theirs(par
     with pytest.raises(state_trust.PeerUnavailable) as err:
         asyncio.run(state_download.download_state(node, check, ["a"], 0))
     assert not isinstance(err.value, state_trust.ModelMismatch)
+
+
+def test_a_dht_failure_while_checking_a_state_of_another_size_strikes_no_server(participant, monkeypatch):
+    """Found by a review: a failed read of the swarm's records, while finding out whether a state
+    of another size than our model is the run's own, made that state "not vouched": a bad state,
+    struck against an honest server, because our DHT read failed."""
+    from dataclasses import replace
+
+    from groundswell.peer import state_download, state_trust
+
+    reply, blob, digest, good = _served_state(participant, round_id=5)
+    struck: dict[str, bool] = {}
+
+    async def fake_fetch(node, peer, min_round, size, timeout_s, reply_timeout_s):
+        size(reply)
+        return reply, bytearray(blob), digest, "stream"
+
+    async def refresh():
+        raise RuntimeError("the DHT is down")
+
+    monkeypatch.setattr(state_download, "fetch_state", fake_fetch)
+    node = SimpleNamespace(cached_records={}, refresh_records=refresh,
+                           guard=SimpleNamespace(count=lambda peer, *a, strike, **k: struck.update({peer: strike})))
+    numel = participant.outer.global_params.numel()
+    check = replace(participant.state_check(), numel=numel + 7)
+    with pytest.raises(state_trust.PeerUnavailable) as err:
+        asyncio.run(state_download.download_state(node, check, ["a"], 0))
+    assert not isinstance(err.value, state_trust.ModelMismatch)
+    assert struck == {"a": False}, struck
