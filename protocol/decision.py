@@ -37,6 +37,7 @@ class Decider:
     score: Any
     individual: Any
     scores: dict[int, dict[str, float]]
+    unscored_rounds: int = 0  # rounds committed unscored, scoring being on: it failed (said in the log)
     score_threshold: float
     keep_rounds: int
 
@@ -254,7 +255,11 @@ class Decider:
             async with asyncio.timeout(self.ctx.deadline_s):
                 scores = await self.score(round_id, await self.individual(plan, sources, contributors, digests))
         except Exception as exc:  # noqa: BLE001 - scoring is a filter: without it, commit as is (and say why)
-            log.warning("round %d: contributions not scored (%s)", round_id, exc)
+            self.unscored_rounds += 1
+            # a peer or the network failing is said in one line; anything else is a bug: its traceback
+            expected = isinstance(exc, (TimeoutError, PeerUnavailable, ShardsUnavailable, ProtocolError))
+            log.warning("round %d: contributions not scored (%r); %d rounds unscored so far", round_id, exc,
+                        self.unscored_rounds, exc_info=not expected)
             return set()
         self.scores[round_id] = scores
         for old in [r for r in self.scores if r < round_id - self.keep_rounds]:

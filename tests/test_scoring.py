@@ -378,3 +378,30 @@ def test_a_leader_whose_sources_keep_refusing_stops_at_the_decisions_budget():
     began = time.monotonic()
     asyncio.run(leader._decide(plan, slot))
     assert leader.seals == 2 and time.monotonic() - began < 3.5
+
+
+@pytest.mark.parametrize("failure, traceback", [(TimeoutError(), False), (KeyError("probe"), True)])
+def test_a_scoring_that_fails_is_counted_and_a_bug_logged_with_its_traceback(failure, traceback, caplog):
+    # Found by a review: any failure of scoring (a bug too) was one warning line, uncounted, and the
+    # round committed unscored: a recurring bug would turn the defence off quietly, every round.
+    import asyncio
+    import logging
+
+    from groundswell.protocol.plan import RoundPlan
+
+    class Leader(_stub_leader(5.0, 1.0, trainers=["a", "b"], servers=["a", "b"])):
+        async def individual(self, plan, sources, contributors, digests):
+            return {}
+
+        async def score(self, round_id, updates):
+            raise failure
+
+    leader = Leader()
+    plan = RoundPlan(0, 0, "L", ("L",), ("a", "b"), ("a",), ((0, 1),), ("a", "b"))
+    with caplog.at_level(logging.WARNING, logger="groundswell.protocol.decision"):
+        for _ in range(2):
+            assert asyncio.run(leader._screen(plan, ["a"], ["a", "b"], [b"x", b"y"])) == set()
+    assert leader.unscored_rounds == 2
+    said = [r for r in caplog.records if "not scored" in r.getMessage()]
+    assert len(said) == 2 and "2 rounds unscored so far" in said[-1].getMessage()
+    assert all(bool(r.exc_info) == traceback for r in said)
