@@ -84,7 +84,7 @@ def simulate(
     console.print(
         f"[bold]{report['rounds_completed']}/{report['rounds_target']} rounds[/], {count_of(report['peers'], 'peer')}, "
         f"{report['codec']}: {loss_summary(report)}; "
-        f"{report['bytes_sent_per_peer_per_round'] / 1e3:,.1f} kB/peer/round{state_share(report)} "
+        f"{kilobytes(report['bytes_sent_per_peer_per_round'])} kB/peer/round{state_share(report)} "
         f"(dense ring: {report['dense_fp32_ring_bytes_per_peer_per_round'] / 1e3:,.0f} kB); "
         f"hashes agree: {report['param_hash_agreement']}{hash_checks(report)}; {report['wall_s']:.0f} s; "
         f"report: {out / 'report.json'}"
@@ -125,6 +125,11 @@ def hash_checks(report: dict) -> str:
     return (f" (compared in {n} round{'s' if n != 1 else ''}"
             + (f"; not in round{'s' if len(unchecked) != 1 else ''} {', '.join(map(str, unchecked))}, which fewer "
                "than two processes reported" if unchecked else "") + ")")
+
+
+def kilobytes(n: float | None) -> str:
+    """Bytes as kB with one decimal, "-" where nothing was measured."""
+    return "-" if n is None else f"{n / 1e3:,.1f}"
 
 
 def state_share(report: dict) -> str:

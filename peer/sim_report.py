@@ -328,9 +328,10 @@ def _sent_per_round(logs: dict[str, list[dict]], volunteer_rounds: list[dict], k
     """What volunteers sent in all over the rounds they applied (the coordinator's bytes are not
     in it, see `_coordinator_sent_per_round`). Frames on libp2p streams and state served over the
     direct TCP port (`traffic()` in swarm.py); the DHT's own traffic is not counted. Logs without
-    totals: the mean of the round windows (None for `key` "state_sent_total": not logged)."""
+    totals: the mean of the round windows (None for `key` "state_sent_total": not logged; None also
+    when no volunteer applied a round: nothing was measured, which is not 0 bytes)."""
     if not volunteer_rounds:
-        return 0.0
+        return None
     totals = [_sent_total(evs, key) for name, evs in logs.items() if name != "coordinator"]
     if all(t is None for t in totals):
         if key != "sent_total":

@@ -487,3 +487,15 @@ def test_a_peer_killed_outright_takes_its_daemon_with_it_even_one_deaf_to_sigter
             pytest.fail("the daemon outlived its peer")
     finally:
         _end(peer, child)
+
+
+def test_bytes_nobody_measured_are_none_not_zero(tmp_path):
+    # Found by a review: a run where only the coordinator applied a round reported 0 bytes sent
+    # per volunteer, a figure nobody measured; and the summary line then must not fail on None.
+    from groundswell.peer.cli_simulate import kilobytes
+
+    _write(tmp_path, "coordinator", [_round(1.0, 0, "C", 5.0)])
+    report = build_report(tmp_path, SimulateOptions(peers=1, rounds=1), [], wall_s=2.0, t0=0.0)
+    assert report["rounds_completed"] == 1
+    assert report["bytes_sent_per_peer_per_round"] is None and report["state_bytes_sent_per_peer_per_round"] is None
+    assert kilobytes(None) == "-" and kilobytes(48_700) == "48.7"
