@@ -8,7 +8,7 @@ import signal
 import sys
 import time
 from pathlib import Path
-from typing import Optional
+from typing import TYPE_CHECKING, Optional
 
 import typer
 from rich.live import Live
@@ -29,6 +29,9 @@ from .launch_checks import (
 from .round_view import in_aggregate, loss_text, of_round, round_line, round_table
 from .state_files import make_state_dir, write_atomically
 from .status_view import print_status
+
+if TYPE_CHECKING:
+    from .participant import Participant
 
 
 def _identity(path: Optional[Path], state_dir: Optional[Path]):
@@ -82,7 +85,7 @@ def _stop_on_signals(first: str = "stopping after this round"):
     return stop
 
 
-def saved_before(p) -> str:
+def saved_before(p: Participant) -> str:
     """What is on disk when the final save failed: the newest checkpoint this process wrote (its
     round, older than the peer's), or none."""
     if p.last_checkpoint is None:

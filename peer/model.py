@@ -71,6 +71,7 @@ class CausalSelfAttention(nn.Module):
         self.resid_dropout = nn.Dropout(config.dropout)
 
     def forward(self, x: Tensor) -> Tensor:
+        """Causal self-attention over (B, T, C) activations, same shape out."""
         batch, seq, channels = x.shape
         q, k, v = self.qkv(x).split(channels, dim=2)
         # (B, T, C) -> (B, heads, T, head_dim)
@@ -94,6 +95,7 @@ class MLP(nn.Module):
         self.dropout = nn.Dropout(config.dropout)
 
     def forward(self, x: Tensor) -> Tensor:
+        """The 4x-wide GELU feed-forward, (B, T, C) to (B, T, C)."""
         return self.dropout(self.proj(F.gelu(self.fc(x))))
 
 
@@ -108,6 +110,7 @@ class Block(nn.Module):
         self.mlp = MLP(config)
 
     def forward(self, x: Tensor) -> Tensor:
+        """Pre-norm residual block: attention, then the MLP."""
         x = x + self.attn(self.ln_attn(x))
         return x + self.mlp(self.ln_mlp(x))
 

@@ -161,13 +161,13 @@ def test_a_node_started_without_bootstrap_peers_gets_into_the_dht_through_the_pe
     from groundswell.protocol.identity import Identity
 
     cluster = Cluster(1)
-    node = None
     try:
         a = cluster.nodes[0]
         path = Path(cluster._tmp.name) / "back.key"
         ident = Identity.generate()
         ident.save(path)
         node = SwarmNode(ident, str(path), NodeOptions())  # no initial peers
+        cluster.nodes.append(node)  # closed with the cluster, whatever fails
         node.rejoiner.remember([(a.identity.peer_id, a.maddrs)])
         assert node.rejoiner.targets(), "a's loopback addresses were not kept"
         node.start()
@@ -177,8 +177,6 @@ def test_a_node_started_without_bootstrap_peers_gets_into_the_dht_through_the_pe
             time.sleep(0.5)
         assert a.identity.peer_id in node.call(node.refresh_records(), 10), "never got back into the run's DHT"
     finally:
-        if node is not None:
-            node.close()
         cluster.close()
 
 

@@ -220,6 +220,8 @@ def test_a_joiner_that_announces_a_round_already_committed_learns_it_and_announc
         if leader != c.ids[2]:
             joins = by_id[leader].call(_joins(by_id[leader], 1), timeout_s=5)
             assert joins.get(c.ids[2]) == (True, True)  # and the round after it is waiting for it
+    means = [c.fetch(i, out[i].signed) for i in (0, 1)]  # round 0's contributors hold the same mean
+    assert torch.equal(means[0], means[1])
 
 
 async def _joins(node, round_id):
