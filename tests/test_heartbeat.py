@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import itertools
+import statistics
 import types
 
 import pytest
@@ -70,8 +71,9 @@ def test_every_record_is_replaced_before_it_expires(monkeypatch, store_s):
     for (_, expires), next_start in zip(dht.stores, starts[1:]):
         assert next_start < expires, "a record expired before the next heartbeat began storing its successor"
     # start to start, not end to start: a store that took 0.3 s did not add its time to the spacing
+    # (their median: one gap stretched by a busy machine is no spacing; end to start gave 0.5 s each)
     gaps = [b - a for a, b in itertools.pairwise(starts)]
-    assert max(gaps) < 0.45, gaps
+    assert statistics.median(gaps) < 0.45, gaps
 
 
 def test_a_hung_records_lookup_is_given_up_so_later_refreshes_run(monkeypatch):

@@ -171,8 +171,8 @@ def test_a_restarted_peer_is_not_handed_its_dead_process_address(tmp_path, monke
 
 
 @pytest.mark.parametrize(("opts", "said"), [
-    ({"kill_every": 60, "timeout_s": 60}, "--kill-every must be shorter than --timeout (60 s): with 60 s it would "
-                                          "never kill one"),
+    ({"kill_every": 60, "timeout_s": 60}, ("--kill-every must be shorter than --timeout (60 s): with 60 s it would "
+                                           "never kill one")),
     ({"freeze_every": 90, "timeout_s": 60}, "--freeze-every must be shorter than --timeout (60 s)"),
     ({"leave_every": 61, "timeout_s": 60}, "--leave-every must be shorter than --timeout (60 s)"),
     ({"kill_coordinator_at": 60, "timeout_s": 60}, "--kill-coordinator-at must be before --timeout (60 s): with 60 s "
