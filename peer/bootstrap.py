@@ -67,7 +67,8 @@ def _checked(coordinator_id: str, maddrs: Sequence[str]) -> Bootstrap:
     try:
         public_key_from_peer_id(coordinator_id)
     except IdentityError as exc:
-        raise BootstrapError(f"bootstrap coordinator: {exc}") from None
+        raise BootstrapError(f"the coordinator's id in the bootstrap line is not a valid peer id ({exc}): "
+                             "copy the whole line `launch` printed again (mistyped?)") from None
     if not maddrs:
         raise BootstrapError("a bootstrap string needs at least one multiaddr")
     if len(maddrs) > MAX_BOOTSTRAP_MADDRS:

@@ -27,7 +27,7 @@ from .launch_checks import (
     same_run_as_before,
 )
 from .round_view import in_aggregate, loss_text, of_round, round_line, round_table
-from .state_files import make_state_dir, write_atomically
+from .state_files import checkpoints_newest_first, make_state_dir, write_atomically
 from .status_view import print_status
 
 if TYPE_CHECKING:
@@ -75,14 +75,27 @@ def _stop_on_signals(first: str = "stopping after this round"):
         if presses["n"] > 1:
             raise KeyboardInterrupt
         stop.set_from_signal()  # first: the print below may fail (see there) or block on a full pipe
+        again = "Ctrl+C again" if signum == signal.SIGINT else "SIGTERM or Ctrl+C again"
         try:
-            console.print(f"[yellow]{first} (Ctrl+C again to leave at once)[/]")
+            console.print(f"[yellow]{first} ({again} to leave at once)[/]")
         except (RuntimeError, OSError):  # the main thread was inside a write to the same stream ("reentrant call")
             pass  # the stop is what matters; the interrupted write goes on
 
     signal.signal(signal.SIGINT, handler)
     signal.signal(signal.SIGTERM, handler)
     return stop
+
+
+def resumed_line(state_dir: Path, what: dict) -> str:
+    """The line a restarted volunteer prints once its state is in (`roles.resume_summary`)."""
+    where = escape(str(state_dir))
+    start = (f"resumed from {where}: its checkpoint of round {what['checkpoint_round']}"
+             if what["checkpoint_round"] is not None else f"resumed from {where}: the work not yet sent (no "
+                                                          "readable checkpoint)")
+    settling = what["settling"]
+    sent = (f"; settling the contributions sent before the stop (round{'s' if len(settling) > 1 else ''} "
+            f"{', '.join(map(str, settling))}) against their commits" if settling else "")
+    return f"{start}{sent}; now at round {what['round']}"
 
 
 def saved_before(p: Participant) -> str:
@@ -386,9 +399,19 @@ def join(
 
             tamper = Attack(attack, p.outer.codec, seed=manifest.run.seed)
             console.print(f"[bold red]byzantine peer[/]: attack {attack!r} (simulation)")
-        with bar:
-            run_volunteer(p, peers, max_rounds=max_rounds, until_round=until_round, stop=stop, on_round=on_round,
-                          on_step=on_step, attack=tamper)
+        def on_resume(what: dict) -> None:
+            console.print(resumed_line(state_dir, what), highlight=False)
+
+        try:
+            with bar:
+                run_volunteer(p, peers, max_rounds=max_rounds, until_round=until_round, stop=stop,
+                              on_round=on_round, on_step=on_step, attack=tamper, on_resume=on_resume)
+        except KeyboardInterrupt:  # pressed twice: what is on disk, and that it is not lost
+            newest = checkpoints_newest_first(state_dir)
+            kept = f"its newest checkpoint ({escape(newest[0].name)})" if newest else "its files"
+            console.print(f"[yellow]left at once[/]: {escape(str(state_dir))} keeps {kept} and the work not yet "
+                          "sent; the same command resumes from there", highlight=False)
+            raise typer.Exit(130) from None
         if p.last_save_failed:  # "cleanly" and an older checkpoint's name would hide the lost rounds
             console.print(f"[red]left the run, but the final state could not be saved[/]: {saved_before(p)}",
                           highlight=False)

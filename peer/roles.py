@@ -34,12 +34,23 @@ from .worker import InnerStats, InnerTrainer
 log = logging.getLogger(__name__)
 
 
+def resume_summary(resumed: dict, now_round: int) -> dict:
+    """What a restart took from its state dir: {"checkpoint_round": the round of the checkpoint
+    resumed from (None: none readable, only the work not yet sent), "settling": the rounds whose
+    contributions the process before sent without learning their outcome, "round": the round the
+    peer is at now, after catching up with the swarm}."""
+    return {"checkpoint_round": None if resumed.get("work_only") else resumed.get("round"),
+            "settling": sorted(int(i["round"]) for i in resumed.get("unsettled") or []), "round": now_round}
+
+
 def run_volunteer(p: Participant, bootstrap_peers: list[str], *, max_rounds: int | None, stop: StopFlag,
                   until_round: int | None = None,
                   on_round: Callable[[RoundInfo], None] = lambda _: None,
-                  on_step: Callable[[int, float], None] | None = None, attack: Attack | None = None) -> None:
+                  on_step: Callable[[int, float], None] | None = None, attack: Attack | None = None,
+                  on_resume: Callable[[dict], None] = lambda _: None) -> None:
     """Sync, then train H steps, exchange, apply; until stopped or `max_rounds` rounds applied.
-    `attack`: a simulated byzantine volunteer tampers with what it contributes."""
+    `attack`: a simulated byzantine volunteer tampers with what it contributes; `on_resume` hears
+    what a restart took from the state dir (see `resume_summary`), once the state is in."""
     m = p.manifest
     # The first torch optimizer a process builds imports torch._dynamo (1.2-1.6 s of CPU here, more
     # on a busy machine): done while the network starts and the state downloads, not after.
@@ -60,6 +71,8 @@ def run_volunteer(p: Participant, bootstrap_peers: list[str], *, max_rounds: int
     finally:
         p.node.interrupt_calls_on(None)
         warm.join()
+    if resumed is not None:
+        on_resume(resume_summary(resumed, p.outer.round_id))
     if until_round is not None and p.outer.round_id >= until_round:  # said, not left to a silent exit
         log.warning("the run is at round %d already, past --until-round %d: leaving without training",
                     p.outer.round_id, until_round)

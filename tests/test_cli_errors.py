@@ -676,3 +676,27 @@ def test_a_group_writable_state_dir_of_ones_own_passes(tmp_path, monkeypatch):
     monkeypatch.setattr(os, "getuid", lambda: 0)  # root: any folder
     os.chmod(tmp_path, 0o777)
     refuse_shared_state_dir(tmp_path)
+
+
+def test_a_restarted_volunteer_says_what_it_resumed_from():
+    # Found by a review: a restart printed what a fresh join prints; only events.jsonl said it resumed.
+    from groundswell.peer.cli_swarm import resumed_line
+    from groundswell.peer.roles import resume_summary
+
+    said = resumed_line(Path("v1"), resume_summary({"round": 1204, "unsettled": [{"round": 1205}]}, 1210))
+    assert said == ("resumed from v1: its checkpoint of round 1204; settling the contributions sent before the stop "
+                    "(round 1205) against their commits; now at round 1210")
+    said = resumed_line(Path("v1"), resume_summary({"work_only": True, "round": 3, "unsettled": [{"round": 4},
+                                                                                               {"round": 3}]}, 5))
+    assert said == ("resumed from v1: the work not yet sent (no readable checkpoint); settling the contributions "
+                    "sent before the stop (rounds 3, 4) against their commits; now at round 5")
+
+
+def test_a_mistyped_coordinator_id_in_the_bootstrap_line_says_so_plainly():
+    from groundswell.peer.bootstrap import BootstrapError, parse_bootstrap
+    from groundswell.protocol.identity import Identity
+
+    good = Identity.generate().peer_id
+    bad = good[:-3]  # cut short in the copy
+    with pytest.raises(BootstrapError, match="not a valid peer id .*mistyped"):
+        parse_bootstrap(f"gs1:{bad}@/ip4/127.0.0.1/tcp/1/p2p/{good}")

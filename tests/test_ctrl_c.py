@@ -204,6 +204,24 @@ def test_ctrl_c_lets_a_volunteer_finish_its_round_and_the_coordinator_checkpoint
             ours = next(e for e in rounds("coordinator") if e["round"] == last["round"])
             assert ours["hash"] == last["hash"]  # the coordinator too: all three hold the same parameters
 
+            # Restarted on its state dir, it says it resumed (a review: its output was a fresh
+            # join's); Ctrl+C twice then leaves at once, saying the state dir keeps its work.
+            before = (out / "peer-0.log").read_text()
+            assert "left the run cleanly; checkpoint:" in before and "resumed from" not in before
+            sim.spawn("peer-0", ["join", boot.read_text().strip(), "--state-dir", str(out / "peer-0"),
+                                 "--listen", "/ip4/127.0.0.1/tcp/0", *common], kind="restart")
+            _wait(lambda: "resumed from" in (out / "peer-0.log").read_text(), 120, "the restart's resume line")
+            said = (out / "peer-0.log").read_text()[len(before):]
+            assert f"resumed from {out / 'peer-0'}: its checkpoint of round {last['round'] + 1}" in said, said
+            sim.signal("peer-0", signal.SIGINT)
+            time.sleep(0.05)  # (the first alone has it leave within a second, the round not under way yet)
+            sim.signal("peer-0", signal.SIGINT)
+            peer0 = sim.procs["peer-0"].popen
+            assert peer0 is not None and peer0.wait(timeout=60) == 130
+            said = " ".join((out / "peer-0.log").read_text()[len(before):].split())
+            assert "left at once: " in said and "the same command resumes from there" in said, said
+            assert "keeps its newest checkpoint (checkpoint-0" in said, said
+
             pressed = time.time()
             sim.signal("coordinator", signal.SIGINT)
             coordinator = sim.procs["coordinator"].popen
