@@ -9,7 +9,7 @@ import asyncio
 from dataclasses import dataclass
 from typing import Any
 
-from .state_trust import COORDINATOR_LAG_ROUNDS, UNCONFIRMED_LEAD, coordinator_hashes
+from .state_trust import COORDINATOR_LAG_ROUNDS, UNCONFIRMED_LEAD, record_hashes
 
 CATCH_UP_ASKS = 3  # peers asked at once for the decision of a round this peer catches up on
 
@@ -39,7 +39,7 @@ def catch_up_view(records: dict[str, Any], me: str, coordinator: str) -> CatchUp
     # Up to where the coordinator is, or where most peers are (it may lag); and half the records,
     # made up, must not send us re-syncing: it lags by a heartbeat or two only.
     return CatchUpView(max(signer.round, swarm_round), min(swarm_round, signer.round + COORDINATOR_LAG_ROUNDS),
-                       records, frozenset(coordinator_hashes(signer).items()))
+                       records, frozenset(record_hashes(signer).items()))
 
 
 def holders_to_ask(view: CatchUpView, holders: list[str], coordinator: str) -> list[str]:

@@ -42,7 +42,7 @@ from .state_files import remove_half_written, write_atomically
 from .state_trust import (
     EARLIER_HASHES,
     StateCheck,
-    coordinator_hashes,
+    record_hashes,
     state_servers,
     vouchers_of,
 )
@@ -224,12 +224,11 @@ class Participant(Checkpoints):
         self.hash_history[r] = digest
         for old in [k for k in self.hash_history if k < r - 32]:
             del self.hash_history[old]
-        # The coordinator's record also lists its hashes of the last rounds before this one: a
-        # joiner checks a state of one of them against the coordinator's word, not a majority.
-        earlier = []
-        if self.identity.peer_id == self.coordinator_id:
-            before = sorted(k for k in self.hash_history if k < r)[-EARLIER_HASHES:]
-            earlier = [f"{k}:{self.hash_history[k]}" for k in before]
+        # The record also lists our hashes of the last rounds before this one: a joiner checks a
+        # state of one of them against the coordinator's word, or (none for that round) its
+        # vouchers' or the majority's, even when rounds are quicker than the heartbeat.
+        before = sorted(k for k in self.hash_history if k < r)[-EARLIER_HASHES:]
+        earlier = [f"{k}:{self.hash_history[k]}" for k in before]
         self.node.update_record(round=r, params_hash=digest, earlier_hashes=earlier)
 
     def _global_state(self) -> GlobalState | None:
@@ -356,7 +355,7 @@ class Participant(Checkpoints):
         went through, differs from this peer's own hash of that round (it then re-syncs)."""
         records = self.node.cached_records
         signer = records.get(self.coordinator_id)
-        word = coordinator_hashes(signer) if self.coordinator_id != self.identity.peer_id else {}
+        word = record_hashes(signer) if self.coordinator_id != self.identity.peer_id else {}
         shared = [r for r in word if r in self.hash_history]
         if shared:  # the coordinator's word, where it has one, decides (as when a state is downloaded)
             return word[max(shared)] == self.hash_history[max(shared)]

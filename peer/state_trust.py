@@ -34,7 +34,7 @@ UNCONFIRMED_LEAD = 8  # rounds a state nobody confirms may be past every other r
 COORDINATOR_LAG_ROUNDS = 2
 COORDINATOR_WAIT_S = 4 * HEARTBEAT_S
 COORDINATOR_POLL_S = HEARTBEAT_S / 2
-EARLIER_HASHES = 8  # the coordinator's record lists its hashes of this many rounds before its newest
+EARLIER_HASHES = 8  # a peer's record lists its hashes of this many rounds before its newest
 
 
 class NoNewerState(PeerUnavailable):
@@ -47,9 +47,9 @@ class ModelMismatch(PeerUnavailable):
     our configuration (most likely our dataset's vocabulary) is not the run's."""
 
 
-def coordinator_hashes(record: Any) -> dict[int, str]:
-    """round -> parameter hash, as the coordinator's record gives them: its newest round's and the
-    earlier ones it lists (an entry that is not "round:hash" is skipped). {} for no record."""
+def record_hashes(record: Any) -> dict[int, str]:
+    """round -> parameter hash, as a peer's record gives them: its newest round's and the earlier
+    ones it lists (an entry that is not "round:hash" is skipped). {} for no record."""
     if record is None:
         return {}
     hashes: dict[int, str] = {}
@@ -69,7 +69,7 @@ def state_servers(records: dict[str, Any], me: str, bootstrap_peers: list[str], 
     (hostile, or alone ahead), or many sybil records agreeing on a made-up state, are asked after
     the peers the run's signer vouches for."""
     votes = Counter((r.round, r.params_hash) for pid, r in records.items() if pid != me and r.params_hash)
-    vouched = set(coordinator_hashes(records.get(coordinator) if coordinator != me else None).items())
+    vouched = set(record_hashes(records.get(coordinator) if coordinator != me else None).items())
 
     def rank(p: str) -> int:
         if p == coordinator and vouched:
@@ -183,7 +183,7 @@ class StateCheck:
         or its record publishes that hash for the round)? Then the state is the run's own."""
         if server == self.coordinator:
             return True
-        return coordinator_hashes(records.get(self.coordinator)).get(reply.round) == reply.params_hash
+        return record_hashes(records.get(self.coordinator)).get(reply.round) == reply.params_hash
 
     async def _vouched_whole(self, reply: StateReply, tensors: dict[str, torch.Tensor], server: str,
                              records: Callable[[], Awaitable[dict[str, Any]]]) -> bool:
@@ -207,7 +207,7 @@ class StateCheck:
         coordinator's word counts here; a majority of records read a moment ago may still change."""
         if server == self.coordinator or self.me == self.coordinator:
             return
-        word = coordinator_hashes(records.get(self.coordinator)).get(reply.round)
+        word = record_hashes(records.get(self.coordinator)).get(reply.round)
         if word is not None and word != reply.params_hash:
             raise ProtocolError(f"its state of round {reply.round} is not the one the coordinator published: "
                                 "not downloaded", reason="disputed", strike=False)
@@ -236,7 +236,7 @@ class StateCheck:
             raise ProtocolError("no peer's published hashes could be read to check the state against",
                                 reason="unchecked", strike=False)
         signer, published = await self._coordinator_record(round_id, published, records)
-        vouched = coordinator_hashes(signer)
+        vouched = record_hashes(signer)
         word = vouched.get(round_id)
         if vouched and round_id < min(vouched):
             # Older than every round the coordinator still vouches for: no check is left, and a
@@ -258,7 +258,9 @@ class StateCheck:
             log.warning("no peer of our verified commits is online to vouch for a state: taking the majority's word")
             check = dataclasses.replace(self, vouchers=None)
         voters = [r for pid, r in published.items() if check.vote_counts(pid, server) and r.params_hash]
-        hashes = [r.params_hash for r in voters if r.round == round_id]
+        # each voter's hash of that round: its newest, or one its record lists from before (rounds
+        # quicker than the heartbeat and the download move every record past the state's round)
+        hashes = [h for r in voters if (h := record_hashes(r).get(round_id)) is not None]
         agree = hashes.count(state_hash)
         if hashes and agree * 2 < len(hashes):
             raise ProtocolError("state disagrees with the swarm's published hash", strike=False)
