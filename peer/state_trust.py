@@ -257,11 +257,14 @@ class StateCheck:
             # it could never get back into the run.
             log.warning("no peer of our verified commits is online to vouch for a state: taking the majority's word")
             check = dataclasses.replace(self, vouchers=None)
-        voters = [r for pid, r in published.items() if check.vote_counts(pid, server) and r.params_hash]
-        # each voter's hash of that round: its newest, or one its record lists from before (rounds
-        # quicker than the heartbeat and the download move every record past the state's round)
-        hashes = [h for r in voters if (h := record_hashes(r).get(round_id)) is not None]
+        voters, hashes = _votes(check, published, server, round_id)
         agree = hashes.count(state_hash)
+        if check.vouchers is not None and not agree:
+            # A voucher's record a heartbeat behind the state (the server applied the round
+            # since, in quick rounds): read again, for a few heartbeats in all, until it lists it.
+            published = await self._vouchers_record(check, round_id, published, records, server)
+            voters, hashes = _votes(check, published, server, round_id)
+            agree = hashes.count(state_hash)
         if hashes and agree * 2 < len(hashes):
             raise ProtocolError("state disagrees with the swarm's published hash", strike=False)
         if check.vouchers is not None and not agree:
@@ -323,6 +326,32 @@ class StateCheck:
                 break
             signer = published.get(self.coordinator)
         return signer, published
+
+    async def _vouchers_record(self, check: "StateCheck", round_id: int, published: dict[str, Any],
+                               records: Callable[[], Awaitable[dict[str, Any]]], server: str) -> dict[str, Any]:
+        """The records read again while a voucher's is behind the state's round by no more than
+        its record lists (within the same few heartbeats per sync as `_coordinator_record`)."""
+        def behind(now: dict[str, Any]) -> bool:
+            return any(check.vote_counts(pid, server) and r.round < round_id <= r.round + EARLIER_HASHES
+                       for pid, r in now.items())
+
+        if behind(published) and not self._wait_until:
+            self._wait_until.append(time.monotonic() + COORDINATOR_WAIT_S)
+        while behind(published) and time.monotonic() < self._wait_until[0]:
+            await asyncio.sleep(COORDINATOR_POLL_S)
+            try:
+                published = await records()
+            except Exception as exc:  # noqa: BLE001 (the DHT failing: decide on the records read before)
+                log.info("re-reading the vouchers' records failed: %r", exc)
+                break
+        return published
+
+
+def _votes(check: "StateCheck", published: dict[str, Any], server: str, round_id: int) -> tuple[list[Any], list[str]]:
+    """The records that vote on a state `server` sent, and their hashes of its round: each voter's
+    newest, or one its record lists from before (quick rounds move records past the state's)."""
+    voters = [r for pid, r in published.items() if check.vote_counts(pid, server) and r.params_hash]
+    return voters, [h for r in voters if (h := record_hashes(r).get(round_id)) is not None]
 
 
 async def _records_or_none(records: Callable[[], Awaitable[dict[str, Any]]]) -> dict[str, Any]:

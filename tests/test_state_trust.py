@@ -785,3 +785,40 @@ def test_the_coordinator_evaluates_the_rounds_it_catches_up_on(participant, monk
     follows = {kw["round"]: kw.get("eval_loss") for kind, kw in written if kind == "follow"}
     assert follows == {11: 2.5, 12: None, 13: 2.5, 14: None}
     assert {"loss": 2.5, "loss_round": 13} in published
+
+
+def test_a_coordinator_waits_a_few_heartbeats_for_a_voucher_whose_record_is_behind_the_state(participant, monkeypatch):
+    """Found by a review (a run of 0.7 s rounds): the state a restarted coordinator downloaded was
+    always a round or more past its vouchers' records, which lag by a heartbeat, so nobody it
+    trusts confirmed it, for up to 171 s. Their records are read again until one lists it."""
+    from dataclasses import replace
+
+    from groundswell.peer import state_trust
+
+    monkeypatch.setattr(state_trust, "COORDINATOR_POLL_S", 0.01)
+    p = participant
+    p.coordinator_id = p.identity.peer_id
+    reply, blob, digest, good = _served_state(p, round_id=5)
+    reads = []
+
+    async def refresh():  # v1's record: at round 3, then (a heartbeat later) at round 6, listing 5
+        reads.append(1)
+        late = len(reads) >= 3
+        return {"v1": SimpleNamespace(round=6 if late else 3, params_hash="h6" if late else "h3",
+                                      earlier_hashes=[f"5:{good}", "4:h4"] if late else ["2:h2"])}
+
+    check = replace(p.state_check(), vouchers=frozenset({"v1", "v2"}))
+    assert asyncio.run(check.verify(reply, blob, digest, "server", refresh)).round == 5
+    assert len(reads) == 3
+    # one that never gets there: refused once the few heartbeats are up, not waited for longer
+    monkeypatch.setattr(state_trust, "COORDINATOR_WAIT_S", 0.2)
+    reads.clear()
+
+    async def stuck():
+        reads.append(1)
+        return {"v1": SimpleNamespace(round=3, params_hash="h3", earlier_hashes=[])}
+
+    check = replace(p.state_check(), vouchers=frozenset({"v1", "v2"}))
+    with pytest.raises(ProtocolError, match="no peer named in the run's verified commits confirms"):
+        asyncio.run(check.verify(reply, blob, digest, "server", stuck))
+    assert 5 <= len(reads) <= 40
