@@ -10,7 +10,7 @@ import logging
 import time
 from typing import TYPE_CHECKING, Any
 
-from .aggregator import CONTESTED, FENCED_OFF
+from .aggregator import BEGAN_BEFORE_START, CONTESTED, FENCED_OFF
 from .envelope import seal, unseal
 from .plan import RoundPlan, close_time
 from .schema import Ack, Decision, ProtocolError, Seal
@@ -342,8 +342,9 @@ class Decider:
                 patience = 0.0 if patient_until is None else patient_until - loop.time()
                 ack = await self.transport.request(peer, "seal", Seal(signed, confirm), Ack,
                                                    timeout_s=max(timeout_s or wait, patience))
-                if not ack.ok:
-                    log.warning("%s %s refused the seal: %s", role, peer[-8:], ack.reason)
+                if not ack.ok:  # (one that restarted since the attempt began: expected, the round retries)
+                    log.log(logging.INFO if ack.reason == BEGAN_BEFORE_START else logging.WARNING,
+                            "%s %s refused the seal: %s", role, peer[-8:], ack.reason)
                 return ack
             except PeerUnavailable as exc:
                 log.warning("seal failed: %s", exc)

@@ -405,3 +405,36 @@ def test_a_scoring_that_fails_is_counted_and_a_bug_logged_with_its_traceback(fai
     said = [r for r in caplog.records if "not scored" in r.getMessage()]
     assert len(said) == 2 and "2 rounds unscored so far" in said[-1].getMessage()
     assert all(bool(r.exc_info) == traceback for r in said)
+
+
+def test_a_seal_refused_by_an_aggregator_that_restarted_since_is_no_warning(caplog):
+    # Found by a review: after two volunteers restarted at once, a plain `join` printed WARN lines
+    # for an expected refusal (the attempt retries); other refusals stay warnings.
+    import asyncio
+    import logging
+    import time
+    import types
+
+    from groundswell.protocol.aggregator import BEGAN_BEFORE_START
+    from groundswell.protocol.envelope import seal
+    from groundswell.protocol.schema import Ack, Decision
+
+    reasons = {"peerA": BEGAN_BEFORE_START, "peerB": "not a leader of this attempt"}
+
+    class Leader(_stub_leader(5.0, 1.0, trainers=["peerA", "peerB"], servers=["peerA", "peerB"])):
+        def __init__(self):
+            super().__init__()
+            self.transport = types.SimpleNamespace(request=self.request)
+
+        async def request(self, peer, kind, message, reply_type, timeout_s):
+            return Ack(False, reasons[peer])
+
+    leader = Leader()
+    signed = seal(leader.identity, "r", Decision(round=0, attempt=0, status="commit", contributors=[], trainers=[],
+                                                 servers=[], leader=leader.identity.peer_id, sources=[],
+                                                 num_shards=0, time=time.time()))
+    with caplog.at_level(logging.INFO, logger="groundswell.protocol.decision"):
+        refused, _ = asyncio.run(leader._seal_all(signed, ["peerA", "peerB"]))
+    assert refused == {"peerA", "peerB"}
+    levels = {r.getMessage().split()[1]: r.levelno for r in caplog.records if "refused the seal" in r.getMessage()}
+    assert levels == {"peerA": logging.INFO, "peerB": logging.WARNING}, levels
