@@ -262,6 +262,10 @@ def launch(
         else:
             with Live(round_table(rows, manifest.run.id), console=console, refresh_per_second=2) as live:
                 def on_round(info):
+                    if info.status == "caught-up":  # no row: the rounds were the swarm's
+                        live.update(round_table(rows, f"{manifest.run.id}: caught up to round {info.round}: "
+                                                      f"{info.reason}"))
+                        return
                     if info.status != "applied":  # no row: the round runs again
                         live.update(round_table(rows, f"{manifest.run.id}: round {info.round} again: {info.reason}"))
                         return

@@ -103,6 +103,17 @@ def _follow_rounds(p: Participant, stop: StopFlag, on_round: Callable[[RoundInfo
     assert client is not None
     traffic = SentPerRound()  # the volunteers' bytes per round, from their records
     t0 = time.perf_counter()  # when the round in progress began: its retries count in its time
+
+    def follow_the_swarm() -> bool:
+        """`_follow_the_swarm`, said to whoever watches; the next round's time starts after it."""
+        nonlocal t0
+        before, started = p.outer.round_id, time.perf_counter()
+        moved = _follow_the_swarm(p)
+        if moved:
+            t0 = time.perf_counter()
+            on_round(RoundInfo(p.outer.round_id, "caught-up", reason=f"rounds {before}-{p.outer.round_id - 1} "
+                               f"applied by the swarm meanwhile, taken in {t0 - started:.1f} s"))
+        return moved
     while not stop:
         r = p.outer.round_id
         if r // checkpoint_every > saved // checkpoint_every and p.save_checkpoint() is not None:
@@ -111,7 +122,7 @@ def _follow_rounds(p: Participant, stop: StopFlag, on_round: Callable[[RoundInfo
             p.node.call(client.run_attempt(r, None, None, trains=False, serves=True),
                         timeout_s=2 * m.round.deadline_s + 6 * m.round.slack_s + 60)
         except RoundBehind:
-            if not _follow_the_swarm(p):
+            if not follow_the_swarm():
                 stop.event.wait(1.0)
             continue
         except (PeerUnavailable, TimeoutError) as exc:  # nothing decided in time: the next attempt
@@ -130,7 +141,7 @@ def _follow_rounds(p: Participant, stop: StopFlag, on_round: Callable[[RoundInfo
                 # The swarm went on without us (our link was down, say): nobody decides round r
                 # any more, so waiting for it would last for good. Catch up, or take the state.
                 log.info("the swarm is past round %d: catching up", r)
-                _follow_the_swarm(p)
+                follow_the_swarm()
                 continue
             on_round(RoundInfo(r, "retry", peers_online=volunteers,
                                reason=f"{volunteers} volunteer{'' if volunteers == 1 else 's'} online"
@@ -143,7 +154,7 @@ def _follow_rounds(p: Participant, stop: StopFlag, on_round: Callable[[RoundInfo
             # Every holder of a shard died before anyone else fetched it: the round's result lives
             # on only in the state of peers that applied it. Take that state (or wait for it).
             log.warning("aggregate of round %d unavailable (%s); taking the state of a peer past it", r, exc)
-            if not _follow_the_swarm(p):
+            if not follow_the_swarm():
                 stop.event.wait(m.round.slack_s)
             continue
         p.outer.follow(r, mean)

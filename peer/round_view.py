@@ -34,6 +34,8 @@ def round_table(rows: list, header: str) -> Table:
 
 def round_line(info: Any) -> str:
     """One round as a line of text: the live table's row where there is no terminal."""
+    if info.status == "caught-up":
+        return f"caught up to round {info.round}: {info.reason}"
     if info.status != "applied":
         return f"round {info.round}: runs again ({info.reason})"
     loss = "" if math.isnan(info.eval_loss) else f", held-out loss {info.eval_loss:.4f}"

@@ -32,7 +32,7 @@ class RoundInfo:
     """What the UI shows after each round."""
 
     round: int
-    status: str  # "applied", "retry", "resync"
+    status: str  # "applied", "retry", "resync"; the coordinator's "caught-up" (rounds taken from the swarm)
     included: bool = False
     contributors: int = 0
     train_loss: float = float("nan")

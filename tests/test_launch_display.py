@@ -161,3 +161,40 @@ def test_the_bytes_per_round_figure_spans_rounds_so_lagging_records_do_not_alias
     assert all(abs(f - 30_000) < 29_000 / SENT_WINDOW_ROUNDS + 1 for f in figures[SENT_WINDOW_ROUNDS:])
     restarted = traffic.update(30, {"a": 30_000 * 30, "b": 5_000})  # b restarted: its count began again
     assert abs(restarted - 30_000) < 29_000 / SENT_WINDOW_ROUNDS + 1 and set(traffic.latest) == {"a", "b"}
+
+
+def test_a_coordinator_that_catches_up_says_so(monkeypatch):
+    """Found by a review: a coordinator back after 171 s of catching up showed its first round as
+    "applied ... 170.9 s", the catch-up presented as one round's time, and nothing else said it."""
+    from types import SimpleNamespace
+
+    from groundswell.peer import coordinator_role
+    from groundswell.peer.round_view import round_line
+    from groundswell.peer.stop_flag import StopFlag
+    from groundswell.protocol.client import RoundBehind
+
+    stop = StopFlag()
+    outer = SimpleNamespace(round_id=10)
+    calls = []
+
+    def call(coro, timeout_s):
+        calls.append(1)
+        if len(calls) > 1:
+            stop.set()
+        raise RoundBehind("the swarm is ahead")
+
+    def follow(p):  # the catch-up: 40 rounds taken from the swarm, in (here) 0.2 s
+        time.sleep(0.2)
+        moved = outer.round_id == 10
+        outer.round_id = 50
+        return moved
+
+    monkeypatch.setattr(coordinator_role, "_follow_the_swarm", follow)
+    m = SimpleNamespace(round=SimpleNamespace(deadline_s=10.0, slack_s=1.0), eval=SimpleNamespace(every_rounds=1))
+    p = SimpleNamespace(manifest=m, outer=outer, node=SimpleNamespace(client=SimpleNamespace(
+        run_attempt=lambda *a, **k: None), call=call))
+    seen = []
+    coordinator_role._follow_rounds(p, stop, seen.append, checkpoint_every=10**9, saved=10)
+    assert [i.status for i in seen] == ["caught-up"], seen
+    assert round_line(seen[0]).startswith("caught up to round 50: rounds 10-49 applied by the swarm meanwhile, "
+                                          "taken in 0."), round_line(seen[0])
