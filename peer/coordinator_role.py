@@ -111,8 +111,10 @@ def _follow_rounds(p: Participant, stop: StopFlag, on_round: Callable[[RoundInfo
         moved = _follow_the_swarm(p)
         if moved:
             t0 = time.perf_counter()
-            on_round(RoundInfo(p.outer.round_id, "caught-up", reason=f"rounds {before}-{p.outer.round_id - 1} "
-                               f"applied by the swarm meanwhile, taken in {t0 - started:.1f} s"))
+            last = p.outer.round_id - 1
+            rounds = f"round {before}" if last == before else f"rounds {before}-{last}"
+            on_round(RoundInfo(p.outer.round_id, "caught-up", reason=f"{rounds} applied by the swarm meanwhile, "
+                               f"taken in {t0 - started:.1f} s"))
         return moved
     while not stop:
         r = p.outer.round_id

@@ -13,6 +13,7 @@ from __future__ import annotations
 import errno
 import os
 import stat
+import time
 from pathlib import Path
 
 from .config import ConfigError
@@ -26,6 +27,7 @@ _HELD: dict[str, int] = {}  # lock path -> open descriptor, kept open until the 
 _REMOVE_AT_EXIT: set[str] = set()  # the lock paths of `_HELD` in the temp folder, removed at exit
 _atexit_set = False
 _LOCKS_FOLDER = "groundswell-locks-"  # the identity locks' folder in the temp directory, then the uid
+_BUSY_TRIES = 4  # a lock found held is tried again this many times in all (about 30 ms)
 SWEEP_LIMIT = 256  # stale lock files removed at most per start (each costs a few microseconds)
 _NO_LOCKS = {errno.ENOLCK, errno.ENOSYS, errno.EOPNOTSUPP, errno.ENOTSUP}  # flock's "no locks here"
 
@@ -54,20 +56,22 @@ def sweep_stale_locks(folder: Path, limit: int = SWEEP_LIMIT) -> int:
         return 0
     removed = 0
     try:
-        names = [e.name for e in os.scandir(folder) if e.name.endswith(".lock")][:limit]
+        names = [e.name for e in os.scandir(folder) if e.name.endswith(".lock")]
     except OSError:
         return 0
     for name in names:
         path = folder / name
+        if removed >= limit:
+            break
         if str(path.resolve()) in _HELD:
             continue
-        try:
-            fd = os.open(path, os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0))
+        try:  # (non-blocking: a FIFO named *.lock must not hang every start)
+            fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | getattr(os, "O_NOFOLLOW", 0))
         except OSError:  # gone meanwhile, or a link (left for `hold_exclusively` to refuse)
             continue
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-            if _same_file(fd, path):
+            if stat.S_ISREG(os.fstat(fd).st_mode) and _same_file(fd, path):
                 path.unlink()
                 removed += 1
         except OSError:  # held: in use
@@ -136,16 +140,25 @@ def _lock(lock_path: Path, what: str, subject: Path, hint: str) -> int:
     if not stat.S_ISREG(st.st_mode) or (hasattr(os, "getuid") and st.st_uid != os.getuid()):
         os.close(fd)
         raise ConfigError(f"cannot lock the {what} {subject}: {lock_path} is not a file of this user; remove it")
-    try:
-        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except BlockingIOError:
-        holder = os.read(fd, 32).decode(errors="replace").strip() or "?"
-        os.close(fd)
-        raise ConfigError(f"the {what} {subject} is in use by another groundswell process (pid {holder}); "
-                          f"stop it, or {hint}") from None
-    except OSError as exc:  # Lustre (noflock), some NFS and FUSE mounts: ENOLCK, ENOSYS, EOPNOTSUPP
-        os.close(fd)
-        raise ConfigError(_no_lock_message(lock_path, what, subject, exc)) from None
+    for attempt in range(_BUSY_TRIES):
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            break
+        except BlockingIOError:
+            # Another start's `sweep_stale_locks` holds a free file's lock for a moment (then it
+            # is gone, and the caller takes a new one): a holder only if it stays held.
+            if attempt + 1 < _BUSY_TRIES and _same_file(fd, lock_path):
+                time.sleep(0.005 * (attempt + 1))
+                continue
+            if not _same_file(fd, lock_path):
+                return fd  # swept: `hold_exclusively` sees the file gone and takes a new one
+            holder = os.read(fd, 32).decode(errors="replace").strip() or "?"
+            os.close(fd)
+            raise ConfigError(f"the {what} {subject} is in use by another groundswell process (pid {holder}); "
+                              f"stop it, or {hint}") from None
+        except OSError as exc:  # Lustre (noflock), some NFS and FUSE mounts: ENOLCK, ENOSYS, EOPNOTSUPP
+            os.close(fd)
+            raise ConfigError(_no_lock_message(lock_path, what, subject, exc)) from None
     return fd
 
 
@@ -189,7 +202,9 @@ def _no_lock_message(lock_path: Path, what: str, subject: Path, exc: OSError) ->
 def release_all() -> None:
     """Let go of every lock this process holds, removing those of the temp folder (at exit; tests)."""
     for key, fd in _HELD.items():
-        if key in _REMOVE_AT_EXIT:  # removed while still held: no other process holds it meanwhile
+        # removed while still held, and only if it is still our file (one something else removed
+        # meanwhile may have been made anew and locked by another process)
+        if key in _REMOVE_AT_EXIT and _same_file(fd, Path(key)):
             try:
                 os.unlink(key)
             except OSError:

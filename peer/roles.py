@@ -34,13 +34,13 @@ from .worker import InnerStats, InnerTrainer
 log = logging.getLogger(__name__)
 
 
-def resume_summary(resumed: dict, now_round: int) -> dict:
+def resume_summary(resumed: dict, now_round: int, unsettled: list[dict]) -> dict:
     """What a restart took from its state dir: {"checkpoint_round": the round of the checkpoint
     resumed from (None: none readable, only the work not yet sent), "settling": the rounds whose
-    contributions the process before sent without learning their outcome, "round": the round the
-    peer is at now, after catching up with the swarm}."""
+    contributions the process before sent without learning their outcome (`unsettled`, as
+    `unsettled_from` parsed them), "round": the round the peer is at now, after catching up}."""
     return {"checkpoint_round": None if resumed.get("work_only") else resumed.get("round"),
-            "settling": sorted(int(i["round"]) for i in resumed.get("unsettled") or []), "round": now_round}
+            "settling": sorted(int(i["round"]) for i in unsettled), "round": now_round}
 
 
 def run_volunteer(p: Participant, bootstrap_peers: list[str], *, max_rounds: int | None, stop: StopFlag,
@@ -71,8 +71,9 @@ def run_volunteer(p: Participant, bootstrap_peers: list[str], *, max_rounds: int
     finally:
         p.node.interrupt_calls_on(None)
         warm.join()
+    unsettled = unsettled_from(resumed) if resumed is not None else []  # (a malformed list: said, ignored)
     if resumed is not None:
-        on_resume(resume_summary(resumed, p.outer.round_id))
+        on_resume(resume_summary(resumed, p.outer.round_id, unsettled))
     if until_round is not None and p.outer.round_id >= until_round:  # said, not left to a silent exit
         log.warning("the run is at round %d already, past --until-round %d: leaving without training",
                     p.outer.round_id, until_round)
@@ -98,7 +99,6 @@ def run_volunteer(p: Participant, bootstrap_peers: list[str], *, max_rounds: int
     journal = WorkJournal(p.state_dir, enabled=isinstance(p.outer, SparseLoCo))
     loop = VolunteerLoop(p, SwarmExchange(p.node, serves=p.node.options.serves), trainer, bootstrap_peers, stop,
                           on_round, journal)
-    unsettled = unsettled_from(resumed) if resumed is not None else []
     if unsettled:
         loop.exchange.restore_unsettled(unsettled)
     if resumed is not None and resumed.get("work_only"):

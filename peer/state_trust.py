@@ -262,7 +262,7 @@ class StateCheck:
         if check.vouchers is not None and not agree:
             # A voucher's record a heartbeat behind the state (the server applied the round
             # since, in quick rounds): read again, for a few heartbeats in all, until it lists it.
-            published = await self._vouchers_record(check, round_id, published, records, server)
+            published = await self._vouchers_record(check, round_id, state_hash, published, records, server)
             voters, hashes = _votes(check, published, server, round_id)
             agree = hashes.count(state_hash)
         if hashes and agree * 2 < len(hashes):
@@ -327,13 +327,14 @@ class StateCheck:
             signer = published.get(self.coordinator)
         return signer, published
 
-    async def _vouchers_record(self, check: "StateCheck", round_id: int, published: dict[str, Any],
+    async def _vouchers_record(self, check: "StateCheck", round_id: int, state_hash: str, published: dict[str, Any],
                                records: Callable[[], Awaitable[dict[str, Any]]], server: str) -> dict[str, Any]:
-        """The records read again while a voucher's is behind the state's round by no more than
-        its record lists (within the same few heartbeats per sync as `_coordinator_record`)."""
-        def behind(now: dict[str, Any]) -> bool:
-            return any(check.vote_counts(pid, server) and r.round < round_id <= r.round + EARLIER_HASHES
-                       for pid, r in now.items())
+        """The records read again while none confirms the state and a voucher's is behind its round
+        by no more than a record lists (within the same few heartbeats per sync as `_coordinator_record`)."""
+        def behind(now: dict[str, Any]) -> bool:  # (and the state not confirmed yet: one slow voucher holds no one up)
+            return not _votes(check, now, server, round_id)[1].count(state_hash) and any(
+                check.vote_counts(pid, server) and r.round < round_id <= r.round + EARLIER_HASHES
+                for pid, r in now.items())
 
         if behind(published) and not self._wait_until:
             self._wait_until.append(time.monotonic() + COORDINATOR_WAIT_S)
@@ -349,9 +350,17 @@ class StateCheck:
 
 def _votes(check: "StateCheck", published: dict[str, Any], server: str, round_id: int) -> tuple[list[Any], list[str]]:
     """The records that vote on a state `server` sent, and their hashes of its round: each voter's
-    newest, or one its record lists from before (quick rounds move records past the state's)."""
+    newest, or one its record lists from the rounds just before (quick rounds move records past
+    the state's; a listed round outside those, which no honest record lists, votes for nothing)."""
     voters = [r for pid, r in published.items() if check.vote_counts(pid, server) and r.params_hash]
-    return voters, [h for r in voters if (h := record_hashes(r).get(round_id)) is not None]
+    return voters, [h for r in voters if (h := _hash_of(r, round_id)) is not None]
+
+
+def _hash_of(record: Any, round_id: int) -> str | None:
+    """`record`'s hash of `round_id`: its newest, or one it lists of the EARLIER_HASHES rounds before."""
+    if record.round == round_id:
+        return record.params_hash
+    return record_hashes(record).get(round_id) if record.round - EARLIER_HASHES <= round_id < record.round else None
 
 
 async def _records_or_none(records: Callable[[], Awaitable[dict[str, Any]]]) -> dict[str, Any]:

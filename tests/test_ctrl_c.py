@@ -214,7 +214,12 @@ def test_ctrl_c_lets_a_volunteer_finish_its_round_and_the_coordinator_checkpoint
             said = (out / "peer-0.log").read_text()[len(before):]
             assert f"resumed from {out / 'peer-0'}: its checkpoint of round {last['round'] + 1}" in said, said
             sim.signal("peer-0", signal.SIGINT)
-            time.sleep(0.05)  # (the first alone has it leave within a second, the round not under way yet)
+            # the second once the first was handled (two presses before it runs are one), and at
+            # once: the first alone has it leave within a second, its round not under way yet
+            seen, limit = len(before) + len(said), time.time() + 30
+            while "stopping after this round" not in (out / "peer-0.log").read_text()[seen:]:
+                assert time.time() < limit, "the first Ctrl+C was never handled"
+                time.sleep(0.01)
             sim.signal("peer-0", signal.SIGINT)
             peer0 = sim.procs["peer-0"].popen
             assert peer0 is not None and peer0.wait(timeout=60) == 130

@@ -822,3 +822,37 @@ def test_a_coordinator_waits_a_few_heartbeats_for_a_voucher_whose_record_is_behi
     with pytest.raises(ProtocolError, match="no peer named in the run's verified commits confirms"):
         asyncio.run(check.verify(reply, blob, digest, "server", stuck))
     assert 5 <= len(reads) <= 40
+
+
+def test_a_confirmed_state_waits_for_no_slow_voucher_and_listed_rounds_ahead_vote_for_nothing(participant, monkeypatch):
+    """Found by a review of the re-read: one voucher stuck a round behind held every check for the
+    whole wait, though another had confirmed the state; and a record could vote on rounds past its
+    own, which no honest record lists."""
+    from dataclasses import replace
+
+    from groundswell.peer import state_trust
+
+    monkeypatch.setattr(state_trust, "COORDINATOR_POLL_S", 0.01)
+    monkeypatch.setattr(state_trust, "COORDINATOR_WAIT_S", 2.0)
+    p = participant
+    p.coordinator_id = p.identity.peer_id
+    reply, blob, digest, good = _served_state(p, round_id=5)
+    reads = []
+
+    async def refresh():  # v2 stays behind; v1 confirms from the second read on
+        reads.append(1)
+        v1 = (SimpleNamespace(round=6, params_hash="h6", earlier_hashes=[f"5:{good}"]) if len(reads) >= 2
+              else SimpleNamespace(round=4, params_hash="h4", earlier_hashes=[]))
+        return {"v1": v1, "v2": SimpleNamespace(round=4, params_hash="h4", earlier_hashes=[])}
+
+    check = replace(p.state_check(), vouchers=frozenset({"v1", "v2"}))
+    assert asyncio.run(check.verify(reply, blob, digest, "server", refresh)).round == 5
+    assert len(reads) == 2
+
+    async def ahead():  # round 5 listed by a record at round 4: no vote
+        return {"v1": SimpleNamespace(round=4, params_hash="h4", earlier_hashes=[f"5:{good}"])}
+
+    monkeypatch.setattr(state_trust, "COORDINATOR_WAIT_S", 0.1)
+    check = replace(p.state_check(), vouchers=frozenset({"v1", "v2"}))
+    with pytest.raises(ProtocolError, match="no peer named in the run's verified commits confirms"):
+        asyncio.run(check.verify(reply, blob, digest, "server", ahead))
