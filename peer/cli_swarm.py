@@ -89,7 +89,7 @@ def _stop_on_signals(first: str = "stopping after this round"):
 def resumed_line(state_dir: Path, what: dict) -> str:
     """The line a restarted volunteer prints once its state is in (`roles.resume_summary`)."""
     where = escape(str(state_dir))
-    start = (f"resumed from {where}: its checkpoint of round {what['checkpoint_round']}"
+    start = (f"resumed from {where}: its checkpoint at the start of round {what['checkpoint_round']}"
              if what["checkpoint_round"] is not None else f"resumed from {where}: the work not yet sent (no "
                                                           "readable checkpoint)")
     settling = what["settling"]
@@ -243,7 +243,7 @@ def launch(
     same_run_as_before(state_dir, signed)
     checkpoints_not_gone(state_dir)  # (after the above: a dir of another run is told so first)
     if resumed is not None:
-        console.print(f"resuming run {manifest.run.id} from its checkpoint of round {resumed['round']} in "
+        console.print(f"resuming run {manifest.run.id} from its checkpoint at the start of round {resumed['round']} in "
                       f"{escape(str(state_dir))}", highlight=False)
     stop = _stop_on_signals("stopping: saving a checkpoint")
     rows: list = []

@@ -684,7 +684,7 @@ def test_a_restarted_volunteer_says_what_it_resumed_from():
     from groundswell.peer.roles import resume_summary
 
     said = resumed_line(Path("v1"), resume_summary({"round": 1204}, 1210, [{"round": 1205}]))
-    assert said == ("resumed from v1: its checkpoint of round 1204; settling the contributions sent before the stop "
+    assert said == ("resumed from v1: its checkpoint at the start of round 1204; settling the contributions sent before the stop "
                     "(round 1205) against their commits; now at round 1210")
     said = resumed_line(Path("v1"), resume_summary({"work_only": True, "round": 3}, 5, [{"round": 4}, {"round": 3}]))
     assert said == ("resumed from v1: the work not yet sent (no readable checkpoint); settling the contributions "

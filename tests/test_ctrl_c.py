@@ -212,7 +212,7 @@ def test_ctrl_c_lets_a_volunteer_finish_its_round_and_the_coordinator_checkpoint
                                  "--listen", "/ip4/127.0.0.1/tcp/0", *common], kind="restart")
             _wait(lambda: "resumed from" in (out / "peer-0.log").read_text(), 120, "the restart's resume line")
             said = (out / "peer-0.log").read_text()[len(before):]
-            assert f"resumed from {out / 'peer-0'}: its checkpoint of round {last['round'] + 1}" in said, said
+            assert f"resumed from {out / 'peer-0'}: its checkpoint at the start of round {last['round'] + 1}" in said, said
             sim.signal("peer-0", signal.SIGINT)
             # the second once the first was handled (two presses before it runs are one), and at
             # once: the first alone has it leave within a second, its round not under way yet

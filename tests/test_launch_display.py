@@ -93,7 +93,7 @@ def test_without_a_terminal_each_round_is_a_line_as_it_happens(tmp_path):
     saved = tmp_path / "c" / "checkpoint-00000000.pt"
     assert f"stopped; the run's state is in {saved}" in log.read_text(errors="replace"), log.read_text()[-2000:]
     _launch_into_a_file(tmp_path, log, b"coordinated by")
-    assert f"resuming run example-tiny from its checkpoint of round 0 in {tmp_path / 'c'}" in log.read_text(), \
+    assert f"resuming run example-tiny from its checkpoint at the start of round 0 in {tmp_path / 'c'}" in log.read_text(), \
         log.read_text()[-2000:]
 
 
