@@ -218,8 +218,9 @@ class RunManifest:
     def check_may_train(self, peer_id: str) -> None:
         """ConfigError, naming the id to send the coordinator, unless `peer_id` may contribute."""
         if not self.run.open and peer_id not in self.run.allowlist:
-            raise ConfigError(f"run {self.run.id} is closed and this peer is not on its allowlist: ask its "
-                              f"coordinator to add {peer_id}")
+            raise ConfigError(f"run {self.run.id} is closed and this peer is not on its allowlist, which is fixed "
+                              f"at launch: send {peer_id} to its coordinator for the next run, or join with an "
+                              "--identity the run lists")
 
     def canonical_bytes(self) -> bytes:
         """Deterministic msgpack of the manifest: keys sorted at every level."""

@@ -77,7 +77,7 @@ def test_allowlist(tmp_path):
     assert m.run.allowlist == (COORD.peer_id, OTHER.peer_id) and not m.run.open
     m.check_may_train(OTHER.peer_id)
     stranger = Identity.generate().peer_id
-    with pytest.raises(ConfigError, match=f"not on its allowlist: ask its coordinator to add {stranger}"):
+    with pytest.raises(ConfigError, match=f"not on its allowlist, which is fixed at launch: send {stranger} to its coordinator"):
         m.check_may_train(stranger)
     load_manifest_toml(_toml(tmp_path, MINIMAL)).check_may_train(stranger)  # an open run takes anyone
 
