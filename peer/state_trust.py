@@ -310,22 +310,13 @@ class StateCheck:
         and the run must not stall on it."""
         if self.coordinator == self.me:
             return None, published
-        signer = published.get(self.coordinator)
 
-        def behind(rec: Any) -> bool:
+        def behind(now: dict[str, Any]) -> bool:
+            rec = now.get(self.coordinator)
             return rec is not None and rec.round < round_id <= rec.round + COORDINATOR_LAG_ROUNDS
 
-        if behind(signer) and not self._wait_until:
-            self._wait_until.append(time.monotonic() + COORDINATOR_WAIT_S)
-        while behind(signer) and time.monotonic() < self._wait_until[0]:
-            await asyncio.sleep(COORDINATOR_POLL_S)
-            try:
-                published = await records()
-            except Exception as exc:  # noqa: BLE001 (the DHT failing: decide on the records read before)
-                log.info("re-reading the coordinator's record failed: %r", exc)
-                break
-            signer = published.get(self.coordinator)
-        return signer, published
+        published = await self._read_again_while(behind, published, records, "the coordinator's record")
+        return published.get(self.coordinator), published
 
     async def _vouchers_record(self, check: "StateCheck", round_id: int, state_hash: str, published: dict[str, Any],
                                records: Callable[[], Awaitable[dict[str, Any]]], server: str) -> dict[str, Any]:
@@ -336,14 +327,20 @@ class StateCheck:
                 check.vote_counts(pid, server) and r.round < round_id <= r.round + EARLIER_HASHES
                 for pid, r in now.items())
 
-        if behind(published) and not self._wait_until:
+        return await self._read_again_while(behind, published, records, "the vouchers' records")
+
+    async def _read_again_while(self, waiting: Callable[[dict[str, Any]], bool], published: dict[str, Any],
+                                records: Callable[[], Awaitable[dict[str, Any]]], whose: str) -> dict[str, Any]:
+        """The records, read again every poll while `waiting(them)` holds, within the few
+        heartbeats (`COORDINATOR_WAIT_S`) one sync may wait in all."""
+        if waiting(published) and not self._wait_until:
             self._wait_until.append(time.monotonic() + COORDINATOR_WAIT_S)
-        while behind(published) and time.monotonic() < self._wait_until[0]:
+        while waiting(published) and time.monotonic() < self._wait_until[0]:
             await asyncio.sleep(COORDINATOR_POLL_S)
             try:
                 published = await records()
             except Exception as exc:  # noqa: BLE001 (the DHT failing: decide on the records read before)
-                log.info("re-reading the vouchers' records failed: %r", exc)
+                log.info("re-reading %s failed: %r", whose, exc)
                 break
         return published
 
