@@ -3,12 +3,11 @@
 from __future__ import annotations
 
 import json
-import logging
 import signal
 import sys
 import time
 from pathlib import Path
-from typing import TYPE_CHECKING, Optional
+from typing import Optional
 
 import typer
 from rich.live import Live
@@ -16,6 +15,7 @@ from rich.markup import escape
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn
 
 from .cli import _set_threads, _user_errors, app, console
+from .cli_output import resumed_line, saved_before, setup_logging
 from .config import ConfigError, check_device
 from .join_consent import volunteer_corpus
 from .launch_checks import (
@@ -29,9 +29,6 @@ from .launch_checks import (
 from .round_view import in_aggregate, loss_text, of_round, round_line, round_table
 from .state_files import checkpoints_newest_first, make_state_dir, write_atomically
 from .status_view import print_status
-
-if TYPE_CHECKING:
-    from .participant import Participant
 
 
 def _identity(path: Optional[Path], state_dir: Optional[Path]):
@@ -86,27 +83,6 @@ def _stop_on_signals(first: str = "stopping after this round"):
     return stop
 
 
-def resumed_line(state_dir: Path, what: dict) -> str:
-    """The line a restarted volunteer prints once its state is in (`roles.resume_summary`)."""
-    where = escape(str(state_dir))
-    start = (f"resumed from {where}: its checkpoint at the start of round {what['checkpoint_round']}"
-             if what["checkpoint_round"] is not None else f"resumed from {where}: the work not yet sent (no "
-                                                          "readable checkpoint)")
-    settling = what["settling"]
-    sent = (f"; settling the contributions sent before the stop (round{'s' if len(settling) > 1 else ''} "
-            f"{', '.join(map(str, settling))}) against their commits" if settling else "")
-    return f"{start}{sent}; now at round {what['round']}"
-
-
-def saved_before(p: Participant) -> str:
-    """What is on disk when the final save failed: the newest checkpoint this process wrote (its
-    round, older than the peer's), or none."""
-    if p.last_checkpoint is None:
-        return "no checkpoint of this process is on disk (see the error above)"
-    return (f"the newest on disk is {escape(str(p.last_checkpoint))}, older than round {p.outer.round_id} "
-            "(see the error above)")
-
-
 def _fetch_manifest(node, maddrs: list[str], coordinator_id: str):
     """The run manifest from the bootstrap peers, signed by `coordinator_id` (the first one that
     verifies: the others are asked when one serves another's); NetworkError if none does."""
@@ -139,27 +115,6 @@ def _manifest_digest(signed: bytes) -> str:
     from .manifest import SignedManifest
 
     return SignedManifest.from_bytes(signed).digest
-
-
-def _logging(verbose: bool) -> None:
-    logging.basicConfig(level=logging.INFO if verbose else logging.WARNING, stream=sys.stderr,
-                        format="%(asctime)s %(name)s %(levelname)s %(message)s")
-    if not verbose:  # asyncio's warnings (a child reaped late, a slow callback) say nothing a user can act on
-        logging.getLogger("asyncio").setLevel(logging.ERROR)
-        if not any(isinstance(f, _DaemonGoneFilter) for f in logging.getLogger("asyncio").filters):
-            logging.getLogger("asyncio").addFilter(_DaemonGoneFilter())
-
-
-class _DaemonGoneFilter(logging.Filter):
-    """Drops asyncio's "Task exception was never retrieved" for a lost connection: hivemind's
-    daemon client leaves such tasks behind when the daemon goes first (leaving at once on a
-    second Ctrl+C or SIGTERM), and their tracebacks say nothing a user can act on."""
-
-    def filter(self, record: logging.LogRecord) -> bool:
-        import asyncio
-
-        exc = record.exc_info[1] if record.exc_info else None
-        return not isinstance(exc, (ConnectionError, asyncio.IncompleteReadError))
 
 
 @app.command()
@@ -213,7 +168,7 @@ def launch(
     from .participant import Participant
     from .swarm import NodeOptions
 
-    _logging(verbose)
+    setup_logging(verbose)
     _set_threads(threads)
     check_device(device)
     for flag, maddrs in (("--listen", listen), ("--announce", announce), ("--peer", peer)):
@@ -321,7 +276,7 @@ def join(
         not_a_coordinator_dir,
     )
 
-    _logging(verbose)
+    setup_logging(verbose)
     _set_threads(threads)
     check_device(device)
     if reachability not in ("auto", "public", "private"):

@@ -245,7 +245,7 @@ def test_a_full_disk_keeps_training_and_damages_nothing(participant, monkeypatch
     assert participant.save_checkpoint() is None  # reported, not raised: training goes on
     assert saved.read_bytes() == before
     # and on leaving, said: not "left the run cleanly" with the older checkpoint's name
-    from groundswell.peer.cli_swarm import saved_before
+    from groundswell.peer.cli_output import saved_before
 
     assert participant.last_save_failed and participant.last_checkpoint == saved
     assert f"the newest on disk is {saved}, older than round 5" in saved_before(participant)

@@ -165,7 +165,7 @@ def test_busy_listen_address_names_the_problem_and_skips_what_it_cannot_judge():
 def test_a_lost_daemon_connection_leaves_no_asyncio_traceback_unless_verbose(caplog):
     import logging
 
-    from groundswell.peer.cli_swarm import _logging
+    from groundswell.peer.cli_output import setup_logging as _logging
 
     log = logging.getLogger("asyncio")
     saved = (log.level, list(log.filters))
@@ -680,7 +680,7 @@ def test_a_group_writable_state_dir_of_ones_own_passes(tmp_path, monkeypatch):
 
 def test_a_restarted_volunteer_says_what_it_resumed_from():
     # Found by a review: a restart printed what a fresh join prints; only events.jsonl said it resumed.
-    from groundswell.peer.cli_swarm import resumed_line
+    from groundswell.peer.cli_output import resumed_line
     from groundswell.peer.roles import resume_summary
 
     said = resumed_line(Path("v1"), resume_summary({"round": 1204}, 1210, [{"round": 1205}]))

@@ -335,7 +335,7 @@ def test_a_dht_failure_while_checking_a_state_of_another_size_strikes_no_server(
 
     from groundswell.peer import state_download, state_trust
 
-    reply, blob, digest, good = _served_state(participant, round_id=5)
+    reply, blob, digest, _good = _served_state(participant, round_id=5)
     struck: dict[str, bool] = {}
 
     async def fake_fetch(node, peer, min_round, size, timeout_s, reply_timeout_s):
