@@ -318,7 +318,7 @@ class StateCheck:
         published = await self._read_again_while(behind, published, records, "the coordinator's record")
         return published.get(self.coordinator), published
 
-    async def _vouchers_record(self, check: "StateCheck", round_id: int, state_hash: str, published: dict[str, Any],
+    async def _vouchers_record(self, check: StateCheck, round_id: int, state_hash: str, published: dict[str, Any],
                                records: Callable[[], Awaitable[dict[str, Any]]], server: str) -> dict[str, Any]:
         """The records read again while none confirms the state and a voucher's is behind its round
         by no more than a record lists (within the same few heartbeats per sync as `_coordinator_record`)."""
@@ -345,7 +345,7 @@ class StateCheck:
         return published
 
 
-def _votes(check: "StateCheck", published: dict[str, Any], server: str, round_id: int) -> tuple[list[Any], list[str]]:
+def _votes(check: StateCheck, published: dict[str, Any], server: str, round_id: int) -> tuple[list[Any], list[str]]:
     """The records that vote on a state `server` sent, and their hashes of its round: each voter's
     newest, or one its record lists from the rounds just before (quick rounds move records past
     the state's; a listed round outside those, which no honest record lists, votes for nothing)."""

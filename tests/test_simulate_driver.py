@@ -175,8 +175,8 @@ def test_a_restarted_peer_is_not_handed_its_dead_process_address(tmp_path, monke
                                            "never kill one")),
     ({"freeze_every": 90, "timeout_s": 60}, "--freeze-every must be shorter than --timeout (60 s)"),
     ({"leave_every": 61, "timeout_s": 60}, "--leave-every must be shorter than --timeout (60 s)"),
-    ({"kill_coordinator_at": 60, "timeout_s": 60}, "--kill-coordinator-at must be before --timeout (60 s): with 60 s "
-                                                   "it would never kill the coordinator"),
+    ({"kill_coordinator_at": 60, "timeout_s": 60}, ("--kill-coordinator-at must be before --timeout (60 s): with 60 s "
+                                                    "it would never kill the coordinator")),
     ({"freeze_every": 10, "freeze_for": 0}, "--freeze-for must be more than 0 seconds, got 0"),
 ])
 def test_faults_that_could_never_fire_are_refused(opts, said):
@@ -542,9 +542,9 @@ def test_a_second_simulation_into_a_running_ones_folder_is_refused(tmp_path):
     import sys
 
     out = tmp_path / "sim"
-    holder = subprocess.Popen([sys.executable, "-c", "import sys, time; from pathlib import Path; "
+    holder = subprocess.Popen([sys.executable, "-c", ("import sys, time; from pathlib import Path; "
                                "from groundswell.peer.simulate import hold_output; hold_output(Path(sys.argv[1])); "
-                               "print('held', flush=True); time.sleep(60)", str(out)], stdout=subprocess.PIPE, text=True)
+                               "print('held', flush=True); time.sleep(60)"), str(out)], stdout=subprocess.PIPE, text=True)
     try:
         assert holder.stdout.readline().strip() == "held"
         res = CliRunner().invoke(app, ["simulate", "--peers", "2", "--rounds", "1", "--out", str(out)])
@@ -576,7 +576,7 @@ def test_ctrl_c_writes_the_report_of_the_run_so_far_without_waiting_for_the_coor
     except KeyboardInterrupt:  # (raised on: pytest itself would stop on it)
         pytest.fail("Ctrl+C went through run_simulation, with no report written")
     assert ("coordinator", signal.SIGINT) not in told, told  # not asked to stop and waited for (up to 60 s)
-    assert [e["peer"] for e in events if e["kind"] == "interrupted"][0] == "driver", events
+    assert next(e["peer"] for e in events if e["kind"] == "interrupted") == "driver", events
     assert sorted(e["peer"] for e in events if e["kind"] == "interrupted")[1:] == ["peer-0", "peer-1", "peer-2"]
     assert not any(e["kind"] in ("timed-out", "timeout") for e in events), events
     assert wall < 10
