@@ -85,9 +85,11 @@ def node(role: str, out: Path, timeout_s: float) -> int:
         sn.close()
 
 
-def run(timeout_s: float = 360, shaping: bool = True) -> dict:
-    """Build the lab, run the relay check, tear everything down; the result as a dict."""
-    out = Path(tempfile.mkdtemp(prefix="netlab-relay-"))
+def run(timeout_s: float = 360, shaping: bool = True, out: Path | None = None) -> dict:
+    """Build the lab, run the relay check, tear everything down; the result as a dict.
+
+    Logs and the nodes' throwaway keys go to `out` (a new temp folder if None, kept for reading)."""
+    out = out or Path(tempfile.mkdtemp(prefix="netlab-relay-"))
     procs: list[subprocess.Popen] = []
 
     def spawn(role: str) -> None:

@@ -48,7 +48,7 @@ def test_volunteers_behind_nats_contribute_to_every_round(tmp_path):
 
 
 @pytest.mark.timeout(420)
-def test_a_volunteer_behind_nat_is_reachable_through_the_relay():
+def test_a_volunteer_behind_nat_is_reachable_through_the_relay(tmp_path):
     # Training never needs it (NAT'ed volunteers only dial out), but a peer behind a cone or a
     # symmetric NAT must still be reachable: it holds a reservation on its bootstrap peer's relay.
     import netlab_relay
@@ -56,7 +56,7 @@ def test_a_volunteer_behind_nat_is_reachable_through_the_relay():
     if os.geteuid() != 0:
         pytest.skip("netlab needs root to create network namespaces")
     try:
-        res = netlab_relay.run(timeout_s=240)
+        res = netlab_relay.run(timeout_s=240, out=tmp_path)
     except netlab.NetlabUnavailable as exc:
         pytest.skip(f"network namespaces unavailable here: {exc}")
     assert netlab.existing_namespaces() == [], "the lab was not torn down"
