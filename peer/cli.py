@@ -23,8 +23,42 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 if TYPE_CHECKING:
     from .config import TrainLocalConfig
 
-app = typer.Typer(add_completion=False, no_args_is_help=True, help="groundswell: decentralized training peer.")
-bench_app = typer.Typer(no_args_is_help=True, help="Benchmarks that compare against a baseline measured in the same run.")
+
+class _Commands(typer.core.TyperGroup):
+    """Typer's command group, its commands' help in click's plain style: `--state-dir PATH`,
+    `--peers INTEGER`, and a flag with no type at all (typer 0.29 writes `<path>`, `<int>` and
+    `<bool>`, which read as placeholders to type); an argument's usage name upper case."""
+
+    def get_help_option(self, ctx: Any) -> Any:
+        """This group's own --help, no type shown."""
+        option = super().get_help_option(ctx)
+        if option is not None:
+            option.metavar = ""
+        return option
+
+    def get_command(self, ctx: Any, cmd_name: str) -> Any:
+        """The named command, its parameters' metavars set as above."""
+        command = super().get_command(ctx, cmd_name)
+        if command is None:
+            return None
+        help_option = command.get_help_option(ctx)  # made on first use, after this hook otherwise
+        for param in [*command.params, *([help_option] if help_option is not None else [])]:
+            if param.metavar is not None:
+                continue
+            if isinstance(param, typer.core.TyperArgument):
+                param.metavar = (param.name or "").upper()
+            elif isinstance(param, typer.core.TyperOption) and param.is_flag:
+                param.metavar = ""
+            elif isinstance(param, typer.core.TyperOption):
+                label = param.display_type(ctx).strip("<>").removeprefix("list[").removesuffix("]")
+                param.metavar = {"str": "TEXT", "int": "INTEGER"}.get(label, label.upper())
+        return command
+
+
+app = typer.Typer(cls=_Commands, add_completion=False, no_args_is_help=True,
+                  help="groundswell: decentralized training peer.")
+bench_app = typer.Typer(cls=_Commands, no_args_is_help=True,
+                        help="Benchmarks that compare against a baseline measured in the same run.")
 app.add_typer(bench_app, name="bench")
 
 

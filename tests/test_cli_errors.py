@@ -699,3 +699,17 @@ def test_a_mistyped_coordinator_id_in_the_bootstrap_line_says_so_plainly():
     bad = good[:-3]  # cut short in the copy
     with pytest.raises(BootstrapError, match="not a valid peer id .*mistyped"):
         parse_bootstrap(f"gs1:{bad}@/ip4/127.0.0.1/tcp/1/p2p/{good}")
+
+
+@pytest.mark.parametrize("command", [[], ["bench"], ["bench", "codecs"], ["keygen"], ["launch"], ["join"],
+                                     ["status"], ["simulate"], ["train-local"]])
+def test_help_names_values_as_click_does_and_flags_take_none(command):
+    # typer 0.29 wrote `--quiet <bool>`, `--state-dir <path>`, `--listen <list[str]>`: read as a
+    # value to type after a flag, and wide enough to cut the help text short at 80 columns
+    res = CliRunner().invoke(app, [*command, "--help"], terminal_width=100, env={"COLUMNS": "100"})
+    assert res.exit_code == 0, res.output
+    options = res.output[res.output.index("Options"):]
+    assert "--help" in options and not any(t in options for t in ("<bool>", "<int>", "<str>", "<path>", "<list[")), \
+        options
+    if command in (["join"], ["launch"]):
+        assert "PATH" in options and "INTEGER" in options
