@@ -219,7 +219,7 @@ def train_local(
     table: bool = typer.Option(False, "--table", help="Run the miniature paper table instead of one job."),
     jobs: Optional[int] = typer.Option(None, help="With --table: rows run in this many processes (one torch "
                                        "thread each).", show_default="1"),
-    quick: bool = typer.Option(False, help="With --table: a short smoke-test budget."),
+    quick: bool = typer.Option(False, "--quick", help="With --table: a short smoke-test budget."),
     out: Optional[Path] = typer.Option(None, help="Write the result as JSON to this file."),
     as_json: bool = typer.Option(False, "--json", help="Print the result as JSON on stdout."),
 ) -> None:

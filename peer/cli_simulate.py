@@ -47,7 +47,7 @@ def simulate(
                                          show_default="scale"),
     defences: bool = typer.Option(True, "--defences/--no-defences",
                                   help="Robust aggregation (norm clipping) on or off; input validation stays on."),
-    scoring: bool = typer.Option(False, help="Leaders score each contribution on a probe batch, drop harmful ones."),
+    scoring: bool = typer.Option(False, "--scoring", help="Leaders score each contribution on a probe batch, drop harmful ones."),
     timeout: float = typer.Option(1800.0, help="Stop the run after S seconds, finished or not (the summary says so)."),
     cuda_peers: int = typer.Option(0, help="The first K volunteers train and encode on the GPU (join --device cuda)."),
 ) -> None:

@@ -120,7 +120,7 @@ def _manifest_digest(signed: bytes) -> str:
 @app.command()
 @_user_errors
 def keygen(path: Path = typer.Argument(..., help="Where to write the identity (Ed25519, libp2p format)."),
-           force: bool = typer.Option(False, help="Overwrite an existing file.")) -> None:
+           force: bool = typer.Option(False, "--force", help="Overwrite an existing file.")) -> None:
     """Write a new Ed25519 identity; prints its peer id."""
     from groundswell.protocol.identity import Identity
 
@@ -153,8 +153,8 @@ def launch(
     identity: Optional[Path] = typer.Option(None, help="Identity file (from `groundswell keygen`).",
                                             show_default="STATE_DIR/identity.key, made if missing"),
     state_dir: Path = typer.Option(Path("groundswell-run"), help="Checkpoints and logs; reuse it to resume."),
-    quiet: bool = typer.Option(False, help="No live table (for scripts)."),
-    verbose: bool = typer.Option(False, help="Log protocol events."),
+    quiet: bool = typer.Option(False, "--quiet", help="No live table (for scripts)."),
+    verbose: bool = typer.Option(False, "--verbose", help="Log protocol events."),
     threads: int = typer.Option(0, help="torch threads (0 = default)."),
     checkpoint_every: int = typer.Option(0, help="Rounds between this coordinator's checkpoints.",
                                          show_default="the manifest's checkpoint.every_rounds"),
@@ -248,15 +248,15 @@ def join(
     max_rounds: Optional[int] = typer.Option(None, help="Leave after this many applied rounds."),
     until_round: Optional[int] = typer.Option(None, help="Leave once the run has reached this round."),
     listen: list[str] = typer.Option(["/ip4/0.0.0.0/tcp/0"], help="Multiaddr(s) to listen on."),
-    quiet: bool = typer.Option(False, help="No progress bar and no line per round (for scripts: STATE_DIR/events.jsonl "
+    quiet: bool = typer.Option(False, "--quiet", help="No progress bar and no line per round (for scripts: STATE_DIR/events.jsonl "
                                "has every round)."),
-    verbose: bool = typer.Option(False, help="Log protocol events."),
+    verbose: bool = typer.Option(False, "--verbose", help="Log protocol events."),
     threads: int = typer.Option(0, help="torch threads (0 = default)."),
     reachability: str = typer.Option("auto", help="auto (a bootstrap peer dials us back), public or private."),
     data: Optional[Path] = typer.Option(None, help="Our copy of the run's dataset (a folder of text files, or one "
                                         "with train.bin and val.bin): needed when the run trains on its own "
                                         "data rather than the Python standard library's sources."),
-    allow_model_code: bool = typer.Option(False, help="Run a model the manifest names as 'module:callable' (it "
+    allow_model_code: bool = typer.Option(False, "--allow-model-code", help="Run a model the manifest names as 'module:callable' (it "
                                           "imports and runs that module, installed on this machine)."),
     attack: str = typer.Option("", hidden=True, help="Simulations only: tamper with contributions (peer/byzantine.py)."),
     data_seed: Optional[int] = typer.Option(None, hidden=True, min=0, max=2**63 - 1,

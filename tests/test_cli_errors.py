@@ -705,11 +705,13 @@ def test_a_mistyped_coordinator_id_in_the_bootstrap_line_says_so_plainly():
                                      ["status"], ["simulate"], ["train-local"]])
 def test_help_names_values_as_click_does_and_flags_take_none(command):
     # typer 0.29 wrote `--quiet <bool>`, `--state-dir <path>`, `--listen <list[str]>`: read as a
-    # value to type after a flag, and wide enough to cut the help text short at 80 columns
-    res = CliRunner().invoke(app, [*command, "--help"], terminal_width=100, env={"COLUMNS": "100"})
+    # value to type after a flag; with `--no-allow-model-code` beside them, the help text of
+    # `join` was cut short ("STATE_DIR/events.jso…") in an 80-column terminal
+    res = CliRunner().invoke(app, [*command, "--help"], terminal_width=80, env={"COLUMNS": "80"})
     assert res.exit_code == 0, res.output
     options = res.output[res.output.index("Options"):]
     assert "--help" in options and not any(t in options for t in ("<bool>", "<int>", "<str>", "<path>", "<list[")), \
         options
+    assert "…" not in res.output, res.output
     if command in (["join"], ["launch"]):
         assert "PATH" in options and "INTEGER" in options
