@@ -24,9 +24,11 @@ def explain_start_failure(err: BaseException, initial_peers: Sequence[str], role
         return err
     text = str(err)
     if (skew := clock_skew(text)) is not None:  # hivemind's DHT allows 3 s
-        return NetworkError(f"this computer's clock is {abs(skew):.0f} s {'ahead of' if skew > 0 else 'behind'} "
+        # One decimal: "3 s ahead, and the DHT allows 3 s" read as no reason at all for 3.3 s.
+        return NetworkError(f"this computer's clock is {abs(skew):.1f} s {'ahead of' if skew > 0 else 'behind'} "
                             "the bootstrap peer's, and the DHT allows 3 s: set the clock (turn on "
-                            "network time, e.g. `timedatectl set-ntp true`) and start again")
+                            "network time, e.g. `timedatectl set-ntp true`) and start again; if this "
+                            "clock is right, the bootstrap peer's is off (tell the run's coordinator)")
     if "can't access this node" in text:  # hivemind's DHT: the bootstrap peer could not dial us back
         fix = ("forward the --listen port, and name the address others reach with --announce" if role == "coordinator"
                else "then --reachability private")

@@ -236,6 +236,13 @@ def test_a_clock_off_by_more_than_the_dht_allows_is_named_with_its_skew():
     refusal = "local time must be within 3 seconds  of others(local: 1796158009.75187, peer: 1796157949.75283)"
     assert abs(_clock_skew(refusal) - 59.99904) < 1e-6
     assert _clock_skew("failed to connect to bootstrap peers") is None
+    # 3.3 s said so (it read "3 s ahead ... allows 3 s"), and a volunteer whose clock is right
+    # learns that the coordinator's is off (a review's coordinator at +4 s refused every volunteer)
+    from groundswell.peer.net_errors import explain_start_failure
+
+    refusal = "local time must be within 3 seconds  of others(local: 1796158009.25, peer: 1796158012.55)"
+    words = " ".join(str(explain_start_failure(RuntimeError(refusal), ["/ip4/192.0.2.1/tcp/1"])).split())
+    assert "clock is 3.3 s behind the bootstrap peer's" in words and "tell the run's coordinator" in words
 
 
 def test_bootstrap_peers_whose_dht_does_not_answer_in_time_are_named_so():
