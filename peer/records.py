@@ -15,12 +15,15 @@ from collections import OrderedDict
 from concurrent.futures import Future
 from typing import Any
 
+from groundswell.protocol.clock_offset import skew_warning
 from groundswell.protocol.envelope import seal, unseal
 from groundswell.protocol.schema import PeerRecord, ProtocolError
 
 log = logging.getLogger(__name__)
 HEARTBEAT_S = 2.0
 RECORD_TTL_S = 3 * HEARTBEAT_S  # a record outlives two missed heartbeats
+CLOCK_WARN_S = 1.0  # our clock this far off the other peers' is worth a warning (see protocol/clock_offset.py)
+CLOCK_WARN_EVERY_S = 600.0  # and it is repeated this often while it lasts
 STORE_CUTOFF_S = RECORD_TTL_S - HEARTBEAT_S  # a heartbeat's store is given up after this (from its start)
 EXPIRY_SLACK_S = 1.0  # (a record's expiration is its own time plus RECORD_TTL_S, exactly)
 # A stored record may expire at most this far ahead of a storer's clock: the manifest's largest
@@ -37,7 +40,12 @@ def expires_at(rec: PeerRecord) -> float:
 
 
 VERIFIED_KEPT = 4096  # records whose signature check is remembered (by their bytes' digest)
-_verified: OrderedDict[bytes, tuple[str, PeerRecord]] = OrderedDict()
+# ...and at most this many of their signed bytes together: a soak run's records took ~2.2 kB of
+# memory each (~9 MB at the cap), but an open run's peer may sign any number of distinct records
+# filled to the schema's limits (~47 kB each: ~180 MiB at 4,096).
+VERIFIED_BYTES_KEPT = 8 << 20
+_verified: OrderedDict[bytes, tuple[str, PeerRecord, int]] = OrderedDict()
+_verified_bytes = 0  # the signed bytes of `_verified`'s records, together
 _verified_lock = threading.Lock()
 
 
@@ -46,17 +54,20 @@ def unseal_record(value: bytes, run_id: str) -> tuple[str, PeerRecord]:
     and `peer_records` checks each entry again, so each lookup verified the same signatures
     (storers + 1) times, on the node's one event loop (~0.2-0.35 ms each: ~1 s a refresh at
     1,000 peers). Only records that check out are remembered; ProtocolError as `unseal`."""
+    global _verified_bytes
     key = hashlib.blake2b(run_id.encode() + b"\0" + value, digest_size=16).digest()  # (checked for this run only)
     with _verified_lock:
         hit = _verified.get(key)
         if hit is not None:
             _verified.move_to_end(key)
-            return hit
+            return hit[0], hit[1]
     sender, rec = unseal(value, run_id, PeerRecord)
     with _verified_lock:
-        _verified[key] = (sender, rec)
-        while len(_verified) > VERIFIED_KEPT:
-            _verified.popitem(last=False)
+        if key not in _verified:
+            _verified[key] = (sender, rec, len(value))
+            _verified_bytes += len(value)
+        while len(_verified) > VERIFIED_KEPT or _verified_bytes > VERIFIED_BYTES_KEPT:
+            _verified_bytes -= _verified.popitem(last=False)[1][2]
     return sender, rec
 
 
@@ -176,6 +187,7 @@ class PeerRecords:
     server: Any
     maddrs: list[str]
     rejoiner: Any
+    _clock_warned_at: float | None = None  # loop time of the last clock warning (`_check_clock`)
     puncher: Any
     record: PeerRecord
     _cached_records: dict[str, PeerRecord]
@@ -222,6 +234,7 @@ class PeerRecords:
                 self.record_validator.prune_far_future(self.dht)
             except Exception as exc:  # noqa: BLE001 (hivemind's storage internals): the next heartbeat tries again
                 log.info("pruning far-future records failed: %r", exc)
+            self._check_clock(loop.time())
             stored_from = loop.time()  # (after a re-entry of several seconds the store still gets its time)
             rec = self.record
             rec = PeerRecord(rec.round, rec.params_hash, rec.role, rec.trains, rec.serves, self.maddrs[:8],
@@ -240,6 +253,15 @@ class PeerRecords:
             except Exception as exc:  # the DHT being briefly unreachable (or slow: TimeoutError) is normal under churn
                 log.info("heartbeat store failed: %r", exc)
             await asyncio.sleep(max(0.0, HEARTBEAT_S - (loop.time() - started)))
+
+    def _check_clock(self, now: float) -> None:
+        """Warn (at most every CLOCK_WARN_EVERY_S) while our clock is off the other peers' by more
+        than CLOCK_WARN_S: rounds follow the clock, and the start's check was against one peer."""
+        warning = skew_warning(self.guard.clock_offsets.ours(), CLOCK_WARN_S)
+        last = self._clock_warned_at
+        if warning is not None and (last is None or now - last >= CLOCK_WARN_EVERY_S):
+            self._clock_warned_at = now
+            log.warning(warning)
 
     async def _withdraw_record(self) -> None:
         """Replace our record with a "left" one (it lives as long as a heartbeat's would): others

@@ -13,6 +13,7 @@ import time
 from collections import Counter, OrderedDict, deque
 from dataclasses import dataclass, field
 
+from .clock_offset import ClockOffsets
 from .schema import ProtocolError
 
 MAX_PEERS = 10_000  # peers whose counters are kept; beyond this the longest-idle is forgotten
@@ -80,6 +81,7 @@ class Guard:
         self._queue: deque[_Waiter] = deque()  # `room_for` callers waiting, in their order of arrival
         self.bans_total = 0
         self.streams = 0  # inbound streams admitted and not yet released, all peers together
+        self.clock_offsets = ClockOffsets()  # fed by the transport with its verified small requests' stamps
 
     def _peer(self, peer: str) -> _PeerState:
         state = self._peers.get(peer)

@@ -165,8 +165,15 @@ class Transport:
             """The sealed reply, its trailer and the trailer's release (the caller's to call), for
             one request's bytes."""
             self.bytes_received += len(data) + _LEN.size
-            sender, request = unseal(data, self.run_id, expect, max_request, sender=remote,
-                                     fresh=lambda nonce, ts: self.guard.check_fresh(nonce, ts, opened))
+            stamps: list[float] = []
+
+            def fresh(nonce: bytes, stamp: float) -> None:
+                stamps.append(stamp)
+                self.guard.check_fresh(nonce, stamp, opened)
+
+            sender, request = unseal(data, self.run_id, expect, max_request, sender=remote, fresh=fresh)
+            if stamps and len(data) <= SMALL_BODY:  # verified, and quick to arrive: a clock sample
+                self.guard.clock_offsets.note(sender, stamps[-1] - opened)
             reply = await (fn(sender, request, data) if with_envelope else fn(sender, request))
             bulk, release = b"", None
             if isinstance(reply, WithTrailer):

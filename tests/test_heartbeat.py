@@ -105,3 +105,24 @@ def test_a_loss_that_cannot_be_published_leaves_its_round_as_it_was():
     node.update_record(loss=2.5, loss_round=4)
     node.update_record(loss=float("nan"), loss_round=9)  # diverged: records refuse non-finite floats
     assert (node.record.loss, node.record.loss_round) == (2.5, 4)
+
+
+def test_the_checked_records_kept_are_bounded_in_bytes(monkeypatch):
+    # A soak run found this cache the one thing growing (~15 MB, to its 4,096-record cap); a peer
+    # may sign any number of distinct records filled to the schema's limits (~47 kB each)
+    from groundswell.protocol.envelope import seal
+
+    monkeypatch.setattr(records, "_verified", type(records._verified)())
+    monkeypatch.setattr(records, "_verified_bytes", 0)
+    monkeypatch.setattr(records, "VERIFIED_BYTES_KEPT", 64 << 10)
+    me = Identity.generate()
+    big = [f"/ip4/10.0.0.{i}/tcp/{40000 + i}/p2p/{me.peer_id}" for i in range(32)]
+    signed = [seal(me, "r", PeerRecord(n, "f" * 64, "volunteer", True, True, big, "public", 0.0, 0, float(n)))
+              for n in range(40)]
+    for n, value in enumerate(signed):
+        sender, rec = records.unseal_record(value, "r")
+        assert sender == me.peer_id and rec.round == n
+    assert 0 < records._verified_bytes <= 64 << 10 and len(records._verified) < 40
+    assert records._verified_bytes == sum(size for _, _, size in records._verified.values())
+    sender, rec = records.unseal_record(signed[-1], "r")  # a hit: what `unseal` gives
+    assert sender == me.peer_id and rec.round == 39 and rec.maddrs == big
