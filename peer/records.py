@@ -40,12 +40,14 @@ def expires_at(rec: PeerRecord) -> float:
 
 
 VERIFIED_KEPT = 4096  # records whose signature check is remembered (by their bytes' digest)
-# ...and at most this many of their signed bytes together: a soak run's records took ~2.2 kB of
-# memory each (~9 MB at the cap), but an open run's peer may sign any number of distinct records
-# filled to the schema's limits (~47 kB each: ~180 MiB at 4,096).
+# ...and at most about this many bytes of memory together (signed bytes plus ITEM_COST a list
+# item): a soak run's records took ~2.2 kB each (~9 MB at the cap), but an open run's peer may
+# sign any number of distinct records filled to the schema's limits (~47 kB each: ~180 MiB at
+# 4,096), and a record of many short strings takes ~16x its signed size decoded.
 VERIFIED_BYTES_KEPT = 8 << 20
+ITEM_COST = 64  # charged per list item of a record besides its signed bytes (a Python str's overhead, roughly)
 _verified: OrderedDict[bytes, tuple[str, PeerRecord, int]] = OrderedDict()
-_verified_bytes = 0  # the signed bytes of `_verified`'s records, together
+_verified_bytes = 0  # the cost (as VERIFIED_BYTES_KEPT counts it) of `_verified`'s records, together
 _verified_lock = threading.Lock()
 
 
@@ -64,8 +66,9 @@ def unseal_record(value: bytes, run_id: str) -> tuple[str, PeerRecord]:
     sender, rec = unseal(value, run_id, PeerRecord)
     with _verified_lock:
         if key not in _verified:
-            _verified[key] = (sender, rec, len(value))
-            _verified_bytes += len(value)
+            cost = len(value) + ITEM_COST * sum(len(v) for v in vars(rec).values() if isinstance(v, list))
+            _verified[key] = (sender, rec, cost)
+            _verified_bytes += cost
         while len(_verified) > VERIFIED_KEPT or _verified_bytes > VERIFIED_BYTES_KEPT:
             _verified_bytes -= _verified.popitem(last=False)[1][2]
     return sender, rec

@@ -165,6 +165,7 @@ class Transport:
             """The sealed reply, its trailer and the trailer's release (the caller's to call), for
             one request's bytes."""
             self.bytes_received += len(data) + _LEN.size
+            received = time.time()  # all of the request is here: the clock sample's "now"
             stamps: list[float] = []
 
             def fresh(nonce: bytes, stamp: float) -> None:
@@ -172,8 +173,9 @@ class Transport:
                 self.guard.check_fresh(nonce, stamp, opened)
 
             sender, request = unseal(data, self.run_id, expect, max_request, sender=remote, fresh=fresh)
-            if stamps and len(data) <= SMALL_BODY:  # verified, and quick to arrive: a clock sample
-                self.guard.clock_offsets.note(sender, stamps[-1] - opened)
+            if stamps and len(data) <= SMALL_BODY and self.run_id:  # verified, and quick to arrive: a clock sample
+                # (not on a node's run-less bootstrap transport: anyone may call its probes)
+                self.guard.clock_offsets.note(sender, stamps[-1] - received)
             reply = await (fn(sender, request, data) if with_envelope else fn(sender, request))
             bulk, release = b"", None
             if isinstance(reply, WithTrailer):

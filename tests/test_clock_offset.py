@@ -7,7 +7,13 @@ import logging
 from types import SimpleNamespace
 
 from groundswell.peer.records import CLOCK_WARN_EVERY_S, PeerRecords
-from groundswell.protocol.clock_offset import MAX_PEERS, SAMPLES_PER_PEER, ClockOffsets, skew_warning
+from groundswell.protocol.clock_offset import (
+    MAX_PEERS,
+    SAMPLE_LIFE_S,
+    SAMPLES_PER_PEER,
+    ClockOffsets,
+    skew_warning,
+)
 
 
 def test_no_estimate_from_fewer_than_two_peers():
@@ -36,6 +42,36 @@ def test_one_peer_of_two_off_does_not_make_us_look_off():
     offsets.note("skewed", 2.5)
     offsets.note("on-time", -0.02)
     assert offsets.ours() == (0.02, 2)
+
+
+def test_peers_not_heard_from_lately_no_longer_count():
+    # (a review: samples of peers that had left counted for good)
+    clock = {"wall": 1000.0, "mono": 0.0}
+    offsets = ClockOffsets(wall=lambda: clock["wall"], mono=lambda: clock["mono"])
+    offsets.note("gone-1", -3.0)
+    offsets.note("gone-2", -3.0)
+    assert offsets.ours() == (3.0, 2)
+    clock["wall"] += SAMPLE_LIFE_S + 1
+    clock["mono"] += SAMPLE_LIFE_S + 1
+    assert offsets.ours() is None
+    offsets.note("here-1", 0.0)
+    offsets.note("here-2", -0.1)
+    assert offsets.ours() == (0.0, 2)
+
+
+def test_a_step_of_our_own_clock_clears_the_samples_taken_against_the_old_one():
+    # the user, warned, sets the clock: the old samples would keep the warning up until each
+    # peer had sent 8 new requests (a review)
+    clock = {"wall": 1000.0, "mono": 0.0}
+    offsets = ClockOffsets(wall=lambda: clock["wall"], mono=lambda: clock["mono"])
+    offsets.note("a", 3.0)
+    offsets.note("b", 3.1)
+    assert offsets.ours() == (-3.0, 2)  # we are 3 s behind
+    clock["wall"] += 3.0  # network time turned on
+    assert offsets.ours() is None
+    offsets.note("a", 0.01)
+    offsets.note("b", -0.02)
+    assert offsets.ours() == (-0.01, 2)
 
 
 def test_samples_and_peers_kept_are_bounded():
