@@ -47,12 +47,18 @@ class _Commands(typer.core.TyperGroup):
                 continue
             if isinstance(param, typer.core.TyperArgument):
                 param.metavar = (param.name or "").upper()
+                param.display_type_rich = lambda ctx, p=param: _click_type(p, ctx)  # its type column
             elif isinstance(param, typer.core.TyperOption) and param.is_flag:
                 param.metavar = ""
             elif isinstance(param, typer.core.TyperOption):
-                label = param.display_type(ctx).strip("<>").removeprefix("list[").removesuffix("]")
-                param.metavar = {"str": "TEXT", "int": "INTEGER"}.get(label, label.upper())
+                param.metavar = _click_type(param, ctx)
         return command
+
+
+def _click_type(param: Any, ctx: Any) -> str:
+    """A parameter's type as click names it (TEXT, INTEGER, PATH), from typer's `<str>` style."""
+    label = param.display_type(ctx).strip("<>").removeprefix("list[").removesuffix("]")
+    return {"str": "TEXT", "int": "INTEGER"}.get(label, label.upper())
 
 
 app = typer.Typer(cls=_Commands, add_completion=False, no_args_is_help=True,
