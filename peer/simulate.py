@@ -23,6 +23,7 @@ from .config import ConfigError, check_device
 from .sim_options import LATE_JOIN_ROUND, SimulateOptions, check_manifest, manifest_toml
 from .sim_procs import Simulation
 from .sim_report import build_report, report_json
+from .state_files import remove_half_written
 from .workload import check_workload_spec
 
 
@@ -178,6 +179,14 @@ def clear_output(out: Path) -> None:
         why = f"{above} is a file, not a folder" if above is not None else exc.strerror or str(exc)
         raise SimulationError(f"--out {out} cannot be created: {why}") from None
     (out / MARKER).write_text("made by groundswell simulate; it empties this folder when run into it again\n")
+
+
+def tidy_output(out: Path) -> None:
+    """Remove the half-written files that processes killed mid-write (a fault, the timeout) left in
+    their state dirs: a restart would have removed its own, but none comes after the run."""
+    for entry in out.iterdir():
+        if entry.is_dir() and not entry.is_symlink() and _OUTPUT.fullmatch(entry.name):
+            remove_half_written(entry)
 
 
 def _first_error(log_path: Path) -> str:
@@ -377,6 +386,7 @@ def run_simulation(opts: SimulateOptions, out: Path, progress: Callable[[str], N
         # the coordinator told to stop, and volunteers still running at the timeout that ended meanwhile
         note_ended(["coordinator", *volunteers], exits=False)
         report = build_report(out, opts, sim.events, time.time() - start, t0=sim.t0, rss=sim.peak_rss)
+    tidy_output(out)  # (every process is gone: the with block's exit killed the ones still running)
     (out / "report.json").write_text(report_json(report))
     try:
         from .plots import plot_loss

@@ -89,6 +89,20 @@ def test_recovery_counts_the_next_round_and_the_stricter_reading_the_next_round_
     assert "1 kill;" in fault_summary(report) and fault_summary({"events": []}) is None
 
 
+def test_the_output_is_left_without_half_written_files(tmp_path):
+    # a volunteer killed mid-write (a fault, or the run's --timeout) left its work.RANDOM.tmp: only
+    # its next start would have removed it, and none comes after the run
+    from groundswell.peer.simulate import tidy_output
+
+    (tmp_path / "peer-0").mkdir()
+    (tmp_path / "peer-0" / "work.0123abcd.tmp").write_bytes(b"half")
+    (tmp_path / "peer-0" / "work.json").write_bytes(b"{}")
+    (tmp_path / "coordinator").mkdir()
+    (tmp_path / "coordinator" / "checkpoint-00000004.0123abcd.tmp").write_bytes(b"half")
+    tidy_output(tmp_path)
+    assert sorted(p.name for p in tmp_path.rglob("*") if p.is_file()) == ["work.json"]
+
+
 def test_a_bad_option_fails_before_any_process_starts(tmp_path):
     # The manifest a simulation would launch is validated first: one clear error, nothing spawned.
     from groundswell.peer.config import ConfigError
