@@ -172,8 +172,12 @@ def clear_output(out: Path) -> None:
             shutil.rmtree(entry)
         else:
             entry.unlink()
+    parent = out.absolute().parent
+    if not out.exists() and not parent.exists() and not any(p.exists() and not p.is_dir() for p in parent.parents):
+        # one folder is made, not a whole mistyped path (as join's and launch's --state-dir)
+        raise SimulationError(f"--out {out}: {parent} does not exist (a typo?): create it first")
     try:
-        out.mkdir(parents=True, exist_ok=True)
+        out.mkdir(exist_ok=True)
     except OSError as exc:  # a file above it, no permission, a read-only disk: said naming the flag
         above = next((p for p in out.parents if p.exists() and not p.is_dir()), None)
         why = f"{above} is a file, not a folder" if above is not None else exc.strerror or str(exc)
@@ -379,10 +383,15 @@ def run_simulation(opts: SimulateOptions, out: Path, progress: Callable[[str], N
                 sim.event("interrupted" if interrupted else "timeout", v)
         if sim.alive("coordinator") and not interrupted:  # (interrupted: whoever pressed Ctrl+C waits for no one)
             sim.signal("coordinator", signal.SIGINT)
+            progress("stopping: the coordinator saves its checkpoint (up to 60 s; Ctrl+C skips the wait)")
             try:
                 sim.procs["coordinator"].popen.wait(timeout=60)  # type: ignore[union-attr]
             except subprocess.TimeoutExpired:
                 pass
+            except KeyboardInterrupt:  # the first Ctrl+C (or SIGTERM) here: the report all the same, now
+                interrupted = True
+                sim.event("interrupted", "driver")
+                progress("interrupted: writing the report of the run so far (press Ctrl+C again to stop at once)")
         # the coordinator told to stop, and volunteers still running at the timeout that ended meanwhile
         note_ended(["coordinator", *volunteers], exits=False)
         report = build_report(out, opts, sim.events, time.time() - start, t0=sim.t0, rss=sim.peak_rss)

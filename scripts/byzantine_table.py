@@ -41,6 +41,7 @@ def main() -> None:
     ap.add_argument("--modes", default="on,score,off", help="on: norm clipping; score: clipping + scoring; off: none")
     ap.add_argument("--json", type=Path, default=None)
     args = ap.parse_args()
+    args.out.mkdir(parents=True, exist_ok=True)  # (each simulation makes only its own folder in it)
     base = dict(peers=args.peers, rounds=args.rounds, inner_steps=args.inner_steps, preset=args.preset,
                 algorithm=args.algorithm, min_peers=max(2, args.peers // 2), deadline_s=60.0, seed=0,
                 timeout_s=3600.0)

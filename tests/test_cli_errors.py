@@ -386,6 +386,10 @@ def test_simulate_clears_an_earlier_simulations_output_and_refuses_a_folder_of_o
     (tmp_path / "afile").write_text("x")
     res = CliRunner().invoke(app, ["simulate", "--peers", "1", "--rounds", "1", "--out", str(tmp_path / "afile" / "sub")])
     _one_error_line(res, 2, f"--out {tmp_path / 'afile' / 'sub'} cannot be created: {tmp_path / 'afile'} is a file")
+    # a mistyped path is not made whole (a review's `--out /nonexistent/x` made /nonexistent, as root)
+    res = CliRunner().invoke(app, ["simulate", "--peers", "1", "--rounds", "1", "--out", str(tmp_path / "typo" / "x")])
+    _one_error_line(res, 2, f"--out {tmp_path / 'typo' / 'x'}: {tmp_path / 'typo'} does not exist (a typo?)")
+    assert not (tmp_path / "typo").exists()
 
 
 def test_options_are_checked_before_the_state_dir_is_written(tmp_path):

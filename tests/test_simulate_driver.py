@@ -556,6 +556,29 @@ def test_a_second_simulation_into_a_running_ones_folder_is_refused(tmp_path):
         holder.wait()
 
 
+def test_ctrl_c_while_the_coordinator_saves_its_checkpoint_still_writes_the_report(tmp_path, monkeypatch):
+    # Found by a review: one Ctrl+C (or an outer `timeout`'s SIGTERM) in the wait for the stopping
+    # coordinator, after the run's own --timeout, ended `simulate` with no report.json at all
+    pressed = []
+    wait_one = _Ending.wait
+
+    def pressed_while_waiting(self, timeout=None):
+        if not pressed:  # once: the kills on the way out wait too
+            pressed.append(timeout)
+            raise KeyboardInterrupt
+        return wait_one(self, timeout)
+
+    monkeypatch.setattr(_Ending, "wait", pressed_while_waiting)
+    opts = SimulateOptions(peers=2, rounds=10, timeout_s=1.0)
+    try:
+        events, _ = _fake_run(tmp_path, monkeypatch, opts, rounds_done=0)
+    except KeyboardInterrupt:
+        pytest.fail("Ctrl+C in the coordinator's wait went through run_simulation, with no report written")
+    kinds = [e["kind"] for e in events if e["peer"] == "driver"]
+    assert kinds[-2:] == ["timed-out", "interrupted"] and pressed == [60], events
+    assert (tmp_path / "sim" / "report.json").exists()
+
+
 def test_ctrl_c_writes_the_report_of_the_run_so_far_without_waiting_for_the_coordinator(tmp_path, monkeypatch):
     # Found by a review: Ctrl+C ended `simulate` with no report.json at all, after minutes of a run.
     calls = []
