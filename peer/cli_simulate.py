@@ -18,7 +18,7 @@ def simulate(
     rounds: int = typer.Option(10, help="Rounds the run goes to: volunteers leave once it reaches round R (late joiners and restarted peers apply fewer)."),
     preset: str = typer.Option("tiny", help="Model preset or module:callable."),
     algorithm: str = typer.Option("sparseloco", help="diloco or sparseloco."),
-    codec: str = typer.Option("", help="Outer codec.", show_default="the algorithm's"),
+    codec: str = typer.Option("", help="Outer codec: fp32, fp16, bf16, int8, sparseloco.", show_default="the algorithm's"),
     inner_steps: int = typer.Option(20, "--inner-steps", "-H", help="Inner steps per round."),
     batch_size: int = typer.Option(8, help="Inner batch size."),
     deadline: float = typer.Option(

@@ -150,6 +150,7 @@ def build_report(out: Path, opts: "SimulateOptions", driver_events: list[dict], 
                 rejoin.append(round(min(after) - ev["t"], 2))
             else:
                 never_rejoined += 1
+    outages = _coordinator_outages(driver_events, logs.get("coordinator", []), end_t, t0)
     n = opts.peers
     # Compute utilization: time in forward/backward/inner optimizer over each volunteer's wall time
     # from its first sync to the end of its last block of inner steps, less the time the driver
@@ -229,6 +230,7 @@ def build_report(out: Path, opts: "SimulateOptions", driver_events: list[dict], 
         # kills and freezes left out of the two lists above: no round of that kind ended after them
         "recovery_unmeasured": unmeasured,
         "rejoin_s": rejoin,
+        "coordinator_outages": outages,  # per --kill-coordinator-at: the swarm's next round, the coordinator's return
         "never_rejoined": never_rejoined,  # restarts and late joins whose process was never counted
         # rounds fewer than two processes reported a hash for: nothing compared them
         "unchecked_rounds": [r for r in range(completed) if len(reporters.get(r, ())) < 2],
@@ -251,6 +253,23 @@ def build_report(out: Path, opts: "SimulateOptions", driver_events: list[dict], 
         "shards_applied": shards_total,
         "events": sorted(events, key=lambda e: e["t"]),
     }
+
+
+def _coordinator_outages(driver_events: list[dict], coordinator_log: list[dict], end_t: dict[int, float],
+                         t0: float) -> list[dict]:
+    """Per coordinator kill: when (`at_s`), seconds until the swarm next ended a round without it
+    (`next_round_s`), and until the restarted coordinator applied a round of its own again, past
+    its catch-up (`back_in_step_s`); None where the run ended first."""
+    outages = []
+    for ev in driver_events:
+        if ev["kind"] != "kill-coordinator":
+            continue
+        nxt = min((t for t in end_t.values() if t > ev["t"]), default=None)
+        back = min((e["t"] - t0 for e in coordinator_log if e["kind"] == "round" and e["t"] - t0 > ev["t"]),
+                   default=None)
+        outages.append({"at_s": round(ev["t"], 2), "next_round_s": None if nxt is None else round(nxt - ev["t"], 2),
+                        "back_in_step_s": None if back is None else round(back - ev["t"], 2)})
+    return outages
 
 
 def _misapplied(logs: dict[str, list[dict]], volunteer_rounds: list[dict],
@@ -360,6 +379,11 @@ def faults_missed(report: dict) -> list[str]:
             if asked.get(name) and kind in fired and not fired[kind]]
 
 
+def _after(x: float | None) -> str:
+    """"S s after" with one decimal, "never" where the run ended first."""
+    return "never" if x is None else f"{x:.1f} s after"
+
+
 def fault_summary(report: dict) -> str | None:
     """One line on the faults of a run and what they cost (None for a run without faults)."""
     kinds = [e["kind"] for e in report.get("events", [])]
@@ -381,6 +405,9 @@ def fault_summary(report: dict) -> str | None:
             + (f" (faults left out: {unmeasured_text})" if unmeasured_text else "")
             + f"; rejoin mean/max {mean_max(report['rejoin_s'])}"
             + (f" ({report['never_rejoined']} never rejoined)" if report.get("never_rejoined") else "")
+            + "".join(f"; coordinator killed at {o['at_s']:.0f} s: next round {_after(o['next_round_s'])}, "
+                      f"coordinator back in step {_after(o['back_in_step_s'])}"
+                      for o in report.get("coordinator_outages") or [])
             + f"; longest round {max(times):.1f} s"
             + f"; lost contributions {report['lost_contributions']}"
             + (f" ({report['double_counted_contributions']} applied twice)"

@@ -89,6 +89,38 @@ def test_recovery_counts_the_next_round_and_the_stricter_reading_the_next_round_
     assert "1 kill;" in fault_summary(report) and fault_summary({"events": []}) is None
 
 
+def test_a_coordinator_kill_reports_the_swarms_next_round_and_the_coordinators_return(tmp_path):
+    # Found by a review: --kill-coordinator-at got no measurement at all ("recovery mean/max -").
+    # Killed at t=10; the volunteers end round 1 at 12 and round 2 at 20 without it; restarted at
+    # 14, it follows round 1, takes round 2's state and applies round 3 (t=30) itself.
+    import json
+
+    from groundswell.peer.sim_report import build_report, fault_summary
+    from groundswell.peer.simulate import SimulateOptions
+
+    def log(name: str, lines: list[dict]) -> None:
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "events.jsonl").write_text("".join(json.dumps(x) + "\n" for x in lines))
+
+    def rnd(t: float, r: int, kind: str = "round") -> dict:
+        return {"t": t, "kind": kind, "round": r, "hash": f"h{r}", "contributors": ["P", "Q"], "included": True,
+                "bytes_sent": 100}
+
+    log("coordinator", [rnd(5.0, 0), rnd(16.0, 1, "follow"), rnd(22.0, 3, "sync"), rnd(30.0, 3)])
+    log("peer-0", [{**rnd(t, r), "peer": "P"} for t, r in ((5.0, 0), (12.0, 1), (20.0, 2), (30.0, 3))])
+    driver = [{"t": 10.0, "kind": "kill-coordinator", "peer": "coordinator"},
+              {"t": 14.0, "kind": "restart", "peer": "coordinator"}]
+    report = build_report(tmp_path, SimulateOptions(peers=1, rounds=4), driver, wall_s=40.0, t0=0.0)
+    assert report["coordinator_outages"] == [{"at_s": 10.0, "next_round_s": 2.0, "back_in_step_s": 20.0}]
+    assert report["recovery_s"] == []  # (volunteers' kills and freezes only)
+    said = fault_summary(report)
+    assert "coordinator killed at 10 s: next round 2.0 s after, coordinator back in step 20.0 s after" in said, said
+    (tmp_path / "coordinator" / "events.jsonl").write_text(json.dumps(rnd(5.0, 0)) + "\n")  # never back
+    report = build_report(tmp_path, SimulateOptions(peers=1, rounds=4), driver, wall_s=40.0, t0=0.0)
+    assert report["coordinator_outages"] == [{"at_s": 10.0, "next_round_s": 2.0, "back_in_step_s": None}]
+    assert "coordinator back in step never" in fault_summary(report)
+
+
 def test_the_output_is_left_without_half_written_files(tmp_path):
     # a volunteer killed mid-write (a fault, or the run's --timeout) left its work.RANDOM.tmp: only
     # its next start would have removed it, and none comes after the run
