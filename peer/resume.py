@@ -17,6 +17,7 @@ from .config import ConfigError
 from .net_errors import NetworkError
 from .participant import Participant
 from .run_state import GlobalState
+from .state_download import StateTooSlow
 from .state_trust import ModelMismatch, NoNewerState
 from .swarm_exchange import parse_unsettled
 from .work_file import (
@@ -72,6 +73,8 @@ def resume_and_sync(p: Participant, bootstrap_peers: list[str]) -> dict | None:
         p.events.write("resume-ahead", round=p.outer.round_id, peer=p.identity.peer_id)
     except ModelMismatch as exc:
         raise ConfigError(f"{exc}; join with --data naming a copy of the run's own dataset") from None
+    except StateTooSlow as exc:  # not the run's fault, and starting again fails alike
+        raise NetworkError(f"{exc}; this link seems slower (see \"What a volunteer's link needs\" in peer/README.md)") from None
     except (PeerUnavailable, TimeoutError, ProtocolError) as exc:  # ProtocolError: the state's decision raced our book
         raise NetworkError(f"could not download the run's state from any peer ({exc or 'timed out'}); "
                            "is the run still up? Start again to retry") from None

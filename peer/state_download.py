@@ -24,6 +24,11 @@ BUSY_WAIT_S = 2.0  # a peer whose upload slots are taken is asked again this lon
 BUSY_WAIT_MAX_S = 30.0  # up to this, while a sync still has the time for one download after it
 
 
+class StateTooSlow(PeerUnavailable):
+    """Every failed download of the state ran out of its time with the blob under way: this
+    peer's link is likely too slow for the run's state (retrying fails alike)."""
+
+
 def state_budget(numel: int, momentum: bool = True) -> int:
     """The most bytes a state download may announce: the parameters (and DiLoCo's momentum) as
     fp32, plus room for the blob's header. It is allocated as announced, before the bytes arrive:
@@ -61,6 +66,7 @@ async def download_state(node: Any, check: StateCheck, peers: list[str], min_rou
 
     def size_check(server: str) -> Callable[[StateReply], int]:
         def size(reply: StateReply) -> int:  # runs before a byte of the blob is read
+            announced[server] = reply.size
             if reply.size > budget:
                 # The run's own state, its hash says; only the coordinator's say-so tells us our
                 # model is wrong (anyone can copy the hash it publishes into a reply that is all size).
@@ -87,6 +93,8 @@ async def download_state(node: Any, check: StateCheck, peers: list[str], min_rou
         return size
 
     queue, asked = list(dict.fromkeys(peers)), 0
+    announced: dict[str, int] = {}  # server -> the size of the state its reply announced
+    too_slow: dict[str, int] = {}  # server -> that size, where the blob was under way when its time ran out
     other_model: dict[str, str] = {}  # server -> why its state, the run's own, is of a model not ours
     behind: set[str] = set()  # answered: nothing of round >= min_round
     silent: set[str] = set()  # alive, or not known to be gone, but served nothing: may hold a newer state
@@ -110,12 +118,16 @@ async def download_state(node: Any, check: StateCheck, peers: list[str], min_rou
         if (wait := retry_at.get(peer, 0.0) - time.monotonic()) > 0:  # every peer ahead of it was asked meanwhile
             await asyncio.sleep(wait)
         silent.discard(peer)
+        announced.pop(peer, None)
+        started = time.monotonic()
         try:
             reply, blob, digest, via = await fetch_state(node, peer, min_round, size_check(peer),
                                                          timeout_s=state_timeout_s(check.numel),
                                                          reply_timeout_s=state_reply_timeout_s(check.numel))
         except PeerUnavailable as exc:
             log.info("state from %s: %s", peer[-8:], exc)
+            if announced.get(peer) and time.monotonic() - started >= 0.9 * state_timeout_s(check.numel):
+                too_slow[peer] = announced[peer]  # (a stall or a dead server ends the download sooner)
             if peer in other_model:
                 continue
             if not isinstance(exc, PeerDead):  # a dead peer's record lingers a while: it holds nothing
@@ -162,6 +174,11 @@ async def download_state(node: Any, check: StateCheck, peers: list[str], min_rou
                            f"({len(behind)} answered with an older one or none"
                            + (f", {len(unconfirmed)} with one past the coordinator's record that no other peer "
                               "confirms" if unconfirmed else "") + ")")
+    if too_slow and not behind and not newer and not silent - too_slow.keys() - busy.keys():
+        size, given = max(too_slow.values()), state_timeout_s(check.numel)
+        raise StateTooSlow(f"the run's state ({size / 1e6:,.0f} MB) did not arrive within the {given:.0f} s a peer is "
+                           f"given to send it, from {len(too_slow)} peer{'s' if len(too_slow) != 1 else ''}: "
+                           f"joining this run takes about {8 * size / given / 1e6:.0f} Mbit/s of download or more")
     raise PeerUnavailable("no peer served a verifiable state"
                           + (f" ({len(silent)} did not answer, {len(newer)} had a newer one we could not "
                              f"take, {len(behind)} had nothing newer)" if behind else ""))

@@ -453,3 +453,28 @@ def test_a_checkpoint_whose_momentum_is_not_finite_is_skipped_for_an_older_one(t
                                   signed)
         assert p.save_checkpoint() is not None
     assert p.load_checkpoint()["round"] == 8
+
+
+def test_a_state_too_slow_to_arrive_is_said_as_the_links_doing_not_the_runs(tmp_path, corpus):
+    # Found by a review: "is the run still up? Start again to retry", to a volunteer whose 8 Mbit/s
+    # download could never take the run's state in the time a peer is given
+    from groundswell.peer.net_errors import NetworkError
+    from groundswell.peer.resume import resume_and_sync
+    from groundswell.peer.state_download import StateTooSlow
+    from groundswell.protocol.transport import PeerUnavailable
+
+    p = _factory(tmp_path, corpus)()
+    _offline(p)
+
+    def fails(error):
+        def sync(peers, min_round=-1):
+            raise error
+        return sync
+
+    p.sync_state = fails(StateTooSlow("the run's state (102 MB) did not arrive within the 81 s ..."))
+    with pytest.raises(NetworkError, match="did not arrive within the 81 s .*this link seems slower") as err:
+        resume_and_sync(p, [])
+    assert "is the run still up" not in str(err.value)
+    p.sync_state = fails(PeerUnavailable("no peer served a verifiable state"))
+    with pytest.raises(NetworkError, match="is the run still up"):
+        resume_and_sync(p, [])

@@ -177,6 +177,38 @@ def test_a_state_refused_only_as_unconfirmed_past_the_coordinator_is_no_reason_t
     assert not isinstance(err.value, state_trust.NoNewerState)
 
 
+def test_a_state_too_slow_to_arrive_says_the_link_is_too_slow_not_the_run_down(participant, monkeypatch):
+    # Found by a review: on an 8 Mbit/s download a `base` run's state never arrived within the time
+    # a peer is given, and `join` said "is the run still up? Start again to retry", which failed alike
+    from groundswell.peer import state_download
+    from groundswell.protocol.transport import PeerUnavailable
+
+    reply, blob, digest, _ = _served_state(participant, round_id=5)
+    monkeypatch.setattr(state_download, "state_timeout_s", lambda numel: 0.3)
+
+    async def trickles(node, peer, min_round, size, timeout_s, reply_timeout_s):
+        size(reply)  # announced, under way...
+        await asyncio.sleep(timeout_s)
+        raise PeerUnavailable(f"{peer}: no state within {timeout_s:.0f}s")  # ...and out of time
+
+    async def gone(node, peer, min_round, size, timeout_s, reply_timeout_s):
+        raise PeerUnavailable(f"{peer} did not answer get-state")  # (no reply: nothing says the link is slow)
+
+    async def refresh():
+        return {}
+
+    node = SimpleNamespace(cached_records={}, refresh_records=refresh, guard=SimpleNamespace(count=lambda *a, **k: None))
+    peers = [participant.coordinator_id, "volunteer"]
+    monkeypatch.setattr(state_download, "fetch_state", trickles)
+    with pytest.raises(state_download.StateTooSlow, match=r"did not arrive within the 0 s a peer is given to send "
+                                                          r"it, from 2 peers: joining this run takes about \d+ Mbit/s"):
+        asyncio.run(state_download.download_state(node, participant.state_check(), peers, 0))
+    monkeypatch.setattr(state_download, "fetch_state", gone)
+    with pytest.raises(PeerUnavailable) as err:
+        asyncio.run(state_download.download_state(node, participant.state_check(), peers, 0))
+    assert not isinstance(err.value, state_download.StateTooSlow)
+
+
 def test_a_busy_server_is_asked_again_later_and_never_counts_as_having_nothing_newer(participant, monkeypatch):
     """A server whose upload slots are taken answers `busy`: a joiner asks the others, then it
     again, a little later each time, a bounded number of times; "busy" is not "nothing newer"."""
