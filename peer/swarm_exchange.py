@@ -29,6 +29,7 @@ from groundswell.protocol.transport import PeerUnavailable
 from .catch_up import catch_up_view, holders_to_ask
 from .net_errors import NetworkError
 from .swarm import SwarmNode
+from .uplink_watch import UplinkWatch
 
 log = logging.getLogger(__name__)
 # Contributions of unknown outcome kept open at most: a round's retried attempts a later claim may
@@ -114,6 +115,7 @@ class SwarmExchange:
         self.unsettled: list[Unsettled] = []  # see `take_unsettled`
         # what the last `collect` learned of its contribution: (counted? None: unknown, retried?)
         self.last_outcome: tuple[bool | None, bool] = (None, False)
+        self.uplink = UplinkWatch()  # says when our contributions keep failing to get out
 
     def contribute(self, round_id: int, payloads: Sequence[Payload]) -> None:
         """Start this peer's attempt at `round_id` with its segment payloads."""
@@ -415,6 +417,8 @@ class SwarmExchange:
             self._unsettled(round_id, None)
             raise NeedResync(f"round {round_id}: no outcome within {limit:.0f} s") from None
         decision = outcome.decision
+        if self._segments and not outcome.late:  # (a coordinator contributes nothing; late: our training's doing)
+            self.uplink.note(outcome.delivered, sum(len(s) for s in self._segments), ctx.slack_s)
         if decision is None or decision.status != "commit":
             if decision is None:  # a leader may have committed it, and died before telling us
                 self._unsettled(round_id, None)

@@ -60,6 +60,7 @@ class AttemptResult:
     # Is the contribution we sent this time the one the commit counts? A commit that names us but
     # pins other digests counts one that an earlier process of ours sent before a crash.
     included: bool = False
+    late: bool = False  # our shards went out after the attempt's close by our clock (training ran late)
 
 
 class RoundClient(AggregateFetcher):
@@ -157,7 +158,7 @@ class RoundClient(AggregateFetcher):
         # contribution back by a slack (the join's timeout). Only a newcomer waits for its joins:
         # leaders refuse reports naming a contributor they do not expect yet.
         joins = [asyncio.ensure_future(self._tell(p, "join", join)) for p in plan.leaders]
-        delivered = False
+        delivered = late = False
         try:
             if segments is not None:
                 if self.me not in plan.trainers:
@@ -173,6 +174,7 @@ class RoundClient(AggregateFetcher):
                     log.warning("round %d: our contribution could not be recorded, so it is not sent; the work "
                                 "stays ours", round_id)
                 else:
+                    late = self._attempt_over(plan)
                     sent = await gather_owned(self._send_shard(plan, s, segments) for s in range(plan.num_shards))
                     delivered = all(sent)
             decision, signed = await self._await_decision(plan)
@@ -185,7 +187,7 @@ class RoundClient(AggregateFetcher):
             for old in [r for r in self.retried if r < round_id - 2]:  # (also here: the coordinator sends
                 del self.retried[old]  # no segments, and its table grew by each retried round, a review found)
         included = await self.counts_ours(decision, segments)
-        return AttemptResult(decision, signed, attempt, delivered, included)
+        return AttemptResult(decision, signed, attempt, delivered, included, late)
 
     async def counts_ours(self, decision: Decision | None, segments: list[bytes] | None) -> bool:
         """Does a commit count the contribution we sent (its pinned digests are ours, in every shard)?
