@@ -15,13 +15,16 @@ from groundswell.protocol.schema import ProtocolError, StateReply
 from groundswell.protocol.transport import PeerDead, PeerUnavailable
 
 from .run_state import GlobalState
-from .state_fetch import fetch_state
+from .state_fetch import direct_time, fetch_state
 from .state_trust import ModelMismatch, NoNewerState, StateCheck
 
 log = logging.getLogger(__name__)
 COORDINATOR_AFTER_FAILURES = 2  # peers that failed to serve a state before the coordinator is asked next
 BUSY_WAIT_S = 2.0  # a peer whose upload slots are taken is asked again this long after, doubling each time,
 BUSY_WAIT_MAX_S = 30.0  # up to this, while a sync still has the time for one download after it
+# Downloads that ran out of time with the state under way, from this many peers or from the
+# coordinator: our link is too slow for the state, and the next peer's would fail alike
+TOO_SLOW_PEERS = 3
 
 
 class StateTooSlow(PeerUnavailable):
@@ -55,8 +58,22 @@ def state_reply_timeout_s(numel: int) -> float:
 
 def sync_timeout_s(numel: int) -> float:
     """How long a whole state sync may take: at least 10 minutes, and room for three peers' full
-    timeouts (a big model's state would otherwise never fit in a fixed budget)."""
-    return max(600.0, 3 * state_timeout_s(numel))
+    timeouts and a few silent ones (a big model's state would otherwise never fit in a fixed
+    budget), so that `TOO_SLOW_PEERS` too-slow downloads are said as such, not as the sync's end."""
+    return max(600.0, TOO_SLOW_PEERS * state_timeout_s(numel) + 120)
+
+
+def needed_rate(numel: int, size: int) -> float:
+    """Bytes per second a joiner's link must carry to take a `size`-byte state from one peer in
+    time, by the direct connection (which leaves the stream's share of the time unspent)."""
+    return size / direct_time(state_timeout_s(numel), size)
+
+
+def _too_slow(too_slow: dict[str, int], numel: int) -> StateTooSlow:
+    size, given = max(too_slow.values()), state_timeout_s(numel)
+    return StateTooSlow(f"the run's state ({size / 1e6:,.0f} MB) did not arrive within the {given:.0f} s a peer is "
+                        f"given to send it, from {len(too_slow)} peer{'s' if len(too_slow) != 1 else ''}: joining "
+                        f"this run takes about {8 * needed_rate(numel, size) / 1e6:.0f} Mbit/s of download or more")
 
 
 async def download_state(node: Any, check: StateCheck, peers: list[str], min_round: int) -> tuple[GlobalState, str]:
@@ -128,6 +145,8 @@ async def download_state(node: Any, check: StateCheck, peers: list[str], min_rou
             log.info("state from %s: %s", peer[-8:], exc)
             if announced.get(peer) and time.monotonic() - started >= 0.9 * state_timeout_s(check.numel):
                 too_slow[peer] = announced[peer]  # (a stall or a dead server ends the download sooner)
+                if check.coordinator in too_slow or len(too_slow) >= TOO_SLOW_PEERS:
+                    raise _too_slow(too_slow, check.numel)  # (volunteers' uplinks may be slow; not all)
             if peer in other_model:
                 continue
             if not isinstance(exc, PeerDead):  # a dead peer's record lingers a while: it holds nothing
@@ -174,11 +193,8 @@ async def download_state(node: Any, check: StateCheck, peers: list[str], min_rou
                            f"({len(behind)} answered with an older one or none"
                            + (f", {len(unconfirmed)} with one past the coordinator's record that no other peer "
                               "confirms" if unconfirmed else "") + ")")
-    if too_slow and not behind and not newer and not silent - too_slow.keys() - busy.keys():
-        size, given = max(too_slow.values()), state_timeout_s(check.numel)
-        raise StateTooSlow(f"the run's state ({size / 1e6:,.0f} MB) did not arrive within the {given:.0f} s a peer is "
-                           f"given to send it, from {len(too_slow)} peer{'s' if len(too_slow) != 1 else ''}: "
-                           f"joining this run takes about {8 * size / given / 1e6:.0f} Mbit/s of download or more")
+    if too_slow and not behind and not newer - busy.keys() and not silent - too_slow.keys() - busy.keys():
+        raise _too_slow(too_slow, check.numel)
     raise PeerUnavailable("no peer served a verifiable state"
                           + (f" ({len(silent)} did not answer, {len(newer)} had a newer one we could not "
                              f"take, {len(behind)} had nothing newer)" if behind else ""))

@@ -418,7 +418,7 @@ class SwarmExchange:
             raise NeedResync(f"round {round_id}: no outcome within {limit:.0f} s") from None
         decision = outcome.decision
         if self._segments and not outcome.late:  # (a coordinator contributes nothing; late: our training's doing)
-            self.uplink.note(outcome.delivered, sum(len(s) for s in self._segments), ctx.slack_s)
+            self.uplink.note(outcome.sends_cut > 0, outcome.included, sum(len(s) for s in self._segments), ctx.slack_s)
         if decision is None or decision.status != "commit":
             if decision is None:  # a leader may have committed it, and died before telling us
                 self._unsettled(round_id, None)

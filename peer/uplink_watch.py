@@ -1,4 +1,4 @@
-"""Telling a volunteer when its own uplink is the likely reason its contributions do not get out.
+"""Telling a volunteer when its own uplink is the likely reason its contributions are late or lost.
 
 Nothing else says so: each failed send is an INFO line naming the aggregator ("did not answer
 contribute within 10.2s"), which reads as the other peer's fault, and the round line only says
@@ -17,26 +17,29 @@ REPEAT_S = 600.0  # while it lasts, said again this often
 
 
 class UplinkWatch:
-    """Counts a volunteer's attempts in a row whose contribution's sends failed or were cut short."""
+    """Counts a volunteer's attempts in a row in which sends of its contribution were cut short."""
 
     def __init__(self, clock: Callable[[], float] = time.monotonic) -> None:
         self._clock = clock
         self.in_a_row = 0
+        self.counted = 0  # of those, attempts whose commit counted the contribution all the same
         self._said_at: float | None = None
 
-    def note(self, delivered: bool, size: int, slack_s: float) -> str | None:
-        """Record one attempt's delivery; the warning (also logged) once `WARN_AFTER` in a row failed."""
-        if delivered:
-            self.in_a_row = 0
+    def note(self, cut: bool, included: bool, size: int, slack_s: float) -> str | None:
+        """Record one attempt (`cut`: some send of it timed out or was cut short); the warning (also
+        logged) once `WARN_AFTER` in a row were, at most once every `REPEAT_S`."""
+        if not cut:
+            self.in_a_row = self.counted = 0
             return None
         self.in_a_row += 1
+        self.counted += included
         now = self._clock()
         if self.in_a_row < WARN_AFTER or (self._said_at is not None and now - self._said_at < REPEAT_S):
             return None
         self._said_at = now
-        text = (f"our contribution ({size / 1e6:.2f} MB, sent to an aggregator and its replicas) did not get out whole "
-                f"in the last {self.in_a_row} attempts: its sends failed or were cut short. When other peers' rounds "
-                f"go on, the likely cause is this computer's uplink, too slow to send it well within a slack "
-                f"({slack_s:g} s); see \"What a volunteer's link needs\" in peer/README.md")
+        text = (f"sends of our contribution ({size / 1e6:.2f} MB a copy) timed out or were cut short in each of the "
+                f"last {self.in_a_row} attempts (counted all the same in {self.counted}, late): the likely cause is "
+                f"this computer's uplink, too slow to send its copies well within a slack ({slack_s:g} s), and "
+                "every round waits for it; see \"What a volunteer's link needs\" in peer/README.md")
         log.warning(text)
         return text

@@ -34,7 +34,7 @@ from .schema import (
 from .server import RoundServer
 from .shards import REPORTING_CANDIDATES, decision_digests, replica_count
 from .tasks import gather_owned
-from .transport import PeerGone, PeerUnavailable
+from .transport import PeerDead, PeerGone, PeerUnavailable, RequestTimedOut
 
 log = logging.getLogger(__name__)
 LEAVE_ATTEMPTS = 3  # a leave reaches the leaders of the open attempt and the two after it
@@ -61,6 +61,9 @@ class AttemptResult:
     # pins other digests counts one that an earlier process of ours sent before a crash.
     included: bool = False
     late: bool = False  # our shards went out after the attempt's close by our clock (training ran late)
+    # sends of our shards that timed out, or whose stream the aggregator closed, after a slack
+    # or more of sending: the mark of an uplink too slow for the contribution (see `_offer`)
+    sends_cut: int = 0
 
 
 class RoundClient(AggregateFetcher):
@@ -78,6 +81,7 @@ class RoundClient(AggregateFetcher):
         # restart and `on_contribute` persists it): an attempt never gets two different contributions
         # from one peer, which aggregators refuse as equivocation.
         self.contributed: dict[int, int] = {}
+        self.sends_cut = 0  # see `AttemptResult.sends_cut`: in all attempts so far
         # False: it could not be recorded durably, and nothing is sent (after a crash, a restart
         # from an older checkpoint would not know this work went out, and send it again)
         self.on_contribute: Callable[[int, int], bool] | None = None
@@ -159,6 +163,7 @@ class RoundClient(AggregateFetcher):
         # leaders refuse reports naming a contributor they do not expect yet.
         joins = [asyncio.ensure_future(self._tell(p, "join", join)) for p in plan.leaders]
         delivered = late = False
+        cut = 0
         try:
             if segments is not None:
                 if self.me not in plan.trainers:
@@ -174,9 +179,9 @@ class RoundClient(AggregateFetcher):
                     log.warning("round %d: our contribution could not be recorded, so it is not sent; the work "
                                 "stays ours", round_id)
                 else:
-                    late = self._attempt_over(plan)
+                    late, cut_before = self._attempt_over(plan), self.sends_cut
                     sent = await gather_owned(self._send_shard(plan, s, segments) for s in range(plan.num_shards))
-                    delivered = all(sent)
+                    delivered, cut = all(sent), self.sends_cut - cut_before
             decision, signed = await self._await_decision(plan)
         finally:  # a join still out once the attempt is decided is moot
             for task in joins:
@@ -187,7 +192,7 @@ class RoundClient(AggregateFetcher):
             for old in [r for r in self.retried if r < round_id - 2]:  # (also here: the coordinator sends
                 del self.retried[old]  # no segments, and its table grew by each retried round, a review found)
         included = await self.counts_ours(decision, segments)
-        return AttemptResult(decision, signed, attempt, delivered, included, late)
+        return AttemptResult(decision, signed, attempt, delivered, included, late, cut)
 
     async def counts_ours(self, decision: Decision | None, segments: list[bytes] | None) -> bool:
         """Does a commit count the contribution we sent (its pinned digests are ours, in every shard)?
@@ -315,6 +320,7 @@ class RoundClient(AggregateFetcher):
 
     async def _offer(self, peer: str, msg: ShardContribution, timeout: float) -> str:
         """Send one shard to one aggregator: "ok", "closed" (it says the attempt is over), or "failed"."""
+        started = time.monotonic()
         try:
             if peer == self.me:
                 ack = await self.server._on_contribute(peer, msg)
@@ -322,6 +328,11 @@ class RoundClient(AggregateFetcher):
                 ack = await self.transport.request(peer, "contribute", msg, Ack, timeout_s=timeout)
         except (PeerUnavailable, ProtocolError) as exc:
             log.info("shard %d to %s failed: %s", msg.shard, peer[-8:], exc)
+            # Timed out, or closed by the aggregator (its body-rate rule), a slack or more into
+            # sending: what a slow uplink does (a refusal, a dead peer or a quick reset is not it)
+            if isinstance(exc, (RequestTimedOut, PeerGone)) and not isinstance(exc, PeerDead) and \
+                    time.monotonic() - started >= self.ctx.slack_s:
+                self.sends_cut += 1
             return "failed"
         if ack.ok:
             return "ok"

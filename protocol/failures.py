@@ -56,6 +56,11 @@ class ShardsUnavailable(PeerUnavailable):
         self.shards = shards
 
 
+class RequestTimedOut(PeerUnavailable):
+    """No reply within the request's time: the peer is slow or frozen, or what we sent was (a
+    slow uplink), not known to be gone."""
+
+
 class PeerGone(PeerUnavailable):
     """The peer is not there: the dial failed, it does not serve the protocol (yet), or it closed
     the stream unanswered; unlike a timeout, not a peer that may merely be slow or frozen."""

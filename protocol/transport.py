@@ -31,6 +31,7 @@ from .failures import (  # noqa: F401  (re-exported: callers name these from the
     PeerGone,
     PeerUnavailable,
     Refused,
+    RequestTimedOut,
     ShardsUnavailable,
     dial_failed,
     remote_failure,
@@ -386,7 +387,7 @@ class Transport:
             raise PeerUnavailable(f"{peer_id[-8:]} sent a bad {handler} reply: {exc}") from None
         except TimeoutError:
             # the time it took, not `timeout_s`: a bulk trailer gets a timeout of its own
-            raise PeerUnavailable(f"{peer_id[-8:]} did not answer {handler} within "
+            raise RequestTimedOut(f"{peer_id[-8:]} did not answer {handler} within "
                                   f"{max(timeout_s, time.monotonic() - started):.1f}s") from None
         except asyncio.CancelledError:
             raise

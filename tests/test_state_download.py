@@ -185,28 +185,48 @@ def test_a_state_too_slow_to_arrive_says_the_link_is_too_slow_not_the_run_down(p
 
     reply, blob, digest, _ = _served_state(participant, round_id=5)
     monkeypatch.setattr(state_download, "state_timeout_s", lambda numel: 0.3)
+    monkeypatch.setattr(state_download, "sync_timeout_s", lambda numel: 1.5)  # (a busy peer is asked this long)
+    monkeypatch.setattr(state_download, "BUSY_WAIT_S", 0.01)
+    monkeypatch.setattr(state_download, "BUSY_WAIT_MAX_S", 0.05)
+    asked: list[str] = []
 
-    async def trickles(node, peer, min_round, size, timeout_s, reply_timeout_s):
+    async def fetch(node, peer, min_round, size, timeout_s, reply_timeout_s):
+        asked.append(peer)
+        if peer == "busy":
+            return StateReply(-1, "", b"", 0, busy=True), bytearray(), "", "stream"
         size(reply)  # announced, under way...
+        if peer.startswith("stalls"):  # ...and ended soon: a stall, a dead server, not our link
+            raise PeerUnavailable(f"{peer}: the direct download stalled")
         await asyncio.sleep(timeout_s)
         raise PeerUnavailable(f"{peer}: no state within {timeout_s:.0f}s")  # ...and out of time
-
-    async def gone(node, peer, min_round, size, timeout_s, reply_timeout_s):
-        raise PeerUnavailable(f"{peer} did not answer get-state")  # (no reply: nothing says the link is slow)
 
     async def refresh():
         return {}
 
     node = SimpleNamespace(cached_records={}, refresh_records=refresh, guard=SimpleNamespace(count=lambda *a, **k: None))
-    peers = [participant.coordinator_id, "volunteer"]
-    monkeypatch.setattr(state_download, "fetch_state", trickles)
+    monkeypatch.setattr(state_download, "fetch_state", fetch)
+
+    def sync(peers):
+        asked.clear()
+        return asyncio.run(state_download.download_state(node, participant.state_check(), peers, 0))
+
     with pytest.raises(state_download.StateTooSlow, match=r"did not arrive within the 0 s a peer is given to send "
                                                           r"it, from 2 peers: joining this run takes about \d+ Mbit/s"):
-        asyncio.run(state_download.download_state(node, participant.state_check(), peers, 0))
-    monkeypatch.setattr(state_download, "fetch_state", gone)
-    with pytest.raises(PeerUnavailable) as err:
-        asyncio.run(state_download.download_state(node, participant.state_check(), peers, 0))
-    assert not isinstance(err.value, state_download.StateTooSlow)
+        sync(["slow", "busy", "slow2"])  # every peer asked, one of them busy
+    # many peers: said once three were too slow (the sync's own time holds about that many), or
+    # at once when the coordinator was, not left to the sync's timeout ("is the run still up?")
+    with pytest.raises(state_download.StateTooSlow, match="from 3 peers"):
+        sync(["slow1", "slow2", "slow3", "slow4", "slow5", "slow6"])
+    assert asked == ["slow1", "slow2", "slow3"], asked
+    with pytest.raises(state_download.StateTooSlow, match="from 1 peer:"):
+        sync([participant.coordinator_id, "slow1", "slow2"])
+    assert asked == [participant.coordinator_id]
+    for peers in (["stalls1", "stalls2"], ["slow", "stalls"]):  # a failure that was not the time running out
+        with pytest.raises(PeerUnavailable) as err:
+            sync(peers)
+        assert not isinstance(err.value, state_download.StateTooSlow), peers
+    monkeypatch.undo()
+    assert state_download.sync_timeout_s(10**9) > state_download.TOO_SLOW_PEERS * state_download.state_timeout_s(10**9)
 
 
 def test_a_busy_server_is_asked_again_later_and_never_counts_as_having_nothing_newer(participant, monkeypatch):

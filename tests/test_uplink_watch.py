@@ -1,7 +1,8 @@
-"""A volunteer whose contributions keep failing to get out is told its uplink is the likely cause."""
+"""A volunteer whose contribution's sends keep being cut short is told its uplink is the likely cause."""
 
 from __future__ import annotations
 
+import asyncio
 import logging
 from types import SimpleNamespace
 
@@ -9,31 +10,37 @@ import pytest
 from groundswell.optim import RoundFailed
 from groundswell.peer.swarm_exchange import SwarmExchange
 from groundswell.peer.uplink_watch import REPEAT_S, WARN_AFTER, UplinkWatch
-from groundswell.protocol.client import AttemptResult
+from groundswell.protocol.client import AttemptResult, RoundClient
+from groundswell.protocol.failures import PeerDead, PeerGone, PeerUnavailable, RequestTimedOut
 from test_late_outcome import _Node, _payloads
 
 
-def test_it_warns_after_a_few_attempts_in_a_row_and_again_only_while_it_lasts():
+def test_it_warns_after_a_few_attempts_in_a_row_and_at_most_every_ten_minutes():
     now = [0.0]
     watch = UplinkWatch(clock=lambda: now[0])
-    assert [watch.note(False, 880_000, 5.0) for _ in range(WARN_AFTER - 1)] == [None] * (WARN_AFTER - 1)
-    said = watch.note(False, 880_000, 5.0)
-    assert said is not None and "0.88 MB" in said and f"last {WARN_AFTER} attempts" in said and "uplink" in said
+    assert [watch.note(True, False, 880_000, 5.0) for _ in range(WARN_AFTER - 2)] == [None] * (WARN_AFTER - 2)
+    assert watch.note(True, True, 880_000, 5.0) is None
+    said = watch.note(True, False, 880_000, 5.0)
+    assert said is not None and "0.88 MB a copy" in said and f"last {WARN_AFTER} attempts" in said
+    assert "counted all the same in 1" in said and "uplink" in said
     now[0] += REPEAT_S / 2
-    assert watch.note(False, 880_000, 5.0) is None  # said already: not every round
+    assert watch.note(True, False, 880_000, 5.0) is None  # said already: not every round
     now[0] += REPEAT_S
-    assert watch.note(False, 880_000, 5.0) is not None  # still so, ten minutes on: said again
-    assert watch.note(True, 880_000, 5.0) is None and watch.in_a_row == 0  # one that got out starts over
-    assert [watch.note(False, 880_000, 5.0) for _ in range(WARN_AFTER - 1)] == [None] * (WARN_AFTER - 1)
+    assert watch.note(True, False, 880_000, 5.0) is not None  # still so, ten minutes on: said again
+    assert watch.note(False, True, 880_000, 5.0) is None and watch.in_a_row == 0  # sent whole: starts over
+    now[0] += REPEAT_S
+    assert [watch.note(True, False, 880_000, 5.0) for _ in range(WARN_AFTER - 1)] == [None] * (WARN_AFTER - 1)
+    assert watch.note(True, False, 880_000, 5.0) is not None
 
 
-@pytest.mark.parametrize("late,warned", [(False, True), (True, False)])
-def test_a_volunteer_is_told_when_its_sends_keep_failing_unless_its_training_ran_late(caplog, late, warned):
+@pytest.mark.parametrize("late,cut,warned", [(False, 1, True), (True, 1, False), (False, 0, False)])
+def test_a_volunteer_is_told_when_its_sends_keep_being_cut_unless_its_training_ran_late(caplog, late, cut, warned):
     # Found by a review: on a 1 Mbit/s uplink every send of every round was cut short, and the
     # volunteer only saw "NOT in aggregate" (and, with --verbose, lines blaming the aggregators).
-    # Shards sent after the attempt's close are refused for our training's lateness, not the link's.
+    # Shards sent after the attempt's close are refused for our training's lateness, not the link's,
+    # and an attempt whose sends were refused (not cut) is not the link's doing either.
     retry = SimpleNamespace(status="retry", round=0, contributors=[])
-    ex = SwarmExchange(_Node((AttemptResult(retry, b"", 0, False, False, late), None, None)))
+    ex = SwarmExchange(_Node((AttemptResult(retry, b"", 0, False, False, late, cut), None, None)))
     with caplog.at_level(logging.WARNING, logger="groundswell.peer.uplink_watch"):
         for _ in range(WARN_AFTER):
             ex.contribute(0, _payloads())
@@ -42,3 +49,24 @@ def test_a_volunteer_is_told_when_its_sends_keep_failing_unless_its_training_ran
     said = [r.getMessage() for r in caplog.records if r.name == "groundswell.peer.uplink_watch"]
     assert bool(said) is warned, said
     assert not warned or "this computer's uplink" in said[0]
+
+
+@pytest.mark.parametrize("failure,after_s,counted", [
+    (RequestTimedOut("x did not answer contribute within 10.2s"), 0.2, True),
+    (PeerGone("x unavailable for contribute: IncompleteReadError"), 0.2, True),  # the aggregator cut it
+    (PeerGone("x unavailable for contribute: reset"), 0.0, False),  # at once: not a long send
+    (PeerDead("x unavailable for contribute: dial failed"), 0.2, False),  # gone, not slow
+    (PeerUnavailable("x sent a bad contribute reply"), 0.2, False),
+])
+def test_only_sends_that_ran_a_slack_and_timed_out_or_were_cut_count(failure, after_s, counted):
+    client = object.__new__(RoundClient)
+    client.ctx = SimpleNamespace(slack_s=0.1)
+    client.me, client.sends_cut = "me", 0
+
+    async def request(peer, handler, msg, expect, timeout_s):
+        await asyncio.sleep(after_s)
+        raise failure
+
+    client.transport = SimpleNamespace(request=request)
+    assert asyncio.run(client._offer("x", SimpleNamespace(shard=0), 10.0)) == "failed"
+    assert client.sends_cut == counted
