@@ -383,8 +383,8 @@ def run_simulation(opts: SimulateOptions, out: Path, progress: Callable[[str], N
                 sim.event("interrupted" if interrupted else "timeout", v)
         if sim.alive("coordinator") and not interrupted:  # (interrupted: whoever pressed Ctrl+C waits for no one)
             sim.signal("coordinator", signal.SIGINT)
-            progress("stopping: the coordinator saves its checkpoint (up to 60 s; Ctrl+C skips the wait)")
             try:
+                progress("stopping: the coordinator saves its checkpoint (up to 60 s; Ctrl+C skips the wait)")
                 sim.procs["coordinator"].popen.wait(timeout=60)  # type: ignore[union-attr]
             except subprocess.TimeoutExpired:
                 pass
@@ -395,8 +395,8 @@ def run_simulation(opts: SimulateOptions, out: Path, progress: Callable[[str], N
         # the coordinator told to stop, and volunteers still running at the timeout that ended meanwhile
         note_ended(["coordinator", *volunteers], exits=False)
         report = build_report(out, opts, sim.events, time.time() - start, t0=sim.t0, rss=sim.peak_rss)
+    (out / "report.json").write_text(report_json(report))  # first: a SIGTERM now ends us at once
     tidy_output(out)  # (every process is gone: the with block's exit killed the ones still running)
-    (out / "report.json").write_text(report_json(report))
     try:
         from .plots import plot_loss
 
