@@ -183,7 +183,7 @@ def test_a_state_too_slow_to_arrive_says_the_link_is_too_slow_not_the_run_down(p
     from groundswell.peer import state_download
     from groundswell.protocol.transport import PeerUnavailable
 
-    reply, blob, digest, _ = _served_state(participant, round_id=5)
+    reply, _blob, _digest, _ = _served_state(participant, round_id=5)
     monkeypatch.setattr(state_download, "state_timeout_s", lambda numel: 0.3)
     monkeypatch.setattr(state_download, "sync_timeout_s", lambda numel: 1.5)  # (a busy peer is asked this long)
     monkeypatch.setattr(state_download, "BUSY_WAIT_S", 0.01)
