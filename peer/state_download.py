@@ -22,9 +22,6 @@ log = logging.getLogger(__name__)
 COORDINATOR_AFTER_FAILURES = 2  # peers that failed to serve a state before the coordinator is asked next
 BUSY_WAIT_S = 2.0  # a peer whose upload slots are taken is asked again this long after, doubling each time,
 BUSY_WAIT_MAX_S = 30.0  # up to this, while a sync still has the time for one download after it
-# Downloads that ran out of time with the state under way, from this many peers or from the
-# coordinator: our link is too slow for the state, and the next peer's would fail alike
-TOO_SLOW_PEERS = 3
 
 
 class StateTooSlow(PeerUnavailable):
@@ -59,8 +56,8 @@ def state_reply_timeout_s(numel: int) -> float:
 def sync_timeout_s(numel: int) -> float:
     """How long a whole state sync may take: at least 10 minutes, and room for three peers' full
     timeouts and a few silent ones (a big model's state would otherwise never fit in a fixed
-    budget), so that `TOO_SLOW_PEERS` too-slow downloads are said as such, not as the sync's end."""
-    return max(600.0, TOO_SLOW_PEERS * state_timeout_s(numel) + 120)
+    budget)."""
+    return max(600.0, 3 * state_timeout_s(numel) + 120)
 
 
 def needed_rate(numel: int, size: int) -> float:
@@ -145,8 +142,11 @@ async def download_state(node: Any, check: StateCheck, peers: list[str], min_rou
             log.info("state from %s: %s", peer[-8:], exc)
             if announced.get(peer) and time.monotonic() - started >= 0.9 * state_timeout_s(check.numel):
                 too_slow[peer] = announced[peer]  # (a stall or a dead server ends the download sooner)
-                if check.coordinator in too_slow or len(too_slow) >= TOO_SLOW_PEERS:
-                    raise _too_slow(too_slow, check.numel)  # (volunteers' uplinks may be slow; not all)
+                if time.monotonic() >= patience_end:
+                    # no time left for another download: said as such here, not as the sync's end
+                    # (its caller's timeout: "is the run still up?"). Not sooner: a busy server's
+                    # uplink, shared by a wave of joiners, is slow too, and another may not be.
+                    raise _too_slow(too_slow, check.numel)
             if peer in other_model:
                 continue
             if not isinstance(exc, PeerDead):  # a dead peer's record lingers a while: it holds nothing

@@ -34,7 +34,7 @@ from .schema import (
 from .server import RoundServer
 from .shards import REPORTING_CANDIDATES, decision_digests, replica_count
 from .tasks import gather_owned
-from .transport import PeerDead, PeerGone, PeerUnavailable, RequestTimedOut
+from .transport import PeerGone, PeerUnavailable, RequestTimedOut
 
 log = logging.getLogger(__name__)
 LEAVE_ATTEMPTS = 3  # a leave reaches the leaders of the open attempt and the two after it
@@ -61,8 +61,8 @@ class AttemptResult:
     # pins other digests counts one that an earlier process of ours sent before a crash.
     included: bool = False
     late: bool = False  # our shards went out after the attempt's close by our clock (training ran late)
-    # sends of our shards that timed out, or whose stream the aggregator closed, after a slack
-    # or more of sending: the mark of an uplink too slow for the contribution (see `_offer`)
+    # sends of our shards that timed out after a slack or more of sending: the mark of an uplink
+    # too slow for the contribution (see `_offer`)
     sends_cut: int = 0
 
 
@@ -328,10 +328,10 @@ class RoundClient(AggregateFetcher):
                 ack = await self.transport.request(peer, "contribute", msg, Ack, timeout_s=timeout)
         except (PeerUnavailable, ProtocolError) as exc:
             log.info("shard %d to %s failed: %s", msg.shard, peer[-8:], exc)
-            # Timed out, or closed by the aggregator (its body-rate rule), a slack or more into
-            # sending: what a slow uplink does (a refusal, a dead peer or a quick reset is not it)
-            if isinstance(exc, (RequestTimedOut, PeerGone)) and not isinstance(exc, PeerDead) and \
-                    time.monotonic() - started >= self.ctx.slack_s:
+            # Not done within our own time for it (two slacks and more): what a slow uplink does.
+            # A stream the aggregator closed is not counted: its body-rate rule does that to a slow
+            # sender, but so does a refusal after its 10 s wait for room, or a crash.
+            if isinstance(exc, RequestTimedOut) and time.monotonic() - started >= self.ctx.slack_s:
                 self.sends_cut += 1
             return "failed"
         if ack.ok:

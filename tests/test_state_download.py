@@ -185,7 +185,7 @@ def test_a_state_too_slow_to_arrive_says_the_link_is_too_slow_not_the_run_down(p
 
     reply, _blob, _digest, _ = _served_state(participant, round_id=5)
     monkeypatch.setattr(state_download, "state_timeout_s", lambda numel: 0.3)
-    monkeypatch.setattr(state_download, "sync_timeout_s", lambda numel: 1.5)  # (a busy peer is asked this long)
+    monkeypatch.setattr(state_download, "sync_timeout_s", lambda numel: 1.0)  # time for 3 downloads and a bit
     monkeypatch.setattr(state_download, "BUSY_WAIT_S", 0.01)
     monkeypatch.setattr(state_download, "BUSY_WAIT_MAX_S", 0.05)
     asked: list[str] = []
@@ -213,20 +213,21 @@ def test_a_state_too_slow_to_arrive_says_the_link_is_too_slow_not_the_run_down(p
     with pytest.raises(state_download.StateTooSlow, match=r"did not arrive within the 0 s a peer is given to send "
                                                           r"it, from 2 peers: joining this run takes about \d+ Mbit/s"):
         sync(["slow", "busy", "slow2"])  # every peer asked, one of them busy
-    # many peers: said once three were too slow (the sync's own time holds about that many), or
-    # at once when the coordinator was, not left to the sync's timeout ("is the run still up?")
+    # many peers: said once no other download fits in the sync's time (here after three), not left
+    # to the sync's own timeout, which its caller says as "is the run still up?"
     with pytest.raises(state_download.StateTooSlow, match="from 3 peers"):
         sync(["slow1", "slow2", "slow3", "slow4", "slow5", "slow6"])
     assert asked == ["slow1", "slow2", "slow3"], asked
-    with pytest.raises(state_download.StateTooSlow, match="from 1 peer:"):
-        sync([participant.coordinator_id, "slow1", "slow2"])
-    assert asked == [participant.coordinator_id]
+    # but not sooner: a slow coordinator (its uplink shared by a wave of joiners) is no verdict on ours
+    with pytest.raises(state_download.StateTooSlow, match="from 2 peers"):
+        sync([participant.coordinator_id, "slow1"])
+    assert asked == [participant.coordinator_id, "slow1"]
     for peers in (["stalls1", "stalls2"], ["slow", "stalls"]):  # a failure that was not the time running out
         with pytest.raises(PeerUnavailable) as err:
             sync(peers)
         assert not isinstance(err.value, state_download.StateTooSlow), peers
     monkeypatch.undo()
-    assert state_download.sync_timeout_s(10**9) > state_download.TOO_SLOW_PEERS * state_download.state_timeout_s(10**9)
+    assert state_download.sync_timeout_s(10**9) > 3 * state_download.state_timeout_s(10**9)
 
 
 def test_a_busy_server_is_asked_again_later_and_never_counts_as_having_nothing_newer(participant, monkeypatch):
