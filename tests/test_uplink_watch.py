@@ -71,3 +71,46 @@ def test_only_sends_that_ran_a_slack_and_timed_out_or_were_cut_count(failure, af
     client.transport = SimpleNamespace(request=request)
     assert asyncio.run(client._offer("x", SimpleNamespace(shard=0), 10.0)) == "failed"
     assert client.sends_cut == counted
+
+
+@pytest.mark.parametrize("opened_ago_s,late", [(1.0, False), (1000.0, True)])
+def test_an_attempt_reports_its_own_cut_sends_and_whether_they_went_out_late(opened_ago_s, late):
+    # the hand-over from the shards' sends to what the exchange's watch reads
+    import time
+
+    from groundswell.protocol.schema import Decision
+
+    class Book:
+        committed: dict = {}
+
+        def opened_at(self, r):
+            return time.time() - opened_ago_s
+
+        def latest(self):
+            return -1
+
+    plan = SimpleNamespace(round=0, attempt=0, leaders=["lead"], trainers=["me"], num_shards=3)
+    server = SimpleNamespace(ctx=SimpleNamespace(deadline_s=30.0, slack_s=5.0), transport=None, book=Book(),
+                             identity=SimpleNamespace(peer_id="me"))
+
+    async def plan_of(*a, **k):
+        return plan
+
+    async def told(*a):
+        return None
+
+    async def retry(p):
+        return Decision(0, 0, "retry", [], [], ["lead"], "x", [], 1, time.time()), b"x"
+
+    server.plan = plan_of
+    client = RoundClient(server, lambda r: [])
+    client._tell, client._await_decision = told, retry
+    client.sends_cut = 5  # earlier attempts' cut sends are not this one's
+
+    async def send_shard(plan, shard, segments):
+        client.sends_cut += shard > 0  # shards 1 and 2 ran out of time
+        return shard == 0
+
+    client._send_shard = send_shard
+    result = asyncio.run(client.run_attempt(0, 0, [b"a", b"b", b"c"], trains=True, serves=True))
+    assert (result.sends_cut, result.late, result.delivered) == (2, late, False)
