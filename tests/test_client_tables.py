@@ -11,19 +11,21 @@ from groundswell.protocol.client import RoundClient
 from groundswell.protocol.schema import Decision
 
 
-def test_a_coordinators_retried_rounds_are_pruned():
+def retrying_client(me: str, plan: types.SimpleNamespace, opened_ago_s: float = 0.0) -> RoundClient:
+    """A RoundClient with no network: `plan` for every attempt, opened `opened_ago_s` before now,
+    its joins told to nobody, and every attempt decided "retry"."""
     class Book:
-        committed: dict = {}
+        def __init__(self) -> None:
+            self.committed: dict = {}
 
         def opened_at(self, r):
-            return time.time()
+            return time.time() - opened_ago_s
 
         def latest(self):
             return -1
 
-    plan = types.SimpleNamespace(leaders=["coord"], trainers=["coord"], num_shards=1)
     server = types.SimpleNamespace(ctx=types.SimpleNamespace(deadline_s=30.0, slack_s=5.0), transport=None,
-                                   book=Book(), identity=types.SimpleNamespace(peer_id="coord"))
+                                   book=Book(), identity=types.SimpleNamespace(peer_id=me))
 
     async def plan_of(*a, **k):
         return plan
@@ -32,11 +34,17 @@ def test_a_coordinators_retried_rounds_are_pruned():
         return None
 
     async def retry(p):
-        return Decision(0, 0, "retry", [], [], ["coord"], "x", [], 1, time.time()), b"x"
+        return Decision(0, 0, "retry", [], [], list(plan.leaders), "x", [], 1, time.time()), b"x"
 
     server.plan = plan_of
     client = RoundClient(server, lambda r: [])
     client._tell, client._await_decision = told, retry
+    return client
+
+
+def test_a_coordinators_retried_rounds_are_pruned():
+    plan = types.SimpleNamespace(leaders=["coord"], trainers=["coord"], num_shards=1)
+    client = retrying_client("coord", plan)
 
     async def main() -> None:
         for r in range(200):  # as `coordinator_role._follow_rounds` calls it: no segments

@@ -12,6 +12,7 @@ from groundswell.peer.swarm_exchange import SwarmExchange
 from groundswell.peer.uplink_watch import REPEAT_S, WARN_AFTER, UplinkWatch
 from groundswell.protocol.client import AttemptResult, RoundClient
 from groundswell.protocol.failures import PeerDead, PeerGone, PeerUnavailable, RequestTimedOut
+from test_client_tables import retrying_client
 from test_late_outcome import _Node, _payloads
 
 
@@ -76,35 +77,8 @@ def test_only_sends_that_ran_a_slack_and_timed_out_or_were_cut_count(failure, af
 @pytest.mark.parametrize("opened_ago_s,late", [(1.0, False), (1000.0, True)])
 def test_an_attempt_reports_its_own_cut_sends_and_whether_they_went_out_late(opened_ago_s, late):
     # the hand-over from the shards' sends to what the exchange's watch reads
-    import time
-
-    from groundswell.protocol.schema import Decision
-
-    class Book:
-        committed: dict = {}
-
-        def opened_at(self, r):
-            return time.time() - opened_ago_s
-
-        def latest(self):
-            return -1
-
     plan = SimpleNamespace(round=0, attempt=0, leaders=["lead"], trainers=["me"], num_shards=3)
-    server = SimpleNamespace(ctx=SimpleNamespace(deadline_s=30.0, slack_s=5.0), transport=None, book=Book(),
-                             identity=SimpleNamespace(peer_id="me"))
-
-    async def plan_of(*a, **k):
-        return plan
-
-    async def told(*a):
-        return None
-
-    async def retry(p):
-        return Decision(0, 0, "retry", [], [], ["lead"], "x", [], 1, time.time()), b"x"
-
-    server.plan = plan_of
-    client = RoundClient(server, lambda r: [])
-    client._tell, client._await_decision = told, retry
+    client = retrying_client("me", plan, opened_ago_s)
     client.sends_cut = 5  # earlier attempts' cut sends are not this one's
 
     async def send_shard(plan, shard, segments):
