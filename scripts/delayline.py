@@ -5,8 +5,10 @@ Each link is a pair of interfaces in one network namespace, ``near:far`` (two en
 pairs that would otherwise be one cable). Frames arriving on ``near`` wait ``delay_ms`` and are
 dropped with probability ``loss_pct`` before they leave on ``far``; frames arriving on ``far``
 go to ``near`` at once. So, like netem on one end of a cable, one direction carries the delay.
+A link may set its own figures, both ways: ``near:far:DELAY:LOSS:RDELAY:RLOSS`` (ms and percent;
+RDELAY and RLOSS apply to frames going from ``far`` to ``near``).
 
-    delayline.py --delay-ms 40 --loss-pct 0.1 NEAR:FAR [NEAR:FAR ...]     (root; prints "ready")
+    delayline.py --delay-ms 40 --loss-pct 0.1 NEAR:FAR[:D:L:RD:RL] [...]     (root; prints "ready")
 
 Frames are read and written through AF_PACKET sockets with a virtio-net header, so TCP
 segmentation and checksum offloads pass through untouched: a 60 kB GSO frame is one read and one
@@ -59,46 +61,74 @@ def segments(frame: bytes) -> int:
     return max(1, math.ceil((len(frame) - VNET_HDR.size - hdr_len) / gso_size))
 
 
-class Link:
-    """One cable: ``near`` -> ``far`` delayed and lossy, ``far`` -> ``near`` immediate."""
+class _Way:
+    """One direction of a cable: frames read on `src` wait `delay_s` (or are lost) before `dst`."""
 
-    def __init__(self, near: str, far: str, delay_s: float, loss: float, rng: random.Random) -> None:
-        self.near, self.far = open_port(near), open_port(far)
-        self.delay_s, self.loss, self.rng = delay_s, loss, rng
+    def __init__(self, src: socket.socket, dst: socket.socket, delay_s: float, loss: float,
+                 rng: random.Random, counts: collections.Counter[str]) -> None:
+        self.src, self.dst, self.delay_s, self.loss, self.rng, self.counts = src, dst, delay_s, loss, rng, counts
         self.queue: collections.deque[tuple[float, bytes]] = collections.deque()
         self.queued_bytes = 0
-        self.counts = collections.Counter[str]()
 
-    def on_near(self) -> None:
-        """Queue what arrived on ``near`` (after the loss draw)."""
+    def on_input(self) -> None:
+        """Queue (or, undelayed and lossless, pass on) what arrived on `src`, after the loss draw."""
         now = time.monotonic()
-        for frame in _drain(self.near):
+        for frame in _drain(self.src):
             if self.loss > 0 and self.rng.random() < 1 - (1 - self.loss) ** segments(frame):
                 self.counts["lost"] += 1
+            elif self.delay_s <= 0 and not self.queue:
+                _send(self.dst, frame, self.counts)
             elif self.queued_bytes + len(frame) > QUEUE_LIMIT_BYTES:
                 self.counts["overflow"] += 1
             else:
                 self.queue.append((now + self.delay_s, frame))
                 self.queued_bytes += len(frame)
 
-    def on_far(self) -> None:
-        """Pass what arrived on ``far`` straight to ``near``."""
-        for frame in _drain(self.far):
-            self._send(self.near, frame)
-
     def release(self, now: float) -> float | None:
         """Send every frame that is due; the time the next one falls due, if any."""
         while self.queue and self.queue[0][0] <= now:
             frame = self.queue.popleft()[1]
             self.queued_bytes -= len(frame)
-            self._send(self.far, frame)
+            _send(self.dst, frame, self.counts)
         return self.queue[0][0] if self.queue else None
 
-    def _send(self, port: socket.socket, frame: bytes) -> None:
-        try:
-            port.send(frame)
-        except OSError:  # ENOBUFS / EAGAIN: the wire drops it, as a full NIC queue would
-            self.counts["send_failed"] += 1
+
+class Link:
+    """One cable: ``near`` -> ``far`` delayed and lossy; ``far`` -> ``near`` too if given figures."""
+
+    def __init__(self, near: str, far: str, delay_s: float, loss: float, rng: random.Random,
+                 rdelay_s: float = 0.0, rloss: float = 0.0) -> None:
+        self.near, self.far = open_port(near), open_port(far)
+        self.counts = collections.Counter[str]()
+        self.ways = (_Way(self.near, self.far, delay_s, loss, rng, self.counts),
+                     _Way(self.far, self.near, rdelay_s, rloss, rng, self.counts))
+
+    def release(self, now: float) -> float | None:
+        """Send every frame due either way; the time the next one falls due, if any."""
+        dues = [d for d in (way.release(now) for way in self.ways) if d is not None]
+        return min(dues) if dues else None
+
+
+def _send(port: socket.socket, frame: bytes, counts: collections.Counter[str]) -> None:
+    try:
+        port.send(frame)
+    except OSError:  # ENOBUFS / EAGAIN: the wire drops it, as a full NIC queue would
+        counts["send_failed"] += 1
+
+
+def parse_link(spec: str, delay_ms: float, loss_pct: float) -> tuple[str, str, float, float, float, float]:
+    """``near:far`` or ``near:far:D:L:RD:RL`` -> (near, far, delay_s, loss, rdelay_s, rloss)."""
+    parts = spec.split(":")
+    if len(parts) == 2:
+        figures = [delay_ms, loss_pct, 0.0, 0.0]
+    elif len(parts) == 6:
+        figures = [float(v) for v in parts[2:]]
+    else:
+        raise ValueError(f"{spec!r}: give NEAR:FAR or NEAR:FAR:DELAY:LOSS:RDELAY:RLOSS")
+    d, l, rd, rl = figures
+    if d < 0 or rd < 0 or not (0 <= l < 100 and 0 <= rl < 100):
+        raise ValueError(f"{spec!r}: delays must be >= 0 and losses in [0, 100)")
+    return parts[0], parts[1], d / 1000, l / 100, rd / 1000, rl / 100
 
 
 def _drain(port: socket.socket) -> list[bytes]:
@@ -115,9 +145,9 @@ def serve(links: list[Link]) -> None:
     ep = select.epoll()
     handlers = {}
     for link in links:
-        for port, handler in ((link.near, link.on_near), (link.far, link.on_far)):
-            ep.register(port.fileno(), select.EPOLLIN)
-            handlers[port.fileno()] = handler
+        for way in link.ways:
+            ep.register(way.src.fileno(), select.EPOLLIN)
+            handlers[way.src.fileno()] = way.on_input
     stop = False
 
     def _stop(*_: object) -> None:
@@ -145,13 +175,14 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--delay-ms", type=float, required=True)
     ap.add_argument("--loss-pct", type=float, default=0.0)
     ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("links", nargs="+", metavar="NEAR:FAR")
+    ap.add_argument("links", nargs="+", metavar="NEAR:FAR[:DELAY:LOSS:RDELAY:RLOSS]")
     a = ap.parse_args(argv)
     if a.delay_ms < 0 or not 0 <= a.loss_pct < 100:
         ap.error("--delay-ms must be >= 0 and --loss-pct in [0, 100)")
     rng = random.Random(a.seed)
     try:
-        links = [Link(*spec.split(":", 1), a.delay_ms / 1000, a.loss_pct / 100, rng) for spec in a.links]
+        specs = [parse_link(spec, a.delay_ms, a.loss_pct) for spec in a.links]
+        links = [Link(near, far, d, l, rng, rd, rl) for near, far, d, l, rd, rl in specs]
     except (OSError, TypeError, ValueError) as e:
         print(f"delayline: cannot open the links: {e}", file=sys.stderr)
         return 2

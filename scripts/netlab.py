@@ -18,7 +18,8 @@ Kernels without sch_netem (this one): each access link is cut in two inside gs-i
 ``x-NODE``) and scripts/delayline.py, a userspace netem, carries frames across, delaying and
 dropping those going from the node to the core; tbf caps the rate as before.
 
-CLI:  netlab.py up [--rate-mbit R] [--delay-ms D] [--loss-pct P] [--no-shaping] | down | status
+CLI:  netlab.py up [--rate-mbit R] [--delay-ms D] [--loss-pct P] [--link ROLE:KEY=V,...] [--no-shaping]
+      | down | status
       | check | test [--json] | exec NAME -- CMD...   (NAME is a namespace such as gs-h1 or a role such as h1)
 """
 from __future__ import annotations
@@ -32,6 +33,7 @@ import shutil
 import subprocess
 import sys
 from collections.abc import Iterator
+from dataclasses import asdict, dataclass, replace
 from typing import Any
 
 CORE = "gs-inet"
@@ -143,42 +145,114 @@ def _netem_available() -> bool:
     return ok
 
 
-def _start_delayline(delay_ms: float, loss_pct: float) -> None:
+@dataclass(frozen=True)
+class LinkShape:
+    """One access link's figures: rates each way (0: no limit), delay and loss on the way out
+    (node -> core) and, `rdelay_ms`/`rloss_pct`, on the way in. The lab's default link delays one
+    way only, so a round trip between two shaped nodes crosses two delays."""
+
+    up_mbit: float = 50.0
+    down_mbit: float = 50.0
+    delay_ms: float = 40.0
+    loss_pct: float = 0.1
+    rdelay_ms: float = 0.0
+    rloss_pct: float = 0.0
+
+    @property
+    def impaired(self) -> bool:
+        """Does the link delay or lose anything, either way?"""
+        return max(self.delay_ms, self.loss_pct, self.rdelay_ms, self.rloss_pct) > 0
+
+    def check(self, role: str) -> None:
+        """Raise NetlabError on a figure no link can have."""
+        if min(self.up_mbit, self.down_mbit, self.delay_ms, self.rdelay_ms) < 0 or not (
+                0 <= self.loss_pct < 100 and 0 <= self.rloss_pct < 100):
+            raise NetlabError(f"link {role}: rates and delays must be >= 0 and losses in [0, 100): {self}")
+
+
+def parse_link_spec(spec: str) -> tuple[str, dict[str, float]]:
+    """``ROLE:key=value,...`` (keys: LinkShape's fields) -> (role, overrides); raises NetlabError."""
+    role, _, body = spec.partition(":")
+    if role not in UPLINK:
+        raise NetlabError(f"--link {spec!r}: no access link {role!r}; known: {', '.join(UPLINK)}")
+    fields = set(LinkShape.__dataclass_fields__)
+    out: dict[str, float] = {}
+    for item in filter(None, body.split(",")):
+        key, eq, value = item.partition("=")
+        if key not in fields or not eq:
+            raise NetlabError(f"--link {spec!r}: {item!r} is not KEY=VALUE with KEY one of {', '.join(sorted(fields))}")
+        try:
+            out[key] = float(value)
+        except ValueError:
+            raise NetlabError(f"--link {spec!r}: {value!r} is not a number") from None
+    return role, out
+
+
+def link_shapes(rate_mbit: float, delay_ms: float, loss_pct: float,
+                links: dict[str, dict[str, float]] | None) -> dict[str, LinkShape]:
+    """Every access link's shape: the lab's defaults, then each role's overrides."""
+    base = LinkShape(rate_mbit, rate_mbit, delay_ms, loss_pct)
+    unknown = set(links or {}) - set(UPLINK)
+    if unknown:
+        raise NetlabError(f"no access link {', '.join(sorted(unknown))}; known: {', '.join(UPLINK)}")
+    shapes = {role: replace(base, **(links or {}).get(role, {})) for role in UPLINK}
+    for role, shape in shapes.items():
+        shape.check(role)
+    return shapes
+
+
+def _start_delayline(shapes: dict[str, LinkShape]) -> None:
     """Run scripts/delayline.py in the core namespace over every cut access link; wait until ready.
 
     It belongs to the lab: ``down()`` kills every process in the lab's namespaces, this one too.
     """
     script = os.path.join(os.path.dirname(os.path.abspath(__file__)), "delayline.py")
-    links = [f"w-{role}:x-{role}" for role in UPLINK]
-    p = subprocess.Popen(["ip", "netns", "exec", CORE, sys.executable, script, "--delay-ms", f"{delay_ms:g}",
-                          "--loss-pct", f"{loss_pct:g}", *links], stdout=subprocess.PIPE,
-                         stderr=subprocess.PIPE, text=True, start_new_session=True)
+    links = [f"w-{role}:x-{role}:{s.delay_ms:g}:{s.loss_pct:g}:{s.rdelay_ms:g}:{s.rloss_pct:g}"
+             for role, s in shapes.items()]
+    p = subprocess.Popen(["ip", "netns", "exec", CORE, sys.executable, script, "--delay-ms", "0", *links],
+                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
     if p.stdout is None or p.stdout.readline().strip() != "ready":
         p.kill()
         raise NetlabError(f"delayline did not start: {p.communicate()[1].strip()}")
     p.stdout.close()  # it prints nothing more; errors go to its stderr pipe, which nobody needs
 
 
-def _shape(rate_mbit: float, delay_ms: float, loss_pct: float, netem: bool) -> dict[str, Any]:
+def _netem(ns: str, dev: str, delay_ms: float, loss_pct: float) -> None:
+    _nx(ns, "tc", "qdisc", "add", "dev", dev, "root", "handle", "1:", "netem", "delay", f"{delay_ms:g}ms",
+        "loss", f"{loss_pct:g}%", "limit", "100000")
+
+
+def _shape(shapes: dict[str, LinkShape], netem: bool, base: LinkShape) -> dict[str, Any]:
     """Shape every access link; returns what was actually applied."""
-    impaired = delay_ms > 0 or loss_pct > 0
     for role, dev in UPLINK.items():
-        ns = HOSTS[role][0]
-        if impaired and netem:
-            _nx(ns, "tc", "qdisc", "add", "dev", dev, "root", "handle", "1:", "netem", "delay",
-                f"{delay_ms:g}ms", "loss", f"{loss_pct:g}%", "limit", "100000")
-        if rate_mbit > 0:
-            _tbf(ns, dev, rate_mbit, ["parent", "1:1", "handle", "10:"] if impaired and netem else ["root"])
-            _tbf(CORE, f"c-{role}", rate_mbit, ["root"])
+        ns, s = HOSTS[role][0], shapes[role]
+        out_impaired, in_impaired = s.delay_ms > 0 or s.loss_pct > 0, s.rdelay_ms > 0 or s.rloss_pct > 0
+        if netem and out_impaired:
+            _netem(ns, dev, s.delay_ms, s.loss_pct)
+        if netem and in_impaired:
+            _netem(CORE, f"c-{role}", s.rdelay_ms, s.rloss_pct)
+        if s.up_mbit > 0:
+            _tbf(ns, dev, s.up_mbit, ["parent", "1:1", "handle", "10:"] if netem and out_impaired else ["root"])
+        if s.down_mbit > 0:
+            _tbf(CORE, f"c-{role}", s.down_mbit,
+                 ["parent", "1:1", "handle", "10:"] if netem and in_impaired else ["root"])
+    impaired = any(s.impaired for s in shapes.values())
     if impaired and not netem:
-        _start_delayline(delay_ms, loss_pct)
-    mode = "+".join(["netem" if netem else "delayline"] * impaired + ["tbf"] * (rate_mbit > 0)) or "off"
-    return {"mode": mode, "rate_mbit": rate_mbit, "delay_ms": delay_ms, "loss_pct": loss_pct}
+        _start_delayline(shapes)
+    rated = any(s.up_mbit > 0 or s.down_mbit > 0 for s in shapes.values())
+    mode = "+".join(["netem" if netem else "delayline"] * impaired + ["tbf"] * rated) or "off"
+    out: dict[str, Any] = {"mode": mode, "rate_mbit": base.up_mbit, "delay_ms": base.delay_ms,
+                           "loss_pct": base.loss_pct}
+    if odd := {role: asdict(s) for role, s in shapes.items() if s != base}:
+        out["links"] = odd
+    return out
 
 
 def up(rate_mbit: float = 50.0, delay_ms: float = 40.0, loss_pct: float = 0.1,
-       shaping: bool = True) -> dict[str, Any]:
-    """(Re)build the lab from scratch; raises NetlabUnavailable if namespaces cannot be made."""
+       shaping: bool = True, links: dict[str, dict[str, float]] | None = None) -> dict[str, Any]:
+    """(Re)build the lab from scratch; raises NetlabUnavailable if namespaces cannot be made.
+    `links` overrides single access links' figures: {"pub3": {"up_mbit": 1, "rdelay_ms": 100}}."""
+    shapes = link_shapes(rate_mbit, delay_ms, loss_pct, links)
     _preflight(shaping)
     down()
     try:
@@ -190,7 +264,7 @@ def up(rate_mbit: float = 50.0, delay_ms: float = 40.0, loss_pct: float = 0.1,
         _ip(CORE, "link", "add", "br0", "type", "bridge")
         _addr_up(CORE, "br0", "10.99.0.1/24")
         netem = shaping and _netem_available()
-        cut = shaping and not netem and (delay_ms > 0 or loss_pct > 0)  # delayline splices each link
+        cut = shaping and not netem and any(s.impaired for s in shapes.values())  # delayline splices each link
         for role, dev in UPLINK.items():
             ns, ip = HOSTS[role]
             near = f"w-{role}" if cut else f"c-{role}"
@@ -210,7 +284,7 @@ def up(rate_mbit: float = 50.0, delay_ms: float = 40.0, loss_pct: float = 0.1,
             masq = "-t nat -A POSTROUTING -o wan0 -j MASQUERADE" + (" --random-fully" if symmetric else "")
             for rule in [masq, *FIREWALL.splitlines()]:
                 _nx(rns, "iptables", *rule.split())
-        shaped = _shape(rate_mbit, delay_ms, loss_pct, netem) if shaping else {"mode": "off"}
+        shaped = _shape(shapes, netem, LinkShape(rate_mbit, rate_mbit, delay_ms, loss_pct)) if shaping else {"mode": "off"}
     except BaseException:
         with contextlib.suppress(Exception):
             down()
@@ -257,6 +331,9 @@ def main(argv: list[str] | None = None) -> int:
     pu.add_argument("--delay-ms", type=float, default=40.0)
     pu.add_argument("--loss-pct", type=float, default=0.1)
     pu.add_argument("--no-shaping", action="store_true")
+    pu.add_argument("--link", action="append", default=[], metavar="ROLE:KEY=VALUE,...",
+                    help="one access link's own figures, e.g. pub3:up_mbit=1,delay_ms=130,rdelay_ms=110,rloss_pct=2 "
+                         "(keys: up_mbit down_mbit delay_ms loss_pct rdelay_ms rloss_pct; a rate of 0: no limit); repeatable")
     for name, text in [("down", "remove every lab namespace"), ("status", "namespaces and addresses as JSON"),
                        ("check", "connectivity self-test, JSON"),
                        ("test", "a 5-round groundswell run across the NATs, JSON (see netlab_run.py)")]:
@@ -271,7 +348,8 @@ def main(argv: list[str] | None = None) -> int:
     a = ap.parse_args(argv)
     try:
         if a.cmd == "up":
-            info = up(a.rate_mbit, a.delay_ms, a.loss_pct, shaping=not a.no_shaping)
+            links = dict(parse_link_spec(spec) for spec in a.link)
+            info = up(a.rate_mbit, a.delay_ms, a.loss_pct, shaping=not a.no_shaping, links=links)
             print(json.dumps({"up": info["namespaces"], "shaping": info["shaping"]}, indent=1))
         elif a.cmd == "down":
             print(json.dumps({"removed": down()}))

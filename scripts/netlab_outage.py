@@ -1,11 +1,12 @@
 #!/usr/bin/env python3
 """A volunteer loses its network for a while (Wi-Fi gone, cable pulled) in the middle of a run.
 
-    python scripts/netlab_outage.py [--down-at 40] [--down-for 30] [--after 45] [--out DIR]   (root)
+    python scripts/netlab_outage.py [--down-at 40] [--down-for 30] [--after 45] [--settle S] [--out DIR]   (root)
 
 In netlab (shaped links): a coordinator and three public volunteers; `pub3`'s link goes down
 `--down-at` seconds after the volunteers start, for `--down-for` seconds; `--after` seconds after
-it is back, every volunteer leaves (SIGINT). Prints JSON: the outage
+it is back (or, with `--settle S`, S seconds after the victim is back in the rounds, if that
+comes first), every volunteer leaves (SIGINT). Prints JSON: the outage
 window, pub3's attempts to re-enter the DHT once its routing table was empty (`peer/dht_rejoin.py`), how
 long after the link came back pub3 was in an aggregate again, the other volunteers' longest round
 during the outage, and whether every round's parameter hashes agreed.
@@ -38,8 +39,10 @@ def _link(name: str, state: str) -> None:
 
 
 def run(down_at: float = 40, down_for: float = 30, after: float = 45, out: Path | None = None,
-        timeout_s: float = 120, victim: str = "pub3") -> dict:
-    """Build the lab, run the swarm with one outage, tear the lab down; the outcome as a dict."""
+        timeout_s: float = 120, victim: str = "pub3", settle: float | None = None) -> dict:
+    """Build the lab, run the swarm with one outage, tear the lab down; the outcome as a dict.
+    `settle`: end as soon as the victim is back and that many seconds more have passed (the
+    others' rounds go on meanwhile), rather than `after` seconds after the link came back."""
     out = out or Path(tempfile.mkdtemp(prefix="netlab-outage-"))
     rounds = 10**6  # the run ends by the clock: `after` seconds after the link is back
     opts = SimulateOptions(peers=len(VOLUNTEERS), rounds=rounds, inner_steps=20, batch_size=4, deadline_s=12,
@@ -58,7 +61,11 @@ def run(down_at: float = 40, down_for: float = 30, after: float = 45, out: Path 
         time.sleep(down_for)
         _link(victim, "up")
         up_t = time.time()
-        time.sleep(after)  # then everyone leaves cleanly (Ctrl+C), as at the end of a session
+        while time.time() < up_t + after:  # then everyone leaves cleanly (Ctrl+C), as at the end of a session
+            if settle is not None and (back := _back_at(out, NAMES[victim], up_t)) is not None \
+                    and time.time() >= back + settle:
+                break
+            time.sleep(1.0)
         for name in VOLUNTEERS:
             sim.signal(name, signal.SIGINT)
         end = time.time() + timeout_s
@@ -68,12 +75,18 @@ def run(down_at: float = 40, down_for: float = 30, after: float = 45, out: Path 
     return outcome(out, down_t, up_t, timed_out, NAMES[victim])
 
 
+def _back_at(out: Path, name: str, up_t: float) -> float | None:
+    """When process `name` was back after the link came up at `up_t`: a volunteer's contribution
+    in an aggregate again, the coordinator following a round again; None if not yet."""
+    back = [e["t"] for e in read_events(out / name / "events.jsonl") if e["kind"] == "round" and e["t"] > up_t
+            and (e.get("included") or name == "coordinator")]
+    return back[0] if back else None
+
+
 def outcome(out: Path, down_t: float, up_t: float, timed_out: list[str], name: str = "pub3") -> dict:
     """What the outage cost, from the event logs and the victim's (process `name`) protocol log."""
     base = report(out, 0, {}, timed_out, VOLUNTEERS)
     victim = read_events(out / name / "events.jsonl")
-    # back: a volunteer's contribution is in an aggregate again; the coordinator follows a round again
-    back = [e for e in victim if e["kind"] == "round" and e["t"] > up_t and (e.get("included") or name == "coordinator")]
     others = [e for other in VOLUNTEERS if other != name for e in read_events(out / other / "events.jsonl")
               if e["kind"] == "round" and down_t <= e["t"] <= up_t + 30]
     rejoins = re.findall(r"routing table was empty: (\d+) of (\d+) known peers answered",
@@ -86,7 +99,7 @@ def outcome(out: Path, down_t: float, up_t: float, timed_out: list[str], name: s
         # Traffic from the others may refill it first, once the link is back; then there is no attempt after.
         "victim_rejoin_attempts": [[int(n), int(m)] for n, m in rejoins],
         "victim": name,
-        "victim_included_again_after_s": round(back[0]["t"] - up_t, 1) if back else None,
+        "victim_included_again_after_s": round(back - up_t, 1) if (back := _back_at(out, name, up_t)) else None,
         "victim_events_after_link_up": [e["kind"] for e in victim if e["t"] > up_t][:6],
         "others_longest_round_s": round(max((e["round_s"] for e in others), default=0.0), 1),
         "out": str(out),
@@ -99,10 +112,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--down-for", type=float, default=30)
     ap.add_argument("--after", type=float, default=45)
     ap.add_argument("--victim", choices=sorted(NAMES), default="pub3", help="whose link goes down")
+    ap.add_argument("--settle", type=float, default=None, help="end this long after the victim is back")
     ap.add_argument("--out", type=Path, default=None)
     a = ap.parse_args(argv)
     try:
-        res = run(a.down_at, a.down_for, a.after, a.out, victim=a.victim)
+        res = run(a.down_at, a.down_for, a.after, a.out, victim=a.victim, settle=a.settle)
     except netlab.NetlabUnavailable as exc:
         print(f"netlab unavailable: {exc}", file=sys.stderr)
         return 3

@@ -55,15 +55,21 @@ def run(rounds: int = 5, out: Path | None = None, timeout_s: float = 300, **lab_
         rtt = netlab.ping("h1", coord_ip, 5)[1]  # what the links give, as a volunteer behind NAT sees it
         boot = start_coordinator(sim, out, ["--listen", "/ip4/0.0.0.0/tcp/40000",
                                             "--announce", f"/ip4/{coord_ip}/tcp/40000"])
-        for name in VOLUNTEERS:
-            sim.spawn(name, ["join", boot, "--state-dir", str(out / name), "--until-round", str(rounds),
-                             "--listen", "/ip4/0.0.0.0/tcp/0", *COMMON],
-                      prefix=tuple(netlab.netns_exec_argv(name, [])))
-        end = time.time() + timeout_s
-        while time.time() < end and any(sim.alive(v) for v in VOLUNTEERS):
-            time.sleep(0.5)
-        timed_out = [v for v in VOLUNTEERS if sim.alive(v)]
+        timed_out = join_and_wait(sim, out, boot, VOLUNTEERS, rounds, timeout_s)
     return report(out, rounds, {**info.get("shaping", {}), "rtt_h1_coord_ms": rtt}, timed_out)
+
+
+def join_and_wait(sim: Simulation, out: Path, boot: str, volunteers: tuple[str, ...], rounds: int,
+                  timeout_s: float) -> list[str]:
+    """Start each volunteer in its namespace, to leave once round `rounds` is applied; wait for
+    them all to exit (at most `timeout_s`); those still running."""
+    for name in volunteers:
+        sim.spawn(name, ["join", boot, "--state-dir", str(out / name), "--until-round", str(rounds),
+                         "--listen", "/ip4/0.0.0.0/tcp/0", *COMMON], prefix=tuple(netlab.netns_exec_argv(name, [])))
+    end = time.time() + timeout_s
+    while time.time() < end and any(sim.alive(v) for v in volunteers):
+        time.sleep(0.5)
+    return [v for v in volunteers if sim.alive(v)]
 
 
 def report(out: Path, rounds: int, shaping: dict, timed_out: list[str],

@@ -81,9 +81,65 @@ def test_a_peer_whose_link_went_down_for_a_while_is_back(tmp_path, victim):
     if shutil.which("ping") is None:
         pytest.skip("netlab's round-trip check needs ping (apt-get install iputils-ping)")
     try:
-        res = netlab_outage.run(down_at=25, down_for=20, after=45, out=tmp_path / "run", victim=victim)
+        # (ends 5 s after the victim is back, at most 45 s after its link is: the check needs no more)
+        res = netlab_outage.run(down_at=25, down_for=20, after=45, out=tmp_path / "run", victim=victim, settle=5)
     except netlab.NetlabUnavailable as exc:
         pytest.skip(f"network namespaces unavailable here: {exc}")
     assert netlab.existing_namespaces() == [], "the lab was not torn down"
     assert res["timed_out"] == [] and res["param_hash_agreement"], res
     assert res["victim_included_again_after_s"] is not None, res
+
+
+_SINK = """import socket, sys, time
+s = socket.socket(); s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+s.bind(("0.0.0.0", int(sys.argv[1]))); s.listen(1); print("ready", flush=True)
+c, _ = s.accept(); got = len(c.recv(65536)); t0 = time.monotonic()
+while chunk := c.recv(65536):
+    got += len(chunk)
+print(got, time.monotonic() - t0, flush=True)"""
+_SOURCE = """import socket, sys
+c = socket.create_connection((sys.argv[1], int(sys.argv[2])), timeout=60); c.sendall(b"x" * int(sys.argv[3])); c.close()"""
+
+
+def _send_time(src: str, dst: str, nbytes: int, port: int = 45000) -> float:
+    """Seconds lab node `dst` takes to receive `nbytes` over TCP from `src` (first byte to the end)."""
+    import subprocess
+
+    sink = subprocess.Popen(netlab.netns_exec_argv(dst, [sys.executable, "-c", _SINK, str(port)]),
+                            stdout=subprocess.PIPE, text=True)
+    try:
+        assert sink.stdout is not None and sink.stdout.readline().strip() == "ready"
+        subprocess.run(netlab.netns_exec_argv(src, [sys.executable, "-c", _SOURCE, netlab.HOSTS[dst][1], str(port),
+                                                    str(nbytes)]), check=True, timeout=120)
+        got, seconds = sink.stdout.readline().split()
+        assert int(got) == nbytes
+        return float(seconds)
+    finally:
+        sink.kill()
+        sink.wait()
+
+
+@pytest.mark.timeout(200)
+def test_one_access_link_is_shaped_apart_from_the_others():
+    # scripts/netlab_links.py's runs (a volunteer on a slow or lossy link) rest on this: pub3's
+    # link delays both ways and has a 2 Mbit/s uplink; everyone else keeps the lab's figures.
+    if os.geteuid() != 0:
+        pytest.skip("netlab needs root to create network namespaces")
+    if shutil.which("ping") is None:
+        pytest.skip("netlab's round-trip check needs ping (apt-get install iputils-ping)")
+    try:
+        with netlab.lab(delay_ms=10, loss_pct=0, links={"pub3": {"up_mbit": 2, "delay_ms": 60, "rdelay_ms": 60}}) as info:
+            assert info["shaping"]["links"]["pub3"]["up_mbit"] == 2, info["shaping"]
+            ok, fast = netlab.ping("pub", netlab.HOSTS["coord"][1], 5)
+            ok3, slow = netlab.ping("pub3", netlab.HOSTS["coord"][1], 5)
+            assert ok and ok3 and fast is not None and slow is not None
+            # pub <-> coord: 10 ms out of each; pub3 <-> coord: 60 + 60 at pub3's end, 10 at coord's
+            assert 20 <= fast["min"] < 100 and slow["min"] >= 130, (fast, slow)
+            nbytes = 750_000  # 3 s at 2 Mbit/s, 0.12 s at 50
+            up3, down3 = _send_time("pub3", "coord", nbytes), _send_time("coord", "pub3", nbytes, 45001)
+            up = _send_time("pub", "coord", nbytes, 45002)
+            assert up3 >= 2.0, up3
+            assert down3 < up3 / 2 and up < up3 / 2, (up3, down3, up)
+    except netlab.NetlabUnavailable as exc:
+        pytest.skip(f"network namespaces unavailable here: {exc}")
+    assert netlab.existing_namespaces() == [], "the lab was not torn down"
