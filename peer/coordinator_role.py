@@ -178,7 +178,10 @@ def _follow_rounds(p: Participant, stop: StopFlag, on_round: Callable[[RoundInfo
         t0 = time.perf_counter()
         if loss == loss:
             p.node.update_record(loss=loss, loss_round=r)
+        # (sources: the shards' aggregators that served this round's aggregate; servers: the peers
+        # given roles in the next round)
         p.events.write("round", round=r, contributors=list(d.contributors), attempt=d.attempt, leader=d.leader,
+                       sources=sorted(set(d.sources)), servers=list(d.servers),
                        hash=info.params_hash, eval_loss=loss if evaluated else None, clipped=client.clipped.get(r, {}), shards=d.num_shards,
                        round_s=info.round_s, peer=p.identity.peer_id, role="coordinator",
                        sent_total=p.node.traffic()[0],  # a killed coordinator logs no total at exit

@@ -29,7 +29,7 @@ from groundswell.protocol.transport import PeerUnavailable
 from .catch_up import catch_up_view, holders_to_ask
 from .net_errors import NetworkError
 from .swarm import SwarmNode
-from .uplink_watch import UplinkWatch
+from .uplink_watch import CLEAR_AFTER, UplinkWatch
 
 log = logging.getLogger(__name__)
 # Contributions of unknown outcome kept open at most: a round's retried attempts a later claim may
@@ -117,6 +117,11 @@ class SwarmExchange:
         self.last_outcome: tuple[bool | None, bool] = (None, False)
         self.uplink = UplinkWatch()  # says when our contributions keep failing to get out
 
+    @property
+    def serving(self) -> bool:
+        """Do we offer to aggregate and lead? Not while our uplink is found too slow (`UplinkWatch.slow`)."""
+        return self.serves and not self.uplink.slow
+
     def contribute(self, round_id: int, payloads: Sequence[Payload]) -> None:
         """Start this peer's attempt at `round_id` with its segment payloads."""
         if self._future is not None:
@@ -147,7 +152,7 @@ class SwarmExchange:
         (a next-round leader that never answers held every peer's mean back a slack, a review found)."""
         client = self.node.client
         assert client is not None
-        outcome = await client.run_attempt(round_id, None, segments, trains=True, serves=self.serves)
+        outcome = await client.run_attempt(round_id, None, segments, trains=True, serves=self.serving)
         d = outcome.decision
         if d is None or d.status != "commit" or d.round != round_id:
             return outcome, None, None
@@ -160,7 +165,7 @@ class SwarmExchange:
 
         async def announce() -> None:
             try:
-                await client.announce(round_id + 1, trains=True, serves=self.serves)
+                await client.announce(round_id + 1, trains=True, serves=self.serving)
             except PeerUnavailable as exc:  # best effort: the next round's leaders simply do not wait for us
                 log.warning("announcing round %d failed: %s", round_id + 1, exc)
 
@@ -338,7 +343,7 @@ class SwarmExchange:
         assert client is not None
         self._drop_announce()  # (a retried first round announces again)
         self._announced_round = round_id
-        self._announced = self.node.submit(client.announce(round_id, trains=True, serves=self.serves,
+        self._announced = self.node.submit(client.announce(round_id, trains=True, serves=self.serving,
                                                            attempts=LEAVE_ATTEMPTS))
 
     def drop_announcements(self) -> None:
@@ -418,7 +423,18 @@ class SwarmExchange:
             raise NeedResync(f"round {round_id}: no outcome within {limit:.0f} s") from None
         decision = outcome.decision
         if self._segments and not outcome.late:  # (a coordinator contributes nothing; late: our training's doing)
-            self.uplink.note(outcome.sends_cut > 0, outcome.included, sum(len(s) for s in self._segments), ctx.slack_s)
+            was_serving = self.serving
+            self.uplink.note(outcome.sends_cut > 0, outcome.included, sum(len(s) for s in self._segments), ctx.slack_s,
+                             outcome.cut_to)
+            if was_serving != self.serving:
+                self.node.update_record(serves=self.serving)  # what `groundswell status` shows
+            if was_serving and not self.serving:
+                log.warning("this peer declines aggregator and leader roles until its contribution gets out whole in "
+                            "%d attempts in a row: an aggregator sends its shard's aggregate to every peer over the "
+                            "same uplink", CLEAR_AFTER)
+            elif self.serving and not was_serving:
+                log.warning("our contribution got out whole in each of the last %d attempts: this peer takes "
+                            "aggregator and leader roles again", CLEAR_AFTER)
         if decision is None or decision.status != "commit":
             if decision is None:  # a leader may have committed it, and died before telling us
                 self._unsettled(round_id, None)

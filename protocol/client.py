@@ -62,8 +62,10 @@ class AttemptResult:
     included: bool = False
     late: bool = False  # our shards went out after the attempt's close by our clock (training ran late)
     # sends of our shards that timed out after a slack or more of sending: the mark of an uplink
-    # too slow for the contribution (see `_offer`)
+    # too slow for the contribution (see `_offer`), and the aggregators they went to (one alone
+    # may be the slow end: its downlink, its CPU)
     sends_cut: int = 0
+    cut_to: frozenset[str] = frozenset()
 
 
 class RoundClient(AggregateFetcher):
@@ -82,6 +84,7 @@ class RoundClient(AggregateFetcher):
         # from one peer, which aggregators refuse as equivocation.
         self.contributed: dict[int, int] = {}
         self.sends_cut = 0  # see `AttemptResult.sends_cut`: in all attempts so far
+        self.cut_to: dict[tuple[int, int], set[str]] = {}  # (round, attempt) -> `AttemptResult.cut_to`
         # False: it could not be recorded durably, and nothing is sent (after a crash, a restart
         # from an older checkpoint would not know this work went out, and send it again)
         self.on_contribute: Callable[[int, int], bool] | None = None
@@ -192,7 +195,10 @@ class RoundClient(AggregateFetcher):
             for old in [r for r in self.retried if r < round_id - 2]:  # (also here: the coordinator sends
                 del self.retried[old]  # no segments, and its table grew by each retried round, a review found)
         included = await self.counts_ours(decision, segments)
-        return AttemptResult(decision, signed, attempt, delivered, included, late, cut)
+        cut_to = frozenset(self.cut_to.pop((round_id, attempt), ()))
+        for key in [k for k in self.cut_to if k[0] < round_id - 2]:  # (attempts given up on)
+            del self.cut_to[key]
+        return AttemptResult(decision, signed, attempt, delivered, included, late, cut, cut_to)
 
     async def counts_ours(self, decision: Decision | None, segments: list[bytes] | None) -> bool:
         """Does a commit count the contribution we sent (its pinned digests are ours, in every shard)?
@@ -333,6 +339,7 @@ class RoundClient(AggregateFetcher):
             # sender, but so does a refusal after its 10 s wait for room, or a crash.
             if isinstance(exc, RequestTimedOut) and time.monotonic() - started >= self.ctx.slack_s:
                 self.sends_cut += 1
+                self.cut_to.setdefault((msg.round, msg.attempt), set()).add(peer)
             return "failed"
         if ack.ok:
             return "ok"

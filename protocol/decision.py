@@ -107,9 +107,17 @@ class Decider:
             trainers = first_members(set(contributors), {p for p, (t, _) in joins.items() if t}, cap)
             # Servers of the next round: those that joined as such, and every aggregator that
             # reported in this attempt (it serves, and is alive), so a leader that lost its join
-            # records (a restart) does not shrink the next round to itself.
-            reporters = {a for held in slot.have.values() for a in held}
-            servers = first_members(reporters | {self.identity.peer_id}, {p for p, (_, s) in joins.items() if s}, cap)
+            # records (a restart) does not shrink the next round to itself; but not one whose join
+            # declined to serve (its uplink found too slow, `peer/uplink_watch.py`; with every
+            # server an aggregator of a small run it would keep the role for good), unless the
+            # commit needs it there: a source (`_sources` avoids them) or the leader.
+            # Never below three servers so: too few could not hold a shard and its replicas.
+            declined = {p for p, (_, s) in joins.items() if not s} - set(sources) - {self.identity.peer_id}
+            reporters = {a for held in slot.have.values() for a in held} | {self.identity.peer_id}
+            offered = {p for p, (_, s) in joins.items() if s}
+            if len((reporters - declined) | offered) >= 3:
+                reporters -= declined
+            servers = first_members(reporters, offered, cap)
             pinned = self._digests(slot, sources, contributors)
             decision = Decision(plan.round, plan.attempt, "commit", contributors, trainers, servers,
                                 self.identity.peer_id, sources, plan.num_shards, time.time(), pinned)

@@ -175,12 +175,15 @@ class Leading:
     def _sources(self, plan: RoundPlan, slot: _Attempt, exclude: frozenset[str] = frozenset()
                  ) -> tuple[list[str], set[str]]:
         sources, common = [], None
+        # An aggregator that declined to serve on (its uplink is slow) is the source of a shard
+        # only if no other holds as many of its contributions: the source serves the aggregate.
+        declined = {p for p, (_, serves) in self.joins.get(plan.round, {}).items() if not serves}
         for shard in range(plan.num_shards):
             reports = {a: ids for a, ids in slot.have.get(shard, {}).items() if a not in exclude}
             if not reports:
                 return [], set()
             rank = {p: i for i, p in enumerate(plan.candidates(shard))}
-            best = min(reports, key=lambda a: (-len(reports[a]), rank.get(a, 1 << 30), a))
+            best = min(reports, key=lambda a: (-len(reports[a]), a in declined, rank.get(a, 1 << 30), a))
             sources.append(best)
             common = set(reports[best]) if common is None else common & reports[best].keys()
         return sources, common or set()
