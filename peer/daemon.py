@@ -22,10 +22,12 @@ prctl resolved at import, with no imports or locks between fork and exec.)
 from __future__ import annotations
 
 import asyncio
+import collections
 import contextlib
 import ctypes
 import logging
 import os
+import re
 import secrets
 import shutil
 import signal
@@ -43,6 +45,35 @@ log = logging.getLogger(__name__)
 
 
 OPEN_FILES_WANTED = 1 << 16
+
+
+class DaemonOutput:
+    """What p2pd printed that is not one of its JSON log records: its start-up lines and, if it
+    crashes, Go's "panic:", "fatal error:" or "SIGQUIT: quit" and the lines after it. hivemind logs those at DEBUG
+    only, so a churn run's daemon that exited with code 2 left nothing to say why."""
+
+    FATAL_LINES = 12  # of a crash: the message, then the first lines of its goroutine's trace
+
+    def __init__(self) -> None:
+        self.recent: collections.deque[str] = collections.deque(maxlen=8)
+        self.fatal: list[str] = []
+
+    def keep(self, line: str) -> None:
+        """Note one line of the daemon's output."""
+        if '"logger"' in line:
+            return
+        if self.fatal and len(self.fatal) < self.FATAL_LINES:
+            self.fatal.append(line)
+        elif not self.fatal and re.match(r"(panic: |fatal error: |SIG[A-Z]+: )", line):
+            self.fatal.append(line)
+        self.recent.append(line)
+
+    def last_words(self) -> list[str]:
+        """What to show once the daemon has exited: the crash if there was one, else its last lines."""
+        return self.fatal or list(self.recent)[-4:]
+
+
+DAEMON_OUTPUT = DaemonOutput()  # (every daemon of this process: one, but for a restart's)
 
 
 def raise_open_file_limit(wanted: int = OPEN_FILES_WANTED) -> int:
@@ -261,7 +292,14 @@ def with_private_sockets(p2p_class: Any) -> Any:
     with _lock:
         prefix = f"/unix{socket_dir()}/"
         _socket_users += 1
-    attrs: dict[str, Any] = {"_make_process_args": staticmethod(static_relay_args(p2p_class._make_process_args))}
+    log_line = p2p_class._log_p2pd_message
+
+    def keep_and_log(line: str) -> None:
+        DAEMON_OUTPUT.keep(line)
+        log_line(line)
+
+    attrs: dict[str, Any] = {"_make_process_args": staticmethod(static_relay_args(p2p_class._make_process_args)),
+                             "_log_p2pd_message": staticmethod(keep_and_log)}
     if len(prefix) <= 60:  # unix socket paths are limited to ~104 bytes; leave room for the names
         attrs["_UNIX_SOCKET_PREFIX"] = prefix
     return type(p2p_class.__name__, (p2p_class,), attrs)
@@ -335,4 +373,7 @@ async def watch_daemon(p2p: object) -> None:
     if child is None:  # an in-process stand-in, or a daemon we did not start
         await asyncio.Event().wait()
     code = await child.wait()
+    await asyncio.sleep(0.2)  # hivemind's reader takes in the daemon's last lines
+    if said := DAEMON_OUTPUT.last_words():
+        log.error("the libp2p daemon exited (code %s); its last output:\n%s", code, "\n".join(said))
     raise NetworkError(f"the libp2p daemon exited (code {code})")
