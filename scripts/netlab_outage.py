@@ -1,10 +1,12 @@
 #!/usr/bin/env python3
 """A volunteer loses its network for a while (Wi-Fi gone, cable pulled) in the middle of a run.
 
-    python scripts/netlab_outage.py [--down-at 40] [--down-for 30] [--after 45] [--settle S] [--out DIR]   (root)
+    python scripts/netlab_outage.py [--down-at 40] [--down-after-rounds N] [--down-for 30] [--after 45]
+                                    [--settle S] [--out DIR]   (root)
 
 In netlab (shaped links): a coordinator and three public volunteers; `pub3`'s link goes down
-`--down-at` seconds after the volunteers start, for `--down-for` seconds; `--after` seconds after
+`--down-at` seconds after the volunteers start (or, with `--down-after-rounds N`, once it has been
+in N rounds, if that comes first), for `--down-for` seconds; `--after` seconds after
 it is back (or, with `--settle S`, S seconds after the victim is back in the rounds, if that
 comes first), every volunteer leaves (SIGINT). Prints JSON: the outage
 window, pub3's attempts to re-enter the DHT once its routing table was empty (`peer/dht_rejoin.py`), how
@@ -39,10 +41,13 @@ def _link(name: str, state: str) -> None:
 
 
 def run(down_at: float = 40, down_for: float = 30, after: float = 45, out: Path | None = None,
-        timeout_s: float = 120, victim: str = "pub3", settle: float | None = None) -> dict:
+        timeout_s: float = 120, victim: str = "pub3", settle: float | None = None,
+        down_after_rounds: int | None = None) -> dict:
     """Build the lab, run the swarm with one outage, tear the lab down; the outcome as a dict.
-    `settle`: end as soon as the victim is back and that many seconds more have passed (the
-    others' rounds go on meanwhile), rather than `after` seconds after the link came back."""
+    `down_after_rounds`: the link goes down as soon as the victim has been in that many rounds,
+    if that comes before `down_at`. `settle`: end as soon as the victim is back and that many
+    seconds more have passed (the others' rounds go on meanwhile), rather than `after` seconds
+    after the link came back."""
     out = out or Path(tempfile.mkdtemp(prefix="netlab-outage-"))
     rounds = 10**6  # the run ends by the clock: `after` seconds after the link is back
     opts = SimulateOptions(peers=len(VOLUNTEERS), rounds=rounds, inner_steps=20, batch_size=4, deadline_s=12,
@@ -55,7 +60,11 @@ def run(down_at: float = 40, down_for: float = 30, after: float = 45, out: Path 
             sim.spawn(name, ["join", boot, "--state-dir", str(out / name), "--until-round", str(rounds),
                              "--listen", f"/ip4/{ip}/tcp/40001", *COMMON],
                       prefix=tuple(netlab.netns_exec_argv(name, [])))
-        time.sleep(down_at)
+        start = time.time()
+        while time.time() < start + down_at:
+            if down_after_rounds is not None and len(_rounds_in(out, NAMES[victim], start)) >= down_after_rounds:
+                break
+            time.sleep(0.5)
         _link(victim, "down")
         down_t = time.time()
         time.sleep(down_for)
@@ -75,11 +84,19 @@ def run(down_at: float = 40, down_for: float = 30, after: float = 45, out: Path 
     return outcome(out, down_t, up_t, timed_out, NAMES[victim])
 
 
-def _back_at(out: Path, name: str, up_t: float) -> float | None:
-    """When process `name` was back after the link came up at `up_t`: a volunteer's contribution
-    in an aggregate again, the coordinator following a round again; None if not yet."""
-    back = [e["t"] for e in read_events(out / name / "events.jsonl") if e["kind"] == "round" and e["t"] > up_t
+def _rounds_in(out: Path, name: str, since: float) -> list[float]:
+    """When process `name` was in a round after `since`: a volunteer's contribution in an
+    aggregate, the coordinator following a round."""
+    path = out / name / "events.jsonl"
+    if not path.exists():
+        return []
+    return [e["t"] for e in read_events(path) if e["kind"] == "round" and e["t"] > since
             and (e.get("included") or name == "coordinator")]
+
+
+def _back_at(out: Path, name: str, up_t: float) -> float | None:
+    """When process `name` was back after the link came up at `up_t`; None if not yet."""
+    back = _rounds_in(out, name, up_t)
     return back[0] if back else None
 
 
@@ -95,6 +112,7 @@ def outcome(out: Path, down_t: float, up_t: float, timed_out: list[str], name: s
         "rounds_completed": base["rounds_completed"],
         "param_hash_agreement": base["param_hash_agreement"], "timed_out": timed_out,
         "outage_s": round(up_t - down_t, 1),
+        "victim_rounds_before_outage": len([t for t in _rounds_in(out, name, 0.0) if t < down_t]),
         # Each time the victim found its DHT routing table empty: (peers that answered, peers tried).
         # Traffic from the others may refill it first, once the link is back; then there is no attempt after.
         "victim_rejoin_attempts": [[int(n), int(m)] for n, m in rejoins],
@@ -109,6 +127,8 @@ def outcome(out: Path, down_t: float, up_t: float, timed_out: list[str], name: s
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--down-at", type=float, default=40)
+    ap.add_argument("--down-after-rounds", type=int, default=None,
+                    help="down once the victim has been in this many rounds, if before --down-at")
     ap.add_argument("--down-for", type=float, default=30)
     ap.add_argument("--after", type=float, default=45)
     ap.add_argument("--victim", choices=sorted(NAMES), default="pub3", help="whose link goes down")
@@ -116,7 +136,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--out", type=Path, default=None)
     a = ap.parse_args(argv)
     try:
-        res = run(a.down_at, a.down_for, a.after, a.out, victim=a.victim, settle=a.settle)
+        res = run(a.down_at, a.down_for, a.after, a.out, victim=a.victim, settle=a.settle,
+                  down_after_rounds=a.down_after_rounds)
     except netlab.NetlabUnavailable as exc:
         print(f"netlab unavailable: {exc}", file=sys.stderr)
         return 3

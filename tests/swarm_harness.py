@@ -5,7 +5,9 @@ from __future__ import annotations
 import concurrent.futures
 import re
 import tempfile
+import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -38,6 +40,7 @@ class Cluster:
     servers: tuple[int, ...] | None = None  # the nodes round 0's membership names as servers (default: all)
     nodes: list[SwarmNode] = field(default_factory=list)
     ids: list[str] = field(default_factory=list)
+    _thaws: list[Callable[[], None]] = field(default_factory=list)
 
     def __post_init__(self) -> None:
         self._tmp = tempfile.TemporaryDirectory()
@@ -102,10 +105,20 @@ class Cluster:
         node = self.nodes[i]
         return node.call(node.client.fetch_aggregate(signed), timeout_s=120)  # type: ignore[union-attr]
 
+    def freeze(self, i: int, at_most_s: float) -> Callable[[], None]:
+        """Block node i's event loop until the returned thaw is called or `at_most_s` has passed:
+        its daemon keeps the sockets open and takes bytes, but nothing answers (a closed laptop lid)."""
+        thawed = threading.Event()
+        self._thaws.append(thawed.set)
+        self.nodes[i]._loop.call_soon_threadsafe(thawed.wait, at_most_s)
+        return thawed.set
+
     def close(self) -> None:
         """Close every node (and its p2pd), and remove the keys' folder; the first failure is raised
         once all that is done, so one node that fails to close leaks none of the others."""
         errors: list[Exception] = []
+        for thaw in self._thaws:  # a frozen node would hold its close up for the rest of its freeze
+            thaw()
         try:
             for node in self.nodes:
                 try:

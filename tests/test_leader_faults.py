@@ -36,8 +36,7 @@ def test_a_frozen_stand_in_leader_does_not_hold_contributions_back(make_cluster,
         return await real_offer(self, peer, msg, timeout)
 
     monkeypatch.setattr(client_module.RoundClient, "_offer", offer)
-    thaw_at = time.monotonic() + 2 * c.deadline_s
-    c.nodes[frozen]._loop.call_soon_threadsafe(time.sleep, 2 * c.deadline_s)
+    thaw = c.freeze(frozen, 2 * c.deadline_s)
     alive = [i for i in range(4) if i != frozen]
     xs = _inputs(4, c.numel, 37)
     start = time.monotonic()
@@ -46,7 +45,7 @@ def test_a_frozen_stand_in_leader_does_not_hold_contributions_back(make_cluster,
     assert d is not None and d.status == "commit" and all(out[i].included for i in alive)
     waited = {who[-6:]: round(t - start, 2) for who, t in first_offer.items()}
     assert len(waited) == len(alive) and max(waited.values()) < c.slack_s, f"first shard sent after {waited} s"
-    time.sleep(max(0.0, thaw_at - time.monotonic()) + 0.5)
+    thaw()
     means = [c.fetch(i, out[alive[0]].signed) for i in range(4)]
     assert all(torch.equal(m, means[0]) for m in means)
 
@@ -62,8 +61,7 @@ def test_a_frozen_stand_in_leader_does_not_hold_back_reports_to_the_leader(make_
     c = make_cluster(n=4, codec_name="sparseloco", numel=8 * 4096, min_peers=2, deadline_s=15.0, slack_s=4.0)
     plan = make_plan(c.ctx.run_id, 0, 0, c.ids, c.ids, len(c.ctx.segment_numels), c.max_shards)
     leader, frozen = (c.ids.index(p) for p in plan.leaders[:2])
-    thaw_at = time.monotonic() + 2 * c.deadline_s
-    c.nodes[frozen]._loop.call_soon_threadsafe(time.sleep, 2 * c.deadline_s)
+    thaw = c.freeze(frozen, 2 * c.deadline_s)
     first, *later = [i for i in range(4) if i != frozen]
     xs = _inputs(4, c.numel, 53)
 
@@ -84,7 +82,7 @@ def test_a_frozen_stand_in_leader_does_not_hold_back_reports_to_the_leader(make_
     out = {i: f.result(timeout=60) for i, f in runs.items()}
     d = out[first].decision
     assert d is not None and d.status == "commit" and len(d.contributors) == 3
-    time.sleep(max(0.0, thaw_at - time.monotonic()) + 0.5)
+    thaw()
     means = [c.fetch(i, out[first].signed) for i in range(4)]
     assert all(torch.equal(m, means[0]) for m in means)
 

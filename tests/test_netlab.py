@@ -81,12 +81,15 @@ def test_a_peer_whose_link_went_down_for_a_while_is_back(tmp_path, victim):
     if shutil.which("ping") is None:
         pytest.skip("netlab's round-trip check needs ping (apt-get install iputils-ping)")
     try:
-        # (ends 5 s after the victim is back, at most 45 s after its link is: the check needs no more)
-        res = netlab_outage.run(down_at=25, down_for=20, after=45, out=tmp_path / "run", victim=victim, settle=5)
+        # (down once the victim has been in 2 rounds, 25 s at the latest; ends 5 s after the victim
+        # is back, at most 45 s after its link is: the check needs no more)
+        res = netlab_outage.run(down_at=25, down_after_rounds=2, down_for=20, after=45, out=tmp_path / "run",
+                                victim=victim, settle=5)
     except netlab.NetlabUnavailable as exc:
         pytest.skip(f"network namespaces unavailable here: {exc}")
     assert netlab.existing_namespaces() == [], "the lab was not torn down"
     assert res["timed_out"] == [] and res["param_hash_agreement"], res
+    assert res["victim_rounds_before_outage"] >= 1, res  # it was in the run when its link went
     assert res["victim_included_again_after_s"] is not None, res
 
 

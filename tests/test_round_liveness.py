@@ -58,8 +58,7 @@ def test_a_frozen_aggregator_costs_contributors_a_hedge_not_the_attempt(make_clu
     plan = make_plan(c.ctx.run_id, 0, 0, c.ids, c.ids, len(c.ctx.segment_numels), c.max_shards)
     frozen = next(c.ids.index(plan.candidates(s)[0]) for s in range(plan.num_shards)
                   if plan.candidates(s)[0] != plan.leaders[0])
-    thaw_at = time.monotonic() + 2 * c.deadline_s
-    c.nodes[frozen]._loop.call_soon_threadsafe(time.sleep, 2 * c.deadline_s)
+    thaw = c.freeze(frozen, 2 * c.deadline_s)
     alive = [i for i in range(4) if i != frozen]
     xs = _inputs(4, c.numel, 31)
     out = c.attempt(0, {i: xs[i] for i in alive})
@@ -67,7 +66,7 @@ def test_a_frozen_aggregator_costs_contributors_a_hedge_not_the_attempt(make_clu
     assert d is not None and d.status == "commit", f"attempt 0 ended in {d and d.status}"
     assert sorted(d.contributors) == sorted(c.ids[i] for i in alive)
     assert all(out[i].delivered and out[i].included for i in alive)
-    time.sleep(max(0.0, thaw_at - time.monotonic()) + 0.5)
+    thaw()  # (after the attempt: the frozen peer then learns the commit and fetches the mean too)
     means = [c.fetch(i, out[alive[0]].signed) for i in range(4)]
     assert all(torch.equal(m, means[0]) for m in means)
 
@@ -395,12 +394,12 @@ def test_a_source_that_freezes_after_the_commit_costs_a_fetcher_a_short_hedge_no
                  and (0, s) not in c.nodes[f].server.aggregates), None)
     assert pick is not None, "every other node already holds every shard; nothing to fetch"
     shard, source, fetcher = pick
-    c.nodes[source]._loop.call_soon_threadsafe(time.sleep, 3 * c.slack_s)  # frozen: sockets open, no answers
+    thaw = c.freeze(source, 3 * c.slack_s)
     start = time.monotonic()
     mean = c.fetch(fetcher, out[fetcher].signed)
     took = time.monotonic() - start
     assert took < c.slack_s, f"fetching round 0 took {took:.1f} s with shard {shard}'s source frozen"
-    time.sleep(3 * c.slack_s - took + 0.5)  # let the source thaw, then everyone must agree
+    thaw()  # then everyone must agree
     assert all(torch.equal(c.fetch(i, out[i].signed), mean) for i in range(4))
 
 

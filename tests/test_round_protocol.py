@@ -120,7 +120,7 @@ def test_a_frozen_aggregator_cannot_hold_the_round_past_its_deadline(make_cluste
     c = make_cluster(n=4, codec_name="fp32", min_peers=2, deadline_s=7.0, slack_s=1.0)
     # Block the node's event loop: its daemon keeps the sockets open but nothing answers, as
     # with a closed laptop lid.
-    c.nodes[3]._loop.call_soon_threadsafe(time.sleep, c.deadline_s + 8 * c.slack_s)
+    c.freeze(3, c.deadline_s + 8 * c.slack_s)
     start = time.monotonic()
     out = c.attempt(0, {i: x for i, x in _inputs(3, c.numel, 2).items()})
     elapsed = time.monotonic() - start

@@ -394,6 +394,7 @@ def test_closing_a_cluster_closes_every_node_though_one_fails():
 
     cluster = object.__new__(Cluster)  # no real nodes: only what close() touches
     cluster.nodes = [Node(0), Node(1), Node(2)]
+    cluster._thaws = []
     cluster._tmp = tempfile.TemporaryDirectory()
     with pytest.raises(RuntimeError, match="would not stop"):
         cluster.close()
