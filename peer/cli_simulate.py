@@ -41,6 +41,8 @@ def simulate(
     leave_every: float = typer.Option(0.0, help="A random peer leaves cleanly (SIGINT) every S seconds."),
     kill_coordinator_at: float = typer.Option(0.0, help="SIGKILL the coordinator at S s (or once round 0 is "
                                               "applied, if later; never in the last round); restart it from its state."),
+    crash_daemon_every: float = typer.Option(0.0, help="SIGKILL a random volunteer's libp2p daemon every S seconds "
+                                             "(the volunteer starts a new one and goes on)."),
     checkpoint_every: int = typer.Option(5, help="Rounds between checkpoints."),
     byzantine: int = typer.Option(0, help="K of the volunteers misbehave (see --attack)."),
     attack: Optional[str] = typer.Option(None, help="What byzantine peers do: scale, random, signflip, nan or stale.",
@@ -78,6 +80,7 @@ def simulate(
                            min_peers=min_peers, seed=seed, outer_lr=outer_lr, overlap=overlap, warmup_steps=warmup,
                            kill_every=kill_every, freeze_every=freeze_every, late_joiners=late_joiners,
                            leave_every=leave_every, kill_coordinator_at=kill_coordinator_at,
+                           crash_daemon_every=crash_daemon_every,
                            checkpoint_every=checkpoint_every, byzantine=byzantine, defences=defences,
                            scoring=scoring, timeout_s=timeout, cuda_peers=cuda_peers, **given, given=set(given))
     report = run_simulation(opts, out, progress=lambda m: console.print(m, highlight=False))

@@ -60,6 +60,49 @@ def _identity(path: Optional[Path], state_dir: Optional[Path]):
     return ident, path
 
 
+def _restarted_node(ident, ident_path: Path, old, opts):
+    """A started node in place of `old`, which stopped by itself: on its ports, with its
+    reachability (`restart_options`); on the ports first asked for (any free one) if another
+    process took one of those meanwhile. NetworkError if it cannot start."""
+    import dataclasses
+
+    from .network_restarts import restart_options
+    from .reachability import busy_listen_address
+    from .swarm import SwarmNode
+
+    again = restart_options(old.options, old.maddrs, old.reachability)
+    if (busy := busy_listen_address(again.host_maddrs)) is not None and busy_listen_address(opts.host_maddrs) is None:
+        console.print(f"[yellow]cannot listen where the stopped network did[/] ({escape(busy)}): on a new port",
+                      highlight=False)
+        again = dataclasses.replace(again, host_maddrs=tuple(opts.host_maddrs))
+    node = SwarmNode(ident, str(ident_path), again)
+    node.start()
+    return node
+
+
+def _say_reachability(node, peers: list[str]) -> None:
+    """Tell the volunteer how others reach it, now and once a hole punch works."""
+    relays = ", ".join(pid[-8:] for pid in peers[:3])  # trusted relays: the bootstrap peers
+    console.print("reachable: public (other peers can connect to us)" if node.reachability == "public" else
+                  f"reachable: behind a NAT, through relay {relays} once it holds our slot (libp2p "
+                  "reserves it within seconds), and directly by peers behind other NATs after hole "
+                  "punching where their NAT allows; contributing, not serving")
+    node.announce_punch = lambda peer, addr: console.print(
+        f"reachable: also directly by {peer[-8:]} (behind a NAT too), after hole punching", highlight=False)
+
+
+def _release(device: str) -> None:
+    """Free what the dropped participant held (its node and it point at each other: a cycle
+    only the collector frees), before a new one of the same size is built."""
+    import gc
+
+    gc.collect()
+    if device.startswith("cuda"):
+        import torch
+
+        torch.cuda.empty_cache()
+
+
 def _stop_on_signals(first: str = "stopping after this round"):
     from .stop_flag import StopFlag
 
@@ -265,8 +308,9 @@ def join(
 ) -> None:
     """Join a run as a volunteer: verify the manifest, download the state, train and exchange."""
     from .bootstrap import check_maddr_flag, parse_bootstrap
+    from .network_restarts import run_restarting
     from .participant import Participant
-    from .roles import run_volunteer
+    from .roles import run_volunteer, write_defence_counts
     from .swarm import NodeOptions, SwarmNode
     from .volunteer_dir import (
         bind_volunteer_dir,
@@ -309,13 +353,7 @@ def join(
                                       launch)  # before it is read
         corpus = volunteer_corpus(manifest, data, allow_model_code)
         console.print(f"joined run [bold]{manifest.run.id}[/] as {ident.peer_id} (manifest verified)")
-        relays = ", ".join(pid[-8:] for pid in peers[:3])  # trusted relays: the bootstrap peers
-        console.print("reachable: public (other peers can connect to us)" if node.reachability == "public" else
-                      f"reachable: behind a NAT, through relay {relays} once it holds our slot (libp2p "
-                      "reserves it within seconds), and directly by peers behind other NATs after hole "
-                      "punching where their NAT allows; contributing, not serving")
-        node.announce_punch = lambda peer, addr: console.print(
-            f"reachable: also directly by {peer[-8:]} (behind a NAT too), after hole punching", highlight=False)
+        _say_reachability(node, peers)
         p = Participant(manifest, signed, ident, str(ident_path), opts, state_dir, device=device, node=node,
                         corpus=corpus)
         p.data_seed = data_seed
@@ -341,7 +379,10 @@ def join(
             rate = (clock["n"] - 1) * tokens_per_step / max(now - clock["t"], 1e-9)
             bar.update(task, completed=min(clock["n"], h), round=p.outer.round_id, loss=loss, tps=rate)
 
+        applied = {"n": 0}  # across network restarts, for --max-rounds
+
         def on_round(info):
+            applied["n"] += info.status == "applied"
             clock.update(t=None, n=0)
             bar.update(task, completed=0, round=p.outer.round_id)
             if not quiet:
@@ -361,10 +402,40 @@ def join(
         def on_resume(what: dict) -> None:
             console.print(resumed_line(state_dir, what), highlight=False)
 
+        def run() -> None:
+            left = None if max_rounds is None else max_rounds - applied["n"]
+            if left is None or left > 0:
+                with bar:
+                    run_volunteer(p, peers, max_rounds=left, until_round=until_round, stop=stop,
+                                  on_round=on_round, on_step=on_step, attack=tamper, on_resume=on_resume)
+
+        def stopped(why: BaseException) -> None:
+            console.print(f"[yellow]the network stopped[/] ({escape(str(why))}); our work is in "
+                          f"{escape(str(state_dir))}: starting a new network", highlight=False)
+            write_defence_counts(p)  # what the old node refused and sent, for the run's report
+            node.close()
+
+        def start(why: BaseException, wait: float) -> None:
+            nonlocal node, p
+            if stop.event.wait(wait):
+                return
+            node = _restarted_node(ident, ident_path, node, opts)
+            write_atomically(state_dir / "address.txt", lambda f: f.write(("\n".join(node.maddrs) + "\n").encode()))
+            _say_reachability(node, peers)
+            p.events.write("network-restart", round=p.outer.round_id, reason=str(why)[:300], peer=ident.peer_id)
+            p = None  # the old model and optimizer go before the new ones are built (see `_release`)
+            _release(device)
+            p = Participant(manifest, signed, ident, str(ident_path), opts, state_dir, device=device,
+                            node=node, corpus=corpus)
+            p.data_seed = data_seed
+
         try:
-            with bar:
-                run_volunteer(p, peers, max_rounds=max_rounds, until_round=until_round, stop=stop,
-                              on_round=on_round, on_step=on_step, attack=tamper, on_resume=on_resume)
+            if not run_restarting(run, lambda: node.failure, stopped, start, stop):
+                kept = checkpoints_newest_first(state_dir)
+                console.print(f"stopped while the network was down: {escape(str(state_dir))} keeps "
+                              f"{escape(kept[0].name) if kept else 'its files'} and the work not yet sent; the same "
+                              "command resumes from there", highlight=False)
+                return
         except KeyboardInterrupt:  # pressed twice: what is on disk, and that it is not lost
             newest = checkpoints_newest_first(state_dir)
             kept = f"its newest checkpoint ({escape(newest[0].name)})" if newest else "its files"

@@ -39,7 +39,7 @@ from pathlib import Path
 from typing import Any
 
 from .locks import make_private_dir
-from .net_errors import NetworkError
+from .net_errors import DaemonExited
 
 log = logging.getLogger(__name__)
 
@@ -366,8 +366,14 @@ async def bounded(step: Callable[[], Awaitable[object]], what: str, timeout_s: f
         log.warning("shutting down the %s: %r", what, exc)
 
 
+def daemon_exited(p2p: object) -> bool:
+    """Whether `p2p`'s daemon process has exited: a dead daemon answers no shutdown call."""
+    child = getattr(p2p, "_child", None)
+    return child is not None and child.returncode is not None
+
+
 async def watch_daemon(p2p: object) -> None:
-    """Return never while `p2p`'s daemon runs; raise NetworkError once it has exited (killed for
+    """Return never while `p2p`'s daemon runs; raise DaemonExited once it has exited (killed for
     memory, say): the node is deaf and dumb then, and must say so rather than loop on timeouts."""
     child = getattr(p2p, "_child", None)  # hivemind's handle on the daemon process
     if child is None:  # an in-process stand-in, or a daemon we did not start
@@ -376,4 +382,4 @@ async def watch_daemon(p2p: object) -> None:
     await asyncio.sleep(0.2)  # hivemind's reader takes in the daemon's last lines
     if said := DAEMON_OUTPUT.last_words():
         log.error("the libp2p daemon exited (code %s); its last output:\n%s", code, "\n".join(said))
-    raise NetworkError(f"the libp2p daemon exited (code {code})")
+    raise DaemonExited(f"the libp2p daemon exited (code {code})")

@@ -10,6 +10,10 @@ class NetworkError(RuntimeError):
     """The network could not start, or the run could not be reached: a message for the user."""
 
 
+class DaemonExited(NetworkError):
+    """The libp2p daemon of a running node exited (a Go panic, the out-of-memory killer)."""
+
+
 def clock_skew(message: str) -> float | None:
     """Our clock minus a peer's, from hivemind's DHT refusal ("local time must be within 3 seconds
     of others(local: L, peer: P)"), or None for any other message."""

@@ -61,7 +61,8 @@ def run_volunteer(p: Participant, bootstrap_peers: list[str], *, max_rounds: int
     p.node.interrupt_calls_on(stop.event)
     try:
         p.start_network()
-        p.events.write("network", peer=p.identity.peer_id,
+        p.events.write("network", peer=p.identity.peer_id, maddrs=p.node.maddrs[:4],
+                       probed=p.node.options.reachability == "auto",  # (a new daemon after a crash: not again)
                        **{f"{k}_s": round(v, 3) for k, v in p.node.startup_s.items()})
         resumed = resume_and_sync(p, bootstrap_peers)
     except Stopped:

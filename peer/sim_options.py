@@ -47,6 +47,7 @@ class SimulateOptions:
     late_joiners: int = 0
     leave_every: float = 0.0
     kill_coordinator_at: float = 0.0
+    crash_daemon_every: float = 0.0  # SIGKILL a volunteer's libp2p daemon (it starts a new one and goes on)
     byzantine: int = 0  # the last K volunteers misbehave
     attack: str = "scale"  # see peer/byzantine.py
     defences: bool = True  # False: no norm clipping or scoring (input validation always stays on)
@@ -63,7 +64,7 @@ class SimulateOptions:
             if getattr(self, name) < 1:
                 raise ConfigError(f"--{name.replace('_', '-')} must be at least 1, got {getattr(self, name)}")
         for name in ("kill_every", "restart_after", "freeze_every", "freeze_for", "leave_every",
-                     "kill_coordinator_at"):
+                     "kill_coordinator_at", "crash_daemon_every"):
             value = getattr(self, name)
             if not value >= 0 or value == float("inf"):  # a negative period would kill on every pass
                 raise ConfigError(f"--{name.replace('_', '-')} must be a finite number of seconds >= 0, got {value}")
@@ -103,12 +104,13 @@ class SimulateOptions:
         if self.late_joiners and self.rounds < LATE_JOIN_ROUND + 3:
             raise ConfigError(f"--late-joiners start once round {LATE_JOIN_ROUND} is applied, and not in the last "
                               f"round: they need --rounds {LATE_JOIN_ROUND + 3} or more, got --rounds {self.rounds}")
-        for name in ("kill_every", "freeze_every", "leave_every", "kill_coordinator_at"):
+        for name in ("kill_every", "freeze_every", "leave_every", "kill_coordinator_at", "crash_daemon_every"):
             # (see `faults_due`: from once round 0 is applied until the last round is under way)
             if getattr(self, name) and self.rounds < 3:
                 raise ConfigError(f"--{name.replace('_', '-')} needs --rounds 3 or more (faults happen once round 0 "
                                   f"is applied, and not in the last round), got --rounds {self.rounds}")
-        for name, what in (("kill_every", "kill"), ("freeze_every", "freeze"), ("leave_every", "send away")):
+        for name, what in (("kill_every", "kill"), ("freeze_every", "freeze"), ("leave_every", "send away"),
+                           ("crash_daemon_every", "crash the daemon of")):
             if getattr(self, name) and self.peers <= self.min_peers:  # see `fault_victims`
                 raise ConfigError(f"--{name.replace('_', '-')} needs more peers than --min-peers ({self.min_peers}): "
                                   f"with --peers {self.peers} it would never {what} one")

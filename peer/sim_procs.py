@@ -176,6 +176,23 @@ class Simulation:
         else:
             self._signal_machine(proc, sig)
 
+    def crash_daemon(self, name: str) -> bool:
+        """SIGKILL the libp2p daemon(s) of a running peer, not the peer (a Go panic, the OOM
+        killer): whether one was found."""
+        import psutil
+
+        proc = self.procs[name]
+        if proc.popen is None or proc.popen.poll() is not None:
+            return False
+        try:
+            daemons = [k for k in psutil.Process(proc.popen.pid).children(recursive=True) if k.name() == "p2pd"]
+        except psutil.Error:
+            return False
+        for daemon in daemons:
+            with contextlib.suppress(psutil.Error):
+                daemon.kill()
+        return bool(daemons)
+
     @staticmethod
     def _signal_machine(proc: Proc, sig: int) -> None:
         """Signal a peer's process group and the groups of all its descendants (its p2pd)."""

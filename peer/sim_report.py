@@ -31,7 +31,7 @@ if TYPE_CHECKING:
 
 # the options that schedule faults, as report.json's `faults` gives them
 FAULT_OPTIONS = ("kill_every", "restart_after", "freeze_every", "freeze_for", "leave_every", "late_joiners",
-                 "kill_coordinator_at")
+                 "kill_coordinator_at", "crash_daemon_every")
 
 
 def _down_spans(driver_events: list[dict]) -> dict[str, list[tuple[float, float]]]:
@@ -120,13 +120,24 @@ def build_report(out: Path, opts: "SimulateOptions", driver_events: list[dict], 
         {"t": round(e["t"] - t0, 3), "kind": e["kind"], "peer": name}
         for name, evs in logs.items() for e in evs if e["kind"] not in ("round", "train", "follow")
     ]
-    recovery, excluding, rejoin, never_rejoined = [], [], [], 0
+    recovery, excluding, rejoin, never_rejoined, crash_rejoin = [], [], [], 0, []
     unmeasured = {"recovery": 0, "recovery_excluding": 0}  # faults no later round measured (said, not hidden)
     for ev in driver_events:
         pid = ids.get(ev["peer"])
         # The earliest end after the fault, not the next round's: a round known only from a late
         # catch-up can end after a later round did.
-        if ev["kind"] in ("kill", "freeze"):
+        if ev["kind"] == "daemon-crash":  # the same process starts a new daemon: back once counted again
+            ended = min((d["t"] for d in driver_events if d["peer"] == ev["peer"] and d["t"] > ev["t"]
+                         and d["kind"] in ("kill", "leave", "freeze", "daemon-crash")), default=math.inf)
+            evs = logs.get(ev["peer"], [])
+            # rounds of the new node's only: the old one may log a round whose result it held
+            # already, after the kill and before it noticed
+            back = min((e["t"] - t0 for e in evs if e["kind"] == "network-restart" and e["t"] - t0 > ev["t"]),
+                       default=math.inf)
+            after = [e["t"] - t0 for e in evs
+                     if e["kind"] == "round" and e.get("included") is True and back < e["t"] - t0 <= ended]
+            crash_rejoin.append(round(min(after) - ev["t"], 2) if after else None)
+        if ev["kind"] in ("kill", "freeze", "daemon-crash"):
             after = [end_t[r] for r in order if end_t[r] > ev["t"]]
             if after:
                 recovery.append(round(min(after) - ev["t"], 2))
@@ -232,6 +243,9 @@ def build_report(out: Path, opts: "SimulateOptions", driver_events: list[dict], 
         "rejoin_s": rejoin,
         "coordinator_outages": outages,  # per --kill-coordinator-at: the swarm's next round, the coordinator's return
         "never_rejoined": never_rejoined,  # restarts and late joins whose process was never counted
+        # per --crash-daemon-every crash: seconds until the peer was counted in a round again (None: never)
+        "daemon_crash_rejoin_s": crash_rejoin,
+        "network_restarts": sum(1 for evs in logs.values() for e in evs if e["kind"] == "network-restart"),
         # rounds fewer than two processes reported a hash for: nothing compared them
         "unchecked_rounds": [r for r in range(completed) if len(reporters.get(r, ())) < 2],
         "lost_contributions": lost,
@@ -368,7 +382,7 @@ def _coordinator_sent_per_round(evs: list[dict], completed: int) -> float | None
 
 # the driver event each fault option makes (report.json's `faults_fired` counts them)
 FAULT_KINDS = {"kill_every": "kill", "freeze_every": "freeze", "leave_every": "leave", "late_joiners": "join",
-               "kill_coordinator_at": "kill-coordinator"}
+               "kill_coordinator_at": "kill-coordinator", "crash_daemon_every": "daemon-crash"}
 
 
 def faults_missed(report: dict) -> list[str]:
@@ -387,7 +401,8 @@ def _after(x: float | None) -> str:
 def fault_summary(report: dict) -> str | None:
     """One line on the faults of a run and what they cost (None for a run without faults)."""
     kinds = [e["kind"] for e in report.get("events", [])]
-    faults = {k: kinds.count(k) for k in ("kill", "freeze", "leave", "join", "kill-coordinator") if kinds.count(k)}
+    faults = {k: kinds.count(k) for k in ("kill", "freeze", "leave", "join", "kill-coordinator", "daemon-crash")
+              if kinds.count(k)}
     if not faults:
         return None
 
@@ -399,11 +414,15 @@ def fault_summary(report: dict) -> str | None:
     unmeasured_text = " and ".join(f"{n} {text}" for n, text in (
         (unmeasured.get("recovery", 0), "with no round after"),
         (unmeasured.get("recovery_excluding", 0), "with no round without the peer after")) if n)
-    return (", ".join(f"{n} {k}{'s' if n != 1 else ''}" for k, n in faults.items())
+    plural = {"daemon-crash": "daemon crashes"}
+    return (", ".join(f"{n} {k.replace('-', ' ') if n == 1 else plural.get(k, k + 's')}" for k, n in faults.items())
             + f"; recovery mean/max {mean_max(report['recovery_s'])}"
             + f" (until a round leaves the peer out: {mean_max(report['recovery_excluding_s'])})"
             + (f" (faults left out: {unmeasured_text})" if unmeasured_text else "")
             + f"; rejoin mean/max {mean_max(report['rejoin_s'])}"
+            + (f"; after a daemon crash, counted again {mean_max([x for x in crashes if x is not None])}"
+               + (f" ({crashes.count(None)} never)" if None in crashes else "")
+               if (crashes := report.get("daemon_crash_rejoin_s")) else "")
             + (f" ({report['never_rejoined']} never rejoined)" if report.get("never_rejoined") else "")
             + "".join(f"; coordinator killed at {o['at_s']:.0f} s: next round {_after(o['next_round_s'])}, "
                       f"coordinator back in step {_after(o['back_in_step_s'])}"

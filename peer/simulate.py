@@ -269,6 +269,7 @@ def run_simulation(opts: SimulateOptions, out: Path, progress: Callable[[str], N
         next_kill = opts.kill_every or float("inf")
         next_freeze = opts.freeze_every or float("inf")
         next_leave = opts.leave_every or float("inf")
+        next_crash = opts.crash_daemon_every or float("inf")
         late_done = opts.late_joiners == 0
         coord_killed = opts.kill_coordinator_at <= 0
         end = start + opts.timeout_s  # (from the start: the coordinator's own start-up counts too)
@@ -280,7 +281,7 @@ def run_simulation(opts: SimulateOptions, out: Path, progress: Callable[[str], N
             live = [v for v in volunteers if sim.alive(v)]
             return fault_victims(live, frozen, {v for v in live if sim.going(v)}, opts.min_peers)
 
-        drawn = {"kill": 0, "freeze": 0, "leave": 0}  # faults of each kind due so far
+        drawn = {"kill": 0, "freeze": 0, "leave": 0, "daemon-crash": 0}  # faults of each kind due so far
 
         def pick(kind: str) -> str | None:
             k, drawn[kind] = drawn[kind], drawn[kind] + 1  # counted though none fires: see `fault_pick`
@@ -355,6 +356,10 @@ def run_simulation(opts: SimulateOptions, out: Path, progress: Callable[[str], N
                         if (name := pick("leave")) is not None:
                             sim.signal(name, signal.SIGINT)
                             sim.event("leave", name)
+                    if now >= next_crash:
+                        next_crash = now + opts.crash_daemon_every
+                        if (name := pick("daemon-crash")) is not None and sim.crash_daemon(name):
+                            sim.event("daemon-crash", name)  # the peer starts a new daemon: no restart here
                     if not late_done and done >= LATE_JOIN_ROUND:
                         late_done = True
                         for i in range(opts.late_joiners):

@@ -35,8 +35,10 @@ from groundswell.protocol.server import RoundServer
 from groundswell.protocol.transport import PeerUnavailable, Transport
 
 from .daemon import (
+    TEARDOWN_S,
     adopt_p2pd_daemons,
     bounded,
+    daemon_exited,
     raise_open_file_limit,
     reap_daemons,
     release_private_sockets,
@@ -219,7 +221,8 @@ class SwarmNode(PeerRecords, StateServing, NatTraversal, NetLoop):
                 if dht is not None:
                     if self.ctx is not None and self._ready.is_set() and self._down is None:  # left cleanly
                         await bounded(self._withdraw_record, "peer record", timeout_s=HEARTBEAT_S)
-                    await bounded(dht.shutdown, "DHT")
+                    # (its calls go through the daemon: with the daemon dead, they wait for nothing)
+                    await bounded(dht.shutdown, "DHT", timeout_s=0.5 if daemon_exited(p2p) else TEARDOWN_S)
                 if p2p is not None:
                     await bounded(p2p.shutdown, "libp2p daemon")
             finally:
@@ -375,6 +378,11 @@ class SwarmNode(PeerRecords, StateServing, NatTraversal, NetLoop):
     def down(self) -> str | None:
         """Why the running node stopped by itself (None: it runs, or was closed as asked)."""
         return self._down
+
+    @property
+    def failure(self) -> BaseException | None:
+        """What stopped the running node by itself (None: it runs, or was closed as asked)."""
+        return self._error if self._down is not None else None
 
     def _check_up(self, coro: Coroutine[Any, Any, Any]) -> None:
         if self._down is not None:

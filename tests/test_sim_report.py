@@ -283,7 +283,8 @@ def test_the_report_gives_the_seed_and_the_faults(tmp_path):
     report = build_report(tmp_path, opts, [], 2.0, t0=0.0)
     assert report["seed"] == 7
     assert report["faults"] == {"kill_every": 30, "restart_after": 5, "freeze_every": 0.0, "freeze_for": 10.0,
-                                "leave_every": 0.0, "late_joiners": 0, "kill_coordinator_at": 0.0}
+                                "leave_every": 0.0, "late_joiners": 0, "kill_coordinator_at": 0.0,
+                                "crash_daemon_every": 0.0}
 
 
 def test_rejoin_waits_for_the_restarted_process_own_counted_round(tmp_path):
@@ -386,7 +387,8 @@ def test_a_fault_asked_for_that_never_happened_is_counted_and_said(tmp_path):
     driver = [{"t": 1.5, "kind": "kill", "peer": "peer-0"}]
     opts = SimulateOptions(peers=3, rounds=3, kill_every=1.0, kill_coordinator_at=30.0, timeout_s=60)
     report = build_report(tmp_path, opts, driver, wall_s=3.0, t0=0.0)
-    assert report["faults_fired"] == {"kill": 1, "freeze": 0, "leave": 0, "join": 0, "kill-coordinator": 0}
+    assert report["faults_fired"] == {"kill": 1, "freeze": 0, "leave": 0, "join": 0, "kill-coordinator": 0,
+                                      "daemon-crash": 0}
     assert faults_missed(report) == ["--kill-coordinator-at"]
 
 
