@@ -319,6 +319,7 @@ def bench_codecs(
 
 # Registering the commands, in the order `--help` lists them: keygen, launch, join, status; simulate.
 from . import cli_swarm  # noqa: F401, I001
+from . import cli_status  # noqa: F401
 from . import cli_simulate  # noqa: F401
 
 

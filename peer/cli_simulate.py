@@ -41,8 +41,8 @@ def simulate(
     leave_every: float = typer.Option(0.0, help="A random peer leaves cleanly (SIGINT) every S seconds."),
     kill_coordinator_at: float = typer.Option(0.0, help="SIGKILL the coordinator at S s (or once round 0 is "
                                               "applied, if later; never in the last round); restart it from its state."),
-    crash_daemon_every: float = typer.Option(0.0, help="SIGKILL a random volunteer's libp2p daemon every S seconds "
-                                             "(the volunteer starts a new one and goes on)."),
+    crash_daemon_every: float = typer.Option(0.0, help="SIGKILL a random peer's libp2p daemon (the coordinator's too) "
+                                             "every S seconds; the peer starts a new one and goes on."),
     checkpoint_every: int = typer.Option(5, help="Rounds between checkpoints."),
     byzantine: int = typer.Option(0, help="K of the volunteers misbehave (see --attack)."),
     attack: Optional[str] = typer.Option(None, help="What byzantine peers do: scale, random, signflip, nan or stale.",

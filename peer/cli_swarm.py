@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-import json
+import contextlib
 import signal
 import sys
 import time
@@ -28,7 +28,6 @@ from .launch_checks import (
 )
 from .round_view import in_aggregate, loss_text, of_round, round_line, round_table
 from .state_files import checkpoints_newest_first, make_state_dir, write_atomically
-from .status_view import print_status
 
 
 def _identity(path: Optional[Path], state_dir: Optional[Path]):
@@ -60,26 +59,6 @@ def _identity(path: Optional[Path], state_dir: Optional[Path]):
     return ident, path
 
 
-def _restarted_node(ident, ident_path: Path, old, opts):
-    """A started node in place of `old`, which stopped by itself: on its ports, with its
-    reachability (`restart_options`); on the ports first asked for (any free one) if another
-    process took one of those meanwhile. NetworkError if it cannot start."""
-    import dataclasses
-
-    from .network_restarts import restart_options
-    from .reachability import busy_listen_address
-    from .swarm import SwarmNode
-
-    again = restart_options(old.options, old.maddrs, old.reachability)
-    if (busy := busy_listen_address(again.host_maddrs)) is not None and busy_listen_address(opts.host_maddrs) is None:
-        console.print(f"[yellow]cannot listen where the stopped network did[/] ({escape(busy)}): on a new port",
-                      highlight=False)
-        again = dataclasses.replace(again, host_maddrs=tuple(opts.host_maddrs))
-    node = SwarmNode(ident, str(ident_path), again)
-    node.start()
-    return node
-
-
 def _say_reachability(node, peers: list[str]) -> None:
     """Tell the volunteer how others reach it, now and once a hole punch works."""
     relays = ", ".join(pid[-8:] for pid in peers[:3])  # trusted relays: the bootstrap peers
@@ -91,16 +70,8 @@ def _say_reachability(node, peers: list[str]) -> None:
         f"reachable: also directly by {peer[-8:]} (behind a NAT too), after hole punching", highlight=False)
 
 
-def _release(device: str) -> None:
-    """Free what the dropped participant held (its node and it point at each other: a cycle
-    only the collector frees), before a new one of the same size is built."""
-    import gc
-
-    gc.collect()
-    if device.startswith("cuda"):
-        import torch
-
-        torch.cuda.empty_cache()
+def _say(text: str) -> None:
+    console.print(escape(text), highlight=False)
 
 
 def _stop_on_signals(first: str = "stopping after this round"):
@@ -208,6 +179,7 @@ def launch(
     from .bootstrap import check_maddr_flag, format_bootstrap
     from .coordinator_role import run_coordinator
     from .manifest import load_manifest_toml, sign_manifest
+    from .network_restarts import release_memory, restarted_node, run_restarting
     from .participant import Participant
     from .swarm import NodeOptions
 
@@ -245,6 +217,7 @@ def launch(
                       f"{escape(str(state_dir))}", highlight=False)
     stop = _stop_on_signals("stopping: saving a checkpoint")
     rows: list = []
+    node = p.node  # (its own name: a failure while a restart builds the next participant closes it too)
     try:  # from here on the node is closed whatever happens (an attach timeout, a full disk, Ctrl+C)
         p.start_network()
         record_run(state_dir, signed)
@@ -252,32 +225,61 @@ def launch(
         write_atomically(state_dir / "bootstrap.txt", lambda f: f.write(f"{boot}\n".encode()))  # read by scripts
         console.print(f"[bold]run {manifest.run.id}[/] coordinated by {ident.peer_id}")
         console.print(f"volunteers join with:\n  groundswell join '{boot}'", highlight=False, soft_wrap=True)
-        if quiet:
-            run_coordinator(p, stop=stop, checkpoint_every=checkpoint_every)
-        elif not console.is_terminal:  # a log file or a pipe: a live table would show nothing there until the end
-            run_coordinator(p, stop=stop, checkpoint_every=checkpoint_every,
-                            on_round=lambda info: console.print(round_line(info), highlight=False, markup=False))
-        else:
-            with Live(round_table(rows, manifest.run.id), console=console, refresh_per_second=2) as live:
-                def on_round(info):
-                    if info.status == "caught-up":  # no row: the rounds were the swarm's
-                        live.update(round_table(rows, f"{manifest.run.id}: caught up to round {info.round}: "
-                                                      f"{info.reason}"))
-                        return
-                    if info.status != "applied":  # no row: the round runs again
-                        live.update(round_table(rows, f"{manifest.run.id}: round {info.round} again: {info.reason}"))
-                        return
-                    rows.append(info)
-                    live.update(round_table(rows, f"{manifest.run.id}: round {info.round + 1}"))
+        live = None  # a new one each time run() starts: one entered again erases the lines printed meanwhile
 
-                run_coordinator(p, stop=stop, on_round=on_round, checkpoint_every=checkpoint_every)
+        def on_round(info):
+            if live is None:  # a log file or a pipe: a live table would show nothing there until the end
+                console.print(round_line(info), highlight=False, markup=False)
+            elif info.status == "caught-up":  # no row: the rounds were the swarm's
+                live.update(round_table(rows, f"{manifest.run.id}: caught up to round {info.round}: {info.reason}"))
+            elif info.status != "applied":  # no row: the round runs again
+                live.update(round_table(rows, f"{manifest.run.id}: round {info.round} again: {info.reason}"))
+            else:
+                rows.append(info)
+                live.update(round_table(rows, f"{manifest.run.id}: round {info.round + 1}"))
+
+        def run() -> None:
+            nonlocal live
+            if not quiet and console.is_terminal:
+                live = Live(round_table(rows, manifest.run.id), console=console, refresh_per_second=2)
+            with live or contextlib.nullcontext():
+                run_coordinator(p, stop=stop, on_round=(lambda info: None) if quiet else on_round,
+                                checkpoint_every=checkpoint_every)
+
+        def stopped(why: BaseException) -> None:
+            kept = (f"its newest checkpoint, {escape(str(p.last_checkpoint))}," if not p.last_save_failed
+                    and p.last_checkpoint is not None else f"what {escape(str(state_dir))} holds")
+            console.print(f"[yellow]the network stopped[/] ({escape(str(why))}); the run goes on from {kept} "
+                          "with a new network", highlight=False)
+            node.close()
+
+        def start(why: BaseException, wait: float) -> None:
+            nonlocal p, boot, node
+            if stop.event.wait(wait):
+                return
+            node = restarted_node(ident, str(ident_path), node, opts, say=_say)
+            again = format_bootstrap(ident.peer_id, node.maddrs)
+            if again != boot:  # (another process took our port meanwhile)
+                boot = again
+                write_atomically(state_dir / "bootstrap.txt", lambda f: f.write(f"{boot}\n".encode()))
+                console.print(f"volunteers join with:\n  groundswell join '{boot}'", highlight=False, soft_wrap=True)
+            p.events.write("network-restart", round=p.outer.round_id, reason=str(why)[:300], peer=ident.peer_id)
+            p = None  # the old state goes before the new one is loaded (see `release_memory`)
+            release_memory(device)
+            p = Participant(manifest, signed, ident, str(ident_path), node.options, state_dir, device=device,
+                            corpus=corpus, node=node)
+
+        if not run_restarting(run, lambda: node.failure, stopped, start, stop):
+            console.print(f"stopped while the network was down; the run's state is in {escape(str(state_dir))} "
+                          "(launch again with this --state-dir to resume)", highlight=False)
+            return
         if p.last_save_failed:  # the error was said in its own line, maybe far above
             console.print(f"[red]stopped; the final state could not be saved[/]: {saved_before(p)}", highlight=False)
         elif p.last_checkpoint is not None:
             console.print(f"stopped; the run's state is in {escape(str(p.last_checkpoint))} (launch again with "
                           "this --state-dir to resume)", highlight=False)
     finally:
-        p.node.close()
+        node.close()
 
 
 @app.command()
@@ -308,7 +310,7 @@ def join(
 ) -> None:
     """Join a run as a volunteer: verify the manifest, download the state, train and exchange."""
     from .bootstrap import check_maddr_flag, parse_bootstrap
-    from .network_restarts import run_restarting
+    from .network_restarts import release_memory, restarted_node, run_restarting
     from .participant import Participant
     from .roles import run_volunteer, write_defence_counts
     from .swarm import NodeOptions, SwarmNode
@@ -419,12 +421,12 @@ def join(
             nonlocal node, p
             if stop.event.wait(wait):
                 return
-            node = _restarted_node(ident, ident_path, node, opts)
+            node = restarted_node(ident, str(ident_path), node, opts, say=_say)
             write_atomically(state_dir / "address.txt", lambda f: f.write(("\n".join(node.maddrs) + "\n").encode()))
             _say_reachability(node, peers)
             p.events.write("network-restart", round=p.outer.round_id, reason=str(why)[:300], peer=ident.peer_id)
-            p = None  # the old model and optimizer go before the new ones are built (see `_release`)
-            _release(device)
+            p = None  # the old model and optimizer go before the new ones are built (see `release_memory`)
+            release_memory(device)
             p = Participant(manifest, signed, ident, str(ident_path), opts, state_dir, device=device,
                             node=node, corpus=corpus)
             p.data_seed = data_seed
@@ -450,50 +452,3 @@ def join(
             console.print(f"left the run cleanly{saved}", highlight=False)
     finally:
         node.close()
-
-
-@app.command()
-@_user_errors
-def status(
-    bootstrap: str = typer.Argument(..., help="A bootstrap line (gs1:...)."),
-    as_json: bool = typer.Option(False, "--json", help="Print JSON."),
-) -> None:
-    """The run as the DHT sees it: peers, rounds, parameter hashes."""
-    from groundswell.protocol.identity import Identity
-
-    from .bootstrap import parse_bootstrap
-    from .net_errors import NetworkError
-    from .swarm import SwarmNode, reader_options
-
-    boot = parse_bootstrap(bootstrap)
-    ident = Identity.generate()
-    import tempfile
-
-    with tempfile.TemporaryDirectory() as tmp:
-        path = Path(tmp) / "id.key"
-        ident.save(path)
-        node = SwarmNode(ident, str(path), reader_options(boot.maddrs, boot.coordinator_id))
-        node.start()
-        try:
-            _, manifest = _fetch_manifest(node, boot.maddrs, boot.coordinator_id)
-            node.call(node.watch_records(manifest.run.id), timeout_s=10)
-            time.sleep(0.5)
-            try:
-                records = node.call(node.peer_records(manifest.run.id), timeout_s=30)
-            except TimeoutError:
-                raise NetworkError("the run's peer records could not be read from the DHT within 30 s; "
-                                   "try again") from None
-            now = time.time()  # (not after the node's shutdown, which may take seconds)
-        finally:
-            node.close()
-    # A record's loss is 0 until its peer has evaluated (only the coordinator does, by default).
-    rows = [{"peer": pid, "role": r.role, "round": r.round, "params_hash": r.params_hash, "trains": r.trains,
-             "serves": r.serves, "reachability": r.reachability, "hole_punched": r.punched,
-             "loss": r.loss if 0 < r.loss < float("inf") else None,
-             "loss_round": r.loss_round if 0 < r.loss < float("inf") else None, "bytes_sent": r.bytes_sent,
-             "refused_messages": r.rejected, "banning": r.banned, "scores": r.scores,
-             "age_s": round(max(0.0, now - r.updated), 1)} for pid, r in sorted(records.items())]
-    if as_json:
-        print(json.dumps({"run": manifest.run.id, "peers": rows}, indent=2))
-        return
-    print_status(manifest.run.id, rows, boot.coordinator_id)

@@ -32,7 +32,8 @@ def run_coordinator(p: Participant, *, stop: StopFlag, on_round: Callable[[Round
     if p.state_dir is not None:
         resumable(p.state_dir, resumed)  # (`launch` checked already, before it started anything)
     p.start_network()
-    p.events.write("network", peer=p.identity.peer_id, **{f"{k}_s": round(v, 3) for k, v in p.node.startup_s.items()})
+    p.events.write("network", peer=p.identity.peer_id, maddrs=p.node.maddrs[:4],
+                   **{f"{k}_s": round(v, 3) for k, v in p.node.startup_s.items()})
     if resumed is not None:
         p.node.record_decision(resumed["decision"])
         p.load_global(GlobalState(resumed["round"], resumed["tensors"], resumed["decision"]))

@@ -42,7 +42,8 @@ class NetLoop:
     def call(self, coro: Coroutine[Any, Any, T], timeout_s: float | None = None) -> T:
         """Run a coroutine on the network loop and wait for its result (from the trainer thread).
         If the wait ends first (a timeout, `Stopped` once the `interrupt_calls_on` event is set,
-        Ctrl+C) the coroutine is cancelled: nothing given up on runs on unowned."""
+        `_raise_if_down` raising, Ctrl+C) the coroutine is cancelled: nothing given up on runs on
+        unowned."""
         stop = self._interrupt
         unwound = threading.Event()
 
@@ -54,12 +55,11 @@ class NetLoop:
 
         fut = asyncio.run_coroutine_threadsafe(owned(), self._loop)
         try:
-            if stop is None:
-                return fut.result(timeout_s)
             end = None if timeout_s is None else time.monotonic() + timeout_s
             while not fut.done():
-                if stop.is_set():
+                if stop is not None and stop.is_set():
                     raise Stopped("stopped while waiting on the network")
+                self._raise_if_down()
                 left = 0.2 if end is None else min(0.2, end - time.monotonic())
                 if left <= 0:
                     raise TimeoutError()
@@ -72,6 +72,10 @@ class NetLoop:
             if fut.cancel() and self._loop.is_running() and not isinstance(exc, KeyboardInterrupt):
                 unwound.wait(UNWIND_S)
             raise
+
+    def _raise_if_down(self) -> None:
+        """(A subclass's) raise if what the loop serves stopped by itself: a `call` waiting on it
+        ends then, not at its timeout."""
 
     def submit(self, coro: Coroutine[Any, Any, T]) -> Future:
         """Start a coroutine on the network loop; the returned future is the caller's to await."""

@@ -1,19 +1,25 @@
-"""When a running volunteer's libp2p daemon dies under it (a Go panic, the out-of-memory killer),
-the volunteer starts a fresh one and carries on from its state dir, as a restarted process
-would: its work is on disk (`roles._saved_if_the_network_fails`) and the swarm does not wait for
-it. Bounded: a daemon that dies again at once every time (or a new one that cannot start) ends
-the volunteer with its reason, instead of a loop of restarts."""
+"""When a running peer's libp2p daemon dies under it (a Go panic, the out-of-memory killer), the
+peer starts a fresh one and carries on from its state dir, as a restarted process would: a
+volunteer's work is on disk (`roles._saved_if_the_network_fails`), the coordinator's checkpoint
+too (`coordinator_role.run_coordinator`), and the swarm does not wait for either. Bounded: a
+daemon that dies again at once every time (or a new one that cannot start) ends the peer with
+its reason, instead of a loop of restarts. `join` and `launch` (cli_swarm.py) drive it."""
 
 from __future__ import annotations
 
 import dataclasses
+import gc
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
+from groundswell.protocol.identity import Identity
+
 from .net_errors import DaemonExited, NetworkError
 from .node_options import NodeOptions
+from .reachability import busy_listen_address
 from .stop_flag import StopFlag
+from .swarm import SwarmNode
 
 RESTARTS = 5  # at most this many ...
 WINDOW_S = 600.0  # ... within this long
@@ -112,3 +118,30 @@ def restart_options(options: NodeOptions, maddrs: Sequence[str], reachability: s
     known = reachability in ("public", "private") and options.reachability == "auto"
     return dataclasses.replace(options, host_maddrs=tuple(hosts),
                                reachability=reachability if known else options.reachability)
+
+
+def restarted_node(identity: Identity, identity_path: str, old: SwarmNode, first: NodeOptions,
+                   say: Callable[[str], None]) -> SwarmNode:
+    """A started node in place of `old`, which stopped by itself: on its ports, with its
+    reachability (`restart_options`), entering the DHT through the bootstrap peers `first`
+    named (the peers it knew come back from the state dir's known_peers.json, as after a process
+    restart: addresses from DHT records are no bootstrap peers, whose refusal can fail a start
+    and who become relays); on the ports `first` asked for (any free one) if another process
+    took one of those meanwhile (`say` tells the user). NetworkError if it cannot start."""
+    again = restart_options(old.options, old.maddrs, old.reachability)
+    if (busy := busy_listen_address(again.host_maddrs)) is not None and busy_listen_address(first.host_maddrs) is None:
+        say(f"cannot listen where the stopped network did ({busy}): on a new port")
+        again = dataclasses.replace(again, host_maddrs=tuple(first.host_maddrs))
+    node = SwarmNode(identity, identity_path, dataclasses.replace(again, initial_peers=tuple(first.initial_peers)))
+    node.start()
+    return node
+
+
+def release_memory(device: str) -> None:
+    """Free what a dropped participant held (its node and it point at each other: a cycle only
+    the collector frees), before a new one of the same size is built."""
+    gc.collect()
+    if device.startswith("cuda"):
+        import torch
+
+        torch.cuda.empty_cache()

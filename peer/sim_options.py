@@ -47,7 +47,7 @@ class SimulateOptions:
     late_joiners: int = 0
     leave_every: float = 0.0
     kill_coordinator_at: float = 0.0
-    crash_daemon_every: float = 0.0  # SIGKILL a volunteer's libp2p daemon (it starts a new one and goes on)
+    crash_daemon_every: float = 0.0  # SIGKILL a peer's libp2p daemon (the coordinator's too): it starts a new one
     byzantine: int = 0  # the last K volunteers misbehave
     attack: str = "scale"  # see peer/byzantine.py
     defences: bool = True  # False: no norm clipping or scoring (input validation always stays on)
@@ -111,7 +111,8 @@ class SimulateOptions:
                                   f"is applied, and not in the last round), got --rounds {self.rounds}")
         for name, what in (("kill_every", "kill"), ("freeze_every", "freeze"), ("leave_every", "send away"),
                            ("crash_daemon_every", "crash the daemon of")):
-            if getattr(self, name) and self.peers <= self.min_peers:  # see `fault_victims`
+            # (a daemon crash may take the coordinator's: no fewer volunteers run)
+            if getattr(self, name) and self.peers <= self.min_peers and name != "crash_daemon_every":
                 raise ConfigError(f"--{name.replace('_', '-')} needs more peers than --min-peers ({self.min_peers}): "
                                   f"with --peers {self.peers} it would never {what} one")
             if getattr(self, name) >= self.timeout_s:  # the first is due that long after the start

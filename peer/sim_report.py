@@ -128,14 +128,15 @@ def build_report(out: Path, opts: "SimulateOptions", driver_events: list[dict], 
         # catch-up can end after a later round did.
         if ev["kind"] == "daemon-crash":  # the same process starts a new daemon: back once counted again
             ended = min((d["t"] for d in driver_events if d["peer"] == ev["peer"] and d["t"] > ev["t"]
-                         and d["kind"] in ("kill", "leave", "freeze", "daemon-crash")), default=math.inf)
+                         and d["kind"] in ("kill", "leave", "freeze", "daemon-crash", "kill-coordinator", "restart")),
+                        default=math.inf)
             evs = logs.get(ev["peer"], [])
             # rounds of the new node's only: the old one may log a round whose result it held
             # already, after the kill and before it noticed
             back = min((e["t"] - t0 for e in evs if e["kind"] == "network-restart" and e["t"] - t0 > ev["t"]),
                        default=math.inf)
-            after = [e["t"] - t0 for e in evs
-                     if e["kind"] == "round" and e.get("included") is True and back < e["t"] - t0 <= ended]
+            after = [e["t"] - t0 for e in evs if e["kind"] == "round" and back < e["t"] - t0 <= ended
+                     and (e.get("included") is True or ev["peer"] == "coordinator")]  # (it follows rounds)
             crash_rejoin.append(round(min(after) - ev["t"], 2) if after else None)
         if ev["kind"] in ("kill", "freeze", "daemon-crash"):
             after = [end_t[r] for r in order if end_t[r] > ev["t"]]

@@ -283,9 +283,11 @@ def run_simulation(opts: SimulateOptions, out: Path, progress: Callable[[str], N
 
         drawn = {"kill": 0, "freeze": 0, "leave": 0, "daemon-crash": 0}  # faults of each kind due so far
 
-        def pick(kind: str) -> str | None:
+        def pick(kind: str, coordinator: bool = False) -> str | None:
             k, drawn[kind] = drawn[kind], drawn[kind] + 1  # counted though none fires: see `fault_pick`
-            return fault_pick(opts.seed, kind, k, pool, roster) if (pool := victims()) else None
+            pool = victims() + ["coordinator"] * (coordinator and up("coordinator"))
+            return fault_pick(opts.seed, kind, k, pool, [*roster, "coordinator"] if coordinator else roster) \
+                if pool else None
 
         def note_ended(names: Sequence[str], exits: bool = True) -> None:
             for name in names:  # stamped when first seen gone, not when the run ends
@@ -358,7 +360,7 @@ def run_simulation(opts: SimulateOptions, out: Path, progress: Callable[[str], N
                             sim.event("leave", name)
                     if now >= next_crash:
                         next_crash = now + opts.crash_daemon_every
-                        if (name := pick("daemon-crash")) is not None and sim.crash_daemon(name):
+                        if (name := pick("daemon-crash", coordinator=True)) is not None and sim.crash_daemon(name):
                             sim.event("daemon-crash", name)  # the peer starts a new daemon: no restart here
                     if not late_done and done >= LATE_JOIN_ROUND:
                         late_done = True

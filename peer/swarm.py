@@ -389,6 +389,12 @@ class SwarmNode(PeerRecords, StateServing, NatTraversal, NetLoop):
             coro.close()  # never to run: no "never awaited" warning
             raise NetworkError(self._down)
 
+    def _raise_if_down(self) -> None:
+        """A `call` under way when the node stops by itself ends at once (the coordinator's wait
+        for a round's decision went on, on a dead daemon, for its whole 96 s bound)."""
+        if self._down is not None:
+            raise NetworkError(self._down)
+
     def close(self) -> None:
         """Stop every task, shut the daemon down and join the thread (idempotent)."""
         if self._loop.is_closed():

@@ -174,7 +174,7 @@ def test_a_coordinator_whose_first_checkpoint_cannot_be_written_does_not_start_t
     p = SimpleNamespace(
         manifest=SimpleNamespace(run=SimpleNamespace(id="r")), identity=Identity.generate(), state_dir=tmp_path,
         start_network=lambda: None, events=SimpleNamespace(write=lambda *a, **k: None),
-        node=SimpleNamespace(startup_s={}, record_decision=lambda d, supersede=False: None,
+        node=SimpleNamespace(startup_s={}, maddrs=[], record_decision=lambda d, supersede=False: None,
                              interrupt_calls_on=lambda e: followed.append("followed")),
         load_checkpoint=lambda: None, snapshot=lambda: followed.append("published"),
         save_checkpoint=lambda *a, **k: None)

@@ -477,7 +477,7 @@ def test_ctrl_c_ends_the_state_download_at_once(monkeypatch):
     events: list[str] = []
     p = SimpleNamespace(node=node, start_network=lambda: None, identity=SimpleNamespace(peer_id="me"), manifest=None,
                         events=SimpleNamespace(write=lambda kind, **kw: events.append(kind)))
-    node.startup_s = {}
+    node.startup_s, node.maddrs, node.options = {}, [], SimpleNamespace(reachability="auto")
     monkeypatch.setattr(roles, "resume_and_sync", lambda p, peers: p.node.call(asyncio.sleep(30), timeout_s=60))
     stop = StopFlag()
     done, failed = threading.Event(), []
@@ -512,7 +512,7 @@ def test_a_run_already_past_until_round_is_said_before_anything_trains(monkeypat
     from groundswell.peer.stop_flag import StopFlag
 
     node = NetLoop()
-    node.startup_s = {}
+    node.startup_s, node.maddrs, node.options = {}, [], SimpleNamespace(reachability="auto")
     p = SimpleNamespace(node=node, start_network=lambda: None, identity=SimpleNamespace(peer_id="me"), manifest=None,
                         events=SimpleNamespace(write=lambda kind, **kw: None), outer=SimpleNamespace(round_id=104))
     monkeypatch.setattr(roles, "resume_and_sync", lambda p, peers: None)
@@ -555,7 +555,8 @@ def test_a_state_restored_from_work_pt_alone_is_checkpointed_with_its_open_contr
 
     calls: list[str] = []
     node = NetLoop()
-    node.startup_s, node.client, node.options = {}, None, SimpleNamespace(serves=True)
+    node.startup_s, node.client, node.maddrs = {}, None, []
+    node.options = SimpleNamespace(serves=True, reachability="auto")
     node.call = lambda coro, timeout_s=None: (coro.close(), (_ for _ in ()).throw(RuntimeError("offline")))
     p = SimpleNamespace(node=node, start_network=lambda: None, identity=SimpleNamespace(peer_id="me"),
                         manifest=SimpleNamespace(outer=SimpleNamespace(overlap=0)), state_dir=None,

@@ -41,6 +41,38 @@ def test_a_call_given_up_on_returns_once_the_coroutine_unwound(loop):
     assert len(unwound) == 2
 
 
+def test_a_call_under_way_ends_once_the_node_stops_by_itself():
+    # The coordinator's wait for a round's decision (bounded at 96 s) went on after its daemon
+    # died: only a Ctrl+C cut a call short. Now a node that stopped by itself ends it too, its
+    # coroutine cancelled.
+    class Node(NetLoop):
+        down = False
+
+        def _raise_if_down(self) -> None:
+            if self.down:
+                raise ConnectionError("the network stopped")
+
+    node = Node()
+    node._thread.start()
+    cancelled: list[bool] = []
+
+    async def wait_for_a_decision() -> None:
+        try:
+            await asyncio.sleep(3600)
+        except asyncio.CancelledError:
+            cancelled.append(True)
+            raise
+
+    try:
+        threading.Timer(0.3, lambda: setattr(node, "down", True)).start()
+        start = time.monotonic()
+        with pytest.raises(ConnectionError):
+            node.call(wait_for_a_decision(), timeout_s=60)
+        assert time.monotonic() - start < 5 and cancelled == [True]
+    finally:
+        node.stop_loop()
+
+
 def test_closing_cancels_thread_jobs_still_queued(loop):
     # They ran to the end after the node closed, holding up the process's exit.
     ran: list[int] = []
