@@ -182,6 +182,20 @@ def leftover_processes(out: Path) -> list:
     return [p for p in psutil.process_iter(["cmdline"]) if mentions(p.info["cmdline"] or [], out)]
 
 
+def simulate_and_reap(opts: Any, out: Path) -> dict:
+    """`run_simulation` quietly; every process it left behind is killed, even when it raised,
+    and then said (a simulation must leave none)."""
+    from groundswell.peer.simulate import run_simulation
+
+    try:
+        return run_simulation(opts, out, progress=lambda m: None)
+    finally:
+        left = leftover_processes(out)
+        for p in left:
+            p.kill()
+        assert not left, f"the simulation left processes behind: {left}"
+
+
 def inputs(n: int, numel: int, seed: int) -> dict[int, torch.Tensor]:
     """n seeded random vectors of `numel` values, one per node."""
     g = torch.Generator().manual_seed(seed)

@@ -13,10 +13,10 @@ from pathlib import Path
 
 import pytest
 import torch
-from groundswell.peer.simulate import SimulateOptions, run_simulation
+from groundswell.peer.simulate import SimulateOptions
 
 sys.path.insert(0, str(Path(__file__).parent))
-from swarm_harness import ended_together, leftover_processes
+from swarm_harness import ended_together, simulate_and_reap
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(700)]
 
@@ -30,13 +30,7 @@ def test_kills_restarts_freezes_leaves_and_late_joins(tmp_path):
     opts = SimulateOptions(peers=4, rounds=20, inner_steps=5, batch_size=4, deadline_s=12, slack_s=2, min_peers=2,
                            checkpoint_every=1, kill_every=5, restart_after=4, freeze_every=6, freeze_for=4,
                            late_joiners=1, leave_every=60, timeout_s=520, seed=1)
-    try:
-        report = run_simulation(opts, out, progress=lambda m: None)
-    finally:
-        left = leftover_processes(out)
-        for p in left:
-            p.kill()
-    assert not left
+    report = simulate_and_reap(opts, out)
     kinds = [e["kind"] for e in report["events"]]
     assert "kill" in kinds and "restart" in kinds and "freeze" in kinds and "join" in kinds
     assert report["rounds_completed"] >= 20

@@ -11,7 +11,7 @@ import pytest
 from groundswell.peer.simulate import SimulateOptions, Simulation, run_simulation
 
 sys.path.insert(0, str(Path(__file__).parent))
-from swarm_harness import ended_together, leftover_processes
+from swarm_harness import ended_together, leftover_processes, simulate_and_reap
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(400)]
 
@@ -66,13 +66,7 @@ def test_rounds_go_on_without_the_coordinator_and_a_joiner_bootstraps_from_a_vol
     opts = SimulateOptions(peers=3, rounds=40, inner_steps=20, batch_size=4, deadline_s=10, slack_s=2, min_peers=2,
                            checkpoint_every=5, kill_coordinator_at=0.1, restart_after=15, late_joiners=1,
                            timeout_s=360)
-    try:
-        report = run_simulation(opts, out, progress=lambda m: None)
-    finally:
-        left = leftover_processes(out)
-        for p in left:
-            p.kill()
-    assert not left
+    report = simulate_and_reap(opts, out)
     t: dict[tuple[str, str], float] = {}
     for e in report["events"]:
         t.setdefault((e["kind"], e["peer"]), e["t"])  # the first of each

@@ -119,22 +119,14 @@ def test_peers_whose_daemon_was_killed_start_a_new_one_and_are_counted_again(tmp
     # reach its bootstrap peers, the coordinator's daemon being down too, tries again later.)
     import sys
 
-    from groundswell.peer.simulate import run_simulation
-
     sys.path.insert(0, str(Path(__file__).parent))
-    from swarm_harness import ended_together, leftover_processes
+    from swarm_harness import ended_together, simulate_and_reap
 
     out = tmp_path / "sim"
     # (rounds of ~2 s here: 7 rounds of 10 steps, ~1 s each, ended before a second crash)
     opts = SimulateOptions(peers=3, rounds=8, inner_steps=20, batch_size=4, deadline_s=12, slack_s=2, min_peers=2,
                            crash_daemon_every=5, timeout_s=300, seed=53)
-    try:
-        report = run_simulation(opts, out, progress=lambda m: None)
-    finally:
-        left = leftover_processes(out)
-        for p in left:
-            p.kill()
-    assert not left
+    report = simulate_and_reap(opts, out)
     crashes = [e for e in report["events"] if e["kind"] == "daemon-crash"]
     restarts = [e for e in report["events"] if e["kind"] == "network-restart"]
     victims = {c["peer"] for c in crashes}
