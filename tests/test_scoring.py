@@ -32,7 +32,6 @@ def test_scoring_needs_a_gather_codec():
 def test_a_descent_step_scores_below_zero_and_its_reverse_or_noise_above():
     m = _manifest()
     corpus = load_corpus("stdlib")
-    scorer = ContributionScorer(m, corpus)
     wl = build_workload("tiny", corpus.vocab_size, 0)
     g = torch.nn.utils.parameters_to_vector(wl.model.parameters()).detach().clone()
     sampler = ShardSampler(corpus, wl.block_size, 16, seed=3)
@@ -42,9 +41,13 @@ def test_a_descent_step_scores_below_zero_and_its_reverse_or_noise_above():
     grad = torch.cat([p.grad.reshape(-1) for p in wl.model.parameters()])
     delta = 0.5 * grad / grad.norm() * g.norm() * 0.02
     noise = torch.randn(g.shape, generator=torch.Generator().manual_seed(0))
-    scores = scorer(g, {"honest": delta, "signflip": -delta, "random": noise / noise.norm() * delta.norm() * 10})
-    assert scores["honest"] < 0 < scores["signflip"]
-    assert scores["random"] > 0
+    updates = {"honest": delta, "signflip": -delta, "random": noise / noise.norm() * delta.norm() * 10}
+    # Fixed probe seeds: the noise's first-order term is random in sign, and on about 1 probe draw
+    # in 200 it outweighs the curvature term (measured: 2 of 360 seeds scored it -8e-5 and 0).
+    for probe_seed in range(3):
+        scores = ContributionScorer(m, corpus, seed=probe_seed)(g, updates)
+        assert scores["honest"] < 0 < scores["signflip"], probe_seed
+        assert scores["random"] > 0, probe_seed
 
 
 def test_a_scoring_still_running_past_its_timeout_does_not_garble_the_next_one(monkeypatch):
