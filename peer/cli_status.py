@@ -22,7 +22,7 @@ def status(
     """The run as the DHT sees it: peers, rounds, parameter hashes."""
     from groundswell.protocol.identity import Identity
 
-    from . import cli_swarm  # (not at the top: it imports cli, which imports us)
+    from . import join_network  # (not at the top: it imports cli, which imports us)
     from .bootstrap import parse_bootstrap
     from .net_errors import NetworkError
     from .swarm import SwarmNode, reader_options
@@ -35,7 +35,7 @@ def status(
         node = SwarmNode(ident, str(path), reader_options(boot.maddrs, boot.coordinator_id))
         node.start()
         try:
-            _, manifest = cli_swarm._fetch_manifest(node, boot.maddrs, boot.coordinator_id)
+            _, manifest = join_network.fetch_manifest(node, boot.maddrs, boot.coordinator_id)
             node.call(node.watch_records(manifest.run.id), timeout_s=10)
             time.sleep(0.5)
             try:

@@ -59,17 +59,6 @@ def _identity(path: Optional[Path], state_dir: Optional[Path]):
     return ident, path
 
 
-def _say_reachability(node, peers: list[str]) -> None:
-    """Tell the volunteer how others reach it, now and once a hole punch works."""
-    relays = ", ".join(pid[-8:] for pid in peers[:3])  # trusted relays: the bootstrap peers
-    console.print("reachable: public (other peers can connect to us)" if node.reachability == "public" else
-                  f"reachable: behind a NAT, through relay {relays} once it holds our slot (libp2p "
-                  "reserves it within seconds), and directly by peers behind other NATs after hole "
-                  "punching where their NAT allows; contributing, not serving")
-    node.announce_punch = lambda peer, addr: console.print(
-        f"reachable: also directly by {peer[-8:]} (behind a NAT too), after hole punching", highlight=False)
-
-
 def _say(text: str) -> None:
     console.print(escape(text), highlight=False)
 
@@ -95,40 +84,6 @@ def _stop_on_signals(first: str = "stopping after this round"):
     signal.signal(signal.SIGINT, handler)
     signal.signal(signal.SIGTERM, handler)
     return stop
-
-
-def _fetch_manifest(node, maddrs: list[str], coordinator_id: str):
-    """The run manifest from the bootstrap peers, signed by `coordinator_id` (the first one that
-    verifies: the others are asked when one serves another's); NetworkError if none does."""
-    from groundswell.protocol.transport import PeerUnavailable
-
-    from .manifest import ManifestError, SignedManifest
-    from .net_errors import NetworkError
-
-    def why_not(signed: bytes) -> str | None:
-        try:
-            SignedManifest.from_bytes(signed).verify(coordinator_id)
-        except ManifestError as exc:
-            return str(exc)
-        return None
-
-    from .swarm import ManifestRefused
-
-    try:
-        signed = node.call(node.fetch_manifest([m.rsplit("/p2p/", 1)[1] for m in maddrs], accept=why_not),
-                           timeout_s=120)
-    except ManifestRefused as exc:  # not the network's doing: the manifest itself, in one line
-        raise ManifestError(str(exc)) from None
-    except (PeerUnavailable, TimeoutError) as exc:
-        raise NetworkError(f"no bootstrap peer served the run manifest ({', '.join(maddrs)}): {exc}") from None
-    return signed, SignedManifest.from_bytes(signed).verify(coordinator_id)
-
-
-def _manifest_digest(signed: bytes) -> str:
-    """The signed manifest's digest: names one launch of a run (a resumed one signs it again alike)."""
-    from .manifest import SignedManifest
-
-    return SignedManifest.from_bytes(signed).digest
 
 
 @app.command()
@@ -310,12 +265,16 @@ def join(
 ) -> None:
     """Join a run as a volunteer: verify the manifest, download the state, train and exchange."""
     from .bootstrap import check_maddr_flag, parse_bootstrap
+    from .dht_rejoin import load_known_peers
+    from .join_network import fetch_manifest, manifest_digest, say_reachability
     from .network_restarts import release_memory, restarted_node, run_restarting
     from .participant import Participant
+    from .participant_checkpoints import KNOWN_PEERS_FILE
     from .roles import run_volunteer, write_defence_counts
     from .swarm import NodeOptions, SwarmNode
     from .volunteer_dir import (
         bind_volunteer_dir,
+        bound_to_coordinator,
         check_volunteer_dir,
         check_volunteer_identity,
         check_volunteer_peer,
@@ -343,19 +302,22 @@ def join(
     opts = NodeOptions(host_maddrs=listen, initial_peers=boot.maddrs, coordinator=boot.coordinator_id,
                        role="volunteer", trains=True, serves=True, reachability=reachability)
     node = SwarmNode(ident, str(ident_path), opts)
+    if state_dir.is_dir() and bound_to_coordinator(state_dir, boot.coordinator_id):
+        # the run's peers this volunteer knew: entered through if every bootstrap peer is down
+        node.rejoiner.restore(load_known_peers(state_dir / KNOWN_PEERS_FILE))
     node.start()
     try:
         # others may bootstrap from us (a simulation reads it while we run: never half-written)
         write_atomically(state_dir / "address.txt", lambda f: f.write(("\n".join(node.maddrs) + "\n").encode()))
         peers = [m.rsplit("/p2p/", 1)[1] for m in boot.maddrs]
-        signed, manifest = _fetch_manifest(node, boot.maddrs, boot.coordinator_id)
+        signed, manifest = fetch_manifest(node, boot.maddrs, boot.coordinator_id)
         manifest.check_may_train(ident.peer_id)  # before any download: its contributions would be refused
-        launch = _manifest_digest(signed)
+        launch = manifest_digest(signed)
         unbound = check_volunteer_dir(state_dir, ident.peer_id, boot.coordinator_id, manifest.run.id,
                                       launch)  # before it is read
         corpus = volunteer_corpus(manifest, data, allow_model_code)
         console.print(f"joined run [bold]{manifest.run.id}[/] as {ident.peer_id} (manifest verified)")
-        _say_reachability(node, peers)
+        say_reachability(node, peers)
         p = Participant(manifest, signed, ident, str(ident_path), opts, state_dir, device=device, node=node,
                         corpus=corpus)
         p.data_seed = data_seed
@@ -423,7 +385,7 @@ def join(
                 return
             node = restarted_node(ident, str(ident_path), node, opts, say=_say)
             write_atomically(state_dir / "address.txt", lambda f: f.write(("\n".join(node.maddrs) + "\n").encode()))
-            _say_reachability(node, peers)
+            say_reachability(node, peers)
             p.events.write("network-restart", round=p.outer.round_id, reason=str(why)[:300], peer=ident.peer_id)
             p = None  # the old model and optimizer go before the new ones are built (see `release_memory`)
             release_memory(device)

@@ -144,13 +144,29 @@ class DhtRejoiner:
         for maddr in self.bootstrap:
             head, _, pid = str(maddr).rpartition("/p2p/")
             known.setdefault(pid, []).append(head)
-        for tier in (self._proven, self._addrs):
-            for pid, maddrs in reversed(list(tier.items())):
-                plain = [m.rpartition("/p2p/")[0] or m for m in maddrs if "p2p-circuit" not in m]
-                if plain:
-                    known.setdefault(pid, []).extend(plain[:MAX_ADDRS])
+        self._add_plain(known, self._proven)
+        self._add_plain(known, self._addrs)
         known.pop(self.me, None)
         return list(known.items())[:MAX_TARGETS]
+
+    def proven_targets(self) -> list[tuple[str, list[str]]]:
+        """`targets` of the proven tier alone, bootstrap peers left out, each peer id and address
+        well-formed (a start whose bootstrap peers are all down enters through them: a peer that
+        only published a record, which anyone can, never takes their place; and one malformed
+        address, which any contributor can publish, must not fail the others)."""
+        known: dict[str, list[str]] = {}
+        self._add_plain(known, self._proven)
+        for maddr in [*self.bootstrap, f"/p2p/{self.me}"]:
+            known.pop(str(maddr).rpartition("/p2p/")[2], None)
+        return [(pid, addrs) for pid, addrs in ((pid, well_formed(pid, addrs)) for pid, addrs in known.items())
+                if addrs][:MAX_TARGETS]
+
+    @staticmethod
+    def _add_plain(known: dict[str, list[str]], tier: dict[str, list[str]]) -> None:
+        for pid, maddrs in reversed(list(tier.items())):  # the most recently seen first
+            plain = [m.rpartition("/p2p/")[0] or m for m in maddrs if "p2p-circuit" not in m]
+            if plain:
+                known.setdefault(pid, []).extend(plain[:MAX_ADDRS])
 
     async def maybe_rejoin(self, p2p: Any, dht: Any) -> None:
         """If `dht`'s routing table is empty (and the last attempt is `every_s` old), dial the
@@ -202,57 +218,23 @@ class DhtRejoiner:
                  "was empty" if empty else "lacked bootstrap or proven peers", answered, len(targets))
 
 
-BOOTSTRAP_S = 25.0  # how long a start pings its bootstrap peers before it gives up
-
-
-async def enter_dht(dht: Any, initial_peers: Sequence[str], within_s: float = BOOTSTRAP_S,
-                    pause_s: float = 2.0, coordinator: str = "") -> None:
-    """Ping the bootstrap peers into `dht`'s routing table (validated: hivemind's checks of the
-    clock and of our reachability raise as in its own bootstrap) and look up our neighbours.
-    hivemind pings once, for 3 s: a bootstrap peer busy for a moment (applying a round on a small
-    machine) failed our start. Here the pings are repeated for `within_s`; RuntimeError with
-    hivemind's words if none ever answers. A refusal (our clock too far off, or we cannot be
-    reached back) ends the start if `coordinator` refused, or if no more peers let us in than
-    refused us; otherwise it is one peer's word (its own clock may be off) and the others decide."""
+def well_formed(pid: str, addrs: Sequence[str]) -> list[str]:
+    """Those of `addrs` that parse as multiaddrs, none if `pid` is not a peer id."""
     from hivemind.p2p import PeerID
+    from hivemind.utils.multiaddr import Multiaddr
 
-    from .bootstrap import peer_id_of
-
-    protocol = dht.protocol
-    peers = {peer_id_of(m): PeerID.from_base58(peer_id_of(m)) for m in initial_peers}
-    refused: dict[str, BaseException] = {}
-    answered: set[str] = set()
-    give_up = time.monotonic() + within_s
-    while True:
-        asking = [pid for pid in peers if pid not in refused and pid not in answered]
-        # each ping is bounded by the DHT's own request timeout (3 s); gathered, none is left behind
-        answers = await asyncio.gather(*(protocol.call_ping(peers[pid], validate=True, strict=True) for pid in asking),
-                                       return_exceptions=True)
-        for pid, answer in zip(asking, answers):
-            if isinstance(answer, BaseException):
-                refused[pid] = answer
-            elif answer is not None:
-                answered.add(pid)
-        if coordinator in refused:
-            raise refused[coordinator]
-        if answered and len(answered) > len(refused):
-            if refused:
-                log.warning("a bootstrap peer refused us (%s); more of them let us in", next(iter(refused.values())))
-            break
-        if refused and len(refused) + len(answered) == len(peers):  # all have spoken: no majority lets us in
-            raise next(iter(refused.values()))
-        if time.monotonic() + pause_s >= give_up:
-            if refused:
-                raise next(iter(refused.values()))
-            raise RuntimeError(f"DHTNode bootstrap failed: none of the initial_peers responded to a ping "
-                               f"in {within_s:g} s")
-        log.warning("the bootstrap peers' DHT did not answer; asking again")
-        await asyncio.sleep(pause_s)
-    try:  # (hivemind bounds this step by its bootstrap timeout too; here, what is left of ours)
-        async with asyncio.timeout(max(give_up - time.monotonic(), 3.0)):
-            await dht.find_nearest_nodes([dht.node_id])
-    except TimeoutError:
-        log.info("looking up our DHT neighbours took too long; going on")
+    try:
+        PeerID.from_base58(pid)
+    except Exception:  # noqa: BLE001 (hivemind raises several types for a bad id)
+        return []
+    good = []
+    for addr in addrs:
+        try:
+            Multiaddr(addr)
+        except Exception:  # noqa: BLE001 (a port of 99999, an unknown protocol: several types)
+            continue
+        good.append(addr)
+    return good
 
 
 @dataclass(frozen=True)

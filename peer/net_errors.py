@@ -38,7 +38,7 @@ def explain_start_failure(err: BaseException, initial_peers: Sequence[str], role
                else "then --reachability private")
         return NetworkError(f"the bootstrap peer could not connect back to this node (a firewall? {fix}; or "
                             "another process with the same identity)")
-    if "none of the initial_peers responded to a ping" in text:  # connected, but no DHT answer (dht_rejoin.enter_dht)
+    if "none of the initial_peers responded to a ping" in text:  # connected, but no DHT answer (dht_entry.enter_dht)
         within = re.search(r"in ([0-9.]+) s", text)
         return NetworkError(f"the bootstrap peers ({', '.join(initial_peers)}) took the connection but their DHT "
                             f"did not answer within {within.group(1) if within else 3} s (overloaded, or frozen?): "

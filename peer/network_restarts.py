@@ -124,15 +124,16 @@ def restarted_node(identity: Identity, identity_path: str, old: SwarmNode, first
                    say: Callable[[str], None]) -> SwarmNode:
     """A started node in place of `old`, which stopped by itself: on its ports, with its
     reachability (`restart_options`), entering the DHT through the bootstrap peers `first`
-    named (the peers it knew come back from the state dir's known_peers.json, as after a process
-    restart: addresses from DHT records are no bootstrap peers, whose refusal can fail a start
-    and who become relays); on the ports `first` asked for (any free one) if another process
+    named (addresses from DHT records are no bootstrap peers, whose refusal can fail a start and
+    who become relays; with every bootstrap peer down, it enters through the proven peers the old
+    node knew: `dht_entry.enter_dht_through_proven`); on the ports `first` asked for (any free one) if another process
     took one of those meanwhile (`say` tells the user). NetworkError if it cannot start."""
     again = restart_options(old.options, old.maddrs, old.reachability)
     if (busy := busy_listen_address(again.host_maddrs)) is not None and busy_listen_address(first.host_maddrs) is None:
         say(f"cannot listen where the stopped network did ({busy}): on a new port")
         again = dataclasses.replace(again, host_maddrs=tuple(first.host_maddrs))
     node = SwarmNode(identity, identity_path, dataclasses.replace(again, initial_peers=tuple(first.initial_peers)))
+    node.rejoiner.restore(old.rejoiner.remembered())  # entered through if every bootstrap peer is down
     node.start()
     return node
 

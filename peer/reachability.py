@@ -231,16 +231,21 @@ async def connect_via_relay(p2p: Any, target: str, relay_maddr: str) -> None:
     await p2p._client.connect(PeerID.from_base58(target), [_RawMaddr(circuit_maddr_bytes(relay_maddr, target))])
 
 
-async def find_reachability(transport: Any, maddrs: list[str], bootstrap_ids: list[str], coordinator: str) -> str:
+async def find_reachability(transport: Any, maddrs: list[str], bootstrap_ids: list[str], coordinator: str,
+                            public_needs: int = 1, unknown: str | None = "private") -> str | None:
     """"public" or "private" as the bootstrap peers' dial-backs find us at `maddrs` ("private" if
-    none answers; "public" with no bootstrap peer to ask). Any libp2p identity can be a bootstrap peer, and a lying one makes a public
-    peer stop serving ("private") or a NAT'ed one take roles nobody reaches ("public"). So the
+    none answers; "public" with no bootstrap peer to ask). Any libp2p identity can be a bootstrap
+    peer, and a lying one makes a public peer stop serving ("private") or a NAT'ed one take roles nobody reaches ("public"). So the
     coordinator, asked first, decides. Without its answer a "public" decides (one more probe
     would lengthen every public peer's start) and a "private" is checked with one more peer: it
-    stands unless that peer finds us reachable (or none other answers)."""
+    stands unless that peer finds us reachable (or none other answers). `public_needs`: how many
+    peers other than the coordinator must find us reachable (2 for probers the user did not name:
+    peers proven in the run, asked when the bootstrap peers are down); `unknown`: the verdict when
+    there is none."""
     # each peer once (a bootstrap line lists one at several addresses; a request goes by id)
     peers = sorted(dict.fromkeys(bootstrap_ids), key=lambda peer: peer != coordinator)
     privates: set[str] = set()
+    publics: set[str] = set()
     # Asking a busy prober again is bounded for the whole step: the node's start (60 s in all, the
     # DHT's entry alone up to 25 s) must not wait out every bootstrap peer's window in turn.
     extra = [math.ceil(PROBE_EVERY_S / PROBE_TIMEOUT_S)]  # asks past each peer's second, for all of them
@@ -248,14 +253,21 @@ async def find_reachability(transport: Any, maddrs: list[str], bootstrap_ids: li
         reply = await _probe_by(transport, peer, maddrs, extra)
         if reply is None:
             continue
-        if reply.reachable or peer == coordinator:
+        if peer == coordinator:
             return "public" if reply.reachable else "private"
+        if reply.reachable:
+            publics.add(peer)
+            if len(publics) >= public_needs:
+                return "public"
+            continue
         privates.add(peer)
         if len(privates) == 2:
             break
     if privates:
         return "private"
-    if peers:
+    if publics or peers:
+        if unknown is None:
+            return None
         # No verdict: "private", the safe side. A peer that is private contributes and receives
         # every aggregate all the same, but one that wrongly takes itself for public takes roles
         # nobody can reach it in; and a verdict can be withheld on purpose ("rate limited": a

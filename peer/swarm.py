@@ -36,7 +36,6 @@ from groundswell.protocol.transport import PeerUnavailable, Transport
 
 from .daemon import (
     TEARDOWN_S,
-    adopt_p2pd_daemons,
     bounded,
     daemon_exited,
     raise_open_file_limit,
@@ -45,7 +44,8 @@ from .daemon import (
     watch_daemon,
     with_private_sockets,
 )
-from .dht_rejoin import DhtRejoiner, dialable_scopes, enter_dht
+from .dht_entry import dial_known, enter_run_dht
+from .dht_rejoin import DhtRejoiner, dialable_scopes
 from .holepunch import Rendezvous, serve_punch_invites
 from .net_errors import NetworkError, explain_start_failure
 from .net_loop import NetLoop
@@ -54,7 +54,6 @@ from .node_options import NodeOptions, reader_options  # noqa: F401 - imported f
 from .punch_scheduler import PunchScheduler
 from .reachability import (
     DialBack,
-    busy_listen_address,
     listen_host,
 )
 from .records import HEARTBEAT_S, PeerRecords, PeerRecordValidator
@@ -113,11 +112,18 @@ class SwarmNode(PeerRecords, StateServing, NatTraversal, NetLoop):
         own = options.initial_peers or options.announce_maddrs or options.host_maddrs
         self.record_validator = PeerRecordValidator()  # (the DHT's: see records.lives_as_signed)
         self.rejoiner = DhtRejoiner(identity.peer_id, options.initial_peers, scopes=dialable_scopes(own))
+        # Proven peers of the run this start entered through, its bootstrap peers being down or
+        # silent (`dht_entry.enter_run_dht`); empty when one of those let it in.
+        self.entered_through: list[str] = []
+        self._bootstrap_down = False  # p2pd reached none of the bootstrap peers: started without them
+        self._bootstrap_silent = False  # connected to them, but none answered the dial-back probe
+        self._start_by = float("inf")  # monotonic time `start` gives up at
 
     # --- lifecycle ------------------------------------------------------------------------------
     def start(self, timeout_s: float = 60.0) -> None:
         """Start the loop thread, the libp2p host, the DHT and the protocol handlers."""
         raise_open_file_limit()  # (before the daemon starts: it inherits the limit)
+        self._start_by = time.monotonic() + timeout_s
         self._thread.start()
         self._main = asyncio.run_coroutine_threadsafe(self._run(), self._loop)
         try:
@@ -145,6 +151,8 @@ class SwarmNode(PeerRecords, StateServing, NatTraversal, NetLoop):
             t0 = time.monotonic()
             p2p_class = with_private_sockets(P2P)  # released in the finally below
             p2p = await self._create_p2p(p2p_class, explicit)
+            if self._bootstrap_down:  # the proven peers we reach answer the probe in their place
+                self.entered_through = await dial_known(p2p, self.rejoiner.proven_targets())
             t1 = time.monotonic()
             self.reachability = await self._find_reachability()
             t2 = time.monotonic()
@@ -189,8 +197,9 @@ class SwarmNode(PeerRecords, StateServing, NatTraversal, NetLoop):
             dht = await DHTNode.create(p2p=p2p, initial_peers=None, client_mode=self.reachability == "private",
                                        record_validator=self.record_validator)
             self.dht = dht
-            if self.options.initial_peers:
-                await enter_dht(dht, self.options.initial_peers, coordinator=self.options.coordinator or "")
+            self.entered_through = await enter_run_dht(
+                p2p, dht, self.rejoiner, self.options.initial_peers, self.options.coordinator or "",
+                self._bootstrap_down, self._bootstrap_silent, self._start_by - 5.0)  # (5 s kept for the rest)
             self.startup_s = {"p2pd": t1 - t0, "probe": t2 - t1, "dht": time.monotonic() - t3}
             async with asyncio.TaskGroup() as tasks:
                 self._tasks = tasks
@@ -302,38 +311,6 @@ class SwarmNode(PeerRecords, StateServing, NatTraversal, NetLoop):
         except TimeoutError:  # (a TimeoutError reaches the user as a traceback: it means a bug elsewhere)
             raise NetworkError("the libp2p daemon did not take this run's handlers within 30 s (is the machine "
                                "overloaded, or the daemon stopped?): start again") from None
-
-    async def _check_listen_addresses(self, wait_s: float = 5.0) -> None:
-        """NetworkError if a fixed listen port is taken for longer than `wait_s` (a daemon of
-        this peer's previous process, killed a moment ago, may still hold it) or an IP is not ours."""
-        deadline = time.monotonic() + wait_s
-        while (busy := busy_listen_address(self.options.host_maddrs)) is not None:
-            if "already in use" not in busy or time.monotonic() >= deadline:
-                raise NetworkError(busy)
-            await asyncio.sleep(0.25)
-
-    async def _create_p2p(self, p2p_class: Any, reachability: str | None) -> Any:
-        """Start the libp2p daemon; `reachability` ("public"/"private", None: let AutoNAT guess)
-        is what AutoNAT is told. Behind a NAT the node holds a relay reservation (its bootstrap
-        peers are the trusted relays) so that others can still open a stream to it, unless its
-        options say it needs none (`relay_slot`: a passing reader's node)."""
-        adopt_p2pd_daemons()  # Ctrl+C reaches us, not the daemon; it still ends with us (Linux)
-        relayed = reachability != "public" and self.options.relay_slot
-        p2p = await p2p_class.create(
-            initial_peers=list(self.options.initial_peers) or None,
-            host_maddrs=list(self.options.host_maddrs),
-            announce_maddrs=list(self.options.announce_maddrs) or None,
-            identity_path=self.identity_path,
-            check_if_identity_free=False,  # hivemind's check assumes RSA identity files
-            nat_port_map=False,  # UPnP probes the LAN; never on by default
-            use_auto_relay=relayed,
-            trusted_relays=self._relay_candidates() if relayed else None,
-            force_reachability=reachability,
-        )
-        self.p2p = p2p
-        self.maddrs = [str(m) for m in await p2p.get_visible_maddrs()]
-        self.bootstrap_transport = Transport(p2p, self.identity, "", self.guard)
-        return p2p
 
     async def fetch_manifest(self, peers: Sequence[str], timeout_s: float = 15.0, tries: int = 3,
                              accept: Callable[[bytes], str | None] = lambda signed: None) -> bytes:

@@ -44,6 +44,12 @@ def check_volunteer_dir(state_dir: Path, peer_id: str, coordinator_id: str, run_
     return bool(manifest) and not isinstance(have.get("manifest"), str)
 
 
+def bound_to_coordinator(state_dir: Path, coordinator_id: str) -> bool:
+    """Is `state_dir` a volunteer's of a run of `coordinator_id` (its known peers are that run's)?"""
+    have = _binding(state_dir)
+    return have is not None and have["coordinator"] == coordinator_id
+
+
 def bind_volunteer_dir(state_dir: Path, peer_id: str, coordinator_id: str, run_id: str, manifest: str = "") -> None:
     """Write the binding (after the state dir's checkpoint was accepted for this run: a join
     refused for another run's checkpoint must not bind the folder to itself)."""

@@ -182,6 +182,37 @@ def leftover_processes(out: Path) -> list:
     return [p for p in psutil.process_iter(["cmdline"]) if mentions(p.info["cmdline"] or [], out)]
 
 
+def read_events(path: Path) -> list[dict]:
+    """A peer's events.jsonl (none yet: empty)."""
+    import json
+
+    return [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
+
+
+def wait_for(pred: Callable[[], bool], timeout_s: float, what: str) -> None:
+    """Poll `pred` every 0.2 s; AssertionError naming `what` if it is not true within `timeout_s`."""
+    limit = time.time() + timeout_s
+    while not pred():
+        if time.time() > limit:
+            raise AssertionError(f"timed out waiting for {what}")
+        time.sleep(0.2)
+
+
+QUIET = ["--quiet", "--verbose", "--threads", "1"]  # a test's peers: protocol log in NAME.log, one thread
+
+
+def launch_coordinator(sim: Any, out: Path, opts: Any) -> Path:
+    """`groundswell launch` of `opts`' manifest as `sim`'s "coordinator"; its bootstrap.txt, once written."""
+    from groundswell.peer.simulate import manifest_toml
+
+    (out / "run.toml").write_text(manifest_toml(opts))
+    sim.spawn("coordinator", ["launch", str(out / "run.toml"), "--state-dir", str(out / "coordinator"),
+                              "--listen", "/ip4/127.0.0.1/tcp/0", *QUIET])
+    boot = out / "coordinator" / "bootstrap.txt"
+    wait_for(boot.exists, 120, "the coordinator")
+    return boot
+
+
 def simulate_and_reap(opts: Any, out: Path) -> dict:
     """`run_simulation` quietly; every process it left behind is killed, even when it raised,
     and then said (a simulation must leave none)."""

@@ -27,10 +27,10 @@ from groundswell.peer.daemon import (
     socket_dir,
     sweep_socket_dirs,
 )
-from groundswell.peer.simulate import SimulateOptions, Simulation, manifest_toml
+from groundswell.peer.simulate import SimulateOptions, Simulation
 
 sys.path.insert(0, str(Path(__file__).parent))
-from swarm_harness import leftover_processes
+from swarm_harness import QUIET, launch_coordinator, leftover_processes, read_events, wait_for
 
 pytestmark = [
     pytest.mark.timeout(300),
@@ -143,18 +143,6 @@ def test_reap_daemons_ends_and_waits_for_what_the_thread_started(tmp_path, progr
                 os.kill(pid, signal.SIGKILL)
 
 
-def _events(path: Path) -> list[dict]:
-    return [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
-
-
-def _wait(pred, timeout_s: float, what: str) -> None:
-    limit = time.time() + timeout_s
-    while not pred():
-        if time.time() > limit:
-            raise AssertionError(f"timed out waiting for {what}")
-        time.sleep(0.2)
-
-
 @pytest.mark.slow
 def test_ctrl_c_lets_a_volunteer_finish_its_round_and_the_coordinator_checkpoint(tmp_path):
     out = tmp_path / "sim"
@@ -163,19 +151,15 @@ def test_ctrl_c_lets_a_volunteer_finish_its_round_and_the_coordinator_checkpoint
     # by the Ctrl+C sometimes lived just long enough to carry the round.)
     opts = SimulateOptions(peers=2, rounds=10**6, inner_steps=200, batch_size=4, deadline_s=20, slack_s=2, min_peers=2,
                            checkpoint_every=1000)
-    common = ["--quiet", "--verbose", "--threads", "1"]
+    common = QUIET
     try:
         with Simulation(out, opts) as sim:
-            (out / "run.toml").write_text(manifest_toml(opts))
-            sim.spawn("coordinator", ["launch", str(out / "run.toml"), "--state-dir", str(out / "coordinator"),
-                                      "--listen", "/ip4/127.0.0.1/tcp/0", *common])
-            boot = out / "coordinator" / "bootstrap.txt"
-            _wait(boot.exists, 120, "the coordinator")
+            boot = launch_coordinator(sim, out, opts)
             for name in ("peer-0", "peer-1"):
                 sim.spawn(name, ["join", boot.read_text().strip(), "--state-dir", str(out / name),
                                  "--listen", "/ip4/127.0.0.1/tcp/0", *common])
-            rounds = lambda name: [e for e in _events(out / name / "events.jsonl") if e["kind"] == "round"]
-            _wait(lambda: len(rounds("peer-0")) >= 2, 180, "two rounds")
+            rounds = lambda name: [e for e in read_events(out / name / "events.jsonl") if e["kind"] == "round"]
+            wait_for(lambda: len(rounds("peer-0")) >= 2, 180, "two rounds")
             # `groundswell status` sees the run as the DHT does: the coordinator and both volunteers.
             res = subprocess.run([sys.executable, "-m", "groundswell.peer", "status", boot.read_text().strip(),
                                   "--json"], capture_output=True, text=True, timeout=120)
@@ -188,7 +172,7 @@ def test_ctrl_c_lets_a_volunteer_finish_its_round_and_the_coordinator_checkpoint
             # the instant a round was logged, it could land before the next round began (a CI run
             # under load): the peer then rightly left with no round to finish.
             seen = len(rounds("peer-0"))
-            _wait(lambda: len(rounds("peer-0")) > seen, 60, "the next round")
+            wait_for(lambda: len(rounds("peer-0")) > seen, 60, "the next round")
             time.sleep(1.0)
             pressed = time.time()
             sim.signal("peer-0", signal.SIGINT)
@@ -197,10 +181,10 @@ def test_ctrl_c_lets_a_volunteer_finish_its_round_and_the_coordinator_checkpoint
             last = rounds("peer-0")[-1]
             assert last["t"] > pressed and last["included"], f"no round finished after Ctrl+C: {last}"
             # The other volunteer applied that very round, to the same parameters.
-            _wait(lambda: any(e["round"] == last["round"] for e in rounds("peer-1")), 60, "peer-1's round")
+            wait_for(lambda: any(e["round"] == last["round"] for e in rounds("peer-1")), 60, "peer-1's round")
             twin = next(e for e in rounds("peer-1") if e["round"] == last["round"])
             assert twin["hash"] == last["hash"]
-            _wait(lambda: any(e["round"] == last["round"] for e in rounds("coordinator")), 60, "the coordinator's round")
+            wait_for(lambda: any(e["round"] == last["round"] for e in rounds("coordinator")), 60, "the coordinator's round")
             ours = next(e for e in rounds("coordinator") if e["round"] == last["round"])
             assert ours["hash"] == last["hash"]  # the coordinator too: all three hold the same parameters
 
@@ -210,7 +194,7 @@ def test_ctrl_c_lets_a_volunteer_finish_its_round_and_the_coordinator_checkpoint
             assert "left the run cleanly; checkpoint:" in before and "resumed from" not in before
             sim.spawn("peer-0", ["join", boot.read_text().strip(), "--state-dir", str(out / "peer-0"),
                                  "--listen", "/ip4/127.0.0.1/tcp/0", *common], kind="restart")
-            _wait(lambda: "resumed from" in (out / "peer-0.log").read_text(), 120, "the restart's resume line")
+            wait_for(lambda: "resumed from" in (out / "peer-0.log").read_text(), 120, "the restart's resume line")
             said = (out / "peer-0.log").read_text()[len(before):]
             assert f"resumed from {out / 'peer-0'}: its checkpoint at the start of round {last['round'] + 1}" in said, said
             sim.signal("peer-0", signal.SIGINT)

@@ -515,7 +515,7 @@ def test_a_relayed_bootstrap_address_is_dialled_and_pinged_as_its_peer_not_its_r
     import asyncio
     from types import SimpleNamespace
 
-    from groundswell.peer.dht_rejoin import enter_dht
+    from groundswell.peer.dht_entry import enter_dht
     from groundswell.peer.swarm import NodeOptions, SwarmNode
 
     relayed = f"/ip4/1.2.3.4/tcp/9/p2p/{RSA_PEER_ID}/p2p-circuit/p2p/{OTHER.peer_id}"

@@ -259,3 +259,30 @@ def test_the_failed_runs_frames_are_gone_before_a_new_node_starts():
 
     assert run_restarting(run, lambda: failure[0], lambda why: None, start, StopFlag(), RestartBudget(first_wait_s=0.0))
     assert alive_at_start == [False]
+
+
+def test_a_new_node_knows_the_proven_peers_the_stopped_one_knew(tmp_path, monkeypatch):
+    # With every bootstrap peer down, a restarted node enters through them (dht_entry.enter_dht_through_proven):
+    # read from known_peers.json alone, it would miss the peers proven since the last checkpoint.
+    from types import SimpleNamespace
+
+    from groundswell.peer.dht_rejoin import DhtRejoiner, dialable_scopes
+    from groundswell.peer.network_restarts import restarted_node
+    from groundswell.peer.swarm import SwarmNode
+    from groundswell.protocol.identity import Identity
+
+    ident = Identity.generate()
+    ident.save(tmp_path / "id.key")
+    line = ("/ip4/127.0.0.1/tcp/9/p2p/QmcgpsyWgH8Y8ajJz1Cu72KnS5uo2Aa2LpzU7kinSupMKb",)
+    memory = DhtRejoiner(ident.peer_id, line, scopes=dialable_scopes(line))
+    memory.remember([("proven", ["/ip4/127.0.0.1/tcp/5/p2p/proven"]), ("seen", ["/ip4/127.0.0.1/tcp/6/p2p/seen"])])
+    memory.vouch(["proven"])
+    old = SimpleNamespace(options=NodeOptions(initial_peers=line), maddrs=[], reachability="public", rejoiner=memory)
+    started: list = []
+    monkeypatch.setattr(SwarmNode, "start", lambda self, timeout_s=60.0: started.append(self.rejoiner.proven_targets()))
+    node = restarted_node(ident, str(tmp_path / "id.key"), old, NodeOptions(initial_peers=line), say=print)
+    try:
+        assert started == [[("proven", ["/ip4/127.0.0.1/tcp/5"])]]  # (a peer only seen never enters in their place)
+        assert [pid for pid, _ in node.rejoiner.targets()][1:] == ["proven", "seen"]  # (after the bootstrap peer)
+    finally:
+        node.stop_loop()

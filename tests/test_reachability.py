@@ -254,6 +254,24 @@ def test_the_coordinators_probe_decides_and_another_peers_private_verdict_is_che
         node._loop.close()
 
 
+@pytest.mark.parametrize("verdicts,expected,asked", [
+    ({"A": True, "B": True}, "public", "AB"),
+    ({"A": True}, None, "ABX"),  # one proven peer's word (any contributor is one): no verdict
+    ({"A": True, "B": False, "X": True}, "public", "ABX"),
+    ({"A": False, "B": False}, "private", "AB"),
+    ({"C": True}, "public", "C"),  # the coordinator decides alone, as ever
+])
+def test_proven_peers_probing_in_the_bootstrap_peers_place_need_two_to_find_us_public(verdicts, expected, asked,
+                                                                                     monkeypatch):
+    from groundswell.peer import reachability
+
+    monkeypatch.setattr(reachability, "PROBE_TIMEOUT_S", 0.01)
+    probers = _Probers(verdicts)
+    got = asyncio.run(reachability.find_reachability(probers, [], list("CABX" if "C" in verdicts else "ABX"), "C",
+                                                     public_needs=2, unknown=None))
+    assert got == expected and probers.asked == list(asked)
+
+
 def test_a_peer_whose_bootstrap_peers_all_stay_silent_says_its_reachability_is_unknown(caplog):
     import logging
 
@@ -262,7 +280,7 @@ def test_a_peer_whose_bootstrap_peers_all_stay_silent_says_its_reachability_is_u
     node = SwarmNode(Identity.generate(), None, NodeOptions(initial_peers=["/ip4/127.0.0.1/tcp/4001/p2p/12D3KooA"]))
     try:
         node.bootstrap_transport = _Probers({})
-        with caplog.at_level(logging.WARNING, logger="groundswell.peer.reachability"):
+        with caplog.at_level(logging.WARNING, logger="groundswell.peer.node_nat"):
             # the safe side: a verdict can be withheld on purpose (a review had "rate limited"
             # everywhere make every NAT'ed joiner take itself for public)
             assert asyncio.run(node._find_reachability()) == "private"

@@ -73,7 +73,7 @@ def test_the_status_reader_checks_the_runs_records_before_it_reads_them(monkeypa
     import asyncio
     from types import SimpleNamespace
 
-    from groundswell.peer import cli_swarm
+    from groundswell.peer import join_network
     from groundswell.peer.cli import app
     from typer.testing import CliRunner
 
@@ -91,7 +91,7 @@ def test_the_status_reader_checks_the_runs_records_before_it_reads_them(monkeypa
     monkeypatch.setattr(SwarmNode, "call", lambda self, coro, timeout_s=None: asyncio.run(coro))
     monkeypatch.setattr(SwarmNode, "watch_records", watch_records)
     monkeypatch.setattr(SwarmNode, "peer_records", peer_records)
-    monkeypatch.setattr(cli_swarm, "_fetch_manifest", lambda node, maddrs, coordinator: (
+    monkeypatch.setattr(join_network, "fetch_manifest", lambda node, maddrs, coordinator: (
         b"", SimpleNamespace(run=SimpleNamespace(id="the-run"))))
     monkeypatch.setattr(time, "sleep", lambda s: None)
     pid = Identity.generate().peer_id
