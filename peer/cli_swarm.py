@@ -274,7 +274,7 @@ def join(
     from .swarm import NodeOptions, SwarmNode
     from .volunteer_dir import (
         bind_volunteer_dir,
-        bound_to_coordinator,
+        bound_launch,
         check_volunteer_dir,
         check_volunteer_identity,
         check_volunteer_peer,
@@ -302,15 +302,15 @@ def join(
     opts = NodeOptions(host_maddrs=listen, initial_peers=boot.maddrs, coordinator=boot.coordinator_id,
                        role="volunteer", trains=True, serves=True, reachability=reachability)
     node = SwarmNode(ident, str(ident_path), opts)
-    if state_dir.is_dir() and bound_to_coordinator(state_dir, boot.coordinator_id):
-        # the run's peers this volunteer knew: entered through if every bootstrap peer is down
+    bound = bound_launch(state_dir, boot.coordinator_id) if state_dir.is_dir() else None
+    if bound is not None:  # the run's peers this volunteer knew: entered through if every bootstrap peer is down
         node.rejoiner.restore(load_known_peers(state_dir / KNOWN_PEERS_FILE))
     node.start()
     try:
         # others may bootstrap from us (a simulation reads it while we run: never half-written)
         write_atomically(state_dir / "address.txt", lambda f: f.write(("\n".join(node.maddrs) + "\n").encode()))
         peers = [m.rsplit("/p2p/", 1)[1] for m in boot.maddrs]
-        signed, manifest = fetch_manifest(node, boot.maddrs, boot.coordinator_id)
+        signed, manifest = fetch_manifest(node, boot.maddrs, boot.coordinator_id, launch=bound)
         manifest.check_may_train(ident.peer_id)  # before any download: its contributions would be refused
         launch = manifest_digest(signed)
         unbound = check_volunteer_dir(state_dir, ident.peer_id, boot.coordinator_id, manifest.run.id,

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import math
 import time
 from collections.abc import Sequence
 from typing import Any
@@ -92,13 +93,13 @@ async def dial_known(p2p: Any, targets: Sequence[tuple[str, list[str]]], timeout
 
 
 async def enter_dht_through_proven(p2p: Any, dht: Any, rejoiner: DhtRejoiner, coordinator: str = "",
-                                   within_s: float | None = None) -> list[str]:
+                                   give_up_at: float = math.inf) -> list[str]:
     """Enter the DHT through the proven peers `rejoiner` keeps (the coordinator, peers named in
     commits: from the state dir's known_peers.json, or a stopped node's memory), for a start whose
     bootstrap peers are all down: a volunteer restarted while the coordinator, often its only
     bootstrap peer, was away stayed out of a run that went on without it. The ids of those that
-    answered, or NetworkError if none lets us in. They are not made bootstrap peers: those become
-    relays and punch inviters."""
+    answered, or NetworkError if none lets us in (by `give_up_at`, monotonic: BOOTSTRAP_S at most).
+    They are not made bootstrap peers: those become relays and punch inviters."""
     from .net_errors import NetworkError
 
     targets = rejoiner.proven_targets()
@@ -109,7 +110,7 @@ async def enter_dht_through_proven(p2p: Any, dht: Any, rejoiner: DhtRejoiner, co
                 len(targets))
     await dial_known(p2p, targets)
     try:
-        return await enter_dht(dht, [f"{addrs[0]}/p2p/{pid}" for pid, addrs in targets], within_s,
+        return await enter_dht(dht, [f"{addrs[0]}/p2p/{pid}" for pid, addrs in targets], _within(give_up_at),
                                coordinator=coordinator)
     except RuntimeError as exc:
         if "none of the initial_peers responded" not in str(exc):  # a refusal (our clock...): its own words
@@ -127,11 +128,8 @@ async def enter_run_dht(p2p: Any, dht: Any, rejoiner: DhtRejoiner, initial_peers
     no dial-back probe answered: frozen?) both are pinged together, and the wait for the silent
     ones does not come first. The proven peers it entered through (empty: a bootstrap peer let
     it in)."""
-    def within() -> float:
-        return max(min(BOOTSTRAP_S, give_up_at - time.monotonic()), 2.0)
-
     if bootstrap_down:
-        return await enter_dht_through_proven(p2p, dht, rejoiner, coordinator, within())
+        return await enter_dht_through_proven(p2p, dht, rejoiner, coordinator, give_up_at)
     if not initial_peers:
         return []
     bootstrap = [str(m).rpartition("/p2p/")[2] for m in initial_peers]
@@ -139,12 +137,17 @@ async def enter_run_dht(p2p: Any, dht: Any, rejoiner: DhtRejoiner, initial_peers
     if bootstrap_silent and proven:
         connected = set(await dial_known(p2p, proven))
         with_proven = [*initial_peers, *(f"{addrs[0]}/p2p/{pid}" for pid, addrs in proven if pid in connected)]
-        answered = await enter_dht(dht, with_proven, within(), coordinator=coordinator)
+        answered = await enter_dht(dht, with_proven, _within(give_up_at), coordinator=coordinator)
         return [] if set(answered) & set(bootstrap) else answered
     try:
-        await enter_dht(dht, initial_peers, within(), coordinator=coordinator)
+        await enter_dht(dht, initial_peers, _within(give_up_at), coordinator=coordinator)
     except RuntimeError as exc:  # connected, but no DHT answer (a frozen coordinator)
         if "none of the initial_peers responded" not in str(exc) or not proven:
             raise
-        return await enter_dht_through_proven(p2p, dht, rejoiner, coordinator, within())
+        return await enter_dht_through_proven(p2p, dht, rejoiner, coordinator, give_up_at)
     return []
+
+
+def _within(give_up_at: float) -> float:
+    """BOOTSTRAP_S, or what is left until `give_up_at` if less (2 s at least: one ping round)."""
+    return max(min(BOOTSTRAP_S, give_up_at - time.monotonic()), 2.0)

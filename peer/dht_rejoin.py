@@ -150,14 +150,17 @@ class DhtRejoiner:
         return list(known.items())[:MAX_TARGETS]
 
     def proven_targets(self) -> list[tuple[str, list[str]]]:
-        """`targets` of the proven tier alone, bootstrap peers left out, each peer id and address
-        well-formed (a start whose bootstrap peers are all down enters through them: a peer that
-        only published a record, which anyone can, never takes their place; and one malformed
-        address, which any contributor can publish, must not fail the others)."""
+        """`targets` of the proven tier alone, less the bootstrap line's addresses (those failed
+        already; a bootstrap peer, the coordinator above all, stays at any other address it was
+        seen at: back on a new port, say), each peer id and address well-formed (a start whose
+        bootstrap peers are all down enters through them: a peer that only published a record,
+        which anyone can, never takes their place; and one malformed address, which any
+        contributor can publish, must not fail the others)."""
         known: dict[str, list[str]] = {}
         self._add_plain(known, self._proven)
-        for maddr in [*self.bootstrap, f"/p2p/{self.me}"]:
-            known.pop(str(maddr).rpartition("/p2p/")[2], None)
+        known.pop(self.me, None)
+        failed = {str(m).rpartition("/p2p/")[0] for m in self.bootstrap}
+        known = {pid: [a for a in addrs if a not in failed] for pid, addrs in known.items()}
         return [(pid, addrs) for pid, addrs in ((pid, well_formed(pid, addrs)) for pid, addrs in known.items())
                 if addrs][:MAX_TARGETS]
 
@@ -224,8 +227,10 @@ def well_formed(pid: str, addrs: Sequence[str]) -> list[str]:
     from hivemind.utils.multiaddr import Multiaddr
 
     try:
-        PeerID.from_base58(pid)
+        raw = PeerID.from_base58(pid).to_bytes()
     except Exception:  # noqa: BLE001 (hivemind raises several types for a bad id)
+        return []
+    if len(raw) < 2 or raw[0] not in (0x00, 0x12) or len(raw) != raw[1] + 2:  # a multihash: identity or sha2-256
         return []
     good = []
     for addr in addrs:

@@ -8,10 +8,12 @@ from typing import Any
 from .cli import console
 
 
-def fetch_manifest(node: Any, maddrs: list[str], coordinator_id: str) -> tuple[bytes, Any]:
+def fetch_manifest(node: Any, maddrs: list[str], coordinator_id: str, launch: str | None = None) -> tuple[bytes, Any]:
     """The run manifest from the bootstrap peers (or, with those down, the peers the node entered
     the run through), signed by `coordinator_id` (the first one that verifies: the others are
-    asked when one serves another's); NetworkError if none does."""
+    asked when one serves another's); NetworkError if none does. From peers other than the
+    bootstrap peers, only the launch `launch` names (the state dir's binding, `manifest_digest`):
+    any contributor is one of them, and could serve an older launch's, validly signed."""
     from groundswell.protocol.transport import PeerUnavailable
 
     from .manifest import ManifestError, SignedManifest
@@ -22,6 +24,8 @@ def fetch_manifest(node: Any, maddrs: list[str], coordinator_id: str) -> tuple[b
             SignedManifest.from_bytes(signed).verify(coordinator_id)
         except ManifestError as exc:
             return str(exc)
+        if node.entered_through and launch and manifest_digest(signed) != launch:
+            return "not the launch of the run this state dir holds"
         return None
 
     from .swarm import ManifestRefused
@@ -53,9 +57,11 @@ def say_reachability(node: Any, peers: list[str]) -> None:
                       "peer(s) known from before", highlight=False)
     if node.reachability == "public":
         console.print("reachable: public (other peers can connect to us)")
-    elif node.entered_through:  # (its relays are the bootstrap peers)
-        console.print("reachable: taken for private (two peers must find us reachable while the bootstrap peers "
-                      "are down); no relay slot meanwhile; contributing, not serving")
+    elif node.entered_through:
+        console.print("reachable: private as far as the run's peers tell (two of them must find us reachable "
+                      "while no bootstrap peer answers)"
+                      + ("; no relay slot while the bootstrap peers are down" if node.bootstrap_down else "")
+                      + "; contributing, not serving")  # (its relays are the bootstrap peers)
     else:
         console.print(f"reachable: behind a NAT, through relay {relays} once it holds our slot (libp2p "
                       "reserves it within seconds), and directly by peers behind other NATs after hole "

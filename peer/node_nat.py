@@ -53,7 +53,8 @@ class NatTraversal:
     entered_through: list[str]  # proven peers dialled in place of bootstrap peers that were down
     rejoiner: Any  # DhtRejoiner: the run's proven peers
     _bootstrap_silent: bool  # our bootstrap peers, connected, gave no probe verdict (frozen?)
-    _bootstrap_down: bool  # p2pd reached none of our bootstrap peers
+    bootstrap_down: bool  # p2pd reached none of our bootstrap peers
+    _start_by: float  # monotonic time the node's start gives up at
 
     refresh_records: Callable[[], Awaitable[dict[str, PeerRecord]]]  # PeerRecords.refresh_records
     _bootstrap_ids: Callable[[], list[str]]  # SwarmNode._bootstrap_ids
@@ -83,7 +84,7 @@ class NatTraversal:
         options say it needs none (`relay_slot`: a passing reader's node)."""
         adopt_p2pd_daemons()  # Ctrl+C reaches us, not the daemon; it still ends with us (Linux)
         relayed = reachability != "public" and self.options.relay_slot
-        bootstrap = [] if self._bootstrap_down else list(self.options.initial_peers)
+        bootstrap = [] if self.bootstrap_down else list(self.options.initial_peers)
         try:
             p2p = await self._create_daemon(p2p_class, reachability, bootstrap, relayed)
         except Exception as exc:  # (hivemind's P2PDaemonError)
@@ -95,7 +96,7 @@ class NatTraversal:
                 raise
             log.warning("p2pd reached none of the bootstrap peers (%s): starting without them", exc)
             await reap_daemons()
-            self._bootstrap_down = True
+            self.bootstrap_down = True
             p2p = await self._create_daemon(p2p_class, reachability, [], relayed)
         self.p2p = p2p
         self.maddrs = [str(m) for m in await p2p.get_visible_maddrs()]
@@ -124,19 +125,20 @@ class NatTraversal:
         if self.options.reachability != "auto":
             return self.options.reachability
         maddrs, coordinator = self.maddrs[:8], self.options.coordinator
-        if self._bootstrap_down:  # the proven peers we connected to, if any (none to ask: no verdict)
+        by = self._start_by - 20.0  # what is left then: the DHT's entry, through the proven peers if need be
+        if self.bootstrap_down:  # the proven peers we connected to, if any (none to ask: no verdict)
             verdict = await find_reachability(self.bootstrap_transport, maddrs, self.entered_through, coordinator,
-                                              public_needs=2, unknown=None) if self.entered_through else None
+                                              public_needs=2, unknown=None, give_up_at=by) if self.entered_through else None
         else:
             verdict = await find_reachability(self.bootstrap_transport, maddrs, self._bootstrap_ids(), coordinator,
-                                              unknown=None)
+                                              unknown=None, give_up_at=by)
             if verdict is None and self.rejoiner.proven_targets():
                 self._bootstrap_silent = True  # (their DHT is then asked with the proven peers: dht_entry.enter_run_dht)
                 proven = await dial_known(self.p2p, self.rejoiner.proven_targets())
                 verdict = await find_reachability(self.bootstrap_transport, maddrs, proven, coordinator,
-                                                  public_needs=2, unknown=None) if proven else None
+                                                  public_needs=2, unknown=None, give_up_at=by) if proven else None
         if verdict is None:
-            log.warning("reachability unknown: no peer answered our dial-back probe; taking ourselves for "
+            log.warning("reachability unknown: no verdict from our dial-back probes; taking ourselves for "
                         "private (start with --reachability public if others can connect to us)")
         return verdict or "private"
 

@@ -232,7 +232,8 @@ async def connect_via_relay(p2p: Any, target: str, relay_maddr: str) -> None:
 
 
 async def find_reachability(transport: Any, maddrs: list[str], bootstrap_ids: list[str], coordinator: str,
-                            public_needs: int = 1, unknown: str | None = "private") -> str | None:
+                            public_needs: int = 1, unknown: str | None = "private",
+                            give_up_at: float = math.inf) -> str | None:
     """"public" or "private" as the bootstrap peers' dial-backs find us at `maddrs` ("private" if
     none answers; "public" with no bootstrap peer to ask). Any libp2p identity can be a bootstrap
     peer, and a lying one makes a public peer stop serving ("private") or a NAT'ed one take roles nobody reaches ("public"). So the
@@ -241,7 +242,8 @@ async def find_reachability(transport: Any, maddrs: list[str], bootstrap_ids: li
     stands unless that peer finds us reachable (or none other answers). `public_needs`: how many
     peers other than the coordinator must find us reachable (2 for probers the user did not name:
     peers proven in the run, asked when the bootstrap peers are down); `unknown`: the verdict when
-    there is none."""
+    there is none; nobody is asked (or waited for) past `give_up_at` (monotonic: the start's
+    own limit)."""
     # each peer once (a bootstrap line lists one at several addresses; a request goes by id)
     peers = sorted(dict.fromkeys(bootstrap_ids), key=lambda peer: peer != coordinator)
     privates: set[str] = set()
@@ -250,7 +252,9 @@ async def find_reachability(transport: Any, maddrs: list[str], bootstrap_ids: li
     # DHT's entry alone up to 25 s) must not wait out every bootstrap peer's window in turn.
     extra = [math.ceil(PROBE_EVERY_S / PROBE_TIMEOUT_S)]  # asks past each peer's second, for all of them
     for peer in peers[:3]:
-        reply = await _probe_by(transport, peer, maddrs, extra)
+        if time.monotonic() + 1.0 >= give_up_at:
+            break
+        reply = await _probe_by(transport, peer, maddrs, extra, give_up_at)
         if reply is None:
             continue
         if peer == coordinator:
@@ -279,7 +283,8 @@ async def find_reachability(transport: Any, maddrs: list[str], bootstrap_ids: li
     return "public"  # nobody to ask: the first peer of a run
 
 
-async def _probe_by(transport: Any, peer: str, maddrs: list[str], extra: list[int]) -> ProbeReply | None:
+async def _probe_by(transport: Any, peer: str, maddrs: list[str], extra: list[int],
+                    give_up_at: float = math.inf) -> ProbeReply | None:
     """`peer`'s dial-back verdict; asked again, a probe's time apart, while it is busy ("rate
     limited"): once, and then while `extra[0]` (shared by the step's peers, taken from here) lasts,
     enough to outwait one peer's per-sender window; None if it gave none. (Asked once more only,
@@ -288,9 +293,12 @@ async def _probe_by(transport: Any, peer: str, maddrs: list[str], extra: list[in
     from groundswell.protocol.transport import PeerUnavailable
 
     for ask in itertools.count():
+        left = give_up_at - time.monotonic()
+        if left < 1.0:
+            break
         try:
             reply = await transport.request(peer, "probe", ProbeRequest(maddrs), ProbeReply,
-                                            timeout_s=4 * PROBE_TIMEOUT_S + 5)
+                                            timeout_s=min(4 * PROBE_TIMEOUT_S + 5, left))
         except PeerUnavailable as exc:
             log.info("reachability probe by %s: %s", peer[-8:], exc)
             return None

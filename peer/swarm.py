@@ -115,7 +115,7 @@ class SwarmNode(PeerRecords, StateServing, NatTraversal, NetLoop):
         # Proven peers of the run this start entered through, its bootstrap peers being down or
         # silent (`dht_entry.enter_run_dht`); empty when one of those let it in.
         self.entered_through: list[str] = []
-        self._bootstrap_down = False  # p2pd reached none of the bootstrap peers: started without them
+        self.bootstrap_down = False  # p2pd reached none of the bootstrap peers: started without them
         self._bootstrap_silent = False  # connected to them, but none answered the dial-back probe
         self._start_by = float("inf")  # monotonic time `start` gives up at
 
@@ -151,7 +151,7 @@ class SwarmNode(PeerRecords, StateServing, NatTraversal, NetLoop):
             t0 = time.monotonic()
             p2p_class = with_private_sockets(P2P)  # released in the finally below
             p2p = await self._create_p2p(p2p_class, explicit)
-            if self._bootstrap_down:  # the proven peers we reach answer the probe in their place
+            if self.bootstrap_down:  # the proven peers we reach answer the probe in their place
                 self.entered_through = await dial_known(p2p, self.rejoiner.proven_targets())
             t1 = time.monotonic()
             self.reachability = await self._find_reachability()
@@ -199,7 +199,7 @@ class SwarmNode(PeerRecords, StateServing, NatTraversal, NetLoop):
             self.dht = dht
             self.entered_through = await enter_run_dht(
                 p2p, dht, self.rejoiner, self.options.initial_peers, self.options.coordinator or "",
-                self._bootstrap_down, self._bootstrap_silent, self._start_by - 5.0)  # (5 s kept for the rest)
+                self.bootstrap_down, self._bootstrap_silent, self._start_by - 5.0)  # (5 s kept for the rest)
             self.startup_s = {"p2pd": t1 - t0, "probe": t2 - t1, "dht": time.monotonic() - t3}
             async with asyncio.TaskGroup() as tasks:
                 self._tasks = tasks
@@ -319,6 +319,7 @@ class SwarmNode(PeerRecords, StateServing, NatTraversal, NetLoop):
         `tries` times. One peer serving another run's manifest (a stale address in a bootstrap
         line) or a forged one does not stop the others from being asked."""
         refused: dict[str, str] = {}  # peer -> why its manifest was not taken (it is not asked again)
+        none_yet = False  # a peer answered with none (it is asked again)
         for attempt in range(tries):
             if attempt:
                 await asyncio.sleep(attempt)
@@ -329,7 +330,11 @@ class SwarmNode(PeerRecords, StateServing, NatTraversal, NetLoop):
                 except PeerUnavailable as exc:
                     log.info("manifest from %s (try %d): %s", peer[-8:], attempt + 1, exc)
                     continue
-                why = accept(reply.signed) if reply.signed else "it has none"
+                if not reply.signed:  # a volunteer not in the run yet (restarting too): asked again
+                    log.info("%s has no manifest yet (try %d)", peer[-8:], attempt + 1)
+                    none_yet = True
+                    continue
+                why = accept(reply.signed)
                 if why is None:
                     return reply.signed
                 log.info("the manifest from %s is not taken: %s", peer[-8:], why)  # the CLI says why
@@ -338,8 +343,8 @@ class SwarmNode(PeerRecords, StateServing, NatTraversal, NetLoop):
                 break  # every peer answered with one we cannot take: asking again changes nothing
         if refused and set(refused) >= set(peers):
             raise ManifestRefused("; ".join(dict.fromkeys(refused.values())))
-        raise PeerUnavailable("no bootstrap peer served the run manifest"
-                              + (f" ({'; '.join(dict.fromkeys(refused.values()))})" if refused else ""))
+        why_not = [*dict.fromkeys(refused.values()), *(["one had none yet"] if none_yet else [])]
+        raise PeerUnavailable("no peer served the run manifest" + (f" ({'; '.join(why_not)})" if why_not else ""))
 
     def call(self, coro: Coroutine[Any, Any, T], timeout_s: float | None = None) -> T:
         """`NetLoop.call`, or NetworkError once the node has stopped by itself."""

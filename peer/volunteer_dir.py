@@ -44,10 +44,13 @@ def check_volunteer_dir(state_dir: Path, peer_id: str, coordinator_id: str, run_
     return bool(manifest) and not isinstance(have.get("manifest"), str)
 
 
-def bound_to_coordinator(state_dir: Path, coordinator_id: str) -> bool:
-    """Is `state_dir` a volunteer's of a run of `coordinator_id` (its known peers are that run's)?"""
+def bound_launch(state_dir: Path, coordinator_id: str) -> str | None:
+    """The launch (manifest digest; "" if the binding predates them) `state_dir` is bound to if it
+    is a run of `coordinator_id` (its known peers are that run's), else None."""
     have = _binding(state_dir)
-    return have is not None and have["coordinator"] == coordinator_id
+    if have is None or have["coordinator"] != coordinator_id:
+        return None
+    return have.get("manifest") if isinstance(have.get("manifest"), str) else ""
 
 
 def bind_volunteer_dir(state_dir: Path, peer_id: str, coordinator_id: str, run_id: str, manifest: str = "") -> None:

@@ -183,3 +183,41 @@ def test_a_coordinator_whose_first_checkpoint_cannot_be_written_does_not_start_t
     assert followed == []  # no round was followed, and the genesis it could not save was never served
     # unmarked: the launch after freeing space is not refused as a run whose checkpoints are gone
     assert not (tmp_path / "genesis.done").exists()
+
+
+def test_a_peer_with_no_manifest_yet_is_asked_again_and_a_fallback_takes_only_the_bound_launch():
+    """Entering through the run's proven peers (its bootstrap peers down): a volunteer restarting
+    too has no manifest yet (it used to count as a refusal, and two volunteers restarting together
+    both gave up), and any contributor is one of them: one serving an older launch's manifest,
+    validly signed, must not stop the others from being asked."""
+    import asyncio
+    from types import SimpleNamespace
+
+    from groundswell.peer.join_network import fetch_manifest, manifest_digest
+    from groundswell.peer.manifest import manifest_from_mapping, sign_manifest
+    from groundswell.peer.swarm import SwarmNode
+    from groundswell.protocol.identity import Identity
+
+    coordinator = Identity.generate()
+    old, new = (sign_manifest(manifest_from_mapping({"run": {"id": "r", "open": True, "seed": seed}}),
+                              coordinator).to_bytes() for seed in (1, 2))
+    served = {"old": [old], "restarting": [b"", new]}  # one answer per ask, the last for good
+    asked: list[str] = []
+
+    class Transport:
+        async def request(self, peer, handler, msg, expect, timeout_s):
+            asked.append(peer)
+            answers = served[peer]
+            return SimpleNamespace(signed=answers.pop(0) if len(answers) > 1 else answers[0])
+
+    node = SwarmNode.__new__(SwarmNode)
+    node.bootstrap_transport = Transport()
+    node.entered_through = ["old", "restarting"]
+    node.call = lambda coro, timeout_s=None: asyncio.run(coro)
+    signed, manifest = fetch_manifest(node, [], coordinator.peer_id, launch=manifest_digest(new))
+    assert signed == new and manifest.run.seed == 2
+    assert asked == ["old", "restarting", "restarting"]  # the older launch's refused; none yet: asked again
+    node.entered_through = []  # from the bootstrap peers, the coordinator's own: any launch it serves
+    served["old"] = [old]
+    assert fetch_manifest(node, ["/ip4/127.0.0.1/tcp/1/p2p/old"], coordinator.peer_id,
+                          launch=manifest_digest(new))[0] == old

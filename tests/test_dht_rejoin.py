@@ -492,10 +492,25 @@ def test_a_daemon_that_reached_no_bootstrap_peer_starts_again_without_them_if_pr
         try:
             if started:
                 asyncio.run(node._create_p2p(Daemons, None))
-                assert Daemons.bootstrapped == [line, None] and node._bootstrap_down
+                assert Daemons.bootstrapped == [line, None] and node.bootstrap_down
             else:  # no peer of the run known: the start fails with p2pd's words
                 with pytest.raises(RuntimeError, match=words):
                     asyncio.run(node._create_p2p(Daemons, None))
                 assert Daemons.bootstrapped == [line]
         finally:
             node._loop.close()
+
+
+def test_proven_targets_leave_out_the_bootstrap_lines_addresses_not_the_peer_and_malformed_entries():
+    from groundswell.peer.dht_rejoin import DhtRejoiner, dialable_scopes
+    from groundswell.protocol.identity import Identity
+
+    coord, vol, me = (Identity.generate().peer_id for _ in range(3))
+    line = [f"/ip4/127.0.0.1/tcp/7000/p2p/{coord}"]
+    r = DhtRejoiner(me, line, scopes=dialable_scopes(line))
+    r.remember([(coord, [f"/ip4/127.0.0.1/tcp/7000/p2p/{coord}", f"/ip4/127.0.0.1/tcp/7100/p2p/{coord}"]),
+                (vol, [f"/ip4/127.0.0.1/tcp/7200/p2p/{vol}", "/ip4/127.0.0.1/tcp/99999"]),
+                ("Qmnotapeerid", ["/ip4/127.0.0.1/tcp/7300"]), (me, ["/ip4/127.0.0.1/tcp/7400"])])
+    r.vouch([coord, vol, "Qmnotapeerid", me])
+    # the coordinator back on a new port is dialled there; a port of 99999 and a bad id are dropped
+    assert r.proven_targets() == [(vol, ["/ip4/127.0.0.1/tcp/7200"]), (coord, ["/ip4/127.0.0.1/tcp/7100"])]

@@ -274,15 +274,16 @@ def test_a_new_node_knows_the_proven_peers_the_stopped_one_knew(tmp_path, monkey
     ident = Identity.generate()
     ident.save(tmp_path / "id.key")
     line = ("/ip4/127.0.0.1/tcp/9/p2p/QmcgpsyWgH8Y8ajJz1Cu72KnS5uo2Aa2LpzU7kinSupMKb",)
+    proven, seen = Identity.generate().peer_id, Identity.generate().peer_id
     memory = DhtRejoiner(ident.peer_id, line, scopes=dialable_scopes(line))
-    memory.remember([("proven", ["/ip4/127.0.0.1/tcp/5/p2p/proven"]), ("seen", ["/ip4/127.0.0.1/tcp/6/p2p/seen"])])
-    memory.vouch(["proven"])
+    memory.remember([(proven, [f"/ip4/127.0.0.1/tcp/5/p2p/{proven}"]), (seen, [f"/ip4/127.0.0.1/tcp/6/p2p/{seen}"])])
+    memory.vouch([proven])
     old = SimpleNamespace(options=NodeOptions(initial_peers=line), maddrs=[], reachability="public", rejoiner=memory)
     started: list = []
     monkeypatch.setattr(SwarmNode, "start", lambda self, timeout_s=60.0: started.append(self.rejoiner.proven_targets()))
     node = restarted_node(ident, str(tmp_path / "id.key"), old, NodeOptions(initial_peers=line), say=print)
     try:
-        assert started == [[("proven", ["/ip4/127.0.0.1/tcp/5"])]]  # (a peer only seen never enters in their place)
-        assert [pid for pid, _ in node.rejoiner.targets()][1:] == ["proven", "seen"]  # (after the bootstrap peer)
+        assert started == [[(proven, ["/ip4/127.0.0.1/tcp/5"])]]  # (a peer only seen never enters in their place)
+        assert [pid for pid, _ in node.rejoiner.targets()][1:] == [proven, seen]  # (after the bootstrap peer)
     finally:
         node.stop_loop()

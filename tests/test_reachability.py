@@ -363,3 +363,23 @@ def test_a_probe_is_dialled_back_only_where_the_runs_peers_may_dial(scopes, reac
             server.close()
 
     assert asyncio.run(go()).reachable == reachable
+
+
+def test_no_prober_is_asked_or_waited_for_past_the_starts_limit(monkeypatch):
+    import time
+
+    from groundswell.peer import reachability
+
+    class Silent(_Probers):
+        async def request(self, peer, kind, msg, reply_type, timeout_s):
+            self.asked.append((peer, timeout_s))
+            await asyncio.sleep(timeout_s)
+            return ProbeReply(False, "rate limited")
+
+    probers = Silent({})
+    started = time.monotonic()
+    got = asyncio.run(reachability.find_reachability(probers, [], ["A", "B", "C"], "", unknown=None,
+                                                     give_up_at=time.monotonic() + 2.5))
+    assert got is None
+    assert [peer for peer, _ in probers.asked] == ["A"] and probers.asked[0][1] <= 2.5  # (17 s otherwise)
+    assert time.monotonic() - started < 10  # far below three silent probers' 3 x 17 s
