@@ -115,9 +115,10 @@ def main() -> None:
     ap.add_argument("--blackhole", action="store_true", help="drop the coordinator's packets instead of killing it")
     ap.add_argument("--daemon", action="store_true", help="kill the volunteer's p2pd, not its process")
     ap.add_argument("--out", type=Path, required=True, help="JSON file for the figures")
+    ap.add_argument("--keep", type=Path, default=None, help="a new folder to keep the run's logs and state dirs in")
     a = ap.parse_args()
     with tempfile.TemporaryDirectory() as tmp:
-        result = run(a.peers, a.blackhole, a.daemon, Path(tmp) / "sim")
+        result = run(a.peers, a.blackhole, a.daemon, a.keep or Path(tmp) / "sim")
     print(json.dumps(result, indent=1))
     a.out.write_text(json.dumps(result, indent=1) + "\n")
 
