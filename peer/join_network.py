@@ -58,8 +58,8 @@ def say_reachability(node: Any, peers: list[str]) -> None:
     if node.reachability == "public":
         console.print("reachable: public (other peers can connect to us)")
     elif node.entered_through:
-        console.print("reachable: private as far as the run's peers tell (two of them must find us reachable "
-                      "while no bootstrap peer answers)"
+        console.print("reachable: private (no bootstrap peer answered our probe: the run's peers found us "
+                      "private, or gave no verdict, one peer's word being none)"
                       + ("; no relay slot while the bootstrap peers are down" if node.bootstrap_down else "")
                       + "; contributing, not serving")  # (its relays are the bootstrap peers)
     else:

@@ -132,11 +132,14 @@ class NatTraversal:
         else:
             verdict = await find_reachability(self.bootstrap_transport, maddrs, self._bootstrap_ids(), coordinator,
                                               unknown=None, give_up_at=by)
-            if verdict is None and self.rejoiner.proven_targets():
+            boot = set(self._bootstrap_ids())  # (a frozen coordinator, seen at other addresses too, is no prober)
+            others = [(pid, addrs) for pid, addrs in self.rejoiner.proven_targets() if pid not in boot]
+            if verdict is None and others:
                 self._bootstrap_silent = True  # (their DHT is then asked with the proven peers: dht_entry.enter_run_dht)
-                proven = await dial_known(self.p2p, self.rejoiner.proven_targets())
-                verdict = await find_reachability(self.bootstrap_transport, maddrs, proven, coordinator,
-                                                  public_needs=2, unknown=None, give_up_at=by) if proven else None
+                if time.monotonic() + 2.0 < by:  # (time left to ask them)
+                    proven = await dial_known(self.p2p, others)
+                    verdict = await find_reachability(self.bootstrap_transport, maddrs, proven, coordinator,
+                                                      public_needs=2, unknown=None, give_up_at=by) if proven else None
         if verdict is None:
             log.warning("reachability unknown: no verdict from our dial-back probes; taking ourselves for "
                         "private (start with --reachability public if others can connect to us)")

@@ -343,8 +343,8 @@ class SwarmNode(PeerRecords, StateServing, NatTraversal, NetLoop):
                 break  # every peer answered with one we cannot take: asking again changes nothing
         if refused and set(refused) >= set(peers):
             raise ManifestRefused("; ".join(dict.fromkeys(refused.values())))
-        why_not = [*dict.fromkeys(refused.values()), *(["one had none yet"] if none_yet else [])]
-        raise PeerUnavailable("no peer served the run manifest" + (f" ({'; '.join(why_not)})" if why_not else ""))
+        why_not = [*dict.fromkeys(refused.values()), *(["some had none yet"] if none_yet else [])]
+        raise PeerUnavailable("none answered with one" + (f" ({'; '.join(why_not)})" if why_not else ""))
 
     def call(self, coro: Coroutine[Any, Any, T], timeout_s: float | None = None) -> T:
         """`NetLoop.call`, or NetworkError once the node has stopped by itself."""

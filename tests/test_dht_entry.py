@@ -22,7 +22,7 @@ async def _table_size(node) -> int:
 DEAD = "12D3KooWKLLqcy4gjNQKeLa6jkKaXzTqVYkLmQU14qaiz7GtnFib"  # a proven peer that is gone
 
 
-def _node_knowing(cluster, tmp_path, line, proven, reachability="auto"):
+def _node_knowing(cluster, tmp_path, line, proven, reachability="auto", coordinator=""):
     """A node whose bootstrap line is `line`, that knows `proven` (nodes, or (id, addresses) pairs)
     as proven peers of the run; closed with the cluster."""
     from groundswell.peer.swarm import NodeOptions, SwarmNode
@@ -31,7 +31,8 @@ def _node_knowing(cluster, tmp_path, line, proven, reachability="auto"):
     ident = Identity.generate()
     path = tmp_path / f"{ident.peer_id}.key"
     ident.save(path)
-    node = SwarmNode(ident, str(path), NodeOptions(initial_peers=line, reachability=reachability))
+    node = SwarmNode(ident, str(path), NodeOptions(initial_peers=line, reachability=reachability,
+                                                   coordinator=coordinator))
     cluster.nodes.append(node)
     known = [(p.identity.peer_id, p.maddrs) if hasattr(p, "maddrs") else p for p in proven]
     node.rejoiner.remember(known)
@@ -87,7 +88,7 @@ def test_a_start_whose_bootstrap_peer_is_frozen_enters_through_the_proven_peers_
     starts, but nothing answers. Told its reachability, the start waits out the bootstrap DHT,
     then enters through a proven peer; left to probe it, the silent probe has it ask the proven
     peers' dial-backs, and their DHT along with the bootstrap peer's (no wait for it first)."""
-    from groundswell.peer import dht_entry, reachability
+    from groundswell.peer import dht_entry, node_nat, reachability
 
     monkeypatch.setattr(dht_entry, "BOOTSTRAP_S", 4.0)  # how long the frozen one is waited for (25 s)
     monkeypatch.setattr(reachability, "PROBE_TIMEOUT_S", 1.0)  # and its probe (17 s)
@@ -99,7 +100,18 @@ def test_a_start_whose_bootstrap_peer_is_frozen_enters_through_the_proven_peers_
         told.start()
         assert told.entered_through == [b.identity.peer_id]
         assert told.call(_table_size(told), 10) >= 1, "nobody in the routing table"
-        probed = _node_knowing(cluster, tmp_path, frozen.maddrs[:1], [frozen, b, c])
+        # the frozen one is the coordinator, seen at another address too: it is no prober in their place
+        frozen_id = frozen.identity.peer_id
+        elsewhere = (frozen_id, [*frozen.maddrs, f"/ip4/127.0.0.2/tcp/9/p2p/{frozen_id}"])
+        probed = _node_knowing(cluster, tmp_path, frozen.maddrs[:1], [elsewhere, b, c], coordinator=frozen_id)
+        probers: list[list[str]] = []
+        real_find = node_nat.find_reachability
+
+        async def find_reachability(transport, maddrs, peers, *args, **kwargs):
+            probers.append(list(peers))
+            return await real_find(transport, maddrs, peers, *args, **kwargs)
+
+        monkeypatch.setattr(node_nat, "find_reachability", find_reachability)
         pinged: list[list[str]] = []
         real_enter = dht_entry.enter_dht
 
@@ -110,6 +122,7 @@ def test_a_start_whose_bootstrap_peer_is_frozen_enters_through_the_proven_peers_
         monkeypatch.setattr(dht_entry, "enter_dht", enter_dht)
         probed.start()
         assert probed.reachability == "public" and probed._bootstrap_silent
+        assert probers[0] == [frozen_id] and sorted(probers[1]) == sorted([b.identity.peer_id, c.identity.peer_id])
         assert sorted(probed.entered_through) == sorted([b.identity.peer_id, c.identity.peer_id])
         assert len(pinged) == 1 and set(pinged[0]) == {frozen.identity.peer_id, b.identity.peer_id,
                                                         c.identity.peer_id}  # all at once, frozen one never alone
