@@ -32,6 +32,8 @@ class Proc:
     popen: subprocess.Popen | None = None
     log: object = None
     ended: bool = False  # its end is recorded (`Simulation.note_end`)
+    events_read: int = 0  # bytes of its state dir's events.jsonl read (from where it stood at the start)
+    synced: bool = False  # a `sync` line was found there past that point
 
 
 @dataclass
@@ -115,6 +117,23 @@ class Simulation:
         run: a killed one until it is reaped, one told to leave until its round settles."""
         return name in self.signalled  # `spawn` forgets what the name's earlier process was sent
 
+    def synced(self, name: str) -> bool:
+        """Has this process, since it started, taken the run's state (a `sync` line in its events
+        log)? Until then a started process makes no round: it counts as down for the faults' floor."""
+        proc = self.procs.get(name)
+        if proc is None or proc.synced:
+            return proc is not None
+        try:
+            with open(proc.state_dir / "events.jsonl", "rb") as f:
+                f.seek(proc.events_read)
+                chunk = f.read()
+        except OSError:
+            return False  # none yet
+        complete = chunk[:chunk.rfind(b"\n") + 1]  # a line still being written is read next time
+        proc.events_read += len(complete)
+        proc.synced = b'"kind": "sync"' in complete
+        return proc.synced
+
     def sample_rss(self) -> None:
         """Track each process's peak resident memory, its p2pd included."""
         import psutil
@@ -134,6 +153,8 @@ class Simulation:
         wraps the command (e.g. `ip netns exec NS`, which execs it in place)."""
         env = dict(os.environ, OMP_WAIT_POLICY="PASSIVE", PYTHONUNBUFFERED="1")
         proc = Proc(name, args, self.out / name)
+        with contextlib.suppress(OSError):  # (the earlier process's lines are not this one's)
+            proc.events_read = (proc.state_dir / "events.jsonl").stat().st_size
         proc.log = log = open(self.out / f"{name}.log", "ab")
         try:
             with _sigint_not_ignored():

@@ -27,12 +27,17 @@ from .state_files import remove_half_written
 from .workload import check_workload_spec
 
 
-def fault_victims(live: Sequence[str], frozen: Collection[str], going: Collection[str], min_peers: int) -> list[str]:
+def fault_victims(live: Sequence[str], frozen: Collection[str], going: Collection[str], min_peers: int,
+                  synced: Collection[str] | None = None) -> list[str]:
     """The volunteers a fault may pick: running, not frozen, not already told to end (killed but
-    not reaped yet, or leaving); none unless more than `min_peers` of them are, so that no fault,
-    nor several in one pass of the driver, leaves fewer than `min_peers` able to make a round."""
+    not reaped yet, or leaving); none unless more than `min_peers` of them have also taken the
+    run's state since they started (`synced`; None: all have), so that no fault, nor several in
+    one pass of the driver, leaves fewer than `min_peers` able to make a round. (A process still
+    starting was counted as able: with kills every 5 s and start-ups of 6, a CI run's round 2
+    waited 98 s for two peers up at once.)"""
     pool = [v for v in live if v not in frozen and v not in going]
-    return pool if len(pool) > min_peers else []
+    able = [v for v in pool if synced is None or v in synced]
+    return pool if len(able) > min_peers else []
 
 
 def fault_pick(seed: int, kind: str, k: int, pool: Sequence[str], roster: Sequence[str]) -> str:
@@ -279,7 +284,8 @@ def run_simulation(opts: SimulateOptions, out: Path, progress: Callable[[str], N
 
         def victims() -> list[str]:
             live = [v for v in volunteers if sim.alive(v)]
-            return fault_victims(live, frozen, {v for v in live if sim.going(v)}, opts.min_peers)
+            return fault_victims(live, frozen, {v for v in live if sim.going(v)}, opts.min_peers,
+                                 {v for v in live if sim.synced(v)})
 
         drawn = {"kill": 0, "freeze": 0, "leave": 0, "daemon-crash": 0}  # faults of each kind due so far
 

@@ -4,6 +4,7 @@ figures, the summary line, and the harness's cleanup."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import re
@@ -47,6 +48,34 @@ def test_a_peer_told_to_end_is_no_fault_victim_and_counts_no_more():
     assert fault_victims(["A", "B", "C", "D", "E"], frozen={"B": 9.0}, going={"A"}, min_peers=2) == ["C", "D", "E"]
 
 
+def test_a_peer_still_starting_counts_as_down_for_the_faults_floor():
+    # --peers 4 --min-peers 2: D restarted and has not taken the state yet; killing one of the
+    # three up would leave two able to make a round (allowed), then no more until D is up
+    live = ["A", "B", "C", "D"]
+    assert fault_victims(live, frozen={}, going=set(), min_peers=2, synced={"A", "B", "C"}) == live
+    assert fault_victims(live, frozen={}, going={"A"}, min_peers=2, synced={"A", "B", "C"}) == []
+    assert fault_victims(live, frozen={}, going={"A"}, min_peers=2, synced={"A", "B", "C", "D"}) == ["B", "C", "D"]
+
+
+def test_a_process_is_synced_only_once_its_own_log_says_so(tmp_path, monkeypatch):
+    monkeypatch.setattr(sim_procs.subprocess, "Popen", lambda *a, **k: _Ending(None))
+    monkeypatch.setattr(Simulation, "_signal_machine", staticmethod(lambda proc, sig: None))
+    log = tmp_path / "peer-0" / "events.jsonl"
+    log.parent.mkdir()
+    log.write_text(json.dumps({"t": 1, "kind": "sync", "round": 0}) + "\n")  # the process before's
+    with Simulation(tmp_path, SimulateOptions()) as sim:
+        sim.spawn("peer-0", ["join"], kind="restart")
+        assert not sim.synced("peer-0") and not sim.synced("peer-9")
+        with open(log, "a") as f:
+            f.write(json.dumps({"t": 2, "kind": "sync-refused"}) + '\n{"t": 3, "kind": "sy')  # and half a line
+        assert not sim.synced("peer-0")
+        with open(log, "a") as f:
+            f.write('nc", "round": 4}\n')
+        assert sim.synced("peer-0")
+        sim.spawn("peer-0", ["join"], kind="restart")
+        assert not sim.synced("peer-0")
+
+
 def test_a_sigint_after_a_sigkill_keeps_the_kill_recorded(tmp_path, monkeypatch):
     sent: list[int] = []
     monkeypatch.setattr(Simulation, "_signal_machine", staticmethod(lambda proc, sig: sent.append(sig)))
@@ -82,6 +111,7 @@ class _FakeSimulation(Simulation):
 
     die_after: float | None = None
     dying: tuple[str, ...] | None = None  # the volunteers that end on their own (None: all of them)
+    restarts_sync: bool = True  # a restarted stand-in logs at once that it took the state (False: never)
 
     def spawn(self, name: str, args: list[str], kind: str = "spawn", prefix: tuple[str, ...] = ()) -> Proc:
         if kind == "restart" and (self.out / name / "address.txt").exists():
@@ -92,6 +122,11 @@ class _FakeSimulation(Simulation):
         self.signalled.pop(name, None)
         self.event(kind, name)
         proc.state_dir.mkdir(exist_ok=True)
+        with contextlib.suppress(OSError):  # (as `Simulation.spawn`: the earlier process's lines are not this one's)
+            proc.events_read = (proc.state_dir / "events.jsonl").stat().st_size
+        if name != "coordinator" and (kind != "restart" or self.restarts_sync):
+            with open(proc.state_dir / "events.jsonl", "a") as f:  # up at once: a fault's victim may be
+                f.write(json.dumps({"t": time.time(), "kind": "sync", "round": 0}) + "\n")
         if name == "coordinator":
             (proc.state_dir / "bootstrap.txt").write_text("gs1:C@/ip4/127.0.0.1/tcp/1/p2p/C\n")
         elif kind != "restart":  # a restarted stand-in has not written its own yet
@@ -109,7 +144,8 @@ class _FakeSimulation(Simulation):
 
 
 def _fake_run(tmp_path: Path, monkeypatch, opts: SimulateOptions, rounds_done: int | Callable | None = None,
-              die_after: float | None = None, dying: tuple[str, ...] | None = None) -> tuple[list[dict], float]:
+              die_after: float | None = None, dying: tuple[str, ...] | None = None,
+              restarts_sync: bool = True) -> tuple[list[dict], float]:
     """run_simulation's loop over stand-in processes: the driver's events, and its wall time."""
     from groundswell.peer import plots, simulate
 
@@ -118,6 +154,7 @@ def _fake_run(tmp_path: Path, monkeypatch, opts: SimulateOptions, rounds_done: i
     monkeypatch.setattr(simulate, "Simulation", lambda out, o: _FakeSimulation(out, o))
     monkeypatch.setattr(_FakeSimulation, "die_after", die_after)
     monkeypatch.setattr(_FakeSimulation, "dying", dying)
+    monkeypatch.setattr(_FakeSimulation, "restarts_sync", restarts_sync)
     monkeypatch.setattr(simulate, "_rounds_done", rounds_done if callable(rounds_done) else lambda out, seen=None: rounds_done)
     monkeypatch.setattr(simulate, "build_report", lambda out, opts, events, wall, t0, rss: {"events": events})
     monkeypatch.setattr(plots, "plot_loss", lambda report, path: None)
@@ -139,7 +176,7 @@ def test_adding_another_kind_of_fault_does_not_change_whom_the_kills_take(tmp_pa
     # picks among the same peers with or without freezes. One generator for all faults made the
     # freezes' draws shift every later kill's.
     def kills(**more: float) -> list[str]:
-        opts = SimulateOptions(peers=8, rounds=10, seed=3, kill_every=0.5, timeout_s=2.2, **more)
+        opts = SimulateOptions(peers=8, rounds=10, seed=3, kill_every=0.5, timeout_s=3.0, **more)
         events, _ = _fake_run(tmp_path, monkeypatch, opts, rounds_done=0)
         return [e["peer"] for e in events if e["kind"] == "kill"]
 
@@ -160,6 +197,16 @@ def test_a_killed_peer_restarts_only_once_its_old_process_ended(tmp_path, monkey
         killed = max(j for j in range(i) if events[j]["peer"] == name and events[j]["kind"] == "kill")
         assert any(e["peer"] == name and e["kind"] == "exit" for e in events[killed:i]), events
         assert events[i]["t"] - events[killed]["t"] >= 0.9, events
+
+
+def test_kills_wait_for_restarted_peers_to_be_up_before_taking_more(tmp_path, monkeypatch):
+    # --peers 4 --min-peers 2, a kill due every 0.3 s, restarts that never take the state: two
+    # kills leave two peers up and the restarted two starting, and no kill comes after them
+    opts = SimulateOptions(peers=4, rounds=10, kill_every=0.3, restart_after=0.1, timeout_s=3.0)
+    events, _ = _fake_run(tmp_path, monkeypatch, opts, rounds_done=0, restarts_sync=False)
+    assert [e["kind"] for e in events].count("kill") == 2, events
+    events, _ = _fake_run(tmp_path, monkeypatch, opts, rounds_done=0)  # restarts up at once: kills go on
+    assert [e["kind"] for e in events].count("kill") >= 4, events
 
 
 def test_a_restarted_peer_is_not_handed_its_dead_process_address(tmp_path, monkeypatch):
@@ -209,7 +256,7 @@ def test_a_process_that_ends_is_stamped_when_the_driver_first_sees_it_gone(tmp_p
     opts = SimulateOptions(peers=3, rounds=10, timeout_s=2.0)
     events, _ = _fake_run(tmp_path, monkeypatch, opts, rounds_done=0, die_after=0.3, dying=("peer-0",))
     ended = {e["kind"]: e["t"] for e in events if e["peer"] == "peer-0" and e["kind"] in ("exit", "crash")}
-    assert set(ended) == {"exit", "crash"} and max(ended.values()) < 1.0, events
+    assert set(ended) == {"exit", "crash"} and max(ended.values()) < 1.5, events  # (stamped at the end: >= 2 s)
     assert sum(e["kind"] == "exit" for e in events) == 1, events  # the others were running at the end
 
 
