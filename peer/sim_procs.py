@@ -118,20 +118,23 @@ class Simulation:
         return name in self.signalled  # `spawn` forgets what the name's earlier process was sent
 
     def synced(self, name: str) -> bool:
-        """Has this process, since it started, taken the run's state (a `sync` line in its events
-        log)? Until then a started process makes no round: it counts as down for the faults' floor."""
+        """Has this process, since it started, taken the run's state (a `sync` or `resume-ahead`
+        line in its events log)? Until then it makes no round: it counts as down for the faults' floor."""
         proc = self.procs.get(name)
         if proc is None or proc.synced:
             return proc is not None
         try:
             with open(proc.state_dir / "events.jsonl", "rb") as f:
+                if os.fstat(f.fileno()).st_size < proc.events_read:
+                    proc.events_read = 0  # rotated (peer/event_log.py): a new file, all this process's
                 f.seek(proc.events_read)
                 chunk = f.read()
         except OSError:
             return False  # none yet
         complete = chunk[:chunk.rfind(b"\n") + 1]  # a line still being written is read next time
         proc.events_read += len(complete)
-        proc.synced = b'"kind": "sync"' in complete
+        # state downloaded, or none newer than its own checkpoint anywhere (it goes on from that)
+        proc.synced = b'"kind": "sync"' in complete or b'"kind": "resume-ahead"' in complete
         return proc.synced
 
     def sample_rss(self) -> None:

@@ -209,6 +209,9 @@ def build_report(out: Path, opts: "SimulateOptions", driver_events: list[dict], 
         "seed": opts.seed,  # every fault's victim is drawn from it (simulate.py `fault_pick`)
         "faults": {name: getattr(opts, name) for name in FAULT_OPTIONS},  # as asked for
         "faults_fired": {kind: sum(1 for e in driver_events if e["kind"] == kind) for kind in FAULT_KINDS.values()},
+        # faults due that took nobody: no more than --min-peers up, running and not frozen (`fault_victims`)
+        "faults_held_back": {kind: sum(1 for e in driver_events if e["kind"] == f"{kind}-held-back")
+                             for kind in ("kill", "freeze", "leave", "daemon-crash")},
         "cuda_peers": opts.cuda_peers,  # peer-0 .. peer-(K-1) trained on the GPU
         "rounds_completed": completed,
         "codec": opts.codec or ("sparseloco" if opts.algorithm == "sparseloco" else "fp32"),
@@ -416,7 +419,13 @@ def fault_summary(report: dict) -> str | None:
         (unmeasured.get("recovery", 0), "with no round after"),
         (unmeasured.get("recovery_excluding", 0), "with no round without the peer after")) if n)
     plural = {"daemon-crash": "daemon crashes"}
-    return (", ".join(f"{n} {k.replace('-', ' ') if n == 1 else plural.get(k, k + 's')}" for k, n in faults.items())
+
+    def counted(items: dict[str, int]) -> str:
+        return ", ".join(f"{n} {k.replace('-', ' ') if n == 1 else plural.get(k, k + 's')}" for k, n in items.items())
+
+    held = {k: n for k, n in (report.get("faults_held_back") or {}).items() if n}
+    return (counted(faults)
+            + (f" ({counted(held)} held back: no more than --min-peers peers up)" if held else "")
             + f"; recovery mean/max {mean_max(report['recovery_s'])}"
             + f" (until a round leaves the peer out: {mean_max(report['recovery_excluding_s'])})"
             + (f" (faults left out: {unmeasured_text})" if unmeasured_text else "")

@@ -292,8 +292,10 @@ def run_simulation(opts: SimulateOptions, out: Path, progress: Callable[[str], N
         def pick(kind: str, coordinator: bool = False) -> str | None:
             k, drawn[kind] = drawn[kind], drawn[kind] + 1  # counted though none fires: see `fault_pick`
             pool = victims() + ["coordinator"] * (coordinator and up("coordinator"))
-            return fault_pick(opts.seed, kind, k, pool, [*roster, "coordinator"] if coordinator else roster) \
-                if pool else None
+            if not pool:  # too few peers up: report.json's `faults_held_back` counts these
+                sim.event(f"{kind}-held-back", "driver")
+                return None
+            return fault_pick(opts.seed, kind, k, pool, [*roster, "coordinator"] if coordinator else roster)
 
         def note_ended(names: Sequence[str], exits: bool = True) -> None:
             for name in names:  # stamped when first seen gone, not when the run ends

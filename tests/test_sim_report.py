@@ -392,6 +392,19 @@ def test_a_fault_asked_for_that_never_happened_is_counted_and_said(tmp_path):
     assert faults_missed(report) == ["--kill-coordinator-at"]
 
 
+def test_faults_due_that_took_nobody_are_counted_and_said(tmp_path):
+    from groundswell.peer.sim_report import fault_summary
+
+    _write(tmp_path, "coordinator", [_round(1.0, 0, "C"), _round(2.0, 1, "C")])
+    driver = [{"t": 1.5, "kind": "kill", "peer": "peer-0"}, {"t": 2.0, "kind": "kill-held-back", "peer": "driver"},
+              {"t": 2.5, "kind": "kill-held-back", "peer": "driver"}, {"t": 2.5, "kind": "freeze-held-back", "peer": "driver"}]
+    opts = SimulateOptions(peers=3, rounds=3, kill_every=0.5, freeze_every=1.0, timeout_s=60)
+    report = build_report(tmp_path, opts, driver, wall_s=3.0, t0=0.0)
+    assert report["faults_fired"]["kill"] == 1 and report["faults_fired"]["freeze"] == 0
+    assert report["faults_held_back"] == {"kill": 2, "freeze": 1, "leave": 0, "daemon-crash": 0}
+    assert fault_summary(report).startswith("1 kill (2 kills, 1 freeze held back: no more than --min-peers peers up);")
+
+
 def test_a_restarted_coordinator_is_no_rejoin_that_never_happened(tmp_path):
     # The coordinator contributes nothing, so its rounds never say "included": its restart after
     # --kill-coordinator-at was counted as a peer that never rejoined (review).

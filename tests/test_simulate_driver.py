@@ -74,6 +74,12 @@ def test_a_process_is_synced_only_once_its_own_log_says_so(tmp_path, monkeypatch
         assert sim.synced("peer-0")
         sim.spawn("peer-0", ["join"], kind="restart")
         assert not sim.synced("peer-0")
+        with open(log, "a") as f:  # nobody had a newer state than its checkpoint: it goes on from that
+            f.write(json.dumps({"t": 4, "kind": "resume-ahead", "round": 3}) + "\n")
+        assert sim.synced("peer-0")
+        sim.spawn("peer-0", ["join"], kind="restart")
+        log.write_text(json.dumps({"t": 5, "kind": "sync", "round": 5}) + "\n")  # rotated: a new, shorter file
+        assert sim.synced("peer-0")
 
 
 def test_a_sigint_after_a_sigkill_keeps_the_kill_recorded(tmp_path, monkeypatch):
@@ -204,9 +210,10 @@ def test_kills_wait_for_restarted_peers_to_be_up_before_taking_more(tmp_path, mo
     # kills leave two peers up and the restarted two starting, and no kill comes after them
     opts = SimulateOptions(peers=4, rounds=10, kill_every=0.3, restart_after=0.1, timeout_s=3.0)
     events, _ = _fake_run(tmp_path, monkeypatch, opts, rounds_done=0, restarts_sync=False)
-    assert [e["kind"] for e in events].count("kill") == 2, events
+    kinds = [e["kind"] for e in events]
+    assert kinds.count("kill") == 2 and kinds.count("kill-held-back") >= 3, events  # (counted, not silent)
     events, _ = _fake_run(tmp_path, monkeypatch, opts, rounds_done=0)  # restarts up at once: kills go on
-    assert [e["kind"] for e in events].count("kill") >= 4, events
+    assert [e["kind"] for e in events].count("kill") >= 3, events
 
 
 def test_a_restarted_peer_is_not_handed_its_dead_process_address(tmp_path, monkeypatch):
