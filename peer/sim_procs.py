@@ -22,6 +22,22 @@ if TYPE_CHECKING:
     from .sim_options import SimulateOptions
 
 
+def complete_lines(path: Path, offset: int) -> tuple[bytes, int]:
+    """The whole lines a log gained past `offset` (a line still being written is read next time)
+    and the offset after them; from its start if it shrank (rotated: peer/event_log.py), none
+    if it cannot be read (not written yet)."""
+    try:
+        with open(path, "rb") as f:
+            if os.fstat(f.fileno()).st_size < offset:
+                offset = 0
+            f.seek(offset)
+            chunk = f.read()
+    except OSError:
+        return b"", offset
+    complete = chunk[:chunk.rfind(b"\n") + 1]
+    return complete, offset + len(complete)
+
+
 @dataclass
 class Proc:
     """One simulated process."""
@@ -123,16 +139,7 @@ class Simulation:
         proc = self.procs.get(name)
         if proc is None or proc.synced:
             return proc is not None
-        try:
-            with open(proc.state_dir / "events.jsonl", "rb") as f:
-                if os.fstat(f.fileno()).st_size < proc.events_read:
-                    proc.events_read = 0  # rotated (peer/event_log.py): a new file, all this process's
-                f.seek(proc.events_read)
-                chunk = f.read()
-        except OSError:
-            return False  # none yet
-        complete = chunk[:chunk.rfind(b"\n") + 1]  # a line still being written is read next time
-        proc.events_read += len(complete)
+        complete, proc.events_read = complete_lines(proc.state_dir / "events.jsonl", proc.events_read)
         # state downloaded, or none newer than its own checkpoint anywhere (it goes on from that)
         proc.synced = b'"kind": "sync"' in complete or b'"kind": "resume-ahead"' in complete
         return proc.synced

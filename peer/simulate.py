@@ -21,7 +21,7 @@ from pathlib import Path
 
 from .config import ConfigError, check_device
 from .sim_options import LATE_JOIN_ROUND, SimulateOptions, check_manifest, manifest_toml
-from .sim_procs import Simulation
+from .sim_procs import Simulation, complete_lines
 from .sim_report import build_report, report_json
 from .state_files import remove_half_written
 from .workload import check_workload_spec
@@ -120,20 +120,14 @@ def _rounds_done(out: Path, seen: dict[Path, tuple[int, int]] | None = None) -> 
     seen = {} if seen is None else seen
     for path in out.glob("*/events.jsonl"):
         done, best = seen.get(path, (0, -1))
-        try:
-            with open(path, "rb") as f:
-                f.seek(done)
-                chunk = f.read()
-        except OSError:
-            continue
-        complete = chunk[:chunk.rfind(b"\n") + 1]  # a line still being written is read next time
+        complete, done = complete_lines(path, done)
         for line in complete.splitlines():
             if b'"kind": "round"' in line or b'"kind": "follow"' in line:  # applied, or caught up on
                 try:
                     best = max(best, json.loads(line)["round"])
                 except (json.JSONDecodeError, KeyError, TypeError):
                     continue
-        seen[path] = (done + len(complete), best)
+        seen[path] = (done, best)
     return max((best for _, best in seen.values()), default=-1)
 
 
