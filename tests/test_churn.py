@@ -31,13 +31,16 @@ def test_kills_restarts_freezes_leaves_and_late_joins(tmp_path):
     # of them: 20 rounds took 120-355 s in CI, with one round of 98-149 s while peers still
     # starting counted as up for the faults' floor; with 12 rounds and that fixed, 77-84 s here
     # with 9-10 kills, 8 freezes, a late join and a leave (due every 40 s: at 60 s, a fast run
-    # could end its faults first).
+    # could end its faults first; one may also be held back by the floor, below).
     opts = SimulateOptions(peers=4, rounds=12, inner_steps=5, batch_size=4, deadline_s=12, slack_s=2, min_peers=2,
                            checkpoint_every=1, kill_every=5, restart_after=4, freeze_every=6, freeze_for=4,
                            late_joiners=1, leave_every=40, timeout_s=520, seed=1)
     report = simulate_and_reap(opts, out)
     kinds = [e["kind"] for e in report["events"]]
-    assert "kill" in kinds and "restart" in kinds and "freeze" in kinds and "join" in kinds and "leave" in kinds
+    assert "kill" in kinds and "restart" in kinds and "freeze" in kinds and "join" in kinds
+    # a leave comes when the floor lets one peer go: held back in 1 of 3 runs here, so not asserted
+    # (a clean leave mid-round has its own tests: test_departure.py)
+    assert "leave" in kinds or report["faults_held_back"]["leave"], kinds
     assert report["rounds_completed"] >= opts.rounds
     assert report["param_hash_agreement"] and report["divergent_rounds"] == []
     # the processes that reached the last round ended on one hash (a peer killed, frozen or gone
