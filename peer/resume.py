@@ -19,7 +19,7 @@ from .participant import Participant
 from .run_state import GlobalState
 from .state_download import StateTooSlow
 from .state_trust import ModelMismatch, NoNewerState
-from .swarm_exchange import parse_unsettled
+from .unsettled import parse_unsettled
 from .work_file import (
     CONTRIBUTED_FILE,
     WORK_FILE,

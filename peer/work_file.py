@@ -37,7 +37,7 @@ from groundswell.compression import all_finite
 
 from .checkpoint_check import DIGEST_KEY, checkpoint_digest
 from .state_files import write_atomically
-from .swarm_exchange import KEEP_UNSETTLED, parse_unsettled, unsettled_item
+from .unsettled import KEEP_UNSETTLED, parse_unsettled, unsettled_item
 
 log = logging.getLogger(__name__)
 

@@ -275,6 +275,9 @@ class AggregateFetcher:
             except PeerUnavailable as exc:
                 log.info("aggregate %s from %s: %s", key, peer[-8:], exc)
                 return None
+            if agg.mode == "none" and not agg.decision:  # (a round it never held, or no longer keeps)
+                log.info("aggregate %s: %s does not hold it", key, peer[-8:])
+                return None
             if agg.decision != signed or agg.shard != shard or len(agg.parts) != expected_parts:
                 log.info("aggregate %s from %s does not match the decision", key, peer[-8:])
                 return None

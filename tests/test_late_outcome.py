@@ -13,7 +13,8 @@ import torch
 from groundswell.compression import make_codec
 from groundswell.optim import RoundFailed, SparseLoCo, SparseLoCoConfig
 from groundswell.peer.stop_flag import StopFlag
-from groundswell.peer.swarm_exchange import NeedResync, SwarmExchange, Unsettled
+from groundswell.peer.swarm_exchange import NeedResync, SwarmExchange
+from groundswell.peer.unsettled import Unsettled
 from groundswell.peer.volunteer_loop import VolunteerLoop as _VolunteerLoop
 from groundswell.protocol.client import AttemptResult
 from groundswell.protocol.transport import PeerUnavailable
@@ -376,7 +377,7 @@ def test_contributions_still_open_when_the_network_fails_mid_settle_are_kept_in_
 def test_a_crashed_processs_last_contribution_presumed_counted_is_never_forgotten():
     """The last contribution a crashed process sent is taken out of our work when its commit
     cannot be checked (it most likely counted): the cap must not drop it as if it had not."""
-    from groundswell.peer.swarm_exchange import KEEP_UNSETTLED, unsettled_item
+    from groundswell.peer.unsettled import KEEP_UNSETTLED, unsettled_item
 
     ex = SwarmExchange(_Node(None))
     last = KEEP_UNSETTLED + 3  # more than the cap after the presumed one
@@ -551,7 +552,7 @@ def test_a_state_restored_from_work_pt_alone_is_checkpointed_with_its_open_contr
     from groundswell.peer import roles
     from groundswell.peer.net_loop import NetLoop
     from groundswell.peer.stop_flag import StopFlag
-    from groundswell.peer.swarm_exchange import unsettled_item
+    from groundswell.peer.unsettled import unsettled_item
 
     calls: list[str] = []
     node = NetLoop()

@@ -157,7 +157,7 @@ def test_pruning_keeps_the_good_checkpoint_a_run_resumed_from_past_unreadable_ne
 def test_a_work_record_that_runs_out_of_memory_is_reported_not_raised(tmp_path, monkeypatch, caplog, failing):
     # A MemoryError escaped write_work mid-round as a traceback; save_checkpoint reports the same.
     from groundswell.peer import work_file
-    from groundswell.peer.swarm_exchange import unsettled_item
+    from groundswell.peer.unsettled import unsettled_item
 
     record = work_file.WorkRecord("t1", None, 3, torch.ones(8), unsettled_item(3, [b"own"], 0), [])
     assert work_file.write_work(tmp_path, record)

@@ -14,7 +14,8 @@ from groundswell.compression import Payload, make_codec
 from groundswell.optim import SparseLoCo, SparseLoCoConfig
 from groundswell.peer.run_state import GlobalState
 from groundswell.peer.stop_flag import StopFlag
-from groundswell.peer.swarm_exchange import SwarmExchange, unsettled_item
+from groundswell.peer.swarm_exchange import SwarmExchange
+from groundswell.peer.unsettled import unsettled_item
 from groundswell.peer.volunteer_loop import VolunteerLoop as _VolunteerLoop
 from groundswell.peer.work_file import WorkJournal, read_work
 from test_resume import _factory, _offline
@@ -113,7 +114,7 @@ def test_a_contribution_whose_record_was_not_written_notes_no_outcome(tmp_path, 
 
 def test_a_work_record_keeps_every_earlier_contribution_known_to_be_counted(tmp_path):
     # as SwarmExchange keeps them: a counted one forgotten would have its work sent a second time
-    from groundswell.peer.swarm_exchange import KEEP_UNSETTLED, unsettled_item
+    from groundswell.peer.unsettled import KEEP_UNSETTLED, unsettled_item
 
     journal = WorkJournal(tmp_path, enabled=True)
     journal.start()
@@ -290,7 +291,7 @@ def test_a_restart_takes_all_restored_contributions_and_the_cap_later_keeps_the_
     restored (to be settled at once: test_every_restored_contribution_is_settled_even_past_the_few_a_live_process_keeps);
     what is still open when the cap next applies loses the oldest, never the last one sent (the
     one most likely counted)."""
-    from groundswell.peer.swarm_exchange import KEEP_UNSETTLED
+    from groundswell.peer.unsettled import KEEP_UNSETTLED
 
     node = SimpleNamespace(identity=SimpleNamespace(peer_id="me"))
     exchange = SwarmExchange(node)  # type: ignore[arg-type]
@@ -309,7 +310,7 @@ def test_a_contribution_keeps_the_commit_its_round_was_planned_from_through_a_re
     """A restart that took a later state checks the round's commit with it (see
     tests/test_late_outcome_restart.py): the record, a checkpoint's list and the exchange carry it;
     a record of an older version, without it, still reads."""
-    from groundswell.peer.swarm_exchange import parse_unsettled
+    from groundswell.peer.unsettled import parse_unsettled
 
     journal = WorkJournal(tmp_path, enabled=True)
     journal.start()
@@ -365,7 +366,7 @@ def test_a_second_restart_takes_the_checkpoint_the_first_one_wrote_after_restori
                                     {"retried": 1}, {"included": torch.ones(2)}, {"extra": 1}])
 def test_a_malformed_list_of_unsettled_contributions_is_refused(change):
     from groundswell.peer.resume import unsettled_from
-    from groundswell.peer.swarm_exchange import parse_unsettled
+    from groundswell.peer.unsettled import parse_unsettled
 
     good = unsettled_item(2, [b"x"], 1)
     assert parse_unsettled([good]) == [good]
