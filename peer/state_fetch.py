@@ -10,7 +10,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from groundswell.protocol.direct import TOKEN_BYTES, fetch_direct, wire_size
+from groundswell.protocol.direct import KEY_BYTES, TOKEN_BYTES, fetch_direct, wire_size
 from groundswell.protocol.schema import ProtocolError, StateReply, StateRequest
 from groundswell.protocol.transport import PeerUnavailable
 
@@ -90,7 +90,14 @@ async def fetch_state(node: Any, peer: str, min_round: int, size: Callable[[Stat
     if not reply.direct_port or not reply.size:
         return reply, blob, digest, "stream"
     host = direct_host(remote.get("addr", ""), _loopback_run(node))
-    if host is not None and len(reply.direct_token) == TOKEN_BYTES:  # (any shorter is no token of ours to send)
+    if (len(reply.direct_token), len(reply.direct_key)) != (TOKEN_BYTES, KEY_BYTES):
+        # A signed offer no honest server makes (the schema bounds both at 32 bytes, not to 32):
+        # counted against the peer, and the blob taken over the stream.
+        t.guard.count(peer, "get-state", "bad-ticket", strike=True)
+        log.info("%s offered a direct download with a %d-byte token and a %d-byte key: using the stream",
+                 peer[-8:], len(reply.direct_token), len(reply.direct_key))
+        host = None
+    if host is not None:
         try:
             blob = await fetch_direct(host, reply.direct_port, reply.direct_token, reply.direct_key, reply.size,
                                       timeout_s=direct_time(left(), reply.size))

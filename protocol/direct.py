@@ -23,7 +23,8 @@ requester holds at most one ticket (a new one replaces it) and one download (red
 ticket ends the one before); at most `MAX_TICKETS` tickets are out at once (past that a request
 is answered busy; `TICKETS_KEPT_FOR_CONTRIBUTORS` of them go only to contributors); at most
 `MAX_CONNECTIONS` downloads run at once (`DOWNLOADS_KEPT_FOR_CONTRIBUTORS` of them only on
-contributors' tickets); a download whose reader takes no piece for `STALL_S`
+contributors' tickets), and while every download open to a requester is taken it gets no ticket
+either (busy: it asks again later, or another peer); a download whose reader takes no piece for `STALL_S`
 seconds is ended, as is one that, past its first `RATE_GRACE_S`, has read less than half of
 what it would by now at the rate that finishes in time; and none runs longer than the longest a joiner waits for a blob of its size
 (`serve_timeout_s`), so a reader that stalls neither holds a slot for long nor keeps an old state
@@ -37,6 +38,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import errno
 import ipaddress
 import logging
 import secrets
@@ -63,8 +65,12 @@ TOKEN_WAIT_S = 5.0  # a connection that has not sent its token by then is closed
 # otherwise flush an honest joiner's ticket between its offer and its redemption.
 MAX_TICKETS = 64
 TICKETS_KEPT_FOR_CONTRIBUTORS = 16  # of those, tickets only requesters the node vouches for may take
-MAX_CONNECTIONS = 16  # concurrent downloads: connections that sent a valid token
-DOWNLOADS_KEPT_FOR_CONTRIBUTORS = 4  # of those, downloads only requesters the node vouches for may hold
+# Concurrent downloads (connections that sent a valid token), as many as the stream's upload slots
+# (`peer.state_serving.MAX_UPLOADS`): a home uplink shared by more is slower for every joiner than
+# taking turns. With 16 (a review worked it out from these bounds), joiners at a launch would each
+# get 1/16 of the coordinator's uplink: too little to finish in the time they give a download.
+MAX_CONNECTIONS = 4
+DOWNLOADS_KEPT_FOR_CONTRIBUTORS = 1  # of those, downloads only requesters the node vouches for may hold
 # Connections that have not sent their token yet, kept apart from the downloads: anyone can open
 # them (no ticket needed), so they take no download slot, and past this many the oldest is
 # dropped whatever its age. A joiner sends its token within a round trip of connecting, so it is
@@ -86,6 +92,12 @@ MAX_SILENT_PER_SOURCE = 2
 # 127.0.0.1, and its joiners sync at once): the per-source bound does not apply to them.
 CAP_LOOPBACK = False
 _LEN = struct.Struct(">Q")
+# accept() errors that are one connection's failure, not the listener's (Linux's accept(2) passes
+# a pending connection's network errors on; BSD and macOS report one aborted before it was taken):
+# the next is accepted at once. Any other (out of descriptors or memory, say) pauses accepting.
+_ONE_CONNECTIONS_FAILURE = frozenset(getattr(errno, name) for name in (
+    "ECONNABORTED", "ECONNRESET", "EPROTO", "ENETDOWN", "ENETUNREACH", "ENOPROTOOPT", "EHOSTDOWN", "EHOSTUNREACH",
+    "ENONET", "EOPNOTSUPP") if hasattr(errno, name))
 SEAL_PIECE = 1 << 20  # plaintext bytes per AES-GCM piece: small enough to open while the next arrive
 SEAL_TAG = 16
 KEY_BYTES = 32
@@ -184,6 +196,10 @@ class DirectServer:
 
     async def close(self) -> None:
         """Stop listening, end every download in progress, forget every ticket."""
+        if self._listener is not None:  # first: a close cancelled below must not leave the port bound
+            self._listener.close()
+            self._listener = None
+        self.port = 0
         self._tickets.clear()
         self._serving.clear()
         self._vouched.clear()
@@ -194,9 +210,6 @@ class DirectServer:
         for task in tasks:
             task.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
-        if self._listener is not None:
-            self._listener.close()
-            self._listener = None
 
     def offer(self, blob: bytes | bytearray | memoryview, requester: str,
               vouched: bool = False) -> tuple[bytes, bytes] | None:
@@ -204,6 +217,8 @@ class DirectServer:
         be sealed under; None (busy) if every ticket open to `requester` (a peer id; `vouched`:
         the kept ones too) is out. It replaces `requester`'s earlier ticket if it holds one: a
         requester asking again and again holds one ticket, and pushes no one else's out."""
+        if self._listener is None:  # closed (or never started): its port is nobody's to dial
+            return None
         self._expire()
         for token in [t for t, ticket in self._tickets.items() if ticket.requester == requester]:
             del self._tickets[token]
@@ -211,32 +226,48 @@ class DirectServer:
         if len(self._tickets) >= MAX_TICKETS or (
                 not vouched and strangers >= MAX_TICKETS - TICKETS_KEPT_FOR_CONTRIBUTORS):
             return None
+        if requester not in self._serving and not self._download_open(vouched):
+            return None  # (a ticket it could not redeem would cost it a connection, then the stream)
         token, key = secrets.token_bytes(TOKEN_BYTES), secrets.token_bytes(KEY_BYTES)
         self._tickets[token] = _Ticket(blob, key, self._clock() + self.ttl_s, requester, vouched)
-        if self._expiry is None and self._listener is not None:
-            # an unused ticket (a joiner that cannot reach us) must not keep an old state alive
-            self._expiry = asyncio.get_running_loop().call_later(self.ttl_s + 1, self._expire_on_timer)
+        self._arm_expiry()
         return token, key
+
+    def _download_open(self, vouched: bool) -> bool:
+        """Is a download slot open to a requester (`vouched`: the kept ones too) that holds none?"""
+        strangers = sum(1 for r in self._serving if r not in self._vouched)
+        return len(self._serving) < MAX_CONNECTIONS and (
+            vouched or strangers < MAX_CONNECTIONS - DOWNLOADS_KEPT_FOR_CONTRIBUTORS)
 
     def _expire(self) -> None:
         now = self._clock()
         for token in [t for t, ticket in self._tickets.items() if ticket.expires < now]:
             del self._tickets[token]
 
+    def _arm_expiry(self) -> None:
+        """Drop the oldest ticket when it expires (an unused ticket, of a joiner that cannot reach
+        us, must not keep an old state alive): tickets are kept in the order they expire."""
+        if self._expiry is None and self._tickets and self._listener is not None:
+            due = next(iter(self._tickets.values())).expires - self._clock()
+            self._expiry = asyncio.get_running_loop().call_later(max(0.0, due) + 0.05, self._expire_on_timer)
+
     def _expire_on_timer(self) -> None:
         self._expiry = None
         self._expire()
-        if self._tickets:
-            self._expiry = asyncio.get_running_loop().call_later(self.ttl_s + 1, self._expire_on_timer)
+        self._arm_expiry()
 
     async def _accept_loop(self, listener: socket.socket) -> None:
         loop = asyncio.get_running_loop()
         while True:
             try:
                 conn, addr = await loop.sock_accept(listener)
-            except OSError as exc:  # out of file descriptors, say: joiners fall back to the stream meanwhile
-                log.warning("direct state server cannot accept: %r", exc)
-                await asyncio.sleep(1.0)
+            except OSError as exc:
+                if exc.errno in _ONE_CONNECTIONS_FAILURE:
+                    log.debug("direct state server: a connection failed before it was accepted: %r", exc)
+                    await asyncio.sleep(0)
+                else:  # out of file descriptors, say: joiners fall back to the stream meanwhile
+                    log.warning("direct state server cannot accept: %r", exc)
+                    await asyncio.sleep(1.0)
                 continue
             conn.setblocking(False)
             source = source_of(addr[0])
@@ -297,13 +328,12 @@ class DirectServer:
                 return
             requester = ticket.requester
             earlier = self._serving.get(requester)
-            strangers = sum(1 for r in self._serving if r not in self._vouched)
-            if earlier is None and (len(self._serving) >= MAX_CONNECTIONS or (
-                    not ticket.vouched and strangers >= MAX_CONNECTIONS - DOWNLOADS_KEPT_FOR_CONTRIBUTORS)):
+            if earlier is None and not self._download_open(ticket.vouched):
                 # every download slot open to this requester is taken (only connections with a
-                # valid token hold one): the joiner falls back to the stream. Some are kept for
-                # the peers we vouch for: tickets kept for them were of no use while slow readers
-                # under fresh identities held every slot (a review).
+                # valid token hold one; tickets handed out while one was open may outnumber them):
+                # the joiner falls back to the stream. Some are kept for the peers we vouch for:
+                # tickets kept for them were of no use while slow readers under fresh identities
+                # held every slot (a review).
                 self.refused += 1
                 return
             if earlier is not None and earlier is not me:

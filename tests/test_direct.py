@@ -5,6 +5,8 @@ or alterable without the key."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import errno
 import os
 import socket
 import sys
@@ -184,6 +186,7 @@ def test_only_connections_with_a_valid_token_hold_download_slots(monkeypatch):
         port = await server.start("127.0.0.1")
         try:
             tokens = [server.offer(blob, f"joiner{i}") for i in range(2)]
+            early_ticket = server.offer(blob, "early-ticket")  # handed out while slots were open
             first = [await asyncio.open_connection("127.0.0.1", port) for _ in range(2)]
             await asyncio.sleep(0.05)  # accepted, tokens not sent yet
             got = [bytes(await fetch_direct("127.0.0.1", port, *server.offer(blob, "early"), len(blob)))]
@@ -193,8 +196,11 @@ def test_only_connections_with_a_valid_token_hold_download_slots(monkeypatch):
                 await writer.drain()
                 # served whole: its length, then the sealed pieces (the server waits for us to close)
                 assert len(await asyncio.wait_for(reader.readexactly(whole), 10)) == whole
-            with pytest.raises(ConnectionError):  # both slots are downloads not yet closed
-                await fetch_direct("127.0.0.1", port, *server.offer(blob, "late"), len(blob))
+            # both slots are downloads not yet closed: no ticket now (busy), and one handed out
+            # before they filled is refused when redeemed
+            assert server.offer(blob, "late") is None
+            with pytest.raises(ConnectionError):
+                await fetch_direct("127.0.0.1", port, *early_ticket, len(blob))
             first[0][1].close()
             await asyncio.sleep(0.05)
             got.append(bytes(await fetch_direct("127.0.0.1", port, *server.offer(blob, "late"), len(blob))))
@@ -345,8 +351,12 @@ def _fake_node(blob: bytes, port: int, addr: str, asked: list, token: bytes = b"
             assert trailer_size(reply) == len(blob)
             return reply, bytearray(blob), digest
 
+    from groundswell.protocol.guard import Guard
+
+    transport = _Transport()
+    transport.guard = Guard()
     # a run on 127.0.0.1, as these tests are: a loopback address is dialled (see direct_host)
-    return SimpleNamespace(transport=_Transport(), direct_received=0,
+    return SimpleNamespace(transport=transport, direct_received=0,
                            rejoiner=SimpleNamespace(scopes=frozenset({"public", "loopback"})))
 
 
@@ -737,17 +747,18 @@ def test_strangers_cannot_hold_the_download_slots_kept_for_contributors(monkeypa
         held = []
         try:
             blob = bytearray(64 << 20)  # more than the sockets buffer: each download waits on its reader
+            token, key = server.offer(blob, "one-more-stranger")  # handed out while slots were open
             for i in range(open_to_strangers):
-                token, _ = server.offer(blob, f"sybil{i}")
+                sybil_token, _ = server.offer(blob, f"sybil{i}")
                 s = socket.create_connection(("127.0.0.1", port))
-                s.sendall(token)  # and never read
+                s.sendall(sybil_token)  # and never read
                 held.append(s)
             await asyncio.sleep(0.5)
             refused_before = server.refused
-            token, key = server.offer(blob, "one-more-stranger")
             with pytest.raises(ConnectionError):
                 await fetch_direct("127.0.0.1", port, token, key, len(blob), timeout_s=5)
-            stranger_refused = server.refused > refused_before
+            # refused when redeemed, and no new ticket for a stranger now (busy)
+            stranger_refused = server.refused > refused_before and server.offer(blob, "another-stranger") is None
             fresh = os.urandom(1 << 20)
             got = await fetch_direct("127.0.0.1", port, *server.offer(fresh, "contributor", vouched=True), len(fresh),
                                      timeout_s=5)
@@ -886,11 +897,12 @@ def test_refusing_a_burst_from_one_source_lets_the_event_loop_run_between_refusa
     assert seen and max(jumps, default=0) <= 2, f"refusals per loop turn: {sorted(set(jumps))}"
 
 
-def test_loopback_joiners_are_not_bounded_per_source():
+def test_loopback_joiners_are_not_bounded_per_source(monkeypatch):
     # `groundswell simulate` runs every peer on 127.0.0.1 and its joiners sync at once: a burst of
     # connections that have not sent their token yet, all from one address, is served whole
     blob = os.urandom(20_000)
     n = direct.MAX_SILENT_PER_SOURCE + 4
+    monkeypatch.setattr(direct, "MAX_CONNECTIONS", n + direct.DOWNLOADS_KEPT_FOR_CONTRIBUTORS)  # (not what this checks)
 
     async def go():
         server = DirectServer()
@@ -959,3 +971,100 @@ def test_a_reply_cannot_make_a_joiner_send_bytes_to_a_port_of_its_own_machine(ca
         with pytest.raises(TimeoutError):
             listener.accept()  # nobody connected
 
+
+
+@pytest.mark.parametrize("token_len, key_len", [(16, 32), (32, 16), (32, 0)])
+def test_a_signed_offer_with_a_malformed_ticket_is_counted_and_the_state_comes_over_the_stream(token_len, key_len):
+    # found by a review: the schema bounds a ticket's token and key at 32 bytes, not to 32; a
+    # signed reply with a shorter one (which no honest server sends) was skipped without a count
+    blob = os.urandom(1000)
+    asked: list[StateRequest] = []
+    node = _fake_node(blob, 9, "/ip4/127.0.0.1/tcp/4001", asked, b"t" * token_len, b"k" * key_len)
+    from groundswell.peer.state_fetch import fetch_state
+
+    _reply, got, _digest, via = _run(fetch_state(node, "peer", 0, lambda r: r.size, timeout_s=10))
+    assert (bytes(got), via) == (blob, "stream") and [m.direct for m in asked] == [True, False]
+    assert node.transport.guard.rejected["bad-ticket:get-state"] == 1
+
+
+def test_each_unused_ticket_is_dropped_when_it_expires_not_a_timer_period_later():
+    # found by a review: the timer ran every ttl + 1 s from the first offer, so a ticket offered
+    # just after a tick kept its (perhaps multi-GB, superseded) state for about twice its life
+    async def go():
+        server = DirectServer(ttl_s=1.0)
+        await server.start("127.0.0.1")
+        try:
+            server.offer(b"state 1", "A")
+            await asyncio.sleep(0.6)
+            server.offer(b"state 2", "B")  # expires 1.6 s after the first offer
+            await asyncio.sleep(0.6)  # 1.2 s: the first is gone, the second not yet
+            after_first = sorted(t.requester for t in server._tickets.values())
+            await asyncio.sleep(0.7)  # 1.9 s: both gone (the old timer's first tick came at 2.0 s)
+            return after_first, len(server._tickets)
+        finally:
+            await server.close()
+
+    assert _run(go()) == (["B"], 0)
+
+
+def test_a_closed_server_hands_out_no_ticket_and_a_cancelled_close_still_frees_its_port():
+    # found by a review: tickets for a closed port were still offered (joiners dialled it, in
+    # vain), and a close cancelled while it ended the downloads left the port bound
+    async def go():
+        server = DirectServer()
+        port = await server.start("127.0.0.1")
+        token, _ = server.offer(os.urandom(32 << 20), "R")
+        reader, writer = await asyncio.open_connection("127.0.0.1", port)
+        writer.write(token)  # a download under way, never read: close() has a task to end
+        await writer.drain()
+        await asyncio.sleep(0.2)
+        closing = asyncio.ensure_future(server.close())
+        await asyncio.sleep(0)  # close() is waiting for the download to end
+        closing.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await closing
+        writer.close()
+        with socket.create_server(("127.0.0.1", port)):  # the port is free again
+            pass
+        return server.offer(b"state", "S"), server.port
+
+    assert _run(go()) == (None, 0)
+
+
+@pytest.mark.parametrize("error, paused", [(ConnectionAbortedError(errno.ECONNABORTED, "aborted"), False),
+                                           (OSError(errno.EHOSTUNREACH, "no route to host"), False),
+                                           (OSError(errno.EMFILE, "too many open files"), True),
+                                           (OSError(errno.EBADF, "bad file descriptor"), True)])
+def test_only_a_failure_of_the_listener_not_of_one_connection_pauses_accepting(monkeypatch, error, paused):
+    # found by a review: any accept() error paused the port for a second, a connection aborted
+    # before we took it among them (routine on BSD and macOS)
+    pauses = []
+    real_sleep = asyncio.sleep
+
+    async def sleep(delay, *args):
+        if delay >= 1.0:
+            pauses.append(delay)
+        return await real_sleep(0)
+
+    async def go():
+        server = DirectServer()
+        loop = asyncio.get_running_loop()
+        real_accept, failed = loop.sock_accept, []
+
+        async def accept(sock):
+            if not failed:
+                failed.append(error)
+                raise error
+            return await real_accept(sock)
+
+        loop.sock_accept = accept
+        monkeypatch.setattr(direct.asyncio, "sleep", sleep)
+        port = await server.start("127.0.0.1")
+        try:
+            blob = os.urandom(1000)
+            return bytes(await fetch_direct("127.0.0.1", port, *server.offer(blob, "A"), len(blob))) == blob
+        finally:
+            await server.close()
+
+    assert _run(go())
+    assert bool(pauses) == paused

@@ -128,8 +128,12 @@ def test_a_direct_request_past_the_tickets_open_to_it_goes_over_the_stream_or_is
         return await node._on_state(sender, StateRequest(0, direct=True))
 
     async def scenario() -> list:
-        node.direct = DirectServer()  # never started: its tickets are all this needs
-        return [await ask(sender) for sender in ("joiner0", "joiner1", "late", VET, "late2")]
+        node.direct = DirectServer()
+        await node.direct.start("127.0.0.1")  # (a server not listening, or closed, hands out no ticket)
+        try:
+            return [await ask(sender) for sender in ("joiner0", "joiner1", "late", VET, "late2")]
+        finally:
+            await node.direct.close()
 
     replies = asyncio.run(scenario())
     tickets = [isinstance(r, WithTrailer) and len(r.reply.direct_token) == 32 for r in replies]
