@@ -95,5 +95,6 @@ def _strict(value: Any) -> Any:
 
 
 def _private(path: str, flags: int) -> int:
-    """Open (create) as 0600, like the state dir's other files: events name the peers of a run."""
-    return os.open(path, flags, 0o600)
+    """Open (create) as 0600, like the state dir's other files: events name the peers of a run.
+    Never through a link (one planted where the log goes would have us append wherever it points)."""
+    return os.open(path, flags | getattr(os, "O_NOFOLLOW", 0), 0o600)

@@ -5,12 +5,14 @@ the folder itself made private, and refused when another user may write in it.""
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import logging
 import os
 import re
 import secrets
 import shutil
+import stat
 import zipfile
 from collections.abc import Callable, Collection
 from pathlib import Path
@@ -198,6 +200,14 @@ def refuse_shared_state_dir(state_dir: Path) -> None:
     the user alone on most systems. Root may use any folder (a container's, mounted from its host)."""
     if not hasattr(os, "getuid") or os.getuid() == 0:  # (not on POSIX; root is trusted with its folders)
         return
+    for path in (state_dir.absolute(), *state_dir.absolute().parents):
+        # A link another user made may point at a folder of ours now, which passes below, and at
+        # one of theirs once we run: every file would then go there (found by a review).
+        with contextlib.suppress(OSError):
+            link = path.lstat()
+            if stat.S_ISLNK(link.st_mode) and link.st_uid not in (0, os.getuid()):
+                raise ConfigError(f"--state-dir {state_dir} goes through {path}, a link another user made (they may "
+                                  "point it elsewhere at any time): use a folder of your own")
     st = state_dir.stat()
     if st.st_uid != os.getuid():
         raise ConfigError(f"--state-dir {state_dir} is another user's: use a folder of your own")

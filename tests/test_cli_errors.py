@@ -690,6 +690,43 @@ def test_a_group_writable_state_dir_of_ones_own_passes(tmp_path, monkeypatch):
     refuse_shared_state_dir(tmp_path)
 
 
+def test_a_state_dir_through_a_link_another_user_made_is_refused(tmp_path, monkeypatch):
+    # Found by a review: a link another user planted (in /tmp, say) pointing at a folder of ours
+    # passed the check, and could be pointed at a folder of theirs once the peer ran.
+    import os
+
+    from groundswell.peer.config import ConfigError
+    from groundswell.peer.state_files import refuse_shared_state_dir
+
+    if os.getuid() != 0:
+        pytest.skip("making a link owned by another user needs root")
+    user = 1000
+    ours = tmp_path / "ours"
+    ours.mkdir(mode=0o700)
+    os.chown(ours, user, user)
+    planted = tmp_path / "groundswell-peer"
+    planted.symlink_to(ours)
+    os.lchown(planted, 4321, 4321)
+    monkeypatch.setattr(os, "getuid", lambda: user)
+    with pytest.raises(ConfigError, match="a link another user made"):
+        refuse_shared_state_dir(planted)
+    with pytest.raises(ConfigError, match="a link another user made"):
+        refuse_shared_state_dir(planted / "inner")  # (a folder below one is refused too)
+    os.lchown(planted, user, user)  # a link of our own (to a disk with room, say) is fine
+    refuse_shared_state_dir(planted)
+
+
+def test_the_event_log_never_appends_through_a_link(tmp_path):
+    from groundswell.peer.event_log import EventLog
+
+    elsewhere = tmp_path / "elsewhere.txt"
+    elsewhere.write_text("theirs\n")
+    (tmp_path / "events.jsonl").symlink_to(elsewhere)
+    log = EventLog(tmp_path / "events.jsonl")
+    log.write("start", peer="p")
+    assert elsewhere.read_text() == "theirs\n" and log.failed == 1
+
+
 def test_a_restarted_volunteer_says_what_it_resumed_from():
     # Found by a review: a restart printed what a fresh join prints; only events.jsonl said it resumed.
     from groundswell.peer.cli_output import resumed_line
