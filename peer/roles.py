@@ -145,11 +145,8 @@ def run_volunteer(p: Participant, bootstrap_peers: list[str], *, max_rounds: int
             payloads = p.outer.prepare()
             sent = attack.tamper(payloads) if attack is not None else payloads
             if isinstance(p.outer, SparseLoCo):  # on disk before contributed.json can name it (see work_file)
-                p.work_token = journal.start()
-                # unrecorded work is not sent (`_remember_contribution`): a crash would drop it
-                p.work_recorded = p.work_token is None or journal.record(
-                    r, p.outer.error, [x.to_bytes() for x in sent], loop.exchange.unsettled_work(),
-                    trainer.progress_state(), basis=loop.exchange.basis_for(r))
+                record_work(p, journal, r, [x.to_bytes() for x in sent], loop.exchange.unsettled_work(),
+                            trainer.progress_state(), loop.exchange.basis_for(r))
             loop.exchange.contribute(r, sent)
             in_flight = (r, stats, t0, time.perf_counter())
             if not m.outer.overlap:
@@ -166,6 +163,20 @@ def run_volunteer(p: Participant, bootstrap_peers: list[str], *, max_rounds: int
     except (PeerUnavailable, TimeoutError, RuntimeError) as exc:
         log.info("could not list connections: %s", exc)
     write_defence_counts(p)
+
+
+def record_work(p: Participant, journal: WorkJournal, round_id: int, segments: list[bytes], earlier: list[dict],
+                progress: dict, basis: bytes) -> None:
+    """Write the record of the contribution about to be sent (work.pt; see work_file), and note
+    whether it was written (`p.work_recorded`: unrecorded work is not sent, a crash would drop it;
+    see `_remember_contribution`) and which record the next checkpoint names (`p.work_token`)."""
+    token = journal.start()
+    p.work_recorded = token is None or journal.record(round_id, p.outer.error, segments, earlier, progress,
+                                                      basis=basis)
+    if p.work_recorded:
+        # Only a record on disk: a checkpoint naming one the disk refused took the work.pt before
+        # it (older) for newer than itself, and a restart lost the work since (a review).
+        p.work_token = token
 
 
 def _announce_departure(p: Participant) -> None:

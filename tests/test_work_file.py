@@ -112,6 +112,33 @@ def test_a_contribution_whose_record_was_not_written_notes_no_outcome(tmp_path, 
                                                                    "retried": False}
 
 
+def test_a_checkpoint_names_only_a_work_record_the_disk_took(tmp_path, monkeypatch):
+    # Found by a review: the participant named a contribution's record before it was written, so
+    # a checkpoint after a record the disk refused named one that does not exist; a restart then
+    # took the work.pt before it (older than the checkpoint) for newer, and lost the work since.
+    from groundswell.peer import work_file
+    from groundswell.peer.roles import record_work
+    from groundswell.peer.work_file import (
+        contributed_bytes,
+        contributed_marker,
+        read_contributed,
+        resumable_work,
+    )
+
+    (tmp_path / work_file.CONTRIBUTED_FILE).write_bytes(contributed_bytes(5, 0, "sent-before"))
+    p = SimpleNamespace(outer=SimpleNamespace(error=torch.zeros(8)), work_token="sent-before", work_recorded=True)
+    journal = WorkJournal(tmp_path, enabled=True)
+    record_work(p, journal, 6, [b"seg6"], [], {}, b"")  # written, then never sent (the round moved on)
+    assert p.work_recorded and read_work(tmp_path, 8).token == p.work_token
+    written = p.work_token
+    monkeypatch.setattr(work_file, "write_work", lambda *a: False)  # a full disk
+    record_work(p, journal, 7, [b"seg7"], [], {}, b"")
+    assert not p.work_recorded and p.work_token == written
+    # a checkpoint of round 8 names `p.work_token`: the record on disk is no newer than it
+    settled = contributed_marker(read_contributed(tmp_path))
+    assert resumable_work(read_work(tmp_path, 8), tmp_path, settled, p.work_token) is None
+
+
 def test_a_work_record_keeps_every_earlier_contribution_known_to_be_counted(tmp_path):
     # as SwarmExchange keeps them: a counted one forgotten would have its work sent a second time
     from groundswell.peer.unsettled import KEEP_UNSETTLED, unsettled_item
