@@ -70,6 +70,23 @@ def digest_mismatch(state: Any) -> str | None:
     return None
 
 
+def checkpoint_layout(state: dict[str, Any]) -> str | None:
+    """Why a checkpoint's values are not of the types this program writes (None: they are). The
+    digest is no key: a checkpoint copied in from elsewhere (a volunteer's) may be made up whole,
+    and one with a round that is a string or an optimizer state that is a list was taken half."""
+    kinds = {"round": (int,), "tensors": (dict,), "decision": (bytes,), "outer": (dict, type(None)),
+             "inner": (dict, type(None)), "unsettled": (list,), "work": (str, type(None)),
+             "local_progress": (torch.Tensor,)}
+    for key, allowed in kinds.items():
+        if key in state and type(state[key]) not in allowed:
+            return f"its {key} is a {type(state[key]).__name__}"
+    if "round" not in state or state["round"] < 0:
+        return "it has no round number"
+    if not all(isinstance(k, str) and isinstance(v, torch.Tensor) for k, v in state.get("tensors", {}).items()):
+        return "its tensors are not named tensors"
+    return None
+
+
 def checkpoint_damage(state: dict[str, Any], numel: int) -> str | None:
     """Why a checkpoint of this run and model must not be used (None: it may): parameters, error
     feedback, momentum or local progress that are not finite fp32 vectors of the model's size."""

@@ -268,8 +268,10 @@ def save_known_peers(path: Path, rejoiner: DhtRejoiner | None) -> None:
 
 def load_known_peers(path: Path) -> KnownPeers:
     """What `save_known_peers` kept (nothing if none, or unreadable; malformed entries dropped)."""
+    from .state_files import parse_json
+
     try:
-        data = json.loads(path.read_text())
+        data = parse_json(path.read_text())
     except (OSError, ValueError):
         return KnownPeers()
     if not isinstance(data, dict):

@@ -11,10 +11,22 @@ import torch
 from groundswell.protocol.envelope import unseal
 from groundswell.protocol.schema import Decision, ProtocolError
 
-from .checkpoint_check import DIGEST_KEY, checkpoint_damage, checkpoint_digest, digest_mismatch
+from .checkpoint_check import (
+    DIGEST_KEY,
+    checkpoint_damage,
+    checkpoint_digest,
+    checkpoint_layout,
+    digest_mismatch,
+)
 from .config import ConfigError
 from .dht_rejoin import save_known_peers
-from .state_files import checkpoint_path, checkpoints_newest_first, prune_checkpoints, write_atomically
+from .state_files import (
+    checkpoint_path,
+    checkpoints_newest_first,
+    load_torch_file,
+    prune_checkpoints,
+    write_atomically,
+)
 from .work_file import unreadable_marker_digest
 
 log = logging.getLogger(__name__)
@@ -115,7 +127,7 @@ class Checkpoints:
             return None
         for path in checkpoints_newest_first(self.state_dir):
             try:
-                state = torch.load(path, weights_only=True, map_location="cpu")
+                state = load_torch_file(path)
             except Exception as exc:  # noqa: BLE001 (torch raises many types for a truncated or garbled file)
                 log.error("checkpoint %s is unreadable (%s); trying an older one or the swarm", path.name, exc)
                 # Not counted as a checkpoint kept, but not deleted either: a read error (EIO,
@@ -124,7 +136,10 @@ class Checkpoints:
                 self._unreadable.add(path)
                 self.events.write("checkpoint-corrupt", path=str(path), peer=self.identity.peer_id)
                 continue
-            problem = digest_mismatch(state)
+            try:  # (a file nested deeper than Python recurses: a volunteer's copy may be anyone's)
+                problem = digest_mismatch(state) or checkpoint_layout(state)
+            except RecursionError:
+                problem = "it is nested deeper than any checkpoint"
             if problem is None:
                 self._check_fits(state, path)  # another run's or model's: refused, not skipped
                 problem = checkpoint_damage(state, self.outer.global_params.numel())

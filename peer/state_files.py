@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import contextlib
 import errno
+import json
 import logging
 import os
 import re
@@ -16,7 +17,7 @@ import stat
 import zipfile
 from collections.abc import Callable, Collection
 from pathlib import Path
-from typing import IO
+from typing import IO, Any
 
 from .config import ConfigError
 
@@ -170,6 +171,31 @@ def remove_half_written(state_dir: Path) -> None:
             stale.unlink(missing_ok=True)
         except OSError:  # an unwritable state dir is reported when we first write to it
             pass
+
+
+def load_torch_file(path: Path) -> Any:
+    """`torch.load` (weights only, onto the CPU) of a file torch.save wrote; ValueError first if any
+    of its zip entries is compressed, as torch.save never writes them: a made-up file's could
+    inflate to any size in torch.load (a review's 98 KB file loaded as 100 MB)."""
+    import torch
+
+    try:
+        with zipfile.ZipFile(path) as archive:
+            packed = [info.filename for info in archive.infolist() if info.compress_type != zipfile.ZIP_STORED]
+    except zipfile.BadZipFile as exc:
+        raise ValueError(f"not an archive torch.save wrote ({exc})") from None
+    if packed:
+        raise ValueError(f"{packed[0][:80]} in it is compressed: not a file torch.save wrote")
+    return torch.load(path, weights_only=True, map_location="cpu")
+
+
+def parse_json(text: str | bytes) -> Any:
+    """`json.loads`, with nesting too deep for it (a hostile file: a RecursionError) a ValueError
+    like every other malformed file, for the callers' one except."""
+    try:
+        return json.loads(text)
+    except RecursionError:
+        raise ValueError("nested too deeply") from None
 
 
 def make_state_dir(state_dir: Path) -> None:

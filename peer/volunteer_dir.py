@@ -16,7 +16,7 @@ import json
 from pathlib import Path
 
 from .config import ConfigError
-from .state_files import write_atomically
+from .state_files import parse_json, write_atomically
 
 VOLUNTEER_FILE = "volunteer.json"
 
@@ -91,7 +91,7 @@ def _binding(state_dir: Path) -> dict[str, str] | None:
     if not path.exists():
         return None
     try:
-        have = json.loads(path.read_bytes()[:4096])
+        have = parse_json(path.read_bytes()[:4096])
         if not isinstance(have, dict) or not all(isinstance(have.get(k), str) for k in _KEYS):
             raise ValueError("not a volunteer binding")
     except ValueError as exc:  # JSONDecodeError and UnicodeDecodeError are ValueErrors

@@ -36,7 +36,7 @@ import torch
 from groundswell.compression import all_finite
 
 from .checkpoint_check import DIGEST_KEY, checkpoint_digest
-from .state_files import write_atomically
+from .state_files import load_torch_file, parse_json, write_atomically
 from .unsettled import KEEP_UNSETTLED, parse_unsettled, unsettled_item
 
 log = logging.getLogger(__name__)
@@ -100,7 +100,7 @@ def read_contributed(state_dir: Path) -> dict[str, Any] | None:
     if not path.exists():
         return None
     try:
-        data = json.loads(path.read_text())
+        data = parse_json(path.read_text())
     except (OSError, ValueError) as exc:
         data = exc
     if not isinstance(data, dict) or _marker(data) is None:
@@ -165,7 +165,7 @@ def read_work(state_dir: Path, numel: int, report: Callable[[str], None] = lambd
     if not path.exists():
         return None
     try:
-        state = torch.load(path, weights_only=True, map_location="cpu")
+        state = load_torch_file(path)
         # A record without a digest is refused too: a damaged key name reads so, and refusing one
         # written by an older version costs what an unreadable record costs (the checkpoint's rule:
         # its work is kept unless a contribution was sent since it), never work sent twice.
@@ -174,7 +174,7 @@ def read_work(state_dir: Path, numel: int, report: Callable[[str], None] = lambd
         sent = parse_unsettled(state["sent"])
         error = state["error"]
         progress = state.get("progress")
-        record = WorkRecord(str(state["token"]), json.loads(state["before"]), int(state["round"]), error,
+        record = WorkRecord(str(state["token"]), parse_json(state["before"]), int(state["round"]), error,
                             sent[0], sent[1:], progress if isinstance(progress, dict) else None)
     except Exception as exc:  # noqa: BLE001 (a torn or foreign file: torch raises many types)
         return _unusable(path, f"unreadable: {exc}", report)
@@ -216,7 +216,7 @@ def _with_outcome(own: dict[str, Any], state_dir: Path, token: str) -> dict[str,
     """The record's own contribution with what its process learned of its outcome (outcome.json),
     if it learned anything; else presumed counted when its commit cannot be checked."""
     try:
-        seen = json.loads((state_dir / OUTCOME_FILE).read_text())
+        seen = parse_json((state_dir / OUTCOME_FILE).read_text())
         if not isinstance(seen, dict) or seen.get("work") != token:
             raise ValueError("another contribution's")
         included, retried = seen["included"], seen["retried"]

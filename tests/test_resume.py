@@ -5,6 +5,7 @@ before it may have sent that work already."""
 from __future__ import annotations
 
 import json
+import sys
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -340,6 +341,60 @@ def test_a_damaged_checkpoint_is_skipped_and_never_kept_in_place_of_a_good_one(t
     # (one torch cannot load is kept, not counted: memory running out, or an older torch, may pass)
     kept = ["checkpoint-00000009.pt"] if damage == "garbled-pickle" else []
     assert names == sorted(["checkpoint-00000008.pt", "checkpoint-00000012.pt", *kept])
+
+
+@pytest.mark.parametrize("made_up", ["round-a-string", "outer-a-list", "tensors-a-list", "tensor-a-number",
+                                     "nested-deep"])
+def test_a_made_up_checkpoint_with_a_matching_digest_is_skipped_not_half_taken(tmp_path, corpus, made_up):
+    """Found by a review: the digest is no key, and a coordinator told to copy in a volunteer's
+    checkpoint may be handed a made-up one: a round that is a string passed (and was taken half),
+    tensors in a list or values nested deeper than Python recurses stopped the start with a
+    traceback. Each is now skipped as damaged, for the older good one."""
+    from groundswell.peer.checkpoint_check import DIGEST_KEY, checkpoint_digest
+
+    p, save = _keeping_two(tmp_path, corpus)
+    save(8)
+    state = torch.load(save(9), weights_only=True)
+    if made_up == "round-a-string":
+        state["round"] = "9"
+    elif made_up == "outer-a-list":
+        state["outer"] = [1]
+    elif made_up == "tensors-a-list":
+        state["tensors"] = [state["tensors"]["global_params"]]
+    elif made_up == "tensor-a-number":
+        state["tensors"]["momentum_buffer"] = 1.5
+    else:
+        deep: list = []
+        for _ in range(3000):
+            deep = [deep]
+        state["unsettled"] = deep
+    if made_up != "nested-deep":  # (its digest cannot be computed either: it is skipped all the same)
+        state[DIGEST_KEY] = checkpoint_digest(state)
+    limit = sys.getrecursionlimit()
+    sys.setrecursionlimit(50_000)  # (pickling it recurses too; loading it does not)
+    try:
+        torch.save(state, p.state_dir / "checkpoint-00000009.pt")
+    finally:
+        sys.setrecursionlimit(limit)
+    assert p.load_checkpoint()["round"] == 8
+
+
+def test_a_checkpoint_with_compressed_entries_is_not_loaded(tmp_path, corpus):
+    """Found by a review: torch.load inflates compressed zip entries, so a made-up file of 98 KB
+    loaded as 100 MB; torch.save stores every entry as it is, so a compressed one is not ours."""
+    import zipfile
+
+    p, save = _keeping_two(tmp_path, corpus)
+    save(8)
+    path = save(9)
+    with zipfile.ZipFile(path) as archive:
+        entries = [(info.filename, archive.read(info)) for info in archive.infolist()]
+    path.unlink()
+    with zipfile.ZipFile(path, "w", compression=zipfile.ZIP_DEFLATED) as archive:
+        for name, data in entries:
+            archive.writestr(name, data)
+    assert torch.load(path, weights_only=True)["round"] == 9  # (torch itself would take it)
+    assert p.load_checkpoint()["round"] == 8
 
 
 def test_a_checkpoint_written_anew_where_a_damaged_one_was_counts_again(tmp_path, corpus):

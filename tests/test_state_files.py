@@ -246,3 +246,21 @@ def test_a_state_dir_whose_parent_is_missing_is_refused_not_made_whole(tmp_path)
     with pytest.raises(ConfigError, match="does not exist .*create it first"):
         make_state_dir(tmp_path / "typo" / "x")
     assert not (tmp_path / "typo").exists()
+
+
+def test_state_files_nested_deeper_than_python_recurses_are_malformed_not_a_traceback(tmp_path):
+    # Found by a review: json.loads raises RecursionError on such a file, which the readers did
+    # not catch (a state dir copied in from a volunteer, or planted, may hold anything)
+    from groundswell.peer import work_file
+    from groundswell.peer.config import ConfigError
+    from groundswell.peer.dht_rejoin import load_known_peers
+    from groundswell.peer.volunteer_dir import VOLUNTEER_FILE, check_volunteer_peer
+
+    deep = "[" * 2000 + "]" * 2000
+    for name in (work_file.CONTRIBUTED_FILE, work_file.OUTCOME_FILE, VOLUNTEER_FILE, "known_peers.json"):
+        (tmp_path / name).write_text(deep)
+    assert work_file.read_contributed(tmp_path) is work_file.UNREADABLE
+    assert work_file._with_outcome({"included": None}, tmp_path, "t")["included"] is None
+    with pytest.raises(ConfigError, match="nested too deeply"):
+        check_volunteer_peer(tmp_path, "peer")
+    assert load_known_peers(tmp_path / "known_peers.json").proven == []
