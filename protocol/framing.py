@@ -14,6 +14,18 @@ _LEN = struct.Struct(">Q")
 WRITE_PIECE = 1 << 20
 
 
+def close_stream(writer: asyncio.StreamWriter) -> None:
+    """Close our end of a stream now. With bytes still unsent (the other end stopped reading, so
+    p2pd stopped reading ours), a plain close() keeps the socket, and those bytes, until they are
+    sent: for good, found by a review (60 streams whose callers never read left 60 descriptors and
+    47 MiB behind). abort() drops them."""
+    transport = writer.transport
+    if transport is not None and transport.get_write_buffer_size():
+        transport.abort()
+    else:
+        writer.close()
+
+
 async def write_frame(writer: asyncio.StreamWriter, data: bytes | bytearray | memoryview) -> None:
     """Write one length-prefixed frame, a piece at a time: what the socket does not take at once
     is copied into the stream's buffer, so a large frame (a state, a dense contribution) written

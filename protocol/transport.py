@@ -39,6 +39,7 @@ from .failures import (  # noqa: F401  (re-exported: callers name these from the
 )
 from .framing import (
     _LEN,
+    close_stream,
     read_frame,
     read_frame_into,
     read_frame_paced,
@@ -140,7 +141,7 @@ class Transport:
 
     def _end_lingering(self, writer: Any) -> None:
         self._lingering.pop(writer, None)
-        writer.close()
+        close_stream(writer)
 
     def _unary_name(self, handler: str) -> str:
         # its own protocol id: the daemon keeps one handler per id, and the stream one stays
@@ -253,7 +254,7 @@ class Transport:
                 if admitted:
                     self.guard.release(remote)
                 self._lingering.pop(writer, None)
-                writer.close()  # without this the caller's read never sees EOF
+                close_stream(writer)  # without this the caller's read never sees EOF
 
         async def on_unary(data: bytes, remote_id: Any) -> bytes:
             # The same checks as a stream; a refusal raises, which the caller sees as an answerless
@@ -438,4 +439,4 @@ class Transport:
                     return decoded, bulk
         finally:
             if writer is not None:
-                writer.close()
+                close_stream(writer)

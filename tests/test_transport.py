@@ -432,3 +432,61 @@ def test_an_answered_stream_frees_its_request_slot_and_few_linger_per_peer(net, 
     slots, ends = net.run(answered_and_left_open(), timeout=30)
     assert slots == [0] * 5
     assert ends == [b"", b"", None, None, None]
+
+
+def test_a_reply_its_caller_never_reads_does_not_keep_our_socket_after_the_handler_ends():
+    # Found by a review: close() keeps a socket with unsent bytes until they are sent, and p2pd
+    # stops reading ours once the caller stops reading: each such stream kept its descriptor and
+    # up to a MiB for good, with the handler (and its slot) long gone.
+    import socket
+    import struct
+
+    from groundswell.protocol.envelope import seal
+    from groundswell.protocol.guard import Guard
+    from groundswell.protocol.schema import AggregateRequest
+    from groundswell.protocol.transport import Presealed, Transport
+
+    class _Peer:
+        def __init__(self, pid: str) -> None:
+            self.pid = pid
+
+        def to_base58(self) -> str:
+            return self.pid
+
+    class _P2P:
+        def __init__(self) -> None:
+            self.handlers: dict[str, Any] = {}
+
+        async def add_binary_stream_handler(self, name: str, fn: Any) -> None:
+            self.handlers[name] = fn
+
+    async def go() -> list[int]:
+        me, caller = Identity.generate(), Identity.generate()
+        p2p = _P2P()
+        transport = Transport(p2p, me, RUN, Guard())
+        big = Presealed(b"x" * (8 << 20))  # more than the socket buffers take
+
+        async def on_aggregate(sender: str, msg: AggregateRequest) -> Presealed:
+            return big
+
+        await transport.serve("get-aggregate", AggregateRequest, on_aggregate, timeout_s=1.0)
+        (handler,) = p2p.handlers.values()
+        ours, theirs, runs = [], [], []
+        for _ in range(3):
+            a, b = socket.socketpair()
+            theirs.append(b)  # the caller keeps its end open and never reads
+            reader, writer = await asyncio.open_unix_connection(sock=a)
+            request = seal(caller, RUN, AggregateRequest(1, 0, 0.0))
+            b.sendall(struct.pack(">Q", len(request)) + request)
+            info = type("Info", (), {"peer_id": _Peer(caller.peer_id)})()
+            runs.append(asyncio.ensure_future(handler(info, reader, writer)))
+            ours.append(a)
+        await asyncio.gather(*runs)
+        await asyncio.sleep(0.2)
+        try:
+            return [a.fileno() for a in ours]
+        finally:
+            for b in theirs:
+                b.close()
+
+    assert asyncio.run(go()) == [-1, -1, -1]
