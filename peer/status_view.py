@@ -24,6 +24,27 @@ def _text(value: object) -> str:
     return escape("".join(c if c.isprintable() else "?" for c in str(value)))
 
 
+# A record's numbers are its peer's word too, each up to what the schema allows: each is shown in
+# a bounded width (a loss of 1e308, printed as 314 digits in a column that never wraps, pushed
+# every column after it off the table, for every row; a review found).
+def _loss(value: float) -> str:
+    """A held-out loss: 4 decimals, or 4 digits if it is huge."""
+    return f"{value:.4f}" if abs(value) < 1e6 else f"{value:.4g}"
+
+
+def _count(value: object) -> str:
+    """A round or a count: in full below ten million, else as a power of ten ("1e+12")."""
+    return f"{value:.0e}" if isinstance(value, int) and abs(value) >= 10**7 else str(value)
+
+
+def _bytes(value: int) -> str:
+    """Bytes sent: in MB (one decimal) below 100 GB, in GB below 100 TB, else as a power of ten."""
+    for unit, scale in (("MB", 1e6), ("GB", 1e9)):
+        if value < 1e5 * scale:
+            return f"{value / scale:.1f}{unit}"
+    return f"{value:.0e}B"
+
+
 def print_status(run_id: str, rows: list[dict], coordinator_id: str = "") -> None:
     """`status`'s table and lines, from the peers' published records (`rows`). Only the peer
     whose id is `coordinator_id` (the bootstrap line's) is shown as the coordinator; another
@@ -44,7 +65,7 @@ def print_status(run_id: str, rows: list[dict], coordinator_id: str = "") -> Non
         table.add_column(col, no_wrap=True, justify="left" if col in ("peer", "role") else "right",
                          min_width=widths.get(col))
     for row in rows[:MAX_ROWS]:
-        loss = "-" if row["loss"] is None else f"{row['loss']:.4f}@{row.get('loss_round')}"
+        loss = "-" if row["loss"] is None else f"{_loss(row['loss'])}@{_count(row.get('loss_round'))}"
         role = {"coordinator": "coord", "volunteer": "vol"}.get(row["role"], row["role"])
         if role == "coord" and row["peer"] != coordinator_id:
             role = "coord?"  # a claim: not the key the bootstrap line names
@@ -54,8 +75,8 @@ def print_status(run_id: str, rows: list[dict], coordinator_id: str = "") -> Non
         reach += f"+{len(row['hole_punched'])}" if row["hole_punched"] else ""
         # every string here is a peer's own word (in an open run, anyone's): text, never markup;
         # the peers it bans are counted here and listed below (a list squeezed every column)
-        table.add_row(*map(_text, (row["peer"][-10:], role, reach, str(row["round"]), row["params_hash"][:8], loss,
-                                   f"{row['bytes_sent'] / 1e6:.1f}MB", str(row["refused_messages"]),
+        table.add_row(*map(_text, (row["peer"][-10:], role, reach, _count(row["round"]), row["params_hash"][:8], loss,
+                                   _bytes(row["bytes_sent"]), _count(row["refused_messages"]),
                                    str(len(row["banning"])) if row["banning"] else "-", f"{row['age_s']:.0f}s")))
     console.print(table)
     if len(rows) > MAX_ROWS:

@@ -130,6 +130,29 @@ def test_status_shows_no_control_characters_no_false_coordinator_and_bounded_out
     assert "coord?" in capsys.readouterr().out
 
 
+def test_one_records_huge_numbers_do_not_push_the_other_columns_off_the_table(capsys):
+    # Found by a review: a loss of 1e308 (finite, so the schema takes it) printed as 314 digits in
+    # a column that never wraps, and every column after "params" vanished, for every row.
+    from groundswell.peer import status_view
+
+    def row(peer: str, **kw) -> dict:
+        return {"peer": peer, "role": "volunteer", "round": 7, "params_hash": "abcdef0123", "trains": True,
+                "serves": True, "reachability": "public", "hole_punched": [], "loss": 2.5, "loss_round": 6,
+                "bytes_sent": 0, "refused_messages": 0, "banning": [], "scores": [], "age_s": 1.0, **kw}
+
+    status_view.print_status("r", [row("12D3KooWhonest0001"),
+                                   row("12D3KooWhostile001", loss=-1e308, round=2**40, loss_round=2**40,
+                                       bytes_sent=2**62, refused_messages=2**62)])
+    out = capsys.readouterr().out
+    header = next(line for line in out.splitlines() if line.startswith("peer")).split()
+    assert header[:9] == ["peer", "role", "reach", "round", "params", "loss@round", "sent", "ref", "bans"]
+    honest = next(line for line in out.splitlines() if "honest0001" in line).split()
+    assert honest[2:] == ["pub", "7", "abcdef01", "2.5000@6", "0.0MB", "0", "-", "1s"]
+    hostile = next(line for line in out.splitlines() if "hostile001" in line).split()
+    assert hostile[2:] == ["pub", "1e+12", "abcdef01", "-1e+308@1e+12", "5e+18B", "5e+18", "-", "1s"]
+    assert status_view._bytes(12_345_678_901) == "12345.7MB" and status_view._bytes(123 * 10**12) == "1e+14B"
+
+
 def test_a_bootstrap_peer_serving_a_manifest_that_does_not_verify_does_not_stop_the_others():
     """A bootstrap line may list several peers; one of them serving another run's manifest (a
     stale address) or a forged one used to end the join there."""
