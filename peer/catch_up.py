@@ -34,8 +34,10 @@ def catch_up_view(records: dict[str, Any], me: str, coordinator: str) -> CatchUp
     # round must not send everyone re-syncing, nor a few make everyone ask them after each round.
     others = sorted((r.round for pid, r in records.items() if pid != me), reverse=True)
     swarm_round = others[(len(others) - 1) // 2] if others else 0
-    if signer is None:
-        return CatchUpView(max((r.round for r in records.values()), default=0), swarm_round, records, frozenset())
+    if signer is None:  # (the coordinator away, or we are it): where at least half of the others are
+        # (the furthest record was the target: one made-up record of round 2**40 had every peer ask
+        # its silent signer after each round, and wait out a request for it; a review found)
+        return CatchUpView(swarm_round, swarm_round, records, frozenset())
     # Up to where the coordinator is, or where most peers are (it may lag); and half the records,
     # made up, must not send us re-syncing: it lags by a heartbeat or two only.
     return CatchUpView(max(signer.round, swarm_round), min(swarm_round, signer.round + COORDINATOR_LAG_ROUNDS),

@@ -715,6 +715,42 @@ def test_records_far_past_the_coordinators_neither_hold_up_nor_resync_a_voluntee
     assert sorted(asked) == ([f"sybil{i}" for i in range(min(sybils, CATCH_UP_ASKS))] if most and claim <= 18 else [])
 
 
+@pytest.mark.parametrize("whose", ["coordinator away", "coordinator itself"])
+def test_without_the_coordinators_record_one_far_off_record_sets_no_catch_up_target(participant, whose):
+    """Found by a review: with no coordinator record to hold claims to (it is away, or we are
+    it), the furthest record was where to catch up to: one made-up record of round 2**40 had a
+    peer ask its silent signer after every round. Where at least half of the others are is."""
+    from groundswell.peer.catch_up import catch_up_view
+    from groundswell.peer.records import PeerRecords
+
+    p, me = participant, participant.identity.peer_id
+    if whose == "coordinator itself":
+        p.coordinator_id = me
+    p.outer.round_id = 10
+
+    def rec(r: int) -> SimpleNamespace:
+        return SimpleNamespace(round=r, params_hash="h", earlier_hashes=[])
+
+    recs = {me: rec(10), "honest1": rec(10), "honest2": rec(10), "honest3": rec(10), "sybil": rec(1 << 40)}
+    view = catch_up_view(recs, me, p.coordinator_id)
+    assert (view.target, view.swarm_round) == (10, 10)
+    asked: list[str] = []
+
+    async def ask_decision(peer, r, attempt, wait_s):
+        asked.append(peer)
+        return b""  # silent
+
+    node = SimpleNamespace(cached_records=recs, refresh_in_background=lambda: None, identity=p.identity,
+                           _cached_records=recs, client=SimpleNamespace(ask_decision=ask_decision),
+                           server=SimpleNamespace(keep_rounds=8), book=None, call=lambda coro, timeout_s=None: asyncio.run(coro))
+    node.holders = lambda r: PeerRecords.holders(node, r)
+    p.node = node
+    assert p.catch_up(fresh=False) == 0 and asked == []
+    # most of the others past us: caught up to where they are, not to the made-up round
+    recs.update({"honest1": rec(12), "honest2": rec(12)})
+    assert catch_up_view(recs, me, p.coordinator_id).target == 12
+
+
 def test_a_volunteer_catches_up_with_most_peers_while_the_coordinators_record_lags(participant):
     """Found by a review: with records past the coordinator's round + 2 left out, a volunteer
     behind a swarm whose coordinator lagged 3 rounds or more stayed where it was."""
