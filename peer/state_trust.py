@@ -230,9 +230,10 @@ class StateCheck:
         except Exception as exc:  # the DHT failing (any error of hivemind's): cannot check, not the server's fault
             raise ProtocolError(f"cannot read the swarm's published hashes to check the state: {exc!r}",
                                 reason="unchecked", strike=False) from None
-        if not published:
-            # Not one record, not even the server's own: our view of the DHT is empty (its lookups
-            # failed quietly, or a hostile bootstrap peer is all we reach). Nothing to check against.
+        if not any(pid != self.me for pid in published):
+            # Not one record but ours, not even the server's own: our view of the DHT is empty (its
+            # lookups failed quietly, or a hostile bootstrap peer is all we reach). Nothing to check
+            # against. (Our own record counted as a view: any state then passed, a review found.)
             raise ProtocolError("no peer's published hashes could be read to check the state against",
                                 reason="unchecked", strike=False)
         signer, published = await self._coordinator_record(round_id, published, records)

@@ -150,6 +150,10 @@ def test_a_state_checked_against_an_empty_view_of_the_dht_is_refused(participant
         _check(participant, {}, "server", round_id=3)
     assert err.value.reason == "unchecked" and not err.value.strike
     assert _check(participant, {}, participant.coordinator_id, round_id=3).round == 3  # the run's signer
+    # our own record alone is no view either (a review: a state of any round from any server passed)
+    ours = {participant.identity.peer_id: SimpleNamespace(round=2, params_hash="mine", earlier_hashes=[])}
+    with pytest.raises(ProtocolError, match="no peer's published hashes could be read"):
+        _check(participant, ours, "server", round_id=10**6)
 
 
 def test_our_own_record_does_not_vote_on_the_state_we_are_checking(participant):
