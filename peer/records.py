@@ -92,6 +92,38 @@ class _Record:
     expiration_time: float
 
 
+def guard_find_answers(protocol: Any) -> None:
+    """Hold every DHT lookup answer `protocol` (a hivemind DHTProtocol) receives to what it holds:
+    a dictionary's overall expiration becomes the latest of its entries' (None if it has none),
+    and a value whose expiration is not finite counts as not found. hivemind takes an answer's
+    overall expiration as sent, and a lookup of the newest value ends at the first answer that
+    expires at infinity: one hostile DHT node answering so, with no records or only made-up
+    ones, hid every peer's record from the reader (a review)."""
+    from hivemind.dht.storage import DictionaryDHTValue
+    from hivemind.utils.timed_storage import ValueWithExpiration
+
+    ask = protocol.call_find
+
+    async def call_find(peer: Any, keys: Any) -> Any:
+        found = await ask(peer, keys)
+        if not found:
+            return found
+        held = {}
+        for key, (value, nearest) in found.items():
+            if value is not None and isinstance(value.value, DictionaryDHTValue):
+                latest = max((item.expiration_time for _, item in value.value.items()), default=None)
+                value = None if latest is None or not math.isfinite(latest) else \
+                    ValueWithExpiration(value.value, min(value.expiration_time, latest))
+                if value is not None:
+                    value.value.latest_expiration_time = value.expiration_time
+            elif value is not None and not math.isfinite(value.expiration_time):
+                value = None
+            held[key] = (value, nearest)
+        return held
+
+    protocol.call_find = call_find
+
+
 class PeerRecordValidator:
     """Refuses, on every DHT store and lookup answer, a run's peer record that is not signed by
     the peer it is stored under or that would outlive its signed time (see `lives_as_signed`).

@@ -56,7 +56,7 @@ from .reachability import (
     DialBack,
     listen_host,
 )
-from .records import HEARTBEAT_S, PeerRecords, PeerRecordValidator
+from .records import HEARTBEAT_S, PeerRecords, PeerRecordValidator, guard_find_answers
 from .run_state import GlobalState, RunContext
 from .state_download import state_timeout_s
 from .state_serving import StateServing, UploadSlots
@@ -194,8 +194,11 @@ class SwarmNode(PeerRecords, StateServing, NatTraversal, NetLoop):
                     log.warning("direct state downloads are off: cannot listen on %s: %s", host, exc)
             t3 = time.monotonic()
             # (bootstrapped by `enter_dht`, which retries where hivemind's own bootstrap gives up in 3 s)
+            # (no caching of what lookups find: an answer a hostile node made up was cached, then
+            # served to every other lookup and peer as if it were the run's records; a review)
             dht = await DHTNode.create(p2p=p2p, initial_peers=None, client_mode=self.reachability == "private",
-                                       record_validator=self.record_validator)
+                                       record_validator=self.record_validator, cache_locally=False, cache_nearest=0)
+            guard_find_answers(dht.protocol)
             self.dht = dht
             self.entered_through = await enter_run_dht(
                 p2p, dht, self.rejoiner, self.options.initial_peers, self.options.coordinator or "",
