@@ -169,7 +169,13 @@ class PeerRecordValidator:
         key_id = DHTID.from_bytes(key)
         for storage in (getattr(protocol, "storage", None), getattr(protocol, "cache", None)):
             found = storage.get(key_id) if storage is not None else None
-            if found is None or not isinstance(found.value, DictionaryDHTValue):
+            if found is None:
+                continue
+            if not isinstance(found.value, DictionaryDHTValue):
+                # A plain value under a run's records key is nobody's record: stored before we
+                # checked the key, it refused every record stored after it, and was the answer
+                # to every lookup here (a review).
+                del storage[key_id]
                 continue
             entries = list(found.value.items())
             good = [(k, v, e) for k, (v, e) in entries if keep(k, v, e)]

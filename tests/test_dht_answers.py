@@ -114,3 +114,23 @@ def test_an_answers_expiration_is_its_latest_entrys_and_one_with_none_is_not_fou
     held = asyncio.run(protocol.call_find("peer", list(answers)))
     assert held["k1"][0].expiration_time == now + 200 and held["k2"][0] is None and held["k3"][0] is None
     assert held["k4"][0].expiration_time == now + 80 and held["k5"][0] is None
+
+
+def test_a_plain_value_stored_under_the_run_key_before_it_was_checked_is_dropped():
+    # Found by a review: anyone could store a plain (not dictionary) value under the run's records
+    # key while a node had not fetched the manifest yet; it then refused every record stored
+    # after it and was the answer to every lookup there, hiding the run from that node.
+    from hivemind.dht.routing import DHTID
+    from hivemind.dht.storage import DHTLocalStorage
+    from hivemind.utils.serializer import MSGPackSerializer
+
+    key_id = DHTID.generate(source=PeerRecords.records_key(RUN))
+    storage, cache = DHTLocalStorage(), DHTLocalStorage()
+    for where in (storage, cache):
+        assert where.store(key_id, MSGPackSerializer.dumps(b"junk"), time.time() + 30 * 86400)
+    dht = SimpleNamespace(protocol=SimpleNamespace(storage=storage, cache=cache))
+    PeerRecordValidator().watch(RUN, dht)
+    assert storage.get(key_id) is None and cache.get(key_id) is None
+    identity = Identity.generate()
+    value, expiration = _signed(identity, 3)
+    assert storage.store(key_id, MSGPackSerializer.dumps(value), expiration, subkey=identity.peer_id)
