@@ -682,25 +682,11 @@ def test_a_states_commit_must_be_one_the_run_could_have_made(participant):
         check.check_decision(reply(leader, sorted(members[:-1] + [outsider.peer_id])))
 
 
-@pytest.mark.parametrize("sybils", [1, 3, 5])
-@pytest.mark.parametrize("claim", [1 << 40, 18, 12])
-def test_records_far_past_the_coordinators_neither_hold_up_nor_resync_a_volunteer(participant, sybils, claim):
-    """Found by reviews: after every round a volunteer asked each peer whose record claimed a
-    later round for the decision of its own, one after the other (a silent one costs a slack), and
-    once such records were half of the others, it re-synced the whole state after every round.
-    The coordinator's record says where the run is: records more than two rounds past it are left
-    out, and a few holders at most are asked, at once."""
-    from groundswell.peer.catch_up import CATCH_UP_ASKS
+def _silent_holders(p, recs: dict) -> list[str]:
+    """Give participant `p` a node whose cached records are `recs` and whose peers all answer a
+    decision request with nothing; returns the list the peers asked are appended to."""
     from groundswell.peer.records import PeerRecords
 
-    p, me, coord = participant, participant.identity.peer_id, participant.coordinator_id
-    p.outer.round_id = 10
-
-    def rec(r: int, h: str = "h10") -> SimpleNamespace:
-        return SimpleNamespace(round=r, params_hash=h, earlier_hashes=[])
-
-    recs = {me: rec(10), coord: rec(10), "honest1": rec(10), "honest2": rec(10),
-            **{f"sybil{i}": rec(claim, "made-up") for i in range(sybils)}}
     asked: list[str] = []
 
     async def ask_decision(peer, r, attempt, wait_s):
@@ -712,6 +698,28 @@ def test_records_far_past_the_coordinators_neither_hold_up_nor_resync_a_voluntee
                            server=SimpleNamespace(keep_rounds=8), book=None, call=lambda coro, timeout_s=None: asyncio.run(coro))
     node.holders = lambda r: PeerRecords.holders(node, r)
     p.node = node
+    return asked
+
+
+@pytest.mark.parametrize("sybils", [1, 3, 5])
+@pytest.mark.parametrize("claim", [1 << 40, 18, 12])
+def test_records_far_past_the_coordinators_neither_hold_up_nor_resync_a_volunteer(participant, sybils, claim):
+    """Found by reviews: after every round a volunteer asked each peer whose record claimed a
+    later round for the decision of its own, one after the other (a silent one costs a slack), and
+    once such records were half of the others, it re-synced the whole state after every round.
+    The coordinator's record says where the run is: records more than two rounds past it are left
+    out, and a few holders at most are asked, at once."""
+    from groundswell.peer.catch_up import CATCH_UP_ASKS
+
+    p, me, coord = participant, participant.identity.peer_id, participant.coordinator_id
+    p.outer.round_id = 10
+
+    def rec(r: int, h: str = "h10") -> SimpleNamespace:
+        return SimpleNamespace(round=r, params_hash=h, earlier_hashes=[])
+
+    recs = {me: rec(10), coord: rec(10), "honest1": rec(10), "honest2": rec(10),
+            **{f"sybil{i}": rec(claim, "made-up") for i in range(sybils)}}
+    asked = _silent_holders(p, recs)
     assert p.catch_up(fresh=False) == 0  # no RoundBehind: nothing says the run is far past us
     # Asked only when most records say the run is past us (and never past 8 rounds beyond the
     # coordinator's): then a few of them, at once.
@@ -725,7 +733,6 @@ def test_without_the_coordinators_record_one_far_off_record_sets_no_catch_up_tar
     it), the furthest record was where to catch up to: one made-up record of round 2**40 had a
     peer ask its silent signer after every round. Where at least half of the others are is."""
     from groundswell.peer.catch_up import catch_up_view
-    from groundswell.peer.records import PeerRecords
 
     p, me = participant, participant.identity.peer_id
     if whose == "coordinator itself":
@@ -738,17 +745,7 @@ def test_without_the_coordinators_record_one_far_off_record_sets_no_catch_up_tar
     recs = {me: rec(10), "honest1": rec(10), "honest2": rec(10), "honest3": rec(10), "sybil": rec(1 << 40)}
     view = catch_up_view(recs, me, p.coordinator_id)
     assert (view.target, view.swarm_round) == (10, 10)
-    asked: list[str] = []
-
-    async def ask_decision(peer, r, attempt, wait_s):
-        asked.append(peer)
-        return b""  # silent
-
-    node = SimpleNamespace(cached_records=recs, refresh_in_background=lambda: None, identity=p.identity,
-                           _cached_records=recs, client=SimpleNamespace(ask_decision=ask_decision),
-                           server=SimpleNamespace(keep_rounds=8), book=None, call=lambda coro, timeout_s=None: asyncio.run(coro))
-    node.holders = lambda r: PeerRecords.holders(node, r)
-    p.node = node
+    asked = _silent_holders(p, recs)
     assert p.catch_up(fresh=False) == 0 and asked == []
     # most of the others past us: caught up to where they are, not to the made-up round
     recs.update({"honest1": rec(12), "honest2": rec(12)})
