@@ -65,10 +65,9 @@ TOKEN_WAIT_S = 5.0  # a connection that has not sent its token by then is closed
 # otherwise flush an honest joiner's ticket between its offer and its redemption.
 MAX_TICKETS = 64
 TICKETS_KEPT_FOR_CONTRIBUTORS = 16  # of those, tickets only requesters the node vouches for may take
-# Concurrent downloads (connections that sent a valid token), as many as the stream's upload slots
-# (`peer.state_serving.MAX_UPLOADS`): a home uplink shared by more is slower for every joiner than
-# taking turns. With 16 (a review worked it out from these bounds), joiners at a launch would each
-# get 1/16 of the coordinator's uplink: too little to finish in the time they give a download.
+# Concurrent downloads (connections that sent a valid token), as many as the stream's upload slots:
+# a home uplink shared by more is slower for every joiner than taking turns (with 16, joiners at a
+# launch would each get too little of the coordinator's uplink to finish in time; a review).
 MAX_CONNECTIONS = 4
 DOWNLOADS_KEPT_FOR_CONTRIBUTORS = 1  # of those, downloads only requesters the node vouches for may hold
 # Connections that have not sent their token yet, kept apart from the downloads: anyone can open
@@ -92,9 +91,8 @@ MAX_SILENT_PER_SOURCE = 2
 # 127.0.0.1, and its joiners sync at once): the per-source bound does not apply to them.
 CAP_LOOPBACK = False
 _LEN = struct.Struct(">Q")
-# accept() errors that are one connection's failure, not the listener's (Linux's accept(2) passes
-# a pending connection's network errors on; BSD and macOS report one aborted before it was taken):
-# the next is accepted at once. Any other (out of descriptors or memory, say) pauses accepting.
+# accept() errors that are one pending connection's, not the listener's (Linux passes their network
+# errors on; BSD reports one aborted): the next is accepted at once. Any other pauses accepting.
 _ONE_CONNECTIONS_FAILURE = frozenset(getattr(errno, name) for name in (
     "ECONNABORTED", "ECONNRESET", "EPROTO", "ENETDOWN", "ENETUNREACH", "ENOPROTOOPT", "EHOSTDOWN", "EHOSTUNREACH",
     "ENONET", "EOPNOTSUPP") if hasattr(errno, name))
