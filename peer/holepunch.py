@@ -38,6 +38,7 @@ from typing import Any
 
 from groundswell.peer.dht_rejoin import address_scope
 from groundswell.peer.reachability import connection_paths, listen_host, tcp_targets
+from groundswell.protocol.framing import close_stream
 from groundswell.protocol.schema import PunchInvite, PunchInviteReply, PunchReply, PunchRequest
 from groundswell.protocol.transport import PeerUnavailable
 
@@ -304,15 +305,15 @@ class PunchTarget:
                     # closed (a dialer that never closes its end must not hold the forward).
                     _, running = await asyncio.wait(both, timeout=HALF_CLOSED_S)
                     if running:
-                        _end(inner_w)
-                        _end(outer_w)
+                        close_stream(inner_w)
+                        close_stream(outer_w)
                 if not running:  # both sides done: their last bytes go out before we close (bounded)
                     await _flush_and_close(inner_w)
                     await _flush_and_close(outer_w)
             finally:
-                _end(inner_w)
+                close_stream(inner_w)
         finally:
-            _end(outer_w)
+            close_stream(outer_w)
 
     async def _pump(self, src: asyncio.StreamReader, dst: asyncio.StreamWriter) -> None:
         try:
@@ -408,17 +409,6 @@ def listen_port(maddrs: Iterable[str]) -> int | None:
     """The TCP port of our daemon's plain TCP listen addresses (they share one), or None."""
     targets = tcp_targets(list(maddrs))
     return targets[0][1] if targets else None
-
-
-def _end(writer: asyncio.StreamWriter) -> None:
-    """Close a forward's side now. With bytes still unsent (the other end stopped reading, or is
-    gone), a plain close() would keep the socket registered with the event loop until they are
-    sent; the raw socket, closed by its owner right after, then leaves a stale registration that
-    breaks whatever socket next gets its file descriptor number. abort() drops them and unregisters."""
-    if writer.transport.get_write_buffer_size():
-        writer.transport.abort()
-    else:
-        writer.close()
 
 
 async def _flush_and_close(writer: asyncio.StreamWriter) -> None:

@@ -18,7 +18,9 @@ def close_stream(writer: asyncio.StreamWriter) -> None:
     """Close our end of a stream now. With bytes still unsent (the other end stopped reading, so
     p2pd stopped reading ours), a plain close() keeps the socket, and those bytes, until they are
     sent: for good, found by a review (60 streams whose callers never read left 60 descriptors and
-    47 MiB behind). abort() drops them."""
+    47 MiB behind); and a raw socket its owner closes right after leaves a stale registration with
+    the event loop that breaks whatever socket next gets its descriptor number (a hole punch's
+    forward). abort() drops the bytes and unregisters."""
     transport = getattr(writer, "transport", None)  # (a stand-in writer, in tests, may have none)
     if transport is not None and transport.get_write_buffer_size():
         transport.abort()
