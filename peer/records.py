@@ -13,7 +13,7 @@ import threading
 import time
 from collections import OrderedDict
 from concurrent.futures import Future
-from typing import Any
+from typing import Any, Callable
 
 from groundswell.protocol.clock_offset import skew_warning
 from groundswell.protocol.envelope import seal, unseal
@@ -26,8 +26,9 @@ CLOCK_WARN_S = 1.0  # our clock this far off the other peers' is worth a warning
 CLOCK_WARN_EVERY_S = 600.0  # and it is repeated this often while it lasts
 STORE_CUTOFF_S = RECORD_TTL_S - HEARTBEAT_S  # a heartbeat's store is given up after this (from its start)
 EXPIRY_SLACK_S = 1.0  # (a record's expiration is its own time plus RECORD_TTL_S, exactly)
-# A stored record may expire at most this far ahead of a storer's clock: the manifest's largest
-# clock skew (an hour) plus a record's life. Honest records expire RECORD_TTL_S after they are signed.
+# A stored record may expire at most this far ahead of a storer's clock, unless the run's manifest
+# allows less skew: the largest clock skew a manifest allows (an hour) plus a record's life.
+# Honest records expire RECORD_TTL_S after they are signed.
 FUTURE_RECORD_S = 3600.0 + RECORD_TTL_S
 LOOKUP_S = 30.0  # a lookup of the run's records is given up after this (a hung one blocked every later refresh)
 REJOIN_S = 30.0  # re-entering the DHT: dials (5 s each), pings and a lookup; it only runs when stores reach nobody
@@ -132,30 +133,42 @@ class PeerRecordValidator:
 
     priority = 0
 
-    def __init__(self) -> None:
+    def __init__(self, known: Callable[[str], bool] = lambda peer_id: False) -> None:
         self._runs: dict[bytes, str] = {}  # DHT key id of a run's records -> run id
+        self._future_s: dict[bytes, float] = {}  # ...-> how far ahead of our clock its entries may expire
+        self.known = known  # (`peer/record_storage.py`: peers whose records a full key keeps first)
 
-    def watch(self, run_id: str, dht: Any = None) -> None:
+    def watch(self, run_id: str, dht: Any = None, max_clock_skew_s: float = FUTURE_RECORD_S - RECORD_TTL_S) -> None:
         """Check the records of `run_id` from now on, and drop the ones `dht` (a DHTNode) took in
         before: hivemind refuses a whole answer for a key if one of its entries fails, so an entry
-        stored while we were not yet checking would hide every record this node serves."""
+        stored while we were not yet checking would hide every record this node serves. Stored
+        records may expire up to `max_clock_skew_s` plus a record's life ahead of our clock."""
         from hivemind.dht.routing import DHTID
         from hivemind.utils.serializer import MSGPackSerializer
 
         key = DHTID.generate(source=PeerRecords.records_key(run_id)).to_bytes()
         self._runs[key] = run_id
+        self._future_s[key] = min(max_clock_skew_s + RECORD_TTL_S, FUTURE_RECORD_S)
         self._keep_only(dht, key, lambda k, v, e: self.validate(_Record(key, MSGPackSerializer.dumps(k), v, e)))
 
+    def watching(self) -> bool:
+        """Does this node check some run's records (and so store nothing else)?"""
+        return bool(self._runs)
+
+    def future_limit_s(self, key: bytes) -> float | None:
+        """How far ahead of our clock a stored entry of `key` may expire (None: no run's key)."""
+        return self._future_s.get(key)
+
     def prune_far_future(self, dht: Any) -> None:
-        """Drop from `dht`'s storage the run records that expire more than FUTURE_RECORD_S past our
-        clock. Not a rule of `validate`: that one also judges lookup answers, and hivemind refuses
+        """Drop from `dht`'s storage the run records that expire further past our clock than
+        `future_limit_s` (stores after `watch` refuse them: `peer/record_storage.py`). Not a rule of `validate`: that one also judges lookup answers, and hivemind refuses
         a whole answer for one entry it refuses, so a record dated just under a storer's limit would
         hide every record from a reader whose clock is a little behind (readers drop such records
         one by one). As a storer we keep none: a batch of records dated hours ahead, stored once,
         pushed the run key's answers past p2pd's 4 MiB reply cap for as long (found by a review)."""
-        limit = time.time() + FUTURE_RECORD_S
-        for key in list(self._runs):
-            self._keep_only(dht, key, lambda k, v, e: e <= limit)
+        now = time.time()
+        for key, ahead in list(self._future_s.items()):
+            self._keep_only(dht, key, lambda k, v, e: e <= now + ahead)
 
     @staticmethod
     def _keep_only(dht: Any, key: bytes, keep: Any) -> None:

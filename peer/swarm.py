@@ -56,6 +56,7 @@ from .reachability import (
     DialBack,
     listen_host,
 )
+from .record_storage import guard_record_storage
 from .records import HEARTBEAT_S, PeerRecords, PeerRecordValidator, guard_find_answers
 from .run_state import GlobalState, RunContext
 from .state_download import state_timeout_s
@@ -110,8 +111,11 @@ class SwarmNode(PeerRecords, StateServing, NatTraversal, NetLoop):
         self._down: str | None = None  # why the running node stopped by itself (see `_run`)
         # After a network outage; dialling only addresses where the run's own are (see dialable_scopes).
         own = options.initial_peers or options.announce_maddrs or options.host_maddrs
-        self.record_validator = PeerRecordValidator()  # (the DHT's: see records.lives_as_signed)
         self.rejoiner = DhtRejoiner(identity.peer_id, options.initial_peers, scopes=dialable_scopes(own))
+        # (the DHT's: see records.lives_as_signed; a full records key keeps the records of peers
+        # that did the run's work, the coordinator's and ours first: peer/record_storage.py)
+        self.record_validator = PeerRecordValidator(
+            lambda pid: pid in (identity.peer_id, options.coordinator) or self.rejoiner.is_proven(pid))
         # Proven peers of the run this start entered through, its bootstrap peers being down or
         # silent (`dht_entry.enter_run_dht`); empty when one of those let it in.
         self.entered_through: list[str] = []
@@ -199,6 +203,7 @@ class SwarmNode(PeerRecords, StateServing, NatTraversal, NetLoop):
             dht = await DHTNode.create(p2p=p2p, initial_peers=None, client_mode=self.reachability == "private",
                                        record_validator=self.record_validator, cache_locally=False, cache_nearest=0)
             guard_find_answers(dht.protocol)
+            guard_record_storage(dht.protocol, self.record_validator)
             self.dht = dht
             self.entered_through = await enter_run_dht(
                 p2p, dht, self.rejoiner, self.options.initial_peers, self.options.coordinator or "",
@@ -244,15 +249,18 @@ class SwarmNode(PeerRecords, StateServing, NatTraversal, NetLoop):
                     if p2p_class is not None:
                         release_private_sockets()
 
-    async def watch_records(self, run_id: str) -> None:
+    async def watch_records(self, run_id: str, max_clock_skew_s: float | None = None) -> None:
         """Check the peer records of `run_id` this node reads or keeps (signed by the peer they
         name, ...: `PeerRecordValidator`); a reader that never attaches to the run needs it too,
         or any DHT node could hide a peer's record, or fail the whole lookup, with junk."""
-        self.record_validator.watch(run_id, self.dht)
+        if max_clock_skew_s is None:
+            self.record_validator.watch(run_id, self.dht)  # (the largest skew a manifest allows)
+        else:
+            self.record_validator.watch(run_id, self.dht, max_clock_skew_s)
 
     async def _attach(self, ctx: RunContext) -> None:
         self.ctx = ctx
-        await self.watch_records(ctx.run_id)
+        await self.watch_records(ctx.run_id, ctx.limits.max_clock_skew_s)
         self.guard.limits = ctx.limits
         self.transport = Transport(self.p2p, self.identity, ctx.run_id, self.guard)
         self.book = DecisionBook(ctx.run_id)

@@ -1,0 +1,156 @@
+"""What a DHT node stores for others is bounded (peer/record_storage.py).
+
+Found by a review (2026-12-07): records cost an open run's sybils nothing, and hivemind's storage
+took any number of entries under the run's one records key, expiring up to an hour ahead: 31
+records of the schema's largest size pushed every answer past p2pd's 4 MiB reply cap, hiding
+every peer's record. Keys of no run filled a storer's memory the same way."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from types import SimpleNamespace
+
+import pytest
+from groundswell.peer import record_storage
+from groundswell.peer.record_storage import MAX_ENTRIES, MAX_KEY_BYTES, guard_record_storage
+from groundswell.peer.records import PeerRecords, PeerRecordValidator, expires_at
+from groundswell.protocol.envelope import seal
+from groundswell.protocol.identity import Identity
+from groundswell.protocol.schema import PeerRecord
+
+RUN = "run"
+REPLY_CAP = 4 << 20  # p2pd's largest reply
+
+
+def _key():
+    from hivemind.dht.routing import DHTID
+
+    return DHTID.generate(source=PeerRecords.records_key(RUN))
+
+
+def _node(known: tuple[str, ...] = (), skew_s: float = 120.0) -> SimpleNamespace:
+    from hivemind.dht.storage import DHTLocalStorage
+
+    validator = PeerRecordValidator(lambda pid: pid in known)
+    protocol = SimpleNamespace(storage=DHTLocalStorage(), cache=DHTLocalStorage())
+    guard_record_storage(protocol, validator)
+    validator.watch(RUN, SimpleNamespace(protocol=protocol), skew_s)
+    return SimpleNamespace(protocol=protocol, validator=validator)
+
+
+def _held(storage) -> dict[str, bytes]:
+    found = storage.get(_key())
+    return {} if found is None else {k: item.value for k, item in found.value.items()}
+
+
+def _answer_bytes(storage) -> int:
+    from hivemind.utils.serializer import MSGPackSerializer
+
+    return len(MSGPackSerializer.dumps(storage.get(_key()).value))
+
+
+@pytest.mark.parametrize("where", ["storage", "cache"])
+def test_large_records_signed_far_ahead_no_longer_fill_an_answer_past_the_reply_cap(where):
+    node = _node()
+    storage = getattr(node.protocol, where)
+    now = time.time()
+    for i in range(60):  # 60 x 100 kB, each expiring as late as the run's skew lets it
+        storage.store(_key(), bytes(100_000), now + 120.0, subkey=f"sybil-{i}")
+    held = _held(storage)
+    assert 0 < len(held) < 60 and sum(map(len, held.values())) <= MAX_KEY_BYTES
+    assert _answer_bytes(storage) < REPLY_CAP
+    # An honest record (it expires a record's life after its signing) still gets in.
+    assert storage.store(_key(), b"honest", now + 6.0, subkey="honest")
+    held = _held(storage)
+    assert "honest" in held and sum(map(len, held.values())) <= MAX_KEY_BYTES
+
+
+def test_a_full_key_keeps_the_records_of_peers_known_to_have_done_the_runs_work():
+    node = _node(known=("worker",))
+    storage = node.protocol.storage
+    now = time.time()
+    for i in range(MAX_ENTRIES):
+        assert storage.store(_key(), b"x" * 40, now + 50.0, subkey=f"sybil-{i}")
+    assert storage.store(_key(), b"work", now + 60.0, subkey="worker")  # displaces one stranger
+    held = _held(storage)
+    assert len(held) == MAX_ENTRIES and "worker" in held
+    # Strangers storing records that expire sooner cannot push it out again.
+    for i in range(200):
+        storage.store(_key(), b"y", now + 40.0, subkey=f"later-{i}")
+    held = _held(storage)
+    assert len(held) == MAX_ENTRIES and held["worker"] == b"work"
+    # A stranger that ranks lowest (its record expires latest) is the one left out.
+    assert not storage.store(_key(), b"z" * 40, now + 100.0, subkey="late")
+    assert "late" not in _held(storage)
+    # The key's own expiration is that of what it holds, not of what was dropped.
+    assert storage.get(_key()).expiration_time <= now + 60.0
+
+
+def test_a_record_replacing_its_own_older_one_needs_no_room():
+    node = _node()
+    storage = node.protocol.storage
+    now = time.time()
+    for i in range(MAX_ENTRIES):
+        storage.store(_key(), b"x", now + 5.0, subkey=f"peer-{i}")
+    assert storage.store(_key(), b"newer", now + 6.0, subkey="peer-7")
+    held = _held(storage)
+    assert len(held) == MAX_ENTRIES and held["peer-7"] == b"newer"
+
+
+def test_entries_may_expire_only_as_far_ahead_as_the_runs_clock_skew_allows():
+    node = _node(skew_s=30.0)
+    storage = node.protocol.storage
+    now = time.time()
+    assert storage.store(_key(), b"a", now + 30.0, subkey="within")
+    assert not storage.store(_key(), b"b", now + 120.0, subkey="beyond")
+    assert sorted(_held(storage)) == ["within"]
+    wide = _node(skew_s=3600.0)  # the largest a manifest allows (status readers assume it)
+    assert wide.protocol.storage.store(_key(), b"b", now + 3000.0, subkey="beyond")
+
+
+def test_a_node_watching_a_run_stores_no_other_key():
+    from hivemind.dht.routing import DHTID
+    from hivemind.dht.storage import DHTLocalStorage
+
+    validator = PeerRecordValidator()
+    protocol = SimpleNamespace(storage=DHTLocalStorage(), cache=DHTLocalStorage())
+    guard_record_storage(protocol, validator)
+    other = DHTID.generate(source="someone/else")
+    expiration = time.time() + 60
+    assert protocol.storage.store(other, b"before", expiration)  # (not in a run yet: hivemind's rules)
+    validator.watch(RUN, SimpleNamespace(protocol=protocol))
+    for where in (protocol.storage, protocol.cache):
+        assert not where.store(DHTID.generate(source="junk"), bytes(1 << 20), expiration)
+        assert not where.store(DHTID.generate(source="junk"), bytes(10), expiration, subkey="s")
+        assert not where.store(_key(), b"plain", expiration)  # a plain value under the run's key
+
+
+def _signed(identity: Identity) -> tuple[bytes, float]:
+    from hivemind.utils.serializer import MSGPackSerializer
+
+    rec = PeerRecord(3, "h" * 64, "volunteer", True, True, [], "public", 1.0, 0, time.time())
+    return MSGPackSerializer.dumps(seal(identity, RUN, rec)), expires_at(rec)
+
+
+def test_hiveminds_own_store_handler_is_held_to_the_cap(monkeypatch):
+    # (DHTProtocol.rpc_store as hivemind runs it on a store request from another node)
+    from hivemind.dht.protocol import DHTProtocol
+    from hivemind.proto import dht_pb2
+    from hivemind.utils.serializer import MSGPackSerializer
+
+    monkeypatch.setattr(record_storage, "MAX_ENTRIES", 2)
+    node = _node()
+    protocol = object.__new__(DHTProtocol)
+    protocol.record_validator, protocol.serializer = node.validator, MSGPackSerializer
+    protocol.node_info = dht_pb2.NodeInfo()
+    protocol.storage, protocol.cache = node.protocol.storage, node.protocol.cache
+    identities = [Identity.generate() for _ in range(3)]
+    values = [_signed(i) for i in identities]
+    request = dht_pb2.StoreRequest(
+        keys=[_key().to_bytes()] * 3, subkeys=[MSGPackSerializer.dumps(i.peer_id) for i in identities],
+        values=[v for v, _ in values], expiration_time=[e + 0.001 * n for n, (_, e) in enumerate(values)],
+        in_cache=[False] * 3)
+    response = asyncio.run(protocol.rpc_store(request, None))
+    assert list(response.store_ok) == [True, True, False]  # the third (expiring latest) is left out
+    assert sorted(_held(protocol.storage)) == sorted(i.peer_id for i in identities[:2])
