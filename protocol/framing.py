@@ -57,12 +57,18 @@ async def write_frame_paced(writer: asyncio.StreamWriter, data: bytes | bytearra
     loop = asyncio.get_running_loop()
     writer.write(_LEN.pack(len(data)))
     view = memoryview(data).cast("B")
-    began, needed = loop.time(), len(view) / max(within_s, 1e-3)  # bytes/s to finish in time
+    began, floor = loop.time(), PACED_SHARE * len(view) / max(within_s, 1e-3)  # bytes/s
     for start in range(0, len(view), WRITE_PIECE):
-        if (took := loop.time() - began) > PACED_GRACE_S and start < PACED_SHARE * needed * took:
-            raise TimeoutError(f"reader too slow: {start} bytes in {took:.0f} s")
-        writer.write(view[start:start + WRITE_PIECE])
-        await writer.drain()
+        end = min(start + WRITE_PIECE, len(view))
+        writer.write(view[start:end])
+        # The reader must have taken this piece (but for the buffers) by the time the pace allows,
+        # checked while waiting: checked between pieces only, a reader taking a few bytes a
+        # second kept a MiB piece's drain, and the stream, waiting for the whole timeout.
+        try:
+            async with asyncio.timeout_at(began + max(PACED_GRACE_S, end / max(floor, 1e-9))):
+                await writer.drain()
+        except TimeoutError:
+            raise TimeoutError(f"reader too slow: under {end} bytes in {loop.time() - began:.0f} s") from None
     if not len(view):
         await writer.drain()
 

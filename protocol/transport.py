@@ -224,7 +224,10 @@ class Transport:
                         out, bulk, release = await answer(remote, request, opened)
                     finally:
                         self.guard.release_bytes(remote, reserved)
-                    await write_frame(writer, out)
+                    # (a large reply, an aggregate shard, is held to the trailers' pace: a caller
+                    # reading it a trickle at a time held its request slot for the handler's whole
+                    # timeout, and 32 identities of 32 streams each held all 1,024; a review)
+                    await write_frame_paced(writer, out, ends - asyncio.get_running_loop().time())
                     if trailer:
                         await write_frame_paced(writer, bulk, ends - asyncio.get_running_loop().time())
                         self.bytes_sent += len(bulk) + _LEN.size

@@ -41,3 +41,17 @@ def test_a_reader_far_too_slow_to_finish_in_time_is_cut_off(monkeypatch):
     steady = _Reader(per_piece_s=0.06)  # 16,700 B/s: slower than the pace that finishes in time, over half of it
     asyncio.run(framing.write_frame_paced(steady, data, within_s=1.0))
     assert steady.taken == len(data) + framing._LEN.size
+
+
+def test_a_reader_that_stops_taking_bytes_mid_piece_is_cut_off_on_time(monkeypatch):
+    # Found by a review (2026-12-07): the pace was checked between pieces only, so a reader that
+    # stopped reading kept a piece's drain, and its stream, waiting for the whole timeout.
+    import time
+
+    monkeypatch.setattr(framing, "WRITE_PIECE", 1000)
+    monkeypatch.setattr(framing, "PACED_GRACE_S", 0.2)
+    stuck = _Reader(per_piece_s=3600.0)
+    started = time.monotonic()
+    with pytest.raises(TimeoutError, match="reader too slow"):
+        asyncio.run(framing.write_frame_paced(stuck, bytes(20_000), within_s=1.0))
+    assert time.monotonic() - started < 5

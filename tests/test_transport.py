@@ -490,3 +490,61 @@ def test_a_reply_its_caller_never_reads_does_not_keep_our_socket_after_the_handl
                 b.close()
 
     assert asyncio.run(go()) == [-1, -1, -1]
+
+
+def test_a_large_reply_read_a_trickle_at_a_time_is_cut_off_and_frees_its_slot(monkeypatch):
+    # Found by a review (2026-12-07): a reply other than a state's trailer (an aggregate shard) was
+    # written without the trailers' pace rule, so a caller reading it a trickle at a time held its
+    # request slot for the handler's whole timeout: 32 identities of 32 streams held all 1,024.
+    import socket
+    import struct
+
+    from groundswell.protocol import framing
+    from groundswell.protocol.envelope import seal
+    from groundswell.protocol.guard import Guard
+    from groundswell.protocol.schema import AggregateRequest
+    from groundswell.protocol.transport import Presealed, Transport
+
+    monkeypatch.setattr(framing, "PACED_GRACE_S", 0.5)
+
+    class _P2P:
+        def __init__(self) -> None:
+            self.handlers: dict[str, Any] = {}
+
+        async def add_binary_stream_handler(self, name: str, fn: Any) -> None:
+            self.handlers[name] = fn
+
+    async def go() -> tuple[float, int]:
+        me, caller = Identity.generate(), Identity.generate()
+        p2p, guard = _P2P(), Guard()
+        transport = Transport(p2p, me, RUN, guard)
+
+        async def on_aggregate(sender: str, msg: AggregateRequest) -> Presealed:
+            return Presealed(b"x" * (16 << 20))  # well past what the socket buffers take
+
+        await transport.serve("get-aggregate", AggregateRequest, on_aggregate, timeout_s=60.0)
+        (handler,) = p2p.handlers.values()
+        a, b = socket.socketpair()
+        b.setblocking(False)
+        reader, writer = await asyncio.open_unix_connection(sock=a)
+        request = seal(caller, RUN, AggregateRequest(1, 0, 0.0))
+        b.sendall(struct.pack(">Q", len(request)) + request)
+        peer = type("Peer", (), {"to_base58": lambda self: caller.peer_id})()
+        info = type("Info", (), {"peer_id": peer})()
+        started = time.monotonic()
+        run = asyncio.ensure_future(handler(info, reader, writer))
+        try:
+            while not run.done() and time.monotonic() - started < 20:  # ~40 kB/s: 16 MiB would take 7 min
+                try:
+                    b.recv(4096)
+                except BlockingIOError:
+                    pass
+                await asyncio.sleep(0.1)
+            took = time.monotonic() - started
+            await asyncio.wait_for(run, 5)
+            return took, guard.streams
+        finally:
+            b.close()
+
+    took, still_open = asyncio.run(go())
+    assert took < 15 and still_open == 0  # (unpaced, the handler wrote on for its 60 s)
