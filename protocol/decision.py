@@ -8,6 +8,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from collections import Counter
 from typing import TYPE_CHECKING, Any
 
 from .aggregator import BEGAN_BEFORE_START, CONTESTED, FENCED_OFF
@@ -336,7 +337,13 @@ class Decider:
         within the attempt's deadline (a churn run lost 70 s of one round that way)."""
         _, decision = unseal(signed, self.ctx.run_id, Decision)
         shard_bytes = self.ctx.max_payload_bytes * max(1, len(decision.contributors)) / max(1, decision.num_shards)
-        wait = self.ctx.slack_s + 2 * shard_bytes / 100e6
+        # A source acks once it has built the means of the shards it sources; a replica acks first
+        # and builds after. So the grace after every shard has a holder that sealed includes a
+        # source's build: without it, a source of a big dense shard (1.3 s for 25M values from 4
+        # contributors on one core) was replaced by a replica that acked first, which as the next
+        # source was replaced the same way, and the round never committed (a review).
+        build_s = 2 * shard_bytes * max(Counter(decision.sources).values(), default=1) / 100e6
+        wait = self.ctx.slack_s + build_s
         loop = asyncio.get_running_loop()
 
         async def one(peer: str) -> Ack:
@@ -363,7 +370,8 @@ class Decider:
         pending, covered_at = set(tasks), None
         try:
             while pending:
-                timeout = None if covered_at is None else max(0.0, covered_at + seal_grace(self.ctx) - loop.time())
+                timeout = None if covered_at is None else \
+                    max(0.0, covered_at + seal_grace(self.ctx) + build_s - loop.time())
                 done, pending = await asyncio.wait(pending, timeout=timeout, return_when=asyncio.FIRST_COMPLETED)
                 acks.update((tasks[t], t.result()) for t in done)
                 if not done:
