@@ -29,6 +29,7 @@ class PunchScheduler:
     MAX_RETRY_S = 1800.0
     PER_PASS = 4  # attempts running at once, at most (each can take ~20 s)
     PER_PASS_UNPROVEN = 2  # of them, to peers no commit we hold names: records are free to publish
+    MAX_PAIRS = 4096  # pairs whose backoff is remembered (records are free: their number is not bounded)
 
     def __init__(self, me: str, rendezvous: list[str], p2p: Any, transport: Any,
                  records: Any, target: PunchTarget | None = None) -> None:
@@ -77,10 +78,8 @@ class PunchScheduler:
             paths = connection_paths(await self.p2p.list_peers())
         self.direct -= {p for p in known if paths.get(p) != "direct"}
         records = self.records()
-        for book in (self._fails, self._next):  # forget peers that left
-            for gone in [p for p in book if p not in records]:
-                del book[gone]
         now = time.monotonic()
+        self._forget_old(now)
         due = [peer for peer, rec in sorted(records.items())
                if peer > self.me and rec.reachability == "private" and paths.get(peer) != "direct"
                and now >= self._next.get(peer, 0.0) and peer not in self._trying]
@@ -93,6 +92,18 @@ class PunchScheduler:
         for peer in chosen[:max(0, self.PER_PASS - len(self._trying))]:
             self._trying.add(peer)
             attempts.create_task(self._attempt_once(peer))
+
+    def _forget_old(self, now: float) -> None:
+        """Forget pairs whose retry came due over MAX_RETRY_S ago, and the oldest past MAX_PAIRS.
+        Not by their absence from the records: one read without a peer's record (it froze for a
+        record's life, or the lookup found nothing during a link blip) cleared its backoff, or
+        every pair's, and the failed pairs were all punched again at the next pass (a review)."""
+        for peer in [p for p, due in self._next.items() if now - due > self.MAX_RETRY_S]:
+            del self._next[peer]
+            self._fails.pop(peer, None)
+        for peer in sorted(self._next, key=self._next.__getitem__)[:max(0, len(self._next) - self.MAX_PAIRS)]:
+            del self._next[peer]
+            self._fails.pop(peer, None)
 
     async def _attempt_once(self, peer: str) -> None:
         """`attempt`, marked as running while it runs; an error in it fails this pair, not the group."""

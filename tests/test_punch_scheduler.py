@@ -88,3 +88,42 @@ def test_a_hung_daemon_skips_a_pass_and_does_not_stop_the_scheduler(monkeypatch)
 
     asyncio.run(main())
     assert _Hung.calls >= 3
+
+
+def test_a_failed_pairs_backoff_outlives_a_records_read_without_its_peer(monkeypatch):
+    # Found by a review (2026-12-07): the backoff was dropped whenever the peer was missing from
+    # one read of the records (a record lives 6 s; a lookup that found nothing read as none), so
+    # a failed pair was punched again at the very next pass, not after 150 s to 30 min.
+    from groundswell.peer import holepunch
+
+    tries: list[str] = []
+
+    async def failing_punch(p2p, transport, rdv, target, scopes=None):
+        tries.append(target)
+        raise holepunch.DialFailed("dialling timed out (a symmetric NAT?)")
+
+    monkeypatch.setattr(holepunch, "punch_through", failing_punch)
+    view = {f"{ME}-nat": _private()}
+    sched = PunchScheduler(ME, ["rdv"], _NoConnections(), None, lambda: view)
+    asyncio.run(sched.once())
+    assert tries == [f"{ME}-nat"]
+    asyncio.run(sched.once())
+    assert len(tries) == 1  # backed off
+    view.clear()  # one read without its record
+    asyncio.run(sched.once())
+    view[f"{ME}-nat"] = _private()
+    asyncio.run(sched.once())
+    assert len(tries) == 1 and sched._fails[f"{ME}-nat"] == 1
+
+
+def test_backoffs_are_forgotten_once_long_past_and_their_number_is_bounded(monkeypatch):
+    import time
+
+    sched = PunchScheduler(ME, ["rdv"], _NoConnections(), None, lambda: {})
+    monkeypatch.setattr(PunchScheduler, "MAX_PAIRS", 10)
+    now = time.monotonic()
+    sched._next = {f"p{i:02d}": now + i for i in range(20)}
+    sched._fails = {f"p{i:02d}": 1 for i in range(20)}
+    sched._next["old"], sched._fails["old"] = now - PunchScheduler.MAX_RETRY_S - 1, 3
+    asyncio.run(sched.once())
+    assert sorted(sched._next) == [f"p{i:02d}" for i in range(10, 20)] == sorted(sched._fails)
