@@ -192,7 +192,8 @@ class PunchTarget:
         if msg.dialer in self.pending:
             return PunchInviteReply(False, "a punch for this dialer is under way")
         replacing = msg.dialer in self.live
-        if len(self.pending) >= MAX_PENDING or (len(self.live) >= MAX_FORWARDED and not replacing):
+        # (punches under way count against the forwards too: each may become one)
+        if len(self.pending) >= MAX_PENDING or (len(self.live | self.pending) >= MAX_FORWARDED and not replacing):
             return PunchInviteReply(False, "busy")
         targets = tcp_targets([msg.address])
         if not targets or not may_dial(msg.address, targets[0][0], self.scopes, self.own_hosts):

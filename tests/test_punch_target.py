@@ -47,6 +47,8 @@ def test_an_invited_peer_punches_only_for_its_bootstrap_peers_and_only_to_tcp_ad
     ({f"d{i}" for i in range(holepunch.MAX_PENDING)}, set(), "dialer", "busy"),
     (set(), {f"d{i}" for i in range(holepunch.MAX_FORWARDED)}, "dialer", "busy"),
     ({"dialer"}, set(), "dialer", "a punch for this dialer is under way"),
+    # forwards and punches under way together (a review: with 63 live, 8 more were all taken)
+    ({"d-new"}, {f"d{i}" for i in range(holepunch.MAX_FORWARDED - 1)}, "dialer", "busy"),
 ])
 def test_an_invited_peer_bounds_its_punches(pending, live, dialer, reason):
     async def go():
