@@ -73,6 +73,16 @@ def dialable_scopes(own: Sequence[str]) -> frozenset[str]:
     return frozenset({PUBLIC})
 
 
+def listen_scopes(own: Sequence[str], visible: Sequence[str]) -> frozenset[str]:
+    """`dialable_scopes` of `own`, or, when every one of them is unspecified (0.0.0.0, ::: a
+    coordinator launched without --announce), of the addresses our daemon turned out to listen
+    at (`visible`): judged from 0.0.0.0 alone, a coordinator with a public address took its run
+    for a LAN run, and its probe, whose answer decides, judged a volunteer it saw at 10.x public
+    (a review)."""
+    unspecified = bool(own) and all(str(m).split("/")[2:3] in (["0.0.0.0"], ["::"]) for m in own)
+    return dialable_scopes(visible if unspecified and visible else own)
+
+
 MERGE_EVERY_S = 60.0  # a routing table lacking bootstrap or proven peers pings them this often
 MAX_MERGE_PINGS = 16  # ...that many at most
 

@@ -18,7 +18,7 @@ from groundswell.protocol.transport import Transport
 
 from .daemon import adopt_p2pd_daemons, reap_daemons
 from .dht_entry import dial_known
-from .dht_rejoin import address_scope
+from .dht_rejoin import address_scope, listen_scopes
 from .net_errors import NetworkError
 from .node_options import NodeOptions
 from .reachability import (
@@ -100,6 +100,8 @@ class NatTraversal:
             p2p = await self._create_daemon(p2p_class, reachability, [], relayed)
         self.p2p = p2p
         self.maddrs = [str(m) for m in await p2p.get_visible_maddrs()]
+        if not (self.options.initial_peers or self.options.announce_maddrs):  # (see `listen_scopes`)
+            self.rejoiner.scopes = listen_scopes(self.options.host_maddrs, self.maddrs)
         self.bootstrap_transport = Transport(p2p, self.identity, "", self.guard)
         return p2p
 

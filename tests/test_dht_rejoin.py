@@ -360,3 +360,18 @@ def test_a_table_lacking_bootstrap_or_proven_peers_pings_them_back_in():
         assert pinged == []  # not due yet
     finally:
         dht_rejoin.MERGE_EVERY_S = old
+
+
+@pytest.mark.parametrize("own,visible,scopes", [
+    # a coordinator launched with the default --listen and no --announce, on a machine with a
+    # public address: a public run, whose probes refuse a volunteer seen at 10.x (a review)
+    (["/ip4/0.0.0.0/tcp/0"], ["/ip4/127.0.0.1/tcp/4001", "/ip4/1.2.3.4/tcp/4001"], {"public"}),
+    (["/ip4/0.0.0.0/tcp/0"], ["/ip4/127.0.0.1/tcp/4001", "/ip4/192.168.1.5/tcp/4001"], {"public", "private"}),
+    (["/ip4/0.0.0.0/tcp/0", "/ip6/::/tcp/0"], ["/ip6/::1/tcp/4001", "/ip6/2001:db9::1/tcp/4001"], {"public"}),
+    (["/ip4/0.0.0.0/tcp/0"], [], {"public", "private"}),  # (nothing seen: as 0.0.0.0 alone says)
+    (["/ip4/10.0.0.2/tcp/0"], ["/ip4/1.2.3.4/tcp/4001"], {"public", "private"}),  # a listen address given wins
+])
+def test_a_run_listening_everywhere_takes_its_scopes_from_where_its_daemon_listens(own, visible, scopes):
+    from groundswell.peer.dht_rejoin import listen_scopes
+
+    assert listen_scopes(own, visible) == frozenset(scopes)

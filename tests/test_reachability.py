@@ -384,3 +384,27 @@ def test_no_prober_is_asked_or_waited_for_past_the_starts_limit(monkeypatch):
     assert [peer for peer, _ in probers.asked] == ["A"] and probers.asked[0][1] <= 2.5  # (17 s otherwise)
     # the limit and a scheduler's slack, not its 3 s wait to ask a busy prober again (5.5 s before)
     assert time.monotonic() - started < 5.0
+
+
+def test_a_node_listening_everywhere_judges_its_runs_scopes_from_where_its_daemon_listens():
+    # Found by a review (2026-12-07): `launch`'s default --listen is 0.0.0.0, which alone reads as
+    # a LAN run; a coordinator with a public address then judged a volunteer it saw at 10.x public.
+    import asyncio
+
+    from groundswell.peer.swarm import NodeOptions, SwarmNode
+
+    class _P2P:
+        @classmethod
+        async def create(cls, **kwargs):
+            return cls()
+
+        async def get_visible_maddrs(self):
+            return ["/ip4/127.0.0.1/tcp/4001", "/ip4/1.2.3.4/tcp/4001"]
+
+    node = SwarmNode(Identity.generate(), None, NodeOptions(host_maddrs=("/ip4/0.0.0.0/tcp/0",)))
+    assert node.rejoiner.scopes == {"public", "private"}  # (0.0.0.0 alone)
+    asyncio.run(node._create_p2p(_P2P, "public"))
+    assert node.rejoiner.scopes == {"public"}
+    given = SwarmNode(Identity.generate(), None, NodeOptions(host_maddrs=("/ip4/10.0.0.2/tcp/0",)))
+    asyncio.run(given._create_p2p(_P2P, "public"))
+    assert given.rejoiner.scopes == {"public", "private"}  # (a listen address given is the run's word)
