@@ -99,6 +99,14 @@ class Aggregator(HaveReporter):
         self._check_open(msg.round, msg.attempt)
         if msg.shard >= self.ctx.max_shards:
             raise ProtocolError(f"shard {msg.shard} does not exist", reason="bad-payload")
+        # Not an attempt `_free_old_attempts` has let go: filled newest first, attempts long past
+        # were each held again, and a round retried N times held N attempts' contributions, not
+        # KEEP_ATTEMPTS (a review). Honest contributors send only to the attempt of their clock.
+        newest = max((a for (r, a), held in self.attempts.items() if r == msg.round and held.contributions),
+                     default=msg.attempt)
+        if msg.attempt < newest - KEEP_ATTEMPTS:
+            self.transport.guard.count(sender, "contribute", "stale-attempt", strike=False)
+            return Ack(False, f"attempt {msg.attempt} of round {msg.round} is long over")
         slot = self.attempts[(msg.round, msg.attempt)]
         membership = self.book.membership(msg.round)
         trainers = frozenset(membership.trainers) if membership else frozenset()

@@ -1,0 +1,77 @@
+"""An aggregator holds contributions of the newest KEEP_ATTEMPTS attempts of a round at most
+(protocol/aggregator.py). Found by a review (2026-12-07): attempts were bounded from above only, so
+sybils filling attempts newest first had every attempt long past held again (each freed only
+those before itself), and a round retried N times held N attempts' contributions."""
+
+from __future__ import annotations
+
+import asyncio
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from groundswell.compression import RobustOptions, make_codec, segment_bounds
+from groundswell.peer.run_state import RunContext
+from groundswell.protocol.aggregator import KEEP_ATTEMPTS
+from groundswell.protocol.context import DecisionBook
+from groundswell.protocol.envelope import seal
+from groundswell.protocol.guard import Guard, Limits
+from groundswell.protocol.identity import Identity
+from groundswell.protocol.plan import attempt_for, slot_width
+from groundswell.protocol.schema import Decision, ShardContribution
+from groundswell.protocol.server import RoundServer
+from groundswell.protocol.transport import Transport
+
+sys.path.insert(0, str(Path(__file__).parent))
+from inproc_harness import FakeP2P
+
+pytestmark = pytest.mark.timeout(60)
+RUN, NUMEL, DEADLINE, SLACK = "old-attempts", 4 * 4096, 30.0, 1.0
+
+
+class _Done(Exception):
+    """Ends the server's task group (its reports to absent leaders would wait on)."""
+
+
+async def _fill_newest_first(tg: asyncio.TaskGroup) -> None:
+    me, lead, c1, c2 = (Identity.generate() for _ in range(4))
+    numels = tuple(b - a for a, b in segment_bounds(NUMEL, 4096))
+    ctx = RunContext(RUN, 2, DEADLINE, SLACK, 4, numels, make_codec("fp32"), 4 * NUMEL + 8192, None,
+                     RobustOptions(), Limits())
+    server = RoundServer(ctx, Transport(FakeP2P(), me, RUN, Guard(ctx.limits)), DecisionBook(RUN), me, tg)
+    opened = time.time() - 20 * slot_width(DEADLINE, SLACK)  # the round has been retried for 20 attempts
+    server.started_at = opened - 100
+    trainers = sorted([c1.peer_id, c2.peer_id])
+    server.book.add(seal(lead, RUN, Decision(-1, 0, "commit", [], trainers, sorted([me.peer_id, lead.peer_id]),
+                                             lead.peer_id, [], 0, opened)))
+    current = attempt_for(time.time(), opened, DEADLINE, SLACK)
+
+    async def contribute(who: Identity, attempt: int) -> bool:
+        plan = await server.plan(0, attempt, 0)
+        a, b = plan.shard_segments[0]
+        msg = ShardContribution(0, attempt, 0, a, [ctx.codec.encode(torch.randn(numels[i])).to_bytes()
+                                                   for i in range(a, b)])
+        return (await server._on_contribute(who.peer_id, msg, seal(who, RUN, msg))).ok
+
+    assert await contribute(c1, current)
+    sybil = Identity.generate()
+    taken = {a: await contribute(sybil, a) for a in reversed(range(current))}
+    held = sorted(a for (r, a), slot in server.attempts.items() if r == 0 and slot.contributions)
+    raise _Done(current, taken, held)
+
+
+def test_attempts_long_past_take_no_contribution_whatever_the_order():
+    found = []
+    try:
+        async def go() -> None:
+            async with asyncio.TaskGroup() as tg:
+                await _fill_newest_first(tg)
+        asyncio.run(go())
+    except* _Done as done:
+        found.extend(done.exceptions[0].args)
+    current, taken, held = found
+    assert all(taken[a] for a in range(current - KEEP_ATTEMPTS, current))  # recent ones: a straggler's, say
+    assert not any(taken[a] for a in range(current - KEEP_ATTEMPTS))
+    assert held == list(range(current - KEEP_ATTEMPTS, current + 1))
