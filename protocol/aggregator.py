@@ -391,6 +391,7 @@ class Aggregator(HaveReporter):
         return AggregateShard(b"", shard, "signed", [held[c][2] for c in contributors])
 
     async def _on_get_contributions(self, sender: str, msg: ContributionsRequest) -> AggregateShard:
+        self._check_open(msg.round, msg.attempt)  # (before planning: anyone may ask, of any attempt)
         plan = await self.plan(msg.round, msg.attempt, 0.0)
         if plan is None or sender not in plan.leaders:  # only the attempt's leaders score
             return AggregateShard(b"", msg.shard, "none", [])
