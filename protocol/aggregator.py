@@ -421,11 +421,13 @@ class Aggregator(HaveReporter):
         does, right after the commit; sealing a dense shard copies and hashes all of it). Kept for
         the newest two rounds asked for; an older round's sealing is shared while any reply of it
         is being sent. Sealed one at a time, off the event loop: anyone may ask for any kept
-        round, and a flood of asks for old ones would otherwise seal a copy per ask, on the loop."""
+        round, and a flood of asks for old ones would otherwise seal a copy per ask, on the loop.
+        The newest two rounds have a lane of their own: asks for old rounds, queued first, held
+        up the first ask for a round just committed, which every peer needs at once (a review)."""
         hit = self._cached_seal(key, agg)
         if hit is not None:
             return hit
-        async with self._sealing:
+        async with self._sealing_fresh if key[0] >= self.book.latest() - 1 else self._sealing:
             hit = self._cached_seal(key, agg)  # (sealed while we waited our turn)
             if hit is not None:
                 return hit

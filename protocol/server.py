@@ -150,6 +150,7 @@ class RoundServer(Aggregator, Leading, Claims, Decider):
         self._sealed: dict[tuple[int, int], Presealed] = {}  # see `_sealed_aggregate`
         self._sealed_shared: weakref.WeakValueDictionary[tuple[int, int], Presealed] = weakref.WeakValueDictionary()
         self._sealing = asyncio.Lock()
+        self._sealing_fresh = asyncio.Lock()  # (the newest two rounds': see `_sealed_aggregate`)
         self.later_claims: dict[int, int] = {}  # round -> newest attempt whose claim we let pass (a fence)
         # Fences and seals live in memory: a restarted process has forgotten those its previous
         # one held, so it seals nothing of an attempt that began before it (`_seal_refusal`).

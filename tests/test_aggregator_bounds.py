@@ -1,7 +1,11 @@
-"""An aggregator holds contributions of the newest KEEP_ATTEMPTS attempts of a round at most
-(protocol/aggregator.py). Found by a review (2026-12-07): attempts were bounded from above only, so
-sybils filling attempts newest first had every attempt long past held again (each freed only
-those before itself), and a round retried N times held N attempts' contributions."""
+"""What anyone's requests can make an aggregator hold or do (protocol/aggregator.py), found by a
+review (2026-12-07): attempts long past took contributions again; each request planned its attempt
+again; asks for old rounds' aggregates held up the first ask for a round just committed.
+
+An aggregator holds contributions of the newest KEEP_ATTEMPTS attempts of a round at most:
+attempts were bounded from above only, so sybils filling attempts newest first had every attempt
+long past held again (each freed only those before itself), and a round retried N times held N
+attempts' contributions."""
 
 from __future__ import annotations
 
@@ -105,3 +109,29 @@ def test_an_attempts_plan_is_made_once_and_none_for_an_attempt_not_begun(monkeyp
             assert len(made) == 2
 
     asyncio.run(go())
+
+
+def test_the_first_ask_for_a_round_just_committed_does_not_wait_behind_asks_for_old_rounds():
+    from groundswell.protocol.schema import AggregateRequest, AggregateShard
+
+    async def go() -> int:
+        me = Identity.generate()
+        numels = tuple(b - a for a, b in segment_bounds(NUMEL, 4096))
+        ctx = RunContext(RUN, 2, DEADLINE, SLACK, 4, numels, make_codec("fp32"), 4 * NUMEL + 8192, None,
+                         RobustOptions(), Limits())
+        async with asyncio.TaskGroup() as tg:
+            server = RoundServer(ctx, Transport(FakeP2P(), me, RUN, Guard(ctx.limits)), DecisionBook(RUN), me, tg)
+            blob = bytes(16 << 20)  # a dense shard: each sealing copies and hashes it
+            for r in range(8):  # the kept rounds; round 7 was just committed
+                for shard in range(4):
+                    server.aggregates[(r, shard)] = AggregateShard(b"d%d" % r, shard, "mean", [blob])
+            server.book.latest = lambda: 7
+            old = [asyncio.ensure_future(server._on_get_aggregate("x", AggregateRequest(r, s, 1.0)))
+                   for r in range(6) for s in range(4)]
+            await asyncio.sleep(0)  # (all of them queued first)
+            await server._on_get_aggregate("x", AggregateRequest(7, 0, 1.0))
+            ahead = sum(t.done() for t in old)
+            await asyncio.gather(*old)
+            return ahead
+
+    assert asyncio.run(go()) <= 2  # (one lane for all, first come first served: all 24 went first)
