@@ -40,6 +40,7 @@ from .transport import Presealed
 
 log = logging.getLogger(__name__)
 FUTURE_ROUNDS = 3  # contributions and joins further ahead of our newest commit are dropped
+REFUSED_KEPT = 256  # senders of invalid contributions remembered per attempt, besides the planned trainers
 # Contributions held for this many attempts of a round before the newest: claims look 4 back, and a
 # stand-in that scores contributions and replaces a failed source may still be deciding one 5 back.
 KEEP_ATTEMPTS = 6
@@ -152,7 +153,8 @@ class Aggregator(HaveReporter):
         try:  # parsed and checked in a worker thread: a dense shard of a large model takes a while
             rows, sq_norm = await asyncio.to_thread(self._checked_contribution, msg)
         except ProtocolError:  # counted and dropped by the transport; the leaders hear of it
-            slot.refused.add(sender)
+            if sender in trainers or len(slot.refused) < REFUSED_KEPT:  # (identities are free: bounded)
+                slot.refused.add(sender)
             self._report(msg.round, msg.attempt)
             raise
         if (early := settled()) is not None:  # sealed, or another copy from the sender landed, meanwhile

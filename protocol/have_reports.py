@@ -131,7 +131,9 @@ class HaveReporter:
             if len(ids) > MAX_LIST:  # (a report must stay a valid message: the plan's trainers first)
                 ids = first_members(set(ids) & set(plan.trainers), set(ids), MAX_LIST)
             reports.append(HaveReport(round_id, attempt, shard, ids, [held[c][3] for c in ids],
-                                      sorted(slot.refused)[:64]))
+                                      # (the plan's trainers first: leaders keep only those they expect,
+                                      # and sybils with low ids pushed an honest refused one out)
+                                      first_members(slot.refused & set(plan.trainers), slot.refused, 64)))
 
         async def tell(report: HaveReport) -> bool:
             key = (leader, report.shard)

@@ -135,3 +135,50 @@ def test_the_first_ask_for_a_round_just_committed_does_not_wait_behind_asks_for_
             return ahead
 
     assert asyncio.run(go()) <= 2  # (one lane for all, first come first served: all 24 went first)
+
+
+def test_a_refused_trainer_is_reported_before_strangers_and_strangers_are_bounded():
+    # (same review) `slot.refused` kept every identity that sent an invalid payload, and reports
+    # named the 64 lowest ids: sybils with low ids pushed a refused trainer out, so its leader
+    # waited for a contribution that would never come.
+    from groundswell.protocol.aggregator import REFUSED_KEPT
+    from groundswell.protocol.schema import Ack, ProtocolError
+
+    async def run() -> None:
+        me, lead, trainer = Identity.generate(), Identity.generate(), Identity.generate()
+        numels = tuple(b - a for a, b in segment_bounds(NUMEL, 4096))
+        ctx = RunContext(RUN, 2, DEADLINE, SLACK, 4, numels, make_codec("fp32"), 4 * NUMEL + 8192, None,
+                         RobustOptions(), Limits())
+        async with asyncio.TaskGroup() as tg:
+            server = RoundServer(ctx, Transport(FakeP2P(), me, RUN, Guard(ctx.limits)), DecisionBook(RUN), me, tg)
+            server.book.add(seal(lead, RUN, Decision(-1, 0, "commit", [], ["~" + trainer.peer_id],
+                                                     sorted([me.peer_id, lead.peer_id]), lead.peer_id, [], 0,
+                                                     time.time())))
+            plan = await server.plan(0, 0, 0)
+            a, b = plan.shard_segments[0]
+            bad = ShardContribution(0, 0, 0, a, [bytes(7) for _ in range(a, b)])
+            for i in range(REFUSED_KEPT + 50):  # strangers, then the trainer, each with an invalid payload
+                with pytest.raises(ProtocolError):
+                    await server._on_contribute(f"{i:04d}", bad, b"envelope")
+            with pytest.raises(ProtocolError):
+                await server._on_contribute("~" + trainer.peer_id, bad, b"envelope")
+            slot = server.attempts[(0, 0)]
+            slot.contributions[0]["0000"] = (a, [], b"", b"d" * 16)
+            sent = []
+
+            async def request(peer, kind, report, reply, timeout_s):
+                sent.append(report)
+                return Ack(True, "")
+
+            server.transport.request = request
+            await server._send_have(0, 0, plan, lead.peer_id, True)
+            raise _Done(sent[0].refused, len(slot.refused))
+
+    found = []
+    try:
+        asyncio.run(run())
+    except* _Done as done:
+        found.extend(done.exceptions[0].args)
+    refused, kept = found
+    assert refused[-1].startswith("~") and len(refused) == 64  # (sorted: "~" after the digits)
+    assert kept == REFUSED_KEPT + 1
