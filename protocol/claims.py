@@ -55,8 +55,9 @@ class Claims:
     ctx: Any
     attempts: Any
     later_claims: dict[int, int]  # round -> newest attempt whose claim this peer let pass
-    # earlier attempts' commits whose aggregate a claim could not gather -> (round, tried for the whole window)
-    unobtainable: dict[bytes, tuple[int, bool]]
+    # (round, attempt, leader) of earlier attempts' commits whose aggregate a claim could not
+    # gather -> (round, tried for the whole window)
+    unobtainable: dict[tuple[int, int, str], tuple[int, bool]]
     plan: Callable[..., Awaitable[RoundPlan | None]]  # RoundServer.plan
     _hold_all: Callable[[bytes, float | None], Awaitable[bool]]  # RoundServer._hold_all: gather a commit's aggregate
 
@@ -102,8 +103,12 @@ class Claims:
                 ours = self._seals_before(plan.round, plan.attempt)
             others = [x for x in dict.fromkeys(group) if x != me][:32]
             replies = await gather_owned(self._ask_claim(x, plan, fence) for x in others)
-            objected = any(r is not None and not r.ok and not r.decision for r in replies)
-            # that leader let another one decide, or is deciding an earlier attempt
+            if any(r is not None and not r.ok and not r.decision for r in replies):
+                # That leader let another one decide, or is deciding an earlier attempt: heard
+                # before anything is adopted. A commit adopted first (one a replier called final,
+                # on its word alone) let a claimer take an earlier attempt's commit that its
+                # leader, objecting, still replaced by another and announced (a review).
+                return False
             witnessed: dict[bytes, bool] = dict(ours) if fence else {}  # each commit tried once
             for r in replies:
                 if r is not None and not r.ok and r.decision:
@@ -112,8 +117,6 @@ class Claims:
             for signed, final in sorted(witnessed.items(), key=lambda w: not w[1]):
                 if await self._adopt(plan, signed, final, fenced=fence):
                     return False
-            if objected:
-                return False
         # A lower-ranked leader's claim may have taken our grant while we waited, or we let a
         # later attempt's leader pass (our own slot was not deciding yet): then we yield.
         if (slot.granted_to != me or slot.decision is not None
@@ -188,7 +191,10 @@ class Claims:
             if earlier and not final and not fenced:
                 return False  # the fenced step hands it over again, once its leader can no longer re-seal
             whole = not earlier or final
-            tried = self.unobtainable.get(signed)
+            # Tried once per leader of an attempt, not per commit: a hostile leader of an earlier
+            # attempt signed a fresh commit (a new `time`) for every reply, and each one cost a
+            # claim step the whole window (a review: every claim took two windows).
+            tried = self.unobtainable.get((decision.round, decision.attempt, signer))
             if tried is not None and (tried[1] or not whole):
                 return False  # tried already, by an earlier claim of ours, for as long as this one would
             # An earlier attempt's commit that its holders can hand over comes at once; one that
@@ -199,7 +205,7 @@ class Claims:
                             decision.attempt, " (it is final)" if final else "")
                 if not earlier:
                     return True  # that leader may still be gathering it
-                self.unobtainable[signed] = (plan.round, whole)
+                self.unobtainable[(decision.round, decision.attempt, signer)] = (plan.round, whole)
                 return False
             try:
                 self.book.add(signed)
@@ -251,8 +257,10 @@ class Claims:
             # the claimer try to gather it while we still were, and fence us off when it could not.
             return ClaimReply(False, b"")
         seals = self._seals_before(msg.round, msg.attempt)  # earlier attempts' commits we sealed
-        if seals and (not msg.fence or all(final for _, final in seals)):
-            return ClaimReply(False, *seals[0])  # a fence of an unconfirmed one is also noted (below)
+        if seals and all(final for _, final in seals):
+            return ClaimReply(False, *seals[0])  # confirmed by its leader: the round's commit
+        # (An unconfirmed one is handed over below, after our grant: answered at once, it let two
+        # leaders of an attempt that both held it pass their claims, and a split followed.)
         known = self.attempts.get((msg.round, msg.attempt))
         if known is not None and known.decision is not None and not seals:
             return ClaimReply(False, known.decision)
@@ -280,15 +288,14 @@ class Claims:
             return ClaimReply(False, b"")
         if msg.round in self.book.committed:
             return ClaimReply(False, self.book.committed[msg.round][0], True)
-        if seals := self._seals_before(msg.round, msg.attempt):
-            # A commit we sealed (perhaps while we planned): the claimer tries to adopt it. An
-            # unconfirmed one is fenced off here all the same (no await since the check above):
-            # its leader, slow to answer the claim while it gathers the aggregate, say, asks us
-            # before it announces, and stands back, since this claimer may commit the round
-            # otherwise if it cannot gather this commit. A confirmed one is final (and handed
-            # over first), but a fence still counts against any other seal we hold unconfirmed.
-            if msg.fence and not all(final for _, final in seals):
-                self.later_claims[msg.round] = max(self.later_claims.get(msg.round, -1), msg.attempt)
+        # A commit we sealed (perhaps while we planned): the claimer tries to adopt it, once we
+        # granted it the attempt (below). An unconfirmed one is fenced off here all the same (no
+        # await since the check above): its leader, slow to answer the claim while it gathers the
+        # aggregate, say, asks us before it announces, and stands back, since this claimer may
+        # commit the round otherwise if it cannot gather this commit. A confirmed one is final
+        # (and handed over first), but a fence still counts against any other seal we hold unconfirmed.
+        seals = self._seals_before(msg.round, msg.attempt)
+        if seals and all(final for _, final in seals):
             return ClaimReply(False, *seals[0])
         if msg.fence:
             self.later_claims[msg.round] = max(self.later_claims.get(msg.round, -1), msg.attempt)
@@ -297,8 +304,8 @@ class Claims:
         if slot.decision is not None:
             return ClaimReply(False, slot.decision)
         me = self.identity.peer_id
-        if me not in plan.leaders:
-            return ClaimReply(True, b"")  # an earlier attempt's leader: no say in this one
+        if me not in plan.leaders:  # an earlier attempt's leader: no say in this one
+            return ClaimReply(False, *seals[0]) if seals else ClaimReply(True, b"")
         # Two leaders that claim at once would refuse each other; the lower rank wins unless the
         # other is already deciding. (Safety does not rest on this tie-break: of two claimers, each
         # granted itself before asking the other, and one that gave its grant away stands back.)
@@ -310,4 +317,7 @@ class Claims:
         if holder is None or (holder != me and rank(sender) < rank(holder)) or (
                 holder == me and not slot.deciding and rank(sender) < rank(me)):
             slot.granted_to = sender
-        return ClaimReply(slot.granted_to == sender, b"")
+        if slot.granted_to != sender:
+            return ClaimReply(False, b"")  # an objection, whatever seals we hold
+        seals = self._seals_before(msg.round, msg.attempt)  # (again: one may have landed while we probed)
+        return ClaimReply(False, *seals[0]) if seals else ClaimReply(True, b"")

@@ -95,7 +95,7 @@ def _commit_of(next_trainers, next_servers):
     book.add(seal(ids[0], "run", Decision(-1, 0, "commit", [], peers, peers, ids[0].peer_id, [], 0,
                                           time.time() - 5, [])))
     server = object.__new__(RoundServer)
-    server.book, server._learning, server.identity = book, set(), ids[1]
+    server.book, server._learning, server.identity, server._plans = book, set(), ids[1], {}
     server.ctx = SimpleNamespace(run_id="run", min_peers=2, deadline_s=30.0, slack_s=2.0, max_shards=4,
                                  segment_numels=(4096,) * 8, limits=SimpleNamespace(max_clock_skew_s=120.0),
                                  authorized=lambda p: True, may_serve=lambda p: True)
