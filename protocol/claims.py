@@ -26,6 +26,9 @@ log = logging.getLogger(__name__)
 
 # A claim fences off (and may adopt a commit of) this many attempts of the round before its own.
 EARLIER_ATTEMPTS_CLAIMED = 4
+# An earlier attempt's leader's final commits get the whole window to gather this many times (per
+# claimer), then two slacks: a re-seal after a stale first commit still gets its turn.
+WHOLE_TRIES = 2
 # At most this long (and half a slack, so a claimer waiting on our answer is not timed out) to
 # find out whether a grant's holder is dead; a refused dial is quick.
 PROBE_S = 2.0
@@ -46,6 +49,14 @@ async def ping(transport: Any, peer: str, round_id: int, attempt: int, timeout_s
         return PeerUnavailable(str(exc))
 
 
+def _decision_time(signed: bytes, run_id: str) -> float:
+    """The time a signed decision carries (0 if it is not one: it is refused when adopted)."""
+    try:
+        return unseal(signed, run_id, Decision)[1].time
+    except ProtocolError:
+        return 0.0
+
+
 class Claims:
     """The claim half of the leader; needs the server's identity, transport, book, plan() and attempts."""
 
@@ -55,9 +66,9 @@ class Claims:
     ctx: Any
     attempts: Any
     later_claims: dict[int, int]  # round -> newest attempt whose claim this peer let pass
-    # (round, attempt, leader) of earlier attempts' commits whose aggregate a claim could not
-    # gather -> (round, tried for the whole window)
-    unobtainable: dict[tuple[int, int, str], tuple[int, bool]]
+    # earlier attempts' commits whose aggregate a claim could not gather -> (round, tried for the whole window)
+    unobtainable: dict[bytes, tuple[int, bool]]
+    whole_tries: dict[tuple[int, int, str], int]  # (round, attempt, leader) -> whole windows its commits had
     plan: Callable[..., Awaitable[RoundPlan | None]]  # RoundServer.plan
     _hold_all: Callable[[bytes, float | None], Awaitable[bool]]  # RoundServer._hold_all: gather a commit's aggregate
 
@@ -103,20 +114,28 @@ class Claims:
                 ours = self._seals_before(plan.round, plan.attempt)
             others = [x for x in dict.fromkeys(group) if x != me][:32]
             replies = await gather_owned(self._ask_claim(x, plan, fence) for x in others)
-            if any(r is not None and not r.ok and not r.decision for r in replies):
-                # That leader let another one decide, or is deciding an earlier attempt: heard
-                # before anything is adopted. A commit adopted first (one a replier called final,
-                # on its word alone) let a claimer take an earlier attempt's commit that its
-                # leader, objecting, still replaced by another and announced (a review).
+            objected = any(r is not None and not r.ok and not r.decision for r in replies)
+            if objected and not fence:
+                # A leader deciding an earlier attempt, or one that let another claimer have
+                # ours: heard before anything is adopted. Adopted first, a commit a replier called
+                # final, on its word alone, was taken over the objection of its leader, which still
+                # replaced it by another and announced that (a review). In the fenced step the
+                # earlier leaders can no longer confirm where we fenced, and objections there (a
+                # peer catching up, which cannot note a fence) stop the claim only after adoption.
                 return False
-            witnessed: dict[bytes, bool] = dict(ours) if fence else {}  # each commit tried once
+            witnessed: dict[bytes, list[Any]] = {s: [f, 1] for s, f in ours} if fence else {}  # each tried once
             for r in replies:
                 if r is not None and not r.ok and r.decision:
-                    witnessed[r.decision] = witnessed.get(r.decision, False) or r.final
-            # Final ones first: a holder that missed its leader's re-seal still hands the older seal.
-            for signed, final in sorted(witnessed.items(), key=lambda w: not w[1]):
+                    seen = witnessed.setdefault(r.decision, [False, 0])
+                    seen[0], seen[1] = seen[0] or r.final, seen[1] + 1
+            # Final ones first, then those more peers hold, then the newest: a holder that missed
+            # its leader's re-seal still hands the older seal, and may call it final.
+            for signed, (final, _) in sorted(witnessed.items(), key=lambda w: (not w[1][0], -w[1][1],
+                                                                            -_decision_time(w[0], self.ctx.run_id))):
                 if await self._adopt(plan, signed, final, fenced=fence):
                     return False
+            if objected:
+                return False
         # A lower-ranked leader's claim may have taken our grant while we waited, or we let a
         # later attempt's leader pass (our own slot was not deciding yet): then we yield.
         if (slot.granted_to != me or slot.decision is not None
@@ -191,10 +210,14 @@ class Claims:
             if earlier and not final and not fenced:
                 return False  # the fenced step hands it over again, once its leader can no longer re-seal
             whole = not earlier or final
-            # Tried once per leader of an attempt, not per commit: a hostile leader of an earlier
-            # attempt signed a fresh commit (a new `time`) for every reply, and each one cost a
-            # claim step the whole window (a review: every claim took two windows).
-            tried = self.unobtainable.get((decision.round, decision.attempt, signer))
+            # The whole window at most WHOLE_TRIES times per leader of an earlier attempt, then
+            # two slacks: a hostile leader signed a fresh commit (a new `time`) for every reply,
+            # and each cost a claim step the whole window (a review: every claim took two). Not
+            # once per leader: its stale first commit would hide its re-seal (a second review).
+            leader_key = (decision.round, decision.attempt, signer)
+            if whole and earlier and self.whole_tries.get(leader_key, 0) >= WHOLE_TRIES:
+                whole = False
+            tried = self.unobtainable.get(signed)
             if tried is not None and (tried[1] or not whole):
                 return False  # tried already, by an earlier claim of ours, for as long as this one would
             # An earlier attempt's commit that its holders can hand over comes at once; one that
@@ -205,7 +228,9 @@ class Claims:
                             decision.attempt, " (it is final)" if final else "")
                 if not earlier:
                     return True  # that leader may still be gathering it
-                self.unobtainable[(decision.round, decision.attempt, signer)] = (plan.round, whole)
+                self.unobtainable[signed] = (plan.round, whole)
+                if whole:
+                    self.whole_tries[leader_key] = self.whole_tries.get(leader_key, 0) + 1
                 return False
             try:
                 self.book.add(signed)
@@ -311,8 +336,12 @@ class Claims:
         # granted itself before asking the other, and one that gave its grant away stands back.)
         rank = plan.leaders.index
         await self._revoke_if_dead(plan, slot, claimer=sender)
+        if msg.round in self.book.committed:  # (again after the probe: all of these may change meanwhile)
+            return ClaimReply(False, self.book.committed[msg.round][0], True)
         if slot.decision is not None:
             return ClaimReply(False, slot.decision)
+        if self._deciding_before(msg.round, msg.attempt) or self.later_claims.get(msg.round, -1) > msg.attempt:
+            return ClaimReply(False, b"")
         holder = slot.granted_to
         if holder is None or (holder != me and rank(sender) < rank(holder)) or (
                 holder == me and not slot.deciding and rank(sender) < rank(me)):

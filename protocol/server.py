@@ -155,7 +155,8 @@ class RoundServer(Aggregator, Leading, Claims, Decider):
         # Fences and seals live in memory: a restarted process has forgotten those its previous
         # one held, so it seals nothing of an attempt that began before it (`_seal_refusal`).
         self.started_at = time.time()
-        self.unobtainable: dict[tuple[int, int, str], tuple[int, bool]] = {}  # see `Claims.unobtainable`
+        self.unobtainable: dict[bytes, tuple[int, bool]] = {}  # see `Claims.unobtainable`
+        self.whole_tries: dict[tuple[int, int, str], int] = {}  # see `Claims.whole_tries`
         self._learning: set[int] = set()  # rounds whose commit we are asking a peer for (`_learn_previous`)
         self._plans: OrderedDict[tuple[int, int, Membership], RoundPlan] = OrderedDict()  # see `plan`
         self._archived = asyncio.Event()
@@ -266,8 +267,10 @@ class RoundServer(Aggregator, Leading, Claims, Decider):
             del self.attempts[key]
         for r in [r for r in self.later_claims if r < round_id - 1]:
             del self.later_claims[r]
-        for key in [x for x, (r, _) in self.unobtainable.items() if r < round_id - 1]:
-            del self.unobtainable[key]
+        for signed in [x for x, (r, _) in self.unobtainable.items() if r < round_id - 1]:
+            del self.unobtainable[signed]
+        for key in [k for k in self.whole_tries if k[0] < round_id - 1]:
+            del self.whole_tries[key]
         self._archived.set()
         self._archived = asyncio.Event()
 

@@ -32,7 +32,7 @@ class _Claimer(Claims):
 
     def __init__(self) -> None:
         self.ctx = SimpleNamespace(run_id=RUN, slack_s=1.0)
-        self.unobtainable = {}
+        self.unobtainable, self.whole_tries = {}, {}
         self.gathered: list[bytes] = []
         self.added: list[bytes] = []
         self.book = SimpleNamespace(add=self.added.append)
