@@ -194,6 +194,10 @@ class PeerRecordValidator:
             good = [(k, v, e) for k, (v, e) in entries if keep(k, v, e)]
             if len(good) < len(entries):
                 del storage[key_id]
+                guard = getattr(storage, "record_guard", None)  # (peer/record_storage.py)
+                if guard is not None:
+                    guard.restore(storage, key_id, good)
+                    continue
                 for subkey, value, expiration in good:
                     storage.store(key_id, value, expiration, subkey=subkey)
 

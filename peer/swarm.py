@@ -56,7 +56,7 @@ from .reachability import (
     DialBack,
     listen_host,
 )
-from .record_storage import guard_record_storage
+from .record_storage import CommitMembers, guard_record_storage
 from .records import HEARTBEAT_S, PeerRecords, PeerRecordValidator, guard_find_answers
 from .run_state import GlobalState, RunContext
 from .state_download import state_timeout_s
@@ -114,8 +114,10 @@ class SwarmNode(PeerRecords, StateServing, NatTraversal, NetLoop):
         self.rejoiner = DhtRejoiner(identity.peer_id, options.initial_peers, scopes=dialable_scopes(own))
         # (the DHT's: see records.lives_as_signed; a full records key keeps the records of peers
         # that did the run's work, the coordinator's and ours first: peer/record_storage.py)
+        members = CommitMembers()  # (the rejoiner's proven peers are capped at 256: not these)
         self.record_validator = PeerRecordValidator(
-            lambda pid: pid in (identity.peer_id, options.coordinator) or self.rejoiner.is_proven(pid))
+            lambda pid: bool(pid) and pid in (identity.peer_id, options.coordinator) or pid in members.of(self.book)
+            or self.rejoiner.is_proven(pid))
         # Proven peers of the run this start entered through, its bootstrap peers being down or
         # silent (`dht_entry.enter_run_dht`); empty when one of those let it in.
         self.entered_through: list[str] = []

@@ -154,3 +154,94 @@ def test_hiveminds_own_store_handler_is_held_to_the_cap(monkeypatch):
     response = asyncio.run(protocol.rpc_store(request, None))
     assert list(response.store_ok) == [True, True, False]  # the third (expiring latest) is left out
     assert sorted(_held(protocol.storage)) == sorted(i.peer_id for i in identities[:2])
+
+
+# --- found by a second review of the limits (2026-12-07) ------------------------------------------
+
+
+def test_expired_entries_are_refused_and_push_nobody_out():
+    # (ranked by expiration, an expired record outranked every stranger: one 48 kB store evicted
+    # 21 honest records and stored nothing)
+    node = _node()
+    storage = node.protocol.storage
+    now = time.time()
+    for i in range(MAX_ENTRIES):
+        storage.store(_key(), b"x", now + 60.0, subkey=f"peer-{i}")
+    assert not storage.store(_key(), bytes(48_000), now - 1.0, subkey="expired")
+    assert len(_held(storage)) == MAX_ENTRIES
+
+
+def test_strangers_keep_their_places_first_come_whatever_their_expiration():
+    # (a backdated record, expiring sooner, evicted an honest stranger already in the key)
+    node = _node()
+    storage = node.protocol.storage
+    now = time.time()
+    for i in range(MAX_ENTRIES):
+        assert storage.store(_key(), b"x", now + 60.0, subkey=f"peer-{i:04d}")
+    assert not storage.store(_key(), b"b", now + 1.0, subkey="backdated")
+    assert storage.store(_key(), b"again", now + 65.0, subkey="peer-0007")  # a heartbeat keeps its place
+    held = _held(storage)
+    assert len(held) == MAX_ENTRIES and held["peer-0007"] == b"again" and "backdated" not in held
+
+
+def test_a_known_peer_displaces_the_newest_stranger_in_place():
+    # (each store to a full key sorted it and rebuilt it whole: ~16 ms a store, driven by anyone)
+    node = _node(known=("worker",))
+    storage = node.protocol.storage
+    now = time.time()
+    for i in range(MAX_ENTRIES):
+        storage.store(_key(), b"x", now + 60.0, subkey=f"peer-{i:04d}")
+    before = storage.get(_key()).value
+    assert storage.store(_key(), b"w", now + 60.0, subkey="worker")
+    held = _held(storage)
+    assert storage.get(_key()).value is before  # (not rebuilt)
+    assert "worker" in held and f"peer-{MAX_ENTRIES - 1:04d}" not in held and "peer-0000" in held
+
+
+def test_before_watching_a_run_a_node_keeps_few_keys_each_within_the_limits():
+    from groundswell.peer.record_storage import MAX_OTHER_KEYS
+    from hivemind.dht.routing import DHTID
+    from hivemind.dht.storage import DHTLocalStorage
+
+    validator = PeerRecordValidator()
+    protocol = SimpleNamespace(storage=DHTLocalStorage(), cache=DHTLocalStorage())
+    guard_record_storage(protocol, validator)
+    expiration = time.time() + 60
+    stored = [protocol.storage.store(DHTID.generate(source=f"k{i}"), b"v", expiration) for i in range(40)]
+    assert sum(stored) == MAX_OTHER_KEYS
+    key = DHTID.generate(source="k0")
+    for i in range(MAX_ENTRIES + 50):
+        protocol.storage.store(key, b"x", expiration + 1, subkey=f"s{i}")  # (later: replaces the plain value)
+    assert stored[0] is True and len(protocol.storage.get(key).value.data) <= MAX_ENTRIES
+
+
+def test_watching_a_run_drops_bad_entries_and_holds_the_key_to_its_limits_in_one_pass(monkeypatch):
+    # (the key was stored again entry by entry through the limits: 4,000 entries took 53 s here)
+    from hivemind.dht.storage import DHTLocalStorage
+
+    monkeypatch.setattr(record_storage, "MAX_ENTRIES", 100)
+    validator = PeerRecordValidator()
+    protocol = SimpleNamespace(storage=DHTLocalStorage(), cache=DHTLocalStorage())
+    guard_record_storage(protocol, validator)
+    identities = [Identity.generate() for _ in range(5)]
+    for identity in identities:
+        value, expiration = _signed(identity)
+        assert protocol.storage.store(_key(), value, expiration, subkey=identity.peer_id)
+    raw = type(protocol.storage).store_subkey  # (stored before the limits were lowered, say)
+    for i in range(150):
+        raw(protocol.storage, _key(), f"junk-{i}", b"not a record", time.time() + 60)
+    validator.watch(RUN, SimpleNamespace(protocol=protocol))
+    assert sorted(_held(protocol.storage)) == sorted(i.peer_id for i in identities)
+
+
+def test_commit_members_are_the_peers_named_in_the_books_commits():
+    from groundswell.peer.record_storage import CommitMembers
+
+    def decision(n: int) -> SimpleNamespace:
+        return SimpleNamespace(contributors=[f"c{n}"], trainers=[f"t{n}"], servers=[f"s{n}"], leader=f"l{n}")
+
+    book = SimpleNamespace(committed={1: (b"", decision(1))})
+    members = CommitMembers()
+    assert members.of(book) == {"c1", "t1", "s1", "l1"} and members.of(None) == frozenset()
+    book.committed[2] = (b"", decision(2))
+    assert "l2" in members.of(book) and "c1" in members.of(book)
