@@ -690,6 +690,11 @@ def test_asks_that_all_failed_are_no_answer_and_the_check_is_made_again():
     node.client = SimpleNamespace(ask_decision=unverifiable)
     node.holders = lambda round_id: ["a", "b", "c"]
     assert asyncio.run(ex.counts_ours(5, [b"x"])) is None
+    # No records read yet (a restart's first lookup timed out): nobody could be picked, and that
+    # is no answer either (a review: it read as "not known here", and counted work went out again)
+    node.cached_records, node.holders = {}, lambda round_id: []
+    with pytest.raises(PeerUnavailable, match="no peer records read yet"):
+        asyncio.run(ex.counts_ours(5, [b"x"]))
 
 
 def test_a_contribution_the_node_was_down_to_send_is_never_presumed_counted():
