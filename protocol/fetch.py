@@ -32,6 +32,7 @@ from .transport import PeerUnavailable, ShardsUnavailable
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
+MAX_ASKING = 3  # holders asked for one shard at once (see `_fetch_shard`)
 
 
 class AggregateFetcher:
@@ -300,10 +301,13 @@ class AggregateFetcher:
         asking: set[asyncio.Future] = set()  # owned here: whatever is still running is cancelled below
         try:
             while queue or asking:  # each time the wait runs out or an answer is no good: one holder more
-                if queue:
+                if queue and len(asking) < MAX_ASKING:
                     asking.add(asyncio.ensure_future(ask(queue.pop(0))))
-                done, asking = await asyncio.wait(asking, timeout=hedge if queue else None,
-                                                  return_when=asyncio.FIRST_COMPLETED)
+                # (at most MAX_ASKING at once: a hedge shorter than an honest dense transfer asked
+                # holder after holder for the whole shard, ~5x the download traffic, and holders
+                # from the DHT, sybils in an open run, one more each hedge up to the 330 s bound)
+                done, asking = await asyncio.wait(asking, timeout=hedge if queue and len(asking) < MAX_ASKING
+                                                  else None, return_when=asyncio.FIRST_COMPLETED)
                 for task in done:
                     if (agg := task.result()) is not None:
                         self.server.archive(decision.round, shard, agg if self._serves_shard(decision, plan, shard)

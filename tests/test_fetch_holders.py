@@ -164,3 +164,39 @@ def test_a_leader_that_gathered_some_shards_in_time_fails_only_the_others_source
                              aggregates={(7, 0): held, (7, 2): held, (6, 1): held})
     unheld = asyncio.run(Decider._unheld_shards(leader, signed, 0.2))
     assert unheld == {1}
+
+
+def test_a_shard_is_asked_of_at_most_three_holders_at_once():
+    # Found by a review (2026-12-07): the hedge, shorter than an honest dense transfer, asked one
+    # holder more each time it ran out, so every fetcher asked five holders for each whole shard
+    # within seconds, and holders from the DHT (sybils in an open run) one more each hedge.
+    from groundswell.protocol.fetch import MAX_ASKING
+
+    at_once: set[str] = set()
+    peak = [0]
+
+    class _Trickling:
+        async def request(self, peer, handler, msg, expect, **kw):
+            at_once.add(peer)
+            peak[0] = max(peak[0], len(at_once))
+            try:
+                await asyncio.sleep(3600)  # sending, slowly
+            finally:
+                at_once.discard(peer)
+
+    fetcher = AggregateFetcher()
+    fetcher.me, fetcher.transport = "me", _Trickling()
+    fetcher.server = SimpleNamespace(aggregates={})
+    fetcher.holders = lambda round_id: [f"applied{i}" for i in range(10)]
+    fetcher.ctx = SimpleNamespace(codec=SimpleNamespace(name="sparseloco"), verify_aggregates=False,
+                                  max_payload_bytes=1000, slack_s=0.01, segment_numels=(250,))
+    plan = SimpleNamespace(shard_segments=[(0, 1)], candidates=lambda shard: ["cand1", "cand2", "cand3", "cand4"])
+    decision = Decision(round=7, attempt=0, status="commit", contributors=["a", "b"], trainers=[], servers=[],
+                        leader="leader", sources=["source"], num_shards=1)
+
+    async def go() -> None:
+        with pytest.raises(TimeoutError):  # (a hedge is at least a second: four and more would be asked by now)
+            await asyncio.wait_for(fetcher._fetch_shard(decision, b"signed", plan, 0), 4.5)
+
+    asyncio.run(go())
+    assert peak[0] == MAX_ASKING == 3 and not at_once
