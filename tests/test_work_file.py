@@ -177,7 +177,9 @@ def test_restored_contributions_are_settled_late_and_a_counted_one_leaves_the_er
                            client=SimpleNamespace(counts_ours=counts_ours, ask_decision=None,
                                                   own_scaled={r: () for r in range(6)}),  # fetched, not clipped
                            identity=SimpleNamespace(peer_id="me"), holders=lambda r: [],
-                           options=SimpleNamespace(coordinator=""), cached_records={})
+                           options=SimpleNamespace(coordinator=""),
+                           # (records read, ours alone: nobody left holds rounds 2 and 3)
+                           cached_records={"me": SimpleNamespace(round=5, params_hash="", earlier_hashes=[])})
     exchange = SwarmExchange(node)  # type: ignore[arg-type]
     exchange.restore_unsettled([unsettled_item(2, as_bytes[1], 1), unsettled_item(3, as_bytes[2], 2, retried=True),
                                 unsettled_item(3, as_bytes[0], 0, presume=True)])
