@@ -118,12 +118,15 @@ async def commit_counts(node: SwarmNode, round_id: int, segments: list[bytes], b
         # cache left the outcome unknown, and a counted contribution's work went out again
         coordinator, records = node.options.coordinator or "", node.cached_records
         view = catch_up_view(records, node.identity.peer_id, coordinator)
-        if not records:
+        holders = node.holders(round_id)
+        # (a holder whose record we have not read comes after those)
+        ask = [*holders_to_ask(view, holders, coordinator), *(p for p in holders if p not in records)]
+        ask = ask[:ASK_HOLDERS]
+        if not records and not ask:
             # No record read yet (the first lookup after a restart timed out, say): nobody could
             # be picked to ask, which is no answer either. Taken for "not known here", a counted
             # contribution's work was kept and sent a second time (a review).
             raise PeerUnavailable(f"no peer records read yet to ask for round {round_id}'s commit")
-        ask = holders_to_ask(view, node.holders(round_id), coordinator)[:ASK_HOLDERS]
         answered = await gather_owned(_asked(client, peer, round_id) for peer in ask)
         if round_id not in book.committed and ask and not any(answered):
             # Every ask failed on the way: that is no answer ("none" is one), and the check is
