@@ -12,8 +12,9 @@ import math
 import threading
 import time
 from collections import OrderedDict
+from collections.abc import Callable
 from concurrent.futures import Future
-from typing import Any, Callable
+from typing import Any
 
 from groundswell.protocol.clock_offset import skew_warning
 from groundswell.protocol.envelope import seal, unseal
@@ -168,7 +169,7 @@ class PeerRecordValidator:
         pushed the run key's answers past p2pd's 4 MiB reply cap for as long (found by a review)."""
         now = time.time()
         for key, ahead in list(self._future_s.items()):
-            self._keep_only(dht, key, lambda k, v, e: e <= now + ahead)
+            self._keep_only(dht, key, lambda k, v, e, ahead=ahead: e <= now + ahead)
 
     @staticmethod
     def _keep_only(dht: Any, key: bytes, keep: Any) -> None:
