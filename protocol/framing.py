@@ -5,7 +5,9 @@ from __future__ import annotations
 
 import asyncio
 import struct
+import time
 from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
 from typing import Any
 
 from .schema import ProtocolError
@@ -28,17 +30,37 @@ def close_stream(writer: asyncio.StreamWriter) -> None:
         writer.close()
 
 
-async def write_frame(writer: asyncio.StreamWriter, data: bytes | bytearray | memoryview) -> None:
+@dataclass
+class SendProgress:
+    """How far a request's frame has gone out, kept up to date as its pieces drain (monotonic
+    times): its sender can tell a receiver that stopped reading, or never answers, from a slow
+    link while the request still runs (`RoundClient._send_shard`)."""
+
+    size: int = 0
+    written: int = 0  # bytes the stream took (some may still sit in buffers on the way)
+    opened: float | None = None  # the stream is open
+    moved: float | None = None  # the last piece drained
+    finished: float | None = None  # the whole frame drained; the reply is awaited
+
+
+async def write_frame(writer: asyncio.StreamWriter, data: bytes | bytearray | memoryview,
+                      progress: SendProgress | None = None) -> None:
     """Write one length-prefixed frame, a piece at a time: what the socket does not take at once
     is copied into the stream's buffer, so a large frame (a state, a dense contribution) written
     whole to a slow reader would hold a second copy of itself for as long as the reader takes."""
     writer.write(_LEN.pack(len(data)))
     view = memoryview(data).cast("B")
+    if progress is not None:
+        progress.size, progress.moved = len(view), time.monotonic()
     for start in range(0, len(view), WRITE_PIECE):
         writer.write(view[start:start + WRITE_PIECE])
         await writer.drain()
+        if progress is not None:
+            progress.written, progress.moved = min(len(view), start + WRITE_PIECE), time.monotonic()
     if not len(view):
         await writer.drain()
+    if progress is not None:
+        progress.finished = time.monotonic()
 
 
 # A large frame's reader is held to half the rate that would finish it in its time, once past its

@@ -39,6 +39,7 @@ from .failures import (  # noqa: F401  (re-exported: callers name these from the
 )
 from .framing import (
     _LEN,
+    SendProgress,
     close_stream,
     read_frame,
     read_frame_into,
@@ -322,13 +323,18 @@ class Transport:
                 "rejected %s request from %s (%s, %d so far): %s", handler, remote[-8:], reason, n, detail)
 
     async def request(self, peer_id: str, handler: str, msg: Message, expect: Any, *, timeout_s: float,
-                      max_reply: int = MAX_SMALL, unary: bool = True) -> Any:
+                      max_reply: int = MAX_SMALL, unary: bool = True, progress: SendProgress | None = None) -> Any:
         """Send one request and return the verified reply; `PeerUnavailable` on any failure.
 
         `unary=False` keeps a small request on a stream: for one whose effect must not depend on
         the caller still listening. A unary call whose caller gave up while the request still
         waited in the receiver's socket is dropped before its handler runs (hivemind cancels the
-        handler task as it reads the cancel); a stream's request that arrived is still handled."""
+        handler task as it reads the cancel); a stream's request that arrived is still handled.
+        `progress` (a stream's request only): kept up to date as the request goes out."""
+        if progress is not None:
+            reply, _ = await self._request_stream(peer_id, handler, msg, None, expect, timeout_s, max_reply, None,
+                                                  progress=progress)
+            return reply
         reply, _ = await self._request(peer_id, handler, msg, expect, timeout_s, max_reply, unary=unary)
         return reply
 
@@ -410,7 +416,8 @@ class Transport:
     async def _request_stream(self, peer_id: str, handler: str, msg: Message, sealed: bytes | None, expect: Any,
                               timeout_s: float, max_reply: int, trailer_size: Callable[[Any], int] | None,
                               hasher: Any = None, remote: dict[str, str] | None = None,
-                              trailer_timeout_s: Callable[[int], float] | None = None) -> tuple[Any, bytearray]:
+                              trailer_timeout_s: Callable[[int], float] | None = None,
+                              progress: SendProgress | None = None) -> tuple[Any, bytearray]:
         """One request on its own stream (`sealed`: the request already sealed, else sealed here)."""
         target = target_peer_id(peer_id, handler)
         writer = None
@@ -422,10 +429,12 @@ class Transport:
                         target, self._name(handler)
                     )
                     opened = True
+                    if progress is not None:
+                        progress.opened = time.monotonic()
                     if remote is not None:
                         remote["addr"] = str(getattr(info, "addr", ""))
                     data = sealed if sealed is not None else seal(self.identity, self.run_id, msg)
-                    await write_frame(writer, data)
+                    await write_frame(writer, data, progress)
                     self.bytes_sent += len(data) + _LEN.size
                     reply = await read_frame(reader, max_reply + 512)
                     self.bytes_received += len(reply) + _LEN.size

@@ -31,9 +31,9 @@ def test_a_frozen_stand_in_leader_does_not_hold_contributions_back(make_cluster,
     first_offer: dict[str, float] = {}
     real_offer = client_module.RoundClient._offer
 
-    async def offer(self, peer, msg, timeout):
+    async def offer(self, peer, msg, timeout, progress=None):
         first_offer.setdefault(self.me, time.monotonic())
-        return await real_offer(self, peer, msg, timeout)
+        return await real_offer(self, peer, msg, timeout, progress)
 
     monkeypatch.setattr(client_module.RoundClient, "_offer", offer)
     thaw = c.freeze(frozen, 2 * c.deadline_s)

@@ -9,9 +9,10 @@ import time
 from types import SimpleNamespace
 
 import pytest
-from groundswell.protocol.client import PARALLEL_COPIES_BYTES, RoundClient
+from groundswell.protocol.client import RoundClient
 from groundswell.protocol.plan import make_plan
 from groundswell.protocol.schema import Ack
+from groundswell.protocol.shard_send import PARALLEL_COPIES_BYTES
 
 pytestmark = pytest.mark.timeout(60)
 SERVERS = [f"server-{i}" for i in range(6)]

@@ -466,7 +466,7 @@ def _shard_sender(over: bool, verdict: str = "ok"):
     client.ctx = SimpleNamespace(slack_s=5.0, replicas=0, codec=SimpleNamespace(name="fp32"), verify_aggregates=False)
     timeouts: list[float] = []
 
-    async def offer(peer, msg, timeout):
+    async def offer(peer, msg, timeout, progress=None):
         timeouts.append(timeout)
         return verdict
 
@@ -481,7 +481,7 @@ def test_a_big_shard_gets_the_time_of_the_whole_contribution_it_shares_the_uplin
     # Found by a review: each of a contribution's 8 big shards (all sent at once) got the time its
     # own bytes need, so on a 6 MB/s uplink that could carry the whole contribution in time every
     # request was cut off and sent again elsewhere, and none landed.
-    from groundswell.protocol.client import PARALLEL_COPIES_BYTES
+    from groundswell.protocol.shard_send import PARALLEL_COPIES_BYTES
 
     client, plan, timeouts = _shard_sender(over=False)
     segments = [b"x" * (PARALLEL_COPIES_BYTES + 1)] * 8
@@ -496,7 +496,7 @@ def test_a_big_shard_gets_the_time_of_the_whole_contribution_it_shares_the_uplin
 def test_past_the_close_a_shard_goes_to_no_candidate_more():
     # ...and once the attempt's close had passed, a refused shard still went to candidate after
     # candidate, past the close and the decision it should be waiting for.
-    from groundswell.protocol.client import PARALLEL_COPIES_BYTES
+    from groundswell.protocol.shard_send import PARALLEL_COPIES_BYTES
 
     client, plan, timeouts = _shard_sender(over=True, verdict="busy")
     assert not asyncio.run(client._send_shard(plan, 0, [b"x" * (PARALLEL_COPIES_BYTES + 1)] * 8))

@@ -102,6 +102,46 @@ def test_silent_handler_times_out(net):
         net.run(asyncio.sleep(0.2))  # let the released handler finish on the closed stream
 
 
+def test_a_requests_progress_shows_its_body_out_while_the_reply_is_awaited(net):
+    # What a contributor watches to pass over an aggregator that took a big shard and never acks
+    # (`RoundClient._lags`): through real daemons, the body is seen out in full while the
+    # request still waits for its reply.
+    from groundswell.protocol.framing import SendProgress
+    from groundswell.protocol.schema import ShardContribution
+
+    release, entered = asyncio.Event(), []
+
+    async def silent(sender: str, req: ShardContribution) -> Ack:
+        entered.append(len(req.segments[0]))
+        await release.wait()
+        return Ack(True, "")
+
+    _serve(net, net.ta, "silent-bulk", ShardContribution, silent, max_request=8 << 20, timeout_s=60)
+    size, progress = 3 << 20, SendProgress()
+
+    async def watch() -> tuple[SendProgress, bool]:
+        task = asyncio.ensure_future(net.tb.request(net.id_a.peer_id, "silent-bulk",
+                                                    ShardContribution(0, 0, 0, 0, [b"s" * size]), Ack,
+                                                    timeout_s=30, progress=progress))
+        try:
+            async with asyncio.timeout(20):
+                while not entered:
+                    await asyncio.sleep(0.05)
+            return SendProgress(**vars(progress)), task.done()
+        finally:
+            task.cancel()
+            await asyncio.gather(task, return_exceptions=True)
+
+    try:
+        seen, done = net.run(watch())
+        assert entered == [size] and not done
+        assert seen.finished is not None and seen.opened is not None and seen.opened <= seen.finished
+        assert seen.written == seen.size > size  # the whole sealed frame, envelope and all
+    finally:
+        release.set()
+        net.run(asyncio.sleep(0.2))
+
+
 def test_unknown_handler_fails_fast(net):
     t0 = time.monotonic()
     with pytest.raises(PeerUnavailable, match="protocols not supported"):
