@@ -113,7 +113,10 @@ class SwarmExchange:
                 log.warning("announcing round %d failed: %s", round_id + 1, exc)
 
         # (started before the fetch; `_outcome` keeps it, on the training thread: the caller's)
-        announcing = self.node.submit(announce()) if self.announce_next else None
+        try:
+            announcing = self.node.submit(announce()) if self.announce_next else None
+        except NetworkError:  # the node is going down: the outcome still stands (a review found it lost)
+            announcing = None
         try:
             return outcome, await fetch(), announcing
         except BaseException:  # cancelled (the node went down, a second Ctrl+C): nobody would keep it
@@ -144,7 +147,10 @@ class SwarmExchange:
             self.unsettled.append(Unsettled(round_id, self._segments, None, self.prepared,
                                             basis=self.basis_for(round_id)))
             open_ = self.unsettled[-1:]
-        for u in open_:
+        # The newest only: the one in flight. An earlier attempt of the round left open (no leader
+        # answered it) is in its commit only if that one is not, and a commit counts one of ours:
+        # presuming both took a DiLoCo peer's work out twice after a restart (found by a review).
+        for u in open_[-1:]:
             u.if_unknown = True
 
     def basis_for(self, round_id: int) -> bytes:
@@ -278,7 +284,11 @@ class SwarmExchange:
         except BaseException:  # a second Ctrl+C: the attempt must not run on, unowned, through the teardown
             future.cancel()
             raise
-        return future.result()
+        try:
+            return future.result()
+        except NetworkError:  # the attempt itself found the node down: whether it counted is for a restart
+            self._unsettled(round_id, None)
+            raise
 
     def _outcome(self, future: Future, round_id: int) -> RoundResult:
         ctx = self.node.ctx

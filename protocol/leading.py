@@ -44,6 +44,7 @@ class Leading:
     joins: Any
     missed_reports: dict[tuple[int, int], set[tuple[str, int]]]  # (round, attempt) -> refused (aggregator, shard)
     behind_said: set[tuple[int, int]]  # attempts whose "behind" answer was logged
+    later_claims: dict[int, int]  # round -> newest attempt whose claim we let pass (a fence)
     plan: Any
     _spawn: Any
     _check_open: Any
@@ -148,16 +149,19 @@ class Leading:
         if msg.trains and not self.ctx.authorized(sender):
             self.transport.guard.count(sender, "join", "unauthorized", strike=True)
             return Ack(False, "not allowed to contribute to this run")
-        if msg.serves and not self.ctx.may_serve(sender):  # it would lead attempts and build means
+        if (msg.serves or not msg.trains) and not self.ctx.may_serve(sender):
+            # serving, it would lead attempts and build means; a leave (neither) is a member's: in a
+            # closed run, strangers' leaves filled a round's join table, and then its own members'
+            # joins were refused as "full" (found by a review)
             self.transport.guard.count(sender, "join", "unauthorized", strike=True)
-            return Ack(False, "not allowed to serve this run")
+            return Ack(False, "not allowed to serve this run" if msg.serves else "not a member of this run")
         if msg.round > self.book.latest() + FUTURE_ROUNDS:
             raise ProtocolError(f"join for round {msg.round} is too far ahead", reason="future-round", strike=False)
         if msg.round <= self.book.latest():  # moot (a late one, honestly): kept, joins of old rounds would pile up
             return Ack(False, f"round {msg.round} is already committed")
         cap = max_members(self.ctx.max_shards)
         joins = self.joins[msg.round]
-        if sender not in joins and len(joins) >= cap:
+        if sender not in joins and len(joins) >= cap and not self._make_room_for_member(msg.round, joins, sender):
             # a decision lists every member: it must stay within the schema's bounds
             raise ProtocolError(f"round {msg.round} already has {cap} members", reason="full", strike=False)
         if msg.trains and (m := self.book.membership(msg.round)) is not None and sender not in m.trainers \
@@ -171,6 +175,20 @@ class Leading:
         for r in [r for r in self.joins if r < msg.round - 2]:
             del self.joins[r]
         return Ack(True, "")
+
+    def _make_room_for_member(self, round_id: int, joins: dict[str, tuple[bool, bool]], sender: str) -> bool:
+        """A full round's join table takes a planned member (a trainer or server of the round's
+        membership) in place of the newest join of a peer it does not plan: joins are free, and
+        the members the last commit named must not be locked out by others that came first."""
+        m = self.book.membership(round_id)
+        planned = set() if m is None else {*m.trainers, *m.servers}
+        if sender not in planned:
+            return False
+        newest_other = next((p for p in reversed(joins) if p not in planned), None)
+        if newest_other is None:
+            return False
+        del joins[newest_other]
+        return True
 
     def _sources(self, plan: RoundPlan, slot: _Attempt, exclude: frozenset[str] = frozenset()
                  ) -> tuple[list[str], set[str]]:
@@ -211,6 +229,12 @@ class Leading:
         opened = self.book.opened_at(round_id) or 0.0
         close_wall = close_time(opened, attempt, self.ctx.deadline_s, self.ctx.slack_s)
         close_at = time.monotonic() + (close_wall - time.time())  # the slot's deadline, on our clock
+        if time.monotonic() > close_at + (len(plan.leaders) + 1) * self.ctx.slack_s:
+            # Past the last stand-in's turn, and past every contributor's wait for the decision:
+            # a report that comes this late (withheld by a hostile aggregator) must not have us
+            # decide an attempt long over, whose contributors sent their work on (found by a review).
+            log.info("round %d attempt %d: a report came after the attempt was over; not led", round_id, attempt)
+            return
         # The leader claims the attempt one slack before it closes, while it still waits for
         # contributions: a fellow leader that is frozen then costs no time after the close.
         # (Unless it lacks reports it could not take while behind: then once they are in.)
@@ -221,6 +245,8 @@ class Leading:
             closed_early = await self._await_close(plan, slot, close_at)
             if early is not None and not started.is_set():
                 early.cancel()  # closed early, or still lacking reports: claim below, as stand-ins do
+        if self.book.decided(round_id) and (early is None or early.cancelled()):
+            return  # the round was decided (another attempt committed) while we waited: nothing to lead
         if early is not None and not early.cancelled() and early.result() is not None:
             if early.result():
                 await self._decide_claimed(plan, slot)
@@ -261,14 +287,25 @@ class Leading:
             for signed in replies:
                 if signed and await self._learn_from_fellow(plan, signed):
                     return
-        await self.decide_exclusively(plan, slot)
+        if not await self.decide_exclusively(plan, slot) and self._refused_by_objections(plan, slot):
+            # The claim after an early close, a stand-in's, a late first leader's: each was made
+            # once, so an objection from an earlier attempt's leader still deciding left the
+            # attempt undecided for good (found by a review): its fellows had granted it to us.
+            await self._claim_again(plan, slot, close_at, time.monotonic() + self.ctx.slack_s)
 
-    async def _claim_again(self, plan: RoundPlan, slot: _Attempt, close_at: float) -> None:
-        """Our early claim was refused (an earlier attempt's leader was still deciding, say). Our
-        fellow leaders granted us the attempt and will not claim it themselves, so we ask again:
-        at the close, then every slack while a stand-in could still have decided."""
+    def _refused_by_objections(self, plan: RoundPlan, slot: _Attempt) -> bool:
+        """Was our claim refused by others' objections alone, our own grant kept (nothing adopted,
+        no later attempt claimed, nothing of ours in the way)? Then nobody else will decide."""
+        return (slot.decision is None and not self.book.decided(plan.round)
+                and slot.granted_to == self.identity.peer_id
+                and self.later_claims.get(plan.round, -1) <= plan.attempt)
+
+    async def _claim_again(self, plan: RoundPlan, slot: _Attempt, close_at: float, first_at: float = 0.0) -> None:
+        """Our claim was refused (an earlier attempt's leader was still deciding, say). Our fellow
+        leaders granted us the attempt and will not claim it themselves, so we ask again: at the
+        close (or `first_at`, if later), then every slack while a stand-in could still have decided."""
         last = close_at + len(plan.leaders) * self.ctx.slack_s
-        at = max(close_at, time.monotonic())
+        at = max(first_at or close_at, time.monotonic())
         while at <= last:
             await asyncio.sleep(max(0.0, at - time.monotonic()))
             if slot.decision is not None or self.book.decided(plan.round):
@@ -292,7 +329,7 @@ class Leading:
                 prober.cancel()
 
     async def _await_complete(self, plan: RoundPlan, slot: _Attempt, close_at: float) -> bool:
-        while time.monotonic() < close_at:
+        while time.monotonic() < close_at and not self.book.decided(plan.round):  # (decided: nothing to wait for)
             expected = self._expected(plan, slot)
             _, complete = self._sources(plan, slot)
             if expected <= complete and len(complete) >= self.ctx.min_peers:
@@ -332,10 +369,13 @@ class Leading:
         started.set()
         return slot.decision is None and not self.book.decided(plan.round) and await self._claim(plan, slot)
 
-    async def decide_exclusively(self, plan: RoundPlan, slot: _Attempt) -> None:
-        """Decide the attempt, unless it is decided, the round committed, or another leader claimed it."""
+    async def decide_exclusively(self, plan: RoundPlan, slot: _Attempt) -> bool:
+        """Decide the attempt, unless it is decided, the round committed, or another leader claimed
+        it; did our claim pass?"""
         if slot.decision is None and not self.book.decided(plan.round) and await self._claim(plan, slot):
             await self._decide_claimed(plan, slot)
+            return True
+        return False
 
     async def _decide_claimed(self, plan: RoundPlan, slot: _Attempt) -> None:
         try:

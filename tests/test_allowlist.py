@@ -56,16 +56,18 @@ def test_only_listed_peers_contribute_or_join(closed_run):
     # unanswered: it may be large); `join`, which it sends first, says why in words
     assert t.feed("contribute", stranger.peer_id, frame(seal(stranger, RUN, _contribution(t)))) == b""
     assert not _ask(t, "join", stranger, Join(0, True, False), Ack).ok  # as a trainer
-    assert _ask(t, "join", stranger, Join(0, False, False), Ack).ok  # a mere reader may announce itself
+    # nor as neither (a leave is a member's; since 2026-12-07: strangers' filled a round's join table)
+    refused = _ask(t, "join", stranger, Join(0, False, False), Ack)
+    assert not refused.ok and "not a member" in refused.reason
     # nor as a server: it would lead attempts (sign commits) and build means in the next round
     refused = _ask(t, "join", stranger, Join(0, False, True), Ack)
     assert not refused.ok and "not allowed to serve" in refused.reason
     assert _ask(t, "join", listed, Join(0, False, True), Ack).ok
-    assert t.server.joins[0][stranger.peer_id] == (False, False)  # still the reader it announced itself as
+    assert stranger.peer_id not in t.server.joins[0]
     assert t.server.joins[0][listed.peer_id] == (False, True)
     held = t.server.attempts[(0, 0)].contributions[0]
     assert set(held) == {listed.peer_id}
-    assert t.node.guard.rejected["unauthorized:contribute"] == 1 and t.node.guard.rejected["unauthorized:join"] == 2
+    assert t.node.guard.rejected["unauthorized:contribute"] == 1 and t.node.guard.rejected["unauthorized:join"] == 3
 
 
 def test_a_closed_runs_coordinator_serves_whether_or_not_the_allowlist_names_it():

@@ -724,3 +724,75 @@ def test_a_contribution_the_node_was_down_to_send_is_never_presumed_counted():
         ex.contribute(7, outer.prepare())
     assert ex.unsettled == [] and saved == [1] and outer.pending is None
     assert torch.allclose(w.detach(), torch.full((64,), 0.01))  # the work is still ours
+
+
+def test_only_the_contribution_in_flight_is_presumed_counted_when_the_node_goes_down():
+    # Found by a review: an earlier attempt of the round left open (no leader answered it) was
+    # presumed counted too, and after a restart that could not find the commit, DiLoCo took both
+    # out of its work: a commit counts at most one contribution of ours.
+    from groundswell.peer.unsettled import Unsettled
+
+    ex = SwarmExchange(_Node(None))
+    ex.unsettled = [Unsettled(7, [b"attempt 0"], None, 1), Unsettled(7, [b"attempt 1"], None, 2)]
+    ex.presume_counted(7)
+    assert [(u.segments, u.if_unknown) for u in ex.unsettled] == [([b"attempt 0"], False), ([b"attempt 1"], True)]
+
+
+def test_a_commit_learned_as_the_node_goes_down_is_still_the_attempts_outcome():
+    # Found by a review: the next round's announcement, submitted once the commit was in, raised
+    # NetworkError (the node had just stopped), which discarded the commit and `included`; the
+    # counted work was then checkpointed as unsent, and a restart sent it again.
+    import threading
+
+    from groundswell.optim import DiLoCo, DiLoCoConfig
+    from groundswell.peer.net_errors import NetworkError
+
+    loop = asyncio.new_event_loop()
+    thread = threading.Thread(target=loop.run_forever, daemon=True)
+    thread.start()
+
+    class Node:
+        def __init__(self) -> None:
+            self.identity = SimpleNamespace(peer_id="me")
+            self.ctx = SimpleNamespace(deadline_s=1.0, slack_s=0.1, min_peers=2)
+            self.transport = SimpleNamespace(bytes_sent=0, bytes_received=0)
+            self.book = SimpleNamespace(committed={})
+            self.down = None
+            node = self
+
+            class Client:
+                own_scaled: dict = {}
+
+                async def run_attempt(self, r, a, segments, trains, serves):
+                    node.down = "the network stopped (p2pd exited)"  # as the attempt ends
+                    commit = SimpleNamespace(status="commit", round=r, contributors=["me"], attempt=0)
+                    return AttemptResult(commit, b"signed", 0, True, included=True)
+
+                async def fetch_aggregate(self, signed):
+                    return torch.zeros(256)
+
+                async def announce(self, *args, **kwargs) -> None:
+                    return None
+
+            self.client = Client()
+
+        def submit(self, coro):  # as SwarmNode.submit: NetworkError once the node stopped by itself
+            if self.down is not None:
+                coro.close()
+                raise NetworkError(self.down)
+            return asyncio.run_coroutine_threadsafe(coro, loop)
+
+    try:
+        w = torch.nn.Parameter(torch.zeros(256))
+        outer = DiLoCo([w], make_codec("fp32"), DiLoCoConfig())
+        ex = SwarmExchange(Node())
+        ex.announce_next = True
+        with torch.no_grad():
+            w.add_(0.5)
+        ex.contribute(0, outer.prepare())
+        result = ex.collect(0)
+        assert result.included and ex.unsettled == []
+    finally:
+        loop.call_soon_threadsafe(loop.stop)
+        thread.join(5)
+

@@ -160,3 +160,49 @@ def test_a_leader_waits_for_no_more_new_trainers_than_its_aggregators_hold():
             assert (await server._on_join(_ids(1)[0], Join(1, False, True))).ok  # a mere server still may
 
     asyncio.run(main())
+
+
+def test_strangers_cannot_fill_a_closed_runs_join_table_and_planned_members_always_join():
+    # Found by a review: a stranger's leave (a join that neither trains nor serves) was taken in a
+    # closed run and counted against the round's member cap; strangers filled it, and then the
+    # run's own members (a planned trainer, a listed newcomer, a leave) were refused as "full".
+    import dataclasses
+
+    from groundswell.protocol.schema import Join
+
+    max_shards = 16
+    cap = max_members(max_shards)
+
+    async def main() -> None:
+        me = Identity.generate()
+        members, newcomer = _ids(4), _ids(1)[0]
+        ctx = RunContext("r", 2, 60.0, 5.0, max_shards, (4096,) * 4, make_codec("fp32"), 1 << 24, None,
+                         RobustOptions(), Limits())
+        closed = dataclasses.replace(ctx, allowlist=frozenset([*members, newcomer, me.peer_id]))
+        async with asyncio.TaskGroup() as tg:
+            server = RoundServer(closed, Transport(FakeP2P(), me, "r", Guard(closed.limits)), DecisionBook("r"), me,
+                                 tg)
+            server.book.add(seal(me, "r", Decision(0, 0, "commit", [], members, [me.peer_id, *members], me.peer_id,
+                                                   [], 0, time.time(), [])))
+            strangers = _ids(cap)
+            taken = sum([(await server._on_join(s, Join(1, False, False))).ok for s in strangers])
+            assert taken == 0 and not server.joins[1]
+            assert server.transport.guard.rejected.get("unauthorized:join", 0) == cap
+            assert (await server._on_join(newcomer, Join(1, True, False))).ok
+            assert (await server._on_join(members[0], Join(1, False, False))).ok  # a member's leave
+
+            # An open run takes anyone's join, up to the cap; a planned member still gets in.
+            opened = RoundServer(ctx, Transport(FakeP2P(), me, "r", Guard(ctx.limits)), DecisionBook("r"), me, tg)
+            opened.book.add(server.book.committed[0][0])
+            for s in strangers:
+                assert (await opened._on_join(s, Join(1, False, True))).ok
+            assert len(opened.joins[1]) == cap
+            try:
+                await opened._on_join(newcomer, Join(1, False, True))
+                raise AssertionError("a stranger got into a full round")
+            except ProtocolError as exc:
+                assert exc.reason == "full"
+            assert (await opened._on_join(members[1], Join(1, True, True))).ok  # planned: room is made
+            assert len(opened.joins[1]) == cap and members[1] in opened.joins[1]
+
+    asyncio.run(main())
