@@ -97,37 +97,53 @@ def simulate(
     if report.get("timed_out"):  # whatever else the run reached, it did not end by itself
         console.print(f"[bold yellow]stopped by the timeout:[/] the run was still going after {timeout:g} s "
                       "(--timeout)", highlight=False)
-    if report.get("interrupted"):  # Ctrl+C: the report holds the run until then, and the run failed no check
-        console.print(f"[bold yellow]interrupted[/] after {report['wall_s']:.0f} s: {out / 'report.json'} covers "
-                      "the run until then", highlight=False)
-        raise typer.Exit(130)
-    faults = fault_summary(report)
-    if faults:
-        console.print(faults, highlight=False)
-    if missed := faults_missed(report):  # the run is not what was asked for: said, though not a failure
-        console.print(f"[bold yellow]never happened:[/] {', '.join(missed)} (faults start once round 0 is applied, "
-                      "late joiners once round 2 is, and none comes in the last round or without a peer to "
-                      "take: the run ended, or no peer could be taken, first)", highlight=False)
+    # The checks first: a run that failed one fails (exit 1) though Ctrl+C stopped it afterwards
+    # (it exited 130 and hid divergent rounds and crashed peers, found by a review). Fewer rounds
+    # than asked for is no failure of a run Ctrl+C cut short, unless the timeout had stopped it first.
+    cut_short = report.get("interrupted") and not report.get("timed_out")
     failed = [what for what, bad in (
         (f"only {report['rounds_completed']} of {report['rounds_target']} rounds completed",
-         report["rounds_completed"] < report["rounds_target"]),
+         report["rounds_completed"] < report["rounds_target"] and not cut_short),
         (f"parameter hashes differ in rounds {report['divergent_rounds']}", bool(report["divergent_rounds"])),
+        (f"no process reported a parameter hash in rounds {report.get('hashless_rounds')}",
+         bool(report.get("hashless_rounds"))),
+        ("no parameter hash logged by " + ", ".join(f"{u['peer']} in round {u['round']}"
+                                                    for u in report.get("unhashed") or []),
+         bool(report.get("unhashed"))),
         (f"{', '.join(report['crashed'])} exited with an error", bool(report["crashed"]))) if bad]
+    if report.get("interrupted"):  # Ctrl+C: the report holds the run until then
+        console.print(f"[bold yellow]interrupted[/] after {report['wall_s']:.0f} s: {out / 'report.json'} covers "
+                      "the run until then", highlight=False)
+    else:
+        faults = fault_summary(report)
+        if faults:
+            console.print(faults, highlight=False)
+        if missed := faults_missed(report):  # the run is not what was asked for: said, though not a failure
+            console.print(f"[bold yellow]never happened:[/] {', '.join(missed)} (faults start once round 0 is applied, "
+                          "late joiners once round 2 is, and none comes in the last round or without a peer to "
+                          "take: the run ended, or no peer could be taken, first)", highlight=False)
     if failed:  # scripts and CI read the exit status
         console.print(f"[bold red]simulation failed:[/] {'; '.join(failed)}", highlight=False)
         raise typer.Exit(1)
+    if report.get("interrupted"):
+        raise typer.Exit(130)
 
 
 def hash_checks(report: dict) -> str:
-    """" (compared in N rounds)": the rounds whose hash two or more processes reported, and those no
-    two did ("": not in the report)."""
+    """" (compared in N rounds)": the rounds whose hash two or more processes reported, those no
+    two did, those none did and the processes that finished a round without one ("": not in the report)."""
     n = report.get("hash_checked_rounds")
     if n is None:
         return ""
     unchecked = report.get("unchecked_rounds") or []
+    hashless, unhashed = report.get("hashless_rounds") or [], report.get("unhashed") or []
+    # why the agreement is false though no two hashes differ: rounds nobody hashed, peers that did not
     return (f" (compared in {n} round{'s' if n != 1 else ''}"
             + (f"; not in round{'s' if len(unchecked) != 1 else ''} {', '.join(map(str, unchecked))}, which fewer "
-               "than two processes reported" if unchecked else "") + ")")
+               "than two processes reported" if unchecked else "")
+            + (f"; no process reported one in round{'s' if len(hashless) != 1 else ''} "
+               f"{', '.join(map(str, hashless))}" if hashless else "")
+            + (f"; {len(unhashed)} finished a round without one" if unhashed else "") + ")")
 
 
 def kilobytes(n: float | None) -> str:

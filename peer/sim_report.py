@@ -12,19 +12,21 @@ its owner's work while the commit left it out, so never applied; one that a cras
 and its restart cannot count as its own is not lost), `double_counted_contributions` (those of
 them applied twice), `presumed_lost_contributions` (those of them a restarted process took out of
 its work as counted, by design, because it could not check the commit, which had not counted them), the per-round parameter-hash agreement over every process (and in how many
-rounds two or more processes reported a hash to compare: `hash_checked_rounds`), whether the
+rounds two or more processes reported a hash to compare: `hash_checked_rounds`; a process that finished
+a round without one, `unhashed`, and a round nobody reported one for, `hashless_rounds`, make it
+false: see sim_rounds.py), whether the
 driver's timeout stopped the run (`timed_out`) or Ctrl+C or a signal did (`interrupted`), and where each process ended (`final_round_by_process`).
 """
 
 from __future__ import annotations
 
-import itertools
 import json
 import math
 from pathlib import Path
 from typing import TYPE_CHECKING
 
 from .event_log import NONFINITE
+from .sim_rounds import read_rounds, round_times
 
 if TYPE_CHECKING:
     from .sim_options import SimulateOptions
@@ -48,7 +50,7 @@ def _down_spans(driver_events: list[dict]) -> dict[str, list[tuple[float, float]
 
 
 def read_events(path: Path) -> list[dict]:
-    """A process's events.jsonl (missing file: none; a line cut short by a kill is skipped)."""
+    """One events file (missing file: none; a line cut short by a kill is skipped)."""
     if not path.exists():
         return []
     out = []
@@ -60,14 +62,23 @@ def read_events(path: Path) -> list[dict]:
     return out
 
 
+def read_state_dir_events(state_dir: Path) -> list[dict]:
+    """Every event a state dir still holds, oldest first: events.jsonl.1 (event_log.py renames a
+    full log so, replacing the one before), then events.jsonl; each read on its own, so that a
+    line a kill cut short at the end of one is not glued to the next one's first."""
+    return read_events(state_dir / "events.jsonl.1") + read_events(state_dir / "events.jsonl")
+
+
 def build_report(out: Path, opts: "SimulateOptions", driver_events: list[dict], wall_s: float,
                  t0: float | None = None, rss: dict[str, float] | None = None) -> dict:
     """report.json from the processes' event logs and the driver's own events."""
     from .workload import build_workload
 
     params = sum(p.numel() for p in build_workload(opts.preset, 256, opts.seed).model.parameters())
-    logs = {d.name: read_events(d / "events.jsonl") for d in sorted(out.iterdir())
-            if d.is_dir() and (d / "events.jsonl").exists()}
+    # the rotated part too: without it a long run lost its early rounds, and its bytes per round
+    # were a whole run's totals over the later rounds only
+    logs = {d.name: read_state_dir_events(d) for d in sorted(out.iterdir())
+            if d.is_dir() and any((d / f).exists() for f in ("events.jsonl", "events.jsonl.1"))}
     if t0 is None:
         t0 = min((e["t"] for evs in logs.values() for e in evs), default=0.0)
     cut = [e["t"] for e in driver_events if e["kind"] in ("timed-out", "interrupted")]
@@ -75,31 +86,8 @@ def build_report(out: Path, opts: "SimulateOptions", driver_events: list[dict], 
         logs = {name: [e for e in evs if e["t"] - t0 <= cut[0]] for name, evs in logs.items()}
     ids = {name: next((e["peer"] for e in evs if "peer" in e), name) for name, evs in logs.items()}
     rounds = [dict(e, who=name) for name, evs in logs.items() for e in evs if e["kind"] == "round"]
-    hashes: dict[int, set[str]] = {}
-    reporters: dict[int, set[str]] = {}  # round -> the processes (state dirs) that reported its hash
-    end_t: dict[int, float] = {}
-    loss: dict[int, float] = {}  # finite held-out losses only: the report is strict JSON
-    contributors: dict[int, set[str]] = {}
-    for e in sorted(rounds, key=lambda e: e["t"]):
-        r = e["round"]
-        if e.get("hash"):  # an empty hash is none reported, as in `follow` events: not a distinct one
-            hashes.setdefault(r, set()).add(e["hash"])
-            reporters.setdefault(r, set()).add(e["who"])
-        end_t.setdefault(r, e["t"] - t0)
-        if _finite(e.get("eval_loss")):
-            loss.setdefault(r, e["eval_loss"])
-        contributors.setdefault(r, set(e.get("contributors", [])))
-    nonfinite = sorted({e["round"] for e in rounds if _diverged(e, opts.eval_every)} - set(loss))
-    for name, evs in logs.items():  # rounds a process applied while catching up finished there too
-        for e in evs:
-            if e["kind"] == "follow" and _finite(e.get("eval_loss")):  # the coordinator's, caught up
-                loss.setdefault(e["round"], e["eval_loss"])
-            if e["kind"] == "follow" and e.get("hash"):
-                hashes.setdefault(e["round"], set()).add(e["hash"])
-                reporters.setdefault(e["round"], set()).add(name)
-                if e["round"] not in end_t or e["t"] - t0 < end_t[e["round"]]:
-                    end_t[e["round"]] = e["t"] - t0  # (whom it counted is not logged there)
-    divergent = sorted(r for r, h in hashes.items() if len(h) > 1)
+    rs = read_rounds(logs, t0, opts.eval_every)
+    end_t, loss, contributors = rs.end_t, rs.loss, rs.contributors
     # Where each process ended: the last round it applied (in a round or in catching up) and the
     # hash it then held. Per-round agreement says nothing of a process that stopped early.
     # A downloaded state of round s is where round s - 1 left the swarm.
@@ -115,7 +103,7 @@ def build_report(out: Path, opts: "SimulateOptions", driver_events: list[dict], 
     order = sorted(end_t)
     # Rounds are numbered from 0 in a simulation; one no process logged (e.g. every holder of its
     # aggregate died, so the others re-synced past it) still happened, and keeps its place as None.
-    completed = order[-1] + 1 if order else 0
+    completed = rs.completed
     events = list(driver_events) + [
         {"t": round(e["t"] - t0, 3), "kind": e["kind"], "peer": name}
         for name, evs in logs.items() for e in evs if e["kind"] not in ("round", "train", "follow")
@@ -202,7 +190,6 @@ def build_report(out: Path, opts: "SimulateOptions", driver_events: list[dict], 
                     if not score <= e.get("threshold", 0.0):
                         dropped.setdefault(names.get(pid, pid), set()).add(e["round"])
     starts = [e["t"] - t0 for evs in logs.values() for e in evs if e["kind"] == "sync"]
-    marks = [min(starts) if starts else None] + [end_t.get(r) for r in range(completed)]
     return {
         "peers": n,
         "rounds_target": opts.rounds,
@@ -221,7 +208,7 @@ def build_report(out: Path, opts: "SimulateOptions", driver_events: list[dict], 
         # completed (not evaluated there, or not finite: see `eval_nonfinite_rounds`)
         "final_eval_loss": loss[max(loss)] if loss else None,
         "final_eval_round": max(loss) if loss else None,
-        "eval_nonfinite_rounds": nonfinite,  # evaluated, and the loss was NaN or infinite
+        "eval_nonfinite_rounds": rs.nonfinite,  # evaluated, and the loss was NaN or infinite
         "eval_loss_by_round": [loss.get(r) for r in range(completed)],
         "round_end_t": [round(end_t[r], 3) if r in end_t else None for r in range(completed)],
         "bytes_sent_per_peer_per_round": _sent_per_round(logs, volunteer_rounds),
@@ -230,15 +217,19 @@ def build_report(out: Path, opts: "SimulateOptions", driver_events: list[dict], 
         "state_bytes_sent_per_peer_per_round": _sent_per_round(logs, volunteer_rounds, "state_sent_total"),
         "coordinator_bytes_sent_per_round": _coordinator_sent_per_round(logs.get("coordinator", []), completed),
         "dense_fp32_ring_bytes_per_peer_per_round": 2 * (n - 1) / n * 4 * params,
-        "param_hash_agreement": bool(hashes) and not divergent,
+        # for every round, all processes that finished it had the same hash (sim_rounds.py `Rounds.agreement`)
+        "param_hash_agreement": rs.agreement,
         # rounds whose hash two or more processes reported: only those are compared at all
-        "hash_checked_rounds": sum(1 for who in reporters.values() if len(who) >= 2),
-        "divergent_rounds": divergent,
+        "hash_checked_rounds": sum(1 for who in rs.reporters.values() if len(who) >= 2),
+        "divergent_rounds": rs.divergent,
+        # {round, peer}: a process that finished a round and logged no hash for it (agreement: false)
+        "unhashed": rs.unhashed,
+        # completed rounds no process reported a hash for (agreement: false; none was compared)
+        "hashless_rounds": rs.hashless,
         "final_round_by_process": dict(sorted(final.items())),  # name -> [last round applied, its hash]
         # a peer that found its hash off the coordinator's and re-synced (counted, not hidden)
         "hash_mismatches": sum(1 for evs in logs.values() for e in evs if e["kind"] == "hash-mismatch"),
-        "round_times_s": [round(b - a, 3) if a is not None and b is not None else None
-                          for a, b in itertools.pairwise(marks)],
+        "round_times_s": round_times(min(starts) if starts else None, end_t, completed),
         "wall_s": round(wall_s, 2),
         "recovery_s": recovery,
         "recovery_excluding_s": excluding,
@@ -251,13 +242,15 @@ def build_report(out: Path, opts: "SimulateOptions", driver_events: list[dict], 
         "daemon_crash_rejoin_s": crash_rejoin,
         "network_restarts": sum(1 for evs in logs.values() for e in evs if e["kind"] == "network-restart"),
         # rounds fewer than two processes reported a hash for: nothing compared them
-        "unchecked_rounds": [r for r in range(completed) if len(reporters.get(r, ())) < 2],
+        "unchecked_rounds": rs.unchecked,
         "lost_contributions": lost,
         "double_counted_contributions": twice,  # of `lost_contributions`, those applied twice
         # of `lost_contributions`, those a restart presumed counted (it could not check the commit)
         "presumed_lost_contributions": presumed,
         "timed_out": any(e["kind"] == "timed-out" for e in driver_events),  # stopped by the driver's timeout
-        "interrupted": any(e["kind"] == "interrupted" for e in driver_events),  # stopped by Ctrl+C or a signal
+        # stopped by Ctrl+C or a signal (not one that only skipped the final wait for the coordinator,
+        # the run over: `stop-wait-skipped` in `events`)
+        "interrupted": any(e["kind"] == "interrupted" for e in driver_events),
         "crashed": sorted({e["peer"] for e in driver_events if e["kind"] == "crash"}),  # ended with an error
         "compute_utilization": round(sum(utilization) / len(utilization), 4) if utilization else None,
         "overlap": opts.overlap,
@@ -328,23 +321,6 @@ def report_json(report: dict) -> str:
     """report.json's text: strict JSON (a NaN or infinity, which `build_report` never puts there,
     is an error rather than a token that strict readers refuse)."""
     return json.dumps(report, indent=2, allow_nan=False)
-
-
-def _finite(x: object) -> bool:
-    return isinstance(x, (int, float)) and math.isfinite(x)
-
-
-def _diverged(e: dict, eval_every: int) -> bool:
-    """Was this round event's held-out loss evaluated and NaN or infinite? Logs write such a loss
-    as "NaN", "Infinity" or "-Infinity" and a round not evaluated as null (`event_log.py`); in
-    older logs a bare NaN also stood for "not evaluated", and only the coordinator's evaluation
-    rounds tell the two apart."""
-    x = e.get("eval_loss")
-    if isinstance(x, str):
-        return x in NONFINITE
-    if not isinstance(x, float) or math.isfinite(x):
-        return False
-    return math.isinf(x) or (e["who"] == "coordinator" and (e["round"] + 1) % eval_every == 0)
 
 
 def _sent_total(evs: list[dict], key: str = "sent_total") -> int | None:

@@ -398,9 +398,11 @@ def run_simulation(opts: SimulateOptions, out: Path, progress: Callable[[str], N
             except subprocess.TimeoutExpired:
                 pass
             except KeyboardInterrupt:  # the first Ctrl+C (or SIGTERM) here: the report all the same, now
-                interrupted = True
-                sim.event("interrupted", "driver")
-                progress("interrupted: writing the report of the run so far (press Ctrl+C again to stop at once)")
+                # The run had ended: this skips the wait, as the line above offers, and interrupts
+                # nothing (as `interrupted` it made a finished run exit 130, unchecked: a review).
+                sim.event("stop-wait-skipped", "driver")
+                progress("not waiting for the coordinator: writing the report (its last checkpoint may be "
+                         "missing; press Ctrl+C again to stop at once)")
         # the coordinator told to stop, and volunteers still running at the timeout that ended meanwhile
         note_ended(["coordinator", *volunteers], exits=False)
         report = build_report(out, opts, sim.events, time.time() - start, t0=sim.t0, rss=sim.peak_rss)

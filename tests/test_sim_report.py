@@ -114,7 +114,11 @@ def test_simulate_exits_nonzero_when_the_run_failed(tmp_path, monkeypatch):
             "wall_s": 10.0, "crashed": [], "events": []}
     cases = [({}, 0, "3/3 rounds"), ({"crashed": ["peer-1"]}, 1, "peer-1 exited with an error"),
              ({"rounds_completed": 2}, 1, "only 2 of 3 rounds"),
-             ({"divergent_rounds": [1], "param_hash_agreement": False}, 1, "hashes differ in rounds [1]")]
+             ({"divergent_rounds": [1], "param_hash_agreement": False}, 1, "hashes differ in rounds [1]"),
+             ({"hashless_rounds": [1], "param_hash_agreement": False}, 1,
+              "no process reported a parameter hash in rounds [1]"),
+             ({"unhashed": [{"round": 2, "peer": "peer-1"}], "param_hash_agreement": False}, 1,
+              "no parameter hash logged by peer-1 in round 2")]
     for change, code, said in cases:
         monkeypatch.setattr(simulate, "run_simulation", lambda opts, out, progress, r=dict(base, **change): r)
         res = CliRunner().invoke(app, ["simulate", "--peers", "2", "--rounds", "3", "--out", str(tmp_path / "s")])
@@ -267,14 +271,85 @@ def test_hash_checked_rounds_count_rounds_two_processes_reported(tmp_path):
                                    "reported)")
 
 
-def test_an_empty_hash_is_none_reported_in_a_round_as_in_a_catch_up(tmp_path):
-    # peer-0 logged round 1 with no hash (""), as a catch-up may: not a second hash, no divergence
+def test_a_peer_that_finished_a_round_without_a_hash_makes_the_agreement_false(tmp_path):
+    # peer-0 logged round 1 with no hash (""), in the round and in a catch-up: not a second hash
+    # (no divergence), but nothing says it agreed either. It read as agreement (found by a review).
     _write(tmp_path, "coordinator", [_round(1.0, 0, "C"), _round(2.0, 1, "C")])
     _write(tmp_path, "peer-0", [_round(1.0, 0, "P"), dict(_round(2.0, 1, "P"), hash=""),
                                 {"t": 2.5, "kind": "follow", "round": 1, "hash": ""}])
     report = build_report(tmp_path, SimulateOptions(peers=1, rounds=2), [], wall_s=3.0, t0=0.0)
-    assert report["divergent_rounds"] == [] and report["param_hash_agreement"] is True
-    assert report["hash_checked_rounds"] == 1  # round 1: only the coordinator reported one
+    assert report["param_hash_agreement"] is False and report["unhashed"] == [{"round": 1, "peer": "peer-0"}]
+    assert report["divergent_rounds"] == [] and report["hash_checked_rounds"] == 1  # round 1: the coordinator's alone
+    from groundswell.peer.cli_simulate import hash_checks
+
+    assert hash_checks(report) == (" (compared in 1 round; not in round 1, which fewer than two processes "
+                                   "reported; 1 finished a round without one)")
+
+
+def test_a_completed_round_no_process_reported_a_hash_for_makes_the_agreement_false(tmp_path):
+    # Round 1 happened (round 2 builds on it) but no log holds a hash of it: nothing compared it,
+    # and the agreement read as true (found by a review). Round 2, one process alone: vacuously fine.
+    _write(tmp_path, "coordinator", [_round(1.0, 0, "C"), _round(5.0, 2, "C")])
+    _write(tmp_path, "peer-0", [_round(1.0, 0, "P")])
+    report = build_report(tmp_path, SimulateOptions(peers=1, rounds=3), [], wall_s=6.0, t0=0.0)
+    assert report["param_hash_agreement"] is False
+    assert report["rounds_completed"] == 3 and report["divergent_rounds"] == [] and report["unhashed"] == []
+    assert report["hashless_rounds"] == [1] and report["unchecked_rounds"] == [1, 2]
+    from groundswell.peer.cli_simulate import hash_checks
+
+    assert hash_checks(report) == (" (compared in 1 round; not in rounds 1, 2, which fewer than two processes "
+                                   "reported; no process reported one in round 1)")
+    # a round logged without any hash is as hashless; with round 1 logged, all agree again
+    _write(tmp_path, "peer-0", [dict(_round(2.0, 1, "P"), hash="")])
+    report = build_report(tmp_path, SimulateOptions(peers=1, rounds=3), [], wall_s=6.0, t0=0.0)
+    assert report["hashless_rounds"] == [1] and report["param_hash_agreement"] is False
+    _write(tmp_path, "coordinator", [{"t": 2.5, "kind": "follow", "round": 1, "hash": "h1"}])
+    _write(tmp_path, "peer-1", [_round(2.0, 1, "Q")])
+    report = build_report(tmp_path, SimulateOptions(peers=2, rounds=3), [], wall_s=6.0, t0=0.0)
+    assert report["hashless_rounds"] == [] and report["unhashed"] == [{"round": 1, "peer": "peer-0"}]
+    (tmp_path / "peer-0" / "events.jsonl").unlink()
+    report = build_report(tmp_path, SimulateOptions(peers=2, rounds=3), [], wall_s=6.0, t0=0.0)
+    assert report["param_hash_agreement"] is True and report["unchecked_rounds"] == [0, 2]
+
+
+def test_rounds_in_a_rotated_event_log_are_in_the_report(tmp_path):
+    # Past 64 MB events.jsonl is renamed events.jsonl.1 (event_log.py): the report read only the
+    # newer part, losing rounds 0 and 1, and dividing a whole run's bytes by 2 rounds, not 4.
+    _write(tmp_path, "coordinator", [dict(_round(1.0 + r, r, "C"), eval_loss=5.0 - r) for r in range(4)])
+    _write(tmp_path, "peer-0", [{"t": 0.0, "kind": "network", "peer": "P"}, {"t": 0.5, "kind": "sync", "peer": "P"},
+                                _round(1.0, 0, "P", 100), _round(2.0, 1, "P", 200)])
+    (tmp_path / "peer-0" / "events.jsonl").rename(tmp_path / "peer-0" / "events.jsonl.1")
+    with open(tmp_path / "peer-0" / "events.jsonl.1", "a") as f:
+        f.write('{"t": 2.1, "kind": "trai')  # a line a kill cut short: not glued to the next file's first
+    _write(tmp_path, "peer-0", [_round(3.0, 2, "P", 300), _round(4.0, 3, "P", 400)])
+    report = build_report(tmp_path, SimulateOptions(peers=1, rounds=4), [], wall_s=5.0, t0=0.0)
+    assert report["bytes_sent_per_peer_per_round"] == 100.0  # 400 bytes over 4 rounds
+    assert report["round_times_s"] == [0.5, 1.0, 1.0, 1.0]
+    assert report["hash_checked_rounds"] == 4 and report["unchecked_rounds"] == []
+    assert report["final_round_by_process"]["peer-0"] == [3, "h3"]
+
+
+def test_a_coordinator_catch_up_whose_loss_diverged_is_reported_as_diverged(tmp_path):
+    # The coordinator applied round 1 in catching up and its evaluation was NaN: the loss was
+    # dropped without a word (a round event's is listed; found by a review).
+    _write(tmp_path, "coordinator", [dict(_round(1.0, 0, "C"), eval_loss=3.0),
+                                     {"t": 2.5, "kind": "follow", "round": 1, "hash": "h1", "eval_loss": "NaN",
+                                      "peer": "C"}])
+    _write(tmp_path, "peer-0", [_round(1.0, 0, "P"), _round(2.0, 1, "P")])
+    report = build_report(tmp_path, SimulateOptions(peers=1, rounds=2), [], wall_s=3.0, t0=0.0)
+    assert report["eval_nonfinite_rounds"] == [1] and report["eval_loss_by_round"] == [3.0, None]
+    assert report["final_eval_round"] == 0
+
+
+def test_a_round_known_only_from_a_late_catch_up_takes_no_negative_time(tmp_path):
+    # Round 1 is known only from peer-0's catch-up at 6 s, after round 2 ended at 3 s: round 2
+    # took -3 s. For timing a round ends no earlier than the one before it; round_end_t is as logged.
+    _write(tmp_path, "coordinator", [{"t": 0.5, "kind": "sync", "peer": "C"}, _round(1.0, 0, "C"),
+                                     _round(3.0, 2, "C"), _round(7.0, 3, "C")])
+    _write(tmp_path, "peer-0", [_round(1.0, 0, "P"), {"t": 6.0, "kind": "follow", "round": 1, "hash": "h1"}])
+    report = build_report(tmp_path, SimulateOptions(peers=1, rounds=4), [], wall_s=8.0, t0=0.0)
+    assert report["round_end_t"] == [1.0, 6.0, 3.0, 7.0]
+    assert report["round_times_s"] == [0.5, 5.0, 0.0, 1.0]
 
 
 def test_the_report_gives_the_seed_and_the_faults(tmp_path):

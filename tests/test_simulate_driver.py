@@ -630,8 +630,48 @@ def test_ctrl_c_while_the_coordinator_saves_its_checkpoint_still_writes_the_repo
     except KeyboardInterrupt:
         pytest.fail("Ctrl+C in the coordinator's wait went through run_simulation, with no report written")
     kinds = [e["kind"] for e in events if e["peer"] == "driver"]
-    assert kinds[-2:] == ["timed-out", "interrupted"] and pressed == [60], events
+    # the wait skipped, as offered: the timeout stopped the run, Ctrl+C did not
+    assert kinds[-2:] == ["timed-out", "stop-wait-skipped"] and pressed == [60], events
     assert (tmp_path / "sim" / "report.json").exists()
+
+
+def test_ctrl_c_at_the_final_stopping_wait_is_no_interruption_of_a_finished_run(tmp_path, monkeypatch):
+    # Found by a review: every round done, Ctrl+C skipping the wait for the coordinator's checkpoint
+    # (as the line offers) made the run `interrupted`: the CLI exited 130 before any check, a run
+    # with divergent rounds or a crashed peer included.
+    pressed = []
+    wait_one = _Ending.wait
+
+    def pressed_while_waiting(self, timeout=None):
+        if not pressed:
+            pressed.append(timeout)
+            raise KeyboardInterrupt
+        return wait_one(self, timeout)
+
+    monkeypatch.setattr(_Ending, "wait", pressed_while_waiting)
+    opts = SimulateOptions(peers=2, rounds=3, timeout_s=30.0)
+    events, _ = _fake_run(tmp_path, monkeypatch, opts, rounds_done=2, die_after=0.3)
+    kinds = [e["kind"] for e in events if e["peer"] == "driver"]
+    assert pressed == [60] and "stop-wait-skipped" in kinds, events
+    assert not any(e["kind"] in ("interrupted", "timed-out", "timeout") for e in events), events
+
+
+def test_an_interrupted_run_that_failed_a_check_exits_1(tmp_path, monkeypatch):
+    # The checks come first: what the run did before Ctrl+C failed (exit 1); fewer rounds than asked
+    # for fails only where the timeout, not Ctrl+C, cut the run short.
+    from groundswell.peer import simulate
+
+    interrupted = dict(_BASE, rounds_completed=2, eval_loss_by_round=[5.0, 4.0], interrupted=True, wall_s=12.0)
+    cases = [({"divergent_rounds": [1], "param_hash_agreement": False}, "parameter hashes differ in rounds [1]"),
+             ({"crashed": ["peer-1"]}, "peer-1 exited with an error"),
+             ({"unhashed": [{"round": 1, "peer": "peer-0"}]}, "no parameter hash logged by peer-0 in round 1"),
+             ({"timed_out": True}, "only 2 of 3 rounds completed")]
+    for change, said in cases:
+        monkeypatch.setattr(simulate, "run_simulation", lambda opts, out, progress, r=dict(interrupted, **change): r)
+        res = CliRunner().invoke(app, ["simulate", "--peers", "2", "--rounds", "3", "--out", str(tmp_path / "s")])
+        text = " ".join(res.output.split())
+        assert res.exit_code == 1 and f"simulation failed: {said}" in text, res.output
+        assert "interrupted after 12 s" in text, res.output
 
 
 def test_ctrl_c_writes_the_report_of_the_run_so_far_without_waiting_for_the_coordinator(tmp_path, monkeypatch):
