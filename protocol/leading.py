@@ -30,6 +30,7 @@ log = logging.getLogger(__name__)
 CATCH_UP_S = 0.5  # the most a leader waits for a shard's primary to catch up with its replica
 MISSED_ATTEMPTS = 16  # attempts whose refused reports a leader remembers (the nearest rounds are kept)
 MISSED_PER_ATTEMPT = 256  # (aggregator, shard) pairs remembered per attempt
+REFUSALS_BELIEVED = 2  # aggregators that must report refusing a contribution before it is not waited for
 
 
 class Leading:
@@ -90,7 +91,9 @@ class Leading:
                 held.setdefault(who, digest)  # an aggregator's report only grows; the first digest stays
             else:
                 unexpected += 1
-        slot.refused_reported.update(r for r in msg.refused[:64] if r in expected)  # names of nobody: not kept
+        for refused in msg.refused[:64]:
+            if refused in expected:  # names of nobody: not kept
+                slot.refused_reported.setdefault(refused, set()).add(sender)
         if slot.first_report is None:
             slot.first_report = time.monotonic()
         slot.poke()
@@ -143,7 +146,11 @@ class Leading:
         expected = set(plan.trainers) | {p for p, (trains, _) in joins.items() if trains}
         expected -= {p for p, (trains, _) in joins.items() if not trains}  # it left, or will not train this round
         expected -= slot.gone  # its process died (`trainer_probes.drop_dead_trainers`)
-        return expected - slot.refused_reported  # an invalid contribution will not become valid: not waited for
+        # An invalid contribution will not become valid: not waited for, once two aggregators said
+        # so (an honest refusal reaches two: every copy of a small shard, or each next candidate a
+        # refused big one goes to). One's word alone let any hostile reporting candidate have a
+        # leader close without a trainer it chose (found by a review).
+        return expected - {p for p, by in slot.refused_reported.items() if len(by) >= REFUSALS_BELIEVED}
 
     async def _on_join(self, sender: str, msg: Join) -> Ack:
         if msg.trains and not self.ctx.authorized(sender):

@@ -98,7 +98,8 @@ class _Attempt:
     report_everything: set[str] = field(default_factory=set)  # ... leaders whose next report repeats everything
     # as an aggregator: (leader, shard) -> (contributors, refused) that leader has acknowledged
     told: dict[tuple[str, int], tuple[tuple[str, ...], tuple[str, ...]]] = field(default_factory=dict)
-    refused_reported: set[str] = field(default_factory=set)  # as a leader: what aggregators reported refusing
+    # as a leader: contributor -> the aggregators that reported refusing its contribution as invalid
+    refused_reported: dict[str, set[str]] = field(default_factory=dict)
     # shard -> aggregator -> contributor -> digest of the contribution it holds
     have: dict[int, dict[str, dict[str, bytes]]] = field(default_factory=lambda: defaultdict(dict))
     first_report: float | None = None

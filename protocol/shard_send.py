@@ -80,7 +80,9 @@ class ShardSender:
                 if queue and (stalled or len(asking - lagging) < min(at_once, copies - held)):
                     launched += 1
                     watched = None if small else SendProgress()
-                    task = asyncio.ensure_future(offer(queue.pop(0), msg, timeout, watched))
+                    peer = queue.pop(0)
+                    task = asyncio.ensure_future(offer(peer, msg, timeout) if watched is None
+                                                 else offer(peer, msg, timeout, watched))
                     asking.add(task)
                     if watched is not None:
                         progress[task] = watched
