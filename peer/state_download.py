@@ -12,7 +12,7 @@ from collections.abc import Callable
 from typing import Any
 
 from groundswell.protocol.schema import ProtocolError, StateReply
-from groundswell.protocol.transport import PeerDead, PeerUnavailable
+from groundswell.protocol.transport import PeerDead, PeerUnavailable, RequestTimedOut
 
 from .run_state import GlobalState
 from .state_fetch import direct_time, fetch_state
@@ -116,6 +116,8 @@ async def download_state(node: Any, check: StateCheck, peers: list[str], min_rou
     unconfirmed: set[str] = set()  # showed one past the coordinator's record that nobody confirms
     busy: dict[str, int] = {}  # peer -> how often it said its upload slots were taken
     retry_at: dict[str, float] = {}
+    reply: StateReply | None = None
+    blob: bytearray | memoryview | None = None
     # busy servers are asked again as long as one download would still fit in the sync's time
     patience_end = time.monotonic() + max(0.0, sync_timeout_s(check.numel) - state_timeout_s(check.numel))
     while queue:
@@ -133,6 +135,9 @@ async def download_state(node: Any, check: StateCheck, peers: list[str], min_rou
             await asyncio.sleep(wait)
         silent.discard(peer)
         announced.pop(peer, None)
+        # The last server's state, refused, must not stay alive while the next one's arrives: a
+        # hostile first server would double the peak memory of a join (a whole state each).
+        reply = blob = None
         started = time.monotonic()
         try:
             reply, blob, digest, via = await fetch_state(node, peer, min_round, size_check(peer),
@@ -140,8 +145,13 @@ async def download_state(node: Any, check: StateCheck, peers: list[str], min_rou
                                                          reply_timeout_s=state_reply_timeout_s(check.numel))
         except PeerUnavailable as exc:
             log.info("state from %s: %s", peer[-8:], exc)
-            if announced.get(peer) and time.monotonic() - started >= 0.9 * state_timeout_s(check.numel):
-                too_slow[peer] = announced[peer]  # (a stall or a dead server ends the download sooner)
+            if announced.get(peer) and isinstance(exc, RequestTimedOut) \
+                    and time.monotonic() - started >= 0.9 * state_timeout_s(check.numel):
+                # Its time ran out with the blob under way and no 1 MiB of it stalled (a stream
+                # that stalls ends within TRAILER_STALL_S as the transport's PeerGone; a direct
+                # one within direct.STALL_S, and the stream is asked): bytes kept coming, too
+                # slowly. A server that stops sending, or never answers, says nothing of our link.
+                too_slow[peer] = announced[peer]
                 if time.monotonic() >= patience_end:
                     # no time left for another download: said as such here, not as the sync's end
                     # (its caller's timeout: "is the run still up?"). Not sooner: a busy server's
@@ -168,8 +178,10 @@ async def download_state(node: Any, check: StateCheck, peers: list[str], min_rou
         try:
             return await check.verify(reply, blob, digest, peer, node.refresh_records), via
         except ProtocolError as exc:  # a broken or hostile server: count it, ask the next peer
+            blob = None  # (freed now, not when the next server's reply comes: see above)
             node.guard.count(peer, "state-reply", exc.reason, strike=exc.strike)
-            log.warning("state from %s refused: %s", peer[-8:], exc)
+            # (its text: a record kept by a handler would keep `exc`, its traceback, and so the blob)
+            log.warning("state from %s refused: %s", peer[-8:], str(exc))
             if exc.reason == "unconfirmed":
                 # A state past the coordinator's record that nobody confirms (a coordinator
                 # restarted from an older checkpoint, the volunteers gone on without it) is not

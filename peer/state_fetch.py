@@ -12,7 +12,7 @@ from typing import Any
 
 from groundswell.protocol.direct import KEY_BYTES, TOKEN_BYTES, fetch_direct, wire_size
 from groundswell.protocol.schema import ProtocolError, StateReply, StateRequest
-from groundswell.protocol.transport import PeerUnavailable
+from groundswell.protocol.transport import RequestTimedOut
 
 from .dht_rejoin import LOOPBACK
 from .holepunch import punchable
@@ -70,7 +70,8 @@ async def fetch_state(node: Any, peer: str, min_round: int, size: Callable[[Stat
     def left() -> float:
         remaining = deadline - time.monotonic()
         if remaining <= 0:
-            raise PeerUnavailable(f"{peer[-8:]}: no state within {timeout_s:.0f}s")
+            # (a timeout, as the transport's: the time ran out, nothing stalled; see `download_state`)
+            raise RequestTimedOut(f"{peer[-8:]}: no state within {timeout_s:.0f}s")
         return remaining
 
     def reply_within() -> float:

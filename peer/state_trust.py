@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import logging
+import random
 import time
 from collections import Counter
 from collections.abc import Awaitable, Callable
@@ -35,6 +36,7 @@ COORDINATOR_LAG_ROUNDS = 2
 COORDINATOR_WAIT_S = 4 * HEARTBEAT_S
 COORDINATOR_POLL_S = HEARTBEAT_S / 2
 EARLIER_HASHES = 8  # a peer's record lists its hashes of this many rounds before its newest
+COMMIT_LOOKBACK = 256  # rounds before a state whose commits in our book name who may confirm it (`_named`)
 
 
 class NoNewerState(PeerUnavailable):
@@ -65,9 +67,9 @@ def record_hashes(record: Any) -> dict[int, str]:
 def state_servers(records: dict[str, Any], me: str, bootstrap_peers: list[str], coordinator: str = "") -> list[str]:
     """Whom to ask for the state, in order: peers whose (round, hash) is the coordinator's record's,
     then the coordinator; then peers whose (round, hash) the most peers published, the newest among
-    equals first; then bootstrap peers without a record. One peer claiming a far-off round
-    (hostile, or alone ahead), or many sybil records agreeing on a made-up state, are asked after
-    the peers the run's signer vouches for."""
+    equals first (peers equal in all that in a random order); then bootstrap peers without a
+    record. One peer claiming a far-off round (hostile, or alone ahead), or many sybil records
+    agreeing on a made-up state, are asked after the peers the run's signer vouches for."""
     votes = Counter((r.round, r.params_hash) for pid, r in records.items() if pid != me and r.params_hash)
     vouched = set(record_hashes(records.get(coordinator) if coordinator != me else None).items())
 
@@ -79,9 +81,12 @@ def state_servers(records: dict[str, Any], me: str, bootstrap_peers: list[str], 
     def key(p: str) -> tuple:
         r, group = records[p], rank(p)
         newest_vouched = -r.round if group == 0 else 0  # of the states it vouches for, the newest first
-        return group, newest_vouched, -votes[(r.round, r.params_hash)], -r.round, p
+        return group, newest_vouched, -votes[(r.round, r.params_hash)], -r.round
 
-    order = sorted((p for p in records if p != me), key=key)
+    # Equals in a random order (the sort is stable), not by peer id: ids cost a key generation
+    # each, and a few hundred buy one that sorts first among peers copying the same record.
+    others = [p for p in records if p != me]
+    order = sorted(random.sample(others, len(others)), key=key)
     return order + [p for p in bootstrap_peers if p not in records and p != me]
 
 
@@ -236,7 +241,9 @@ class StateCheck:
             # against. (Our own record counted as a view: any state then passed, a review found.)
             raise ProtocolError("no peer's published hashes could be read to check the state against",
                                 reason="unchecked", strike=False)
-        signer, published = await self._coordinator_record(round_id, published, records)
+        named = self._named(round_id)  # (an open run: who may confirm a state past the coordinator's record)
+        confirmed = None if named is None else lambda now: state_hash in _votes(named, now, server, round_id)[1]
+        signer, published = await self._coordinator_record(round_id, published, records, confirmed)
         vouched = record_hashes(signer)
         word = vouched.get(round_id)
         if vouched and round_id < min(vouched):
@@ -282,39 +289,58 @@ class StateCheck:
         # of a made-up far-off round, and we would sit at that round for good (re-syncs ask for
         # newer states only). (A coordinator catching up after a restart holds joiners back until
         # it has: they are refused without a strike, and re-syncs try again after the next round.)
-        if not agree and signer is not None and round_id > signer.round:
-            # Nobody confirms it and the coordinator, online (its record is live), has not got
-            # there, though we waited for its record: one peer's word alone for a round ahead of
-            # the run's signer. A state of its own making (its own commit before it, itself our
-            # next round's leader) would be taken, and again at every re-sync, one round ahead of
-            # the coordinator each time, where no record could contradict it (found by a review:
-            # one round ahead was allowed). An honest server alone ahead costs a joiner little: the
-            # peers the coordinator vouches for serve the round before, and the round's aggregate
-            # then catches it up.
-            raise ProtocolError(f"state of round {round_id}, which no other peer confirms, is past the "
-                                f"coordinator's record ({signer.round})", reason="unconfirmed", strike=False)
         if signer is not None and self.ctx.allowlist is None and round_id > signer.round + UNCONFIRMED_LEAD:
             raise ProtocolError(f"state of round {round_id} is more than {UNCONFIRMED_LEAD} rounds past the "
                                 f"coordinator's record ({signer.round})", strike=False)
+        if signer is not None and round_id > signer.round:
+            # The live coordinator has not got there, though we waited for its record. One peer's
+            # word would have us take a state of its own making (its commit, itself our next
+            # leader) at every re-sync (a review); in an open run so would one more free identity's
+            # record (the next review): there only peers our verified commits name confirm. An
+            # honest server alone ahead costs little: others serve the round before, then its aggregate.
+            who = "other peer"
+            if named is not None:
+                who = "peer named in our verified commits"  # (their records were waited for, as its)
+                hashes = _votes(named, published, server, round_id)[1]
+                if (agree := hashes.count(state_hash)) * 2 < len(hashes):
+                    raise ProtocolError("state disagrees with the hashes peers named in our verified commits "
+                                        "published", strike=False)
+            if not agree:
+                raise ProtocolError(f"state of round {round_id}, which no {who} confirms, is past the coordinator's "
+                                    f"record ({signer.round})", reason="unconfirmed", strike=False)
         most = rounds[len(rounds) // 2] if rounds else None  # the swarm's round: most records', not the newest
         if not agree and most is not None and round_id > most + UNCONFIRMED_LEAD:
             raise ProtocolError(f"state of round {round_id}, which no other peer confirms, is more than "
                                 f"{UNCONFIRMED_LEAD} rounds past most peers' records ({most})", strike=False)
 
+    def _named(self, round_id: int) -> StateCheck | None:
+        """In an open run, this check with our book's verified commits' contributors as its
+        `vouchers` (the coordinator's own rule); None in a closed run (its members' records are
+        the run's) or for the coordinator (which has its `vouchers`)."""
+        if self.ctx.allowlist is not None or self.vouchers is not None or self.me == self.coordinator:
+            return None
+        held = {r: c for r in range(round_id - COMMIT_LOOKBACK, round_id) if (c := self.known_commit(r))}
+        return dataclasses.replace(self, vouchers=vouchers_of(held))
+
     async def _coordinator_record(self, round_id: int, published: dict[str, Any],
-                                  records: Callable[[], Awaitable[dict[str, Any]]]) -> tuple[Any, dict[str, Any]]:
+                                  records: Callable[[], Awaitable[dict[str, Any]]],
+                                  confirmed: Callable[[dict[str, Any]], bool] | None = None,
+                                  ) -> tuple[Any, dict[str, Any]]:
         """The coordinator's record (None where it is us: our own word does not count) and the
         records read last. A record a round or two behind the state is read again
         for a few heartbeats (the server applied the round just before the coordinator published
         it): without the coordinator's word the majority decides, which sybil records can stuff.
-        A coordinator further behind is not waited for: it may be catching up for a long time,
-        and the run must not stall on it."""
+        A coordinator further behind is not waited for (it may be catching up for a long time),
+        except, given `confirmed` (an open run), up to UNCONFIRMED_LEAD rounds while that is false
+        of the records: in rounds quicker than its heartbeat, its record is behind every state."""
         if self.coordinator == self.me:
             return None, published
 
         def behind(now: dict[str, Any]) -> bool:
             rec = now.get(self.coordinator)
-            return rec is not None and rec.round < round_id <= rec.round + COORDINATOR_LAG_ROUNDS
+            if rec is None or not rec.round < round_id <= rec.round + UNCONFIRMED_LEAD:
+                return False
+            return round_id <= rec.round + COORDINATOR_LAG_ROUNDS or confirmed is not None and not confirmed(now)
 
         published = await self._read_again_while(behind, published, records, "the coordinator's record")
         return published.get(self.coordinator), published

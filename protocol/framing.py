@@ -134,25 +134,52 @@ async def read_frame_paced(reader: asyncio.StreamReader, max_bytes: int, start_s
     return b"".join(pieces)  # (bytes, as `read_frame` returns: one copy, as readexactly makes)
 
 
+# A bulk trailer's reader (a joiner reading a state blob) gives up once the length, or a whole
+# chunk of the body, has not come for this long: as the direct state path (`direct.STALL_S`). A
+# server that sent its signed reply and then nothing used to cost the joiner its whole time for
+# that server (80 s at 25M parameters), and the joiner then blamed its own link as too slow.
+TRAILER_STALL_S = 20.0
+
+
+class FrameStalled(ConnectionError):
+    """A frame's sender stopped sending (nothing, or less than a chunk, for the reader's stall
+    bound): a ConnectionError, as the direct path's stall is, not a timeout of the whole read."""
+
+
 async def read_frame_into(reader: asyncio.StreamReader, max_bytes: int, chunk: int = 1 << 20,
-                          hasher: Any = None) -> bytearray:
+                          hasher: Any = None, stall_s: float | None = None) -> bytearray:
     """`read_frame` for bulk data: same length check first, then reads of `chunk` bytes into one
     preallocated buffer (one `readexactly` of a huge frame grows the reader's buffer to the whole
-    frame and copies it out again); `hasher` (BLAKE3, or anything with `update`) is fed each piece as it arrives."""
-    (size,) = _LEN.unpack(await reader.readexactly(_LEN.size))
-    if size > max_bytes:
-        raise ProtocolError(f"frame of {size} bytes exceeds the limit of {max_bytes}", reason="oversized")
-    buf = bytearray(size)
-    view = memoryview(buf)
-    got = 0
-    while got < size:
-        part = await reader.read(min(chunk, size - got))
-        if not part:
-            raise asyncio.IncompleteReadError(bytes(view[:got]), size)
-        view[got:got + len(part)] = part
-        got += len(part)
-        if hasher is not None:
-            hasher.update(part)
+    frame and copies it out again); `hasher` (BLAKE3, or anything with `update`) is fed each piece as it arrives.
+    `stall_s`: the length, and then each whole `chunk`, must come within that many seconds, else
+    `FrameStalled` (whole chunks: a byte now and then must not keep a stalled read going)."""
+    loop = asyncio.get_running_loop()
+    got = -1  # (the length not read yet)
+    try:
+        async with asyncio.timeout(stall_s) as stall:  # (None: no bound)
+            (size,) = _LEN.unpack(await reader.readexactly(_LEN.size))
+            if size > max_bytes:
+                raise ProtocolError(f"frame of {size} bytes exceeds the limit of {max_bytes}", reason="oversized")
+            buf = bytearray(size)
+            view = memoryview(buf)
+            got = 0
+            while got < size:
+                if stall_s is not None:
+                    stall.reschedule(loop.time() + stall_s)
+                end = min(got + chunk, size)
+                while got < end:
+                    part = await reader.read(end - got)
+                    if not part:
+                        raise asyncio.IncompleteReadError(bytes(view[:got]), size)
+                    view[got:got + len(part)] = part
+                    got += len(part)
+                    if hasher is not None:
+                        hasher.update(part)
+    except TimeoutError:
+        if not stall.expired():  # an enclosing timeout's: not a stall of ours
+            raise
+        raise FrameStalled(f"the frame stalled for {stall_s:g}s "
+                           + ("before its length" if got < 0 else f"after {got} bytes")) from None
     return buf
 
 

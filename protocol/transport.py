@@ -39,6 +39,7 @@ from .failures import (  # noqa: F401  (re-exported: callers name these from the
 )
 from .framing import (
     _LEN,
+    TRAILER_STALL_S,
     SendProgress,
     close_stream,
     read_frame,
@@ -444,7 +445,8 @@ class Transport:
                         size = trailer_size(decoded)
                         if trailer_timeout_s is not None:
                             scope.reschedule(asyncio.get_running_loop().time() + trailer_timeout_s(size))
-                        bulk = await read_frame_into(reader, size, hasher=hasher)
+                        # (a server that stops sending costs TRAILER_STALL_S, not the trailer's whole time)
+                        bulk = await read_frame_into(reader, size, hasher=hasher, stall_s=TRAILER_STALL_S)
                         if len(bulk) != size:
                             raise ProtocolError(f"{len(bulk)} trailing bytes, the reply announced {size}")
                         self.bytes_received += size + _LEN.size

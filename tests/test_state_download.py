@@ -101,6 +101,47 @@ def test_after_two_servers_fail_the_coordinator_is_asked_next(participant, monke
     assert asked == ["silent0", "silent1", "silent2"]
 
 
+def test_a_refused_state_is_freed_before_the_next_server_is_asked(participant, monkeypatch):
+    """Found by a review (peak_memory): the blob `verify` refused stayed referenced (the loop's
+    local) while the next server's state downloaded, so a hostile first server doubled a join's
+    peak memory (two whole states). No earlier blob may be alive when the next fetch starts."""
+    import gc
+    import weakref
+
+    from groundswell.peer import state_download
+    from groundswell.protocol.transport import PeerUnavailable
+
+    class Blob(bytearray):  # (a bytearray that can be weakly referenced)
+        pass
+
+    p, coord = participant, participant.coordinator_id
+    reply, blob, digest, good = _served_state(p, round_id=5)
+    records = {coord: SimpleNamespace(round=5, params_hash=good, earlier_hashes=[])}
+    fetched: dict[str, weakref.ref] = {}
+    alive_at_start: dict[str, list[str]] = {}
+
+    async def fake_fetch(node, peer, min_round, size, timeout_s, reply_timeout_s):
+        gc.collect()
+        alive_at_start[peer] = [k for k, ref in fetched.items() if ref() is not None]
+        if peer == "gone":  # a server that fails: the refused state before it must be gone already
+            raise PeerUnavailable(f"{peer} did not answer get-state")
+        got = Blob(blob)
+        if peer.startswith("liar"):  # bytes that are not what its signed reply names: refused
+            got[-1] ^= 1
+        fetched[peer] = weakref.ref(got)
+        size(reply)
+        return reply, got, digest if peer == "honest" else "0" * 64, "stream"
+
+    async def refresh():
+        return records
+
+    monkeypatch.setattr(state_download, "fetch_state", fake_fetch)
+    node = SimpleNamespace(cached_records=records, refresh_records=refresh, guard=SimpleNamespace(count=lambda *a, **k: None))
+    state, _ = asyncio.run(state_download.download_state(node, p.state_check(), ["liar1", "gone", "liar2", "honest"], 0))
+    assert state.round == 5
+    assert alive_at_start == {"liar1": [], "gone": [], "liar2": [], "honest": []}, alive_at_start
+
+
 def test_a_big_models_state_sync_gets_time_in_proportion_to_its_size():
     from groundswell.peer.state_download import state_timeout_s, sync_timeout_s
 
@@ -181,7 +222,7 @@ def test_a_state_too_slow_to_arrive_says_the_link_is_too_slow_not_the_run_down(p
     # Found by a review: on an 8 Mbit/s download a `base` run's state never arrived within the time
     # a peer is given, and `join` said "is the run still up? Start again to retry", which failed alike
     from groundswell.peer import state_download
-    from groundswell.protocol.transport import PeerUnavailable
+    from groundswell.protocol.transport import PeerGone, PeerUnavailable, RequestTimedOut
 
     reply, _blob, _digest, _ = _served_state(participant, round_id=5)
     monkeypatch.setattr(state_download, "state_timeout_s", lambda numel: 0.3)
@@ -196,9 +237,11 @@ def test_a_state_too_slow_to_arrive_says_the_link_is_too_slow_not_the_run_down(p
             return StateReply(-1, "", b"", 0, busy=True), bytearray(), "", "stream"
         size(reply)  # announced, under way...
         if peer.startswith("stalls"):  # ...and ended soon: a stall, a dead server, not our link
-            raise PeerUnavailable(f"{peer}: the direct download stalled")
+            raise PeerGone(f"{peer}: the frame stalled for 20s after 0 bytes")
         await asyncio.sleep(timeout_s)
-        raise PeerUnavailable(f"{peer}: no state within {timeout_s:.0f}s")  # ...and out of time
+        if peer.startswith("stalled-late"):  # ...and out of time, but by a stall: not our link either
+            raise PeerGone(f"{peer}: the frame stalled for 20s after 1048576 bytes")
+        raise RequestTimedOut(f"{peer}: no state within {timeout_s:.0f}s")  # ...and out of time
 
     async def refresh():
         return {}
@@ -222,7 +265,8 @@ def test_a_state_too_slow_to_arrive_says_the_link_is_too_slow_not_the_run_down(p
     with pytest.raises(state_download.StateTooSlow, match="from 2 peers"):
         sync([participant.coordinator_id, "slow1"])
     assert asked == [participant.coordinator_id, "slow1"]
-    for peers in (["stalls1", "stalls2"], ["slow", "stalls"]):  # a failure that was not the time running out
+    for peers in (["stalls1", "stalls2"], ["slow", "stalls"], ["stalled-late1", "stalled-late2"]):
+        # a failure that was not the time running out with bytes still coming
         with pytest.raises(PeerUnavailable) as err:
             sync(peers)
         assert not isinstance(err.value, state_download.StateTooSlow), peers
