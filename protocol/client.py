@@ -19,6 +19,7 @@ from groundswell.compression import Payload
 from .context import DecisionBook, contribution_digest
 from .envelope import unseal
 from .fetch import AggregateFetcher
+from .framing import SendProgress
 from .plan import RoundPlan, attempt_for, close_time, shard_bounds
 from .schema import (
     Ack,
@@ -179,7 +180,9 @@ class RoundClient(AggregateFetcher, ShardSender):
                                 "stays ours", round_id)
                 else:
                     late, cut_before = self._attempt_over(plan), self.sends_cut
-                    sent = await gather_owned(self._send_shard(plan, s, segments) for s in range(plan.num_shards))
+                    watch: list[SendProgress] = []  # every big copy's progress, each judged against the others
+                    sent = await gather_owned(self._send_shard(plan, s, segments, watch)
+                                              for s in range(plan.num_shards))
                     delivered, cut = all(sent), self.sends_cut - cut_before
             decision, signed = await self._await_decision(plan)
         finally:  # a join still out once the attempt is decided is moot

@@ -16,6 +16,7 @@ import torch
 from groundswell.compression import CodecError, Payload, RobustStats, robust_mean, robust_weights
 
 from .context import contribution_digest, shard_payload_bound, validate_segments
+from .digests import bulk_hasher
 from .envelope import unseal
 from .plan import RoundPlan
 from .schema import (
@@ -298,25 +299,56 @@ class AggregateFetcher:
                 return None
             return agg
 
-        asking: set[asyncio.Future] = set()  # owned here: whatever is still running is cancelled below
+        # A mean from the source (which computed it) or the leader (which signed the commit and
+        # gathered it from the sources) is taken on its word; one from another candidate once a
+        # second holder sent the same bytes, or, when neither the source nor the leader can
+        # answer (a commit outlives them on its replicas), if no other holder left contradicts
+        # it. Taken from the first to answer, a hostile candidate's made-up mean was applied by
+        # all (found by a review). Honest holders agree bit for bit (compression/robust.py).
+        signed_mode = ships_contributions(self.ctx)  # (signed contributions are checked one by one)
+        trusted = {decision.sources[shard], decision.leader}
+        trusted_left = trusted & set(queue)  # those that may still answer
+        seen: dict[bytes, tuple[set[str], AggregateShard]] = {}  # a candidate's mean's digest -> who sent it
+        asking: dict[asyncio.Future, str] = {}  # owned here: whatever is still running is cancelled below
+        taken: AggregateShard | None = None
         try:
-            while queue or asking:  # each time the wait runs out or an answer is no good: one holder more
+            while (queue or asking) and taken is None:  # each time the wait runs out or an answer is no good: one more
                 if queue and len(asking) < MAX_ASKING:
-                    asking.add(asyncio.ensure_future(ask(queue.pop(0))))
+                    peer = queue.pop(0)
+                    asking[asyncio.ensure_future(ask(peer))] = peer
                 # (at most MAX_ASKING at once: a hedge shorter than an honest dense transfer asked
                 # holder after holder for the whole shard, ~5x the download traffic, and holders
                 # from the DHT, sybils in an open run, one more each hedge up to the 330 s bound)
-                done, asking = await asyncio.wait(asking, timeout=hedge if queue and len(asking) < MAX_ASKING
-                                                  else None, return_when=asyncio.FIRST_COMPLETED)
+                done, _ = await asyncio.wait(asking, timeout=hedge if queue and len(asking) < MAX_ASKING
+                                             else None, return_when=asyncio.FIRST_COMPLETED)
                 for task in done:
-                    if (agg := task.result()) is not None:
-                        self.server.archive(decision.round, shard, agg if self._serves_shard(decision, plan, shard)
-                                            else None)
-                        return agg
+                    peer = asking.pop(task)
+                    if (agg := task.result()) is None:
+                        trusted_left.discard(peer)
+                    elif signed_mode or peer in trusted:
+                        taken = agg
+                        break
+                    else:
+                        holders_of, _ = seen.setdefault(await asyncio.to_thread(_mean_digest, agg), (set(), agg))
+                        holders_of.add(peer)
+                        if len(holders_of) >= 2:
+                            taken = agg
+                            break
+                        log.info("aggregate %s from %s: a candidate's mean, taken once another holder sends the "
+                                 "same", key, peer[-8:])
         finally:
             for task in asking:
                 task.cancel()
             await asyncio.gather(*asking, return_exceptions=True)
+        if taken is None and not trusted_left and seen:
+            if len(seen) == 1:  # one candidate's mean, and nobody left to say otherwise
+                taken = next(iter(seen.values()))[1]
+            else:
+                log.warning("aggregate %s: the shard's candidates sent different means, and neither its source nor "
+                            "the leader answered", key)
+        if taken is not None:
+            self.server.archive(decision.round, shard, taken if self._serves_shard(decision, plan, shard) else None)
+            return taken
         raise PeerUnavailable(f"no peer could provide shard {shard} of round {decision.round}")
 
 
@@ -327,6 +359,16 @@ class AggregateFetcher:
         full-size means (36 bytes per parameter in fp32) that nobody reads."""
         return ships_contributions(self.ctx) or self.me in (
             decision.sources[shard], decision.leader, *plan.candidates(shard)[:REPORTING_CANDIDATES])
+
+
+def _mean_digest(agg: AggregateShard) -> bytes:
+    """What two holders of a dense mean must agree on: its segments, and whom it clipped by how much."""
+    hasher = bulk_hasher()
+    for part in agg.parts:
+        hasher.update(len(part).to_bytes(8, "big"))
+        hasher.update(part)
+    hasher.update(repr((agg.clipped, agg.weights)).encode())
+    return hasher.digest()
 
 
 async def _refusing_peer_faults(work: Awaitable[T], failed: str) -> T:

@@ -30,7 +30,7 @@ def close_stream(writer: asyncio.StreamWriter) -> None:
         writer.close()
 
 
-@dataclass
+@dataclass(eq=False)  # (each one is its own: kept in lists and removed by identity)
 class SendProgress:
     """How far a request's frame has gone out, kept up to date as its pieces drain (monotonic
     times): its sender can tell a receiver that stopped reading, or never answers, from a slow

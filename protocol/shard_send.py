@@ -13,7 +13,7 @@ from typing import Any
 
 from .claims import ping
 from .context import DecisionBook
-from .framing import PACED_SHARE, WRITE_PIECE, SendProgress
+from .framing import WRITE_PIECE, SendProgress
 from .plan import RoundPlan, close_time
 from .schema import Ack, ProtocolError, ShardContribution
 from .shards import REPORTING_CANDIDATES, replica_count
@@ -39,7 +39,8 @@ class ShardSender:
     cut_to: dict[tuple[int, int], set[str]]
     ask_decision: Callable[..., Awaitable[bytes]]  # (peer, round, attempt, wait_s): a checked decision, or b""
 
-    async def _send_shard(self, plan: RoundPlan, shard: int, segments: list[bytes]) -> bool:
+    async def _send_shard(self, plan: RoundPlan, shard: int, segments: list[bytes],
+                          watch: list[SendProgress] | None = None) -> bool:
         """Give the shard to its aggregator and `replica_count` replicas, the first of its reporting
         candidates that take it (the same peers for every contributor while they are alive, so the
         leader finds whole replicas); True if at least one took it.
@@ -48,7 +49,9 @@ class ShardSender:
         tried too, so it costs the hedge, not the request timeout (which, at the default round
         timing, is the whole attempt). Small (sparse) shards go to every copy's peer at once; a big
         one goes to one peer at a time, and a frozen peer is told by a ping (see `_pinged_offer`);
-        a big copy that goes out too slowly (`_lags`) is passed over while it runs on."""
+        a big copy that goes out far slower than the contribution's others, stalls, or is never
+        acked (`copy_lags`) is passed over once while it runs on. `watch`: the progress of every
+        big copy of the contribution (shared by its shards' calls)."""
         first, stop = plan.shard_segments[shard]
         msg = ShardContribution(plan.round, plan.attempt, shard, first, segments[first:stop])
         size = sum(len(s) for s in msg.segments)
@@ -63,15 +66,15 @@ class ShardSender:
         at_once = copies if small else 1
         # A big shard is not hedged by the clock: every shard of a contribution goes at once, and
         # each hedge would add a copy of each to a slow uplink until none lands in time. Its copy
-        # is watched instead (a tick at a time), and one that lags gets company.
+        # is watched instead (a tick at a time), and once, if it lags (`copy_lags`), gets company.
         hedge = max(1.0, self.ctx.slack_s / 2) if small else min(1.0, self.ctx.slack_s / 2)
-        share = UPLINK_ASSUMED * size / max(total, 1)  # this shard's part of the assumed uplink
+        watch = watch if watch is not None else []  # every big copy of this contribution, to compare with
         offer = self._offer if small else self._pinged_offer
         queue = list(plan.candidates(shard)[:REPORTING_CANDIDATES])
-        held, stalled, launched = 0, False, 0
+        held, stalled, launched, passed_over = 0, False, 0, False
         asking: set[asyncio.Future[str]] = set()  # owned here: whatever still runs is cancelled below
         progress: dict[asyncio.Future[str], SendProgress] = {}
-        lagging: set[asyncio.Future[str]] = set()  # big copies passed over, still running
+        lagging: set[asyncio.Future[str]] = set()  # a big copy passed over, still running
         try:
             while held < copies and (queue or asking):
                 if queue and launched and self._attempt_over(plan):
@@ -79,13 +82,15 @@ class ShardSender:
                     continue
                 if queue and (stalled or len(asking - lagging) < min(at_once, copies - held)):
                     launched += 1
-                    watched = None if small else SendProgress()
                     peer = queue.pop(0)
-                    task = asyncio.ensure_future(offer(peer, msg, timeout) if watched is None
-                                                 else offer(peer, msg, timeout, watched))
+                    if small:
+                        task = asyncio.ensure_future(offer(peer, msg, timeout))
+                    else:
+                        progress_of = SendProgress()
+                        watch.append(progress_of)
+                        task = asyncio.ensure_future(offer(peer, msg, timeout, progress_of))
+                        progress[task] = progress_of
                     asking.add(task)
-                    if watched is not None:
-                        progress[task] = watched
                     stalled = False
                     continue
                 if held and (stalled or not asking - lagging):
@@ -93,10 +98,14 @@ class ShardSender:
                 done, asking = await asyncio.wait(asking, timeout=hedge, return_when=asyncio.FIRST_COMPLETED)
                 lagging -= done
                 stalled = small and not done
-                if not small:
-                    lagging |= {task for task in asking if task not in lagging and self._lags(progress[task], share)}
+                if not small and not passed_over:  # (one copy more at most: each shares our uplink)
+                    slow = next((t for t in asking if copy_lags(progress[t], watch, self.ctx.slack_s)), None)
+                    if slow is not None:
+                        lagging.add(slow)
+                        passed_over = True
                 for task in done:
-                    progress.pop(task, None)
+                    if task in progress:
+                        watch.remove(progress.pop(task))
                     verdict = task.result()
                     if verdict == "closed" and self._attempt_over(plan):
                         return held > 0
@@ -104,26 +113,10 @@ class ShardSender:
         finally:
             for task in asking:
                 task.cancel()
+                if task in progress:
+                    watch.remove(progress.pop(task))
             await asyncio.gather(*asking, return_exceptions=True)
         return held > 0
-
-    def _lags(self, progress: SendProgress, share: float) -> bool:
-        """Is a big copy going out too slowly to be waited on alone? Its whole body went out a slack
-        ago and no ack came (an honest aggregator acks once it has checked it); or it has moved
-        nothing for a slack (and for what a piece takes at half its share of the uplink); or, a
-        slack in, it has sent under half of what its share would have. Such a copy holding the shard
-        alone, never cut short, once kept it from every aggregator past the attempt's close: a
-        hostile first candidate that answered the ping and then never acked could have every
-        attempt of a dense run retried (found by a review)."""
-        if progress.opened is None or progress.moved is None:
-            return False  # still dialling: the transport's timeout and the ping bound that
-        now, slack = time.monotonic(), self.ctx.slack_s
-        if progress.finished is not None:
-            return now - progress.finished >= slack
-        floor = PACED_SHARE * share  # bytes/s
-        if now - progress.moved >= max(slack, WRITE_PIECE / max(floor, 1.0)):
-            return True
-        return now - progress.opened >= slack and progress.written < floor * (now - progress.opened)
 
     def _attempt_over(self, plan: RoundPlan) -> bool:
         """Does our own book say the attempt is over (its round decided, or its close passed by our
@@ -191,3 +184,38 @@ class ShardSender:
             # shard to every candidate after an honest close.
             await self.ask_decision(peer, msg.round, msg.attempt, 0.0)
         return "closed"
+
+
+def copy_lags(progress: SendProgress, watch: list[SendProgress], slack: float) -> bool:
+    """Is a big copy going out too slowly to be waited on alone? Judged against what our uplink
+    carries for the contribution's other copies, never against an assumed rate: copies that are
+    all slow alike are our own uplink's doing, and a copy more would only slow every one (a
+    review's model: with a fixed yardstick, an honest 2.5 MB/s uplink sent four copies of each
+    shard and delivered none). A copy lags when:
+    - its whole body went out and no ack came within two slacks plus what its last piece, still
+      in buffers on the way, takes at its own rate (an honest aggregator acks once it checked it);
+    - it moved nothing for a slack and for three pieces' time at the rate the uplink carries
+      each of the others, while they moved (alone, for two slacks);
+    - two slacks in, it has sent under a quarter of what the other copies send on average.
+    A copy that held the shard alone, never cut short, kept it from every aggregator past the
+    attempt's close: a hostile first candidate that answered the ping and then never acked (or
+    stopped reading) could have every attempt of a dense run retried (found by a review)."""
+    if progress.opened is None or progress.moved is None:
+        return False  # still dialling: the transport's timeout and the ping bound that
+    now = time.monotonic()
+    if progress.finished is not None:
+        own_rate = progress.written / max(progress.finished - progress.opened, 1e-3)
+        return now - progress.finished >= 2 * slack + WRITE_PIECE / max(own_rate, 1.0)
+    others = [p for p in watch if p is not progress and p.opened is not None]
+    elapsed = now - progress.opened
+    if others:
+        # what the uplink carries each of the others, on average since the first of them opened
+        span = max(now - p.opened for p in others)
+        per_copy = sum(p.written for p in others) / max(span, 1e-3) / len(others)
+        limit = max(slack, 3 * WRITE_PIECE / max(per_copy, 1.0))
+        if now - progress.moved >= limit and any(p.moved is not None and p.moved > progress.moved for p in others):
+            return True
+        rates = [p.written / max((p.finished or now) - p.opened, 1e-3) for p in others]
+        return elapsed >= 2 * slack and progress.written / elapsed < 0.25 * sum(rates) / len(rates)
+    # alone: nothing to compare with; a piece that has not drained for two slacks is under ~100 KB/s
+    return now - progress.moved >= max(2 * slack, 3 * WRITE_PIECE / UPLINK_ASSUMED)

@@ -200,3 +200,59 @@ def test_a_shard_is_asked_of_at_most_three_holders_at_once():
 
     asyncio.run(go())
     assert peak[0] == MAX_ASKING == 3 and not at_once
+
+
+def _mean_fetch(answers: dict[str, tuple[float, bytes]]) -> tuple[object, list[str]]:
+    """Fetch shard 0 of a dense commit where each holder in `answers` sends a mean (after its
+    delay) and the others are gone; (the shard taken or the error, the holders asked)."""
+    from groundswell.compression import make_codec
+    from groundswell.protocol.schema import AggregateShard
+
+    codec = make_codec("fp32")
+    asked: list[str] = []
+
+    class _Transport:
+        async def request(self, peer, handler, msg, expect, **kw):
+            asked.append(peer)
+            if peer not in answers:
+                raise PeerUnavailable(f"{peer} is gone")
+            delay, part = answers[peer]
+            await asyncio.sleep(delay)
+            return AggregateShard(b"signed", 0, "mean", [part])
+
+    fetcher = AggregateFetcher()
+    fetcher.me, fetcher.transport = "me", _Transport()
+    fetcher.server = SimpleNamespace(aggregates={}, archive=lambda *args: None)
+    fetcher.holders = lambda round_id: []
+    fetcher.ctx = SimpleNamespace(codec=codec, verify_aggregates=False, max_payload_bytes=4 * 256 + 4096,
+                                  slack_s=0.01, segment_numels=(256,), robust=None)
+    plan = SimpleNamespace(shard_segments=[(0, 1)], candidates=lambda shard: ["cand1", "cand2", "cand3", "cand4"])
+    decision = Decision(round=7, attempt=0, status="commit", contributors=["a", "b"], trainers=[], servers=[],
+                        leader="leader", sources=["source"], num_shards=1)
+    try:
+        return asyncio.run(fetcher._fetch_shard(decision, b"signed", plan, 0)), asked
+    except PeerUnavailable as exc:
+        return exc, asked
+
+
+def test_a_candidates_made_up_mean_is_not_taken_on_its_word_alone():
+    # Found by a review: a dense mean was taken from the first of its holders to answer, so with
+    # the source and the leader slow or gone, a hostile candidate that answered first had its
+    # made-up mean applied by every peer. A candidate's mean is now taken once a second holder
+    # sent the same bytes; the source's or the leader's on its word.
+    import torch
+    from groundswell.compression import make_codec
+
+    codec = make_codec("fp32")
+    honest = codec.encode(torch.ones(256)).to_bytes()
+    made_up = codec.encode(torch.full((256,), 1e3)).to_bytes()
+    got, _ = _mean_fetch({"cand1": (0.0, made_up), "cand2": (0.05, honest), "cand3": (0.1, honest)})
+    assert not isinstance(got, Exception) and got.parts == [honest]
+    got, _ = _mean_fetch({"cand1": (0.0, made_up), "cand2": (0.05, honest)})  # no second word for either
+    assert isinstance(got, PeerUnavailable)
+    got, _ = _mean_fetch({"cand1": (0.0, made_up), "leader": (0.5, honest)})  # the leader's is its own word
+    assert not isinstance(got, Exception) and got.parts == [honest]
+    # With the source and the leader gone, a commit outlives them on a replica: its mean alone,
+    # uncontradicted by any holder left, is taken (a limit: a hostile replica then decides)
+    got, _ = _mean_fetch({"cand2": (0.0, honest)})
+    assert not isinstance(got, Exception) and got.parts == [honest]

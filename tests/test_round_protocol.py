@@ -40,10 +40,10 @@ def test_incomplete_contribution_is_wholly_out_and_its_owner_knows(make_cluster)
     client = c.nodes[2].client
     original = client._send_shard
 
-    async def lose_shard_one(plan, shard, segments):
+    async def lose_shard_one(plan, shard, segments, watch=None):
         if shard == 1:
             return False  # this shard never reaches an aggregator
-        return await original(plan, shard, segments)
+        return await original(plan, shard, segments, watch)
 
     client._send_shard = lose_shard_one
     xs = _inputs(3, c.numel, seed=7)
@@ -66,9 +66,9 @@ def test_a_contribution_that_could_not_be_recorded_is_not_sent(make_cluster):
     sent = []
     original = c.nodes[2].client._send_shard
 
-    async def count(plan, shard, segments):
+    async def count(plan, shard, segments, watch=None):
         sent.append(shard)
-        return await original(plan, shard, segments)
+        return await original(plan, shard, segments, watch)
 
     c.nodes[2].client._send_shard = count
     xs = _inputs(3, c.numel, seed=11)

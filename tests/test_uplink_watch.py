@@ -174,7 +174,7 @@ def test_an_attempt_reports_its_own_cut_sends_and_whether_they_went_out_late(ope
     client = retrying_client("me", plan, opened_ago_s)
     client.sends_cut = 5  # earlier attempts' cut sends are not this one's
 
-    async def send_shard(plan, shard, segments):
+    async def send_shard(plan, shard, segments, watch=None):
         if shard > 0:  # shards 1 and 2 ran out of time
             client.sends_cut += 1
             client.cut_to.setdefault((0, 0), set()).add(f"agg{shard}")
