@@ -168,7 +168,8 @@ class Leading:
             return Ack(False, f"round {msg.round} is already committed")
         cap = max_members(self.ctx.max_shards)
         joins = self.joins[msg.round]
-        if sender not in joins and len(joins) >= cap and not self._make_room_for_member(msg.round, joins, sender):
+        full = sender not in joins and len(joins) >= cap
+        if full and self._room_to_make(msg.round, joins, sender) is None:
             # a decision lists every member: it must stay within the schema's bounds
             raise ProtocolError(f"round {msg.round} already has {cap} members", reason="full", strike=False)
         if msg.trains and (m := self.book.membership(msg.round)) is not None and sender not in m.trainers \
@@ -178,24 +179,23 @@ class Leading:
             room = newcomer_room(len(planned), self.ctx.max_shards)
             if sum(trains and p not in planned for p, (trains, _) in joins.items()) >= room:
                 raise ProtocolError(f"round {msg.round} already has {room} new trainers", reason="full", strike=False)
+        if full:  # (only once this join is sure to be taken: a review saw one evicted for nothing)
+            del joins[self._room_to_make(msg.round, joins, sender)]
         self.joins[msg.round][sender] = (msg.trains, msg.serves)
         for r in [r for r in self.joins if r < msg.round - 2]:
             del self.joins[r]
         return Ack(True, "")
 
-    def _make_room_for_member(self, round_id: int, joins: dict[str, tuple[bool, bool]], sender: str) -> bool:
-        """A full round's join table takes a planned member (a trainer or server of the round's
-        membership) in place of the newest join of a peer it does not plan: joins are free, and
-        the members the last commit named must not be locked out by others that came first."""
+    def _room_to_make(self, round_id: int, joins: dict[str, tuple[bool, bool]], sender: str) -> str | None:
+        """Whose join a full round's table drops for `sender`: a planned member (a trainer or
+        server of the round's membership) takes the place of the newest join of a peer the round
+        does not plan (joins are free, and the members the last commit named must not be locked out
+        by others that came first); None: nobody's (`sender` is not planned, or all are)."""
         m = self.book.membership(round_id)
         planned = set() if m is None else {*m.trainers, *m.servers}
         if sender not in planned:
-            return False
-        newest_other = next((p for p in reversed(joins) if p not in planned), None)
-        if newest_other is None:
-            return False
-        del joins[newest_other]
-        return True
+            return None
+        return next((p for p in reversed(joins) if p not in planned), None)
 
     def _sources(self, plan: RoundPlan, slot: _Attempt, exclude: frozenset[str] = frozenset()
                  ) -> tuple[list[str], set[str]]:

@@ -206,3 +206,36 @@ def test_strangers_cannot_fill_a_closed_runs_join_table_and_planned_members_alwa
             assert len(opened.joins[1]) == cap and members[1] in opened.joins[1]
 
     asyncio.run(main())
+
+
+def test_a_full_round_drops_nobodys_join_for_a_member_it_then_refuses():
+    # Found by the second review of the fix above: room was made (a newcomer's acked join dropped)
+    # before the newcomer-trainer check, which then refused the planned server anyway.
+    from groundswell.protocol.schema import Join
+    from groundswell.protocol.shards import newcomer_room
+
+    async def main() -> None:
+        me = Identity.generate()
+        trainers, server_only = _ids(4), _ids(1)[0]
+        ctx = RunContext("r", 2, 60.0, 5.0, 16, (4096,) * 4, make_codec("fp32"), 1 << 24, None, RobustOptions(),
+                         Limits())
+        async with asyncio.TaskGroup() as tg:
+            s = RoundServer(ctx, Transport(FakeP2P(), me, "r", Guard(ctx.limits)), DecisionBook("r"), me, tg)
+            s.book.add(seal(me, "r", Decision(0, 0, "commit", [], trainers, [me.peer_id, *trainers, server_only],
+                                              me.peer_id, [], 0, time.time(), [])))
+            cap, room = max_members(16), newcomer_room(len(trainers), 16)
+            for p in _ids(room):  # newcomers that will train: the room for them is full
+                assert (await s._on_join(p, Join(1, True, False))).ok
+            servers = _ids(cap - room)
+            for p in servers:
+                assert (await s._on_join(p, Join(1, False, True))).ok
+            try:
+                await s._on_join(server_only, Join(1, True, True))  # planned to serve, not to train
+                raise AssertionError("taken past the newcomer-trainer room")
+            except ProtocolError as exc:
+                assert exc.reason == "full"
+            assert servers[-1] in s.joins[1] and len(s.joins[1]) == cap
+            assert (await s._on_join(server_only, Join(1, False, True))).ok  # as a server: room is made
+            assert servers[-1] not in s.joins[1] and len(s.joins[1]) == cap
+
+    asyncio.run(main())
