@@ -98,11 +98,13 @@ class ShardSender:
                 done, asking = await asyncio.wait(asking, timeout=hedge, return_when=asyncio.FIRST_COMPLETED)
                 lagging -= done
                 stalled = small and not done
-                if not small and not passed_over:  # (one copy more at most: each shares our uplink)
-                    slow = next((t for t in asking if copy_lags(progress[t], watch, self.ctx.slack_s)), None)
-                    if slow is not None:
-                        lagging.add(slow)
-                        passed_over = True
+                for task in [] if small else [t for t in asking if t not in lagging]:
+                    why = copy_lags(progress[task], watch, self.ctx.slack_s)
+                    # Slow next to the others: one copy more per shard at most (each shares our
+                    # uplink). Never acked, or stalled while others moved: the receiver's doing.
+                    if why in ("no ack", "stalled") or (why == "slow" and not passed_over):
+                        lagging.add(task)
+                        passed_over |= why == "slow"
                 for task in done:
                     if task in progress:
                         watch.remove(progress.pop(task))
@@ -186,36 +188,40 @@ class ShardSender:
         return "closed"
 
 
-def copy_lags(progress: SendProgress, watch: list[SendProgress], slack: float) -> bool:
-    """Is a big copy going out too slowly to be waited on alone? Judged against what our uplink
-    carries for the contribution's other copies, never against an assumed rate: copies that are
-    all slow alike are our own uplink's doing, and a copy more would only slow every one (a
-    review's model: with a fixed yardstick, an honest 2.5 MB/s uplink sent four copies of each
-    shard and delivered none). A copy lags when:
-    - its whole body went out and no ack came within two slacks plus what its last piece, still
-      in buffers on the way, takes at its own rate (an honest aggregator acks once it checked it);
-    - it moved nothing for a slack and for three pieces' time at the rate the uplink carries
-      each of the others, while they moved (alone, for two slacks);
-    - two slacks in, it has sent under a quarter of what the other copies send on average.
+def copy_lags(progress: SendProgress, watch: list[SendProgress], slack: float) -> str | None:
+    """Why a big copy goes out too slowly to be waited on alone, if it does ("no ack", "stalled",
+    "slow"; else None). Judged against what our uplink carries for the contribution's other
+    copies, never against an assumed rate: copies that are all slow alike are our own uplink's
+    doing, and a copy more would only slow every one (a review's model: with a fixed yardstick,
+    an honest 2.5 MB/s uplink sent four copies of each shard and delivered none). A copy lags:
+    - "no ack": its whole body went out and no ack came within two slacks plus what its last
+      piece, still in buffers on the way, takes at its own rate (an honest aggregator acks once
+      it checked it);
+    - "stalled": it moved nothing for a slack and for three pieces' time at the rate the uplink
+      carries each of the others, while they moved (alone, for two slacks);
+    - "slow": two slacks in, it has sent under a quarter of what the other copies send on average.
+    Rates are taken over a slack at least: a copy just opened, whose first piece went straight
+    into buffers, would otherwise show ~1 GB/s and make every other copy "slow" (the next review).
     A copy that held the shard alone, never cut short, kept it from every aggregator past the
     attempt's close: a hostile first candidate that answered the ping and then never acked (or
     stopped reading) could have every attempt of a dense run retried (found by a review)."""
     if progress.opened is None or progress.moved is None:
-        return False  # still dialling: the transport's timeout and the ping bound that
+        return None  # still dialling: the transport's timeout and the ping bound that
     now = time.monotonic()
     if progress.finished is not None:
-        own_rate = progress.written / max(progress.finished - progress.opened, 1e-3)
-        return now - progress.finished >= 2 * slack + WRITE_PIECE / max(own_rate, 1.0)
+        own_rate = progress.written / max(progress.finished - progress.opened, slack)
+        return "no ack" if now - progress.finished >= 2 * slack + WRITE_PIECE / max(own_rate, 1.0) else None
     others = [p for p in watch if p is not progress and p.opened is not None]
     elapsed = now - progress.opened
     if others:
         # what the uplink carries each of the others, on average since the first of them opened
         span = max(now - p.opened for p in others)
-        per_copy = sum(p.written for p in others) / max(span, 1e-3) / len(others)
+        per_copy = sum(p.written for p in others) / max(span, slack) / len(others)
         limit = max(slack, 3 * WRITE_PIECE / max(per_copy, 1.0))
         if now - progress.moved >= limit and any(p.moved is not None and p.moved > progress.moved for p in others):
-            return True
-        rates = [p.written / max((p.finished or now) - p.opened, 1e-3) for p in others]
-        return elapsed >= 2 * slack and progress.written / elapsed < 0.25 * sum(rates) / len(rates)
+            return "stalled"
+        rates = [p.written / max((p.finished or now) - p.opened, slack) for p in others]
+        slow = elapsed >= 2 * slack and progress.written / elapsed < 0.25 * sum(rates) / len(rates)
+        return "slow" if slow else None
     # alone: nothing to compare with; a piece that has not drained for two slacks is under ~100 KB/s
-    return now - progress.moved >= max(2 * slack, 3 * WRITE_PIECE / UPLINK_ASSUMED)
+    return "stalled" if now - progress.moved >= max(2 * slack, 3 * WRITE_PIECE / UPLINK_ASSUMED) else None
