@@ -197,8 +197,8 @@ def copy_lags(progress: SendProgress, watch: list[SendProgress], slack: float) -
     - "no ack": its whole body went out and no ack came within two slacks plus what its last
       piece, still in buffers on the way, takes at its own rate (an honest aggregator acks once
       it checked it);
-    - "stalled": it moved nothing for a slack and for three pieces' time at the rate the uplink
-      carries each of the others, while they moved (alone, for two slacks);
+    - "stalled": it moved nothing for two slacks and for three pieces' time at the rate the
+      uplink carries each of the others, while they moved (alone, for two slacks);
     - "slow": two slacks in, it has sent under a quarter of what the other copies send on average.
     Rates are taken over a slack at least: a copy just opened, whose first piece went straight
     into buffers, would otherwise show ~1 GB/s and make every other copy "slow" (the next review).
@@ -217,7 +217,8 @@ def copy_lags(progress: SendProgress, watch: list[SendProgress], slack: float) -
         # what the uplink carries each of the others, on average since the first of them opened
         span = max(now - p.opened for p in others)
         per_copy = sum(p.written for p in others) / max(span, slack) / len(others)
-        limit = max(slack, 3 * WRITE_PIECE / max(per_copy, 1.0))
+        # (two slacks: an aggregator short of room for a body holds it back a while, honestly)
+        limit = max(2 * slack, 3 * WRITE_PIECE / max(per_copy, 1.0))
         if now - progress.moved >= limit and any(p.moved is not None and p.moved > progress.moved for p in others):
             return "stalled"
         rates = [p.written / max((p.finished or now) - p.opened, slack) for p in others]
