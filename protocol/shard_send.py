@@ -66,7 +66,7 @@ class ShardSender:
         at_once = copies if small else 1
         # A big shard is not hedged by the clock: every shard of a contribution goes at once, and
         # each hedge would add a copy of each to a slow uplink until none lands in time. Its copy
-        # is watched instead (a tick at a time), and once, if it lags (`copy_lags`), gets company.
+        # is watched instead (a tick at a time), and one that lags (`copy_lags`) gets company.
         hedge = max(1.0, self.ctx.slack_s / 2) if small else min(1.0, self.ctx.slack_s / 2)
         watch = watch if watch is not None else []  # every big copy of this contribution, to compare with
         offer = self._offer if small else self._pinged_offer
