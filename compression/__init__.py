@@ -6,7 +6,7 @@ from the payload, with range-checked params), `codec.decode` / `codec.aggregate`
 back into fp32 tensors.
 """
 
-from .base import Codec, CodecError, Payload, all_finite
+from .base import Codec, CodecError, Payload, all_finite, wire_bound
 from .dense import DenseCodec
 from .int8 import Int8Codec
 from .registry import CODEC_NAMES, codec_for_payload, make_codec
@@ -48,6 +48,7 @@ __all__ = [
     "robust_mean",
     "robust_weights",
     "tree_sum_of_squares",
+    "wire_bound",
     "SparseLoCoCodec",
     "codec_for_payload",
     "make_codec",

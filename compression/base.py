@@ -165,9 +165,26 @@ class Codec(Protocol):
         """Raise `CodecError` unless the payload is well-formed for this codec's settings."""
         ...
 
+    def expected_nbytes(self, numel: int) -> dict[str, int]:
+        """The size of each buffer of an encoding of `numel` values (every encoding of a size
+        has the same: `validate` holds payloads to it)."""
+        ...
+
     def aggregate(self, payloads: Sequence[Payload], device: torch.device | str | None = None) -> torch.Tensor:
         """Mean of the decoded payloads, without materialising one dense tensor per payload."""
         ...
+
+
+def wire_bound(codec: Codec, numel: int) -> int:
+    """The most bytes an encoding of `numel` values by `codec` takes on the wire, envelope included.
+
+    What peers size their budgets by (the largest contribution, reply or request they take): the
+    full fp32 vector for every codec made a sparse run's bounds hundreds of times too loose."""
+    sizes = codec.expected_nbytes(numel)
+    params = codec.encode(torch.zeros(1)).params  # the codec's own settings, as its envelope names them
+    empty = Payload(codec.name, (numel,), dict(params), {name: b"" for name in sizes}).to_bytes()
+    # an empty bin has a 2-byte header; a bin of any size has at most 5 (msgpack's bin 32)
+    return len(empty) + sum(size + 3 for size in sizes.values())
 
 
 def require_param(payload: Payload, name: str, expected: ParamValue) -> None:

@@ -56,6 +56,10 @@ class DenseCodec:
             codec=self.name, shape=tuple(x.shape), buffers={"data": tensor_to_bytes(flat.to(self.dtype))}
         )
 
+    def expected_nbytes(self, numel: int) -> dict[str, int]:
+        """Exact buffer sizes for a tensor of `numel` elements."""
+        return {"data": numel * self.itemsize}
+
     def validate(self, payload: Payload) -> None:
         """Raise CodecError unless the payload is a well-formed, finite dense payload."""
         if not _bytes_all_finite(self._checked_buffer(payload), self.dtype):

@@ -78,6 +78,10 @@ class Int8Codec:
             buffers={"q": tensor_to_bytes(q), "scale": tensor_to_bytes(scales)},
         )
 
+    def expected_nbytes(self, numel: int) -> dict[str, int]:
+        """Exact buffer sizes for a tensor of `numel` elements."""
+        return {"q": numel, "scale": 4 * -(-numel // self.block)}
+
     def validate(self, payload: Payload) -> None:
         """Raise CodecError unless the payload decodes cleanly with this codec."""
         self._parse(payload, None)

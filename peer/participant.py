@@ -23,6 +23,7 @@ from groundswell.optim import (
     copy_into_parameters,
 )
 from groundswell.protocol.client import RoundBehind
+from groundswell.protocol.context import contribution_bound
 from groundswell.protocol.envelope import seal
 from groundswell.protocol.guard import Limits
 from groundswell.protocol.identity import Identity
@@ -71,8 +72,8 @@ def run_context(manifest: RunManifest, outer: OuterOptimizer, coordinator: str =
     """The round protocol's view of the run."""
     numel = outer.global_params.numel()
     numels = tuple(b - a for a, b in segment_bounds(numel, outer.segment))
-    # A contribution can never need more than fp32 of the whole vector plus envelopes.
-    budget = 4 * numel + 64 * len(numels) + 4096
+    # A contribution's most bytes: its segments' encodings, with room for the message around them.
+    budget = contribution_bound(outer.codec, numels)
     allow = frozenset(manifest.run.allowlist) if not manifest.run.open else None
     d = manifest.defences
     readers = None if allow is None or manifest.run.open_state else allow | {coordinator}

@@ -7,11 +7,11 @@ the trainer or the optimizer.
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
 
-from groundswell.compression import Codec, CodecError, Payload, RobustOptions
+from groundswell.compression import Codec, CodecError, Payload, RobustOptions, wire_bound
 
 from .digests import bulk_hasher
 from .envelope import unseal
@@ -36,7 +36,7 @@ class RoundContext(Protocol):
     max_shards: int
     segment_numels: tuple[int, ...]  # element count of each segment of the flat parameter vector
     codec: Codec
-    max_payload_bytes: int  # a whole contribution's budget on the wire
+    max_payload_bytes: int  # a whole contribution's budget on the wire (`contribution_bound`)
     robust: RobustOptions  # norm clipping / trimmed mean applied to every aggregate
     verify_aggregates: bool  # dense codecs too: aggregates carry the signed contributions, not a mean
     replicas: int | None  # copies of each shard beyond the first; None: the codec's default (replica_count)
@@ -139,6 +139,13 @@ def contribution_digest(first_segment: int, segments: list[bytes]) -> bytes:
         h.update(len(seg).to_bytes(8, "big"))
         h.update(seg)
     return h.digest()[:16]
+
+
+def contribution_bound(codec: Codec, segment_numels: Sequence[int]) -> int:
+    """The most bytes a whole contribution's payloads can take (`max_payload_bytes`): each
+    segment's encoding, plus room for the message around each and around them all."""
+    bounds = {n: wire_bound(codec, n) for n in set(segment_numels)}
+    return sum(bounds[n] for n in segment_numels) + 64 * len(segment_numels) + 4096
 
 
 def shard_payload_bound(ctx: RoundContext, first: int, stop: int) -> int:

@@ -15,7 +15,7 @@ from .aggregator import BEGAN_BEFORE_START, CONTESTED, FENCED_OFF
 from .envelope import seal, unseal
 from .plan import RoundPlan, close_time
 from .schema import Ack, Decision, ProtocolError, Seal
-from .shards import REPORTING_CANDIDATES, first_members, max_members
+from .shards import REPORTING_CANDIDATES, first_members, max_members, ships_contributions
 from .transport import PeerUnavailable, ShardsUnavailable
 
 if TYPE_CHECKING:
@@ -23,6 +23,9 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 WITNESSES = 8  # at most this many peers are asked to witness a commit no holder sealed
+# How fast a source is assumed to build its shards' means, in bytes of the fp32 values averaged
+# per second: half of the ~100 MB/s one core managed here (1.3 s for 4 x 25M values' shard).
+BUILD_BYTES_PER_S = 50e6
 
 
 class Decider:
@@ -336,13 +339,16 @@ class Decider:
         given up after one slack, and the round retried although the holder was back well
         within the attempt's deadline (a churn run lost 70 s of one round that way)."""
         _, decision = unseal(signed, self.ctx.run_id, Decision)
-        shard_bytes = self.ctx.max_payload_bytes * max(1, len(decision.contributors)) / max(1, decision.num_shards)
+        # (a compute allowance, so sized by the values averaged, as fp32, whatever the codec's bytes;
+        # none where aggregates carry the signed contributions: a source averages nothing then)
+        shard_bytes = 0.0 if ships_contributions(self.ctx) else \
+            4 * sum(self.ctx.segment_numels) * max(1, len(decision.contributors)) / max(1, decision.num_shards)
         # A source acks once it has built the means of the shards it sources; a replica acks first
         # and builds after. So the grace after every shard has a holder that sealed includes a
         # source's build: without it, a source of a big dense shard (1.3 s for 25M values from 4
         # contributors on one core) was replaced by a replica that acked first, which as the next
         # source was replaced the same way, and the round never committed (a review).
-        build_s = 2 * shard_bytes * max(Counter(decision.sources).values(), default=1) / 100e6
+        build_s = shard_bytes * max(Counter(decision.sources).values(), default=1) / BUILD_BYTES_PER_S
         wait = self.ctx.slack_s + build_s
         loop = asyncio.get_running_loop()
 

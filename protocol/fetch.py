@@ -164,6 +164,10 @@ class AggregateFetcher:
                          plan.num_shards, 0.0, list(digests))
         offsets = _offsets(self.ctx.segment_numels)
         out = {c: torch.empty(offsets[-1], dtype=torch.float32) for c in contributors}
+        # Every shard comes down at once: each request is given the time of the whole download (a
+        # shard's own share timed out at 100m parameters and 64 contributors on a 100 Mbit/s link
+        # once budgets were sized by the codec, and the round went unscored; a review, 2026-12-07).
+        whole = sum(shard_payload_bound(self.ctx, a, b) for a, b in plan.shard_segments) * max(1, len(contributors))
 
         async def one(shard: int) -> None:
             first, stop = plan.shard_segments[shard]
@@ -175,7 +179,7 @@ class AggregateFetcher:
                 agg = await self.transport.request(
                     sources[shard], "get-contributions",
                     ContributionsRequest(plan.round, plan.attempt, shard, list(contributors)), AggregateShard,
-                    timeout_s=2 * self.ctx.slack_s + budget / 20e6, max_reply=budget)
+                    timeout_s=2 * self.ctx.slack_s + whole / 20e6, max_reply=budget)
             if agg.mode != "signed":
                 raise PeerUnavailable(f"the source of shard {shard} did not hand over its contributions")
             def decode() -> None:  # in a worker thread: N contributions of a shard are a lot of tensor work
@@ -258,7 +262,13 @@ class AggregateFetcher:
         # then the shard's replicas (sealed too), then anyone who has applied the round. A holder
         # that has not answered within `hedge` (it may have frozen after the seal) gets company:
         # the next one is asked too, and the first good answer wins.
-        hedge = max(1.0, self.ctx.slack_s / 4) + budget / 20e6
+        # Every shard of the commit comes down at once, so a holder's shard is due in the time of
+        # the whole download, not its own share's: with budgets sized by the codec, a sparse
+        # shard's own share (~0.4 s at 100m parameters and 64 contributors) asked each shard's
+        # next holders well before an honest first one could finish (a review, 2026-12-07).
+        together = sum(shard_payload_bound(self.ctx, a, b) for a, b in plan.shard_segments) \
+            * (max(1, len(decision.contributors)) if ships_contributions(self.ctx) else 1)
+        hedge = max(1.0, self.ctx.slack_s / 4) + together / 20e6
         # A mean (dense codecs) is the word of whoever computed it, unlike signed contributions,
         # which any holder can hand on unaltered: it is taken only from the shard's source, the
         # leader and the shard's candidates (its replicas are among them), never from a peer

@@ -102,6 +102,7 @@ class _Worker:
         from groundswell.compression import make_codec, segment_bounds, segment_size
         from groundswell.peer.run_state import RunContext
         from groundswell.peer.swarm import NodeOptions, SwarmNode
+        from groundswell.protocol.context import contribution_bound
         from groundswell.protocol.identity import Identity
 
         identity = Identity.load(self.identity_path)
@@ -112,7 +113,7 @@ class _Worker:
         self.codec = make_codec(codec_name)
         ctx = RunContext(run_id=run_id, min_peers=self.n, deadline_s=self.deadline_s, slack_s=self.slack_s,
                          max_shards=self.max_shards, segment_numels=numels, codec=self.codec,
-                         max_payload_bytes=4 * self.params + 64 * len(numels) + 4096, allowlist=None,
+                         max_payload_bytes=contribution_bound(self.codec, numels), allowlist=None,
                          replicas=replicas)
         self.node = SwarmNode(identity, self.identity_path,
                               NodeOptions(host_maddrs=["/ip4/127.0.0.1/tcp/0"], initial_peers=initial_peers))

@@ -8,7 +8,7 @@ import time
 
 from groundswell.compression import RobustOptions, make_codec, segment_bounds
 from groundswell.peer.run_state import RunContext
-from groundswell.protocol.context import DecisionBook
+from groundswell.protocol.context import DecisionBook, contribution_bound
 from groundswell.protocol.envelope import seal
 from groundswell.protocol.guard import Guard, Limits
 from groundswell.protocol.identity import Identity
@@ -26,7 +26,7 @@ class Net:
 
     def __init__(self, n: int = 4, deadline_s: float = 4.0, slack_s: float = 0.5) -> None:
         numels = tuple(b - a for a, b in segment_bounds(NUMEL, 4096))
-        self.ctx = RunContext(RUN, 2, deadline_s, slack_s, 4, numels, make_codec("fp32"), 4 * NUMEL + 8192,
+        self.ctx = RunContext(RUN, 2, deadline_s, slack_s, 4, numels, make_codec("fp32"), contribution_bound(make_codec("fp32"), numels),
                               robust=RobustOptions(clip=0.0))
         identities = [Identity.generate() for _ in range(n)]
         self.ids = {i.peer_id: i for i in identities}

@@ -14,7 +14,7 @@ import torch
 from groundswell.compression import RobustOptions, make_codec, segment_bounds
 from groundswell.peer.run_state import GlobalState, RunContext
 from groundswell.peer.swarm import NodeOptions, SwarmNode
-from groundswell.protocol.context import DecisionBook
+from groundswell.protocol.context import DecisionBook, contribution_bound
 from groundswell.protocol.envelope import seal
 from groundswell.protocol.guard import Guard, Limits
 from groundswell.protocol.identity import Identity
@@ -153,7 +153,7 @@ def make_target(allowlisted: int | None = None, open_state: bool = True):
     numels = tuple(b - a for a, b in segment_bounds(NUMEL, 4096))
     # a generous rate limit: this test is about content, test_guard.py about floods
     limits = Limits(requests_per_s=1e6, max_streams=1000, strikes=10**9)
-    ctx = RunContext(RUN, 2, 0.3, 0.05, 4, numels, codec, 4 * NUMEL + 8192, allowlist, RobustOptions(), limits,
+    ctx = RunContext(RUN, 2, 0.3, 0.05, 4, numels, codec, contribution_bound(codec, numels), allowlist, RobustOptions(), limits,
                      state_readers)
     p2p = FakeP2P()
     guard = Guard(limits)

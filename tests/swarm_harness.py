@@ -17,6 +17,7 @@ from groundswell.compression import RobustOptions, make_codec, segment_bounds
 from groundswell.compression.segments import encode_segments
 from groundswell.peer.run_state import RunContext
 from groundswell.peer.swarm import NodeOptions, SwarmNode
+from groundswell.protocol.context import contribution_bound
 from groundswell.protocol.envelope import seal
 from groundswell.protocol.identity import Identity
 from groundswell.protocol.schema import Decision
@@ -47,7 +48,7 @@ class Cluster:
         self.codec = make_codec(self.codec_name, **({"chunk": 4096, "k": 64} if self.codec_name == "sparseloco" else {}))
         numels = tuple(b - a for a, b in segment_bounds(self.numel, self.segment))
         self.ctx = RunContext("test-run", self.min_peers, self.deadline_s, self.slack_s, self.max_shards, numels,
-                              self.codec, 4 * self.numel + 8192, robust=self.robust,
+                              self.codec, contribution_bound(self.codec, numels), robust=self.robust,
                               verify_aggregates=self.verify_aggregates, replicas=self.replicas)
         try:
             for i in range(self.n):

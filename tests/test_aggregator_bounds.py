@@ -19,7 +19,7 @@ import torch
 from groundswell.compression import RobustOptions, make_codec, segment_bounds
 from groundswell.peer.run_state import RunContext
 from groundswell.protocol.aggregator import KEEP_ATTEMPTS
-from groundswell.protocol.context import DecisionBook
+from groundswell.protocol.context import DecisionBook, contribution_bound
 from groundswell.protocol.envelope import seal
 from groundswell.protocol.guard import Guard, Limits
 from groundswell.protocol.identity import Identity
@@ -42,7 +42,7 @@ class _Done(Exception):
 async def _fill_newest_first(tg: asyncio.TaskGroup) -> None:
     me, lead, c1, c2 = (Identity.generate() for _ in range(4))
     numels = tuple(b - a for a, b in segment_bounds(NUMEL, 4096))
-    ctx = RunContext(RUN, 2, DEADLINE, SLACK, 4, numels, make_codec("fp32"), 4 * NUMEL + 8192, None,
+    ctx = RunContext(RUN, 2, DEADLINE, SLACK, 4, numels, make_codec("fp32"), contribution_bound(make_codec("fp32"), numels), None,
                      RobustOptions(), Limits())
     server = RoundServer(ctx, Transport(FakeP2P(), me, RUN, Guard(ctx.limits)), DecisionBook(RUN), me, tg)
     opened = time.time() - 20 * slot_width(DEADLINE, SLACK)  # the round has been retried for 20 attempts
@@ -94,7 +94,7 @@ def test_an_attempts_plan_is_made_once_and_none_for_an_attempt_not_begun(monkeyp
     async def go() -> None:
         me, lead, c1 = (Identity.generate() for _ in range(3))
         numels = tuple(b - a for a, b in segment_bounds(NUMEL, 4096))
-        ctx = RunContext(RUN, 2, DEADLINE, SLACK, 4, numels, make_codec("fp32"), 4 * NUMEL + 8192, None,
+        ctx = RunContext(RUN, 2, DEADLINE, SLACK, 4, numels, make_codec("fp32"), contribution_bound(make_codec("fp32"), numels), None,
                          RobustOptions(), Limits())
         async with asyncio.TaskGroup() as tg:
             server = RoundServer(ctx, Transport(FakeP2P(), me, RUN, Guard(ctx.limits)), DecisionBook(RUN), me, tg)
@@ -117,7 +117,7 @@ def test_the_first_ask_for_a_round_just_committed_does_not_wait_behind_asks_for_
     async def go() -> int:
         me = Identity.generate()
         numels = tuple(b - a for a, b in segment_bounds(NUMEL, 4096))
-        ctx = RunContext(RUN, 2, DEADLINE, SLACK, 4, numels, make_codec("fp32"), 4 * NUMEL + 8192, None,
+        ctx = RunContext(RUN, 2, DEADLINE, SLACK, 4, numels, make_codec("fp32"), contribution_bound(make_codec("fp32"), numels), None,
                          RobustOptions(), Limits())
         async with asyncio.TaskGroup() as tg:
             server = RoundServer(ctx, Transport(FakeP2P(), me, RUN, Guard(ctx.limits)), DecisionBook(RUN), me, tg)
@@ -147,7 +147,7 @@ def test_a_refused_trainer_is_reported_before_strangers_and_strangers_are_bounde
     async def run() -> None:
         me, lead, trainer = Identity.generate(), Identity.generate(), Identity.generate()
         numels = tuple(b - a for a, b in segment_bounds(NUMEL, 4096))
-        ctx = RunContext(RUN, 2, DEADLINE, SLACK, 4, numels, make_codec("fp32"), 4 * NUMEL + 8192, None,
+        ctx = RunContext(RUN, 2, DEADLINE, SLACK, 4, numels, make_codec("fp32"), contribution_bound(make_codec("fp32"), numels), None,
                          RobustOptions(), Limits())
         async with asyncio.TaskGroup() as tg:
             server = RoundServer(ctx, Transport(FakeP2P(), me, RUN, Guard(ctx.limits)), DecisionBook(RUN), me, tg)

@@ -12,6 +12,7 @@ from groundswell.compression import (
     Payload,
     SparseLoCoCodec,
     make_codec,
+    wire_bound,
 )
 
 
@@ -208,3 +209,23 @@ def test_dense_and_int8_aggregate_is_the_mean() -> None:
         payloads = [codec.encode(x) for x in xs]
         expected = sum(codec.decode(p) for p in payloads) / 3
         assert torch.allclose(codec.aggregate(payloads), expected, rtol=1e-6, atol=1e-12)
+
+
+@pytest.mark.parametrize("name", CODEC_NAMES)
+@pytest.mark.parametrize("n", [1, 63, 64, 4095, 4096, 4097, 70_001, 300_000])
+def test_wire_bound_holds_every_encoding_and_is_tight(name: str, n: int) -> None:
+    # What peers size their budgets by: an encoding past it would be refused by every honest peer,
+    # one far under it was the fp32 bound of a sparse run (hundreds of times too loose).
+    codec = make_codec(name)
+    bound = wire_bound(codec, n)
+    for seed, scale in ((0, 1e-3), (1, 1e4)):
+        size = len(codec.encode(_randn(n, seed=seed, scale=scale)).to_bytes())
+        assert size <= bound <= size + 16, (size, bound)
+
+
+def test_non_default_codec_settings_change_the_bound() -> None:
+    small, big = make_codec("sparseloco", chunk=1024, k=8), make_codec("sparseloco", chunk=1024, k=128)
+    x = _randn(50_000)
+    for codec in (small, big):
+        assert len(codec.encode(x).to_bytes()) <= wire_bound(codec, 50_000)
+    assert wire_bound(big, 50_000) > 8 * wire_bound(small, 50_000) // 2

@@ -4,9 +4,12 @@ checked against the commit's digests), but a dense mean only comes from those wh
 from __future__ import annotations
 
 import asyncio
+import time
 from types import SimpleNamespace
 
 import pytest
+from groundswell.compression import make_codec, wire_bound
+from groundswell.protocol.context import contribution_bound, shard_payload_bound
 from groundswell.protocol.fetch import AggregateFetcher
 from groundswell.protocol.schema import Decision
 from groundswell.protocol.transport import PeerUnavailable
@@ -112,16 +115,17 @@ def test_a_shards_reply_is_bounded_by_that_shard_not_by_the_whole_model(codec, c
     fetcher.me, fetcher.transport = "me", _Transport()
     fetcher.server = SimpleNamespace(aggregates={})
     fetcher.holders = lambda round_id: []
-    fetcher.ctx = SimpleNamespace(codec=SimpleNamespace(name=codec), verify_aggregates=False, slack_s=0.01,
-                                  max_payload_bytes=4 * sum(numels) + 64 * 16 + 4096, segment_numels=numels)
+    fetcher.ctx = SimpleNamespace(codec=make_codec(codec), verify_aggregates=False, slack_s=0.01,
+                                  max_payload_bytes=contribution_bound(make_codec(codec), numels), segment_numels=numels)
     plan = SimpleNamespace(shard_segments=[(i, i + 1) for i in range(16)], candidates=lambda shard: ["c1"])
     decision = Decision(round=7, attempt=0, status="commit", contributors=[f"p{i:02d}" for i in range(contributors)],
                         trainers=[], servers=[], leader="leader", sources=["source"] * 16, num_shards=16)
     with pytest.raises(PeerUnavailable):
         asyncio.run(fetcher._fetch_shard(decision, b"signed", plan, 3))
-    one_shard = 4 * 4096 + 64 + 4096 + -(-(64 * 16 + 4096) // 16)  # its values in fp32, its envelopes
-    assert limits and all(limit <= expected * one_shard + MAX_SMALL for limit in limits)
-    assert all(limit >= expected * 4 * 4096 for limit in limits)
+    one_shard = shard_payload_bound(fetcher.ctx, 3, 4)  # its values as the codec sends them, its envelopes
+    assert limits and all(limit == expected * one_shard + MAX_SMALL for limit in limits)
+    # (sized by the run's codec: a sparse shard's bound was its values in fp32, ~200x too loose)
+    assert one_shard <= wire_bound(make_codec(codec), 4096) + 64 + 4096 + -(-(64 * 16 + 4096) // 16)
 
 
 def test_a_round_older_than_our_newest_commit_that_we_do_not_hold_gets_none_at_once():
@@ -256,3 +260,34 @@ def test_a_candidates_made_up_mean_is_not_taken_on_its_word_alone():
     # uncontradicted by any holder left, is taken (a limit: a hostile replica then decides)
     got, _ = _mean_fetch({"cand2": (0.0, honest)})
     assert not isinstance(got, Exception) and got.parts == [honest]
+
+
+def test_the_next_holder_is_asked_only_once_the_whole_commit_could_have_come_down():
+    # Every shard of a commit comes down at once, so a first holder is given the time of the whole
+    # download before the next one is asked. Sized by its own shard's share (1/16 of it here), the
+    # hedge asked each shard's next holders while honest first ones were still sending: once budgets
+    # were sized by the codec, ~3x a big sparse commit's download (a review, 2026-12-07).
+    asked: dict[str, float] = {}
+
+    class _Transport:
+        async def request(self, peer, handler, msg, expect, **kw):
+            asked[peer] = time.monotonic() - start
+            await asyncio.sleep(2.5 if peer == "source" else 0)  # the source is slow, then gives up
+            raise PeerUnavailable(f"{peer} is gone")
+
+    numels = (4096,) * 16
+    fetcher = AggregateFetcher()
+    fetcher.me, fetcher.transport = "me", _Transport()
+    fetcher.server = SimpleNamespace(aggregates={})
+    fetcher.holders = lambda round_id: []
+    # 20 MB of commit in all: a second at the 20 MB/s the hedge allows for, 1/16 of one per shard
+    fetcher.ctx = SimpleNamespace(codec=make_codec("fp32"), verify_aggregates=False, slack_s=0.01,
+                                  max_payload_bytes=20_000_000, segment_numels=numels)
+    plan = SimpleNamespace(shard_segments=[(i, i + 1) for i in range(16)], candidates=lambda shard: ["c1"])
+    decision = Decision(round=7, attempt=0, status="commit", contributors=["a", "b"], trainers=[], servers=[],
+                        leader="leader", sources=["source"] * 16, num_shards=16)
+    start = time.monotonic()
+    with pytest.raises(PeerUnavailable):
+        asyncio.run(fetcher._fetch_shard(decision, b"signed", plan, 3))
+    assert set(asked) == {"source", "leader", "c1"}
+    assert 1.9 < asked["leader"] < 2.4, asked  # max(1 s, slack / 4) plus the whole commit's second

@@ -7,6 +7,7 @@ from pathlib import Path
 
 import msgpack
 import pytest
+import torch
 from groundswell.peer.bootstrap import Bootstrap, BootstrapError, format_bootstrap, parse_bootstrap
 from groundswell.peer.config import ConfigError
 from groundswell.peer.manifest import (
@@ -535,3 +536,29 @@ def test_a_relayed_bootstrap_address_is_dialled_and_pinged_as_its_peer_not_its_r
     node = SwarmNode.__new__(SwarmNode)
     node.options = NodeOptions(initial_peers=[relayed, MADDR_COORD])
     assert node._relay_candidates() == [MADDR_COORD]  # a peer behind a relay is no relay for us
+
+
+@pytest.mark.parametrize(("algorithm", "codec", "most"), [("sparseloco", "sparseloco", 0.02), ("diloco", "int8", 0.27),
+                                                          ("diloco", "fp32", 1.01)])
+def test_a_runs_byte_budgets_are_its_codecs_not_fp32s(tmp_path, algorithm, codec, most):
+    # Every reply and request bound, and the fetch's hedge, are sized by `max_payload_bytes`: the
+    # full fp32 vector whatever the codec made a sparse run's hundreds of times too loose.
+    from groundswell.compression import encode_segments
+    from groundswell.peer.participant import make_outer, run_context
+    from groundswell.peer.workload import build_workload
+    from groundswell.protocol.context import shard_payload_bound
+    from groundswell.protocol.plan import shard_bounds
+
+    m = load_manifest_toml(_toml(tmp_path, MINIMAL + f'[outer]\nalgorithm = "{algorithm}"\ncodec = "{codec}"\n'))
+    model = build_workload("tiny", 256, 0).model
+    numel = sum(p.numel() for p in model.parameters())
+    outer = make_outer(m, model.parameters(), numel)
+    ctx = run_context(m, outer, COORD.peer_id)
+    assert ctx.max_payload_bytes < most * 4 * numel + 64 * len(ctx.segment_numels) + 4096
+    # and every shard of a real contribution fits its shard's bound (the heaviest values for int8's scales)
+    update = torch.randn(numel, generator=torch.Generator().manual_seed(0)) * 1e4
+    payloads = [p.to_bytes() for p in encode_segments(outer.codec, update, outer.segment)]
+    assert sum(map(len, payloads)) <= ctx.max_payload_bytes
+    n = len(ctx.segment_numels)
+    for first, stop in shard_bounds(n, min(n, ctx.max_shards)):
+        assert sum(map(len, payloads[first:stop])) <= shard_payload_bound(ctx, first, stop)

@@ -224,6 +224,33 @@ def test_one_shard_failing_to_hand_over_its_contributions_cancels_the_other_down
     assert asyncio.run(asyncio.wait_for(go(), 10)) == ["slow1", "slow2"]
 
 
+def test_each_contributions_download_is_given_the_time_of_all_of_them():
+    # Every shard's contributions come down at once; given only its own shard's share of the time,
+    # a big sparse commit's download (100m parameters, 64 contributors: ~127 MB, ~10 s at
+    # 100 Mbit/s) timed out, and the round went unscored (a review, 2026-12-07).
+    import asyncio
+    from types import SimpleNamespace
+
+    from groundswell.protocol.fetch import AggregateFetcher
+    from groundswell.protocol.transport import PeerUnavailable
+
+    timeouts: list[float] = []
+
+    class _Transport:
+        async def request(self, peer, handler, msg, expect, **kw):
+            timeouts.append(kw["timeout_s"])
+            raise PeerUnavailable("gone")
+
+    fetcher = AggregateFetcher()
+    fetcher.me, fetcher.transport = "leader", _Transport()
+    fetcher.ctx = SimpleNamespace(segment_numels=[4] * 16, max_payload_bytes=20_000_000, slack_s=1.0)
+    plan = SimpleNamespace(round=3, attempt=0, num_shards=16, shard_segments=[(i, i + 1) for i in range(16)])
+    with pytest.raises(PeerUnavailable):
+        asyncio.run(fetcher.gather_contributions(plan, [f"s{i}" for i in range(16)], ["a", "b"], []))
+    # two slacks, plus both contributions of every shard (40 MB) at 20 MB/s
+    assert timeouts and all(t >= 2 + 2.0 for t in timeouts), timeouts
+
+
 def test_nobody_can_replay_the_probe_batches_from_the_manifest():
     # They were drawn from the manifest's public seed: anyone could rebuild the sampler and tune an
     # update to pass the probe while doing harm elsewhere.
@@ -277,7 +304,7 @@ def _stub_leader(deadline_s, slack_s, trainers, servers):
 
         def __init__(self):
             self.ctx = types.SimpleNamespace(deadline_s=deadline_s, slack_s=slack_s, min_peers=2, run_id="r",
-                                             max_payload_bytes=1000, max_shards=16)
+                                             codec=types.SimpleNamespace(name="fp32"), segment_numels=(250,), max_shards=16)
             self.identity = Identity.generate()
             members = types.SimpleNamespace(trainers=list(trainers), servers=list(servers))
             self.book = types.SimpleNamespace(decided=lambda r: False, opened_at=lambda r: 0.0,

@@ -17,6 +17,7 @@ import pytest
 import torch
 from groundswell.compression import RobustOptions, make_codec, segment_bounds
 from groundswell.peer.run_state import RunContext
+from groundswell.protocol import decision as decision_module
 from groundswell.protocol.context import DecisionBook
 from groundswell.protocol.decision import Decider, seal_grace
 from groundswell.protocol.envelope import seal
@@ -37,21 +38,21 @@ class _Done(Exception):
     """Ends the servers' task group (their reports to the absent leader would wait on)."""
 
 
-async def _seal_with_a_slow_source(max_payload_bytes: int) -> tuple[set[str], bool, str]:
+async def _seal_with_a_slow_source(verify_aggregates: bool = False) -> tuple[set[str], bool, str]:
     found = []
     try:
         async with asyncio.TaskGroup() as tg:
-            await _seal(tg, max_payload_bytes)
+            await _seal(tg, verify_aggregates)
     except* _Done as done:
         found.append(done.exceptions[0].args[0])
     return found[0]
 
 
-async def _seal(tg: asyncio.TaskGroup, max_payload_bytes: int) -> None:
+async def _seal(tg: asyncio.TaskGroup, verify_aggregates: bool) -> None:
     source, replica, lead, c1, c2 = (Identity.generate() for _ in range(5))
     numels = tuple(b - a for a, b in segment_bounds(NUMEL, 4096))
-    ctx = RunContext(RUN, 2, 30.0, 1.0, 4, numels, make_codec("fp32"), max_payload_bytes, None,
-                     RobustOptions(), Limits())
+    ctx = RunContext(RUN, 2, 30.0, 1.0, 4, numels, make_codec("fp32"), 4 * NUMEL + 8192, None,
+                     RobustOptions(), Limits(), verify_aggregates=verify_aggregates)
     servers = sorted([source.peer_id, replica.peer_id, lead.peer_id])
     trainers = sorted([c1.peer_id, c2.peer_id])
     genesis = seal(lead, RUN, Decision(-1, 0, "commit", [], trainers, servers, lead.peer_id, [], 0, time.time()))
@@ -96,14 +97,26 @@ async def _seal(tg: asyncio.TaskGroup, max_payload_bytes: int) -> None:
     raise _Done((unsealed, aggs[source.peer_id].attempts[(0, 0)].sealed is not None, source.peer_id))
 
 
-def test_a_source_building_a_big_shard_is_not_replaced_by_a_replica_that_acked_first():
-    # 4 shards' bound of 50 MB from 2 contributors: a build estimated at 2 s (at 100 MB/s, twice over)
-    unsealed, source_sealed, _ = asyncio.run(_seal_with_a_slow_source(50_000_000))
+def test_a_source_building_a_big_shard_is_not_replaced_by_a_replica_that_acked_first(monkeypatch):
+    # The build is allowed for by the values averaged (4 shards of 2 contributors' fp32 values,
+    # 128 KiB in all), not by the codec's bytes: an int8 mean takes as long to build as an fp32
+    # one. At a build rate made slow enough, that is an allowance of 2 s, longer than this build.
+    monkeypatch.setattr(decision_module, "BUILD_BYTES_PER_S", 4 * NUMEL * 2 / 2.0)
+    unsealed, source_sealed, _ = asyncio.run(_seal_with_a_slow_source())
     assert unsealed == set() and source_sealed
 
 
 def test_a_source_slower_than_its_shards_allow_is_still_replaced():
     # (the grace still ends: a source whose build takes far longer than its shards' size allows,
     # frozen say, is replaced by the replica that sealed)
-    unsealed, source_sealed, source = asyncio.run(_seal_with_a_slow_source(4 * NUMEL + 8192))
+    unsealed, source_sealed, source = asyncio.run(_seal_with_a_slow_source())
+    assert unsealed == {source} and not source_sealed
+
+
+def test_a_source_that_averages_nothing_gets_no_build_time(monkeypatch):
+    # Where aggregates carry the signed contributions (sparse codecs, or verify_aggregates), a
+    # source only hands them on: a build's allowance there only let a frozen source hold the
+    # round longer (~32 s at 100m parameters and 64 contributors; a review, 2026-12-07).
+    monkeypatch.setattr(decision_module, "BUILD_BYTES_PER_S", 4 * NUMEL * 2 / 2.0)
+    unsealed, source_sealed, source = asyncio.run(_seal_with_a_slow_source(verify_aggregates=True))
     assert unsealed == {source} and not source_sealed

@@ -17,7 +17,8 @@ def _leader_whose_aggregators_answer(reason: str) -> tuple[Decider, bytes]:
     class Leader(Decider):
         def __init__(self) -> None:
             self.identity = Identity.generate()
-            self.ctx = types.SimpleNamespace(run_id="r", max_payload_bytes=1000, slack_s=1.0)
+            self.ctx = types.SimpleNamespace(run_id="r", codec=types.SimpleNamespace(name="fp32"), segment_numels=(250,),
+                                             slack_s=1.0)
 
             async def request(peer, kind, msg, reply, timeout_s):
                 return Ack(False, reason)
