@@ -74,7 +74,7 @@ def checkpoint_layout(state: dict[str, Any]) -> str | None:
     """Why a checkpoint's values are not of the types this program writes (None: they are). The
     digest is no key: a checkpoint copied in from elsewhere (a volunteer's) may be made up whole,
     and one with a round that is a string or an optimizer state that is a list was taken half."""
-    kinds = {"round": (int,), "tensors": (dict,), "decision": (bytes,), "outer": (dict, type(None)),
+    kinds = {"round": (int,), "peer": (str,), "tensors": (dict,), "decision": (bytes,), "outer": (dict, type(None)),
              "inner": (dict, type(None)), "unsettled": (list,), "work": (str, type(None)),
              "local_progress": (torch.Tensor,)}
     for key, allowed in kinds.items():
@@ -84,6 +84,9 @@ def checkpoint_layout(state: dict[str, Any]) -> str | None:
         return "it has no round number"
     if not all(isinstance(k, str) and isinstance(v, torch.Tensor) for k, v in state.get("tensors", {}).items()):
         return "its tensors are not named tensors"
+    outer = state.get("outer")
+    if isinstance(outer, dict) and outer.get("algorithm") == "sparseloco" and "error" not in outer:
+        return "its SparseLoCo state has no error feedback"  # (taken, it was a KeyError at resume)
     return None
 
 

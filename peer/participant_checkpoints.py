@@ -79,7 +79,7 @@ class Checkpoints:
                 log.error("checkpoint not written: the state in hand is not of round %d", self.outer.round_id)
                 return None
         path = checkpoint_path(self.state_dir, self.outer.round_id)
-        state = {"round": snap.round, "tensors": snap.tensors, "decision": snap.decision,
+        state = {"round": snap.round, "peer": self.identity.peer_id, "tensors": snap.tensors, "decision": snap.decision,
                  "outer": self.outer.state_dict() if self.outer.pending is None else None, **(extra or {})}
         if settled and self.outer.pending is None:
             state["settled"] = self._contributed_before()  # what contributed.json says now
@@ -148,8 +148,24 @@ class Checkpoints:
                 self._damaged.add(path)
                 self.events.write("checkpoint-corrupt", path=str(path), error=problem, peer=self.identity.peer_id)
                 continue
+            if state.get("peer", self.identity.peer_id) != self.identity.peer_id:
+                return self._global_part(state, path)
             return state
         return None
+
+    def _global_part(self, state: dict[str, Any], path: Path) -> dict[str, Any]:
+        """Only the global state of another peer's checkpoint (copied in, say, to spare a download):
+        its unsent work (error feedback, local progress, open contributions) is that peer's to send,
+        and taken here it was sent twice, once by each (a review, 2026-12-07); its inner state and
+        data position are of that peer's data too."""
+        log.warning("checkpoint %s was written by another peer (%s): only its global state is taken",
+                    path.name, str(state["peer"])[-8:])
+        self.events.write("checkpoint-foreign", path=str(path), writer=state["peer"], peer=self.identity.peer_id)
+        outer = {k: v for k, v in state["outer"].items() if k != "error"} if isinstance(state.get("outer"), dict) \
+            else state.get("outer")
+        if isinstance(outer, dict) and outer.get("algorithm") == "sparseloco":  # a fresh one: no work of ours yet
+            outer["error"] = torch.zeros_like(self.outer.global_params, device="cpu")
+        return {k: v for k, v in state.items() if k in ("round", "tensors", "decision")} | {"outer": outer}
 
     def _check_fits(self, state: dict[str, Any], path: Path) -> None:
         """CheckpointMismatch unless a checkpoint is of this run (its decision's envelope) and model."""

@@ -78,19 +78,7 @@ def run_volunteer(p: Participant, bootstrap_peers: list[str], *, max_rounds: int
     if until_round is not None and p.outer.round_id >= until_round:  # said, not left to a silent exit
         log.warning("the run is at round %d already, past --until-round %d: leaving without training",
                     p.outer.round_id, until_round)
-    trainer = volunteer_trainer(p)
-    if resumed is not None and resumed.get("inner") is not None:
-        try:
-            trainer.load_state_dict(resumed["inner"])
-        except (KeyError, ValueError, RuntimeError) as exc:
-            log.warning("inner state in the checkpoint does not fit (%s); starting the inner optimizer afresh", exc)
-            trainer = volunteer_trainer(p)  # afresh indeed: not what of the old state loaded before it failed
-            try:  # but where the data was: afresh, it would train its first batches again
-                trainer.load_data_position(resumed["inner"])
-            except (KeyError, ValueError, TypeError) as why:
-                log.warning("nor does its data position (%s): training starts the data afresh", why)
-        finally:  # the model's weights are the global state's, whatever of the inner state loaded before it failed
-            torch_load_params(p)
+    trainer = resumed_trainer(p, resumed)
     if resumed is not None and resumed.get("inner_progress") is not None:
         restore_progress(p, trainer, resumed["inner_progress"])
     if resumed is not None:
@@ -259,6 +247,25 @@ def write_defence_counts(p: Participant) -> None:
     # with this process's traffic in all (the round events' windows miss what it serves after them)
     p.events.write("defences", rejected=dict(guard.rejected), bans=guard.bans_total, peer=p.identity.peer_id,
                    sent_total=sent, received_total=received, state_sent_total=p.node.state_sent())
+
+
+def resumed_trainer(p: Participant, resumed: dict | None) -> InnerTrainer:
+    """The volunteer's inner trainer, with the checkpoint's inner state where it fits (else afresh)."""
+    trainer = volunteer_trainer(p)
+    if resumed is None or resumed.get("inner") is None:
+        return trainer
+    try:
+        trainer.load_state_dict(resumed["inner"])
+    except (KeyError, ValueError, RuntimeError, TypeError, AttributeError) as exc:  # (made up: of any shape)
+        log.warning("inner state in the checkpoint does not fit (%s); starting the inner optimizer afresh", exc)
+        trainer = volunteer_trainer(p)  # afresh indeed: not what of the old state loaded before it failed
+        try:  # but where the data was: afresh, it would train its first batches again
+            trainer.load_data_position(resumed["inner"])
+        except (KeyError, ValueError, TypeError, AttributeError) as why:
+            log.warning("nor does its data position (%s): training starts the data afresh", why)
+    finally:  # the model's weights are the global state's, whatever of the inner state loaded before it failed
+        torch_load_params(p)
+    return trainer
 
 
 def volunteer_trainer(p: Participant) -> InnerTrainer:

@@ -126,7 +126,7 @@ def prune_checkpoints(just_written: Path, keep: int, damaged: Collection[Path] =
     kept = 1
     for old in older:
         if kept >= keep:  # enough good ones newer than it
-            old.unlink(missing_ok=True)
+            _remove_old(old)
             continue
         whole = False if old in damaged else _whole(old)
         if whole and old in unreadable:
@@ -134,7 +134,16 @@ def prune_checkpoints(just_written: Path, keep: int, damaged: Collection[Path] =
         if whole:
             kept += 1
         elif whole is False:
-            old.unlink(missing_ok=True)
+            _remove_old(old)
+
+
+def _remove_old(path: Path) -> None:
+    """Delete an old checkpoint; one that cannot be (EPERM, EBUSY) is left, with a warning: the
+    one just written is on disk, and a cleanup that failed must not stop the run (it did)."""
+    try:
+        path.unlink(missing_ok=True)
+    except OSError as exc:
+        log.warning("could not delete old checkpoint %s (%s); it is left", path, exc.strerror or exc)
 
 
 def _whole(path: Path) -> bool | None:
@@ -209,7 +218,10 @@ def make_state_dir(state_dir: Path) -> None:
     if not state_dir.exists() and not parent.exists():  # one folder is made, not a whole mistyped path
         raise ConfigError(f"--state-dir {state_dir}: {parent} does not exist (a typo?): create it first")
     try:
+        made = not state_dir.exists()
         state_dir.mkdir(mode=0o700, exist_ok=True)  # private: a closed run's weights
+        if made:  # its entry in the parent too: a genesis made durable in it must not lose its folder
+            fsync_dir(parent)
     except OSError as exc:  # a file above it, no permission, a read-only disk
         above = next((p for p in state_dir.parents if p.exists() and not p.is_dir()), None)
         why = f"{above} is a file, not a folder" if above is not None else exc.strerror or str(exc)

@@ -344,7 +344,7 @@ def test_a_damaged_checkpoint_is_skipped_and_never_kept_in_place_of_a_good_one(t
 
 
 @pytest.mark.parametrize("made_up", ["round-a-string", "outer-a-list", "tensors-a-list", "tensor-a-number",
-                                     "nested-deep"])
+                                     "nested-deep", "sparseloco-without-error"])
 def test_a_made_up_checkpoint_with_a_matching_digest_is_skipped_not_half_taken(tmp_path, corpus, made_up):
     """Found by a review: the digest is no key, and a coordinator told to copy in a volunteer's
     checkpoint may be handed a made-up one: a round that is a string passed (and was taken half),
@@ -363,6 +363,9 @@ def test_a_made_up_checkpoint_with_a_matching_digest_is_skipped_not_half_taken(t
         state["tensors"] = [state["tensors"]["global_params"]]
     elif made_up == "tensor-a-number":
         state["tensors"]["momentum_buffer"] = 1.5
+    elif made_up == "sparseloco-without-error":  # (taken, it was a KeyError at resume; a review, 2026-12-07)
+        state["outer"] = {**state["outer"], "algorithm": "sparseloco"}
+        state["outer"].pop("error", None)
     else:
         deep: list = []
         for _ in range(3000):
@@ -533,3 +536,45 @@ def test_a_state_too_slow_to_arrive_is_said_as_the_links_doing_not_the_runs(tmp_
     p.sync_state = fails(PeerUnavailable("no peer served a verifiable state"))
     with pytest.raises(NetworkError, match="is the run still up"):
         resume_and_sync(p, [])
+
+
+@pytest.mark.parametrize("inner", [{"model": 5}, {"model": None}, {"model": {}, "optimizer": [1]}, {"sampler": 3}])
+def test_a_made_up_inner_state_starts_the_inner_optimizer_afresh_not_a_traceback(tmp_path, corpus, inner):
+    # Found by a review (2026-12-07): an inner state of the wrong types raised a TypeError the
+    # start did not catch, and the user saw a traceback instead of one line and a fresh optimizer.
+    from groundswell.peer.roles import resumed_trainer
+
+    p = _factory(tmp_path, corpus)()
+    before = p.outer.global_params.clone()
+    trainer = resumed_trainer(p, {"inner": inner})
+    assert trainer.step == 0
+    assert torch.equal(torch.nn.utils.parameters_to_vector(p.outer.params).detach(), before)
+
+
+def test_another_peers_checkpoint_gives_only_its_global_state(tmp_path, corpus):
+    # Found by a review (2026-12-07): a checkpoint copied in from another peer (to spare a
+    # download) was taken whole, its error feedback and local progress too, and sent by both peers.
+    import shutil
+
+    from groundswell.peer.resume import resume_and_sync
+
+    (tmp_path / "a").mkdir(), (tmp_path / "b").mkdir()
+    b = _factory(tmp_path / "b", corpus, outer={"algorithm": "sparseloco"})()
+    _holding_error_at_round_3(b, 0.5)
+    b.outer.params[0].data.add_(0.25)  # and local progress
+    written = b.save_checkpoint({"inner": {"model": {}}}, settled=True)
+    assert written is not None and "local_progress" in torch.load(written, weights_only=True)
+    a = _factory(tmp_path / "a", corpus, outer={"algorithm": "sparseloco"})()
+    a.state_dir.mkdir(parents=True, exist_ok=True)
+    shutil.copy(written, a.state_dir / written.name)
+    _offline(a)
+    resumed = resume_and_sync(a, [])
+    assert a.outer.round_id == 3 and torch.equal(a.outer.global_params, b.outer.global_params)
+    assert bool((a.outer.error == 0).all()), "another peer's unsent work was taken"
+    assert not {"local_progress", "inner", "unsettled", "settled", "work"} & set(resumed)
+    assert "checkpoint-foreign" in [json.loads(line)["kind"] for line in
+                                    (a.state_dir / "events.jsonl").read_text().splitlines()]
+    # and our own checkpoint, written next, is taken whole again
+    _holding_error_at_round_3(a, 0.75)
+    a.save_checkpoint()
+    assert a.load_checkpoint().get("peer") == a.identity.peer_id

@@ -264,3 +264,36 @@ def test_state_files_nested_deeper_than_python_recurses_are_malformed_not_a_trac
     with pytest.raises(ConfigError, match="nested too deeply"):
         check_volunteer_peer(tmp_path, "peer")
     assert load_known_peers(tmp_path / "known_peers.json").proven == []
+
+
+def test_an_old_checkpoint_that_cannot_be_deleted_is_left_and_the_run_goes_on(tmp_path, corpus, monkeypatch):
+    # (EPERM on an immutable file, EBUSY on NFS): the unlink's error escaped save_checkpoint after
+    # the new checkpoint was written, and the volunteer or coordinator exited (a review, 2026-12-07).
+    p = _at_round(_factory(tmp_path, corpus, checkpoint={"keep": 1})(), 1)
+    old = p.save_checkpoint()
+    real = type(old).unlink
+
+    def unlink(self, missing_ok=False):
+        if self == old:
+            raise PermissionError(errno.EPERM, "Operation not permitted")
+        return real(self, missing_ok=missing_ok)
+
+    monkeypatch.setattr(type(old), "unlink", unlink)
+    new = _at_round(p, 2).save_checkpoint()
+    assert new is not None and new.exists() and old.exists()
+    assert p.last_checkpoint == new and not p.last_save_failed
+
+
+def test_a_new_state_dirs_own_entry_is_made_durable(tmp_path, monkeypatch):
+    # A genesis is made durable before it is served; the folder holding it must be too (on XFS or
+    # btrfs a power loss could lose the new state dir's entry in its parent, genesis and all).
+    from groundswell.peer.state_files import make_state_dir
+
+    synced = []
+    real = os.fsync
+    monkeypatch.setattr(os, "fsync", lambda fd: (synced.append(os.readlink(f"/proc/self/fd/{fd}")), real(fd)))
+    make_state_dir(tmp_path / "new")
+    assert str(tmp_path) in synced
+    synced.clear()
+    make_state_dir(tmp_path / "new")  # (one that exists is left as it is)
+    assert synced == []
