@@ -95,7 +95,7 @@ def format_codec_table(result: dict) -> str:
             f"{enc:,.0f} | {dec:,.0f} | {r['rel_error']:.4f} |"
         )
     if base:
-        speed = f"encode {base['encode_speedup']:.2f}x, decode {base['decode_speedup']:.2f}x faster"
+        speed = f"encode {_times(base['encode_speedup'])}, decode {_times(base['decode_speedup'])}"
         lines += ["", f"sparseloco vs reference: {speed}"]
     return "\n".join(lines)
 
@@ -206,3 +206,8 @@ def reference_decode(data: bytes, device: torch.device | str = "cpu") -> torch.T
     out = torch.zeros(nrows, chunk, device=device)
     out.scatter_(1, idx, vals)
     return out.view(-1)[:n].view(shape)
+
+
+def _times(speedup: float) -> str:
+    """A speed ratio as people say it: "2.50x faster" or "5.00x slower", never "0.20x faster"."""
+    return f"{speedup:.2f}x faster" if speedup >= 1 else f"{1 / speedup:.2f}x slower" if speedup > 0 else "n/a"

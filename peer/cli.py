@@ -68,6 +68,23 @@ bench_app = typer.Typer(cls=_Commands, no_args_is_help=True,
 app.add_typer(bench_app, name="bench")
 
 
+def _print_version(value: bool) -> None:
+    if value:
+        from importlib.metadata import PackageNotFoundError, version
+
+        try:
+            print(f"groundswell {version('groundswell')}")
+        except PackageNotFoundError:  # (run from a checkout that was never installed)
+            print("groundswell (not installed: version unknown)")
+        raise typer.Exit()
+
+
+@app.callback()
+def _main(show_version: bool = typer.Option(False, "--version", callback=_print_version, is_eager=True,
+                                             metavar="", help="Print the version and exit.")) -> None:
+    """groundswell: decentralized training peer."""
+
+
 class _Console(Console):
     """rich's Console, but a stream closed under it (`join ... 2>&1 | tee log`: Ctrl+C ends the tee
     too) silences it: rich's default raised SystemExit from whatever print hit the closed pipe,
@@ -202,6 +219,28 @@ def _check_out(out: Optional[Path]) -> None:
     if not out.parent.is_dir():
         what = "is not a folder" if out.parent.exists() else "does not exist"
         raise ConfigError(f"--out {out}: {out.parent} {what}")
+    import tempfile
+
+    try:  # a read-only disk or a folder of another user's: said now, not after the training (it was)
+        with tempfile.TemporaryFile(dir=out.parent):
+            pass
+    except OSError as exc:
+        raise ConfigError(f"--out {out}: cannot write in {out.parent} ({exc.strerror or exc})") from None
+
+
+def _write_out(out: Optional[Path], result: object) -> None:
+    """Write a command's result to --out whole or not at all (it is printed first, so a failed
+    write, a disk full since the start say, loses nothing)."""
+    from .config import ConfigError
+    from .state_files import write_atomically
+
+    if out is None:
+        return
+    try:
+        write_atomically(out, lambda f: f.write(json.dumps(result, indent=2).encode()))
+    except OSError as exc:
+        raise ConfigError(f"--out {out} could not be written ({exc.strerror or exc}); the result is printed "
+                          "above") from None
 
 
 @app.command("train-local")
@@ -252,9 +291,8 @@ def train_local(
         _check_out(out)
 
         result = run_mini_table(jobs=jobs, quick=quick, progress=lambda msg: console.print(msg, highlight=False))
-        if out:
-            out.write_text(json.dumps(result, indent=2))
         print(json.dumps(result, indent=2) if as_json else format_table(result))
+        _write_out(out, result)
         return
 
     from .train_local import run_train_local
@@ -281,8 +319,6 @@ def train_local(
 
         result = run_train_local(cfg, progress=progress)
     payload = result.as_dict()
-    if out:
-        out.write_text(json.dumps(payload, indent=2))
     if as_json:
         print(json.dumps(payload, indent=2))
     else:
@@ -293,6 +329,7 @@ def train_local(
             f"replicas identical: {result.params_identical}",
             highlight=False,
         )
+    _write_out(out, payload)
 
 
 @bench_app.command("codecs")

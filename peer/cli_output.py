@@ -20,7 +20,7 @@ def resumed_line(state_dir: Path, what: dict) -> str:
     start = (f"resumed from {where}: its checkpoint at the start of round {what['checkpoint_round']}"
              if what["checkpoint_round"] is not None else f"resumed from {where}: the work not yet sent (no "
                                                           "readable checkpoint)")
-    settling = what["settling"]
+    settling = sorted(set(what["settling"]))  # (a round's retried attempts: each round named once)
     sent = (f"; settling the contributions sent before the stop (round{'s' if len(settling) > 1 else ''} "
             f"{', '.join(map(str, settling))}) against their commits" if settling else "")
     return f"{start}{sent}; now at round {what['round']}"
@@ -38,12 +38,27 @@ def saved_before(p: Participant) -> str:
 def setup_logging(verbose: bool) -> None:
     """Log to stderr: warnings and up, or everything from INFO with `--verbose`; asyncio's noise only
     when verbose."""
-    logging.basicConfig(level=logging.INFO if verbose else logging.WARNING, stream=sys.stderr,
-                        format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    handler = CurrentStderrHandler()
+    handler.setFormatter(logging.Formatter("%(asctime)s %(name)s %(levelname)s %(message)s"))
+    logging.basicConfig(level=logging.INFO if verbose else logging.WARNING, handlers=[handler])
     if not verbose:  # asyncio's warnings (a child reaped late, a slow callback) say nothing a user can act on
         logging.getLogger("asyncio").setLevel(logging.ERROR)
         if not any(isinstance(f, DaemonGoneFilter) for f in logging.getLogger("asyncio").filters):
             logging.getLogger("asyncio").addFilter(DaemonGoneFilter())
+
+
+class CurrentStderrHandler(logging.StreamHandler):
+    """Writes to whatever `sys.stderr` is at each record: rich's live table and progress bar
+    redirect it while they run, and print what comes through above themselves. A handler bound to
+    the real stderr at start glued its lines onto the table's border (a review, 2026-12-07)."""
+
+    @property  # type: ignore[override]
+    def stream(self):  # noqa: ANN201 - a text stream, as StreamHandler's
+        return sys.stderr
+
+    @stream.setter
+    def stream(self, value: object) -> None:  # StreamHandler sets it once: looked up each time instead
+        pass
 
 
 class DaemonGoneFilter(logging.Filter):

@@ -122,7 +122,8 @@ def launch(
     identity: Optional[Path] = typer.Option(None, help="Identity file (from `groundswell keygen`).",
                                             show_default="STATE_DIR/identity.key, made if missing"),
     state_dir: Path = typer.Option(Path("groundswell-run"), help="Checkpoints and logs; reuse it to resume."),
-    quiet: bool = typer.Option(False, "--quiet", help="No live table (for scripts)."),
+    quiet: bool = typer.Option(False, "--quiet", help="No live table and no line per round (for scripts: "
+                               "STATE_DIR/events.jsonl has every round)."),
     verbose: bool = typer.Option(False, "--verbose", help="Log protocol events."),
     threads: int = typer.Option(0, help="torch threads (0 = default)."),
     checkpoint_every: int = typer.Option(0, help="Rounds between this coordinator's checkpoints.",

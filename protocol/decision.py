@@ -156,7 +156,8 @@ class Decider:
                 # Sealed by nobody but us: our link may be down, and the others, who cannot reach
                 # us, let a stand-in decide this attempt from the shard's replicas. A commit of
                 # ours would then be a second commit of the round (a netlab run split this way).
-                log.warning("round %d attempt %d: no peer but this leader sealed the commit (is our link down?); "
+                log.warning("round %d attempt %d: no peer but this leader sealed the commit (its aggregators "
+                            "restarted, or our link is down); "
                             "retry", plan.round, plan.attempt)
                 contributors = []
                 break

@@ -738,6 +738,15 @@ def test_a_restarted_volunteer_says_what_it_resumed_from():
     said = resumed_line(Path("v1"), resume_summary({"work_only": True, "round": 3}, 5, [{"round": 4}, {"round": 3}]))
     assert said == ("resumed from v1: the work not yet sent (no readable checkpoint); settling the contributions "
                     "sent before the stop (rounds 3, 4) against their commits; now at round 5")
+    # a round's retried attempts, each open: the round is named once (it read "rounds 4, 4"; a review)
+    said = resumed_line(Path("v1"), resume_summary({"round": 3}, 5, [{"round": 4}, {"round": 4}]))
+    assert "(round 4) against" in said
+
+
+def test_the_codec_bench_says_a_slower_decode_as_slower():
+    from groundswell.peer.bench_codecs import _times
+
+    assert (_times(2.5), _times(0.2)) == ("2.50x faster", "5.00x slower")  # not "0.20x faster" (a review)
 
 
 def test_a_mistyped_coordinator_id_in_the_bootstrap_line_says_so_plainly():
@@ -766,3 +775,36 @@ def test_help_names_values_as_click_does_and_flags_take_none(command):
         assert "PATH" in options and "INTEGER" in options
     if command == ["keygen"]:  # its argument's type column too
         assert re.search(r"PATH +PATH +Where to write", res.output), res.output
+
+
+def test_log_lines_go_through_the_stderr_in_place_when_they_are_written():
+    # rich's live table and progress bar redirect sys.stderr while they run and print what comes
+    # through above themselves; a handler bound to the real stderr at start glued its lines onto
+    # the table's border (a review, 2026-12-07).
+    import io
+    import logging
+    import sys
+
+    from groundswell.peer.cli_output import setup_logging
+
+    root = logging.getLogger()
+    saved = (root.level, list(root.handlers))
+    root.handlers[:] = []  # (basicConfig adds nothing to a root that has handlers)
+    real, redirected = sys.stderr, io.StringIO()
+    try:
+        setup_logging(verbose=False)
+        sys.stderr = redirected
+        logging.getLogger("groundswell.test").warning("a line for the user")
+    finally:
+        sys.stderr = real
+        root.handlers[:] = saved[1]
+        root.setLevel(saved[0])
+    assert "a line for the user" in redirected.getvalue()
+
+
+def test_version_is_printed_and_nothing_else_runs():
+    from groundswell.peer.cli import app
+    from typer.testing import CliRunner
+
+    res = CliRunner().invoke(app, ["--version"])
+    assert res.exit_code == 0 and res.output.startswith("groundswell "), res.output

@@ -422,3 +422,40 @@ def test_a_gpu_torch_cannot_run_on_is_one_error_line(monkeypatch):
                                           r"available for execution on the device\); is it busy, or is this torch"):
         check_device("cuda")
     check_device("cuda", probe=False)  # a driver that only starts the peers: each of them probes its own
+
+
+def test_train_local_out_where_it_cannot_write_is_refused_before_training(nothing_starts, tmp_path, monkeypatch):
+    # Found by a review (2026-12-07): only the folder's existence was checked, so a read-only one
+    # was found after the training, and its result was lost with one error line.
+    import tempfile
+
+    def read_only(*args, **kwargs):
+        raise OSError(errno.EROFS, "Read-only file system")
+
+    monkeypatch.setattr(tempfile, "TemporaryFile", read_only)
+    res = CliRunner().invoke(app, ["train-local", "--out", str(tmp_path / "r.json")])
+    _one_error_line(res, f"--out {tmp_path / 'r.json'}: cannot write in {tmp_path} (Read-only file system)")
+
+
+def test_train_local_prints_its_result_before_writing_it_and_writes_it_whole(tmp_path, monkeypatch):
+    from groundswell.peer import state_files, train_local
+
+    class Result:
+        name, eval_loss, steps, workers, bytes_per_worker, bytes_vs_data_parallel = "single", 1.5, 2, 1, 0, 0.0
+        wall_s, params_identical = 0.1, True
+
+        def as_dict(self):
+            return {"eval_loss": 1.5}
+
+    monkeypatch.setattr(train_local, "run_train_local", lambda cfg, progress: Result())
+    out = tmp_path / "r.json"
+    res = CliRunner().invoke(app, ["train-local", "--algorithm", "single", "--out", str(out), "--json"])
+    assert res.exit_code == 0 and '"eval_loss": 1.5' in res.output and out.read_text().startswith("{")
+
+    def disk_full(path, write, durable=False):  # full since the start: the result is printed all the same
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(state_files, "write_atomically", disk_full)
+    res = CliRunner().invoke(app, ["train-local", "--algorithm", "single", "--out", str(out), "--json"])
+    assert '"eval_loss": 1.5' in res.output and res.exit_code == 2
+    assert "could not be written (No space left on device); the result is printed above" in res.output
