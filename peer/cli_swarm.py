@@ -355,7 +355,8 @@ def join(
                               + (f", {in_aggregate(info)} of {info.contributors}, "
                                  f"eval {loss_text(info.eval_loss)}{of_round(info)}, {info.bytes_sent / 1e6:.2f} MB, {info.round_s:.1f} s, "
                                  f"{info.tokens_per_s:,.0f} tok/s" if info.status == "applied" else
-                                 f" ({info.reason})" if info.reason else ""),
+                                 # ("round 2: retry (attempt 8: ...)", not "(round 2 attempt 8: ...)")
+                                 f" ({info.reason.removeprefix(f'round {info.round} ')})" if info.reason else ""),
                               highlight=False, markup=False)  # (a reason may quote a peer's words)
 
         tamper = None
