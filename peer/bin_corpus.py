@@ -29,9 +29,26 @@ def _open_bin(path: Path) -> np.ndarray:
     if size == 0 or size % 2:
         raise DataError(f"{str(path)!r} has {size} bytes; expected a non-empty array of uint16 tokens")
     try:
-        return np.memmap(path, dtype=np.uint16, mode="r")
+        tokens = np.memmap(path, dtype=np.uint16, mode="r")
     except OSError as exc:
         raise DataError(f"cannot memory-map {str(path)!r}: {exc}") from exc
+    _refuse_wider_tokens(path, tokens)
+    return tokens
+
+
+def _refuse_wider_tokens(path: Path, tokens: np.ndarray) -> None:
+    """DataError if the file looks like uint32 (or wider) tokens read as uint16: every second
+    word 0. Read as uint16, such a file was taken without a word (half its tokens 0, a review
+    found), as a tokenizer with over 65,536 ids writes them."""
+    head = np.asarray(tokens[: _SAMPLE_CHUNK - _SAMPLE_CHUNK % 2])
+    if len(head) < 2048:
+        return  # (too short to tell)
+    # uint32 ids under 2**20 (a 1M-id vocabulary) have a high word of at most 15; uint16 ids of
+    # real text are seldom that small at every second place and larger at the others
+    odd_small, even_small = float((head[1::2] <= 15).mean()), float((head[0::2] <= 15).mean())
+    if odd_small > 0.99 and even_small < 0.6:  # (int64: every other even word is a 0 high word too)
+        raise DataError(f"{str(path)!r} looks like uint32 (or wider) tokens: every second 16-bit word is 0. "
+                        "groundswell reads uint16 tokens (at most 65,536 ids): write the arrays as uint16")
 
 
 def _sampled_max(tokens: np.ndarray) -> int:

@@ -212,8 +212,9 @@ def _check_out(out: Optional[Path]) -> None:
     """Refuse an --out that could not be written, before the training whose result it would hold."""
     from .config import ConfigError
 
-    if out is None:
+    if out is None or _not_a_plain_file(out):
         return
+    out = out.resolve() if out.is_symlink() else out  # (a dangling link: its target is made)
     if out.is_dir():
         raise ConfigError(f"--out {out} is a folder: give the path of a file to write")
     if not out.parent.is_dir():
@@ -228,16 +229,40 @@ def _check_out(out: Optional[Path]) -> None:
         raise ConfigError(f"--out {out}: cannot write in {out.parent} ({exc.strerror or exc})") from None
 
 
+def _not_a_plain_file(out: Path) -> bool:
+    """Is --out a pipe or a device (`>(jq .)`'s /dev/fd/N, /dev/stdout)? Written in place, not
+    replaced by a file (a review, 2026-12-07); a link to a file has its target written."""
+    return out.exists() and not out.is_file() and not out.is_dir()
+
+
 def _write_out(out: Optional[Path], result: object) -> None:
     """Write a command's result to --out whole or not at all (it is printed first, so a failed
-    write, a disk full since the start say, loses nothing)."""
+    write, a disk full since the start say, loses nothing); a pipe or a link is written in place."""
+    import os
+    import tempfile
+
     from .config import ConfigError
-    from .state_files import write_atomically
 
     if out is None:
         return
+    data = json.dumps(result, indent=2).encode()
     try:
-        write_atomically(out, lambda f: f.write(json.dumps(result, indent=2).encode()))
+        if _not_a_plain_file(out):
+            with open(out, "wb") as f:
+                f.write(data)
+            return
+        out = out.resolve() if out.is_symlink() else out  # the link's target is written, the link kept
+        fd, tmp = tempfile.mkstemp(dir=out.parent, prefix=f".{out.name}.", suffix=".tmp")
+        try:
+            with os.fdopen(fd, "wb") as f:
+                f.write(data)
+            umask = os.umask(0)
+            os.umask(umask)
+            os.chmod(tmp, 0o666 & ~umask)  # as a file the shell makes, not mkstemp's 0600
+            os.replace(tmp, out)
+        except BaseException:
+            Path(tmp).unlink(missing_ok=True)
+            raise
     except OSError as exc:
         raise ConfigError(f"--out {out} could not be written ({exc.strerror or exc}); the result is printed "
                           "above") from None

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import hashlib
 import os
+import re
 import sysconfig
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -141,6 +142,28 @@ def _file_sizes(root: Path, relpaths: list[str]) -> dict[str, int]:
     return sizes
 
 
+# A file whose name says it is held out: `valid.txt`, `wiki.test.raw`, `dev-00.txt`.
+MIN_NAMED_HELDOUT_BYTES = 16 << 10
+_HELDOUT_WORDS = frozenset({"valid", "validation", "val", "test", "dev", "heldout"})
+
+
+def _named_split(relpaths: list[str], sizes: dict[str, int]) -> tuple[list[str], list[str]] | None:
+    """Train and held-out files by their names, in a folder of a few (wikitext's `wiki.train.raw`,
+    `wiki.valid.raw`, `wiki.test.raw`): holding out the tail of each, the folder's own validation
+    and test files were 95% trained on (a review, 2026-12-07). None when the names do not say."""
+    if len(relpaths) >= MIN_FILES_FOR_WHOLE_SPLIT:
+        return None  # (a large folder is split by path hash: a `test_x.py` among thousands is no test set)
+    named = [p for p in relpaths if _HELDOUT_WORDS & set(re.split(r"[^a-z]+", Path(p).name.lower()))]
+    if not named or len(named) == len(relpaths):
+        return None
+    # enough text to evaluate on, and no more than is left to train on (an empty test.txt, a
+    # dev-notes.txt of a few lines, a test file larger than the code: tails of every file, as before)
+    held, total = sum(sizes[p] for p in named), sum(sizes.values())
+    if held < MIN_NAMED_HELDOUT_BYTES or held > total / 2:
+        return None
+    return [p for p in relpaths if p not in named], named
+
+
 def _split_files(relpaths: list[str], sizes: dict[str, int]) -> tuple[list[str], list[str]] | None:
     """Train and held-out files by path hash, or None when whole files cannot hold out about
     HELDOUT_FRACTION of the bytes (the caller then holds out the tail of every file)."""
@@ -221,7 +244,8 @@ def _load_text(
     if total == 0:
         raise DataError(f"corpus {str(path)!r} is empty (all {len(relpaths)} files have size 0)")
 
-    split = _split_files(relpaths, sizes)
+    named = _named_split(relpaths, sizes)
+    split = named or _split_files(relpaths, sizes)
     if split is not None:
         train_files, heldout_files = split
         train_pieces = [(p, 0, sizes[p]) for p in train_files]
@@ -243,7 +267,8 @@ def _load_text(
 
     # Tails of several files: a split older versions did not make, so resumed state from those
     # is refused; a single file and a whole-file split keep their fingerprints.
-    split_part = ["split=tails"] if split is None and len(relpaths) > 1 else []
+    # (and files held out by their names: a split that, until 2026-12-07, was tails of each)
+    split_part = ["split=tails"] if split is None and len(relpaths) > 1 else ["split=named"] if named else []
     fingerprint = _fingerprint(["text", "vocab=256", *split_part] + [f"{p}\t{sizes[p]}" for p in relpaths])
     return Corpus(
         name=name,

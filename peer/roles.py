@@ -256,12 +256,12 @@ def resumed_trainer(p: Participant, resumed: dict | None) -> InnerTrainer:
         return trainer
     try:
         trainer.load_state_dict(resumed["inner"])
-    except (KeyError, ValueError, RuntimeError, TypeError, AttributeError) as exc:  # (made up: of any shape)
+    except (KeyError, ValueError, RuntimeError, TypeError, AttributeError, ArithmeticError) as exc:  # (made up)
         log.warning("inner state in the checkpoint does not fit (%s); starting the inner optimizer afresh", exc)
         trainer = volunteer_trainer(p)  # afresh indeed: not what of the old state loaded before it failed
         try:  # but where the data was: afresh, it would train its first batches again
             trainer.load_data_position(resumed["inner"])
-        except (KeyError, ValueError, TypeError, AttributeError) as why:
+        except (KeyError, ValueError, TypeError, AttributeError, ArithmeticError) as why:
             log.warning("nor does its data position (%s): training starts the data afresh", why)
     finally:  # the model's weights are the global state's, whatever of the inner state loaded before it failed
         torch_load_params(p)

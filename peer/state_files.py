@@ -220,12 +220,15 @@ def make_state_dir(state_dir: Path) -> None:
     try:
         made = not state_dir.exists()
         state_dir.mkdir(mode=0o700, exist_ok=True)  # private: a closed run's weights
-        if made:  # its entry in the parent too: a genesis made durable in it must not lose its folder
-            fsync_dir(parent)
     except OSError as exc:  # a file above it, no permission, a read-only disk
         above = next((p for p in state_dir.parents if p.exists() and not p.is_dir()), None)
         why = f"{above} is a file, not a folder" if above is not None else exc.strerror or str(exc)
         raise ConfigError(f"--state-dir {state_dir} cannot be created: {why}") from None
+    if made:  # its entry in the parent too: a genesis made durable in it must not lose its folder
+        try:
+            fsync_dir(parent)
+        except OSError as exc:  # (a filesystem that refuses, a parent we may write but not read)
+            _warn_not_durable(state_dir, exc)
     refuse_shared_state_dir(state_dir)
 
 

@@ -144,6 +144,9 @@ def run_train_local(
                              seed=cfg.seed, shard_index=w, num_shards=cfg.workers)
                 for w in range(cfg.workers)
             ])
+        if trainers:  # every replica starts from the first's parameters: a custom model seeded by
+            # numpy, or built on CUDA, was not the same in each, and its workers never agreed
+            trainer.model.load_state_dict(trainers[0].model.state_dict())  # (in place: buffers too)
         trainers.append(trainer)
     evalset = heldout_batches(corpus, trainers[0].block_size, cfg.eval.batch_size, cfg.eval.batches)
     n_params = sum(p.numel() for p in trainers[0].model.parameters())

@@ -14,6 +14,7 @@ weights, and the caller's RNG state (CPU and CUDA) is left untouched.
 from __future__ import annotations
 
 import importlib
+import logging
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -21,6 +22,8 @@ from typing import Any
 import torch
 from groundswell.peer.model import GPT, PRESETS, gpt_loss, preset_config
 from torch import Tensor, nn
+
+log = logging.getLogger(__name__)
 
 LossFn = Callable[[nn.Module, Tensor, Tensor], Tensor]
 
@@ -141,7 +144,45 @@ def _build_custom(spec: str, vocab_size: int) -> Workload:
                             "precision with torch.autocast inside the model or loss_fn)")
     if isinstance(block_size, bool) or not isinstance(block_size, int) or block_size < 1:
         raise WorkloadError(f"{spec!r} gave block_size {block_size!r}; expected a positive int")
+    for p in model.parameters():  # (channels_last, a transposed view: the outer step flattens them)
+        if not p.is_contiguous():
+            p.data = p.data.contiguous()
+    _refuse_trained_buffers(model, loss_fn, block_size, vocab_size, spec)
     return Workload(model=model, loss_fn=loss_fn, block_size=block_size, name=spec)
+
+
+def _refuse_trained_buffers(model: nn.Module, loss_fn: Any, block_size: int, vocab_size: int, spec: str) -> None:
+    """WorkloadError if training changes a floating-point buffer of the model on every step
+    (spectral_norm's power-iteration vectors, say): only parameters are exchanged, so such
+    buffers drift apart between peers, and the coordinator evaluates another model than the
+    volunteers train (a review, 2026-12-07). A buffer filled once on first use (a cache) is fine."""
+    buffers = {name: b for name, b in model.named_buffers() if b.is_floating_point()}
+    if not buffers:
+        return
+    saved = {name: b.detach().clone() for name, b in buffers.items()}
+    was_training = model.training
+    n = min(block_size, 64)  # (a short batch: a large model's full block took seconds on a CPU)
+    x = torch.randint(0, vocab_size, (1, n), generator=torch.Generator().manual_seed(0))
+    try:
+        model.train()
+        with torch.no_grad():
+            loss_fn(model, x, x)  # the first call may fill caches
+            first = {name: b.detach().clone() for name, b in model.named_buffers() if name in buffers}
+            loss_fn(model, x, x)
+        moving = [name for name, b in model.named_buffers()
+                  if name in first and (b.shape != first[name].shape or not torch.equal(b, first[name]))]
+    except Exception as exc:  # noqa: BLE001 - a loss that needs gradients, or a model on CUDA: not checked
+        log.warning("could not check whether training changes %s's buffers (%s: %s): make sure it does not, "
+                    "peers do not exchange them", spec, type(exc).__name__, exc)
+        moving = []
+    finally:
+        model.train(was_training)
+        for name, b in model.named_buffers():  # as built: the probe trained nothing
+            if name in saved and b.shape == saved[name].shape:  # (a cache that grew is left grown)
+                b.data.copy_(saved[name])
+    if moving:
+        raise WorkloadError(f"{spec!r} has buffers that every training step changes ({', '.join(moving[:3])}), "
+                            "which peers do not exchange: make them parameters, or compute them in forward")
 
 
 def _infer_block_size(model: Any, spec: str) -> int:

@@ -69,4 +69,80 @@ def in_bfloat16(vocab_size: int) -> tuple[nn.Module, object]:
     return TinyMLPLanguageModel(vocab_size).to(torch.bfloat16), next_token_loss
 
 
+def with_spectral_norm(vocab_size: int) -> tuple[nn.Module, object]:
+    # its power-iteration vectors are buffers every training step changes, and peers never exchange
+    model = TinyMLPLanguageModel(vocab_size)
+    model.out = nn.utils.parametrizations.spectral_norm(model.out)
+    return model, next_token_loss
+
+
+class _CachedScale(TinyMLPLanguageModel):
+    """A buffer filled on first use, then never changed: the same on every peer, so allowed."""
+
+    def __init__(self, vocab_size: int) -> None:
+        super().__init__(vocab_size)
+        self.register_buffer("scale", torch.zeros(1))
+
+    def forward(self, idx: Tensor) -> Tensor:
+        if not bool(self.scale.any()):
+            self.scale.fill_(1.0)
+        return super().forward(idx) * self.scale
+
+
+def with_a_cache(vocab_size: int) -> tuple[nn.Module, object]:
+    return _CachedScale(vocab_size), next_token_loss
+
+
+class _GrowingCache(TinyMLPLanguageModel):
+    """A cache registered empty and made full-size on first use (rotary tables, say)."""
+
+    def __init__(self, vocab_size: int) -> None:
+        super().__init__(vocab_size)
+        self.register_buffer("table", torch.zeros(0, 4))
+
+    def forward(self, idx: Tensor) -> Tensor:
+        if self.table.numel() == 0:
+            self.table = torch.ones(self.block_size, 4)
+        return super().forward(idx)
+
+
+def with_a_growing_cache(vocab_size: int) -> tuple[nn.Module, object]:
+    return _GrowingCache(vocab_size), next_token_loss
+
+
+def _loss_with_an_input_gradient(model: nn.Module, x: Tensor, y: Tensor) -> Tensor:
+    """A loss that needs autograd even when only evaluated (an input-gradient penalty)."""
+    emb = model.embedding(x).requires_grad_(True) if not torch.is_grad_enabled() else model.embedding(x)
+    logits = model.out(F.gelu(model.hidden(torch.cat([emb, emb], dim=-1))))
+    ce = F.cross_entropy(logits.reshape(-1, logits.size(-1)), y.reshape(-1))
+    (grad,) = torch.autograd.grad(ce, emb, create_graph=True)
+    return ce + grad.pow(2).mean()
+
+
+def with_spectral_norm_and_a_gradient_loss(vocab_size: int) -> tuple[nn.Module, object]:
+    # not checkable (its loss needs gradients the probe turns off): taken, with a warning
+    model, _ = with_spectral_norm(vocab_size)
+    return model, _loss_with_an_input_gradient
+
+
+def with_a_transposed_weight(vocab_size: int) -> tuple[nn.Module, object]:
+    # a parameter stored as a transposed view (not contiguous), as channels_last conv weights are
+    model = TinyMLPLanguageModel(vocab_size)
+    model.hidden.weight = nn.Parameter(model.hidden.weight.detach().t().contiguous().t())
+    assert not model.hidden.weight.is_contiguous()
+    return model, next_token_loss
+
+
+_unseeded = __import__("numpy").random.default_rng()  # (not torch's generator: train-local cannot seed it)
+
+
+def seeded_elsewhere(vocab_size: int) -> tuple[nn.Module, object]:
+    # initialised from a generator nobody seeds: each call builds other weights
+    model = TinyMLPLanguageModel(vocab_size)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.copy_(torch.from_numpy(_unseeded.normal(0, 0.02, tuple(p.shape)).astype("float32")))
+    return model, next_token_loss
+
+
 NOT_CALLABLE = 42

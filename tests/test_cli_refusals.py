@@ -435,10 +435,21 @@ def test_train_local_out_where_it_cannot_write_is_refused_before_training(nothin
     monkeypatch.setattr(tempfile, "TemporaryFile", read_only)
     res = CliRunner().invoke(app, ["train-local", "--out", str(tmp_path / "r.json")])
     _one_error_line(res, f"--out {tmp_path / 'r.json'}: cannot write in {tmp_path} (Read-only file system)")
+    (tmp_path / "to-folder").symlink_to(tmp_path)  # a link to a folder: refused before training too
+    res = CliRunner().invoke(app, ["train-local", "--out", str(tmp_path / "to-folder")])
+    _one_error_line(res, "is a folder: give the path of a file to write")
+
+
+def _umask() -> int:
+    import os
+
+    mask = os.umask(0)
+    os.umask(mask)
+    return mask
 
 
 def test_train_local_prints_its_result_before_writing_it_and_writes_it_whole(tmp_path, monkeypatch):
-    from groundswell.peer import state_files, train_local
+    from groundswell.peer import train_local
 
     class Result:
         name, eval_loss, steps, workers, bytes_per_worker, bytes_vs_data_parallel = "single", 1.5, 2, 1, 0, 0.0
@@ -452,10 +463,18 @@ def test_train_local_prints_its_result_before_writing_it_and_writes_it_whole(tmp
     res = CliRunner().invoke(app, ["train-local", "--algorithm", "single", "--out", str(out), "--json"])
     assert res.exit_code == 0 and '"eval_loss": 1.5' in res.output and out.read_text().startswith("{")
 
-    def disk_full(path, write, durable=False):  # full since the start: the result is printed all the same
+    assert oct(out.stat().st_mode & 0o777) == oct(0o666 & ~_umask())  # as the shell would make it
+    link = tmp_path / "link.json"  # a link (or a pipe: `--out >(jq .)`) is written in place, not replaced
+    link.symlink_to(out)
+    res = CliRunner().invoke(app, ["train-local", "--algorithm", "single", "--out", str(link), "--json"])
+    assert res.exit_code == 0 and link.is_symlink() and out.read_text().startswith("{")
+
+    import os
+
+    def disk_full(fd, *args, **kwargs):  # full since the start: the result is printed all the same
         raise OSError(errno.ENOSPC, "No space left on device")
 
-    monkeypatch.setattr(state_files, "write_atomically", disk_full)
+    monkeypatch.setattr(os, "fdopen", disk_full)
     res = CliRunner().invoke(app, ["train-local", "--algorithm", "single", "--out", str(out), "--json"])
     assert '"eval_loss": 1.5' in res.output and res.exit_code == 2
     assert "could not be written (No space left on device); the result is printed above" in res.output

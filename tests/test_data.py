@@ -491,3 +491,42 @@ def test_window_ids_are_held_as_int32_and_batches_are_those_of_int64_ids(tmp_pat
     assert torch.equal(ids[:len(ids64)], expected_first)
     x, y = sampler.next_batch()
     assert x.dtype == y.dtype == torch.int64 and x.shape == (7, 16)
+
+
+@pytest.mark.parametrize("dtype", [np.uint32, np.int64])
+def test_bin_tokens_wider_than_uint16_are_refused_not_read_as_two_tokens_each(tmp_path: Path, dtype) -> None:
+    # Found by a review (2026-12-07): a tokenizer with over 65,536 ids writes uint32; read as
+    # uint16, each token became two (half of them 0), and training went on with no word.
+    rng = np.random.default_rng(0)
+    ids = rng.integers(0, 50_000, size=5000)
+    ids[::3] += 150_000  # a 200k-id vocabulary: a third of the ids past 65,536
+    ids.astype(dtype).tofile(tmp_path / "train.bin")
+    rng.integers(0, 50_000, size=5000).astype(np.uint16).tofile(tmp_path / "val.bin")
+    with pytest.raises(DataError, match="looks like uint32 .or wider. tokens: every second 16-bit word is 0"):
+        load_corpus(str(tmp_path))
+    # uint16 tokens, 0 among them as often as any other id, are taken
+    rng.integers(0, 4, size=5000).astype(np.uint16).tofile(tmp_path / "train.bin")
+    assert load_corpus(str(tmp_path)).vocab_size >= 4
+
+
+def test_a_few_files_named_valid_or_test_are_the_held_out_text(tmp_path: Path) -> None:
+    # Found by a review (2026-12-07): wikitext's layout (wiki.train.raw, wiki.valid.raw,
+    # wiki.test.raw) had the tail of every file held out, so 95% of its own validation and test
+    # text was trained on, and the held-out loss was mostly the train file's tail.
+    (tmp_path / "wiki.train.raw").write_bytes(b"t" * 200_000)
+    (tmp_path / "wiki.valid.raw").write_bytes(b"v" * 20_000)
+    (tmp_path / "wiki.test.raw").write_bytes(b"s" * 20_000)
+    corpus = load_corpus(str(tmp_path))
+    assert corpus.train_files == ("wiki.train.raw",)
+    assert corpus.heldout_files == ("wiki.test.raw", "wiki.valid.raw")
+    assert set(bytes(corpus.train.numpy())) == {ord("t")}
+    assert set(bytes(corpus.heldout.numpy())) == {ord("s"), ord("v"), 0}
+    # a word inside a name is not one ("latest", "devices"): those files are train text
+    for name in ("latest.txt", "devices.txt"):
+        (tmp_path / name).write_bytes(b"t" * 100)
+    assert set(load_corpus(str(tmp_path)).heldout_files) == {"wiki.test.raw", "wiki.valid.raw"}
+    # too little named text to evaluate on (an empty test.txt, a few lines of dev notes), or more
+    # than is left to train on: the tails of every file, as before (a second review)
+    for name in ("wiki.valid.raw", "wiki.test.raw"):
+        (tmp_path / name).write_bytes(b"v" * 100)
+    assert load_corpus(str(tmp_path)).heldout_files == ()

@@ -154,6 +154,7 @@ def test_custom_module_callable_workload() -> None:
         ("custom_model_example:raises", "boom"),
         ("custom_model_example:with_batch_norm", "running statistics .norm.*track_running_stats=False"),
         ("custom_model_example:in_bfloat16", "bfloat16 parameters: keep them float32"),
+        ("custom_model_example:with_spectral_norm", "buffers that every training step changes .*out.parametrizations"),
         ("custom_model_example:", "module:callable"),
     ],
 )
@@ -161,3 +162,29 @@ def test_bad_specs_raise_workload_error(spec: str, message: str) -> None:
     with pytest.raises(WorkloadError, match=message):
         build_workload(spec, vocab_size=256, seed=0)
     assert issubclass(WorkloadError, ValueError)
+
+
+@pytest.mark.usefixtures("custom_module_on_path")
+def test_a_cache_filled_once_and_a_transposed_weight_are_taken() -> None:
+    # (found by a review, 2026-12-07: a non-contiguous parameter passed the checks and then failed
+    # the outer optimizer's flattening with a cryptic view error)
+    from groundswell.optim import DiLoCo, DiLoCoConfig
+
+    build_workload("custom_model_example:with_a_growing_cache", vocab_size=64, seed=0)  # (its copy back failed)
+    cached = build_workload("custom_model_example:with_a_cache", vocab_size=64, seed=0)
+    assert float(cached.model.scale) == 0.0  # as built: the probe of its buffers trained nothing
+    transposed = build_workload("custom_model_example:with_a_transposed_weight", vocab_size=64, seed=0)
+    assert all(p.is_contiguous() for p in transposed.model.parameters())
+    from groundswell.compression import make_codec
+
+    outer = DiLoCo(list(transposed.model.parameters()), make_codec("fp32"), DiLoCoConfig())
+    assert outer.global_params.numel() == sum(p.numel() for p in transposed.model.parameters())
+
+
+@pytest.mark.usefixtures("custom_module_on_path")
+def test_a_model_whose_buffers_cannot_be_checked_is_taken_with_a_warning(caplog) -> None:
+    import logging
+
+    with caplog.at_level(logging.WARNING):
+        build_workload("custom_model_example:with_spectral_norm_and_a_gradient_loss", vocab_size=64, seed=0)
+    assert any("could not check whether training changes" in r.getMessage() for r in caplog.records)

@@ -538,7 +538,8 @@ def test_a_state_too_slow_to_arrive_is_said_as_the_links_doing_not_the_runs(tmp_
         resume_and_sync(p, [])
 
 
-@pytest.mark.parametrize("inner", [{"model": 5}, {"model": None}, {"model": {}, "optimizer": [1]}, {"sampler": 3}])
+@pytest.mark.parametrize("inner", [{"model": 5}, {"model": None}, {"model": {}, "optimizer": [1]}, {"sampler": 3},
+                                   {"sampler": {"epoch": float("inf"), "position": 0}}])
 def test_a_made_up_inner_state_starts_the_inner_optimizer_afresh_not_a_traceback(tmp_path, corpus, inner):
     # Found by a review (2026-12-07): an inner state of the wrong types raised a TypeError the
     # start did not catch, and the user saw a traceback instead of one line and a fresh optimizer.

@@ -297,3 +297,7 @@ def test_a_new_state_dirs_own_entry_is_made_durable(tmp_path, monkeypatch):
     synced.clear()
     make_state_dir(tmp_path / "new")  # (one that exists is left as it is)
     assert synced == []
+    # a filesystem that refuses to sync a directory (EINVAL) still gets its state dir, with a warning
+    _refuse_directory_fsync(monkeypatch)
+    make_state_dir(tmp_path / "other")
+    assert (tmp_path / "other").is_dir()

@@ -44,6 +44,16 @@ def test_train_local_loss_drops_and_replicas_agree(corpus, algorithm, codec):
     assert 0 < result.bytes_per_worker < result.steps * dense_ring_bytes(2, result.params)
 
 
+def test_replicas_start_alike_whatever_seeds_the_models_weights(corpus, monkeypatch):
+    # Found by a review (2026-12-07): each worker built its own model, so one initialised from a
+    # generator train-local does not seed started elsewhere and never agreed.
+    from pathlib import Path
+
+    monkeypatch.syspath_prepend(str(Path(__file__).parent))
+    cfg = replace_path(_cfg("diloco", steps=4, h=2), "model.spec", "custom_model_example:seeded_elsewhere")
+    assert run_train_local(cfg, corpus=corpus).params_identical
+
+
 def test_train_local_baselines_account_bytes(corpus):
     dp = run_train_local(_cfg("data-parallel", steps=10), corpus=corpus)
     assert dp.bytes_per_worker == 10 * dense_ring_bytes(2, dp.params)
