@@ -54,6 +54,7 @@ def status(
              "refused_messages": r.rejected, "banning": r.banned, "scores": r.scores,
              "age_s": round(max(0.0, now - r.updated), 1)} for pid, r in sorted(records.items())]
     if as_json:
-        print(json.dumps({"run": manifest.run.id, "peers": rows}, indent=2))
+        # (the coordinator's peer id, from the bootstrap line: a record's role is its peer's own word)
+        print(json.dumps({"run": manifest.run.id, "coordinator": boot.coordinator_id, "peers": rows}, indent=2))
         return
     print_status(manifest.run.id, rows, boot.coordinator_id)

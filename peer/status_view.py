@@ -14,6 +14,7 @@ console = Console(emoji=False)  # ":ab:" in an IPv6 address is an emoji code to 
 
 MAX_ROWS = 50  # an open run's records are anyone's: a thousand fake ones must not flood the terminal
 MAX_BANNED = 20
+MAX_SCORERS, MAX_SCORES = 5, 16  # score lines shown: leaders, and contributors per leader
 
 
 def _text(value: object) -> str:
@@ -64,8 +65,14 @@ def print_status(run_id: str, rows: list[dict], coordinator_id: str = "") -> Non
     for col in ("peer", "role", "reach", "round", "params", "loss@round", "sent", "ref", "bans", "age"):
         table.add_column(col, no_wrap=True, justify="left" if col in ("peer", "role") else "right",
                          min_width=widths.get(col))
+    # Peers at one round whose hashes differ: marked "!", since a hash shown cut short could look
+    # the same (and a hostile peer can publish any prefix it likes; a review, 2026-12-07).
+    hashes: dict[object, set[str]] = {}
+    for row in rows:
+        hashes.setdefault(row["round"], set()).add(row["params_hash"])
     for row in rows[:MAX_ROWS]:
         loss = "-" if row["loss"] is None else f"{_loss(row['loss'])}@{_count(row.get('loss_round'))}"
+        params = row["params_hash"][:8] + ("!" if len(hashes[row["round"]]) > 1 else "")
         role = {"coordinator": "coord", "volunteer": "vol"}.get(row["role"], row["role"])
         if role == "coord" and row["peer"] != coordinator_id:
             role = "coord?"  # a claim: not the key the bootstrap line names
@@ -75,17 +82,23 @@ def print_status(run_id: str, rows: list[dict], coordinator_id: str = "") -> Non
         reach += f"+{len(row['hole_punched'])}" if row["hole_punched"] else ""
         # every string here is a peer's own word (in an open run, anyone's): text, never markup;
         # the peers it bans are counted here and listed below (a list squeezed every column)
-        table.add_row(*map(_text, (row["peer"][-10:], role, reach, _count(row["round"]), row["params_hash"][:8], loss,
+        table.add_row(*map(_text, (row["peer"][-10:], role, reach, _count(row["round"]), params, loss,
                                    _bytes(row["bytes_sent"]), _count(row["refused_messages"]),
                                    str(len(row["banning"])) if row["banning"] else "-", f"{row['age_s']:.0f}s")))
     console.print(table)
     if len(rows) > MAX_ROWS:
         console.print(f"... and {len(rows) - MAX_ROWS} more peers (--json lists them all)", highlight=False)
-    for row in rows[:MAX_ROWS]:  # leaders that score contributions publish the scores of their latest scored round
+    scorers = [row for row in rows[:MAX_ROWS] if row["scores"]]
+    for row in scorers[:MAX_SCORERS]:  # leaders that score contributions publish the scores of their latest scored round
         if row["scores"]:
-            shown = ", ".join(f"{who[-8:]} {v}" for who, _, v in (s.partition("=") for s in row["scores"]))
+            more = f" and {len(row['scores']) - MAX_SCORES} more" if len(row["scores"]) > MAX_SCORES else ""
+            shown = ", ".join(f"{who[-8:]} {str(v)[:12]}" for who, _, v in
+                              (s.partition("=") for s in row["scores"][:MAX_SCORES])) + more
             console.print(_text(f"scores by {row['peer'][-10:]} (probe loss change; > threshold is dropped): "
                                 f"{shown}"), highlight=False)
+    if len(scorers) > MAX_SCORERS:  # (crafted records' scores flooded the terminal: 6,375 lines)
+        console.print(f"... and scores by {len(scorers) - MAX_SCORERS} more peers (--json lists them all)",
+                      highlight=False)
     banned = sorted({b for row in rows for b in row["banning"]})
     if banned:
         more = f" and {len(banned) - MAX_BANNED} more" if len(banned) > MAX_BANNED else ""

@@ -130,6 +130,28 @@ def test_status_shows_no_control_characters_no_false_coordinator_and_bounded_out
     assert "coord?" in capsys.readouterr().out
 
 
+def test_status_marks_differing_hashes_at_one_round_and_bounds_the_score_lines(capsys):
+    # Found by a review (2026-12-07): hashes cut to 8 characters made deadbeef000... and
+    # deadbeef111... look the same (and anyone can publish a prefix), and crafted records' score
+    # lists printed 6,375 lines.
+    from groundswell.peer import status_view
+
+    def row(peer: str, params_hash: str, round_id: int = 7, **kw) -> dict:
+        return {"peer": peer, "role": "volunteer", "round": round_id, "params_hash": params_hash, "trains": True,
+                "serves": True, "reachability": "public", "hole_punched": [], "loss": None, "loss_round": None,
+                "bytes_sent": 0, "refused_messages": 0, "banning": [], "scores": [], "age_s": 1.0, **kw}
+
+    status_view.print_status("r", [row("12D3KooWaaaa", "deadbeef000"), row("12D3KooWbbbb", "deadbeef111"),
+                                   row("12D3KooWcccc", "0123456789", round_id=8)])
+    out = capsys.readouterr().out
+    assert out.count("deadbeef!") == 2 and "01234567!" not in out and "01234567" in out
+    scores = [f"12D3KooWvictim{i:04d}=+0.{i}" for i in range(64)]
+    status_view.print_status("r", [row(f"12D3KooWlead{i:04d}", "h", scores=scores) for i in range(50)])
+    out = capsys.readouterr().out
+    assert out.count("scores by") == status_view.MAX_SCORERS + 1 and "and 48 more" in out
+    assert len(out.splitlines()) < 200
+
+
 def test_one_records_huge_numbers_do_not_push_the_other_columns_off_the_table(capsys):
     # Found by a review: a loss of 1e308 (finite, so the schema takes it) printed as 314 digits in
     # a column that never wraps, and every column after "params" vanished, for every row.

@@ -126,3 +126,14 @@ def test_the_checked_records_kept_are_bounded_in_bytes(monkeypatch):
     assert records._verified_bytes == sum(size for _, _, size in records._verified.values())
     sender, rec = records.unseal_record(signed[-1], "r")  # a hit: what `unseal` gives
     assert sender == me.peer_id and rec.round == 39 and rec.maddrs == big
+
+
+def test_a_record_counts_the_exchanges_bytes_not_a_state_served_over_a_stream():
+    # Found by a review (2026-12-07): a state served to a joiner over a libp2p stream was counted
+    # (one served over the direct port was not), and the live table's kB/round/peer jumped ~15x for
+    # the rounds after a NAT'ed peer served a joiner.
+    node = _node(_SlowDht(0.0))
+    node.transport = types.SimpleNamespace(bytes_sent=1_000_000, trailer_bytes_sent=900_000)
+    assert node._record_now().bytes_sent == 100_000
+    node.transport = None
+    assert node._record_now().bytes_sent == 0
