@@ -214,7 +214,10 @@ def _check_out(out: Optional[Path]) -> None:
 
     if out is None or _not_a_plain_file(out):
         return
-    out = out.resolve() if out.is_symlink() else out  # (a dangling link: its target is made)
+    try:
+        out = out.resolve() if out.is_symlink() else out  # (a dangling link: its target is made)
+    except (RuntimeError, OSError) as exc:  # a loop of links
+        raise ConfigError(f"--out {out}: {exc}") from None
     if out.is_dir():
         raise ConfigError(f"--out {out} is a folder: give the path of a file to write")
     if not out.parent.is_dir():
@@ -230,9 +233,11 @@ def _check_out(out: Optional[Path]) -> None:
 
 
 def _not_a_plain_file(out: Path) -> bool:
-    """Is --out a pipe or a device (`>(jq .)`'s /dev/fd/N, /dev/stdout)? Written in place, not
-    replaced by a file (a review, 2026-12-07); a link to a file has its target written."""
-    return out.exists() and not out.is_file() and not out.is_dir()
+    """Is --out a pipe, a device or an open file of ours (`>(jq .)`'s /dev/fd/N, /dev/stdout)?
+    Appended to in place, never replaced: replacing /dev/stdout's target replaced the log that
+    stdout was redirected to (a review, 2026-12-07); a link to a file has its target written."""
+    return str(out.absolute()).startswith(("/dev/", "/proc/")) or (out.exists() and not out.is_file()
+                                                                    and not out.is_dir())
 
 
 def _write_out(out: Optional[Path], result: object) -> None:
@@ -248,7 +253,7 @@ def _write_out(out: Optional[Path], result: object) -> None:
     data = json.dumps(result, indent=2).encode()
     try:
         if _not_a_plain_file(out):
-            with open(out, "wb") as f:
+            with open(out, "ab") as f:  # (appended: "wb" truncated a file stdout was appending to)
                 f.write(data)
             return
         out = out.resolve() if out.is_symlink() else out  # the link's target is written, the link kept
@@ -256,9 +261,15 @@ def _write_out(out: Optional[Path], result: object) -> None:
         try:
             with os.fdopen(fd, "wb") as f:
                 f.write(data)
-            umask = os.umask(0)
-            os.umask(umask)
-            os.chmod(tmp, 0o666 & ~umask)  # as a file the shell makes, not mkstemp's 0600
+                f.flush()
+                os.fsync(f.fileno())  # whole or not at all, a power loss included
+            if out.exists():
+                mode = out.stat().st_mode & 0o777  # a file replaced keeps its mode (a private one stays so)
+            else:
+                umask = os.umask(0)
+                os.umask(umask)
+                mode = 0o666 & ~umask  # as a file the shell makes, not mkstemp's 0600
+            os.chmod(tmp, mode)
             os.replace(tmp, out)
         except BaseException:
             Path(tmp).unlink(missing_ok=True)

@@ -159,7 +159,6 @@ def _refuse_trained_buffers(model: nn.Module, loss_fn: Any, block_size: int, voc
     buffers = {name: b for name, b in model.named_buffers() if b.is_floating_point()}
     if not buffers:
         return
-    saved = {name: b.detach().clone() for name, b in buffers.items()}
     was_training = model.training
     n = min(block_size, 64)  # (a short batch: a large model's full block took seconds on a CPU)
     x = torch.randint(0, vocab_size, (1, n), generator=torch.Generator().manual_seed(0))
@@ -169,20 +168,24 @@ def _refuse_trained_buffers(model: nn.Module, loss_fn: Any, block_size: int, voc
             loss_fn(model, x, x)  # the first call may fill caches
             first = {name: b.detach().clone() for name, b in model.named_buffers() if name in buffers}
             loss_fn(model, x, x)
-        moving = [name for name, b in model.named_buffers()
-                  if name in first and (b.shape != first[name].shape or not torch.equal(b, first[name]))]
+        moving = [name for name, b in model.named_buffers() if name in first and not _same(b, first[name])]
     except Exception as exc:  # noqa: BLE001 - a loss that needs gradients, or a model on CUDA: not checked
         log.warning("could not check whether training changes %s's buffers (%s: %s): make sure it does not, "
                     "peers do not exchange them", spec, type(exc).__name__, exc)
         moving = []
     finally:
+        # (buffers are left as the probe left them: a model taken changed none on the second call,
+        # so they are what its first training step leaves; put back, a cache its forward had
+        # marked filled was zeros again, and it trained on them, a third review found)
         model.train(was_training)
-        for name, b in model.named_buffers():  # as built: the probe trained nothing
-            if name in saved and b.shape == saved[name].shape:  # (a cache that grew is left grown)
-                b.data.copy_(saved[name])
     if moving:
         raise WorkloadError(f"{spec!r} has buffers that every training step changes ({', '.join(moving[:3])}), "
                             "which peers do not exchange: make them parameters, or compute them in forward")
+
+
+def _same(a: Tensor, b: Tensor) -> bool:
+    """Equal shapes and values, NaN equal to NaN (a "not computed yet" NaN is not a change)."""
+    return a.shape == b.shape and bool(torch.allclose(a, b, rtol=0.0, atol=0.0, equal_nan=True))
 
 
 def _infer_block_size(model: Any, spec: str) -> int:

@@ -106,6 +106,18 @@ class _GrowingCache(TinyMLPLanguageModel):
         return super().forward(idx)
 
 
+class _NanSentinel(TinyMLPLanguageModel):
+    """A buffer that holds NaN ("not computed yet") and is never touched in training."""
+
+    def __init__(self, vocab_size: int) -> None:
+        super().__init__(vocab_size)
+        self.register_buffer("last_eval_loss", torch.tensor(float("nan")))
+
+
+def with_a_nan_sentinel(vocab_size: int) -> tuple[nn.Module, object]:
+    return _NanSentinel(vocab_size), next_token_loss
+
+
 def with_a_growing_cache(vocab_size: int) -> tuple[nn.Module, object]:
     return _GrowingCache(vocab_size), next_token_loss
 

@@ -468,6 +468,15 @@ def test_train_local_prints_its_result_before_writing_it_and_writes_it_whole(tmp
     link.symlink_to(out)
     res = CliRunner().invoke(app, ["train-local", "--algorithm", "single", "--out", str(link), "--json"])
     assert res.exit_code == 0 and link.is_symlink() and out.read_text().startswith("{")
+    out.chmod(0o600)  # a private file replaced stays private
+    res = CliRunner().invoke(app, ["train-local", "--algorithm", "single", "--out", str(out), "--json"])
+    assert res.exit_code == 0 and oct(out.stat().st_mode & 0o777) == oct(0o600)
+    log = tmp_path / "log.txt"  # /dev/fd/N (stdout redirected to a log): appended to, never replaced
+    log.write_text("earlier lines\n")
+    with open(log, "a") as appending:
+        res = CliRunner().invoke(app, ["train-local", "--algorithm", "single", "--out",
+                                       f"/dev/fd/{appending.fileno()}", "--json"])
+    assert res.exit_code == 0 and log.read_text().startswith("earlier lines\n{")
 
     import os
 

@@ -504,6 +504,10 @@ def test_bin_tokens_wider_than_uint16_are_refused_not_read_as_two_tokens_each(tm
     rng.integers(0, 50_000, size=5000).astype(np.uint16).tofile(tmp_path / "val.bin")
     with pytest.raises(DataError, match="looks like uint32 .or wider. tokens: every second 16-bit word is 0"):
         load_corpus(str(tmp_path))
+    # int64 ids of a character vocabulary (many ids <= 15): its even words are half 0 too (a review)
+    (rng.integers(0, 100, size=5000) * (rng.random(5000) > 0.3)).astype(np.int64).tofile(tmp_path / "train.bin")
+    with pytest.raises(DataError, match="looks like uint32"):
+        load_corpus(str(tmp_path))
     # uint16 tokens, 0 among them as often as any other id, are taken
     rng.integers(0, 4, size=5000).astype(np.uint16).tofile(tmp_path / "train.bin")
     assert load_corpus(str(tmp_path)).vocab_size >= 4

@@ -171,8 +171,9 @@ def test_a_cache_filled_once_and_a_transposed_weight_are_taken() -> None:
     from groundswell.optim import DiLoCo, DiLoCoConfig
 
     build_workload("custom_model_example:with_a_growing_cache", vocab_size=64, seed=0)  # (its copy back failed)
+    build_workload("custom_model_example:with_a_nan_sentinel", vocab_size=64, seed=0)  # (NaN != NaN was a change)
     cached = build_workload("custom_model_example:with_a_cache", vocab_size=64, seed=0)
-    assert float(cached.model.scale) == 0.0  # as built: the probe of its buffers trained nothing
+    assert float(cached.model.scale) == 1.0  # filled, as its forward marked it (put back to 0, it trained on 0)
     transposed = build_workload("custom_model_example:with_a_transposed_weight", vocab_size=64, seed=0)
     assert all(p.is_contiguous() for p in transposed.model.parameters())
     from groundswell.compression import make_codec
