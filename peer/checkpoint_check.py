@@ -53,7 +53,7 @@ def _feed(h: Any, obj: Any) -> None:
 # Every key a checkpoint of this program has held: one written before checkpoints carried a digest
 # holds no other, so a file with none and another key is a digest whose name a flipped bit changed.
 CHECKPOINT_KEYS = frozenset({"round", "tensors", "decision", "outer", "inner", "unsettled", "settled", "work",
-                             "local_progress", DIGEST_KEY})
+                             "local_progress", "peer", DIGEST_KEY})
 
 
 def digest_mismatch(state: Any) -> str | None:

@@ -290,8 +290,11 @@ class StateCheck:
         # newer states only). (A coordinator catching up after a restart holds joiners back until
         # it has: they are refused without a strike, and re-syncs try again after the next round.)
         if signer is not None and self.ctx.allowlist is None and round_id > signer.round + UNCONFIRMED_LEAD:
+            # ("unconfirmed": a coordinator far behind, catching up after a restart, is no reason
+            # for a volunteer restarting from its own checkpoint to give that up and quit, as one
+            # did in CI when the coordinator's daemon crash left it 9 one-second rounds behind)
             raise ProtocolError(f"state of round {round_id} is more than {UNCONFIRMED_LEAD} rounds past the "
-                                f"coordinator's record ({signer.round})", strike=False)
+                                f"coordinator's record ({signer.round})", reason="unconfirmed", strike=False)
         if signer is not None and round_id > signer.round:
             # The live coordinator has not got there, though we waited for its record. One peer's
             # word would have us take a state of its own making (its commit, itself our next
