@@ -244,9 +244,9 @@ def _write_out(out: Optional[Path], result: object) -> None:
     """Write a command's result to --out whole or not at all (it is printed first, so a failed
     write, a disk full since the start say, loses nothing); a pipe or a link is written in place."""
     import os
-    import tempfile
 
     from .config import ConfigError
+    from .state_files import write_atomically
 
     if out is None:
         return
@@ -257,23 +257,13 @@ def _write_out(out: Optional[Path], result: object) -> None:
                 f.write(data)
             return
         out = out.resolve() if out.is_symlink() else out  # the link's target is written, the link kept
-        fd, tmp = tempfile.mkstemp(dir=out.parent, prefix=f".{out.name}.", suffix=".tmp")
-        try:
-            with os.fdopen(fd, "wb") as f:
-                f.write(data)
-                f.flush()
-                os.fsync(f.fileno())  # whole or not at all, a power loss included
-            if out.exists():
-                mode = out.stat().st_mode & 0o777  # a file replaced keeps its mode (a private one stays so)
-            else:
-                umask = os.umask(0)
-                os.umask(umask)
-                mode = 0o666 & ~umask  # as a file the shell makes, not mkstemp's 0600
-            os.chmod(tmp, mode)
-            os.replace(tmp, out)
-        except BaseException:
-            Path(tmp).unlink(missing_ok=True)
-            raise
+        if out.exists():
+            mode = out.stat().st_mode & 0o777  # a file replaced keeps its mode (a private one stays so)
+        else:
+            umask = os.umask(0)
+            os.umask(umask)
+            mode = 0o666 & ~umask  # as a file the shell makes, not a state file's 0600
+        write_atomically(out, lambda f: f.write(data), mode=mode)
     except OSError as exc:
         raise ConfigError(f"--out {out} could not be written ({exc.strerror or exc}); the result is printed "
                           "above") from None

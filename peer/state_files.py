@@ -33,13 +33,15 @@ def fsync_dir(path: Path) -> None:
         os.close(fd)
 
 
-def write_atomically(path: Path, write: Callable[[IO[bytes]], None], durable: bool = False) -> None:
+def write_atomically(path: Path, write: Callable[[IO[bytes]], None], durable: bool = False,
+                     mode: int = 0o600) -> None:
     """Write `path` through `write(file)` so that it holds either its old or its whole new content,
     even after a power loss; a failed or interrupted write leaves no temp file behind.
     torch.save reports a full disk as a RuntimeError from its zip writer: that is an OSError here.
     `durable`: an OSError also when the rename may not survive a power loss (its directory's fsync
     failed with EIO; other errors, EINVAL, EPERM..., are filesystems that never sync directories,
-    each time alike): the new file is in place."""
+    each time alike): the new file is in place. `mode`: the new file's permissions (private
+    unless a caller says otherwise: a result the user asked for with --out, say)."""
     # A name of its own: a worker thread still writing the same file (a contribution's record
     # whose attempt was given up on, its fsync slow) must not have its temp file taken over.
     tmp = path.with_name(f"{path.stem}.{secrets.token_hex(4)}.tmp")
@@ -48,6 +50,8 @@ def write_atomically(path: Path, write: Callable[[IO[bytes]], None], durable: bo
         # users. Never through a link, never over an existing file.
         fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_NOFOLLOW", 0)
                      | getattr(os, "O_BINARY", 0), 0o600)
+        if mode != 0o600:
+            os.chmod(tmp, mode)
         with open(fd, "wb") as f:
             write(f)
             f.flush()

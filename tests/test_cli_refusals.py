@@ -478,12 +478,12 @@ def test_train_local_prints_its_result_before_writing_it_and_writes_it_whole(tmp
                                        f"/dev/fd/{appending.fileno()}", "--json"])
     assert res.exit_code == 0 and log.read_text().startswith("earlier lines\n{")
 
-    import os
+    from groundswell.peer import state_files
 
-    def disk_full(fd, *args, **kwargs):  # full since the start: the result is printed all the same
+    def disk_full(path, write, durable=False, mode=0o600):  # full since the start: printed all the same
         raise OSError(errno.ENOSPC, "No space left on device")
 
-    monkeypatch.setattr(os, "fdopen", disk_full)
+    monkeypatch.setattr(state_files, "write_atomically", disk_full)
     res = CliRunner().invoke(app, ["train-local", "--algorithm", "single", "--out", str(out), "--json"])
     assert '"eval_loss": 1.5' in res.output and res.exit_code == 2
     assert "could not be written (No space left on device); the result is printed above" in res.output
