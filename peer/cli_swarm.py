@@ -148,7 +148,7 @@ def launch(
         raise ConfigError(f"--checkpoint-every must be at least 1 (or 0: the manifest's), not {checkpoint_every}")
     if not -1 <= state_port <= 65535:
         raise ConfigError(f"--state-port must be -1 (off), 0 (any free port) or a port number, not {state_port}")
-    manifest, corpus = prepare_manifest(load_manifest_toml(manifest_path), manifest_path)
+    manifest, corpus, workload = prepare_manifest(load_manifest_toml(manifest_path), manifest_path)
     if identity is None and (state_dir / "manifest.signed").exists() and not (state_dir / "identity.key").exists():
         # launched before with --identity elsewhere: a new key made here would only be refused
         # (it is not the run's), and left behind to be refused again next time
@@ -162,7 +162,9 @@ def launch(
     # peer) turned its DHT into a client and its daemon private while its joins still said it serves.
     opts = NodeOptions(host_maddrs=listen, announce_maddrs=announce, initial_peers=peer, role="coordinator",
                        reachability="public", trains=False, serves=True, direct_state=state_port >= 0, direct_port=max(state_port, 0))
-    p = Participant(manifest, signed, ident, str(ident_path), opts, state_dir, device=device, corpus=corpus)
+    p = Participant(manifest, signed, ident, str(ident_path), opts, state_dir, device=device, corpus=corpus,
+                    workload=workload)
+    del workload  # its own now: a network restart's `release_memory` frees it before the next is built
     # a state dir of another run, or with no readable checkpoint left, is refused before we write to it
     resumed = p.preload_checkpoint()
     resumable(state_dir, resumed)

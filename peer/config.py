@@ -31,6 +31,14 @@ class ModelSection:
     """Which model to train: a preset name (tiny, small, base, 100m) or `module:callable`."""
 
     spec: str = "tiny"
+    # The coordinator's model's parameter layout (names, shapes and dtypes in the order they are
+    # flattened; `launch` fills it in): a volunteer's build must match it, or its pseudo-gradients
+    # land on other parameters than everyone else's with the same count (another version of a
+    # custom model's code, layers registered in set order). "" where unknown (made by hand).
+    layout: str = ""
+
+    def __post_init__(self) -> None:
+        _hex_digest(self.layout, "model.layout")
 
 
 @dataclass(frozen=True)
@@ -48,9 +56,7 @@ class DataSection:
         _at_most(self, "batch_size", MAX_BATCH, "data")
         if not self.source.strip():  # Path("") is the current folder: a run's own files would be its data
             raise ConfigError('data.source must name "stdlib" or a folder, got an empty string')
-        if self.fingerprint and not (len(self.fingerprint) <= 64 and all(c in "0123456789abcdef"
-                                                                          for c in self.fingerprint)):
-            raise ConfigError(f"data.fingerprint must be lowercase hex (at most 64 digits), got {self.fingerprint!r}")
+        _hex_digest(self.fingerprint, "data.fingerprint")
 
 
 @dataclass(frozen=True)
@@ -242,6 +248,12 @@ def set_path(data: dict[str, Any], cls: type, dotted: str, value: Any, _above: s
         raise ConfigError(f"{_join(_above, head)} must be a table, got {type(below).__name__}")
     data[head] = below = dict(below)  # a copy: the caller's nested tables are left as they were
     set_path(below, typing.get_type_hints(cls)[head], rest, value, _join(_above, head))
+
+
+def _hex_digest(value: str, key: str) -> None:
+    """ConfigError unless `value` is "" or lowercase hex of at most 64 digits."""
+    if value and not (len(value) <= 64 and all(c in "0123456789abcdef" for c in value)):
+        raise ConfigError(f"{key} must be lowercase hex (at most 64 digits), got {value!r}")
 
 
 def to_mapping(cfg: object) -> dict[str, Any]:

@@ -1,6 +1,6 @@
 """What `launch` checks and records of its run before it serves it: the manifest's model and
-dataset are here (the dataset's fingerprint signed into the manifest, for volunteers' copies to
-match), and the state dir holds this run or none (same manifest and key as when it was first
+dataset are here (the dataset's fingerprint and the model's parameter layout signed into the
+manifest, for volunteers' copies to match), and the state dir holds this run or none (same manifest and key as when it was first
 launched, recorded once the network is up)."""
 
 from __future__ import annotations
@@ -15,18 +15,20 @@ from .state_files import write_atomically
 if TYPE_CHECKING:
     from .data import Corpus
     from .manifest import RunManifest
+    from .workload import Workload
 
 log = logging.getLogger(__name__)
 
 
-def prepare_manifest(manifest: RunManifest, path: Path) -> tuple[RunManifest, Corpus]:
+def prepare_manifest(manifest: RunManifest, path: Path) -> tuple[RunManifest, Corpus, Workload]:
     """The manifest's model and corpus must exist here before anything is written: one error line
-    naming the file and the key. Returns the manifest with its corpus's fingerprint (which
-    volunteers' copies must match) and the corpus, loaded once."""
+    naming the file and the key. Returns the manifest with its corpus's fingerprint and its
+    model's parameter layout (which volunteers' copies must match), the corpus and the workload,
+    each built once."""
     import dataclasses
 
     from .data import DataError, load_corpus
-    from .workload import WorkloadError, check_workload_spec
+    from .workload import WorkloadError, build_workload, check_workload_spec, parameter_layout
 
     try:
         check_workload_spec(manifest.model.spec)
@@ -40,10 +42,19 @@ def prepare_manifest(manifest: RunManifest, path: Path) -> tuple[RunManifest, Co
     if given and given != corpus.fingerprint:
         raise ConfigError(f"{path}: data.fingerprint is {given}, but {manifest.data.source} here has "
                           f"{corpus.fingerprint}: its files or sizes changed (leave the key out to take them)")
+    try:  # (as the coordinator's Participant builds it: it is handed this one)
+        workload = build_workload(manifest.model.spec, corpus.vocab_size, manifest.run.seed)
+    except WorkloadError as exc:
+        raise ConfigError(f"{path}: model.spec: {exc}") from None
+    layout = parameter_layout(workload.model)
+    if manifest.model.layout and manifest.model.layout != layout:
+        raise ConfigError(f"{path}: model.layout is {manifest.model.layout}, but {manifest.model.spec} here builds "
+                          f"{layout}: its parameters' names, shapes or order changed (leave the key out to take them)")
+    manifest = dataclasses.replace(manifest, model=dataclasses.replace(manifest.model, layout=layout))
     if manifest.data.source == "stdlib":  # differs with every Python build: a patch upgrade would
-        return manifest, corpus           # refuse the run's own resume; volunteers' may differ anyway
+        return manifest, corpus, workload  # refuse the run's own resume; volunteers' may differ anyway
     data = dataclasses.replace(manifest.data, fingerprint=corpus.fingerprint)
-    return dataclasses.replace(manifest, data=data), corpus
+    return dataclasses.replace(manifest, data=data), corpus, workload
 
 
 def same_run_as_before(state_dir: Path, signed: bytes) -> None:
@@ -61,14 +72,18 @@ def same_run_as_before(state_dir: Path, signed: bytes) -> None:
             raise ConfigError(f"{path} is not a signed manifest ({exc}); move it away to launch here") from None
         if old.digest != new.digest:
             what = "coordinator key (--identity)" if old.manifest_bytes == new.manifest_bytes else "manifest"
-            if _same_but_fingerprint(old, new):
+            if _differs_only_in(old, new, "data", "fingerprint"):
                 what = "copy of its dataset (data.source's files or sizes changed since; volunteers train on the first)"
+            elif _differs_only_in(old, new, "model", "layout"):
+                what = ("model (model.spec now builds parameters of other names, shapes or order; volunteers hold the "
+                        "first)" if old.verify(old.coordinator).model.layout else
+                        "groundswell version (one that signed no model.layout)")
             raise ConfigError(f"{state_dir} holds a run launched with another {what}: resume it with the same "
                               "manifest and --identity, or start a new run (a new run.id and --state-dir)")
 
 
-def _same_but_fingerprint(old, new) -> bool:
-    """Do two signed manifests differ only in data.fingerprint?"""
+def _differs_only_in(old, new, section: str, key: str) -> bool:
+    """Do two signed manifests differ only in `section.key`?"""
     import dataclasses
 
     from .manifest import ManifestError
@@ -77,9 +92,11 @@ def _same_but_fingerprint(old, new) -> bool:
         a, b = old.verify(old.coordinator), new.verify(new.coordinator)
     except ManifestError:  # an older version's manifest: not comparable key by key
         return False
-    blank = dataclasses.replace(a.data, fingerprint="")
-    return a.data.fingerprint != b.data.fingerprint and dataclasses.replace(a, data=blank) == dataclasses.replace(
-        b, data=dataclasses.replace(b.data, fingerprint=""))
+
+    def blank(m):
+        return dataclasses.replace(m, **{section: dataclasses.replace(getattr(m, section), **{key: ""})})
+
+    return getattr(getattr(a, section), key) != getattr(getattr(b, section), key) and blank(a) == blank(b)
 
 
 def record_run(state_dir: Path, signed: bytes) -> None:

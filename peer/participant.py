@@ -49,7 +49,7 @@ from .state_trust import (
 )
 from .swarm import NodeOptions, SwarmNode
 from .work_file import CONTRIBUTED_FILE, contributed_bytes, contributed_marker, read_contributed
-from .workload import Workload, build_workload
+from .workload import Workload, build_workload, check_layout
 
 log = logging.getLogger(__name__)
 
@@ -96,7 +96,8 @@ class Participant(Checkpoints):
 
     def __init__(self, manifest: RunManifest, signed_manifest: bytes, identity: Identity, identity_path: str,
                  options: NodeOptions, state_dir: Path | None, device: str = "cpu",
-                 corpus: Corpus | None = None, node: SwarmNode | None = None) -> None:
+                 corpus: Corpus | None = None, node: SwarmNode | None = None,
+                 workload: Workload | None = None) -> None:
         self.manifest = manifest
         self.identity = identity
         self.device = device
@@ -108,7 +109,10 @@ class Participant(Checkpoints):
             remove_half_written(state_dir)
         self.events = EventLog(state_dir / "events.jsonl" if state_dir else None)
         self.corpus = corpus or load_corpus(manifest.data.source)
-        self.workload: Workload = build_workload(manifest.model.spec, self.corpus.vocab_size, manifest.run.seed)
+        # (`launch` hands in the one it built to sign its layout: not built twice)
+        self.workload: Workload = workload or build_workload(manifest.model.spec, self.corpus.vocab_size,
+                                                             manifest.run.seed)
+        check_layout(manifest, self.workload)  # before anything is downloaded or sent
         self.workload.model.to(device)
         numel = sum(p.numel() for p in self.workload.model.parameters())
         self.outer = make_outer(manifest, self.workload.model.parameters(), numel)

@@ -13,6 +13,7 @@ weights, and the caller's RNG state (CPU and CUDA) is left untouched.
 
 from __future__ import annotations
 
+import hashlib
 import importlib
 import logging
 from collections.abc import Callable
@@ -57,6 +58,30 @@ def build_workload(spec: str, vocab_size: int, seed: int) -> Workload:
         if ":" in spec:
             return _build_custom(spec, vocab_size)
         return _build_preset(spec, vocab_size)
+
+
+def parameter_layout(model: nn.Module) -> str:
+    """A digest of the model's parameter names, shapes and dtypes in the order they are
+    flattened: peers exchange one flat vector, so two builds of one spec must agree on it."""
+    h = hashlib.blake2b(digest_size=16)
+    for name, p in model.named_parameters():  # (the order of `parameters()`, shared ones once)
+        h.update(f"{name}\t{tuple(p.shape)}\t{p.dtype}\n".encode())
+    return h.hexdigest()
+
+
+def check_layout(manifest: Any, workload: Workload) -> None:
+    """ConfigError unless the model built here has the parameter layout the run's manifest signed
+    (another version of a custom model's code, or one whose layers are registered in an order
+    that changes between processes, has the same count but trains other coordinates)."""
+    from .config import ConfigError
+
+    want = manifest.model.layout
+    have = parameter_layout(workload.model)
+    if want and have != want:
+        raise ConfigError(f"this run's model ({manifest.model.spec}) builds here with another parameter layout than the "
+                          f"coordinator's (names, shapes or order; {have}, the run's {want}): install the version of "
+                          "its code the coordinator runs (a model that registers its layers in set or dict-of-"
+                          "unordered order builds differently in every process)")
 
 
 def check_workload_spec(spec: str) -> None:

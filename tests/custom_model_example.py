@@ -157,4 +157,22 @@ def seeded_elsewhere(vocab_size: int) -> tuple[nn.Module, object]:
     return model, next_token_loss
 
 
+LAYER_ORDER = ("hidden", "out")  # a test sets it: as a model registering its layers from a set would vary
+
+
+class _Reordered(TinyMLPLanguageModel):
+    def __init__(self, vocab_size: int) -> None:
+        nn.Module.__init__(self)
+        self.block_size = 64
+        self.embedding = nn.Embedding(vocab_size, 32)
+        layers = {"hidden": nn.Linear(64, 128), "out": nn.Linear(128, vocab_size)}
+        for name in LAYER_ORDER:
+            self.add_module(name, layers[name])
+
+
+def registered_in_varying_order(vocab_size: int) -> tuple[nn.Module, object]:
+    # the same names, shapes and count in every process, flattened in LAYER_ORDER's order
+    return _Reordered(vocab_size), next_token_loss
+
+
 NOT_CALLABLE = 42

@@ -500,7 +500,14 @@ def test_a_state_dir_launched_with_another_manifest_or_key_is_refused(tmp_path):
     moved = dataclasses.replace(manifest, data=dataclasses.replace(manifest.data, fingerprint="ab" * 8))
     with pytest.raises(ConfigError, match=r"another copy of its dataset \(data.source's files or sizes changed"):
         _same_run_as_before(state, sign_manifest(moved, key).to_bytes())
+    rebuilt = dataclasses.replace(manifest, model=dataclasses.replace(manifest.model, layout="cd" * 16))
+    with pytest.raises(ConfigError, match="another groundswell version"):  # the first signed none
+        _same_run_as_before(state, sign_manifest(rebuilt, key).to_bytes())
     assert (state / "manifest.signed").read_bytes() == first  # what was refused left nothing behind
+    _record_run(state, sign_manifest(rebuilt, key).to_bytes())
+    changed = dataclasses.replace(manifest, model=dataclasses.replace(manifest.model, layout="ef" * 16))
+    with pytest.raises(ConfigError, match=r"another model \(model.spec now builds parameters of other names"):
+        _same_run_as_before(state, sign_manifest(changed, key).to_bytes())
 
 
 def test_a_run_launched_with_identity_elsewhere_is_refused_before_a_new_key_is_made(tmp_path):

@@ -44,7 +44,7 @@ def test_a_copy_of_the_dataset_that_is_not_the_coordinators_is_refused(tmp_path,
     from groundswell.peer.launch_checks import prepare_manifest as _check_model_and_data
 
     theirs = _folder(tmp_path / "theirs", "the run's published text ")
-    filled, corpus = _check_model_and_data(_manifest(str(theirs)), tmp_path / "run.toml")
+    filled, corpus, _ = _check_model_and_data(_manifest(str(theirs)), tmp_path / "run.toml")
     assert filled.data.fingerprint == corpus.fingerprint
     same = _folder(tmp_path / "same", "the run's published text ")
     assert volunteer_corpus(filled, same, False).fingerprint == corpus.fingerprint
@@ -57,7 +57,7 @@ def test_a_copy_of_the_dataset_that_is_not_the_coordinators_is_refused(tmp_path,
         _check_model_and_data(filled, tmp_path / "run.toml")
     # the standard library differs with every Python build: not fingerprinted (a patch upgrade of
     # the coordinator's Python would refuse the run's own resume); one that says so only warns
-    stdlib, _ = _check_model_and_data(_manifest(), tmp_path / "run.toml")
+    stdlib, _, _ = _check_model_and_data(_manifest(), tmp_path / "run.toml")
     assert stdlib.data.fingerprint == ""
     import dataclasses
 
@@ -85,6 +85,42 @@ def test_a_model_the_manifest_names_as_code_runs_only_with_consent():
     # a module not installed here is said before anything else happens (a review saw "joined" first)
     with pytest.raises(ConfigError, match="cannot import module 'not_installed_here'"):
         volunteer_corpus(_manifest(spec="not_installed_here:make_model"), None, True)
+
+
+def test_a_model_that_builds_another_parameter_layout_than_the_coordinators_is_refused(tmp_path, monkeypatch):
+    # peers exchange one flat vector: a volunteer's build with the same count but another order
+    # (another version of the code, layers registered from a set) would train other coordinates
+    # than everyone's, and every parameter hash would still agree
+    import dataclasses
+
+    import custom_model_example as example
+    from groundswell.peer.launch_checks import prepare_manifest
+    from groundswell.peer.workload import build_workload, check_layout, parameter_layout
+
+    spec = "custom_model_example:registered_in_varying_order"
+    signed, corpus, built = prepare_manifest(_manifest(spec=spec), tmp_path / "run.toml")
+    assert signed.model.layout == parameter_layout(built.model) and len(signed.model.layout) == 32
+    check_layout(signed, build_workload(spec, corpus.vocab_size, 7))  # the same build, other weights: fine
+    monkeypatch.setattr(example, "LAYER_ORDER", ("out", "hidden"))
+    other = build_workload(spec, corpus.vocab_size, signed.run.seed)
+    assert sum(p.numel() for p in other.model.parameters()) == sum(p.numel() for p in built.model.parameters())
+    with pytest.raises(ConfigError, match="another parameter layout than the coordinator's"):
+        check_layout(signed, other)
+    check_layout(_manifest(spec=spec), other)  # a manifest made by hand says none: nothing to check
+    from groundswell.peer.manifest import sign_manifest
+    from groundswell.peer.participant import Participant
+    from groundswell.peer.swarm import NodeOptions
+    from groundswell.protocol.identity import Identity
+
+    me = Identity.generate()
+    me.save(tmp_path / "id.key")
+    with pytest.raises(ConfigError, match="another parameter layout"):  # a joiner's, before any download
+        Participant(signed, sign_manifest(signed, me).to_bytes(), me, str(tmp_path / "id.key"), NodeOptions(),
+                    tmp_path / "state", corpus=corpus)
+    with pytest.raises(ConfigError, match="model.layout is .* changed"):  # the coordinator's own code changed
+        prepare_manifest(signed, tmp_path / "run.toml")
+    with pytest.raises(ConfigError, match="model.layout must be lowercase hex"):
+        dataclasses.replace(signed.model, layout="not hex!")
 
 
 def test_status_shows_what_peers_publish_as_text_not_markup(capsys):
