@@ -57,7 +57,7 @@ def sim_data_seed(seed: int, name: str) -> int:
     return int.from_bytes(hashlib.sha256(f"sim-data:{seed}:{name}".encode()).digest()[:8], "big") >> 1
 
 
-PROCESS_FLOOR_BYTES = 400 << 20  # each simulated process before its model (a `tiny` volunteer: ~550 MB RSS)
+PROCESS_FLOOR_BYTES = 560 << 20  # each simulated process with a `tiny` model (a review measured 538 MB RSS)
 
 
 def check_memory(processes: int, available: int | None = None) -> None:
@@ -72,7 +72,7 @@ def check_memory(processes: int, available: int | None = None) -> None:
     needed = processes * PROCESS_FLOOR_BYTES
     if needed > available:
         raise ConfigError(f"{processes} processes need at least {needed / 2**30:.1f} GiB ({PROCESS_FLOOR_BYTES >> 20} MiB "
-                          f"each before their model), and {available / 2**30:.1f} GiB is available: fewer --peers "
+                          f"each), and {available / 2**30:.1f} GiB is available: fewer --peers "
                           "or --late-joiners")
 
 
@@ -192,6 +192,21 @@ def tidy_output(out: Path) -> None:
             remove_half_written(entry)
 
 
+def _wait_for_coordinator(out: Path, sim: Simulation, end: float) -> str:
+    """The coordinator's bootstrap line once it has written it; "" if the run's --timeout (`end`)
+    came first; SimulationError if it ended, or is not up after 120 s."""
+    boot_file = out / "coordinator" / "bootstrap.txt"
+    wait_until = time.time() + 120
+    while not boot_file.exists():
+        if time.time() > end:
+            return ""
+        if time.time() > wait_until or not sim.alive("coordinator"):
+            raise SimulationError(f"the coordinator did not start{_first_error(out / 'coordinator.log')}; "
+                                  f"see {out / 'coordinator.log'}")
+        time.sleep(0.2)
+    return boot_file.read_text().strip()
+
+
 def _first_error(log_path: Path) -> str:
     """": <the first `error:` line of a process's log>", or "" if it has none."""
     try:
@@ -229,16 +244,7 @@ def run_simulation(opts: SimulateOptions, out: Path, progress: Callable[[str], N
         coord_listen = f"/ip4/127.0.0.1/tcp/{_free_port()}"  # fixed, so a restarted coordinator is found again
         coord_args = ["launch", str(out / "run.toml"), "--state-dir", str(out / "coordinator"), "--listen",
                       coord_listen, "--checkpoint-every", str(opts.coordinator_checkpoint_every), *common]
-        sim.spawn("coordinator", coord_args)
-        boot_file = out / "coordinator" / "bootstrap.txt"
-        wait_until = time.time() + 120
-        while not boot_file.exists():
-            if time.time() > wait_until or not sim.alive("coordinator"):
-                raise SimulationError(f"the coordinator did not start{_first_error(out / 'coordinator.log')}; "
-                                      f"see {out / 'coordinator.log'}")
-            time.sleep(0.2)
-        boot = boot_file.read_text().strip()
-        progress(f"coordinator up: {boot[:60]}...")
+        boot = ""  # the coordinator's line, once it is up (read in the try below)
 
         def up(name: str) -> bool:  # running, and not told to end: a peer to bootstrap from
             return sim.alive(name) and not sim.going(name)
@@ -261,8 +267,6 @@ def run_simulation(opts: SimulateOptions, out: Path, progress: Callable[[str], N
 
         volunteers = [f"peer-{i}" for i in range(opts.peers)]
         roster = [*volunteers, *(f"late-{i}" for i in range(opts.late_joiners))]  # (fault_pick's order)
-        for name in volunteers:
-            sim.spawn(name, join_args(name))
         frozen: dict[str, float] = {}  # name -> thaw time
         pending: list[tuple[float, str, str]] = []  # (time, action, name)
         next_kill = opts.kill_every or float("inf")
@@ -297,8 +301,14 @@ def run_simulation(opts: SimulateOptions, out: Path, progress: Callable[[str], N
                     progress(f"{name} exited with status {code}; see {out / (name + '.log')}")
 
         interrupted = False
-        try:
-            while time.time() < end:
+        try:  # (from the coordinator's start: a Ctrl+C while it starts still gets a report)
+            sim.spawn("coordinator", coord_args)
+            boot = _wait_for_coordinator(out, sim, end)  # "": not up by --timeout (a timed-out run)
+            if boot:
+                progress(f"coordinator up: {boot[:60]}...")
+                for name in volunteers:
+                    sim.spawn(name, join_args(name))
+            while boot and time.time() < end:
                 now = time.time() - sim.t0
                 note_ended(["coordinator", *volunteers])
                 if now - last_sample > 1.0:
@@ -405,7 +415,12 @@ def run_simulation(opts: SimulateOptions, out: Path, progress: Callable[[str], N
                          "missing; press Ctrl+C again to stop at once)")
         # the coordinator told to stop, and volunteers still running at the timeout that ended meanwhile
         note_ended(["coordinator", *volunteers], exits=False)
-        report = build_report(out, opts, sim.events, time.time() - start, t0=sim.t0, rss=sim.peak_rss)
+        wall = time.time() - start
+        try:
+            report = build_report(out, opts, sim.events, wall, t0=sim.t0, rss=sim.peak_rss)
+        except KeyboardInterrupt:  # the first Ctrl+C (or SIGTERM) once the run is over: it is written all the same
+            progress("writing the report all the same (press Ctrl+C again to stop at once)")
+            report = build_report(out, opts, sim.events, wall, t0=sim.t0, rss=sim.peak_rss)
     (out / "report.json").write_text(report_json(report))  # first: a SIGTERM now ends us at once
     tidy_output(out)  # (every process is gone: the with block's exit killed the ones still running)
     try:

@@ -194,8 +194,7 @@ class Transport:
                 if release is not None:
                     release()
                 raise
-            self.bytes_sent += len(out) + _LEN.size
-            return out, bulk, release
+            return out, bulk, release  # (counted in bytes_sent once written: a reply that fails is not sent)
 
         async def on_stream(info: Any, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
             remote = info.peer_id.to_base58()
@@ -230,6 +229,7 @@ class Transport:
                     # reading it a trickle at a time held its request slot for the handler's whole
                     # timeout, and 32 identities of 32 streams each held all 1,024; a review)
                     await write_frame_paced(writer, out, ends - asyncio.get_running_loop().time())
+                    self.bytes_sent += len(out) + _LEN.size
                     if trailer:
                         await write_frame_paced(writer, bulk, ends - asyncio.get_running_loop().time())
                         self.bytes_sent += len(bulk) + _LEN.size
@@ -287,6 +287,7 @@ class Transport:
                         # the daemon it would be copied whole before being dropped as oversized.
                         raise ProtocolError(f"a reply of {len(out)} bytes is too big for a unary call",
                                             reason="unary-oversized", strike=False)
+                    self.bytes_sent += len(out) + _LEN.size  # (handed to the daemon, which sends it)
                     return out
             except ProtocolError as exc:
                 self.guard.reject(remote, handler, exc)
@@ -376,8 +377,13 @@ class Transport:
         target = target_peer_id(peer_id, handler)
         with self._failures(peer_id, handler, timeout_s, dial_failed):
             async with asyncio.timeout(timeout_s):
+                try:
+                    reply = await client.call_unary_handler(target, self._unary_name(handler), data)
+                except BaseException as exc:  # sent unless no connection could be made (nothing went out)
+                    if not (isinstance(exc, Exception) and dial_failed(exc)):
+                        self.bytes_sent += len(data) + _LEN.size
+                    raise
                 self.bytes_sent += len(data) + _LEN.size
-                reply = await client.call_unary_handler(target, self._unary_name(handler), data)
                 if len(reply) > max_reply + 512:
                     raise ProtocolError(f"reply of {len(reply)} bytes exceeds the limit", reason="oversized")
                 self.bytes_received += len(reply) + _LEN.size

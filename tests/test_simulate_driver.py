@@ -701,6 +701,67 @@ def test_ctrl_c_writes_the_report_of_the_run_so_far_without_waiting_for_the_coor
     assert (tmp_path / "sim" / "report.json").exists()
 
 
+def test_ctrl_c_while_the_coordinator_starts_still_writes_the_report(tmp_path, monkeypatch):
+    # Found by a review: Ctrl+C (or SIGTERM) in the first seconds, while the coordinator started,
+    # ended `simulate` with no report.json (and the folder's old one already cleared)
+    from groundswell.peer import simulate
+
+    def pressed(out, sim, end):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(simulate, "_wait_for_coordinator", pressed)
+    try:
+        events, _ = _fake_run(tmp_path, monkeypatch, SimulateOptions(peers=2, rounds=5, timeout_s=30.0), rounds_done=0)
+    except KeyboardInterrupt:
+        pytest.fail("Ctrl+C while the coordinator started went through run_simulation, with no report written")
+    assert [e["peer"] for e in events if e["kind"] == "interrupted"] == ["driver"], events
+    assert not any(e["kind"] == "spawn" and e["peer"] != "coordinator" for e in events), events
+    assert (tmp_path / "sim" / "report.json").exists()
+
+
+def test_a_timeout_before_the_coordinator_is_up_is_a_timed_out_run(tmp_path, monkeypatch):
+    from groundswell.peer import simulate
+
+    class Starting:  # a coordinator still starting: alive, no bootstrap line yet
+        def alive(self, name):
+            return True
+
+    (tmp_path / "coordinator").mkdir()
+    t = time.time()
+    assert simulate._wait_for_coordinator(tmp_path, Starting(), end=t + 0.5) == ""  # by --timeout, not 120 s
+    assert time.time() - t < 5
+    (tmp_path / "coordinator" / "bootstrap.txt").write_text("gs1:C@/ip4/127.0.0.1/tcp/1/p2p/C\n")
+    assert simulate._wait_for_coordinator(tmp_path, Starting(), end=t) == "gs1:C@/ip4/127.0.0.1/tcp/1/p2p/C"
+    monkeypatch.setattr(simulate, "_wait_for_coordinator", lambda out, sim, end: "")
+    (tmp_path / "run").mkdir()
+    events, _ = _fake_run(tmp_path / "run", monkeypatch, SimulateOptions(peers=2, rounds=5, timeout_s=1.0),
+                          rounds_done=0)
+    assert [e["peer"] for e in events if e["kind"] == "timed-out"] == ["driver"], events
+    assert not any(e["kind"] == "spawn" and e["peer"] != "coordinator" for e in events), events
+
+
+def test_ctrl_c_while_the_report_of_a_finished_run_is_built_still_writes_it(tmp_path, monkeypatch):
+    # (a review: a first Ctrl+C there, with a big model to count, lost the report of a whole run)
+    from groundswell.peer import simulate
+
+    built = []
+
+    def build(out, opts, events, wall, t0, rss):
+        built.append(1)
+        if len(built) == 1:
+            raise KeyboardInterrupt
+        return {"events": events}
+
+    opts = SimulateOptions(peers=2, rounds=3, timeout_s=30.0)
+    _fake_run(tmp_path, monkeypatch, opts, rounds_done=2, die_after=0.3)  # (installs its stand-ins)
+    monkeypatch.setattr(simulate, "build_report", build)
+    try:
+        simulate.run_simulation(opts, tmp_path / "sim", progress=lambda m: None)
+    except KeyboardInterrupt:
+        pytest.fail("a first Ctrl+C while the report was built went through run_simulation")
+    assert built == [1, 1] and (tmp_path / "sim" / "report.json").exists()
+
+
 def test_an_interrupted_run_says_so_and_exits_130(tmp_path, monkeypatch):
     from groundswell.peer import simulate
 

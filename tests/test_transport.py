@@ -41,10 +41,13 @@ def test_request_reply_and_true_sender(net):
 
     _serve(net, net.ta, "join", Join, on_join)
     sent_before, received_before = net.tb.bytes_sent, net.ta.bytes_received
+    replied_before, got_before = net.ta.bytes_sent, net.tb.bytes_received
     reply = net.run(net.tb.request(net.id_a.peer_id, "join", Join(41, True, False), Ack, timeout_s=30))
     assert reply == Ack(True, "welcome from round 42")
     assert seen == [(net.id_b.peer_id, Join(41, True, False))]
-    assert net.tb.bytes_sent > sent_before and net.ta.bytes_received > received_before
+    # each side's bytes as the other counts them (a reply counted once it is written)
+    assert net.tb.bytes_sent - sent_before == net.ta.bytes_received - received_before > 0
+    assert net.ta.bytes_sent - replied_before == net.tb.bytes_received - got_before > 0
     # and the other way round: a serves, b asks; b serves, a asks
     _serve(net, net.tb, "join", Join, on_join)
     reply = net.run(net.ta.request(net.id_b.peer_id, "join", Join(1, False, True), Ack, timeout_s=30))
