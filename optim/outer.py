@@ -30,11 +30,16 @@ from typing import Any
 
 import torch
 from groundswell.compression import Codec, Payload, all_finite, decode_segments, encode_segments, segment_size
-from torch.nn.utils import parameters_to_vector
 
 from .exchange import Exchange, RoundFailed, RoundResult
 
 log = logging.getLogger(__name__)
+
+
+def parameters_to_vector(params: list[torch.nn.Parameter]) -> torch.Tensor:
+    """The parameters as one flat vector, in order. (torch's own `view`s each one, which fails on
+    a non-contiguous parameter: a channels_last weight, a transposed view.)"""
+    return torch.cat([p.detach().reshape(-1) for p in params])
 
 
 def copy_into_parameters(vector: torch.Tensor, params: list[torch.nn.Parameter]) -> None:

@@ -260,6 +260,22 @@ def test_copy_into_parameters_copies_instead_of_aliasing():
         copy_into_parameters(torch.zeros(9), list(model.parameters()))
 
 
+@pytest.mark.parametrize("algo", ["diloco", "sparseloco"])
+def test_a_non_contiguous_parameter_is_flattened_in_its_logical_order(algo):
+    # (a review: torch's parameters_to_vector `view`s each parameter, and a channels_last or
+    # transposed weight made the optimizer's first line raise)
+    model = torch.nn.Linear(4, 3)
+    model.weight = torch.nn.Parameter(torch.arange(12.0).view(3, 4).t().contiguous().t())
+    assert not model.weight.is_contiguous()
+    outer = (DiLoCo(list(model.parameters()), make_codec("fp32"), DiLoCoConfig()) if algo == "diloco" else
+             SparseLoCo(list(model.parameters()), make_codec("sparseloco", chunk=4, k=4), SparseLoCoConfig()))
+    assert torch.equal(outer.global_params[:12], torch.arange(12.0))
+    with torch.no_grad():
+        model.weight.add_(1.0)
+    assert torch.equal(outer.local_vector()[:12], torch.arange(12.0) + 1)
+    assert len(outer.prepare()) >= 1
+
+
 def test_delayed_outer_step_carries_the_progress_made_while_the_round_was_exchanged():
     # overlap = 1 (Streaming DiLoCo's delayed outer step): after prepare, each worker trains on;
     # apply() moves the global parameters and keeps exactly the progress made since prepare.
