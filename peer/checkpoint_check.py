@@ -102,8 +102,8 @@ def checkpoint_damage(state: dict[str, Any], numel: int) -> str | None:
     for name, value in vectors.items():
         if value is None and name != "global parameters":
             continue
-        if not isinstance(value, torch.Tensor) or value.dtype != torch.float32 or value.numel() != numel:
-            return f"its {name} are not {numel:,} fp32 values"
+        if not isinstance(value, torch.Tensor) or value.dtype != torch.float32 or tuple(value.shape) != (numel,):
+            return f"its {name} are not a vector of {numel:,} fp32 values"  # (a (10, 1) one failed later)
         if not all_finite(value):
             return f"its {name} are not all finite"
     return None

@@ -184,8 +184,8 @@ def _load_config(config: Optional[Path], overrides: dict[str, Any], sets: list[s
             raise ConfigError(f"--config {config}: {'a folder, not a file' if config.is_dir() else 'no such file'}")
         try:
             data = tomllib.loads(config.read_text())
-        except (tomllib.TOMLDecodeError, UnicodeDecodeError) as exc:
-            raise ConfigError(f"{config}: not valid TOML: {exc}") from None
+        except (ValueError, RecursionError) as exc:  # (and an int too long to read, arrays nested too deep)
+            raise ConfigError(f"{config}: not valid TOML: {str(exc)[:300] or type(exc).__name__}") from None
     # One mapping, checked once: checked after each override, a valid final config could be
     # refused for a value that a later override replaces (see config.set_path).
     for key, value in overrides.items():
@@ -199,7 +199,7 @@ def _load_config(config: Optional[Path], overrides: dict[str, Any], sets: list[s
             import tomllib
 
             value = tomllib.loads(f"v = {raw}")["v"]
-        except tomllib.TOMLDecodeError:
+        except (ValueError, RecursionError):  # (TOMLDecodeError; an int too long to read)
             value = raw  # a bare word is a string
         set_path(data, TrainLocalConfig, key.strip(), value)
     outer = data.get("outer")

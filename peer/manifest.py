@@ -308,8 +308,9 @@ def load_manifest_toml(path: str | os.PathLike[str]) -> RunManifest:
         raise ConfigError(f"{os.fspath(path)} is larger than {MAX_MANIFEST_BYTES} bytes")
     try:
         data = tomllib.loads(text.decode("utf-8"))
-    except (UnicodeDecodeError, tomllib.TOMLDecodeError) as exc:
-        raise ConfigError(f"{os.fspath(path)}: invalid TOML: {exc}") from None
+    except (ValueError, RecursionError) as exc:  # (TOMLDecodeError, UnicodeDecodeError; an int of 5,000
+        # digits is a plain ValueError, arrays nested 3,000 deep a RecursionError: a review)
+        raise ConfigError(f"{os.fspath(path)}: invalid TOML: {str(exc)[:300] or type(exc).__name__}") from None
     try:
         manifest = manifest_from_mapping(data)
         refuse_unused(data, manifest)

@@ -16,6 +16,7 @@ from collections.abc import Callable
 from concurrent.futures import Future
 from typing import Any
 
+from groundswell.compression.wire_bounds import count_objects
 from groundswell.protocol.clock_offset import skew_warning
 from groundswell.protocol.envelope import seal, unseal
 from groundswell.protocol.schema import PeerRecord, ProtocolError
@@ -126,6 +127,17 @@ def guard_find_answers(protocol: Any) -> None:
     protocol.call_find = call_find
 
 
+_STR_HEADS = frozenset([*range(0xA0, 0xC0), 0xD9, 0xDA, 0xDB])  # fixstr, str 8/16/32
+_BIN_HEADS = frozenset([0xC4, 0xC5, 0xC6])  # bin 8/16/32
+
+
+def _one_scalar(data: bytes, heads: frozenset[int]) -> None:
+    """ValueError unless `data` is exactly one msgpack object of a kind whose first byte is in `heads`."""
+    if not data or data[0] not in heads:
+        raise ValueError("not the msgpack kind a peer record holds")
+    count_objects(data, 1)
+
+
 class PeerRecordValidator:
     """Refuses, on every DHT store and lookup answer, a run's peer record that is not signed by
     the peer it is stored under or that would outlive its signed time (see `lives_as_signed`).
@@ -210,6 +222,11 @@ class PeerRecordValidator:
         if run_id is None:
             return True  # not a peer record of a run we are in
         try:
+            # One str and one bin, checked before msgpack builds anything: anyone may store under
+            # the run's key, and 4 MiB of nested empty arrays took 2 s and 289 MB of the event
+            # loop to decode (a review, 2026-12-07). An ext type would run hivemind's decoders.
+            _one_scalar(record.subkey, _STR_HEADS)
+            _one_scalar(record.value, _BIN_HEADS)
             subkey = MSGPackSerializer.loads(record.subkey)
             sender, rec = unseal_record(MSGPackSerializer.loads(record.value), run_id)
         except Exception:  # (msgpack's errors, ProtocolError, TypeError): not a record at all

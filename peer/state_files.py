@@ -199,7 +199,28 @@ def load_torch_file(path: Path) -> Any:
         raise ValueError(f"not an archive torch.save wrote ({exc})") from None
     if packed:
         raise ValueError(f"{packed[0][:80]} in it is compressed: not a file torch.save wrote")
-    return torch.load(path, weights_only=True, map_location="cpu")
+    loaded = torch.load(path, weights_only=True, map_location="cpu")
+    _refuse_expanded(loaded)
+    return loaded
+
+
+def _refuse_expanded(obj: Any) -> None:
+    """ValueError if a tensor in a loaded file needs more bytes than its storage holds (strides of
+    0, `expand`ed): a 2 KB file held a tensor of 2**28 values on 4 bytes, and the digest check
+    made it whole, 1 GiB (a review, 2026-12-07). torch.save writes every tensor's whole storage."""
+    import torch
+
+    if isinstance(obj, torch.Tensor):
+        if obj.numel() and obj.numel() * obj.element_size() > obj.untyped_storage().nbytes():
+            raise ValueError(f"a tensor of {obj.numel():,} values on {obj.untyped_storage().nbytes():,} bytes: "
+                             "not a file torch.save wrote")
+    elif isinstance(obj, dict):
+        for key, value in obj.items():
+            _refuse_expanded(key)
+            _refuse_expanded(value)
+    elif isinstance(obj, (list, tuple)):
+        for value in obj:
+            _refuse_expanded(value)
 
 
 def parse_json(text: str | bytes) -> Any:

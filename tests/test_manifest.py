@@ -168,6 +168,9 @@ def test_allowlist(tmp_path):
         ('[model]\nspec = "tiny"\n', "[run]"),
         ("run = 3\n", "run"),
         ("[run\n", "invalid TOML"),
+        # (a review: a plain ValueError and a RecursionError out of tomllib were tracebacks)
+        ('[run]\nid = "r"\nopen = ' + "1" * 4301 + "\n", "invalid TOML"),
+        ('[run]\nid = "r"\n[x]\ny = ' + "[" * 3000 + "]" * 3000 + "\n", "invalid TOML"),
     ],
 )
 def test_bad_manifest_names_the_key(tmp_path, text, key):

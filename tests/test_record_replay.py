@@ -83,6 +83,27 @@ def test_a_record_expiring_past_its_signed_time_is_refused_by_the_validator_and_
     # storers prune it (below).
     later = PeerRecord(3, "h", "volunteer", True, True, [], "public", 1.0, 0, time.time() + 3650 * 86400.0)
     assert validator.validate(record(me.peer_id, seal(me, "run", later), expires_at(later)))
+    # Anyone may store under the run's key: 4 MiB of nested empty arrays, as a value or a subkey,
+    # took 2 s and 289 MB of the event loop to decode before anything was checked (a review)
+    bomb = b"\xdd" + (1 << 20).to_bytes(4, "big") + b"\x90" * (1 << 20)
+    decoded = []
+    loads = MSGPackSerializer.loads
+    MSGPackSerializer.loads = staticmethod(lambda data: (decoded.append(len(data)), loads(data))[1])
+    try:
+        assert not validator.validate(SimpleNamespace(key=key, subkey=MSGPackSerializer.dumps(me.peer_id), value=bomb,
+                                                      expiration_time=expires_at(rec)))
+        assert not validator.validate(SimpleNamespace(key=key, subkey=bomb, value=MSGPackSerializer.dumps(signed),
+                                                      expiration_time=expires_at(rec)))
+        assert validator.validate(record(me.peer_id, signed, expires_at(rec)))
+    finally:
+        MSGPackSerializer.loads = loads
+    assert len(bomb) not in decoded and len(decoded) == 2, decoded  # refused on its headers: nothing built
+    from groundswell.peer import records
+
+    for kind, data in (("bin", MSGPackSerializer.dumps(signed)), ("str", MSGPackSerializer.dumps(me.peer_id))):
+        records._one_scalar(data, records._BIN_HEADS if kind == "bin" else records._STR_HEADS)  # honest: one each
+    with pytest.raises(ValueError):
+        records._one_scalar(MSGPackSerializer.dumps(signed) + b"\x00", records._BIN_HEADS)  # trailing bytes
 
 
 def test_a_storer_drops_records_dated_far_ahead_from_its_storage():

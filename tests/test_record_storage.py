@@ -215,6 +215,31 @@ def test_before_watching_a_run_a_node_keeps_few_keys_each_within_the_limits():
     assert stored[0] is True and len(protocol.storage.get(key).value.data) <= MAX_ENTRIES
 
 
+def test_a_full_storage_is_not_walked_at_every_store():
+    # Found by a review: the notes of arrival were pruned whenever they passed a fixed size, which
+    # a storage of 16 full keys of no run (32,768 live entries) always passes: every store then
+    # walked the whole storage (11-16 ms each, on the event loop)
+    from groundswell.peer.record_storage import MAX_OTHER_KEYS
+    from hivemind.dht.routing import DHTID
+    from hivemind.dht.storage import DHTLocalStorage
+
+    protocol = SimpleNamespace(storage=DHTLocalStorage(), cache=DHTLocalStorage())
+    guard_record_storage(protocol, PeerRecordValidator())
+    expiration = time.time() + 600
+    keys = [DHTID.generate(source=f"k{i}") for i in range(5)]  # (8,740 live entries: past the old fixed size)
+    assert len(keys) * (MAX_ENTRIES - 300) > 4 * (MAX_ENTRIES + MAX_OTHER_KEYS)
+    for key in keys:
+        for i in range(MAX_ENTRIES - 300):
+            protocol.storage.store(key, b"x", expiration, subkey=f"s{i}")
+    walks = []
+    items = protocol.storage.items
+    protocol.storage.items = lambda: (walks.append(1), items())[1]
+    for i in range(500):  # newcomers, with room for them
+        assert protocol.storage.store(keys[i % len(keys)], b"y", expiration + 1, subkey=f"new{i}")
+    assert len(walks) <= 1, len(walks)
+    assert all(len(protocol.storage.get(key).value.data) <= MAX_ENTRIES for key in keys)
+
+
 def test_watching_a_run_drops_bad_entries_and_holds_the_key_to_its_limits_in_one_pass(monkeypatch):
     # (the key was stored again entry by entry through the limits: 4,000 entries took 53 s here)
     from hivemind.dht.storage import DHTLocalStorage

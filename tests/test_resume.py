@@ -400,6 +400,29 @@ def test_a_checkpoint_with_compressed_entries_is_not_loaded(tmp_path, corpus):
     assert p.load_checkpoint()["round"] == 8
 
 
+def test_a_checkpoint_with_an_expanded_tensor_or_a_misshapen_vector_is_skipped(tmp_path, corpus):
+    """Found by a review: a 2 KB file holding `zeros(1).expand(2**28)` (4 bytes of storage) made
+    the digest check allocate 1 GiB (2**40: an out-of-memory error out of the loader, the older
+    checkpoint never tried); global parameters of shape (n, 1) passed and failed later."""
+    from groundswell.peer.checkpoint_check import DIGEST_KEY, checkpoint_digest
+
+    p, save = _keeping_two(tmp_path, corpus)
+    save(8)
+    state = torch.load(save(9), weights_only=True)
+    state["inner"] = {"junk": torch.zeros(1).expand(1 << 28)}
+    state[DIGEST_KEY] = "0" * 64
+    torch.save(state, p.state_dir / "checkpoint-00000009.pt")
+    assert (p.state_dir / "checkpoint-00000009.pt").stat().st_size < 1 << 24  # (the model; the tensor spans 1 GiB)
+    assert p.load_checkpoint()["round"] == 8
+    assert p.state_dir / "checkpoint-00000009.pt" in p._unreadable  # refused as loaded, before its digest is worked out
+    state = torch.load(save(10), weights_only=True)
+    n = state["tensors"]["global_params"].numel()
+    state["tensors"]["global_params"] = state["tensors"]["global_params"].reshape(n, 1)
+    state[DIGEST_KEY] = checkpoint_digest(state)  # made up whole: its digest matches
+    torch.save(state, p.state_dir / "checkpoint-00000010.pt")
+    assert p.load_checkpoint()["round"] == 8
+
+
 def test_a_checkpoint_written_anew_where_a_damaged_one_was_counts_again(tmp_path, corpus):
     # Resumed past a damaged 9, the run came back to round 9 (a coordinator restarted from an
     # older state, say) and wrote a good 9: the pruner still took it for the damaged one and
