@@ -206,7 +206,8 @@ class VolunteerLoop:
             scaled = (self._own_scaled(item.round_id, local) if included and isinstance(p.outer, SparseLoCo)
                       else ())
             try:  # segments read back from work.pt or a checkpoint, damaged past their digest's check
-                payloads = [Payload.from_bytes(seg, expect=p.outer.codec) for seg in item.segments]
+                numel = p.outer.global_params.numel()  # (a made-up file's segment claims no more than the model)
+                payloads = [Payload.from_bytes(seg, expect=p.outer.codec, max_numel=numel) for seg in item.segments]
                 p.outer.settle_late(payloads, self.exchange.prepared - item.prepared, scaled)
             except CodecError as exc:  # (settle_late decodes before it changes anything)
                 raise UndecodableWork(item.round_id, exc) from exc

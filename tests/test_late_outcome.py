@@ -394,12 +394,16 @@ def test_a_stored_contribution_that_does_not_decode_drops_our_unsent_work_not_th
     be taken out of the error feedback, and kept it would be sent twice. The error feedback goes
     (and every open contribution with it, or each would be taken out of nothing later); the peer
     carries on. It used to stop with the CodecError."""
-    loop, outer, _, events = _loop(counted)
-    loop.exchange.take_unsettled = lambda below: [Unsettled(0, [b"\x93garbled"], counted, 2, if_unknown=True)]
-    loop.exchange.unsettled = [Unsettled(4, [b"later"], None, 3)]  # open, its round not past yet
-    loop.settle_late()
-    assert torch.equal(outer.error, torch.zeros_like(outer.error))
-    assert events == ["unsettled-corrupt"] and loop.exchange.unsettled == []
+    for segment in (b"\x93garbled", None):  # None: a whole segment claiming more values than the model has
+        loop, outer, _, events = _loop(counted)
+        if segment is None:
+            n = outer.global_params.numel()
+            segment = outer.codec.encode(torch.randn(n + 4096)).to_bytes()  # (refused before it is parsed)
+        loop.exchange.take_unsettled = lambda below, s=segment: [Unsettled(0, [s], counted, 2, if_unknown=True)]
+        loop.exchange.unsettled = [Unsettled(4, [b"later"], None, 3)]  # open, its round not past yet
+        loop.settle_late()
+        assert torch.equal(outer.error, torch.zeros_like(outer.error))
+        assert events == ["unsettled-corrupt"] and loop.exchange.unsettled == []
 
 
 def test_an_announcement_superseded_is_cancelled_and_one_that_failed_is_reported(caplog):
