@@ -2,7 +2,7 @@
 
 from .diloco import DiLoCo, DiLoCoConfig
 from .exchange import Exchange, InProcessExchange, InProcessHub, RoundFailed, RoundResult
-from .outer import OuterOptimizer, PendingRound, copy_into_parameters
+from .outer import OuterOptimizer, PendingRound, copy_into_parameters, parameters_to_vector
 from .schedule import warmup_cosine, warmup_cosine_scheduler
 from .sparseloco import SparseLoCo, SparseLoCoConfig
 
@@ -15,6 +15,7 @@ __all__ = [
     "OuterOptimizer",
     "PendingRound",
     "copy_into_parameters",
+    "parameters_to_vector",
     "RoundFailed",
     "RoundResult",
     "SparseLoCo",

@@ -36,7 +36,7 @@ from .exchange import Exchange, RoundFailed, RoundResult
 log = logging.getLogger(__name__)
 
 
-def parameters_to_vector(params: list[torch.nn.Parameter]) -> torch.Tensor:
+def parameters_to_vector(params: Iterable[torch.nn.Parameter]) -> torch.Tensor:
     """The parameters as one flat vector, in order. (torch's own `view`s each one, which fails on
     a non-contiguous parameter: a channels_last weight, a transposed view.)"""
     return torch.cat([p.detach().reshape(-1) for p in params])

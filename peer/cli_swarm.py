@@ -19,6 +19,7 @@ from .cli_output import resumed_line, saved_before, setup_logging
 from .config import ConfigError, check_device
 from .join_consent import volunteer_corpus
 from .launch_checks import (
+    as_first_launched,
     checkpoints_not_gone,
     not_a_volunteer_dir,
     prepare_manifest,
@@ -149,6 +150,7 @@ def launch(
     if not -1 <= state_port <= 65535:
         raise ConfigError(f"--state-port must be -1 (off), 0 (any free port) or a port number, not {state_port}")
     manifest, corpus, workload = prepare_manifest(load_manifest_toml(manifest_path), manifest_path)
+    manifest = as_first_launched(state_dir, manifest)
     if identity is None and (state_dir / "manifest.signed").exists() and not (state_dir / "identity.key").exists():
         # launched before with --identity elsewhere: a new key made here would only be refused
         # (it is not the run's), and left behind to be refused again next time

@@ -57,6 +57,27 @@ def prepare_manifest(manifest: RunManifest, path: Path) -> tuple[RunManifest, Co
     return dataclasses.replace(manifest, data=data), corpus, workload
 
 
+def as_first_launched(state_dir: Path, manifest: RunManifest) -> RunManifest:
+    """`manifest` without its model.layout where the state dir's run was launched by a version that
+    signed none and nothing else differs: resumed as it ran (volunteers hold that manifest, and a
+    new one would be refused as another run's), the volunteers' builds unchecked."""
+    import dataclasses
+
+    from .manifest import ManifestError, SignedManifest
+
+    try:
+        first = SignedManifest.from_bytes((state_dir / "manifest.signed").read_bytes())
+        old = first.verify(first.coordinator)
+    except (OSError, ManifestError):  # none, or not one: `same_run_as_before` says so
+        return manifest
+    unchecked = dataclasses.replace(manifest, model=dataclasses.replace(manifest.model, layout=""))
+    if old.model.layout or not manifest.model.layout or old != unchecked:
+        return manifest
+    log.warning("this run was launched by a groundswell version that signed no model.layout: volunteers' "
+                "builds of the model are not checked against the coordinator's")
+    return unchecked
+
+
 def same_run_as_before(state_dir: Path, signed: bytes) -> None:
     """Refuse a state dir launched before with another manifest or coordinator key (`record_run`
     records one once its network is up). Volunteers keep the manifest they verified when they

@@ -224,7 +224,10 @@ class RunManifest:
 
     def canonical_bytes(self) -> bytes:
         """Deterministic msgpack of the manifest: keys sorted at every level."""
-        return msgpack.packb(_sorted(to_mapping(self)), use_bin_type=True)
+        mapping = to_mapping(self)
+        if not mapping["model"]["layout"]:  # (as versions before it signed them: those still verify)
+            del mapping["model"]["layout"]
+        return msgpack.packb(_sorted(mapping), use_bin_type=True)
 
 
 def _check_numbers(value: Any, where: str) -> None:

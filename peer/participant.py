@@ -21,6 +21,7 @@ from groundswell.optim import (
     SparseLoCo,
     SparseLoCoConfig,
     copy_into_parameters,
+    parameters_to_vector,
 )
 from groundswell.protocol.client import RoundBehind
 from groundswell.protocol.context import contribution_bound
@@ -383,7 +384,7 @@ class Participant(Checkpoints):
     def eval_global(self) -> float:
         """Held-out loss of the global parameters (evaluated on a scratch copy of the model)."""
         model = self.workload.model
-        saved = torch.nn.utils.parameters_to_vector(model.parameters()).detach().clone()
+        saved = parameters_to_vector(model.parameters()).detach().clone()
         copy_into_parameters(self.outer.global_params, list(model.parameters()))
         try:
             return evaluate(model, self.workload.loss_fn, self.evalset, device=self.device)

@@ -27,7 +27,7 @@ def pack_tensors(tensors: dict[str, torch.Tensor]) -> bytes:
     for name, t in tensors.items():
         flat = t.detach().to("cpu", torch.float32).contiguous().reshape(-1)
         items.append([name, "float32", flat.numel()])
-        parts.append(flat.numpy().astype("<f4", copy=False).tobytes())
+        parts.append(flat.numpy().astype("<f4", copy=False))  # (joined as it is: no copy of its own first)
     header = msgpack.packb([FORMAT_VERSION, items], use_bin_type=True)
     return b"".join([_LEN.pack(len(header)), header, *parts])
 

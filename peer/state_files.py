@@ -200,27 +200,31 @@ def load_torch_file(path: Path) -> Any:
     if packed:
         raise ValueError(f"{packed[0][:80]} in it is compressed: not a file torch.save wrote")
     loaded = torch.load(path, weights_only=True, map_location="cpu")
-    _refuse_expanded(loaded)
+    spans = _tensor_bytes(loaded)
+    if spans > 4 * path.stat().st_size + (64 << 20):
+        raise ValueError(f"its tensors span {spans:,} bytes, far more than the file's: not a checkpoint groundswell "
+                         "wrote (a tensor expanded over a few bytes?)")
     return loaded
 
 
-def _refuse_expanded(obj: Any) -> None:
-    """ValueError if a tensor in a loaded file needs more bytes than its storage holds (strides of
-    0, `expand`ed): a 2 KB file held a tensor of 2**28 values on 4 bytes, and the digest check
-    made it whole, 1 GiB (a review, 2026-12-07). torch.save writes every tensor's whole storage."""
+def _tensor_bytes(obj: Any) -> int:
+    """The bytes a loaded file's tensors take once each is made whole (the digest check does):
+    a 2 KB file held a tensor of 2**28 values on 4 bytes of storage, `expand`ed, and the check
+    took 1 GiB for it (a review, 2026-12-07). A whole file is within a few times its size: tied
+    weights listed twice, a model's own small expanded buffers."""
     import torch
 
-    if isinstance(obj, torch.Tensor):
-        if obj.numel() and obj.numel() * obj.element_size() > obj.untyped_storage().nbytes():
-            raise ValueError(f"a tensor of {obj.numel():,} values on {obj.untyped_storage().nbytes():,} bytes: "
-                             "not a file torch.save wrote")
-    elif isinstance(obj, dict):
-        for key, value in obj.items():
-            _refuse_expanded(key)
-            _refuse_expanded(value)
-    elif isinstance(obj, (list, tuple)):
-        for value in obj:
-            _refuse_expanded(value)
+    total, stack = 0, [obj]
+    while stack:  # (not recursive: a file nested deeper than Python recurses is the digest check's to refuse)
+        item = stack.pop()
+        if isinstance(item, torch.Tensor):
+            total += item.numel() * item.element_size()
+        elif isinstance(item, dict):
+            stack.extend(item.keys())
+            stack.extend(item.values())
+        elif isinstance(item, (list, tuple)):
+            stack.extend(item)
+    return total
 
 
 def parse_json(text: str | bytes) -> Any:

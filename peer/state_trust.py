@@ -241,6 +241,13 @@ class StateCheck:
             # against. (Our own record counted as a view: any state then passed, a review found.)
             raise ProtocolError("no peer's published hashes could be read to check the state against",
                                 reason="unchecked", strike=False)
+        if self.me != self.coordinator and not any(pid not in (self.me, server) for pid in published):
+            # The server's own record alone is no view either: it never votes, and with no
+            # coordinator's record every bound below was skipped, so a hostile bootstrap peer that
+            # published its own record had a state of its own making taken, at any round (a
+            # review, 2026-12-07). (The coordinator holds its own record to check against.)
+            raise ProtocolError("no peer's published hashes but the server's own could be read to check the state "
+                                "against", reason="unchecked", strike=False)
         named = self._named(round_id)  # (an open run: who may confirm a state past the coordinator's record)
         confirmed = None if named is None else lambda now: state_hash in _votes(named, now, server, round_id)[1]
         signer, published = await self._coordinator_record(round_id, published, records, confirmed)

@@ -24,6 +24,7 @@ from groundswell.optim import (
     SparseLoCo,
     SparseLoCoConfig,
     copy_into_parameters,
+    parameters_to_vector,
 )
 
 from .batches import ShardSampler, evaluate, heldout_batches
@@ -115,7 +116,7 @@ def _eval_global(trainer: InnerTrainer, outer: OuterOptimizer | None, evalset: l
     if outer is None:
         return evaluate(trainer.model, trainer.loss_fn, evalset, device=device)
     params = list(trainer.model.parameters())
-    saved = torch.nn.utils.parameters_to_vector(params).detach().clone()
+    saved = parameters_to_vector(params).detach().clone()
     copy_into_parameters(outer.global_params, params)
     try:
         return evaluate(trainer.model, trainer.loss_fn, evalset, device=device)

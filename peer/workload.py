@@ -65,6 +65,9 @@ def parameter_layout(model: nn.Module) -> str:
     flattened: peers exchange one flat vector, so two builds of one spec must agree on it."""
     h = hashlib.blake2b(digest_size=16)
     for name, p in model.named_parameters():  # (the order of `parameters()`, shared ones once)
+        # Wrappers that change no parameter add to the names: torch.compile's `_orig_mod.`, and
+        # DataParallel's `module.` (a factory compiling on CUDA only was refused; a review).
+        name = ".".join(part for part in name.split(".") if part != "_orig_mod").removeprefix("module.")
         h.update(f"{name}\t{tuple(p.shape)}\t{p.dtype}\n".encode())
     return h.hexdigest()
 

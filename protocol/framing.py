@@ -169,8 +169,10 @@ async def read_frame_into(reader: asyncio.StreamReader, max_bytes: int, chunk: i
                 end = min(got + chunk, size)
                 while got < end:
                     part = await reader.read(end - got)
-                    if not part:
-                        raise asyncio.IncompleteReadError(bytes(view[:got]), size)
+                    if not part:  # (not the bytes so far as its `partial`: a copy of up to a whole state)
+                        ended = asyncio.IncompleteReadError(b"", size)
+                        ended.args = (f"{got} bytes read on a total of {size} expected bytes",)
+                        raise ended
                     view[got:got + len(part)] = part
                     got += len(part)
                     if hasher is not None:

@@ -480,7 +480,7 @@ def test_a_state_dir_launched_with_another_manifest_or_key_is_refused(tmp_path):
     from groundswell.peer.config import ConfigError
     from groundswell.peer.launch_checks import record_run as _record_run
     from groundswell.peer.launch_checks import same_run_as_before as _same_run_as_before
-    from groundswell.peer.manifest import load_manifest_toml, sign_manifest
+    from groundswell.peer.manifest import SignedManifest, load_manifest_toml, sign_manifest
 
     manifest = load_manifest_toml(Path(__file__).resolve().parents[1] / "scripts" / "example_run.toml")
     key = Identity.generate()
@@ -500,7 +500,16 @@ def test_a_state_dir_launched_with_another_manifest_or_key_is_refused(tmp_path):
     moved = dataclasses.replace(manifest, data=dataclasses.replace(manifest.data, fingerprint="ab" * 8))
     with pytest.raises(ConfigError, match=r"another copy of its dataset \(data.source's files or sizes changed"):
         _same_run_as_before(state, sign_manifest(moved, key).to_bytes())
+    # A run launched by a version that signed no model.layout (this manifest's bytes are those of
+    # one: an empty layout is left out, so theirs still verify) resumes as it ran (a review)
+    from groundswell.peer.launch_checks import as_first_launched
+
     rebuilt = dataclasses.replace(manifest, model=dataclasses.replace(manifest.model, layout="cd" * 16))
+    assert b"layout" not in SignedManifest.from_bytes(first).manifest_bytes
+    kept = as_first_launched(state, rebuilt)
+    assert kept.model.layout == "" and kept == manifest
+    _same_run_as_before(state, sign_manifest(kept, key).to_bytes())
+    assert as_first_launched(state, dataclasses.replace(rebuilt, round=edited.round)).model.layout == "cd" * 16
     with pytest.raises(ConfigError, match="another groundswell version"):  # the first signed none
         _same_run_as_before(state, sign_manifest(rebuilt, key).to_bytes())
     assert (state / "manifest.signed").read_bytes() == first  # what was refused left nothing behind

@@ -101,6 +101,10 @@ def test_a_model_that_builds_another_parameter_layout_than_the_coordinators_is_r
     signed, corpus, built = prepare_manifest(_manifest(spec=spec), tmp_path / "run.toml")
     assert signed.model.layout == parameter_layout(built.model) and len(signed.model.layout) == 32
     check_layout(signed, build_workload(spec, corpus.vocab_size, 7))  # the same build, other weights: fine
+    import torch
+
+    wrapped = torch.nn.DataParallel(built.model)  # (as torch.compile's `_orig_mod.`: the same parameters)
+    assert parameter_layout(wrapped) == signed.model.layout != parameter_layout(torch.nn.Sequential(built.model))
     monkeypatch.setattr(example, "LAYER_ORDER", ("out", "hidden"))
     other = build_workload(spec, corpus.vocab_size, signed.run.seed)
     assert sum(p.numel() for p in other.model.parameters()) == sum(p.numel() for p in built.model.parameters())

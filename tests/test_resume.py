@@ -36,7 +36,8 @@ def _factory(tmp_path, corpus, **sections):
 def _offline(p) -> None:
     """No network: an empty decision book, and a swarm with nothing newer than our checkpoint."""
     p.node = SimpleNamespace(book=SimpleNamespace(committed={}), record_decision=lambda d, supersede=False: None,
-                             update_record=lambda **k: None)
+                             update_record=lambda **k: None, cached_records={})
+    p.catch_up = lambda fresh=True: 0  # (no records: nothing to catch up to, nothing said of the run)
     p.sync_state = lambda peers, min_round=-1: None
 
 
@@ -415,6 +416,12 @@ def test_a_checkpoint_with_an_expanded_tensor_or_a_misshapen_vector_is_skipped(t
     assert (p.state_dir / "checkpoint-00000009.pt").stat().st_size < 1 << 24  # (the model; the tensor spans 1 GiB)
     assert p.load_checkpoint()["round"] == 8
     assert p.state_dir / "checkpoint-00000009.pt" in p._unreadable  # refused as loaded, before its digest is worked out
+    # a model's own small expanded buffer (state_dict keeps its strides) is no reason to refuse (a second review)
+    from groundswell.peer.state_files import load_torch_file
+
+    torch.save({"inner": {"model": {"s": torch.ones(1, 4).expand(8, 4)}}, "nested": [[[1]] * 3] * 2},
+               tmp_path / "honest.pt")
+    assert load_torch_file(tmp_path / "honest.pt")["inner"]["model"]["s"].shape == (8, 4)
     state = torch.load(save(10), weights_only=True)
     n = state["tensors"]["global_params"].numel()
     state["tensors"]["global_params"] = state["tensors"]["global_params"].reshape(n, 1)

@@ -70,3 +70,19 @@ def test_mutated_blobs_decode_exactly_or_are_refused(noise, cut, patch):
         return
     assert all(t.dtype == torch.float32 and t.dim() == 1 for t in out.values())
     assert 8 + sum(4 * t.numel() for t in out.values()) <= len(mutated)
+
+
+def test_packing_holds_the_state_once_beside_it_not_twice():
+    # (a review: each tensor was copied to bytes, then all of them joined: the state held three
+    # times over while a server built its blob)
+    import tracemalloc
+
+    tensors = {"global_params": torch.randn(4 << 20), "momentum_buffer": torch.randn(1 << 20)}
+    tracemalloc.start()
+    try:
+        blob = pack_tensors(tensors)
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert peak < 1.25 * len(blob), (peak, len(blob))
+    assert torch.equal(unpack_tensors(bytearray(blob))["global_params"], tensors["global_params"])

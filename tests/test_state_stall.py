@@ -26,6 +26,20 @@ def _reader(data: bytes = b"", eof: bool = False) -> asyncio.StreamReader:
     return reader
 
 
+def test_a_bulk_frame_cut_short_is_an_incomplete_read_holding_no_copy_of_what_came():
+    # (a review: its `partial` was a copy of every byte received, a second state's worth of
+    # memory beside the buffer when a server died mid-transfer)
+    from groundswell.protocol.framing import _LEN, read_frame_into
+
+    async def read():
+        return await read_frame_into(_reader(_LEN.pack(1 << 20) + b"z" * 300_000, eof=True), 1 << 21, chunk=1 << 16)
+
+    with pytest.raises(asyncio.IncompleteReadError) as ended:
+        asyncio.run(read())
+    assert ended.value.partial == b"" and ended.value.expected == 1 << 20
+    assert "300000 bytes read on a total of 1048576" in str(ended.value)
+
+
 def test_a_bulk_frame_that_stops_coming_ends_after_the_stall_bound_not_the_whole_timeout():
     from groundswell.protocol.framing import _LEN, FrameStalled, read_frame_into
 

@@ -168,6 +168,13 @@ def test_a_state_checked_against_an_empty_view_of_the_dht_is_refused(participant
     ours = {participant.identity.peer_id: SimpleNamespace(round=2, params_hash="mine", earlier_hashes=[])}
     with pytest.raises(ProtocolError, match="no peer's published hashes could be read"):
         _check(participant, ours, "server", round_id=10**6)
+    # nor the server's own, which never votes (a review: with ours, or alone, any round passed)
+    theirs = {"server": SimpleNamespace(round=10**6, params_hash="good", earlier_hashes=[])}
+    for view in (theirs, {**theirs, **ours}):
+        with pytest.raises(ProtocolError, match="but the server's own") as err:
+            _check(participant, view, "server", round_id=10**6)
+        assert err.value.reason == "unchecked" and not err.value.strike
+    assert _check(participant, {**theirs, "a": "good"}, "server").round == 0  # one other record: checked by it
 
 
 def test_our_own_record_does_not_vote_on_the_state_we_are_checking(participant):
