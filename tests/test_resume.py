@@ -190,6 +190,46 @@ def test_a_restart_takes_back_its_local_progress_unless_it_may_have_been_sent(tm
     assert ("unsent-work-dropped" in events) is not kept and ("local-progress-restored" in events) is kept
 
 
+@pytest.mark.parametrize("case", ["caught-up", "still-behind", "round-behind", "hash-off", "no-records"])
+def test_a_restart_catches_up_from_its_checkpoint_before_downloading_a_state(tmp_path, corpus, case):
+    """Found by a review: a restarted volunteer downloaded the whole state every time (~800 MB at
+    100m), though its checkpoint was current or a few rounds behind, within the aggregates peers
+    keep. It now applies those first; a state is downloaded only where that does not get it to
+    the run's round with agreeing hashes."""
+    from groundswell.peer.participant import genesis_decision
+    from groundswell.peer.resume import resume_and_sync
+    from groundswell.protocol.client import RoundBehind
+
+    participant = _factory(tmp_path, corpus, outer={"algorithm": "sparseloco"})
+    p = participant()
+    p.outer.round_id = 7
+    p._snapshot = GlobalState(7, {"global_params": p.outer.global_params.clone()}, genesis_decision(p.identity, "unit"))
+    assert p.save_checkpoint() is not None
+    again = participant()
+    _offline(again)
+    if case != "no-records":
+        again.node.cached_records = {"other": SimpleNamespace(round=9, params_hash="", earlier_hashes=[])}
+
+    def catch_up(fresh=True):
+        if case == "round-behind":
+            raise RoundBehind("the swarm is 20 rounds ahead")
+        again.outer.round_id = 8 if case == "still-behind" else 9
+        return again.outer.round_id - 7
+
+    again.catch_up = catch_up
+    again.agrees_with_swarm = lambda: case != "hash-off"
+    synced: list[int] = []
+    again.sync_state = lambda peers, min_round=-1: synced.append(min_round)
+    resume_and_sync(again, [])
+    events = [json.loads(line) for line in (tmp_path / "state" / "events.jsonl").read_text().splitlines()]
+    caught = [e for e in events if e["kind"] == "sync" and e.get("via") == "catch-up"]
+    if case == "caught-up":
+        assert synced == [] and again.outer.round_id == 9 and caught and caught[0]["rounds"] == 2
+    else:
+        assert len(synced) == 1 and not caught, (synced, caught)
+    assert any(e["kind"] == "hash-mismatch" for e in events) is (case == "hash-off")
+
+
 @pytest.mark.parametrize("from_checkpoint", [True, False])
 def test_a_volunteer_whose_checkpoint_is_ahead_of_every_peer_carries_on_from_it(tmp_path, corpus, from_checkpoint):
     """A coordinator restarted from an older checkpoint answers with an older state: a volunteer
