@@ -310,19 +310,23 @@ class Participant(Checkpoints):
         self.events.write("sync", round=state.round, hash=self.outer_hash(), via=via,
                           peer=self.identity.peer_id)
 
+    def fresh_records(self) -> dict[str, Any]:
+        """The peer records, looked up now (those cached if the lookup times out: a slow DHT says
+        nothing of whether we are behind, and taking it for that downloaded the whole state of
+        our own round)."""
+        try:
+            return self.node.call(self.node.refresh_records(), timeout_s=30)
+        except TimeoutError:
+            log.info("the records lookup timed out; going by the records cached")
+            return self.node.cached_records
+
     def catch_up(self, fresh: bool = True) -> int:
         """Apply rounds the swarm committed that this peer did not take part in; returns how many.
         `fresh=False`: judge from the records cached by the last refresh and start the next one in
         the background (after a normal round: training does not wait for a DHT lookup)."""
         applied = 0
         if fresh:
-            try:
-                records = self.node.call(self.node.refresh_records(), timeout_s=30)
-            except TimeoutError:
-                # A slow DHT says nothing of whether we are behind (taking it for that downloaded
-                # the whole state of our own round): judge from the records we have.
-                log.info("the records lookup timed out; catching up from the records cached")
-                records = self.node.cached_records
+            records = self.fresh_records()
         else:
             records = self.node.cached_records
             self.node.refresh_in_background()
@@ -356,9 +360,10 @@ class Participant(Checkpoints):
             applied += 1
         return applied
 
-    def agrees_with_swarm(self) -> bool:
+    def agrees_with_swarm(self, vacuous: bool = True) -> bool:
         """False if the coordinator's published hash (else most peers'), for a round this peer also
-        went through, differs from this peer's own hash of that round (it then re-syncs)."""
+        went through, differs from this peer's own hash of that round (it then re-syncs).
+        `vacuous`: the answer where no record shares a round with ours (nothing compared)."""
         records = self.node.cached_records
         signer = records.get(self.coordinator_id)
         word = record_hashes(signer) if self.coordinator_id != self.identity.peer_id else {}
@@ -367,7 +372,7 @@ class Participant(Checkpoints):
             return word[max(shared)] == self.hash_history[max(shared)]
         comparable = [r.params_hash == self.hash_history[r.round] for pid, r in records.items()
                       if pid != self.identity.peer_id and r.round in self.hash_history and r.params_hash]
-        return not comparable or sum(comparable) * 2 >= len(comparable)
+        return vacuous if not comparable else sum(comparable) * 2 >= len(comparable)
 
     # --- evaluation and checkpoints ---------------------------------------------------------------
     def _eval_if_due(self, r: int) -> float | None:

@@ -165,7 +165,7 @@ class Checkpoints:
             else state.get("outer")
         if isinstance(outer, dict) and outer.get("algorithm") == "sparseloco":  # a fresh one: no work of ours yet
             outer["error"] = torch.zeros_like(self.outer.global_params, device="cpu")
-        return {k: v for k, v in state.items() if k in ("round", "tensors", "decision")} | {"outer": outer}
+        return {k: v for k, v in state.items() if k in ("round", "tensors", "decision")} | {"outer": outer, "foreign": True}
 
     def _check_fits(self, state: dict[str, Any], path: Path) -> None:
         """CheckpointMismatch unless a checkpoint is of this run (its decision's envelope) and model."""

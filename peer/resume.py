@@ -12,6 +12,7 @@ from groundswell.compression import all_finite
 from groundswell.optim import SparseLoCo, copy_into_parameters
 from groundswell.protocol.client import RoundBehind
 from groundswell.protocol.schema import ProtocolError
+from groundswell.protocol.shards import ships_contributions
 from groundswell.protocol.transport import PeerUnavailable
 
 from .catch_up import catch_up_view
@@ -64,8 +65,8 @@ def resume_and_sync(p: Participant, bootstrap_peers: list[str]) -> dict | None:
         elif resumed["outer"].get("algorithm") == "sparseloco":  # our own error feedback: work not yet sent
             p.outer.error = resumed["outer"]["error"].to(p.outer.global_params.device)
         p.events.write("resume", round=p.outer.round_id, peer=p.identity.peer_id)
-    if loaded and _caught_up_from_checkpoint(p):
-        return resumed
+    if loaded and not resumed.get("foreign") and _caught_up_from_checkpoint(p):
+        return resumed  # (another peer's checkpoint, maybe made up: checked against a downloaded state)
     try:
         p.sync_state(bootstrap_peers, min_round=p.outer.round_id if loaded else -1)
     except NoNewerState as exc:
@@ -88,24 +89,45 @@ def resume_and_sync(p: Participant, bootstrap_peers: list[str]) -> dict | None:
 def _caught_up_from_checkpoint(p: Participant) -> bool:
     """Bring the checkpoint's state up to the swarm's with the aggregates of the rounds since (peers
     keep the last few): True if that got it to where the coordinator's record (else most peers')
-    says the run is, with the hashes agreeing; False (a state download then) otherwise. A restart
-    used to download the whole state every time, though its own was current or a round behind
-    (a review, 2026-12-07: ~800 MB at 100m, for a few aggregates' worth)."""
+    says the run is, with its hashes compared and agreeing; False (a state download then)
+    otherwise, or where those aggregates would come to more bytes than the state. A restart used
+    to download the whole state every time, though its own was current or a round behind (a
+    review, 2026-12-07: ~800 MB at 100m, for a few aggregates' worth)."""
+    me = p.identity.peer_id
     try:
-        applied = p.catch_up()
-        view = catch_up_view(p.node.cached_records, p.identity.peer_id, p.coordinator_id)
-        if not any(pid != p.identity.peer_id for pid in view.records) or p.outer.round_id < view.target:
-            return False  # nobody's record to tell where the run is, or rounds no peer could give us
-        if not p.agrees_with_swarm():
-            p.events.write("hash-mismatch", round=p.outer.round_id, peer=p.identity.peer_id)
+        view = catch_up_view(p.fresh_records(), me, p.coordinator_id)
+        if not any(pid != me for pid in view.records):
+            return False  # nobody's record to tell where the run is
+        rounds, state = max(0, view.target - p.outer.round_id), _state_bytes(p)
+        if rounds * _aggregate_bytes(p, view) > state:
+            log.info("%d rounds of aggregates would come to more than the state (%d MB): downloading it",
+                     rounds, state >> 20)
+            return False
+        applied = p.catch_up(fresh=False)
+        if p.outer.round_id < view.target:
+            return False  # rounds no peer could give us
+        if not p.agrees_with_swarm(vacuous=False):
+            if not p.agrees_with_swarm():  # (else: no record shares a round with ours, nothing compared)
+                p.events.write("hash-mismatch", round=p.outer.round_id, peer=me)
             return False
     except (PeerUnavailable, RoundBehind, TimeoutError, ProtocolError) as exc:
         log.info("could not catch up from our checkpoint (%s); downloading the state", exc)
         return False
     # ("sync": where the peer took the run's state, for the simulation's reports and driver)
-    p.events.write("sync", round=p.outer.round_id, hash=p.outer_hash(), via="catch-up", rounds=applied,
-                   peer=p.identity.peer_id)
+    p.events.write("sync", round=p.outer.round_id, hash=p.outer_hash(), via="catch-up", rounds=applied, peer=me)
     return True
+
+
+def _state_bytes(p: Participant) -> int:
+    """What a state download of this run carries: fp32 parameters, and DiLoCo's momentum."""
+    return 4 * p.outer.global_params.numel() * (1 if isinstance(p.outer, SparseLoCo) else 2)
+
+
+def _aggregate_bytes(p: Participant, view: Any) -> int:
+    """The most one round's aggregate can take: one mean, or, where aggregates carry the signed
+    contributions (sparse codecs), one per peer training now."""
+    trainers = sum(1 for r in view.records.values() if getattr(r, "trains", False))
+    return p.ctx.max_payload_bytes * (max(trainers, 1) if ships_contributions(p.ctx) else 1)
 
 
 def _work_record(p: Participant):

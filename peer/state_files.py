@@ -200,31 +200,41 @@ def load_torch_file(path: Path) -> Any:
     if packed:
         raise ValueError(f"{packed[0][:80]} in it is compressed: not a file torch.save wrote")
     loaded = torch.load(path, weights_only=True, map_location="cpu")
-    spans = _tensor_bytes(loaded)
-    if spans > 4 * path.stat().st_size + (64 << 20):
-        raise ValueError(f"its tensors span {spans:,} bytes, far more than the file's: not a checkpoint groundswell "
-                         "wrote (a tensor expanded over a few bytes?)")
+    size = path.stat().st_size
+    distinct, listed = _tensor_bytes(loaded)
+    if distinct > 4 * size + (64 << 20) or listed > 64 * size + (64 << 20):
+        raise ValueError(f"its tensors span {max(distinct, listed):,} bytes, far more than the file's: not a checkpoint "
+                         "groundswell wrote (a tensor expanded over a few bytes, or listed a great many times?)")
     return loaded
 
 
-def _tensor_bytes(obj: Any) -> int:
-    """The bytes a loaded file's tensors take once each is made whole (the digest check does):
-    a 2 KB file held a tensor of 2**28 values on 4 bytes of storage, `expand`ed, and the check
-    took 1 GiB for it (a review, 2026-12-07). A whole file is within a few times its size: tied
-    weights listed twice, a model's own small expanded buffers."""
+def _tensor_bytes(obj: Any) -> tuple[int, int]:
+    """The bytes a loaded file's tensors take once each is made whole, each view counted once and
+    as often as it is listed: the digest check makes each listed tensor whole and hashes it. A 2
+    KB file held a tensor of 2**28 values on 4 bytes of storage, `expand`ed, and the check took
+    1 GiB for it (a review, 2026-12-07); a file may list one tensor a million times for almost
+    nothing. An honest one's views are within a few times its size (a model's small expanded
+    buffers), and a model's state dict lists a shared block once per use (24 for a universal
+    transformer's: a third review)."""
     import torch
 
-    total, stack = 0, [obj]
+    distinct = listed = 0
+    stack, seen = [obj], set()
     while stack:  # (not recursive: a file nested deeper than Python recurses is the digest check's to refuse)
         item = stack.pop()
         if isinstance(item, torch.Tensor):
-            total += item.numel() * item.element_size()
+            nbytes = item.numel() * item.element_size()
+            listed += nbytes
+            view = (item.untyped_storage().data_ptr(), item.storage_offset(), tuple(item.shape), item.stride())
+            if view not in seen:
+                seen.add(view)
+                distinct += nbytes
         elif isinstance(item, dict):
             stack.extend(item.keys())
             stack.extend(item.values())
         elif isinstance(item, (list, tuple)):
             stack.extend(item)
-    return total
+    return distinct, listed
 
 
 def parse_json(text: str | bytes) -> Any:

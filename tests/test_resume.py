@@ -37,7 +37,8 @@ def _offline(p) -> None:
     """No network: an empty decision book, and a swarm with nothing newer than our checkpoint."""
     p.node = SimpleNamespace(book=SimpleNamespace(committed={}), record_decision=lambda d, supersede=False: None,
                              update_record=lambda **k: None, cached_records={})
-    p.catch_up = lambda fresh=True: 0  # (no records: nothing to catch up to, nothing said of the run)
+    p.fresh_records = lambda: {}  # (no records: nothing to catch up to, nothing said of the run)
+    p.catch_up = lambda fresh=True: 0
     p.sync_state = lambda peers, min_round=-1: None
 
 
@@ -190,7 +191,8 @@ def test_a_restart_takes_back_its_local_progress_unless_it_may_have_been_sent(tm
     assert ("unsent-work-dropped" in events) is not kept and ("local-progress-restored" in events) is kept
 
 
-@pytest.mark.parametrize("case", ["caught-up", "still-behind", "round-behind", "hash-off", "no-records"])
+@pytest.mark.parametrize("case", ["caught-up", "still-behind", "round-behind", "hash-off", "no-records",
+                                  "nothing-compared", "costlier", "foreign"])
 def test_a_restart_catches_up_from_its_checkpoint_before_downloading_a_state(tmp_path, corpus, case):
     """Found by a review: a restarted volunteer downloaded the whole state every time (~800 MB at
     100m), though its checkpoint was current or a few rounds behind, within the aggregates peers
@@ -204,11 +206,19 @@ def test_a_restart_catches_up_from_its_checkpoint_before_downloading_a_state(tmp
     p = participant()
     p.outer.round_id = 7
     p._snapshot = GlobalState(7, {"global_params": p.outer.global_params.clone()}, genesis_decision(p.identity, "unit"))
-    assert p.save_checkpoint() is not None
+    path = p.save_checkpoint()
+    if case == "foreign":  # copied in from another peer (maybe made up): checked against a downloaded state
+        state = torch.load(path, weights_only=True)
+        state["peer"] = "someone-else"
+        del state["digest"]
+        torch.save(state, path)
     again = participant()
     _offline(again)
+    # (sparse aggregates carry each trainer's contribution: 2 rounds of 2,000 cost more than the state)
+    trainers = 2000 if case == "costlier" else 3
+    records = {f"t{i}": SimpleNamespace(round=9, params_hash="", earlier_hashes=[], trains=True) for i in range(trainers)}
     if case != "no-records":
-        again.node.cached_records = {"other": SimpleNamespace(round=9, params_hash="", earlier_hashes=[])}
+        again.fresh_records = lambda: records
 
     def catch_up(fresh=True):
         if case == "round-behind":
@@ -217,7 +227,7 @@ def test_a_restart_catches_up_from_its_checkpoint_before_downloading_a_state(tmp
         return again.outer.round_id - 7
 
     again.catch_up = catch_up
-    again.agrees_with_swarm = lambda: case != "hash-off"
+    again.agrees_with_swarm = lambda vacuous=True: (case != "hash-off") and (vacuous or case != "nothing-compared")
     synced: list[int] = []
     again.sync_state = lambda peers, min_round=-1: synced.append(min_round)
     resume_and_sync(again, [])
@@ -462,6 +472,14 @@ def test_a_checkpoint_with_an_expanded_tensor_or_a_misshapen_vector_is_skipped(t
     torch.save({"inner": {"model": {"s": torch.ones(1, 4).expand(8, 4)}}, "nested": [[[1]] * 3] * 2},
                tmp_path / "honest.pt")
     assert load_torch_file(tmp_path / "honest.pt")["inner"]["model"]["s"].shape == (8, 4)
+    # nor a block a model shares 24 times (its state dict lists it 24 times, the file holds it once);
+    # but one tensor listed a great many times (almost nothing in a file) is hashed as often
+    block = torch.randn(256, 256)
+    torch.save({"inner": {"model": {f"layer{i}.w": block for i in range(24)}}}, tmp_path / "shared.pt")
+    assert len(load_torch_file(tmp_path / "shared.pt")["inner"]["model"]) == 24
+    torch.save({"inner": [block] * 20_000}, tmp_path / "listed.pt")
+    with pytest.raises(ValueError, match="listed a great many times"):
+        load_torch_file(tmp_path / "listed.pt")
     state = torch.load(save(10), weights_only=True)
     n = state["tensors"]["global_params"].numel()
     state["tensors"]["global_params"] = state["tensors"]["global_params"].reshape(n, 1)
