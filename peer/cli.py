@@ -10,6 +10,7 @@ import functools
 import json
 import os
 import sys
+import time
 from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Optional
@@ -68,14 +69,20 @@ bench_app = typer.Typer(cls=_Commands, no_args_is_help=True,
 app.add_typer(bench_app, name="bench")
 
 
+def _version() -> str:
+    """The installed package's version ("unknown" in a checkout never installed)."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("groundswell")
+    except PackageNotFoundError:
+        return "unknown"
+
+
 def _print_version(value: bool) -> None:
     if value:
-        from importlib.metadata import PackageNotFoundError, version
-
-        try:
-            print(f"groundswell {version('groundswell')}")
-        except PackageNotFoundError:  # (run from a checkout that was never installed)
-            print("groundswell (not installed: version unknown)")
+        known = _version()
+        print(f"groundswell {known}" if known != "unknown" else "groundswell (not installed: version unknown)")
         raise typer.Exit()
 
 
@@ -377,6 +384,9 @@ def bench_codecs(
     if os.environ.get("OMP_WAIT_POLICY", "").upper() != "PASSIVE":
         console.print("[yellow]note:[/] OMP_WAIT_POLICY is not PASSIVE; CPU timings may be noisy on small machines")
     result = run_codec_bench(params, device=device, repeats=repeats)
+    # how the numbers were made (the threads and OMP_WAIT_POLICY are in the result already)
+    result["run"] = {"argv": ["groundswell", *sys.argv[1:]], "version": _version(),
+                     "utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
     print(json.dumps(result, indent=2) if as_json else format_codec_table(result))
 
 

@@ -13,8 +13,10 @@
 #   DEVICE defaults to cuda; `cpu` dry-runs the whole script on a machine without a GPU (the
 #   "GPU" side then runs on the CPU too). BENCH_SIZES defaults to "25000000 100000000"; MODEL
 #   (the preset of train-local and the swarm) to small (tests/test_gpu_check_script.py's CPU dry
-#   run takes tiny: the same steps, in 40 s instead of 97-142 s on a 2-core machine).
-# Needs the package installed (or on PYTHONPATH). Exits non-zero on any mismatch.
+#   run takes tiny: the same steps, in about 50 s instead of 97-150 s on a 2-core machine).
+# Needs the package installed (or on PYTHONPATH). Exits non-zero on any mismatch, on any step
+# past its own time bound (each is killed then: `timeout -k`), and, on a GPU, when the whole took
+# over 5 minutes (each step's end is printed with the seconds since the start).
 set -euo pipefail
 OUT=${1:-gpu-check}
 DEVICE=${2:-cuda}
@@ -25,8 +27,13 @@ export OMP_WAIT_POLICY=PASSIVE PYTHONUNBUFFERED=1
 # the three swarm processes share the machine's cores: 4 torch threads each where there are 12 cores or more
 THREADS=$(( $(nproc) >= 12 ? 4 : 1 ))
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv 2>/dev/null || echo "no nvidia-smi"
+LIMIT_S=300  # the whole script's goal: under 5 minutes
+step_done() { echo "[gpu_check] $1 done at ${SECONDS} s"; }
+# each step bounded, and killed (-k) if it does not stop on the first TERM: launch and join take
+# it for "stop after this round", and a hang must not eat a lent machine's minutes
+bounded() { local s=$1; shift; timeout -k 10 "$s" "$@"; }
 
-python3 - "$OUT" "$DEVICE" $SIZES <<'PY' 2>&1 | tee "$OUT/codecs.txt"
+bounded 150 python3 - "$OUT" "$DEVICE" $SIZES <<'PY' 2>&1 | tee "$OUT/codecs.txt"
 import json, sys, torch
 from groundswell.compression import make_codec, CODEC_NAMES
 from groundswell.peer.bench_codecs import run_codec_bench, format_codec_table
@@ -60,17 +67,27 @@ for name in CODEC_NAMES:
     if not (same_wire and same_dec and same_agg):
         mismatches.append(name)
 for n in sizes:
+    results = {}
     for device in (dev, "cpu"):
-        r = run_codec_bench(n, device=device, repeats=3)
+        r = results[device] = run_codec_bench(n, device=device, repeats=3)
         print(f"\n{device}, {n:,} params"); print(format_codec_table(r))
         with open(f"{out}/bench-{device.replace(':', '')}-{n}.json", "w") as f:
             json.dump(r, f, indent=1)
+    # the same input on both devices: the same sizes on the wire, the same error (sparseloco's
+    # scales may differ in a last bit, see above: its error within a millionth)
+    for name, here in results[dev]["codecs"].items():
+        there = results["cpu"]["codecs"][name]
+        if here["bytes"] != there["bytes"] or abs(here["rel_error"] - there["rel_error"]) > 1e-6 * max(1.0, there["rel_error"]):
+            print(f"{name} at {n:,}: {dev} {here['bytes']} bytes, error {here['rel_error']:.9f}; "
+                  f"cpu {there['bytes']} bytes, error {there['rel_error']:.9f}")
+            mismatches.append(f"{name} (bench, {n:,})")
 if mismatches:
     sys.exit(f"CPU and {dev} results differ for: {', '.join(mismatches)}")
 PY
+step_done "codecs on $DEVICE and the CPU"
 
-groundswell train-local --workers 2 --steps 40 -H 10 --model "$MODEL" --device "$DEVICE" --algorithm sparseloco \
-  --out "$OUT/train-local-$DEVICE.json" 2>&1 | tail -3
+bounded 120 groundswell train-local --workers 2 --steps 40 -H 10 --model "$MODEL" --device "$DEVICE" \
+  --algorithm sparseloco --out "$OUT/train-local-$DEVICE.json" 2>&1 | tail -3
 # train-local exits 0 whatever its workers hold at the end: the check is its JSON's params_identical
 python3 - "$OUT/train-local-$DEVICE.json" <<'PY'
 import json, sys
@@ -79,12 +96,13 @@ print(f"train-local: workers' parameters identical at the end: {identical}")
 if identical is not True:
     sys.exit("train-local check FAILED: the workers' parameters differ")
 PY
+step_done "train-local on $DEVICE"
 
 # A 2-peer simulate with one volunteer on the GPU (`--cuda-peers 1`; none in a CPU dry run): it
 # exits non-zero unless every round completed with every peer's parameter hash agreeing.
 CUDA_PEERS=$([ "$DEVICE" = cpu ] && echo 0 || echo 1)
-timeout 600 groundswell simulate --peers 2 --rounds 3 --preset "$MODEL" -H 10 --batch-size 8 --deadline 60 \
-  --cuda-peers "$CUDA_PEERS" --out "$OUT/simulate" 2>&1 | tail -2
+bounded 150 groundswell simulate --peers 2 --rounds 3 --preset "$MODEL" -H 10 --batch-size 8 --deadline 60 \
+  --cuda-peers "$CUDA_PEERS" --timeout 120 --out "$OUT/simulate" 2>&1 | tail -2
 python3 - "$OUT/simulate" "$CUDA_PEERS" <<'PY'
 import json, pathlib, sys
 root, cuda_peers = pathlib.Path(sys.argv[1]), int(sys.argv[2])
@@ -99,6 +117,7 @@ print(f"simulate, {cuda_peers} CUDA peer(s): {r['rounds_completed']}/3 rounds, h
 if not ok:
     sys.exit("simulate check FAILED")
 PY
+step_done "simulate with $CUDA_PEERS CUDA peer(s)"
 
 # The "GPU" volunteer runs the `groundswell` CLI under this wrapper, which writes on exit what its
 # process's torch CUDA allocator handed out. Nothing on the CPU path allocates CUDA memory, so a
@@ -131,7 +150,8 @@ PY
 
 # Swarm: coordinator + one CPU volunteer + one volunteer on DEVICE, 3 rounds, once per outer algorithm.
 PIDS=()
-trap 'kill "${PIDS[@]}" 2>/dev/null || true' EXIT
+# (TERM first, as a person's Ctrl+C; then KILL: a peer takes TERM for "stop after this round")
+trap '[ ${#PIDS[@]} -gt 0 ] && { kill "${PIDS[@]}" 2>/dev/null; sleep 5; kill -9 "${PIDS[@]}" 2>/dev/null; } || true' EXIT
 swarm_check() {
   local algo=$1 dir="$OUT/swarm-$1"
   rm -rf "$dir" && mkdir -p "$dir"
@@ -163,22 +183,27 @@ TOML
   # --until-round, not --max-rounds: a round one of them took by catching up would not count
   # towards its own 3, and it would wait for good for a round nobody else trains. Bounded: a
   # hang must not eat a lent machine's minutes (timeout exits 124, which fails the script).
-  timeout 600 groundswell join "$boot" --threads $THREADS --listen /ip4/127.0.0.1/tcp/0 \
+  bounded 120 groundswell join "$boot" --threads $THREADS --listen /ip4/127.0.0.1/tcp/0 \
     --state-dir "$dir/cpu" --until-round 3 --quiet > "$dir/cpu.log" 2>&1 &
   local cpu=$!
   PIDS+=($cpu)
-  timeout 600 python3 "$OUT/join_cuda_report.py" "$dir/gpu-cuda.json" join "$boot" --threads $THREADS \
+  bounded 120 python3 "$OUT/join_cuda_report.py" "$dir/gpu-cuda.json" join "$boot" --threads $THREADS \
     --listen /ip4/127.0.0.1/tcp/0 --state-dir "$dir/gpu" --until-round 3 --device "$DEVICE" --quiet > "$dir/gpu.log" 2>&1
   wait $cpu
   kill $coord 2>/dev/null || true
+  # (a coordinator saving its checkpoint takes a moment; one that does not stop is killed)
+  for _ in $(seq 30); do kill -0 $coord 2>/dev/null || break; sleep 1; done
+  kill -9 $coord 2>/dev/null || true
   wait $coord 2>/dev/null || true
   python3 - "$dir" "$algo" "$DEVICE" "$MODEL" <<'PY'
 import json, sys, pathlib, statistics
 root, algo, device, model = pathlib.Path(sys.argv[1]), sys.argv[2], sys.argv[3], sys.argv[4]
-hashes, included, compute = {}, {}, {}
+hashes, included, compute, trained_on = {}, {}, {}, {}
 for name in ("cpu", "gpu", "coord"):
     for line in (root / name / "events.jsonl").read_text().splitlines():
         e = json.loads(line)
+        if e["kind"] == "train":  # where the volunteer's model lived while it trained
+            trained_on.setdefault(name, set()).add(e["device"].split(":")[0])
         if e["kind"] == "round":
             hashes.setdefault(e["round"], {})[name] = e["hash"]
             if name != "coord":
@@ -197,7 +222,8 @@ print(f"{algo} swarm: rounds seen {sorted(hashes)}; rounds both volunteers finis
       f"contributions included {included}; GPU volunteer included in every round after its first: "
       f"{gpu_later_included}; median compute s per round "
       f"{ {k: round(statistics.median(v), 2) for k, v in compute.items()} }")
-on_cuda = True
+on_cuda = trained_on.get("gpu") == {device.split(":")[0]} and trained_on.get("cpu") == {"cpu"}
+print(f"{algo} swarm: the volunteers trained on {dict((k, sorted(v)) for k, v in trained_on.items())}")
 for who, report in (("GPU volunteer", "gpu-cuda.json"), ("coordinator", "coord-cuda.json")):
     path = root / report
     if not path.exists():  # the coordinator is killed at the end: its report is written on the way out
@@ -221,4 +247,10 @@ print(f"{algo} swarm check passed")
 PY
 }
 swarm_check sparseloco
+step_done "SparseLoCo swarm"
 swarm_check diloco
+step_done "DiLoCo swarm"
+if [ "$DEVICE" != cpu ] && [ "$SECONDS" -gt "$LIMIT_S" ]; then  # (a CPU dry run is no GPU machine's time)
+  echo "gpu_check took ${SECONDS} s: over its ${LIMIT_S} s goal" >&2
+  exit 1
+fi

@@ -38,6 +38,8 @@ def test_the_gpu_check_script_runs_end_to_end_on_the_cpu(tmp_path: Path) -> None
     for name in ("sparseloco", "int8", "fp16", "bf16", "fp32"):
         assert f"{name}: encode bytes identical True; decode identical True; aggregate identical True" in log
     assert (out / "bench-cpu-100000.json").exists() and (out / "train-local-cpu.json").exists()
+    assert "[gpu_check] DiLoCo swarm done at" in log  # (every step's end, with the seconds since the start)
+    assert "sparseloco swarm: the volunteers trained on {'cpu': ['cpu'], 'gpu': ['cpu']}" in log
     for algo in ("sparseloco", "diloco"):
         assert f"{algo} swarm check passed" in log
         assert "hashes agree across CPU volunteer, GPU volunteer and coordinator: True" in log
