@@ -196,6 +196,7 @@ def launch(
                 live.update(round_table(rows, f"{manifest.run.id}: round {info.round} again: {info.reason}"))
             else:
                 rows.append(info)
+                del rows[:-12]  # (the table shows the last 12: a long run's rows would pile up for good)
                 live.update(round_table(rows, f"{manifest.run.id}: round {info.round + 1}"))
 
         def run() -> None:

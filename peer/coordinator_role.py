@@ -36,7 +36,10 @@ def run_coordinator(p: Participant, *, stop: StopFlag, on_round: Callable[[Round
                    **{f"{k}_s": round(v, 3) for k, v in p.node.startup_s.items()})
     if resumed is not None:
         p.node.record_decision(resumed["decision"])
-        p.load_global(GlobalState(resumed["round"], resumed["tensors"], resumed["decision"]))
+        # Not served yet: joiners would take our checkpoint's round, maybe far behind a swarm that
+        # went on without us, and could even commit it again beside the swarm (a review). It is
+        # published once we have followed the swarm (below).
+        p.load_global(GlobalState(resumed["round"], resumed["tensors"], resumed["decision"]), publish=False)
         p.events.write("resume", round=p.outer.round_id, hash=p.outer_hash(),
                        peer=p.identity.peer_id)
     else:
@@ -54,9 +57,8 @@ def run_coordinator(p: Participant, *, stop: StopFlag, on_round: Callable[[Round
     p.node.interrupt_calls_on(stop.event)
     try:
         saved = p.outer.round_id  # what our newest checkpoint holds
-        if resumed is not None:
-            _follow_the_swarm(p)  # the volunteers may have gone on without us
-        _follow_rounds(p, stop, on_round, checkpoint_every or m.checkpoint.every_rounds, saved)
+        _follow_rounds(p, stop, on_round, checkpoint_every or m.checkpoint.every_rounds, saved,
+                       resumed=resumed is not None)
     except Stopped:
         pass
     finally:
@@ -96,9 +98,11 @@ class SentPerRound:
 
 
 def _follow_rounds(p: Participant, stop: StopFlag, on_round: Callable[[RoundInfo], None], checkpoint_every: int,
-                   saved: int) -> None:
+                   saved: int, resumed: bool = False) -> None:
     """The coordinator's rounds: take part in each attempt (it serves, never trains), apply every
-    committed round, evaluate, checkpoint; until stopped. `saved`: the round our newest checkpoint holds."""
+    committed round, evaluate, checkpoint; until stopped. `saved`: the round our newest checkpoint
+    holds; `resumed`: from it, unpublished (the volunteers may have gone on without us: followed
+    first, said as any catching up is, and then published)."""
     m = p.manifest
     client = p.node.client
     assert client is not None
@@ -117,6 +121,10 @@ def _follow_rounds(p: Participant, stop: StopFlag, on_round: Callable[[RoundInfo
             on_round(RoundInfo(p.outer.round_id, "caught-up", reason=f"{rounds} applied by the swarm meanwhile, "
                                f"taken in {t0 - started:.1f} s"))
         return moved
+    if resumed:
+        follow_the_swarm()
+        if p._snapshot is None:  # the swarm was not ahead: our own state is the run's
+            p.snapshot()
     while not stop:
         r = p.outer.round_id
         if r // checkpoint_every > saved // checkpoint_every and p.save_checkpoint() is not None:

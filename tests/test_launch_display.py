@@ -198,3 +198,53 @@ def test_a_coordinator_that_catches_up_says_so(monkeypatch):
     assert [i.status for i in seen] == ["caught-up"], seen
     assert round_line(seen[0]).startswith("caught up to round 50: rounds 10-49 applied by the swarm meanwhile, "
                                           "taken in 0."), round_line(seen[0])
+
+
+def test_a_resumed_coordinator_follows_the_swarm_says_so_and_only_then_serves_its_state(monkeypatch):
+    """Found by a review: a coordinator resumed from its checkpoint served that round to joiners
+    (and named it in its record) while it caught up with a swarm that had gone on, maybe far
+    ahead; and that first catching up, unlike any later one, was not said."""
+    from types import SimpleNamespace
+
+    from groundswell.peer import coordinator_role
+    from groundswell.peer.round_view import round_line
+    from groundswell.peer.stop_flag import StopFlag
+
+    stop = StopFlag()
+    outer = SimpleNamespace(round_id=10)
+    published: list[int] = []
+
+    def follow(p):  # the swarm went on without us: 40 rounds taken (a catch-up publishes as it goes)
+        assert published == [], "served before following the swarm"
+        outer.round_id = 50
+        p.snapshot()
+        return True
+
+    def call(coro, timeout_s):
+        stop.set()
+        raise TimeoutError
+
+    monkeypatch.setattr(coordinator_role, "_follow_the_swarm", follow)
+    monkeypatch.setattr(coordinator_role, "write_defence_counts", lambda p: None)
+    m = SimpleNamespace(round=SimpleNamespace(deadline_s=10.0, slack_s=1.0), eval=SimpleNamespace(every_rounds=1),
+                        checkpoint=SimpleNamespace(every_rounds=10**9))
+    node = SimpleNamespace(maddrs=[], startup_s={}, record_decision=lambda d: None, interrupt_calls_on=lambda e: None,
+                           client=SimpleNamespace(run_attempt=lambda *a, **k: None), call=call)
+    p = SimpleNamespace(manifest=m, load_checkpoint=lambda: {"round": 10, "tensors": {}, "decision": b""},
+                        state_dir=None, start_network=lambda: None, events=SimpleNamespace(write=lambda *a, **k: None),
+                        node=node, outer=outer, outer_hash=lambda: "", identity=SimpleNamespace(peer_id="c"),
+                        save_checkpoint=lambda *a, **k: None, _snapshot=None)
+    loaded = []
+    p.load_global = lambda state, publish=True: loaded.append(publish) or (publish and p.snapshot())
+    p.snapshot = lambda: (published.append(outer.round_id), setattr(p, "_snapshot", outer.round_id))
+    seen = []
+    coordinator_role.run_coordinator(p, stop=stop, on_round=seen.append)
+    assert loaded == [False] and published == [50], (loaded, published)
+    assert [round_line(i) for i in seen][:1] == ["caught up to round 50: rounds 10-49 applied by the swarm "
+                                                 f"meanwhile, taken in {seen[0].reason.split('taken in ')[1]}"]
+    # a swarm not ahead: our own state is the run's, published once we looked
+    outer.round_id, published[:], p._snapshot, seen[:] = 10, [], None, []
+    stop = StopFlag()
+    monkeypatch.setattr(coordinator_role, "_follow_the_swarm", lambda p: False)
+    coordinator_role.run_coordinator(p, stop=stop, on_round=seen.append)
+    assert published == [10] and not any(i.status == "caught-up" for i in seen)
