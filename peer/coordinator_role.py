@@ -36,10 +36,7 @@ def run_coordinator(p: Participant, *, stop: StopFlag, on_round: Callable[[Round
                    **{f"{k}_s": round(v, 3) for k, v in p.node.startup_s.items()})
     if resumed is not None:
         p.node.record_decision(resumed["decision"])
-        # Not served yet: joiners would take our checkpoint's round, maybe far behind a swarm that
-        # went on without us, and could even commit it again beside the swarm (a review). It is
-        # published once we have followed the swarm (below).
-        p.load_global(GlobalState(resumed["round"], resumed["tensors"], resumed["decision"]), publish=False)
+        p.load_global(GlobalState(resumed["round"], resumed["tensors"], resumed["decision"]))
         p.events.write("resume", round=p.outer.round_id, hash=p.outer_hash(),
                        peer=p.identity.peer_id)
     else:
@@ -101,8 +98,8 @@ def _follow_rounds(p: Participant, stop: StopFlag, on_round: Callable[[RoundInfo
                    saved: int, resumed: bool = False) -> None:
     """The coordinator's rounds: take part in each attempt (it serves, never trains), apply every
     committed round, evaluate, checkpoint; until stopped. `saved`: the round our newest checkpoint
-    holds; `resumed`: from it, unpublished (the volunteers may have gone on without us: followed
-    first, said as any catching up is, and then published)."""
+    holds; `resumed`: from it (the volunteers may have gone on without us: followed first, and
+    said as any catching up is)."""
     m = p.manifest
     client = p.node.client
     assert client is not None
@@ -123,8 +120,6 @@ def _follow_rounds(p: Participant, stop: StopFlag, on_round: Callable[[RoundInfo
         return moved
     if resumed:
         follow_the_swarm()
-        if p._snapshot is None:  # the swarm was not ahead: our own state is the run's
-            p.snapshot()
     while not stop:
         r = p.outer.round_id
         if r // checkpoint_every > saved // checkpoint_every and p.save_checkpoint() is not None:

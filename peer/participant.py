@@ -262,9 +262,8 @@ class Participant(Checkpoints):
         momentum = self.outer.momentum_buffer if isinstance(self.outer, DiLoCo) else None
         return state_hash(entry[0], self.outer.global_params, momentum)
 
-    def load_global(self, state: GlobalState, publish: bool = True) -> None:
-        """Adopt a downloaded or checkpointed global state; local progress is rebased onto it.
-        `publish=False`: not served, nor named in our record, until the next `snapshot`."""
+    def load_global(self, state: GlobalState) -> None:
+        """Adopt a downloaded or checkpointed global state; local progress is rebased onto it."""
         g = state.tensors["global_params"]
         if g.shape != self.outer.global_params.shape:
             raise ProtocolError(f"state has {g.numel()} parameters, the model has {self.outer.global_params.numel()}")
@@ -279,8 +278,7 @@ class Participant(Checkpoints):
         # Our hashes of earlier rounds belong to the trajectory just left (maybe the wrong one that
         # sent us re-syncing): compared with a lagging record they would send us re-syncing again.
         self.hash_history.clear()
-        if publish:
-            self.snapshot()
+        self.snapshot()
 
     def _extra_state(self, state: GlobalState) -> dict[str, Any]:
         if isinstance(self.outer, DiLoCo):

@@ -213,27 +213,34 @@ def _tensor_bytes(obj: Any) -> tuple[int, int]:
     as often as it is listed: the digest check makes each listed tensor whole and hashes it. A 2
     KB file held a tensor of 2**28 values on 4 bytes of storage, `expand`ed, and the check took
     1 GiB for it (a review, 2026-12-07); a file may list one tensor a million times for almost
-    nothing. An honest one's views are within a few times its size (a model's small expanded
-    buffers), and a model's state dict lists a shared block once per use (24 for a universal
-    transformer's: a third review)."""
+    nothing, or nest a list in itself twice 40 times over. An honest one's views are within a
+    few times its size (a model's small expanded buffers), and a model's state dict lists a
+    shared block once per use (24 for a universal transformer's: a third review)."""
     import torch
 
-    distinct = listed = 0
-    stack, seen = [obj], set()
-    while stack:  # (not recursive: a file nested deeper than Python recurses is the digest check's to refuse)
-        item = stack.pop()
+    seen: set[tuple] = set()
+    walked: dict[int, int] = {}  # a container met again (pickle shares them) -> its listed bytes
+    distinct = 0
+
+    def walk(item: Any) -> int:
+        nonlocal distinct
         if isinstance(item, torch.Tensor):
             nbytes = item.numel() * item.element_size()
-            listed += nbytes
             view = (item.untyped_storage().data_ptr(), item.storage_offset(), tuple(item.shape), item.stride())
             if view not in seen:
                 seen.add(view)
                 distinct += nbytes
-        elif isinstance(item, dict):
-            stack.extend(item.keys())
-            stack.extend(item.values())
-        elif isinstance(item, (list, tuple)):
-            stack.extend(item)
+            return nbytes
+        if not isinstance(item, (dict, list, tuple)):
+            return 0
+        if id(item) not in walked:
+            walked[id(item)] = sum(map(walk, [*item.keys(), *item.values()] if isinstance(item, dict) else item))
+        return walked[id(item)]
+
+    try:
+        listed = walk(obj)
+    except RecursionError:  # nested deeper than Python recurses: the digest check refuses it as damaged
+        return 0, 0
     return distinct, listed
 
 

@@ -33,7 +33,7 @@ step_done() { echo "[gpu_check] $1 done at ${SECONDS} s"; }
 # it for "stop after this round", and a hang must not eat a lent machine's minutes
 bounded() { local s=$1; shift; timeout -k 10 "$s" "$@"; }
 
-bounded 150 python3 - "$OUT" "$DEVICE" $SIZES <<'PY' 2>&1 | tee "$OUT/codecs.txt"
+bounded 180 python3 - "$OUT" "$DEVICE" $SIZES <<'PY' 2>&1 | tee "$OUT/codecs.txt"
 import json, sys, torch
 from groundswell.compression import make_codec, CODEC_NAMES
 from groundswell.peer.bench_codecs import run_codec_bench, format_codec_table
@@ -86,7 +86,7 @@ if mismatches:
 PY
 step_done "codecs on $DEVICE and the CPU"
 
-bounded 120 groundswell train-local --workers 2 --steps 40 -H 10 --model "$MODEL" --device "$DEVICE" \
+bounded 90 groundswell train-local --workers 2 --steps 40 -H 10 --model "$MODEL" --device "$DEVICE" \
   --algorithm sparseloco --out "$OUT/train-local-$DEVICE.json" 2>&1 | tail -3
 # train-local exits 0 whatever its workers hold at the end: the check is its JSON's params_identical
 python3 - "$OUT/train-local-$DEVICE.json" <<'PY'
@@ -101,15 +101,15 @@ step_done "train-local on $DEVICE"
 # A 2-peer simulate with one volunteer on the GPU (`--cuda-peers 1`; none in a CPU dry run): it
 # exits non-zero unless every round completed with every peer's parameter hash agreeing.
 CUDA_PEERS=$([ "$DEVICE" = cpu ] && echo 0 || echo 1)
-bounded 150 groundswell simulate --peers 2 --rounds 3 --preset "$MODEL" -H 10 --batch-size 8 --deadline 60 \
-  --cuda-peers "$CUDA_PEERS" --timeout 120 --out "$OUT/simulate" 2>&1 | tail -2
+bounded 120 groundswell simulate --peers 2 --rounds 3 --preset "$MODEL" -H 10 --batch-size 8 --deadline 60 \
+  --cuda-peers "$CUDA_PEERS" --timeout 100 --out "$OUT/simulate" 2>&1 | tail -2
 python3 - "$OUT/simulate" "$CUDA_PEERS" <<'PY'
 import json, pathlib, sys
 root, cuda_peers = pathlib.Path(sys.argv[1]), int(sys.argv[2])
 r = json.loads((root / "report.json").read_text())
 # where each volunteer's model lived while it trained (its "train" events say)
 devices = {name: sorted({e["device"].split(":")[0] for e in map(json.loads, (root / name / "events.jsonl").read_text().splitlines())
-                         if e.get("kind") == "train"}) for name in ("peer-0", "peer-1")}
+                         if e.get("kind") == "train" and "device" in e}) for name in ("peer-0", "peer-1")}
 want = {"peer-0": ["cuda"] if cuda_peers else ["cpu"], "peer-1": ["cpu"]}
 ok = r["rounds_completed"] == 3 and r["param_hash_agreement"] and devices == want
 print(f"simulate, {cuda_peers} CUDA peer(s): {r['rounds_completed']}/3 rounds, hashes agree "
@@ -177,17 +177,18 @@ TOML
     --listen /ip4/127.0.0.1/tcp/0 --device "$DEVICE" --state-dir "$dir/coord" --quiet > "$dir/coord.log" 2>&1 &
   local coord=$!
   PIDS+=($coord)
-  for _ in $(seq 60); do [ -f "$dir/coord/bootstrap.txt" ] && break; sleep 1; done
+  for _ in $(seq 60); do [ -f "$dir/coord/bootstrap.txt" ] && break; kill -0 $coord 2>/dev/null || break; sleep 1; done
   local boot
   boot=$(cat "$dir/coord/bootstrap.txt")
   # --until-round, not --max-rounds: a round one of them took by catching up would not count
   # towards its own 3, and it would wait for good for a round nobody else trains. Bounded: a
   # hang must not eat a lent machine's minutes (timeout exits 124, which fails the script).
-  bounded 120 groundswell join "$boot" --threads $THREADS --listen /ip4/127.0.0.1/tcp/0 \
+  # (timeout itself in the background, not a function's subshell: the trap's kill then reaches it)
+  timeout -k 10 90 groundswell join "$boot" --threads $THREADS --listen /ip4/127.0.0.1/tcp/0 \
     --state-dir "$dir/cpu" --until-round 3 --quiet > "$dir/cpu.log" 2>&1 &
   local cpu=$!
   PIDS+=($cpu)
-  bounded 120 python3 "$OUT/join_cuda_report.py" "$dir/gpu-cuda.json" join "$boot" --threads $THREADS \
+  bounded 90 python3 "$OUT/join_cuda_report.py" "$dir/gpu-cuda.json" join "$boot" --threads $THREADS \
     --listen /ip4/127.0.0.1/tcp/0 --state-dir "$dir/gpu" --until-round 3 --device "$DEVICE" --quiet > "$dir/gpu.log" 2>&1
   wait $cpu
   kill $coord 2>/dev/null || true
@@ -202,7 +203,7 @@ hashes, included, compute, trained_on = {}, {}, {}, {}
 for name in ("cpu", "gpu", "coord"):
     for line in (root / name / "events.jsonl").read_text().splitlines():
         e = json.loads(line)
-        if e["kind"] == "train":  # where the volunteer's model lived while it trained
+        if e["kind"] == "train" and "device" in e:  # where the volunteer's model lived while it trained
             trained_on.setdefault(name, set()).add(e["device"].split(":")[0])
         if e["kind"] == "round":
             hashes.setdefault(e["round"], {})[name] = e["hash"]

@@ -480,6 +480,15 @@ def test_a_checkpoint_with_an_expanded_tensor_or_a_misshapen_vector_is_skipped(t
     torch.save({"inner": [block] * 20_000}, tmp_path / "listed.pt")
     with pytest.raises(ValueError, match="listed a great many times"):
         load_torch_file(tmp_path / "listed.pt")
+    nested = [torch.zeros(1)]  # a list holding itself twice, 40 times over: a 2 KB file, 2**40 tensors to walk
+    for _ in range(40):
+        nested = [nested, nested]
+    torch.save({"inner": nested}, tmp_path / "nested.pt")
+    with pytest.raises(ValueError, match="listed a great many times"):
+        load_torch_file(tmp_path / "nested.pt")
+    betas = (0.9, 0.95)  # (but one tuple shared by two param groups, as pickle shares it, is honest)
+    torch.save({"inner": {"optimizer": {"param_groups": [{"betas": betas}, {"betas": betas}]}}}, tmp_path / "g.pt")
+    assert load_torch_file(tmp_path / "g.pt")["inner"]["optimizer"]["param_groups"][1]["betas"] == betas
     state = torch.load(save(10), weights_only=True)
     n = state["tensors"]["global_params"].numel()
     state["tensors"]["global_params"] = state["tensors"]["global_params"].reshape(n, 1)
